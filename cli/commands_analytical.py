@@ -1,0 +1,1 @@
+"""Placeholder module replaced by the analytical commands (flops, kvmem, models)."""
