@@ -1,0 +1,108 @@
+"""One FLOP function per stage of a LLaMA forward pass. Pure Python; each formula is in its docstring.
+
+Conventions (shared by the analytical estimate and the run tracer, so both give the same figure for one shape):
+- 2 FLOPs per multiply-add (a MAC). `macs()` converts a matmul figure back.
+- Matmul FLOPs are exact: they are what a dense GEMM executes (FlopCounterMode counts the same).
+- Elementwise FLOPs are estimates with fixed, documented constants (one FLOP per add, multiply, divide, exp,
+  rsqrt, max or compare); kernels may fuse or approximate them, so they are reported apart from matmuls.
+- Attention products are counted as executed densely over every (query, key) pair, masked ones included;
+  `causal_useful_pairs` gives the pairs a causal mask keeps, for the "useful" figure of a prefill.
+- Embedding lookup is a gather: 0 FLOPs.
+
+Symbols: B batch, T new tokens (queries), S cached positions (keys, including the new ones), H query heads,
+Hkv KV heads, D head dim, d model dim, F FFN dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+# Elementwise constants, one place so the README and the tests quote the same numbers.
+RMSNORM_FLOPS_PER_ELEMENT = 4  # square, sum, x * rsqrt, * weight
+RMSNORM_FLOPS_PER_ROW = 3  # / d (mean), + eps, rsqrt
+ROPE_FLOPS_PER_ELEMENT = 3  # x*cos + rotate_half(x)*sin: two multiplies and an add (the sign flip is free)
+SOFTMAX_FLOPS_PER_ELEMENT = 5  # max, subtract, exp, sum, divide
+SCORE_SCALE_FLOPS_PER_ELEMENT = 1  # scores / sqrt(D); the causal mask is a select, 0 FLOPs
+SWIGLU_FLOPS_PER_ELEMENT = 6  # sigmoid(g) = 1/(1+exp(-g)) is 4, g*sigmoid(g) is 1, *up is 1
+RESIDUAL_FLOPS_PER_ELEMENT = 1  # x + delta
+
+
+def linear_flops(tokens: int, in_dim: int, out_dim: int) -> int:
+    """A bias-free linear layer y = x Wᵀ on `tokens` rows: 2 * tokens * in_dim * out_dim.
+
+    Used for wq (d -> H*D), wk and wv (d -> Hkv*D), wo (H*D -> d), w1/w3 (d -> F), w2 (F -> d), LM head (d -> V).
+    `tokens` is B*T (all rows of the batch).
+    """
+    return 2 * tokens * in_dim * out_dim
+
+
+def attention_scores_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int) -> int:
+    """Scores Q Kᵀ, dense as executed: 2 * B * H * T * S * D (every query against every cached key).
+
+    GQA does not reduce it: each of the H query heads multiplies against its (shared) KV head.
+    """
+    return 2 * batch * heads * q_len * kv_len * head_dim
+
+
+def attention_values_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int) -> int:
+    """Weighted sum of values P V, dense as executed: 2 * B * H * T * S * D."""
+    return 2 * batch * heads * q_len * kv_len * head_dim
+
+
+def causal_useful_pairs(q_len: int, kv_len: int) -> int:
+    """(query, key) pairs a causal mask keeps when T new queries sit at the end of S positions.
+
+    Query i (0-based, at absolute position S - T + i) sees keys 0..S-T+i, so the count is
+    sum_{i<T} (S - T + i + 1) = T * (S - T) + T * (T + 1) / 2.
+    A full prefill (S = T) keeps T(T+1)/2 of T² pairs; a decode step (T = 1) keeps all S.
+    """
+    if q_len > kv_len:
+        raise ValueError(f"q_len ({q_len}) cannot exceed kv_len ({kv_len})")
+    return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+
+
+def causal_attention_product_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int) -> int:
+    """Useful FLOPs of one attention product (QKᵀ or PV) under a causal mask: 2 * B * H * pairs * D."""
+    return 2 * batch * heads * causal_useful_pairs(q_len, kv_len) * head_dim
+
+
+def score_scale_flops(batch: int, heads: int, q_len: int, kv_len: int) -> int:
+    """Scaling scores by 1/sqrt(D): 1 * B * H * T * S (the causal mask is a select, counted as 0)."""
+    return SCORE_SCALE_FLOPS_PER_ELEMENT * batch * heads * q_len * kv_len
+
+
+def softmax_flops(batch: int, heads: int, q_len: int, kv_len: int) -> int:
+    """Row softmax over S keys: 5 * B * H * T * S (max, subtract, exp, sum, divide per element)."""
+    return SOFTMAX_FLOPS_PER_ELEMENT * batch * heads * q_len * kv_len
+
+
+def rmsnorm_flops(tokens: int, dim: int) -> int:
+    """RMSNorm x * rsqrt(mean(x²) + eps) * w on `tokens` rows: tokens * (4 * d + 3).
+
+    Per element: square, sum, multiply by rsqrt, multiply by weight (4); per row: mean divide, + eps, rsqrt (3).
+    """
+    return tokens * (RMSNORM_FLOPS_PER_ELEMENT * dim + RMSNORM_FLOPS_PER_ROW)
+
+
+def rope_flops(tokens: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """RoPE on q and k: 3 * tokens * (H + Hkv) * D (x*cos + rotate_half(x)*sin; cos/sin tables are cached)."""
+    return ROPE_FLOPS_PER_ELEMENT * tokens * (n_heads + n_kv_heads) * head_dim
+
+
+def swiglu_activation_flops(tokens: int, ffn_dim: int) -> int:
+    """silu(gate) * up on `tokens` rows: 6 * tokens * F (sigmoid 4, times gate 1, times up 1)."""
+    return SWIGLU_FLOPS_PER_ELEMENT * tokens * ffn_dim
+
+
+def residual_flops(tokens: int, dim: int) -> int:
+    """Residual add x + delta: tokens * d."""
+    return RESIDUAL_FLOPS_PER_ELEMENT * tokens * dim
+
+
+def embedding_flops(tokens: int, dim: int) -> int:
+    """Embedding lookup is a row gather: 0 FLOPs (it only reads tokens * d values)."""
+    del tokens, dim
+    return 0
+
+
+def macs(matmul_flops: int) -> int:
+    """Multiply-accumulates of a matmul figure: FLOPs / 2 (exact, since matmul FLOPs are 2 per MAC)."""
+    return matmul_flops // 2
