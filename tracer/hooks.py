@@ -1,0 +1,290 @@
+"""Forward hooks on the model's stage modules: when each stage ran, on what shapes, and what that cost.
+
+The hooks do as little as possible on the hot path: the pre-hook reads the clock once; the post-hook reads it once
+and keeps the shapes and dtypes of the tensors in and out. FLOPs and bytes are worked out from those shapes later
+(`Tracer.records()`), by the same functions in tracer/flop_formulas.py that the analytical estimate uses.
+
+Hooks exist only inside `with Tracer(model) as tracer:` and are removed in `finally`, also after an exception.
+On cuda/mps the device is synchronised before each clock read, so a stage's time is its kernels' time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracer import flop_formulas as ff
+from tracer.trace_records import StageRecord
+
+# Stage modules: dotted-name suffix inside a layer -> stage kind (TEAM.md's model contract).
+LAYER_STAGES: dict[str, str] = {
+    "attention_norm": "rmsnorm",
+    "attention.wq": "linear",
+    "attention.wk": "linear",
+    "attention.wv": "linear",
+    "attention.rope": "rope",
+    "attention.kv_cache": "kv_cache",
+    "attention.scores": "attention_scores",
+    "attention.softmax": "softmax",
+    "attention.pv": "attention_values",
+    "attention.wo": "linear",
+    "attn_residual": "residual",
+    "ffn_norm": "rmsnorm",
+    "feed_forward.w1": "linear",
+    "feed_forward.w3": "linear",
+    "feed_forward.act": "swiglu",
+    "feed_forward.w2": "linear",
+    "ffn_residual": "residual",
+}
+TOP_STAGES: dict[str, str] = {"tok_embeddings": "embedding", "norm": "rmsnorm", "output": "lm_head"}
+
+# A raw event, kept by the post-hook: (stage index, start ns, end ns, inputs, outputs);
+# inputs/outputs are tuples of (torch.Size, torch.dtype).
+RawEvent = tuple[int, int, int, tuple[tuple[torch.Size, torch.dtype], ...], tuple[tuple[torch.Size, torch.dtype], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class StageModule:
+    """One hooked module: its stable name, layer, kind and the parameter sizes the byte counts need."""
+
+    name: str
+    layer: int | None
+    kind: str
+    weight_numel: int  # elements of its weight (0 for parameter-free stages)
+    weight_itemsize: int
+
+
+def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
+    """The model's stage modules, in `named_modules()` order, each with its kind."""
+    found: list[tuple[StageModule, nn.Module]] = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+            kind = LAYER_STAGES.get(".".join(parts[2:]))
+            layer: int | None = int(parts[1])
+        else:
+            kind = TOP_STAGES.get(name)
+            layer = None
+        if kind is None:
+            continue
+        weight = getattr(module, "weight", None)
+        numel = weight.numel() if isinstance(weight, torch.Tensor) else 0
+        itemsize = weight.element_size() if isinstance(weight, torch.Tensor) else 0
+        found.append((StageModule(name, layer, kind, numel, itemsize), module))
+    return found
+
+
+def device_synchronizer(device: torch.device) -> Any:
+    """A no-argument function that waits for the device's queued work, or None on cpu/meta."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return None
+
+
+class Tracer:
+    """Hooks the stage modules of `model` while inside `with`; collects one StageRecord per stage call.
+
+    Use: `with Tracer(model, origin_ns) as t: t.begin_step("prefill", 0); model.prefill(ids); t.end_step()`.
+    `enabled=False` attaches nothing (the run is timed per step only).
+    """
+
+    def __init__(self, model: nn.Module, origin_ns: int | None = None, enabled: bool = True) -> None:
+        self.model = model
+        self.origin_ns = time.perf_counter_ns() if origin_ns is None else origin_ns
+        self.enabled = enabled
+        found = stage_modules(model) if enabled else []
+        self.stages: list[StageModule] = [s for s, _ in found]
+        self._modules: list[nn.Module] = [m for _, m in found]
+        self._handles: list[Any] = []
+        self._starts: list[int] = [0] * len(self.stages)
+        self._events: list[RawEvent] = []
+        self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
+        self._built: list[StageRecord] = []
+        self._phase = ""
+        self._step = -1
+        param = next(model.parameters(), None)
+        self.sync = device_synchronizer(param.device) if param is not None else None
+
+    # ---- context manager -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Tracer":
+        try:
+            for index, module in enumerate(self._modules):
+                pre, post = self._make_hooks(index)
+                self._handles.append(module.register_forward_pre_hook(pre))
+                self._handles.append(module.register_forward_hook(post))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    @property
+    def attached(self) -> int:
+        return len(self._handles)
+
+    def _make_hooks(self, index: int) -> tuple[Any, Any]:
+        starts = self._starts
+        events = self._events
+        clock = time.perf_counter_ns
+        sync = self.sync
+        tensor = torch.Tensor
+
+        def shapes(values: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+            if isinstance(values, tensor):
+                return ((values.shape, values.dtype),)
+            return tuple((v.shape, v.dtype) for v in values if isinstance(v, tensor))
+
+        if sync is None:
+            def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+                starts[index] = clock()
+
+            def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                end = clock()
+                events.append((index, starts[index], end, shapes(args), shapes(output)))
+        else:
+            def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+                sync()
+                starts[index] = clock()
+
+            def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                sync()
+                end = clock()
+                events.append((index, starts[index], end, shapes(args), shapes(output)))
+
+        return pre, post
+
+    # ---- steps -----------------------------------------------------------------------------------------
+
+    def begin_step(self, phase: str, step: int) -> None:
+        self._phase, self._step = phase, step
+        self._events.clear()
+
+    def end_step(self) -> None:
+        """Close the step; its records are built when `records()` is next called (off the hot path)."""
+        if self.enabled:
+            self._steps.append((self._phase, self._step, list(self._events)))
+        self._events.clear()
+
+    def records(self) -> tuple[StageRecord, ...]:
+        """Every stage record so far, in call order."""
+        for phase, step, events in self._steps:
+            self._built.extend(self._record(phase, step, e) for e in events)
+        self._steps.clear()
+        return tuple(self._built)
+
+    def _record(self, phase: str, step: int, event: RawEvent) -> StageRecord:
+        index, start, end, inputs, outputs = event
+        stage = self.stages[index]
+        cost = stage_cost(stage, inputs, outputs)
+        return StageRecord(
+            phase=phase,
+            step=step,
+            layer=stage.layer,
+            stage=stage.name,
+            kind=stage.kind,
+            input_shapes=tuple(tuple(s) for s, _ in inputs),
+            output_shapes=tuple(tuple(s) for s, _ in outputs),
+            dtype=_dtype_name(outputs[0][1]) if outputs else "",
+            matmul_flops=cost[0],
+            elementwise_flops=cost[1],
+            weight_bytes_read=cost[2],
+            activation_bytes_read=cost[3],
+            activation_bytes_written=cost[4],
+            kv_bytes_read=cost[5],
+            kv_bytes_written=cost[6],
+            start_ns=start - self.origin_ns,
+            duration_ns=end - start,
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _nbytes(entry: tuple[torch.Size, torch.dtype]) -> int:
+    return _numel(entry[0]) * entry[1].itemsize
+
+
+def _rows(shape: torch.Size) -> int:
+    """Token rows of an activation (..., dim): every dimension but the last."""
+    return _numel(shape[:-1])
+
+
+def stage_cost(
+    stage: StageModule,
+    inputs: tuple[tuple[torch.Size, torch.dtype], ...],
+    outputs: tuple[tuple[torch.Size, torch.dtype], ...],
+) -> tuple[int, int, int, int, int, int, int]:
+    """(matmul FLOPs, elementwise FLOPs, weight bytes read, activation bytes read, activation bytes written,
+    KV bytes read, KV bytes written) of one stage call, from the shapes it saw.
+
+    Bytes are what the stage must move at least: every input read once, every output written once, each weight
+    read once (an embedding reads only the rows it looks up); cached K/V read by the attention products count as KV
+    reads, the new K/V copied into the cache as KV writes.
+    """
+    kind = stage.kind
+    weight_bytes = stage.weight_numel * stage.weight_itemsize
+    read = sum(_nbytes(e) for e in inputs)
+    written = sum(_nbytes(e) for e in outputs)
+    out_shape = outputs[0][0]
+    if kind in ("linear", "lm_head"):
+        x = inputs[0][0]
+        return ff.linear_flops(_rows(x), x[-1], out_shape[-1]), 0, weight_bytes, read, written, 0, 0
+    if kind == "rmsnorm":
+        x = inputs[0][0]
+        return 0, ff.rmsnorm_flops(_rows(x), x[-1]), weight_bytes, read, written, 0, 0
+    if kind == "embedding":
+        ids = inputs[0][0]
+        rows_read = _numel(ids) * out_shape[-1] * stage.weight_itemsize
+        return 0, ff.embedding_flops(_numel(ids), out_shape[-1]), rows_read, read, written, 0, 0
+    if kind == "rope":
+        q, k = inputs[0][0], inputs[1][0]  # (B, T, H, D), (B, T, Hkv, D)
+        rows = _numel(q[:-2])
+        flops = ff.rope_flops(rows, q[-2], k[-2], q[-1])
+        tables = 2 * q[-3] * q[-1] * inputs[0][1].itemsize  # the cos and sin rows (T, D) of these positions
+        return 0, flops, 0, read + tables, written, 0, 0
+    if kind == "kv_cache":
+        # forward(input_pos, k, v): the new keys and values are read and written into the cache buffers;
+        # the outputs are views of the live slice (no bytes move).
+        new_kv = sum(_nbytes(e) for e in inputs if len(e[0]) == 4)
+        return 0, 0, 0, read, 0, 0, new_kv
+    if kind == "attention_scores":
+        q, k_all = inputs[0], inputs[1]  # q (B, H, T, D), k_all (B, Hkv, S, D)
+        b, h, t, s = out_shape
+        d = q[0][-1]
+        matmul = ff.attention_scores_flops(b, h, t, s, d)
+        return matmul, ff.score_scale_flops(b, h, t, s), 0, _nbytes(q), written, _nbytes(k_all), 0
+    if kind == "attention_values":
+        probs, v_all = inputs[0], inputs[1]  # probs (B, H, T, S), v_all (B, Hkv, S, D)
+        b, h, t, s = probs[0]
+        matmul = ff.attention_values_flops(b, h, t, s, out_shape[-1])
+        return matmul, 0, 0, _nbytes(probs), written, _nbytes(v_all), 0
+    if kind == "softmax":
+        b, h, t, s = out_shape
+        return 0, ff.softmax_flops(b, h, t, s), 0, read, written, 0, 0
+    if kind == "residual":
+        return 0, ff.residual_flops(_rows(out_shape), out_shape[-1]), 0, read, written, 0, 0
+    if kind == "swiglu":
+        return 0, ff.swiglu_activation_flops(_rows(out_shape), out_shape[-1]), 0, read, written, 0, 0
+    raise ValueError(f"no cost model for stage kind {kind!r}")
