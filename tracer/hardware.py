@@ -42,7 +42,7 @@ class HardwareProfile:
     fp16: float | None
     fp8: float | None
     int8: float | None  # OP/s (one multiply-add = 2 OPs, like FLOPs)
-    interconnect: str  # "NVLink 3", "PCIe 4.0 x16", "none"
+    interconnect: str  # "NVLink 3", "PCIe 4.0" (x16), "xGMI", "none"
     # Per device, both directions together, as datasheets print it (A100: "NVLink 600GB/s"); 0 when none.
     interconnect_bandwidth: float
     source: str  # datasheet, or how it was measured
@@ -109,7 +109,7 @@ _PROFILE_LIST: tuple[HardwareProfile, ...] = (
     # cards runs over PCIe).
     HardwareProfile("h100-pcie", "NVIDIA H100 80GB PCIe", 2000 * GIGA, 80 * GiB,
                     fp32=_tf(51), tf32=_tf(378), bf16=_tf(756.5), fp16=_tf(756.5), fp8=_tf(1513),
-                    int8=_tf(1513), interconnect="PCIe 5.0 x16", interconnect_bandwidth=128 * GIGA,
+                    int8=_tf(1513), interconnect="PCIe 5.0", interconnect_bandwidth=128 * GIGA,
                     source="NVIDIA H100 datasheet (PCIe, dense = half the sparsity figure)"),
     # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/), H200 SXM column: FP32 67 TF,
     # TF32 989*, BF16/FP16 1,979*, FP8 3,958*, INT8 3,958*; 141 GB HBM3e 4.8 TB/s; NVLink 900 GB/s.
@@ -122,13 +122,13 @@ _PROFILE_LIST: tuple[HardwareProfile, ...] = (
     # 24 GB GDDR6 300 GB/s; PCIe Gen4 x16 64 GB/s.
     HardwareProfile("l4", "NVIDIA L4", 300 * GIGA, 24 * GiB,
                     fp32=_tf(30.3), tf32=_tf(60), bf16=_tf(121), fp16=_tf(121), fp8=_tf(242.5), int8=_tf(242.5),
-                    interconnect="PCIe 4.0 x16", interconnect_bandwidth=64 * GIGA,
+                    interconnect="PCIe 4.0", interconnect_bandwidth=64 * GIGA,
                     source="NVIDIA L4 datasheet (dense = half the sparsity figure)"),
     # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 (366*), BF16/FP16 362.05 (733*), FP8 733 (1,466*),
     # INT8 733 (1,466*) TOPS; 48 GB GDDR6 864 GB/s; PCIe Gen4 x16 64 GB/s bidirectional, no NVLink.
     HardwareProfile("l40s", "NVIDIA L40S", 864 * GIGA, 48 * GiB,
                     fp32=_tf(91.6), tf32=_tf(183), bf16=_tf(362.05), fp16=_tf(362.05), fp8=_tf(733), int8=_tf(733),
-                    interconnect="PCIe 4.0 x16", interconnect_bandwidth=64 * GIGA,
+                    interconnect="PCIe 4.0", interconnect_bandwidth=64 * GIGA,
                     source="NVIDIA L40S datasheet (dense)"),
     # NVIDIA Ampere GA102 GPU architecture whitepaper, appendix table for GeForce RTX 3090: FP32 35.6 TF,
     # TF32 35.6, BF16 71 (FP32 accumulate), FP16 71 with FP32 accumulate (142 with FP16 accumulate; PyTorch
@@ -136,21 +136,21 @@ _PROFILE_LIST: tuple[HardwareProfile, ...] = (
     # Interconnect: PCIe 4.0 x16 (its NVLink bridge, 112.5 GB/s, joins only a pair of cards).
     HardwareProfile("rtx-3090", "NVIDIA GeForce RTX 3090", 936 * GIGA, 24 * GiB,
                     fp32=_tf(35.6), tf32=_tf(35.6), bf16=_tf(71), fp16=_tf(71), fp8=None, int8=_tf(284),
-                    interconnect="PCIe 4.0 x16", interconnect_bandwidth=64 * GIGA,
+                    interconnect="PCIe 4.0", interconnect_bandwidth=64 * GIGA,
                     source="NVIDIA GA102 whitepaper (dense, FP32 accumulate)"),
     # NVIDIA Ada Lovelace architecture whitepaper, appendix table for GeForce RTX 4090: FP32 82.6 TF, TF32 82.6,
     # BF16 165.2 and FP16 165.2 (FP32 accumulate; 330.3 with FP16 accumulate), FP8 330.3 (FP32 accumulate),
     # INT8 660.6 TOPS; 24 GB GDDR6X 1,008 GB/s; PCIe 4.0 x16, no NVLink.
     HardwareProfile("rtx-4090", "NVIDIA GeForce RTX 4090", 1008 * GIGA, 24 * GiB,
                     fp32=_tf(82.6), tf32=_tf(82.6), bf16=_tf(165.2), fp16=_tf(165.2), fp8=_tf(330.3),
-                    int8=_tf(660.6), interconnect="PCIe 4.0 x16", interconnect_bandwidth=64 * GIGA,
+                    int8=_tf(660.6), interconnect="PCIe 4.0", interconnect_bandwidth=64 * GIGA,
                     source="NVIDIA Ada whitepaper (dense, FP32 accumulate)"),
     # AMD Instinct MI300X data sheet (amd.com/.../instinct-mi300x-data-sheet.pdf): FP32 matrix 163.4 TF,
     # TF32 653.7, BF16/FP16 1,307.4, FP8 2,614.9, INT8 2,614.9 TOPS (sparsity doubles these);
-    # 192 GB HBM3 5.3 TB/s; Infinity Fabric: 7 links, 896 GB/s aggregate peak per GPU (8-GPU full mesh).
+    # 192 GB HBM3 5.3 TB/s; Infinity Fabric (xGMI): 7 links, 896 GB/s aggregate peak per GPU (8-GPU full mesh).
     HardwareProfile("mi300x", "AMD Instinct MI300X", 5300 * GIGA, 192 * GiB,
                     fp32=_tf(163.4), tf32=_tf(653.7), bf16=_tf(1307.4), fp16=_tf(1307.4), fp8=_tf(2614.9),
-                    int8=_tf(2614.9), interconnect="Infinity Fabric", interconnect_bandwidth=896 * GIGA,
+                    int8=_tf(2614.9), interconnect="xGMI", interconnect_bandwidth=896 * GIGA,
                     source="AMD MI300X data sheet (dense)"),
     # Apple M2 Max (apple.com/newsroom, Jan 2023; MacBook Pro tech specs): 38-core GPU, 400 GB/s unified memory,
     # up to 96 GB. Apple publishes no FLOP/s: 38 cores x 128 FP32 ALUs x 2 FLOPs x 1.398 GHz = 13.6 TF, and its GPU

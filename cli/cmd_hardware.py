@@ -1,0 +1,92 @@
+"""`llmtrace hardware`: list the hardware profiles; `--measure` measures this machine (the only torch path here)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cli.app import app
+from cli.errors import run_guarded
+from cli.render_hardware import render_measurement, render_profiles
+from tracer.errors import BadArgumentError
+from tracer.hardware import PEAK_DTYPES, THIS_MACHINE, HardwareProfile, all_profiles
+from tracer.hardware_store import load_measured_profiles, save_measured_profile, store_path
+
+
+def _parse_dtypes(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    if not names:
+        raise BadArgumentError("--dtypes is empty; give a comma-separated list such as fp32,bf16")
+    return names
+
+
+def _profile_json(p: HardwareProfile) -> dict:
+    data = asdict(p)
+    data["ridge_point"] = {d: p.ridge_point(d) for d in PEAK_DTYPES if p.has_peak(d)}
+    return data
+
+
+@app.command("hardware")
+def hardware(
+    measure: Annotated[bool, typer.Option("--measure", help="Measure this machine's GEMM FLOP/s and memory "
+                                          "bandwidth with torch and save them as the profile 'this-machine'.")] = False,
+    device: Annotated[str, typer.Option(help="With --measure: cpu or cuda.")] = "cpu",
+    dtypes: Annotated[str, typer.Option(help="With --measure: GEMM dtypes to measure, comma-separated "
+                                        "(fp32, bf16, fp16; tf32 on cuda).")] = "fp32,bf16",
+    repeats: Annotated[int, typer.Option(help="With --measure: timed runs per figure (the median is kept).")] = 5,
+    max_n: Annotated[int, typer.Option("--max-n", help="With --measure: largest GEMM size n to try "
+                                       "(0 = 4096 on cpu, 16384 on cuda).")] = 0,
+    copy_mib: Annotated[int, typer.Option("--copy-mib", help="With --measure: copy buffer size in MiB "
+                                          "(0 = 256 on cpu, 2048 on cuda).")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+) -> None:
+    """List hardware profiles (peak FLOP/s per dtype, bandwidth, memory, ridge point, interconnect).
+
+    Examples:
+      llmtrace hardware
+      llmtrace hardware --measure            # adds 'this-machine' (takes a few seconds)
+      llmtrace hardware --json
+    """
+
+    def body() -> None:
+        if measure:
+            _measure(device, _parse_dtypes(dtypes), repeats, max_n, copy_mib, json_out)
+            return
+        measured = load_measured_profiles()
+        profiles = all_profiles(measured)
+        if json_out:
+            print(json.dumps({"profiles": [_profile_json(p) for p in profiles], "store": str(store_path())}, indent=2))
+            return
+        render_profiles(Console(), profiles, str(store_path()), has_measured=bool(measured))
+
+    run_guarded(body)
+
+
+def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
+    if max_n < 0 or copy_mib < 0:
+        raise BadArgumentError("--max-n and --copy-mib must be >= 0 (0 = the default size)")
+    # torch only here: listing profiles and every analytical command stay torch-free.
+    from tracer.hardware_measure import measure_machine, profile_from_measurement
+
+    err = Console(stderr=True)
+    with err.status("measuring…") as status:
+        result = measure_machine(
+            dtypes=dtypes,
+            device=device,
+            repeats=repeats,
+            gemm_max_n=max_n or None,
+            copy_bytes=copy_mib * 2**20 if copy_mib else None,
+            progress=lambda what: status.update(f"measuring {what}…"),
+        )
+    profile = profile_from_measurement(result, THIS_MACHINE)
+    details = asdict(result)
+    saved = save_measured_profile(profile, details)
+    if json_out:
+        print(json.dumps({"profile": _profile_json(profile), "measurement": details, "saved_to": str(saved)},
+                         indent=2))
+        return
+    render_measurement(Console(), details, profile, str(saved))
