@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tracer.config import ModelConfig
 from tracer.errors import ConfigError
 from tracer.gguf_header import GGUFHeader, read_gguf_header
 from tracer.presets import PRESETS, get_preset
+from tracer.safetensors_header import INDEX_NAME, read_safetensors_checkpoint
+from tracer.weights_summary import WeightsSummary, summarize_gguf, summarize_safetensors
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """A --model argument turned into its config, plus what its checkpoint holds (None for a preset)."""
+
+    config: ModelConfig
+    weights: WeightsSummary | None
+    kind: str  # "preset" | "hf" | "gguf"
+    path: str | None  # the model folder, config.json or .gguf file; None for a preset
 
 
 def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
@@ -21,20 +34,39 @@ def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
 
 def resolve_config(spec: str) -> ModelConfig:
     """A preset name, or a path to a model folder, a config.json or a .gguf file."""
+    return resolve_model(spec).config
+
+
+def _has_safetensors(folder: Path) -> bool:
+    return (folder / INDEX_NAME).exists() or any(folder.glob("*.safetensors"))
+
+
+def _from_gguf(path: Path) -> ResolvedModel:
+    header = read_gguf_header(path)
+    return ResolvedModel(config_from_gguf_header(header), summarize_gguf(header), "gguf", str(path))
+
+
+def resolve_model(spec: str) -> ResolvedModel:
+    """Like resolve_config, plus the checkpoint's real parameter count and dtypes from its headers (no tensor data)."""
     if spec.strip().lower() in PRESETS:
-        return get_preset(spec)
+        return ResolvedModel(get_preset(spec), None, "preset", None)
     path = Path(spec).expanduser()
     if not path.exists():
-        return get_preset(spec)  # raises UnknownPresetError with the nearest names
+        return ResolvedModel(get_preset(spec), None, "preset", None)  # raises UnknownPresetError with nearest names
     if path.is_dir():
         if (path / "config.json").exists():
-            return ModelConfig.from_hf_json(path)
+            config = ModelConfig.from_hf_json(path)
+            weights = summarize_safetensors(read_safetensors_checkpoint(path)) if _has_safetensors(path) else None
+            return ResolvedModel(config, weights, "hf", str(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return config_from_gguf_header(read_gguf_header(ggufs[0]))
+            return _from_gguf(ggufs[0])
         raise ConfigError(f"{path}: folder has no config.json (nor a single .gguf file); pass a LLaMA model folder")
     if path.suffix == ".gguf":
-        return config_from_gguf_header(read_gguf_header(path))
+        return _from_gguf(path)
     if path.suffix == ".json":
-        return ModelConfig.from_hf_json(path)
+        config = ModelConfig.from_hf_json(path)
+        folder = path.parent
+        weights = summarize_safetensors(read_safetensors_checkpoint(folder)) if _has_safetensors(folder) else None
+        return ResolvedModel(config, weights, "hf", str(path))
     raise ConfigError(f"{path}: not a model folder, config.json or .gguf file; pass one of those or a preset name")
