@@ -190,7 +190,11 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        embedding = torch.empty(config.vocab_size, config.dim)
+        if embedding.device.type != "meta":
+            # nn.Embedding's own init, skipped on meta, where normal_ imports torch._dynamo (2 s of load time)
+            nn.init.normal_(embedding)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embedding)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
