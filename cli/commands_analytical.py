@@ -1,1 +1,0 @@
-"""Placeholder module replaced by the analytical commands (flops, kvmem, models)."""
