@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tracer.errors import HardwareError
-from tracer.hardware import HardwareProfile
+from tracer.hardware import HardwareProfile, get_profile
 
 STORE_VERSION = 1
 _FIELDS = {f.name for f in fields(HardwareProfile)}
@@ -76,3 +76,8 @@ def save_measured_profile(profile: HardwareProfile, details: Mapping[str, Any], 
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)  # atomic: a reader never sees half a file
     return path
+
+
+def resolve_hardware(name: str, path: Path | None = None) -> HardwareProfile:
+    """A datasheet profile or a measured one saved in the config folder (`this-machine`), by name."""
+    return get_profile(name, load_measured_profiles(path))
