@@ -14,6 +14,7 @@ app = typer.Typer(
 
 # Command modules register themselves on `app` when imported.
 from cli import commands_analytical  # noqa: E402,F401
+from cli import cmd_hardware, cmd_roofline  # noqa: E402,F401
 
 
 def main() -> None:

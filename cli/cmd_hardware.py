@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from enum import Enum
 from typing import Annotated
 
 import typer
@@ -11,10 +12,16 @@ from rich.console import Console
 
 from cli.app import app
 from cli.errors import run_guarded
+from cli.options import JsonOption
 from cli.render_hardware import render_measurement, render_profiles
 from tracer.errors import BadArgumentError
 from tracer.hardware import PEAK_DTYPES, THIS_MACHINE, HardwareProfile, all_profiles
 from tracer.hardware_store import load_measured_profiles, save_measured_profile, store_path
+
+
+class DeviceChoice(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 def _parse_dtypes(text: str) -> tuple[str, ...]:
@@ -34,7 +41,7 @@ def _profile_json(p: HardwareProfile) -> dict:
 def hardware(
     measure: Annotated[bool, typer.Option("--measure", help="Measure this machine's GEMM FLOP/s and memory "
                                           "bandwidth with torch and save them as the profile 'this-machine'.")] = False,
-    device: Annotated[str, typer.Option(help="With --measure: cpu or cuda.")] = "cpu",
+    device: Annotated[DeviceChoice, typer.Option(help="With --measure: the device to measure.")] = DeviceChoice.cpu,
     dtypes: Annotated[str, typer.Option(help="With --measure: GEMM dtypes to measure, comma-separated "
                                         "(fp32, bf16, fp16; tf32 on cuda).")] = "fp32,bf16",
     repeats: Annotated[int, typer.Option(help="With --measure: timed runs per figure (the median is kept).")] = 5,
@@ -42,7 +49,7 @@ def hardware(
                                        "(0 = 4096 on cpu, 16384 on cuda).")] = 0,
     copy_mib: Annotated[int, typer.Option("--copy-mib", help="With --measure: copy buffer size in MiB "
                                           "(0 = 256 on cpu, 2048 on cuda).")] = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """List hardware profiles (peak FLOP/s per dtype, bandwidth, memory, ridge point, interconnect).
 
@@ -54,7 +61,7 @@ def hardware(
 
     def body() -> None:
         if measure:
-            _measure(device, _parse_dtypes(dtypes), repeats, max_n, copy_mib, json_out)
+            _measure(device.value, _parse_dtypes(dtypes), repeats, max_n, copy_mib, json_out)
             return
         measured = load_measured_profiles()
         profiles = all_profiles(measured)

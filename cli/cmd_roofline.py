@@ -1,0 +1,62 @@
+"""`llmtrace roofline`: prefill and decode of a model against a machine's compute and memory ceilings."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cli.app import app
+from cli.errors import run_guarded
+from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+
+DEFAULT_HARDWARE = "a100-80gb"  # the seed article's GPU
+
+
+@app.command("roofline")
+def roofline(
+    model: ModelOption = DEFAULT_MODEL,
+    hardware: Annotated[str, typer.Option(
+        "--hardware", "-H", metavar="NAME",
+        help="A profile from `llmtrace hardware` (a100-80gb, h100-sxm, rtx-4090, m3-max, ...) or this-machine "
+             "after `llmtrace hardware --measure`.")] = DEFAULT_HARDWARE,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", "-p", min=1, help="Prompt tokens per sequence.")] = 512,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens to generate per sequence.")] = 128,
+    batch: BatchOption = 1,
+    dtype: Annotated[DtypeChoice, typer.Option(
+        "--dtype", help="Weights dtype (int8/int4: block formats, multiplied in fp16).")] = DtypeChoice.fp16,
+    kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
+        "--kv-dtype", help="KV-cache dtype [default: the activation dtype, fp16 for quantized weights].")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel devices (must divide the heads).")] = 1,
+    json_out: JsonOption = False,
+) -> None:
+    """Why decode runs at hundreds of tokens/s, not tens of thousands: FLOPs and bytes of each pass against the
+    hardware's ridge point, predicted TTFT and tokens/s, the batch where decode turns compute-bound, memory fit.
+
+    Examples:
+      llmtrace roofline                                   # llama-7b fp16 on an A100 80GB
+      llmtrace roofline --model llama3-8b --hardware rtx-4090 --dtype int4
+      llmtrace roofline --model llama2-70b --hardware h100-sxm --tp 4 --batch 32
+      llmtrace roofline --model llama3.1-405b --hardware h200 --tp 8 --dtype fp8 --json
+    """
+
+    def body() -> None:
+        from tracer.hardware_store import resolve_hardware
+        from tracer.resolve import resolve_config
+        from tracer.roofline import roofline as predict
+
+        report = predict(
+            resolve_config(model), resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
+            batch=batch, dtype=dtype.value, kv_dtype=kv_dtype.value if kv_dtype else None, tp=tp,
+        )
+        if json_out:
+            from cli.json_output import print_json
+
+            print_json(report)
+            return
+        from cli.console import stdout_console
+        from cli.render_roofline import render_report
+
+        render_report(stdout_console(), report)
+
+    run_guarded(body)
