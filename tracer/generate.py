@@ -73,6 +73,8 @@ class Tokenized:
 class PrefillDone:
     step: StepRecord
     stages: tuple[StageRecord, ...]  # empty with tracing off
+    rope: RopeRecord
+    limit: int  # the most tokens this run will generate
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +148,14 @@ class Generation:
         yield Tokenized(self._tokenization, len(ids))
         limit = self._new_token_limit(len(ids))
         self.model.setup_cache(1, len(ids) + limit)
-        self._rope = _rope_record(self.config, len(ids))
+        rope = self._rope = _rope_record(self.config, len(ids))
         eos = getattr(self.tokenizer, "eos_id", None)
         try:
             with self._tracer:
                 if self.dry_run:
-                    yield from self._dry_run(ids)
+                    yield from self._dry_run(ids, rope, limit)
                     return
-                token = yield from self._prefill(ids)
+                token = yield from self._prefill(ids, rope, limit)
                 while token != eos and len(self._generated) < limit:
                     step = self._step(DECODE, len(self._steps), [token])
                     token = step.token_id
@@ -168,15 +170,15 @@ class Generation:
             self._stop_reason = STOP_INTERRUPTED
         yield Finished(self.trace())
 
-    def _prefill(self, ids: list[int]) -> Iterator[Event]:
+    def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         step = self._step(PREFILL, 0, ids)
-        yield PrefillDone(step, self._tracer.records())
+        yield PrefillDone(step, self._tracer.records(), rope, limit)
         return step.token_id
 
-    def _dry_run(self, ids: list[int]) -> Iterator[Event]:
+    def _dry_run(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         """Meta device: one prefill and one decode step for shapes and FLOPs; no sampling, times meaningless."""
         prefill = self._step(PREFILL, 0, ids)
-        yield PrefillDone(prefill, self._tracer.records())
+        yield PrefillDone(prefill, self._tracer.records(), rope, limit)
         decode = self._step(DECODE, 1, [0])
         yield TokenStep(decode, 1, 1)
         self._stop_reason = STOP_DRY_RUN
@@ -242,7 +244,7 @@ class Generation:
             piece = self.tokenizer.piece(token_id)
             probability = float(result.probability)
             greedy = self.settings.temperature == 0
-            filters = _active_filters(result, self.settings)
+            filters = _active_filters(result)
             candidates = tuple(self._candidate(c) for c in result.candidates)
         record = StepRecord(
             phase=phase, step=index, input_tokens=len(ids), context_length=int(self.model.pos),
@@ -272,6 +274,7 @@ class Generation:
     def _candidate(self, c: Any) -> CandidateRecord:
         return CandidateRecord(
             token_id=int(c.token_id), piece=self.tokenizer.piece(int(c.token_id)), logit=float(c.logit),
+            logit_penalized=float(getattr(c, "logit_penalized", c.logit)),
             prob_raw=float(c.prob_raw), prob_tempered=float(c.prob_tempered), kept_top_k=bool(c.kept_top_k),
             kept_top_p=bool(c.kept_top_p), kept_min_p=bool(c.kept_min_p), prob_final=float(c.prob_final),
         )
@@ -320,29 +323,16 @@ def _make_sampler(settings: RunSettings) -> Any:
     from tracer.sampling import Sampler, SamplingParams
 
     params = SamplingParams(
-        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,
+        temperature=settings.temperature, top_k=settings.top_k or 0,
+        top_p=1.0 if settings.top_p is None else settings.top_p, min_p=settings.min_p or 0.0,
         repetition_penalty=settings.repetition_penalty, seed=settings.seed,
     )
     return Sampler(params)
 
 
-def _active_filters(result: Any, settings: RunSettings) -> tuple[str, ...]:
-    """Names of the sampling filters that acted, from the SampleResult where it says so, else from the settings."""
-    reported = getattr(result, "filters", None)
-    if reported is not None:
-        return tuple(str(f) for f in reported)
-    active: list[str] = []
-    if settings.repetition_penalty != 1.0:
-        active.append("repetition_penalty")
-    if settings.temperature > 0:
-        active.append("temperature")
-        if settings.top_k:
-            active.append("top_k")
-        if settings.top_p is not None and settings.top_p < 1.0:
-            active.append("top_p")
-        if settings.min_p:
-            active.append("min_p")
-    return tuple(active)
+def _active_filters(result: Any) -> tuple[str, ...]:
+    """The sampling steps that changed anything, in the order they ran (SampleResult.active_steps)."""
+    return tuple(str(step) for step in getattr(result, "active_steps", ()))
 
 
 def _rope_record(config: ModelConfig, prompt_len: int) -> RopeRecord:

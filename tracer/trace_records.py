@@ -68,7 +68,8 @@ class CandidateRecord:
 
     token_id: int
     piece: str  # display form, byte pieces like <0xE4>
-    logit: float  # raw logit (after the repetition penalty, when one is active)
+    logit: float  # raw logit, as the LM head produced it
+    logit_penalized: float  # after the repetition penalty (equal to logit when it is off)
     prob_raw: float  # softmax of the raw logits
     prob_tempered: float  # softmax of logits / temperature
     kept_top_k: bool
@@ -90,7 +91,7 @@ class StepRecord:
     text: str  # text this token added to the output (empty while a UTF-8 character is incomplete)
     probability: float  # of the chosen token, after all filters
     greedy: bool  # temperature 0: the argmax was taken
-    filters: tuple[str, ...]  # sampling filters that were active, e.g. ("temperature", "top_k")
+    filters: tuple[str, ...]  # sampling steps that acted, in order, e.g. ("temperature", "top_k") or ("greedy",)
     candidates: tuple[CandidateRecord, ...]
     kv_allocated_bytes: int  # whole preallocated cache, all layers
     kv_live_bytes: int  # positions written so far, all layers

@@ -1,0 +1,260 @@
+"""`llmtrace run "prompt"`: trace a real generation and show one token's journey, stage by stage, live.
+
+Sections in the order of the journey: 1 tokenization, 2 embedding, 3 positions (RoPE), 4 transformer layers,
+5 LM head and sampling, 6 decode (streamed live), 7 summary. `--dry-run` builds any preset on the meta device and
+shows shapes and FLOPs without weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+
+from cli.app import app
+from cli.console import PIPE_WIDTH
+from cli.errors import fail, run_guarded
+from cli.render_run import (
+    render_embedding,
+    render_header,
+    render_layers,
+    render_lm_head,
+    render_positions,
+    render_tokenization,
+)
+from cli.render_run_dry import render_dry_run_summary
+from cli.render_run_live import DecodeView
+from cli.render_run_summary import render_summary
+from tracer.errors import BadArgumentError, LlmtraceError
+from tracer.trace import STOP_INTERRUPTED, Trace
+from tracer.trace_records import RunSettings
+from tracer.trace_summary import run_summary
+
+SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
+DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
+EXIT_INTERRUPTED = 130
+
+
+class Detail(str, Enum):
+    summary = "summary"
+    layers = "layers"
+    ops = "ops"
+
+
+class DtypeChoice(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+@app.command("run", epilog=(
+    "Examples:  llmtrace run \"今天天气真\"   ·   llmtrace run capital --detail ops   ·   "
+    "llmtrace run --model llama-7b --dry-run   ·   llmtrace run sky --temperature 0.8 --top-p 0.9 --seed 1 "
+    "--json trace.json --chrome-trace trace.perfetto.json"))
+def run_command(
+    prompt: Annotated[Optional[str], typer.Argument(
+        help="The prompt, or the name of a file in sample_prompts/ (capital, code, seed_zh, sky, story).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", metavar="PATH|PRESET",
+        help="A .gguf file or HF model folder (default: the bundled SmolLM2-135M-Instruct); a preset name with "
+             "--dry-run.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens (or at EOS).")] = 32,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (argmax); > 0 samples.")] = 0.0,
+    top_k: Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (needs --temperature > 0).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus: keep the fewest tokens whose probability sums to "
+                                                        "p (needs --temperature > 0).")] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p × the top probability.")] = None,
+    repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages tokens already seen (1 = off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same tokens).")] = None,
+    dtype: Annotated[DtypeChoice, typer.Option(help="Compute dtype (fp32 is fastest on AVX2 CPUs).")] =
+        DtypeChoice.fp32,
+    device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    detail: Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every stage "
+                                                "of every layer.")] = Detail.layers,
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", metavar="PATH", help="Write the whole trace as JSON (schema: tracer/trace_schema.json); "
+                                       "'-' = stdout alone.")] = None,
+    chrome_trace: Annotated[Optional[Path], typer.Option(
+        "--chrome-trace", metavar="PATH", help="Write a Chrome/Perfetto trace (open in ui.perfetto.dev).")] = None,
+    no_trace: Annotated[bool, typer.Option("--no-trace", help="No hooks: time each step only.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Meta device: shapes and FLOPs for any preset, no "
+                                                            "weights, no memory.")] = False,
+    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(
+        help="--dry-run of a preset (no tokenizer): the prompt length to assume.")] = None,
+) -> None:
+    """Trace a real generation: every stage of every token, with shapes, FLOPs, bytes and time."""
+    json_to_stdout = json_path is not None and str(json_path) == "-"
+    console = Console(stderr=json_to_stdout, width=None if sys.stdout.isatty() else PIPE_WIDTH)
+
+    def body() -> int:
+        text = _resolve_prompt(prompt, file, dry_run)
+        settings = RunSettings(
+            model=model or "", prompt=text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.value,
+            device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
+            prompt_tokens=prompt_tokens,
+        )
+        _check_settings(settings)
+        trace = _run(console, settings, detail.value)
+        if json_path is not None:
+            if json_to_stdout:
+                sys.stdout.write(trace.to_json(indent=1) + "\n")
+            else:
+                _write(json_path, trace.to_json(indent=1))
+                console.print(f"[dim]trace written to {json_path} (JSON; schema tracer/trace_schema.json)[/]")
+        if chrome_trace is not None:
+            import json
+
+            _write(chrome_trace, json.dumps(trace.to_chrome_trace(), ensure_ascii=False))
+            console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
+        return EXIT_INTERRUPTED if trace.stop_reason == STOP_INTERRUPTED else 0
+
+    code = run_guarded(body)
+    if code:
+        raise typer.Exit(code)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise BadArgumentError(f"cannot write {path} ({exc.strerror}); choose a writable path") from exc
+
+
+def _resolve_prompt(prompt: str | None, file: Path | None, dry_run: bool) -> str:
+    if file is not None:
+        if prompt is not None:
+            raise BadArgumentError("give the prompt either as an argument or with --file, not both")
+        try:
+            return file.read_text(encoding="utf-8").rstrip("\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadArgumentError(f"cannot read prompt file {file} ({exc}); check the path") from exc
+    if prompt is None:
+        if dry_run:
+            return DRY_RUN_DEFAULT_PROMPT
+        names = ", ".join(sample_prompt_names())
+        raise BadArgumentError(f"no prompt; give one, e.g. llmtrace run \"今天天气真\", use --file, or a sample name "
+                               f"({names})")
+    sample = SAMPLE_PROMPTS / f"{prompt.removesuffix('.txt')}.txt"
+    if sample.is_file() and "/" not in prompt:
+        return sample.read_text(encoding="utf-8").rstrip("\n")
+    return prompt
+
+
+def sample_prompt_names() -> list[str]:
+    return sorted(p.stem for p in SAMPLE_PROMPTS.glob("*.txt")) if SAMPLE_PROMPTS.is_dir() else []
+
+
+def _check_settings(settings: RunSettings) -> None:
+    if settings.max_new_tokens < 1:
+        raise BadArgumentError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
+    if settings.threads is not None and settings.threads < 1:
+        raise BadArgumentError(f"--threads must be at least 1, got {settings.threads}")
+    if settings.prompt_tokens is not None and settings.prompt_tokens < 1:
+        raise BadArgumentError(f"--prompt-tokens must be at least 1, got {settings.prompt_tokens}")
+    if settings.dry_run and settings.trace is False:
+        raise BadArgumentError("--dry-run shows traced shapes and FLOPs; drop --no-trace")
+
+
+def _run(console: Console, settings: RunSettings, detail: str) -> Trace:
+    import torch
+
+    from tracer.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
+    from tracer.load import load_model
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    what = settings.model or "the bundled SmolLM2-135M-Instruct"
+    with console.status(f"loading {what} …"):
+        loaded = load_model(settings.model or None, dtype=settings.dtype or "fp32", device=settings.device,
+                            dry_run=settings.dry_run)
+    param = next(loaded.model.parameters())
+    render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
+                  str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),
+                  settings.dry_run)
+    generation = Generation(loaded, settings)
+    live: Live | None = None
+    view: DecodeView | None = None
+    trace: Trace | None = None
+    tokenization = None
+    try:
+        for event in generation.events():
+            if isinstance(event, Tokenized):
+                tokenization = event.record
+                render_tokenization(console, event.record, event.prompt_tokens)
+            elif isinstance(event, PrefillDone):
+                render_embedding(console, loaded.config, event.stages, settings.dry_run)
+                render_positions(console, event.rope, tokenization, loaded.config.n_layers)
+                render_layers(console, event.stages, event.step, detail, settings.dry_run)
+                render_lm_head(console, event.stages, event.step, settings, loaded.config, settings.dry_run)
+                if not settings.dry_run:
+                    view = DecodeView(event.limit, event.step)
+                    live = Live(view, console=console, refresh_per_second=8, transient=False)
+                    live.start()
+            elif isinstance(event, TokenStep):
+                if view is not None and live is not None:
+                    view.add(event.step, event.generated)
+                    live.refresh()
+            elif isinstance(event, Finished):
+                trace = event.trace
+    except KeyboardInterrupt:
+        trace = generation.trace()
+    finally:
+        generation.close()
+        if live is not None:
+            if view is not None:
+                view.finish(trace is None or trace.stop_reason == STOP_INTERRUPTED)
+            live.stop()
+            if not console.is_terminal:
+                console.line()  # Live leaves no newline after its last render when it cannot redraw
+    if trace is None:
+        trace = generation.trace()
+    if settings.dry_run:
+        render_dry_run_summary(console, trace, _estimates(trace))
+    else:
+        roofline, note = _roofline_for(trace)
+        render_summary(console, trace, run_summary(trace), roofline, note)
+    return trace
+
+
+def _estimates(trace: Trace) -> dict[str, Any]:
+    """tracer/estimate.py's figures for the passes a dry run traced (same prompt length, same context)."""
+    from tracer import estimate
+    from tracer.dtypes import DTYPES
+
+    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(trace.environment.dtype, "fp32")
+    dtypes = estimate.Dtypes.for_weights(DTYPES[name])
+    prefill = trace.prefill_step
+    if prefill is None:
+        return {}
+    out: dict[str, Any] = {"prefill": estimate.prefill(trace.config, prefill.input_tokens, dtypes)}
+    if trace.decode_steps:
+        out["decode"] = estimate.decode_step(trace.config, prefill.context_length, dtypes)
+    return out
+
+
+def _roofline_for(trace: Trace) -> tuple[Any | None, str]:
+    """tracer.roofline's prediction for this machine (the measured 'this-machine' profile), or why there is none."""
+    if trace.environment.device.startswith("cuda"):
+        return None, "roofline: compare with `llmtrace roofline --hardware <your GPU>`"
+    try:
+        from tracer.hardware import THIS_MACHINE, get_profile
+        from tracer.hardware_store import load_measured_profiles
+        from tracer.roofline import roofline
+
+        profile = get_profile(THIS_MACHINE, load_measured_profiles())
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(trace.environment.dtype, "fp32")
+        prompt_len = trace.prefill_step.input_tokens if trace.prefill_step else 1
+        new_tokens = max(len(trace.generated_ids), 1)
+        return roofline(trace.config, profile, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype,
+                        check_fit=False), ""
+    except LlmtraceError as exc:
+        return None, f"roofline: {exc}"

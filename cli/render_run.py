@@ -1,0 +1,287 @@
+"""`llmtrace run`, sections 1-5 of the journey: tokenization, embedding, positions, layers, LM head.
+
+Renderers read trace records only (tracer/trace_records.py, tracer/trace_summary.py); they compute nothing but
+display arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from cli import render_run_format as fmt
+from tracer.config import ModelConfig
+from tracer.trace_records import MATMUL_KINDS, RopeRecord, RunSettings, StageRecord, StepRecord, TokenizationRecord
+from tracer.trace_summary import layer_rows, stage_totals
+
+MAX_TOKEN_ROWS = 48
+MAX_CANDIDATES = 10
+
+
+def section(title: str, body: object, subtitle: str | None = None) -> Panel:
+    return Panel(body, title=f"[bold]{title}[/]", title_align="left", subtitle=subtitle, subtitle_align="right")
+
+
+def render_header(console: Console, config: ModelConfig, source: str, weight_format: str, load_seconds: float,
+                  device: str, threads: int, dtype: str, dry_run: bool) -> None:
+    head = "shapes only (meta device)" if dry_run else f"loaded in {load_seconds:.2f} s"
+    tied = "tied to the embedding" if config.tie_embeddings else "separate matrix"
+    console.print(
+        f"[bold]{config.name}[/]  {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
+        f"({config.n_kv_heads} KV) · head dim {config.head_dim} · FFN {config.ffn_dim} · vocab {config.vocab_size:,} "
+        f"· LM head {tied}\n[dim]{source}\n{weight_format} · {head} · {device} · {threads} threads · {dtype}[/]"
+    )
+
+
+# ---- 1 tokenization ---------------------------------------------------------------------------------------------
+
+
+def render_tokenization(console: Console, record: TokenizationRecord | None, prompt_tokens: int) -> None:
+    if record is None:
+        console.print(section("1 · Tokenization", Text(
+            f"no tokenizer in a dry run of a preset: assuming {prompt_tokens} prompt tokens "
+            "(one per character of the prompt; set --prompt-tokens)")))
+        return
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("piece")
+    table.add_column("id", justify="right", style="cyan")
+    table.add_column("bytes", style="dim")
+    shown = list(zip(record.pieces, record.ids))[:MAX_TOKEN_ROWS]
+    for index, (piece, token_id) in enumerate(shown):
+        table.add_row(str(index), fmt.piece(piece), str(token_id), _piece_bytes(piece))
+    if len(record.ids) > MAX_TOKEN_ROWS:
+        table.add_row("…", f"{len(record.ids) - MAX_TOKEN_ROWS} more", "", "")
+    chars = len(record.model_text)
+    utf8 = len(record.model_text.encode("utf-8"))
+    notes = [
+        f"{chars} characters ({utf8} UTF-8 bytes) → [bold]{len(record.ids)} tokens[/] in {fmt.ms(record.duration_ns)}"
+        + (" · chat template applied" if record.model_text != record.text else "")
+        + (" · BOS prepended" if record.add_bos else ""),
+    ]
+    if any(_piece_bytes(p) for p in record.pieces):
+        notes.append("[dim]<0x..> are raw UTF-8 bytes: the vocabulary has no token for the whole character, so it "
+                     "is spelled in byte pieces (a CJK character is 3 bytes).[/]")
+    console.print(section("1 · Tokenization  text → pieces → ids", Group(table, Text.from_markup("\n".join(notes)))))
+
+
+def _piece_bytes(piece: str) -> str:
+    """For pieces shown as raw bytes (<0xE4><0xBB>): how many bytes of a character they hold."""
+    count = piece.count("<0x")
+    if count and piece.replace("<0x", "").replace(">", "").isalnum():
+        return f"{count} byte" + ("s" if count > 1 else "") + " of a character"
+    return ""
+
+
+# ---- 2 embedding ------------------------------------------------------------------------------------------------
+
+
+def render_embedding(console: Console, config: ModelConfig, stages: Sequence[StageRecord], dry_run: bool) -> None:
+    embed = next((s for s in stages if s.kind == "embedding"), None)
+    if embed is None:
+        console.print(section("2 · Embedding", Text("not traced (--no-trace)")))
+        return
+    item = _itemsize(embed.dtype)
+    table_bytes = config.vocab_size * config.dim * item
+    rows = embed.input_shapes[0]
+    lines = [
+        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} {embed.dtype} = {fmt.nbytes(table_bytes)}",
+        f"ids {fmt.shape(rows)} → one row each → output [bold]{fmt.shape(embed.output_shapes[0])}[/]",
+        f"bytes read: {fmt.nbytes(embed.weight_bytes_read)} (only the {math.prod(rows)} rows looked up), "
+        f"written {fmt.nbytes(embed.activation_bytes_written)}; 0 FLOPs (a gather)"
+        + ("" if dry_run else f" · {fmt.ms(embed.duration_ns)}"),
+    ]
+    console.print(section("2 · Embedding  ids → vectors", Text.from_markup("\n".join(lines))))
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}.get(dtype, 4)
+
+
+# ---- 3 positions ------------------------------------------------------------------------------------------------
+
+
+def render_positions(console: Console, rope: RopeRecord | None, tokenization: TokenizationRecord | None,
+                     n_layers: int) -> None:
+    if rope is None:
+        return
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    table.add_column("pos", justify="right")
+    table.add_column("token")
+    table.add_column("fastest pair (i=0)", justify="right")
+    table.add_column("slowest pair", justify="right")
+    pieces = tokenization.pieces if tokenization is not None else ()
+    positions = rope.positions
+    shown = positions if len(positions) <= 12 else positions[:6] + positions[-6:]
+    for index, pos in enumerate(shown):
+        if len(positions) > 12 and index == 6:
+            table.add_row("…", "", "", "")
+        piece = fmt.piece(pieces[pos]) if pos < len(pieces) else ""
+        table.add_row(str(pos), piece, _angle(pos * rope.inv_freq_first), _angle(pos * rope.inv_freq_last))
+    pairs = rope.head_dim // 2
+    scaled = f", {rope.scaling} scaling" if rope.scaling else ""
+    text = Text.from_markup(
+        f"RoPE θ = {rope.theta:g}{scaled}; head dim {rope.head_dim} = {pairs} pairs, pair i turns by "
+        f"position × θ^(−2i/{rope.head_dim}) rad (from {rope.inv_freq_first:.3g} down to {rope.inv_freq_last:.3g} "
+        f"rad per position).\nApplied to Q and K inside attention in each of the {n_layers} layers, not added to "
+        "the embedding: a score then depends only on the distance between two positions."
+    )
+    console.print(section(f"3 · Positions  {len(positions)} positions rotated", Group(table, text)))
+
+
+def _angle(radians: float) -> str:
+    return f"{radians:.3f} rad ({math.degrees(radians) % 360:.1f}°)"
+
+
+# ---- 4 layers ---------------------------------------------------------------------------------------------------
+
+_STAGE_LABELS = {
+    "attention_norm": "RMSNorm", "attention.wq": "Q proj", "attention.wk": "K proj", "attention.wv": "V proj",
+    "attention.rope": "RoPE q,k", "attention.kv_cache": "KV write", "attention.scores": "scores QKᵀ/√D",
+    "attention.softmax": "softmax", "attention.pv": "probs·V", "attention.wo": "O proj",
+    "attn_residual": "residual +", "ffn_norm": "RMSNorm", "feed_forward.w1": "gate (w1)",
+    "feed_forward.w3": "up (w3)", "feed_forward.act": "silu(gate)·up", "feed_forward.w2": "down (w2)",
+    "ffn_residual": "residual +",
+}
+
+
+def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRecord, detail: str,
+                  dry_run: bool) -> None:
+    if not stages:
+        console.print(section("4 · Transformer layers", Text(
+            f"not traced (--no-trace): prefill of {step.input_tokens} tokens took {fmt.ms(step.forward_ns)}")))
+        return
+    rows = layer_rows(stages)
+    total = stage_totals(stages)
+    forward_ns = step.forward_ns
+    max_wall = max((r.wall_ns for r in rows), default=1) or 1
+    max_flops = max((r.totals.flops for r in rows), default=1) or 1
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    table.add_column("layer" if detail != "ops" else "layer / stage")
+    if detail == "ops":
+        table.add_column("in → out")
+    else:
+        table.add_column("output")
+    if not dry_run:
+        table.add_column("time", justify="right")
+    table.add_column("FLOPs", justify="right")
+    if detail == "ops":
+        table.add_column("read", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("")
+    for row in rows:
+        out = fmt.shape(row.stages[-1].output_shapes[0])
+        share = fmt.percent(row.wall_ns, forward_ns) if not dry_run else fmt.percent(row.totals.flops, total.flops)
+        fraction = row.wall_ns / max_wall if not dry_run else row.totals.flops / max_flops
+        cells = [f"[bold]layer {row.layer}[/]", out]
+        if not dry_run:
+            cells.append(fmt.ms(row.wall_ns))
+        cells.append(fmt.flops(row.totals.flops))
+        if detail == "ops":
+            cells.append(fmt.nbytes(row.totals.bytes_read))
+        table.add_row(*cells, share, fmt.bar(fraction, 16))
+        if detail == "ops":
+            for stage in row.stages:
+                _add_stage_row(table, stage, forward_ns, total.flops, dry_run)
+    outside = [s for s in stages if s.layer is None]
+    for stage in outside:
+        label = {"embedding": "embedding", "rmsnorm": "final norm", "lm_head": "LM head"}.get(stage.kind, stage.stage)
+        cells = [label, fmt.shape(stage.output_shapes[0])]
+        if not dry_run:
+            cells.append(fmt.ms(stage.duration_ns))
+        cells.append(fmt.flops(stage.flops))
+        if detail == "ops":
+            cells.append(fmt.nbytes(stage.bytes_read))
+        share = fmt.percent(stage.duration_ns, forward_ns) if not dry_run else fmt.percent(stage.flops, total.flops)
+        table.add_row(*cells, share, "")
+    per_layer = rows[0].totals if rows else total
+    matmul_share = fmt.percent(total.matmul_flops, total.flops)
+    summary = (
+        f"prefill of {step.input_tokens} tokens: {fmt.flops(total.flops)} ({matmul_share} in matmuls), "
+        f"{fmt.nbytes(total.bytes_read)} read"
+        + ("" if dry_run else f", {fmt.ms(forward_ns)} forward")
+        + f"\none layer: {fmt.flops(per_layer.flops)}, weights {fmt.nbytes(per_layer.weight_bytes_read)}; "
+        "pre-norm: x + attention(RMSNorm(x)), then h + FFN(RMSNorm(h)) with SwiGLU (three matrices)"
+    )
+    if detail == "summary":
+        body: object = Text(summary)
+    else:
+        body = Group(table, Text(summary))
+    console.print(section(f"4 · Transformer layers × {len(rows)}  (prefill)", body))
+
+
+def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flops: int, dry_run: bool) -> None:
+    label = _STAGE_LABELS.get(stage.short_name, stage.short_name)
+    shapes = " ".join(fmt.shape(s) for s in stage.input_shapes if len(s) > 1)
+    io = f"{shapes} → {fmt.shape(stage.output_shapes[0])}"
+    style = "" if stage.kind in MATMUL_KINDS else "dim"
+    cells = [Text(f"  {label}", style=style), Text(io, style="dim")]
+    if not dry_run:
+        cells.append(Text(fmt.ms(stage.duration_ns), style=style))
+    cells.append(Text(fmt.flops(stage.flops), style=style))
+    cells.append(Text(fmt.nbytes(stage.bytes_read), style="dim"))
+    share = fmt.percent(stage.duration_ns, forward_ns) if not dry_run else fmt.percent(stage.flops, total_flops)
+    cells.append(Text(share, style="dim"))
+    cells.append(Text(""))
+    table.add_row(*cells)
+
+
+# ---- 5 LM head --------------------------------------------------------------------------------------------------
+
+
+def render_lm_head(console: Console, stages: Sequence[StageRecord], step: StepRecord, settings: RunSettings,
+                   config: ModelConfig, dry_run: bool) -> None:
+    head = next((s for s in stages if s.kind == "lm_head"), None)
+    lines = []
+    if head is not None:
+        tied = "the embedding matrix itself (tied)" if config.tie_embeddings else "its own matrix (not tied)"
+        lines.append(
+            f"final RMSNorm of the last position {fmt.shape(head.input_shapes[0])} × W_out "
+            f"{fmt.shape((config.vocab_size, config.dim))}ᵀ → logits [bold]{fmt.shape(head.output_shapes[0])}[/] · "
+            f"{fmt.flops(head.flops)} · reads {fmt.nbytes(head.weight_bytes_read)} of weights, {tied}"
+            + ("" if dry_run else f" · {fmt.ms(head.duration_ns)}")
+        )
+    if dry_run:
+        console.print(section("5 · LM head  hidden state → logits", Text.from_markup("\n".join(lines))))
+        return
+    lines.append(_sampling_explanation(step, settings))
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    for name, justify in (("", "left"), ("piece", "left"), ("id", "right"), ("logit", "right"),
+                          ("p raw", "right"), (f"p T={settings.temperature:g}", "right"), ("kept", "left"),
+                          ("p final", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for cand in step.candidates[:MAX_CANDIDATES]:
+        chosen = cand.token_id == step.token_id
+        kept = "".join(flag for flag, on in (("k", cand.kept_top_k), ("p", cand.kept_top_p), ("m", cand.kept_min_p))
+                       if not on) or "✓"
+        kept = "✓" if kept == "✓" else f"✗ {kept}"
+        table.add_row("→" if chosen else "", fmt.piece(cand.piece), str(cand.token_id), f"{cand.logit:.2f}",
+                      f"{100 * cand.prob_raw:.1f}%", f"{100 * cand.prob_tempered:.1f}%", kept,
+                      f"{100 * cand.prob_final:.1f}%", style="bold" if chosen else None)
+    console.print(section("5 · LM head and sampling  logits → probabilities → first token",
+                          Group(Text.from_markup("\n".join(lines)), table)))
+
+
+def _sampling_explanation(step: StepRecord, settings: RunSettings) -> str:
+    chosen = f"[bold]{fmt.piece(step.piece)}[/] (id {step.token_id}, p = {100 * step.probability:.1f}%)"
+    if step.greedy:
+        text = f"greedy (temperature 0): the argmax is taken → {chosen}"
+        if settings.repetition_penalty != 1.0:
+            text += f"; repetition penalty {settings.repetition_penalty:g} applied to tokens already seen"
+        return text
+    parts = [f"temperature {settings.temperature:g} divides the logits"]
+    if settings.top_k:
+        parts.append(f"top-k {settings.top_k} keeps the {settings.top_k} highest")
+    if settings.top_p is not None and settings.top_p < 1:
+        parts.append(f"top-p {settings.top_p:g} keeps the fewest whose probabilities sum to ≥ {settings.top_p:g}")
+    if settings.min_p:
+        parts.append(f"min-p {settings.min_p:g} drops those below {settings.min_p:g} × the top probability")
+    if settings.repetition_penalty != 1.0:
+        parts.append(f"repetition penalty {settings.repetition_penalty:g} on tokens already seen")
+    seed = f" (seed {settings.seed})" if settings.seed is not None else ""
+    return "; ".join(parts) + f"; survivors renormalised and one drawn{seed} → {chosen}"

@@ -1,0 +1,55 @@
+"""`llmtrace run --dry-run`: the summary of a meta-device run, traced figures beside tracer/estimate.py's."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from cli import render_run_format as fmt
+from cli.render_run import section
+from tracer.trace import Trace
+from tracer.trace_records import DECODE, PREFILL, StageRecord
+from tracer.trace_summary import layer_rows, stage_totals
+
+
+def render_dry_run_summary(console: Console, trace: Trace, estimates: dict[str, Any]) -> None:
+    """`estimates` maps "prefill" / "decode" to tracer.estimate.PhaseEstimate for the same shapes."""
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    for name, justify in (("pass", "left"), ("traced FLOPs", "right"), ("estimate.py", "right"), ("", "left"),
+                          ("matmul", "right"), ("weights read", "right"), ("KV read + written", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for phase in (PREFILL, DECODE):
+        stages = trace.stages_of(phase)
+        step = next((s for s in trace.steps if s.phase == phase), None)
+        if step is None:
+            continue
+        totals = stage_totals(stages)
+        est = estimates.get(phase)
+        est_flops = est.totals.total_flops if est is not None else None
+        same = "[green]= equal[/]" if est_flops == totals.flops else "[red]≠ differs[/]"
+        label = (f"prefill, T = {step.input_tokens}" if phase == PREFILL
+                 else f"decode step, S = {step.context_length}")
+        table.add_row(label, fmt.flops(totals.flops), fmt.flops(est_flops) if est_flops is not None else "-", same,
+                      fmt.percent(totals.matmul_flops, totals.flops), fmt.nbytes(totals.weight_bytes_read),
+                      fmt.nbytes(totals.kv_bytes_read + totals.kv_bytes_written))
+    rows = layer_rows(trace.stages_of(PREFILL))
+    shapes = sorted({_shape(r.stages) for r in rows})
+    prefill_step = trace.prefill_step
+    lines = [
+        f"{len(rows)} layers, each turning {' / '.join(shapes)} into the same shape "
+        f"(the residual stream); nothing was computed: the model lives on the meta device.",
+        f"exact FLOPs: prefill {trace.stages_of(PREFILL) and stage_totals(trace.stages_of(PREFILL)).flops:,}, "
+        f"decode step {stage_totals(trace.stages_of(DECODE)).flops:,}",
+        f"KV cache after the prefill: {fmt.nbytes(prefill_step.kv_live_bytes) if prefill_step else '-'} "
+        f"in {trace.environment.dtype}",
+        f"[dim]for times on real hardware: llmtrace roofline --model {trace.settings.model or trace.config.name}[/]",
+    ]
+    console.print(section("Dry run · FLOPs traced on the meta device vs the analytical estimate",
+                          Group(table, Text.from_markup("\n".join(lines)))))
+
+
+def _shape(stages: Sequence[StageRecord]) -> str:
+    return fmt.shape(stages[-1].output_shapes[0])

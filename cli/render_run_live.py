@@ -1,0 +1,64 @@
+"""`llmtrace run`, section 6: decode, one token per step, streamed live (rich Live) as the steps happen."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from cli import render_run_format as fmt
+from cli.render_run import section
+from tracer.trace_records import StepRecord
+
+LIVE_ROWS = 24  # rows kept on screen while streaming; the final table shows every step
+
+
+class DecodeView:
+    """The decode panel; `add(step)` after each step, rendered by rich Live on every refresh."""
+
+    def __init__(self, limit: int, prefill: StepRecord, all_rows: bool = False) -> None:
+        self.limit = limit
+        self.prefill = prefill
+        self.prompt_tokens = prefill.input_tokens
+        self.steps: list[StepRecord] = []
+        self.text = prefill.text
+        self.generated = 1
+        self.all_rows = all_rows
+        self.interrupted = False
+
+    def add(self, step: StepRecord, generated: int) -> None:
+        self.steps.append(step)
+        self.text += step.text
+        self.generated = generated
+
+    def finish(self, interrupted: bool) -> None:
+        self.all_rows = True
+        self.interrupted = interrupted
+
+    def __rich__(self) -> RenderableType:
+        table = Table(show_edge=False, pad_edge=False, box=None)
+        for name, justify in (("step", "right"), ("fed", "left"), ("→ next", "left"), ("p", "right"),
+                              ("step time", "right"), ("context", "right"), ("KV live", "right")):
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        rows = self.steps if self.all_rows else self.steps[-LIVE_ROWS:]
+        if len(rows) < len(self.steps):
+            table.add_row("…", f"{len(self.steps) - len(rows)} earlier steps", "", "", "", "", "")
+        previous = {s.step: s for s in [self.prefill, *self.steps]}
+        for step in rows:
+            fed = previous.get(step.step - 1)
+            table.add_row(
+                str(step.step), fmt.piece(fed.piece) if fed else "", Text(fmt.piece(step.piece), style="bold"),
+                f"{100 * step.probability:.1f}%", fmt.ms(step.duration_ns), str(step.context_length),
+                fmt.nbytes(step.kv_live_bytes),
+            )
+        decode_ns = sum(s.duration_ns for s in self.steps)
+        rate = len(self.steps) / (decode_ns / 1e9) if decode_ns else 0.0
+        status = Text.assemble(
+            fmt.bar(self.generated / self.limit if self.limit else 1.0, 30, "green"),
+            f" {self.generated}/{self.limit} tokens · {rate:.1f} tok/s"
+            + (" · [interrupted]" if self.interrupted else ""),
+        )
+        text = Text(self.text, style="green")
+        body = Group(table, status, Text("text so far: ", style="dim") + text)
+        return section(f"6 · Decode  one token per step, each reading the whole KV cache "
+                       f"(prompt {self.prompt_tokens} tokens)", body)

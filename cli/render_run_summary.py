@@ -1,0 +1,94 @@
+"""`llmtrace run`, section 7: the summary (TTFT, tokens/s, FLOPs, bytes, roofline bound, KV cache, memory, text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from cli import render_run_format as fmt
+from cli.render_run import section
+from tracer.trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
+from tracer.trace_summary import PhaseSummary, RunSummary
+
+_STOP_TEXT = {
+    STOP_EOS: "the model emitted its end-of-sequence token",
+    STOP_MAX_NEW_TOKENS: "--max-new-tokens reached",
+    STOP_CONTEXT_FULL: "the model's context is full",
+    STOP_INTERRUPTED: "interrupted (Ctrl-C): everything traced so far is shown",
+}
+
+
+def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline: Any | None,
+                   roofline_note: str) -> None:
+    table = Table(show_edge=False, pad_edge=False, box=None, show_header=True)
+    table.add_column("")
+    table.add_column("prefill", justify="right")
+    table.add_column("decode", justify="right")
+    pre, dec = summary.prefill, summary.decode
+    traced = bool(trace.stages)
+    table.add_row("tokens in", f"{pre.tokens_in}", f"{dec.tokens_in} ({dec.steps} steps)")
+    table.add_row("time", f"TTFT {fmt.ms(summary.ttft_ns)}",
+                  f"{fmt.ms(dec.step_ns / dec.steps) if dec.steps else '-'} / token")
+    table.add_row("speed", f"{pre.tokens_in / (pre.forward_ns / 1e9):.0f} tok/s" if pre.forward_ns else "-",
+                  f"[bold]{summary.decode_tokens_per_second:.1f} tok/s[/]" if dec.steps else "-")
+    if traced:
+        table.add_row("FLOPs", fmt.flops(pre.totals.flops),
+                      f"{fmt.flops(dec.totals.flops / dec.steps)} / step" if dec.steps else "-")
+        table.add_row("achieved", fmt.flops_per_second(pre.flops_per_second),
+                      fmt.flops_per_second(dec.flops_per_second) if dec.steps else "-")
+        table.add_row("bytes read", fmt.nbytes(pre.totals.bytes_read),
+                      f"{fmt.nbytes(dec.bytes_read_per_step)} / step" if dec.steps else "-")
+        table.add_row("weights + KV moved", fmt.bytes_per_second(pre.min_bytes_per_second),
+                      fmt.bytes_per_second(dec.min_bytes_per_second) if dec.steps else "-")
+        table.add_row("arithmetic intensity", f"{pre.arithmetic_intensity:.1f} FLOP/B",
+                      f"{dec.arithmetic_intensity:.2f} FLOP/B" if dec.steps else "-")
+    if roofline is not None:
+        _roofline_rows(table, roofline, pre, dec)
+    kv_line = (f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
+               f"allocated ({trace.steps[-1].context_length if trace.steps else 0} positions × "
+               f"{trace.config.n_layers} layers × 2 (K,V) × {trace.config.n_kv_heads} KV heads × "
+               f"{trace.config.head_dim} × {trace.environment.dtype})")
+    memory = f"peak RSS {fmt.nbytes(summary.peak_rss_bytes)}"
+    if summary.peak_device_bytes is not None:
+        memory += f" · peak device memory {fmt.nbytes(summary.peak_device_bytes)}"
+    lines = [kv_line, memory]
+    if roofline is None and roofline_note:
+        lines.append(f"[dim]{roofline_note}[/]")
+    if not traced:
+        lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
+    stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)
+    lines.append(f"stopped: {stop} · {summary.generated_tokens} tokens generated")
+    text = Text("\n")
+    text.append(trace.settings.prompt, style="dim")
+    text.append(trace.generated_text, style="bold green")
+    console.print(section("7 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
+
+
+def _roofline_rows(table: Table, roofline: Any, pre: PhaseSummary, dec: PhaseSummary) -> None:
+    """Bound and predicted time from tracer.roofline for this machine, and the measured run as % of the bound."""
+    machine = roofline.machine
+    first = roofline.first_decode
+    table.add_row(f"roofline ({machine.hardware})", f"{pre_bound(roofline.prefill)}",
+                  pre_bound(first) if first is not None else "-")
+    predicted_pre = roofline.prefill.seconds
+    measured_pre = pre.forward_ns / 1e9
+    cells = [f"{fmt.ms(predicted_pre * 1e9)} ({_pct(predicted_pre, measured_pre)} of bound)"]
+    if first is not None and dec.steps:
+        predicted = roofline.generation.time_per_output_token_seconds or 0.0
+        measured = dec.forward_ns / dec.steps / 1e9
+        cells.append(f"{fmt.ms(predicted * 1e9)} ({_pct(predicted, measured)} of bound)")
+    else:
+        cells.append("-")
+    table.add_row("predicted (measured as %)", *cells)
+
+
+def pre_bound(bound: Any) -> str:
+    return f"{bound.bound}-bound (ridge {bound.arithmetic_intensity:.1f})"
+
+
+def _pct(predicted: float, measured: float) -> str:
+    """How close the run came to the physical limit: predicted / measured time."""
+    return f"{100 * predicted / measured:.0f}%" if measured else "-"
