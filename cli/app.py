@@ -15,6 +15,7 @@ app = typer.Typer(
 # Command modules register themselves on `app` when imported.
 from cli import commands_analytical  # noqa: E402,F401
 from cli import cmd_hardware, cmd_roofline  # noqa: E402,F401
+from cli import cmd_run  # noqa: E402,F401
 
 
 def main() -> None:
