@@ -154,7 +154,13 @@ def read_gguf_header(path: str | Path, decode_arrays: bool = False) -> GGUFHeade
             if file_size == 0:
                 raise FileFormatError(f"{path}: file is empty; not a GGUF file")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return _parse(memoryview(mm), str(path), file_size, decode_arrays)
+                view = memoryview(mm)
+                try:
+                    return _parse(view, str(path), file_size, decode_arrays)
+                finally:
+                    # An error's traceback keeps the parser's frames (and this view) alive; a live view makes
+                    # mmap's close raise BufferError, which would hide the FileFormatError.
+                    view.release()
     except FileNotFoundError as exc:
         raise FileFormatError(f"{path}: no such file; check the path") from exc
     except IsADirectoryError as exc:

