@@ -111,12 +111,10 @@ class GenerationEstimate:
     decode_steps: int  # new_tokens - 1
     final_kv_len: int  # positions in the cache after the last decode step
     exceeds_max_seq_len: bool
-    prefill: PhaseEstimate
-    first_decode: PhaseEstimate | None
-    last_decode: PhaseEstimate | None
     components: tuple[ComponentSum, ...]
-    decode_totals: Totals  # sum over the decode steps only
-    totals: Totals  # prefill + decode steps
+    prefill_totals: Totals
+    decode_totals: Totals  # sum over the decode steps only (per_layer_flops is 0: steps differ)
+    totals: Totals  # prefill + decode steps (per_layer_flops is 0)
 
 
 # ---- one pass ---------------------------------------------------------------------------------------------
@@ -283,7 +281,7 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         (c.kind, c.per_layer, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
         for c, acc in zip(pre.components, sums)
     ])
-    # A per-layer figure makes no sense for a sum over steps of different lengths: report the prefill's.
+    # A per-layer figure makes no sense for a sum over steps of different lengths.
     decode_totals = _replace_per_layer(decode_totals, 0)
     p = pre.totals
     totals = _make_totals(
@@ -301,10 +299,8 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
     final_kv_len = prompt_len + steps
     return GenerationEstimate(
         prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, decode_steps=steps, final_kv_len=final_kv_len,
-        exceeds_max_seq_len=final_kv_len > cfg.max_seq_len, prefill=pre,
-        first_decode=decode_step(cfg, prompt_len, dtypes, batch) if steps else None,
-        last_decode=decode_step(cfg, prompt_len + steps - 1, dtypes, batch) if steps else None,
-        components=components, decode_totals=decode_totals, totals=totals,
+        exceeds_max_seq_len=final_kv_len > cfg.max_seq_len, components=components, prefill_totals=pre.totals,
+        decode_totals=decode_totals, totals=totals,
     )
 
 

@@ -46,8 +46,12 @@ class BudgetFit:
     model_max_seq_len: int
 
 
+KVMEM_SCHEMA = "llmtrace.kvmem/1"
+
+
 @dataclass(frozen=True, slots=True)
 class KVMemReport:
+    schema: str
     model: str
     max_seq_len: int
     formula: str  # with the numbers substituted
@@ -127,7 +131,7 @@ def kvmem_report(
     if budget_bytes is not None:
         budget = budget_fit(config, dtype, batch, _positive("budget", budget_bytes), weights_dtype or dtype)
     return KVMemReport(
-        model=config.name, max_seq_len=config.max_seq_len, formula=formula, size=size, without_gqa=mha,
+        schema=KVMEM_SCHEMA, model=config.name, max_seq_len=config.max_seq_len, formula=formula, size=size, without_gqa=mha,
         gqa_saving=mha.total_bytes / size.total_bytes, table=table, budget=budget,
     )
 

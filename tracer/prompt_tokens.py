@@ -1,25 +1,22 @@
-"""Count a prompt's tokens with the model's own tokenizer, loading nothing but the tokenizer (no torch).
+"""Count a prompt's tokens with the model's own tokenizer, loading nothing but the tokenizer (no torch, no weights).
 
-- HF folder: tokenizer.json through `tokenizers` (its post-processor adds BOS where the model does), else
-  tokenizer.model through `sentencepiece` plus BOS when tokenizer_config.json asks for it (LLaMA's default).
-- GGUF file: the vocabulary in its header, rebuilt by tracer.gguf_tokenizer (the same tokenizer `run` uses).
-- Preset: no tokenizer; the caller must give a prompt length instead.
+The tokenizers are the ones `llmtrace run` uses: tracer.tokenizer.load_tokenizer for an HF folder (tokenizer.json,
+else tokenizer.model) and tracer.gguf_tokenizer for the vocabulary in a GGUF header. A preset has no tokenizer.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tracer.errors import BadArgumentError, ConfigError
+from tracer.errors import BadArgumentError
 from tracer.resolve import ResolvedModel
 
 
 @dataclass(frozen=True, slots=True)
 class PromptTokens:
-    n_tokens: int
-    tokenizer: str  # which file counted them
+    n_tokens: int  # with BOS where the model adds one
+    tokenizer: str  # the file whose tokenizer counted them
 
 
 def count_prompt_tokens(model: ResolvedModel, text: str) -> PromptTokens:
@@ -30,48 +27,13 @@ def count_prompt_tokens(model: ResolvedModel, text: str) -> PromptTokens:
         )
     path = Path(model.path)
     if model.kind == "gguf":
-        n = _count_gguf(path, text)
-        return PromptTokens(n, str(path))
+        # Imported here: only --prompt needs a tokenizer, and building one costs more than the whole estimate.
+        from tracer.gguf_header import read_gguf_header
+        from tracer.gguf_tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(read_gguf_header(path, decode_arrays=True))
+        return PromptTokens(len(tokenizer.encode(text)), str(path))
+    from tracer.tokenizer import load_tokenizer
+
     folder = path if path.is_dir() else path.parent
-    if (folder / "tokenizer.json").exists():
-        return PromptTokens(_count_tokenizer_json(folder / "tokenizer.json", text), str(folder / "tokenizer.json"))
-    if (folder / "tokenizer.model").exists():
-        return PromptTokens(_count_sentencepiece(folder, text), str(folder / "tokenizer.model"))
-    raise ConfigError(f"{folder}: no tokenizer.json or tokenizer.model to count --prompt with; give --prompt-len N")
-
-
-def _count_tokenizer_json(file: Path, text: str) -> int:
-    from tokenizers import Tokenizer  # imported here: only --prompt needs it
-
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-        raise ConfigError(f"{file}: not a readable tokenizer.json ({exc}); re-download it") from exc
-    return len(tokenizer.encode(text).ids)
-
-
-def _count_sentencepiece(folder: Path, text: str) -> int:
-    import sentencepiece  # imported here: only --prompt needs it
-
-    processor = sentencepiece.SentencePieceProcessor()
-    try:
-        processor.Load(str(folder / "tokenizer.model"))
-    except (OSError, RuntimeError) as exc:
-        raise ConfigError(f"{folder / 'tokenizer.model'}: not a readable SentencePiece model ({exc})") from exc
-    add_bos = True  # LlamaTokenizer's default
-    settings = folder / "tokenizer_config.json"
-    if settings.exists():
-        try:
-            add_bos = bool(json.loads(settings.read_text(encoding="utf-8")).get("add_bos_token", True))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-            raise ConfigError(f"{settings}: not readable as a JSON object ({exc})") from exc
-    bos = 1 if add_bos and processor.bos_id() >= 0 else 0
-    return bos + len(processor.EncodeAsIds(text))
-
-
-def _count_gguf(path: Path, text: str) -> int:
-    from tracer.gguf_header import read_gguf_header
-    from tracer.gguf_tokenizer import tokenizer_from_gguf  # the GGUF loader's tokenizer, torch-free
-
-    tokenizer = tokenizer_from_gguf(read_gguf_header(path, decode_arrays=True))
-    return len(tokenizer.encode(text))
+    return PromptTokens(len(load_tokenizer(folder).encode(text)), str(folder))

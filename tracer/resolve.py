@@ -52,6 +52,8 @@ def resolve_model(spec: str) -> ResolvedModel:
         return ResolvedModel(get_preset(spec), None, "preset", None)
     path = Path(spec).expanduser()
     if not path.exists():
+        if "/" in spec or "\\" in spec or path.suffix in (".json", ".gguf", ".safetensors"):
+            raise ConfigError(f"{spec}: no such file or folder; check the path, or pass a preset name")
         return ResolvedModel(get_preset(spec), None, "preset", None)  # raises UnknownPresetError with nearest names
     if path.is_dir():
         if (path / "config.json").exists():

@@ -1,0 +1,78 @@
+"""`llmtrace flops`: FLOPs and bytes per component for a prefill, one decode step and a whole generation."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cli.app import app
+from cli.errors import run_guarded
+from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+
+DEFAULT_PROMPT_LEN = 128
+DEFAULT_NEW_TOKENS = 128
+
+
+@app.command("flops")
+def flops(
+    model: ModelOption = DEFAULT_MODEL,
+    prompt_len: Annotated[Optional[int], typer.Option(
+        "--prompt-len", "-p", min=1, help=f"Prompt length P in tokens [default: {DEFAULT_PROMPT_LEN}].")] = None,
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", help="Prompt text; its length is counted with the model's own tokenizer (folder or .gguf).")] = None,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens N to generate.")] = DEFAULT_NEW_TOKENS,
+    context: Annotated[Optional[int], typer.Option(
+        "--context", "-L", min=0, help="Positions L already cached for the single decode step shown [default: P].")] = None,
+    dtype: Annotated[DtypeChoice, typer.Option(
+        "--dtype", help="Weight dtype, for bytes moved and arithmetic intensity.")] = DtypeChoice.fp16,
+    kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
+        "--kv-dtype", help="KV-cache dtype [default: the weight dtype, fp16 when weights are fp8/int8/int4].")] = None,
+    batch: BatchOption = 1,
+    macs: Annotated[bool, typer.Option("--macs", help="Show matmul MACs (multiply-accumulates) instead of FLOPs.")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """FLOPs per component (formula, per layer, all layers, share) for prefill, one decode step and a generation.
+
+    Examples:
+      llmtrace flops                                  # llama-7b, P=128, N=128
+      llmtrace flops --model llama3-8b --prompt-len 2000 --new-tokens 500
+      llmtrace flops --model path/to/model.gguf --prompt "The capital of France is"
+      llmtrace flops --model llama2-70b --dtype int4 --batch 8 --json
+    """
+
+    def body() -> None:
+        # Imported inside the command: `llmtrace --help` and the other commands do not pay for them.
+        from tracer.dtypes import get_dtype
+        from tracer.errors import BadArgumentError
+        from tracer.flops_report import flops_report
+        from tracer.resolve import resolve_model
+
+        if prompt is not None and prompt_len is not None:
+            raise BadArgumentError("give either --prompt or --prompt-len, not both")
+        resolved = resolve_model(model)
+        tokenizer_source = None
+        if prompt is not None:
+            from tracer.prompt_tokens import count_prompt_tokens
+
+            counted = count_prompt_tokens(resolved, prompt)
+            p_len, tokenizer_source = counted.n_tokens, counted.tokenizer
+            if p_len == 0:
+                raise BadArgumentError("--prompt has no tokens; give some text or --prompt-len N")
+        else:
+            p_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
+        report = flops_report(
+            resolved, p_len, new_tokens, get_dtype(dtype.value), get_dtype(kv_dtype.value) if kv_dtype else None,
+            batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source,
+        )
+        if json_out:
+            from cli.json_output import print_json
+
+            print_json(report)
+            return
+        from cli.console import stdout_console
+        from cli.render_flops import render_flops
+
+        render_flops(stdout_console(), report, macs)
+
+    run_guarded(body)

@@ -1,0 +1,56 @@
+"""`llmtrace kvmem`: KV-cache bytes, the formula with numbers, a table over context lengths, GQA and a budget."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cli.app import app
+from cli.errors import run_guarded
+from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+
+
+@app.command("kvmem")
+def kvmem(
+    seq: Annotated[Optional[int], typer.Option(
+        "--seq", "-s", min=1, help="Positions per sequence (prompt + generated) [default: the model's max context].")] = None,
+    model: ModelOption = DEFAULT_MODEL,
+    dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="KV-cache dtype.")] = DtypeChoice.fp16,
+    batch: BatchOption = 1,
+    budget: Annotated[Optional[str], typer.Option(
+        "--budget", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,
+    weights_dtype: Annotated[DtypeChoice, typer.Option(
+        "--weights-dtype", help="With --budget: dtype of the weights that share the memory.")] = DtypeChoice.fp16,
+    json_out: JsonOption = False,
+) -> None:
+    """KV-cache size: 2 × layers × KV heads × head dim × bytes × positions × batch.
+
+    Examples:
+      llmtrace kvmem --seq 2000
+      llmtrace kvmem --model llama2-70b --seq 4096 --batch 8 --dtype int8
+      llmtrace kvmem --model llama3-8b --budget 24GiB --json
+    """
+
+    def body() -> None:
+        from tracer.dtypes import get_dtype
+        from tracer.kvmem import kvmem_report, parse_bytes
+        from tracer.resolve import resolve_config
+
+        config = resolve_config(model)
+        report = kvmem_report(
+            config, seq if seq is not None else config.max_seq_len, get_dtype(dtype.value), batch,
+            budget_bytes=parse_bytes(budget) if budget is not None else None,
+            weights_dtype=get_dtype(weights_dtype.value),
+        )
+        if json_out:
+            from cli.json_output import print_json
+
+            print_json(report)
+            return
+        from cli.console import stdout_console
+        from cli.render_kvmem import render_kvmem
+
+        render_kvmem(stdout_console(), report)
+
+    run_guarded(body)

@@ -1,0 +1,41 @@
+"""`llmtrace models`: the presets with their key dimensions, parameter counts and KV bytes per token."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli.app import app
+from cli.errors import run_guarded
+from cli.options import DtypeChoice, JsonOption
+
+
+@app.command("models")
+def models(
+    dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="Dtype of the weight and KV-cache columns.")] = DtypeChoice.fp16,
+    json_out: JsonOption = False,
+) -> None:
+    """List the model presets usable as --model (each preset's source is cited in tracer/presets.py).
+
+    Examples:
+      llmtrace models
+      llmtrace models --dtype int4 --json
+    """
+
+    def body() -> None:
+        from tracer.catalog import models_report
+        from tracer.dtypes import get_dtype
+
+        report = models_report(get_dtype(dtype.value))
+        if json_out:
+            from cli.json_output import print_json
+
+            print_json(report)
+            return
+        from cli.console import stdout_console
+        from cli.render_models import render_models
+
+        render_models(stdout_console(), report)
+
+    run_guarded(body)

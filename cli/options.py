@@ -1,0 +1,31 @@
+"""Option types shared by the analytical commands: `Annotated` aliases and `str` Enums, so each is declared once."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+
+class DtypeChoice(str, Enum):
+    """Storage dtypes llmtrace budgets for (tracer.dtypes): int8/int4 include one fp16 scale per 32 values."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp8 = "fp8"
+    int8 = "int8"
+    int4 = "int4"
+
+
+DEFAULT_MODEL = "llama-7b"  # the seed article's model
+
+ModelOption = Annotated[
+    str,
+    typer.Option("--model", "-m", metavar="PRESET|PATH",
+                 help="A preset (see `llmtrace models`), an HF model folder or config.json, or a .gguf file. "
+                      "Only headers are read, never weights."),
+]
+BatchOption = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences processed together.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout (schema in README.md).")]

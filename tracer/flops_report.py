@@ -1,0 +1,97 @@
+"""Everything `llmtrace flops` shows, as one frozen record: `asdict()` of it is the --json output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracer import estimate
+from tracer.config import ModelConfig
+from tracer.dtypes import DType
+from tracer.errors import BadArgumentError
+from tracer.params import ParamCount, count_params, weight_bytes_by_dtype
+from tracer.resolve import ResolvedModel
+from tracer.weights_summary import WeightsSummary
+
+FLOPS_SCHEMA = "llmtrace.flops/1"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    source: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    max_seq_len: int
+    tie_embeddings: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "ModelShape":
+        return cls(cfg.name, cfg.source, cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                   cfg.head_dim, cfg.ffn_dim, cfg.max_seq_len, cfg.tie_embeddings)
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    weights: str
+    kv: str
+    activations: str
+
+
+@dataclass(frozen=True, slots=True)
+class RuleOfThumb:
+    """The '2 x parameters FLOPs per token' rule against the exact count."""
+
+    two_x_params: int
+    decode_step_flops_per_token: float  # the decode step shown, divided by the batch
+    decode_ratio: float  # decode_step_flops_per_token / two_x_params
+    generation_flops_per_token: float  # whole generation / tokens fed through the model (P + N - 1) / batch
+    generation_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class FlopsReport:
+    schema: str
+    model: ModelShape
+    params: ParamCount
+    weight_bytes: dict[str, int]  # every dtype llmtrace knows -> bytes of all weights in it
+    checkpoint: WeightsSummary | None  # what the file on disk holds (None for a preset)
+    dtypes: DtypeChoice
+    batch: int
+    prompt_len: int
+    prompt_tokenizer: str | None  # the tokenizer file that counted --prompt, None when --prompt-len was given
+    new_tokens: int
+    decode_context: int  # L: positions cached before the decode step shown
+    prefill: estimate.PhaseEstimate
+    decode: estimate.PhaseEstimate
+    generation: estimate.GenerationEstimate
+    rule_of_thumb: RuleOfThumb
+
+
+def flops_report(
+    model: ResolvedModel, prompt_len: int, new_tokens: int, weights: DType, kv: DType | None = None,
+    batch: int = 1, decode_context: int | None = None, prompt_tokenizer: str | None = None,
+) -> FlopsReport:
+    cfg = model.config
+    dtypes = estimate.Dtypes.for_weights(weights, kv)
+    context = prompt_len if decode_context is None else decode_context
+    if context < 0:
+        raise BadArgumentError(f"decode context must be >= 0, got {context}")
+    pre = estimate.prefill(cfg, prompt_len, dtypes, batch)
+    step = estimate.decode_step(cfg, context, dtypes, batch)
+    gen = estimate.generation(cfg, prompt_len, new_tokens, dtypes, batch)
+    params = count_params(cfg)
+    two_x = 2 * params.total
+    step_per_token = step.totals.total_flops / batch
+    gen_per_token = gen.totals.total_flops / (batch * (prompt_len + new_tokens - 1))
+    return FlopsReport(
+        schema=FLOPS_SCHEMA, model=ModelShape.of(cfg), params=params, weight_bytes=weight_bytes_by_dtype(cfg),
+        checkpoint=model.weights, dtypes=DtypeChoice(dtypes.weights.name, dtypes.kv.name, dtypes.activations.name),
+        batch=batch, prompt_len=prompt_len, prompt_tokenizer=prompt_tokenizer, new_tokens=new_tokens,
+        decode_context=context, prefill=pre, decode=step, generation=gen,
+        rule_of_thumb=RuleOfThumb(two_x, step_per_token, step_per_token / two_x, gen_per_token, gen_per_token / two_x),
+    )
