@@ -1,0 +1,275 @@
+"""Roofline predictions checked against values derived by hand here (not by calling the code under test).
+
+LLaMA-7B by hand: d=4096, 32 layers, 32 heads of 128 (no GQA), FFN 11008, vocab 32000.
+  per layer matrices: 4*4096^2 + 3*4096*11008 = 67,108,864 + 135,266,304 = 202,375,168 parameters
+  LM head 4096*32000 = 131,072,000; embedding table the same size (a decode step gathers one row of it)
+  one decode step reads, in fp16: 2 bytes * (32 * 202,375,168 + 131,072,000 + one embedding row 4096
+  + norm vectors 65 * 4096) = 13,214,695,424 bytes of weights
+  KV cache: 2 (K, V) * 32 layers * 4096 * 2 bytes = 524,288 bytes per position
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tracer import estimate
+from tracer.dtypes import get_dtype
+from tracer.errors import BadArgumentError, HardwareError
+from tracer.hardware import get_profile
+from tracer.presets import get_preset
+from tracer.roofline import bound_pass, compute_dtype_for, machine_for, roofline
+from tracer.roofline_compare import compare_with_measured
+from tracer.tensor_parallel import device_cost
+
+A100 = get_profile("a100-80gb")
+H100 = get_profile("h100-sxm")
+LLAMA_7B_LAYER_MATRICES = 4 * 4096**2 + 3 * 4096 * 11008
+LLAMA_7B_DECODE_WEIGHT_BYTES = 2 * (32 * LLAMA_7B_LAYER_MATRICES + 4096 * 32000 + 4096 + 65 * 4096)
+KV_BYTES_PER_POSITION_7B = 2 * 32 * 4096 * 2
+GiB = 2**30
+
+
+def test_hand_constants() -> None:
+    assert LLAMA_7B_DECODE_WEIGHT_BYTES == 13_214_695_424
+    assert KV_BYTES_PER_POSITION_7B == 524_288  # the well-known 0.5 MiB per token
+
+
+# ---- the seed's question: llama-7b fp16 on an A100 80GB -------------------------------------------------------
+
+
+def test_llama7b_decode_batch1_is_memory_bound_at_about_6_6_ms() -> None:
+    r = roofline(get_preset("llama-7b"), A100, prompt_len=128, new_tokens=2, dtype="fp16")
+    d = r.first_decode
+    assert d is not None and d.kv_len == 129
+    assert d.weight_bytes == LLAMA_7B_DECODE_WEIGHT_BYTES
+    assert d.kv_read_bytes == KV_BYTES_PER_POSITION_7B * 129
+    assert d.kv_write_bytes == KV_BYTES_PER_POSITION_7B
+    assert d.activation_bytes < 0.002 * d.bytes  # a decode step's activations are negligible
+    assert d.bound == "memory"
+    assert d.memory_seconds == pytest.approx(d.bytes / 2.039e12, rel=1e-12)
+    # ~13.3 GB / 2.039 TB/s: the issue's 13.5 GB / 2.04 TB/s = 6.6 ms, 150 tokens/s
+    assert 6.4e-3 < d.seconds < 6.7e-3
+    assert 149 < r.generation.tokens_per_s_per_sequence < 156
+    # matmul FLOPs: 2 per weight of every layer matrix and the LM head, plus QK^T and PV over 129 positions
+    matmul = 2 * (32 * LLAMA_7B_LAYER_MATRICES + 4096 * 32000) + 2 * 2 * 32 * 129 * 128 * 32
+    assert d.flops == pytest.approx(matmul, rel=1e-3)  # + elementwise work, under 0.1%
+    assert d.compute_seconds == pytest.approx(d.flops / 312e12)
+    # compute alone would allow ~23,000 tokens/s: the seed's "33,000" with its 9.3 GFLOP undercount
+    assert 22_000 < 1 / d.compute_seconds < 24_000
+    assert d.arithmetic_intensity == pytest.approx(1.0, abs=0.01)
+
+
+def test_llama7b_prefill_2048_is_compute_bound() -> None:
+    r = roofline(get_preset("llama-7b"), A100, prompt_len=2048, new_tokens=1, dtype="fp16")
+    p = r.prefill
+    dense_attention = 2 * 2 * 32 * 2048 * 2048 * 128 * 32  # QK^T and PV over all 2048^2 pairs, 32 layers
+    matmul = 2 * 2048 * 32 * LLAMA_7B_LAYER_MATRICES + 2 * 4096 * 32000 + dense_attention  # LM head: last position
+    assert matmul == 28_725_003_419_648
+    assert p.flops == pytest.approx(matmul, rel=2e-3)
+    assert p.bound == "compute"
+    assert p.arithmetic_intensity > A100.ridge_point("fp16")
+    assert p.seconds == pytest.approx(p.flops / 312e12)
+    assert 0.090 < r.generation.ttft_seconds < 0.095
+    assert r.first_decode is None and r.generation.decode_steps == 0
+    assert r.generation.tokens_per_s_per_sequence is None
+
+
+def test_gqa_kv_traffic_shrinks_by_the_head_ratio() -> None:
+    gqa = get_preset("llama2-70b")  # 64 query heads share 8 KV heads
+    mha = replace(gqa, name="llama2-70b-mha", n_kv_heads=64)
+    kw = dict(prompt_len=1000, new_tokens=2, dtype="int4", check_fit=False)
+    a = roofline(gqa, H100, **kw).first_decode
+    b = roofline(mha, H100, **kw).first_decode
+    assert b.kv_read_bytes == 8 * a.kv_read_bytes
+    assert b.kv_write_bytes == 8 * a.kv_write_bytes
+    # by hand: 2 * 80 layers * 8 KV heads * 128 * 2 bytes (fp16 cache) * 1001 positions
+    assert a.kv_read_bytes == 2 * 80 * 8 * 128 * 2 * 1001
+
+
+# ---- batching -------------------------------------------------------------------------------------------------
+
+
+def test_crossover_batch_is_ridge_over_per_sequence_intensity() -> None:
+    r = roofline(get_preset("llama-7b"), A100, prompt_len=128, new_tokens=2, dtype="fp16")
+    c = r.crossover
+    assert c.ridge_point == pytest.approx(312e12 / 2.039e12)
+    assert c.shared_bytes == LLAMA_7B_DECODE_WEIGHT_BYTES - 2 * 4096  # the embedding row is per sequence
+    assert c.per_sequence_intensity == pytest.approx(c.per_sequence_flops / c.shared_bytes)
+    assert c.crossover_batch_weights_only == pytest.approx(c.ridge_point / c.per_sequence_intensity)
+    # fp16: ~2 FLOPs per weight per sequence over 2 bytes per weight -> ~1 FLOP/byte, so the crossover ~ the ridge
+    assert 145 < c.crossover_batch_weights_only < 155
+
+
+def test_exact_crossover_is_where_the_bound_flips() -> None:
+    cfg = get_preset("llama3-8b")  # GQA 4:1 keeps the per-sequence KV traffic small
+    r = roofline(cfg, A100, prompt_len=16, new_tokens=2, dtype="fp16", check_fit=False)
+    b = r.crossover.crossover_batch
+    assert b is not None and b > r.crossover.crossover_batch_weights_only  # KV traffic pushes it later
+    at = roofline(cfg, A100, prompt_len=16, new_tokens=2, batch=b, dtype="fp16", check_fit=False).last_decode
+    below = roofline(cfg, A100, prompt_len=16, new_tokens=2, batch=b - 1, dtype="fp16", check_fit=False).last_decode
+    assert at.bound == "compute" and below.bound == "memory"
+
+
+def test_mha_at_long_context_never_turns_compute_bound() -> None:
+    r = roofline(get_preset("llama-7b"), A100, prompt_len=1900, new_tokens=100, dtype="fp16")
+    c = r.crossover
+    assert c.crossover_batch is None
+    # each sequence reads its own 0.5 MiB * ~2000 positions of KV per step for ~13 GFLOP: ~13 FLOPs/byte at most
+    assert c.intensity_limit < c.ridge_point
+    assert c.intensity_limit == pytest.approx(c.per_sequence_flops / c.per_sequence_bytes)
+    assert all(row.bound == "memory" for row in r.batch_table)
+
+
+def test_batch_table_marks_where_the_kv_cache_stops_fitting() -> None:
+    r = roofline(get_preset("llama-7b"), A100, prompt_len=1000, new_tokens=25, dtype="fp16")
+    # by hand: 80 GiB - 13.48 GB of weights leaves room for floor(free / (0.5 MiB * 1024 positions)) sequences
+    weights = 2 * 6_738_415_616
+    per_sequence = KV_BYTES_PER_POSITION_7B * 1024
+    assert r.memory.weight_bytes_per_device == weights
+    assert r.memory.max_batch == (80 * GiB - weights) // per_sequence
+    rows = {row.batch: row for row in r.batch_table}
+    assert rows[r.memory.max_batch].fits  # the table shows the largest batch that fits...
+    assert [b for b, row in rows.items() if not row.fits] == [b for b in rows if b > r.memory.max_batch] != []
+    for row in r.batch_table:
+        assert row.tokens_per_s_total == pytest.approx(row.batch * row.tokens_per_s_per_sequence)
+        assert row.fits == (row.memory_bytes_per_device <= 80 * GiB)
+
+
+# ---- a whole generation -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 250])
+def test_decode_total_equals_the_sum_of_every_step(batch: int) -> None:
+    """The closed-form sum against a brute-force loop over every step, incl. a generation whose bound flips."""
+    cfg = get_preset("llama3-8b")
+    dtypes = estimate.Dtypes.for_weights(get_dtype("fp16"))
+    r = roofline(cfg, A100, prompt_len=16, new_tokens=300, batch=batch, dtype="fp16", check_fit=False)
+    machine = machine_for(A100, get_dtype("fp16"))
+    steps = [bound_pass("step", phase, device_cost(cfg, phase, 2, 1), machine)
+             for phase in (estimate.decode_step(cfg, cached, dtypes, batch) for cached in range(16, 16 + 299))]
+    assert r.generation.decode_seconds == pytest.approx(sum(s.seconds for s in steps), rel=1e-9)
+    memory_steps = sum(1 for s in steps if s.bound == "memory")
+    assert r.generation.memory_bound_decode_steps == memory_steps
+    if batch == 250:
+        assert 0 < memory_steps < 299  # compute-bound early, memory-bound once the cache has grown
+    assert r.generation.total_seconds == pytest.approx(r.generation.ttft_seconds + r.generation.decode_seconds)
+    assert r.generation.tokens_per_s_total == pytest.approx(batch * 299 / r.generation.decode_seconds)
+
+
+# ---- tensor parallelism -------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_splits_weights_kv_and_adds_allreduce() -> None:
+    cfg = get_preset("llama2-70b")
+    r4 = roofline(cfg, H100, prompt_len=512, new_tokens=128, batch=8, dtype="fp16", tp=4)
+    # by hand: 68,976,648,192 parameters in fp16; the 161 norm vectors of 8192 are replicated
+    norms = 2 * 8192 * 161
+    assert r4.memory.weight_bytes_per_device == (2 * 68_976_648_192 - norms) // 4 + norms
+    # KV: 2 * 80 layers * 8 KV heads * 128 * 2 bytes per position, 639 positions, batch 8, over 4 devices
+    assert r4.memory.kv_bytes_per_device == 2 * 80 * 8 * 128 * 2 * 639 * 8 // 4
+    t = r4.tensor_parallel
+    assert t.decode_payload_bytes == 8 * 1 * 8192 * 2  # B * T * d * 2 bytes
+    assert t.prefill_payload_bytes == 8 * 512 * 8192 * 2
+    # 80 layers * 2 all-reduces * ring share 2(N-1)/N = 1.5 of the payload
+    assert t.decode_comm_bytes_per_step == 80 * 2 * 3 * 8 * 8192 * 2 // 2
+    assert t.decode_comm_seconds_per_step == pytest.approx(t.decode_comm_bytes_per_step / 450e9)  # NVLink 900/2
+    assert t.prefill_comm_seconds == pytest.approx(80 * 2 * 1.5 * t.prefill_payload_bytes / 450e9)
+
+    r1 = roofline(cfg, H100, prompt_len=512, new_tokens=128, batch=8, dtype="fp16", tp=1, check_fit=False)
+    d1, d4 = r1.last_decode, r4.last_decode
+    assert d4.flops == pytest.approx(d1.flops / 4, rel=1e-3)  # only norms and residuals are replicated
+    assert d4.kv_read_bytes == d1.kv_read_bytes // 4
+    assert d4.seconds == pytest.approx(max(d4.compute_seconds, d4.memory_seconds) + t.decode_comm_seconds_per_step)
+    assert d1.comm_seconds == 0 and r1.tensor_parallel.decode_comm_bytes_per_step == 0
+
+
+def test_tp_that_does_not_divide_the_heads() -> None:
+    with pytest.raises(BadArgumentError, match=r"--tp 3 does not divide llama2-70b's 64 query heads.*--tp 2, 4, 8"):
+        roofline(get_preset("llama2-70b"), H100, tp=3)
+    with pytest.raises(BadArgumentError, match="--tp 16 does not divide llama3.1-405b's 8 KV heads"):
+        roofline(get_preset("llama3.1-405b"), H100, tp=16, dtype="fp8")
+
+
+def test_tp_without_an_interconnect() -> None:
+    with pytest.raises(HardwareError, match="m3-max has no interconnect"):
+        roofline(get_preset("llama-7b"), get_profile("m3-max"), tp=2)
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch=0), "--batch must be an integer >= 1, got 0"),
+    (dict(batch=-3), "--batch must be an integer >= 1, got -3"),
+    (dict(prompt_len=0), "--prompt-len must be"),
+    (dict(new_tokens=0), "--new-tokens must be"),
+    (dict(tp=0), "--tp must be an integer >= 1"),
+    (dict(dtype="fp12"), "unknown dtype 'fp12'"),
+])
+def test_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(BadArgumentError, match=message):
+        roofline(get_preset("llama-7b"), A100, **kwargs)
+
+
+def test_model_that_does_not_fit_says_by_how_much() -> None:
+    # llama2-70b fp16: 137.95 GB = 128.5 GiB of weights on an 80 GiB card: ~48.5 GiB short (+ KV)
+    with pytest.raises(HardwareError) as err:
+        roofline(get_preset("llama2-70b"), A100, prompt_len=512, new_tokens=128, dtype="fp16")
+    msg = str(err.value)
+    assert "llama2-70b (fp16) does not fit on a100-80gb" in msg
+    assert "weights 128.5 GiB" in msg and "has 80.0 GiB" in msg
+    assert "48.7 GiB short" in msg  # 128.48 GiB weights + 0.20 GiB KV - 80 GiB
+    assert "--tp 2" in msg
+    assert "\n" not in msg
+
+
+def test_kv_cache_that_does_not_fit_suggests_a_batch() -> None:
+    with pytest.raises(HardwareError, match=r"does not fit on l4: .* short; try --batch \d+"):
+        roofline(get_preset("llama-7b"), get_profile("l4"), prompt_len=2000, new_tokens=48, batch=64)
+
+
+# ---- dtypes -----------------------------------------------------------------------------------------------------
+
+
+def test_compute_dtype_follows_the_weights_and_the_hardware() -> None:
+    assert compute_dtype_for(get_dtype("bf16"), A100) == ("bf16", "")
+    assert compute_dtype_for(get_dtype("fp8"), H100) == ("fp8", "")
+    dtype, note = compute_dtype_for(get_dtype("fp8"), A100)  # no fp8 tensor cores on Ampere
+    assert dtype == "fp16" and "dequantized" in note
+    assert compute_dtype_for(get_dtype("int4"), H100)[0] == "fp16"
+
+
+def test_int4_weights_quarter_the_decode_traffic_and_kv_dtype_applies() -> None:
+    cfg = get_preset("llama-7b")
+    fp16 = roofline(cfg, A100, prompt_len=128, new_tokens=2, dtype="fp16").first_decode
+    int4 = roofline(cfg, A100, prompt_len=128, new_tokens=2, dtype="int4").first_decode
+    # Q4_0: 18 bytes per 32 weights (4.5 bits) against 64 bytes in fp16
+    assert int4.weight_bytes == pytest.approx(fp16.weight_bytes * 18 / 64, rel=1e-3)
+    kv8 = roofline(cfg, A100, prompt_len=128, new_tokens=2, dtype="fp16", kv_dtype="int8")
+    # Q8_0 cache: 34 bytes per 32 values against 64
+    assert kv8.first_decode.kv_read_bytes == fp16.kv_read_bytes * 34 // 64
+    assert kv8.kv_dtype == "int8"
+
+
+# ---- measured vs bound (the API `llmtrace run` calls) --------------------------------------------------------
+
+
+def test_compare_with_measured_reports_percent_of_bound() -> None:
+    cfg = get_preset("smollm2-135m")
+    cmp = compare_with_measured(cfg, A100, prompt_len=10, new_tokens=33, measured_ttft_s=0.01,
+                                measured_decode_tokens_per_s=500.0, dtype="fp32")
+    report = roofline(cfg, A100, prompt_len=10, new_tokens=33, dtype="fp32", check_fit=False)
+    assert cmp.predicted_ttft_s == report.generation.ttft_seconds
+    assert cmp.ttft_percent_of_bound == pytest.approx(100 * report.generation.ttft_seconds / 0.01)
+    assert cmp.predicted_decode_tokens_per_s == report.generation.tokens_per_s_per_sequence
+    assert cmp.decode_percent_of_bound == pytest.approx(100 * 500.0 / report.generation.tokens_per_s_per_sequence)
+    assert cmp.compute_dtype == "fp32" and cmp.decode_bound == "memory"
+    single = compare_with_measured(cfg, A100, prompt_len=10, new_tokens=1, measured_ttft_s=0.01,
+                                   measured_decode_tokens_per_s=None)
+    assert single.decode_percent_of_bound is None and single.predicted_decode_tokens_per_s is None
+    with pytest.raises(BadArgumentError, match="measured TTFT must be > 0"):
+        compare_with_measured(cfg, A100, 10, 2, measured_ttft_s=0.0, measured_decode_tokens_per_s=1.0)
+    with pytest.raises(BadArgumentError, match="decode tokens/s must be > 0"):
+        compare_with_measured(cfg, A100, 10, 2, measured_ttft_s=0.1, measured_decode_tokens_per_s=None)
