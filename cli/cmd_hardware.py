@@ -15,7 +15,7 @@ from cli.errors import run_guarded
 from cli.options import JsonOption
 from cli.render_hardware import render_measurement, render_profiles
 from tracer.errors import BadArgumentError
-from tracer.hardware import PEAK_DTYPES, THIS_MACHINE, HardwareProfile, all_profiles
+from tracer.hardware import MEASURABLE_DTYPES, PEAK_DTYPES, THIS_MACHINE, HardwareProfile, all_profiles
 from tracer.hardware_store import load_measured_profiles, save_measured_profile, store_path
 
 
@@ -25,9 +25,13 @@ class DeviceChoice(str, Enum):
 
 
 def _parse_dtypes(text: str) -> tuple[str, ...]:
+    """Checked here, before torch is imported, so a typo fails in a blink."""
     names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     if not names:
         raise BadArgumentError("--dtypes is empty; give a comma-separated list such as fp32,bf16")
+    for name in names:
+        if name not in MEASURABLE_DTYPES:
+            raise BadArgumentError(f"cannot measure {name!r}; measurable dtypes are {', '.join(MEASURABLE_DTYPES)}")
     return names
 
 

@@ -87,7 +87,7 @@ def work_table(report: RooflineReport) -> Table:
     tp = report.tensor_parallel.tp
     title = (f"What each pass does and moves (batch {report.prefill.batch}; T new tokens over S positions"
              + (f"; per device of {tp}" if tp > 1 else "") + ")")
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
     table.add_column("pass", no_wrap=True)
     for name in ("T", "S", "GFLOP", "weights\nGB", "KV read\nGB", "KV write\nGB", "activ.\nGB", "total\nGB"):
         table.add_column(name, justify="right")
@@ -103,7 +103,7 @@ def bound_table(report: RooflineReport) -> Table:
     m = report.machine
     tp = report.tensor_parallel.tp
     table = Table(title=f"Against the ceilings (ridge point {m.ridge_point:,.1f} FLOPs/byte)", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
     table.add_column("pass", no_wrap=True)
     table.add_column("FLOPs/\nbyte", justify="right")
     table.add_column("÷ ridge", justify="right")
@@ -191,7 +191,7 @@ def batch_table(report: RooflineReport) -> Table:
     tp = report.tensor_parallel.tp
     table = Table(title=f"Decode step at S={report.table_kv_len:,} over batch sizes"
                         + (f" (memory per device of {tp})" if tp > 1 else ""),
-                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
     for name in ("batch", "step\nms", "bound", "FLOPs/\nbyte", "tok/s\nper seq", "tok/s\ntotal", "KV\nGB",
                  "memory\nGB", "fits"):
         table.add_column(name, justify="left" if name in ("bound", "fits") else "right")

@@ -27,6 +27,9 @@ PEAK_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
 THIS_MACHINE = "this-machine"
 
+# GEMM dtypes `llmtrace hardware --measure` can time with torch (tf32 on CUDA only).
+MEASURABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+
 
 @dataclass(frozen=True, slots=True)
 class HardwareProfile:

@@ -23,9 +23,7 @@ from typing import Callable
 import torch
 
 from tracer.errors import BadArgumentError, HardwareError
-from tracer.hardware import THIS_MACHINE, HardwareProfile
-
-MEASURABLE_DTYPES = ("fp32", "tf32", "bf16", "fp16")
+from tracer.hardware import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Progress = Callable[[str], None]
