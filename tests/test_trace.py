@@ -1,0 +1,99 @@
+"""Trace: JSON round trip and schema, Chrome trace validity and nesting, summary figures from the records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tracer.errors import FileFormatError
+from tracer.generate import generate
+from tracer.load import load_model
+from tracer.trace import Trace, load_schema
+from tracer.trace_records import RunSettings
+from tracer.trace_summary import layer_rows, run_summary, stage_totals
+
+
+@pytest.fixture(scope="module")
+def trace(tiny_llama_dir: Path) -> Trace:
+    loaded = load_model(str(tiny_llama_dir))
+    settings = RunSettings(model=str(tiny_llama_dir), prompt="The capital of France is", max_new_tokens=5,
+                           temperature=0.8, top_k=20, seed=3)
+    return generate(loaded, settings)
+
+
+def test_json_round_trips_to_an_equal_trace(trace: Trace) -> None:
+    back = Trace.from_json(trace.to_json())
+    assert back == trace
+    assert back.to_json() == trace.to_json()
+
+
+def test_json_validates_against_the_schema(trace: Trace) -> None:
+    schema = load_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(json.loads(trace.to_json()), schema)
+    broken = json.loads(trace.to_json())
+    broken["stages"][0]["kind"] = "teleport"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+
+
+def test_schema_lists_every_record_field(trace: Trace) -> None:
+    """The schema's `required` lists match the dataclasses (additionalProperties is false, so both ways)."""
+    schema = load_schema()
+    data = json.loads(trace.to_json())
+    assert set(schema["required"]) == set(data)
+    for key, definition in (("stages", "StageRecord"), ("steps", "StepRecord")):
+        assert set(schema["$defs"][definition]["required"]) == set(data[key][0])
+    assert set(schema["$defs"]["CandidateRecord"]["required"]) == set(data["steps"][0]["candidates"][0])
+
+
+def test_from_json_rejects_what_is_not_a_trace() -> None:
+    with pytest.raises(FileFormatError, match="not valid JSON"):
+        Trace.from_json("{")
+    with pytest.raises(FileFormatError, match="not an llmtrace trace"):
+        Trace.from_json('{"traceEvents": []}')
+    with pytest.raises(FileFormatError, match="does not match the schema"):
+        Trace.from_json('{"schema": "llmtrace.trace", "schema_version": 1}')
+
+
+def test_chrome_trace_is_valid_json_with_well_nested_spans(trace: Trace) -> None:
+    doc = json.loads(json.dumps(trace.to_chrome_trace()))
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    assert {"tokenize", "prefill", "decode step 1", "layer 0", "layer 1", "attention", "ffn", "lm_head", "sample",
+            "detokenize", "wq", "scores", "softmax", "w2"} <= {n.split(".")[-1] if n.startswith("attention.") or
+                                                               n.startswith("feed_forward.") else n for n in names}
+    # Nesting on the single thread: sorted by start (longest first on ties), each span ends inside the enclosing one.
+    intervals = sorted(((round(e["ts"] * 1000), round(e["dur"] * 1000), e["name"]) for e in spans),
+                       key=lambda x: (x[0], -x[1]))
+    stack: list[tuple[int, int, str]] = []
+    for start, dur, name in intervals:
+        while stack and start >= stack[-1][0] + stack[-1][1]:
+            stack.pop()
+        if stack:
+            parent_end = stack[-1][0] + stack[-1][1]
+            assert start + dur <= parent_end, f"{name} overlaps the end of {stack[-1][2]}"
+        stack.append((start, dur, name))
+    # Every stage span sits inside its step's span and carries FLOPs and bytes.
+    prefill = next(e for e in spans if e["name"] == "prefill")
+    layer0 = next(e for e in spans if e["name"] == "layer 0" and e["ts"] >= prefill["ts"])
+    assert layer0["args"]["flops"] > 0 and layer0["args"]["bytes_read"] > 0
+    assert prefill["args"]["flops"] == stage_totals(trace.stages_of("prefill")).flops
+
+
+def test_summary_numbers_follow_from_the_records(trace: Trace) -> None:
+    summary = run_summary(trace)
+    assert summary.prompt_tokens == len(trace.tokenization.ids)
+    assert summary.generated_tokens == len(trace.generated_ids) == 5
+    assert summary.decode.steps == 4
+    decode_ns = sum(s.duration_ns for s in trace.decode_steps)
+    assert summary.decode_tokens_per_second == pytest.approx(4 / (decode_ns / 1e9))
+    assert summary.ttft_ns == trace.prefill_step.end_ns - trace.tokenization.start_ns
+    assert summary.kv_live_bytes == trace.steps[-1].kv_live_bytes
+    rows = layer_rows(trace.stages_of("prefill"))
+    assert [r.layer for r in rows] == list(range(trace.config.n_layers))
+    assert sum(r.totals.flops for r in rows) + sum(
+        s.flops for s in trace.stages_of("prefill") if s.layer is None) == summary.prefill.totals.flops
