@@ -145,30 +145,33 @@ class Generation:
     def _run(self) -> Iterator[Event]:
         # Tokenization and context checks come first: a bad prompt fails before any hook is attached.
         ids = self._tokenize()
-        yield Tokenized(self._tokenization, len(ids))
         limit = self._new_token_limit(len(ids))
+        yield Tokenized(self._tokenization, len(ids))
         self.model.setup_cache(1, len(ids) + limit)
         rope = self._rope = _rope_record(self.config, len(ids))
-        eos = getattr(self.tokenizer, "eos_id", None)
         try:
             with self._tracer:
                 if self.dry_run:
                     yield from self._dry_run(ids, rope, limit)
-                    return
-                token = yield from self._prefill(ids, rope, limit)
-                while token != eos and len(self._generated) < limit:
-                    step = self._step(DECODE, len(self._steps), [token])
-                    token = step.token_id
-                    yield TokenStep(step, len(self._generated), limit)
-                if token == eos:
-                    self._stop_reason = STOP_EOS
-                elif limit < self.settings.max_new_tokens:
-                    self._stop_reason = STOP_CONTEXT_FULL
                 else:
-                    self._stop_reason = STOP_MAX_NEW_TOKENS
+                    yield from self._generate(ids, rope, limit)
         except KeyboardInterrupt:
             self._stop_reason = STOP_INTERRUPTED
         yield Finished(self.trace())
+
+    def _generate(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
+        eos = getattr(self.tokenizer, "eos_id", None)
+        token = yield from self._prefill(ids, rope, limit)
+        while token != eos and len(self._generated) < limit:
+            step = self._step(DECODE, len(self._steps), [token])
+            token = step.token_id
+            yield TokenStep(step, len(self._generated), limit)
+        if token == eos:
+            self._stop_reason = STOP_EOS
+        elif limit < self.settings.max_new_tokens:
+            self._stop_reason = STOP_CONTEXT_FULL
+        else:
+            self._stop_reason = STOP_MAX_NEW_TOKENS
 
     def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         step = self._step(PREFILL, 0, ids)
@@ -288,6 +291,7 @@ class Generation:
             text = self.tokenizer.decode([t for t in self._generated if t != eos])
         else:
             text = self._text
+        completed = {(s.phase, s.step) for s in self._steps}
         return Trace(
             settings=self.settings,
             config=self.config,
@@ -295,7 +299,8 @@ class Generation:
             model=model_info(self.loaded),
             tokenization=self._tokenization,
             rope=self._rope,
-            stages=self._tracer.records(),
+            # A step interrupted between its forward and its token has stages but no StepRecord: leave them out.
+            stages=tuple(r for r in self._tracer.records() if (r.phase, r.step) in completed),
             steps=tuple(self._steps),
             generated_ids=tuple(self._generated),
             generated_text=text,
