@@ -1,0 +1,119 @@
+"""`llmtrace run` through typer's CliRunner and as a real subprocess, on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+from tracer.trace import Trace, load_schema
+
+REPO = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def _run(*args: str) -> object:
+    return runner.invoke(app, ["run", *args])
+
+
+def test_run_shows_the_journey_in_order(tiny_llama_dir: Path) -> None:
+    result = _run("今天天气真", "--model", str(tiny_llama_dir), "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    titles = ["1 · Tokenization", "2 · Embedding", "3 · Positions", "4 · Transformer layers × 2", "5 · LM head",
+              "6 · Decode", "7 · Summary"]
+    positions = [out.index(t) for t in titles]
+    assert positions == sorted(positions)
+    assert "<0x" in out  # 今天天气真 spelled in byte pieces by the tiny SentencePiece vocabulary
+    assert "layer 0" in out and "layer 1" in out
+    assert "logits [1, " in out and "TTFT" in out and "tok/s" in out
+    assert "stopped: --max-new-tokens reached · 3 tokens generated" in out
+
+
+def test_detail_ops_expands_layers_into_stages(tiny_llama_dir: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--detail", "ops")
+    assert result.exit_code == 0, result.output
+    for label in ("Q proj", "RoPE q,k", "scores QKᵀ/√D", "softmax", "probs·V", "O proj", "gate (w1)",
+                  "silu(gate)·up", "down (w2)", "residual +"):
+        assert label in result.output
+    assert "Explain in one sentence why the sky is blue." in result.output  # sample prompt by name
+
+
+def test_json_to_stdout_is_the_trace_alone(tiny_llama_dir: Path) -> None:
+    result = runner.invoke(app, ["run", "capital", "--model", str(tiny_llama_dir), "--max-new-tokens", "2",
+                                 "--json", "-", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    jsonschema.validate(data, load_schema())
+    trace = Trace.from_dict(data)
+    assert trace.settings.prompt == "The capital of France is"
+    assert trace.settings.top_p == 0.9 and trace.steps[0].filters == ("temperature", "top_p")
+    assert len(trace.generated_ids) == 2
+
+
+def test_json_and_chrome_trace_files(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    trace_path, chrome_path = tmp_path / "t.json", tmp_path / "t.perfetto.json"
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--json", str(trace_path),
+                  "--chrome-trace", str(chrome_path))
+    assert result.exit_code == 0, result.output
+    assert Trace.from_json(trace_path.read_text(encoding="utf-8")).generated_ids
+    chrome = json.loads(chrome_path.read_text(encoding="utf-8"))
+    assert any(e.get("name") == "decode step 1" for e in chrome["traceEvents"])
+
+
+def test_no_trace_still_runs_and_says_so(tiny_llama_dir: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--no-trace")
+    assert result.exit_code == 0, result.output
+    assert "not traced (--no-trace)" in result.output and "7 · Summary" in result.output
+
+
+def test_dry_run_of_llama_7b() -> None:
+    result = _run("--model", "llama-7b", "--dry-run", "--prompt-tokens", "4")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "Transformer layers × 32" in out
+    assert "32 layers, each turning [1, 4, 4096] into the same shape" in out
+    assert out.count("= equal") == 2  # prefill and decode step: traced FLOPs equal estimate.py's
+    assert "6 · Decode" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sky", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["sky", "--top-k", "5"], "has no effect when temperature is 0"),
+    (["sky", "--model", "./no/such/folder"], "no such file or folder"),
+    (["sky", "--model", "llama-7b"], "has no weights"),
+    ([], "no prompt"),
+    (["--file", "/no/such/prompt.txt"], "cannot read prompt file"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tiny_llama_dir: Path) -> None:
+    if "--model" not in args and args[:1] != []:
+        args = [*args, "--model", str(tiny_llama_dir)]
+    result = runner.invoke(app, ["run", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli", "run", "Once upon a time", "--model", str(tiny_llama_dir),
+         "--max-new-tokens", "2", "--json", str(out), "--threads", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "7 · Summary" in proc.stdout
+    trace = Trace.from_json(out.read_text(encoding="utf-8"))
+    assert trace.environment.threads == 1 and len(trace.generated_ids) == 2
+    bad = subprocess.run([sys.executable, "-m", "cli", "run", "sky", "--max-new-tokens", "-3"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "at least 1" in bad.stderr
