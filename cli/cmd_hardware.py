@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from enum import Enum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from cli.app import app
 from cli.errors import run_guarded
 from cli.options import JsonOption
-from cli.render_hardware import render_measurement, render_profiles
-from tracer.errors import BadArgumentError
-from tracer.hardware import MEASURABLE_DTYPES, PEAK_DTYPES, THIS_MACHINE, HardwareProfile, all_profiles
-from tracer.hardware_store import load_measured_profiles, save_measured_profile, store_path
+
+if TYPE_CHECKING:
+    from tracer.hardware import HardwareProfile
+
+# Library and rich imports live inside the command bodies: importing cli.app (every command) stays cheap.
 
 
 class DeviceChoice(str, Enum):
@@ -26,6 +26,9 @@ class DeviceChoice(str, Enum):
 
 def _parse_dtypes(text: str) -> tuple[str, ...]:
     """Checked here, before torch is imported, so a typo fails in a blink."""
+    from tracer.errors import BadArgumentError
+    from tracer.hardware import MEASURABLE_DTYPES
+
     names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     if not names:
         raise BadArgumentError("--dtypes is empty; give a comma-separated list such as fp32,bf16")
@@ -35,7 +38,9 @@ def _parse_dtypes(text: str) -> tuple[str, ...]:
     return names
 
 
-def _profile_json(p: HardwareProfile) -> dict:
+def _profile_json(p: "HardwareProfile") -> dict:
+    from tracer.hardware import PEAK_DTYPES
+
     data = asdict(p)
     data["ridge_point"] = {d: p.ridge_point(d) for d in PEAK_DTYPES if p.has_peak(d)}
     return data
@@ -64,6 +69,12 @@ def hardware(
     """
 
     def body() -> None:
+        from rich.console import Console
+
+        from cli.render_hardware import render_profiles
+        from tracer.hardware import all_profiles
+        from tracer.hardware_store import load_measured_profiles, store_path
+
         if measure:
             _measure(device.value, _parse_dtypes(dtypes), repeats, max_n, copy_mib, json_out)
             return
@@ -78,6 +89,13 @@ def hardware(
 
 
 def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
+    from rich.console import Console
+
+    from cli.render_hardware import render_measurement
+    from tracer.errors import BadArgumentError
+    from tracer.hardware import THIS_MACHINE
+    from tracer.hardware_store import save_measured_profile
+
     if max_n < 0 or copy_mib < 0:
         raise BadArgumentError("--max-n and --copy-mib must be >= 0 (0 = the default size)")
     # torch only here: listing profiles and every analytical command stay torch-free.
