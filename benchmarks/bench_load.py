@@ -72,6 +72,48 @@ def _run(code: str, env: dict[str, str]) -> dict:
     return result
 
 
+def components(path: str, rounds: int) -> None:
+    """The two parts llmtrace replaces, in this process: header parsing and dequantizing every tensor."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from tracer.gguf_header import read_gguf_header
+    from tracer.gguf_loader import dequantize
+
+    header = read_gguf_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def all_tensors(decode) -> float:  # noqa: ANN001 - a decoder taking (raw bytes, ggml type)
+        start = time.perf_counter()
+        for info in header.tensors:
+            begin = header.data_offset + info.offset
+            decode(data[begin:begin + info.n_bytes], info.ggml_type)
+        return time.perf_counter() - start
+
+    def timed(fn) -> float:  # noqa: ANN001
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    rows = {"header + vocabulary: tracer read_gguf_header(decode_arrays=True)": [],
+            "header + vocabulary: gguf.GGUFReader": [],
+            "dequantize all 272 tensors: tracer.gguf_loader": [],
+            "dequantize all 272 tensors: gguf.quants.dequantize": []}
+    for _ in range(rounds):
+        rows["header + vocabulary: tracer read_gguf_header(decode_arrays=True)"].append(
+            timed(lambda: read_gguf_header(path, decode_arrays=True)))
+        rows["header + vocabulary: gguf.GGUFReader"].append(timed(lambda: gguf.GGUFReader(path)))
+        rows["dequantize all 272 tensors: tracer.gguf_loader"].append(all_tensors(dequantize))
+        rows["dequantize all 272 tensors: gguf.quants.dequantize"].append(
+            all_tensors(lambda raw, kind: gguf_dequantize(raw, gguf.GGMLQuantizationType(kind))))
+    print("| step | median (s) |")
+    print("|---|---:|")
+    for name, times in rows.items():
+        print(f"| {name} | {statistics.median(times):.3f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -80,6 +122,8 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from tracer.bundled import bundled_model_path
+
+    components(str(bundled_model_path()), args.rounds)
 
     path = str(bundled_model_path())
     base_env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -3,7 +3,7 @@
 The descriptors come from `tracer.gguf_header` (pure Python, 0.1 s for the bundled file; `gguf.GGUFReader` spends
 seconds decoding every vocabulary string as a numpy array). The data section is a numpy memmap, so only the bytes of
 the tensor being converted are paged in. The block decoders below are vectorised numpy, checked bit-for-bit
-against `gguf.quants.dequantize` in the tests and about 4x faster than it on Q4_1.
+against `gguf.quants.dequantize` in the tests and about 3x faster than it (BENCHMARKS.md).
 """
 
 from __future__ import annotations
