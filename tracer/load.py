@@ -68,8 +68,7 @@ def load_model(
     kind, path = _classify(spec)
 
     if dry_run or random_init:
-        config = _config_for(kind, path, spec)
-        tokenizer = _tokenizer_for(kind, path)
+        config, tokenizer = _config_and_tokenizer(kind, path, spec)
         source = str(path) if path is not None else f"preset {config.name}"
         if dry_run:
             model = build_meta_model(config)
@@ -174,21 +173,14 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def _config_for(kind: str, path: Path | None, spec: str | None) -> ModelConfig:
+def _config_and_tokenizer(kind: str, path: Path | None, spec: str | None) -> tuple[ModelConfig, Tokenizer | None]:
+    """Config and, where the spec has one, the real tokenizer (so a dry run of a file still shows real tokens)."""
     if kind == "preset":
-        return get_preset(spec or "")
+        return get_preset(spec or ""), None
     if kind == "hf":
-        return ModelConfig.from_hf_json(path)
-    return config_from_gguf_header(read_header(path))
-
-
-def _tokenizer_for(kind: str, path: Path | None) -> Tokenizer | None:
-    """The real tokenizer where the spec has one (so a dry run of a file still shows real tokens)."""
-    if kind == "gguf":
-        return tokenizer_from_gguf(read_header(path))
-    if kind == "hf":
-        return load_tokenizer(path if path.is_dir() else path.parent)
-    return None
+        return ModelConfig.from_hf_json(path), load_tokenizer(path if path.is_dir() else path.parent)
+    header = read_header(path)
+    return config_from_gguf_header(header), tokenizer_from_gguf(header)
 
 
 def _check_device(device: str) -> torch.device:
