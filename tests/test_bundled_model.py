@@ -20,6 +20,16 @@ PROMPTS = ["今天天气真", "The capital of France is", "I love 🦀 and 😀!
            "   three leading spaces", " one leading space", "<|im_start|>user\nHi<|im_end|>\n", "naïve café, 3.14159"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: on this shared 2-core machine a busy neighbour stalls every 2-thread op (about 5 ms each),
+    which made 4 greedy tokens take 8 s instead of 0.4 s. Numbers here are values, not speed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     folder = tmp_path_factory.mktemp("llmtrace-cache")
