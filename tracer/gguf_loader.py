@@ -151,7 +151,7 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class GGUFWeights:
-    """A GGUF file's config and fp32 state dict under Meta's names (no output.weight when tied)."""
+    """A GGUF file's config and state dict under Meta's names (no output.weight when tied)."""
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
@@ -217,8 +217,13 @@ def _first(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def load_gguf_weights(path: str | Path, header: GGUFHeader | None = None) -> GGUFWeights:
-    """Read, dequantize and rename every tensor of a LLaMA GGUF file; fp32, Q/K in HF's rotate_half layout."""
+def load_gguf_weights(path: str | Path, header: GGUFHeader | None = None,
+                      dtype: torch.dtype = torch.float32) -> GGUFWeights:
+    """Read, dequantize and rename every tensor of a LLaMA GGUF file; Q/K in HF's rotate_half layout.
+
+    Values are decoded in fp32 and each tensor is cast to `dtype` as soon as it is decoded, so the peak memory is
+    the result plus one fp32 tensor.
+    """
     header = header if header is not None else read_header(path)
     config = config_from_gguf_header(header)
     plan = _plan(header, config)
@@ -239,6 +244,7 @@ def load_gguf_weights(path: str | Path, header: GGUFHeader | None = None) -> GGU
             matrix = unpermute_rope_rows(matrix, config.n_heads)
         elif name.endswith("attention.wk.weight"):
             matrix = unpermute_rope_rows(matrix, config.n_kv_heads)
-        state[name] = torch.from_numpy(matrix)
+        tensor = torch.from_numpy(matrix)
+        state[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
     del data
     return GGUFWeights(config=config, state_dict=state, quantization=quantization_summary(header), header=header)

@@ -109,8 +109,7 @@ def _load_gguf(start: float, path: Path, dtype: torch.dtype, device: torch.devic
                 return _finish(start, config, model, tokenizer, str(path), fmt, from_cache=True)
             except CheckpointError:
                 weights_cache.cache_path(path, dtype).unlink(missing_ok=True)  # stale or foreign entry: convert again
-    weights = load_gguf_weights(path, header)
-    state = {name: tensor.to(dtype) for name, tensor in weights.state_dict.items()}
+    state = load_gguf_weights(path, header, dtype).state_dict
     if use_cache:
         weights_cache.store(path, dtype, state)
     model = _assemble(config, state, device)

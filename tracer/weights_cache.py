@@ -79,5 +79,5 @@ def store(source: str | Path, dtype: torch.dtype, state_dict: dict[str, torch.Te
             if old != path:
                 old.unlink(missing_ok=True)
         return path
-    except OSError:
+    except (OSError, SafetensorError):  # SafetensorError wraps I/O failures such as a full disk
         return None
