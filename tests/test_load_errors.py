@@ -266,3 +266,14 @@ def test_changed_source_file_is_not_served_from_the_cache(write: Callable[..., P
     reloaded = load_model(str(path))
     assert not reloaded.from_cache and reloaded.weight_format == "GGUF Q8_0 -> fp32"
     assert not old_entry.exists()  # the stale entry for this source was removed
+
+
+def test_unwritable_cache_only_costs_speed(write: Callable[..., Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(blocker))
+    path = str(write())
+    first, second = load_model(path), load_model(path)
+    assert not first.from_cache and not second.from_cache
+    assert first.model.layers[1].feed_forward.w2.weight.shape == (64, 96)
