@@ -1,7 +1,7 @@
 """Forward hooks on the model's stage modules: when each stage ran, on what shapes, and what that cost.
 
 The hooks do as little as possible on the hot path: the pre-hook reads the clock once; the post-hook reads it once
-and keeps the shapes and dtypes of the tensors in and out. FLOPs and bytes are worked out from those shapes later
+and keeps the shapes of the tensors in and out (torch.Size objects, no copies). FLOPs and bytes are worked out from those shapes later
 (`Tracer.records()`), by the same functions in tracer/flop_formulas.py that the analytical estimate uses.
 
 Hooks exist only inside `with Tracer(model) as tracer:` and are removed in `finally`, also after an exception.
@@ -42,9 +42,16 @@ LAYER_STAGES: dict[str, str] = {
 }
 TOP_STAGES: dict[str, str] = {"tok_embeddings": "embedding", "norm": "rmsnorm", "output": "lm_head"}
 
-# A raw event, kept by the post-hook: (stage index, start ns, end ns, inputs, outputs);
-# inputs/outputs are tuples of (torch.Size, torch.dtype).
-RawEvent = tuple[int, int, int, tuple[tuple[torch.Size, torch.dtype], ...], tuple[tuple[torch.Size, torch.dtype], ...]]
+# Stages whose forward returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all); the others return one.
+TUPLE_OUTPUT_KINDS = frozenset({"rope", "kv_cache"})
+
+# Integer index tensors among a stage's arguments (argument position by kind): token ids and positions, int64.
+# Every other tensor a stage takes or returns is an activation in the model's dtype (the model casts back after
+# its fp32 norm and softmax), so the hooks keep shapes only and the dtypes come from here.
+INDEX_ARGUMENTS: dict[str, int] = {"embedding": 0, "kv_cache": 0, "rope": 2}
+
+# A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes).
+RawEvent = tuple[int, int, int, list[torch.Size], list[torch.Size]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,9 @@ class Tracer:
         self._step = -1
         param = next(model.parameters(), None)
         self.sync = device_synchronizer(param.device) if param is not None else None
+        dtype = param.dtype if param is not None else torch.float32
+        self.activation_dtype = str(dtype).removeprefix("torch.")
+        self.activation_itemsize = dtype.itemsize
 
     # ---- context manager -------------------------------------------------------------------------------
 
@@ -137,33 +147,28 @@ class Tracer:
         return len(self._handles)
 
     def _make_hooks(self, index: int) -> tuple[Any, Any]:
+        """The two hooks of one stage. Hot path: one clock read each, then the shapes (torch.Size, no copies)."""
         starts = self._starts
         events = self._events
         clock = time.perf_counter_ns
         sync = self.sync
-        tensor = torch.Tensor
+        tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
 
-        def shapes(values: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
-            if isinstance(values, tensor):
-                return ((values.shape, values.dtype),)
-            return tuple((v.shape, v.dtype) for v in values if isinstance(v, tensor))
-
-        if sync is None:
-            def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-                starts[index] = clock()
-
-            def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-                end = clock()
-                events.append((index, starts[index], end, shapes(args), shapes(output)))
-        else:
-            def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if sync is not None:
                 sync()
-                starts[index] = clock()
+            starts[index] = clock()
 
-            def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if sync is not None:
                 sync()
-                end = clock()
-                events.append((index, starts[index], end, shapes(args), shapes(output)))
+            end = clock()
+            try:
+                inputs = [a.shape for a in args]
+            except AttributeError:  # a non-tensor argument: keep the tensors only
+                inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
+            outputs = [o.shape for o in output] if tuple_output else [output.shape]
+            events.append((index, starts[index], end, inputs, outputs))
 
         return pre, post
 
@@ -187,8 +192,12 @@ class Tracer:
         return tuple(self._built)
 
     def _record(self, phase: str, step: int, event: RawEvent) -> StageRecord:
-        index, start, end, inputs, outputs = event
+        index, start, end, input_shapes, output_shapes = event
         stage = self.stages[index]
+        act = self.activation_itemsize
+        index_arg = INDEX_ARGUMENTS.get(stage.kind)
+        inputs = [(tuple(s), INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(input_shapes)]
+        outputs = [(tuple(s), act) for s in output_shapes]
         cost = stage_cost(stage, inputs, outputs)
         return StageRecord(
             phase=phase,
@@ -196,9 +205,9 @@ class Tracer:
             layer=stage.layer,
             stage=stage.name,
             kind=stage.kind,
-            input_shapes=tuple(tuple(s) for s, _ in inputs),
-            output_shapes=tuple(tuple(s) for s, _ in outputs),
-            dtype=_dtype_name(outputs[0][1]) if outputs else "",
+            input_shapes=tuple(s for s, _ in inputs),
+            output_shapes=tuple(s for s, _ in outputs),
+            dtype=self.activation_dtype,
             matmul_flops=cost[0],
             elementwise_flops=cost[1],
             weight_bytes_read=cost[2],
@@ -211,31 +220,29 @@ class Tracer:
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+INDEX_ITEMSIZE = 8  # int64 token ids and positions
+
+# A tensor as the cost model sees it: (shape, bytes per element).
+Entry = tuple[tuple[int, ...], int]
 
 
-def _numel(shape: torch.Size) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
 
 
-def _nbytes(entry: tuple[torch.Size, torch.dtype]) -> int:
-    return _numel(entry[0]) * entry[1].itemsize
+def _nbytes(entry: Entry) -> int:
+    return _numel(entry[0]) * entry[1]
 
 
-def _rows(shape: torch.Size) -> int:
+def _rows(shape: tuple[int, ...]) -> int:
     """Token rows of an activation (..., dim): every dimension but the last."""
     return _numel(shape[:-1])
 
 
-def stage_cost(
-    stage: StageModule,
-    inputs: tuple[tuple[torch.Size, torch.dtype], ...],
-    outputs: tuple[tuple[torch.Size, torch.dtype], ...],
-) -> tuple[int, int, int, int, int, int, int]:
+def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) -> tuple[int, int, int, int, int, int, int]:
     """(matmul FLOPs, elementwise FLOPs, weight bytes read, activation bytes read, activation bytes written,
     KV bytes read, KV bytes written) of one stage call, from the shapes it saw.
 
@@ -259,21 +266,19 @@ def stage_cost(
         rows_read = _numel(ids) * out_shape[-1] * stage.weight_itemsize
         return 0, ff.embedding_flops(_numel(ids), out_shape[-1]), rows_read, read, written, 0, 0
     if kind == "rope":
-        q, k = inputs[0][0], inputs[1][0]  # (B, T, H, D), (B, T, Hkv, D)
-        rows = _numel(q[:-2])
-        flops = ff.rope_flops(rows, q[-2], k[-2], q[-1])
-        tables = 2 * q[-3] * q[-1] * inputs[0][1].itemsize  # the cos and sin rows (T, D) of these positions
+        (q, item), (k, _) = inputs[0], inputs[1]  # (B, T, H, D), (B, T, Hkv, D)
+        flops = ff.rope_flops(_numel(q[:-2]), q[-2], k[-2], q[-1])
+        tables = 2 * q[-3] * q[-1] * item  # the cos and sin rows (T, D) of these positions
         return 0, flops, 0, read + tables, written, 0, 0
     if kind == "kv_cache":
-        # forward(input_pos, k, v): the new keys and values are read and written into the cache buffers;
+        # forward(input_pos, k, v): the new keys and values are read and copied into the cache buffers;
         # the outputs are views of the live slice (no bytes move).
-        new_kv = sum(_nbytes(e) for e in inputs if len(e[0]) == 4)
+        new_kv = _nbytes(inputs[1]) + _nbytes(inputs[2])
         return 0, 0, 0, read, 0, 0, new_kv
     if kind == "attention_scores":
         q, k_all = inputs[0], inputs[1]  # q (B, H, T, D), k_all (B, Hkv, S, D)
         b, h, t, s = out_shape
-        d = q[0][-1]
-        matmul = ff.attention_scores_flops(b, h, t, s, d)
+        matmul = ff.attention_scores_flops(b, h, t, s, q[0][-1])
         return matmul, ff.score_scale_flops(b, h, t, s), 0, _nbytes(q), written, _nbytes(k_all), 0
     if kind == "attention_values":
         probs, v_all = inputs[0], inputs[1]  # probs (B, H, T, S), v_all (B, Hkv, S, D)
