@@ -81,7 +81,8 @@ def load_model(
 
     if kind == "preset":
         raise BadArgumentError(
-            f"preset {spec!r} has no weights; pass a dry run or random init for it, or a .gguf file or HF model folder"
+            f"preset {spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a .gguf file or "
+            "an HF model folder as --model"
         )
     if kind == "hf":
         config = ModelConfig.from_hf_json(path)
