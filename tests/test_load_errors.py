@@ -187,7 +187,7 @@ def test_bundled_model_is_found_without_importing_its_package() -> None:
 def test_preset_needs_dry_run_or_random_init() -> None:
     with pytest.raises(BadArgumentError) as exc:
         load_model("llama-7b")
-    assert "dry run" in _one_line(exc)
+    assert "--dry-run" in _one_line(exc)
 
 
 def test_dry_run_of_a_big_preset_allocates_nothing() -> None:
