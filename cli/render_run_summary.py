@@ -68,27 +68,27 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
 
 
 def _roofline_rows(table: Table, roofline: Any, pre: PhaseSummary, dec: PhaseSummary) -> None:
-    """Bound and predicted time from tracer.roofline for this machine, and the measured run as % of the bound."""
+    """tracer.roofline's bound for this machine, and the measured forward time as a percentage of that bound."""
     machine = roofline.machine
     first = roofline.first_decode
-    table.add_row(f"roofline ({machine.hardware})", f"{pre_bound(roofline.prefill)}",
-                  pre_bound(first) if first is not None else "-")
+    table.add_row(f"roofline: {machine.hardware}", _bound(roofline.prefill, machine.ridge_point),
+                  _bound(first, machine.ridge_point) if first is not None else "-")
     predicted_pre = roofline.prefill.seconds
-    measured_pre = pre.forward_ns / 1e9
-    cells = [f"{fmt.ms(predicted_pre * 1e9)} ({_pct(predicted_pre, measured_pre)} of bound)"]
-    if first is not None and dec.steps:
-        predicted = roofline.generation.time_per_output_token_seconds or 0.0
-        measured = dec.forward_ns / dec.steps / 1e9
-        cells.append(f"{fmt.ms(predicted * 1e9)} ({_pct(predicted, measured)} of bound)")
+    cells = [_versus(predicted_pre, pre.forward_ns / 1e9)]
+    per_token = roofline.generation.time_per_output_token_seconds
+    if per_token and dec.steps:
+        cells.append(_versus(per_token, dec.forward_ns / dec.steps / 1e9))
     else:
         cells.append("-")
-    table.add_row("predicted (measured as %)", *cells)
+    table.add_row("bound time (run at % of it)", *cells)
 
 
-def pre_bound(bound: Any) -> str:
-    return f"{bound.bound}-bound (ridge {bound.arithmetic_intensity:.1f})"
+def _bound(bound: Any, ridge: float) -> str:
+    side = "≥" if bound.arithmetic_intensity >= ridge else "<"
+    return f"{bound.bound}-bound ({bound.arithmetic_intensity:.1f} {side} ridge {ridge:.1f} FLOP/B)"
 
 
-def _pct(predicted: float, measured: float) -> str:
-    """How close the run came to the physical limit: predicted / measured time."""
-    return f"{100 * predicted / measured:.0f}%" if measured else "-"
+def _versus(predicted: float, measured: float) -> str:
+    """The bound's time, and how close the run came to it: predicted / measured time."""
+    pct = f"{100 * predicted / measured:.0f}%" if measured else "-"
+    return f"{fmt.ms(predicted * 1e9)} ({pct})"

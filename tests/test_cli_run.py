@@ -117,3 +117,21 @@ def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "cli", "run", "sky", "--max-new-tokens", "-3"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "at least 1" in bad.stderr
+
+
+def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracer.hardware import THIS_MACHINE, HardwareProfile
+    from tracer.hardware_store import save_measured_profile
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    profile = HardwareProfile(
+        name=THIS_MACHINE, label="test machine", memory_bandwidth=30e9, memory_bytes=24 * 2**30, fp32=120e9,
+        tf32=None, bf16=None, fp16=None, fp8=None, int8=None, interconnect="none", interconnect_bandwidth=0.0,
+        source="test", measured=True,
+    )
+    save_measured_profile(profile, {})
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert "roofline: this-machine" in result.output
+    assert "memory-bound" in result.output and "ridge 4.0 FLOP/B" in result.output  # 120e9 / 30e9
