@@ -6,6 +6,7 @@ each round measures this machine's ceilings (fp32 GEMM FLOP/s, copy bandwidth: t
 runs one greedy generation of the default model (SmolLM2-135M GGUF, dequantized to fp32) without hooks: one
 prefill of the prompt, then N - 1 decode steps, each timed alone (perf_counter around model.prefill/decode_one).
 Medians over rounds feed tracer.roofline_compare.compare_with_measured, the same call `llmtrace run` makes.
+The weights are copied out of the memory-mapped cache first (see part_prediction for why).
 
 Part 2 (CLI speed): fresh subprocesses, interleaved, medians.
 
@@ -55,6 +56,12 @@ def part_prediction(rounds: int, new_tokens: int) -> dict:
     from tracer.roofline_compare import compare_with_measured
 
     loaded = load_model(None, dtype="fp32")
+    # The converted-weights cache is memory-mapped: on this VM the kernel evicts page-cache pages idle for a few
+    # seconds (DAMON reclaim), so the first steps after each ceilings measurement re-read the weights from disk at
+    # ~1 s per step. The roofline bounds a model whose weights are in memory: copy them into anonymous memory.
+    with torch.no_grad():
+        for param in loaded.model.parameters():  # unique parameters: a tied LM head stays tied
+            param.data = param.data.clone()
     ids = loaded.tokenizer.encode(PROMPT)
     loaded.model.setup_cache(1, len(ids) + new_tokens)
     measure_generation(loaded, ids, 4)  # warm-up: first-touch of the memory-mapped weights, allocator
