@@ -26,7 +26,7 @@ def roofline(
     dtype: Annotated[DtypeChoice, typer.Option(
         "--dtype", help="Weights dtype (int8/int4: block formats, multiplied in fp16).")] = DtypeChoice.fp16,
     kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
-        "--kv-dtype", help="KV-cache dtype [default: the activation dtype, fp16 for quantized weights].")] = None,
+        "--kv-dtype", help="KV-cache dtype (default: the activation dtype; fp16 for quantized weights).")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel devices (must divide the heads).")] = 1,
     json_out: JsonOption = False,
 ) -> None:
