@@ -1,7 +1,5 @@
 """`llmtrace flops`: FLOPs and bytes per component for a prefill, one decode step and a whole generation."""
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
@@ -18,16 +16,18 @@ DEFAULT_NEW_TOKENS = 128
 def flops(
     model: ModelOption = DEFAULT_MODEL,
     prompt_len: Annotated[Optional[int], typer.Option(
-        "--prompt-len", "-p", min=1, help=f"Prompt length P in tokens [default: {DEFAULT_PROMPT_LEN}].")] = None,
+        "--prompt-len", "-p", min=1, show_default=str(DEFAULT_PROMPT_LEN), help="Prompt length P in tokens.")] = None,
     prompt: Annotated[Optional[str], typer.Option(
         "--prompt", help="Prompt text; its length is counted with the model's own tokenizer (folder or .gguf).")] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens N to generate.")] = DEFAULT_NEW_TOKENS,
     context: Annotated[Optional[int], typer.Option(
-        "--context", "-L", min=0, help="Positions L already cached for the single decode step shown [default: P].")] = None,
-    dtype: Annotated[DtypeChoice, typer.Option(
-        "--dtype", help="Weight dtype, for bytes moved and arithmetic intensity.")] = DtypeChoice.fp16,
+        "--context", "-L", min=0, show_default="P",
+        help="Positions L already cached for the single decode step shown.")] = None,
+    dtype: Annotated[Optional[DtypeChoice], typer.Option(
+        "--dtype", show_default="the checkpoint's where listed, else fp16",
+        help="Weight dtype, for bytes moved and arithmetic intensity.")] = None,
     kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
-        "--kv-dtype", help="KV-cache dtype [default: the weight dtype, fp16 when weights are fp8/int8/int4].")] = None,
+        "--kv-dtype", show_default="the weight dtype; fp16 for fp8/int8/int4 weights", help="KV-cache dtype.")] = None,
     batch: BatchOption = 1,
     macs: Annotated[bool, typer.Option("--macs", help="Show matmul MACs (multiply-accumulates) instead of FLOPs.")] = False,
     json_out: JsonOption = False,
@@ -62,7 +62,8 @@ def flops(
         else:
             p_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
         report = flops_report(
-            resolved, p_len, new_tokens, get_dtype(dtype.value), get_dtype(kv_dtype.value) if kv_dtype else None,
+            resolved, p_len, new_tokens, get_dtype(dtype.value) if dtype else None,
+            get_dtype(kv_dtype.value) if kv_dtype else None,
             batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source,
         )
         if json_out:

@@ -1,7 +1,5 @@
 """`llmtrace kvmem`: KV-cache bytes, the formula with numbers, a table over context lengths, GQA and a budget."""
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
@@ -14,7 +12,8 @@ from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, Mod
 @app.command("kvmem")
 def kvmem(
     seq: Annotated[Optional[int], typer.Option(
-        "--seq", "-s", min=1, help="Positions per sequence (prompt + generated) [default: the model's max context].")] = None,
+        "--seq", "-s", min=1, show_default="the model's max context",
+        help="Positions per sequence (prompt + generated tokens).")] = None,
     model: ModelOption = DEFAULT_MODEL,
     dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="KV-cache dtype.")] = DtypeChoice.fp16,
     batch: BatchOption = 1,

@@ -1,7 +1,5 @@
 """`llmtrace models`: the presets with their key dimensions, parameter counts and KV bytes per token."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -11,4 +11,5 @@ PIPE_WIDTH = 140
 
 
 def stdout_console() -> Console:
-    return Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
+    # The renderers style what matters themselves: rich's regex highlighter and emoji codes cost milliseconds.
+    return Console(width=None if sys.stdout.isatty() else PIPE_WIDTH, highlight=False, emoji=False)

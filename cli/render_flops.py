@@ -2,75 +2,80 @@
 
 from __future__ import annotations
 
-from rich import box
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from cli import units
+from cli.text_table import TextTable, print_table
 from tracer.estimate import ELEMENTWISE, MATMUL, ComponentCost, PhaseEstimate, Totals
 from tracer.flops_report import FlopsReport
 
+_WEIGHTS_FROM = {"option": "", "checkpoint": " (the checkpoint's)", "default": " (default; --dtype to change)"}
 _KIND_STYLE = {MATMUL: "", ELEMENTWISE: "dim", "memory": "dim italic"}
 
 
 def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
     m, p = r.model, r.params
     console.print(
-        f"[bold]{m.name}[/]  d={m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} KV heads), "
-        f"head dim {m.head_dim}, FFN {m.ffn_dim}, vocab {m.vocab_size}, "
-        f"LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}  [dim]({m.source})[/]"
+        f"[bold]{escape(m.name)}[/] [dim]({escape(m.source)})[/]\n"
+        f"  d={m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} KV heads, head dim {m.head_dim}, "
+        f"FFN {m.ffn_dim}, vocab {m.vocab_size:,}, LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}",
+        soft_wrap=True,
     )
-    head = "tied, counted once" if p.tied else f"LM head {p.lm_head:,}"
-    console.print(
-        f"Parameters: [bold]{p.total:,}[/] (embedding {p.embedding:,}; {head}; {p.per_layer:,} per layer). "
+    head = " (LM head tied: counted once)" if p.tied else f" + LM head {p.lm_head:,}"
+    lines = [
+        f"Parameters [bold]{p.total:,}[/] = embedding {p.embedding:,} + {m.n_layers} layers × {p.per_layer:,} "
+        f"+ final norm {p.final_norm:,}{head}",
         "Weights: " + " · ".join(f"{k} {units.gb(v)}" for k, v in r.weight_bytes.items())
-    )
+        + " (int8/int4 include one fp16 scale per 32 values)",
+    ]
     if r.checkpoint is not None:
         c = r.checkpoint
         parts = ", ".join(f"{s.dtype} {s.params:,}" for s in c.by_dtype)
-        match = "matches the config" if c.n_params == p.total else f"config gives {p.total:,}"
-        console.print(
-            f"Checkpoint ({c.format}, {len(c.files)} file{'s' if len(c.files) != 1 else ''}): "
-            f"[bold]{c.n_params:,}[/] parameters ({match}), {units.bytes_both(c.total_bytes)}; {parts}"
+        match = "as the config gives" if c.n_params == p.total else f"config gives {p.total:,}"
+        lines.append(
+            f"Checkpoint ({c.format}, {len(c.files)} file{'s' if len(c.files) != 1 else ''}): [bold]{c.n_params:,}[/] "
+            f"parameters ({match}), {units.bytes_both(c.total_bytes)}: {parts}"
         )
     unit = "MACs for matmuls (1 MAC = 2 FLOPs), FLOPs for elementwise work" if macs else "2 FLOPs per multiply-add"
-    prompt = f"{r.prompt_len} tokens" + (f" (counted by {r.prompt_tokenizer})" if r.prompt_tokenizer else "")
-    console.print(
-        f"Convention: {unit}; matmul figures exact, elementwise figures estimated (constants in README). "
-        f"Dtypes: weights {r.dtypes.weights}, KV {r.dtypes.kv}, activations {r.dtypes.activations}. "
-        f"Batch {r.batch}, prompt {prompt}, {r.new_tokens} new tokens."
-    )
-    console.print(_phase_table(r.prefill, f"Prefill of {r.prefill.new_tokens} tokens", macs))
+    prompt = f"{r.prompt_len} tokens" + (f" (counted by the tokenizer of {escape(r.prompt_tokenizer)})"
+                                         if r.prompt_tokenizer else "")
+    lines += [
+        f"Counting: {unit}; matmuls exact, elementwise work estimated (constants in README).",
+        f"Weights {r.dtypes.weights}{_WEIGHTS_FROM[r.dtypes.weights_from]}, KV cache {r.dtypes.kv}, "
+        f"activations {r.dtypes.activations}. "
+        f"Prompt {prompt}, {r.new_tokens} new tokens, batch {r.batch}.",
+    ]
+    console.print("\n".join(lines), soft_wrap=True)
+    print_table(console, f"[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}",
+                _phase_table(r.prefill, macs))
     _phase_notes(console, r.prefill.totals, macs, prefill=True)
-    console.print(_phase_table(r.decode, f"One decode step at context L={r.decode_context} "
-                                          f"(attends to {r.decode.kv_len} positions)", macs))
+    print_table(console, f"[bold]One decode step at context L={r.decode_context}[/] (attends to {r.decode.kv_len} "
+                         f"positions), batch {r.batch}", _phase_table(r.decode, macs))
     _phase_notes(console, r.decode.totals, macs, prefill=False)
-    console.print(_generation_table(r, macs))
+    g = r.generation
+    print_table(console, f"[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
+                         f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}",
+                _generation_table(r, macs))
     _generation_notes(console, r, macs)
 
 
-def _phase_table(phase: PhaseEstimate, title: str, macs: bool) -> Table:
+def _phase_table(phase: PhaseEstimate, macs: bool) -> TextTable:
     t = phase.totals
-    table = Table(title=f"[bold]{title}[/], batch {phase.batch}", title_justify="left", box=box.SIMPLE_HEAD,
-                  padding=(0, 1), show_footer=False)
-    table.add_column("component", no_wrap=True)
-    table.add_column("formula (one layer)", overflow="fold")
-    table.add_column("per layer", justify="right", no_wrap=True)
-    table.add_column("all layers", justify="right", no_wrap=True)
-    table.add_column("share", justify="right", no_wrap=True)
+    table = TextTable(["component", "formula (one layer)", "per layer", "all layers", "share"], "<<>>>", fold=1)
     for c in phase.components:
         table.add_row(
             c.label, c.formula, units.flops(c.flops, c.kind, macs) if c.per_layer else "",
             units.flops(c.total_flops, c.kind, macs), units.share(c.total_flops, t.total_flops),
             style=_KIND_STYLE.get(c.kind, ""),
         )
-    table.add_section()
+    table.add_separator()
     table.add_row("matmuls", "", units.flops(_layer(phase, MATMUL), MATMUL, macs),
                   units.flops(t.matmul_flops, MATMUL, macs), units.share(t.matmul_flops, t.total_flops))
     table.add_row("elementwise (estimate)", "", units.flops(_layer(phase, ELEMENTWISE), ELEMENTWISE, macs),
                   units.flops(t.elementwise_flops, ELEMENTWISE, macs), units.share(t.elementwise_flops, t.total_flops))
-    table.add_row("[bold]total[/]", "", units.si(t.per_layer_flops, "FLOP"), f"[bold]{units.si(t.total_flops, 'FLOP')}[/]",
-                  "100%")
+    table.add_row("total", "", units.si(t.per_layer_flops, "FLOP"), units.si(t.total_flops, "FLOP"), "100%",
+                  style="bold")
     return table
 
 
@@ -79,38 +84,32 @@ def _layer(phase: PhaseEstimate, kind: str) -> int:
 
 
 def _phase_notes(console: Console, t: Totals, macs: bool, prefill: bool) -> None:
+    lines = []
     if prefill:
         skipped = t.attention_dense_flops - t.attention_useful_flops
-        console.print(
-            f"  Attention QKᵀ+PV executed densely: {units.flops(t.attention_dense_flops, MATMUL, macs)}; "
-            f"the causal mask keeps {units.flops(t.attention_useful_flops, MATMUL, macs)} "
-            f"({units.flops(skipped, MATMUL, macs)} spent on masked pairs). "
-            f"Useful total: {units.si(t.useful_flops, 'FLOP')}."
+        lines.append(
+            f"  Attention QKᵀ+PV: {units.flops(t.attention_dense_flops, MATMUL, macs)} executed densely, "
+            f"{units.flops(t.attention_useful_flops, MATMUL, macs)} useful under the causal mask "
+            f"({units.flops(skipped, MATMUL, macs)} on masked pairs); useful total {units.si(t.useful_flops, 'FLOP')}."
         )
-    console.print(
+    lines += [
         f"  Bytes: weights {units.bytes_both(t.weight_bytes)}, KV read {units.bytes_both(t.kv_read_bytes)}, "
-        f"KV written {units.bytes_both(t.kv_write_bytes)}, activations ~{units.bytes_both(t.activation_bytes)}. "
-        f"Arithmetic intensity {t.arithmetic_intensity:,.1f} FLOP/B over weights+KV "
-        f"({t.arithmetic_intensity_with_activations:,.1f} with activations)."
-    )
+        f"KV written {units.bytes_both(t.kv_write_bytes)}, activations ~{units.bytes_both(t.activation_bytes)}.",
+        f"  Arithmetic intensity {t.arithmetic_intensity:,.1f} FLOP/B over weights + KV "
+        f"({t.arithmetic_intensity_with_activations:,.1f} counting activations).",
+    ]
+    console.print("\n".join(lines), soft_wrap=True)
 
 
-def _generation_table(r: FlopsReport, macs: bool) -> Table:
+def _generation_table(r: FlopsReport, macs: bool) -> TextTable:
     g = r.generation
-    title = (f"[bold]Whole generation[/]: prefill {g.prompt_len} + {g.decode_steps} decode steps "
-             f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}")
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
-    table.add_column("component", no_wrap=True)
-    table.add_column("prefill", justify="right", no_wrap=True)
-    table.add_column("decode steps", justify="right", no_wrap=True)
-    table.add_column("total", justify="right", no_wrap=True)
-    table.add_column("share", justify="right", no_wrap=True)
+    table = TextTable(["component", "prefill", "decode steps", "total", "share"], "<>>>>")
     total = g.totals.total_flops
     for c in g.components:
         table.add_row(c.label, units.flops(c.prefill_flops, c.kind, macs), units.flops(c.decode_flops, c.kind, macs),
                       units.flops(c.total_flops, c.kind, macs), units.share(c.total_flops, total),
                       style=_KIND_STYLE.get(c.kind, ""))
-    table.add_section()
+    table.add_separator()
     for label, kind, pre, dec, tot in (
         ("matmuls", MATMUL, g.prefill_totals.matmul_flops, g.decode_totals.matmul_flops, g.totals.matmul_flops),
         ("elementwise (estimate)", ELEMENTWISE, g.prefill_totals.elementwise_flops,
@@ -118,26 +117,25 @@ def _generation_table(r: FlopsReport, macs: bool) -> Table:
     ):
         table.add_row(label, units.flops(pre, kind, macs), units.flops(dec, kind, macs), units.flops(tot, kind, macs),
                       units.share(tot, total))
-    table.add_row("[bold]total[/]", units.si(g.prefill_totals.total_flops, "FLOP"),
-                  units.si(g.decode_totals.total_flops, "FLOP"), f"[bold]{units.si(total, 'FLOP')}[/]", "100%")
+    table.add_row("total", units.si(g.prefill_totals.total_flops, "FLOP"),
+                  units.si(g.decode_totals.total_flops, "FLOP"), units.si(total, "FLOP"), "100%", style="bold")
     return table
 
 
 def _generation_notes(console: Console, r: FlopsReport, macs: bool) -> None:
     g, rt = r.generation, r.rule_of_thumb
+    lines = []
     if g.exceeds_max_seq_len:
-        console.print(f"  [yellow]Note: {g.final_kv_len} positions exceed the model's trained context "
-                      f"({r.model.max_seq_len}).[/]")
-    console.print(
-        f"  Bytes over the generation: weights {units.bytes_both(g.totals.weight_bytes)}, "
-        f"KV read {units.bytes_both(g.totals.kv_read_bytes)}; arithmetic intensity "
-        f"{g.totals.arithmetic_intensity:,.1f} FLOP/B (prefill {g.prefill_totals.arithmetic_intensity:,.1f}, "
-        f"decode {g.decode_totals.arithmetic_intensity:,.1f})."
-    )
-    console.print(
-        f"Rule of thumb 2 × parameters = {units.si(rt.two_x_params, 'FLOP')} per token. "
-        f"This decode step: {units.si(rt.decode_step_flops_per_token, 'FLOP')} per token "
-        f"({rt.decode_ratio:.3f}×); whole generation: {units.si(rt.generation_flops_per_token, 'FLOP')} per token fed "
-        f"({rt.generation_ratio:.3f}×). The embedding lookup costs 0 FLOPs, the LM head runs once per sequence, "
-        "and attention grows with the context."
-    )
+        lines.append(f"  [yellow]Note: {g.final_kv_len:,} positions exceed the model's trained context "
+                     f"({r.model.max_seq_len:,}).[/]")
+    lines += [
+        f"  Bytes: weights {units.bytes_both(g.totals.weight_bytes)}, KV read {units.bytes_both(g.totals.kv_read_bytes)}. "
+        f"Arithmetic intensity {g.totals.arithmetic_intensity:,.1f} FLOP/B "
+        f"(prefill {g.prefill_totals.arithmetic_intensity:,.1f}, decode steps {g.decode_totals.arithmetic_intensity:,.1f}).",
+        "",
+        f"Rule of thumb 2 × parameters = {units.si(rt.two_x_params, 'FLOP')} per token. Counted: this decode step "
+        f"{units.si(rt.decode_step_flops_per_token, 'FLOP')} per token ({rt.decode_ratio:.3f}×), the whole generation",
+        f"{units.si(rt.generation_flops_per_token, 'FLOP')} per token fed ({rt.generation_ratio:.3f}×). The gap: the "
+        "embedding is a lookup (0 FLOPs), the LM head runs on the last position only, attention grows with the context.",
+    ]
+    console.print("\n".join(lines), soft_wrap=True)

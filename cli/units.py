@@ -40,4 +40,12 @@ def bytes_both(value: int) -> str:
 
 
 def share(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
+    """Percent with one decimal; '<0.1%' and '>99.9%' rather than a misleading 0.0% or 100.0%."""
+    if not whole:
+        return "-"
+    pct = 100 * part / whole
+    if 0 < pct < 0.05:
+        return "<0.1%"
+    if 99.95 <= pct < 100:
+        return ">99.9%"
+    return f"{pct:.1f}%"

@@ -5,7 +5,6 @@ Pure Python (no torch), so the analytical commands stay instant.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -122,6 +121,8 @@ class ModelConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
             raise ConfigError(f"{file}: no such file; pass a model folder with a config.json, or a preset name")
+        import json  # here, not at the top: presets need no JSON and `kvmem` must start in a blink
+
         try:
             data = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -122,8 +122,46 @@ class GenerationEstimate:
 _Row = tuple  # (name, label, kind, per_layer, formula thunk, flops, useful, w, kv_r, kv_w, act_r, act_w)
 
 
+def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
+    """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
+    h, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    r = batch * t
+    a = dt.activations.bytes_per_value
+    q_bytes = int(r * cfg.q_dim * a)
+    pairs = ff.causal_useful_pairs(t, s)
+    product = ff.attention_scores_flops(batch, h, t, s, hd)
+    useful = ff.causal_attention_product_flops(batch, h, t, s, hd)
+    bhts = batch * h * t * s
+    bhts_bytes = int(bhts * a)
+    kv_read = batch * s * hkv * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
+    scale = ff.score_scale_flops(batch, h, t, s)
+    softmax = ff.softmax_flops(batch, h, t, s)
+    causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
+    return [
+        ("attention.scores", "scores QKᵀ", MATMUL, True,
+         lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}",
+         product, useful, 0, kv_read, 0, q_bytes, bhts_bytes),
+        ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, True, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}",
+         scale, scale, 0, 0, 0, bhts_bytes, bhts_bytes),
+        ("attention.softmax", "softmax", ELEMENTWISE, True, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}",
+         softmax, softmax, 0, 0, 0, bhts_bytes, bhts_bytes),
+        ("attention.pv", "probs × V", MATMUL, True,
+         lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}",
+         product, useful, 0, kv_read, 0, bhts_bytes, q_bytes),
+    ]
+
+
+_CORE_AT = 7  # the attention core sits after tok_embeddings, attention_norm, wq, wk, wv, rope, kv_cache
+
+
 def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
     """Every component of one forward pass of T new tokens over S positions, per instance, in execution order."""
+    rows = _context_free_rows(cfg, batch, t, dt)
+    return rows[:_CORE_AT] + _attention_core(cfg, batch, t, s, dt) + rows[_CORE_AT:]
+
+
+def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
+    """The components whose cost does not depend on how many positions are cached."""
     d, h, hkv, hd, f, v = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
     q, kv = cfg.q_dim, cfg.kv_dim
     r = batch * t  # rows through the per-token layers
@@ -131,11 +169,6 @@ def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row
     w = dt.weights
     norm_w = norm_dtype_for(w).row_bytes(d)
     kv_vec = dt.kv.row_bytes(hd)  # one head vector of K or V, scales included
-    pairs = ff.causal_useful_pairs(t, s)
-    scores = ff.attention_scores_flops(batch, h, t, s, hd)
-    useful_product = ff.causal_attention_product_flops(batch, h, t, s, hd)
-    bhts = batch * h * t * s
-    kv_read = batch * s * hkv * kv_vec
 
     def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool = True) -> _Row:
         fl = ff.linear_flops(rows, i, o)
@@ -153,8 +186,6 @@ def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row
                 int(2 * r * d * a), int(r * d * a))
 
     rope = ff.rope_flops(r, h, hkv, hd)
-    scale = ff.score_scale_flops(batch, h, t, s)
-    softmax = ff.softmax_flops(batch, h, t, s)
     swiglu = ff.swiglu_activation_flops(r, f)
     head_rows = batch  # last position of each sequence only
     return [
@@ -168,16 +199,6 @@ def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row
          rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a)),
         ("attention.kv_cache", "KV cache write", MEMORY, True, lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
          0, 0, 0, 0, 2 * r * hkv * kv_vec, int(2 * r * kv * a), 0),
-        ("attention.scores", "scores QKᵀ", MATMUL, True,
-         lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}" + (f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""),
-         scores, useful_product, 0, kv_read, 0, int(r * q * a), int(bhts * a)),
-        ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, True, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}",
-         scale, scale, 0, 0, 0, int(bhts * a), int(bhts * a)),
-        ("attention.softmax", "softmax", ELEMENTWISE, True, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}",
-         softmax, softmax, 0, 0, 0, int(bhts * a), int(bhts * a)),
-        ("attention.pv", "probs × V", MATMUL, True,
-         lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}" + (f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""),
-         scores, useful_product, 0, kv_read, 0, int(bhts * a), int(r * q * a)),
         lin("attention.wo", "output projection", r, q, d, "2·BT·H·D·d"),
         residual("attn_residual", "residual add (attention)"),
         norm("ffn_norm", "RMSNorm (FFN)", r, True, "BT"),
@@ -264,19 +285,28 @@ def decode_step(cfg: ModelConfig, context_len: int, dtypes: Dtypes, batch: int =
     return _phase(cfg, "decode", _check("batch", batch), 1, _check("context length", context_len, 0), dtypes)
 
 
-def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtypes, batch: int = 1) -> GenerationEstimate:
-    """Prefill of P tokens then N - 1 decode steps at L = P .. P+N-2, every step summed exactly."""
+def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtypes, batch: int = 1,
+               prefill_estimate: PhaseEstimate | None = None) -> GenerationEstimate:
+    """Prefill of P tokens then N - 1 decode steps at L = P .. P+N-2, every step summed exactly.
+
+    `prefill_estimate`: the same prefill already computed by the caller, to avoid computing it twice."""
     _check("new tokens", new_tokens)
-    pre = prefill(cfg, prompt_len, dtypes, batch)
+    pre = prefill_estimate if prefill_estimate is not None else prefill(cfg, prompt_len, dtypes, batch)
     steps = new_tokens - 1
     n_comp = len(pre.components)
     # Per component: [flops, useful, w, kv_r, kv_w, act_r, act_w] summed over all decode steps (all instances).
+    # The context-free components cost the same at every step; the attention core is summed step by step.
     sums = [[0] * 7 for _ in range(n_comp)]
+    for i, row in enumerate(_context_free_rows(cfg, batch, 1, dtypes)):
+        n = cfg.n_layers if row[3] else 1
+        acc = sums[i if i < _CORE_AT else i + 4]
+        for k in range(7):
+            acc[k] = row[5 + k] * n * steps
+    core_sums = sums[_CORE_AT:_CORE_AT + 4]
     for cached in range(prompt_len, prompt_len + steps):
-        for acc, row in zip(sums, _rows(cfg, batch, 1, cached + 1, dtypes)):
-            n = cfg.n_layers if row[3] else 1
+        for acc, row in zip(core_sums, _attention_core(cfg, batch, 1, cached + 1, dtypes)):
             for k in range(7):
-                acc[k] += row[5 + k] * n
+                acc[k] += row[5 + k] * cfg.n_layers
     decode_totals = _totals([
         (c.kind, c.per_layer, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
         for c, acc in zip(pre.components, sums)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tracer import estimate
 from tracer.config import ModelConfig
-from tracer.dtypes import DType
+from tracer.dtypes import FP16, DType, get_dtype
 from tracer.errors import BadArgumentError
 from tracer.params import ParamCount, count_params, weight_bytes_by_dtype
 from tracer.resolve import ResolvedModel
-from tracer.weights_summary import WeightsSummary
+
+if TYPE_CHECKING:
+    from tracer.weights_summary import WeightsSummary
 
 FLOPS_SCHEMA = "llmtrace.flops/1"
 
@@ -38,6 +41,7 @@ class ModelShape:
 @dataclass(frozen=True, slots=True)
 class DtypeChoice:
     weights: str
+    weights_from: str  # "option" (--dtype), "checkpoint" (its main dtype), or "default" (fp16)
     kv: str
     activations: str
 
@@ -72,25 +76,34 @@ class FlopsReport:
     rule_of_thumb: RuleOfThumb
 
 
+def default_weights_dtype(model: ResolvedModel) -> tuple[DType, str]:
+    """The checkpoint's own dtype where tracer.dtypes has its exact layout, else fp16; and where it came from."""
+    exact = model.weights.llmtrace_dtype if model.weights is not None else None
+    return (get_dtype(exact), "checkpoint") if exact else (FP16, "default")
+
+
 def flops_report(
-    model: ResolvedModel, prompt_len: int, new_tokens: int, weights: DType, kv: DType | None = None,
+    model: ResolvedModel, prompt_len: int, new_tokens: int, weights: DType | None = None, kv: DType | None = None,
     batch: int = 1, decode_context: int | None = None, prompt_tokenizer: str | None = None,
 ) -> FlopsReport:
+    """weights None: the checkpoint's dtype (default_weights_dtype)."""
     cfg = model.config
+    weights, weights_from = (weights, "option") if weights is not None else default_weights_dtype(model)
     dtypes = estimate.Dtypes.for_weights(weights, kv)
     context = prompt_len if decode_context is None else decode_context
     if context < 0:
         raise BadArgumentError(f"decode context must be >= 0, got {context}")
     pre = estimate.prefill(cfg, prompt_len, dtypes, batch)
     step = estimate.decode_step(cfg, context, dtypes, batch)
-    gen = estimate.generation(cfg, prompt_len, new_tokens, dtypes, batch)
+    gen = estimate.generation(cfg, prompt_len, new_tokens, dtypes, batch, prefill_estimate=pre)
     params = count_params(cfg)
     two_x = 2 * params.total
     step_per_token = step.totals.total_flops / batch
     gen_per_token = gen.totals.total_flops / (batch * (prompt_len + new_tokens - 1))
     return FlopsReport(
         schema=FLOPS_SCHEMA, model=ModelShape.of(cfg), params=params, weight_bytes=weight_bytes_by_dtype(cfg),
-        checkpoint=model.weights, dtypes=DtypeChoice(dtypes.weights.name, dtypes.kv.name, dtypes.activations.name),
+        checkpoint=model.weights,
+        dtypes=DtypeChoice(dtypes.weights.name, weights_from, dtypes.kv.name, dtypes.activations.name),
         batch=batch, prompt_len=prompt_len, prompt_tokenizer=prompt_tokenizer, new_tokens=new_tokens,
         decode_context=context, prefill=pre, decode=step, generation=gen,
         rule_of_thumb=RuleOfThumb(two_x, step_per_token, step_per_token / two_x, gen_per_token, gen_per_token / two_x),

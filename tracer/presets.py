@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-
 from tracer.config import ModelConfig, RopeScaling
 from tracer.errors import UnknownPresetError
 
@@ -60,6 +58,8 @@ def get_preset(name: str) -> ModelConfig:
     key = name.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
+    import difflib  # only for a miss: the analytical commands must start in a blink
+
     near = difflib.get_close_matches(key, PRESETS, n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(near)}?" if near else "run `llmtrace models` to list them"
     raise UnknownPresetError(f"unknown model {name!r}: not a preset nor an existing path; {hint}")

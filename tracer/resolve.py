@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tracer.config import ModelConfig
 from tracer.errors import ConfigError
-from tracer.gguf_header import GGUFHeader, read_gguf_header
 from tracer.presets import PRESETS, get_preset
-from tracer.safetensors_header import INDEX_NAME, read_safetensors_checkpoint
-from tracer.weights_summary import WeightsSummary, summarize_gguf, summarize_safetensors
+
+if TYPE_CHECKING:  # the header readers are imported when a path is given: a preset needs none of them
+    from tracer.gguf_header import GGUFHeader
+    from tracer.weights_summary import WeightsSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +39,20 @@ def resolve_config(spec: str) -> ModelConfig:
     return resolve_model(spec).config
 
 
-def _has_safetensors(folder: Path) -> bool:
-    return (folder / INDEX_NAME).exists() or any(folder.glob("*.safetensors"))
+def _safetensors_weights(folder: Path) -> WeightsSummary | None:
+    """What the folder's safetensors headers hold, or None when it has no safetensors files."""
+    from tracer.safetensors_header import INDEX_NAME, read_safetensors_checkpoint
+    from tracer.weights_summary import summarize_safetensors
+
+    if not ((folder / INDEX_NAME).exists() or any(folder.glob("*.safetensors"))):
+        return None
+    return summarize_safetensors(read_safetensors_checkpoint(folder))
 
 
 def _from_gguf(path: Path) -> ResolvedModel:
+    from tracer.gguf_header import read_gguf_header
+    from tracer.weights_summary import summarize_gguf
+
     header = read_gguf_header(path)
     return ResolvedModel(config_from_gguf_header(header), summarize_gguf(header), "gguf", str(path))
 
@@ -57,9 +68,7 @@ def resolve_model(spec: str) -> ResolvedModel:
         return ResolvedModel(get_preset(spec), None, "preset", None)  # raises UnknownPresetError with nearest names
     if path.is_dir():
         if (path / "config.json").exists():
-            config = ModelConfig.from_hf_json(path)
-            weights = summarize_safetensors(read_safetensors_checkpoint(path)) if _has_safetensors(path) else None
-            return ResolvedModel(config, weights, "hf", str(path))
+            return ResolvedModel(ModelConfig.from_hf_json(path), _safetensors_weights(path), "hf", str(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return _from_gguf(ggufs[0])
@@ -67,8 +76,5 @@ def resolve_model(spec: str) -> ResolvedModel:
     if path.suffix == ".gguf":
         return _from_gguf(path)
     if path.suffix == ".json":
-        config = ModelConfig.from_hf_json(path)
-        folder = path.parent
-        weights = summarize_safetensors(read_safetensors_checkpoint(folder)) if _has_safetensors(folder) else None
-        return ResolvedModel(config, weights, "hf", str(path))
+        return ResolvedModel(ModelConfig.from_hf_json(path), _safetensors_weights(path.parent), "hf", str(path))
     raise ConfigError(f"{path}: not a model folder, config.json or .gguf file; pass one of those or a preset name")

@@ -30,6 +30,15 @@ class WeightsSummary:
     def main_dtype(self) -> str:
         return self.by_dtype[0].dtype if self.by_dtype else "-"
 
+    @property
+    def llmtrace_dtype(self) -> str | None:
+        """The tracer.dtypes name whose layout matches the main dtype exactly (Q8_0 is int8), None when none does."""
+        return _EXACT_DTYPES.get(self.main_dtype)
+
+
+# File dtype names (safetensors and ggml) -> the tracer.dtypes name with the same storage layout.
+_EXACT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "Q8_0": "int8", "Q4_0": "int4"}
+
 
 def _summarize(fmt: str, files: tuple[str, ...], rows: Iterable[tuple[str, int, int]]) -> WeightsSummary:
     shares: dict[str, list[int]] = {}
