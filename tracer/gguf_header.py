@@ -21,6 +21,7 @@ DEFAULT_ALIGNMENT = 32
 # Metadata value types (gguf.md: GGUF_METADATA_VALUE_TYPE_*): code -> struct format, None for string/array.
 _SCALAR_FORMATS: dict[int, str] = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 # ggml tensor types we name (ggml.h enum ggml_type): code -> (name, elements per block, bytes per block).
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -111,10 +112,21 @@ class _Cursor:
         return raw.decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
+        # A tight loop (locals, one precompiled struct): a vocabulary is 50k-150k strings and
+        # `llmtrace flops --model file.gguf` must stay instant.
+        unpack_u64, buf, pos, size = _U64.unpack_from, self.buf, self.pos, self.size
         for _ in range(count):
-            n = self.unpack("Q")
-            self.need(n)
-            self.pos += n
+            if pos + 8 > size:
+                break
+            end = pos + 8 + unpack_u64(buf, pos)[0]
+            if end > size:
+                break
+            pos = end
+        else:
+            self.pos = pos
+            return
+        self.pos = pos
+        self.need(8 + (unpack_u64(buf, pos)[0] if pos + 8 <= size else 0))  # raises: the file is truncated
 
 
 def _read_value(cur: _Cursor, vtype: int, decode_arrays: bool) -> Any:
