@@ -29,7 +29,8 @@ def _settings(**overrides: object) -> RunSettings:
 
 
 def _hooks(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """Module hooks plus instance-level forward wrappers: the tracer's instrumentation, whichever mechanism."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
 
 
 @dataclass

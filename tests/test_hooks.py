@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tracer import estimate
 from tracer.config import ModelConfig
 from tracer.dtypes import FP32
-from tracer.hooks import LAYER_STAGES, TOP_STAGES, Tracer
+from tracer.hooks import LAYER_STAGES, MECHANISMS, TOP_STAGES, Tracer
 from tracer.model import build_random_model
 from tracer.trace_records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 from tracer.trace_summary import stage_totals
@@ -24,16 +24,18 @@ CONFIGS = {
 
 
 def _hook_count(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """Module hooks plus instance-level forward wrappers: what a tracer may leave behind."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
 
 
-def _traced_run(config: ModelConfig, prompt_len: int, decode_steps: int) -> tuple[Tracer, list[int]]:
+def _traced_run(config: ModelConfig, prompt_len: int, decode_steps: int,
+                mechanism: str = "wrap") -> tuple[Tracer, list[int]]:
     """Prefill `prompt_len` tokens then `decode_steps` decode steps under a Tracer; FlopCounterMode's total per step."""
     model = build_random_model(config, seed=1)
     model.setup_cache(1, prompt_len + decode_steps)
     generator = torch.Generator().manual_seed(0)
     counted = []
-    with Tracer(model) as tracer:
+    with Tracer(model, mechanism=mechanism) as tracer:
         for step in range(decode_steps + 1):
             n = prompt_len if step == 0 else 1
             ids = torch.randint(0, config.vocab_size, (1, n), generator=generator)
@@ -45,10 +47,12 @@ def _traced_run(config: ModelConfig, prompt_len: int, decode_steps: int) -> tupl
     return tracer, counted
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=[(name, mech) for name in CONFIGS for mech in MECHANISMS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def traced(request: pytest.FixtureRequest) -> tuple[ModelConfig, tuple[StageRecord, ...], list]:
-    config = CONFIGS[request.param]
-    tracer, counted = _traced_run(config, prompt_len=7, decode_steps=3)
+    name, mechanism = request.param
+    config = CONFIGS[name]
+    tracer, counted = _traced_run(config, prompt_len=7, decode_steps=3, mechanism=mechanism)
     return config, tracer.records(), counted
 
 
@@ -146,19 +150,27 @@ def test_llama7b_decode_flops_by_hand() -> None:
     assert matmul == layers * per_layer + 2 * d * v == 13_216_776_192
 
 
-def test_no_hooks_are_left_behind() -> None:
+@pytest.mark.parametrize("mechanism, per_stage", [("hooks", 2), ("wrap", 1)])
+def test_nothing_is_left_behind(mechanism: str, per_stage: int) -> None:
     model = build_random_model(CONFIGS["gqa"], seed=0)
     model.setup_cache(1, 8)
-    tracer = Tracer(model)
+    fused_before = getattr(model, "use_fused", None)
+    tracer = Tracer(model, mechanism=mechanism)
     with tracer:
-        assert _hook_count(model) == 2 * (17 * 3 + 3) == tracer.attached
+        assert _hook_count(model) == tracer.attached == per_stage * (17 * 3 + 3)
+        if fused_before is not None:
+            assert model.use_fused is False  # the traced path is the stage-by-stage one
+        tracer.begin_step(PREFILL, 0)
         model.prefill(torch.tensor([[1, 2, 3]]))
+        tracer.end_step()
     assert _hook_count(model) == 0
+    assert getattr(model, "use_fused", None) == fused_before
     with pytest.raises(RuntimeError, match="boom"):
-        with Tracer(model):
+        with Tracer(model, mechanism=mechanism):
             assert _hook_count(model) > 0
             raise RuntimeError("boom")
     assert _hook_count(model) == 0
+    assert len(tracer.records()) == 17 * 3 + 3
 
 
 def test_tracing_off_attaches_nothing() -> None:

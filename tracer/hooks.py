@@ -1,15 +1,17 @@
-"""Forward hooks on the model's stage modules: when each stage ran, on what shapes, and what that cost.
+"""Instrumentation of the model's stage modules: when each stage ran, on what shapes, and what that cost.
 
-The hooks do as little as possible on the hot path: the pre-hook reads the clock once; the post-hook reads it once
-and keeps the shapes of the tensors in and out (torch.Size objects, no copies). FLOPs and bytes are worked out from those shapes later
-(`Tracer.records()`), by the same functions in tracer/flop_formulas.py that the analytical estimate uses.
+The hot path does as little as possible: one clock read before and one after the stage, then the shapes of the
+tensors in and out (torch.Size objects, no copies). FLOPs and bytes are worked out from those shapes later
+(`Tracer.records()`, after the run), by the same functions in tracer/flop_formulas.py that the analytical
+estimate uses.
 
-Hooks exist only inside `with Tracer(model) as tracer:` and are removed in `finally`, also after an exception.
-On cuda/mps the device is synchronised before each clock read, so a stage's time is its kernels' time.
+The instrumentation exists only inside `with Tracer(model) as tracer:` and is removed in `finally`, also after an
+exception. On cuda/mps the device is synchronised before each clock read, so a stage's time is its kernels' time.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,9 @@ LAYER_STAGES: dict[str, str] = {
     "ffn_residual": "residual",
 }
 TOP_STAGES: dict[str, str] = {"tok_embeddings": "embedding", "norm": "rmsnorm", "output": "lm_head"}
+
+MECHANISMS = ("wrap", "hooks")
+_NO_INSTANCE_FORWARD = object()  # marks a module whose forward came from its class (the usual case)
 
 # Stages whose forward returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all); the others return one.
 TUPLE_OUTPUT_KINDS = frozenset({"rope", "kv_cache"})
@@ -95,20 +100,33 @@ def device_synchronizer(device: torch.device) -> Any:
 
 
 class Tracer:
-    """Hooks the stage modules of `model` while inside `with`; collects one StageRecord per stage call.
+    """Instruments the stage modules of `model` while inside `with`; collects one StageRecord per stage call.
 
     Use: `with Tracer(model, origin_ns) as t: t.begin_step("prefill", 0); model.prefill(ids); t.end_step()`.
     `enabled=False` attaches nothing (the run is timed per step only).
+
+    Two mechanisms, same records:
+    - "wrap" (default): each stage module gets an instance-level `forward` that reads the clock around the
+      original one. nn.Module.__call__ keeps its fast path, so a decode step costs almost nothing extra.
+    - "hooks": nn.Module forward pre/post hooks (`register_forward_pre_hook` / `register_forward_hook`). Any
+      hook sends every call through nn.Module's slow path; on the default model that machinery alone, with
+      no-op hooks, costs about 10% of a decode step (BENCHMARKS.md, "Tracing overhead").
+    Both rely on the model calling its submodules through `__call__`, and both are undone in `finally`.
     """
 
-    def __init__(self, model: nn.Module, origin_ns: int | None = None, enabled: bool = True) -> None:
+    def __init__(self, model: nn.Module, origin_ns: int | None = None, enabled: bool = True,
+                 mechanism: str = "wrap") -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+        self.mechanism = mechanism
         self.model = model
         self.origin_ns = time.perf_counter_ns() if origin_ns is None else origin_ns
         self.enabled = enabled
         found = stage_modules(model) if enabled else []
         self.stages: list[StageModule] = [s for s, _ in found]
         self._modules: list[nn.Module] = [m for _, m in found]
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
+        self._cost_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._starts: list[int] = [0] * len(self.stages)
         self._events: list[RawEvent] = []
         self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
@@ -125,10 +143,20 @@ class Tracer:
 
     def __enter__(self) -> "Tracer":
         try:
+            if self.enabled and hasattr(self.model, "use_fused"):
+                # A model with a fused fast path uses it only when nothing watches its stage modules; wrappers are
+                # invisible to that check, so say it outright: what is traced must be what runs.
+                self._handles.append((self.model, "use_fused", self.model.use_fused))
+                self.model.use_fused = False
             for index, module in enumerate(self._modules):
-                pre, post = self._make_hooks(index)
-                self._handles.append(module.register_forward_pre_hook(pre))
-                self._handles.append(module.register_forward_hook(post))
+                if self.mechanism == "hooks":
+                    pre, post = self._make_hooks(index)
+                    self._handles.append(module.register_forward_pre_hook(pre))
+                    self._handles.append(module.register_forward_hook(post))
+                else:
+                    previous = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+                    self._handles.append((module, previous))
+                    module.forward = self._make_wrapper(index, module.forward)
         except BaseException:
             self.remove()
             raise
@@ -138,13 +166,48 @@ class Tracer:
         self.remove()
 
     def remove(self) -> None:
+        """Undo every hook and wrapper (idempotent)."""
         handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        for handle in reversed(handles):
+            if isinstance(handle, tuple) and len(handle) == 3:
+                setattr(handle[0], handle[1], handle[2])
+            elif isinstance(handle, tuple):
+                module, previous = handle
+                if previous is _NO_INSTANCE_FORWARD:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = previous
+            else:
+                handle.remove()
 
     @property
     def attached(self) -> int:
-        return len(self._handles)
+        """Hooks (two per stage) or wrappers (one per stage) in place."""
+        return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
+
+    def _make_wrapper(self, index: int, forward: Any) -> Any:
+        """An instance-level forward for one stage: clock, original forward, clock, shapes (torch.Size, no copies)."""
+        events = self._events
+        clock = time.perf_counter_ns
+        sync = self.sync
+        tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
+
+        def traced_forward(*args: Any) -> Any:
+            if sync is not None:
+                sync()
+            start = clock()
+            output = forward(*args)
+            if sync is not None:
+                sync()
+            end = clock()
+            try:
+                inputs = [a.shape for a in args]
+            except AttributeError:  # a non-tensor argument: keep the tensors only
+                inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
+            events.append((index, start, end, inputs, [o.shape for o in output] if tuple_output else [output.shape]))
+            return output
+
+        return traced_forward
 
     def _make_hooks(self, index: int) -> tuple[Any, Any]:
         """The two hooks of one stage. Hot path: one clock read each, then the shapes (torch.Size, no copies)."""
@@ -194,19 +257,24 @@ class Tracer:
     def _record(self, phase: str, step: int, event: RawEvent) -> StageRecord:
         index, start, end, input_shapes, output_shapes = event
         stage = self.stages[index]
-        act = self.activation_itemsize
-        index_arg = INDEX_ARGUMENTS.get(stage.kind)
-        inputs = [(tuple(s), INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(input_shapes)]
-        outputs = [(tuple(s), act) for s in output_shapes]
-        cost = stage_cost(stage, inputs, outputs)
+        key = (index, *input_shapes, None, *output_shapes)  # torch.Size is a tuple: hashable
+        cached = self._cost_cache.get(key)
+        if cached is None:
+            act = self.activation_itemsize
+            index_arg = INDEX_ARGUMENTS.get(stage.kind)
+            inputs = [(tuple(s), INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(input_shapes)]
+            outputs = [(tuple(s), act) for s in output_shapes]
+            cached = (tuple(s for s, _ in inputs), tuple(s for s, _ in outputs), stage_cost(stage, inputs, outputs))
+            self._cost_cache[key] = cached
+        in_shapes, out_shapes, cost = cached
         return StageRecord(
             phase=phase,
             step=step,
             layer=stage.layer,
             stage=stage.name,
             kind=stage.kind,
-            input_shapes=tuple(s for s, _ in inputs),
-            output_shapes=tuple(s for s, _ in outputs),
+            input_shapes=in_shapes,
+            output_shapes=out_shapes,
             dtype=self.activation_dtype,
             matmul_flops=cost[0],
             elementwise_flops=cost[1],
@@ -227,10 +295,7 @@ Entry = tuple[tuple[int, ...], int]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def _nbytes(entry: Entry) -> int:
