@@ -16,6 +16,11 @@ from typing import Any
 
 import typer
 
+try:  # typer >= 0.26 vendors click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+
 _app = typer.Typer(
     name="llmtrace",
     help="See, with real numbers, what a LLaMA-family model does to predict a token.",
@@ -65,18 +70,14 @@ def _command_in(args: list[str]) -> list[str] | None:
     first = next((a for a in args if not a.startswith("-")), None)
     return [first] if first in COMMAND_MODULES else None
 
-try:  # typer >= 0.20 vendors click
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError  # noqa: E402
-except ImportError:  # pragma: no cover - older typer on top of click
-    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry. Usage errors (bad value, unknown option) become one line on stderr with exit code 2;
     unexpected errors one line with exit code 1. LLMTRACE_DEBUG=1 lets tracebacks through."""
-    # Everything imported so far (typer, click, rich) lives as long as the process: freezing it keeps the cyclic GC
-    # from re-scanning it during the imports and the work below, about 10 ms of an analytical command's ~90 ms.
-    gc.freeze()
+    if argv is None:  # the console script (not a caller in a longer-lived process, such as a test)
+        # Everything imported so far (typer, click, rich) lives as long as the process: freezing it keeps the cyclic
+        # GC from re-scanning it during the imports and work below, ~10 ms of an analytical command's ~90 ms.
+        gc.freeze()
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     args = sys.argv[1:] if argv is None else list(argv)
     try:
