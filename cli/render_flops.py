@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import units
-from cli.text_table import TextTable, print_table
+from cli.text_table import TextTable
 from tracer.estimate import ELEMENTWISE, MATMUL, ComponentCost, PhaseEstimate, Totals
 from tracer.flops_report import FlopsReport
 
@@ -16,14 +16,11 @@ _KIND_STYLE = {MATMUL: "", ELEMENTWISE: "dim", "memory": "dim italic"}
 
 def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
     m, p = r.model, r.params
-    console.print(
-        f"[bold]{escape(m.name)}[/] [dim]({escape(m.source)})[/]\n"
-        f"  d={m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} KV heads, head dim {m.head_dim}, "
-        f"FFN {m.ffn_dim}, vocab {m.vocab_size:,}, LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}",
-        soft_wrap=True,
-    )
     head = " (LM head tied: counted once)" if p.tied else f" + LM head {p.lm_head:,}"
     lines = [
+        f"[bold]{escape(m.name)}[/] [dim]({escape(m.source)})[/]",
+        f"  d={m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} KV heads, head dim {m.head_dim}, "
+        f"FFN {m.ffn_dim}, vocab {m.vocab_size:,}, LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}",
         f"Parameters [bold]{p.total:,}[/] = embedding {p.embedding:,} + {m.n_layers} layers × {p.per_layer:,} "
         f"+ final norm {p.final_norm:,}{head}",
         "Weights: " + " · ".join(f"{k} {units.gb(v)}" for k, v in r.weight_bytes.items())
@@ -46,18 +43,24 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         f"activations {r.dtypes.activations}. "
         f"Prompt {prompt}, {r.new_tokens} new tokens, batch {r.batch}.",
     ]
-    console.print("\n".join(lines), soft_wrap=True)
-    print_table(console, f"[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}",
-                _phase_table(r.prefill, macs))
-    _phase_notes(console, r.prefill.totals, macs, prefill=True)
-    print_table(console, f"[bold]One decode step at context L={r.decode_context}[/] (attends to {r.decode.kv_len} "
-                         f"positions), batch {r.batch}", _phase_table(r.decode, macs))
-    _phase_notes(console, r.decode.totals, macs, prefill=False)
     g = r.generation
-    print_table(console, f"[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
-                         f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}",
-                _generation_table(r, macs))
-    _generation_notes(console, r, macs)
+    width = console.width
+    # One print for everything: each console.print call has a fixed cost, and this command must answer in a blink.
+    console.print(
+        "\n".join(lines),
+        f"\n[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}",
+        _phase_table(r.prefill, macs).render(width),
+        _phase_notes(r.prefill.totals, macs, prefill=True),
+        f"\n[bold]One decode step at context L={r.decode_context}[/] (attends to {r.decode.kv_len} positions), "
+        f"batch {r.batch}",
+        _phase_table(r.decode, macs).render(width),
+        _phase_notes(r.decode.totals, macs, prefill=False),
+        f"\n[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
+        f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}",
+        _generation_table(r, macs).render(width),
+        _generation_notes(r),
+        sep="\n", soft_wrap=True,
+    )
 
 
 def _phase_table(phase: PhaseEstimate, macs: bool) -> TextTable:
@@ -83,7 +86,7 @@ def _layer(phase: PhaseEstimate, kind: str) -> int:
     return sum(c.flops for c in phase.components if c.per_layer and c.kind == kind)
 
 
-def _phase_notes(console: Console, t: Totals, macs: bool, prefill: bool) -> None:
+def _phase_notes(t: Totals, macs: bool, prefill: bool) -> str:
     lines = []
     if prefill:
         skipped = t.attention_dense_flops - t.attention_useful_flops
@@ -98,7 +101,7 @@ def _phase_notes(console: Console, t: Totals, macs: bool, prefill: bool) -> None
         f"  Arithmetic intensity {t.arithmetic_intensity:,.1f} FLOP/B over weights + KV "
         f"({t.arithmetic_intensity_with_activations:,.1f} counting activations).",
     ]
-    console.print("\n".join(lines), soft_wrap=True)
+    return "\n".join(lines)
 
 
 def _generation_table(r: FlopsReport, macs: bool) -> TextTable:
@@ -122,7 +125,7 @@ def _generation_table(r: FlopsReport, macs: bool) -> TextTable:
     return table
 
 
-def _generation_notes(console: Console, r: FlopsReport, macs: bool) -> None:
+def _generation_notes(r: FlopsReport) -> str:
     g, rt = r.generation, r.rule_of_thumb
     lines = []
     if g.exceeds_max_seq_len:
@@ -138,4 +141,4 @@ def _generation_notes(console: Console, r: FlopsReport, macs: bool) -> None:
         f"{units.si(rt.generation_flops_per_token, 'FLOP')} per token fed ({rt.generation_ratio:.3f}×). The gap: the "
         "embedding is a lookup (0 FLOPs), the LM head runs on the last position only, attention grows with the context.",
     ]
-    console.print("\n".join(lines), soft_wrap=True)
+    return "\n".join(lines)

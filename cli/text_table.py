@@ -46,7 +46,14 @@ class TextTable:
                 continue
             for text in self._wrapped(cells, widths, gap):
                 parts.append(("  " + text + "\n", style))
-        return Text.assemble(*parts, end="")
+        # One Text with style spans (not one Text per line): rich strips control codes from each Text it builds.
+        out = Text("".join(line for line, _ in parts)[:-1])  # no newline after the last row
+        start = 0
+        for line, style in parts:
+            if style:
+                out.stylize(style, start, start + len(line) - 1)
+            start += len(line)
+        return out
 
     def _line(self, cells: list[str], widths: list[int], gap: int) -> str:
         out = []

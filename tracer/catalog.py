@@ -12,7 +12,9 @@ from tracer.presets import PRESETS
 MODELS_SCHEMA = "llmtrace.models/1"
 
 
-@dataclass(frozen=True, slots=True)
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ModelRow:
     name: str
     vocab_size: int
@@ -29,7 +31,7 @@ class ModelRow:
     kv_bytes_per_token: int  # one position, all layers, one sequence, in the chosen dtype
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ModelsReport:
     schema: str
     dtype: str

@@ -37,7 +37,9 @@ class Dtypes:
         return cls(weights=weights, kv=kv or act, activations=act)
 
 
-@dataclass(frozen=True, slots=True)
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ComponentCost:
     """One stage of the forward pass. Per-instance figures; `instances` is n_layers inside a layer, else 1."""
 
@@ -58,7 +60,7 @@ class ComponentCost:
     total_useful_flops: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class Totals:
     """Sums over components (all instances)."""
 
@@ -79,7 +81,7 @@ class Totals:
     arithmetic_intensity_with_activations: float  # total_flops / total_bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class PhaseEstimate:
     phase: str  # "prefill" | "decode"
     batch: int
@@ -90,7 +92,7 @@ class PhaseEstimate:
     totals: Totals
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ComponentSum:
     """One component over a whole generation: its prefill figure plus the sum over all decode steps."""
 
@@ -103,7 +105,7 @@ class ComponentSum:
     total_useful_flops: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class GenerationEstimate:
     prompt_len: int
     new_tokens: int

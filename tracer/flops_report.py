@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 FLOPS_SCHEMA = "llmtrace.flops/1"
 
 
-@dataclass(frozen=True, slots=True)
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ModelShape:
     name: str
     source: str
@@ -38,7 +40,7 @@ class ModelShape:
                    cfg.head_dim, cfg.ffn_dim, cfg.max_seq_len, cfg.tie_embeddings)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class DtypeChoice:
     weights: str
     weights_from: str  # "option" (--dtype), "checkpoint" (its main dtype), or "default" (fp16)
@@ -46,7 +48,7 @@ class DtypeChoice:
     activations: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class RuleOfThumb:
     """The '2 x parameters FLOPs per token' rule against the exact count."""
 
@@ -57,7 +59,7 @@ class RuleOfThumb:
     generation_ratio: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class FlopsReport:
     schema: str
     model: ModelShape

@@ -13,7 +13,9 @@ from tracer.config import ModelConfig
 from tracer.dtypes import DTYPES, FP32, DType
 
 
-@dataclass(frozen=True, slots=True)
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ParamCount:
     embedding: int  # V * d
     attention_per_layer: int  # wq + wk + wv + wo

@@ -15,7 +15,9 @@ if TYPE_CHECKING:  # the header readers are imported when a path is given: a pre
     from tracer.weights_summary import WeightsSummary
 
 
-@dataclass(frozen=True, slots=True)
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ResolvedModel:
     """A --model argument turned into its config, plus what its checkpoint holds (None for a preset)."""
 
