@@ -54,6 +54,8 @@ def main() -> None:
     llmtrace = llmtrace_command()
     commands: dict[str, list[str]] = {
         'python -c "import typer, rich"': [sys.executable, "-c", "import typer, rich"],
+        # Not gated, for reading the figures: printing anything with rich needs rich.console.
+        'python -c "import typer, rich.console"': [sys.executable, "-c", "import typer, rich.console"],
         "llmtrace kvmem --seq 2000": [*llmtrace, "kvmem", "--seq", "2000"],
         "llmtrace flops": [*llmtrace, "flops"],
         "llmtrace models": [*llmtrace, "models"],

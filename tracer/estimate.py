@@ -124,33 +124,38 @@ class GenerationEstimate:
 _Row = tuple  # (name, label, kind, per_layer, formula thunk, flops, useful, w, kv_r, kv_w, act_r, act_w)
 
 
-def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
-    """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
-    h, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    r = batch * t
+def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[tuple[int, ...]]:
+    """(flops, useful, weight B, KV read B, KV written B, act read B, act written B) of QKᵀ, scaling, softmax, PV."""
+    h, hd = cfg.n_heads, cfg.head_dim
     a = dt.activations.bytes_per_value
-    q_bytes = int(r * cfg.q_dim * a)
-    pairs = ff.causal_useful_pairs(t, s)
+    q_bytes = int(batch * t * cfg.q_dim * a)
     product = ff.attention_scores_flops(batch, h, t, s, hd)
     useful = ff.causal_attention_product_flops(batch, h, t, s, hd)
-    bhts = batch * h * t * s
-    bhts_bytes = int(bhts * a)
-    kv_read = batch * s * hkv * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
+    bhts_bytes = int(batch * h * t * s * a)
+    kv_read = batch * s * cfg.n_kv_heads * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
     scale = ff.score_scale_flops(batch, h, t, s)
     softmax = ff.softmax_flops(batch, h, t, s)
-    causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
     return [
-        ("attention.scores", "scores QKᵀ", MATMUL, True,
-         lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}",
-         product, useful, 0, kv_read, 0, q_bytes, bhts_bytes),
-        ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, True, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}",
-         scale, scale, 0, 0, 0, bhts_bytes, bhts_bytes),
-        ("attention.softmax", "softmax", ELEMENTWISE, True, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}",
-         softmax, softmax, 0, 0, 0, bhts_bytes, bhts_bytes),
-        ("attention.pv", "probs × V", MATMUL, True,
-         lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}",
-         product, useful, 0, kv_read, 0, bhts_bytes, q_bytes),
+        (product, useful, 0, kv_read, 0, q_bytes, bhts_bytes),
+        (scale, scale, 0, 0, 0, bhts_bytes, bhts_bytes),
+        (softmax, softmax, 0, 0, 0, bhts_bytes, bhts_bytes),
+        (product, useful, 0, kv_read, 0, bhts_bytes, q_bytes),
     ]
+
+
+def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
+    """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
+    h, hd = cfg.n_heads, cfg.head_dim
+    pairs = ff.causal_useful_pairs(t, s)
+    causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
+    meta = [
+        ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
+        ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}"),
+        ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}"),
+        ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
+    ]
+    return [(name, label, kind, True, formula, *numbers)
+            for (name, label, kind, formula), numbers in zip(meta, _attention_core_numbers(cfg, batch, t, s, dt))]
 
 
 _CORE_AT = 7  # the attention core sits after tok_embeddings, attention_norm, wq, wk, wv, rope, kv_cache
@@ -306,9 +311,9 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
             acc[k] = row[5 + k] * n * steps
     core_sums = sums[_CORE_AT:_CORE_AT + 4]
     for cached in range(prompt_len, prompt_len + steps):
-        for acc, row in zip(core_sums, _attention_core(cfg, batch, 1, cached + 1, dtypes)):
+        for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes)):
             for k in range(7):
-                acc[k] += row[5 + k] * cfg.n_layers
+                acc[k] += numbers[k] * cfg.n_layers
     decode_totals = _totals([
         (c.kind, c.per_layer, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
         for c, acc in zip(pre.components, sums)
