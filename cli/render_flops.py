@@ -39,8 +39,8 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
                                          if r.prompt_tokenizer else "")
     lines += [
         f"Counting: {unit}; matmuls exact, elementwise work estimated (constants in README).",
-        f"Weights {r.dtypes.weights}{_WEIGHTS_FROM[r.dtypes.weights_from]}, KV cache {r.dtypes.kv}, "
-        f"activations {r.dtypes.activations}. "
+        f"Weights {r.weights_dtype}{_WEIGHTS_FROM[r.weights_dtype_from]}, KV cache {r.kv_dtype}, "
+        f"activations {r.activation_dtype}. "
         f"Prompt {prompt}, {r.new_tokens} new tokens, batch {r.batch}.",
     ]
     g = r.generation
@@ -126,7 +126,7 @@ def _generation_table(r: FlopsReport, macs: bool) -> TextTable:
 
 
 def _generation_notes(r: FlopsReport) -> str:
-    g, rt = r.generation, r.rule_of_thumb
+    g = r.generation
     lines = []
     if g.exceeds_max_seq_len:
         lines.append(f"  [yellow]Note: {g.final_kv_len:,} positions exceed the model's trained context "
@@ -136,9 +136,9 @@ def _generation_notes(r: FlopsReport) -> str:
         f"Arithmetic intensity {g.totals.arithmetic_intensity:,.1f} FLOP/B "
         f"(prefill {g.prefill_totals.arithmetic_intensity:,.1f}, decode steps {g.decode_totals.arithmetic_intensity:,.1f}).",
         "",
-        f"Rule of thumb 2 × parameters = {units.si(rt.two_x_params, 'FLOP')} per token. Counted: this decode step "
-        f"{units.si(rt.decode_step_flops_per_token, 'FLOP')} per token ({rt.decode_ratio:.3f}×), the whole generation",
-        f"{units.si(rt.generation_flops_per_token, 'FLOP')} per token fed ({rt.generation_ratio:.3f}×). The gap: the "
+        f"Rule of thumb 2 × parameters = {units.si(r.two_x_params, 'FLOP')} per token. Counted: this decode step "
+        f"{units.si(r.decode_step_flops_per_token, 'FLOP')} per token ({r.decode_vs_rule:.3f}×), the whole generation",
+        f"{units.si(r.generation_flops_per_token, 'FLOP')} per token fed ({r.generation_vs_rule:.3f}×). The gap: the "
         "embedding is a lookup (0 FLOPs), the LM head runs on the last position only, attention grows with the context.",
     ]
     return "\n".join(lines)

@@ -64,9 +64,10 @@ _PHASE = {
 }
 FLOPS_SCHEMA = {
     "type": "object",
-    "required": ["schema", "model", "params", "weight_bytes", "checkpoint", "dtypes", "batch", "prompt_len",
-                 "prompt_tokenizer", "new_tokens", "decode_context", "prefill", "decode", "generation",
-                 "rule_of_thumb"],
+    "required": ["schema", "model", "params", "weight_bytes", "checkpoint", "weights_dtype", "weights_dtype_from",
+                 "kv_dtype", "activation_dtype", "batch", "prompt_len", "prompt_tokenizer", "new_tokens",
+                 "decode_context", "prefill", "decode", "generation", "two_x_params", "decode_step_flops_per_token",
+                 "decode_vs_rule", "generation_flops_per_token", "generation_vs_rule"],
     "properties": {
         "schema": {"const": "llmtrace.flops/1"},
         "model": {"type": "object", "required": ["name", "source", "vocab_size", "dim", "n_layers", "n_heads",
@@ -76,7 +77,9 @@ FLOPS_SCHEMA = {
         "weight_bytes": {"type": "object", "required": ["fp32", "bf16", "fp16", "fp8", "int8", "int4"]},
         "checkpoint": {"anyOf": [{"type": "null"}, {
             "type": "object", "required": ["format", "files", "n_tensors", "n_params", "total_bytes", "by_dtype"]}]},
-        "dtypes": {"type": "object", "required": ["weights", "weights_from", "kv", "activations"]},
+        "weights_dtype": {"enum": ["fp32", "bf16", "fp16", "fp8", "int8", "int4"]},
+        "weights_dtype_from": {"enum": ["option", "checkpoint", "default"]},
+        "two_x_params": _INT, "decode_vs_rule": _NUM, "generation_vs_rule": _NUM,
         "prefill": _PHASE,
         "decode": _PHASE,
         "generation": {
@@ -89,9 +92,6 @@ FLOPS_SCHEMA = {
                              "total_useful_flops"]}},
                 "totals": _TOTALS},
         },
-        "rule_of_thumb": {"type": "object", "required": ["two_x_params", "decode_step_flops_per_token",
-                                                          "decode_ratio", "generation_flops_per_token",
-                                                          "generation_ratio"]},
     },
 }
 _SIZE = {"type": "object", "required": ["n_layers", "n_kv_heads", "head_dim", "dtype", "bytes_per_value", "batch",
@@ -140,12 +140,13 @@ def test_flops_json_llama_7b() -> None:
     gen = data["generation"]
     assert gen["decode_steps"] == 7
     assert gen["totals"]["total_flops"] == data["prefill"]["totals"]["total_flops"] + gen["decode_totals"]["total_flops"]
-    assert data["rule_of_thumb"]["two_x_params"] == 2 * 6_738_415_616
+    assert data["two_x_params"] == 2 * 6_738_415_616
 
 
 def test_flops_json_batch_and_dtype() -> None:
     data = _json(["flops", "--json", "-m", "llama2-70b", "--dtype", "int4", "--batch", "4", "-p", "8", "-n", "2"])
-    assert data["dtypes"] == {"weights": "int4", "weights_from": "option", "kv": "fp16", "activations": "fp16"}
+    assert (data["weights_dtype"], data["weights_dtype_from"], data["kv_dtype"], data["activation_dtype"]) == (
+        "int4", "option", "fp16", "fp16")
     assert data["batch"] == 4
     decode = {c["name"]: c for c in data["decode"]["components"]}
     assert decode["attention.wk"]["flops"] == 2 * 4 * 8192 * 1024
@@ -213,7 +214,7 @@ def test_flops_on_a_checkpoint_shows_its_real_parameters(make_tiny_llama: Callab
     data = _json(["flops", "--json", "-m", str(folder), "-p", "4", "-n", "2"])
     assert data["checkpoint"]["format"] == "safetensors"
     assert data["checkpoint"]["n_params"] == data["params"]["total"]
-    assert data["dtypes"]["weights"] == "fp32" and data["dtypes"]["weights_from"] == "checkpoint"
+    assert data["weights_dtype"] == "fp32" and data["weights_dtype_from"] == "checkpoint"
 
 
 def test_flops_prompt_counts_with_the_model_tokenizer(tiny_llama_dir: Path) -> None:

@@ -41,32 +41,16 @@ class ModelShape:
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
-class DtypeChoice:
-    weights: str
-    weights_from: str  # "option" (--dtype), "checkpoint" (its main dtype), or "default" (fp16)
-    kv: str
-    activations: str
-
-
-@dataclass(frozen=True, slots=True, eq=False, repr=False)
-class RuleOfThumb:
-    """The '2 x parameters FLOPs per token' rule against the exact count."""
-
-    two_x_params: int
-    decode_step_flops_per_token: float  # the decode step shown, divided by the batch
-    decode_ratio: float  # decode_step_flops_per_token / two_x_params
-    generation_flops_per_token: float  # whole generation / tokens fed through the model (P + N - 1) / batch
-    generation_ratio: float
-
-
-@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class FlopsReport:
     schema: str
     model: ModelShape
     params: ParamCount
     weight_bytes: dict[str, int]  # every dtype llmtrace knows -> bytes of all weights in it
     checkpoint: WeightsSummary | None  # what the file on disk holds (None for a preset)
-    dtypes: DtypeChoice
+    weights_dtype: str
+    weights_dtype_from: str  # "option" (--dtype), "checkpoint" (its main dtype), or "default" (fp16)
+    kv_dtype: str
+    activation_dtype: str
     batch: int
     prompt_len: int
     prompt_tokenizer: str | None  # the tokenizer file that counted --prompt, None when --prompt-len was given
@@ -75,7 +59,12 @@ class FlopsReport:
     prefill: estimate.PhaseEstimate
     decode: estimate.PhaseEstimate
     generation: estimate.GenerationEstimate
-    rule_of_thumb: RuleOfThumb
+    # The "2 x parameters FLOPs per token" rule of thumb against the exact count (per sequence of the batch).
+    two_x_params: int
+    decode_step_flops_per_token: float  # the decode step shown, divided by the batch
+    decode_vs_rule: float  # decode_step_flops_per_token / two_x_params
+    generation_flops_per_token: float  # the whole generation / tokens fed through the model (P + N - 1)
+    generation_vs_rule: float
 
 
 def default_weights_dtype(model: ResolvedModel) -> tuple[DType, str]:
@@ -105,8 +94,10 @@ def flops_report(
     return FlopsReport(
         schema=FLOPS_SCHEMA, model=ModelShape.of(cfg), params=params, weight_bytes=weight_bytes_by_dtype(cfg),
         checkpoint=model.weights,
-        dtypes=DtypeChoice(dtypes.weights.name, weights_from, dtypes.kv.name, dtypes.activations.name),
+        weights_dtype=dtypes.weights.name, weights_dtype_from=weights_from, kv_dtype=dtypes.kv.name,
+        activation_dtype=dtypes.activations.name,
         batch=batch, prompt_len=prompt_len, prompt_tokenizer=prompt_tokenizer, new_tokens=new_tokens,
         decode_context=context, prefill=pre, decode=step, generation=gen,
-        rule_of_thumb=RuleOfThumb(two_x, step_per_token, step_per_token / two_x, gen_per_token, gen_per_token / two_x),
+        two_x_params=two_x, decode_step_flops_per_token=step_per_token, decode_vs_rule=step_per_token / two_x,
+        generation_flops_per_token=gen_per_token, generation_vs_rule=gen_per_token / two_x,
     )
