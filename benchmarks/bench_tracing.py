@@ -56,31 +56,85 @@ def decode_ms_per_token(loaded: LoadedModel, trace: bool) -> float:
 
 
 def bench_overhead(loaded: LoadedModel, rounds: int) -> dict[str, Any]:
-    """Median decode step (forward + sample + detokenize) over every step of every round, traced and untraced
-    rounds interleaved; the traced figure adds the record building, spread over the decode steps."""
+    """Two views, rounds interleaved, medians over every decode step of every round.
+
+    generation: whole greedy runs through Generation, traced vs `trace=False` (forward + sample + detokenize per
+    step; the traced figure adds the record building done after the run, spread over its decode steps).
+    forward: one decode_one per step, under five set-ups: the model's default (fused when nothing watches),
+    stage by stage (`use_fused = False`), no-op nn.Module hooks on the 513 stage modules, our Tracer with
+    wrappers (the default) and with real hooks.
+    """
     decode_run(loaded, True)  # warm-up: allocator, caches, first-call paths
     decode_run(loaded, False)
     steps: dict[bool, list[int]] = {True: [], False: []}
     build: dict[bool, list[float]] = {True: [], False: []}
+    forward: dict[str, list[int]] = {mode: [] for mode in FORWARD_MODES}
     for _ in range(rounds):
         for traced in (False, True):
             durations, build_ms = decode_run(loaded, traced)
             steps[traced].extend(durations)
             build[traced].append(build_ms)
+        for mode in FORWARD_MODES:
+            forward[mode].extend(_forward_steps(loaded, mode))
     untraced = statistics.median(steps[False]) / 1e6
     traced_step = statistics.median(steps[True]) / 1e6
     build_per_token = (statistics.median(build[True]) - statistics.median(build[False])) / (NEW_TOKENS - 1)
+    fwd = {mode: statistics.median(v) / 1e6 for mode, v in forward.items()}
     return {
         "decode_steps_per_mode": len(steps[False]),
-        "untraced_ms_per_token": untraced,
-        "traced_step_ms_per_token": traced_step,
-        "record_building_ms_per_token": build_per_token,
-        "traced_ms_per_token": traced_step + build_per_token,
-        "overhead_ratio": (traced_step + build_per_token) / untraced,
-        "overhead_ratio_hooks_only": traced_step / untraced,
-        "untraced_p90_ms": statistics.quantiles(steps[False], n=10)[-1] / 1e6,
-        "traced_p90_ms": statistics.quantiles(steps[True], n=10)[-1] / 1e6,
+        "generation": {
+            "untraced_ms_per_token": untraced,
+            "traced_ms_per_token": traced_step,
+            "record_building_ms_per_token": build_per_token,
+            "overhead_ratio": traced_step / untraced,
+            "overhead_ratio_with_record_building": (traced_step + build_per_token) / untraced,
+        },
+        "forward_ms": fwd,
+        "forward_ratios": {mode: fwd[mode] / fwd["stage_by_stage"] for mode in FORWARD_MODES},
     }
+
+
+FORWARD_MODES = ("default", "stage_by_stage", "noop_hooks", "tracer_wrap", "tracer_hooks")
+
+
+def _forward_steps(loaded: LoadedModel, mode: str, n: int = 24) -> list[int]:
+    """Durations (ns) of `n` decode_one calls after a 6-token prefill, under `mode`."""
+    from tracer.hooks import stage_modules
+
+    model = loaded.model
+    model.setup_cache(1, 6 + n)
+    model.prefill(torch.tensor([[1, 2, 3, 4, 5, 6]]))
+    token = torch.tensor([[7]])
+    handles = []
+    tracer = None
+    fused = getattr(model, "use_fused", None)
+    if mode == "stage_by_stage" and fused is not None:
+        model.use_fused = False
+    if mode == "noop_hooks":
+        for _, module in stage_modules(model):
+            handles.append(module.register_forward_pre_hook(lambda m, a: None))
+            handles.append(module.register_forward_hook(lambda m, a, o: None))
+    if mode.startswith("tracer_"):
+        tracer = Tracer(model, mechanism=mode.removeprefix("tracer_"))
+        tracer.__enter__()
+    out = []
+    try:
+        for i in range(n):
+            if tracer is not None:
+                tracer.begin_step(DECODE, i + 1)
+            start = time.perf_counter_ns()
+            model.decode_one(token)
+            out.append(time.perf_counter_ns() - start)
+            if tracer is not None:
+                tracer.end_step()
+    finally:
+        if tracer is not None:
+            tracer.remove()
+        for handle in handles:
+            handle.remove()
+        if fused is not None:
+            model.use_fused = fused
+    return out
 
 
 def _timed_step(loaded: LoadedModel, ids: list[int], phase: str, mode: str) -> tuple[float, dict[str, Any]]:
