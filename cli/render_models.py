@@ -19,5 +19,5 @@ def render_models(console: Console, r: ModelsReport) -> None:
             f"{m.weight_bytes / 1e9:,.2f}", f"{m.kv_bytes_per_token / 2**10:,.1f} KiB",
         )
     print_table(console, f"[bold]Model presets[/] (weights and KV cache in {r.dtype}; sources in tracer/presets.py)",
-                table)
+                table, blank_line=False)
     console.print("\nUse a name with --model, or give a model folder, config.json or .gguf file instead.")

@@ -76,7 +76,6 @@ class TextTable:
         return out
 
 
-def print_table(console: Console, title: str, table: TextTable) -> None:
-    """A blank line, the title (rich markup allowed), then the table."""
-    console.print(f"\n{title}", soft_wrap=True)
-    console.print(table.render(console.width), soft_wrap=True)
+def print_table(console: Console, title: str, table: TextTable, blank_line: bool = True) -> None:
+    """A blank line (unless the table opens the output), the title (rich markup allowed), then the table."""
+    console.print(f"\n{title}" if blank_line else title, table.render(console.width), sep="\n", soft_wrap=True)
