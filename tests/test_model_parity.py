@@ -236,3 +236,95 @@ def test_cache_misuse_gives_typed_errors_and_a_failed_step_leaves_no_trace(tiny_
     assert {layer.attention.kv_cache.length for layer in model.layers} == {5}
     after = model.decode_one(ids[:, :1])
     assert torch.allclose(after, model(torch.cat([ids, ids[:, :1]], dim=1))[:, -1], atol=1e-5)
+
+
+# ---- the fused path (tracer/fused.py) ------------------------------------------------------------------------
+
+
+def staged_and_fused_logits(model: Transformer, ids: torch.Tensor, decode_steps: int, max_batch: int) -> list:
+    results = []
+    for fused in (False, True):
+        model.use_fused = fused
+        model.setup_cache(max_batch=max_batch, max_seq=64)
+        assert model.fusable() is fused
+        logits = [model.prefill(ids)]
+        for step in range(decode_steps):
+            logits.append(model.decode_one(logits[-1].argmax(-1, keepdim=True)))
+        results.append(torch.stack(logits, dim=1))
+    model.use_fused = True
+    return results
+
+
+@pytest.mark.parametrize("variant", ["gqa-tied", "mha-untied", "head-dim-24"])
+@pytest.mark.parametrize("batch,max_batch", [(1, 1), (2, 2), (1, 3)])
+@torch.no_grad()
+def test_fused_path_equals_the_stage_by_stage_path(make_tiny_llama: Callable[..., Path], variant: str, batch: int,
+                                                   max_batch: int) -> None:
+    model = ours_from_folder(make_tiny_llama(variant, seed=len(variant), **VARIANTS[variant]))
+    ids = tokens(model.config.vocab_size, batch, 9, seed=5)
+    staged, fused = staged_and_fused_logits(model, ids, decode_steps=6, max_batch=max_batch)
+    assert (staged - fused).abs().max().item() <= 1e-5
+    assert torch.equal(staged.argmax(-1), fused.argmax(-1))
+
+
+@torch.no_grad()
+def test_any_observer_sends_the_step_stage_by_stage(tiny_llama_dir: Path) -> None:
+    model = ours_from_folder(tiny_llama_dir)
+    model.setup_cache(1, 32)
+    assert model.fusable()
+    calls = []
+    handle = model.layers[1].feed_forward.act.register_forward_hook(lambda *args: calls.append(1))
+    assert not model.fusable()
+    model.prefill(tokens(model.config.vocab_size, 1, 4))
+    model.decode_one(tokens(model.config.vocab_size, 1, 1))
+    assert calls == [1, 1]  # the watched stage ran, once per step
+    handle.remove()
+    assert model.fusable()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    assert not model.fusable()
+    handle.remove()
+    assert model.fusable()
+    rope = model.layers[0].attention.rope
+    rope.forward = lambda *args, **kwargs: type(rope).forward(rope, *args, **kwargs)  # an instance-level wrapper
+    assert not model.fusable()
+    del rope.forward
+    assert model.fusable()
+    with FlopCounterMode(display=False) as counter:
+        model.decode_one(tokens(model.config.vocab_size, 1, 1))
+    assert counter.get_total_flops() > 0
+    assert "TransformerBlock.attention.scores" in "".join(counter.get_flop_counts())  # counted stage by stage
+
+
+@torch.no_grad()
+def test_packing_keeps_names_and_values_and_costs_no_memory(tiny_llama_dir: Path) -> None:
+    model = ours_from_folder(tiny_llama_dir)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.setup_cache(1, 16)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
+    attn = model.layers[0].attention
+    storage = attn.wq.weight.untyped_storage()
+    assert attn.wk.weight.untyped_storage().data_ptr() == storage.data_ptr() == attn.wv.weight.untyped_storage().data_ptr()
+    assert storage.nbytes() == (model.config.q_dim + 2 * model.config.kv_dim) * model.config.dim * 4
+
+
+@torch.no_grad()
+def test_reloads_moves_and_in_place_edits_void_the_plan_until_setup_cache(tiny_llama_dir: Path) -> None:
+    model = ours_from_folder(tiny_llama_dir)
+    ids = tokens(model.config.vocab_size, 1, 6)
+    model.setup_cache(1, 16)
+    assert model.fusable()
+    model.layers[0].ffn_norm.weight.mul_(2.0)  # an in-place edit the plan's precomputed values would miss
+    assert not model.fusable()
+    model.setup_cache(1, 16)
+    assert model.fusable()
+    fused = model.prefill(ids)
+    model.use_fused = False
+    model.setup_cache(1, 16)
+    assert torch.allclose(fused, model.prefill(ids), atol=1e-5)
+    model.use_fused = True
+    model.to(torch.float64)
+    assert not model.fusable()
+    model.to(torch.float32)
+    model.setup_cache(1, 16)
+    assert model.fusable() and torch.allclose(fused, model.prefill(ids), atol=1e-5)

@@ -27,9 +27,12 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from tracer.config import ModelConfig
 from tracer.errors import BadArgumentError, CheckpointError
+from tracer.functional import causal_mask, rms_norm, softmax_fp32
+from tracer.fused import FusedPlan, watched
 from tracer.kv_cache import KVCache
 from tracer.rope import RotaryEmbedding, rope_tables
 
@@ -43,9 +46,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"dim={self.weight.shape[0]}, eps={self.eps}"
@@ -72,8 +73,7 @@ class AttentionScores(nn.Module):
         scores = torch.bmm(q_grouped, k_grouped.transpose(1, 2)).mul_(self.scale)  # (B*Hkv, R*T, S)
         scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
         if new > 1:
-            hidden = torch.ones(new, seen, dtype=torch.bool, device=q.device).triu_(seen - new + 1)  # (T, S)
-            scores.masked_fill_(hidden, float("-inf"))
+            scores.masked_fill_(causal_mask(new, seen, q.device), float("-inf"))
         return scores
 
     def extra_repr(self) -> str:
@@ -84,7 +84,7 @@ class Softmax(nn.Module):
     """Softmax over the key axis, computed in fp32 and cast back to the scores' dtype (as HF does)."""
 
     def forward(self, scores: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        return softmax_fp32(scores)
 
 
 class AttentionValues(nn.Module):
@@ -204,6 +204,11 @@ class Transformer(nn.Module):
         self._pos = 0
         self._positions: torch.Tensor | None = None  # arange(max_seq) on the model's device; input_pos slices it
         self._rope_key: tuple[int, torch.device, torch.dtype] | None = None  # (length, device, dtype) of the tables
+        self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
+        self._rope_sin: torch.Tensor | None = None
+        self.use_fused = True  # False: always run stage by stage, even without hooks (for comparisons)
+        self._fused_plan: FusedPlan | None = None  # built by setup_cache
+        self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen
 
     # ---- cache ---------------------------------------------------------------------------------------------
 
@@ -229,6 +234,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache.allocate(max_batch, max_seq, weight.dtype, weight.device)
         self._ensure_rope(max_seq)
+        self._fused_plan = FusedPlan(self) if weight.device.type != "meta" else None
         self._pos = 0
 
     def reset_cache(self) -> None:
@@ -254,6 +260,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, length, weight.dtype, weight.device)
         for layer in self.layers:
             layer.attention.rope.set_tables(cos, sin)
+        self._rope_cos, self._rope_sin = cos, sin
         self._positions = torch.arange(length, device=weight.device)
         self._rope_key = (length, weight.device, weight.dtype)
 
@@ -295,14 +302,17 @@ class Transformer(nn.Module):
             )
         if start and batch != kv_cache.batch:
             raise BadArgumentError(f"batch size changed from {kv_cache.batch} to {batch} mid-sequence; reset the cache")
-        input_pos = self._positions[start : start + new]  # (T,)
         try:
             with torch.no_grad():
-                x = self.tok_embeddings(tokens)  # (B, T, dim)
-                for layer in self.layers:
-                    x = layer(x, input_pos, True)
-                x = x[:, -1, :]  # (B, dim): the last position only
-                logits = self.output(self.norm(x))  # (B, V)
+                if self.fusable():
+                    logits = self._fused_plan.step(tokens, start)
+                else:
+                    x = self.tok_embeddings(tokens)  # (B, T, dim)
+                    input_pos = self._positions[start : start + new]  # (T,)
+                    for layer in self.layers:
+                        x = layer(x, input_pos, True)
+                    x = x[:, -1, :]  # (B, dim): the last position only
+                    logits = self.output(self.norm(x))  # (B, V)
         except BaseException:
             # A failure (or Ctrl-C) mid-pass must not leave some layers' caches one step ahead of the others.
             for layer in self.layers:
@@ -310,6 +320,38 @@ class Transformer(nn.Module):
             raise
         self._pos = start + new
         return logits
+
+    # ---- the fused path ------------------------------------------------------------------------------------
+
+    def fusable(self) -> bool:
+        """True when `prefill`/`decode_one` may run the fused path (tracer/fused.py): the same math in about half
+        the tensor ops. It needs `use_fused`, the plan `setup_cache` made still describing the model (a reload,
+        `.to()` or in-place weight edit voids it until the next setup_cache), and nothing watching a module: any
+        nn.Module forward hook, local or global (a tracer's hooks, FlopCounterMode's module tracker), or an
+        instance-level forward wrapper sends the call stage by stage, so what is traced is what runs."""
+        plan = self._fused_plan
+        if not self.use_fused or plan is None:
+            return False
+        modules = self._watchable()
+        stamp = RemovableHandle.next_id  # bumped by every hook registration anywhere
+        if stamp != self._hook_free_stamp:
+            if watched(modules):
+                return False
+            self._hook_free_stamp = stamp
+        if any("forward" in module.__dict__ for module in modules):  # wrappers bump no stamp: look every time
+            return False
+        return plan.valid(self)
+
+    def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares."""
+        return self._rope_cos, self._rope_sin
+
+    def _watchable(self) -> list[nn.Module]:
+        modules = self.__dict__.get("_watchable_modules")
+        if modules is None:
+            modules = list(self.modules())
+            self.__dict__["_watchable_modules"] = modules  # a plain cached list, not submodule registrations
+        return modules
 
     # ---- weights -------------------------------------------------------------------------------------------
 
@@ -326,6 +368,7 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._positions, self._rope_key = None, None
+        self._fused_plan = None
 
 
 def _drop_tied_output(module: Transformer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
