@@ -22,58 +22,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tracer.functional import causal_mask, rms_norm, softmax_fp32
+from tracer.functional import causal_mask, softmax_fp32
 
 if TYPE_CHECKING:
     from tracer.model import RMSNorm, Transformer, TransformerBlock
 
 
 class FusedNorm:
-    """An RMSNorm in 4 ops for fp32 (other dtypes: `rms_norm`, normalised in fp32)."""
+    """An RMSNorm in 4 ops (5 for bf16/fp16, normalised in fp32 as HF does):
+    x / hypot(||x||, sqrt(dim*eps)) * (w*sqrt(dim)) == x / sqrt(mean(x^2) + eps) * w in real arithmetic."""
 
-    __slots__ = ("weight", "eps", "floor", "scaled_weight")
+    __slots__ = ("floor", "scaled_weight")
 
     def __init__(self, module: RMSNorm) -> None:
-        self.weight, self.eps = module.weight, module.eps
         dim = module.weight.shape[0]
         self.floor = torch.full((), (dim * module.eps) ** 0.5, dtype=torch.float32, device=module.weight.device)
-        self.scaled_weight = module.weight.detach() * dim**0.5  # (dim,)
+        self.scaled_weight = module.weight.detach().float() * dim**0.5  # (dim,), fp32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return rms_norm(x, self.weight, self.eps)
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (N, 1): sqrt(sum x^2)
-        return torch.div(x, torch.hypot(norm, self.floor)).mul_(self.scaled_weight)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(sum x^2), fp32
+        if x.dtype == torch.float32:
+            return torch.div(x, torch.hypot(norm, self.floor)).mul_(self.scaled_weight)
+        return torch.div(x, torch.hypot(norm, self.floor)).mul_(self.scaled_weight).to(x.dtype)
 
 
 class FusedLayer:
-    """One transformer block on the fused path: its norms, (in, out) views of its packed weights, its KV cache."""
+    """One transformer block on the fused path: its norms, views of its packed weights, its KV cache."""
 
     def __init__(self, layer: TransformerBlock) -> None:
         attn, ffn = layer.attention, layer.feed_forward
         self.cache = attn.kv_cache
         self.kv = attn.kv_cache.kv  # (B_max, 2*Hkv, S_max, D)
+        self.kv_row = self.kv[0]  # (2*Hkv, S_max, D): the first sequence's K|V, a view
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.rep = self.heads // self.kv_heads
         self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
-        self.wqkv_t = _packed_rows(attn.wq, attn.wv).t()  # (dim, (H+2Hkv)*D)
-        self.wo_t = attn.wo.weight.t()  # (H*D, dim)
-        self.w13_t = _packed_rows(ffn.w1, ffn.w3).t()  # (dim, 2F)
-        self.w2_t = ffn.w2.weight.t()  # (F, dim)
+        self.wqkv = _packed_rows(attn.wq, attn.wv)  # ((H+2Hkv)*D, dim)
+        self.wo = attn.wo.weight.detach()  # (dim, H*D)
+        self.w13 = _packed_rows(ffn.w1, ffn.w3)  # (2F, dim)
+        self.w2 = ffn.w2.weight.detach()  # (dim, F)
+        self.ffn_dim = self.w2.shape[1]
 
     def decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int) -> torch.Tensor:
-        """One token of one sequence: x (1, dim) at position `pos`; cos, sin (H+Hkv, D)."""
+        """One token of one sequence: x (dim,) at position `pos`; cos, sin (H+Hkv, D). Matrix-vector products
+        (mv, addmv): for bf16 on CPU they run about twice as fast as the same product through mm."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        qkv = torch.mm(self.attention_norm(x), self.wqkv_t).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
+        qkv = torch.mv(self.wqkv, self.attention_norm(x)).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
         qk = qkv[: heads + kv_heads]  # (H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
-        self.kv[0, :, pos] = qkv[heads:]  # K and V heads (2Hkv, D) at position pos
-        live = self.kv[0, :, : pos + 1]  # (2Hkv, S, D)
-        scores = torch.bmm(qk[:heads].view(kv_heads, self.rep, head_dim), live[:kv_heads].transpose(1, 2))  # (Hkv, R, S)
-        out = torch.bmm(softmax_fp32(scores), live[kv_heads:])  # (Hkv, R, D)
-        x = torch.addmm(x, out.view(1, heads * head_dim), self.wo_t)  # x + wo(attention): (1, dim)
-        gate, up = torch.mm(self.ffn_norm(x), self.w13_t).chunk(2, dim=-1)  # (1, F) each
-        return torch.addmm(x, F.silu(gate).mul_(up), self.w2_t)  # x + w2(silu(gate) * up): (1, dim)
+        self.kv_row.select(1, pos).copy_(qkv[heads:])  # K and V heads (2Hkv, D) at position pos
+        live = self.kv_row.narrow(1, 0, pos + 1)  # (2Hkv, S, D)
+        q = qk[:heads].view(kv_heads, self.rep, head_dim)  # (Hkv, R, D)
+        if x.dtype == torch.float32:
+            scores = torch.bmm(q, live[:kv_heads].transpose(1, 2))  # (Hkv, R, S)
+            out = torch.bmm(torch.softmax(scores, dim=-1), live[kv_heads:]).view(-1)  # (H*D,)
+        else:  # small bf16/fp16 bmm go through oneDNN at ~80 us each; in fp32 they take a few
+            live = live.float()
+            scores = torch.bmm(q.float(), live[:kv_heads].transpose(1, 2))  # (Hkv, R, S)
+            out = torch.bmm(torch.softmax(scores, dim=-1), live[kv_heads:]).view(-1).to(x.dtype)  # (H*D,)
+        x = torch.addmv(x, self.wo, out)  # x + wo(attention): (dim,)
+        gate_up = torch.mv(self.w13, self.ffn_norm(x))  # (2F,)
+        act = F.silu(gate_up[: self.ffn_dim]).mul_(gate_up[self.ffn_dim :])  # silu(gate) * up: (F,)
+        return torch.addmv(x, self.w2, act)  # x + w2(act): (dim,)
 
     def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -81,7 +91,7 @@ class FusedLayer:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         new = x.shape[0] // batch
         groups = batch * kv_heads
-        qkv = torch.mm(self.attention_norm(x), self.wqkv_t)  # (B*T, (H+2Hkv)*D)
+        qkv = torch.mm(self.attention_norm(x), self.wqkv.t())  # (B*T, (H+2Hkv)*D)
         qkv = qkv.view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
         qk = qkv[:, :, : heads + kv_heads]  # (B, T, H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
@@ -95,9 +105,9 @@ class FusedLayer:
             scores.view(batch, heads, new, seen).masked_fill_(mask, float("-inf"))
         out = torch.bmm(softmax_fp32(scores), v_all)  # (B*Hkv, R*T, D)
         out = out.view(batch, heads, new, head_dim).transpose(1, 2).reshape(batch * new, heads * head_dim)  # (B*T, H*D)
-        x = torch.addmm(x, out, self.wo_t)  # x + wo(attention): (B*T, dim)
-        gate, up = torch.mm(self.ffn_norm(x), self.w13_t).chunk(2, dim=-1)  # (B*T, F) each
-        return torch.addmm(x, F.silu(gate).mul_(up), self.w2_t)  # x + w2(silu(gate) * up): (B*T, dim)
+        x = torch.addmm(x, out, self.wo.t())  # x + wo(attention): (B*T, dim)
+        gate, up = torch.mm(self.ffn_norm(x), self.w13.t()).chunk(2, dim=-1)  # (B*T, F) each
+        return torch.addmm(x, F.silu(gate).mul_(up), self.w2.t())  # x + w2(silu(gate) * up): (B*T, dim)
 
 
 class FusedPlan:
@@ -112,7 +122,7 @@ class FusedPlan:
                 _pack(ffn.w1, ffn.w3)
         self.layers = [FusedLayer(layer) for layer in model.layers]
         self.caches = [layer.attention.kv_cache for layer in model.layers]
-        self.embedding, self.output = model.tok_embeddings.weight, model.output.weight
+        self.embedding, self.output = model.tok_embeddings.weight.detach(), model.output.weight.detach()
         self.final_norm = FusedNorm(model.norm)
         self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each
         config, weight = model.config, model.tok_embeddings.weight
@@ -144,14 +154,15 @@ class FusedPlan:
         x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
         if batch * new == 1 and self.caches[0].kv.shape[0] == 1:
             cos, sin = cos[0], sin[0]  # (H+Hkv, D)
+            x = x[0]  # (dim,)
             for layer in self.layers:
                 x = layer.decode_one(x, cos, sin, start)
             for cache in self.caches:
                 cache.__dict__["length"], cache.__dict__["batch"] = start + 1, 1  # plain attributes, no hooks
-        else:
-            mask = causal_mask(new, start + new, tokens.device) if new > 1 else None  # (T, S)
-            for layer in self.layers:
-                x = layer.forward(x, batch, cos, sin, mask)
+            return torch.mv(self.output, self.final_norm(x)).view(1, -1)  # (1, V)
+        mask = causal_mask(new, start + new, tokens.device) if new > 1 else None  # (T, S)
+        for layer in self.layers:
+            x = layer.forward(x, batch, cos, sin, mask)
         last = x.view(batch, new, -1)[:, -1]  # (B, dim): the last position only
         return torch.mm(self.final_norm(last), self.output.t())  # (B, V)
 
