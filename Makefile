@@ -22,8 +22,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
+# Every benchmark of BENCHMARKS.md, one after another, with the commands recorded there (takes several minutes).
 bench: $(STAMP)
-	$(VENV)/bin/python -m benchmarks.run_all
+	$(PY) benchmarks/bench_analytical.py --runs 41
+	$(PY) -m benchmarks.bench_load --rounds 5
+	$(PY) -m benchmarks.bench_model_speed
+	$(PY) -m benchmarks.bench_tracing --rounds 5
+	$(PY) -m benchmarks.bench_roofline --rounds 5 --new-tokens 64
 
 clean:
 	rm -rf $(VENV) .pytest_cache
