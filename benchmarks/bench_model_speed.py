@@ -10,6 +10,7 @@ extra work; `generate()` is timed too. Ours runs `prefill` / `decode_one` (the f
 stage-by-stage path for comparison). Rounds interleave the models; medians are reported.
 
     flock /tmp/llmtrace-bench.lock .venv/bin/python -m benchmarks.bench_model_speed --rounds 5
+    flock /tmp/llmtrace-bench.lock .venv/bin/python -m benchmarks.bench_model_speed --gqa --rounds 5
 """
 
 from __future__ import annotations
@@ -154,6 +155,40 @@ def bench_dtype(dtype: str, rounds: int, random: bool, staged: bool) -> dict[str
     return result
 
 
+def bench_gqa(rounds: int) -> list[dict[str, Any]]:
+    """Decode attention core (scores, softmax, weighted sum) for one query token: our grouped matmul (the R query
+    heads of a KV head as R rows of one matmul, no copies) against repeating K and V R times first (HF's repeat_kv)."""
+    rows = []
+    for name, heads, kv_heads, head_dim in (("smollm2-135m", 9, 3, 64), ("llama3-8b", 32, 8, 128)):
+        rep = heads // kv_heads
+        for seen in (128, 1024, 4096):
+            q = torch.randn(1, heads, 1, head_dim)
+            k, v = torch.randn(1, kv_heads, seen, head_dim), torch.randn(1, kv_heads, seen, head_dim)
+            scale = head_dim**-0.5
+
+            def grouped() -> torch.Tensor:
+                scores = torch.bmm(q.view(kv_heads, rep, head_dim), k[0].transpose(1, 2)).mul_(scale)
+                return torch.bmm(torch.softmax(scores, dim=-1), v[0]).view(1, heads, 1, head_dim)
+
+            def repeated() -> torch.Tensor:
+                k_all, v_all = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                scores = torch.matmul(q, k_all.transpose(2, 3)) * scale
+                return torch.matmul(torch.softmax(scores, dim=-1), v_all)
+
+            assert torch.allclose(grouped(), repeated(), atol=1e-5)
+            row: dict[str, Any] = {"shape": name, "kv_len": seen}
+            for label, fn in (("grouped_us", grouped), ("repeat_kv_us", repeated)):
+                samples = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    for _ in range(200):
+                        fn()
+                    samples.append((time.perf_counter() - start) / 200 * 1e6)
+                row[label] = statistics.median(samples)
+            rows.append(row)
+    return rows
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"prompt {PROMPT_TOKENS} tokens, {DECODE_TOKENS} greedy decode tokens, batch 1, medians")
     print(f"{'dtype':5} {'model':26} {'prefill tok/s':>13} {'decode tok/s':>12} {'decode vs HF':>12} {'vs generate()':>13}")
@@ -175,10 +210,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--random", action="store_true", help="random SmolLM2-135M weights instead of the bundled model")
     parser.add_argument("--staged", action="store_true", help="also time our stage-by-stage (hookable) path")
+    parser.add_argument("--gqa", action="store_true", help="only time the decode attention core: grouped vs repeat_kv")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gqa:
+        rows = bench_gqa(args.rounds)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        for row in rows:
+            print(f"{row['shape']:13} S={row['kv_len']:5}  grouped {row['grouped_us']:7.1f} us  "
+                  f"repeat_kv {row['repeat_kv_us']:7.1f} us  ({row['repeat_kv_us'] / row['grouped_us']:.2f}x)")
+        return
     results = []
     for dtype in args.dtypes.split(","):
         parse_dtype(dtype)

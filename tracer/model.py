@@ -18,6 +18,10 @@ Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in fp32 then cast bac
 RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Attention uses explicit batched matmuls
 (no SDPA) so FlopCounterMode counts what runs; GQA groups the R query heads of each KV head into the rows of one
 matmul instead of copying K and V R times.
+
+Two ways through prefill/decode_one: stage by stage through these modules (whenever anything watches them: hooks,
+the tracer, FlopCounterMode), or, when nothing does, the fused path of tracer/fused.py, the same math in about half
+the tensor ops (decode speed on a CPU is mostly their count). `use_fused = False` forces the first.
 """
 
 from __future__ import annotations
