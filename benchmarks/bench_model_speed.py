@@ -191,7 +191,8 @@ def bench_gqa(rounds: int) -> list[dict[str, Any]]:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"prompt {PROMPT_TOKENS} tokens, {DECODE_TOKENS} greedy decode tokens, batch 1, medians")
-    print(f"{'dtype':5} {'model':26} {'prefill tok/s':>13} {'decode tok/s':>12} {'decode vs HF':>12} {'vs generate()':>13}")
+    print(f"{'dtype':5} {'model':26} {'prefill tok/s':>13} {'decode tok/s':>12} {'decode vs HF':>12} "
+          f"{'vs generate()':>13}")
     for r in results:
         hf_decode = r["cases"]["HF transformers"]["decode_tok_per_s"]
         gen_decode = r["cases"]["HF generate()"]["decode_tok_per_s"]
@@ -208,7 +209,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--random", action="store_true", help="random SmolLM2-135M weights instead of the bundled model")
+    parser.add_argument("--random", action="store_true",
+                        help="random SmolLM2-135M weights instead of the bundled model")
     parser.add_argument("--staged", action="store_true", help="also time our stage-by-stage (hookable) path")
     parser.add_argument("--gqa", action="store_true", help="only time the decode attention core: grouped vs repeat_kv")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -26,7 +26,9 @@ def sp_vocab_size(sp_model_bytes: bytes) -> int:
 
 
 @pytest.fixture(scope="session")
-def make_tiny_llama(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes, sp_vocab_size: int) -> Callable[..., Path]:
+def make_tiny_llama(
+    tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes, sp_vocab_size: int
+) -> Callable[..., Path]:
     """make_tiny_llama(name, seed=0, shards=1, **config) -> a folder with config.json, safetensors, tokenizer.model.
 
     `config` takes tiny_llama.hf_config_dict's keywords (dim, n_heads, n_kv_heads, head_dim, tie, rope_scaling...).

@@ -38,7 +38,8 @@ def ours_from_folder(folder: Path) -> Transformer:
 
 
 def hf_from_folder(folder: Path) -> torch.nn.Module:
-    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -173,7 +174,8 @@ def test_kv_cache_bytes_and_live_slice(tiny_llama_dir: Path) -> None:
     model.decode_one(tokens(cfg.vocab_size, 2, 1))
     assert model.kv_live_bytes == cfg.n_layers * 2 * 2 * cfg.n_kv_heads * 8 * cfg.head_dim * 4
     model.reset_cache()
-    assert model.pos == 0 and model.kv_live_bytes == 0 and model.kv_allocated_bytes == cfg.n_layers * per_layer_allocated
+    assert model.pos == 0 and model.kv_live_bytes == 0
+    assert model.kv_allocated_bytes == cfg.n_layers * per_layer_allocated
 
 
 @torch.no_grad()
@@ -304,7 +306,8 @@ def test_packing_keeps_names_and_values_and_costs_no_memory(tiny_llama_dir: Path
     assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
     attn = model.layers[0].attention
     storage = attn.wq.weight.untyped_storage()
-    assert attn.wk.weight.untyped_storage().data_ptr() == storage.data_ptr() == attn.wv.weight.untyped_storage().data_ptr()
+    for linear in (attn.wk, attn.wv):
+        assert linear.weight.untyped_storage().data_ptr() == storage.data_ptr()
     assert storage.nbytes() == (model.config.q_dim + 2 * model.config.kv_dim) * model.config.dim * 4
 
 

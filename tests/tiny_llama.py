@@ -92,7 +92,8 @@ def write_tiny_llama(folder: Path, config_dict: dict[str, Any], seed: int = 0, t
             part = {n: tensors[n] for n in names[index::shards]}
             save_file(part, str(folder / shard_name), metadata={"format": "pt"})
             weight_map.update({n: shard_name for n in part})
-        index_data = {"metadata": {"total_size": sum(t.numel() * 4 for t in tensors.values())}, "weight_map": weight_map}
+        total = sum(t.numel() * 4 for t in tensors.values())
+        index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index_data), encoding="utf-8")
     if tokenizer_model is not None:
         (folder / "tokenizer.model").write_bytes(tokenizer_model)

@@ -132,7 +132,10 @@ class FusedPlan:
         # Parameters must stay the same objects, unmodified in place (their version counters); buffers (the KV
         # caches, written every step) the same objects.
         self._params = [
-            (m._parameters, n, t, t._version) for m in model.modules() for n, t in m._parameters.items() if t is not None
+            (m._parameters, n, t, t._version)
+            for m in model.modules()
+            for n, t in m._parameters.items()
+            if t is not None
         ]
         self._buffers = [(m._buffers, n, t) for m in model.modules() for n, t in m._buffers.items() if t is not None]
 

@@ -102,7 +102,9 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
             file_size = path.stat().st_size
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise FileFormatError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
+                raise FileFormatError(
+                    f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it"
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > _MAX_HEADER or 8 + header_len > file_size:
                 raise FileFormatError(
@@ -162,7 +164,9 @@ def _shard_headers(folder: Path) -> list[SafetensorsHeader]:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         shard_names = sorted(set(weight_map.values()))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise FileFormatError(f"{index}: not a valid safetensors index (needs a 'weight_map'); the file is corrupt") from exc
+        raise FileFormatError(
+            f"{index}: not a valid safetensors index (needs a 'weight_map'); the file is corrupt"
+        ) from exc
     headers = []
     for shard in shard_names:
         shard_path = folder / shard
@@ -180,13 +184,17 @@ def _format_list(items: list[str], limit: int = 3) -> str:
     return "; ".join(items[:limit]) + (f"; ... {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _plan(config: ModelConfig, headers: list[SafetensorsHeader], folder: Path) -> dict[str, tuple[SafetensorsHeader, TensorEntry]]:
+def _plan(
+    config: ModelConfig, headers: list[SafetensorsHeader], folder: Path
+) -> dict[str, tuple[SafetensorsHeader, TensorEntry]]:
     """Match the files' tensors to the config's, by HF name; CheckpointError naming every mismatch."""
     found: dict[str, tuple[SafetensorsHeader, TensorEntry]] = {}
     for header in headers:
         for name, entry in header.tensors.items():
             if name in found:
-                raise CheckpointError(f"{folder}: tensor {name!r} appears in two shards; the checkpoint is inconsistent")
+                raise CheckpointError(
+                    f"{folder}: tensor {name!r} appears in two shards; the checkpoint is inconsistent"
+                )
             found[name] = (header, entry)
     expected = {ours_to_hf(ours): shape for ours, shape in expected_shapes(config).items()}
     # A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding); HF ignores it too.

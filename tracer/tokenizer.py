@@ -69,7 +69,9 @@ class Tokenizer(ABC):
     @abstractmethod
     def _raw_piece(self, token_id: int) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         """The prompt text the chat template makes of `messages` ([{'role': 'user', 'content': '...'}, ...])."""
         if not self.chat_template:
             raise ConfigError("this model's tokenizer has no chat template; pass the prompt as plain text instead")
@@ -111,7 +113,9 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(
@@ -216,7 +220,7 @@ def _none_if_negative(value: int) -> int | None:
 
 def _gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte (openai/gpt-2 encoder.py)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
     extra = 0
     for byte in range(256):
