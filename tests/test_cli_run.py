@@ -131,7 +131,8 @@ def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_
         source="test", measured=True,
     )
     save_measured_profile(profile, {})
-    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3")
+    # fp32 explicitly: the profile has only an fp32 ceiling, and --dtype auto may pick bf16 on this CPU.
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3", "--dtype", "fp32")
     assert result.exit_code == 0, result.output
     assert "roofline: this-machine" in result.output
     assert "memory-bound" in result.output and "ridge 4.0 FLOP/B" in result.output  # 120e9 / 30e9

@@ -23,6 +23,7 @@ import torch
 from tracer import weights_cache
 from tracer.bundled import bundled_model_path
 from tracer.config import ModelConfig
+from tracer.dtype_policy import resolve_dtype
 from tracer.errors import BadArgumentError, CheckpointError, ConfigError, HardwareError
 from tracer.gguf_header import GGUF_MAGIC
 from tracer.gguf_loader import load_gguf_weights, quantization_summary, read_header
@@ -33,7 +34,8 @@ from tracer.presets import PRESETS, get_preset
 from tracer.resolve import config_from_gguf_header
 from tracer.tokenizer import Tokenizer, load_tokenizer
 
-# fp32 by default: on AVX2 CPUs without AVX-512 bf16 GEMMs (prefill) run hundreds of times slower than fp32.
+# The library's default is fp32, the reference numerics; the CLI passes "auto" (tracer.dtype_policy: bf16 where the
+# hardware has bf16 arithmetic, else fp32), which load_model also accepts.
 DEFAULT_DTYPE = "fp32"
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -61,8 +63,8 @@ def load_model(
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring) in `dtype` on `device`."""
     start = time.perf_counter()
-    torch_dtype = parse_dtype(dtype)
     target = _check_device(device)
+    torch_dtype = parse_dtype(resolve_dtype(dtype, target))
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     kind, path = _classify(spec)
