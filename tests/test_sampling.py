@@ -210,12 +210,12 @@ def test_draw_frequencies_follow_the_probabilities_over_the_whole_vocabulary() -
     probs = torch.full((1000,), 0.05 / 997)
     probs[700], probs[3], probs[999] = 0.5, 0.3, 0.15
     sampler = Sampler(SamplingParams(temperature=1.0, seed=11), n_candidates=3)
-    draws = [sampler.sample(probs.log()).token_id for _ in range(10000)]
+    draws = [sampler.sample(probs.log()).token_id for _ in range(5000)]  # seeded: the same draws every run
     share = {t: draws.count(t) / len(draws) for t in (700, 3, 999)}
-    assert share[700] == pytest.approx(0.5, abs=0.015)  # std 0.005
-    assert share[3] == pytest.approx(0.3, abs=0.015)
-    assert share[999] == pytest.approx(0.15, abs=0.012)
-    assert 1 - sum(share.values()) == pytest.approx(0.05, abs=0.008)
+    assert share[700] == pytest.approx(0.5, abs=0.025)  # std 0.007
+    assert share[3] == pytest.approx(0.3, abs=0.025)  # std 0.0065
+    assert share[999] == pytest.approx(0.15, abs=0.02)  # std 0.005
+    assert sum(share.values()) == pytest.approx(0.95, abs=0.012)  # the other 997 tokens share 0.05
 
 
 def test_a_chosen_token_below_the_table_is_appended_with_its_rank() -> None:
