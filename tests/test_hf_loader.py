@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from tracer.config import ModelConfig
 from tracer.errors import CheckpointError, ConfigError, FileFormatError
-from tracer.hf_loader import hf_to_ours, load_hf_state_dict, ours_to_hf, read_safetensors_header
+from tracer.hf_loader import hf_to_ours, load_hf_state_dict, ours_to_hf
 from tracer.model import build_meta_model, expected_shapes
+from tracer.safetensors_header import read_safetensors_header
 from tracer.tokenizer import SentencePieceTokenizer, load_tokenizer
 
 

@@ -1,8 +1,9 @@
 """Weights from an HF model folder: `model.safetensors` or shards listed in `model.safetensors.index.json`.
 
-The safetensors header (8-byte little-endian length, then JSON: name -> dtype, shape, byte offsets) is parsed
-here, checked against the config before any tensor is touched, and each tensor is a view into a private
-memory map of its file: no second copy in RAM unless a dtype or device change asks for one.
+The safetensors headers (8-byte little-endian length, then JSON: name -> dtype, shape, byte offsets) are parsed by
+tracer/safetensors_header.py (the one reader, shared with the analytical commands) and checked against the config
+here before any tensor is touched; each tensor is a view into a private memory map of its file: no second copy in
+RAM unless a dtype or device change asks for one. The torch dtype mapping and the memory maps live here only.
 
 HF LLaMA checkpoints already store Q and K rows in the half-split RoPE layout our model uses (HF's conversion
 script permuted Meta's interleaved rows once), so no permutation is applied here.
@@ -10,11 +11,8 @@ script permuted Meta's interleaved rows once), so no permutation is applied here
 
 from __future__ import annotations
 
-import json
 import mmap
 import re
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,16 +20,22 @@ import torch
 from tracer.config import ModelConfig
 from tracer.errors import CheckpointError, ConfigError, FileFormatError
 from tracer.model import expected_shapes, parse_dtype
+from tracer.safetensors_header import (
+    INDEX_NAME,
+    SafetensorsFile,
+    SafetensorsTensor,
+    read_safetensors_header,
+    read_safetensors_index,
+)
 
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = INDEX_NAME
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
 # HF LlamaForCausalLM name -> ours (Meta's). {i} is a layer index.
 _LAYER_MAP: dict[str, str] = {
@@ -75,82 +79,8 @@ def ours_to_hf(name: str) -> str:
     return f"model.layers.{index}.{_INV_LAYER_MAP[rest]}"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One tensor in a safetensors file, as its header describes it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # byte offsets into the data section (after the header)
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
-class SafetensorsHeader:
-    path: Path
-    data_start: int  # byte offset of the data section in the file
-    file_size: int
-    tensors: dict[str, TensorEntry]
-
-
-def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
-    """Parse and validate a safetensors header; FileFormatError for a truncated or malformed file."""
-    path = Path(path)
-    try:
-        with path.open("rb") as f:
-            file_size = path.stat().st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise FileFormatError(
-                    f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it"
-                )
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > _MAX_HEADER or 8 + header_len > file_size:
-                raise FileFormatError(
-                    f"{path}: truncated or not a safetensors file (header claims {header_len} bytes, "
-                    f"file has {file_size}); re-download it"
-                )
-            raw = f.read(header_len)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc}); check the path and permissions") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FileFormatError(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from exc
-    if not isinstance(header, dict):
-        raise FileFormatError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
-    data_start = 8 + header_len
-    data_size = file_size - data_start
-    tensors: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FileFormatError(f"{path}: header entry for {name!r} is malformed; the file is corrupt") from exc
-        if dtype not in _ST_DTYPES:
-            raise FileFormatError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty(0, dtype=_ST_DTYPES[dtype]).element_size()
-        if not (0 <= begin <= end) or end - begin != numel * itemsize:
-            raise FileFormatError(
-                f"{path}: tensor {name!r} spans bytes {begin}..{end} but {dtype}{list(shape)} needs "
-                f"{numel * itemsize}; the file is corrupt"
-            )
-        if end > data_size:
-            raise FileFormatError(
-                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, "
-                f"the file has {file_size}; re-download it"
-            )
-        tensors[name] = TensorEntry(name, dtype, shape, begin, end)
-    return SafetensorsHeader(path, data_start, file_size, tensors)
-
-
-def _shard_headers(folder: Path) -> list[SafetensorsHeader]:
+def _shard_headers(folder: Path) -> list[SafetensorsFile]:
+    """The folder's model.safetensors, else the shards its index lists (read and cross-checked by the index)."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.exists():
         return [read_safetensors_header(single)]
@@ -160,24 +90,7 @@ def _shard_headers(folder: Path) -> list[SafetensorsHeader]:
         bins = list(folder.glob("*.bin")) + list(folder.glob("*.pth"))
         pickle_hint = "; pickled .bin/.pth weights are not read (unsafe): convert them to safetensors" if bins else ""
         raise CheckpointError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE}{hint}{pickle_hint}")
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        shard_names = sorted(set(weight_map.values()))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise FileFormatError(
-            f"{index}: not a valid safetensors index (needs a 'weight_map'); the file is corrupt"
-        ) from exc
-    headers = []
-    for shard in shard_names:
-        shard_path = folder / shard
-        if not shard_path.exists():
-            raise CheckpointError(f"{index}: lists shard {shard!r}, which is not in {folder}; re-download the model")
-        headers.append(read_safetensors_header(shard_path))
-    by_shard = {h.path.name: h for h in headers}
-    for name, shard in weight_map.items():
-        if name not in by_shard[shard].tensors:
-            raise CheckpointError(f"{index}: says {name!r} is in {shard!r}, but that shard has no such tensor")
-    return headers
+    return list(read_safetensors_index(index).shards)
 
 
 def _format_list(items: list[str], limit: int = 3) -> str:
@@ -185,17 +98,15 @@ def _format_list(items: list[str], limit: int = 3) -> str:
 
 
 def _plan(
-    config: ModelConfig, headers: list[SafetensorsHeader], folder: Path
-) -> dict[str, tuple[SafetensorsHeader, TensorEntry]]:
+    config: ModelConfig, headers: list[SafetensorsFile], folder: Path
+) -> dict[str, tuple[SafetensorsFile, SafetensorsTensor]]:
     """Match the files' tensors to the config's, by HF name; CheckpointError naming every mismatch."""
-    found: dict[str, tuple[SafetensorsHeader, TensorEntry]] = {}
-    for header in headers:
-        for name, entry in header.tensors.items():
-            if name in found:
-                raise CheckpointError(
-                    f"{folder}: tensor {name!r} appears in two shards; the checkpoint is inconsistent"
-                )
-            found[name] = (header, entry)
+    found: dict[str, tuple[SafetensorsFile, SafetensorsTensor]] = {}
+    for header in headers:  # no name twice: the index reader refuses a tensor in two shards
+        for entry in header.tensors:
+            if entry.dtype not in _ST_DTYPES:
+                raise FileFormatError(f"{header.path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r}")
+            found[entry.name] = (header, entry)
     expected = {ours_to_hf(ours): shape for ours, shape in expected_shapes(config).items()}
     # A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding); HF ignores it too.
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
@@ -226,12 +137,11 @@ def _mapped_bytes(path: Path) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)  # keeps `mapped` alive as long as any view exists
 
 
-def _tensor_view(file_bytes: torch.Tensor, header: SafetensorsHeader, entry: TensorEntry) -> torch.Tensor:
+def _tensor_view(file_bytes: torch.Tensor, header: SafetensorsFile, entry: SafetensorsTensor) -> torch.Tensor:
     dtype = _ST_DTYPES[entry.dtype]
     start = header.data_start + entry.begin
     raw = file_bytes[start : header.data_start + entry.end]  # (nbytes,) view, no copy
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if start % itemsize:
+    if start % dtype.itemsize:
         raw = raw.clone()  # misaligned for its dtype (the writer did not pad): one copy of this tensor only
     return raw.view(dtype).view(entry.shape)
 
@@ -256,11 +166,11 @@ def load_hf_state_dict(
         raise ConfigError(f"{folder}: no config.json; pass an HF LLaMA model folder")
     target = parse_dtype(dtype) if dtype is not None else None
     plan = _plan(config, _shard_headers(folder), folder)
-    files: dict[Path, torch.Tensor] = {}
+    files: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for hf_name, (header, entry) in plan.items():
         if header.path not in files:
-            files[header.path] = _mapped_bytes(header.path)
+            files[header.path] = _mapped_bytes(Path(header.path))
         tensor = _tensor_view(files[header.path], header, entry)
         if (target is not None and tensor.dtype != target) or torch.device(device) != tensor.device:
             tensor = tensor.to(device=device, dtype=target or tensor.dtype)
