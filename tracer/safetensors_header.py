@@ -194,7 +194,8 @@ def read_safetensors_index(index: str | Path) -> SafetensorsCheckpoint:
     file_of = {t.name: t.file for t in merged.tensors}
     for name, shard in weight_map.items():
         if file_of.get(name) != str(folder / shard):
-            raise FileFormatError(f"{index}: says {name!r} is in {shard!r}, but that shard has no such tensor; re-download the model")
+            raise FileFormatError(
+                f"{index}: says {name!r} is in {shard!r}, but that shard has no such tensor; re-download the model")
     return merged
 
 
