@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tracer import estimate
-from tracer.config import ModelConfig
 from tracer.dtypes import FP16, DType, get_dtype
 from tracer.errors import BadArgumentError
+from tracer.model_dims import ModelDims
 from tracer.params import ParamCount, count_params, weight_bytes_by_dtype
 from tracer.resolve import ResolvedModel
 
@@ -21,23 +21,10 @@ FLOPS_SCHEMA = "llmtrace.flops/1"
 # Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
 # __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
-class ModelShape:
-    name: str
-    source: str
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    max_seq_len: int
-    tie_embeddings: bool
+class ModelShape(ModelDims):
+    """The model's key dimensions (ModelDims), then where its config came from."""
 
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> "ModelShape":
-        return cls(cfg.name, cfg.source, cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                   cfg.head_dim, cfg.ffn_dim, cfg.max_seq_len, cfg.tie_embeddings)
+    source: str
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -92,7 +79,7 @@ def flops_report(
     step_per_token = step.totals.total_flops / batch
     gen_per_token = gen.totals.total_flops / (batch * (prompt_len + new_tokens - 1))
     return FlopsReport(
-        schema=FLOPS_SCHEMA, model=ModelShape.of(cfg), params=params, weight_bytes=weight_bytes_by_dtype(cfg),
+        schema=FLOPS_SCHEMA, model=ModelShape.of(cfg, source=cfg.source), params=params, weight_bytes=weight_bytes_by_dtype(cfg),
         checkpoint=model.weights,
         weights_dtype=dtypes.weights.name, weights_dtype_from=weights_from, kv_dtype=dtypes.kv.name,
         activation_dtype=dtypes.activations.name,
