@@ -7,7 +7,9 @@ shows shapes and FLOPs without weights.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -91,6 +93,9 @@ def run_command(
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option(
         help="--dry-run of a preset (no tokenizer): the prompt length to assume.")] = None,
+    no_roofline: Annotated[bool, typer.Option(
+        "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
+                              "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
 ) -> None:
     """Trace a real generation: every stage of every token, with shapes, FLOPs, bytes and time."""
     json_to_stdout = json_path is not None and str(json_path) == "-"
@@ -105,7 +110,10 @@ def run_command(
             prompt_tokens=prompt_tokens,
         )
         _check_settings(settings)
-        trace = _run(console, settings, detail.value)
+        for path in (json_path, chrome_trace):
+            if path is not None and not (path is json_path and json_to_stdout):
+                _check_writable(path)  # before the model runs: a typo must not cost a whole generation
+        trace = _run(console, settings, detail.value, roofline=not no_roofline)
         if json_path is not None:
             if json_to_stdout:
                 sys.stdout.write(trace.to_json(indent=1) + "\n")
@@ -122,6 +130,17 @@ def run_command(
     code = run_guarded(body)
     if code:
         raise typer.Exit(code)
+
+
+def _check_writable(path: Path) -> None:
+    """One line now, rather than a lost trace after the run: the folder must exist and accept the file."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise BadArgumentError(f"cannot write {path}: it is a folder; give a file path")
+    if not folder.is_dir():
+        raise BadArgumentError(f"cannot write {path}: no folder {folder}; create it or choose another path")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise BadArgumentError(f"cannot write {path}: permission denied; choose a writable path")
 
 
 def _write(path: Path, text: str) -> None:
@@ -166,7 +185,7 @@ def _check_settings(settings: RunSettings) -> None:
         raise BadArgumentError("--dry-run shows traced shapes and FLOPs; drop --no-trace")
 
 
-def _run(console: Console, settings: RunSettings, detail: str) -> Trace:
+def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True) -> Trace:
     import torch
 
     from tracer.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
@@ -222,8 +241,8 @@ def _run(console: Console, settings: RunSettings, detail: str) -> Trace:
     if settings.dry_run:
         render_dry_run_summary(console, trace, _estimates(trace))
     else:
-        roofline, note = _roofline_for(trace)
-        render_summary(console, trace, run_summary(trace), roofline, note)
+        report, note = _roofline_for(console, trace) if roofline else (None, "")
+        render_summary(console, trace, run_summary(trace), report, note)
     return trace
 
 
@@ -243,20 +262,69 @@ def _estimates(trace: Trace) -> dict[str, Any]:
     return out
 
 
-def _roofline_for(trace: Trace) -> tuple[Any | None, str]:
-    """tracer.roofline's prediction for this machine (the measured 'this-machine' profile), or why there is none."""
-    if trace.environment.device.startswith("cuda"):
-        return None, "roofline: compare with `llmtrace roofline --hardware <your GPU>`"
+def _roofline_for(console: Console, trace: Trace) -> tuple[Any | None, str]:
+    """tracer.roofline's prediction for this machine in the dtype the run computed in, or why there is none.
+
+    The ceilings come from the saved 'this-machine' profile; when there is none yet, a quick measurement (well
+    under 2 s) makes and saves one, as `llmtrace hardware --measure` would, and says so.
+    """
+    device = trace.environment.device.split(":")[0]
+    dtype = _DTYPE_NAMES.get(trace.environment.dtype, trace.environment.dtype)
     try:
         from tracer.hardware import THIS_MACHINE, get_profile
-        from tracer.hardware_store import load_measured_profiles
+        from tracer.hardware_store import load_measured_profiles, load_measurement_details
         from tracer.roofline import roofline
 
-        profile = get_profile(THIS_MACHINE, load_measured_profiles())
-        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(trace.environment.dtype, "fp32")
+        measured = load_measured_profiles()
+        if THIS_MACHINE not in measured:
+            if device not in ("cpu", "cuda"):
+                return None, (f"roofline: no measurement for {device}; compare with "
+                              "`llmtrace roofline --hardware <your machine>`")
+            measured = {THIS_MACHINE: _quick_measure(console, device, dtype)}
+        else:
+            details = load_measurement_details(THIS_MACHINE) or {}
+            if details.get("device", device) != device:
+                return None, (f"roofline: 'this-machine' was measured on {details['device']}, this run used "
+                              f"{device}; run `llmtrace hardware --measure --device {device}`")
+        profile = get_profile(THIS_MACHINE, measured)
+        if not profile.has_peak(dtype):
+            have = ", ".join(d for d in ("fp32", "bf16", "fp16") if profile.has_peak(d)) or "none"
+            return None, (f"roofline: the saved 'this-machine' profile has no {dtype} peak FLOP/s ({have} only), "
+                          f"so no bound for this {dtype} run; add it with `llmtrace hardware --measure --dtypes "
+                          f"fp32,{dtype}`")
         prompt_len = trace.prefill_step.input_tokens if trace.prefill_step else 1
         new_tokens = max(len(trace.generated_ids), 1)
         return roofline(trace.config, profile, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype,
                         check_fit=False), ""
     except LlmtraceError as exc:
         return None, f"roofline: {exc}"
+
+
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _quick_measure(console: Console, device: str, dtype: str) -> Any:
+    """Measure this machine's ceilings quickly (fp32 and the run's dtype) and save them as 'this-machine'."""
+    from dataclasses import asdict, replace
+
+    from tracer.hardware import THIS_MACHINE
+    from tracer.hardware_measure import QUICK, profile_from_measurement, quick_measure_machine
+    from tracer.hardware_store import save_measured_profile
+
+    dtypes = ("fp32",) if dtype == "fp32" else ("fp32", dtype)
+    start = time.perf_counter()
+    with console.status("measuring this machine for the roofline (first run only) …") as status:
+        result = quick_measure_machine(dtypes, device,
+                                       progress=lambda what: status.update(f"measuring this machine: {what} …"))
+    seconds = time.perf_counter() - start
+    sizes = QUICK[device]
+    profile = replace(profile_from_measurement(result, THIS_MACHINE),
+                      source=f"quick measurement by llmtrace run (torch {result.torch_version}, GEMMs up to "
+                             f"{sizes['gemm_max_n']}, {sizes['copy_bytes'] // 2**20} MiB copy, medians of "
+                             f"{sizes['repeats']} runs)")
+    saved = str(save_measured_profile(profile, asdict(result)))
+    home = str(Path.home())
+    shown = "~" + saved[len(home):] if saved.startswith(home + os.sep) else saved
+    console.print(f"[dim]roofline: measured this machine in {seconds:.1f} s ({', '.join(dtypes)} GEMMs, copy); "
+                  f"saved as 'this-machine' in {shown}[/]")
+    return profile

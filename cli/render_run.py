@@ -16,7 +16,15 @@ from rich.text import Text
 
 from cli import render_run_format as fmt
 from tracer.config import ModelConfig
-from tracer.trace_records import MATMUL_KINDS, RopeRecord, RunSettings, StageRecord, StepRecord, TokenizationRecord
+from tracer.trace_records import (
+    MATMUL_KINDS,
+    CandidateRecord,
+    RopeRecord,
+    RunSettings,
+    StageRecord,
+    StepRecord,
+    TokenizationRecord,
+)
 from tracer.trace_summary import layer_rows, stage_totals
 
 MAX_TOKEN_ROWS = 48
@@ -257,9 +265,7 @@ def render_lm_head(console: Console, stages: Sequence[StageRecord], step: StepRe
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for cand in step.candidates[:MAX_CANDIDATES]:
         chosen = cand.token_id == step.token_id
-        kept = "".join(flag for flag, on in (("k", cand.kept_top_k), ("p", cand.kept_top_p), ("m", cand.kept_min_p))
-                       if not on) or "✓"
-        kept = "✓" if kept == "✓" else f"✗ {kept}"
+        kept = _kept_cell(cand)
         table.add_row("→" if chosen else "", fmt.piece(cand.piece), str(cand.token_id), f"{cand.logit:.2f}",
                       f"{100 * cand.prob_raw:.1f}%", f"{100 * cand.prob_tempered:.1f}%", kept,
                       f"{100 * cand.prob_final:.1f}%", style="bold" if chosen else None)
@@ -267,13 +273,53 @@ def render_lm_head(console: Console, stages: Sequence[StageRecord], step: StepRe
                           Group(Text.from_markup("\n".join(lines)), table)))
 
 
+def _kept_cell(cand: CandidateRecord) -> str:
+    """✓, or the filter that dropped the token: the first one that did not keep it (the flags are cumulative, and a
+    filter that is off keeps everything, so only an active filter can be named)."""
+    for name, kept in (("top-k", cand.kept_top_k), ("top-p", cand.kept_top_p), ("min-p", cand.kept_min_p)):
+        if not kept:
+            return f"✗ {name}"
+    return "✓"
+
+
+def _survivors(step: StepRecord, settings: RunSettings) -> str:
+    """How many tokens each active filter left, and what sampling did to the entropy (SampleResult's figures)."""
+    s = step.sampling
+    if s is None:
+        return ""
+    if step.greedy:
+        return (f"the model's distribution over {s.vocab_size:,} tokens has entropy {s.entropy_raw_bits:.2f} bits; "
+                f"greedy keeps 1 token (0 bits)")
+    kept = []
+    if settings.top_k:
+        kept.append(f"top-k {settings.top_k} kept {s.n_after_top_k:,}")
+    if settings.top_p is not None and settings.top_p < 1:
+        kept.append(f"top-p {settings.top_p:g} kept {s.n_after_top_p:,}")
+    if settings.min_p:
+        kept.append(f"min-p {settings.min_p:g} kept {s.n_after_min_p:,}")
+    counts = ", then ".join(kept) or f"no filter: all {s.n_final:,} tokens stay in the draw"
+    of = f" of {s.vocab_size:,} tokens" if kept else ""
+    return f"{counts}{of}; entropy {s.entropy_raw_bits:.2f} → {s.entropy_final_bits:.2f} bits"
+
+
+def _chosen(step: StepRecord) -> str:
+    """The chosen token with the model's own probability, and the final one when sampling changed it."""
+    model_p = step.sampling.probability_raw if step.sampling is not None else None
+    if step.greedy or model_p is None:
+        p = f"model p = {100 * model_p:.1f}%" if model_p is not None else f"p = {100 * step.probability:.1f}%"
+    else:
+        p = f"model p = {100 * model_p:.1f}%, after sampling {100 * step.probability:.1f}%"
+    return f"[bold]{fmt.piece(step.piece)}[/] (id {step.token_id}, {p})"
+
+
 def _sampling_explanation(step: StepRecord, settings: RunSettings) -> str:
-    chosen = f"[bold]{fmt.piece(step.piece)}[/] (id {step.token_id}, p = {100 * step.probability:.1f}%)"
+    chosen = _chosen(step)
+    survivors = _survivors(step, settings)
     if step.greedy:
         text = f"greedy (temperature 0): the argmax is taken → {chosen}"
         if settings.repetition_penalty != 1.0:
             text += f"; repetition penalty {settings.repetition_penalty:g} applied to tokens already seen"
-        return text
+        return text + (f"\n{survivors}" if survivors else "")
     parts = [f"temperature {settings.temperature:g} divides the logits"]
     if settings.top_k:
         parts.append(f"top-k {settings.top_k} keeps the {settings.top_k} highest")
@@ -283,5 +329,8 @@ def _sampling_explanation(step: StepRecord, settings: RunSettings) -> str:
         parts.append(f"min-p {settings.min_p:g} drops those below {settings.min_p:g} × the top probability")
     if settings.repetition_penalty != 1.0:
         parts.append(f"repetition penalty {settings.repetition_penalty:g} on tokens already seen")
-    seed = f" (seed {settings.seed})" if settings.seed is not None else ""
-    return "; ".join(parts) + f"; survivors renormalised and one drawn{seed} → {chosen}"
+    seed = ""
+    if settings.seed is not None:
+        seed = f" (seed {settings.seed}, drawn)" if settings.seed_drawn else f" (seed {settings.seed})"
+    text = "; ".join(parts) + f"; survivors renormalised and one drawn{seed} → {chosen}"
+    return text + (f"\n{survivors}" if survivors else "")

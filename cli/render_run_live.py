@@ -37,20 +37,26 @@ class DecodeView:
 
     def __rich__(self) -> RenderableType:
         table = Table(show_edge=False, pad_edge=False, box=None)
-        for name, justify in (("step", "right"), ("fed", "left"), ("→ next", "left"), ("p", "right"),
-                              ("step time", "right"), ("context", "right"), ("KV live", "right")):
+        sampled = not self.prefill.greedy  # under greedy the final probability is always 100%: not shown
+        columns = [("step", "right"), ("fed", "left"), ("→ next", "left"), ("p model", "right")]
+        if sampled:
+            columns.append(("p sampled", "right"))
+        columns += [("step time", "right"), ("context", "right"), ("KV live", "right")]
+        for name, justify in columns:
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         rows = self.steps if self.all_rows else self.steps[-LIVE_ROWS:]
         if len(rows) < len(self.steps):
-            table.add_row("…", f"{len(self.steps) - len(rows)} earlier steps", "", "", "", "", "")
+            table.add_row("…", f"{len(self.steps) - len(rows)} earlier steps", *[""] * (len(columns) - 2))
         previous = {s.step: s for s in [self.prefill, *self.steps]}
         for step in rows:
             fed = previous.get(step.step - 1)
-            table.add_row(
-                str(step.step), fmt.piece(fed.piece) if fed else "", Text(fmt.piece(step.piece), style="bold"),
-                f"{100 * step.probability:.1f}%", fmt.ms(step.duration_ns), str(step.context_length),
-                fmt.nbytes(step.kv_live_bytes),
-            )
+            model_p = f"{100 * step.sampling.probability_raw:.1f}%" if step.sampling is not None else "-"
+            cells = [str(step.step), fmt.piece(fed.piece) if fed else "", Text(fmt.piece(step.piece), style="bold"),
+                     model_p]
+            if sampled:
+                cells.append(f"{100 * step.probability:.1f}%")
+            cells += [fmt.ms(step.duration_ns), str(step.context_length), fmt.nbytes(step.kv_live_bytes)]
+            table.add_row(*cells)
         decode_ns = sum(s.duration_ns for s in self.steps)
         rate = len(self.steps) / (decode_ns / 1e9) if decode_ns else 0.0
         status = Text.assemble(

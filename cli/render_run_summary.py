@@ -55,6 +55,12 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if summary.peak_device_bytes is not None:
         memory += f" · peak device memory {fmt.nbytes(summary.peak_device_bytes)}"
     lines = [kv_line, memory]
+    settings = trace.settings
+    if settings.seed is not None and settings.temperature > 0:
+        lines.append(f"seed {settings.seed} (drawn: replay this run with --seed {settings.seed})"
+                     if settings.seed_drawn else f"seed {settings.seed}")
+    if roofline is not None:
+        lines.append(f"[dim]{roofline_line(roofline)}[/]")
     if roofline is None and roofline_note:
         lines.append(f"[dim]{roofline_note}[/]")
     if not traced:
@@ -63,32 +69,38 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     lines.append(f"stopped: {stop} · {summary.generated_tokens} tokens generated")
     text = Text("\n")
     text.append(trace.settings.prompt, style="dim")
-    text.append(trace.generated_text, style="bold green")
+    generated = trace.generated_text
+    cut = generated.endswith("\ufffd")  # stopped inside a multi-byte character (Ctrl-C or the token limit)
+    text.append(generated.rstrip("\ufffd"), style="bold green")
+    if cut:
+        text.append(" …(an incomplete UTF-8 character)", style="dim")
     console.print(section("7 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
 
 
 def _roofline_rows(table: Table, roofline: Any, pre: PhaseSummary, dec: PhaseSummary) -> None:
-    """tracer.roofline's bound for this machine, and the measured forward time as a percentage of that bound."""
+    """tracer.roofline's bound for this machine, and how close the measured forward passes came to it."""
     machine = roofline.machine
     first = roofline.first_decode
-    table.add_row(f"roofline: {machine.hardware}", _bound(roofline.prefill, machine.ridge_point),
-                  _bound(first, machine.ridge_point) if first is not None else "-")
-    predicted_pre = roofline.prefill.seconds
-    cells = [_versus(predicted_pre, pre.forward_ns / 1e9)]
+    table.add_row("roofline bound", f"{roofline.prefill.bound}-bound",
+                  f"{first.bound}-bound" if first is not None else "-")
+    cells = [f"TTFT {fmt.ms(roofline.prefill.seconds * 1e9)}"]
     per_token = roofline.generation.time_per_output_token_seconds
-    if per_token and dec.steps:
-        cells.append(_versus(per_token, dec.forward_ns / dec.steps / 1e9))
-    else:
-        cells.append("-")
-    table.add_row("bound time (run at % of it)", *cells)
+    cells.append(f"{1 / per_token:.1f} tok/s" if per_token and dec.steps else "-")
+    table.add_row("roofline prediction", *cells)
+    reached = [_percent(roofline.prefill.seconds, pre.forward_ns / 1e9)]
+    reached.append(_percent(per_token, dec.forward_ns / dec.steps / 1e9) if per_token and dec.steps else "-")
+    table.add_row("run reached", *reached)
 
 
-def _bound(bound: Any, ridge: float) -> str:
-    side = "≥" if bound.arithmetic_intensity >= ridge else "<"
-    return f"{bound.bound}-bound ({bound.arithmetic_intensity:.1f} {side} ridge {ridge:.1f} FLOP/B)"
+def roofline_line(roofline: Any) -> str:
+    """The ceilings behind the bound, in one line."""
+    m = roofline.machine
+    note = f"; {m.compute_note}" if m.compute_note else ""
+    return (f"roofline: {m.hardware} {m.compute_dtype} peak {fmt.flops_per_second(m.peak_flops)}, "
+            f"{fmt.bytes_per_second(m.memory_bandwidth)}, ridge {m.ridge_point:.1f} FLOP/B{note} "
+            "(forward passes only; 100% = at the bound)")
 
 
-def _versus(predicted: float, measured: float) -> str:
-    """The bound's time, and how close the run came to it: predicted / measured time."""
-    pct = f"{100 * predicted / measured:.0f}%" if measured else "-"
-    return f"{fmt.ms(predicted * 1e9)} ({pct})"
+def _percent(predicted: float, measured: float) -> str:
+    """How close the run came to the bound: bound time / measured time (100% = at the roofline)."""
+    return f"[bold]{100 * predicted / measured:.0f}%[/] of the bound" if measured else "-"

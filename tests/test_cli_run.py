@@ -23,6 +23,17 @@ def _run(*args: str) -> object:
     return runner.invoke(app, ["run", *args])
 
 
+@pytest.fixture(autouse=True)
+def _private_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every run here saves its roofline profile under tmp_path, never in the real ~/.config, and measures tiny."""
+    from tracer import hardware_measure
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setitem(hardware_measure.QUICK, "cpu",
+                        dict(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20))
+    return tmp_path / "config" / "llmtrace" / "hardware.json"
+
+
 def test_run_shows_the_journey_in_order(tiny_llama_dir: Path) -> None:
     result = _run("今天天气真", "--model", str(tiny_llama_dir), "--max-new-tokens", "3")
     assert result.exit_code == 0, result.output
@@ -103,11 +114,11 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tiny_ll
 
 
 def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "config")}
     out = tmp_path / "trace.json"
     proc = subprocess.run(
         [sys.executable, "-m", "cli", "run", "Once upon a time", "--model", str(tiny_llama_dir),
-         "--max-new-tokens", "2", "--json", str(out), "--threads", "1"],
+         "--max-new-tokens", "2", "--json", str(out), "--threads", "1", "--no-roofline"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -124,7 +135,6 @@ def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_
     from tracer.hardware import THIS_MACHINE, HardwareProfile
     from tracer.hardware_store import save_measured_profile
 
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     profile = HardwareProfile(
         name=THIS_MACHINE, label="test machine", memory_bandwidth=30e9, memory_bytes=24 * 2**30, fp32=120e9,
         tf32=None, bf16=None, fp16=None, fp8=None, int8=None, interconnect="none", interconnect_bandwidth=0.0,
@@ -134,5 +144,79 @@ def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_
     # fp32 explicitly: the profile has only an fp32 ceiling, and --dtype auto may pick bf16 on this CPU.
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3", "--dtype", "fp32")
     assert result.exit_code == 0, result.output
-    assert "roofline: this-machine" in result.output
-    assert "memory-bound" in result.output and "ridge 4.0 FLOP/B" in result.output  # 120e9 / 30e9
+    assert "roofline: this-machine fp32 peak 120.00 GFLOP/s, 30.00 GB/s, ridge 4.0 FLOP/B" in result.output
+    assert "memory-bound" in result.output and "of the bound" in result.output
+    assert "measured this machine" not in result.output  # the saved profile is used as it is
+
+    # A bf16 run has no bf16 ceiling in this profile: a clear note, no bound taken from the fp32 peak.
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "has no bf16 peak FLOP/s (fp32 only)" in result.output and "of the bound" not in result.output
+
+
+def test_first_run_measures_this_machine_and_saves_it(tiny_llama_dir: Path, _private_config: Path) -> None:
+    from tracer.hardware import THIS_MACHINE
+    from tracer.hardware_store import load_measured_profiles
+
+    assert not _private_config.exists()
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "roofline: measured this machine in" in result.output and "(fp32, bf16 GEMMs, copy)" in result.output
+    profile = load_measured_profiles(_private_config)[THIS_MACHINE]
+    assert profile.measured and profile.fp32 and profile.bf16 and profile.memory_bandwidth > 0
+    assert "roofline: this-machine bf16 peak" in result.output and "of the bound" in result.output
+    again = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--dtype", "bf16")
+    assert "measured this machine" not in again.output and "roofline: this-machine bf16" in again.output
+
+
+def test_no_roofline_skips_the_measurement(tiny_llama_dir: Path, _private_config: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--no-roofline")
+    assert result.exit_code == 0, result.output
+    assert "roofline" not in result.output and not _private_config.exists()
+
+
+@pytest.mark.parametrize("option", ["--json", "--chrome-trace"])
+def test_unwritable_output_path_fails_before_the_model_runs(option: str, tiny_llama_dir: Path,
+                                                            tmp_path: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", option,
+                  str(tmp_path / "missing" / "t.json"))
+    assert result.exit_code == 2, result.output
+    assert "no folder" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "1 · Tokenization" not in result.output and "Traceback" not in result.output
+
+
+def test_kept_column_names_only_the_filter_that_dropped_the_token() -> None:
+    from cli.render_run import _kept_cell
+    from tracer.trace_records import CandidateRecord
+
+    def cand(k: bool, p: bool, m: bool) -> CandidateRecord:
+        return CandidateRecord(token_id=1, piece="a", logit=1.0, logit_penalized=1.0, prob_raw=0.1,
+                               prob_tempered=0.1, kept_top_k=k, kept_top_p=p, kept_min_p=m, prob_final=0.0)
+
+    assert _kept_cell(cand(True, False, False)) == "✗ top-p"  # min-p off keeps everything: not named
+    assert _kept_cell(cand(False, False, False)) == "✗ top-k"
+    assert _kept_cell(cand(True, True, False)) == "✗ min-p"
+    assert _kept_cell(cand(True, True, True)) == "✓"
+
+
+def test_sampling_run_shows_model_and_final_probabilities_survivors_and_the_drawn_seed(
+        tiny_llama_dir: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3", "--temperature", "0.7",
+                  "--top-p", "0.9", "--no-roofline")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "p model" in out and "p sampled" in out and "model p = " in out and "after sampling" in out
+    assert "top-p 0.9 kept " in out and " bits" in out and "entropy " in out
+    assert "✗ pm" not in out and "drawn: replay this run with --seed " in out
+    greedy = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--no-roofline")
+    assert "p model" in greedy.output and "p sampled" not in greedy.output and "greedy keeps 1 token" in greedy.output
+    assert "replay" not in greedy.output
+
+
+def test_dry_run_follows_dtype() -> None:
+    bf16 = _run("--model", "llama-7b", "--dry-run", "--prompt-tokens", "4", "--dtype", "bf16")
+    fp32 = _run("--model", "llama-7b", "--dry-run", "--prompt-tokens", "4", "--dtype", "fp32")
+    assert bf16.exit_code == 0 and fp32.exit_code == 0, bf16.output + fp32.output
+    assert "dry run (meta device) bf16" in bf16.output and "in bfloat16" in bf16.output
+    assert "13.21 GB" in bf16.output and "26.43 GB" in fp32.output  # 6.6 G parameters at 2 and 4 bytes
+    assert bf16.output.count("= equal") == 2  # estimate.py is asked for bf16 weights too

@@ -178,3 +178,28 @@ def test_dry_run_of_llama_7b_has_32_layers_of_t_by_4096_and_the_analytical_flops
     assert sum(s.flops for s in prefill) == estimate.prefill(loaded.config, 4, dtypes).totals.total_flops
     decode = trace.stages_of(DECODE)
     assert sum(s.flops for s in decode) == estimate.decode_step(loaded.config, 4, dtypes).totals.total_flops
+
+
+def test_an_unseeded_sampling_run_records_its_drawn_seed_and_replays_with_it(loaded: LoadedModel) -> None:
+    first = generate(loaded, _settings(max_new_tokens=5, temperature=1.5))
+    assert first.settings.seed_drawn and first.settings.seed is not None
+    replay = generate(loaded, _settings(max_new_tokens=5, temperature=1.5, seed=first.settings.seed))
+    assert not replay.settings.seed_drawn and replay.settings.seed == first.settings.seed
+    assert replay.generated_ids == first.generated_ids
+    greedy = generate(loaded, _settings(max_new_tokens=2))
+    assert greedy.settings.seed is None and not greedy.settings.seed_drawn  # greedy needs no seed
+
+
+def test_steps_record_the_models_own_probability_and_the_survivors(loaded: LoadedModel) -> None:
+    trace = generate(loaded, _settings(max_new_tokens=3, temperature=0.8, top_p=0.5, seed=3))
+    vocab = loaded.config.vocab_size
+    for step in trace.steps:
+        chosen = next(c for c in step.candidates if c.token_id == step.token_id)
+        s = step.sampling
+        assert s is not None and s.probability_raw == chosen.prob_raw and s.vocab_size == vocab
+        assert s.n_final == s.n_after_top_p <= s.n_after_top_k == vocab
+        assert s.n_final == sum(1 for c in step.candidates if c.kept_top_p) or s.n_final > len(step.candidates)
+        assert s.entropy_raw_bits > 0
+    greedy = generate(loaded, _settings(max_new_tokens=2))
+    step = greedy.steps[0]
+    assert step.probability == 1.0 and step.sampling.probability_raw < 1.0 and step.sampling.n_final == 1

@@ -16,7 +16,7 @@ import platform
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -41,6 +41,7 @@ from tracer.trace_records import (
     ModelInfo,
     RopeRecord,
     RunSettings,
+    SamplingRecord,
     StageRecord,
     StepRecord,
     TokenizationRecord,
@@ -102,12 +103,12 @@ class Generation:
         if settings.max_new_tokens < 1:
             raise BadArgumentError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
         self.loaded = loaded
-        self.settings = settings
         self.model = loaded.model
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dry_run = settings.dry_run
         self.sampler = sampler if sampler is not None or self.dry_run else _make_sampler(settings)
+        self.settings = _with_seed_used(settings, self.sampler)
         self.origin_ns = time.perf_counter_ns()
         param = next(self.model.parameters())
         self.device = param.device
@@ -234,7 +235,7 @@ class Generation:
         forward_end = time.perf_counter_ns()
         self._tracer.end_step()
         if self.dry_run:
-            token_id, probability, greedy, filters, candidates = -1, 0.0, True, (), ()
+            token_id, probability, greedy, filters, candidates, sampling = -1, 0.0, True, (), (), None
             sample_end = text_end = forward_end
             piece, text = "", ""
         else:
@@ -249,10 +250,11 @@ class Generation:
             greedy = self.settings.temperature == 0
             filters = _active_filters(result)
             candidates = tuple(self._candidate(c) for c in result.candidates)
+            sampling = _sampling_record(result)
         record = StepRecord(
             phase=phase, step=index, input_tokens=len(ids), context_length=int(self.model.pos),
             token_id=token_id, piece=piece, text=text, probability=probability, greedy=greedy, filters=filters,
-            candidates=candidates,
+            candidates=candidates, sampling=sampling,
             kv_allocated_bytes=int(self.model.kv_allocated_bytes), kv_live_bytes=int(self.model.kv_live_bytes),
             start_ns=start - self.origin_ns, forward_ns=forward_end - start, sample_ns=sample_end - forward_end,
             detokenize_ns=text_end - sample_end, duration_ns=text_end - start,
@@ -333,6 +335,27 @@ def _make_sampler(settings: RunSettings) -> Any:
         repetition_penalty=settings.repetition_penalty, seed=settings.seed,
     )
     return Sampler(params)
+
+
+def _with_seed_used(settings: RunSettings, sampler: Any) -> RunSettings:
+    """Record the seed a sampling run drew when none was given, so `--seed <it>` replays the run."""
+    drawn = getattr(sampler, "seed", None)
+    if settings.seed is not None or settings.temperature == 0 or drawn is None:
+        return settings  # greedy needs no seed: it is deterministic
+    return replace(settings, seed=int(drawn), seed_drawn=True)
+
+
+def _sampling_record(result: Any) -> SamplingRecord | None:
+    """SampleResult's whole-distribution figures; None from a sampler that does not report them."""
+    try:
+        return SamplingRecord(
+            probability_raw=float(result.probability_raw), rank=int(result.rank), vocab_size=int(result.vocab_size),
+            n_after_top_k=int(result.n_after_top_k), n_after_top_p=int(result.n_after_top_p),
+            n_after_min_p=int(result.n_after_min_p), n_final=int(result.n_final),
+            entropy_raw_bits=float(result.entropy_raw_bits), entropy_final_bits=float(result.entropy_final_bits),
+        )
+    except AttributeError:
+        return None
 
 
 def _active_filters(result: Any) -> tuple[str, ...]:

@@ -174,6 +174,21 @@ def measure_machine(dtypes: tuple[str, ...] = ("fp32", "bf16"), device: str = "c
     )
 
 
+# `llmtrace run`'s first-use measurement: small enough to finish in well under 2 s on a 2-core CPU (GEMMs up to
+# 512 x 512 on the CPU, a 64 MiB copy: past the caches of most CPUs), so a run can show its roofline out of the box.
+# `llmtrace hardware --measure` (GEMMs up to 4096, 256 MiB) gives steadier figures.
+QUICK = {"cpu": dict(repeats=3, gemm_target_seconds=0.01, gemm_max_n=512, copy_bytes=64 * 2**20),
+         "cuda": dict(repeats=3, gemm_target_seconds=0.005, gemm_max_n=4096, copy_bytes=512 * 2**20)}
+
+
+def quick_measure_machine(dtypes: tuple[str, ...], device: str = "cpu",
+                          progress: Progress | None = None) -> MachineMeasurement:
+    """measure_machine with QUICK's sizes for `device` ("cpu" or "cuda")."""
+    if device not in QUICK:
+        raise BadArgumentError(f"no quick measurement for device {device!r}; use cpu or cuda")
+    return measure_machine(dtypes=dtypes, device=device, progress=progress, **QUICK[device])  # type: ignore[arg-type]
+
+
 def profile_from_measurement(m: MachineMeasurement, name: str = THIS_MACHINE) -> HardwareProfile:
     """The measured ceilings as a profile; dtypes not measured have no peak (None)."""
     peaks = {g.dtype: g.flops_per_s for g in m.gemms}

@@ -73,7 +73,7 @@ def load_model(
         config, tokenizer = _config_and_tokenizer(kind, path, spec)
         source = str(path) if path is not None else f"preset {config.name}"
         if dry_run:
-            model = build_meta_model(config)
+            model = build_meta_model(config).to(torch_dtype)  # meta: a dtype change costs nothing
             fmt = f"dry run (meta device) {_DTYPE_NAMES[torch_dtype]}"
             return _finish(start, config, model, tokenizer, source, fmt)
         state = random_state_dict(config, torch_dtype, seed)

@@ -22,6 +22,7 @@ from tracer.trace_records import (
     ModelInfo,
     RopeRecord,
     RunSettings,
+    SamplingRecord,
     StageRecord,
     StepRecord,
     TokenizationRecord,
@@ -175,7 +176,8 @@ def _stage(d: dict[str, Any]) -> StageRecord:
 
 def _step(d: dict[str, Any]) -> StepRecord:
     return _build(StepRecord, {**d, "filters": tuple(d["filters"]),
-                               "candidates": tuple(_build(CandidateRecord, c) for c in d["candidates"])})
+                               "candidates": tuple(_build(CandidateRecord, c) for c in d["candidates"]),
+                               "sampling": _optional(lambda s: _build(SamplingRecord, s), d["sampling"])})
 
 
 def _tokenization(d: dict[str, Any]) -> TokenizationRecord:

@@ -79,6 +79,21 @@ class CandidateRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingRecord:
+    """What sampling did to one step's whole distribution (tracer.sampling.SampleResult's summary figures)."""
+
+    probability_raw: float  # of the chosen token in the model's own distribution (softmax of the raw logits)
+    rank: int  # the chosen token's 1-based rank by (penalised) logit
+    vocab_size: int
+    n_after_top_k: int  # tokens left after each filter, cumulative; vocab_size when a filter is off or greedy
+    n_after_top_p: int
+    n_after_min_p: int
+    n_final: int  # tokens the draw chose from (1 under greedy)
+    entropy_raw_bits: float  # of the model's own distribution
+    entropy_final_bits: float  # of the distribution actually drawn from (0 under greedy)
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One forward step and the token sampled from its logits."""
 
@@ -93,6 +108,7 @@ class StepRecord:
     greedy: bool  # temperature 0: the argmax was taken
     filters: tuple[str, ...]  # sampling steps that acted, in order, e.g. ("temperature", "top_k") or ("greedy",)
     candidates: tuple[CandidateRecord, ...]
+    sampling: SamplingRecord | None  # None in a dry run (nothing sampled)
     kv_allocated_bytes: int  # whole preallocated cache, all layers
     kv_live_bytes: int  # positions written so far, all layers
     start_ns: int
@@ -143,7 +159,8 @@ class RunSettings:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # the seed sampling used: as given, or drawn by the Sampler (then seed_drawn)
+    seed_drawn: bool = False  # no --seed was given; `seed` is the one drawn, so --seed <seed> replays the run
     dtype: str | None = None  # None = the loader's default
     device: str = "cpu"
     threads: int | None = None
