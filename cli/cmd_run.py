@@ -93,6 +93,9 @@ def run_command(
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option(
         help="--dry-run of a preset (no tokenizer): the prompt length to assume.")] = None,
+    no_warmup: Annotated[bool, typer.Option(
+        "--no-warmup", help="Skip the untimed warm-up pass, so the first prefill includes one-off kernel set-up "
+                            "(oneDNN JIT, allocator growth).")] = False,
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
@@ -107,7 +110,7 @@ def run_command(
             model=model or "", prompt=text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.value,
             device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=prompt_tokens, warmup=not no_warmup,
         )
         _check_settings(settings)
         for path in (json_path, chrome_trace):

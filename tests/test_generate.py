@@ -203,3 +203,31 @@ def test_steps_record_the_models_own_probability_and_the_survivors(loaded: Loade
     greedy = generate(loaded, _settings(max_new_tokens=2))
     step = greedy.steps[0]
     assert step.probability == 1.0 and step.sampling.probability_raw < 1.0 and step.sampling.n_final == 1
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_warm_up_runs_one_untraced_stage_by_stage_pass_first(loaded: LoadedModel, warmup: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    model = loaded.model
+    calls: list[tuple[str, int, bool]] = []  # (which, tokens, fused allowed)
+    real_prefill, real_decode = model.prefill, model.decode_one
+
+    def prefill(tokens: torch.Tensor) -> torch.Tensor:
+        calls.append(("prefill", tokens.shape[1], model.use_fused))
+        return real_prefill(tokens)
+
+    def decode_one(tokens: torch.Tensor) -> torch.Tensor:
+        calls.append(("decode", tokens.shape[1], model.use_fused))
+        return real_decode(tokens)
+
+    monkeypatch.setattr(model, "prefill", prefill)
+    monkeypatch.setattr(model, "decode_one", decode_one)
+    trace = Generation(loaded, _settings(max_new_tokens=2, warmup=warmup)).run()
+    prompt_len = len(trace.tokenization.ids)
+    traced = [("prefill", prompt_len), ("decode", 1)]
+    expected = ([("prefill", prompt_len, False), ("decode", 1, False)] if warmup else []) + [
+        (which, n, False) for which, n in traced]
+    assert calls == expected
+    assert model.use_fused is True  # restored after the run
+    # the warm-up leaves nothing in the cache: the traced steps see the context they would without it
+    assert [s.context_length for s in trace.steps] == [prompt_len, prompt_len + 1]

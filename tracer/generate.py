@@ -149,6 +149,8 @@ class Generation:
         limit = self._new_token_limit(len(ids))
         yield Tokenized(self._tokenization, len(ids))
         self.model.setup_cache(1, len(ids) + limit)
+        if self.settings.warmup and not self.dry_run:
+            self._warm_up(ids)
         rope = self._rope = _rope_record(self.config, len(ids))
         try:
             with self._tracer:
@@ -159,6 +161,25 @@ class Generation:
         except KeyboardInterrupt:
             self._stop_reason = STOP_INTERRUPTED
         yield Finished(self.trace())
+
+    def _warm_up(self, ids: list[int]) -> None:
+        """One untimed prefill of the prompt and one decode step on the path the traced run takes, then an empty
+        cache: the first call of a kernel for a shape pays one-off set-up (oneDNN's bf16/AMX kernels took ~40x a
+        layer's time in the first prefill), which a profile of steady-state work must not show as layer 0's cost."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        fused = getattr(self.model, "use_fused", None)
+        if fused is not None and self.settings.trace:
+            self.model.use_fused = False  # the stage-by-stage path, as traced
+        try:
+            with torch.no_grad():
+                self.model.prefill(tokens)
+                self.model.decode_one(tokens[:, -1:])  # (1, 1)
+        finally:
+            if fused is not None:
+                self.model.use_fused = fused
+            self.model.reset_cache()
+        if self._sync is not None:
+            self._sync()
 
     def _generate(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         eos = getattr(self.tokenizer, "eos_id", None)

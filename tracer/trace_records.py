@@ -168,6 +168,7 @@ class RunSettings:
     trace: bool = True  # False: no hooks, only step times
     dry_run: bool = False
     prompt_tokens: int | None = None  # dry run without a tokenizer: assumed prompt length
+    warmup: bool = True  # one untimed prefill + decode step first, so one-off kernel set-up is not traced as work
 
 
 @dataclass(frozen=True, slots=True)
