@@ -6,11 +6,17 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32 and cast back before the weight (as HF does)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32 and cast back before the weight (as HF does).
+
+    `floor` is sqrt(dim * eps) as an fp32 scalar tensor: sqrt(mean(x^2) + eps) == hypot(||x||, floor) / sqrt(dim),
+    five small ops where F.rms_norm's CPU kernel costs twice as long on one token (BENCHMARKS.md, "Model speed").
+    """
+    dim = x.shape[-1]
+    rms = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32), floor).mul_(dim**-0.5)
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+        return torch.div(x, rms).mul_(weight)
+    return torch.div(x, rms).to(x.dtype).mul_(weight)
 
 
 def causal_mask(new: int, seen: int, device: torch.device) -> torch.Tensor:

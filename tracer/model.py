@@ -41,6 +41,18 @@ from tracer.kv_cache import KVCache
 from tracer.rope import RotaryEmbedding, rope_tables
 
 
+class Linear(nn.Linear):
+    """An nn.Linear without bias (same parameter, state-dict name and repr) that multiplies one token through
+    torch.mv: for bf16 on CPU a matrix-vector product runs up to twice as fast as the same product through mm
+    (BENCHMARKS.md, "Model speed"), and never slower in fp32. FlopCounterMode counts mm but not mv, so while any
+    TorchDispatchMode is active (FlopCounterMode is one) the call takes F.linear: what it counts is what runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features and self.bias is None and not torch._C._len_torch_dispatch_stack():
+            return torch.mv(self.weight, x.reshape(-1)).view(x.shape[:-1] + (self.out_features,))  # (..., out)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight; the normalisation runs in fp32 and is cast back before the weight."""
 
@@ -48,9 +60,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._floor: torch.Tensor | None = None  # sqrt(dim * eps), fp32, on the weight's device (made on first use)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        floor = self._floor
+        if floor is None or floor.device != x.device:
+            floor = self._floor = torch.tensor((self.weight.shape[0] * self.eps) ** 0.5, device=x.device)
+        return rms_norm(x, self.weight, floor)
 
     def extra_repr(self) -> str:
         return f"dim={self.weight.shape[0]}, eps={self.eps}"
@@ -74,7 +90,12 @@ class AttentionScores(nn.Module):
         groups = batch * self.n_kv_heads
         q_grouped = q.reshape(groups, self.n_rep * new, self.head_dim)  # (B*Hkv, R*T, D)
         k_grouped = k_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
-        scores = torch.bmm(q_grouped, k_grouped.transpose(1, 2)).mul_(self.scale)  # (B*Hkv, R*T, S)
+        if new == 1 and q.dtype != torch.float32:
+            # One query token: half-precision bmm this small takes oneDNN's slow path on CPU (~3x fp32's time)
+            scores = torch.bmm(q_grouped.float(), k_grouped.float().transpose(1, 2))  # (B*Hkv, R, S), fp32
+            scores = scores.mul_(self.scale).to(q.dtype)
+        else:
+            scores = torch.bmm(q_grouped, k_grouped.transpose(1, 2)).mul_(self.scale)  # (B*Hkv, R*T, S)
         scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
         if new > 1:
             scores.masked_fill_(causal_mask(new, seen, q.device), float("-inf"))
@@ -104,7 +125,10 @@ class AttentionValues(nn.Module):
         groups = batch * self.n_kv_heads
         probs_grouped = probs.reshape(groups, self.n_rep * new, seen)  # (B*Hkv, R*T, S)
         v_grouped = v_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
-        out = torch.bmm(probs_grouped, v_grouped)  # (B*Hkv, R*T, D)
+        if new == 1 and probs.dtype != torch.float32:  # as in AttentionScores: fp32 for one query token
+            out = torch.bmm(probs_grouped.float(), v_grouped.float()).to(probs.dtype)  # (B*Hkv, R, D)
+        else:
+            out = torch.bmm(probs_grouped, v_grouped)  # (B*Hkv, R*T, D)
         return out.view(batch, self.n_heads, new, self.head_dim)  # (B, H, T, D)
 
 
@@ -112,15 +136,15 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.q_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.kv_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.kv_dim, bias=False)
+        self.wq = Linear(config.dim, config.q_dim, bias=False)
+        self.wk = Linear(config.dim, config.kv_dim, bias=False)
+        self.wv = Linear(config.dim, config.kv_dim, bias=False)
         self.rope = RotaryEmbedding(config.head_dim)
         self.kv_cache = KVCache(config.n_kv_heads, config.head_dim)
         self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim)
         self.softmax = Softmax()
         self.pv = AttentionValues(config.n_heads, config.n_kv_heads, config.head_dim)
-        self.wo = nn.Linear(config.q_dim, config.dim, bias=False)
+        self.wo = Linear(config.q_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
         batch, new, _ = x.shape
@@ -143,7 +167,7 @@ class SwiGLUActivation(nn.Module):
     """silu(gate) * up, elementwise over (B, T, F)."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
 
 class FeedForward(nn.Module):
@@ -151,10 +175,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, ffn_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w1 = Linear(dim, ffn_dim, bias=False)
+        self.w3 = Linear(dim, ffn_dim, bias=False)
         self.act = SwiGLUActivation()
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w2 = Linear(ffn_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, F) inside, (B, T, dim) out
@@ -201,7 +225,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embedding)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_state_dict_post_hook(_drop_tied_output)
@@ -262,10 +286,10 @@ class Transformer(nn.Module):
         if key is not None and key[0] >= length and key[1] == weight.device and key[2] == weight.dtype:
             return
         cos, sin = rope_tables(self.config, length, weight.dtype, weight.device)
-        for layer in self.layers:
-            layer.attention.rope.set_tables(cos, sin)
-        self._rope_cos, self._rope_sin = cos, sin
         self._positions = torch.arange(length, device=weight.device)
+        for layer in self.layers:
+            layer.attention.rope.set_tables(cos, sin, self._positions)
+        self._rope_cos, self._rope_sin = cos, sin
         self._rope_key = (length, weight.device, weight.dtype)
 
     # ---- forward passes ------------------------------------------------------------------------------------

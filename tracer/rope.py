@@ -71,13 +71,19 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.cos: torch.Tensor | None = None  # (max_seq, 1, D)
         self.sin: torch.Tensor | None = None  # (max_seq, 1, D), first half negated
+        self.positions: torch.Tensor | None = None  # arange(max_seq): the model passes slices of it as input_pos
 
-    def set_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos, self.sin = cos, sin
+    def set_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        self.cos, self.sin, self.positions = cos, sin, positions
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[input_pos]  # (T, 1, D): broadcasts over batch and heads
-        sin = self.sin[input_pos]  # (T, 1, D)
+        if self.positions is not None and input_pos._base is self.positions and input_pos.is_contiguous():
+            # A slice of arange(max_seq) starts at its own value: narrow the tables (a view) instead of gathering.
+            start, new = input_pos.storage_offset(), input_pos.shape[0]
+            cos, sin = self.cos.narrow(0, start, new), self.sin.narrow(0, start, new)  # (T, 1, D) each
+        else:
+            cos = self.cos[input_pos]  # (T, 1, D): broadcasts over batch and heads
+            sin = self.sin[input_pos]  # (T, 1, D)
         half = self.head_dim // 2
         q_rot = torch.addcmul(q * cos, q.roll(half, dims=-1), sin)  # (B, T, H, D)
         k_rot = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)  # (B, T, Hkv, D)
