@@ -8,7 +8,7 @@
 3. hf: greedy decode tokens/s of HF transformers' LlamaForCausalLM loaded from the same GGUF (fp32, its own
    DynamicCache, one token per step, the same prompt and token count) vs ours, untraced and traced.
 
-    flock /tmp/llmtrace-bench.lock .venv/bin/python -m benchmarks.bench_tracing --rounds 5
+    flock /tmp/llmtrace-bench.lock .venv/bin/python -m benchmarks.bench_tracing --rounds 5 [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def bench_hf(loaded: LoadedModel, rounds: int) -> dict[str, Any]:
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     folder, name = loaded.source.rsplit("/", 1)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=loaded.model.tok_embeddings.weight.dtype).eval()
     ids = loaded.tokenizer.encode(PROMPT)
 
     def hf_ms_per_token() -> tuple[float, list[int]]:
@@ -250,10 +250,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=("overhead", "profiler", "hf"), action="append")
+    parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (what `llmtrace run` uses by default)")
     args = parser.parse_args()
-    loaded = load_model(None, dtype="fp32")
+    from tracer.dtype_policy import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, "cpu")
+    loaded = load_model(None, dtype=dtype)
     result: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                              "model": loaded.config.name, "rounds": args.rounds}
+                              "model": loaded.config.name, "rounds": args.rounds, "dtype": str(dtype)}
     for name, fn in (("overhead", bench_overhead), ("profiler", bench_profiler), ("hf", bench_hf)):
         if args.only is None or name in args.only:
             result[name] = fn(loaded, args.rounds)
