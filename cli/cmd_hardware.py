@@ -53,7 +53,7 @@ def hardware(
     device: Annotated[DeviceChoice, typer.Option(help="With --measure: the device to measure.")] = DeviceChoice.cpu,
     dtypes: Annotated[str, typer.Option(help="With --measure: GEMM dtypes to measure, comma-separated "
                                         "(fp32, bf16, fp16; tf32 on cuda).")] = "fp32,bf16",
-    repeats: Annotated[int, typer.Option(help="With --measure: timed runs per figure (the median is kept).")] = 5,
+    repeats: Annotated[int, typer.Option(help="With --measure: timed runs per figure (the fastest sets the ceiling).")] = 5,
     max_n: Annotated[int, typer.Option("--max-n", help="With --measure: largest GEMM size n to try "
                                        "(0 = 4096 on cpu, 16384 on cuda).")] = 0,
     copy_mib: Annotated[int, typer.Option("--copy-mib", help="With --measure: copy buffer size in MiB "

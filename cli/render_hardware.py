@@ -80,7 +80,7 @@ def render_measurement(console: Console, measurement: dict, profile: HardwarePro
     table.add_column("ceiling")
     table.add_column("how", justify="left")
     table.add_column("runs", justify="right")
-    table.add_column("median", justify="right")
+    table.add_column("best run", justify="right")
     table.add_column("min … max seconds", justify="right")
     for g in measurement["gemms"]:
         table.add_row(
