@@ -68,10 +68,6 @@ _ALIASES: dict[str, str] = {
 }
 
 
-def dtype_names() -> list[str]:
-    return list(DTYPES)
-
-
 def get_dtype(name: str) -> DType:
     """The dtype called `name` (case-insensitive, common aliases accepted), or a one-line error listing the choices."""
     key = name.strip().lower()

@@ -49,10 +49,6 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
 PRESETS: dict[str, ModelConfig] = {cfg.name: cfg for cfg in _PRESET_LIST}
 
 
-def preset_names() -> list[str]:
-    return list(PRESETS)
-
-
 def get_preset(name: str) -> ModelConfig:
     """The preset called `name` (case-insensitive), or an error that suggests the nearest names."""
     key = name.strip().lower()
