@@ -314,12 +314,11 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes)):
             for k in range(7):
                 acc[k] += numbers[k] * cfg.n_layers
+    # per_layer False: a per-layer figure makes no sense for a sum over steps of different lengths.
     decode_totals = _totals([
-        (c.kind, c.per_layer, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
+        (c.kind, False, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
         for c, acc in zip(pre.components, sums)
     ])
-    # A per-layer figure makes no sense for a sum over steps of different lengths.
-    decode_totals = _replace_per_layer(decode_totals, 0)
     p = pre.totals
     totals = _make_totals(
         p.matmul_flops + decode_totals.matmul_flops, p.elementwise_flops + decode_totals.elementwise_flops,
@@ -339,10 +338,3 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         exceeds_max_seq_len=final_kv_len > cfg.max_seq_len, components=components, prefill_totals=pre.totals,
         decode_totals=decode_totals, totals=totals,
     )
-
-
-def _replace_per_layer(t: Totals, value: int) -> Totals:
-    return _make_totals(t.matmul_flops, t.elementwise_flops, t.useful_flops, t.attention_dense_flops,
-                        t.attention_useful_flops, value, t.weight_bytes, t.kv_read_bytes, t.kv_write_bytes,
-                        t.activation_bytes)
-
