@@ -20,7 +20,7 @@ from rich.live import Live
 
 from cli.app import app
 from cli.console import PIPE_WIDTH
-from cli.errors import fail, run_guarded
+from cli.errors import run_guarded
 from cli.render_run import (
     render_embedding,
     render_header,
@@ -252,10 +252,9 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
 def _estimates(trace: Trace) -> dict[str, Any]:
     """tracer/estimate.py's figures for the passes a dry run traced (same prompt length, same context)."""
     from tracer import estimate
-    from tracer.dtypes import DTYPES
+    from tracer.dtypes import get_dtype
 
-    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(trace.environment.dtype, "fp32")
-    dtypes = estimate.Dtypes.for_weights(DTYPES[name])
+    dtypes = estimate.Dtypes.for_weights(get_dtype(trace.environment.dtype))  # "bfloat16" -> bf16
     prefill = trace.prefill_step
     if prefill is None:
         return {}
@@ -272,12 +271,13 @@ def _roofline_for(console: Console, trace: Trace) -> tuple[Any | None, str]:
     under 2 s) makes and saves one, as `llmtrace hardware --measure` would, and says so.
     """
     device = trace.environment.device.split(":")[0]
-    dtype = _DTYPE_NAMES.get(trace.environment.dtype, trace.environment.dtype)
     try:
+        from tracer.dtypes import get_dtype
         from tracer.hardware import THIS_MACHINE, get_profile
         from tracer.hardware_store import load_measured_profiles, load_measurement_details
         from tracer.roofline import roofline
 
+        dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
         measured = load_measured_profiles()
         if THIS_MACHINE not in measured:
             if device not in ("cpu", "cuda"):
@@ -301,9 +301,6 @@ def _roofline_for(console: Console, trace: Trace) -> tuple[Any | None, str]:
                         check_fit=False), ""
     except LlmtraceError as exc:
         return None, f"roofline: {exc}"
-
-
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _quick_measure(console: Console, device: str, dtype: str) -> Any:
