@@ -117,7 +117,6 @@ class Generation:
         self._tracer = Tracer(self.model, self.origin_ns, enabled=settings.trace)
         self._tokenization: TokenizationRecord | None = None
         self._rope: RopeRecord | None = None
-        self._prompt_ids: list[int] = []
         self._generated: list[int] = []
         self._text = ""
         self._steps: list[StepRecord] = []
