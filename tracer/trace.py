@@ -82,9 +82,6 @@ class Trace:
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False, indent=indent)
 
-    def write_json(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(indent=1), encoding="utf-8")
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Trace":
         if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME:
@@ -128,9 +125,6 @@ class Trace:
         from tracer.chrome_trace import chrome_trace
 
         return chrome_trace(self)
-
-    def write_chrome_trace(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_chrome_trace(), ensure_ascii=False), encoding="utf-8")
 
 
 def load_schema() -> dict[str, Any]:
