@@ -21,12 +21,11 @@ def render_dry_run_summary(console: Console, trace: Trace, estimates: dict[str, 
     for name, justify in (("pass", "left"), ("traced FLOPs", "right"), ("estimate.py", "right"), ("", "left"),
                           ("matmul", "right"), ("weights read", "right"), ("KV read + written", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for phase in (PREFILL, DECODE):
-        stages = trace.stages_of(phase)
+    totals_of = {phase: stage_totals(trace.stages_of(phase)) for phase in (PREFILL, DECODE)}
+    for phase, totals in totals_of.items():
         step = next((s for s in trace.steps if s.phase == phase), None)
         if step is None:
             continue
-        totals = stage_totals(stages)
         est = estimates.get(phase)
         est_flops = est.totals.total_flops if est is not None else None
         same = "[green]= equal[/]" if est_flops == totals.flops else "[red]≠ differs[/]"
@@ -41,8 +40,7 @@ def render_dry_run_summary(console: Console, trace: Trace, estimates: dict[str, 
     lines = [
         f"{len(rows)} layers, each turning {' / '.join(shapes)} into the same shape "
         f"(the residual stream); nothing was computed: the model lives on the meta device.",
-        f"exact FLOPs: prefill {trace.stages_of(PREFILL) and stage_totals(trace.stages_of(PREFILL)).flops:,}, "
-        f"decode step {stage_totals(trace.stages_of(DECODE)).flops:,}",
+        f"exact FLOPs: prefill {totals_of[PREFILL].flops:,}, decode step {totals_of[DECODE].flops:,}",
         f"KV cache after the prefill: {fmt.nbytes(prefill_step.kv_live_bytes) if prefill_step else '-'} "
         f"in {trace.environment.dtype}",
         f"[dim]for times on real hardware: llmtrace roofline --model {trace.settings.model or trace.config.name}[/]",
