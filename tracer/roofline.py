@@ -29,7 +29,7 @@ from tracer.hardware import HardwareProfile
 from tracer.kvmem import kv_cache_bytes
 from tracer.params import count_params, norm_dtype_for, weight_bytes
 from tracer.tensor_parallel import (
-    ALLREDUCES_PER_LAYER, DeviceCost, allreduce_payload_bytes, check_tp, device_cost,
+    ALLREDUCES_PER_LAYER, DeviceCost, allreduce_payload_bytes, check_tp, device_cost, tp_sizes,
 )
 
 COMPUTE, MEMORY = "compute", "memory"
@@ -347,9 +347,8 @@ def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, 
     hints = []
     if fit.weight_bytes_per_device > fit.capacity_bytes:
         if hardware.interconnect_bandwidth > 0:
-            valid = [n for n in range(tp + 1, config.n_kv_heads + 1) if config.n_heads % n == 0
-                     and config.n_kv_heads % n == 0 and config.ffn_dim % n == 0]
-            enough = [n for n in valid if weight_bytes_per_device(config, dtypes.weights, n) < fit.capacity_bytes]
+            enough = [n for n in tp_sizes(config)
+                      if n > tp and weight_bytes_per_device(config, dtypes.weights, n) < fit.capacity_bytes]
             if enough:
                 hints.append(f"--tp {enough[0]}")
         if dtypes.weights.name != "int4":

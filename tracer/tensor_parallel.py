@@ -43,6 +43,12 @@ class DeviceCost:
         return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
 
 
+def tp_sizes(config: ModelConfig) -> list[int]:
+    """Every tp > 1 the model splits over: dividing the query heads, the KV heads and the FFN dim."""
+    return [n for n in range(2, config.n_kv_heads + 1)
+            if config.n_heads % n == 0 and config.n_kv_heads % n == 0 and config.ffn_dim % n == 0]
+
+
 def check_tp(config: ModelConfig, tp: int, hardware: HardwareProfile) -> int:
     """`tp` if the model can be split over that many devices of this hardware, else a one-line error."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -52,8 +58,7 @@ def check_tp(config: ModelConfig, tp: int, hardware: HardwareProfile) -> int:
     for what, value in (("query heads", config.n_heads), ("KV heads", config.n_kv_heads),
                         ("FFN dim", config.ffn_dim)):
         if value % tp:
-            divisors = [n for n in range(2, config.n_kv_heads + 1)
-                        if config.n_heads % n == 0 and config.n_kv_heads % n == 0 and config.ffn_dim % n == 0]
+            divisors = tp_sizes(config)
             hint = f"use --tp {', '.join(map(str, divisors[:6]))}" if divisors else "this model cannot be split"
             raise BadArgumentError(
                 f"--tp {tp} does not divide {config.name}'s {value} {what}; each device needs whole heads: {hint}"
