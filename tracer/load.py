@@ -13,6 +13,7 @@ checked by Transformer.load_weights.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from tracer.gguf_header import GGUF_MAGIC
 from tracer.gguf_loader import load_gguf_weights, quantization_summary, read_header
 from tracer.gguf_tokenizer import tokenizer_from_gguf
 from tracer.hf_loader import load_hf_state_dict
-from tracer.model import Transformer, build_meta_model, expected_shapes, parse_dtype
+from tracer.model import DTYPES, Transformer, build_meta_model, expected_shapes, parse_dtype
 from tracer.presets import PRESETS, get_preset
 from tracer.resolve import config_from_gguf_header
 from tracer.tokenizer import Tokenizer, load_tokenizer
@@ -37,7 +38,7 @@ from tracer.tokenizer import Tokenizer, load_tokenizer
 # The library's default is fp32, the reference numerics; the CLI passes "auto" (tracer.dtype_policy: bf16 where the
 # hardware has bf16 arithmetic, else fp32), which load_model also accepts.
 DEFAULT_DTYPE = "fp32"
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,7 @@ def random_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int) -> dic
     """
     shapes = expected_shapes(config)
     element = torch.empty(0, dtype=dtype).element_size()
-    need = sum(_numel(shape) for shape in shapes.values()) * element
+    need = sum(math.prod(shape) for shape in shapes.values()) * element
     free = _available_memory()
     if free is not None and need > free * 0.9:
         raise HardwareError(
@@ -224,13 +225,6 @@ def random_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int) -> dic
         else:
             state[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator).to(dtype)
     return state
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _available_memory() -> int | None:
