@@ -179,12 +179,13 @@ def _add_mv(x: torch.Tensor, weight: torch.Tensor, vector: torch.Tensor) -> torc
 
 
 def watched(modules: list[nn.Module]) -> bool:
-    """Whether anything observes the modules: global or per-module forward hooks, or an instance-level forward."""
+    """Whether any forward hook observes the modules, global or per-module. (An instance-level forward wrapper
+    registers no hook; `Transformer.fusable` looks for those itself, on every call.)"""
     from torch.nn.modules import module as module_globals
 
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _pack(*linears: nn.Linear) -> None:
