@@ -35,7 +35,8 @@ from cli.render_run_summary import render_summary
 from tracer.errors import BadArgumentError, LlmtraceError
 from tracer.trace import STOP_INTERRUPTED, Trace
 from tracer.trace_records import RunSettings
-from tracer.trace_summary import run_summary
+from tracer.roofline_compare import MeasuredVsBound, compare_with_measured
+from tracer.trace_summary import RunSummary, run_summary
 
 SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
@@ -244,8 +245,9 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     if settings.dry_run:
         render_dry_run_summary(console, trace, _estimates(trace))
     else:
-        report, note = _roofline_for(console, trace) if roofline else (None, "")
-        render_summary(console, trace, run_summary(trace), report, note)
+        summary = run_summary(trace)
+        comparison, note = _roofline_for(console, trace, summary) if roofline else (None, "")
+        render_summary(console, trace, summary, comparison, note)
     return trace
 
 
@@ -264,8 +266,9 @@ def _estimates(trace: Trace) -> dict[str, Any]:
     return out
 
 
-def _roofline_for(console: Console, trace: Trace) -> tuple[Any | None, str]:
-    """tracer.roofline's prediction for this machine in the dtype the run computed in, or why there is none.
+def _roofline_for(console: Console, trace: Trace, summary: RunSummary) -> tuple[MeasuredVsBound | None, str]:
+    """The run's measured forward passes next to the roofline bound for this machine in the dtype the run computed
+    in (tracer.roofline_compare), or why there is none.
 
     The ceilings come from the saved 'this-machine' profile; when there is none yet, a quick measurement (well
     under 2 s) makes and saves one, as `llmtrace hardware --measure` would, and says so.
@@ -275,7 +278,6 @@ def _roofline_for(console: Console, trace: Trace) -> tuple[Any | None, str]:
         from tracer.dtypes import get_dtype
         from tracer.hardware import THIS_MACHINE, get_profile
         from tracer.hardware_store import load_measured_profiles, load_measurement_details
-        from tracer.roofline import roofline
 
         dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
         measured = load_measured_profiles()
@@ -295,10 +297,14 @@ def _roofline_for(console: Console, trace: Trace) -> tuple[Any | None, str]:
             return None, (f"roofline: the saved 'this-machine' profile has no {dtype} peak FLOP/s ({have} only), "
                           f"so no bound for this {dtype} run; add it with `llmtrace hardware --measure --dtypes "
                           f"fp32,{dtype}`")
-        prompt_len = trace.prefill_step.input_tokens if trace.prefill_step else 1
-        new_tokens = max(len(trace.generated_ids), 1)
-        return roofline(trace.config, profile, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype,
-                        check_fit=False), ""
+        pre, dec = summary.prefill, summary.decode
+        if not pre.forward_ns:
+            return None, "roofline: no prefill was timed"
+        decode_tps = dec.steps / (dec.forward_ns / 1e9) if dec.steps and dec.forward_ns else None
+        # the prefill yields the first token, so the bound covers the decode steps that actually ran
+        return compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in, new_tokens=dec.steps + 1,
+                                     measured_ttft_s=pre.forward_ns / 1e9,
+                                     measured_decode_tokens_per_s=decode_tps, dtype=dtype), ""
     except LlmtraceError as exc:
         return None, f"roofline: {exc}"
 

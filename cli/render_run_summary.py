@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from cli import render_run_format as fmt
 from cli.render_run import section
+from tracer.roofline_compare import MeasuredVsBound
 from tracer.trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
-from tracer.trace_summary import PhaseSummary, RunSummary
+from tracer.trace_summary import RunSummary
 
 _STOP_TEXT = {
     STOP_EOS: "the model emitted its end-of-sequence token",
@@ -21,7 +20,7 @@ _STOP_TEXT = {
 }
 
 
-def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline: Any | None,
+def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline: MeasuredVsBound | None,
                    roofline_note: str) -> None:
     table = Table(show_edge=False, pad_edge=False, box=None, show_header=True)
     table.add_column("")
@@ -46,7 +45,7 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
         table.add_row("arithmetic intensity", f"{pre.arithmetic_intensity:.1f} FLOP/B",
                       f"{dec.arithmetic_intensity:.2f} FLOP/B" if dec.steps else "-")
     if roofline is not None:
-        _roofline_rows(table, roofline, pre, dec)
+        _roofline_rows(table, roofline)
     kv_line = (f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
                f"allocated ({trace.steps[-1].context_length if trace.steps else 0} positions × "
                f"{trace.config.n_layers} layers × 2 (K,V) × {trace.config.n_kv_heads} KV heads × "
@@ -77,30 +76,24 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     console.print(section("7 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
 
 
-def _roofline_rows(table: Table, roofline: Any, pre: PhaseSummary, dec: PhaseSummary) -> None:
-    """tracer.roofline's bound for this machine, and how close the measured forward passes came to it."""
-    machine = roofline.machine
-    first = roofline.first_decode
-    table.add_row("roofline bound", f"{roofline.prefill.bound}-bound",
-                  f"{first.bound}-bound" if first is not None else "-")
-    cells = [f"TTFT {fmt.ms(roofline.prefill.seconds * 1e9)}"]
-    per_token = roofline.generation.time_per_output_token_seconds
-    cells.append(f"{1 / per_token:.1f} tok/s" if per_token and dec.steps else "-")
-    table.add_row("roofline prediction", *cells)
-    reached = [_percent(roofline.prefill.seconds, pre.forward_ns / 1e9)]
-    reached.append(_percent(per_token, dec.forward_ns / dec.steps / 1e9) if per_token and dec.steps else "-")
-    table.add_row("run reached", *reached)
+def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:
+    """The bound for this machine (tracer.roofline_compare), and how close the measured forward passes came."""
+    decoding = cmp.predicted_decode_tokens_per_s is not None
+    table.add_row("roofline bound", f"{cmp.prefill_bound}-bound", f"{cmp.decode_bound}-bound" if decoding else "-")
+    table.add_row("roofline prediction", f"TTFT {fmt.ms(cmp.predicted_ttft_s * 1e9)}",
+                  f"{cmp.predicted_decode_tokens_per_s:.1f} tok/s" if decoding else "-")
+    table.add_row("run reached", _percent(cmp.ttft_percent_of_bound),
+                  _percent(cmp.decode_percent_of_bound) if cmp.decode_percent_of_bound is not None else "-")
 
 
-def roofline_line(roofline: Any) -> str:
+def roofline_line(cmp: MeasuredVsBound) -> str:
     """The ceilings behind the bound, in one line."""
-    m = roofline.machine
-    note = f"; {m.compute_note}" if m.compute_note else ""
-    return (f"roofline: {m.hardware} {m.compute_dtype} peak {fmt.flops_per_second(m.peak_flops)}, "
-            f"{fmt.bytes_per_second(m.memory_bandwidth)}, ridge {m.ridge_point:.1f} FLOP/B{note} "
+    note = f"; {cmp.compute_note}" if cmp.compute_note else ""
+    return (f"roofline: {cmp.hardware} {cmp.compute_dtype} peak {fmt.flops_per_second(cmp.peak_flops)}, "
+            f"{fmt.bytes_per_second(cmp.memory_bandwidth)}, ridge {cmp.ridge_point:.1f} FLOP/B{note} "
             "(forward passes only; 100% = at the bound)")
 
 
-def _percent(predicted: float, measured: float) -> str:
-    """How close the run came to the bound: bound time / measured time (100% = at the roofline)."""
-    return f"[bold]{100 * predicted / measured:.0f}%[/] of the bound" if measured else "-"
+def _percent(value: float) -> str:
+    """How close the run came to the bound (100% = at the roofline)."""
+    return f"[bold]{value:.0f}%[/] of the bound"

@@ -19,6 +19,7 @@ from tracer.roofline import roofline
 class MeasuredVsBound:
     hardware: str
     compute_dtype: str  # whose peak FLOP/s bounded the matmuls
+    compute_note: str  # why that dtype's peak applies ("" when it is the dtype's own)
     weights_dtype: str
     kv_dtype: str
     prompt_len: int
@@ -69,7 +70,8 @@ def compare_with_measured(
     predicted_tps = g.tokens_per_s_per_sequence
     decoding = predicted_tps is not None
     return MeasuredVsBound(
-        hardware=hardware.name, compute_dtype=report.machine.compute_dtype, weights_dtype=report.weights_dtype,
+        hardware=hardware.name, compute_dtype=report.machine.compute_dtype, compute_note=report.machine.compute_note,
+        weights_dtype=report.weights_dtype,
         kv_dtype=report.kv_dtype, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch,
         peak_flops=report.machine.peak_flops, memory_bandwidth=report.machine.memory_bandwidth,
         ridge_point=report.machine.ridge_point, prefill_bound=report.prefill.bound,
