@@ -89,6 +89,9 @@ def run_command(
     chrome_trace: Annotated[Optional[Path], typer.Option(
         "--chrome-trace", metavar="PATH", help="Write a Chrome/Perfetto trace (open in ui.perfetto.dev).")] = None,
     no_trace: Annotated[bool, typer.Option("--no-trace", help="No hooks: time each step only.")] = False,
+    staged: Annotated[bool, typer.Option(
+        "--staged", help="Run and trace stage by stage: Q, K, V, gate and up as separate products, one module "
+                         "each (slower; by default the traced run is the fused path an untraced run takes).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Meta device: shapes and FLOPs for any preset, no "
                                                             "weights, no memory.")] = False,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
@@ -111,7 +114,7 @@ def run_command(
             model=model or "", prompt=text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.value,
             device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
-            prompt_tokens=prompt_tokens, warmup=not no_warmup,
+            prompt_tokens=prompt_tokens, warmup=not no_warmup, staged=staged,
         )
         _check_settings(settings)
         for path in (json_path, chrome_trace):

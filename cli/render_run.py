@@ -150,10 +150,12 @@ def _angle(radians: float) -> str:
 
 _STAGE_LABELS = {
     "attention_norm": "RMSNorm", "attention.wq": "Q proj", "attention.wk": "K proj", "attention.wv": "V proj",
+    "attention.wqkv": "Q|K|V proj",
     "attention.rope": "RoPE q,k", "attention.kv_cache": "KV write", "attention.scores": "scores QKᵀ/√D",
     "attention.softmax": "softmax", "attention.pv": "probs·V", "attention.wo": "O proj",
     "attn_residual": "residual +", "ffn_norm": "RMSNorm", "feed_forward.w1": "gate (w1)",
-    "feed_forward.w3": "up (w3)", "feed_forward.act": "silu(gate)·up", "feed_forward.w2": "down (w2)",
+    "feed_forward.w3": "up (w3)", "feed_forward.w13": "gate|up (w1|w3)", "feed_forward.act": "silu(gate)·up",
+    "feed_forward.w2": "down (w2)",
     "ffn_residual": "residual +",
 }
 
@@ -215,12 +217,21 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
         + ("" if dry_run else f", {fmt.ms(forward_ns)} forward")
         + f"\none layer: {fmt.flops(per_layer.flops)}, weights {fmt.nbytes(per_layer.weight_bytes_read)}; "
         "pre-norm: x + attention(RMSNorm(x)), then h + FFN(RMSNorm(h)) with SwiGLU (three matrices)"
+        + "\n" + _path_note(stages)
     )
     if detail == "summary":
         body: object = Text(summary)
     else:
         body = Group(table, Text(summary))
     console.print(section(f"4 · Transformer layers × {len(rows)}  (prefill)", body))
+
+
+def _path_note(stages: Sequence[StageRecord]) -> str:
+    """Which way through the model was traced (tracer/hooks.py's mechanisms): fused or stage by stage."""
+    if any(s.short_name == "attention.wqkv" for s in stages):
+        return ("traced: the fused path, what an untraced run executes; Q|K|V and gate|up are one packed product "
+                "each (--staged runs them apart)")
+    return "traced: stage by stage, one module per stage (Q, K, V, gate and up as separate products)"
 
 
 def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flops: int, dry_run: bool) -> None:

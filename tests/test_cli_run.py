@@ -51,10 +51,19 @@ def test_run_shows_the_journey_in_order(tiny_llama_dir: Path) -> None:
 def test_detail_ops_expands_layers_into_stages(tiny_llama_dir: Path) -> None:
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--detail", "ops")
     assert result.exit_code == 0, result.output
-    for label in ("Q proj", "RoPE q,k", "scores QKᵀ/√D", "softmax", "probs·V", "O proj", "gate (w1)",
+    for label in ("Q|K|V proj", "RoPE q,k", "scores QKᵀ/√D", "softmax", "probs·V", "O proj", "gate|up (w1|w3)",
                   "silu(gate)·up", "down (w2)", "residual +"):
         assert label in result.output
+    assert "traced: the fused path" in result.output
     assert "Explain in one sentence why the sky is blue." in result.output  # sample prompt by name
+
+
+def test_staged_traces_q_k_v_gate_and_up_apart(tiny_llama_dir: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--detail", "ops", "--staged")
+    assert result.exit_code == 0, result.output
+    for label in ("Q proj", "K proj", "V proj", "gate (w1)", "up (w3)", "down (w2)", "traced: stage by stage"):
+        assert label in result.output
+    assert "Q|K|V proj" not in result.output
 
 
 def test_json_to_stdout_is_the_trace_alone(tiny_llama_dir: Path) -> None:

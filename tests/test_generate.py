@@ -10,6 +10,7 @@ import torch
 
 from tracer.dtypes import FP32
 from tracer.errors import BadArgumentError
+from tracer.fused import no_mark
 from tracer.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep, generate
 from tracer.kvmem import kv_cache_bytes
 from tracer.load import LoadedModel, load_model
@@ -29,8 +30,10 @@ def _settings(**overrides: object) -> RunSettings:
 
 
 def _hooks(model: torch.nn.Module) -> int:
-    """Module hooks plus instance-level forward wrappers: the tracer's instrumentation, whichever mechanism."""
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
+    """Module hooks, instance-level forward wrappers and the fused path's installed mark: the tracer's
+    instrumentation, whichever mechanism."""
+    modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
+    return modules + (model.stage_mark is not no_mark)
 
 
 @dataclass
@@ -205,29 +208,32 @@ def test_steps_record_the_models_own_probability_and_the_survivors(loaded: Loade
     assert step.probability == 1.0 and step.sampling.probability_raw < 1.0 and step.sampling.n_final == 1
 
 
-@pytest.mark.parametrize("warmup", [True, False])
-def test_warm_up_runs_one_untraced_stage_by_stage_pass_first(loaded: LoadedModel, warmup: bool,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("warmup, staged", [(True, False), (False, False), (True, True)])
+def test_warm_up_runs_one_untraced_pass_on_the_traced_path_first(loaded: LoadedModel, warmup: bool, staged: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     model = loaded.model
     calls: list[tuple[str, int, bool]] = []  # (which, tokens, fused allowed)
     real_prefill, real_decode = model.prefill, model.decode_one
 
     def prefill(tokens: torch.Tensor) -> torch.Tensor:
-        calls.append(("prefill", tokens.shape[1], model.use_fused))
+        calls.append(("prefill", tokens.shape[1], model.fusable()))
         return real_prefill(tokens)
 
     def decode_one(tokens: torch.Tensor) -> torch.Tensor:
-        calls.append(("decode", tokens.shape[1], model.use_fused))
+        calls.append(("decode", tokens.shape[1], model.fusable()))
         return real_decode(tokens)
 
     monkeypatch.setattr(model, "prefill", prefill)
     monkeypatch.setattr(model, "decode_one", decode_one)
-    trace = Generation(loaded, _settings(max_new_tokens=2, warmup=warmup)).run()
+    trace = Generation(loaded, _settings(max_new_tokens=2, warmup=warmup, staged=staged)).run()
     prompt_len = len(trace.tokenization.ids)
+    fused = not staged  # the traced run takes the fused path unless --staged; the warm-up takes the same one
     traced = [("prefill", prompt_len), ("decode", 1)]
-    expected = ([("prefill", prompt_len, False), ("decode", 1, False)] if warmup else []) + [
-        (which, n, False) for which, n in traced]
+    expected = ([("prefill", prompt_len, fused), ("decode", 1, fused)] if warmup else []) + [
+        (which, n, fused) for which, n in traced]
     assert calls == expected
     assert model.use_fused is True  # restored after the run
+    assert {s.short_name for s in trace.stages} >= ({"attention.wq", "feed_forward.w1"} if staged
+                                                    else {"attention.wqkv", "feed_forward.w13"})
     # the warm-up leaves nothing in the cache: the traced steps see the context they would without it
     assert [s.context_length for s in trace.steps] == [prompt_len, prompt_len + 1]

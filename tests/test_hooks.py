@@ -10,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from tracer import estimate
 from tracer.config import ModelConfig
 from tracer.dtypes import FP32
-from tracer.hooks import LAYER_STAGES, MECHANISMS, TOP_STAGES, Tracer
+from tracer.fused import no_mark
+from tracer.hooks import LAYER_STAGES, MODULE_MECHANISMS, TOP_STAGES, Tracer
 from tracer.model import build_random_model
 from tracer.trace_records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 from tracer.trace_summary import stage_totals
@@ -47,7 +48,7 @@ def _traced_run(config: ModelConfig, prompt_len: int, decode_steps: int,
     return tracer, counted
 
 
-@pytest.fixture(scope="module", params=[(name, mech) for name in CONFIGS for mech in MECHANISMS],
+@pytest.fixture(scope="module", params=[(name, mech) for name in CONFIGS for mech in MODULE_MECHANISMS],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def traced(request: pytest.FixtureRequest) -> tuple[ModelConfig, tuple[StageRecord, ...], list]:
     name, mechanism = request.param
@@ -131,46 +132,52 @@ def test_flops_and_bytes_equal_the_analytical_estimate(traced) -> None:
             assert stage.flops == expected, (step, role)
 
 
-def test_llama7b_decode_flops_by_hand() -> None:
-    """A hand-derived figure: one LLaMA-7B decode step at S positions, on the meta device (no memory)."""
+@pytest.mark.parametrize("mechanism", ["fused", "wrap"])
+def test_llama7b_decode_flops_by_hand(mechanism: str) -> None:
+    """A hand-derived figure: one LLaMA-7B decode step at S positions, on the meta device (no memory), through the
+    fused path and stage by stage."""
     from tracer.model import build_meta_model
     from tracer.presets import get_preset
 
     config = get_preset("llama-7b")
     model = build_meta_model(config)
     model.setup_cache(1, 8)
-    with Tracer(model) as tracer:
+    with Tracer(model, mechanism=mechanism) as tracer:
         model.prefill(torch.zeros((1, 4), dtype=torch.long, device="meta"))
         tracer.begin_step(DECODE, 1)
         model.decode_one(torch.zeros((1, 1), dtype=torch.long, device="meta"))
         tracer.end_step()
-    matmul = sum(r.matmul_flops for r in tracer.records())
+    records = tracer.records()
+    assert len(records) == 32 * (14 if mechanism == "fused" else 17) + 3
+    matmul = sum(r.matmul_flops for r in records)
     d, f, v, s, layers = 4096, 11008, 32000, 5, 32
     per_layer = 2 * 4 * d * d + 2 * 3 * d * f + 2 * 2 * 32 * s * 128  # Q,K,V,O + w1,w3,w2 + QKᵀ,PV
     assert matmul == layers * per_layer + 2 * d * v == 13_216_776_192
 
 
-@pytest.mark.parametrize("mechanism, per_stage", [("hooks", 2), ("wrap", 1)])
-def test_nothing_is_left_behind(mechanism: str, per_stage: int) -> None:
+@pytest.mark.parametrize("mechanism, attached, per_layer", [("hooks", 2 * (17 * 3 + 3), 17), ("wrap", 17 * 3 + 3, 17),
+                                                             ("fused", 1, 14)])
+def test_nothing_is_left_behind(mechanism: str, attached: int, per_layer: int) -> None:
     model = build_random_model(CONFIGS["gqa"], seed=0)
     model.setup_cache(1, 8)
-    fused_before = getattr(model, "use_fused", None)
     tracer = Tracer(model, mechanism=mechanism)
     with tracer:
-        assert _hook_count(model) == tracer.attached == per_stage * (17 * 3 + 3)
-        if fused_before is not None:
+        assert tracer.attached == attached
+        if mechanism == "fused":  # one clock-reading mark installed on the fused path, no module touched
+            assert _hook_count(model) == 0 and model.stage_mark is not no_mark and model.use_fused is True
+        else:
+            assert _hook_count(model) == attached
             assert model.use_fused is False  # the traced path is the stage-by-stage one
         tracer.begin_step(PREFILL, 0)
         model.prefill(torch.tensor([[1, 2, 3]]))
         tracer.end_step()
-    assert _hook_count(model) == 0
-    assert getattr(model, "use_fused", None) == fused_before
+    assert _hook_count(model) == 0 and model.stage_mark is no_mark and model.use_fused is True
     with pytest.raises(RuntimeError, match="boom"):
         with Tracer(model, mechanism=mechanism):
-            assert _hook_count(model) > 0
+            assert _hook_count(model) > 0 or model.stage_mark is not no_mark
             raise RuntimeError("boom")
-    assert _hook_count(model) == 0
-    assert len(tracer.records()) == 17 * 3 + 3
+    assert _hook_count(model) == 0 and model.stage_mark is no_mark and model.use_fused is True
+    assert len(tracer.records()) == per_layer * 3 + 3
 
 
 def test_tracing_off_attaches_nothing() -> None:

@@ -50,6 +50,16 @@ def test_schema_lists_every_record_field(trace: Trace) -> None:
     assert set(schema["$defs"]["CandidateRecord"]["required"]) == set(data["steps"][0]["candidates"][0])
 
 
+def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> None:
+    """seed_drawn, warmup and staged came later: a trace without them validates and reads back with defaults."""
+    data = json.loads(trace.to_json())
+    for key in ("seed_drawn", "warmup", "staged"):
+        del data["settings"][key]
+    jsonschema.validate(data, load_schema())
+    settings = Trace.from_json(json.dumps(data)).settings
+    assert (settings.seed_drawn, settings.warmup, settings.staged) == (False, True, False)
+
+
 def test_from_json_rejects_what_is_not_a_trace() -> None:
     with pytest.raises(FileFormatError, match="not valid JSON"):
         Trace.from_json("{")
@@ -64,7 +74,7 @@ def test_chrome_trace_is_valid_json_with_well_nested_spans(trace: Trace) -> None
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in spans}
     assert {"tokenize", "prefill", "decode step 1", "layer 0", "layer 1", "attention", "ffn", "lm_head", "sample",
-            "detokenize", "wq", "scores", "softmax", "w2"} <= {n.split(".")[-1] if n.startswith("attention.") or
+            "detokenize", "wqkv", "scores", "softmax", "w13", "w2"} <= {n.split(".")[-1] if n.startswith("attention.") or
                                                                n.startswith("feed_forward.") else n for n in names}
     # Nesting on the single thread: sorted by start (longest first on ties), each span ends inside the enclosing one.
     intervals = sorted(((round(e["ts"] * 1000), round(e["dur"] * 1000), e["name"]) for e in spans),

@@ -7,10 +7,10 @@ Spans ("X" complete events, one thread) nest like the computation:
       tok_embeddings
       layer i
         attention_norm
-        attention      (wq wk wv rope kv_cache scores softmax pv wo)
+        attention      (wqkv rope kv_cache scores softmax pv wo; wq wk wv for a stage-by-stage trace)
         attn_residual
         ffn_norm
-        ffn            (w1 w3 act w2)
+        ffn            (w13 act w2; w1 w3 act w2 stage by stage)
         ffn_residual
       norm
       lm_head

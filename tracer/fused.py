@@ -7,16 +7,20 @@ their count. So when nothing watches the stage modules, `Transformer.prefill`/`d
   memory), so Q, K, V come from one matmul and gate, up from another;
 - q and k are rotated together, in place, with 1/sqrt(D) folded into q's rows of the cos/sin tables;
 - K and V reach the cache in one copy (the cache keeps them in one buffer);
-- the residual adds ride in the output matmuls (addmm);
 - RMSNorm is 4 small ops: x / hypot(||x||, sqrt(dim*eps)) * (w*sqrt(dim)), equal in real arithmetic to
   x / sqrt(mean(x^2) + eps) * w.
 Tests check it against the stage-by-stage path and HF transformers. The plan records which parameter objects (and
 their in-place version counters) it read; `valid()` notices a reload, a `.to()` or an in-place weight edit.
+
+The path is instrumented from inside: it calls `mark()` after each of its stages (FUSED_LAYER_STAGES, in order),
+which costs one no-op call when nothing traces and one clock read when tracer/fused_trace.py does. So a traced
+run executes exactly the untraced run's tensor ops. Each stage keeps its own ops for that reason (the residual
+adds are not folded into the output products: addmm and mm + add_ measured equal).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,34 @@ from tracer.functional import causal_mask, softmax_fp32
 
 if TYPE_CHECKING:
     from tracer.model import RMSNorm, Transformer, TransformerBlock
+
+Mark = Callable[[], None]
+
+# The fused path's stages inside one layer, in the order it marks their ends: (role, stage kind). Roles name the
+# module (or packed modules) whose work the stage does; kinds are tracer.hooks' cost-model kinds.
+FUSED_LAYER_STAGES: tuple[tuple[str, str], ...] = (
+    ("attention_norm", "rmsnorm"),
+    ("attention.wqkv", "linear"),  # wq | wk | wv packed: one product gives Q, K and V
+    ("attention.rope", "rope"),
+    ("attention.kv_cache", "kv_cache"),
+    ("attention.scores", "attention_scores"),
+    ("attention.softmax", "softmax"),
+    ("attention.pv", "attention_values"),
+    ("attention.wo", "linear"),
+    ("attn_residual", "residual"),
+    ("ffn_norm", "rmsnorm"),
+    ("feed_forward.w13", "linear"),  # w1 | w3 packed: one product gives gate and up
+    ("feed_forward.act", "swiglu"),
+    ("feed_forward.w2", "linear"),
+    ("ffn_residual", "residual"),
+)
+# Around the layers: marks after the embedding, and after the final norm and the LM head.
+FUSED_TOP_BEFORE: tuple[tuple[str, str], ...] = (("tok_embeddings", "embedding"),)
+FUSED_TOP_AFTER: tuple[tuple[str, str], ...] = (("norm", "rmsnorm"), ("output", "lm_head"))
+
+
+def no_mark() -> None:
+    """The mark of an untraced run."""
 
 
 class FusedNorm:
@@ -63,51 +95,92 @@ class FusedLayer:
         self.w2 = ffn.w2.weight.detach()  # (dim, F)
         self.ffn_dim = self.w2.shape[1]
 
-    def decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int) -> torch.Tensor:
+    def decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int,
+                   mark: Mark = no_mark) -> torch.Tensor:
         """One token of one sequence: x (dim,) at position `pos`; cos, sin (H+Hkv, D). Matrix-vector products
-        (mv, addmv): for bf16 on CPU they run about twice as fast as the same product through mm."""
+        (mv): for bf16 on CPU they run about twice as fast as the same product through mm. `mark()` after each
+        stage of FUSED_LAYER_STAGES."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        qkv = torch.mv(self.wqkv, self.attention_norm(x)).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
+        h = self.attention_norm(x)  # (dim,)
+        mark()
+        qkv = _matvec(self.wqkv, h).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
+        mark()
         qk = qkv[: heads + kv_heads]  # (H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
+        mark()
         self.kv_row.select(1, pos).copy_(qkv[heads:])  # K and V heads (2Hkv, D) at position pos
         live = self.kv_row.narrow(1, 0, pos + 1)  # (2Hkv, S, D)
+        mark()
         q = qk[:heads].view(kv_heads, self.rep, head_dim)  # (Hkv, R, D)
-        if x.dtype == torch.float32:
-            scores = torch.bmm(q, live[:kv_heads].transpose(1, 2))  # (Hkv, R, S)
-            out = torch.bmm(torch.softmax(scores, dim=-1), live[kv_heads:]).view(-1)  # (H*D,)
-        else:  # small bf16/fp16 bmm go through oneDNN at ~80 us each; in fp32 they take a few
-            live = live.float()
-            scores = torch.bmm(q.float(), live[:kv_heads].transpose(1, 2))  # (Hkv, R, S)
-            out = torch.bmm(torch.softmax(scores, dim=-1), live[kv_heads:]).view(-1).to(x.dtype)  # (H*D,)
-        x = _add_mv(x, self.wo, out)  # x + wo(attention): (dim,)
-        gate_up = torch.mv(self.w13, self.ffn_norm(x))  # (2F,)
+        keys, values = live[:kv_heads], live[kv_heads:]  # (Hkv, S, D) each
+        if x.dtype != torch.float32:  # small bf16/fp16 bmm go through oneDNN at ~80 us each; in fp32 a few
+            q, keys = q.float(), keys.float()
+        scores = torch.bmm(q, keys.transpose(1, 2))  # (Hkv, R, S), already scaled by 1/sqrt(D)
+        mark()
+        probs = torch.softmax(scores, dim=-1)  # (Hkv, R, S)
+        mark()
+        out = torch.bmm(probs, values.to(probs.dtype)).view(-1).to(x.dtype)  # (H*D,)
+        mark()
+        attended = _matvec(self.wo, out)  # wo(attention): (dim,)
+        mark()
+        x = attended.add_(x)  # the residual stream
+        mark()
+        h = self.ffn_norm(x)  # (dim,)
+        mark()
+        gate_up = _matvec(self.w13, h)  # (2F,)
+        mark()
         act = F.silu(gate_up[: self.ffn_dim]).mul_(gate_up[self.ffn_dim :])  # silu(gate) * up: (F,)
-        return _add_mv(x, self.w2, act)  # x + w2(act): (dim,)
+        mark()
+        down = _matvec(self.w2, act)  # (dim,)
+        mark()
+        x = down.add_(x)
+        mark()
+        return x
 
     def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """Any batch and length: x (B*T, dim); cos, sin (T, H+Hkv, D); mask (T, S) or None when T == 1."""
+                mask: torch.Tensor | None, mark: Mark = no_mark) -> torch.Tensor:
+        """Any batch and length: x (B*T, dim); cos, sin (T, H+Hkv, D); mask (T, S) or None when T == 1.
+        `mark()` after each stage of FUSED_LAYER_STAGES."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         new = x.shape[0] // batch
         groups = batch * kv_heads
-        qkv = torch.mm(self.attention_norm(x), self.wqkv.t())  # (B*T, (H+2Hkv)*D)
-        qkv = qkv.view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
+        h = self.attention_norm(x)  # (B*T, dim)
+        mark()
+        qkv = torch.mm(h, self.wqkv.t()).view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
+        mark()
         qk = qkv[:, :, : heads + kv_heads]  # (B, T, H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
+        mark()
         live = self.cache.append(qkv[:, :, heads:])  # (B, 2*Hkv, S, D)
+        mark()
         seen = live.shape[2]
         k_all = live[:, :kv_heads].reshape(groups, seen, head_dim)  # (B*Hkv, S, D)
-        v_all = live[:, kv_heads:].reshape(groups, seen, head_dim)  # (B*Hkv, S, D)
         q = qkv[:, :, :heads].transpose(1, 2).reshape(groups, self.rep * new, head_dim)  # (B*Hkv, R*T, D)
         scores = torch.bmm(q, k_all.transpose(1, 2))  # (B*Hkv, R*T, S), already scaled by 1/sqrt(D)
         if mask is not None:
             scores.view(batch, heads, new, seen).masked_fill_(mask, float("-inf"))
-        out = torch.bmm(softmax_fp32(scores), v_all)  # (B*Hkv, R*T, D)
+        mark()
+        probs = softmax_fp32(scores)  # (B*Hkv, R*T, S)
+        mark()
+        v_all = live[:, kv_heads:].reshape(groups, seen, head_dim)  # (B*Hkv, S, D)
+        out = torch.bmm(probs, v_all)  # (B*Hkv, R*T, D)
         out = out.view(batch, heads, new, head_dim).transpose(1, 2).reshape(batch * new, heads * head_dim)  # (B*T, H*D)
-        x = torch.addmm(x, out, self.wo.t())  # x + wo(attention): (B*T, dim)
-        gate, up = torch.mm(self.ffn_norm(x), self.w13.t()).chunk(2, dim=-1)  # (B*T, F) each
-        return torch.addmm(x, F.silu(gate).mul_(up), self.w2.t())  # x + w2(silu(gate) * up): (B*T, dim)
+        mark()
+        attended = torch.mm(out, self.wo.t())  # wo(attention): (B*T, dim)
+        mark()
+        x = attended.add_(x)  # the residual stream
+        mark()
+        h = self.ffn_norm(x)  # (B*T, dim)
+        mark()
+        gate, up = torch.mm(h, self.w13.t()).chunk(2, dim=-1)  # (B*T, F) each
+        mark()
+        act = F.silu(gate).mul_(up)  # (B*T, F)
+        mark()
+        down = torch.mm(act, self.w2.t())  # (B*T, dim)
+        mark()
+        x = down.add_(x)
+        mark()
+        return x
 
 
 class FusedPlan:
@@ -149,33 +222,42 @@ class FusedPlan:
                 return False
         return all(owner.get(name) is tensor for owner, name, tensor in self._buffers)
 
-    def step(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; fills the caches."""
+    def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark) -> torch.Tensor:
+        """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; fills the caches.
+
+        `mark()` once before the embedding, then after each stage: FUSED_TOP_BEFORE, FUSED_LAYER_STAGES per
+        layer, FUSED_TOP_AFTER."""
         batch, new = tokens.shape
         cos = self.cos[start : start + new] * self.qk_scale  # (T, H+Hkv, D): q's rows carry 1/sqrt(D)
         sin = self.sin[start : start + new] * self.qk_scale  # (T, H+Hkv, D)
+        one_token = batch * new == 1 and self.caches[0].kv.shape[0] == 1
+        mask = causal_mask(new, start + new, tokens.device) if new > 1 else None  # (T, S)
+        mark()
         x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
-        if batch * new == 1 and self.caches[0].kv.shape[0] == 1:
-            cos, sin = cos[0], sin[0]  # (H+Hkv, D)
-            x = x[0]  # (dim,)
+        mark()
+        if one_token:
+            cos, sin, x = cos[0], sin[0], x[0]  # (H+Hkv, D), (H+Hkv, D), (dim,)
             for layer in self.layers:
-                x = layer.decode_one(x, cos, sin, start)
+                x = layer.decode_one(x, cos, sin, start, mark)
             for cache in self.caches:
                 cache.__dict__["length"], cache.__dict__["batch"] = start + 1, 1  # plain attributes, no hooks
-            return torch.mv(self.output, self.final_norm(x)).view(1, -1)  # (1, V)
-        mask = causal_mask(new, start + new, tokens.device) if new > 1 else None  # (T, S)
-        for layer in self.layers:
-            x = layer.forward(x, batch, cos, sin, mask)
-        last = x.view(batch, new, -1)[:, -1]  # (B, dim): the last position only
-        return torch.mm(self.final_norm(last), self.output.t())  # (B, V)
+            h = self.final_norm(x).view(1, -1)  # (1, dim)
+        else:
+            for layer in self.layers:
+                x = layer.forward(x, batch, cos, sin, mask, mark)
+            h = self.final_norm(x.view(batch, new, -1)[:, -1])  # (B, dim): the last position only
+        mark()
+        logits = torch.mm(h, self.output.t()) if h.shape[0] > 1 else _matvec(self.output, h[0]).view(1, -1)  # (B, V)
+        mark()
+        return logits
 
 
-def _add_mv(x: torch.Tensor, weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-    """x + weight @ vector. One addmv in fp32; for bf16/fp16 mv then add_, because half-precision addmv takes a
-    slow generic kernel on CPUs without AVX-512 BF16 (10x slower than mv on AVX2; equal with it)."""
-    if x.dtype == torch.float32:
-        return torch.addmv(x, weight, vector)
-    return torch.mv(weight, vector).add_(x)
+def _matvec(weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """weight @ vector: torch.mv, or mm while a TorchDispatchMode is active (FlopCounterMode counts mm, not mv),
+    so what a FLOP counter sees is the product that runs."""
+    if torch._C._len_torch_dispatch_stack():
+        return torch.mm(weight, vector.view(-1, 1)).view(-1)
+    return torch.mv(weight, vector)
 
 
 def watched(modules: list[nn.Module]) -> bool:

@@ -114,7 +114,10 @@ class Generation:
         self.device = param.device
         self.dtype = param.dtype
         self._sync = device_synchronizer(self.device)
-        self._tracer = Tracer(self.model, self.origin_ns, enabled=settings.trace)
+        # "auto" traces the path the model takes (the fused one, unless something else watches its modules);
+        # --staged runs and traces the stage modules (Q, K, V, gate and up as separate products).
+        self._tracer = Tracer(self.model, self.origin_ns, enabled=settings.trace,
+                              mechanism="wrap" if settings.staged else "auto")
         self._tokenization: TokenizationRecord | None = None
         self._rope: RopeRecord | None = None
         self._generated: list[int] = []
@@ -147,11 +150,14 @@ class Generation:
         ids = self._tokenize()
         limit = self._new_token_limit(len(ids))
         yield Tokenized(self._tokenization, len(ids))
-        self.model.setup_cache(1, len(ids) + limit)
-        if self.settings.warmup and not self.dry_run:
-            self._warm_up(ids)
-        rope = self._rope = _rope_record(self.config, len(ids))
+        fused = getattr(self.model, "use_fused", None)
+        if self.settings.staged and fused is not None:
+            self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
         try:
+            self.model.setup_cache(1, len(ids) + limit)
+            if self.settings.warmup and not self.dry_run:
+                self._warm_up(ids)
+            rope = self._rope = _rope_record(self.config, len(ids))
             with self._tracer:
                 if self.dry_run:
                     yield from self._dry_run(ids, rope, limit)
@@ -159,23 +165,22 @@ class Generation:
                     yield from self._generate(ids, rope, limit)
         except KeyboardInterrupt:
             self._stop_reason = STOP_INTERRUPTED
+        finally:
+            if fused is not None:
+                self.model.use_fused = fused
         yield Finished(self.trace())
 
     def _warm_up(self, ids: list[int]) -> None:
-        """One untimed prefill of the prompt and one decode step on the path the traced run takes, then an empty
-        cache: the first call of a kernel for a shape pays one-off set-up (oneDNN's bf16/AMX kernels took ~40x a
-        layer's time in the first prefill), which a profile of steady-state work must not show as layer 0's cost."""
+        """One untimed prefill of the prompt and one decode step, then an empty cache: the first call of a kernel
+        for a shape pays one-off set-up (oneDNN's bf16/AMX kernels took ~40x a layer's time in the first prefill),
+        which a profile of steady-state work must not show as layer 0's cost. It takes the path the traced run
+        takes: the model's own choice, which the tracer's "auto" mechanism follows."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
-        fused = getattr(self.model, "use_fused", None)
-        if fused is not None and self.settings.trace:
-            self.model.use_fused = False  # the stage-by-stage path, as traced
         try:
             with torch.no_grad():
                 self.model.prefill(tokens)
                 self.model.decode_one(tokens[:, -1:])  # (1, 1)
         finally:
-            if fused is not None:
-                self.model.use_fused = fused
             self.model.reset_cache()
         if self._sync is not None:
             self._sync()

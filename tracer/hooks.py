@@ -11,15 +11,14 @@ exception. On cuda/mps the device is synchronised before each clock read, so a s
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tracer import flop_formulas as ff
+from tracer.fused_trace import FusedMarks, StepDims, fused_stages, stage_shapes
+from tracer.stage_cost import INDEX_ARGUMENTS, INDEX_ITEMSIZE, StageModule, stage_cost
 from tracer.trace_records import StageRecord
 
 # Stage modules: dotted-name suffix inside a layer -> stage kind (TEAM.md's model contract).
@@ -44,30 +43,16 @@ LAYER_STAGES: dict[str, str] = {
 }
 TOP_STAGES: dict[str, str] = {"tok_embeddings": "embedding", "norm": "rmsnorm", "output": "lm_head"}
 
-MECHANISMS = ("wrap", "hooks")
+MECHANISMS = ("auto", "fused", "wrap", "hooks")
+MODULE_MECHANISMS = ("wrap", "hooks")  # the ones that instrument the stage modules
 _NO_INSTANCE_FORWARD = object()  # marks a module whose forward came from its class (the usual case)
 
 # Stages whose forward returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all); the others return one.
 TUPLE_OUTPUT_KINDS = frozenset({"rope", "kv_cache"})
 
-# Integer index tensors among a stage's arguments (argument position by kind): token ids and positions, int64.
-# Every other tensor a stage takes or returns is an activation in the model's dtype (the model casts back after
-# its fp32 norm and softmax), so the hooks keep shapes only and the dtypes come from here.
-INDEX_ARGUMENTS: dict[str, int] = {"embedding": 0, "kv_cache": 0, "rope": 2}
-
 # A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes).
-RawEvent = tuple[int, int, int, list[torch.Size], list[torch.Size]]
-
-
-@dataclass(frozen=True, slots=True)
-class StageModule:
-    """One hooked module: its stable name, layer, kind and the parameter sizes the byte counts need."""
-
-    name: str
-    layer: int | None
-    kind: str
-    weight_numel: int  # elements of its weight (0 for parameter-free stages)
-    weight_itemsize: int
+# (Shapes are torch.Size from the module mechanisms, plain tuples from the fused path's; torch.Size is a tuple.)
+RawEvent = tuple[int, int, int, list[tuple[int, ...]], list[tuple[int, ...]]]
 
 
 def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
@@ -100,36 +85,41 @@ def device_synchronizer(device: torch.device) -> Any:
 
 
 class Tracer:
-    """Instruments the stage modules of `model` while inside `with`; collects one StageRecord per stage call.
+    """Instruments `model` while inside `with`; collects one StageRecord per stage call.
 
     Use: `with Tracer(model, origin_ns) as t: t.begin_step("prefill", 0); model.prefill(ids); t.end_step()`.
     `enabled=False` attaches nothing (the run is timed per step only).
 
-    Two mechanisms, same records:
-    - "wrap" (default): each stage module gets an instance-level `forward` that reads the clock around the
-      original one. nn.Module.__call__ keeps its fast path, so a decode step costs almost nothing extra.
-    - "hooks": nn.Module forward pre/post hooks (`register_forward_pre_hook` / `register_forward_hook`). Any
-      hook sends every call through nn.Module's slow path; on the default model that machinery alone, with
-      no-op hooks, costs about 10% of a decode step (BENCHMARKS.md, "Tracing overhead").
-    Both rely on the model calling its submodules through `__call__`, and both are undone in `finally`.
+    Mechanisms, same records:
+    - "fused": the model's fused path (tracer/fused.py), the one that runs when nothing watches, reads the clock
+      after each of its stages (tracer/fused_trace.py). Q|K|V and gate|up are one packed product each there, so
+      they are one stage each ("attention.wqkv", "feed_forward.w13"). Costs one clock read per stage.
+    - "wrap": each stage module gets an instance-level `forward` that reads the clock around the original one;
+      the model runs stage by stage (Q, K, V, gate, up separately), which is slower than the fused path.
+    - "hooks": as "wrap" through nn.Module forward pre/post hooks, which send every call through nn.Module's
+      slow path (BENCHMARKS.md, "Tracing overhead").
+    - "auto" (default): "fused" when the model takes its fused path when entered (its cache set up, nothing
+      watching), else "wrap". Either way what is traced is what runs.
+    Everything is undone in `finally`.
     """
 
     def __init__(self, model: nn.Module, origin_ns: int | None = None, enabled: bool = True,
-                 mechanism: str = "wrap") -> None:
+                 mechanism: str = "auto") -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
         self.mechanism = mechanism
         self.model = model
         self.origin_ns = time.perf_counter_ns() if origin_ns is None else origin_ns
         self.enabled = enabled
-        found = stage_modules(model) if enabled else []
-        self.stages: list[StageModule] = [s for s, _ in found]
-        self._modules: list[nn.Module] = [m for _, m in found]
+        self.stages: list[StageModule] = []
+        self._modules: list[nn.Module] = []
         self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
+        self._fused: FusedMarks | None = None
         self._cost_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._starts: list[int] = [0] * len(self.stages)
+        self._starts: list[int] = []
         self._events: list[RawEvent] = []
         self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
+        self._fused_steps: list[tuple[str, int, list[int], StepDims]] = []  # (phase, step, clock readings, B/T/S)
         self._built: list[StageRecord] = []
         self._phase = ""
         self._step = -1
@@ -139,11 +129,31 @@ class Tracer:
         self.activation_dtype = str(dtype).removeprefix("torch.")
         self.activation_itemsize = dtype.itemsize
 
+    def _resolve(self) -> None:
+        """Settle "auto" and list the stages to trace (at `__enter__`: the fused path needs the cache set up)."""
+        if self.mechanism == "auto":
+            fusable = getattr(self.model, "fusable", None)
+            self.mechanism = "fused" if fusable is not None and fusable() else "wrap"
+        if self.mechanism == "fused":
+            self.stages = fused_stages(self.model)
+            self._fused = FusedMarks(self.model, self.sync)
+        else:
+            found = stage_modules(self.model)
+            self.stages = [s for s, _ in found]
+            self._modules = [m for _, m in found]
+            self._starts = [0] * len(self.stages)
+
     # ---- context manager -------------------------------------------------------------------------------
 
     def __enter__(self) -> "Tracer":
+        if not self.enabled:
+            return self
+        self._resolve()
         try:
-            if self.enabled and hasattr(self.model, "use_fused"):
+            if self._fused is not None:
+                self._fused.install()
+                self._handles.append(self._fused)
+            elif hasattr(self.model, "use_fused"):
                 # A model with a fused fast path uses it only when nothing watches its stage modules; wrappers are
                 # invisible to that check, so say it outright: what is traced must be what runs.
                 self._handles.append((self.model, "use_fused", self.model.use_fused))
@@ -169,7 +179,9 @@ class Tracer:
         """Undo every hook and wrapper (idempotent)."""
         handles, self._handles = self._handles, []
         for handle in reversed(handles):
-            if isinstance(handle, tuple) and len(handle) == 3:
+            if isinstance(handle, FusedMarks):
+                handle.remove()
+            elif isinstance(handle, tuple) and len(handle) == 3:
                 setattr(handle[0], handle[1], handle[2])
             elif isinstance(handle, tuple):
                 module, previous = handle
@@ -182,7 +194,7 @@ class Tracer:
 
     @property
     def attached(self) -> int:
-        """Hooks (two per stage) or wrappers (one per stage) in place."""
+        """Hooks (two per stage), wrappers (one per stage) or installed fused-path marks (one) in place."""
         return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
 
     def _make_wrapper(self, index: int, forward: Any) -> Any:
@@ -240,10 +252,15 @@ class Tracer:
     def begin_step(self, phase: str, step: int) -> None:
         self._phase, self._step = phase, step
         self._events.clear()
+        if self._fused is not None:
+            self._fused.begin_step()
 
     def end_step(self) -> None:
         """Close the step; its records are built when `records()` is next called (off the hot path)."""
-        if self.enabled:
+        if self._fused is not None:
+            marks, dims = self._fused.end_step()
+            self._fused_steps.append((self._phase, self._step, marks, dims))
+        elif self.enabled:
             self._steps.append((self._phase, self._step, list(self._events)))
         self._events.clear()
 
@@ -252,7 +269,19 @@ class Tracer:
         for phase, step, events in self._steps:
             self._built.extend(self._record(phase, step, e) for e in events)
         self._steps.clear()
+        for phase, step, marks, dims in self._fused_steps:
+            self._built.extend(self._record(phase, step, e) for e in self._fused_events(marks, dims))
+        self._fused_steps.clear()
         return tuple(self._built)
+
+    def _fused_events(self, marks: list[int], dims: StepDims) -> list[RawEvent]:
+        """Raw events of one fused-path step: stage i ran from reading i to reading i + 1."""
+        shapes = stage_shapes(self.model.config, *dims)
+        events: list[RawEvent] = []
+        for index, stage in enumerate(self.stages):
+            inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
+            events.append((index, marks[index], marks[index + 1], inputs, outputs))
+        return events
 
     def _record(self, phase: str, step: int, event: RawEvent) -> StageRecord:
         index, start, end, input_shapes, output_shapes = event
@@ -286,75 +315,3 @@ class Tracer:
             start_ns=start - self.origin_ns,
             duration_ns=end - start,
         )
-
-
-INDEX_ITEMSIZE = 8  # int64 token ids and positions
-
-# A tensor as the cost model sees it: (shape, bytes per element).
-Entry = tuple[tuple[int, ...], int]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _nbytes(entry: Entry) -> int:
-    return _numel(entry[0]) * entry[1]
-
-
-def _rows(shape: tuple[int, ...]) -> int:
-    """Token rows of an activation (..., dim): every dimension but the last."""
-    return _numel(shape[:-1])
-
-
-def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) -> tuple[int, int, int, int, int, int, int]:
-    """(matmul FLOPs, elementwise FLOPs, weight bytes read, activation bytes read, activation bytes written,
-    KV bytes read, KV bytes written) of one stage call, from the shapes it saw.
-
-    Bytes are what the stage must move at least: every input read once, every output written once, each weight
-    read once (an embedding reads only the rows it looks up); cached K/V read by the attention products count as KV
-    reads, the new K/V copied into the cache as KV writes.
-    """
-    kind = stage.kind
-    weight_bytes = stage.weight_numel * stage.weight_itemsize
-    read = sum(_nbytes(e) for e in inputs)
-    written = sum(_nbytes(e) for e in outputs)
-    out_shape = outputs[0][0]
-    if kind in ("linear", "lm_head"):
-        x = inputs[0][0]
-        return ff.linear_flops(_rows(x), x[-1], out_shape[-1]), 0, weight_bytes, read, written, 0, 0
-    if kind == "rmsnorm":
-        x = inputs[0][0]
-        return 0, ff.rmsnorm_flops(_rows(x), x[-1]), weight_bytes, read, written, 0, 0
-    if kind == "embedding":
-        ids = inputs[0][0]
-        rows_read = _numel(ids) * out_shape[-1] * stage.weight_itemsize
-        return 0, ff.embedding_flops(_numel(ids), out_shape[-1]), rows_read, read, written, 0, 0
-    if kind == "rope":
-        (q, item), (k, _) = inputs[0], inputs[1]  # (B, T, H, D), (B, T, Hkv, D)
-        flops = ff.rope_flops(_numel(q[:-2]), q[-2], k[-2], q[-1])
-        tables = 2 * q[-3] * q[-1] * item  # the cos and sin rows (T, D) of these positions
-        return 0, flops, 0, read + tables, written, 0, 0
-    if kind == "kv_cache":
-        # forward(input_pos, k, v): the new keys and values are read and copied into the cache buffers;
-        # the outputs are views of the live slice (no bytes move).
-        new_kv = _nbytes(inputs[1]) + _nbytes(inputs[2])
-        return 0, 0, 0, read, 0, 0, new_kv
-    if kind == "attention_scores":
-        q, k_all = inputs[0], inputs[1]  # q (B, H, T, D), k_all (B, Hkv, S, D)
-        b, h, t, s = out_shape
-        matmul = ff.attention_scores_flops(b, h, t, s, q[0][-1])
-        return matmul, ff.score_scale_flops(b, h, t, s), 0, _nbytes(q), written, _nbytes(k_all), 0
-    if kind == "attention_values":
-        probs, v_all = inputs[0], inputs[1]  # probs (B, H, T, S), v_all (B, Hkv, S, D)
-        b, h, t, s = probs[0]
-        matmul = ff.attention_values_flops(b, h, t, s, out_shape[-1])
-        return matmul, 0, 0, _nbytes(probs), written, _nbytes(v_all), 0
-    if kind == "softmax":
-        b, h, t, s = out_shape
-        return 0, ff.softmax_flops(b, h, t, s), 0, read, written, 0, 0
-    if kind == "residual":
-        return 0, ff.residual_flops(_rows(out_shape), out_shape[-1]), 0, read, written, 0, 0
-    if kind == "swiglu":
-        return 0, ff.swiglu_activation_flops(_rows(out_shape), out_shape[-1]), 0, read, written, 0, 0
-    raise ValueError(f"no cost model for stage kind {kind!r}")

@@ -20,8 +20,9 @@ RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Atten
 matmul instead of copying K and V R times.
 
 Two ways through prefill/decode_one: stage by stage through these modules (whenever anything watches them: hooks,
-the tracer, FlopCounterMode), or, when nothing does, the fused path of tracer/fused.py, the same math in about half
-the tensor ops (decode speed on a CPU is mostly their count). `use_fused = False` forces the first.
+forward wrappers, FlopCounterMode), or, when nothing does, the fused path of tracer/fused.py, the same math in
+about half the tensor ops (decode speed on a CPU is mostly their count). `use_fused = False` forces the first. The
+fused path reports its own stages through `stage_mark` (tracer/fused_trace.py), so it can be traced as it runs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from tracer.config import ModelConfig
 from tracer.errors import BadArgumentError, CheckpointError
 from tracer.functional import causal_mask, rms_norm, softmax_fp32
-from tracer.fused import FusedPlan, watched
+from tracer.fused import FusedPlan, Mark, no_mark, watched
 from tracer.kv_cache import KVCache
 from tracer.rope import RotaryEmbedding, rope_tables
 
@@ -235,6 +236,7 @@ class Transformer(nn.Module):
         self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
         self._rope_sin: torch.Tensor | None = None
         self.use_fused = True  # False: always run stage by stage, even without hooks (for comparisons)
+        self.stage_mark: Mark = no_mark  # called by the fused path after each stage (tracer/fused_trace.py)
         self._fused_plan: FusedPlan | None = None  # built by setup_cache
         self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen
 
@@ -262,7 +264,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache.allocate(max_batch, max_seq, weight.dtype, weight.device)
         self._ensure_rope(max_seq)
-        self._fused_plan = FusedPlan(self) if weight.device.type != "meta" else None
+        self._fused_plan = FusedPlan(self)
         self._pos = 0
 
     def reset_cache(self) -> None:
@@ -333,7 +335,7 @@ class Transformer(nn.Module):
         try:
             with torch.no_grad():
                 if self.fusable():
-                    logits = self._fused_plan.step(tokens, start)
+                    logits = self._fused_plan.step(tokens, start, self.stage_mark)
                 else:
                     x = self.tok_embeddings(tokens)  # (B, T, dim)
                     input_pos = self._positions[start : start + new]  # (T,)

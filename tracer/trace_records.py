@@ -23,7 +23,7 @@ class StageRecord:
     phase: str  # "prefill" or "decode"
     step: int
     layer: int | None  # None for embedding, final norm and LM head
-    stage: str  # stable dotted module name, e.g. "layers.3.attention.wq"
+    stage: str  # stable dotted name, e.g. "layers.3.attention.wqkv" (fused path) or "layers.3.attention.wq" (staged)
     kind: str  # embedding, rmsnorm, linear, rope, kv_cache, attention_scores, softmax, attention_values,
     #            residual, swiglu, lm_head
     input_shapes: tuple[tuple[int, ...], ...]  # every tensor argument, in call order
@@ -57,7 +57,7 @@ class StageRecord:
 
     @property
     def short_name(self) -> str:
-        """The stage's role inside its layer: "attention.wq", "ffn_norm", or the top-level name."""
+        """The stage's role inside its layer: "attention.wqkv", "ffn_norm", or the top-level name."""
         parts = self.stage.split(".")
         return ".".join(parts[2:]) if parts[0] == "layers" else self.stage
 
@@ -169,6 +169,7 @@ class RunSettings:
     dry_run: bool = False
     prompt_tokens: int | None = None  # dry run without a tokenizer: assumed prompt length
     warmup: bool = True  # one untimed prefill + decode step first, so one-off kernel set-up is not traced as work
+    staged: bool = False  # run (and trace) stage by stage instead of the fused path: Q, K, V, gate, up apart
 
 
 @dataclass(frozen=True, slots=True)
