@@ -58,11 +58,12 @@ def decode_ms_per_token(loaded: LoadedModel, trace: bool) -> float:
 def bench_overhead(loaded: LoadedModel, rounds: int) -> dict[str, Any]:
     """Two views, rounds interleaved, medians over every decode step of every round.
 
-    generation: whole greedy runs through Generation, traced vs `trace=False` (forward + sample + detokenize per
-    step; the traced figure adds the record building done after the run, spread over its decode steps).
-    forward: one decode_one per step, under five set-ups: the model's default (fused when nothing watches),
-    stage by stage (`use_fused = False`), no-op nn.Module hooks on the 513 stage modules, our Tracer with
-    wrappers (the default) and with real hooks.
+    generation: whole greedy runs through Generation, traced (what `llmtrace run` does: the fused path, traced
+    from inside) vs `trace=False` (forward + sample + detokenize per step; the traced figure adds the record
+    building done after the run, spread over its decode steps).
+    forward: one decode_one per step, under six set-ups: the model's default (fused when nothing watches), our
+    Tracer on the fused path (its default), stage by stage (`use_fused = False`), no-op nn.Module hooks on the 513
+    stage modules, our Tracer on the stage modules with wrappers and with real hooks.
     """
     decode_run(loaded, True)  # warm-up: allocator, caches, first-call paths
     decode_run(loaded, False)
@@ -90,11 +91,12 @@ def bench_overhead(loaded: LoadedModel, rounds: int) -> dict[str, Any]:
             "overhead_ratio_with_record_building": (traced_step + build_per_token) / untraced,
         },
         "forward_ms": fwd,
-        "forward_ratios": {mode: fwd[mode] / fwd["stage_by_stage"] for mode in FORWARD_MODES},
+        "forward_vs_default": {mode: fwd[mode] / fwd["default"] for mode in FORWARD_MODES},
+        "forward_vs_stage_by_stage": {mode: fwd[mode] / fwd["stage_by_stage"] for mode in FORWARD_MODES},
     }
 
 
-FORWARD_MODES = ("default", "stage_by_stage", "noop_hooks", "tracer_wrap", "tracer_hooks")
+FORWARD_MODES = ("default", "tracer_fused", "stage_by_stage", "noop_hooks", "tracer_wrap", "tracer_hooks")
 
 
 def _forward_steps(loaded: LoadedModel, mode: str, n: int = 24) -> list[int]:

@@ -36,9 +36,11 @@ StepDims = tuple[int, int, int]  # (B, T, S) of one step
 def fused_stages(model: nn.Module) -> list[StageModule]:
     """The fused path's stages in the order it marks them: the embedding, every layer's FUSED_LAYER_STAGES, the
     final norm and the LM head. A packed stage's weight is its modules' weights together."""
+    modules = dict(model.named_modules())  # one walk of the tree, not one per lookup
+
     def stage(name: str, layer: int | None, kind: str, role: str) -> StageModule:
         prefix = name[: len(name) - len(role)]
-        weights = [getattr(model.get_submodule(prefix + path), "weight", None) for path in PACKED_WEIGHTS.get(role, (role,))]
+        weights = [getattr(modules[prefix + path], "weight", None) for path in PACKED_WEIGHTS.get(role, (role,))]
         weights = [w for w in weights if w is not None]
         return StageModule(name, layer, kind, sum(w.numel() for w in weights),
                            weights[0].element_size() if weights else 0)
