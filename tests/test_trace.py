@@ -101,7 +101,9 @@ def test_summary_numbers_follow_from_the_records(trace: Trace) -> None:
     assert summary.decode.steps == 4
     decode_ns = sum(s.duration_ns for s in trace.decode_steps)
     assert summary.decode_tokens_per_second == pytest.approx(4 / (decode_ns / 1e9))
-    assert summary.ttft_ns == trace.prefill_step.end_ns - trace.tokenization.start_ns
+    prefill = trace.prefill_step
+    assert summary.ttft_ns == trace.tokenization.duration_ns + prefill.forward_ns + prefill.sample_ns + prefill.detokenize_ns
+    assert summary.ttft_ns < prefill.end_ns - trace.tokenization.start_ns  # set-up and warm-up are not charged
     assert summary.kv_live_bytes == trace.steps[-1].kv_live_bytes
     rows = layer_rows(trace.stages_of("prefill"))
     assert [r.layer for r in rows] == list(range(trace.config.n_layers))

@@ -131,7 +131,10 @@ def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
 class RunSummary:
     prompt_tokens: int
     generated_tokens: int
-    ttft_ns: int  # tokenization start to the first token sampled and detokenized
+    # Tokenization + the prefill step (forward, sampling, detokenization): the request's time to first token. Not
+    # the wall time since tokenization, which also holds llmtrace's own set-up (KV cache allocation, the warm-up
+    # pass, entering the tracer), none of which a server pays per request.
+    ttft_ns: int
     prefill: PhaseSummary
     decode: PhaseSummary
     decode_tokens_per_second: float  # decode steps / their wall time (sampling included)
@@ -146,12 +149,12 @@ def run_summary(trace: Trace) -> RunSummary:
     prefill = phase_summary(trace, PREFILL)
     decode = phase_summary(trace, DECODE)
     first: StepRecord | None = trace.prefill_step
-    tok_start = trace.tokenization.start_ns if trace.tokenization is not None else (first.start_ns if first else 0)
+    tokenize_ns = trace.tokenization.duration_ns if trace.tokenization is not None else 0
     last = trace.steps[-1] if trace.steps else None
     return RunSummary(
         prompt_tokens=first.input_tokens if first else 0,
         generated_tokens=len(trace.generated_ids),
-        ttft_ns=(first.end_ns - tok_start) if first else 0,
+        ttft_ns=tokenize_ns + first.duration_ns if first else 0,
         prefill=prefill,
         decode=decode,
         decode_tokens_per_second=decode.steps / (decode.step_ns / 1e9) if decode.step_ns else 0.0,
