@@ -29,6 +29,7 @@ from cli.render_run import (
     render_positions,
     render_tokenization,
 )
+from cli.render_run_decode import render_decode_stages
 from cli.render_run_dry import render_dry_run_summary
 from cli.render_run_live import DecodeView
 from cli.render_run_summary import render_summary
@@ -248,6 +249,8 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     if settings.dry_run:
         render_dry_run_summary(console, trace, _estimates(trace))
     else:
+        if detail != "summary":
+            render_decode_stages(console, trace)
         summary = run_summary(trace)
         comparison, note = _roofline_for(console, trace, summary) if roofline else (None, "")
         render_summary(console, trace, summary, comparison, note)

@@ -148,7 +148,7 @@ def _angle(radians: float) -> str:
 
 # ---- 4 layers ---------------------------------------------------------------------------------------------------
 
-_STAGE_LABELS = {
+STAGE_LABELS = {  # stage role -> the label a table shows
     "attention_norm": "RMSNorm", "attention.wq": "Q proj", "attention.wk": "K proj", "attention.wv": "V proj",
     "attention.wqkv": "Q|K|V proj",
     "attention.rope": "RoPE q,k", "attention.kv_cache": "KV write", "attention.scores": "scores QKᵀ/√D",
@@ -158,6 +158,7 @@ _STAGE_LABELS = {
     "feed_forward.w2": "down (w2)",
     "ffn_residual": "residual +",
 }
+TOP_STAGE_LABELS = {"tok_embeddings": "embedding", "norm": "final norm", "output": "LM head"}
 
 
 def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRecord, detail: str,
@@ -200,7 +201,7 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
                 _add_stage_row(table, stage, forward_ns, total.flops, dry_run)
     outside = [s for s in stages if s.layer is None]
     for stage in outside:
-        label = {"embedding": "embedding", "rmsnorm": "final norm", "lm_head": "LM head"}.get(stage.kind, stage.stage)
+        label = TOP_STAGE_LABELS.get(stage.stage, stage.stage)
         cells = [label, fmt.shape(stage.output_shapes[0])]
         if not dry_run:
             cells.append(fmt.ms(stage.duration_ns))
@@ -235,7 +236,7 @@ def _path_note(stages: Sequence[StageRecord]) -> str:
 
 
 def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flops: int, dry_run: bool) -> None:
-    label = _STAGE_LABELS.get(stage.short_name, stage.short_name)
+    label = STAGE_LABELS.get(stage.short_name, stage.short_name)
     shapes = " ".join(fmt.shape(s) for s in stage.input_shapes if len(s) > 1)
     io = f"{shapes} → {fmt.shape(stage.output_shapes[0])}"
     style = "" if stage.kind in MATMUL_KINDS else "dim"

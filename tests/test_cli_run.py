@@ -92,6 +92,19 @@ def test_no_trace_still_runs_and_says_so(tiny_llama_dir: Path) -> None:
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--no-trace")
     assert result.exit_code == 0, result.output
     assert "not traced (--no-trace)" in result.output and "7 · Summary" in result.output
+    assert "Decode by stage" not in result.output
+
+
+def test_decode_by_stage_shows_where_a_step_goes(tiny_llama_dir: Path) -> None:
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert out.index("6 · Decode ") < out.index("6 · Decode by stage") < out.index("7 · Summary")
+    panel = out[out.index("6 · Decode by stage"):out.index("7 · Summary")]
+    for label in ("RMSNorm (attention)", "Q|K|V proj", "gate|up (w1|w3)", "down (w2)", "LM head", "mean of 3 decode steps"):
+        assert label in panel
+    assert "Decode by stage" not in _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "4",
+                                         "--detail", "summary").output
 
 
 def test_dry_run_of_llama_7b() -> None:

@@ -13,7 +13,7 @@ from tracer.generate import generate
 from tracer.load import load_model
 from tracer.trace import Trace, load_schema
 from tracer.trace_records import RunSettings
-from tracer.trace_summary import layer_rows, run_summary, stage_totals
+from tracer.trace_summary import layer_rows, role_rows, run_summary, stage_totals
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,18 @@ def test_summary_numbers_follow_from_the_records(trace: Trace) -> None:
     assert [r.layer for r in rows] == list(range(trace.config.n_layers))
     assert sum(r.totals.flops for r in rows) + sum(
         s.flops for s in trace.stages_of("prefill") if s.layer is None) == summary.prefill.totals.flops
+
+
+def test_role_rows_group_every_layers_instance_of_a_stage(trace: Trace) -> None:
+    decode = trace.stages_of("decode")
+    rows = role_rows(decode)
+    assert [r.role for r in rows][:3] == ["tok_embeddings", "attention_norm", "attention.wqkv"]
+    assert [r.role for r in rows][-2:] == ["norm", "output"]
+    by = {r.role: r for r in rows}
+    steps = len(trace.decode_steps)
+    assert by["attention.wqkv"].totals.calls == steps * trace.config.n_layers
+    assert by["output"].totals.calls == steps
+    assert by["feed_forward.w2"].totals.flops == sum(s.flops for s in decode if s.short_name == "feed_forward.w2")
+    total = stage_totals(decode)
+    assert sum(r.totals.stage_ns for r in rows) == total.stage_ns
+    assert sum(r.totals.bytes_moved for r in rows) == total.bytes_moved

@@ -1,4 +1,5 @@
-"""Numbers derived from a Trace: per-layer rows, phase totals, TTFT, tokens/s, achieved FLOP/s and bytes/s.
+"""Numbers derived from a Trace: per-layer and per-role rows, phase totals, TTFT, tokens/s, achieved FLOP/s and
+bytes/s.
 
 Pure functions of the records (no torch), so a trace read back from JSON summarises the same way.
 """
@@ -75,6 +76,23 @@ def layer_rows(stages: Iterable[StageRecord]) -> list[LayerRow]:
         wall = max(s.end_ns for s in members) - min(s.start_ns for s in members)
         rows.append(LayerRow(layer, wall, stage_totals(members), tuple(members)))
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class RoleRow:
+    """One stage role ("attention.wqkv", "ffn_norm", "output", ...): every layer's instance of it together."""
+
+    role: str
+    kind: str
+    totals: StageTotals
+
+
+def role_rows(stages: Iterable[StageRecord]) -> list[RoleRow]:
+    """The stages grouped by role, in the order the roles first ran (a layer's order, the LM head last)."""
+    by_role: dict[str, list[StageRecord]] = {}
+    for s in stages:
+        by_role.setdefault(s.short_name, []).append(s)
+    return [RoleRow(role, members[0].kind, stage_totals(members)) for role, members in by_role.items()]
 
 
 @dataclass(frozen=True, slots=True)
