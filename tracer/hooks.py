@@ -1,9 +1,11 @@
-"""Instrumentation of the model's stage modules: when each stage ran, on what shapes, and what that cost.
+"""The Tracer: when each stage of the model ran, on what shapes, and what that cost.
 
-The hot path does as little as possible: one clock read before and one after the stage, then the shapes of the
-tensors in and out (torch.Size objects, no copies). FLOPs and bytes are worked out from those shapes later
-(`Tracer.records()`, after the run), by the same functions in tracer/flop_formulas.py that the analytical
-estimate uses.
+It traces the path the model takes. On the fused path (the default when nothing else watches the model) the path
+itself marks the end of each stage and the Tracer's mark reads the clock (tracer/fused_trace.py). Stage by stage,
+each stage module is wrapped (or hooked): one clock read before and one after it, then the shapes of the tensors
+in and out (torch.Size objects, no copies). Either way FLOPs and bytes are worked out from the shapes later
+(`Tracer.records()`, after the run), by tracer/stage_cost.py with the functions in tracer/flop_formulas.py that
+the analytical estimate uses.
 
 The instrumentation exists only inside `with Tracer(model) as tracer:` and is removed in `finally`, also after an
 exception. On cuda/mps the device is synchronised before each clock read, so a stage's time is its kernels' time.
