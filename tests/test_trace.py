@@ -60,6 +60,14 @@ def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> No
     assert (settings.seed_drawn, settings.warmup, settings.staged) == (False, True, False)
 
 
+def test_indented_json_is_the_same_document_with_one_line_per_stage(trace: Trace) -> None:
+    text = trace.to_json(indent=1)
+    assert json.loads(text) == json.loads(trace.to_json()) == trace.to_dict()
+    stage_lines = [line for line in text.splitlines() if line.lstrip().startswith('{"phase": ')]
+    assert len(stage_lines) == len(trace.stages) > 100
+    assert Trace.from_json(text) == trace
+
+
 def test_from_json_rejects_what_is_not_a_trace() -> None:
     with pytest.raises(FileFormatError, match="not valid JSON"):
         Trace.from_json("{")

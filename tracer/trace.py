@@ -1,13 +1,14 @@
 """A traced run as one value: its records, settings, model config, environment and generated text.
 
 `Trace.to_json()` writes the schema in tracer/trace_schema.json (every record is `asdict()` of a frozen
-dataclass, tuples as lists); `Trace.from_json()` reads it back into equal records. `to_chrome_trace()` writes a
+dataclass, tuples as lists; stage records one line each); `Trace.from_json()` reads it back into equal records. `to_chrome_trace()` writes a
 Chrome / Perfetto trace (see tracer/chrome_trace.py).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -76,11 +77,22 @@ class Trace:
         out: dict[str, Any] = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = _plain(value)
+            out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
         return out
 
     def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False, indent=indent)
+        """The trace as JSON. With `indent`, the stage records (423 per step on the default model: hundreds of
+        thousands in a long run) are written one compact line each, through json's C encoder, which indented
+        output cannot use; everything else is indented."""
+        data = self.to_dict()
+        if indent is None:
+            return json.dumps(data, ensure_ascii=False)
+        stages = data["stages"]
+        placeholder = data["stages"] = f"stages-{uuid.uuid4().hex}"  # unique: no prompt or text can hold it
+        text = json.dumps(data, ensure_ascii=False, indent=indent)
+        pad = " " * indent
+        lines = ",\n".join(f"{pad * 2}{json.dumps(s, ensure_ascii=False)}" for s in stages)
+        return text.replace(f'"{placeholder}"', f"[\n{lines}\n{pad}]" if stages else "[]", 1)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Trace":
@@ -136,6 +148,18 @@ def load_schema() -> dict[str, Any]:
 R = TypeVar("R")
 
 
+_STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
+_SHAPE_FIELDS = ("input_shapes", "output_shapes")
+
+
+def _stage_dict(stage: StageRecord) -> dict[str, Any]:
+    """asdict() of one stage record, without its recursive copying (this runs once per stage call)."""
+    out = {name: getattr(stage, name) for name in _STAGE_FIELDS}
+    for name in _SHAPE_FIELDS:
+        out[name] = [list(shape) for shape in out[name]]
+    return out
+
+
 def _plain(value: Any) -> Any:
     """asdict() for dataclasses, lists for tuples, recursively."""
     if hasattr(value, "__dataclass_fields__"):
@@ -147,9 +171,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
 def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = set(data) - names
+    names = _FIELD_NAMES.get(cls)  # type: ignore[call-overload]
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in fields(cls))  # type: ignore[arg-type,index]
+    unknown = data.keys() - names
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
     return cls(**data)
