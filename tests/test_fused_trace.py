@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tracer import estimate
+from estimate_check import assert_traced_equals_estimate
 from tracer.config import ModelConfig
-from tracer.dtypes import FP32
 from tracer.fused import FUSED_LAYER_STAGES, no_mark
 from tracer.fused_trace import PACKED_WEIGHTS
 from tracer.hooks import Tracer
@@ -119,25 +118,7 @@ def test_matmul_flops_equal_flop_counter_mode_on_the_fused_path(name: str, monke
 
 def test_fused_flops_and_bytes_equal_the_analytical_estimate(both) -> None:
     config, fused, _ = both
-    dtypes = estimate.Dtypes.for_weights(FP32)
-    for step in range(DECODE_STEPS + 1):
-        records = [r for r in fused if r.step == step]
-        phase = (estimate.prefill(config, PROMPT, dtypes) if step == 0
-                 else estimate.decode_step(config, PROMPT - 1 + step, dtypes))
-        ours = stage_totals(records)
-        assert ours.flops == phase.totals.total_flops
-        assert ours.matmul_flops == phase.totals.matmul_flops
-        assert ours.weight_bytes_read == phase.totals.weight_bytes
-        assert ours.kv_bytes_read == phase.totals.kv_read_bytes
-        assert ours.kv_bytes_written == phase.totals.kv_write_bytes
-        components = {c.name: c for c in phase.components}
-        for record in (r for r in records if r.layer == 0):
-            role = record.short_name
-            parts = PACKED_WEIGHTS.get(role, (role,))
-            expected = sum(components[p].flops for p in parts)
-            if role == "attention.scores":
-                expected += components["attention.scale"].flops
-            assert record.flops == expected, (step, role)
+    assert_traced_equals_estimate(config, fused, PROMPT, DECODE_STEPS)
 
 
 def test_a_traced_step_computes_what_an_untraced_one_does() -> None:

@@ -7,14 +7,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tracer import estimate
 from tracer.config import ModelConfig
-from tracer.dtypes import FP32
+from estimate_check import assert_traced_equals_estimate
 from tracer.fused import no_mark
 from tracer.hooks import LAYER_STAGES, MODULE_MECHANISMS, TOP_STAGES, Tracer
 from tracer.model import build_random_model
 from tracer.trace_records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
-from tracer.trace_summary import stage_totals
 
 CONFIGS = {
     "mha": ModelConfig("mha", 128, 64, 2, 4, 4, 96, max_seq_len=64),
@@ -115,21 +113,7 @@ def test_flops_and_bytes_equal_the_analytical_estimate(traced) -> None:
     """The same prompt and steps through tracer/estimate.py: equal FLOPs (matmul and elementwise) and equal
     weight and KV traffic."""
     config, records, _ = traced
-    dtypes = estimate.Dtypes.for_weights(FP32)
-    for step in range(4):
-        ours = stage_totals(r for r in records if r.step == step)
-        phase = estimate.prefill(config, 7, dtypes) if step == 0 else estimate.decode_step(config, 6 + step, dtypes)
-        assert ours.flops == phase.totals.total_flops
-        assert ours.matmul_flops == phase.totals.matmul_flops
-        assert ours.weight_bytes_read == phase.totals.weight_bytes
-        assert ours.kv_bytes_read == phase.totals.kv_read_bytes
-        assert ours.kv_bytes_written == phase.totals.kv_write_bytes
-        components = {c.name: c for c in phase.components}
-        layer0 = {r.short_name: r for r in records if r.step == step and r.layer == 0}
-        for role, stage in layer0.items():
-            expected = components[role].flops + (components["attention.scale"].flops if role == "attention.scores"
-                                                 else 0)
-            assert stage.flops == expected, (step, role)
+    assert_traced_equals_estimate(config, records, prompt_len=7, decode_steps=3)
 
 
 @pytest.mark.parametrize("mechanism", ["fused", "wrap"])
