@@ -12,7 +12,8 @@ from tracer import flop_formulas as ff
 
 @dataclass(frozen=True, slots=True)
 class StageModule:
-    """One hooked module: its stable name, layer, kind and the parameter sizes the byte counts need."""
+    """One traced stage: its stable name, layer, kind and the weight sizes the byte counts need (a stage module's
+    weight, or for a packed stage of the fused path its modules' weights together)."""
 
     name: str
     layer: int | None
@@ -23,7 +24,7 @@ class StageModule:
 
 # Integer index tensors among a stage's arguments (argument position by kind): token ids and positions, int64.
 # Every other tensor a stage takes or returns is an activation in the model's dtype (the model casts back after
-# its fp32 norm and softmax), so the hooks keep shapes only and the dtypes come from here.
+# its fp32 norm and softmax), so the tracers keep shapes only and the dtypes come from here.
 INDEX_ARGUMENTS: dict[str, int] = {"embedding": 0, "kv_cache": 0, "rope": 2}
 
 INDEX_ITEMSIZE = 8  # int64 token ids and positions
