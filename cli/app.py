@@ -38,6 +38,7 @@ def _root() -> None:
 # Command name -> the module that registers it on `app` when imported (`from cli.app import app`), in help order.
 COMMAND_MODULES: dict[str, str] = {
     "run": "cli.cmd_run",
+    "show": "cli.cmd_show",
     "flops": "cli.cmd_flops",
     "kvmem": "cli.cmd_kvmem",
     "models": "cli.cmd_models",

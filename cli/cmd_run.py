@@ -21,6 +21,7 @@ from rich.live import Live
 from cli.app import app
 from cli.console import PIPE_WIDTH
 from cli.errors import run_guarded
+from cli.options import Detail, DetailOption
 from cli.render_run import (
     render_embedding,
     render_header,
@@ -29,10 +30,8 @@ from cli.render_run import (
     render_positions,
     render_tokenization,
 )
-from cli.render_run_decode import render_decode_stages
-from cli.render_run_dry import render_dry_run_summary
 from cli.render_run_live import DecodeView
-from cli.render_run_summary import render_summary
+from cli.render_run_report import render_ending
 from tracer.errors import BadArgumentError, LlmtraceError
 from tracer.trace import STOP_INTERRUPTED, Trace
 from tracer.trace_records import RunSettings
@@ -42,12 +41,6 @@ from tracer.trace_summary import RunSummary, run_summary
 SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
 EXIT_INTERRUPTED = 130
-
-
-class Detail(str, Enum):
-    summary = "summary"
-    layers = "layers"
-    ops = "ops"
 
 
 class DtypeChoice(str, Enum):
@@ -82,8 +75,7 @@ def run_command(
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
-    detail: Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every stage "
-                                                "of every layer.")] = Detail.layers,
+    detail: DetailOption = Detail.layers,
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", metavar="PATH", help="Write the whole trace as JSON (schema: tracer/trace_schema.json); "
                                        "'-' = stdout alone.")] = None,
@@ -246,30 +238,12 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
                 console.line()  # Live leaves no newline after its last render when it cannot redraw
     if trace is None:
         trace = generation.trace()
-    if settings.dry_run:
-        render_dry_run_summary(console, trace, _estimates(trace))
-    else:
-        if detail != "summary":
-            render_decode_stages(console, trace)
-        summary = run_summary(trace)
-        comparison, note = _roofline_for(console, trace, summary) if roofline else (None, "")
-        render_summary(console, trace, summary, comparison, note)
+    summary = run_summary(trace)
+    comparison, note = (None, "")
+    if roofline and not settings.dry_run:
+        comparison, note = _roofline_for(console, trace, summary)
+    render_ending(console, trace, detail, summary, comparison, note)
     return trace
-
-
-def _estimates(trace: Trace) -> dict[str, Any]:
-    """tracer/estimate.py's figures for the passes a dry run traced (same prompt length, same context)."""
-    from tracer import estimate
-    from tracer.dtypes import get_dtype
-
-    dtypes = estimate.Dtypes.for_weights(get_dtype(trace.environment.dtype))  # "bfloat16" -> bf16
-    prefill = trace.prefill_step
-    if prefill is None:
-        return {}
-    out: dict[str, Any] = {"prefill": estimate.prefill(trace.config, prefill.input_tokens, dtypes)}
-    if trace.decode_steps:
-        out["decode"] = estimate.decode_step(trace.config, prefill.context_length, dtypes)
-    return out
 
 
 def _roofline_for(console: Console, trace: Trace, summary: RunSummary) -> tuple[MeasuredVsBound | None, str]:

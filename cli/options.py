@@ -1,4 +1,4 @@
-"""Option types shared by the analytical commands: `Annotated` aliases and `str` Enums, so each is declared once."""
+"""Option types shared by the commands: `Annotated` aliases and `str` Enums, so each is declared once."""
 
 from __future__ import annotations
 
@@ -18,6 +18,17 @@ class DtypeChoice(str, Enum):
     int8 = "int8"
     int4 = "int4"
 
+
+class Detail(str, Enum):
+    """How much of a traced forward `run` and `show` print: totals, one row per layer, or every stage."""
+
+    summary = "summary"
+    layers = "layers"
+    ops = "ops"
+
+
+DetailOption = Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every "
+                                                   "stage of every layer.")]
 
 DEFAULT_MODEL = "llama-7b"  # the seed article's model
 

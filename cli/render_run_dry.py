@@ -15,8 +15,25 @@ from tracer.trace_records import DECODE, PREFILL, StageRecord
 from tracer.trace_summary import layer_rows, stage_totals
 
 
-def render_dry_run_summary(console: Console, trace: Trace, estimates: dict[str, Any]) -> None:
-    """`estimates` maps "prefill" / "decode" to tracer.estimate.PhaseEstimate for the same shapes."""
+def dry_run_estimates(trace: Trace) -> dict[str, Any]:
+    """tracer/estimate.py's figures for the passes a dry run traced (same prompt length, same context): "prefill"
+    and "decode" -> PhaseEstimate."""
+    from tracer import estimate
+    from tracer.dtypes import get_dtype
+
+    dtypes = estimate.Dtypes.for_weights(get_dtype(trace.environment.dtype))  # "bfloat16" -> bf16
+    prefill = trace.prefill_step
+    if prefill is None:
+        return {}
+    out: dict[str, Any] = {"prefill": estimate.prefill(trace.config, prefill.input_tokens, dtypes)}
+    if trace.decode_steps:
+        out["decode"] = estimate.decode_step(trace.config, prefill.context_length, dtypes)
+    return out
+
+
+def render_dry_run_summary(console: Console, trace: Trace) -> None:
+    """The traced figures of a dry run beside `dry_run_estimates(trace)`."""
+    estimates = dry_run_estimates(trace)
     table = Table(show_edge=False, pad_edge=False, box=None)
     for name, justify in (("pass", "left"), ("traced FLOPs", "right"), ("estimate.py", "right"), ("", "left"),
                           ("matmul", "right"), ("weights read", "right"), ("KV read + written", "right")):

@@ -1,0 +1,68 @@
+"""`llmtrace show trace.json`: a trace that `llmtrace run --json` saved, rendered again, without the model.
+
+The renderers read only trace records, so a saved run shows the same sections as it did live (the decode stream as
+its final table), on any machine. The roofline rows of the summary are left out: they compare the run with the
+machine it ran on, which need not be this one (`llmtrace roofline --hardware ...` gives the bound anywhere).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from cli.app import app
+from cli.console import PIPE_WIDTH
+from cli.errors import run_guarded
+from cli.options import Detail, DetailOption
+from cli.render_run_report import render_ending, render_journey
+from tracer.errors import BadArgumentError
+from tracer.trace import Trace
+from tracer.trace_summary import run_summary
+
+
+@app.command("show", epilog="Example: llmtrace run 今天天气真 --json run.json; llmtrace show run.json --detail ops")
+def show(
+    path: Annotated[Path, typer.Argument(metavar="TRACE.json", help="A trace written by `llmtrace run --json`.")],
+    detail: DetailOption = Detail.layers,
+    chrome_trace: Annotated[Optional[Path], typer.Option(
+        "--chrome-trace", metavar="PATH", help="Also write it as a Chrome/Perfetto trace.")] = None,
+) -> None:
+    """Render a saved trace again: the same sections as `llmtrace run`, no model, no torch."""
+    console = Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
+
+    def body() -> int:
+        trace = read_trace(path)
+        env = trace.environment
+        console.print(f"[dim]{path}: recorded by llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
+                      f"{env.device_name}[/]")
+        render_journey(console, trace, detail.value)
+        render_ending(console, trace, detail.value, run_summary(trace), None,
+                      "roofline: left out of a saved trace (it may come from another machine); see "
+                      f"`llmtrace roofline --model <model> --hardware <machine>`")
+        if chrome_trace is not None:
+            try:
+                chrome_trace.write_text(json.dumps(trace.to_chrome_trace(), ensure_ascii=False), encoding="utf-8")
+            except OSError as exc:
+                raise BadArgumentError(f"cannot write {chrome_trace} ({exc.strerror}); choose a writable path") from exc
+            console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
+        return 0
+
+    code = run_guarded(body)
+    if code:
+        raise typer.Exit(code)
+
+
+def read_trace(path: Path) -> Trace:
+    """The trace in `path`, or a one-line error saying what is wrong with it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadArgumentError(f"no file {path}; write one with `llmtrace run ... --json {path}`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadArgumentError(f"cannot read {path} ({exc}); check the path") from exc
+    return Trace.from_json(text)

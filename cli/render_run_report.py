@@ -1,0 +1,59 @@
+"""A finished trace, rendered as `llmtrace run` prints it: `render_journey` for sections 1-6 (what `run` shows live
+as the events arrive, here from the records), `render_ending` for what follows the decode stream."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from cli.render_run import (
+    render_embedding,
+    render_header,
+    render_layers,
+    render_lm_head,
+    render_positions,
+    render_tokenization,
+)
+from cli.render_run_decode import render_decode_stages
+from cli.render_run_dry import render_dry_run_summary
+from cli.render_run_live import DecodeView
+from cli.render_run_summary import render_summary
+from tracer.roofline_compare import MeasuredVsBound
+from tracer.trace import STOP_INTERRUPTED, Trace
+from tracer.trace_records import PREFILL
+from tracer.trace_summary import RunSummary
+
+
+def render_journey(console: Console, trace: Trace, detail: str) -> None:
+    """Header and sections 1-6 of a finished trace, from its records."""
+    config, env, settings = trace.config, trace.environment, trace.settings
+    dry_run = settings.dry_run
+    render_header(console, config, trace.model.source, trace.model.weight_format, trace.model.load_seconds,
+                  env.device, env.threads, env.dtype, dry_run)
+    prefill = trace.prefill_step
+    render_tokenization(console, trace.tokenization, prefill.input_tokens if prefill else 0)
+    if prefill is None:
+        return
+    stages = trace.stages_of(PREFILL)
+    render_embedding(console, config, stages, dry_run)
+    render_positions(console, trace.rope, trace.tokenization, config.n_layers)
+    render_layers(console, stages, prefill, detail, dry_run)
+    render_lm_head(console, stages, prefill, settings, config, dry_run)
+    if dry_run:
+        return
+    view = DecodeView(min(settings.max_new_tokens, config.max_seq_len - prefill.input_tokens), prefill)
+    for generated, step in enumerate(trace.decode_steps, start=2):  # the prefill produced token 1
+        view.add(step, generated)
+    view.finish(trace.stop_reason == STOP_INTERRUPTED)
+    console.print(view)
+
+
+def render_ending(console: Console, trace: Trace, detail: str, summary: RunSummary,
+                  roofline: MeasuredVsBound | None, roofline_note: str) -> None:
+    """After the decode stream: where a decode step's time went (unless --detail summary) and the summary; for a
+    dry run, the traced figures beside the analytical estimate."""
+    if trace.settings.dry_run:
+        render_dry_run_summary(console, trace)
+        return
+    if detail != "summary":
+        render_decode_stages(console, trace)
+    render_summary(console, trace, summary, roofline, roofline_note)
