@@ -29,10 +29,23 @@ CONFIGS = {
 PROMPT, DECODE_STEPS = 7, 3
 
 
+class OrderedFlopCounter(FlopCounterMode):
+    """FlopCounterMode that also keeps every op it counts, in call order: (op, FLOPs by its own formula)."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.calls: list[tuple[str, int]] = []
+
+    def _count_flops(self, func_packet, out, args, kwargs):  # type: ignore[no-untyped-def]
+        if func_packet in self.flop_registry:
+            self.calls.append((str(func_packet), self.flop_registry[func_packet](*args, **kwargs, out_val=out)))
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
 def _traced(config: ModelConfig, mechanism: str, counter: bool = False,
             monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[tuple[StageRecord, ...], list, list]:
     """Prefill PROMPT tokens, then DECODE_STEPS decode steps under a Tracer: records, the logits of each step, and
-    (counter=True) FlopCounterMode's per-op counts of each step on the path the model took."""
+    (counter=True) the ops FlopCounterMode counted in each step, in order, on the path the model took."""
     model = build_random_model(config, seed=1)
     model.setup_cache(1, PROMPT + DECODE_STEPS)
     if counter and mechanism == "fused":
@@ -45,11 +58,11 @@ def _traced(config: ModelConfig, mechanism: str, counter: bool = False,
         for step in range(DECODE_STEPS + 1):
             ids = torch.randint(0, config.vocab_size, (1, PROMPT if step == 0 else 1), generator=generator)
             tracer.begin_step(PREFILL if step == 0 else DECODE, step)
-            with FlopCounterMode(display=False) if counter else nullcontext() as flops:
+            with OrderedFlopCounter() if counter else nullcontext() as flops:
                 logits.append(model.prefill(ids) if step == 0 else model.decode_one(ids))
             tracer.end_step()
             if counter:
-                counted.append({str(op): n for op, n in flops.get_flop_counts()["Global"].items()})
+                counted.append(flops.calls)
     return tracer.records(), logits, counted
 
 
@@ -105,15 +118,16 @@ def test_fused_records_match_the_stage_by_stage_records(both) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matmul_flops_equal_flop_counter_mode_on_the_fused_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matmul FlopCounterMode counts on the fused path, in call order, is one traced matmul stage with the
+    same FLOPs: the weight products as mm, QKᵀ and probs·V as bmm, and nothing else it counts ran."""
     records, _, counted = _traced(CONFIGS[name], "fused", counter=True, monkeypatch=monkeypatch)
-    for step, ops in enumerate(counted):
+    op_of = {"linear": "aten.mm", "lm_head": "aten.mm", "attention_scores": "aten.bmm", "attention_values": "aten.bmm"}
+    for step, calls in enumerate(counted):
         stages = [r for r in records if r.step == step]
         assert all(r.matmul_flops == 0 for r in stages if r.kind not in MATMUL_KINDS)
-        products = sum(r.matmul_flops for r in stages if r.kind in ("linear", "lm_head"))
-        attention = sum(r.matmul_flops for r in stages if r.kind in ("attention_scores", "attention_values"))
-        assert ops.pop("aten.mm") == products > 0
-        assert ops.pop("aten.bmm") == attention > 0
-        assert ops == {}  # nothing else FlopCounterMode counts ran
+        ours = [(op_of[r.kind], r.matmul_flops) for r in stages if r.kind in MATMUL_KINDS]
+        assert ours == calls
+        assert len(calls) == 6 * CONFIGS[name].n_layers + 1 and all(n > 0 for _, n in calls)
 
 
 def test_fused_flops_and_bytes_equal_the_analytical_estimate(both) -> None:
