@@ -47,11 +47,13 @@ def render_decode_stages(console: Console, trace: Trace) -> None:
                       fmt.bar(t.stage_ns / slowest, 16))
     weights = stage_totals(s for s in stages if s.kind in _WEIGHT_KINDS)
     staged = stage_totals(stages)
+    streamed = (fmt.bytes_per_second(weights.weight_bytes_read / (weights.stage_ns / 1e9)) if weights.stage_ns
+                else "-")
     note = (
         f"mean of {steps} decode steps, every layer's instance of a stage together; rate = bytes moved (weights, "
         f"activations, KV) and FLOPs over the stage's own time.\n"
         f"the weight products (projections, FFN, LM head) take {fmt.percent(weights.stage_ns, phase.forward_ns)} "
-        f"of the forward and stream their weights at {fmt.bytes_per_second(weights.weight_bytes_read / (weights.stage_ns / 1e9)) if weights.stage_ns else '-'}; "
+        f"of the forward and stream their weights at {streamed}; "
         f"the other stages move little and cost their launch overhead.\n"
         f"stages add up to {fmt.ms(staged.stage_ns / steps)} of the {fmt.ms(forward_per_step)} forward per step "
         f"(the rest: Python between them)."

@@ -77,7 +77,8 @@ def both(request: pytest.FixtureRequest) -> tuple[ModelConfig, tuple[StageRecord
 def test_every_fused_stage_is_marked_once_per_layer_per_step_in_order(both) -> None:
     config, fused, _ = both
     layer = [role for role, _ in FUSED_LAYER_STAGES]
-    expected = ["tok_embeddings"] + [f"layers.{i}.{r}" for i in range(config.n_layers) for r in layer] + ["norm", "output"]
+    layers = [f"layers.{i}.{r}" for i in range(config.n_layers) for r in layer]
+    expected = ["tok_embeddings", *layers, "norm", "output"]
     for step in range(DECODE_STEPS + 1):
         records = [r for r in fused if r.step == step]
         assert [r.stage for r in records] == expected

@@ -1,8 +1,8 @@
 """A traced run as one value: its records, settings, model config, environment and generated text.
 
 `Trace.to_json()` writes the schema in tracer/trace_schema.json (every record is `asdict()` of a frozen
-dataclass, tuples as lists; stage records one line each); `Trace.from_json()` reads it back into equal records. `to_chrome_trace()` writes a
-Chrome / Perfetto trace (see tracer/chrome_trace.py).
+dataclass, tuples as lists; stage records one line each); `Trace.from_json()` reads it back into equal records.
+`to_chrome_trace()` writes a Chrome / Perfetto trace (see tracer/chrome_trace.py).
 """
 
 from __future__ import annotations
@@ -171,14 +171,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-_FIELD_NAMES: dict[type, frozenset[str]] = {}
+# The field names of every record class a trace holds (a constant: read back once per stage record).
+_FIELD_NAMES: dict[type, frozenset[str]] = {
+    cls: frozenset(f.name for f in fields(cls))
+    for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
+                StageRecord, StepRecord, CandidateRecord, SamplingRecord)
+}
 
 
 def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
-    names = _FIELD_NAMES.get(cls)  # type: ignore[call-overload]
-    if names is None:
-        names = _FIELD_NAMES[cls] = frozenset(f.name for f in fields(cls))  # type: ignore[arg-type,index]
-    unknown = data.keys() - names
+    unknown = data.keys() - _FIELD_NAMES[cls]  # type: ignore[index]
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
     return cls(**data)
