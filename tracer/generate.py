@@ -22,6 +22,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from tracer.config import ModelConfig
+from tracer.detokenize import TextStream
 from tracer.errors import BadArgumentError
 from tracer.hooks import Tracer, device_synchronizer
 from tracer.rope import rope_inv_freq
@@ -122,6 +123,7 @@ class Generation:
         self._rope: RopeRecord | None = None
         self._generated: list[int] = []
         self._text = ""
+        self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
         self._steps: list[StepRecord] = []
         self._stop_reason = STOP_INTERRUPTED
         self._events: Iterator[Event] | None = None
@@ -293,12 +295,10 @@ class Generation:
 
     def _new_text(self, token_id: int) -> str:
         """The text this token adds; held back while a multi-byte character is incomplete."""
-        eos = getattr(self.tokenizer, "eos_id", None)
-        visible = [t for t in self._generated if t != eos]
-        full = self.tokenizer.decode(visible)
-        if full.endswith("\ufffd") or not full.startswith(self._text):
-            return ""
-        added, self._text = full[len(self._text):], full
+        if self._stream is None:
+            self._stream = TextStream(self.tokenizer, getattr(self.tokenizer, "eos_id", None))
+        added = self._stream.add(token_id)
+        self._text += added
         return added
 
     def _candidate(self, c: Any) -> CandidateRecord:
