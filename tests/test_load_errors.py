@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -277,3 +278,21 @@ def test_unwritable_cache_only_costs_speed(write: Callable[..., Path], tmp_path:
     first, second = load_model(path), load_model(path)
     assert not first.from_cache and not second.from_cache
     assert first.model.layers[1].feed_forward.w2.weight.shape == (64, 96)
+
+
+def test_the_cache_keeps_under_its_cap_dropping_the_least_recently_used(write: Callable[..., Path],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second, third = write("a.gguf"), write("b.gguf"), write("c.gguf")
+    load_model(str(first))
+    entry_size = cache_path(first, torch.float32).stat().st_size
+    monkeypatch.setenv("LLMTRACE_CACHE_MAX_GB", str(2.5 * entry_size / 1e9))  # room for two entries
+    load_model(str(second))
+    os.utime(cache_path(first, torch.float32), ns=(1, 1))  # long unused, on paper
+    assert load_model(str(first)).from_cache  # ... until this load marks it used
+    load_model(str(third))  # a third entry: the least recently used (b) goes
+    assert cache_path(first, torch.float32).is_file() and cache_path(third, torch.float32).is_file()
+    assert not cache_path(second, torch.float32).exists()
+    monkeypatch.setenv("LLMTRACE_CACHE_MAX_GB", "0")  # an entry over the cap by itself still stays
+    assert not load_model(str(second)).from_cache
+    assert [p.name for p in cache_root().joinpath("weights").glob("*.safetensors")] == [
+        cache_path(second, torch.float32).name]

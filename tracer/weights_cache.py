@@ -5,6 +5,10 @@ Where: $LLMTRACE_CACHE_DIR if set, else $XDG_CACHE_HOME/llmtrace, else ~/.cache/
 CACHE_FORMAT (bumped whenever the conversion changes), so an edited or replaced source file, or a new llmtrace
 that converts differently, never reads stale weights. A newer entry for the same source and dtype replaces the
 older. Reading memory-maps the file (safetensors), so a cached load costs page-cache reads, not dequantization.
+
+Size: at most $LLMTRACE_CACHE_MAX_GB gigabytes (default 20; a 7B model is ~13.5 GB in bf16). After a store, the
+least recently used entries go until the rest fit; a load marks its entry used (its mtime). The entry just
+written always stays, even when it alone is over the cap.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from safetensors.torch import load_file, save_file
 
 CACHE_FORMAT = "1"  # bump when the conversion (names, Q/K order, dequantization) changes
 CACHE_ENV = "LLMTRACE_CACHE_DIR"
+MAX_GB_ENV = "LLMTRACE_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 20.0
 
 
 def cache_root() -> Path:
@@ -52,10 +58,15 @@ def load_cached(source: str | Path, dtype: torch.dtype) -> dict[str, torch.Tenso
     if not path.is_file():
         return None
     try:
-        return load_file(path)
+        state = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError):
         path.unlink(missing_ok=True)  # a torn or corrupt entry: convert again rather than fail
         return None
+    try:
+        os.utime(path)  # used now: the last to be evicted
+    except OSError:
+        pass  # a read-only cache still serves
+    return state
 
 
 def store(source: str | Path, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]) -> Path | None:
@@ -78,6 +89,39 @@ def store(source: str | Path, dtype: torch.dtype, state_dict: dict[str, torch.Te
         for old in path.parent.glob(f"{stem}-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)
+        evict(path.parent, max_bytes(), keep=path)
         return path
     except (OSError, SafetensorError):  # SafetensorError wraps I/O failures such as a full disk
         return None
+
+
+def max_bytes() -> int:
+    """The cache's size cap in bytes ($LLMTRACE_CACHE_MAX_GB, GB = 1e9 B; the default when unset or not a number)."""
+    try:
+        gigabytes = float(os.environ.get(MAX_GB_ENV, DEFAULT_MAX_GB))
+    except ValueError:
+        gigabytes = DEFAULT_MAX_GB
+    return int(max(gigabytes, 0.0) * 1e9)
+
+
+def evict(folder: Path, limit: int, keep: Path) -> list[Path]:
+    """Remove the least recently used entries of `folder` until the rest fit in `limit` bytes; never `keep`.
+    Returns what was removed."""
+    entries = []
+    for entry in folder.glob("*.safetensors"):
+        try:
+            stat = entry.stat()
+        except OSError:
+            continue  # removed meanwhile
+        entries.append((stat.st_mtime_ns, stat.st_size, entry))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, entry in sorted(entries):  # oldest use first
+        if total <= limit:
+            break
+        if entry == keep:
+            continue
+        entry.unlink(missing_ok=True)
+        total -= size
+        removed.append(entry)
+    return removed
