@@ -77,6 +77,15 @@ def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
     return found
 
 
+def _shapes(args: tuple[Any, ...], output: Any, tuple_output: bool) -> tuple[list[Any], list[Any]]:
+    """The torch.Size of each tensor a stage took and returned (no copies): both module mechanisms' hot path."""
+    try:
+        inputs = [a.shape for a in args]
+    except AttributeError:  # a non-tensor argument: keep the tensors only
+        inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
+    return inputs, [o.shape for o in output] if tuple_output else [output.shape]
+
+
 def device_synchronizer(device: torch.device) -> Any:
     """A no-argument function that waits for the device's queued work, or None on cpu/meta."""
     if device.type == "cuda":
@@ -214,11 +223,7 @@ class Tracer:
             if sync is not None:
                 sync()
             end = clock()
-            try:
-                inputs = [a.shape for a in args]
-            except AttributeError:  # a non-tensor argument: keep the tensors only
-                inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
-            events.append((index, start, end, inputs, [o.shape for o in output] if tuple_output else [output.shape]))
+            events.append((index, start, end, *_shapes(args, output, tuple_output)))
             return output
 
         return traced_forward
@@ -240,12 +245,7 @@ class Tracer:
             if sync is not None:
                 sync()
             end = clock()
-            try:
-                inputs = [a.shape for a in args]
-            except AttributeError:  # a non-tensor argument: keep the tensors only
-                inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
-            outputs = [o.shape for o in output] if tuple_output else [output.shape]
-            events.append((index, starts[index], end, inputs, outputs))
+            events.append((index, starts[index], end, *_shapes(args, output, tuple_output)))
 
         return pre, post
 
