@@ -331,3 +331,28 @@ def test_reloads_moves_and_in_place_edits_void_the_plan_until_setup_cache(tiny_l
     model.to(torch.float32)
     model.setup_cache(1, 16)
     assert model.fusable() and torch.allclose(fused, model.prefill(ids), atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_long_cache_free_forward_keeps_the_fused_path(tiny_llama_dir: Path) -> None:
+    model = ours_from_folder(tiny_llama_dir)
+    model.setup_cache(1, 8)
+    model(tokens(model.config.vocab_size, 1, 12))  # longer than the cache: the rope tables grow
+    assert model.fusable()
+    ids = tokens(model.config.vocab_size, 1, 6)
+    fused = model.prefill(ids)
+    model.use_fused = False
+    model.reset_cache()
+    assert torch.allclose(fused, model.prefill(ids), atol=1e-5)
+
+
+@torch.no_grad()
+def test_reloading_weights_asks_for_a_new_cache(tiny_llama_dir: Path) -> None:
+    model = ours_from_folder(tiny_llama_dir)
+    model.setup_cache(1, 8)
+    model.prefill(tokens(model.config.vocab_size, 1, 3))
+    model.load_weights({name: t.clone() for name, t in model.state_dict().items()})
+    with pytest.raises(BadArgumentError, match="not set up"):
+        model.prefill(tokens(model.config.vocab_size, 1, 3))
+    model.setup_cache(1, 8)
+    assert model.prefill(tokens(model.config.vocab_size, 1, 3)).shape == (1, model.config.vocab_size)

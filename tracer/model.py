@@ -293,6 +293,9 @@ class Transformer(nn.Module):
             layer.attention.rope.set_tables(cos, sin, self._positions)
         self._rope_cos, self._rope_sin = cos, sin
         self._rope_key = (length, weight.device, weight.dtype)
+        if self._fused_plan is not None:
+            # Longer tables (a cache-free forward past max_seq) hold the same rows: the plan stays valid.
+            self._fused_plan.cos, self._fused_plan.sin = cos, sin
 
     # ---- forward passes ------------------------------------------------------------------------------------
 
@@ -399,6 +402,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self._positions, self._rope_key = None, None
         self._fused_plan = None
+        for layer in self.layers:  # the caches were sized and typed for the old weights: set them up again
+            layer.attention.kv_cache.kv = None
+            layer.attention.kv_cache.reset()
+        self._pos = 0
 
 
 def _drop_tied_output(module: Transformer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
