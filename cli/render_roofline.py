@@ -162,9 +162,18 @@ def why_line(report: RooflineReport) -> str:
         f"Why decode is slow: one step does {si(d.flops, 'FLOP')} ({ms(d.compute_seconds)} at {si(m.peak_flops)}"
         f"FLOP/s, i.e. {naive:,.0f} tokens/s per sequence if compute were the limit) but must read {gb(d.bytes)} "
         f"({ms(d.memory_seconds)} at {m.memory_bandwidth / 1e12:.3g} TB/s). Its intensity, "
-        f"{d.arithmetic_intensity:,.2f} FLOPs/byte, is {m.ridge_point / d.arithmetic_intensity:,.0f}× below the ridge "
-        f"point: the step is {d.bound}-bound."
+        f"{d.arithmetic_intensity:,.2f} FLOPs/byte, is {_versus_ridge(d.arithmetic_intensity, m.ridge_point)}: "
+        f"the step is {d.bound}-bound."
     )
+
+
+def _versus_ridge(intensity: float, ridge: float) -> str:
+    """'153× below the ridge point' / '1.8× above the ridge point' / 'at the ridge point'."""
+    if intensity == ridge:
+        return "at the ridge point"
+    if intensity < ridge:
+        return f"{ridge / intensity:,.3g}× below the ridge point"
+    return f"{intensity / ridge:,.3g}× above the ridge point"
 
 
 def crossover_line(report: RooflineReport) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from cli.render_roofline import chart_points, render_report, roofline_chart
+from cli.render_roofline import chart_points, render_report, roofline_chart, why_line
 from tracer.hardware import get_profile
 from tracer.presets import get_preset
 from tracer.roofline import roofline
@@ -129,6 +129,14 @@ def test_bad_measure_request(tmp_path: Path) -> None:
 
 
 # ---- the chart ----------------------------------------------------------------------------------------------
+
+
+def test_why_line_says_which_side_of_the_ridge() -> None:
+    a100 = get_profile("a100-80gb")
+    low = why_line(roofline(get_preset("llama-7b"), a100, prompt_len=512, new_tokens=128))
+    assert "153× below the ridge point: the step is memory-bound" in low
+    high = why_line(roofline(get_preset("llama-7b"), a100, prompt_len=16, new_tokens=2, batch=512))
+    assert "× above the ridge point: the step is compute-bound" in high and "below" not in high
 
 
 def test_chart_puts_each_pass_on_the_roof() -> None:

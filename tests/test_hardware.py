@@ -113,7 +113,8 @@ def test_store_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert set(load_measured_profiles()) == {THIS_MACHINE, "other-box"}
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", '{"profiles": {"this-machine": {"name": 1}}}'])
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"profiles": {"this-machine": {"name": 1}}}',
+                                     '{"profiles": {}, "measurements": []}'])
 def test_broken_store_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     store_path().parent.mkdir(parents=True)

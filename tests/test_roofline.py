@@ -225,6 +225,12 @@ def test_model_that_does_not_fit_says_by_how_much() -> None:
     assert "\n" not in msg
 
 
+def test_a_smaller_dtype_hint_names_only_smaller_dtypes() -> None:
+    with pytest.raises(HardwareError) as err:
+        roofline(get_preset("llama2-70b"), get_profile("a100-40gb"), prompt_len=512, new_tokens=128, dtype="int8")
+    assert "a smaller --dtype (fp8, int4)" in str(err.value)
+
+
 def test_kv_cache_that_does_not_fit_suggests_a_batch() -> None:
     with pytest.raises(HardwareError, match=r"does not fit on l4: .* short; try --batch \d+"):
         roofline(get_preset("llama-7b"), get_profile("l4"), prompt_len=2000, new_tokens=48, batch=64)

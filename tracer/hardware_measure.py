@@ -83,7 +83,8 @@ def _memory_bytes(device: str) -> int:
     # A container's cgroup limit, where there is one, is what this process can really use.
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            text = open(limit_file, encoding="ascii").read().strip()
+            with open(limit_file, encoding="ascii") as handle:
+                text = handle.read().strip()
         except OSError:
             continue
         if text.isdigit():
@@ -95,9 +96,10 @@ def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()

@@ -38,7 +38,8 @@ def _read(path: Path) -> dict[str, Any]:
         raise HardwareError(f"{path}: not readable as JSON ({exc}); delete it and run `llmtrace hardware --measure`")
     if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
         raise HardwareError(f"{path}: no 'profiles' object; delete it and run `llmtrace hardware --measure`")
-    data.setdefault("measurements", {})
+    if not isinstance(data.setdefault("measurements", {}), dict):
+        raise HardwareError(f"{path}: 'measurements' is not an object; delete it and run `llmtrace hardware --measure`")
     return data
 
 

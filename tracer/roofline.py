@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tracer import estimate
 from tracer.config import ModelConfig
-from tracer.dtypes import DType, get_dtype
+from tracer.dtypes import DTYPES, DType, get_dtype
 from tracer.errors import BadArgumentError, HardwareError
 from tracer.hardware import HardwareProfile
 from tracer.kvmem import kv_cache_bytes
@@ -351,8 +351,9 @@ def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, 
                       if n > tp and weight_bytes_per_device(config, dtypes.weights, n) < fit.capacity_bytes]
             if enough:
                 hints.append(f"--tp {enough[0]}")
-        if dtypes.weights.name != "int4":
-            hints.append("a smaller --dtype (int8, int4)")
+        smaller = [d.name for d in DTYPES.values() if d.bits_per_value < dtypes.weights.bits_per_value]
+        if smaller:
+            hints.append(f"a smaller --dtype ({', '.join(smaller[-2:])})")
         hints.append("hardware with more memory")
     else:
         if fit.max_batch:
