@@ -21,6 +21,7 @@ from rich.live import Live
 from cli.app import app
 from cli.console import PIPE_WIDTH
 from cli.errors import run_guarded
+from cli.output_files import check_writable, write_output
 from cli.options import Detail, DetailOption
 from cli.render_run import (
     render_embedding,
@@ -112,42 +113,24 @@ def run_command(
         _check_settings(settings)
         for path in (json_path, chrome_trace):
             if path is not None and not (path is json_path and json_to_stdout):
-                _check_writable(path)  # before the model runs: a typo must not cost a whole generation
+                check_writable(path)  # before the model runs: a typo must not cost a whole generation
         trace = _run(console, settings, detail.value, roofline=not no_roofline)
         if json_path is not None:
             if json_to_stdout:
                 sys.stdout.write(trace.to_json(indent=1) + "\n")
             else:
-                _write(json_path, trace.to_json(indent=1))
+                write_output(json_path, trace.to_json(indent=1))
                 console.print(f"[dim]trace written to {json_path} (JSON; schema tracer/trace_schema.json)[/]")
         if chrome_trace is not None:
             import json
 
-            _write(chrome_trace, json.dumps(trace.to_chrome_trace(), ensure_ascii=False))
+            write_output(chrome_trace, json.dumps(trace.to_chrome_trace(), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
         return EXIT_INTERRUPTED if trace.stop_reason == STOP_INTERRUPTED else 0
 
     code = run_guarded(body)
     if code:
         raise typer.Exit(code)
-
-
-def _check_writable(path: Path) -> None:
-    """One line now, rather than a lost trace after the run: the folder must exist and accept the file."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise BadArgumentError(f"cannot write {path}: it is a folder; give a file path")
-    if not folder.is_dir():
-        raise BadArgumentError(f"cannot write {path}: no folder {folder}; create it or choose another path")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise BadArgumentError(f"cannot write {path}: permission denied; choose a writable path")
-
-
-def _write(path: Path, text: str) -> None:
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise BadArgumentError(f"cannot write {path} ({exc.strerror}); choose a writable path") from exc
 
 
 def _resolve_prompt(prompt: str | None, file: Path | None, dry_run: bool) -> str:
@@ -210,7 +193,7 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
         for event in generation.events():
             if isinstance(event, Tokenized):
                 tokenization = event.record
-                render_tokenization(console, event.record, event.prompt_tokens)
+                render_tokenization(console, event.record, event.prompt_tokens, settings.prompt_tokens is not None)
             elif isinstance(event, PrefillDone):
                 render_embedding(console, loaded.config, event.stages, settings.dry_run)
                 render_positions(console, event.rope, tokenization, loaded.config.n_layers)

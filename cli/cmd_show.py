@@ -19,6 +19,7 @@ from cli.app import app
 from cli.console import PIPE_WIDTH
 from cli.errors import run_guarded
 from cli.options import Detail, DetailOption
+from cli.output_files import check_writable, write_output
 from cli.render_run_report import render_ending, render_journey
 from tracer.errors import BadArgumentError
 from tracer.trace import Trace
@@ -36,6 +37,8 @@ def show(
     console = Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
 
     def body() -> int:
+        if chrome_trace is not None:
+            check_writable(chrome_trace)
         trace = read_trace(path)
         env = trace.environment
         console.print(f"[dim]{path}: recorded by llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
@@ -45,10 +48,7 @@ def show(
                       "roofline: left out of a saved trace (it may come from another machine); see "
                       f"`llmtrace roofline --model <model> --hardware <machine>`")
         if chrome_trace is not None:
-            try:
-                chrome_trace.write_text(json.dumps(trace.to_chrome_trace(), ensure_ascii=False), encoding="utf-8")
-            except OSError as exc:
-                raise BadArgumentError(f"cannot write {chrome_trace} ({exc.strerror}); choose a writable path") from exc
+            write_output(chrome_trace, json.dumps(trace.to_chrome_trace(), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
         return 0
 

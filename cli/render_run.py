@@ -49,11 +49,13 @@ def render_header(console: Console, config: ModelConfig, source: str, weight_for
 # ---- 1 tokenization ---------------------------------------------------------------------------------------------
 
 
-def render_tokenization(console: Console, record: TokenizationRecord | None, prompt_tokens: int) -> None:
+def render_tokenization(console: Console, record: TokenizationRecord | None, prompt_tokens: int,
+                        tokens_given: bool = False) -> None:
+    """`tokens_given`: a dry run's prompt length came from --prompt-tokens, not from the prompt's characters."""
     if record is None:
+        why = "as --prompt-tokens says" if tokens_given else "one per character of the prompt; set --prompt-tokens"
         console.print(section("1 · Tokenization", Text(
-            f"no tokenizer in a dry run of a preset: assuming {prompt_tokens} prompt tokens "
-            "(one per character of the prompt; set --prompt-tokens)")))
+            f"no tokenizer in a dry run of a preset: assuming {prompt_tokens} prompt tokens ({why})")))
         return
     table = Table(show_edge=False, pad_edge=False, box=None)
     table.add_column("#", justify="right", style="dim")

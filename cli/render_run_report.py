@@ -30,7 +30,8 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     render_header(console, config, trace.model.source, trace.model.weight_format, trace.model.load_seconds,
                   env.device, env.threads, env.dtype, dry_run)
     prefill = trace.prefill_step
-    render_tokenization(console, trace.tokenization, prefill.input_tokens if prefill else 0)
+    render_tokenization(console, trace.tokenization, prefill.input_tokens if prefill else 0,
+                        settings.prompt_tokens is not None)
     if prefill is None:
         return
     stages = trace.stages_of(PREFILL)

@@ -242,3 +242,11 @@ def test_dry_run_follows_dtype() -> None:
     assert "dry run (meta device) bf16" in bf16.output and "in bfloat16" in bf16.output
     assert "13.21 GB" in bf16.output and "26.43 GB" in fp32.output  # 6.6 G parameters at 2 and 4 bytes
     assert bf16.output.count("= equal") == 2  # estimate.py is asked for bf16 weights too
+
+
+def test_dry_run_says_where_its_prompt_length_came_from() -> None:
+    given = _run("--model", "llama-7b", "--dry-run", "--prompt-tokens", "9")
+    assert given.exit_code == 0, given.output
+    assert "assuming 9 prompt tokens (as --prompt-tokens says)" in given.output
+    counted = _run("x" * 7, "--model", "llama-7b", "--dry-run")
+    assert "assuming 7 prompt tokens (one per character of the prompt; set --prompt-tokens)" in counted.output

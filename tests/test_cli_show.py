@@ -92,3 +92,9 @@ def test_show_needs_no_torch(saved: tuple[str, Path]) -> None:
     modules = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "cli.render_run_report" in modules  # the show command was loaded
     assert not {m for m in modules if m.split(".")[0] in ("torch", "numpy")}
+
+
+def test_an_unwritable_chrome_trace_path_fails_before_rendering(saved: tuple[str, Path], tmp_path: Path) -> None:
+    _, path = saved
+    result = runner.invoke(app, ["show", str(path), "--chrome-trace", str(tmp_path / "missing" / "t.json")])
+    assert result.exit_code == 2 and "1 · Tokenization" not in result.output
