@@ -44,7 +44,9 @@ DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
 EXIT_INTERRUPTED = 130
 
 
-class DtypeChoice(str, Enum):
+class RunDtype(str, Enum):
+    """What `run` computes in (auto: tracer.dtype_policy); not the storage dtypes of cli.options.DtypeChoice."""
+
     auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
@@ -70,9 +72,9 @@ def run_command(
     min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p × the top probability.")] = None,
     repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages tokens already seen (1 = off).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same tokens).")] = None,
-    dtype: Annotated[DtypeChoice, typer.Option(
+    dtype: Annotated[RunDtype, typer.Option(
         help="Compute dtype; auto = bf16 where the hardware has bf16 arithmetic (AMX, AVX-512 BF16, CUDA), "
-             "else fp32 (bf16 on AVX2-only CPUs is several times slower).")] = DtypeChoice.auto,
+             "else fp32 (bf16 on AVX2-only CPUs is several times slower).")] = RunDtype.auto,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,

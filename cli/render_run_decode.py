@@ -11,7 +11,7 @@ from cli import render_run_format as fmt
 from cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS, section
 from tracer.trace import Trace
 from tracer.trace_records import DECODE, MATMUL_KINDS
-from tracer.trace_summary import phase_summary, role_rows, stage_totals
+from tracer.trace_summary import PhaseSummary, role_rows, stage_totals
 
 # Roles whose layer label is shared by two roles of a layer: say which one.
 _ROLE_LABELS = {"attention_norm": "RMSNorm (attention)", "ffn_norm": "RMSNorm (FFN)",
@@ -19,10 +19,9 @@ _ROLE_LABELS = {"attention_norm": "RMSNorm (attention)", "ffn_norm": "RMSNorm (F
 _WEIGHT_KINDS = frozenset({"linear", "lm_head"})
 
 
-def render_decode_stages(console: Console, trace: Trace) -> None:
-    """Nothing when the run traced no decode step (--no-trace, a one-token run)."""
+def render_decode_stages(console: Console, trace: Trace, phase: PhaseSummary) -> None:
+    """`phase`: the run's decode summary. Nothing when the run traced no decode step (--no-trace, one token)."""
     stages = trace.stages_of(DECODE)
-    phase = phase_summary(trace, DECODE)
     if not stages or not phase.steps:
         return
     steps = phase.steps
@@ -46,7 +45,7 @@ def render_decode_stages(console: Console, trace: Trace) -> None:
                       fmt.nbytes(t.bytes_moved / steps), Text(rate, style=style),
                       fmt.bar(t.stage_ns / slowest, 16))
     weights = stage_totals(s for s in stages if s.kind in _WEIGHT_KINDS)
-    staged = stage_totals(stages)
+    staged = phase.totals
     streamed = (fmt.bytes_per_second(weights.weight_bytes_read / (weights.stage_ns / 1e9)) if weights.stage_ns
                 else "-")
     note = (

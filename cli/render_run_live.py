@@ -16,14 +16,13 @@ LIVE_ROWS = 24  # rows kept on screen while streaming; the final table shows eve
 class DecodeView:
     """The decode panel; `add(step)` after each step, rendered by rich Live on every refresh."""
 
-    def __init__(self, limit: int, prefill: StepRecord, all_rows: bool = False) -> None:
+    def __init__(self, limit: int, prefill: StepRecord) -> None:
         self.limit = limit
         self.prefill = prefill
-        self.prompt_tokens = prefill.input_tokens
         self.steps: list[StepRecord] = []
         self.text = prefill.text
         self.generated = 1
-        self.all_rows = all_rows
+        self.all_rows = False  # True once finished: the final table shows every step
         self.interrupted = False
 
     def add(self, step: StepRecord, generated: int) -> None:
@@ -67,4 +66,4 @@ class DecodeView:
         text = Text(self.text, style="green")
         body = Group(table, status, Text("text so far: ", style="dim") + text)
         return section(f"6 · Decode  one token per step, each reading the whole KV cache "
-                       f"(prompt {self.prompt_tokens} tokens)", body)
+                       f"(prompt {self.prefill.input_tokens} tokens)", body)

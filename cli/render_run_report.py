@@ -56,5 +56,5 @@ def render_ending(console: Console, trace: Trace, detail: str, summary: RunSumma
         render_dry_run_summary(console, trace)
         return
     if detail != "summary":
-        render_decode_stages(console, trace)
+        render_decode_stages(console, trace, summary.decode)
     render_summary(console, trace, summary, roofline, roofline_note)

@@ -60,8 +60,8 @@ class Trace:
 
     # ---- views ----------------------------------------------------------------------------------------
 
-    def stages_of(self, phase: str, step: int | None = None) -> tuple[StageRecord, ...]:
-        return tuple(s for s in self.stages if s.phase == phase and (step is None or s.step == step))
+    def stages_of(self, phase: str) -> tuple[StageRecord, ...]:
+        return tuple(s for s in self.stages if s.phase == phase)
 
     @property
     def prefill_step(self) -> StepRecord | None:

@@ -115,10 +115,6 @@ class PhaseSummary:
         return self.totals.bytes_read / self.steps if self.steps else 0.0
 
     @property
-    def bytes_read_per_second(self) -> float:
-        return self.totals.bytes_read / (self.forward_ns / 1e9) if self.forward_ns else 0.0
-
-    @property
     def min_bytes_per_second(self) -> float:
         return self.totals.min_bytes / (self.forward_ns / 1e9) if self.forward_ns else 0.0
 
@@ -126,11 +122,6 @@ class PhaseSummary:
     def arithmetic_intensity(self) -> float:
         """FLOPs per byte of weight and KV traffic (the roofline's x axis)."""
         return self.totals.flops / self.totals.min_bytes if self.totals.min_bytes else 0.0
-
-    @property
-    def arithmetic_intensity_all_bytes(self) -> float:
-        """FLOPs per byte counting activations too."""
-        return self.totals.flops / self.totals.bytes_moved if self.totals.bytes_moved else 0.0
 
 
 def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
@@ -156,7 +147,6 @@ class RunSummary:
     prefill: PhaseSummary
     decode: PhaseSummary
     decode_tokens_per_second: float  # decode steps / their wall time (sampling included)
-    decode_ms_per_token: float
     kv_allocated_bytes: int
     kv_live_bytes: int
     peak_rss_bytes: int
@@ -176,7 +166,6 @@ def run_summary(trace: Trace) -> RunSummary:
         prefill=prefill,
         decode=decode,
         decode_tokens_per_second=decode.steps / (decode.step_ns / 1e9) if decode.step_ns else 0.0,
-        decode_ms_per_token=decode.step_ns / decode.steps / 1e6 if decode.steps else 0.0,
         kv_allocated_bytes=last.kv_allocated_bytes if last else 0,
         kv_live_bytes=last.kv_live_bytes if last else 0,
         peak_rss_bytes=trace.peak_rss_bytes,
