@@ -84,8 +84,7 @@ class FusedLayer:
     def __init__(self, layer: TransformerBlock) -> None:
         attn, ffn = layer.attention, layer.feed_forward
         self.cache = attn.kv_cache
-        self.kv = attn.kv_cache.kv  # (B_max, 2*Hkv, S_max, D)
-        self.kv_row = self.kv[0]  # (2*Hkv, S_max, D): the first sequence's K|V, a view
+        self.kv_row = attn.kv_cache.kv[0]  # (2*Hkv, S_max, D): the first sequence's K|V of (B_max, 2*Hkv, S_max, D)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.rep = self.heads // self.kv_heads
         self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
@@ -103,7 +102,7 @@ class FusedLayer:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         h = self.attention_norm(x)  # (dim,)
         mark()
-        qkv = _matvec(self.wqkv, h).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
+        qkv = matvec(self.wqkv, h).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
         mark()
         qk = qkv[: heads + kv_heads]  # (H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
@@ -121,17 +120,17 @@ class FusedLayer:
         mark()
         out = torch.bmm(probs, values.to(probs.dtype)).view(-1).to(x.dtype)  # (H*D,)
         mark()
-        attended = _matvec(self.wo, out)  # wo(attention): (dim,)
+        attended = matvec(self.wo, out)  # wo(attention): (dim,)
         mark()
         x = attended.add_(x)  # the residual stream
         mark()
         h = self.ffn_norm(x)  # (dim,)
         mark()
-        gate_up = _matvec(self.w13, h)  # (2F,)
+        gate_up = matvec(self.w13, h)  # (2F,)
         mark()
         act = F.silu(gate_up[: self.ffn_dim]).mul_(gate_up[self.ffn_dim :])  # silu(gate) * up: (F,)
         mark()
-        down = _matvec(self.w2, act)  # (dim,)
+        down = matvec(self.w2, act)  # (dim,)
         mark()
         x = down.add_(x)
         mark()
@@ -247,12 +246,12 @@ class FusedPlan:
                 x = layer.forward(x, batch, cos, sin, mask, mark)
             h = self.final_norm(x.view(batch, new, -1)[:, -1])  # (B, dim): the last position only
         mark()
-        logits = torch.mm(h, self.output.t()) if h.shape[0] > 1 else _matvec(self.output, h[0]).view(1, -1)  # (B, V)
+        logits = torch.mm(h, self.output.t()) if h.shape[0] > 1 else matvec(self.output, h[0]).view(1, -1)  # (B, V)
         mark()
         return logits
 
 
-def _matvec(weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+def matvec(weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
     """weight @ vector: torch.mv, or mm while a TorchDispatchMode is active (FlopCounterMode counts mm, not mv),
     so what a FLOP counter sees is the product that runs."""
     if torch._C._len_torch_dispatch_stack():

@@ -90,9 +90,9 @@ class FusedMarks:
     returns the step's readings and (B, T, S). `sync` (cuda/mps) waits for the device before each reading.
     """
 
-    def __init__(self, model: nn.Module, sync: Callable[[], Any] | None) -> None:
+    def __init__(self, model: nn.Module, stages: int, sync: Callable[[], Any] | None) -> None:
         self.model = model
-        self.expected = fused_stage_count(model) + 1  # a reading before the first stage
+        self.expected = stages + 1  # a reading before the first stage, one after each of `stages`
         self._marks: list[int] = []
         self._previous: Callable[[], None] | None = None
         self._pos_before = 0
@@ -130,8 +130,3 @@ class FusedMarks:
         seen = self.model.pos
         batch = self.model.layers[0].attention.kv_cache.batch
         return marks, (batch, seen - self._pos_before, seen)
-
-
-def fused_stage_count(model: nn.Module) -> int:
-    """Stages the fused path marks per step."""
-    return len(FUSED_TOP_BEFORE) + len(model.layers) * len(FUSED_LAYER_STAGES) + len(FUSED_TOP_AFTER)

@@ -122,7 +122,6 @@ class Generation:
         self._tokenization: TokenizationRecord | None = None
         self._rope: RopeRecord | None = None
         self._generated: list[int] = []
-        self._text = ""
         self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
         self._steps: list[StepRecord] = []
         self._stop_reason = STOP_INTERRUPTED
@@ -297,9 +296,7 @@ class Generation:
         """The text this token adds; held back while a multi-byte character is incomplete."""
         if self._stream is None:
             self._stream = TextStream(self.tokenizer, getattr(self.tokenizer, "eos_id", None))
-        added = self._stream.add(token_id)
-        self._text += added
-        return added
+        return self._stream.add(token_id)
 
     def _candidate(self, c: Any) -> CandidateRecord:
         return CandidateRecord(
@@ -313,11 +310,8 @@ class Generation:
 
     def trace(self) -> Trace:
         """The trace of everything completed so far (the whole run once `Finished` has been yielded)."""
-        if self.tokenizer is not None and self._generated:
-            eos = getattr(self.tokenizer, "eos_id", None)
-            text = self.tokenizer.decode([t for t in self._generated if t != eos])
-        else:
-            text = self._text
+        # The whole text decoded at once (the streamed pieces join into it); EOS is not shown.
+        text = self.tokenizer.decode(self._stream.ids) if self._stream is not None else ""
         completed = {(s.phase, s.step) for s in self._steps}
         return Trace(
             settings=self.settings,

@@ -147,7 +147,7 @@ class Tracer:
             self.mechanism = "fused" if fusable is not None and fusable() else "wrap"
         if self.mechanism == "fused":
             self.stages = fused_stages(self.model)
-            self._fused = FusedMarks(self.model, self.sync)
+            self._fused = FusedMarks(self.model, len(self.stages), self.sync)
         else:
             found = stage_modules(self.model)
             self.stages = [s for s, _ in found]

@@ -30,7 +30,7 @@ from tracer.gguf_header import GGUF_MAGIC
 from tracer.gguf_loader import load_gguf_weights, quantization_summary, read_header
 from tracer.gguf_tokenizer import tokenizer_from_gguf
 from tracer.hf_loader import load_hf_state_dict
-from tracer.model import DTYPES, Transformer, build_meta_model, expected_shapes, parse_dtype
+from tracer.model import DTYPES, Transformer, build_meta_model, expected_shapes, parse_dtype, random_weights
 from tracer.presets import PRESETS, get_preset
 from tracer.resolve import config_from_gguf_header
 from tracer.tokenizer import Tokenizer, load_tokenizer
@@ -204,10 +204,8 @@ def _check_device(device: str) -> torch.device:
 
 
 def random_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random weights at the config's real size: N(0, 0.02) matrices (HF's initializer_range), unit norms.
-
-    Refuses (HardwareError) when the weights would not fit in the memory this machine has free.
-    """
+    """`model.random_weights` at the config's real size, refused (HardwareError) when the weights would not fit in
+    the memory this machine has free."""
     shapes = expected_shapes(config)
     element = torch.empty(0, dtype=dtype).element_size()
     need = sum(math.prod(shape) for shape in shapes.values()) * element
@@ -217,14 +215,7 @@ def random_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int) -> dic
             f"random weights for {config.name} in {_DTYPE_NAMES[dtype]} need {need / 1e9:.1f} GB, this machine has "
             f"{free / 1e9:.1f} GB free; use a dry run, a smaller preset or a 16-bit dtype"
         )
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            state[name] = torch.ones(shape, dtype=dtype)
-        else:
-            state[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator).to(dtype)
-    return state
+    return random_weights(config, dtype, seed)
 
 
 def _available_memory() -> int | None:

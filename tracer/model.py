@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from tracer.config import ModelConfig
 from tracer.errors import BadArgumentError, CheckpointError
 from tracer.functional import causal_mask, rms_norm, softmax_fp32
-from tracer.fused import FusedPlan, Mark, no_mark, watched
+from tracer.fused import FusedPlan, Mark, matvec, no_mark, watched
 from tracer.kv_cache import KVCache
 from tracer.rope import RotaryEmbedding, rope_tables
 
@@ -46,11 +46,12 @@ class Linear(nn.Linear):
     """An nn.Linear without bias (same parameter, state-dict name and repr) that multiplies one token through
     torch.mv: for bf16 on CPU a matrix-vector product runs up to twice as fast as the same product through mm
     (BENCHMARKS.md, "Model speed"), and never slower in fp32. FlopCounterMode counts mm but not mv, so while any
-    TorchDispatchMode is active (FlopCounterMode is one) the call takes F.linear: what it counts is what runs."""
+    TorchDispatchMode is active (FlopCounterMode is one) the product goes through mm (fused.matvec): what it counts
+    is what runs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features and self.bias is None and not torch._C._len_torch_dispatch_stack():
-            return torch.mv(self.weight, x.reshape(-1)).view(x.shape[:-1] + (self.out_features,))  # (..., out)
+        if x.numel() == self.in_features and self.bias is None:
+            return matvec(self.weight, x.reshape(-1)).view(x.shape[:-1] + (self.out_features,))  # (..., out)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -246,11 +247,6 @@ class Transformer(nn.Module):
     def pos(self) -> int:
         """Tokens already in the KV cache (the position the next token will take)."""
         return self._pos
-
-    @property
-    def max_seq(self) -> int:
-        """Positions the KV cache can hold (0 before `setup_cache`)."""
-        return self.layers[0].attention.kv_cache.max_seq if len(self.layers) else 0
 
     def setup_cache(self, max_batch: int, max_seq: int) -> None:
         """Allocate every layer's KV cache for `max_batch` sequences of up to `max_seq` tokens; resets `pos`."""
@@ -484,23 +480,25 @@ def build_meta_model(config: ModelConfig) -> Transformer:
         return Transformer(config)
 
 
+def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights in our naming, on the CPU: N(0, 0.02^2) matrices (GPT-2/LLaMA init std, drawn in fp32
+    then cast to `dtype`, so every dtype gets the same values up to rounding), norm weights 1."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:
+            state[name] = torch.ones(shape, dtype=dtype)
+        else:
+            state[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator).to(dtype)
+    return state
+
+
 def build_random_model(
     config: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
 ) -> Transformer:
-    """A model of `config`'s size with seeded random weights, created directly on `device` in `dtype`.
-
-    Linear and embedding weights ~ N(0, 0.02^2) (GPT-2/LLaMA init std), norm weights 1. Built on the meta device
-    first, so the default (slow) initialisation never runs and memory is allocated once.
-    """
-    torch_dtype = parse_dtype(dtype)
-    model = build_meta_model(config).to(torch_dtype).to_empty(device=device)  # meta .to() costs nothing
-    if config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # to_empty gives each registration its own storage
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # tied weights are listed once
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+    """A model of `config`'s size with `random_weights(config, dtype, seed)` on `device`, built on the meta device
+    first, so the default (slow) initialisation never runs."""
+    state = {name: tensor.to(device) for name, tensor in random_weights(config, parse_dtype(dtype), seed).items()}
+    model = build_meta_model(config)
+    model.load_weights(state)
     return model

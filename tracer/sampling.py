@@ -165,16 +165,8 @@ class Sampler:
         return self._uniforms.pop()
 
     @property
-    def params(self) -> SamplingParams:
-        return self._params
-
-    @property
     def seed(self) -> int:
         return self._seed
-
-    @property
-    def n_candidates(self) -> int:
-        return self._n_candidates
 
     def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor = ()) -> SampleResult:
         """Pick the next token from `logits` (shape (vocab,)); `previous_ids` are the tokens the penalty sees."""
@@ -196,10 +188,9 @@ class Sampler:
         return self._draw(raw, raw_max, raw_lse, penalised, common)
 
     def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> SampleResult:
-        order = _top_sorted(penalised, min(self._n_candidates, penalised.size))
-        chosen = int(order[0])  # ties sort lower ids first, so this is argmax's first maximum, like HF
+        ids = _top_sorted(penalised, min(self._n_candidates, penalised.size))
+        chosen = int(ids[0])  # ties sort lower ids first, so this is argmax's first maximum, like HF
         vocab = penalised.size
-        ids = order
         prob_raw = np.exp(raw[ids].astype(np.float64) - raw_lse)
         one_hot = (ids == chosen).astype(np.float64)
         everything = np.ones(ids.size, dtype=bool)
