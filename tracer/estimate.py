@@ -276,7 +276,8 @@ def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dt
                          components=tuple(components), totals=_totals(_cost_tuples(cfg, rows)))
 
 
-def _check(name: str, value: int, minimum: int = 1) -> int:
+def check_count(name: str, value: int, minimum: int = 1) -> int:
+    """`value` when it is an integer >= `minimum`, else the one-line BadArgumentError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise BadArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
@@ -284,12 +285,12 @@ def _check(name: str, value: int, minimum: int = 1) -> int:
 
 def prefill(cfg: ModelConfig, prompt_len: int, dtypes: Dtypes, batch: int = 1) -> PhaseEstimate:
     """Prefill of `prompt_len` tokens per sequence into an empty cache."""
-    return _phase(cfg, "prefill", _check("batch", batch), _check("prompt length", prompt_len), 0, dtypes)
+    return _phase(cfg, "prefill", check_count("batch", batch), check_count("prompt length", prompt_len), 0, dtypes)
 
 
 def decode_step(cfg: ModelConfig, context_len: int, dtypes: Dtypes, batch: int = 1) -> PhaseEstimate:
     """One decode step: 1 new token per sequence with `context_len` positions already in the cache."""
-    return _phase(cfg, "decode", _check("batch", batch), 1, _check("context length", context_len, 0), dtypes)
+    return _phase(cfg, "decode", check_count("batch", batch), 1, check_count("context length", context_len, 0), dtypes)
 
 
 def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtypes, batch: int = 1,
@@ -297,7 +298,7 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
     """Prefill of P tokens then N - 1 decode steps at L = P .. P+N-2, every step summed exactly.
 
     `prefill_estimate`: the same prefill already computed by the caller, to avoid computing it twice."""
-    _check("new tokens", new_tokens)
+    check_count("new tokens", new_tokens)
     pre = prefill_estimate if prefill_estimate is not None else prefill(cfg, prompt_len, dtypes, batch)
     steps = new_tokens - 1
     n_comp = len(pre.components)

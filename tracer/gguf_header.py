@@ -7,6 +7,7 @@ No numpy or torch, so `llmtrace flops --model file.gguf` stays instant.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -56,10 +57,7 @@ class GGUFTensorInfo:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def n_bytes(self) -> int:

@@ -421,12 +421,6 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int) -> BatchRo
 # ---- the report ---------------------------------------------------------------------------------------------
 
 
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
 def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 512, new_tokens: int = 128,
              batch: int = 1, dtype: str = "fp16", kv_dtype: str | None = None, tp: int = 1,
              check_fit: bool = True) -> RooflineReport:
@@ -435,9 +429,9 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     Raises BadArgumentError / HardwareError (one line each) for a bad batch, prompt or tp, a dtype the hardware
     has no peak for, and, with check_fit, a model + KV cache that does not fit in the devices' memory.
     """
-    _positive("--batch", batch)
-    _positive("--prompt-len", prompt_len)
-    _positive("--new-tokens", new_tokens)
+    estimate.check_count("--batch", batch)
+    estimate.check_count("--prompt-len", prompt_len)
+    estimate.check_count("--new-tokens", new_tokens)
     weights = get_dtype(dtype)
     dtypes = estimate.Dtypes.for_weights(weights, get_dtype(kv_dtype) if kv_dtype else None)
     check_tp(config, tp, hardware)

@@ -12,6 +12,7 @@ tracer/hf_loader.py memory-maps tensors at `SafetensorsFile.data_start + Safeten
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,7 @@ class SafetensorsTensor:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for dim in self.shape:
-            n *= dim
-        return n
+        return math.prod(self.shape)
 
     @property
     def n_bytes(self) -> int:
@@ -75,11 +73,6 @@ class SafetensorsCheckpoint:
     @property
     def tensors(self) -> tuple[SafetensorsTensor, ...]:
         return tuple(t for s in self.shards for t in s.tensors)
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        """"__metadata__" of the first file."""
-        return self.shards[0].metadata if self.shards else {}
 
     @property
     def n_params(self) -> int:
