@@ -64,7 +64,7 @@ def render_profiles(console: Console, profiles: list[HardwareProfile], store: st
     console.print(
         "Peaks in TFLOP/s (int8: TOP/s), the vendors' dense figures: 2:4 sparsity doubles them on paper and "
         "inference kernels do not use it. Memory bandwidth in TB/s (10¹² bytes/s), capacity in GiB (2³⁰ bytes). "
-        "ridge = bf16 peak FLOP/s ÷ bandwidth, in FLOPs per byte: a phase doing fewer FLOPs per byte it moves "
+        "ridge = 16-bit peak FLOP/s (bf16, else fp16, else fp32) ÷ bandwidth, in FLOPs per byte: a phase doing fewer FLOPs per byte it moves "
         "is memory-bound. Interconnect: per device, both directions together, as datasheets print it."
     )
     console.print(sources_table(profiles))

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tracer.trace_records import PREFILL, StageRecord, StepRecord
+from tracer.trace_summary import stage_totals
 
 if TYPE_CHECKING:
     from tracer.trace import Trace
@@ -107,15 +108,15 @@ def _group(name: str, members: list[StageRecord], extra: dict[str, Any]) -> dict
 
 
 def _totals(stages: Iterable[StageRecord]) -> dict[str, int]:
-    stages = list(stages)
+    t = stage_totals(stages)
     return {
-        "flops": sum(s.flops for s in stages),
-        "matmul_flops": sum(s.matmul_flops for s in stages),
-        "bytes_read": sum(s.bytes_read for s in stages),
-        "bytes_written": sum(s.bytes_written for s in stages),
-        "weight_bytes_read": sum(s.weight_bytes_read for s in stages),
-        "kv_bytes_read": sum(s.kv_bytes_read for s in stages),
-        "kv_bytes_written": sum(s.kv_bytes_written for s in stages),
+        "flops": t.flops,
+        "matmul_flops": t.matmul_flops,
+        "bytes_read": t.bytes_read,
+        "bytes_written": t.bytes_written,
+        "weight_bytes_read": t.weight_bytes_read,
+        "kv_bytes_read": t.kv_bytes_read,
+        "kv_bytes_written": t.kv_bytes_written,
     }
 
 

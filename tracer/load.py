@@ -88,12 +88,11 @@ def load_model(
             "an HF model folder as --model"
         )
     if kind == "hf":
-        config = ModelConfig.from_hf_json(path)
+        config, tokenizer = _config_and_tokenizer(kind, path, spec)
         folder = path if path.is_dir() else path.parent
         mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype
         stored = "+".join(sorted({_DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in mapped.values()}))
         state = {name: tensor.to(torch_dtype) for name, tensor in mapped.items()}  # no copy when already fp32
-        tokenizer = load_tokenizer(folder)
         model = _assemble(config, state, target)
         fmt = f"safetensors {stored} -> {_DTYPE_NAMES[torch_dtype]}"
         return _finish(start, config, model, tokenizer, str(folder), fmt)

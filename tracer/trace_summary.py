@@ -32,8 +32,12 @@ class StageTotals:
         return self.weight_bytes_read + self.activation_bytes_read + self.kv_bytes_read
 
     @property
+    def bytes_written(self) -> int:
+        return self.activation_bytes_written + self.kv_bytes_written
+
+    @property
     def bytes_moved(self) -> int:
-        return self.bytes_read + self.activation_bytes_written + self.kv_bytes_written
+        return self.bytes_read + self.bytes_written
 
     @property
     def min_bytes(self) -> int:
