@@ -7,7 +7,7 @@ from rich.markup import escape
 
 from cli import units
 from cli.text_table import TextTable
-from tracer.estimate import ELEMENTWISE, MATMUL, ComponentCost, PhaseEstimate, Totals
+from tracer.estimate import ELEMENTWISE, MATMUL, PhaseEstimate, Totals
 from tracer.flops_report import FlopsReport
 
 _WEIGHTS_FROM = {"option": "", "checkpoint": " (the checkpoint's)", "default": " (default; --dtype to change)"}
