@@ -32,7 +32,7 @@ def llmtrace_command() -> list[str]:
     found = shutil.which("llmtrace")
     if found:
         return [found]
-    return [sys.executable, "-c", "import sys; sys.argv[0] = 'llmtrace'; from cli.app import main; main()"]
+    return [sys.executable, "-c", "import sys; sys.argv[0] = 'llmtrace'; from llmtrace.cli.app import main; main()"]
 
 
 def bundled_gguf() -> str | None:

@@ -28,7 +28,7 @@ _OURS = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch
-from tracer.load import load_model
+from llmtrace.tracer.load.loader import load_model
 t1 = time.perf_counter()
 loaded = load_model(None, dtype="fp32", use_cache={use_cache})
 t2 = time.perf_counter()
@@ -78,8 +78,8 @@ def components(path: str, rounds: int) -> None:
     import numpy as np
     from gguf.quants import dequantize as gguf_dequantize
 
-    from tracer.gguf_header import read_gguf_header
-    from tracer.gguf_loader import dequantize
+    from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+    from llmtrace.tracer.load.gguf_loader import dequantize
 
     header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -98,13 +98,13 @@ def components(path: str, rounds: int) -> None:
 
     rows = {"header + vocabulary: tracer read_gguf_header(decode_arrays=True)": [],
             "header + vocabulary: gguf.GGUFReader": [],
-            "dequantize all 272 tensors: tracer.gguf_loader": [],
+            "dequantize all 272 tensors: llmtrace.tracer.load.gguf_loader": [],
             "dequantize all 272 tensors: gguf.quants.dequantize": []}
     for _ in range(rounds):
         rows["header + vocabulary: tracer read_gguf_header(decode_arrays=True)"].append(
             timed(lambda: read_gguf_header(path, decode_arrays=True)))
         rows["header + vocabulary: gguf.GGUFReader"].append(timed(lambda: gguf.GGUFReader(path)))
-        rows["dequantize all 272 tensors: tracer.gguf_loader"].append(all_tensors(dequantize))
+        rows["dequantize all 272 tensors: llmtrace.tracer.load.gguf_loader"].append(all_tensors(dequantize))
         rows["dequantize all 272 tensors: gguf.quants.dequantize"].append(
             all_tensors(lambda raw, kind: gguf_dequantize(raw, gguf.GGMLQuantizationType(kind))))
     print("| step | median (s) |")
@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
-    from tracer.bundled import bundled_model_path
+    from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 
     components(str(bundled_model_path()), args.rounds)
 

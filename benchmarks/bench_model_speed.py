@@ -1,7 +1,7 @@
 """Model speed: greedy decode tokens/s and 128-token prefill tokens/s, llmtrace's Transformer against HF
 transformers' LlamaForCausalLM holding the same weights, in the same dtype, with the same torch threads.
 
-Weights: the bundled default model (SmolLM2-135M-Instruct, GGUF dequantized by tracer.load) when it is installed,
+Weights: the bundled default model (SmolLM2-135M-Instruct, GGUF dequantized by llmtrace.tracer.load.loader) when it is installed,
 else seeded random weights at SmolLM2-135M's size (`--random` forces these). Both models get their own in-memory
 copy (not memory-mapped: this VM evicts idle page-cache pages, which would time the disk instead of the model).
 HF runs its eager forward with a DynamicCache (attn_implementation="sdpa", its default), the LM head on the last
@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-from tracer.config import ModelConfig
-from tracer.hf_loader import ours_to_hf
-from tracer.model import Transformer, build_meta_model, build_random_model, parse_dtype
-from tracer.presets import get_preset
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.load.hf_loader import ours_to_hf
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model, parse_dtype
+from llmtrace.tracer.core.presets import get_preset
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64
@@ -36,7 +36,7 @@ def our_model(dtype: str, random: bool) -> tuple[Transformer, str]:
     """The bundled model (or random SmolLM2-135M) in `dtype`, every weight copied into ordinary memory."""
     if not random:
         try:
-            from tracer.load import load_model
+            from llmtrace.tracer.load.loader import load_model
 
             loaded = load_model(None, dtype=dtype)
             source = f"bundled {loaded.weight_format}"

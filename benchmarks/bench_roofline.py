@@ -2,10 +2,10 @@
 wall time of `llmtrace roofline` / `llmtrace hardware` against `python -c "import typer, rich"`.
 
 Part 1 (prediction vs measurement), in one process, rounds interleaved so that machine noise hits both alike:
-each round measures this machine's ceilings (fp32 GEMM FLOP/s, copy bandwidth: tracer.hardware_measure) and then
+each round measures this machine's ceilings (fp32 GEMM FLOP/s, copy bandwidth: llmtrace.tracer.hardware.measure) and then
 runs one greedy generation of the default model (SmolLM2-135M GGUF, dequantized to fp32) without hooks: one
 prefill of the prompt, then N - 1 decode steps, each timed alone (perf_counter around model.prefill/decode_one).
-Medians over rounds feed tracer.roofline_compare.compare_with_measured, the same call `llmtrace run` makes.
+Medians over rounds feed llmtrace.tracer.roofline.compare.compare_with_measured, the same call `llmtrace run` makes.
 The weights are copied out of the memory-mapped cache first (see part_prediction for why).
 
 Part 2 (CLI speed): fresh subprocesses, interleaved, medians.
@@ -51,9 +51,9 @@ def measure_generation(loaded, ids: list[int], new_tokens: int) -> tuple[float, 
 def part_prediction(rounds: int, new_tokens: int) -> dict:
     import torch
 
-    from tracer.hardware_measure import measure_copy, measure_gemm, measure_machine, profile_from_measurement
-    from tracer.load import load_model
-    from tracer.roofline_compare import compare_with_measured
+    from llmtrace.tracer.hardware.measure import measure_copy, measure_gemm, measure_machine, profile_from_measurement
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.roofline.compare import compare_with_measured
 
     loaded = load_model(None, dtype="fp32")
     # The converted-weights cache is memory-mapped: on this VM the kernel evicts page-cache pages idle for a few
@@ -98,7 +98,7 @@ def part_prediction(rounds: int, new_tokens: int) -> dict:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from cli.app import main; main(sys.argv[1:])", *args]
+    return [sys.executable, "-c", "import sys; from llmtrace.cli.app import main; main(sys.argv[1:])", *args]
 
 
 def part_cli(runs: int) -> dict:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from tracer.generate import Finished, Generation, TokenStep
-from tracer.hooks import Tracer
-from tracer.load import LoadedModel, load_model
-from tracer.trace_records import DECODE, PREFILL, RunSettings
+from llmtrace.tracer.run.generate import Finished, Generation, TokenStep
+from llmtrace.tracer.trace.hooks import Tracer
+from llmtrace.tracer.load.loader import LoadedModel, load_model
+from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 32
@@ -101,7 +101,7 @@ FORWARD_MODES = ("default", "tracer_fused", "stage_by_stage", "noop_hooks", "tra
 
 def _forward_steps(loaded: LoadedModel, mode: str, n: int = 24) -> list[int]:
     """Durations (ns) of `n` decode_one calls after a 6-token prefill, under `mode`."""
-    from tracer.hooks import stage_modules
+    from llmtrace.tracer.trace.hooks import stage_modules
 
     model = loaded.model
     model.setup_cache(1, 6 + n)
@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("overhead", "profiler", "hf"), action="append")
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (what `llmtrace run` uses by default)")
     args = parser.parse_args()
-    from tracer.dtype_policy import resolve_dtype
+    from llmtrace.tracer.hardware.dtype_policy import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, "cpu")
     loaded = load_model(None, dtype=dtype)

@@ -35,15 +35,15 @@ def _root() -> None:
     """A group callback, so that Typer keeps `llmtrace COMMAND` even when main() has loaded a single command."""
 
 
-# Command name -> the module that registers it on `app` when imported (`from cli.app import app`), in help order.
+# Command name -> the module that registers it on `app` when imported (`from llmtrace.cli.app import app`), in help order.
 COMMAND_MODULES: dict[str, str] = {
-    "run": "cli.cmd_run",
-    "show": "cli.cmd_show",
-    "flops": "cli.cmd_flops",
-    "kvmem": "cli.cmd_kvmem",
-    "models": "cli.cmd_models",
-    "roofline": "cli.cmd_roofline",
-    "hardware": "cli.cmd_hardware",
+    "run": "llmtrace.cli.cmd_run",
+    "show": "llmtrace.cli.cmd_show",
+    "flops": "llmtrace.cli.cmd_flops",
+    "kvmem": "llmtrace.cli.cmd_kvmem",
+    "models": "llmtrace.cli.cmd_models",
+    "roofline": "llmtrace.cli.cmd_roofline",
+    "hardware": "llmtrace.cli.cmd_hardware",
 }
 _loading = False  # True while command modules import: they get the bare app, not a recursive load
 
@@ -61,7 +61,7 @@ def load_commands(names: list[str] | None = None) -> typer.Typer:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "app":  # `from cli.app import app`: the app with every command registered
+    if name == "app":  # `from llmtrace.cli.app import app`: the app with every command registered
         return _app if _loading else load_commands()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

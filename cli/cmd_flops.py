@@ -4,9 +4,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.app import app
-from cli.errors import run_guarded
-from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+from llmtrace.cli.app import app
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
 
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_NEW_TOKENS = 128
@@ -43,17 +43,17 @@ def flops(
 
     def body() -> None:
         # Imported inside the command: `llmtrace --help` and the other commands do not pay for them.
-        from tracer.dtypes import get_dtype
-        from tracer.errors import BadArgumentError
-        from tracer.flops_report import flops_report
-        from tracer.resolve import resolve_model
+        from llmtrace.tracer.core.dtypes import get_dtype
+        from llmtrace.tracer.core.errors import BadArgumentError
+        from llmtrace.tracer.analytic.flops_report import flops_report
+        from llmtrace.tracer.checkpoint.resolve import resolve_model
 
         if prompt is not None and prompt_len is not None:
             raise BadArgumentError("give either --prompt or --prompt-len, not both")
         resolved = resolve_model(model)
         tokenizer_source = None
         if prompt is not None:
-            from tracer.prompt_tokens import count_prompt_tokens
+            from llmtrace.tracer.checkpoint.prompt_tokens import count_prompt_tokens
 
             counted = count_prompt_tokens(resolved, prompt)
             p_len, tokenizer_source = counted.n_tokens, counted.tokenizer
@@ -67,12 +67,12 @@ def flops(
             batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source,
         )
         if json_out:
-            from cli.json_output import print_json
+            from llmtrace.cli.json_output import print_json
 
             print_json(report)
             return
-        from cli.console import stdout_console
-        from cli.render_flops import render_flops
+        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.render_flops import render_flops
 
         render_flops(stdout_console(), report, macs)
 

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli.app import app
-from cli.errors import run_guarded
-from cli.options import JsonOption
+from llmtrace.cli.app import app
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.options import JsonOption
 
 if TYPE_CHECKING:
-    from tracer.hardware import HardwareProfile
+    from llmtrace.tracer.hardware.profiles import HardwareProfile
 
-# Library and rich imports live inside the command bodies: importing cli.app (every command) stays cheap.
+# Library and rich imports live inside the command bodies: importing llmtrace.cli.app (every command) stays cheap.
 
 
 class DeviceChoice(str, Enum):
@@ -26,8 +26,8 @@ class DeviceChoice(str, Enum):
 
 def _parse_dtypes(text: str) -> tuple[str, ...]:
     """Checked here, before torch is imported, so a typo fails in a blink."""
-    from tracer.errors import BadArgumentError
-    from tracer.hardware import MEASURABLE_DTYPES
+    from llmtrace.tracer.core.errors import BadArgumentError
+    from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES
 
     names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     if not names:
@@ -39,7 +39,7 @@ def _parse_dtypes(text: str) -> tuple[str, ...]:
 
 
 def _profile_json(p: "HardwareProfile") -> dict:
-    from tracer.hardware import PEAK_DTYPES
+    from llmtrace.tracer.hardware.profiles import PEAK_DTYPES
 
     data = asdict(p)
     data["ridge_point"] = {d: p.ridge_point(d) for d in PEAK_DTYPES if p.has_peak(d)}
@@ -71,9 +71,9 @@ def hardware(
     def body() -> None:
         from rich.console import Console
 
-        from cli.render_hardware import render_profiles
-        from tracer.hardware import all_profiles
-        from tracer.hardware_store import load_measured_profiles, store_path
+        from llmtrace.cli.render_hardware import render_profiles
+        from llmtrace.tracer.hardware.profiles import all_profiles
+        from llmtrace.tracer.hardware.store import load_measured_profiles, store_path
 
         if measure:
             _measure(device.value, _parse_dtypes(dtypes), repeats, max_n, copy_mib, json_out)
@@ -91,15 +91,15 @@ def hardware(
 def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
     from rich.console import Console
 
-    from cli.render_hardware import render_measurement
-    from tracer.errors import BadArgumentError
-    from tracer.hardware import THIS_MACHINE
-    from tracer.hardware_store import save_measured_profile
+    from llmtrace.cli.render_hardware import render_measurement
+    from llmtrace.tracer.core.errors import BadArgumentError
+    from llmtrace.tracer.hardware.profiles import THIS_MACHINE
+    from llmtrace.tracer.hardware.store import save_measured_profile
 
     if max_n < 0 or copy_mib < 0:
         raise BadArgumentError("--max-n and --copy-mib must be >= 0 (0 = the default size)")
     # torch only here: listing profiles and every analytical command stay torch-free.
-    from tracer.hardware_measure import measure_machine, profile_from_measurement
+    from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
 
     err = Console(stderr=True)
     with err.status("measuring…") as status:

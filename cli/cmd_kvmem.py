@@ -4,9 +4,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.app import app
-from cli.errors import run_guarded
-from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+from llmtrace.cli.app import app
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
 
 
 @app.command("kvmem")
@@ -32,9 +32,9 @@ def kvmem(
     """
 
     def body() -> None:
-        from tracer.dtypes import get_dtype
-        from tracer.kvmem import kvmem_report, parse_bytes
-        from tracer.resolve import resolve_config
+        from llmtrace.tracer.core.dtypes import get_dtype
+        from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
+        from llmtrace.tracer.checkpoint.resolve import resolve_config
 
         config = resolve_config(model)
         report = kvmem_report(
@@ -43,12 +43,12 @@ def kvmem(
             weights_dtype=get_dtype(weights_dtype.value),
         )
         if json_out:
-            from cli.json_output import print_json
+            from llmtrace.cli.json_output import print_json
 
             print_json(report)
             return
-        from cli.console import stdout_console
-        from cli.render_kvmem import render_kvmem
+        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.render_kvmem import render_kvmem
 
         render_kvmem(stdout_console(), report)
 

@@ -4,9 +4,9 @@ from typing import Annotated
 
 import typer
 
-from cli.app import app
-from cli.errors import run_guarded
-from cli.options import DtypeChoice, JsonOption
+from llmtrace.cli.app import app
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.options import DtypeChoice, JsonOption
 
 
 @app.command("models")
@@ -14,7 +14,7 @@ def models(
     dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="Dtype of the weight and KV-cache columns.")] = DtypeChoice.fp16,
     json_out: JsonOption = False,
 ) -> None:
-    """List the model presets usable as --model (each preset's source is cited in tracer/presets.py).
+    """List the model presets usable as --model (each preset's source is cited in tracer/core/presets.py).
 
     Examples:
       llmtrace models
@@ -22,17 +22,17 @@ def models(
     """
 
     def body() -> None:
-        from tracer.catalog import models_report
-        from tracer.dtypes import get_dtype
+        from llmtrace.tracer.analytic.catalog import models_report
+        from llmtrace.tracer.core.dtypes import get_dtype
 
         report = models_report(get_dtype(dtype.value))
         if json_out:
-            from cli.json_output import print_json
+            from llmtrace.cli.json_output import print_json
 
             print_json(report)
             return
-        from cli.console import stdout_console
-        from cli.render_models import render_models
+        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.render_models import render_models
 
         render_models(stdout_console(), report)
 

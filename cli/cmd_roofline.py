@@ -6,9 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.app import app
-from cli.errors import run_guarded
-from cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+from llmtrace.cli.app import app
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
 
 DEFAULT_HARDWARE = "a100-80gb"  # the seed article's GPU
 
@@ -41,21 +41,21 @@ def roofline(
     """
 
     def body() -> None:
-        from tracer.hardware_store import resolve_hardware
-        from tracer.resolve import resolve_config
-        from tracer.roofline import roofline as predict
+        from llmtrace.tracer.hardware.store import resolve_hardware
+        from llmtrace.tracer.checkpoint.resolve import resolve_config
+        from llmtrace.tracer.roofline.analysis import roofline as predict
 
         report = predict(
             resolve_config(model), resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
             batch=batch, dtype=dtype.value, kv_dtype=kv_dtype.value if kv_dtype else None, tp=tp,
         )
         if json_out:
-            from cli.json_output import print_json
+            from llmtrace.cli.json_output import print_json
 
             print_json(report)
             return
-        from cli.console import stdout_console
-        from cli.render_roofline import render_report
+        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.render_roofline import render_report
 
         render_report(stdout_console(), report)
 

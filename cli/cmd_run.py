@@ -18,12 +18,12 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from cli.app import app
-from cli.console import PIPE_WIDTH
-from cli.errors import run_guarded
-from cli.output_files import check_writable, write_output
-from cli.options import Detail, DetailOption
-from cli.render_run import (
+from llmtrace.cli.app import app
+from llmtrace.cli.console import PIPE_WIDTH
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.output_files import check_writable, write_output
+from llmtrace.cli.options import Detail, DetailOption
+from llmtrace.cli.render_run import (
     render_embedding,
     render_header,
     render_layers,
@@ -31,13 +31,13 @@ from cli.render_run import (
     render_positions,
     render_tokenization,
 )
-from cli.render_run_live import DecodeView
-from cli.render_run_report import render_ending
-from tracer.errors import BadArgumentError, LlmtraceError
-from tracer.trace import STOP_INTERRUPTED, Trace
-from tracer.trace_records import RunSettings
-from tracer.roofline_compare import MeasuredVsBound, compare_with_measured
-from tracer.trace_summary import RunSummary, run_summary
+from llmtrace.cli.render_run_live import DecodeView
+from llmtrace.cli.render_run_report import render_ending
+from llmtrace.tracer.core.errors import BadArgumentError, LlmtraceError
+from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
+from llmtrace.tracer.trace.records import RunSettings
+from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
+from llmtrace.tracer.trace.summary import RunSummary, run_summary
 
 SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
@@ -45,7 +45,7 @@ EXIT_INTERRUPTED = 130
 
 
 class RunDtype(str, Enum):
-    """What `run` computes in (auto: tracer.dtype_policy); not the storage dtypes of cli.options.DtypeChoice."""
+    """What `run` computes in (auto: llmtrace.tracer.hardware.dtype_policy); not the storage dtypes of llmtrace.cli.options.DtypeChoice."""
 
     auto = "auto"
     fp32 = "fp32"
@@ -80,7 +80,7 @@ def run_command(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     detail: DetailOption = Detail.layers,
     json_path: Annotated[Optional[Path], typer.Option(
-        "--json", metavar="PATH", help="Write the whole trace as JSON (schema: tracer/trace_schema.json); "
+        "--json", metavar="PATH", help="Write the whole trace as JSON (schema: tracer/trace/trace_schema.json); "
                                        "'-' = stdout alone.")] = None,
     chrome_trace: Annotated[Optional[Path], typer.Option(
         "--chrome-trace", metavar="PATH", help="Write a Chrome/Perfetto trace (open in ui.perfetto.dev).")] = None,
@@ -122,7 +122,7 @@ def run_command(
                 sys.stdout.write(trace.to_json(indent=1) + "\n")
             else:
                 write_output(json_path, trace.to_json(indent=1))
-                console.print(f"[dim]trace written to {json_path} (JSON; schema tracer/trace_schema.json)[/]")
+                console.print(f"[dim]trace written to {json_path} (JSON; schema tracer/trace/trace_schema.json)[/]")
         if chrome_trace is not None:
             import json
 
@@ -173,8 +173,8 @@ def _check_settings(settings: RunSettings) -> None:
 def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True) -> Trace:
     import torch
 
-    from tracer.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
-    from tracer.load import load_model
+    from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
+    from llmtrace.tracer.load.loader import load_model
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -233,16 +233,16 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
 
 def _roofline_for(console: Console, trace: Trace, summary: RunSummary) -> tuple[MeasuredVsBound | None, str]:
     """The run's measured forward passes next to the roofline bound for this machine in the dtype the run computed
-    in (tracer.roofline_compare), or why there is none.
+    in (llmtrace.tracer.roofline.compare), or why there is none.
 
     The ceilings come from the saved 'this-machine' profile; when there is none yet, a quick measurement (well
     under 2 s) makes and saves one, as `llmtrace hardware --measure` would, and says so.
     """
     device = trace.environment.device.split(":")[0]
     try:
-        from tracer.dtypes import get_dtype
-        from tracer.hardware import THIS_MACHINE, get_profile
-        from tracer.hardware_store import load_measured_profiles, load_measurement_details
+        from llmtrace.tracer.core.dtypes import get_dtype
+        from llmtrace.tracer.hardware.profiles import THIS_MACHINE, get_profile
+        from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details
 
         dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
         measured = load_measured_profiles()
@@ -278,9 +278,9 @@ def _quick_measure(console: Console, device: str, dtype: str) -> Any:
     """Measure this machine's ceilings quickly (fp32 and the run's dtype) and save them as 'this-machine'."""
     from dataclasses import asdict, replace
 
-    from tracer.hardware import THIS_MACHINE
-    from tracer.hardware_measure import QUICK, profile_from_measurement, quick_measure_machine
-    from tracer.hardware_store import save_measured_profile
+    from llmtrace.tracer.hardware.profiles import THIS_MACHINE
+    from llmtrace.tracer.hardware.measure import QUICK, profile_from_measurement, quick_measure_machine
+    from llmtrace.tracer.hardware.store import save_measured_profile
 
     dtypes = ("fp32",) if dtype == "fp32" else ("fp32", dtype)
     start = time.perf_counter()

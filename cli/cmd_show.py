@@ -15,15 +15,15 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from cli.app import app
-from cli.console import PIPE_WIDTH
-from cli.errors import run_guarded
-from cli.options import Detail, DetailOption
-from cli.output_files import check_writable, write_output
-from cli.render_run_report import render_ending, render_journey
-from tracer.errors import BadArgumentError
-from tracer.trace import Trace
-from tracer.trace_summary import run_summary
+from llmtrace.cli.app import app
+from llmtrace.cli.console import PIPE_WIDTH
+from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.options import Detail, DetailOption
+from llmtrace.cli.output_files import check_writable, write_output
+from llmtrace.cli.render_run_report import render_ending, render_journey
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.trace.run_trace import Trace
+from llmtrace.tracer.trace.summary import run_summary
 
 
 @app.command("show", epilog="Example: llmtrace run 今天天气真 --json run.json; llmtrace show run.json --detail ops")

@@ -8,7 +8,7 @@ from typing import Callable, TypeVar
 
 import typer
 
-from tracer.errors import LlmtraceError
+from llmtrace.tracer.core.errors import LlmtraceError
 
 T = TypeVar("T")
 EXIT_USAGE = 2

@@ -9,7 +9,7 @@ import typer
 
 
 class DtypeChoice(str, Enum):
-    """Storage dtypes llmtrace budgets for (tracer.dtypes): int8/int4 include one fp16 scale per 32 values."""
+    """Storage dtypes llmtrace budgets for (llmtrace.tracer.core.dtypes): int8/int4 include one fp16 scale per 32 values."""
 
     fp32 = "fp32"
     bf16 = "bf16"

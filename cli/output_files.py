@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tracer.errors import BadArgumentError
+from llmtrace.tracer.core.errors import BadArgumentError
 
 
 def check_writable(path: Path) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from cli import units
-from cli.text_table import TextTable
-from tracer.estimate import ELEMENTWISE, MATMUL, PhaseEstimate, Totals
-from tracer.flops_report import FlopsReport
+from llmtrace.cli import units
+from llmtrace.cli.text_table import TextTable
+from llmtrace.tracer.analytic.estimate import ELEMENTWISE, MATMUL, PhaseEstimate, Totals
+from llmtrace.tracer.analytic.flops_report import FlopsReport
 
 _WEIGHTS_FROM = {"option": "", "checkpoint": " (the checkpoint's)", "default": " (default; --dtype to change)"}
 _KIND_STYLE = {MATMUL: "", ELEMENTWISE: "dim", "memory": "dim italic"}

@@ -6,7 +6,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tracer.hardware import PEAK_DTYPES, HardwareProfile
+from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, HardwareProfile
 
 GiB = 2**30
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cli import units
-from cli.text_table import TextTable, print_table
-from tracer.kvmem import KVMemReport
+from llmtrace.cli import units
+from llmtrace.cli.text_table import TextTable, print_table
+from llmtrace.tracer.analytic.kvmem import KVMemReport
 
 
 def render_kvmem(console: Console, r: KVMemReport) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cli import units
-from cli.text_table import TextTable, print_table
-from tracer.catalog import ModelsReport
+from llmtrace.cli import units
+from llmtrace.cli.text_table import TextTable, print_table
+from llmtrace.tracer.analytic.catalog import ModelsReport
 
 
 def render_models(console: Console, r: ModelsReport) -> None:
@@ -18,6 +18,6 @@ def render_models(console: Console, r: ModelsReport) -> None:
             str(m.head_dim), str(m.ffn_dim), f"{m.vocab_size:,}", f"{m.max_seq_len:,}", "yes" if m.tie_embeddings else "",
             f"{m.weight_bytes / 1e9:,.2f}", f"{m.kv_bytes_per_token / 2**10:,.1f} KiB",
         )
-    print_table(console, f"[bold]Model presets[/] (weights and KV cache in {r.dtype}; sources in tracer/presets.py)",
+    print_table(console, f"[bold]Model presets[/] (weights and KV cache in {r.dtype}; sources in tracer/core/presets.py)",
                 table, blank_line=False)
     console.print("\nUse a name with --model, or give a model folder, config.json or .gguf file instead.")

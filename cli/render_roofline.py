@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tracer.roofline import BatchRow, PassBound, RooflineReport
+from llmtrace.tracer.roofline.analysis import BatchRow, PassBound, RooflineReport
 
 GiB = 2**30
 

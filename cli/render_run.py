@@ -1,6 +1,6 @@
 """`llmtrace run`, sections 1-5 of the journey: tokenization, embedding, positions, layers, LM head.
 
-Renderers read trace records only (tracer/trace_records.py, tracer/trace_summary.py); they compute nothing but
+Renderers read trace records only (tracer/trace/records.py, tracer/trace/summary.py); they compute nothing but
 display arithmetic.
 """
 
@@ -14,9 +14,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cli import render_run_format as fmt
-from tracer.config import ModelConfig
-from tracer.trace_records import (
+from llmtrace.cli import render_run_format as fmt
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.trace.records import (
     MATMUL_KINDS,
     CandidateRecord,
     RopeRecord,
@@ -25,7 +25,7 @@ from tracer.trace_records import (
     StepRecord,
     TokenizationRecord,
 )
-from tracer.trace_summary import layer_rows, stage_totals
+from llmtrace.tracer.trace.summary import layer_rows, stage_totals
 
 MAX_TOKEN_ROWS = 48
 MAX_CANDIDATES = 10
@@ -230,7 +230,7 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
 
 
 def _path_note(stages: Sequence[StageRecord]) -> str:
-    """Which way through the model was traced (tracer/hooks.py's mechanisms): fused or stage by stage."""
+    """Which way through the model was traced (tracer/trace/hooks.py's mechanisms): fused or stage by stage."""
     if any(s.short_name == "attention.wqkv" for s in stages):
         return ("traced: the fused path, what an untraced run executes; Q|K|V and gate|up are one packed product "
                 "each (--staged runs them apart)")

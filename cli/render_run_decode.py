@@ -7,11 +7,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from cli import render_run_format as fmt
-from cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS, section
-from tracer.trace import Trace
-from tracer.trace_records import DECODE, MATMUL_KINDS
-from tracer.trace_summary import PhaseSummary, role_rows, stage_totals
+from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS, section
+from llmtrace.tracer.trace.run_trace import Trace
+from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS
+from llmtrace.tracer.trace.summary import PhaseSummary, role_rows, stage_totals
 
 # Roles whose layer label is shared by two roles of a layer: say which one.
 _ROLE_LABELS = {"attention_norm": "RMSNorm (attention)", "ffn_norm": "RMSNorm (FFN)",

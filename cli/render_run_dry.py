@@ -1,4 +1,4 @@
-"""`llmtrace run --dry-run`: the summary of a meta-device run, traced figures beside tracer/estimate.py's."""
+"""`llmtrace run --dry-run`: the summary of a meta-device run, traced figures beside tracer/analytic/estimate.py's."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from cli import render_run_format as fmt
-from cli.render_run import section
-from tracer.trace import Trace
-from tracer.trace_records import DECODE, PREFILL, StageRecord
-from tracer.trace_summary import layer_rows, stage_totals
+from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli.render_run import section
+from llmtrace.tracer.trace.run_trace import Trace
+from llmtrace.tracer.trace.records import DECODE, PREFILL, StageRecord
+from llmtrace.tracer.trace.summary import layer_rows, stage_totals
 
 
 def dry_run_estimates(trace: Trace) -> dict[str, Any]:
-    """tracer/estimate.py's figures for the passes a dry run traced (same prompt length, same context): "prefill"
+    """tracer/analytic/estimate.py's figures for the passes a dry run traced (same prompt length, same context): "prefill"
     and "decode" -> PhaseEstimate."""
-    from tracer import estimate
-    from tracer.dtypes import get_dtype
+    from llmtrace.tracer.analytic import estimate
+    from llmtrace.tracer.core.dtypes import get_dtype
 
     dtypes = estimate.Dtypes.for_weights(get_dtype(trace.environment.dtype))  # "bfloat16" -> bf16
     prefill = trace.prefill_step

@@ -6,9 +6,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from cli import render_run_format as fmt
-from cli.render_run import section
-from tracer.trace_records import StepRecord
+from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli.render_run import section
+from llmtrace.tracer.trace.records import StepRecord
 
 LIVE_ROWS = 24  # rows kept on screen while streaming; the final table shows every step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cli.render_run import (
+from llmtrace.cli.render_run import (
     render_embedding,
     render_header,
     render_layers,
@@ -13,14 +13,14 @@ from cli.render_run import (
     render_positions,
     render_tokenization,
 )
-from cli.render_run_decode import render_decode_stages
-from cli.render_run_dry import render_dry_run_summary
-from cli.render_run_live import DecodeView
-from cli.render_run_summary import render_summary
-from tracer.roofline_compare import MeasuredVsBound
-from tracer.trace import STOP_INTERRUPTED, Trace
-from tracer.trace_records import PREFILL
-from tracer.trace_summary import RunSummary
+from llmtrace.cli.render_run_decode import render_decode_stages
+from llmtrace.cli.render_run_dry import render_dry_run_summary
+from llmtrace.cli.render_run_live import DecodeView
+from llmtrace.cli.render_run_summary import render_summary
+from llmtrace.tracer.roofline.compare import MeasuredVsBound
+from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
+from llmtrace.tracer.trace.records import PREFILL
+from llmtrace.tracer.trace.summary import RunSummary
 
 
 def render_journey(console: Console, trace: Trace, detail: str) -> None:

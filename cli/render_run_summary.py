@@ -6,11 +6,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from cli import render_run_format as fmt
-from cli.render_run import section
-from tracer.roofline_compare import MeasuredVsBound
-from tracer.trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
-from tracer.trace_summary import RunSummary
+from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli.render_run import section
+from llmtrace.tracer.roofline.compare import MeasuredVsBound
+from llmtrace.tracer.trace.run_trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
+from llmtrace.tracer.trace.summary import RunSummary
 
 _STOP_TEXT = {
     STOP_EOS: "the model emitted its end-of-sequence token",
@@ -77,7 +77,7 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
 
 
 def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:
-    """The bound for this machine (tracer.roofline_compare), and how close the measured forward passes came."""
+    """The bound for this machine (llmtrace.tracer.roofline.compare), and how close the measured forward passes came."""
     decoding = cmp.predicted_decode_tokens_per_s is not None
     table.add_row("roofline bound", f"{cmp.prefill_bound}-bound", f"{cmp.decode_bound}-bound" if decoding else "-")
     table.add_row("roofline prediction", f"TTFT {fmt.ms(cmp.predicted_ttft_s * 1e9)}",

@@ -1,16 +1,16 @@
 """One check shared by the tracer tests: a traced prompt and decode steps carry the FLOPs and the weight and KV
-traffic that tracer/estimate.py computes for the same prompt length and contexts, in total and per stage."""
+traffic that tracer/analytic/estimate.py computes for the same prompt length and contexts, in total and per stage."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from tracer import estimate
-from tracer.config import ModelConfig
-from tracer.dtypes import FP32
-from tracer.fused_trace import PACKED_WEIGHTS
-from tracer.trace_records import StageRecord
-from tracer.trace_summary import stage_totals
+from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.trace.fused_marks import PACKED_WEIGHTS
+from llmtrace.tracer.trace.records import StageRecord
+from llmtrace.tracer.trace.summary import stage_totals
 
 
 def assert_traced_equals_estimate(config: ModelConfig, records: Sequence[StageRecord], prompt_len: int,

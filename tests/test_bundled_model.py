@@ -9,12 +9,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from tracer.bundled import bundled_model_path
-from tracer.gguf_header import read_gguf_header
-from tracer.gguf_tokenizer import tokenizer_from_gguf
-from tracer.load import LoadedModel, load_model
-from tracer.resolve import config_from_gguf_header
-from tracer.weights_cache import cache_path
+from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+from llmtrace.tracer.load.loader import LoadedModel, load_model
+from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
+from llmtrace.tracer.load.weights_cache import cache_path
 
 PROMPTS = ["今天天气真", "The capital of France is", "I love 🦀 and 😀!", "def add(a, b):\n    return a + b  # 2024",
            "   three leading spaces", " one leading space", "<|im_start|>user\nHi<|im_end|>\n", "naïve café, 3.14159"]

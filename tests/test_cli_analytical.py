@@ -15,11 +15,11 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app, main
-from tracer.bundled import bundled_model_path
+from llmtrace.cli.app import app, main
+from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENTRY = "import sys; sys.argv[0] = 'llmtrace'; from cli.app import main; main()"
+ENTRY = "import sys; sys.argv[0] = 'llmtrace'; from llmtrace.cli.app import main; main()"
 runner = CliRunner()
 
 
@@ -339,5 +339,5 @@ def test_analytical_commands_never_import_torch_or_numpy(args: list[str]) -> Non
     proc = run_llmtrace(args, python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     modules = _imported_modules(proc.stderr)
-    assert "cli.app" in modules  # the parse works: the entry point itself is listed
+    assert "llmtrace.cli.app" in modules  # the parse works: the entry point itself is listed
     assert not {m for m in modules if m.split(".")[0] in ("torch", "numpy")}

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from cli.render_roofline import chart_points, render_report, roofline_chart, why_line
-from tracer.hardware import get_profile
-from tracer.presets import get_preset
-from tracer.roofline import roofline
+from llmtrace.cli.render_roofline import chart_points, render_report, roofline_chart, why_line
+from llmtrace.tracer.hardware.profiles import get_profile
+from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.roofline.analysis import roofline
 
 REPO = Path(__file__).resolve().parent.parent
 
 # Runs the real entry point, then reports on stderr whether torch (or numpy) got imported along the way.
 _WRAPPER = """
 import sys
-from cli.app import main
+from llmtrace.cli.app import main
 try:
     main(sys.argv[1:])
 except SystemExit as exc:

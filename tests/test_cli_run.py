@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from tracer.trace import Trace, load_schema
+from llmtrace.cli.app import app
+from llmtrace.tracer.trace.run_trace import Trace, load_schema
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -26,7 +26,7 @@ def _run(*args: str) -> object:
 @pytest.fixture(autouse=True)
 def _private_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every run here saves its roofline profile under tmp_path, never in the real ~/.config, and measures tiny."""
-    from tracer import hardware_measure
+    from llmtrace.tracer.hardware import measure as hardware_measure
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setitem(hardware_measure.QUICK, "cpu",
@@ -154,8 +154,8 @@ def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from tracer.hardware import THIS_MACHINE, HardwareProfile
-    from tracer.hardware_store import save_measured_profile
+    from llmtrace.tracer.hardware.profiles import THIS_MACHINE, HardwareProfile
+    from llmtrace.tracer.hardware.store import save_measured_profile
 
     profile = HardwareProfile(
         name=THIS_MACHINE, label="test machine", memory_bandwidth=30e9, memory_bytes=24 * 2**30, fp32=120e9,
@@ -177,8 +177,8 @@ def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_
 
 
 def test_first_run_measures_this_machine_and_saves_it(tiny_llama_dir: Path, _private_config: Path) -> None:
-    from tracer.hardware import THIS_MACHINE
-    from tracer.hardware_store import load_measured_profiles
+    from llmtrace.tracer.hardware.profiles import THIS_MACHINE
+    from llmtrace.tracer.hardware.store import load_measured_profiles
 
     assert not _private_config.exists()
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--dtype", "bf16")
@@ -208,8 +208,8 @@ def test_unwritable_output_path_fails_before_the_model_runs(option: str, tiny_ll
 
 
 def test_kept_column_names_only_the_filter_that_dropped_the_token() -> None:
-    from cli.render_run import _kept_cell
-    from tracer.trace_records import CandidateRecord
+    from llmtrace.cli.render_run import _kept_cell
+    from llmtrace.tracer.trace.records import CandidateRecord
 
     def cand(k: bool, p: bool, m: bool) -> CandidateRecord:
         return CandidateRecord(token_id=1, piece="a", logit=1.0, logit_penalized=1.0, prob_raw=0.1,

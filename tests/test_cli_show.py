@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from llmtrace.cli.app import app
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -78,7 +78,7 @@ def test_bad_trace_files_are_one_line_and_exit_2(content: str | None, message: s
     path = tmp_path / "trace.json"
     if content is not None:
         path.write_text(content)
-    proc = subprocess.run([sys.executable, "-c", "from cli.app import main; main()", "show", str(path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", "from llmtrace.cli.app import main; main()", "show", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
@@ -86,11 +86,11 @@ def test_bad_trace_files_are_one_line_and_exit_2(content: str | None, message: s
 
 def test_show_needs_no_torch(saved: tuple[str, Path]) -> None:
     _, path = saved
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "from cli.app import main; main()", "show",
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "from llmtrace.cli.app import main; main()", "show",
                            str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     modules = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "cli.render_run_report" in modules  # the show command was loaded
+    assert "llmtrace.cli.render_run_report" in modules  # the show command was loaded
     assert not {m for m in modules if m.split(".")[0] in ("torch", "numpy")}
 
 

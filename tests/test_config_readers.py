@@ -11,14 +11,14 @@ from typing import Callable
 
 import pytest
 
-from tracer.bundled import bundled_model_path
-from tracer.config import ModelConfig
-from tracer.errors import ConfigError, FileFormatError, LlmtraceError, UnknownPresetError, UnsupportedModelError
-from tracer.gguf_header import read_gguf_header
-from tracer.params import count_params
-from tracer.prompt_tokens import count_prompt_tokens
-from tracer.resolve import resolve_model
-from tracer.safetensors_header import read_safetensors_checkpoint, read_safetensors_header
+from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import ConfigError, FileFormatError, LlmtraceError, UnknownPresetError, UnsupportedModelError
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.analytic.params import count_params
+from llmtrace.tracer.checkpoint.prompt_tokens import count_prompt_tokens
+from llmtrace.tracer.checkpoint.resolve import resolve_model
+from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_checkpoint, read_safetensors_header
 
 # ---- safetensors -------------------------------------------------------------------------------------------------
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tracer.bundled import bundled_model_path
-from tracer.detokenize import TextStream
-from tracer.gguf_header import read_gguf_header
-from tracer.gguf_tokenizer import tokenizer_from_gguf
-from tracer.tokenizer import load_tokenizer
+from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+from llmtrace.tracer.run.detokenize import TextStream
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+from llmtrace.tracer.checkpoint.tokenizer import load_tokenizer
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower.",

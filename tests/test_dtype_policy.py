@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracer import dtype_policy
-from tracer.load import load_model
+from llmtrace.tracer.hardware import dtype_policy
+from llmtrace.tracer.load.loader import load_model
 
 
 @pytest.mark.parametrize(

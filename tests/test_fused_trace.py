@@ -1,4 +1,4 @@
-"""Tracing the fused path from inside (tracer/fused_trace.py): every fused stage is marked once per layer per step,
+"""Tracing the fused path from inside (tracer/trace/fused_marks.py): every fused stage is marked once per layer per step,
 its records agree with the stage-by-stage records of the same steps (packed stages with the sum of their parts),
 with FlopCounterMode counting the fused path itself, and with estimate.py; "auto" falls back to the stage modules
 when something else watches them; a traced step computes exactly what an untraced one does."""
@@ -12,13 +12,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from estimate_check import assert_traced_equals_estimate
-from tracer.config import ModelConfig
-from tracer.fused import FUSED_LAYER_STAGES, no_mark
-from tracer.fused_trace import PACKED_WEIGHTS
-from tracer.hooks import Tracer
-from tracer.model import Transformer, build_random_model
-from tracer.trace_records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
-from tracer.trace_summary import stage_totals
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.model.fused import FUSED_LAYER_STAGES, no_mark
+from llmtrace.tracer.trace.fused_marks import PACKED_WEIGHTS
+from llmtrace.tracer.trace.hooks import Tracer
+from llmtrace.tracer.model.transformer import Transformer, build_random_model
+from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
+from llmtrace.tracer.trace.summary import stage_totals
 
 CONFIGS = {
     "mha": ModelConfig("mha", 128, 64, 2, 4, 4, 96, max_seq_len=64),

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.dtypes import FP32
-from tracer.errors import BadArgumentError
-from tracer.fused import no_mark
-from tracer.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep, generate
-from tracer.kvmem import kv_cache_bytes
-from tracer.load import LoadedModel, load_model
-from tracer.trace import STOP_DRY_RUN, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS
-from tracer.trace_records import DECODE, PREFILL, RunSettings
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.model.fused import no_mark
+from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep, generate
+from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
+from llmtrace.tracer.load.loader import LoadedModel, load_model
+from llmtrace.tracer.trace.run_trace import STOP_DRY_RUN, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS
+from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_max_new_tokens_below_one_is_refused(loaded: LoadedModel) -> None:
 
 
 def test_dry_run_of_llama_7b_has_32_layers_of_t_by_4096_and_the_analytical_flops() -> None:
-    from tracer import estimate
+    from llmtrace.tracer.analytic import estimate
 
     loaded = load_model("llama-7b", dry_run=True)
     generation = Generation(loaded, RunSettings(model="llama-7b", prompt="今天天气真", dry_run=True, prompt_tokens=4))

@@ -13,13 +13,13 @@ import sentencepiece as spm
 import torch
 
 from tiny_gguf import llama_cpp_name, llama_cpp_permute, sentencepiece_vocab, write_tiny_gguf
-from tracer.bundled import bundled_model_path
-from tracer.config import ModelConfig
-from tracer.gguf_header import read_gguf_header
-from tracer.gguf_loader import dequantize, load_gguf_weights, meta_name, unpermute_rope_rows
-from tracer.gguf_tokenizer import _pre_tokenizer
-from tracer.hf_loader import load_hf_state_dict
-from tracer.load import load_model
+from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.load.gguf_loader import dequantize, load_gguf_weights, meta_name, unpermute_rope_rows
+from llmtrace.tracer.checkpoint.gguf_tokenizer import _pre_tokenizer
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["今天天气真", "Hello world 😀!", "def add(a, b):\n    return a + b", "   three leading spaces",

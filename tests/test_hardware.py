@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tracer.errors import BadArgumentError, HardwareError
-from tracer.hardware import PEAK_DTYPES, PROFILES, THIS_MACHINE, all_profiles, get_profile
-from tracer.hardware_store import (
+from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
+from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, PROFILES, THIS_MACHINE, all_profiles, get_profile
+from llmtrace.tracer.hardware.store import (
     load_measured_profiles, load_measurement_details, resolve_hardware, save_measured_profile, store_path,
 )
 
@@ -124,7 +124,7 @@ def test_broken_store_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_hardware_modules_import_no_torch() -> None:
-    code = ("import sys; import tracer.hardware, tracer.hardware_store, tracer.roofline, tracer.roofline_compare; "
+    code = ("import sys; import llmtrace.tracer.hardware.profiles, llmtrace.tracer.hardware.store, llmtrace.tracer.roofline.analysis, llmtrace.tracer.roofline.compare; "
             "print('torch' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -137,7 +137,7 @@ def test_measure_tiny_counts_flops_and_bytes_like_torch() -> None:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tracer.hardware_measure import measure_machine, profile_from_measurement
+    from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
 
     m = measure_machine(dtypes=("fp32", "bf16"), repeats=3, gemm_target_seconds=0.0, gemm_max_n=128,
                         copy_bytes=2**20)
@@ -166,7 +166,7 @@ def test_measure_tiny_counts_flops_and_bytes_like_torch() -> None:
 
 
 def test_measure_rejects_bad_requests() -> None:
-    from tracer.hardware_measure import measure_machine
+    from llmtrace.tracer.hardware.measure import measure_machine
 
     with pytest.raises(BadArgumentError, match="cannot measure 'int8'"):
         measure_machine(dtypes=("int8",), gemm_max_n=128, copy_bytes=2**20)
@@ -179,7 +179,7 @@ def test_measure_rejects_bad_requests() -> None:
 def test_saved_measurement_json_is_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import asdict
 
-    from tracer.hardware_measure import measure_machine, profile_from_measurement
+    from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     m = measure_machine(dtypes=("fp32",), repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20)

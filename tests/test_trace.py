@@ -8,12 +8,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tracer.errors import FileFormatError
-from tracer.generate import generate
-from tracer.load import load_model
-from tracer.trace import Trace, load_schema
-from tracer.trace_records import RunSettings
-from tracer.trace_summary import layer_rows, role_rows, run_summary, stage_totals
+from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.run.generate import generate
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.trace.run_trace import Trace, load_schema
+from llmtrace.tracer.trace.records import RunSettings
+from llmtrace.tracer.trace.summary import layer_rows, role_rows, run_summary, stage_totals
 
 
 @pytest.fixture(scope="module")

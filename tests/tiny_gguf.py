@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from tracer.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig
 
 # Meta name suffix -> llama.cpp name, per layer (llama.cpp's tensor_mapping.py / llama-arch.cpp).
 _LAYER = {

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tracer.config import ModelConfig
-from tracer.hf_loader import hf_state_dict_from_ours
-from tracer.model import expected_shapes
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
+from llmtrace.tracer.model.transformer import expected_shapes
 
 SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
 

@@ -1,0 +1,42 @@
+"""The preset catalogue as records: key dimensions, parameter count and KV bytes per token of every preset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrace.tracer.core.dtypes import DType
+from llmtrace.tracer.analytic.kvmem import kv_bytes_per_token
+from llmtrace.tracer.analytic.model_dims import ModelDims
+from llmtrace.tracer.analytic.params import count_params, weight_bytes
+from llmtrace.tracer.core.presets import PRESETS
+
+MODELS_SCHEMA = "llmtrace.models/1"
+
+
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class ModelRow(ModelDims):
+    """A preset's key dimensions (ModelDims), then its size in the chosen dtype."""
+
+    params: int
+    weight_bytes: int  # all weights in the chosen dtype
+    kv_bytes_per_token: int  # one position, all layers, one sequence, in the chosen dtype
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class ModelsReport:
+    schema: str
+    dtype: str
+    models: tuple[ModelRow, ...]
+
+
+def models_report(dtype: DType) -> ModelsReport:
+    rows = tuple(
+        ModelRow.of(
+            c, params=count_params(c).total, weight_bytes=weight_bytes(c, dtype),
+            kv_bytes_per_token=kv_bytes_per_token(c, dtype),
+        )
+        for c in PRESETS.values()
+    )
+    return ModelsReport(schema=MODELS_SCHEMA, dtype=dtype.name, models=rows)

@@ -1,0 +1,341 @@
+"""Analytical FLOPs and bytes of a LLaMA forward pass, per component, per layer and in total. Pure Python.
+
+Phases:
+- prefill of P prompt tokens into an empty cache (T = P queries over S = P keys);
+- one decode step with L positions already cached (T = 1 query over S = L + 1 keys, its own included);
+- a whole generation of N new tokens: the prefill (which yields token 1) plus N - 1 decode steps at
+  L = P, P+1, ..., P+N-2, summed exactly step by step (the last new token is never fed back).
+The final norm and the LM head run on the last position of each sequence only (B rows), in prefill and decode.
+
+Bytes are the traffic each operation needs at least: weights read once per forward pass (the embedding reads only
+the gathered rows), the KV cache read once per KV head (K in QKᵀ, V in PV) and written for the new positions,
+activations read and written once per operation in the activation dtype. `min_bytes` (weights + KV) is what a
+decode step must move whatever the kernel fusion; arithmetic intensity is FLOPs / min_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import DType, activation_dtype_for
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.analytic.params import norm_dtype_for
+
+MATMUL, ELEMENTWISE, MEMORY = "matmul", "elementwise", "memory"
+
+
+@dataclass(frozen=True, slots=True)
+class Dtypes:
+    weights: DType
+    kv: DType
+    activations: DType
+
+    @classmethod
+    def for_weights(cls, weights: DType, kv: DType | None = None) -> "Dtypes":
+        act = activation_dtype_for(weights)
+        return cls(weights=weights, kv=kv or act, activations=act)
+
+
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class ComponentCost:
+    """One stage of the forward pass. Per-instance figures; `instances` is n_layers inside a layer, else 1."""
+
+    name: str  # stable id, the model's module path inside a layer ("attention.wq") or at the top ("output")
+    label: str
+    kind: str  # "matmul" | "elementwise" | "memory"
+    per_layer: bool
+    instances: int
+    formula: str  # symbolic = numbers substituted, per instance
+    flops: int  # per instance, dense as executed
+    useful_flops: int  # per instance; less than flops only for attention products under a causal mask
+    weight_bytes: int
+    kv_read_bytes: int
+    kv_write_bytes: int
+    act_read_bytes: int
+    act_write_bytes: int
+    total_flops: int  # flops * instances
+    total_useful_flops: int
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class Totals:
+    """Sums over components (all instances)."""
+
+    matmul_flops: int
+    elementwise_flops: int
+    total_flops: int  # dense as executed
+    useful_flops: int  # with the attention products counted over causal pairs only
+    attention_dense_flops: int  # QKᵀ + PV as executed
+    attention_useful_flops: int  # QKᵀ + PV over the pairs the causal mask keeps
+    per_layer_flops: int  # one layer, dense
+    weight_bytes: int
+    kv_read_bytes: int
+    kv_write_bytes: int
+    activation_bytes: int  # read + written
+    min_bytes: int  # weights + KV read + KV written
+    total_bytes: int  # min_bytes + activations
+    arithmetic_intensity: float  # total_flops / min_bytes
+    arithmetic_intensity_with_activations: float  # total_flops / total_bytes
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class PhaseEstimate:
+    phase: str  # "prefill" | "decode"
+    batch: int
+    new_tokens: int  # T, per sequence
+    cached_before: int  # positions in the cache before this pass (0 for a prefill, L for a decode step)
+    kv_len: int  # S, positions attended after this pass
+    components: tuple[ComponentCost, ...]
+    totals: Totals
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class ComponentSum:
+    """One component over a whole generation: its prefill figure plus the sum over all decode steps."""
+
+    name: str
+    label: str
+    kind: str
+    prefill_flops: int  # all instances
+    decode_flops: int  # all instances, all decode steps
+    total_flops: int
+    total_useful_flops: int
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class GenerationEstimate:
+    prompt_len: int
+    new_tokens: int
+    batch: int
+    decode_steps: int  # new_tokens - 1
+    final_kv_len: int  # positions in the cache after the last decode step
+    exceeds_max_seq_len: bool
+    components: tuple[ComponentSum, ...]
+    prefill_totals: Totals
+    decode_totals: Totals  # sum over the decode steps only (per_layer_flops is 0: steps differ)
+    totals: Totals  # prefill + decode steps (per_layer_flops is 0)
+
+
+# ---- one pass ---------------------------------------------------------------------------------------------
+
+_Row = tuple  # (name, label, kind, per_layer, formula thunk, flops, useful, w, kv_r, kv_w, act_r, act_w)
+
+
+def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[tuple[int, ...]]:
+    """(flops, useful, weight B, KV read B, KV written B, act read B, act written B) of QKᵀ, scaling, softmax, PV."""
+    h, hd = cfg.n_heads, cfg.head_dim
+    a = dt.activations.bytes_per_value
+    q_bytes = int(batch * t * cfg.q_dim * a)
+    product = ff.attention_scores_flops(batch, h, t, s, hd)
+    useful = ff.causal_attention_product_flops(batch, h, t, s, hd)
+    bhts_bytes = int(batch * h * t * s * a)
+    kv_read = batch * s * cfg.n_kv_heads * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
+    scale = ff.score_scale_flops(batch, h, t, s)
+    softmax = ff.softmax_flops(batch, h, t, s)
+    return [
+        (product, useful, 0, kv_read, 0, q_bytes, bhts_bytes),
+        (scale, scale, 0, 0, 0, bhts_bytes, bhts_bytes),
+        (softmax, softmax, 0, 0, 0, bhts_bytes, bhts_bytes),
+        (product, useful, 0, kv_read, 0, bhts_bytes, q_bytes),
+    ]
+
+
+def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
+    """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
+    h, hd = cfg.n_heads, cfg.head_dim
+    pairs = ff.causal_useful_pairs(t, s)
+    causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
+    meta = [
+        ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
+        ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}"),
+        ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}"),
+        ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
+    ]
+    return [(name, label, kind, True, formula, *numbers)
+            for (name, label, kind, formula), numbers in zip(meta, _attention_core_numbers(cfg, batch, t, s, dt))]
+
+
+_CORE_AT = 7  # the attention core sits after tok_embeddings, attention_norm, wq, wk, wv, rope, kv_cache
+
+
+def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
+    """Every component of one forward pass of T new tokens over S positions, per instance, in execution order."""
+    rows = _context_free_rows(cfg, batch, t, dt)
+    return rows[:_CORE_AT] + _attention_core(cfg, batch, t, s, dt) + rows[_CORE_AT:]
+
+
+def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
+    """The components whose cost does not depend on how many positions are cached."""
+    d, h, hkv, hd, f, v = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    q, kv = cfg.q_dim, cfg.kv_dim
+    r = batch * t  # rows through the per-token layers
+    a = dt.activations.bytes_per_value
+    w = dt.weights
+    norm_w = norm_dtype_for(w).row_bytes(d)
+    kv_vec = dt.kv.row_bytes(hd)  # one head vector of K or V, scales included
+
+    def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool = True) -> _Row:
+        fl = ff.linear_flops(rows, i, o)
+        return (name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}", fl, fl,
+                w.matrix_bytes(o, i), 0, 0, int(rows * i * a), int(rows * o * a))
+
+    def norm(name: str, label: str, rows: int, per_layer: bool, sym: str) -> _Row:
+        fl = ff.rmsnorm_flops(rows, d)
+        return (name, label, ELEMENTWISE, per_layer, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)", fl, fl,
+                norm_w, 0, 0, int(rows * d * a), int(rows * d * a))
+
+    def residual(name: str, label: str) -> _Row:
+        fl = ff.residual_flops(r, d)
+        return (name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}", fl, fl, 0, 0, 0,
+                int(2 * r * d * a), int(r * d * a))
+
+    rope = ff.rope_flops(r, h, hkv, hd)
+    swiglu = ff.swiglu_activation_flops(r, f)
+    head_rows = batch  # last position of each sequence only
+    return [
+        ("tok_embeddings", "embedding lookup", MEMORY, False, lambda: f"gather {r} rows of {d}: 0 FLOPs", 0, 0,
+         r * w.row_bytes(d), 0, 0, 0, int(r * d * a)),
+        norm("attention_norm", "RMSNorm (attention)", r, True, "BT"),
+        lin("attention.wq", "Q projection", r, d, q, "2·BT·d·H·D"),
+        lin("attention.wk", "K projection", r, d, kv, "2·BT·d·Hkv·D"),
+        lin("attention.wv", "V projection", r, d, kv, "2·BT·d·Hkv·D"),
+        ("attention.rope", "RoPE on q, k", ELEMENTWISE, True, lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
+         rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a)),
+        ("attention.kv_cache", "KV cache write", MEMORY, True, lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
+         0, 0, 0, 0, 2 * r * hkv * kv_vec, int(2 * r * kv * a), 0),
+        lin("attention.wo", "output projection", r, q, d, "2·BT·H·D·d"),
+        residual("attn_residual", "residual add (attention)"),
+        norm("ffn_norm", "RMSNorm (FFN)", r, True, "BT"),
+        lin("feed_forward.w1", "SwiGLU gate (w1)", r, d, f, "2·BT·d·F"),
+        lin("feed_forward.w3", "SwiGLU up (w3)", r, d, f, "2·BT·d·F"),
+        ("feed_forward.act", "silu(gate)·up", ELEMENTWISE, True, lambda: f"6·BT·F = 6·{r}·{f}", swiglu, swiglu,
+         0, 0, 0, int(2 * r * f * a), int(r * f * a)),
+        lin("feed_forward.w2", "SwiGLU down (w2)", r, f, d, "2·BT·F·d"),
+        residual("ffn_residual", "residual add (FFN)"),
+        norm("norm", "final RMSNorm (last position)", head_rows, False, "B"),
+        lin("output", "LM head (last position)", head_rows, d, v, "2·B·d·V", per_layer=False),
+    ]
+
+
+def _totals(costs: list[tuple[str, bool, int, int, int, int, int, int, int, int, bool]]) -> Totals:
+    """costs: (kind, per_layer, instances, flops, useful, w, kv_r, kv_w, act_r, act_w, is_attention_product)."""
+    mm = ew = useful = att_dense = att_useful = per_layer = wb = kvr = kvw = act = 0
+    for kind, in_layer, n, fl, us, w, kr, kw, ar, aw, is_att in costs:
+        if kind == MATMUL:
+            mm += fl * n
+        else:
+            ew += fl * n
+        useful += us * n
+        if is_att:
+            att_dense += fl * n
+            att_useful += us * n
+        if in_layer:
+            per_layer += fl
+        wb, kvr, kvw, act = wb + w * n, kvr + kr * n, kvw + kw * n, act + (ar + aw) * n
+    return _make_totals(mm, ew, useful, att_dense, att_useful, per_layer, wb, kvr, kvw, act)
+
+
+def _make_totals(mm: int, ew: int, useful: int, att_dense: int, att_useful: int, per_layer: int,
+                 wb: int, kvr: int, kvw: int, act: int) -> Totals:
+    total = mm + ew
+    min_bytes = wb + kvr + kvw
+    return Totals(
+        matmul_flops=mm, elementwise_flops=ew, total_flops=total, useful_flops=useful,
+        attention_dense_flops=att_dense, attention_useful_flops=att_useful, per_layer_flops=per_layer,
+        weight_bytes=wb, kv_read_bytes=kvr, kv_write_bytes=kvw, activation_bytes=act, min_bytes=min_bytes,
+        total_bytes=min_bytes + act, arithmetic_intensity=total / min_bytes if min_bytes else 0.0,
+        arithmetic_intensity_with_activations=total / (min_bytes + act) if min_bytes + act else 0.0,
+    )
+
+
+_ATTENTION_PRODUCTS = ("attention.scores", "attention.pv")
+
+
+def _cost_tuples(cfg: ModelConfig, rows: list[_Row]) -> list[tuple]:
+    return [
+        (kind, per_layer, cfg.n_layers if per_layer else 1, fl, us, w, kr, kw, ar, aw, name in _ATTENTION_PRODUCTS)
+        for name, _label, kind, per_layer, _formula, fl, us, w, kr, kw, ar, aw in rows
+    ]
+
+
+def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dtypes) -> PhaseEstimate:
+    s = cached + t
+    rows = _rows(cfg, batch, t, s, dt)
+    components = []
+    for name, label, kind, per_layer, formula, fl, us, w, kr, kw, ar, aw in rows:
+        n = cfg.n_layers if per_layer else 1
+        components.append(ComponentCost(
+            name=name, label=label, kind=kind, per_layer=per_layer, instances=n, formula=formula(), flops=fl,
+            useful_flops=us, weight_bytes=w, kv_read_bytes=kr, kv_write_bytes=kw, act_read_bytes=ar,
+            act_write_bytes=aw, total_flops=fl * n, total_useful_flops=us * n,
+        ))
+    return PhaseEstimate(phase=phase, batch=batch, new_tokens=t, cached_before=cached, kv_len=s,
+                         components=tuple(components), totals=_totals(_cost_tuples(cfg, rows)))
+
+
+def check_count(name: str, value: int, minimum: int = 1) -> int:
+    """`value` when it is an integer >= `minimum`, else the one-line BadArgumentError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def prefill(cfg: ModelConfig, prompt_len: int, dtypes: Dtypes, batch: int = 1) -> PhaseEstimate:
+    """Prefill of `prompt_len` tokens per sequence into an empty cache."""
+    return _phase(cfg, "prefill", check_count("batch", batch), check_count("prompt length", prompt_len), 0, dtypes)
+
+
+def decode_step(cfg: ModelConfig, context_len: int, dtypes: Dtypes, batch: int = 1) -> PhaseEstimate:
+    """One decode step: 1 new token per sequence with `context_len` positions already in the cache."""
+    return _phase(cfg, "decode", check_count("batch", batch), 1, check_count("context length", context_len, 0), dtypes)
+
+
+def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtypes, batch: int = 1,
+               prefill_estimate: PhaseEstimate | None = None) -> GenerationEstimate:
+    """Prefill of P tokens then N - 1 decode steps at L = P .. P+N-2, every step summed exactly.
+
+    `prefill_estimate`: the same prefill already computed by the caller, to avoid computing it twice."""
+    check_count("new tokens", new_tokens)
+    pre = prefill_estimate if prefill_estimate is not None else prefill(cfg, prompt_len, dtypes, batch)
+    steps = new_tokens - 1
+    n_comp = len(pre.components)
+    # Per component: [flops, useful, w, kv_r, kv_w, act_r, act_w] summed over all decode steps (all instances).
+    # The context-free components cost the same at every step; the attention core is summed step by step.
+    sums = [[0] * 7 for _ in range(n_comp)]
+    for i, row in enumerate(_context_free_rows(cfg, batch, 1, dtypes)):
+        n = cfg.n_layers if row[3] else 1
+        acc = sums[i if i < _CORE_AT else i + 4]
+        for k in range(7):
+            acc[k] = row[5 + k] * n * steps
+    core_sums = sums[_CORE_AT:_CORE_AT + 4]
+    for cached in range(prompt_len, prompt_len + steps):
+        for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes)):
+            for k in range(7):
+                acc[k] += numbers[k] * cfg.n_layers
+    # per_layer False: a per-layer figure makes no sense for a sum over steps of different lengths.
+    decode_totals = _totals([
+        (c.kind, False, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
+        for c, acc in zip(pre.components, sums)
+    ])
+    p = pre.totals
+    totals = _make_totals(
+        p.matmul_flops + decode_totals.matmul_flops, p.elementwise_flops + decode_totals.elementwise_flops,
+        p.useful_flops + decode_totals.useful_flops, p.attention_dense_flops + decode_totals.attention_dense_flops,
+        p.attention_useful_flops + decode_totals.attention_useful_flops, 0,
+        p.weight_bytes + decode_totals.weight_bytes, p.kv_read_bytes + decode_totals.kv_read_bytes,
+        p.kv_write_bytes + decode_totals.kv_write_bytes, p.activation_bytes + decode_totals.activation_bytes,
+    )
+    components = tuple(
+        ComponentSum(name=c.name, label=c.label, kind=c.kind, prefill_flops=c.total_flops, decode_flops=acc[0],
+                     total_flops=c.total_flops + acc[0], total_useful_flops=c.total_useful_flops + acc[1])
+        for c, acc in zip(pre.components, sums)
+    )
+    final_kv_len = prompt_len + steps
+    return GenerationEstimate(
+        prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, decode_steps=steps, final_kv_len=final_kv_len,
+        exceeds_max_seq_len=final_kv_len > cfg.max_seq_len, components=components, prefill_totals=pre.totals,
+        decode_totals=decode_totals, totals=totals,
+    )

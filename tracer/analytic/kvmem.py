@@ -1,0 +1,157 @@
+"""KV-cache size: 2 (K and V) x layers x KV heads x head dim x bytes per value x positions x batch. Pure Python.
+
+For block-quantized cache dtypes (int8, int4) the scales are stored per head vector of D values, so the exact
+bytes of one head vector are dtype.row_bytes(D) and "bytes per value" is that divided by D.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import DType
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.analytic.params import weight_bytes
+
+
+# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
+# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class KVCacheSize:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    bytes_per_value: float  # scales included
+    batch: int
+    seq: int  # positions per sequence
+    bytes_per_token_per_layer: int  # one position of one sequence, K and V, one layer
+    bytes_per_token: int  # one position of one sequence, all layers
+    bytes_per_layer: int  # all positions and sequences, one layer
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class ContextRow:
+    seq: int
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class BudgetFit:
+    budget_bytes: int
+    max_positions_kv_only: int  # positions per sequence whose cache fits in the budget
+    weights_dtype: str
+    weights_bytes: int
+    max_positions_with_weights: int  # positions per sequence that fit beside the weights (0 if the weights do not fit)
+    model_max_seq_len: int
+
+
+KVMEM_SCHEMA = "llmtrace.kvmem/1"
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class KVMemReport:
+    schema: str
+    model: str
+    max_seq_len: int
+    formula: str  # with the numbers substituted
+    size: KVCacheSize
+    without_gqa: KVCacheSize  # the same model with n_kv_heads = n_heads (plain multi-head attention)
+    gqa_saving: float  # without_gqa.total_bytes / size.total_bytes
+    table: tuple[ContextRow, ...]
+    budget: BudgetFit | None
+
+
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BadArgumentError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def kv_bytes_per_token_per_layer(n_kv_heads: int, head_dim: int, dtype: DType) -> int:
+    """K and V of one position in one layer: 2 * Hkv * bytes(D values)."""
+    return 2 * n_kv_heads * dtype.row_bytes(head_dim)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: DType) -> int:
+    """K and V of one position, all layers, one sequence: 2 * layers * Hkv * bytes(D values)."""
+    return config.n_layers * kv_bytes_per_token_per_layer(config.n_kv_heads, config.head_dim, dtype)
+
+
+def kv_cache_bytes(config: ModelConfig, seq: int, dtype: DType, batch: int = 1) -> int:
+    """2 * layers * Hkv * D * bytes per value * positions * batch."""
+    return kv_bytes_per_token(config, dtype) * _positive("seq", seq) * _positive("batch", batch)
+
+
+def kv_cache_size(config: ModelConfig, seq: int, dtype: DType, batch: int = 1, n_kv_heads: int | None = None) -> KVCacheSize:
+    _positive("seq", seq)
+    _positive("batch", batch)
+    heads = config.n_kv_heads if n_kv_heads is None else n_kv_heads
+    per_layer_token = kv_bytes_per_token_per_layer(heads, config.head_dim, dtype)
+    return KVCacheSize(
+        n_layers=config.n_layers, n_kv_heads=heads, head_dim=config.head_dim, dtype=dtype.name,
+        bytes_per_value=dtype.row_bytes(config.head_dim) / config.head_dim, batch=batch, seq=seq,
+        bytes_per_token_per_layer=per_layer_token, bytes_per_token=per_layer_token * config.n_layers,
+        bytes_per_layer=per_layer_token * seq * batch, total_bytes=per_layer_token * config.n_layers * seq * batch,
+    )
+
+
+def context_lengths(max_seq_len: int, seq: int) -> tuple[int, ...]:
+    """Powers of two from 128 up to the model's max context, plus the requested length and the max itself."""
+    lengths = {seq, max_seq_len}
+    n = 128
+    while n < max_seq_len:
+        lengths.add(n)
+        n *= 2
+    return tuple(sorted(lengths))
+
+
+def budget_fit(config: ModelConfig, dtype: DType, batch: int, budget_bytes: int, weights: DType) -> BudgetFit:
+    per_position = kv_bytes_per_token(config, dtype) * batch
+    w_bytes = weight_bytes(config, weights)
+    return BudgetFit(
+        budget_bytes=budget_bytes, max_positions_kv_only=budget_bytes // per_position, weights_dtype=weights.name,
+        weights_bytes=w_bytes, max_positions_with_weights=max(0, budget_bytes - w_bytes) // per_position,
+        model_max_seq_len=config.max_seq_len,
+    )
+
+
+def kvmem_report(
+    config: ModelConfig, seq: int, dtype: DType, batch: int = 1,
+    budget_bytes: int | None = None, weights_dtype: DType | None = None,
+) -> KVMemReport:
+    size = kv_cache_size(config, seq, dtype, batch)
+    mha = kv_cache_size(config, seq, dtype, batch, n_kv_heads=config.n_heads)
+    formula = (
+        f"2 × {config.n_layers} layers × {config.n_kv_heads} KV heads × {config.head_dim} head dim × "
+        f"{size.bytes_per_value:g} B ({dtype.name}) × {seq} positions × {batch} batch = {size.total_bytes:,} B"
+    )
+    table = tuple(ContextRow(n, size.bytes_per_token * n * batch) for n in context_lengths(config.max_seq_len, seq))
+    budget = None
+    if budget_bytes is not None:
+        budget = budget_fit(config, dtype, batch, _positive("budget", budget_bytes), weights_dtype or dtype)
+    return KVMemReport(
+        schema=KVMEM_SCHEMA, model=config.name, max_seq_len=config.max_seq_len, formula=formula, size=size, without_gqa=mha,
+        gqa_saving=mha.total_bytes / size.total_bytes, table=table, budget=budget,
+    )
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB' -> 25769803776, '80GB' -> 80e9, '1024' -> 1024 bytes. GB = 1e9, GiB = 2^30."""
+    match = _SIZE_RE.match(text.lower())
+    if not match or match.group(2) not in _UNITS:
+        raise BadArgumentError(f"cannot read {text!r} as a memory size; write e.g. 24GiB, 80GB or 512MiB")
+    value = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if value <= 0:
+        raise BadArgumentError(f"memory size {text!r} must be more than 0 bytes")
+    return value

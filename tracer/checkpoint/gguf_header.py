@@ -1,0 +1,213 @@
+"""A pure-Python reader for a GGUF file's header: key/value metadata and tensor descriptors, never tensor data.
+
+Format (llama.cpp's gguf.md): magic "GGUF", u32 version, u64 tensor count, u64 metadata count, then the
+metadata pairs, then one descriptor per tensor (name, dims, ggml type, offset), then data at an aligned offset.
+No numpy or torch, so `llmtrace flops --model file.gguf` stays instant.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtrace.tracer.core.errors import FileFormatError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# Metadata value types (gguf.md: GGUF_METADATA_VALUE_TYPE_*): code -> struct format, None for string/array.
+_SCALAR_FORMATS: dict[int, str] = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
+
+# ggml tensor types we name (ggml.h enum ggml_type): code -> (name, elements per block, bytes per block).
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySummary:
+    """Stands in for a metadata array that was skipped rather than decoded."""
+
+    item_type: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first (ne[0], ne[1], ...)
+    ggml_type: int
+    offset: int  # relative to the start of the data section
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES.get(self.ggml_type, (f"type{self.ggml_type}", 0, 0))[0]
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_bytes(self) -> int:
+        if self.ggml_type not in GGML_TYPES:
+            raise FileFormatError(f"tensor {self.name!r}: unknown ggml type {self.ggml_type}")
+        _, block, block_bytes = GGML_TYPES[self.ggml_type]
+        return self.n_elements // block * block_bytes
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """Row-major shape as PyTorch (and HF) write it: GGUF's dims reversed."""
+        return tuple(reversed(self.shape))
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    path: str
+    version: int
+    metadata: dict[str, Any]
+    tensors: tuple[GGUFTensorInfo, ...]
+    data_offset: int  # absolute file offset of the tensor data section
+    file_size: int
+
+
+class _Cursor:
+    """Bounds-checked sequential reads from a buffer; a short read means a truncated file."""
+
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+
+    def need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise FileFormatError(
+                f"{self.path}: GGUF header is truncated at byte {self.pos} (file is {self.size} bytes); "
+                "re-download or re-convert the file"
+            )
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        self.need(size)
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value[0] if len(value) == 1 else value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        self.need(n)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        # A tight loop (locals, one precompiled struct): a vocabulary is 50k-150k strings and
+        # `llmtrace flops --model file.gguf` must stay instant.
+        unpack_u64, buf, pos, size = _U64.unpack_from, self.buf, self.pos, self.size
+        for _ in range(count):
+            if pos + 8 > size:
+                break
+            end = pos + 8 + unpack_u64(buf, pos)[0]
+            if end > size:
+                break
+            pos = end
+        else:
+            self.pos = pos
+            return
+        self.pos = pos
+        self.need(8 + (unpack_u64(buf, pos)[0] if pos + 8 <= size else 0))  # raises: the file is truncated
+
+
+def _read_value(cur: _Cursor, vtype: int, decode_arrays: bool) -> Any:
+    if vtype in _SCALAR_FORMATS:
+        return cur.unpack(_SCALAR_FORMATS[vtype])
+    if vtype == _STRING:
+        return cur.string()
+    if vtype == _ARRAY:
+        item_type, count = cur.unpack("I"), cur.unpack("Q")
+        if item_type in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[item_type]
+            size = struct.calcsize("<" + fmt) * count
+            cur.need(size)
+            if not decode_arrays:
+                cur.pos += size
+                return ArraySummary(item_type, count)
+            values = struct.unpack_from(f"<{count}{fmt}", cur.buf, cur.pos)
+            cur.pos += size
+            return list(values)
+        if item_type == _STRING:
+            if not decode_arrays:
+                cur.skip_strings(count)
+                return ArraySummary(item_type, count)
+            return [cur.string() for _ in range(count)]
+        if item_type == _ARRAY:
+            return [_read_value(cur, _ARRAY, decode_arrays) for _ in range(count)]
+        raise FileFormatError(f"{cur.path}: GGUF metadata array has unknown item type {item_type}; file is corrupt")
+    raise FileFormatError(f"{cur.path}: GGUF metadata value has unknown type {vtype}; file is corrupt")
+
+
+def read_gguf_header(path: str | Path, decode_arrays: bool = False) -> GGUFHeader:
+    """Parse metadata and tensor descriptors. With decode_arrays=False, arrays (the vocabulary) are only skipped."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            file_size = path.stat().st_size
+            if file_size == 0:
+                raise FileFormatError(f"{path}: file is empty; not a GGUF file")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    return _parse(view, str(path), file_size, decode_arrays)
+                finally:
+                    # An error's traceback keeps the parser's frames (and this view) alive; a live view makes
+                    # mmap's close raise BufferError, which would hide the FileFormatError.
+                    view.release()
+    except FileNotFoundError as exc:
+        raise FileFormatError(f"{path}: no such file; check the path") from exc
+    except IsADirectoryError as exc:
+        raise FileFormatError(f"{path}: is a folder, not a GGUF file") from exc
+    except PermissionError as exc:
+        raise FileFormatError(f"{path}: permission denied; check the file's permissions") from exc
+
+
+def _parse(buf: memoryview, path: str, file_size: int, decode_arrays: bool) -> GGUFHeader:
+    cur = _Cursor(buf, path)
+    cur.need(4)
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise FileFormatError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version = cur.unpack("I")
+    if version not in (2, 3):
+        raise FileFormatError(f"{path}: GGUF version {version} is not supported (llmtrace reads 2 and 3)")
+    n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
+    if n_tensors > 1_000_000 or n_kv > 1_000_000:
+        raise FileFormatError(f"{path}: GGUF header claims {n_tensors} tensors and {n_kv} keys; file is corrupt")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = _read_value(cur, cur.unpack("I"), decode_arrays)
+    tensors = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        if n_dims > 8:
+            raise FileFormatError(f"{path}: tensor {name!r} claims {n_dims} dimensions; file is corrupt")
+        shape = tuple(cur.unpack("Q") for _ in range(n_dims))
+        tensors.append(GGUFTensorInfo(name, shape, cur.unpack("I"), cur.unpack("Q")))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
+    data_offset = (cur.pos + alignment - 1) // alignment * alignment
+    for info in tensors:
+        if info.ggml_type in GGML_TYPES and data_offset + info.offset + info.n_bytes > file_size:
+            raise FileFormatError(
+                f"{path}: tensor {info.name!r} ends past the end of the file ({file_size} bytes); the file is truncated"
+            )
+    return GGUFHeader(path, version, metadata, tuple(tensors), data_offset, file_size)

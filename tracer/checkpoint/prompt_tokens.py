@@ -1,0 +1,39 @@
+"""Count a prompt's tokens with the model's own tokenizer, loading nothing but the tokenizer (no torch, no weights).
+
+The tokenizers are the ones `llmtrace run` uses: llmtrace.tracer.checkpoint.tokenizer.load_tokenizer for an HF folder (tokenizer.json,
+else tokenizer.model) and llmtrace.tracer.checkpoint.gguf_tokenizer for the vocabulary in a GGUF header. A preset has no tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.checkpoint.resolve import ResolvedModel
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    n_tokens: int  # with BOS where the model adds one
+    tokenizer: str  # the file whose tokenizer counted them
+
+
+def count_prompt_tokens(model: ResolvedModel, text: str) -> PromptTokens:
+    if model.kind == "preset" or model.path is None:
+        raise BadArgumentError(
+            f"model {model.config.name!r} is a preset and has no tokenizer to count --prompt with; "
+            "give --prompt-len N instead, or a --model folder or .gguf file"
+        )
+    path = Path(model.path)
+    if model.kind == "gguf":
+        # Imported here: only --prompt needs a tokenizer, and building one costs more than the whole estimate.
+        from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+        from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(read_gguf_header(path, decode_arrays=True))
+        return PromptTokens(len(tokenizer.encode(text)), str(path))
+    from llmtrace.tracer.checkpoint.tokenizer import load_tokenizer
+
+    folder = path if path.is_dir() else path.parent
+    return PromptTokens(len(load_tokenizer(folder).encode(text)), str(folder))

@@ -1,0 +1,69 @@
+"""What a checkpoint on disk really holds: parameter count and bytes per storage dtype, from headers only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader
+from llmtrace.tracer.checkpoint.safetensors_header import SafetensorsCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeShare:
+    dtype: str  # as the file names it: "BF16", "Q4_1", "F32"
+    params: int
+    bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsSummary:
+    format: str  # "safetensors" | "gguf"
+    files: tuple[str, ...]
+    n_tensors: int
+    n_params: int
+    total_bytes: int
+    by_dtype: tuple[DtypeShare, ...]  # largest share first
+
+    @property
+    def main_dtype(self) -> str:
+        return self.by_dtype[0].dtype if self.by_dtype else "-"
+
+    @property
+    def llmtrace_dtype(self) -> str | None:
+        """The llmtrace.tracer.core.dtypes name whose layout matches the main dtype exactly (Q8_0 is int8), None when none does."""
+        return _EXACT_DTYPES.get(self.main_dtype)
+
+
+# File dtype names (safetensors and ggml) -> the llmtrace.tracer.core.dtypes name with the same storage layout.
+_EXACT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "Q8_0": "int8", "Q4_0": "int4"}
+
+
+def _summarize(fmt: str, files: tuple[str, ...], rows: Iterable[tuple[str, int, int]]) -> WeightsSummary:
+    shares: dict[str, list[int]] = {}
+    n_tensors = 0
+    for dtype, params, n_bytes in rows:
+        acc = shares.setdefault(dtype, [0, 0, 0])
+        acc[0] += params
+        acc[1] += n_bytes
+        acc[2] += 1
+        n_tensors += 1
+    by_dtype = tuple(sorted((DtypeShare(k, *v) for k, v in shares.items()), key=lambda s: -s.params))
+    return WeightsSummary(
+        format=fmt, files=files, n_tensors=n_tensors, n_params=sum(s.params for s in by_dtype),
+        total_bytes=sum(s.bytes for s in by_dtype), by_dtype=by_dtype,
+    )
+
+
+# Buffers some older HF checkpoints saved beside the weights; they are not parameters.
+_NOT_PARAMETERS = ("rotary_emb.inv_freq",)
+
+
+def summarize_safetensors(ckpt: SafetensorsCheckpoint) -> WeightsSummary:
+    rows = ((t.dtype, t.n_elements, t.n_bytes) for t in ckpt.tensors if not t.name.endswith(_NOT_PARAMETERS))
+    return _summarize("safetensors", ckpt.files, rows)
+
+
+def summarize_gguf(header: GGUFHeader) -> WeightsSummary:
+    return _summarize("gguf", (header.path,), ((t.type_name, t.n_elements, t.n_bytes) for t in header.tensors))

@@ -1,0 +1,201 @@
+"""Model configuration: one frozen dataclass, built from a preset, an HF config.json, or a GGUF header.
+
+Pure Python (no torch), so the analytical commands stay instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from llmtrace.tracer.core.errors import ConfigError, UnsupportedModelError
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Everything about a LLaMA-family model's shape that FLOPs, bytes and the model code need."""
+
+    name: str
+    vocab_size: int
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int  # SwiGLU intermediate size
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    explicit_head_dim: int | None = None  # set where the model gives one (dim != n_heads * head_dim is allowed)
+    rope_scaling: RopeScaling | None = None
+    source: str = "preset"  # where this config came from, for display
+
+    def __post_init__(self) -> None:
+        for field_name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"config {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
+            raise ConfigError(
+                f"config {self.name!r}: dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); give head_dim"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim if self.explicit_head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def n_rep(self) -> int:
+        """How many query heads share one KV head (1 = MHA, n_heads = MQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def with_name(self, name: str, source: str | None = None) -> "ModelConfig":
+        return replace(self, name=name, source=source if source is not None else self.source)
+
+    # ---- readers ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, data: Mapping[str, Any], name: str = "hf", source: str = "config.json") -> "ModelConfig":
+        """Build from the dict of an HF `config.json` (LlamaForCausalLM / MistralForCausalLM and kin)."""
+        archs = data.get("architectures") or []
+        model_type = data.get("model_type", "")
+        supported_types = {"llama", "mistral", ""}
+        if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
+            what = ", ".join(archs) or model_type
+            raise UnsupportedModelError(
+                f"{source}: architecture {what!r} is not LLaMA-family; llmtrace supports "
+                f"{', '.join(sorted(_HF_ARCHITECTURES))}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in data:
+                raise ConfigError(f"{source}: missing field {key!r}; is this a LLaMA config.json?")
+            return data[key]
+
+        n_heads = int(need("num_attention_heads"))
+        head_dim = data.get("head_dim")
+        return cls(
+            name=name,
+            vocab_size=int(need("vocab_size")),
+            dim=int(need("hidden_size")),
+            n_layers=int(need("num_hidden_layers")),
+            n_heads=n_heads,
+            n_kv_heads=int(data.get("num_key_value_heads") or n_heads),
+            ffn_dim=int(need("intermediate_size")),
+            norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            max_seq_len=int(data.get("max_position_embeddings", 2048)),
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            explicit_head_dim=int(head_dim) if head_dim else None,
+            rope_scaling=_rope_scaling_from_hf(data.get("rope_scaling") or data.get("rope_parameters"), source),
+            source=source,
+        )
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path) -> "ModelConfig":
+        """Read an HF `config.json`, given the file or the model folder that holds it."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.exists():
+            raise ConfigError(f"{file}: no such file; pass a model folder with a config.json, or a preset name")
+        import json  # here, not at the top: presets need no JSON and `kvmem` must start in a blink
+
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{file}: not readable as JSON ({exc}); check the file") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file}: expected a JSON object at the top level")
+        name = file.parent.name if file.name == "config.json" else file.stem
+        return cls.from_hf_dict(data, name=name, source=str(file))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], name: str, source: str) -> "ModelConfig":
+        """Build from GGUF key/value metadata (`llama.*` keys), as read by `llmtrace.tracer.checkpoint.gguf_header`."""
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; llmtrace reads 'llama'")
+
+        def need(key: str) -> Any:
+            full = f"llama.{key}"
+            if full not in meta:
+                raise ConfigError(f"{source}: GGUF metadata lacks {full!r}; the file is incomplete or not a LLaMA model")
+            return meta[full]
+
+        n_heads = int(need("attention.head_count"))
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = int(meta.get("llama.vocab_size") or (len(tokens) if tokens is not None else 0))
+        if vocab <= 0:
+            raise ConfigError(f"{source}: GGUF metadata gives no vocabulary size")
+        key_length = meta.get("llama.attention.key_length")
+        dim = int(need("embedding_length"))
+        scaling = None
+        if meta.get("llama.rope.scaling.type") == "llama3" or "llama.rope.scaling.low_freq_factor" in meta:
+            scaling = RopeScaling(
+                factor=float(meta.get("llama.rope.scaling.factor", 8.0)),
+                low_freq_factor=float(meta.get("llama.rope.scaling.low_freq_factor", 1.0)),
+                high_freq_factor=float(meta.get("llama.rope.scaling.high_freq_factor", 4.0)),
+                original_max_position=int(meta.get("llama.rope.scaling.original_context_length", 8192)),
+            )
+        return cls(
+            name=name,
+            vocab_size=vocab,
+            dim=dim,
+            n_layers=int(need("block_count")),
+            n_heads=n_heads,
+            n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+            ffn_dim=int(need("feed_forward_length")),
+            norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            max_seq_len=int(meta.get("llama.context_length", 2048)),
+            # Filled in by the caller from the tensor list (no output.weight means tied); default from metadata.
+            tie_embeddings=bool(meta.get("_llmtrace.tied", False)),
+            explicit_head_dim=int(key_length) if key_length and int(key_length) != dim // n_heads else None,
+            rope_scaling=scaling,
+            source=source,
+        )
+
+
+_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+
+
+def _rope_scaling_from_hf(raw: Any, source: str) -> RopeScaling | None:
+    if not raw or not isinstance(raw, dict):
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported; llmtrace handles 'llama3'")
+    try:
+        return RopeScaling(
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw["low_freq_factor"]),
+            high_freq_factor=float(raw["high_freq_factor"]),
+            original_max_position=int(raw["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ConfigError(f"{source}: rope_scaling lacks field {exc.args[0]!r}") from exc

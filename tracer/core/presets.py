@@ -1,0 +1,61 @@
+"""Named configurations of well-known LLaMA-family models, each with the file it was copied from."""
+
+from __future__ import annotations
+
+from llmtrace.tracer.core.config import ModelConfig, RopeScaling
+from llmtrace.tracer.core.errors import UnknownPresetError
+
+_LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+_LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+_PRESET_LIST: tuple[ModelConfig, ...] = (
+    # LLaMA 1 (Touvron et al. 2023, Table 2; params.json of the original release; HF huggyllama/llama-*/config.json).
+    ModelConfig("llama-7b", 32000, 4096, 32, 32, 32, 11008, norm_eps=1e-6, max_seq_len=2048),
+    ModelConfig("llama-13b", 32000, 5120, 40, 40, 40, 13824, norm_eps=1e-6, max_seq_len=2048),
+    ModelConfig("llama-33b", 32000, 6656, 60, 52, 52, 17920, norm_eps=1e-6, max_seq_len=2048),
+    ModelConfig("llama-65b", 32000, 8192, 80, 64, 64, 22016, norm_eps=1e-5, max_seq_len=2048),
+    # Llama 2 (meta-llama/Llama-2-*-hf/config.json); 70B uses GQA with 8 KV heads.
+    ModelConfig("llama2-7b", 32000, 4096, 32, 32, 32, 11008, norm_eps=1e-5, max_seq_len=4096),
+    ModelConfig("llama2-13b", 32000, 5120, 40, 40, 40, 13824, norm_eps=1e-5, max_seq_len=4096),
+    ModelConfig("llama2-70b", 32000, 8192, 80, 64, 8, 28672, norm_eps=1e-5, max_seq_len=4096),
+    # Llama 3 (meta-llama/Meta-Llama-3-8B/config.json, Meta-Llama-3-70B/config.json).
+    ModelConfig("llama3-8b", 128256, 4096, 32, 32, 8, 14336, rope_theta=500000.0, max_seq_len=8192),
+    ModelConfig("llama3-70b", 128256, 8192, 80, 64, 8, 28672, rope_theta=500000.0, max_seq_len=8192),
+    # Llama 3.1 (meta-llama/Llama-3.1-*/config.json): rope_type llama3, factor 8, 128K context.
+    ModelConfig("llama3.1-8b", 128256, 4096, 32, 32, 8, 14336, rope_theta=500000.0, max_seq_len=131072,
+                rope_scaling=_LLAMA31_SCALING),
+    ModelConfig("llama3.1-70b", 128256, 8192, 80, 64, 8, 28672, rope_theta=500000.0, max_seq_len=131072,
+                rope_scaling=_LLAMA31_SCALING),
+    ModelConfig("llama3.1-405b", 128256, 16384, 126, 128, 8, 53248, rope_theta=500000.0, max_seq_len=131072,
+                rope_scaling=_LLAMA31_SCALING),
+    # Llama 3.2 text models (meta-llama/Llama-3.2-1B/config.json, Llama-3.2-3B/config.json): tied embeddings.
+    ModelConfig("llama3.2-1b", 128256, 2048, 16, 32, 8, 8192, rope_theta=500000.0, max_seq_len=131072,
+                tie_embeddings=True, explicit_head_dim=64, rope_scaling=_LLAMA32_SCALING),
+    ModelConfig("llama3.2-3b", 128256, 3072, 28, 24, 8, 8192, rope_theta=500000.0, max_seq_len=131072,
+                tie_embeddings=True, explicit_head_dim=128, rope_scaling=_LLAMA32_SCALING),
+    # TinyLlama (TinyLlama/TinyLlama-1.1B-Chat-v1.0/config.json).
+    ModelConfig("tinyllama-1.1b", 32000, 2048, 22, 32, 4, 5632, norm_eps=1e-5, max_seq_len=2048),
+    # Mistral 7B v0.1 (mistralai/Mistral-7B-v0.1/config.json); its 4096-token sliding window is not modelled.
+    ModelConfig("mistral-7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, max_seq_len=32768),
+    # SmolLM2 (HuggingFaceTB/SmolLM2-*/config.json): LLaMA architecture, GQA, tied embeddings.
+    ModelConfig("smollm2-135m", 49152, 576, 30, 9, 3, 1536, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
+                tie_embeddings=True),
+    ModelConfig("smollm2-360m", 49152, 960, 32, 15, 5, 2560, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
+                tie_embeddings=True),
+    ModelConfig("smollm2-1.7b", 49152, 2048, 24, 32, 32, 8192, norm_eps=1e-5, rope_theta=130000.0, max_seq_len=8192,
+                tie_embeddings=True),
+)
+
+PRESETS: dict[str, ModelConfig] = {cfg.name: cfg for cfg in _PRESET_LIST}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called `name` (case-insensitive), or an error that suggests the nearest names."""
+    key = name.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    import difflib  # only for a miss: the analytical commands must start in a blink
+
+    near = difflib.get_close_matches(key, PRESETS, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(near)}?" if near else "run `llmtrace models` to list them"
+    raise UnknownPresetError(f"unknown model {name!r}: not a preset nor an existing path; {hint}")

@@ -1,0 +1,217 @@
+"""Measure this machine's two roofline ceilings with torch: GEMM FLOP/s per dtype and copy bandwidth.
+
+The only torch-importing part of the roofline: `llmtrace hardware --measure` calls `measure_machine`, turns the
+result into a HardwareProfile (`profile_from_measurement`) and saves it as `this-machine`.
+
+- GEMM: C = A @ B with square n x n matrices, 2*n^3 FLOPs each. n is calibrated per dtype (doubled from 128 until
+  one product takes `target_seconds` or n reaches `max_n`), because speeds differ by 100x across dtypes and
+  machines (bf16 on an AVX2-only CPU is hundreds of times slower than fp32; with AMX it is faster).
+- Bandwidth: dst.copy_(src) on a buffer far larger than the caches, counting bytes read + written (2 x size, as
+  STREAM's copy does; a CPU's write-allocate read is not counted, so this is the bandwidth a streaming kernel sees).
+- A ceiling is what the machine can do, so each figure comes from the fastest of `repeats` timed runs after one
+  warm-up run (on a shared machine the median mostly measures the neighbours); the median and every timing are
+  kept in the record.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
+from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile
+_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class GemmMeasurement:
+    dtype: str
+    n: int  # square matrix size
+    flops_per_run: int  # 2 * n^3
+    seconds: tuple[float, ...]  # every timed run
+    median_seconds: float
+    best_seconds: float  # the fastest run
+    flops_per_s: float  # flops_per_run / best_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class CopyMeasurement:
+    buffer_bytes: int  # size of src (and of dst)
+    bytes_per_run: int  # read + written = 2 * buffer_bytes
+    seconds: tuple[float, ...]
+    median_seconds: float
+    best_seconds: float  # the fastest run
+    bytes_per_s: float  # bytes_per_run / best_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class MachineMeasurement:
+    device: str  # "cpu" or "cuda"
+    device_name: str
+    threads: int  # torch intra-op threads (CPU)
+    torch_version: str
+    memory_bytes: int
+    gemms: tuple[GemmMeasurement, ...]
+    copy: CopyMeasurement
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], object], device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    # A container's cgroup limit, where there is one, is what this process can really use.
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return int(total)
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_gemm(dtype: str, device: str = "cpu", repeats: int = 5, target_seconds: float = 0.05,
+                 max_n: int = 4096, min_n: int = 128) -> GemmMeasurement:
+    """Best FLOP/s of an n x n @ n x n matmul in `dtype`, n calibrated so one run takes about target_seconds."""
+    if dtype not in MEASURABLE_DTYPES:
+        raise BadArgumentError(f"cannot measure {dtype!r}; measurable dtypes are {', '.join(MEASURABLE_DTYPES)}")
+    if dtype == "tf32" and device != "cuda":
+        raise BadArgumentError("tf32 is a CUDA tensor-core mode; measure it with --device cuda")
+    torch_dtype = _TORCH_DTYPES[dtype]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        n = min_n
+        while True:
+            a = torch.randn(n, n, generator=generator).to(device=device, dtype=torch_dtype)
+            b = torch.randn(n, n, generator=generator).to(device=device, dtype=torch_dtype)
+            one = _timed(lambda: a @ b, device)  # also the warm-up run for this size
+            if one >= target_seconds or n * 2 > max_n:
+                break
+            n *= 2
+        seconds = tuple(_timed(lambda: a @ b, device) for _ in range(repeats))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+    flops = 2 * n**3
+    best = min(seconds)
+    return GemmMeasurement(dtype, n, flops, seconds, statistics.median(seconds), best, flops / best)
+
+
+def measure_copy(device: str = "cpu", buffer_bytes: int = 256 * 2**20, repeats: int = 5) -> CopyMeasurement:
+    """Best bandwidth of dst.copy_(src) over `repeats` runs, counting bytes read + written."""
+    if buffer_bytes < 2**20:
+        raise BadArgumentError(f"copy buffer of {buffer_bytes} bytes is too small to measure memory; use >= 1 MiB")
+    numel = buffer_bytes // 4
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of dst's pages costs page faults, not bandwidth
+    seconds = tuple(_timed(lambda: dst.copy_(src), device) for _ in range(repeats))
+    moved = 2 * numel * 4
+    best = min(seconds)
+    return CopyMeasurement(numel * 4, moved, seconds, statistics.median(seconds), best, moved / best)
+
+
+def measure_machine(dtypes: tuple[str, ...] = ("fp32", "bf16"), device: str = "cpu", repeats: int = 5,
+                    gemm_target_seconds: float = 0.05, gemm_max_n: int | None = None,
+                    copy_bytes: int | None = None, progress: Progress | None = None) -> MachineMeasurement:
+    """Measure GEMM FLOP/s for each of `dtypes` and copy bandwidth on `device` ("cpu" or "cuda")."""
+    if device not in ("cpu", "cuda"):
+        raise BadArgumentError(f"unknown device {device!r}; use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HardwareError("--device cuda: torch sees no CUDA device here; measure with --device cpu")
+    if repeats < 1:
+        raise BadArgumentError(f"repeats must be >= 1, got {repeats}")
+    if not dtypes:
+        raise BadArgumentError("give at least one dtype to measure")
+    max_n = gemm_max_n or (16384 if device == "cuda" else 4096)
+    buffer = copy_bytes or (2 * 2**30 if device == "cuda" else 256 * 2**20)
+    gemms = []
+    for dtype in dtypes:
+        if progress:
+            progress(f"GEMM {dtype}")
+        gemms.append(measure_gemm(dtype, device, repeats, gemm_target_seconds, max_n))
+    if progress:
+        progress("copy bandwidth")
+    copy = measure_copy(device, buffer, repeats)
+    return MachineMeasurement(
+        device=device,
+        device_name=_device_name(device),
+        threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        memory_bytes=_memory_bytes(device),
+        gemms=tuple(gemms),
+        copy=copy,
+    )
+
+
+# `llmtrace run`'s first-use measurement: small enough to finish in well under 2 s on a 2-core CPU (GEMMs up to
+# 512 x 512 on the CPU, a 128 MiB copy: past the caches of most CPUs), so a run can show its roofline out of the box.
+# `llmtrace hardware --measure` (GEMMs up to 4096, 256 MiB) gives steadier figures.
+QUICK = {"cpu": dict(repeats=5, gemm_target_seconds=0.01, gemm_max_n=512, copy_bytes=128 * 2**20),
+         "cuda": dict(repeats=3, gemm_target_seconds=0.005, gemm_max_n=4096, copy_bytes=512 * 2**20)}
+
+
+def quick_measure_machine(dtypes: tuple[str, ...], device: str = "cpu",
+                          progress: Progress | None = None) -> MachineMeasurement:
+    """measure_machine with QUICK's sizes for `device` ("cpu" or "cuda")."""
+    if device not in QUICK:
+        raise BadArgumentError(f"no quick measurement for device {device!r}; use cpu or cuda")
+    return measure_machine(dtypes=dtypes, device=device, progress=progress, **QUICK[device])  # type: ignore[arg-type]
+
+
+def profile_from_measurement(m: MachineMeasurement, name: str = THIS_MACHINE) -> HardwareProfile:
+    """The measured ceilings as a profile; dtypes not measured have no peak (None)."""
+    peaks = {g.dtype: g.flops_per_s for g in m.gemms}
+    where = f"{m.threads} threads" if m.device == "cpu" else "cuda:0"
+    return HardwareProfile(
+        name=name,
+        label=f"{m.device_name} ({where}, measured)",
+        memory_bandwidth=m.copy.bytes_per_s,
+        memory_bytes=m.memory_bytes,
+        fp32=peaks.get("fp32"),
+        tf32=peaks.get("tf32"),
+        bf16=peaks.get("bf16"),
+        fp16=peaks.get("fp16"),
+        fp8=None,
+        int8=None,
+        interconnect="none",
+        interconnect_bandwidth=0.0,
+        source=f"llmtrace hardware --measure (torch {m.torch_version}, best of {len(m.copy.seconds)} runs)",
+        measured=True,
+    )

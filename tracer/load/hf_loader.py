@@ -1,0 +1,183 @@
+"""Weights from an HF model folder: `model.safetensors` or shards listed in `model.safetensors.index.json`.
+
+The safetensors headers (8-byte little-endian length, then JSON: name -> dtype, shape, byte offsets) are parsed by
+tracer/checkpoint/safetensors_header.py (the one reader, shared with the analytical commands) and checked against the config
+here before any tensor is touched; each tensor is a view into a private memory map of its file: no second copy in
+RAM unless a dtype or device change asks for one. The torch dtype mapping and the memory maps live here only.
+
+HF LLaMA checkpoints already store Q and K rows in the half-split RoPE layout our model uses (HF's conversion
+script permuted Meta's interleaved rows once), so no permutation is applied here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from pathlib import Path
+
+import torch
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
+from llmtrace.tracer.model.transformer import expected_shapes, parse_dtype
+from llmtrace.tracer.checkpoint.safetensors_header import (
+    INDEX_NAME,
+    SafetensorsFile,
+    SafetensorsTensor,
+    read_safetensors_header,
+    read_safetensors_index,
+)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = INDEX_NAME
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+# HF LlamaForCausalLM name -> ours (Meta's). {i} is a layer index.
+_LAYER_MAP: dict[str, str] = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_TOP_MAP: dict[str, str] = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_INV_LAYER_MAP = {ours: hf for hf, ours in _LAYER_MAP.items()}
+_INV_TOP_MAP = {ours: hf for hf, ours in _TOP_MAP.items()}
+# Buffers older HF checkpoints saved that carry no weights (HF recomputes them too).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def hf_to_ours(name: str) -> str | None:
+    """Our name for an HF tensor name, or None when it is not a LLaMA weight."""
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _LAYER_MAP:
+        return f"layers.{match.group(1)}.{_LAYER_MAP[match.group(2)]}"
+    return None
+
+
+def ours_to_hf(name: str) -> str:
+    """The HF name of one of our tensor names (inverse of `hf_to_ours`)."""
+    if name in _INV_TOP_MAP:
+        return _INV_TOP_MAP[name]
+    _, index, rest = name.split(".", 2)
+    return f"model.layers.{index}.{_INV_LAYER_MAP[rest]}"
+
+
+def _shard_headers(folder: Path) -> list[SafetensorsFile]:
+    """The folder's model.safetensors, else the shards its index lists (read and cross-checked by the index)."""
+    single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    if single.exists():
+        return [read_safetensors_header(single)]
+    if not index.exists():
+        found = sorted(p.name for p in folder.glob("*.safetensors"))[:3]
+        hint = f" (found {', '.join(found)})" if found else ""
+        bins = list(folder.glob("*.bin")) + list(folder.glob("*.pth"))
+        pickle_hint = "; pickled .bin/.pth weights are not read (unsafe): convert them to safetensors" if bins else ""
+        raise CheckpointError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE}{hint}{pickle_hint}")
+    return list(read_safetensors_index(index).shards)
+
+
+def _format_list(items: list[str], limit: int = 3) -> str:
+    return "; ".join(items[:limit]) + (f"; ... {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _plan(
+    config: ModelConfig, headers: list[SafetensorsFile], folder: Path
+) -> dict[str, tuple[SafetensorsFile, SafetensorsTensor]]:
+    """Match the files' tensors to the config's, by HF name; CheckpointError naming every mismatch."""
+    found: dict[str, tuple[SafetensorsFile, SafetensorsTensor]] = {}
+    for header in headers:  # no name twice: the index reader refuses a tensor in two shards
+        for entry in header.tensors:
+            if entry.dtype not in _ST_DTYPES:
+                raise FileFormatError(f"{header.path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r}")
+            found[entry.name] = (header, entry)
+    expected = {ours_to_hf(ours): shape for ours, shape in expected_shapes(config).items()}
+    # A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding); HF ignores it too.
+    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    missing = [name for name in expected if name not in found]
+    unexpected = [n for n in found if n not in expected and n not in ignorable and not _IGNORED.fullmatch(n)]
+    misshaped = [
+        f"{name} is {list(found[name][1].shape)}, config wants {list(shape)}"
+        for name, shape in expected.items()
+        if name in found and found[name][1].shape != shape
+    ]
+    problems = [
+        f"{len(items)} {label}: {_format_list(items)}"
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped))
+        if items
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{folder}: weights do not match config.json ({' | '.join(problems)}); "
+            "check that the safetensors and config.json belong to the same LLaMA model"
+        )
+    return {name: found[name] for name in expected}
+
+
+def _mapped_bytes(path: Path) -> torch.Tensor:
+    """The whole file as a uint8 tensor over a private (copy-on-write) memory map: pages load on first touch."""
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # keeps `mapped` alive as long as any view exists
+
+
+def _tensor_view(file_bytes: torch.Tensor, header: SafetensorsFile, entry: SafetensorsTensor) -> torch.Tensor:
+    dtype = _ST_DTYPES[entry.dtype]
+    start = header.data_start + entry.begin
+    raw = file_bytes[start : header.data_start + entry.end]  # (nbytes,) view, no copy
+    if start % dtype.itemsize:
+        raw = raw.clone()  # misaligned for its dtype (the writer did not pad): one copy of this tensor only
+    return raw.view(dtype).view(entry.shape)
+
+
+def load_hf_state_dict(
+    folder: str | Path,
+    config: ModelConfig,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Our-named tensors of an HF LLaMA folder, strictly checked against `config`.
+
+    With dtype None and device cpu, every tensor is a view of a memory-mapped file (no copy). Asking for another
+    dtype or device converts each tensor once. Tied models get no `output.weight` (the model ties it).
+    """
+    folder = Path(folder).expanduser()
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: no such folder; pass an HF model folder (config.json + model.safetensors)")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder; pass an HF model folder (config.json + model.safetensors)")
+    if not (folder / "config.json").exists():
+        raise ConfigError(f"{folder}: no config.json; pass an HF LLaMA model folder")
+    target = parse_dtype(dtype) if dtype is not None else None
+    plan = _plan(config, _shard_headers(folder), folder)
+    files: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for hf_name, (header, entry) in plan.items():
+        if header.path not in files:
+            files[header.path] = _mapped_bytes(Path(header.path))
+        tensor = _tensor_view(files[header.path], header, entry)
+        if (target is not None and tensor.dtype != target) or torch.device(device) != tensor.device:
+            tensor = tensor.to(device=device, dtype=target or tensor.dtype)
+        state[hf_to_ours(hf_name)] = tensor
+    return state
+
+
+def hf_state_dict_from_ours(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename our tensors to HF's (for writing a folder HF transformers can read, as the tests do)."""
+    return {ours_to_hf(name): tensor for name, tensor in state_dict.items()}

@@ -1,0 +1,93 @@
+"""Rotary position embedding (RoPE): frequencies, Llama 3.1 frequency scaling, cos/sin tables and the rotation.
+
+Layout: HF's half-split ("rotate_half") convention. A head vector x of size D is rotated as pairs
+(x[i], x[i + D/2]) for i < D/2, by the angle pos * inv_freq[i]. HF safetensors checkpoints are stored for this
+layout, so they load without a Q/K permutation; Meta's original checkpoints and llama.cpp's GGUF files use the
+interleaved layout (x[2i], x[2i+1]) and their Q/K rows must be permuted on load (the GGUF loader does it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from llmtrace.tracer.core.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """inv_freq[i] = theta ** (-2i / D) for i < D/2, in fp32 on the CPU; Llama 3.1 scaling applied when given.
+
+    Llama 3.1 scaling (Meta's `apply_scaling`, HF `_compute_llama3_parameters`): wavelengths longer than
+    original_max_position / low_freq_factor are divided by `factor`; shorter than original / high_freq_factor are
+    kept; in between, a linear blend in 1/wavelength.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_tables(
+    config: ModelConfig, max_seq: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed-sin tables, each (max_seq, 1, D), computed in fp32 and cast to `dtype` (as HF does).
+
+    sin is stored as [-sin, +sin] over the two halves so that rotate_half(x) * sin == roll(x, D/2) * signed_sin,
+    which turns the rotation into three tensor ops (mul, roll, addcmul).
+    """
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    positions = torch.arange(max_seq, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # (max_seq, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (max_seq, D)
+    half = config.head_dim // 2
+    sin = angles.sin()
+    sin[:, :half].neg_()
+    cos = angles.cos()
+    shape = (max_seq, 1, config.head_dim)  # a broadcast axis for the heads of (B, T, H, D)
+    return cos.view(shape).to(device=device, dtype=dtype), sin.view(shape).to(device=device, dtype=dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q (B, T, H, D) and k (B, T, Hkv, D) by their absolute positions `input_pos` (T,).
+
+    The tables are plain attributes shared by every layer (one copy per model, not 30), installed by
+    `Transformer` through `set_tables` when the cache is set up or a longer sequence needs them.
+    """
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.cos: torch.Tensor | None = None  # (max_seq, 1, D)
+        self.sin: torch.Tensor | None = None  # (max_seq, 1, D), first half negated
+        self.positions: torch.Tensor | None = None  # arange(max_seq): the model passes slices of it as input_pos
+
+    def set_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        self.cos, self.sin, self.positions = cos, sin, positions
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions is not None and input_pos._base is self.positions and input_pos.is_contiguous():
+            # A slice of arange(max_seq) starts at its own value: narrow the tables (a view) instead of gathering.
+            start, new = input_pos.storage_offset(), input_pos.shape[0]
+            cos, sin = self.cos.narrow(0, start, new), self.sin.narrow(0, start, new)  # (T, 1, D) each
+        else:
+            cos = self.cos[input_pos]  # (T, 1, D): broadcasts over batch and heads
+            sin = self.sin[input_pos]  # (T, 1, D)
+        half = self.head_dim // 2
+        q_rot = torch.addcmul(q * cos, q.roll(half, dims=-1), sin)  # (B, T, H, D)
+        k_rot = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)  # (B, T, Hkv, D)
+        return q_rot, k_rot
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}"

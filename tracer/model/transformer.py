@@ -1,0 +1,504 @@
+"""A LLaMA-family transformer in which every stage is a module with a stable dotted name, so hooks can see it.
+
+Shape legend (used in every shape comment below):
+    B    batch
+    T    new tokens in this forward (the prompt length in prefill, 1 in decode)
+    S    cached positions attention reads (positions so far, including the T new ones)
+    dim  model width (hidden size)            V    vocabulary size
+    H    query heads      Hkv  KV heads       R    H // Hkv (query heads per KV head; 1 = MHA)
+    D    head dim (config.head_dim; not always dim // H)
+    F    FFN width (SwiGLU intermediate size)
+
+Module tree (names are the contract with the hooks in the run tracer):
+    tok_embeddings, layers.{i}.attention_norm, layers.{i}.attention.{wq,wk,wv,rope,kv_cache,scores,softmax,pv,wo},
+    layers.{i}.attn_residual, layers.{i}.ffn_norm, layers.{i}.feed_forward.{w1,w3,act,w2}, layers.{i}.ffn_residual,
+    norm, output.
+
+Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in fp32 then cast back before the weight multiply,
+RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Attention uses explicit batched matmuls
+(no SDPA) so FlopCounterMode counts what runs; GQA groups the R query heads of each KV head into the rows of one
+matmul instead of copying K and V R times.
+
+Two ways through prefill/decode_one: stage by stage through these modules (whenever anything watches them: hooks,
+forward wrappers, FlopCounterMode), or, when nothing does, the fused path of tracer/model/fused.py, the same math in
+about half the tensor ops (decode speed on a CPU is mostly their count). `use_fused = False` forces the first. The
+fused path reports its own stages through `stage_mark` (tracer/trace/fused_marks.py), so it can be traced as it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
+from llmtrace.tracer.model.functional import causal_mask, rms_norm, softmax_fp32
+from llmtrace.tracer.model.fused import FusedPlan, Mark, matvec, no_mark, watched
+from llmtrace.tracer.model.kv_cache import KVCache
+from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
+
+
+class Linear(nn.Linear):
+    """An nn.Linear without bias (same parameter, state-dict name and repr) that multiplies one token through
+    torch.mv: for bf16 on CPU a matrix-vector product runs up to twice as fast as the same product through mm
+    (BENCHMARKS.md, "Model speed"), and never slower in fp32. FlopCounterMode counts mm but not mv, so while any
+    TorchDispatchMode is active (FlopCounterMode is one) the product goes through mm (fused.matvec): what it counts
+    is what runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features and self.bias is None:
+            return matvec(self.weight, x.reshape(-1)).view(x.shape[:-1] + (self.out_features,))  # (..., out)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight; the normalisation runs in fp32 and is cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self._floor: torch.Tensor | None = None  # sqrt(dim * eps), fp32, on the weight's device (made on first use)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        floor = self._floor
+        if floor is None or floor.device != x.device:
+            floor = self._floor = torch.tensor((self.weight.shape[0] * self.eps) ** 0.5, device=x.device)
+        return rms_norm(x, self.weight, floor)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.weight.shape[0]}, eps={self.eps}"
+
+
+class AttentionScores(nn.Module):
+    """q (B, H, T, D) · k_all (B, Hkv, S, D) -> scores (B, H, T, S), scaled by 1/sqrt(D), causal mask applied.
+
+    The new tokens sit at the last T of the S positions; query t may see keys up to position S - T + t.
+    """
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.n_rep = n_heads // n_kv_heads
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
+        batch, _, new, _ = q.shape
+        seen = k_all.shape[2]
+        groups = batch * self.n_kv_heads
+        q_grouped = q.reshape(groups, self.n_rep * new, self.head_dim)  # (B*Hkv, R*T, D)
+        k_grouped = k_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
+        if new == 1 and q.dtype != torch.float32:
+            # One query token: half-precision bmm this small takes oneDNN's slow path on CPU (~3x fp32's time)
+            scores = torch.bmm(q_grouped.float(), k_grouped.float().transpose(1, 2))  # (B*Hkv, R, S), fp32
+            scores = scores.mul_(self.scale).to(q.dtype)
+        else:
+            scores = torch.bmm(q_grouped, k_grouped.transpose(1, 2)).mul_(self.scale)  # (B*Hkv, R*T, S)
+        scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
+        if new > 1:
+            scores.masked_fill_(causal_mask(new, seen, q.device), float("-inf"))
+        return scores
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}"
+
+
+class Softmax(nn.Module):
+    """Softmax over the key axis, computed in fp32 and cast back to the scores' dtype (as HF does)."""
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        return softmax_fp32(scores)
+
+
+class AttentionValues(nn.Module):
+    """probs (B, H, T, S) · v_all (B, Hkv, S, D) -> (B, H, T, D): the attention-weighted sum of values."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.n_rep = n_heads // n_kv_heads
+
+    def forward(self, probs: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+        batch, _, new, seen = probs.shape
+        groups = batch * self.n_kv_heads
+        probs_grouped = probs.reshape(groups, self.n_rep * new, seen)  # (B*Hkv, R*T, S)
+        v_grouped = v_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
+        if new == 1 and probs.dtype != torch.float32:  # as in AttentionScores: fp32 for one query token
+            out = torch.bmm(probs_grouped.float(), v_grouped.float()).to(probs.dtype)  # (B*Hkv, R, D)
+        else:
+            out = torch.bmm(probs_grouped, v_grouped)  # (B*Hkv, R*T, D)
+        return out.view(batch, self.n_heads, new, self.head_dim)  # (B, H, T, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = Linear(config.dim, config.q_dim, bias=False)
+        self.wk = Linear(config.dim, config.kv_dim, bias=False)
+        self.wv = Linear(config.dim, config.kv_dim, bias=False)
+        self.rope = RotaryEmbedding(config.head_dim)
+        self.kv_cache = KVCache(config.n_kv_heads, config.head_dim)
+        self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim)
+        self.softmax = Softmax()
+        self.pv = AttentionValues(config.n_heads, config.n_kv_heads, config.head_dim)
+        self.wo = Linear(config.q_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
+        batch, new, _ = x.shape
+        q = self.wq(x).view(batch, new, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.wv(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        q, k = self.rope(q, k, input_pos)
+        if use_cache:
+            k_all, v_all = self.kv_cache(input_pos, k, v)  # (B, Hkv, S, D) each
+        else:
+            k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S=T, D) each
+        scores = self.scores(q.transpose(1, 2), k_all)  # q: (B, H, T, D) -> scores (B, H, T, S)
+        probs = self.softmax(scores)  # (B, H, T, S)
+        out = self.pv(probs, v_all)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(batch, new, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.wo(out)  # (B, T, dim)
+
+
+class SwiGLUActivation(nn.Module):
+    """silu(gate) * up, elementwise over (B, T, F)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate).mul_(up)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU FFN: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down (Meta's names)."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = Linear(dim, ffn_dim, bias=False)
+        self.w3 = Linear(dim, ffn_dim, bias=False)
+        self.act = SwiGLUActivation()
+        self.w2 = Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, F) inside, (B, T, dim) out
+
+
+class Residual(nn.Module):
+    """x + delta: the residual stream after a sub-block."""
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return x + delta
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attention(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.attn_residual = Residual()
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+        self.ffn_residual = Residual()
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
+        h = self.attn_residual(x, self.attention(self.attention_norm(x), input_pos, use_cache))
+        return self.ffn_residual(h, self.feed_forward(self.ffn_norm(h)))
+
+
+class Transformer(nn.Module):
+    """The whole model. Build big ones on the meta device (`build_meta_model`) and load with `load_weights`.
+
+    Generation: `setup_cache(max_batch, max_seq)`, then `prefill(prompt)` and `decode_one(token)` repeatedly.
+    `forward(tokens)` (through `model(tokens)`) is the cache-free full recompute used to check the cached path.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        embedding = torch.empty(config.vocab_size, config.dim)
+        if embedding.device.type != "meta":
+            # nn.Embedding's own init, skipped on meta, where normal_ imports torch._dynamo (2 s of load time)
+            nn.init.normal_(embedding)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embedding)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_state_dict_post_hook(_drop_tied_output)
+        self._pos = 0
+        self._positions: torch.Tensor | None = None  # arange(max_seq) on the model's device; input_pos slices it
+        self._rope_key: tuple[int, torch.device, torch.dtype] | None = None  # (length, device, dtype) of the tables
+        self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
+        self._rope_sin: torch.Tensor | None = None
+        self.use_fused = True  # False: always run stage by stage, even without hooks (for comparisons)
+        self.stage_mark: Mark = no_mark  # called by the fused path after each stage (tracer/trace/fused_marks.py)
+        self._fused_plan: FusedPlan | None = None  # built by setup_cache
+        self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen
+
+    # ---- cache ---------------------------------------------------------------------------------------------
+
+    @property
+    def pos(self) -> int:
+        """Tokens already in the KV cache (the position the next token will take)."""
+        return self._pos
+
+    def setup_cache(self, max_batch: int, max_seq: int) -> None:
+        """Allocate every layer's KV cache for `max_batch` sequences of up to `max_seq` tokens; resets `pos`."""
+        if max_batch <= 0 or max_seq <= 0:
+            raise BadArgumentError(f"cache size must be positive, got max_batch={max_batch}, max_seq={max_seq}")
+        if max_seq > self.config.max_seq_len:
+            raise BadArgumentError(
+                f"max_seq {max_seq} exceeds the model's context length {self.config.max_seq_len}; ask for fewer tokens"
+            )
+        weight = self.tok_embeddings.weight
+        for layer in self.layers:
+            layer.attention.kv_cache.allocate(max_batch, max_seq, weight.dtype, weight.device)
+        self._ensure_rope(max_seq)
+        self._fused_plan = FusedPlan(self)
+        self._pos = 0
+
+    def reset_cache(self) -> None:
+        """Forget the cached sequence (buffers stay allocated)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.reset()
+        self._pos = 0
+
+    @property
+    def kv_allocated_bytes(self) -> int:
+        return sum(layer.attention.kv_cache.allocated_bytes for layer in self.layers)
+
+    @property
+    def kv_live_bytes(self) -> int:
+        return sum(layer.attention.kv_cache.live_bytes for layer in self.layers)
+
+    def _ensure_rope(self, length: int) -> None:
+        """Share one cos/sin table of at least `length` positions among every layer's RotaryEmbedding."""
+        weight = self.tok_embeddings.weight
+        key = self._rope_key
+        if key is not None and key[0] >= length and key[1] == weight.device and key[2] == weight.dtype:
+            return
+        cos, sin = rope_tables(self.config, length, weight.dtype, weight.device)
+        self._positions = torch.arange(length, device=weight.device)
+        for layer in self.layers:
+            layer.attention.rope.set_tables(cos, sin, self._positions)
+        self._rope_cos, self._rope_sin = cos, sin
+        self._rope_key = (length, weight.device, weight.dtype)
+        if self._fused_plan is not None:
+            # Longer tables (a cache-free forward past max_seq) hold the same rows: the plan stays valid.
+            self._fused_plan.cos, self._fused_plan.sin = cos, sin
+
+    # ---- forward passes ------------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Cache-free forward over all positions from 0: tokens (B, T) -> logits (B, T, V). Leaves the cache alone."""
+        new = tokens.shape[1]
+        self._ensure_rope(new)
+        input_pos = self._positions[:new]  # (T,)
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        for layer in self.layers:
+            x = layer(x, input_pos, False)
+        return self.output(self.norm(x))  # (B, T, V)
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the prompt tokens (B, T) through the model, filling the cache; logits (B, V) of the last position.
+
+        Only the last position goes through the final norm and the LM head: the others' logits are never used.
+        """
+        return self._cached_step(tokens)
+
+    def decode_one(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, tokens (B, 1), at position `pos`; logits (B, V)."""
+        if tokens.shape[1] != 1:
+            raise BadArgumentError(f"decode_one takes tokens of shape (B, 1), got {tuple(tokens.shape)}")
+        return self._cached_step(tokens)
+
+    def _cached_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        kv_cache = self.layers[0].attention.kv_cache if len(self.layers) else None
+        if kv_cache is None or not kv_cache.is_allocated:
+            raise BadArgumentError("the KV cache is not set up; call setup_cache(max_batch, max_seq) first")
+        batch, new = tokens.shape
+        start = self._pos
+        if start + new > kv_cache.max_seq:
+            raise BadArgumentError(
+                f"{start} cached + {new} new tokens exceed the cache of {kv_cache.max_seq} positions; "
+                "set up a longer cache or ask for fewer tokens"
+            )
+        if start and batch != kv_cache.batch:
+            raise BadArgumentError(f"batch size changed from {kv_cache.batch} to {batch} mid-sequence; reset the cache")
+        try:
+            with torch.no_grad():
+                if self.fusable():
+                    logits = self._fused_plan.step(tokens, start, self.stage_mark)
+                else:
+                    x = self.tok_embeddings(tokens)  # (B, T, dim)
+                    input_pos = self._positions[start : start + new]  # (T,)
+                    for layer in self.layers:
+                        x = layer(x, input_pos, True)
+                    x = x[:, -1, :]  # (B, dim): the last position only
+                    logits = self.output(self.norm(x))  # (B, V)
+        except BaseException:
+            # A failure (or Ctrl-C) mid-pass must not leave some layers' caches one step ahead of the others.
+            for layer in self.layers:
+                layer.attention.kv_cache.length = start
+            raise
+        self._pos = start + new
+        return logits
+
+    # ---- the fused path ------------------------------------------------------------------------------------
+
+    def fusable(self) -> bool:
+        """True when `prefill`/`decode_one` may run the fused path (tracer/model/fused.py): the same math in about half
+        the tensor ops. It needs `use_fused`, the plan `setup_cache` made still describing the model (a reload,
+        `.to()` or in-place weight edit voids it until the next setup_cache), and nothing watching a module: any
+        nn.Module forward hook, local or global (a tracer's hooks, FlopCounterMode's module tracker), or an
+        instance-level forward wrapper sends the call stage by stage, so what is traced is what runs."""
+        plan = self._fused_plan
+        if not self.use_fused or plan is None:
+            return False
+        modules = self._watchable()
+        stamp = RemovableHandle.next_id  # bumped by every hook registration anywhere
+        if stamp != self._hook_free_stamp:
+            if watched(modules):
+                return False
+            self._hook_free_stamp = stamp
+        if any("forward" in module.__dict__ for module in modules):  # wrappers bump no stamp: look every time
+            return False
+        return plan.valid(self)
+
+    def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares."""
+        return self._rope_cos, self._rope_sin
+
+    def _watchable(self) -> list[nn.Module]:
+        modules = self.__dict__.get("_watchable_modules")
+        if modules is None:
+            modules = list(self.modules())
+            self.__dict__["_watchable_modules"] = modules  # a plain cached list, not submodule registrations
+        return modules
+
+    # ---- weights -------------------------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Adopt the tensors of a checkpoint in our naming (no copy: `assign=True`), strictly checked first.
+
+        Works on a model built on the meta device; the model takes the tensors' dtype and device.
+        """
+        check_state_dict(self.config, state_dict)
+        full = dict(state_dict)
+        if self.config.tie_embeddings:
+            full["output.weight"] = full["tok_embeddings.weight"]
+        self.load_state_dict(full, strict=True, assign=True)
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self._positions, self._rope_key = None, None
+        self._fused_plan = None
+        for layer in self.layers:  # the caches were sized and typed for the old weights: set them up again
+            layer.attention.kv_cache.kv = None
+            layer.attention.kv_cache.reset()
+        self._pos = 0
+
+
+def _drop_tied_output(module: Transformer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A tied LM head is the embedding: the checkpoint names it once, as tok_embeddings.weight."""
+    if module.config.tie_embeddings:
+        state_dict.pop(prefix + "output.weight", None)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint for `config` must hold, in our (Meta's) naming, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (config.dim,)
+        shapes[p + "attention.wq.weight"] = (config.q_dim, config.dim)
+        shapes[p + "attention.wk.weight"] = (config.kv_dim, config.dim)
+        shapes[p + "attention.wv.weight"] = (config.kv_dim, config.dim)
+        shapes[p + "attention.wo.weight"] = (config.dim, config.q_dim)
+        shapes[p + "ffn_norm.weight"] = (config.dim,)
+        shapes[p + "feed_forward.w1.weight"] = (config.ffn_dim, config.dim)
+        shapes[p + "feed_forward.w3.weight"] = (config.ffn_dim, config.dim)
+        shapes[p + "feed_forward.w2.weight"] = (config.dim, config.ffn_dim)
+    shapes["norm.weight"] = (config.dim,)
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab_size, config.dim)
+    return shapes
+
+
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Raise CheckpointError naming every missing, unexpected and mis-shaped tensor (a few of each, and counts)."""
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in state_dict]
+    unexpected = [name for name in state_dict if name not in expected]
+    misshaped = [
+        f"{name} is {tuple(state_dict[name].shape)}, config wants {shape}"
+        for name, shape in expected.items()
+        if name in state_dict and tuple(state_dict[name].shape) != shape
+    ]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
+        if items:
+            shown = "; ".join(items[:3]) + (f"; ... {len(items) - 3} more" if len(items) > 3 else "")
+            problems.append(f"{len(items)} {label}: {shown}")
+    if problems:
+        raise CheckpointError(
+            f"{source} does not match config {config.name!r} ({' | '.join(problems)}); "
+            "check that the weights and config.json belong to the same model"
+        )
+
+
+# ---- building --------------------------------------------------------------------------------------------------
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'fp32' / 'bf16' / 'fp16' (or a torch dtype among them) -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+        raise BadArgumentError(f"dtype {name} is not supported; use one of {', '.join(DTYPES)}")
+    key = name.strip().lower()
+    aliases = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+    key = aliases.get(key, key)
+    if key not in DTYPES:
+        raise BadArgumentError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def build_meta_model(config: ModelConfig) -> Transformer:
+    """The model on the meta device: every shape, no memory (a dry run of any size, or a shell to load into)."""
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights in our naming, on the CPU: N(0, 0.02^2) matrices (GPT-2/LLaMA init std, drawn in fp32
+    then cast to `dtype`, so every dtype gets the same values up to rounding), norm weights 1."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:
+            state[name] = torch.ones(shape, dtype=dtype)
+        else:
+            state[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator).to(dtype)
+    return state
+
+
+def build_random_model(
+    config: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+) -> Transformer:
+    """A model of `config`'s size with `random_weights(config, dtype, seed)` on `device`, built on the meta device
+    first, so the default (slow) initialisation never runs."""
+    state = {name: tensor.to(device) for name, tensor in random_weights(config, parse_dtype(dtype), seed).items()}
+    model = build_meta_model(config)
+    model.load_weights(state)
+    return model

@@ -1,0 +1,441 @@
+"""The generation loop: tokenize -> prefill -> sample -> decode_one -> sample ... until EOS or the token limit.
+
+`Generation.events()` yields one event per stage of the journey, so a caller can show each as it happens:
+`Tokenized`, `PrefillDone` (with the prefill's stage records), one `TokenStep` per decode step, and `Finished`
+with the whole Trace. Ctrl-C (KeyboardInterrupt) inside the loop ends it cleanly: `Finished` still comes, with
+`stop_reason == "interrupted"` and every step completed so far. A caller interrupted outside the loop can ask
+`Generation.trace()` for the partial trace; `close()` removes the hooks.
+
+The tracer's hooks exist only while `events()` runs (tracer/trace/hooks.py); `settings.trace = False` runs without
+hooks and still times each step.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.run.detokenize import TextStream
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
+from llmtrace.tracer.model.rope import rope_inv_freq
+from llmtrace.tracer.trace.run_trace import (
+    STOP_CONTEXT_FULL,
+    STOP_DRY_RUN,
+    STOP_EOS,
+    STOP_INTERRUPTED,
+    STOP_MAX_NEW_TOKENS,
+    Trace,
+)
+from llmtrace.tracer.trace.records import (
+    DECODE,
+    PREFILL,
+    CandidateRecord,
+    EnvironmentInfo,
+    ModelInfo,
+    RopeRecord,
+    RunSettings,
+    SamplingRecord,
+    StageRecord,
+    StepRecord,
+    TokenizationRecord,
+)
+
+LLMTRACE_VERSION = "0.1.0"
+
+
+class LoadedModelLike(Protocol):
+    """What the loop needs of llmtrace.tracer.load.loader.LoadedModel."""
+
+    config: ModelConfig
+    model: Any  # llmtrace.tracer.model.transformer.Transformer
+    tokenizer: Any  # llmtrace.tracer.checkpoint.tokenizer.Tokenizer, or None for a dry run
+    source: str
+    load_seconds: float
+    weight_format: str
+
+
+# ---- events ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    record: TokenizationRecord | None  # None in a dry run without a tokenizer
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    step: StepRecord
+    stages: tuple[StageRecord, ...]  # empty with tracing off
+    rope: RopeRecord
+    limit: int  # the most tokens this run will generate
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStep:
+    step: StepRecord
+    generated: int  # tokens generated so far, this one included
+    limit: int  # the most this run will generate
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    trace: Trace
+
+
+Event = Tokenized | PrefillDone | TokenStep | Finished
+
+
+# ---- the loop -------------------------------------------------------------------------------------------------
+
+
+class Generation:
+    """One traced generation of `settings.prompt` on `loaded`; iterate `events()` once."""
+
+    def __init__(self, loaded: LoadedModelLike, settings: RunSettings, sampler: Any = None) -> None:
+        if settings.max_new_tokens < 1:
+            raise BadArgumentError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dry_run = settings.dry_run
+        self.sampler = sampler if sampler is not None or self.dry_run else _make_sampler(settings)
+        self.settings = _with_seed_used(settings, self.sampler)
+        self.origin_ns = time.perf_counter_ns()
+        param = next(self.model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self._sync = device_synchronizer(self.device)
+        # "auto" traces the path the model takes (the fused one, unless something else watches its modules);
+        # --staged runs and traces the stage modules (Q, K, V, gate and up as separate products).
+        self._tracer = Tracer(self.model, self.origin_ns, enabled=settings.trace,
+                              mechanism="wrap" if settings.staged else "auto")
+        self._tokenization: TokenizationRecord | None = None
+        self._rope: RopeRecord | None = None
+        self._generated: list[int] = []
+        self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
+        self._steps: list[StepRecord] = []
+        self._stop_reason = STOP_INTERRUPTED
+        self._events: Iterator[Event] | None = None
+
+    def events(self) -> Iterator[Event]:
+        if self._events is not None:
+            raise RuntimeError("Generation.events() can be iterated only once")
+        self._events = self._run()
+        return self._events
+
+    def run(self) -> Trace:
+        """Generate to the end without looking at the events; the Trace."""
+        for event in self.events():
+            if isinstance(event, Finished):
+                return event.trace
+        return self.trace()
+
+    def close(self) -> None:
+        """Stop the loop (if suspended) and remove the hooks."""
+        if self._events is not None:
+            self._events.close()  # type: ignore[attr-defined]
+        self._tracer.remove()
+
+    def _run(self) -> Iterator[Event]:
+        # Tokenization and context checks come first: a bad prompt fails before any hook is attached.
+        ids = self._tokenize()
+        limit = self._new_token_limit(len(ids))
+        yield Tokenized(self._tokenization, len(ids))
+        fused = getattr(self.model, "use_fused", None)
+        if self.settings.staged and fused is not None:
+            self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
+        try:
+            self.model.setup_cache(1, len(ids) + limit)
+            if self.settings.warmup and not self.dry_run:
+                self._warm_up(ids)
+            rope = self._rope = _rope_record(self.config, len(ids))
+            with self._tracer:
+                if self.dry_run:
+                    yield from self._dry_run(ids, rope, limit)
+                else:
+                    yield from self._generate(ids, rope, limit)
+        except KeyboardInterrupt:
+            self._stop_reason = STOP_INTERRUPTED
+        finally:
+            if fused is not None:
+                self.model.use_fused = fused
+        yield Finished(self.trace())
+
+    def _warm_up(self, ids: list[int]) -> None:
+        """One untimed prefill of the prompt and one decode step, then an empty cache: the first call of a kernel
+        for a shape pays one-off set-up (oneDNN's bf16/AMX kernels took ~40x a layer's time in the first prefill),
+        which a profile of steady-state work must not show as layer 0's cost. It takes the path the traced run
+        takes: the model's own choice, which the tracer's "auto" mechanism follows."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        try:
+            with torch.no_grad():
+                self.model.prefill(tokens)
+                self.model.decode_one(tokens[:, -1:])  # (1, 1)
+        finally:
+            self.model.reset_cache()
+        if self._sync is not None:
+            self._sync()
+
+    def _generate(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
+        eos = getattr(self.tokenizer, "eos_id", None)
+        token = yield from self._prefill(ids, rope, limit)
+        while token != eos and len(self._generated) < limit:
+            step = self._step(DECODE, len(self._steps), [token])
+            token = step.token_id
+            yield TokenStep(step, len(self._generated), limit)
+        if token == eos:
+            self._stop_reason = STOP_EOS
+        elif limit < self.settings.max_new_tokens:
+            self._stop_reason = STOP_CONTEXT_FULL
+        else:
+            self._stop_reason = STOP_MAX_NEW_TOKENS
+
+    def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
+        step = self._step(PREFILL, 0, ids)
+        yield PrefillDone(step, self._tracer.records(), rope, limit)
+        return step.token_id
+
+    def _dry_run(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
+        """Meta device: one prefill and one decode step for shapes and FLOPs; no sampling, times meaningless."""
+        prefill = self._step(PREFILL, 0, ids)
+        yield PrefillDone(prefill, self._tracer.records(), rope, limit)
+        decode = self._step(DECODE, 1, [0])
+        yield TokenStep(decode, 1, 1)
+        self._stop_reason = STOP_DRY_RUN
+
+    def _tokenize(self) -> list[int]:
+        prompt = self.settings.prompt
+        if self.tokenizer is None:
+            if not self.dry_run:
+                raise BadArgumentError("this model has no tokenizer; pass a model folder or .gguf with one")
+            count = self.settings.prompt_tokens or max(1, len(prompt))
+            return [0] * count
+        start = time.perf_counter_ns()
+        text = prompt
+        if self.settings.chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise BadArgumentError("this model has no chat template; run without --chat")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = list(self.tokenizer.encode(text))
+        pieces = tuple(self.tokenizer.piece(i) for i in ids)
+        end = time.perf_counter_ns()
+        if not ids:
+            raise BadArgumentError("the prompt is empty after tokenization; give some text")
+        self._tokenization = TokenizationRecord(
+            text=prompt, model_text=text, pieces=pieces, ids=tuple(ids),
+            add_bos=bool(ids and ids[0] == getattr(self.tokenizer, "bos_id", None)),
+            start_ns=start - self.origin_ns, duration_ns=end - start,
+        )
+        return ids
+
+    def _new_token_limit(self, prompt_len: int) -> int:
+        context = self.config.max_seq_len
+        if prompt_len >= context:
+            raise BadArgumentError(
+                f"the prompt is {prompt_len} tokens but {self.config.name} holds {context} positions; "
+                "shorten the prompt"
+            )
+        return min(self.settings.max_new_tokens, context - prompt_len)
+
+    def _step(self, phase: str, index: int, ids: list[int]) -> StepRecord:
+        """One forward (prefill or decode_one), the sample from its logits, the text it adds."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        sync = self._sync
+        self._tracer.begin_step(phase, index)
+        if sync is not None:
+            sync()
+        start = time.perf_counter_ns()
+        logits = self.model.prefill(tokens) if phase == PREFILL else self.model.decode_one(tokens)  # (1, V)
+        if sync is not None:
+            sync()
+        forward_end = time.perf_counter_ns()
+        self._tracer.end_step()
+        if self.dry_run:
+            token_id, probability, greedy, filters, candidates, sampling = -1, 0.0, True, (), (), None
+            sample_end = text_end = forward_end
+            piece, text = "", ""
+        else:
+            result = self.sampler.sample(logits[0], self._prompt_ids_and_generated())
+            token_id = int(result.token_id)
+            sample_end = time.perf_counter_ns()
+            self._generated.append(token_id)
+            text = self._new_text(token_id)
+            text_end = time.perf_counter_ns()
+            piece = self.tokenizer.piece(token_id)
+            probability = float(result.probability)
+            greedy = self.settings.temperature == 0
+            filters = _active_filters(result)
+            candidates = tuple(self._candidate(c) for c in result.candidates)
+            sampling = _sampling_record(result)
+        record = StepRecord(
+            phase=phase, step=index, input_tokens=len(ids), context_length=int(self.model.pos),
+            token_id=token_id, piece=piece, text=text, probability=probability, greedy=greedy, filters=filters,
+            candidates=candidates, sampling=sampling,
+            kv_allocated_bytes=int(self.model.kv_allocated_bytes), kv_live_bytes=int(self.model.kv_live_bytes),
+            start_ns=start - self.origin_ns, forward_ns=forward_end - start, sample_ns=sample_end - forward_end,
+            detokenize_ns=text_end - sample_end, duration_ns=text_end - start,
+        )
+        self._steps.append(record)
+        return record
+
+    def _prompt_ids_and_generated(self) -> list[int]:
+        prompt = list(self._tokenization.ids) if self._tokenization is not None else []
+        return prompt + self._generated
+
+    def _new_text(self, token_id: int) -> str:
+        """The text this token adds; held back while a multi-byte character is incomplete."""
+        if self._stream is None:
+            self._stream = TextStream(self.tokenizer, getattr(self.tokenizer, "eos_id", None))
+        return self._stream.add(token_id)
+
+    def _candidate(self, c: Any) -> CandidateRecord:
+        return CandidateRecord(
+            token_id=int(c.token_id), piece=self.tokenizer.piece(int(c.token_id)), logit=float(c.logit),
+            logit_penalized=float(getattr(c, "logit_penalized", c.logit)),
+            prob_raw=float(c.prob_raw), prob_tempered=float(c.prob_tempered), kept_top_k=bool(c.kept_top_k),
+            kept_top_p=bool(c.kept_top_p), kept_min_p=bool(c.kept_min_p), prob_final=float(c.prob_final),
+        )
+
+    # ---- the result -----------------------------------------------------------------------------------------
+
+    def trace(self) -> Trace:
+        """The trace of everything completed so far (the whole run once `Finished` has been yielded)."""
+        # The whole text decoded at once (the streamed pieces join into it); EOS is not shown.
+        text = self.tokenizer.decode(self._stream.ids) if self._stream is not None else ""
+        completed = {(s.phase, s.step) for s in self._steps}
+        return Trace(
+            settings=self.settings,
+            config=self.config,
+            environment=environment_info(self.device, self.dtype),
+            model=model_info(self.loaded),
+            tokenization=self._tokenization,
+            rope=self._rope,
+            # A step interrupted between its forward and its token has stages but no StepRecord: leave them out.
+            stages=tuple(r for r in self._tracer.records() if (r.phase, r.step) in completed),
+            steps=tuple(self._steps),
+            generated_ids=tuple(self._generated),
+            generated_text=text,
+            stop_reason=self._stop_reason,
+            wall_ns=(self._steps[-1].end_ns if self._steps else 0),
+            peak_rss_bytes=peak_rss_bytes(),
+            peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
+                               if self.device.type == "cuda" else None),
+        )
+
+
+def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:
+    """Run a whole generation and return its Trace (no live events)."""
+    generation = Generation(loaded, settings)
+    try:
+        return generation.run()
+    finally:
+        generation.close()
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+
+
+def _make_sampler(settings: RunSettings) -> Any:
+    from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+
+    params = SamplingParams(
+        temperature=settings.temperature, top_k=settings.top_k or 0,
+        top_p=1.0 if settings.top_p is None else settings.top_p, min_p=settings.min_p or 0.0,
+        repetition_penalty=settings.repetition_penalty, seed=settings.seed,
+    )
+    return Sampler(params)
+
+
+def _with_seed_used(settings: RunSettings, sampler: Any) -> RunSettings:
+    """Record the seed a sampling run drew when none was given, so `--seed <it>` replays the run."""
+    drawn = getattr(sampler, "seed", None)
+    if settings.seed is not None or settings.temperature == 0 or drawn is None:
+        return settings  # greedy needs no seed: it is deterministic
+    return replace(settings, seed=int(drawn), seed_drawn=True)
+
+
+def _sampling_record(result: Any) -> SamplingRecord | None:
+    """SampleResult's whole-distribution figures; None from a sampler that does not report them."""
+    try:
+        return SamplingRecord(
+            probability_raw=float(result.probability_raw), rank=int(result.rank), vocab_size=int(result.vocab_size),
+            n_after_top_k=int(result.n_after_top_k), n_after_top_p=int(result.n_after_top_p),
+            n_after_min_p=int(result.n_after_min_p), n_final=int(result.n_final),
+            entropy_raw_bits=float(result.entropy_raw_bits), entropy_final_bits=float(result.entropy_final_bits),
+        )
+    except AttributeError:
+        return None
+
+
+def _active_filters(result: Any) -> tuple[str, ...]:
+    """The sampling steps that changed anything, in the order they ran (SampleResult.active_steps)."""
+    return tuple(str(step) for step in getattr(result, "active_steps", ()))
+
+
+def _rope_record(config: ModelConfig, prompt_len: int) -> RopeRecord:
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    scaling = config.rope_scaling
+    return RopeRecord(
+        theta=config.rope_theta, head_dim=config.head_dim,
+        scaling=None if scaling is None else f"llama3 x{scaling.factor:g}",
+        inv_freq_first=float(inv_freq[0]), inv_freq_last=float(inv_freq[-1]),
+        positions=tuple(range(prompt_len)),
+    )
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_info(device: torch.device, dtype: torch.dtype) -> EnvironmentInfo:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "meta":
+        name = "meta (shapes only)"
+    else:
+        name = _cpu_name()
+    return EnvironmentInfo(
+        llmtrace_version=LLMTRACE_VERSION,
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        platform=platform.platform(),
+        device=str(device),
+        device_name=name,
+        threads=torch.get_num_threads(),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def model_info(loaded: LoadedModelLike) -> ModelInfo:
+    params = list(loaded.model.parameters())  # tied weights listed once
+    return ModelInfo(
+        source=str(loaded.source),
+        weight_format=str(loaded.weight_format),
+        load_seconds=float(loaded.load_seconds),
+        parameters=sum(p.numel() for p in params),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+    )
+

@@ -1,0 +1,126 @@
+"""A Trace as a Chrome / Perfetto trace (the JSON "Trace Event Format"): open it in ui.perfetto.dev or chrome://tracing.
+
+Spans ("X" complete events, one thread) nest like the computation:
+
+    tokenize
+    prefill | decode step j
+      tok_embeddings
+      layer i
+        attention_norm
+        attention      (wqkv rope kv_cache scores softmax pv wo; wq wk wv for a stage-by-stage trace)
+        attn_residual
+        ffn_norm
+        ffn            (w13 act w2; w1 w3 act w2 stage by stage)
+        ffn_residual
+      norm
+      lm_head
+      sample
+      detokenize
+
+Leaf spans are measured stage calls; "layer i", "attention" and "ffn" span their first to their last stage, so every
+child lies inside its parent. Each span carries FLOPs and bytes (summed over its stages) as args.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from llmtrace.tracer.trace.records import PREFILL, StageRecord, StepRecord
+from llmtrace.tracer.trace.summary import stage_totals
+
+if TYPE_CHECKING:
+    from llmtrace.tracer.trace.run_trace import Trace
+
+_PID = 1
+_TID = 1
+
+
+def chrome_trace(trace: "Trace") -> dict[str, Any]:
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": _PID, "tid": _TID, "args": {"name": "llmtrace"}},
+        {"name": "thread_name", "ph": "M", "pid": _PID, "tid": _TID,
+         "args": {"name": f"{trace.config.name} on {trace.environment.device}"}},
+    ]
+    tok = trace.tokenization
+    if tok is not None:
+        events.append(_span("tokenize", tok.start_ns, tok.duration_ns, "tokenize",
+                            {"tokens": len(tok.ids), "text": tok.model_text}))
+    by_step: dict[tuple[str, int], list[StageRecord]] = {}
+    for stage in trace.stages:
+        by_step.setdefault((stage.phase, stage.step), []).append(stage)
+    for step in trace.steps:
+        events.extend(_step_events(step, by_step.get((step.phase, step.step), [])))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "otherData": {"model": trace.config.name, "source": trace.model.source, "generated_text": trace.generated_text},
+    }
+
+
+def _step_events(step: StepRecord, stages: list[StageRecord]) -> list[dict[str, Any]]:
+    name = "prefill" if step.phase == PREFILL else f"decode step {step.step}"
+    events = [_span(name, step.start_ns, step.duration_ns, step.phase, {
+        **_totals(stages), "input_tokens": step.input_tokens, "context_length": step.context_length,
+        "token_id": step.token_id, "piece": step.piece, "kv_live_bytes": step.kv_live_bytes,
+        "kv_allocated_bytes": step.kv_allocated_bytes,
+    })]
+    layers: dict[int, list[StageRecord]] = {}
+    for stage in stages:
+        if stage.layer is None:
+            events.append(_leaf(stage, "lm_head" if stage.kind == "lm_head" else stage.stage))
+        else:
+            layers.setdefault(stage.layer, []).append(stage)
+    for layer, members in sorted(layers.items()):
+        events.append(_group(f"layer {layer}", members, {"layer": layer}))
+        groups: dict[str, list[StageRecord]] = {}
+        for stage in members:
+            role = stage.short_name
+            if role.startswith("attention."):
+                groups.setdefault("attention", []).append(stage)
+            elif role.startswith("feed_forward."):
+                groups.setdefault("ffn", []).append(stage)
+            events.append(_leaf(stage, role))
+        for group_name, group in groups.items():
+            events.append(_group(group_name, group, {"layer": layer}))
+    forward_end = step.start_ns + step.forward_ns
+    events.append(_span("sample", forward_end, step.sample_ns, "sample",
+                        {"token_id": step.token_id, "probability": step.probability,
+                         "filters": ",".join(step.filters) or "greedy"}))
+    events.append(_span("detokenize", forward_end + step.sample_ns, step.detokenize_ns, "detokenize",
+                        {"text": step.text}))
+    return events
+
+
+def _leaf(stage: StageRecord, name: str) -> dict[str, Any]:
+    return _span(name, stage.start_ns, stage.duration_ns, stage.kind, {
+        "stage": stage.stage,
+        "input_shapes": [list(s) for s in stage.input_shapes],
+        "output_shapes": [list(s) for s in stage.output_shapes],
+        "dtype": stage.dtype,
+        **_totals([stage]),
+    })
+
+
+def _group(name: str, members: list[StageRecord], extra: dict[str, Any]) -> dict[str, Any]:
+    start = min(s.start_ns for s in members)
+    end = max(s.end_ns for s in members)
+    return _span(name, start, end - start, "group", {**extra, **_totals(members)})
+
+
+def _totals(stages: Iterable[StageRecord]) -> dict[str, int]:
+    t = stage_totals(stages)
+    return {
+        "flops": t.flops,
+        "matmul_flops": t.matmul_flops,
+        "bytes_read": t.bytes_read,
+        "bytes_written": t.bytes_written,
+        "weight_bytes_read": t.weight_bytes_read,
+        "kv_bytes_read": t.kv_bytes_read,
+        "kv_bytes_written": t.kv_bytes_written,
+    }
+
+
+def _span(name: str, start_ns: int, duration_ns: int, category: str, args: dict[str, Any]) -> dict[str, Any]:
+    # ts/dur are microseconds; ns / 1000 keeps the nanoseconds as the fraction.
+    return {"name": name, "cat": category, "ph": "X", "pid": _PID, "tid": _TID,
+            "ts": start_ns / 1000, "dur": duration_ns / 1000, "args": args}

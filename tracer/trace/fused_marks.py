@@ -1,0 +1,132 @@
+"""Tracing the model's fused path (tracer/model/fused.py) from inside, for one clock read per stage.
+
+The fused path is what runs when nothing watches the stage modules: packed Q|K|V and gate|up products, in place
+RoPE, one K|V copy. It calls `mark()` after each of its stages, in a fixed order (`fused_stages`), so while
+`FusedMarks` is installed a step leaves one clock reading before its first stage and one after each stage, and a
+stage's time is the difference of two consecutive readings. A traced step therefore runs exactly the tensor ops of
+an untraced one.
+
+The shapes each stage saw follow from the step's batch B, new tokens T and cached positions S (read from the model
+around the step) and the config. They are written in the stage-by-stage path's layout ((B, T, dim) activations,
+(B, H, T, S) scores, ...), which is what the fused path's tensors hold (for one token it runs 1-D views of them);
+tests check them against the shapes that path's modules record for the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from torch import nn
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.model.fused import FUSED_LAYER_STAGES, FUSED_TOP_AFTER, FUSED_TOP_BEFORE
+from llmtrace.tracer.trace.stage_cost import StageModule
+
+# Packed stages and the modules whose weights they multiply by, in row order.
+PACKED_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
+    "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
+}
+
+Shape = tuple[int, ...]
+StepDims = tuple[int, int, int]  # (B, T, S) of one step
+
+
+def fused_stages(model: nn.Module) -> list[StageModule]:
+    """The fused path's stages in the order it marks them: the embedding, every layer's FUSED_LAYER_STAGES, the
+    final norm and the LM head. A packed stage's weight is its modules' weights together."""
+    modules = dict(model.named_modules())  # one walk of the tree, not one per lookup
+
+    def stage(name: str, layer: int | None, kind: str, role: str) -> StageModule:
+        prefix = name[: len(name) - len(role)]
+        weights = [getattr(modules[prefix + path], "weight", None) for path in PACKED_WEIGHTS.get(role, (role,))]
+        weights = [w for w in weights if w is not None]
+        return StageModule(name, layer, kind, sum(w.numel() for w in weights),
+                           weights[0].element_size() if weights else 0)
+
+    stages = [stage(role, None, kind, role) for role, kind in FUSED_TOP_BEFORE]
+    for index in range(len(model.layers)):
+        stages.extend(stage(f"layers.{index}.{role}", index, kind, role) for role, kind in FUSED_LAYER_STAGES)
+    stages.extend(stage(role, None, kind, role) for role, kind in FUSED_TOP_AFTER)
+    return stages
+
+
+def stage_shapes(config: ModelConfig, batch: int, new: int, seen: int) -> dict[str, tuple[list[Shape], list[Shape]]]:
+    """Each stage role's (input shapes, output shapes) in a step of B = `batch`, T = `new`, S = `seen`, in the
+    argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must match."""
+    b, t, s = batch, new, seen
+    dim, h, hkv, d, f = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim
+    x = (b, t, dim)
+    q, kv = (b, t, h, d), (b, t, hkv, d)
+    cached = (b, hkv, s, d)
+    scores = (b, h, t, s)
+    last = (b, dim)  # the final norm and the LM head see the last position only
+    return {
+        "tok_embeddings": ([(b, t)], [x]),
+        "attention_norm": ([x], [x]),
+        "attention.wqkv": ([x], [(b, t, (h + 2 * hkv) * d)]),
+        "attention.rope": ([q, kv, (t,)], [q, kv]),
+        "attention.kv_cache": ([(t,), kv, kv], [cached, cached]),
+        "attention.scores": ([(b, h, t, d), cached], [scores]),
+        "attention.softmax": ([scores], [scores]),
+        "attention.pv": ([scores, cached], [(b, h, t, d)]),
+        "attention.wo": ([(b, t, h * d)], [x]),
+        "attn_residual": ([x, x], [x]),
+        "ffn_norm": ([x], [x]),
+        "feed_forward.w13": ([x], [(b, t, 2 * f)]),
+        "feed_forward.act": ([(b, t, f), (b, t, f)], [(b, t, f)]),
+        "feed_forward.w2": ([(b, t, f)], [x]),
+        "ffn_residual": ([x, x], [x]),
+        "norm": ([last], [last]),
+        "output": ([last], [(b, config.vocab_size)]),
+    }
+
+
+class FusedMarks:
+    """Installs a clock-reading `stage_mark` on a model with a fused path and collects one step's readings.
+
+    `install()` / `remove()` around the run; `begin_step()` before a prefill or decode_one, `end_step()` after it
+    returns the step's readings and (B, T, S). `sync` (cuda/mps) waits for the device before each reading.
+    """
+
+    def __init__(self, model: nn.Module, stages: int, sync: Callable[[], Any] | None) -> None:
+        self.model = model
+        self.expected = stages + 1  # a reading before the first stage, one after each of `stages`
+        self._marks: list[int] = []
+        self._previous: Callable[[], None] | None = None
+        self._pos_before = 0
+        marks, clock = self._marks, time.perf_counter_ns
+        if sync is None:
+            self._mark: Callable[[], None] = lambda: marks.append(clock())
+        else:
+            def mark() -> None:
+                sync()
+                marks.append(clock())
+            self._mark = mark
+
+    def install(self) -> None:
+        self._previous = self.model.stage_mark
+        self.model.stage_mark = self._mark
+
+    def remove(self) -> None:
+        if self._previous is not None:
+            self.model.stage_mark, self._previous = self._previous, None
+
+    def begin_step(self) -> None:
+        self._marks.clear()
+        self._pos_before = self.model.pos
+
+    def end_step(self) -> tuple[list[int], StepDims]:
+        """This step's clock readings (one before the first stage, one after each) and its (B, T, S)."""
+        marks = list(self._marks)
+        self._marks.clear()
+        if len(marks) != self.expected:
+            raise RuntimeError(
+                f"the fused path marked {len(marks)} times in this step, {self.expected} expected: the model ran "
+                "stage by stage (a forward hook, or use_fused = False) while a fused-path Tracer was attached; "
+                "trace it with mechanism='wrap' instead"
+            )
+        seen = self.model.pos
+        batch = self.model.layers[0].attention.kv_cache.batch
+        return marks, (batch, seen - self._pos_before, seen)

@@ -1,0 +1,319 @@
+"""The Tracer: when each stage of the model ran, on what shapes, and what that cost.
+
+It traces the path the model takes. On the fused path (the default when nothing else watches the model) the path
+itself marks the end of each stage and the Tracer's mark reads the clock (tracer/trace/fused_marks.py). Stage by stage,
+each stage module is wrapped (or hooked): one clock read before and one after it, then the shapes of the tensors
+in and out (torch.Size objects, no copies). Either way FLOPs and bytes are worked out from the shapes later
+(`Tracer.records()`, after the run), by tracer/trace/stage_cost.py with the functions in tracer/analytic/flop_formulas.py that
+the analytical estimate uses.
+
+The instrumentation exists only inside `with Tracer(model) as tracer:` and is removed in `finally`, also after an
+exception. On cuda/mps the device is synchronised before each clock read, so a stage's time is its kernels' time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
+from llmtrace.tracer.trace.stage_cost import INDEX_ARGUMENTS, INDEX_ITEMSIZE, StageModule, stage_cost
+from llmtrace.tracer.trace.records import StageRecord
+
+# Stage modules: dotted-name suffix inside a layer -> stage kind (TEAM.md's model contract).
+LAYER_STAGES: dict[str, str] = {
+    "attention_norm": "rmsnorm",
+    "attention.wq": "linear",
+    "attention.wk": "linear",
+    "attention.wv": "linear",
+    "attention.rope": "rope",
+    "attention.kv_cache": "kv_cache",
+    "attention.scores": "attention_scores",
+    "attention.softmax": "softmax",
+    "attention.pv": "attention_values",
+    "attention.wo": "linear",
+    "attn_residual": "residual",
+    "ffn_norm": "rmsnorm",
+    "feed_forward.w1": "linear",
+    "feed_forward.w3": "linear",
+    "feed_forward.act": "swiglu",
+    "feed_forward.w2": "linear",
+    "ffn_residual": "residual",
+}
+TOP_STAGES: dict[str, str] = {"tok_embeddings": "embedding", "norm": "rmsnorm", "output": "lm_head"}
+
+MECHANISMS = ("auto", "fused", "wrap", "hooks")
+MODULE_MECHANISMS = ("wrap", "hooks")  # the ones that instrument the stage modules
+_NO_INSTANCE_FORWARD = object()  # marks a module whose forward came from its class (the usual case)
+
+# Stages whose forward returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all); the others return one.
+TUPLE_OUTPUT_KINDS = frozenset({"rope", "kv_cache"})
+
+# A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes).
+# (Shapes are torch.Size from the module mechanisms, plain tuples from the fused path's; torch.Size is a tuple.)
+RawEvent = tuple[int, int, int, list[tuple[int, ...]], list[tuple[int, ...]]]
+
+
+def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
+    """The model's stage modules, in `named_modules()` order, each with its kind."""
+    found: list[tuple[StageModule, nn.Module]] = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+            kind = LAYER_STAGES.get(".".join(parts[2:]))
+            layer: int | None = int(parts[1])
+        else:
+            kind = TOP_STAGES.get(name)
+            layer = None
+        if kind is None:
+            continue
+        weight = getattr(module, "weight", None)
+        numel = weight.numel() if isinstance(weight, torch.Tensor) else 0
+        itemsize = weight.element_size() if isinstance(weight, torch.Tensor) else 0
+        found.append((StageModule(name, layer, kind, numel, itemsize), module))
+    return found
+
+
+def _shapes(args: tuple[Any, ...], output: Any, tuple_output: bool) -> tuple[list[Any], list[Any]]:
+    """The torch.Size of each tensor a stage took and returned (no copies): both module mechanisms' hot path."""
+    try:
+        inputs = [a.shape for a in args]
+    except AttributeError:  # a non-tensor argument: keep the tensors only
+        inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
+    return inputs, [o.shape for o in output] if tuple_output else [output.shape]
+
+
+def device_synchronizer(device: torch.device) -> Any:
+    """A no-argument function that waits for the device's queued work, or None on cpu/meta."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return None
+
+
+class Tracer:
+    """Instruments `model` while inside `with`; collects one StageRecord per stage call.
+
+    Use: `with Tracer(model, origin_ns) as t: t.begin_step("prefill", 0); model.prefill(ids); t.end_step()`.
+    `enabled=False` attaches nothing (the run is timed per step only).
+
+    Mechanisms, same records:
+    - "fused": the model's fused path (tracer/model/fused.py), the one that runs when nothing watches, reads the clock
+      after each of its stages (tracer/trace/fused_marks.py). Q|K|V and gate|up are one packed product each there, so
+      they are one stage each ("attention.wqkv", "feed_forward.w13"). Costs one clock read per stage.
+    - "wrap": each stage module gets an instance-level `forward` that reads the clock around the original one;
+      the model runs stage by stage (Q, K, V, gate, up separately), which is slower than the fused path.
+    - "hooks": as "wrap" through nn.Module forward pre/post hooks, which send every call through nn.Module's
+      slow path (BENCHMARKS.md, "Tracing overhead").
+    - "auto" (default): "fused" when the model takes its fused path when entered (its cache set up, nothing
+      watching), else "wrap". Either way what is traced is what runs.
+    Everything is undone in `finally`.
+    """
+
+    def __init__(self, model: nn.Module, origin_ns: int | None = None, enabled: bool = True,
+                 mechanism: str = "auto") -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+        self.mechanism = mechanism
+        self.model = model
+        self.origin_ns = time.perf_counter_ns() if origin_ns is None else origin_ns
+        self.enabled = enabled
+        self.stages: list[StageModule] = []
+        self._modules: list[nn.Module] = []
+        self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
+        self._fused: FusedMarks | None = None
+        self._cost_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._starts: list[int] = []
+        self._events: list[RawEvent] = []
+        self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
+        self._fused_steps: list[tuple[str, int, list[int], StepDims]] = []  # (phase, step, clock readings, B/T/S)
+        self._built: list[StageRecord] = []
+        self._phase = ""
+        self._step = -1
+        param = next(model.parameters(), None)
+        self.sync = device_synchronizer(param.device) if param is not None else None
+        dtype = param.dtype if param is not None else torch.float32
+        self.activation_dtype = str(dtype).removeprefix("torch.")
+        self.activation_itemsize = dtype.itemsize
+
+    def _resolve(self) -> None:
+        """Settle "auto" and list the stages to trace (at `__enter__`: the fused path needs the cache set up)."""
+        if self.mechanism == "auto":
+            fusable = getattr(self.model, "fusable", None)
+            self.mechanism = "fused" if fusable is not None and fusable() else "wrap"
+        if self.mechanism == "fused":
+            self.stages = fused_stages(self.model)
+            self._fused = FusedMarks(self.model, len(self.stages), self.sync)
+        else:
+            found = stage_modules(self.model)
+            self.stages = [s for s, _ in found]
+            self._modules = [m for _, m in found]
+            self._starts = [0] * len(self.stages)
+
+    # ---- context manager -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Tracer":
+        if not self.enabled:
+            return self
+        self._resolve()
+        try:
+            if self._fused is not None:
+                self._fused.install()
+                self._handles.append(self._fused)
+            elif hasattr(self.model, "use_fused"):
+                # A model with a fused fast path uses it only when nothing watches its stage modules; wrappers are
+                # invisible to that check, so say it outright: what is traced must be what runs.
+                self._handles.append((self.model, "use_fused", self.model.use_fused))
+                self.model.use_fused = False
+            for index, module in enumerate(self._modules):
+                if self.mechanism == "hooks":
+                    pre, post = self._make_hooks(index)
+                    self._handles.append(module.register_forward_pre_hook(pre))
+                    self._handles.append(module.register_forward_hook(post))
+                else:
+                    previous = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+                    self._handles.append((module, previous))
+                    module.forward = self._make_wrapper(index, module.forward)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Undo every hook and wrapper (idempotent)."""
+        handles, self._handles = self._handles, []
+        for handle in reversed(handles):
+            if isinstance(handle, FusedMarks):
+                handle.remove()
+            elif isinstance(handle, tuple) and len(handle) == 3:
+                setattr(handle[0], handle[1], handle[2])
+            elif isinstance(handle, tuple):
+                module, previous = handle
+                if previous is _NO_INSTANCE_FORWARD:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = previous
+            else:
+                handle.remove()
+
+    @property
+    def attached(self) -> int:
+        """Hooks (two per stage), wrappers (one per stage) or installed fused-path marks (one) in place."""
+        return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
+
+    def _make_wrapper(self, index: int, forward: Any) -> Any:
+        """An instance-level forward for one stage: clock, original forward, clock, shapes (torch.Size, no copies)."""
+        events = self._events
+        clock = time.perf_counter_ns
+        sync = self.sync
+        tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
+
+        def traced_forward(*args: Any) -> Any:
+            if sync is not None:
+                sync()
+            start = clock()
+            output = forward(*args)
+            if sync is not None:
+                sync()
+            end = clock()
+            events.append((index, start, end, *_shapes(args, output, tuple_output)))
+            return output
+
+        return traced_forward
+
+    def _make_hooks(self, index: int) -> tuple[Any, Any]:
+        """The two hooks of one stage. Hot path: one clock read each, then the shapes (torch.Size, no copies)."""
+        starts = self._starts
+        events = self._events
+        clock = time.perf_counter_ns
+        sync = self.sync
+        tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
+
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if sync is not None:
+                sync()
+            starts[index] = clock()
+
+        def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if sync is not None:
+                sync()
+            end = clock()
+            events.append((index, starts[index], end, *_shapes(args, output, tuple_output)))
+
+        return pre, post
+
+    # ---- steps -----------------------------------------------------------------------------------------
+
+    def begin_step(self, phase: str, step: int) -> None:
+        self._phase, self._step = phase, step
+        self._events.clear()
+        if self._fused is not None:
+            self._fused.begin_step()
+
+    def end_step(self) -> None:
+        """Close the step; its records are built when `records()` is next called (off the hot path)."""
+        if self._fused is not None:
+            marks, dims = self._fused.end_step()
+            self._fused_steps.append((self._phase, self._step, marks, dims))
+        elif self.enabled:
+            self._steps.append((self._phase, self._step, list(self._events)))
+        self._events.clear()
+
+    def records(self) -> tuple[StageRecord, ...]:
+        """Every stage record so far, in call order."""
+        for phase, step, events in self._steps:
+            self._built.extend(self._record(phase, step, e) for e in events)
+        self._steps.clear()
+        for phase, step, marks, dims in self._fused_steps:
+            self._built.extend(self._record(phase, step, e) for e in self._fused_events(marks, dims))
+        self._fused_steps.clear()
+        return tuple(self._built)
+
+    def _fused_events(self, marks: list[int], dims: StepDims) -> list[RawEvent]:
+        """Raw events of one fused-path step: stage i ran from reading i to reading i + 1."""
+        shapes = stage_shapes(self.model.config, *dims)
+        events: list[RawEvent] = []
+        for index, stage in enumerate(self.stages):
+            inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
+            events.append((index, marks[index], marks[index + 1], inputs, outputs))
+        return events
+
+    def _record(self, phase: str, step: int, event: RawEvent) -> StageRecord:
+        index, start, end, input_shapes, output_shapes = event
+        stage = self.stages[index]
+        key = (index, *input_shapes, None, *output_shapes)  # torch.Size is a tuple: hashable
+        cached = self._cost_cache.get(key)
+        if cached is None:
+            act = self.activation_itemsize
+            index_arg = INDEX_ARGUMENTS.get(stage.kind)
+            inputs = [(tuple(s), INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(input_shapes)]
+            outputs = [(tuple(s), act) for s in output_shapes]
+            cached = (tuple(s for s, _ in inputs), tuple(s for s, _ in outputs), stage_cost(stage, inputs, outputs))
+            self._cost_cache[key] = cached
+        in_shapes, out_shapes, cost = cached
+        return StageRecord(
+            phase=phase,
+            step=step,
+            layer=stage.layer,
+            stage=stage.name,
+            kind=stage.kind,
+            input_shapes=in_shapes,
+            output_shapes=out_shapes,
+            dtype=self.activation_dtype,
+            matmul_flops=cost[0],
+            elementwise_flops=cost[1],
+            weight_bytes_read=cost[2],
+            activation_bytes_read=cost[3],
+            activation_bytes_written=cost[4],
+            kv_bytes_read=cost[5],
+            kv_bytes_written=cost[6],
+            start_ns=start - self.origin_ns,
+            duration_ns=end - start,
+        )

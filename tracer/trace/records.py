@@ -1,0 +1,197 @@
+"""The records of a traced run: frozen dataclasses of plain values (ints, floats, strings, tuples), never tensors.
+
+`dataclasses.asdict()` of each record is its JSON form (tracer/trace/trace_schema.json documents every field), so a
+record can be written, read back and rendered without torch. Times are integer nanoseconds measured from the run's
+origin (the moment the Generation started); bytes are integer bytes; FLOPs count 2 per multiply-add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+# Stage kinds, one per kind of module the tracer hooks (see tracer/trace/hooks.py for the name -> kind table).
+MATMUL_KINDS = frozenset({"linear", "lm_head", "attention_scores", "attention_values"})
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One call of one stage module during one step (prefill = step 0, decode steps 1, 2, ...)."""
+
+    phase: str  # "prefill" or "decode"
+    step: int
+    layer: int | None  # None for embedding, final norm and LM head
+    stage: str  # stable dotted name, e.g. "layers.3.attention.wqkv" (fused path) or "layers.3.attention.wq" (staged)
+    kind: str  # embedding, rmsnorm, linear, rope, kv_cache, attention_scores, softmax, attention_values,
+    #            residual, swiglu, lm_head
+    input_shapes: tuple[tuple[int, ...], ...]  # every tensor argument, in call order
+    output_shapes: tuple[tuple[int, ...], ...]  # every tensor returned, in order
+    dtype: str  # dtype of the (first) output, e.g. "float32"
+    matmul_flops: int  # exact: what the GEMMs executed (FlopCounterMode counts the same)
+    elementwise_flops: int  # estimate with the constants of tracer/analytic/flop_formulas.py
+    weight_bytes_read: int  # parameters read (embedding: only the rows looked up)
+    activation_bytes_read: int
+    activation_bytes_written: int
+    kv_bytes_read: int  # cached keys/values read by the attention products
+    kv_bytes_written: int  # new keys/values written into the cache
+    start_ns: int
+    duration_ns: int
+
+    @property
+    def flops(self) -> int:
+        return self.matmul_flops + self.elementwise_flops
+
+    @property
+    def bytes_read(self) -> int:
+        return self.weight_bytes_read + self.activation_bytes_read + self.kv_bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.activation_bytes_written + self.kv_bytes_written
+
+    @property
+    def end_ns(self) -> int:
+        return self.start_ns + self.duration_ns
+
+    @property
+    def short_name(self) -> str:
+        """The stage's role inside its layer: "attention.wqkv", "ffn_norm", or the top-level name."""
+        parts = self.stage.split(".")
+        return ".".join(parts[2:]) if parts[0] == "layers" else self.stage
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateRecord:
+    """One of the top candidates for a sampled token, and what each filter did to it."""
+
+    token_id: int
+    piece: str  # display form, byte pieces like <0xE4>
+    logit: float  # raw logit, as the LM head produced it
+    logit_penalized: float  # after the repetition penalty (equal to logit when it is off)
+    prob_raw: float  # softmax of the raw logits
+    prob_tempered: float  # softmax of logits / temperature
+    kept_top_k: bool
+    kept_top_p: bool
+    kept_min_p: bool
+    prob_final: float  # renormalised over the survivors; what the token was drawn from
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRecord:
+    """What sampling did to one step's whole distribution (llmtrace.tracer.run.sampling.SampleResult's summary figures)."""
+
+    probability_raw: float  # of the chosen token in the model's own distribution (softmax of the raw logits)
+    rank: int  # the chosen token's 1-based rank by (penalised) logit
+    vocab_size: int
+    n_after_top_k: int  # tokens left after each filter, cumulative; vocab_size when a filter is off or greedy
+    n_after_top_p: int
+    n_after_min_p: int
+    n_final: int  # tokens the draw chose from (1 under greedy)
+    entropy_raw_bits: float  # of the model's own distribution
+    entropy_final_bits: float  # of the distribution actually drawn from (0 under greedy)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One forward step and the token sampled from its logits."""
+
+    phase: str  # "prefill" (step 0) or "decode"
+    step: int
+    input_tokens: int  # tokens fed to this forward (prompt length for prefill, 1 for decode)
+    context_length: int  # positions in the KV cache after this step
+    token_id: int  # the token sampled from this step's logits
+    piece: str  # its display piece (byte pieces shown as <0x..>)
+    text: str  # text this token added to the output (empty while a UTF-8 character is incomplete)
+    probability: float  # of the chosen token, after all filters
+    greedy: bool  # temperature 0: the argmax was taken
+    filters: tuple[str, ...]  # sampling steps that acted, in order, e.g. ("temperature", "top_k") or ("greedy",)
+    candidates: tuple[CandidateRecord, ...]
+    sampling: SamplingRecord | None  # None in a dry run (nothing sampled)
+    kv_allocated_bytes: int  # whole preallocated cache, all layers
+    kv_live_bytes: int  # positions written so far, all layers
+    start_ns: int
+    forward_ns: int  # model forward (prefill or decode_one), device synchronised
+    sample_ns: int
+    detokenize_ns: int
+    duration_ns: int  # the whole step: forward + sample + detokenize
+
+    @property
+    def end_ns(self) -> int:
+        return self.start_ns + self.duration_ns
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizationRecord:
+    """Text -> pieces -> ids."""
+
+    text: str  # the prompt as given
+    model_text: str  # what was tokenized (the prompt inside the chat template with --chat)
+    pieces: tuple[str, ...]
+    ids: tuple[int, ...]
+    add_bos: bool
+    start_ns: int
+    duration_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class RopeRecord:
+    """What rotary position embedding did in the prefill."""
+
+    theta: float
+    head_dim: int
+    scaling: str | None  # e.g. "llama3 x8.0", None when unscaled
+    inv_freq_first: float  # radians per position of the fastest-rotating pair (dims 0 and D/2)
+    inv_freq_last: float  # radians per position of the slowest pair
+    positions: tuple[int, ...]  # positions rotated in the prefill
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What the user asked for."""
+
+    model: str  # --model as given ("" = the bundled default)
+    prompt: str
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # the seed sampling used: as given, or drawn by the Sampler (then seed_drawn)
+    seed_drawn: bool = False  # no --seed was given; `seed` is the one drawn, so --seed <seed> replays the run
+    dtype: str | None = None  # None = the loader's default
+    device: str = "cpu"
+    threads: int | None = None
+    chat: bool = False
+    trace: bool = True  # False: no hooks, only step times
+    dry_run: bool = False
+    prompt_tokens: int | None = None  # dry run without a tokenizer: assumed prompt length
+    warmup: bool = True  # one untimed prefill + decode step first, so one-off kernel set-up is not traced as work
+    staged: bool = False  # run (and trace) stage by stage instead of the fused path: Q, K, V, gate, up apart
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentInfo:
+    """Where the run happened."""
+
+    llmtrace_version: str
+    torch_version: str
+    python_version: str
+    platform: str
+    device: str  # "cpu", "cuda:0", "meta", ...
+    device_name: str  # CPU model or GPU name
+    threads: int  # torch.get_num_threads()
+    dtype: str  # the model's parameter dtype
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Where the weights came from."""
+
+    source: str
+    weight_format: str
+    load_seconds: float
+    parameters: int  # distinct parameter elements (a tied LM head counted once)
+    parameter_bytes: int

@@ -1,0 +1,218 @@
+"""A traced run as one value: its records, settings, model config, environment and generated text.
+
+`Trace.to_json()` writes the schema in tracer/trace/trace_schema.json (every record is `asdict()` of a frozen
+dataclass, tuples as lists; stage records one line each); `Trace.from_json()` reads it back into equal records.
+`to_chrome_trace()` writes a Chrome / Perfetto trace (see tracer/trace/chrome.py).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from llmtrace.tracer.core.config import ModelConfig, RopeScaling
+from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.trace.records import (
+    DECODE,
+    PREFILL,
+    CandidateRecord,
+    EnvironmentInfo,
+    ModelInfo,
+    RopeRecord,
+    RunSettings,
+    SamplingRecord,
+    StageRecord,
+    StepRecord,
+    TokenizationRecord,
+)
+
+SCHEMA_NAME = "llmtrace.trace"
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("trace_schema.json")
+
+# Why the generation stopped.
+STOP_EOS = "eos"
+STOP_MAX_NEW_TOKENS = "max_new_tokens"
+STOP_CONTEXT_FULL = "context_full"
+STOP_INTERRUPTED = "interrupted"
+STOP_DRY_RUN = "dry_run"
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    settings: RunSettings
+    config: ModelConfig
+    environment: EnvironmentInfo
+    model: ModelInfo
+    tokenization: TokenizationRecord | None
+    rope: RopeRecord | None
+    stages: tuple[StageRecord, ...]
+    steps: tuple[StepRecord, ...]
+    generated_ids: tuple[int, ...]
+    generated_text: str
+    stop_reason: str
+    wall_ns: int  # from the origin to the end of the last step
+    peak_rss_bytes: int
+    peak_device_bytes: int | None  # cuda only
+
+    # ---- views ----------------------------------------------------------------------------------------
+
+    def stages_of(self, phase: str) -> tuple[StageRecord, ...]:
+        return tuple(s for s in self.stages if s.phase == phase)
+
+    @property
+    def prefill_step(self) -> StepRecord | None:
+        return next((s for s in self.steps if s.phase == PREFILL), None)
+
+    @property
+    def decode_steps(self) -> tuple[StepRecord, ...]:
+        return tuple(s for s in self.steps if s.phase == DECODE)
+
+    # ---- JSON -----------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The trace as JSON. With `indent`, the stage records (423 per step on the default model: hundreds of
+        thousands in a long run) are written one compact line each, through json's C encoder, which indented
+        output cannot use; everything else is indented."""
+        data = self.to_dict()
+        if indent is None:
+            return json.dumps(data, ensure_ascii=False)
+        stages = data["stages"]
+        placeholder = data["stages"] = f"stages-{uuid.uuid4().hex}"  # unique: no prompt or text can hold it
+        text = json.dumps(data, ensure_ascii=False, indent=indent)
+        pad = " " * indent
+        lines = ",\n".join(f"{pad * 2}{json.dumps(s, ensure_ascii=False)}" for s in stages)
+        return text.replace(f'"{placeholder}"', f"[\n{lines}\n{pad}]" if stages else "[]", 1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trace":
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME:
+            raise FileFormatError(f"not an llmtrace trace (missing \"schema\": \"{SCHEMA_NAME}\")")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise FileFormatError(
+                f"trace schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; "
+                "re-record it with this llmtrace"
+            )
+        try:
+            return cls(
+                settings=_build(RunSettings, data["settings"]),
+                config=_config(data["config"]),
+                environment=_build(EnvironmentInfo, data["environment"]),
+                model=_build(ModelInfo, data["model"]),
+                tokenization=_optional(_tokenization, data["tokenization"]),
+                rope=_optional(_rope, data["rope"]),
+                stages=tuple(_stage(s) for s in data["stages"]),
+                steps=tuple(_step(s) for s in data["steps"]),
+                generated_ids=tuple(int(i) for i in data["generated_ids"]),
+                generated_text=str(data["generated_text"]),
+                stop_reason=str(data["stop_reason"]),
+                wall_ns=int(data["wall_ns"]),
+                peak_rss_bytes=int(data["peak_rss_bytes"]),
+                peak_device_bytes=None if data["peak_device_bytes"] is None else int(data["peak_device_bytes"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FileFormatError(f"trace is not valid JSON ({exc})") from exc
+        return cls.from_dict(data)
+
+    # ---- Chrome / Perfetto ----------------------------------------------------------------------------
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        from llmtrace.tracer.trace.chrome import chrome_trace
+
+        return chrome_trace(self)
+
+
+def load_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+_STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
+_SHAPE_FIELDS = ("input_shapes", "output_shapes")
+
+
+def _stage_dict(stage: StageRecord) -> dict[str, Any]:
+    """asdict() of one stage record, without its recursive copying (this runs once per stage call)."""
+    out = {name: getattr(stage, name) for name in _STAGE_FIELDS}
+    for name in _SHAPE_FIELDS:
+        out[name] = [list(shape) for shape in out[name]]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """asdict() for dataclasses, lists for tuples, recursively."""
+    if hasattr(value, "__dataclass_fields__"):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# The field names of every record class a trace holds (a constant: read back once per stage record).
+_FIELD_NAMES: dict[type, frozenset[str]] = {
+    cls: frozenset(f.name for f in fields(cls))
+    for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
+                StageRecord, StepRecord, CandidateRecord, SamplingRecord)
+}
+
+
+def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
+    unknown = data.keys() - _FIELD_NAMES[cls]  # type: ignore[index]
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**data)
+
+
+def _optional(builder: Callable[[dict[str, Any]], R], data: dict[str, Any] | None) -> R | None:
+    return None if data is None else builder(data)
+
+
+def _shapes(raw: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(d) for d in shape) for shape in raw)
+
+
+def _stage(d: dict[str, Any]) -> StageRecord:
+    return _build(StageRecord, {**d, "input_shapes": _shapes(d["input_shapes"]),
+                                "output_shapes": _shapes(d["output_shapes"])})
+
+
+def _step(d: dict[str, Any]) -> StepRecord:
+    return _build(StepRecord, {**d, "filters": tuple(d["filters"]),
+                               "candidates": tuple(_build(CandidateRecord, c) for c in d["candidates"]),
+                               "sampling": _optional(lambda s: _build(SamplingRecord, s), d["sampling"])})
+
+
+def _tokenization(d: dict[str, Any]) -> TokenizationRecord:
+    return _build(TokenizationRecord, {**d, "pieces": tuple(d["pieces"]), "ids": tuple(d["ids"])})
+
+
+def _rope(d: dict[str, Any]) -> RopeRecord:
+    return _build(RopeRecord, {**d, "positions": tuple(d["positions"])})
+
+
+def _config(d: dict[str, Any]) -> ModelConfig:
+    scaling = d.get("rope_scaling")
+    return _build(ModelConfig, {**d, "rope_scaling": None if scaling is None else _build(RopeScaling, scaling)})

@@ -1,0 +1,177 @@
+"""Numbers derived from a Trace: per-layer and per-role rows, phase totals, TTFT, tokens/s, achieved FLOP/s and
+bytes/s.
+
+Pure functions of the records (no torch), so a trace read back from JSON summarises the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from llmtrace.tracer.trace.run_trace import Trace
+from llmtrace.tracer.trace.records import DECODE, PREFILL, StageRecord, StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class StageTotals:
+    """Sums over a set of stage records."""
+
+    calls: int
+    flops: int
+    matmul_flops: int
+    weight_bytes_read: int
+    activation_bytes_read: int
+    activation_bytes_written: int
+    kv_bytes_read: int
+    kv_bytes_written: int
+    stage_ns: int  # sum of the stages' own times
+
+    @property
+    def bytes_read(self) -> int:
+        return self.weight_bytes_read + self.activation_bytes_read + self.kv_bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.activation_bytes_written + self.kv_bytes_written
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def min_bytes(self) -> int:
+        """Weights and KV traffic: what a pass must move whatever the kernel fusion (the roofline's bytes)."""
+        return self.weight_bytes_read + self.kv_bytes_read + self.kv_bytes_written
+
+
+def stage_totals(stages: Iterable[StageRecord]) -> StageTotals:
+    calls = flops = mm = w = ar = aw = kr = kw = ns = 0
+    for s in stages:
+        calls += 1
+        flops += s.flops
+        mm += s.matmul_flops
+        w += s.weight_bytes_read
+        ar += s.activation_bytes_read
+        aw += s.activation_bytes_written
+        kr += s.kv_bytes_read
+        kw += s.kv_bytes_written
+        ns += s.duration_ns
+    return StageTotals(calls, flops, mm, w, ar, aw, kr, kw, ns)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRow:
+    """One transformer layer in one step: wall time from its first stage's start to its last stage's end."""
+
+    layer: int
+    wall_ns: int
+    totals: StageTotals
+    stages: tuple[StageRecord, ...]
+
+
+def layer_rows(stages: Iterable[StageRecord]) -> list[LayerRow]:
+    by_layer: dict[int, list[StageRecord]] = {}
+    for s in stages:
+        if s.layer is not None:
+            by_layer.setdefault(s.layer, []).append(s)
+    rows = []
+    for layer, members in sorted(by_layer.items()):
+        wall = max(s.end_ns for s in members) - min(s.start_ns for s in members)
+        rows.append(LayerRow(layer, wall, stage_totals(members), tuple(members)))
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class RoleRow:
+    """One stage role ("attention.wqkv", "ffn_norm", "output", ...): every layer's instance of it together."""
+
+    role: str
+    kind: str
+    totals: StageTotals
+
+
+def role_rows(stages: Iterable[StageRecord]) -> list[RoleRow]:
+    """The stages grouped by role, in the order the roles first ran (a layer's order, the LM head last)."""
+    by_role: dict[str, list[StageRecord]] = {}
+    for s in stages:
+        by_role.setdefault(s.short_name, []).append(s)
+    return [RoleRow(role, members[0].kind, stage_totals(members)) for role, members in by_role.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseSummary:
+    """One phase (the prefill, or all decode steps together)."""
+
+    phase: str
+    steps: int
+    tokens_in: int  # tokens fed through the model
+    forward_ns: int  # model forward time, summed over steps
+    step_ns: int  # whole steps (forward + sample + detokenize)
+    totals: StageTotals  # empty (all zero) when tracing was off
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.totals.flops / (self.forward_ns / 1e9) if self.forward_ns else 0.0
+
+    @property
+    def bytes_read_per_step(self) -> float:
+        return self.totals.bytes_read / self.steps if self.steps else 0.0
+
+    @property
+    def min_bytes_per_second(self) -> float:
+        return self.totals.min_bytes / (self.forward_ns / 1e9) if self.forward_ns else 0.0
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte of weight and KV traffic (the roofline's x axis)."""
+        return self.totals.flops / self.totals.min_bytes if self.totals.min_bytes else 0.0
+
+
+def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
+    steps = [s for s in trace.steps if s.phase == phase]
+    return PhaseSummary(
+        phase=phase,
+        steps=len(steps),
+        tokens_in=sum(s.input_tokens for s in steps),
+        forward_ns=sum(s.forward_ns for s in steps),
+        step_ns=sum(s.duration_ns for s in steps),
+        totals=stage_totals(trace.stages_of(phase)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    prompt_tokens: int
+    generated_tokens: int
+    # Tokenization + the prefill step (forward, sampling, detokenization): the request's time to first token. Not
+    # the wall time since tokenization, which also holds llmtrace's own set-up (KV cache allocation, the warm-up
+    # pass, entering the tracer), none of which a server pays per request.
+    ttft_ns: int
+    prefill: PhaseSummary
+    decode: PhaseSummary
+    decode_tokens_per_second: float  # decode steps / their wall time (sampling included)
+    kv_allocated_bytes: int
+    kv_live_bytes: int
+    peak_rss_bytes: int
+    peak_device_bytes: int | None
+
+
+def run_summary(trace: Trace) -> RunSummary:
+    prefill = phase_summary(trace, PREFILL)
+    decode = phase_summary(trace, DECODE)
+    first: StepRecord | None = trace.prefill_step
+    tokenize_ns = trace.tokenization.duration_ns if trace.tokenization is not None else 0
+    last = trace.steps[-1] if trace.steps else None
+    return RunSummary(
+        prompt_tokens=first.input_tokens if first else 0,
+        generated_tokens=len(trace.generated_ids),
+        ttft_ns=tokenize_ns + first.duration_ns if first else 0,
+        prefill=prefill,
+        decode=decode,
+        decode_tokens_per_second=decode.steps / (decode.step_ns / 1e9) if decode.step_ns else 0.0,
+        kv_allocated_bytes=last.kv_allocated_bytes if last else 0,
+        kv_live_bytes=last.kv_live_bytes if last else 0,
+        peak_rss_bytes=trace.peak_rss_bytes,
+        peak_device_bytes=trace.peak_device_bytes,
+    )
