@@ -34,6 +34,7 @@ from llmtrace.cli.render_run import (
 from llmtrace.cli.render_run_live import DecodeView
 from llmtrace.cli.render_run_report import render_ending
 from llmtrace.tracer.core.errors import BadArgumentError, LlmtraceError
+from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 from llmtrace.tracer.trace.records import RunSettings
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
@@ -126,7 +127,7 @@ def run_command(
         if chrome_trace is not None:
             import json
 
-            write_output(chrome_trace, json.dumps(trace.to_chrome_trace(), ensure_ascii=False))
+            write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
         return EXIT_INTERRUPTED if trace.stop_reason == STOP_INTERRUPTED else 0
 

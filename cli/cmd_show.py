@@ -22,6 +22,7 @@ from llmtrace.cli.options import Detail, DetailOption
 from llmtrace.cli.output_files import check_writable, write_output
 from llmtrace.cli.render_run_report import render_ending, render_journey
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.summary import run_summary
 
@@ -48,7 +49,7 @@ def show(
                       "roofline: left out of a saved trace (it may come from another machine); see "
                       f"`llmtrace roofline --model <model> --hardware <machine>`")
         if chrome_trace is not None:
-            write_output(chrome_trace, json.dumps(trace.to_chrome_trace(), ensure_ascii=False))
+            write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
         return 0
 

@@ -139,7 +139,7 @@ def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "config")}
     out = tmp_path / "trace.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "cli", "run", "Once upon a time", "--model", str(tiny_llama_dir),
+        [sys.executable, "-m", "llmtrace", "run", "Once upon a time", "--model", str(tiny_llama_dir),
          "--max-new-tokens", "2", "--json", str(out), "--threads", "1", "--no-roofline"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
@@ -147,7 +147,7 @@ def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert "7 · Summary" in proc.stdout
     trace = Trace.from_json(out.read_text(encoding="utf-8"))
     assert trace.environment.threads == 1 and len(trace.generated_ids) == 2
-    bad = subprocess.run([sys.executable, "-m", "cli", "run", "sky", "--max-new-tokens", "-3"], cwd=REPO, env=env,
+    bad = subprocess.run([sys.executable, "-m", "llmtrace", "run", "sky", "--max-new-tokens", "-3"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "at least 1" in bad.stderr
 

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.trace.chrome import chrome_trace
 from llmtrace.tracer.run.generate import generate
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
@@ -78,7 +79,7 @@ def test_from_json_rejects_what_is_not_a_trace() -> None:
 
 
 def test_chrome_trace_is_valid_json_with_well_nested_spans(trace: Trace) -> None:
-    doc = json.loads(json.dumps(trace.to_chrome_trace()))
+    doc = json.loads(json.dumps(chrome_trace(trace)))
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in spans}
     assert {"tokenize", "prefill", "decode step 1", "layer 0", "layer 1", "attention", "ffn", "lm_head", "sample",

@@ -1,1 +1,6 @@
-"""checkpoint"""
+"""What a checkpoint on disk is, read from headers only (never tensor data, never torch): GGUF and safetensors
+headers, what a `--model` argument names, what a checkpoint holds, the bundled model's location, tokenizers and
+prompt-token counts.
+
+May import: core, hardware.
+"""

@@ -1,1 +1,6 @@
-"""hardware"""
+"""Machines as numbers: hardware profiles (peak FLOP/s per dtype, memory bandwidth, capacity), where measured
+profiles are stored, measuring this machine with torch (imported lazily, inside `measure`), and which compute dtype
+`auto` means here.
+
+May import: core.
+"""

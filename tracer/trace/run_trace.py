@@ -2,7 +2,8 @@
 
 `Trace.to_json()` writes the schema in tracer/trace/trace_schema.json (every record is `asdict()` of a frozen
 dataclass, tuples as lists; stage records one line each); `Trace.from_json()` reads it back into equal records.
-`to_chrome_trace()` writes a Chrome / Perfetto trace (see tracer/trace/chrome.py).
+The Chrome / Perfetto view of a Trace is tracer/trace/chrome.py's `chrome_trace(trace)`, which reads a Trace
+(never the other way round: a Trace knows nothing of its views).
 """
 
 from __future__ import annotations
@@ -131,12 +132,6 @@ class Trace:
             raise FileFormatError(f"trace is not valid JSON ({exc})") from exc
         return cls.from_dict(data)
 
-    # ---- Chrome / Perfetto ----------------------------------------------------------------------------
-
-    def to_chrome_trace(self) -> dict[str, Any]:
-        from llmtrace.tracer.trace.chrome import chrome_trace
-
-        return chrome_trace(self)
 
 
 def load_schema() -> dict[str, Any]:
