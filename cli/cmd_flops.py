@@ -6,7 +6,9 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
-from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+from llmtrace.cli.options import (
+    DEFAULT_MODEL, KERNELS_HELP, BatchOption, DtypeChoice, JsonOption, KernelsChoice, ModelOption,
+)
 
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_NEW_TOKENS = 128
@@ -29,6 +31,9 @@ def flops(
     kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
         "--kv-dtype", show_default="the weight dtype; fp16 for fp8/int8/int4 weights", help="KV-cache dtype.")] = None,
     batch: BatchOption = 1,
+    kernels: Annotated[KernelsChoice, typer.Option(
+        "--kernels", help=KERNELS_HELP + " Changes the attention FLOPs of a prefill and every byte figure.")]
+    = KernelsChoice.fused,
     macs: Annotated[bool, typer.Option("--macs", help="Show matmul MACs (multiply-accumulates) instead of FLOPs.")] = False,
     json_out: JsonOption = False,
 ) -> None:
@@ -39,6 +44,7 @@ def flops(
       llmtrace flops --model llama3-8b --prompt-len 2000 --new-tokens 500
       llmtrace flops --model path/to/model.gguf --prompt "The capital of France is"
       llmtrace flops --model llama2-70b --dtype int4 --batch 8 --json
+      llmtrace flops --model llama3-8b --prompt-len 8192 --kernels eager    # as llmtrace's own model runs it
     """
 
     def body() -> None:
@@ -64,7 +70,7 @@ def flops(
         report = flops_report(
             resolved, p_len, new_tokens, get_dtype(dtype.value) if dtype else None,
             get_dtype(kv_dtype.value) if kv_dtype else None,
-            batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source,
+            batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source, kernels=kernels.value,
         )
         if json_out:
             from llmtrace.cli.json_output import print_json

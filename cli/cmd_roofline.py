@@ -8,7 +8,9 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
-from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+from llmtrace.cli.options import (
+    DEFAULT_MODEL, KERNELS_HELP, BatchOption, DtypeChoice, JsonOption, KernelsChoice, ModelOption,
+)
 
 DEFAULT_HARDWARE = "a100-80gb"  # the seed article's GPU
 
@@ -28,6 +30,8 @@ def roofline(
     kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
         "--kv-dtype", help="KV-cache dtype (default: the activation dtype; fp16 for quantized weights).")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel devices (must divide the heads).")] = 1,
+    kernels: Annotated[Optional[KernelsChoice], typer.Option(
+        "--kernels", show_default="fused on a GPU profile, eager on this-machine", help=KERNELS_HELP)] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Why decode runs at hundreds of tokens/s, not tens of thousands: FLOPs and bytes of each pass against the
@@ -38,6 +42,7 @@ def roofline(
       llmtrace roofline --model llama3-8b --hardware rtx-4090 --dtype int4
       llmtrace roofline --model llama2-70b --hardware h100-sxm --tp 4 --batch 32
       llmtrace roofline --model llama3.1-405b --hardware h200 --tp 8 --dtype fp8 --json
+      llmtrace roofline --model llama3.1-8b --hardware h100 --prompt-len 8192 --kernels eager
     """
 
     def body() -> None:
@@ -48,6 +53,7 @@ def roofline(
         report = predict(
             resolve_config(model), resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
             batch=batch, dtype=dtype.value, kv_dtype=kv_dtype.value if kv_dtype else None, tp=tp,
+            kernels=kernels.value if kernels else None,
         )
         if json_out:
             from llmtrace.cli.json_output import print_json

@@ -19,6 +19,18 @@ class DtypeChoice(str, Enum):
     int4 = "int4"
 
 
+class KernelsChoice(str, Enum):
+    """The kernel model (llmtrace.tracer.analytic.kernels): which kernels a pass runs, so what it moves."""
+
+    eager = "eager"
+    fused = "fused"
+
+
+KERNELS_HELP = ("eager: every op reads and writes its tensors, attention scores materialised (llmtrace's own "
+                "model); fused: FlashAttention (scores on chip, masked tiles skipped) with elementwise ops fused "
+                "into the matmuls (vLLM, llama.cpp).")
+
+
 class Detail(str, Enum):
     """How much of a traced forward `run` and `show` print: totals, one row per layer, or every stage."""
 

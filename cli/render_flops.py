@@ -42,6 +42,7 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         f"Weights {r.weights_dtype}{_WEIGHTS_FROM[r.weights_dtype_from]}, KV cache {r.kv_dtype}, "
         f"activations {r.activation_dtype}. "
         f"Prompt {prompt}, {r.new_tokens} new tokens, batch {r.batch}.",
+        f"Kernels: {r.kernels_description} (--kernels {'eager' if r.kernels == 'fused' else 'fused'}: the other).",
     ]
     g = r.generation
     width = console.width
@@ -50,11 +51,11 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         "\n".join(lines),
         f"\n[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}",
         _phase_table(r.prefill, macs).render(width),
-        _phase_notes(r.prefill.totals, macs, prefill=True),
+        _phase_notes(r.prefill.totals, macs, prefill=True, kernels=r.kernels),
         f"\n[bold]One decode step at context L={r.decode_context}[/] (attends to {r.decode.kv_len} positions), "
         f"batch {r.batch}",
         _phase_table(r.decode, macs).render(width),
-        _phase_notes(r.decode.totals, macs, prefill=False),
+        _phase_notes(r.decode.totals, macs, prefill=False, kernels=r.kernels),
         f"\n[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
         f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}",
         _generation_table(r, macs).render(width),
@@ -86,9 +87,14 @@ def _layer(phase: PhaseEstimate, kind: str) -> int:
     return sum(c.flops for c in phase.components if c.per_layer and c.kind == kind)
 
 
-def _phase_notes(t: Totals, macs: bool, prefill: bool) -> str:
+def _phase_notes(t: Totals, macs: bool, prefill: bool, kernels: str) -> str:
     lines = []
-    if prefill:
+    if prefill and kernels == "fused":
+        lines.append(
+            f"  Attention QKᵀ+PV: {units.flops(t.attention_useful_flops, MATMUL, macs)} over the P causal pairs "
+            f"only (P = T·(T+1)/2: fused kernels skip the masked tiles; --kernels eager computes all T²)."
+        )
+    elif prefill:
         skipped = t.attention_dense_flops - t.attention_useful_flops
         lines.append(
             f"  Attention QKᵀ+PV: {units.flops(t.attention_dense_flops, MATMUL, macs)} executed densely, "
@@ -97,9 +103,10 @@ def _phase_notes(t: Totals, macs: bool, prefill: bool) -> str:
         )
     lines += [
         f"  Bytes: weights {units.bytes_both(t.weight_bytes)}, KV read {units.bytes_both(t.kv_read_bytes)}, "
-        f"KV written {units.bytes_both(t.kv_write_bytes)}, activations ~{units.bytes_both(t.activation_bytes)}.",
-        f"  Arithmetic intensity {t.arithmetic_intensity:,.1f} FLOP/B over weights + KV "
-        f"({t.arithmetic_intensity_with_activations:,.1f} counting activations).",
+        f"KV written {units.bytes_both(t.kv_write_bytes)}, activations between kernels "
+        f"{units.bytes_both(t.activation_bytes)}.",
+        f"  Arithmetic intensity {t.arithmetic_intensity:,.1f} FLOP/B (FLOPs ÷ all bytes moved; "
+        f"{t.weights_kv_intensity:,.1f} over weights + KV alone, the most any fusion could reach).",
     ]
     return "\n".join(lines)
 

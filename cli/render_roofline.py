@@ -62,6 +62,8 @@ def header(report: RooflineReport) -> Text:
     text.append(where, style="bold")
     text.append(f"\nceilings per device: {si(m.peak_flops, 'FLOP/s')} ({m.compute_dtype}), "
                 f"memory {m.memory_bandwidth / 1e12:.3g} TB/s → ridge point {m.ridge_point:,.1f} FLOPs/byte")
+    origin = "--kernels" if report.kernels_from == "option" else f"default for {m.hardware}"
+    text.append(f"\n{report.kernels_description} [{origin}]")
     return text
 
 
@@ -224,7 +226,8 @@ def memory_line(report: RooflineReport) -> str:
     return (
         f"Memory{per}: weights {f.weight_bytes_per_device / GiB:,.2f} GiB + KV cache "
         f"{f.kv_bytes_per_device / GiB:,.2f} GiB ({report.generation.batch} × "
-        f"{report.generation.prompt_len + report.generation.decode_steps:,} positions) of "
+        f"{report.generation.prompt_len + report.generation.decode_steps:,} positions) + largest activations "
+        f"{f.activation_bytes_per_device / GiB:,.2f} GiB ({report.kernels} kernels) of "
         f"{f.capacity_bytes / GiB:,.0f} GiB; {f.free_bytes / GiB:,.2f} GiB free. "
         f"At most {f.max_batch:,} sequences of this length fit."
     )
@@ -361,11 +364,15 @@ def render_report(console: Console, report: RooflineReport) -> None:
         console.print(line_text, no_wrap=True, overflow="crop")
     for p in points:
         console.print(f"  {p.mark} {p.label}: {p.intensity:,.2f} FLOPs/byte, ≤ {si(p.flops_per_s, 'FLOP/s')}")
+    fused = report.kernels == "fused"
     console.print(
-        "Bounds are lower limits on time: max(FLOPs ÷ peak, bytes ÷ bandwidth) per pass"
+        "Times at the ceilings: max(FLOPs ÷ peak, bytes ÷ bandwidth) per pass"
         + (" + all-reduce bytes ÷ link bandwidth" if report.tensor_parallel.tp > 1 else "")
-        + ". FLOPs as executed densely (2 per multiply-add); bytes = weights once per pass + KV cache read and "
-          "written + activations read and written once per operation. GB = 10⁹ bytes, GiB = 2³⁰."
+        + "; real kernels reach a share of both. FLOPs as the kernels execute them (2 per multiply-add"
+        + ("; attention over the causal pairs only" if fused else "; attention over every pair, masked included")
+        + "); bytes = weights once per pass + KV cache read and written + activations "
+        + ("between matmul and attention kernels" if fused else "read and written once per operation")
+        + ". Arithmetic intensity = FLOPs ÷ all these bytes. GB = 10⁹ bytes, GiB = 2³⁰."
     )
     for note in report.notes:
         console.print(f"Note: {note}")

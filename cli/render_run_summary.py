@@ -89,7 +89,7 @@ def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:
 def roofline_line(cmp: MeasuredVsBound) -> str:
     """The ceilings behind the bound, in one line."""
     note = f"; {cmp.compute_note}" if cmp.compute_note else ""
-    return (f"roofline: {cmp.hardware} {cmp.compute_dtype} peak {fmt.flops_per_second(cmp.peak_flops)}, "
+    return (f"roofline ({cmp.kernels} kernels): {cmp.hardware} {cmp.compute_dtype} peak {fmt.flops_per_second(cmp.peak_flops)}, "
             f"{fmt.bytes_per_second(cmp.memory_bandwidth)}, ridge {cmp.ridge_point:.1f} FLOP/B{note} "
             "(forward passes only; 100% = at the bound)")
 

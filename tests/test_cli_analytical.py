@@ -47,8 +47,8 @@ _TOTALS = {
     "type": "object",
     "required": ["matmul_flops", "elementwise_flops", "total_flops", "useful_flops", "attention_dense_flops",
                  "attention_useful_flops", "per_layer_flops", "weight_bytes", "kv_read_bytes", "kv_write_bytes",
-                 "activation_bytes", "min_bytes", "total_bytes", "arithmetic_intensity",
-                 "arithmetic_intensity_with_activations"],
+                 "activation_bytes", "min_bytes", "total_bytes", "arithmetic_intensity", "weights_kv_intensity",
+                 "peak_activation_bytes"],
 }
 _COMPONENT = {
     "type": "object",
@@ -59,17 +59,18 @@ _COMPONENT = {
 }
 _PHASE = {
     "type": "object",
-    "required": ["phase", "batch", "new_tokens", "cached_before", "kv_len", "components", "totals"],
+    "required": ["phase", "kernels", "batch", "new_tokens", "cached_before", "kv_len", "components", "totals"],
     "properties": {"components": {"type": "array", "items": _COMPONENT}, "totals": _TOTALS},
 }
 FLOPS_SCHEMA = {
     "type": "object",
     "required": ["schema", "model", "params", "weight_bytes", "checkpoint", "weights_dtype", "weights_dtype_from",
-                 "kv_dtype", "activation_dtype", "batch", "prompt_len", "prompt_tokenizer", "new_tokens",
+                 "kv_dtype", "activation_dtype", "kernels", "kernels_description", "batch", "prompt_len", "prompt_tokenizer", "new_tokens",
                  "decode_context", "prefill", "decode", "generation", "two_x_params", "decode_step_flops_per_token",
                  "decode_vs_rule", "generation_flops_per_token", "generation_vs_rule"],
     "properties": {
-        "schema": {"const": "llmtrace.flops/1"},
+        "schema": {"const": "llmtrace.flops/2"},
+        "kernels": {"enum": ["eager", "fused"]},
         "model": {"type": "object", "required": ["name", "source", "vocab_size", "dim", "n_layers", "n_heads",
                                                   "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len", "tie_embeddings"]},
         "params": {"type": "object", "required": ["embedding", "per_layer", "layers", "final_norm", "lm_head",
@@ -84,7 +85,7 @@ FLOPS_SCHEMA = {
         "decode": _PHASE,
         "generation": {
             "type": "object",
-            "required": ["prompt_len", "new_tokens", "batch", "decode_steps", "final_kv_len", "exceeds_max_seq_len",
+            "required": ["prompt_len", "new_tokens", "batch", "kernels", "decode_steps", "final_kv_len", "exceeds_max_seq_len",
                          "components", "prefill_totals", "decode_totals", "totals"],
             "properties": {"components": {"type": "array", "items": {
                 "type": "object",
@@ -141,6 +142,21 @@ def test_flops_json_llama_7b() -> None:
     assert gen["decode_steps"] == 7
     assert gen["totals"]["total_flops"] == data["prefill"]["totals"]["total_flops"] + gen["decode_totals"]["total_flops"]
     assert data["two_x_params"] == 2 * 6_738_415_616
+    assert data["kernels"] == "fused"  # no hardware to choose by: what inference engines run
+    totals = data["prefill"]["totals"]
+    assert totals["arithmetic_intensity"] == pytest.approx(totals["total_flops"] / totals["total_bytes"])
+    # fused: the causal 16*17/2 = 136 pairs of 32 heads of 128, twice (QKᵀ, PV), 32 layers
+    assert totals["attention_dense_flops"] == totals["attention_useful_flops"] == 2 * 2 * 32 * 136 * 128 * 32
+
+
+def test_flops_json_eager_counts_every_pair_and_the_scores() -> None:
+    data = _json(["flops", "--json", "--prompt-len", "16", "--new-tokens", "8", "--kernels", "eager"])
+    jsonschema.validate(data, FLOPS_SCHEMA)
+    assert data["kernels"] == "eager"
+    totals = data["prefill"]["totals"]
+    assert totals["attention_dense_flops"] == 2 * 2 * 32 * 16 * 16 * 128 * 32
+    scale = {c["name"]: c for c in data["prefill"]["components"]}["attention.scale"]
+    assert scale["act_read_bytes"] == scale["act_write_bytes"] == 32 * 16 * 16 * 2  # the fp16 scores, in and out
 
 
 def test_flops_json_batch_and_dtype() -> None:
@@ -184,7 +200,7 @@ def test_flops_table() -> None:
     out = result.stdout
     for text in ("Parameters 6,738,415,616", "Prefill of 128 tokens", "One decode step at context L=128",
                  "Whole generation: prefill of 128 + 127 decode steps", "2·BT·d·H·D = 2·1·4096·4096", "33.55 MFLOP",
-                 "causal pairs 8,256 of 16,384", "2 FLOPs per multiply-add", "Rule of thumb 2 × parameters = 13.48 GFLOP"):
+                 "2·B·H·P·D = 2·1·32·8,256·128", "Kernels: fused kernels", "2 FLOPs per multiply-add", "Rule of thumb 2 × parameters = 13.48 GFLOP"):
         assert text in out, text
 
 

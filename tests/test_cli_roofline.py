@@ -55,6 +55,11 @@ def test_roofline_json_answers_the_seed_question_without_torch(tmp_path: Path) -
     assert data["prefill"]["bound"] == "compute" and data["last_decode"]["bound"] == "memory"
     assert 145 < data["generation"]["tokens_per_s_per_sequence"] < 156
     assert data["machine"]["ridge_point"] == pytest.approx(312 / 2.039)
+    assert (data["kernels"], data["kernels_from"]) == ("fused", "default")
+    assert data["memory"]["activation_bytes_per_device"] > 0
+    eager = json.loads(llmtrace("roofline", "--json", "--kernels", "eager", config_home=tmp_path).stdout)
+    assert (eager["kernels"], eager["kernels_from"]) == ("eager", "option")
+    assert eager["prefill"]["activation_bytes"] > data["prefill"]["activation_bytes"]
 
 
 def test_roofline_text_with_tp(tmp_path: Path) -> None:
@@ -90,6 +95,8 @@ def test_hardware_lists_profiles_without_torch(tmp_path: Path) -> None:
     (["--model", "llama2-70b"], "does not fit on a100-80gb"),
     (["--model", "llama-7b", "--hardware", "m2-max", "--tp", "2"], "m2-max has no interconnect"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--model", "llama3.1-8b", "--hardware", "h100", "--prompt-len", "32768", "--kernels", "eager"],
+     "eager kernels' largest activations 128.0 GiB"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     out = llmtrace("roofline", *args, config_home=tmp_path)
@@ -116,6 +123,7 @@ def test_measure_then_roofline_on_this_machine(tmp_path: Path) -> None:
     assert _imports(pred.stderr) == "IMPORTED torch=False numpy=False"  # reading the profile needs no torch
     machine = json.loads(pred.stdout)["machine"]
     assert machine["measured"] is True and machine["compute_dtype"] == "fp32"
+    assert json.loads(pred.stdout)["kernels"] == "eager"  # this machine runs llmtrace's own (eager) model
     assert machine["memory_bandwidth"] == data["profile"]["memory_bandwidth"]
 
     no_fp16 = llmtrace("roofline", "--hardware", "this-machine", "--model", "smollm2-135m", "--dtype", "fp16",

@@ -166,7 +166,7 @@ def test_summary_compares_with_this_machines_roofline(tiny_llama_dir: Path, tmp_
     # fp32 explicitly: the profile has only an fp32 ceiling, and --dtype auto may pick bf16 on this CPU.
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3", "--dtype", "fp32")
     assert result.exit_code == 0, result.output
-    assert "roofline: this-machine fp32 peak 120.00 GFLOP/s, 30.00 GB/s, ridge 4.0 FLOP/B" in result.output
+    assert "roofline (eager kernels): this-machine fp32 peak 120.00 GFLOP/s, 30.00 GB/s, ridge 4.0 FLOP/B" in result.output
     assert "memory-bound" in result.output and "of the bound" in result.output
     assert "measured this machine" not in result.output  # the saved profile is used as it is
 
@@ -186,9 +186,9 @@ def test_first_run_measures_this_machine_and_saves_it(tiny_llama_dir: Path, _pri
     assert "roofline: measured this machine in" in result.output and "(fp32, bf16 GEMMs, copy)" in result.output
     profile = load_measured_profiles(_private_config)[THIS_MACHINE]
     assert profile.measured and profile.fp32 and profile.bf16 and profile.memory_bandwidth > 0
-    assert "roofline: this-machine bf16 peak" in result.output and "of the bound" in result.output
+    assert "roofline (eager kernels): this-machine bf16 peak" in result.output and "of the bound" in result.output
     again = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--dtype", "bf16")
-    assert "measured this machine" not in again.output and "roofline: this-machine bf16" in again.output
+    assert "measured this machine" not in again.output and "roofline (eager kernels): this-machine bf16" in again.output
 
 
 def test_no_roofline_skips_the_measurement(tiny_llama_dir: Path, _private_config: Path) -> None:

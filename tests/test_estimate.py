@@ -107,8 +107,10 @@ def test_decode_step_bytes_llama_7b() -> None:
     # K and V of 1024 positions: 0.5 MiB per position.
     assert t.kv_read_bytes == 1024 * 524_288
     assert t.min_bytes == t.weight_bytes + t.kv_read_bytes + t.kv_write_bytes
-    assert t.arithmetic_intensity == pytest.approx(t.total_flops / t.min_bytes)
-    assert 0.9 < t.arithmetic_intensity < 1.1  # decode at batch 1: about one FLOP per byte
+    assert t.total_bytes == t.min_bytes + t.activation_bytes
+    assert t.arithmetic_intensity == pytest.approx(t.total_flops / t.total_bytes)  # one meaning: all bytes moved
+    assert t.weights_kv_intensity == pytest.approx(t.total_flops / t.min_bytes)
+    assert 0.9 < t.arithmetic_intensity < t.weights_kv_intensity < 1.1  # decode at batch 1: about one FLOP per byte
 
 
 def test_batch_scales_flops_not_weight_bytes() -> None:

@@ -10,11 +10,13 @@ LLaMA-7B by hand: d=4096, 32 layers, 32 heads of 128 (no GQA), FFN 11008, vocab 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
 from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core.dtypes import get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import get_profile
@@ -62,7 +64,7 @@ def test_llama7b_decode_batch1_is_memory_bound_at_about_6_6_ms() -> None:
 
 
 def test_llama7b_prefill_2048_is_compute_bound() -> None:
-    r = roofline(get_preset("llama-7b"), A100, prompt_len=2048, new_tokens=1, dtype="fp16")
+    r = roofline(get_preset("llama-7b"), A100, prompt_len=2048, new_tokens=1, dtype="fp16", kernels="eager")
     p = r.prefill
     dense_attention = 2 * 2 * 32 * 2048 * 2048 * 128 * 32  # QK^T and PV over all 2048^2 pairs, 32 layers
     matmul = 2 * 2048 * 32 * LLAMA_7B_LAYER_MATRICES + 2 * 4096 * 32000 + dense_attention  # LM head: last position
@@ -124,9 +126,11 @@ def test_mha_at_long_context_never_turns_compute_bound() -> None:
 
 def test_batch_table_marks_where_the_kv_cache_stops_fitting() -> None:
     r = roofline(get_preset("llama-7b"), A100, prompt_len=1000, new_tokens=25, dtype="fp16")
-    # by hand: 80 GiB - 13.48 GB of weights leaves room for floor(free / (0.5 MiB * 1024 positions)) sequences
+    # by hand: 80 GiB - 13.48 GB of weights leaves room for floor(free / (0.5 MiB * 1024 positions + the fused
+    # kernels' largest working set, w1's: 1000 rows of 4096 in and 11008 out, 2 bytes each)) sequences
     weights = 2 * 6_738_415_616
-    per_sequence = KV_BYTES_PER_POSITION_7B * 1024
+    per_sequence = KV_BYTES_PER_POSITION_7B * 1024 + 1000 * (4096 + 11008) * 2
+    assert r.memory.activation_bytes_per_device == 1000 * (4096 + 11008) * 2
     assert r.memory.weight_bytes_per_device == weights
     assert r.memory.max_batch == (80 * GiB - weights) // per_sequence
     rows = {row.batch: row for row in r.batch_table}
@@ -134,7 +138,8 @@ def test_batch_table_marks_where_the_kv_cache_stops_fitting() -> None:
     assert [b for b, row in rows.items() if not row.fits] == [b for b in rows if b > r.memory.max_batch] != []
     for row in r.batch_table:
         assert row.tokens_per_s_total == pytest.approx(row.batch * row.tokens_per_s_per_sequence)
-        assert row.fits == (row.memory_bytes_per_device <= 80 * GiB)
+        assert row.fits == (row.memory_bytes_per_device + row.batch * r.memory.activation_bytes_per_device
+                            <= 80 * GiB)
 
 
 # ---- a whole generation -----------------------------------------------------------------------------------
@@ -146,9 +151,11 @@ def test_decode_total_equals_the_sum_of_every_step(batch: int) -> None:
     cfg = get_preset("llama3-8b")
     dtypes = estimate.Dtypes.for_weights(get_dtype("fp16"))
     r = roofline(cfg, A100, prompt_len=16, new_tokens=300, batch=batch, dtype="fp16", check_fit=False)
+    assert r.kernels == "fused" and r.kernels_from == "default"  # a GPU profile
     machine = machine_for(A100, get_dtype("fp16"))
     steps = [bound_pass("step", phase, device_cost(cfg, phase, 2, 1), machine)
-             for phase in (estimate.decode_step(cfg, cached, dtypes, batch) for cached in range(16, 16 + 299))]
+             for phase in (estimate.decode_step(cfg, cached, dtypes, batch, Kernels.FUSED)
+                           for cached in range(16, 16 + 299))]
     assert r.generation.decode_seconds == pytest.approx(sum(s.seconds for s in steps), rel=1e-9)
     memory_steps = sum(1 for s in steps if s.bound == "memory")
     assert r.generation.memory_bound_decode_steps == memory_steps
@@ -266,7 +273,9 @@ def test_compare_with_measured_reports_percent_of_bound() -> None:
     cfg = get_preset("smollm2-135m")
     cmp = compare_with_measured(cfg, A100, prompt_len=10, new_tokens=33, measured_ttft_s=0.01,
                                 measured_decode_tokens_per_s=500.0, dtype="fp32")
-    report = roofline(cfg, A100, prompt_len=10, new_tokens=33, dtype="fp32", check_fit=False)
+    # the run executed llmtrace's eager kernels, so the bound is costed under them whatever the hardware
+    report = roofline(cfg, A100, prompt_len=10, new_tokens=33, dtype="fp32", check_fit=False, kernels="eager")
+    assert cmp.kernels == "eager"
     assert cmp.predicted_ttft_s == report.generation.ttft_seconds
     assert cmp.ttft_percent_of_bound == pytest.approx(100 * report.generation.ttft_seconds / 0.01)
     assert cmp.predicted_decode_tokens_per_s == report.generation.tokens_per_s_per_sequence
@@ -279,3 +288,103 @@ def test_compare_with_measured_reports_percent_of_bound() -> None:
         compare_with_measured(cfg, A100, 10, 2, measured_ttft_s=0.0, measured_decode_tokens_per_s=1.0)
     with pytest.raises(BadArgumentError, match="decode tokens/s must be > 0"):
         compare_with_measured(cfg, A100, 10, 2, measured_ttft_s=0.1, measured_decode_tokens_per_s=None)
+
+
+# ---- the kernel model (eager vs fused) ---------------------------------------------------------------------
+#
+# llama3.1-8b by hand: d=4096, 32 layers, 32 query heads and 8 KV heads of 128, FFN 14336, vocab 128256, untied.
+#   per layer matrices: 2*4096^2 + 2*4096*1024 + 3*4096*14336 = 218,103,808; LM head 4096*128256 = 525,336,576
+#   fp16 weights a pass reads: 2 * (32 * 218,103,808 + 525,336,576 + 65 norm vectors of 4096) + the gathered rows
+
+L31_LAYER = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+L31_HEAD = 4096 * 128256
+
+
+def _causal_prefill_flops(p: int) -> int:
+    """Matmul FLOPs of a causal prefill of p tokens, attention over the p(p+1)/2 kept pairs (elementwise apart)."""
+    return 2 * p * 32 * L31_LAYER + 2 * L31_HEAD + 2 * 2 * 32 * (p * (p + 1) // 2) * 128 * 32
+
+
+def _minimal_prefill_bytes(p: int) -> int:
+    """Weights once (embedding: the p gathered rows), the KV cache written once: what no kernel can avoid."""
+    weights = 2 * (32 * L31_LAYER + L31_HEAD + 65 * 4096) + p * 4096 * 2
+    return weights + p * 2 * 32 * 1024 * 2
+
+
+def test_hand_constants_llama31_8b() -> None:
+    assert L31_LAYER == 218_103_808
+    assert _causal_prefill_flops(8192) == 131_944_593_489_920  # 0.133 s at H100's 989.5 TFLOP/s
+
+
+@pytest.mark.parametrize(("hardware", "prompt"), [(H100, 8192), (H100, 32768), (A100, 32768)])
+def test_fused_prefill_meets_the_causal_compute_bound(hardware, prompt: int) -> None:
+    """With fused kernels TTFT is within 1.2x of max(causal FLOPs / peak, minimal bytes / bandwidth)."""
+    r = roofline(get_preset("llama3.1-8b"), hardware, prompt_len=prompt, new_tokens=1, dtype="fp16")
+    assert r.kernels == "fused" and r.kernels_from == "default"
+    floor = max(_causal_prefill_flops(prompt) / hardware.fp16, _minimal_prefill_bytes(prompt) / hardware.memory_bandwidth)
+    assert r.prefill.bound == "compute"
+    assert 1.0 <= r.generation.ttft_seconds / floor < 1.01  # the elementwise work (norms, softmax, ...) is the rest
+    assert r.prefill.flops == r.prefill.useful_flops  # masked tiles skipped: nothing computed beyond the causal pairs
+
+
+def test_eager_prefill_is_what_llmtrace_runs_and_much_slower() -> None:
+    """Eager materialises the scores: at 8k they are 32 heads * 8192^2 * 2 bytes = 4.3 GB per op per layer."""
+    cfg = get_preset("llama3.1-8b")
+    eager = roofline(cfg, H100, prompt_len=8192, new_tokens=1, dtype="fp16", kernels="eager")
+    fused = roofline(cfg, H100, prompt_len=8192, new_tokens=1, dtype="fp16", kernels="fused")
+    assert eager.kernels == "eager" and eager.kernels_from == "option"
+    assert eager.prefill.bound == "memory" and eager.generation.ttft_seconds > 2 * fused.generation.ttft_seconds
+    dense_attention = 2 * 2 * 32 * 8192 * 8192 * 128 * 32
+    assert eager.prefill.flops - fused.prefill.flops > 0.99 * (dense_attention // 2)  # the masked half
+    assert eager.memory.activation_bytes_per_device == 2 * 32 * 8192 * 8192 * 2  # scores in, scaled scores out
+
+
+def test_materialised_scores_that_cannot_fit_are_caught() -> None:
+    """Eager at 32k: scale reads 68.7 GB of scores and writes as much: 137 GB on an 80 GiB card."""
+    cfg = get_preset("llama3.1-8b")
+    with pytest.raises(HardwareError) as err:
+        roofline(cfg, H100, prompt_len=32768, new_tokens=1, dtype="fp16", kernels="eager")
+    msg = str(err.value)
+    assert "eager kernels' largest activations 128.0 GiB" in msg  # 2 * 32 * 32768^2 * 2 bytes = 128 GiB
+    assert "--kernels fused" in msg and "\n" not in msg
+    fused = roofline(cfg, H100, prompt_len=32768, new_tokens=1, dtype="fp16")
+    assert fused.memory.fits
+    assert fused.memory.activation_bytes_per_device == 32768 * (4096 + 14336) * 2  # w1: x in, silu(gate)*up out
+
+
+def test_decode_crossover_by_hand_under_both_kernel_models() -> None:
+    """llama3-8b fp16 on an A100, prompt 128, 128 new tokens: the batch table's step attends 255 positions.
+
+    Per sequence per step: FLOPs F1 (matrices, attention over 255 keys, elementwise) and bytes K1 (KV read and
+    written, its embedding row, the activations between kernels); shared: W, the weights. Compute-bound from
+    B = ceil(ridge * W / (F1 - ridge * K1)).
+    """
+    d, q, f, s = 4096, 4096, 14336, 255
+    ridge = 312e12 / 2.039e12
+    w = 2 * (32 * L31_LAYER + L31_HEAD + 65 * 4096)
+    elementwise = 32 * (2 * (4 * d + 3) + 3 * (32 + 8) * 128 + 6 * 32 * s + 6 * f + 2 * d) + 4 * d + 3
+    f1 = 2 * (32 * L31_LAYER + L31_HEAD) + 2 * 2 * 32 * s * 128 * 32 + elementwise
+    kv = (s + 1) * 32 * 2 * 1024 * 2  # K and V of 255 positions read, the new one written
+    # fused, per layer: wq x in q out, attention q in and out, wo q in x out, w1 x in F out, w2 F in x out, two
+    # residual skip inputs; then the embedding row written, the LM head's x in and logits out
+    fused_act = 32 * (6 * d + 4 * q + 2 * f) * 2 + 2 * d * 2 + 128256 * 2
+    k1_fused = kv + 4096 * 2 + fused_act
+    r = roofline(get_preset("llama3-8b"), A100, prompt_len=128, new_tokens=128, dtype="fp16")
+    c = r.crossover
+    assert c.kv_len == s and c.shared_bytes == w and c.per_sequence_flops == f1
+    assert c.per_sequence_bytes == k1_fused
+    assert c.crossover_batch == math.ceil(ridge * w / (f1 - ridge * k1_fused)) == 248
+    # weights and KV alone (no kernel moves activations) would give 230; eager's 15.3 MB more per sequence, 300
+    assert math.ceil(ridge * w / (f1 - ridge * (kv + 4096 * 2))) == 230
+    eager = roofline(get_preset("llama3-8b"), A100, prompt_len=128, new_tokens=128, dtype="fp16", kernels="eager")
+    assert eager.crossover.crossover_batch == 300
+
+
+def test_kernel_model_choice() -> None:
+    from llmtrace.tracer.analytic.kernels import default_kernels, parse_kernels
+
+    assert default_kernels(A100) is Kernels.FUSED
+    assert default_kernels(replace(A100, name="this-machine", measured=True)) is Kernels.EAGER
+    assert parse_kernels("Fused") is Kernels.FUSED
+    with pytest.raises(BadArgumentError, match="--kernels must be eager or fused, got 'flash'"):
+        roofline(get_preset("llama-7b"), A100, kernels="flash")

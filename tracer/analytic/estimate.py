@@ -7,16 +7,25 @@ Phases:
   L = P, P+1, ..., P+N-2, summed exactly step by step (the last new token is never fed back).
 The final norm and the LM head run on the last position of each sequence only (B rows), in prefill and decode.
 
-Bytes are the traffic each operation needs at least: weights read once per forward pass (the embedding reads only
-the gathered rows), the KV cache read once per KV head (K in QKᵀ, V in PV) and written for the new positions,
-activations read and written once per operation in the activation dtype. `min_bytes` (weights + KV) is what a
-decode step must move whatever the kernel fusion; arithmetic intensity is FLOPs / min_bytes.
+Every pass is costed under a kernel model (llmtrace.tracer.analytic.kernels): `eager` runs each operation as its
+own kernel, attention scores materialised and every (query, key) pair computed; `fused` runs attention as
+FlashAttention does (scores on chip, masked tiles skipped) with the elementwise operations fused into the matmuls.
+
+Bytes are the traffic the kernels need at least: weights read once per forward pass (the embedding reads only the
+gathered rows), the KV cache read once per KV head (K in QKᵀ, V in PV) and written for the new positions, and
+activations read and written between kernels in the activation dtype (eager: once per operation; fused: once per
+matmul and attention kernel). `min_bytes` (weights + KV) is what a pass must move whatever the kernels.
+
+Arithmetic intensity, one meaning across llmtrace (`flops`, `roofline`, `run`): FLOPs executed / bytes moved by the
+kernels executing them (`total_bytes`, activations included), the x axis of the roofline. `weights_kv_intensity`
+(FLOPs / min_bytes) is the highest intensity any kernel fusion could reach for the pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import DType, activation_dtype_for
 from llmtrace.tracer.core.errors import BadArgumentError
@@ -49,8 +58,8 @@ class ComponentCost:
     per_layer: bool
     instances: int
     formula: str  # symbolic = numbers substituted, per instance
-    flops: int  # per instance, dense as executed
-    useful_flops: int  # per instance; less than flops only for attention products under a causal mask
+    flops: int  # per instance, as the kernel model executes it (eager: every pair; fused: causal pairs only)
+    useful_flops: int  # per instance; less than flops only for eager attention products under a causal mask
     weight_bytes: int
     kv_read_bytes: int
     kv_write_bytes: int
@@ -66,7 +75,7 @@ class Totals:
 
     matmul_flops: int
     elementwise_flops: int
-    total_flops: int  # dense as executed
+    total_flops: int  # as the kernel model executes them (eager: masked pairs included)
     useful_flops: int  # with the attention products counted over causal pairs only
     attention_dense_flops: int  # QKᵀ + PV as executed
     attention_useful_flops: int  # QKᵀ + PV over the pairs the causal mask keeps
@@ -74,16 +83,18 @@ class Totals:
     weight_bytes: int
     kv_read_bytes: int
     kv_write_bytes: int
-    activation_bytes: int  # read + written
+    activation_bytes: int  # read + written between kernels
     min_bytes: int  # weights + KV read + KV written
-    total_bytes: int  # min_bytes + activations
-    arithmetic_intensity: float  # total_flops / min_bytes
-    arithmetic_intensity_with_activations: float  # total_flops / total_bytes
+    total_bytes: int  # min_bytes + activations: what the kernels move
+    arithmetic_intensity: float  # total_flops / total_bytes
+    weights_kv_intensity: float  # total_flops / min_bytes: the most any kernel fusion could reach
+    peak_activation_bytes: int  # largest one kernel's activation inputs + outputs (eager prefill: the scores)
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class PhaseEstimate:
     phase: str  # "prefill" | "decode"
+    kernels: str  # "eager" | "fused"
     batch: int
     new_tokens: int  # T, per sequence
     cached_before: int  # positions in the cache before this pass (0 for a prefill, L for a decode step)
@@ -110,6 +121,7 @@ class GenerationEstimate:
     prompt_len: int
     new_tokens: int
     batch: int
+    kernels: str  # "eager" | "fused"
     decode_steps: int  # new_tokens - 1
     final_kv_len: int  # positions in the cache after the last decode step
     exceeds_max_seq_len: bool
@@ -124,7 +136,8 @@ class GenerationEstimate:
 _Row = tuple  # (name, label, kind, per_layer, formula thunk, flops, useful, w, kv_r, kv_w, act_r, act_w)
 
 
-def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[tuple[int, ...]]:
+def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes,
+                            kernels: Kernels) -> list[tuple[int, ...]]:
     """(flops, useful, weight B, KV read B, KV written B, act read B, act written B) of QKᵀ, scaling, softmax, PV."""
     h, hd = cfg.n_heads, cfg.head_dim
     a = dt.activations.bytes_per_value
@@ -133,6 +146,18 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
     useful = ff.causal_attention_product_flops(batch, h, t, s, hd)
     bhts_bytes = int(batch * h * t * s * a)
     kv_read = batch * s * cfg.n_kv_heads * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
+    if kernels is Kernels.FUSED:
+        # FlashAttention: Q, K, V read once, O written once, scores on chip; masked tiles skipped, so the products,
+        # the scaling and the softmax run over the causal pairs only.
+        pairs = batch * h * ff.causal_useful_pairs(t, s)
+        scale = ff.SCORE_SCALE_FLOPS_PER_ELEMENT * pairs
+        softmax = ff.SOFTMAX_FLOPS_PER_ELEMENT * pairs
+        return [
+            (useful, useful, 0, kv_read, 0, q_bytes, 0),
+            (scale, scale, 0, 0, 0, 0, 0),
+            (softmax, softmax, 0, 0, 0, 0, 0),
+            (useful, useful, 0, kv_read, 0, 0, q_bytes),
+        ]
     scale = ff.score_scale_flops(batch, h, t, s)
     softmax = ff.softmax_flops(batch, h, t, s)
     return [
@@ -143,32 +168,70 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
     ]
 
 
-def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
+def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
     h, hd = cfg.n_heads, cfg.head_dim
     pairs = ff.causal_useful_pairs(t, s)
-    causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
-    meta = [
-        ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
-        ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}"),
-        ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}"),
-        ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
-    ]
-    return [(name, label, kind, True, formula, *numbers)
-            for (name, label, kind, formula), numbers in zip(meta, _attention_core_numbers(cfg, batch, t, s, dt))]
+    if kernels is Kernels.FUSED and pairs != t * s:  # masked tiles skipped: the causal pairs P only
+        # P: the (query, key) pairs the causal mask keeps, T·(S-T) + T·(T+1)/2
+        meta = [
+            ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·P·D = 2·{batch}·{h}·{pairs:,}·{hd}"),
+            ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·P = {batch}·{h}·{pairs:,}"),
+            ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·P = 5·{batch}·{h}·{pairs:,}"),
+            ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·P·D = 2·{batch}·{h}·{pairs:,}·{hd}"),
+        ]
+    else:
+        causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
+        meta = [
+            ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
+            ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}"),
+            ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}"),
+            ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
+        ]
+    numbers = _attention_core_numbers(cfg, batch, t, s, dt, kernels)
+    return [(name, label, kind, True, formula, *row) for (name, label, kind, formula), row in zip(meta, numbers)]
 
 
 _CORE_AT = 7  # the attention core sits after tok_embeddings, attention_norm, wq, wk, wv, rope, kv_cache
 
 
-def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes) -> list[_Row]:
+def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """Every component of one forward pass of T new tokens over S positions, per instance, in execution order."""
-    rows = _context_free_rows(cfg, batch, t, dt)
-    return rows[:_CORE_AT] + _attention_core(cfg, batch, t, s, dt) + rows[_CORE_AT:]
+    rows = _context_free_rows(cfg, batch, t, dt, kernels)
+    return rows[:_CORE_AT] + _attention_core(cfg, batch, t, s, dt, kernels) + rows[_CORE_AT:]
 
 
-def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
+# Fused kernels (llmtrace.tracer.analytic.kernels): the activation bytes (read, written) of each component whose
+# traffic changes, in units of one row of width d, q (= H·D) or F per token. The norms, RoPE and silu·up live in a
+# matmul's prologue or epilogue; wk, wv and w3 share the packed matmul of wq and w1 (input read once); K and V go
+# from the QKV epilogue straight into the cache; a residual add reads only its skip input, in the epilogue of the
+# matmul before it, which writes the sum; w1's epilogue writes silu(gate)·up, the F-wide input of w2.
+_FUSED_ACTIVATIONS: dict[str, tuple[str, str]] = {
+    "attention_norm": ("", ""), "attention.wq": ("d", "q"), "attention.wk": ("", ""), "attention.wv": ("", ""),
+    "attention.rope": ("", ""), "attention.kv_cache": ("", ""), "attn_residual": ("d", ""), "ffn_norm": ("", ""),
+    "feed_forward.w1": ("d", "F"), "feed_forward.w3": ("", ""), "feed_forward.act": ("", ""),
+    "ffn_residual": ("d", ""), "norm": ("", ""),
+}
+
+
+def _fused_traffic(row: _Row, cfg: ModelConfig, rows: int, a: float) -> _Row:
+    widths = {"": 0, "d": cfg.dim, "q": cfg.q_dim, "F": cfg.ffn_dim}
+    read, write = _FUSED_ACTIVATIONS[row[0]]
+    return (*row[:10], int(rows * widths[read] * a), int(rows * widths[write] * a))
+
+
+def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """The components whose cost does not depend on how many positions are cached."""
+    rows = _eager_context_free_rows(cfg, batch, t, dt)
+    if kernels is Kernels.EAGER:
+        return rows
+    a = dt.activations.bytes_per_value
+    return [_fused_traffic(row, cfg, batch if not row[3] else batch * t, a) if row[0] in _FUSED_ACTIVATIONS else row
+            for row in rows]
+
+
+def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
+    """The context-free components as eager kernels run them: each reads its inputs and writes its output."""
     d, h, hkv, hd, f, v = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
     q, kv = cfg.q_dim, cfg.kv_dim
     r = batch * t  # rows through the per-token layers
@@ -220,7 +283,7 @@ def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list
     ]
 
 
-def _totals(costs: list[tuple[str, bool, int, int, int, int, int, int, int, int, bool]]) -> Totals:
+def _totals(costs: list[tuple[str, bool, int, int, int, int, int, int, int, int, bool]], peak: int) -> Totals:
     """costs: (kind, per_layer, instances, flops, useful, w, kv_r, kv_w, act_r, act_w, is_attention_product)."""
     mm = ew = useful = att_dense = att_useful = per_layer = wb = kvr = kvw = act = 0
     for kind, in_layer, n, fl, us, w, kr, kw, ar, aw, is_att in costs:
@@ -235,20 +298,25 @@ def _totals(costs: list[tuple[str, bool, int, int, int, int, int, int, int, int,
         if in_layer:
             per_layer += fl
         wb, kvr, kvw, act = wb + w * n, kvr + kr * n, kvw + kw * n, act + (ar + aw) * n
-    return _make_totals(mm, ew, useful, att_dense, att_useful, per_layer, wb, kvr, kvw, act)
+    return _make_totals(mm, ew, useful, att_dense, att_useful, per_layer, wb, kvr, kvw, act, peak)
 
 
 def _make_totals(mm: int, ew: int, useful: int, att_dense: int, att_useful: int, per_layer: int,
-                 wb: int, kvr: int, kvw: int, act: int) -> Totals:
+                 wb: int, kvr: int, kvw: int, act: int, peak: int) -> Totals:
     total = mm + ew
     min_bytes = wb + kvr + kvw
     return Totals(
         matmul_flops=mm, elementwise_flops=ew, total_flops=total, useful_flops=useful,
         attention_dense_flops=att_dense, attention_useful_flops=att_useful, per_layer_flops=per_layer,
         weight_bytes=wb, kv_read_bytes=kvr, kv_write_bytes=kvw, activation_bytes=act, min_bytes=min_bytes,
-        total_bytes=min_bytes + act, arithmetic_intensity=total / min_bytes if min_bytes else 0.0,
-        arithmetic_intensity_with_activations=total / (min_bytes + act) if min_bytes + act else 0.0,
+        total_bytes=min_bytes + act, arithmetic_intensity=total / (min_bytes + act) if min_bytes + act else 0.0,
+        weights_kv_intensity=total / min_bytes if min_bytes else 0.0, peak_activation_bytes=peak,
     )
+
+
+def _peak_activation_bytes(rows: list[_Row]) -> int:
+    """The largest activation inputs + outputs of one kernel: what must be live at once, at least."""
+    return max(ar + aw for *_, ar, aw in rows)
 
 
 _ATTENTION_PRODUCTS = ("attention.scores", "attention.pv")
@@ -261,9 +329,10 @@ def _cost_tuples(cfg: ModelConfig, rows: list[_Row]) -> list[tuple]:
     ]
 
 
-def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dtypes) -> PhaseEstimate:
+def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dtypes,
+           kernels: Kernels) -> PhaseEstimate:
     s = cached + t
-    rows = _rows(cfg, batch, t, s, dt)
+    rows = _rows(cfg, batch, t, s, dt, kernels)
     components = []
     for name, label, kind, per_layer, formula, fl, us, w, kr, kw, ar, aw in rows:
         n = cfg.n_layers if per_layer else 1
@@ -272,8 +341,9 @@ def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dt
             useful_flops=us, weight_bytes=w, kv_read_bytes=kr, kv_write_bytes=kw, act_read_bytes=ar,
             act_write_bytes=aw, total_flops=fl * n, total_useful_flops=us * n,
         ))
-    return PhaseEstimate(phase=phase, batch=batch, new_tokens=t, cached_before=cached, kv_len=s,
-                         components=tuple(components), totals=_totals(_cost_tuples(cfg, rows)))
+    return PhaseEstimate(phase=phase, kernels=kernels.value, batch=batch, new_tokens=t, cached_before=cached,
+                         kv_len=s, components=tuple(components),
+                         totals=_totals(_cost_tuples(cfg, rows), _peak_activation_bytes(rows)))
 
 
 def check_count(name: str, value: int, minimum: int = 1) -> int:
@@ -283,43 +353,54 @@ def check_count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
-def prefill(cfg: ModelConfig, prompt_len: int, dtypes: Dtypes, batch: int = 1) -> PhaseEstimate:
+def prefill(cfg: ModelConfig, prompt_len: int, dtypes: Dtypes, batch: int = 1,
+            kernels: Kernels = Kernels.EAGER) -> PhaseEstimate:
     """Prefill of `prompt_len` tokens per sequence into an empty cache."""
-    return _phase(cfg, "prefill", check_count("batch", batch), check_count("prompt length", prompt_len), 0, dtypes)
+    return _phase(cfg, "prefill", check_count("batch", batch), check_count("prompt length", prompt_len), 0, dtypes,
+                  Kernels(kernels))
 
 
-def decode_step(cfg: ModelConfig, context_len: int, dtypes: Dtypes, batch: int = 1) -> PhaseEstimate:
+def decode_step(cfg: ModelConfig, context_len: int, dtypes: Dtypes, batch: int = 1,
+                kernels: Kernels = Kernels.EAGER) -> PhaseEstimate:
     """One decode step: 1 new token per sequence with `context_len` positions already in the cache."""
-    return _phase(cfg, "decode", check_count("batch", batch), 1, check_count("context length", context_len, 0), dtypes)
+    return _phase(cfg, "decode", check_count("batch", batch), 1, check_count("context length", context_len, 0), dtypes,
+                  Kernels(kernels))
 
 
 def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtypes, batch: int = 1,
-               prefill_estimate: PhaseEstimate | None = None) -> GenerationEstimate:
+               prefill_estimate: PhaseEstimate | None = None, kernels: Kernels = Kernels.EAGER) -> GenerationEstimate:
     """Prefill of P tokens then N - 1 decode steps at L = P .. P+N-2, every step summed exactly.
 
-    `prefill_estimate`: the same prefill already computed by the caller, to avoid computing it twice."""
+    `prefill_estimate`: the same prefill already computed by the caller (same kernels), to avoid computing it
+    twice."""
     check_count("new tokens", new_tokens)
-    pre = prefill_estimate if prefill_estimate is not None else prefill(cfg, prompt_len, dtypes, batch)
+    kernels = Kernels(kernels)
+    pre = prefill_estimate if prefill_estimate is not None else prefill(cfg, prompt_len, dtypes, batch, kernels)
+    if pre.kernels != kernels.value:
+        raise ValueError(f"prefill_estimate was costed with {pre.kernels} kernels, not {kernels.value}")
     steps = new_tokens - 1
     n_comp = len(pre.components)
     # Per component: [flops, useful, w, kv_r, kv_w, act_r, act_w] summed over all decode steps (all instances).
     # The context-free components cost the same at every step; the attention core is summed step by step.
     sums = [[0] * 7 for _ in range(n_comp)]
-    for i, row in enumerate(_context_free_rows(cfg, batch, 1, dtypes)):
+    for i, row in enumerate(_context_free_rows(cfg, batch, 1, dtypes, kernels)):
         n = cfg.n_layers if row[3] else 1
         acc = sums[i if i < _CORE_AT else i + 4]
         for k in range(7):
             acc[k] = row[5 + k] * n * steps
     core_sums = sums[_CORE_AT:_CORE_AT + 4]
     for cached in range(prompt_len, prompt_len + steps):
-        for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes)):
+        for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes, kernels)):
             for k in range(7):
                 acc[k] += numbers[k] * cfg.n_layers
     # per_layer False: a per-layer figure makes no sense for a sum over steps of different lengths.
+    # The last step, attending the most positions, has the largest working set of them all.
+    decode_peak = (_peak_activation_bytes(_rows(cfg, batch, 1, prompt_len + steps, dtypes, kernels))
+                   if steps else 0)
     decode_totals = _totals([
         (c.kind, False, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
         for c, acc in zip(pre.components, sums)
-    ])
+    ], decode_peak)
     p = pre.totals
     totals = _make_totals(
         p.matmul_flops + decode_totals.matmul_flops, p.elementwise_flops + decode_totals.elementwise_flops,
@@ -327,6 +408,7 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         p.attention_useful_flops + decode_totals.attention_useful_flops, 0,
         p.weight_bytes + decode_totals.weight_bytes, p.kv_read_bytes + decode_totals.kv_read_bytes,
         p.kv_write_bytes + decode_totals.kv_write_bytes, p.activation_bytes + decode_totals.activation_bytes,
+        max(p.peak_activation_bytes, decode_peak),
     )
     components = tuple(
         ComponentSum(name=c.name, label=c.label, kind=c.kind, prefill_flops=c.total_flops, decode_flops=acc[0],
@@ -335,7 +417,8 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
     )
     final_kv_len = prompt_len + steps
     return GenerationEstimate(
-        prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, decode_steps=steps, final_kv_len=final_kv_len,
+        prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, kernels=kernels.value, decode_steps=steps,
+        final_kv_len=final_kv_len,
         exceeds_max_seq_len=final_kv_len > cfg.max_seq_len, components=components, prefill_totals=pre.totals,
         decode_totals=decode_totals, totals=totals,
     )

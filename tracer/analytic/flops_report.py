@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, parse_kernels
 from llmtrace.tracer.core.dtypes import FP16, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.analytic.model_dims import ModelDims
@@ -15,7 +16,9 @@ from llmtrace.tracer.checkpoint.resolve import ResolvedModel
 if TYPE_CHECKING:
     from llmtrace.tracer.checkpoint.weights_summary import WeightsSummary
 
-FLOPS_SCHEMA = "llmtrace.flops/1"
+# /2: `kernels` added; Totals.arithmetic_intensity is FLOPs / all bytes moved (was / weights + KV, now
+# weights_kv_intensity), arithmetic_intensity_with_activations removed, peak_activation_bytes added.
+FLOPS_SCHEMA = "llmtrace.flops/2"
 
 
 # Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
@@ -38,6 +41,8 @@ class FlopsReport:
     weights_dtype_from: str  # "option" (--dtype), "checkpoint" (its main dtype), or "default" (fp16)
     kv_dtype: str
     activation_dtype: str
+    kernels: str  # "eager" | "fused": the kernel model the FLOPs and bytes are costed under
+    kernels_description: str
     batch: int
     prompt_len: int
     prompt_tokenizer: str | None  # the tokenizer file that counted --prompt, None when --prompt-len was given
@@ -63,17 +68,20 @@ def default_weights_dtype(model: ResolvedModel) -> tuple[DType, str]:
 def flops_report(
     model: ResolvedModel, prompt_len: int, new_tokens: int, weights: DType | None = None, kv: DType | None = None,
     batch: int = 1, decode_context: int | None = None, prompt_tokenizer: str | None = None,
+    kernels: str | Kernels = Kernels.FUSED,
 ) -> FlopsReport:
-    """weights None: the checkpoint's dtype (default_weights_dtype)."""
+    """weights None: the checkpoint's dtype (default_weights_dtype). kernels: "fused" (what inference engines run,
+    the default without a hardware profile) or "eager" (what llmtrace's own model runs)."""
+    kernels = parse_kernels(kernels)
     cfg = model.config
     weights, weights_from = (weights, "option") if weights is not None else default_weights_dtype(model)
     dtypes = estimate.Dtypes.for_weights(weights, kv)
     context = prompt_len if decode_context is None else decode_context
     if context < 0:
         raise BadArgumentError(f"decode context must be >= 0, got {context}")
-    pre = estimate.prefill(cfg, prompt_len, dtypes, batch)
-    step = estimate.decode_step(cfg, context, dtypes, batch)
-    gen = estimate.generation(cfg, prompt_len, new_tokens, dtypes, batch, prefill_estimate=pre)
+    pre = estimate.prefill(cfg, prompt_len, dtypes, batch, kernels)
+    step = estimate.decode_step(cfg, context, dtypes, batch, kernels)
+    gen = estimate.generation(cfg, prompt_len, new_tokens, dtypes, batch, prefill_estimate=pre, kernels=kernels)
     params = count_params(cfg)
     two_x = 2 * params.total
     step_per_token = step.totals.total_flops / batch
@@ -82,7 +90,7 @@ def flops_report(
         schema=FLOPS_SCHEMA, model=ModelShape.of(cfg, source=cfg.source), params=params, weight_bytes=weight_bytes_by_dtype(cfg),
         checkpoint=model.weights,
         weights_dtype=dtypes.weights.name, weights_dtype_from=weights_from, kv_dtype=dtypes.kv.name,
-        activation_dtype=dtypes.activations.name,
+        activation_dtype=dtypes.activations.name, kernels=kernels.value, kernels_description=DESCRIPTIONS[kernels],
         batch=batch, prompt_len=prompt_len, prompt_tokenizer=prompt_tokenizer, new_tokens=new_tokens,
         decode_context=context, prefill=pre, decode=step, generation=gen,
         two_x_params=two_x, decode_step_flops_per_token=step_per_token, decode_vs_rule=step_per_token / two_x,

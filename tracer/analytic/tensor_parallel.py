@@ -36,6 +36,7 @@ class DeviceCost:
     kv_write_bytes: int
     activation_bytes: int  # read + written
     comm_bytes: int  # all-reduce bytes this device sends (ring), whole pass
+    peak_activation_bytes: int = 0  # largest one kernel's activation inputs + outputs on this device
 
     @property
     def bytes(self) -> int:
@@ -106,4 +107,6 @@ def device_cost(config: ModelConfig, phase: PhaseEstimate, activation_bytes: flo
         for i, v in enumerate(_component_share(c, tp)):
             sums[i] += v
     comm = comm_bytes_per_pass(config, phase.batch, phase.new_tokens, activation_bytes, tp)
-    return DeviceCost(*sums, comm_bytes=comm)
+    peak = max((c.act_read_bytes + c.act_write_bytes) if c.name in REPLICATED
+               else _split(c.act_read_bytes + c.act_write_bytes, tp) for c in phase.components)
+    return DeviceCost(*sums, comm_bytes=comm, peak_activation_bytes=peak)

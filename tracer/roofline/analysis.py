@@ -6,10 +6,16 @@ ceilings (Williams, Waterman & Patterson 2009, "Roofline"):
 
     time(pass) = max(FLOPs / peak FLOP/s, bytes / memory bandwidth) + all-reduce bytes / link bandwidth
 
-A pass whose arithmetic intensity (FLOPs per byte) is under the ridge point (peak / bandwidth) is memory-bound.
-FLOPs are as executed densely (a causal prefill's masked half included, as llmtrace's model runs it); bytes are
-weights read once per pass, the KV cache read and written, and activations read and written once per operation.
-These are lower bounds on time: real kernels reach some fraction of both ceilings.
+A pass whose arithmetic intensity (FLOPs executed per byte moved) is under the ridge point (peak / bandwidth) is
+memory-bound. What the kernels execute and move is the kernel model's (llmtrace.tracer.analytic.kernels): `fused`
+(FlashAttention, elementwise ops fused: the default for GPU profiles) computes the causal pairs only and keeps the
+attention scores on chip; `eager` (llmtrace's own model: the default for `this-machine`) computes every pair and
+writes each operation's output to memory. Bytes are weights read once per pass, the KV cache read and written,
+and the activations the kernels pass between them.
+
+Each time is the ceiling's: what kernels running at the full peak FLOP/s and the full memory bandwidth would take.
+Real kernels reach a share of both (tuned GEMMs ~70-80% of peak, decode GEMVs ~80-90% of bandwidth), so measured
+times sit above these, by that share; a time far above them means the kernels are not the ones modelled.
 
 A generation is the prefill (time to first token) plus N - 1 decode steps, each step bounded on its own and summed
 exactly (a step's FLOPs and bytes grow linearly with its context, so the sum has a closed form; see
@@ -22,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, default_kernels, parse_kernels
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import DTYPES, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
@@ -61,14 +68,14 @@ class PassBound:
     batch: int
     new_tokens: int  # T per sequence
     kv_len: int  # S: positions attended after this pass
-    flops: int  # per device, dense as executed
+    flops: int  # per device, as the kernel model executes them
     useful_flops: int  # attention products over the causal pairs only
     weight_bytes: int
     kv_read_bytes: int
     kv_write_bytes: int
     activation_bytes: int
     bytes: int  # weights + KV read + KV written + activations
-    arithmetic_intensity: float  # flops / bytes
+    arithmetic_intensity: float  # flops / bytes: FLOPs executed per byte the kernels move
     compute_seconds: float  # flops / peak
     memory_seconds: float  # bytes / bandwidth
     comm_bytes: int  # all-reduce bytes this device sends (0 when tp = 1)
@@ -127,10 +134,13 @@ class MemoryFit:
     capacity_bytes: int
     weight_bytes_per_device: int
     kv_bytes_per_device: int  # at the generation's final length, whole batch
+    # The largest working set one kernel needs beside them (its activation inputs + outputs): under eager kernels
+    # a long prefill's materialised attention scores, B·H·T·S values read and written by the scaling.
+    activation_bytes_per_device: int
     needed_bytes: int
     free_bytes: int  # negative when it does not fit
     fits: bool
-    max_batch: int  # sequences of the generation's final length that fit beside the weights
+    max_batch: int  # sequences of the generation's final length that fit beside the weights (activations included)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +160,9 @@ class TensorParallel:
 @dataclass(frozen=True, slots=True)
 class RooflineReport:
     model: str
+    kernels: str  # "eager" | "fused": the kernel model every figure below is costed under
+    kernels_from: str  # "option" (--kernels) or "default" (fused for a GPU profile, eager for this-machine)
+    kernels_description: str
     parameters: int
     weights_dtype: str
     kv_dtype: str
@@ -235,9 +248,10 @@ class _Context:
     dtypes: estimate.Dtypes
     tp: int
     machine: Machine
+    kernels: Kernels
 
     def decode_cost(self, cached: int, batch: int) -> tuple[estimate.PhaseEstimate, DeviceCost]:
-        phase = estimate.decode_step(self.config, cached, self.dtypes, batch)
+        phase = estimate.decode_step(self.config, cached, self.dtypes, batch, self.kernels)
         return phase, device_cost(self.config, phase, self.dtypes.activations.bytes_per_value, self.tp)
 
 
@@ -325,13 +339,17 @@ def kv_bytes_per_device(config: ModelConfig, positions: int, kv: DType, batch: i
 
 
 def _memory_fit(config: ModelConfig, dtypes: estimate.Dtypes, tp: int, positions: int, batch: int,
-                capacity: int) -> MemoryFit:
+                capacity: int, activation_peak: int) -> MemoryFit:
+    """`activation_peak`: the largest working set of one kernel per device over the generation's passes."""
     w = weight_bytes_per_device(config, dtypes.weights, tp)
     kv = kv_bytes_per_device(config, positions, dtypes.kv, batch, tp)
-    per_sequence = kv_bytes_per_device(config, positions, dtypes.kv, 1, tp)
+    # Every activation scales with the batch: each sequence brings its share of the peak along with its KV cache.
+    per_sequence = kv_bytes_per_device(config, positions, dtypes.kv, 1, tp) + -(-activation_peak // batch)
+    needed = w + kv + activation_peak
     return MemoryFit(
-        capacity_bytes=capacity, weight_bytes_per_device=w, kv_bytes_per_device=kv, needed_bytes=w + kv,
-        free_bytes=capacity - w - kv, fits=w + kv <= capacity, max_batch=max(0, capacity - w) // per_sequence,
+        capacity_bytes=capacity, weight_bytes_per_device=w, kv_bytes_per_device=kv,
+        activation_bytes_per_device=activation_peak, needed_bytes=needed, free_bytes=capacity - needed,
+        fits=needed <= capacity, max_batch=max(0, capacity - w) // per_sequence,
     )
 
 
@@ -340,7 +358,7 @@ def _gib(n: int) -> str:
 
 
 def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, dtypes: estimate.Dtypes,
-                tp: int, positions: int, batch: int) -> None:
+                tp: int, positions: int, batch: int, kernels: Kernels) -> None:
     """A one-line HardwareError saying by how much the model does not fit, and what would make it fit."""
     if fit.fits:
         return
@@ -356,6 +374,8 @@ def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, 
             hints.append(f"a smaller --dtype ({', '.join(smaller[-2:])})")
         hints.append("hardware with more memory")
     else:
+        if kernels is Kernels.EAGER and fit.activation_bytes_per_device > fit.kv_bytes_per_device:
+            hints.append("--kernels fused (attention scores never in memory)")
         if fit.max_batch:
             hints.append(f"--batch {fit.max_batch}")
         hints.append("a shorter --prompt-len/--new-tokens")
@@ -365,7 +385,8 @@ def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, 
     raise HardwareError(
         f"{config.name} ({dtypes.weights.name}{f', tp {tp}' if tp > 1 else ''}) does not fit on {hardware.name}: "
         f"needs {_gib(fit.needed_bytes)}{per} (weights {_gib(fit.weight_bytes_per_device)} + KV cache "
-        f"{_gib(fit.kv_bytes_per_device)} for {batch} x {positions:,} positions), has {_gib(fit.capacity_bytes)}: "
+        f"{_gib(fit.kv_bytes_per_device)} for {batch} x {positions:,} positions + {kernels.value} kernels' largest "
+        f"activations {_gib(fit.activation_bytes_per_device)}), has {_gib(fit.capacity_bytes)}: "
         f"{_gib(-fit.free_bytes)} short; try {' or '.join(hints)}"
     )
 
@@ -406,7 +427,7 @@ def _table_batches(crossover: Crossover, max_batch: int) -> list[int]:
     return sorted(batches)
 
 
-def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int) -> BatchRow:
+def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation_peak_per_sequence: int) -> BatchRow:
     phase, cost = ctx.decode_cost(cached, batch)
     p = bound_pass("decode", phase, cost, ctx.machine)
     w = weight_bytes_per_device(ctx.config, ctx.dtypes.weights, ctx.tp)
@@ -414,7 +435,7 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int) -> BatchRo
     return BatchRow(
         batch=batch, step_seconds=p.seconds, bound=p.bound, arithmetic_intensity=p.arithmetic_intensity,
         tokens_per_s_per_sequence=1 / p.seconds, tokens_per_s_total=batch / p.seconds, kv_bytes_per_device=kv,
-        memory_bytes_per_device=w + kv, fits=w + kv <= capacity,
+        memory_bytes_per_device=w + kv, fits=w + kv + batch * activation_peak_per_sequence <= capacity,
     )
 
 
@@ -423,8 +444,11 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int) -> BatchRo
 
 def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 512, new_tokens: int = 128,
              batch: int = 1, dtype: str = "fp16", kv_dtype: str | None = None, tp: int = 1,
-             check_fit: bool = True) -> RooflineReport:
+             check_fit: bool = True, kernels: str | Kernels | None = None) -> RooflineReport:
     """The roofline prediction for generating `new_tokens` after a `prompt_len` prompt, `batch` sequences at once.
+
+    kernels: "eager" or "fused" (llmtrace.tracer.analytic.kernels); None = the hardware's default (fused on a GPU
+    profile, eager on this-machine).
 
     Raises BadArgumentError / HardwareError (one line each) for a bad batch, prompt or tp, a dtype the hardware
     has no peak for, and, with check_fit, a model + KV cache that does not fit in the devices' memory.
@@ -435,22 +459,30 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     weights = get_dtype(dtype)
     dtypes = estimate.Dtypes.for_weights(weights, get_dtype(kv_dtype) if kv_dtype else None)
     check_tp(config, tp, hardware)
+    kernels_from = "option" if kernels is not None else "default"
+    kernels = parse_kernels(kernels) if kernels is not None else default_kernels(hardware)
     machine = machine_for(hardware, weights)
-    ctx = _Context(config, dtypes, tp, machine)
+    ctx = _Context(config, dtypes, tp, machine, kernels)
     act = dtypes.activations.bytes_per_value
     steps = new_tokens - 1
     final_positions = prompt_len + steps
 
-    fit = _memory_fit(config, dtypes, tp, final_positions, batch, hardware.memory_bytes)
-    if check_fit:
-        _check_fits(config, fit, hardware, dtypes, tp, final_positions, batch)
-
-    pre_phase = estimate.prefill(config, prompt_len, dtypes, batch)
-    prefill = bound_pass("prefill", pre_phase, device_cost(config, pre_phase, act, tp), machine)
-    first = last = None
+    pre_phase = estimate.prefill(config, prompt_len, dtypes, batch, kernels)
+    pre_cost = device_cost(config, pre_phase, act, tp)
+    first_cost = last_cost = None
     if steps:
-        first = bound_pass("first decode step", *ctx.decode_cost(prompt_len, batch), machine)
-        last = bound_pass("last decode step", *ctx.decode_cost(final_positions - 1, batch), machine)
+        first_cost = ctx.decode_cost(prompt_len, batch)
+        last_cost = ctx.decode_cost(final_positions - 1, batch)
+    peak = max(pre_cost.peak_activation_bytes, last_cost[1].peak_activation_bytes if last_cost else 0)
+    fit = _memory_fit(config, dtypes, tp, final_positions, batch, hardware.memory_bytes, peak)
+    if check_fit:
+        _check_fits(config, fit, hardware, dtypes, tp, final_positions, batch, kernels)
+
+    prefill = bound_pass("prefill", pre_phase, pre_cost, machine)
+    first = last = None
+    if first_cost and last_cost:
+        first = bound_pass("first decode step", *first_cost, machine)
+        last = bound_pass("last decode step", *last_cost, machine)
     decode_s, decode_comm_s, memory_steps = _decode_sum(ctx, prompt_len, steps, batch)
     generation = GenerationBound(
         prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, decode_steps=steps,
@@ -464,7 +496,8 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
 
     table_cached = max(final_positions - 1, prompt_len)
     crossover = _crossover(ctx, table_cached)
-    table = tuple(_batch_row(ctx, table_cached, b, hardware.memory_bytes)
+    peak_per_sequence = -(-peak // batch)
+    table = tuple(_batch_row(ctx, table_cached, b, hardware.memory_bytes, peak_per_sequence)
                   for b in _table_batches(crossover, fit.max_batch))
 
     decode_payload = allreduce_payload_bytes(config, batch, 1, act)
@@ -488,7 +521,8 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     if tp > 1:
         notes.append("All-reduce time assumes no overlap with compute and ignores per-call latency.")
     return RooflineReport(
-        model=config.name, parameters=count_params(config).total, weights_dtype=weights.name,
+        model=config.name, kernels=kernels.value, kernels_from=kernels_from, kernels_description=DESCRIPTIONS[kernels],
+        parameters=count_params(config).total, weights_dtype=weights.name,
         kv_dtype=dtypes.kv.name, activation_dtype=dtypes.activations.name, machine=machine,
         tensor_parallel=tensor_parallel, memory=fit, prefill=prefill, first_decode=first, last_decode=last,
         generation=generation, crossover=crossover, table_kv_len=table_cached + 1, batch_table=table,

@@ -1,14 +1,15 @@
 """A measured generation next to its roofline bound: how close to the physical limit a run came. Pure Python.
 
 `llmtrace run` calls `compare_with_measured` with what it timed; the percentages say what share of the bound's
-speed the run reached (100% = at the roofline; the bound is a lower limit on time, so a correct prediction never
-gives more than 100% unless the ceilings themselves are off, e.g. a measured profile taken on a busy machine).
+speed the run reached (100% = at the roofline). The bound is costed under the kernels the run executed: llmtrace's
+own model runs eager kernels (llmtrace.tracer.analytic.kernels), so that is the default here whatever the hardware.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
@@ -18,6 +19,7 @@ from llmtrace.tracer.roofline.analysis import roofline
 @dataclass(frozen=True, slots=True)
 class MeasuredVsBound:
     hardware: str
+    kernels: str  # the kernel model the bound is costed under ("eager": what llmtrace's model runs)
     compute_dtype: str  # whose peak FLOP/s bounded the matmuls
     compute_note: str  # why that dtype's peak applies ("" when it is the dtype's own)
     weights_dtype: str
@@ -49,6 +51,7 @@ def compare_with_measured(
     dtype: str = "fp32",
     kv_dtype: str | None = None,
     batch: int = 1,
+    kernels: str | Kernels = Kernels.EAGER,
 ) -> MeasuredVsBound:
     """Roofline bound for this generation on `hardware`, next to what was measured.
 
@@ -65,12 +68,12 @@ def compare_with_measured(
             f"measured decode tokens/s must be > 0 when there are decode steps, got {measured_decode_tokens_per_s!r}"
         )
     report = roofline(config, hardware, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, dtype=dtype,
-                      kv_dtype=kv_dtype, check_fit=False)
+                      kv_dtype=kv_dtype, check_fit=False, kernels=kernels)
     g = report.generation
     predicted_tps = g.tokens_per_s_per_sequence
     decoding = predicted_tps is not None
     return MeasuredVsBound(
-        hardware=hardware.name, compute_dtype=report.machine.compute_dtype, compute_note=report.machine.compute_note,
+        hardware=hardware.name, kernels=report.kernels, compute_dtype=report.machine.compute_dtype, compute_note=report.machine.compute_note,
         weights_dtype=report.weights_dtype,
         kv_dtype=report.kv_dtype, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch,
         peak_flops=report.machine.peak_flops, memory_bandwidth=report.machine.memory_bandwidth,

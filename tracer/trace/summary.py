@@ -124,8 +124,9 @@ class PhaseSummary:
 
     @property
     def arithmetic_intensity(self) -> float:
-        """FLOPs per byte of weight and KV traffic (the roofline's x axis)."""
-        return self.totals.flops / self.totals.min_bytes if self.totals.min_bytes else 0.0
+        """FLOPs executed per byte the kernels moved (weights, KV and activations: the roofline's x axis), as
+        llmtrace.tracer.analytic.estimate defines it; the traced model runs eager kernels."""
+        return self.totals.flops / self.totals.bytes_moved if self.totals.bytes_moved else 0.0
 
 
 def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
