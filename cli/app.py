@@ -12,7 +12,7 @@ import gc
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -27,11 +27,23 @@ _app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from llmtrace.tracer.core.version import llmtrace_version
+
+        print(f"llmtrace {llmtrace_version()}")
+        raise typer.Exit()
+
+
 @_app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print llmtrace's version (from the installed metadata) and exit.")] = False,
+) -> None:
     """A group callback, so that Typer keeps `llmtrace COMMAND` even when main() has loaded a single command."""
 
 

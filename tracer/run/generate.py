@@ -21,6 +21,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.core.errors import BadArgumentError
@@ -48,7 +49,6 @@ from llmtrace.tracer.trace.records import (
     TokenizationRecord,
 )
 
-LLMTRACE_VERSION = "0.1.0"
 
 
 class LoadedModelLike(Protocol):
@@ -418,7 +418,7 @@ def environment_info(device: torch.device, dtype: torch.dtype) -> EnvironmentInf
     else:
         name = _cpu_name()
     return EnvironmentInfo(
-        llmtrace_version=LLMTRACE_VERSION,
+        llmtrace_version=llmtrace_version(),
         torch_version=torch.__version__,
         python_version=platform.python_version(),
         platform=platform.platform(),
