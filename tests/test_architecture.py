@@ -99,7 +99,8 @@ def test_pyproject_installs_every_package_folder_under_llmtrace():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"] == {"llmtrace": "."}
     folders = {_module_name(p) for p in [*ROOT.glob("tracer/**/__init__.py"), *ROOT.glob("cli/**/__init__.py")]}
-    assert set(setuptools["packages"]) == folders | {"llmtrace"}
+    data = {"llmtrace.sample_prompts"}  # sample_prompts/: package data only (run's sample prompts)
+    assert set(setuptools["packages"]) == folders | data | {"llmtrace"}
 
 
 @pytest.mark.parametrize("layer", LAYERS)
