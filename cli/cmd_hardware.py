@@ -69,8 +69,7 @@ def hardware(
     """
 
     def body() -> None:
-        from rich.console import Console
-
+        from llmtrace.cli.console import stdout_console
         from llmtrace.cli.render_hardware import render_profiles
         from llmtrace.tracer.hardware.profiles import all_profiles
         from llmtrace.tracer.hardware.store import load_measured_profiles, store_path
@@ -83,7 +82,7 @@ def hardware(
         if json_out:
             print(json.dumps({"profiles": [_profile_json(p) for p in profiles], "store": str(store_path())}, indent=2))
             return
-        render_profiles(Console(), profiles, str(store_path()), has_measured=bool(measured))
+        render_profiles(stdout_console(), profiles, str(store_path()), has_measured=bool(measured))
 
     run_guarded(body)
 
@@ -91,6 +90,7 @@ def hardware(
 def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
     from rich.console import Console
 
+    from llmtrace.cli.console import stdout_console
     from llmtrace.cli.render_hardware import render_measurement
     from llmtrace.tracer.core.errors import BadArgumentError
     from llmtrace.tracer.hardware.profiles import THIS_MACHINE
@@ -118,4 +118,4 @@ def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, cop
         print(json.dumps({"profile": _profile_json(profile), "measurement": details, "saved_to": str(saved)},
                          indent=2))
         return
-    render_measurement(Console(), details, profile, str(saved))
+    render_measurement(stdout_console(), result, profile, str(saved))

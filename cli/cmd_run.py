@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.live import Live
 
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.app import app
-from llmtrace.cli.console import PIPE_WIDTH
+from llmtrace.cli.console import stdout_console
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.output_files import check_writable, write_output
 from llmtrace.cli.prompt_input import resolve_prompt
@@ -34,12 +34,12 @@ from llmtrace.cli.render_run import (
 )
 from llmtrace.cli.render_run_live import DecodeView
 from llmtrace.cli.render_run_report import render_ending
-from llmtrace.tracer.core.errors import BadArgumentError, LlmtraceError
+from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 from llmtrace.tracer.trace.records import RunSettings
-from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
-from llmtrace.tracer.trace.summary import RunSummary, run_summary
+from llmtrace.tracer.roofline.compare import MeasuredVsBound
+from llmtrace.tracer.trace.report import RunReport, run_report
 
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
 EXIT_INTERRUPTED = 130
@@ -107,7 +107,7 @@ def run_command(
 ) -> None:
     """Trace a real generation: every stage of every token, with shapes, FLOPs, bytes and time."""
     json_to_stdout = json_path is not None and str(json_path) == "-"
-    console = Console(stderr=json_to_stdout, width=None if sys.stdout.isatty() else PIPE_WIDTH)
+    console = stdout_console(stderr=json_to_stdout)
 
     def body() -> int:
         given = resolve_prompt(prompt, file, literal, DRY_RUN_DEFAULT_PROMPT if dry_run else None)
@@ -187,7 +187,10 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
                 render_lm_head(console, event.stages, event.step, settings, loaded.config, settings.dry_run)
                 if not settings.dry_run:
                     view = DecodeView(event.limit, event.step)
-                    live = Live(view, console=console, refresh_per_second=8, transient=False)
+                    # "visible": the final render (every step) may be taller than the terminal; while streaming,
+                    # the view keeps itself to the terminal's height.
+                    live = Live(view, console=console, refresh_per_second=8, transient=False,
+                                vertical_overflow="visible")
                     live.start()
             elif isinstance(event, TokenStep):
                 if view is not None and live is not None:
@@ -207,79 +210,26 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
                 console.line()  # Live leaves no newline after its last render when it cannot redraw
     if trace is None:
         trace = generation.trace()
-    summary = run_summary(trace)
+    report = run_report(trace)
     comparison, note = (None, "")
     if roofline and not settings.dry_run:
-        comparison, note = _roofline_for(console, trace, summary)
-    render_ending(console, trace, detail, summary, comparison, note)
+        comparison, note = _roofline_for(console, trace, report)
+    render_ending(console, trace, detail, report, comparison, note)
     return trace
 
 
-def _roofline_for(console: Console, trace: Trace, summary: RunSummary) -> tuple[MeasuredVsBound | None, str]:
-    """The run's measured forward passes next to the roofline bound for this machine in the dtype the run computed
-    in (llmtrace.tracer.roofline.compare), or why there is none.
+def _roofline_for(console: Console, trace: Trace, report: RunReport) -> tuple[MeasuredVsBound | None, str]:
+    """The run against this machine's roofline (llmtrace.tracer.run.roofline_check), or why there is none; says so
+    when a first run measured this machine for it."""
+    from llmtrace.tracer.run.roofline_check import run_roofline
 
-    The ceilings come from the saved 'this-machine' profile; when there is none yet, a quick measurement (well
-    under 2 s) makes and saves one, as `llmtrace hardware --measure` would, and says so.
-    """
-    device = trace.environment.device.split(":")[0]
-    try:
-        from llmtrace.tracer.core.dtypes import get_dtype
-        from llmtrace.tracer.hardware.profiles import THIS_MACHINE, get_profile
-        from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details
-
-        dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
-        measured = load_measured_profiles()
-        if THIS_MACHINE not in measured:
-            if device not in ("cpu", "cuda"):
-                return None, (f"roofline: no measurement for {device}; compare with "
-                              "`llmtrace roofline --hardware <your machine>`")
-            measured = {THIS_MACHINE: _quick_measure(console, device, dtype)}
-        else:
-            details = load_measurement_details(THIS_MACHINE) or {}
-            if details.get("device", device) != device:
-                return None, (f"roofline: 'this-machine' was measured on {details['device']}, this run used "
-                              f"{device}; run `llmtrace hardware --measure --device {device}`")
-        profile = get_profile(THIS_MACHINE, measured)
-        if not profile.has_peak(dtype):
-            have = ", ".join(d for d in ("fp32", "bf16", "fp16") if profile.has_peak(d)) or "none"
-            return None, (f"roofline: the saved 'this-machine' profile has no {dtype} peak FLOP/s ({have} only), "
-                          f"so no bound for this {dtype} run; add it with `llmtrace hardware --measure --dtypes "
-                          f"fp32,{dtype}`")
-        pre, dec = summary.prefill, summary.decode
-        if not pre.forward_ns:
-            return None, "roofline: no prefill was timed"
-        decode_tps = dec.steps / (dec.forward_ns / 1e9) if dec.steps and dec.forward_ns else None
-        # the prefill yields the first token, so the bound covers the decode steps that actually ran
-        return compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in, new_tokens=dec.steps + 1,
-                                     measured_ttft_s=pre.forward_ns / 1e9,
-                                     measured_decode_tokens_per_s=decode_tps, dtype=dtype), ""
-    except LlmtraceError as exc:
-        return None, f"roofline: {exc}"
-
-
-def _quick_measure(console: Console, device: str, dtype: str) -> Any:
-    """Measure this machine's ceilings quickly (fp32 and the run's dtype) and save them as 'this-machine'."""
-    from dataclasses import asdict, replace
-
-    from llmtrace.tracer.hardware.profiles import THIS_MACHINE
-    from llmtrace.tracer.hardware.measure import QUICK, profile_from_measurement, quick_measure_machine
-    from llmtrace.tracer.hardware.store import save_measured_profile
-
-    dtypes = ("fp32",) if dtype == "fp32" else ("fp32", dtype)
-    start = time.perf_counter()
-    with console.status("measuring this machine for the roofline (first run only) …") as status:
-        result = quick_measure_machine(dtypes, device,
-                                       progress=lambda what: status.update(f"measuring this machine: {what} …"))
-    seconds = time.perf_counter() - start
-    sizes = QUICK[device]
-    profile = replace(profile_from_measurement(result, THIS_MACHINE),
-                      source=f"quick measurement by llmtrace run (torch {result.torch_version}, GEMMs up to "
-                             f"{sizes['gemm_max_n']}, {sizes['copy_bytes'] // 2**20} MiB copy, medians of "
-                             f"{sizes['repeats']} runs)")
-    saved = str(save_measured_profile(profile, asdict(result)))
-    home = str(Path.home())
-    shown = "~" + saved[len(home):] if saved.startswith(home + os.sep) else saved
-    console.print(f"[dim]roofline: measured this machine in {seconds:.1f} s ({', '.join(dtypes)} GEMMs, copy); "
-                  f"saved as 'this-machine' in {shown}[/]")
-    return profile
+    with console.status("roofline …") as status:
+        result = run_roofline(trace, report.summary,
+                              progress=lambda what: status.update(f"measuring this machine for the roofline "
+                                                                  f"(first run only): {what} …"))
+    if result.measured is not None and result.saved_to is not None:
+        home = str(Path.home())
+        shown = "~" + result.saved_to[len(home):] if result.saved_to.startswith(home + os.sep) else result.saved_to
+        console.print(f"[dim]roofline: measured this machine in {fmt.duration_s(result.measured.seconds)} "
+                      f"({', '.join(result.measured.dtypes)} GEMMs, copy); saved as 'this-machine' in {shown}[/]")
+    return result.comparison, result.note

@@ -8,15 +8,13 @@ machine it ran on, which need not be this one (`llmtrace roofline --hardware ...
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from llmtrace.cli.app import app
-from llmtrace.cli.console import PIPE_WIDTH
+from llmtrace.cli.console import stdout_console
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import Detail, DetailOption
 from llmtrace.cli.output_files import check_writable, write_output
@@ -24,7 +22,7 @@ from llmtrace.cli.render_run_report import render_ending, render_journey
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.summary import run_summary
+from llmtrace.tracer.trace.report import run_report
 
 
 @app.command("show", epilog="Example: llmtrace run 今天天气真 --json run.json; llmtrace show run.json --detail ops")
@@ -35,7 +33,7 @@ def show(
         "--chrome-trace", metavar="PATH", help="Also write it as a Chrome/Perfetto trace.")] = None,
 ) -> None:
     """Render a saved trace again: the same sections as `llmtrace run`, no model, no torch."""
-    console = Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
+    console = stdout_console()
 
     def body() -> int:
         if chrome_trace is not None:
@@ -45,7 +43,7 @@ def show(
         console.print(f"[dim]{path}: recorded by llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
                       f"{env.device_name}[/]")
         render_journey(console, trace, detail.value)
-        render_ending(console, trace, detail.value, run_summary(trace), None,
+        render_ending(console, trace, detail.value, run_report(trace), None,
                       "roofline: left out of a saved trace (it may come from another machine); see "
                       f"`llmtrace roofline --model <model> --hardware <machine>`")
         if chrome_trace is not None:

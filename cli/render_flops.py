@@ -1,38 +1,46 @@
-"""Rich rendering of a FlopsReport: model line, parameters and weight bytes, one table per phase. Reads records only."""
+"""Rich rendering of a FlopsReport: model line, parameters and weight bytes, one table per phase. Reads records only.
+
+A phase table has a formula column when the console is wide enough for it; narrower (an 80-column terminal), each
+component's formula goes on a dim line under its name, so no cell is cut or wrapped mid-number.
+"""
 
 from __future__ import annotations
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
-from llmtrace.cli import units
-from llmtrace.cli.text_table import TextTable
+from llmtrace.cli import formatting as fmt
+from llmtrace.cli.tables import report_table
 from llmtrace.tracer.analytic.estimate import ELEMENTWISE, MATMUL, PhaseEstimate, Totals
 from llmtrace.tracer.analytic.flops_report import FlopsReport
 
 _WEIGHTS_FROM = {"option": "", "checkpoint": " (the checkpoint's)", "default": " (default; --dtype to change)"}
 _KIND_STYLE = {MATMUL: "", ELEMENTWISE: "dim", "memory": "dim italic"}
+_FORMULA_COLUMN_MIN_WIDTH = 110  # below this, formulas go under the component names
 
 
 def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
     m, p = r.model, r.params
-    head = " (LM head tied: counted once)" if p.tied else f" + LM head {p.lm_head:,}"
+    head = " (LM head tied: counted once)" if p.tied else f" + LM head {fmt.count(p.lm_head)}"
     lines = [
         f"[bold]{escape(m.name)}[/] [dim]({escape(m.source)})[/]",
         f"  d={m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} KV heads, head dim {m.head_dim}, "
-        f"FFN {m.ffn_dim}, vocab {m.vocab_size:,}, LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}",
-        f"Parameters [bold]{p.total:,}[/] = embedding {p.embedding:,} + {m.n_layers} layers × {p.per_layer:,} "
-        f"+ final norm {p.final_norm:,}{head}",
-        "Weights: " + " · ".join(f"{k} {units.gb(v)}" for k, v in r.weight_bytes.items())
+        f"FFN {m.ffn_dim}, vocab {fmt.count(m.vocab_size)}, "
+        f"LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}",
+        f"Parameters [bold]{fmt.count(p.total)}[/] = embedding {fmt.count(p.embedding)} + {m.n_layers} layers × "
+        f"{fmt.count(p.per_layer)} + final norm {fmt.count(p.final_norm)}{head}",
+        "Weights: " + " · ".join(f"{k} {fmt.nbytes(v)}" for k, v in r.weight_bytes.items())
         + " (int8/int4 include one fp16 scale per 32 values)",
     ]
     if r.checkpoint is not None:
         c = r.checkpoint
-        parts = ", ".join(f"{s.dtype} {s.params:,}" for s in c.by_dtype)
-        match = "as the config gives" if c.n_params == p.total else f"config gives {p.total:,}"
+        parts = ", ".join(f"{s.dtype} {fmt.count(s.params)}" for s in c.by_dtype)
+        match = "as the config gives" if c.n_params == p.total else f"config gives {fmt.count(p.total)}"
         lines.append(
-            f"Checkpoint ({c.format}, {len(c.files)} file{'s' if len(c.files) != 1 else ''}): [bold]{c.n_params:,}[/] "
-            f"parameters ({match}), {units.bytes_both(c.total_bytes)}: {parts}"
+            f"Checkpoint ({c.format}, {len(c.files)} file{'s' if len(c.files) != 1 else ''}): "
+            f"[bold]{fmt.count(c.n_params)}[/] parameters ({match}), {fmt.bytes_both(c.total_bytes)}: {parts}"
         )
     unit = "MACs for matmuls (1 MAC = 2 FLOPs), FLOPs for elementwise work" if macs else "2 FLOPs per multiply-add"
     prompt = f"{r.prompt_len} tokens" + (f" (counted by the tokenizer of {escape(r.prompt_tokenizer)})"
@@ -45,90 +53,100 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         f"Kernels: {r.kernels_description} (--kernels {'eager' if r.kernels == 'fused' else 'fused'}: the other).",
     ]
     g = r.generation
-    width = console.width
+    formulas_apart = console.width >= _FORMULA_COLUMN_MIN_WIDTH
     # One print for everything: each console.print call has a fixed cost, and this command must answer in a blink.
-    console.print(
-        "\n".join(lines),
-        f"\n[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}",
-        _phase_table(r.prefill, macs).render(width),
-        _phase_notes(r.prefill.totals, macs, prefill=True, kernels=r.kernels),
-        f"\n[bold]One decode step at context L={r.decode_context}[/] (attends to {r.decode.kv_len} positions), "
-        f"batch {r.batch}",
-        _phase_table(r.decode, macs).render(width),
-        _phase_notes(r.decode.totals, macs, prefill=False, kernels=r.kernels),
-        f"\n[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
-        f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}",
-        _generation_table(r, macs).render(width),
-        _generation_notes(r),
-        sep="\n", soft_wrap=True,
-    )
+    console.print(Group(
+        Text.from_markup("\n".join(lines)),
+        Text.from_markup(f"\n[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}"),
+        _phase_table(r.prefill, macs, formulas_apart),
+        Text.from_markup(_phase_notes(r.prefill.totals, macs, prefill=True, kernels=r.kernels)),
+        Text.from_markup(f"\n[bold]One decode step at context L={r.decode_context}[/] (attends to "
+                         f"{r.decode.kv_len} positions), batch {r.batch}"),
+        _phase_table(r.decode, macs, formulas_apart),
+        Text.from_markup(_phase_notes(r.decode.totals, macs, prefill=False, kernels=r.kernels)),
+        Text.from_markup(f"\n[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
+                         f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}"),
+        _generation_table(r, macs),
+        Text.from_markup(_generation_notes(r)),
+    ))
 
 
-def _phase_table(phase: PhaseEstimate, macs: bool) -> TextTable:
+def _flops(value: int, kind: str, macs: bool) -> str:
+    """A figure in FLOPs, or in MACs (FLOPs / 2) for a matmul under --macs; elementwise work stays in FLOPs."""
+    return fmt.flops(value, matmul_as_macs=macs and kind == MATMUL)
+
+
+def _phase_table(phase: PhaseEstimate, macs: bool, formulas_apart: bool) -> Table:
     t = phase.totals
-    table = TextTable(["component", "formula (one layer)", "per layer", "all layers", "share"], "<<>>>", fold=1)
+    table = report_table()
+    table.add_column("component", no_wrap=formulas_apart)
+    if formulas_apart:
+        table.add_column("formula (one layer)")
+    table.add_column("per layer", justify="right", no_wrap=True)
+    table.add_column("all layers", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
     for c in phase.components:
-        table.add_row(
-            c.label, c.formula, units.flops(c.flops, c.kind, macs) if c.per_layer else "",
-            units.flops(c.total_flops, c.kind, macs), units.share(c.total_flops, t.total_flops),
-            style=_KIND_STYLE.get(c.kind, ""),
-        )
-    table.add_separator()
-    table.add_row("matmuls", "", units.flops(_layer(phase, MATMUL), MATMUL, macs),
-                  units.flops(t.matmul_flops, MATMUL, macs), units.share(t.matmul_flops, t.total_flops))
-    table.add_row("elementwise (estimate)", "", units.flops(_layer(phase, ELEMENTWISE), ELEMENTWISE, macs),
-                  units.flops(t.elementwise_flops, ELEMENTWISE, macs), units.share(t.elementwise_flops, t.total_flops))
-    table.add_row("total", "", units.si(t.per_layer_flops, "FLOP"), units.si(t.total_flops, "FLOP"), "100%",
-                  style="bold")
+        style = _KIND_STYLE.get(c.kind, "")
+        if formulas_apart:
+            named = [c.label, c.formula]
+        else:
+            named = [Text.assemble(c.label, "\n", (f"  {c.formula}", "dim"))]
+        table.add_row(*named, _flops(c.flops, c.kind, macs) if c.per_layer else "",
+                      _flops(c.total_flops, c.kind, macs), fmt.share(c.total_flops, t.total_flops),
+                      style=style, end_section=c is phase.components[-1])
+    blank = [""] if formulas_apart else []
+    table.add_row("matmuls", *blank, _flops(phase.per_layer_flops_of(MATMUL), MATMUL, macs),
+                  _flops(t.matmul_flops, MATMUL, macs), fmt.share(t.matmul_flops, t.total_flops))
+    table.add_row("elementwise (estimate)", *blank, _flops(phase.per_layer_flops_of(ELEMENTWISE), ELEMENTWISE, macs),
+                  _flops(t.elementwise_flops, ELEMENTWISE, macs), fmt.share(t.elementwise_flops, t.total_flops))
+    table.add_row("total", *blank, fmt.flops(t.per_layer_flops), fmt.flops(t.total_flops), "100%", style="bold")
     return table
-
-
-def _layer(phase: PhaseEstimate, kind: str) -> int:
-    return sum(c.flops for c in phase.components if c.per_layer and c.kind == kind)
 
 
 def _phase_notes(t: Totals, macs: bool, prefill: bool, kernels: str) -> str:
     lines = []
     if prefill and kernels == "fused":
         lines.append(
-            f"  Attention QKᵀ+PV: {units.flops(t.attention_useful_flops, MATMUL, macs)} over the P causal pairs "
+            f"  Attention QKᵀ+PV: {_flops(t.attention_useful_flops, MATMUL, macs)} over the P causal pairs "
             f"only (P = T·(T+1)/2: fused kernels skip the masked tiles; --kernels eager computes all T²)."
         )
     elif prefill:
-        skipped = t.attention_dense_flops - t.attention_useful_flops
         lines.append(
-            f"  Attention QKᵀ+PV: {units.flops(t.attention_dense_flops, MATMUL, macs)} executed densely, "
-            f"{units.flops(t.attention_useful_flops, MATMUL, macs)} useful under the causal mask "
-            f"({units.flops(skipped, MATMUL, macs)} on masked pairs); useful total {units.si(t.useful_flops, 'FLOP')}."
+            f"  Attention QKᵀ+PV: {_flops(t.attention_dense_flops, MATMUL, macs)} executed densely, "
+            f"{_flops(t.attention_useful_flops, MATMUL, macs)} useful under the causal mask "
+            f"({_flops(t.attention_masked_flops, MATMUL, macs)} on masked pairs); "
+            f"useful total {fmt.flops(t.useful_flops)}."
         )
     lines += [
-        f"  Bytes: weights {units.bytes_both(t.weight_bytes)}, KV read {units.bytes_both(t.kv_read_bytes)}, "
-        f"KV written {units.bytes_both(t.kv_write_bytes)}, activations between kernels "
-        f"{units.bytes_both(t.activation_bytes)}.",
-        f"  Arithmetic intensity {t.arithmetic_intensity:,.1f} FLOP/B (FLOPs ÷ all bytes moved; "
-        f"{t.weights_kv_intensity:,.1f} over weights + KV alone, the most any fusion could reach).",
+        f"  Bytes: weights {fmt.bytes_both(t.weight_bytes)}, KV read {fmt.bytes_both(t.kv_read_bytes)}, "
+        f"KV written {fmt.bytes_both(t.kv_write_bytes)}, activations between kernels "
+        f"{fmt.bytes_both(t.activation_bytes)}.",
+        f"  Arithmetic intensity {fmt.intensity(t.arithmetic_intensity)} (FLOPs ÷ all bytes moved; "
+        f"{fmt.intensity(t.weights_kv_intensity)} over weights + KV alone, the most any fusion could reach).",
     ]
     return "\n".join(lines)
 
 
-def _generation_table(r: FlopsReport, macs: bool) -> TextTable:
+def _generation_table(r: FlopsReport, macs: bool) -> Table:
     g = r.generation
-    table = TextTable(["component", "prefill", "decode steps", "total", "share"], "<>>>>")
+    table = report_table()
+    table.add_column("component")
+    for name in ("prefill", "decode steps", "total", "share"):
+        table.add_column(name, justify="right", no_wrap=True)
     total = g.totals.total_flops
     for c in g.components:
-        table.add_row(c.label, units.flops(c.prefill_flops, c.kind, macs), units.flops(c.decode_flops, c.kind, macs),
-                      units.flops(c.total_flops, c.kind, macs), units.share(c.total_flops, total),
-                      style=_KIND_STYLE.get(c.kind, ""))
-    table.add_separator()
+        table.add_row(c.label, _flops(c.prefill_flops, c.kind, macs), _flops(c.decode_flops, c.kind, macs),
+                      _flops(c.total_flops, c.kind, macs), fmt.share(c.total_flops, total),
+                      style=_KIND_STYLE.get(c.kind, ""), end_section=c is g.components[-1])
     for label, kind, pre, dec, tot in (
         ("matmuls", MATMUL, g.prefill_totals.matmul_flops, g.decode_totals.matmul_flops, g.totals.matmul_flops),
         ("elementwise (estimate)", ELEMENTWISE, g.prefill_totals.elementwise_flops,
          g.decode_totals.elementwise_flops, g.totals.elementwise_flops),
     ):
-        table.add_row(label, units.flops(pre, kind, macs), units.flops(dec, kind, macs), units.flops(tot, kind, macs),
-                      units.share(tot, total))
-    table.add_row("total", units.si(g.prefill_totals.total_flops, "FLOP"),
-                  units.si(g.decode_totals.total_flops, "FLOP"), units.si(total, "FLOP"), "100%", style="bold")
+        table.add_row(label, _flops(pre, kind, macs), _flops(dec, kind, macs), _flops(tot, kind, macs),
+                      fmt.share(tot, total))
+    table.add_row("total", fmt.flops(g.prefill_totals.total_flops), fmt.flops(g.decode_totals.total_flops),
+                  fmt.flops(total), "100%", style="bold")
     return table
 
 
@@ -136,16 +154,18 @@ def _generation_notes(r: FlopsReport) -> str:
     g = r.generation
     lines = []
     if g.exceeds_max_seq_len:
-        lines.append(f"  [yellow]Note: {g.final_kv_len:,} positions exceed the model's trained context "
-                     f"({r.model.max_seq_len:,}).[/]")
+        lines.append(f"  [yellow]Note: {fmt.count(g.final_kv_len)} positions exceed the model's trained context "
+                     f"({fmt.count(r.model.max_seq_len)}).[/]")
     lines += [
-        f"  Bytes: weights {units.bytes_both(g.totals.weight_bytes)}, KV read {units.bytes_both(g.totals.kv_read_bytes)}. "
-        f"Arithmetic intensity {g.totals.arithmetic_intensity:,.1f} FLOP/B "
-        f"(prefill {g.prefill_totals.arithmetic_intensity:,.1f}, decode steps {g.decode_totals.arithmetic_intensity:,.1f}).",
+        f"  Bytes: weights {fmt.bytes_both(g.totals.weight_bytes)}, KV read {fmt.bytes_both(g.totals.kv_read_bytes)}. "
+        f"Arithmetic intensity {fmt.intensity(g.totals.arithmetic_intensity)} "
+        f"(prefill {fmt.intensity(g.prefill_totals.arithmetic_intensity)}, "
+        f"decode steps {fmt.intensity(g.decode_totals.arithmetic_intensity)}).",
         "",
-        f"Rule of thumb 2 × parameters = {units.si(r.two_x_params, 'FLOP')} per token. Counted: this decode step "
-        f"{units.si(r.decode_step_flops_per_token, 'FLOP')} per token ({r.decode_vs_rule:.3f}×), the whole generation",
-        f"{units.si(r.generation_flops_per_token, 'FLOP')} per token fed ({r.generation_vs_rule:.3f}×). The gap: the "
-        "embedding is a lookup (0 FLOPs), the LM head runs on the last position only, attention grows with the context.",
+        f"Rule of thumb 2 × parameters = {fmt.flops(r.two_x_params)} per token. Counted: this decode step "
+        f"{fmt.flops(r.decode_step_flops_per_token)} per token ({fmt.times(r.decode_vs_rule, fmt.EXACT)}), the whole "
+        f"generation {fmt.flops(r.generation_flops_per_token)} per token fed "
+        f"({fmt.times(r.generation_vs_rule, fmt.EXACT)}). The gap: the embedding is a lookup (0 FLOPs), the LM head "
+        "runs on the last position only, attention grows with the context.",
     ]
     return "\n".join(lines)

@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from llmtrace.cli import formatting as fmt
+from llmtrace.cli.tables import report_table
 from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, HardwareProfile
 
-GiB = 2**30
+if TYPE_CHECKING:  # measure.py imports torch; listing the profiles must not
+    from llmtrace.tracer.hardware.measure import MachineMeasurement
 
 
 def _tflops(value: float | None) -> str:
-    """TFLOP/s with three significant figures (0.300 for a CPU, 1,307 for an MI300X)."""
-    if value is None:
-        return "—"
-    tf = value / 1e12
-    return f"{tf:.0f}" if tf >= 100 else f"{tf:.3g}"
+    """A peak in TFLOP/s, three significant figures (0.300 for a CPU, 1,307 for an MI300X)."""
+    return "—" if value is None else fmt.number_in(value, "T")
 
 
 def _ridge(profile: HardwareProfile) -> str:
-    """Ridge point of the 16-bit peak (bf16, else fp16, else fp32), the dtype LLM inference usually runs in."""
-    for dtype in ("bf16", "fp16", "fp32"):
-        if profile.has_peak(dtype):
-            return f"{profile.ridge_point(dtype):.0f}"
-    return "—"
+    ridge = profile.inference_ridge()
+    return "—" if ridge is None else fmt.figures(ridge[1])
 
 
-def profiles_table(profiles: list[HardwareProfile], title: str = "Hardware profiles (dense peaks)") -> Table:
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=0)
+def profiles_table(profiles: list[HardwareProfile]) -> Table:
+    table = report_table(gap=1)  # twelve columns in 80
     table.add_column("name", style="bold", no_wrap=True)
     for dtype in PEAK_DTYPES:
         table.add_column(dtype, justify="right", no_wrap=True)
@@ -37,12 +36,12 @@ def profiles_table(profiles: list[HardwareProfile], title: str = "Hardware profi
     table.add_column("ridge", justify="right", no_wrap=True)
     table.add_column("link GB/s", justify="left", no_wrap=True)
     for p in profiles:
-        link = "none" if p.interconnect_bandwidth == 0 else f"{p.interconnect} {p.interconnect_bandwidth / 1e9:,.0f}"
+        link = "none" if p.interconnect_bandwidth == 0 else f"{p.interconnect} {fmt.number_in(p.interconnect_bandwidth, 'G')}"
         table.add_row(
             p.name,
             *(_tflops(getattr(p, d)) for d in PEAK_DTYPES),
-            f"{p.memory_bandwidth / 1e12:.3g}" if p.memory_bandwidth >= 1e11 else f"{p.memory_bandwidth / 1e12:.4f}",
-            f"{p.memory_bytes / GiB:,.0f}",
+            fmt.number_in(p.memory_bandwidth, "T"),
+            fmt.number_in(p.memory_bytes, "GiB"),
             _ridge(p),
             link,
         )
@@ -50,7 +49,7 @@ def profiles_table(profiles: list[HardwareProfile], title: str = "Hardware profi
 
 
 def sources_table(profiles: list[HardwareProfile]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    table = report_table()
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("device")
     table.add_column("source")
@@ -60,47 +59,48 @@ def sources_table(profiles: list[HardwareProfile]) -> Table:
 
 
 def render_profiles(console: Console, profiles: list[HardwareProfile], store: str, has_measured: bool) -> None:
-    console.print(profiles_table(profiles))
-    console.print(
-        "Peaks in TFLOP/s (int8: TOP/s), the vendors' dense figures: 2:4 sparsity doubles them on paper and "
-        "inference kernels do not use it. Memory bandwidth in TB/s (10¹² bytes/s), capacity in GiB (2³⁰ bytes). "
-        "ridge = 16-bit peak FLOP/s (bf16, else fp16, else fp32) ÷ bandwidth, in FLOPs per byte: a phase doing fewer FLOPs per byte it moves "
-        "is memory-bound. Interconnect: per device, both directions together, as datasheets print it."
-    )
-    console.print(sources_table(profiles))
-    if not has_measured:
-        console.print(f"No measured profile yet: `llmtrace hardware --measure` adds 'this-machine' ({store}).")
-    else:
-        console.print(f"Measured profiles are read from {store}.")
+    where = (f"Measured profiles are read from {store}." if has_measured else
+             f"No measured profile yet: `llmtrace hardware --measure` adds 'this-machine' ({store}).")
+    console.print(Group(
+        Text("Hardware profiles (dense peaks)", style="bold"),
+        profiles_table(profiles),
+        Text(
+            "Peaks in TFLOP/s (int8: TOP/s), the vendors' dense figures: 2:4 sparsity doubles them on paper and "
+            "inference kernels do not use it. Memory bandwidth in TB/s (10¹² bytes/s), capacity in GiB (2³⁰ bytes). "
+            "ridge = 16-bit peak FLOP/s (bf16, else fp16, else fp32) ÷ bandwidth, in FLOPs per byte: a phase doing "
+            "fewer FLOPs per byte it moves is memory-bound. Interconnect: per device, both directions together, as "
+            "datasheets print it.\n"
+        ),
+        sources_table(profiles),
+        Text("\n" + where),
+    ))
 
 
-def render_measurement(console: Console, measurement: dict, profile: HardwareProfile, saved_to: str) -> None:
-    """`measurement` is asdict(MachineMeasurement) (plain data, so this module needs no torch)."""
-    table = Table(title=f"Measured on {measurement['device_name']}", title_justify="left")
+def render_measurement(console: Console, m: "MachineMeasurement", profile: HardwareProfile, saved_to: str) -> None:
+    table = report_table()
     table.add_column("ceiling")
-    table.add_column("how", justify="left")
-    table.add_column("runs", justify="right")
-    table.add_column("best run", justify="right")
-    table.add_column("min … max seconds", justify="right")
-    for g in measurement["gemms"]:
+    table.add_column("how")
+    table.add_column("runs", justify="right", no_wrap=True)
+    table.add_column("best run", justify="right", no_wrap=True)
+    table.add_column("fastest … slowest", justify="right")
+    for g in m.gemms:
         table.add_row(
-            f"{g['dtype']} GEMM",
-            f"{g['n']}×{g['n']} @ {g['n']}×{g['n']} ({g['flops_per_run'] / 1e9:,.2f} GFLOP)",
-            str(len(g["seconds"])),
-            f"{g['flops_per_s'] / 1e9:,.1f} GFLOP/s",
-            f"{min(g['seconds']):.4f} … {max(g['seconds']):.4f}",
+            f"{g.dtype} GEMM", f"{g.n}×{g.n} @ {g.n}×{g.n} ({fmt.flops(g.flops_per_run)})", str(len(g.seconds)),
+            fmt.flops_per_s(g.flops_per_s),
+            f"{fmt.duration_s(g.best_seconds)} … {fmt.duration_s(max(g.seconds))}",
         )
-    c = measurement["copy"]
+    c = m.copy
     table.add_row(
         "memory bandwidth",
-        f"copy {c['buffer_bytes'] / 2**20:,.0f} MiB (read + write = {c['bytes_per_run'] / 2**20:,.0f} MiB)",
-        str(len(c["seconds"])),
-        f"{c['bytes_per_s'] / 1e9:,.1f} GB/s",
-        f"{min(c['seconds']):.4f} … {max(c['seconds']):.4f}",
+        f"copy {fmt.bytes_both(c.buffer_bytes)} (read + write = {fmt.nbytes(c.bytes_per_run)})",
+        str(len(c.seconds)),
+        fmt.bytes_per_s(c.bytes_per_s),
+        f"{fmt.duration_s(c.best_seconds)} … {fmt.duration_s(max(c.seconds))}",
     )
-    console.print(table)
-    ridges = ", ".join(
-        f"{d} {profile.ridge_point(d):,.1f}" for d in PEAK_DTYPES if profile.has_peak(d)
-    )
-    console.print(f"Ridge point (FLOP/byte): {ridges}. Memory: {profile.memory_bytes / GiB:,.1f} GiB.")
-    console.print(f"Saved as profile '{profile.name}' in {saved_to}; use it with --hardware {profile.name}.")
+    ridges = ", ".join(f"{d} {fmt.intensity(profile.ridge_point(d))}" for d in PEAK_DTYPES if profile.has_peak(d))
+    console.print(Group(
+        Text(f"Measured on {m.device_name}", style="bold"),
+        table,
+        Text(f"Ridge point: {ridges}. Memory: {fmt.gib(profile.memory_bytes)}.\n"
+             f"Saved as profile '{profile.name}' in {saved_to}; use it with --hardware {profile.name}."),
+    ))

@@ -2,44 +2,51 @@
 
 from __future__ import annotations
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.text import Text
 
-from llmtrace.cli import units
-from llmtrace.cli.text_table import TextTable, print_table
+from llmtrace.cli import formatting as fmt
+from llmtrace.cli.tables import report_table
 from llmtrace.tracer.analytic.kvmem import KVMemReport
 
 
 def render_kvmem(console: Console, r: KVMemReport) -> None:
     s = r.size
     lines = [
-        f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {s.seq:,} positions per sequence",
+        f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {fmt.count(s.seq)} positions per sequence",
         f"  {r.formula}",
-        f"  Per position: {s.bytes_per_token_per_layer:,} B per layer; {s.bytes_per_token:,} B "
-        f"= {units.bytes_both(s.bytes_per_token)} over {s.n_layers} layers (one sequence).",
-        f"  Per layer: {units.bytes_both(s.bytes_per_layer)}.  Total: [bold]{units.bytes_both(s.total_bytes)}[/].",
+        f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer; {fmt.count(s.bytes_per_token)} B "
+        f"= {fmt.bytes_both(s.bytes_per_token)} over {s.n_layers} layers (one sequence).",
+        f"  Per layer: {fmt.bytes_both(s.bytes_per_layer)}.  Total: [bold]{fmt.bytes_both(s.total_bytes)}[/].",
     ]
     if s.seq > r.max_seq_len:
-        lines.append(f"  [yellow]Note: {s.seq:,} positions exceed the model's trained context ({r.max_seq_len:,}).[/]")
+        lines.append(f"  [yellow]Note: {fmt.count(s.seq)} positions exceed the model's trained context "
+                     f"({fmt.count(r.max_seq_len)}).[/]")
     g = r.without_gqa
     if g.n_kv_heads != s.n_kv_heads:
         lines.append(f"  Without GQA ({g.n_kv_heads} KV heads instead of {s.n_kv_heads}): "
-                     f"{units.bytes_both(g.total_bytes)}, {r.gqa_saving:g}× more.")
+                     f"{fmt.bytes_both(g.total_bytes)}, {fmt.times(r.gqa_saving)} more.")
     else:
         lines.append(f"  No GQA here: each of the {g.n_kv_heads} query heads keeps its own K and V.")
-    console.print("\n".join(lines), soft_wrap=True)
-    table = TextTable(["positions", "GB", "GiB", ""], ">>><")
+    table = report_table()
+    for name in ("positions", "GB", "GiB"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("")
     for row in r.table:
         mark = [m for m, hit in (("← --seq", row.seq == s.seq), ("model max", row.seq == r.max_seq_len)) if hit]
-        table.add_row(f"{row.seq:,}", f"{row.total_bytes / 1e9:,.3f}", f"{row.total_bytes / 2**30:,.3f}",
-                      ", ".join(mark), style="bold" if row.seq == s.seq else "")
-    print_table(console, f"KV cache over context length ({s.dtype}, batch {s.batch})", table)
+        table.add_row(fmt.count(row.seq), fmt.number_in(row.total_bytes, "G", fmt.EXACT),
+                      fmt.number_in(row.total_bytes, "GiB", fmt.EXACT), ", ".join(mark),
+                      style="bold" if row.seq == s.seq else "")
+    title = f"\nKV cache over context length ({s.dtype}, batch {s.batch})"
+    parts: list = [Text.from_markup("\n".join(lines)), Text(title), table]
     b = r.budget
     if b is not None:
-        beside = (f"{b.max_positions_with_weights:,} beside the {b.weights_dtype} weights ({units.gb(b.weights_bytes)})"
-                  if b.max_positions_with_weights else
-                  f"none beside the {b.weights_dtype} weights, which alone take {units.gb(b.weights_bytes)}")
-        console.print(
-            f"\nIn {units.bytes_both(b.budget_bytes)}: {b.max_positions_kv_only:,} positions per sequence of KV cache "
-            f"alone (batch {s.batch}); {beside}.\nThe model was trained for {b.model_max_seq_len:,} positions.",
-            soft_wrap=True,
-        )
+        beside = (f"{fmt.count(b.max_positions_with_weights)} beside the {b.weights_dtype} weights "
+                  f"({fmt.nbytes(b.weights_bytes)})" if b.max_positions_with_weights else
+                  f"none beside the {b.weights_dtype} weights, which alone take {fmt.nbytes(b.weights_bytes)}")
+        parts.append(Text(
+            f"\nIn {fmt.bytes_both(b.budget_bytes)}: {fmt.count(b.max_positions_kv_only)} positions per sequence of "
+            f"KV cache alone (batch {s.batch}); {beside}.\nThe model was trained for "
+            f"{fmt.count(b.model_max_seq_len)} positions."
+        ))
+    console.print(Group(*parts))

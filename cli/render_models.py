@@ -1,23 +1,58 @@
-"""Rendering of the preset catalogue."""
+"""Rendering of the preset catalogue: one table when the console is wide enough, else the dimensions and the sizes
+as two tables (an 80-column terminal), so no row wraps."""
 
 from __future__ import annotations
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
 
-from llmtrace.cli import units
-from llmtrace.cli.text_table import TextTable, print_table
-from llmtrace.tracer.analytic.catalog import ModelsReport
+from llmtrace.cli import formatting as fmt
+from llmtrace.cli.tables import natural_width, report_table
+from llmtrace.tracer.analytic.catalog import ModelRow, ModelsReport
+
+_DIMENSIONS = (("d", "dim"), ("layers", "n_layers"), ("heads", "n_heads"), ("KV heads", "n_kv_heads"),
+               ("head dim", "head_dim"), ("FFN", "ffn_dim"))
 
 
 def render_models(console: Console, r: ModelsReport) -> None:
-    table = TextTable(["name", "params", "d", "layers", "heads", "KV heads", "head dim", "FFN", "vocab", "context",
-                       "tied", "weights GB", "KV/position"], "<>>>>>>>>><>>")
+    title = f"[bold]Model presets[/] (weights and KV cache in {r.dtype}; sources in tracer/core/presets.py)"
+    whole = _table(r, dimensions=True, sizes=True)
+    if natural_width(console, whole) <= console.width:
+        parts: list = [Text.from_markup(title), whole]
+    else:
+        parts = [Text.from_markup(title), _table(r, dimensions=True, sizes=False),
+                 Text.from_markup(f"\n[bold]Sizes[/] in {r.dtype}"), _table(r, dimensions=False, sizes=True)]
+    console.print(Group(*parts, Text("\nUse a name with --model, or give a model folder, config.json or .gguf file "
+                                      "instead.")))
+
+
+def _table(r: ModelsReport, dimensions: bool, sizes: bool) -> Table:
+    table = report_table()
+    table.add_column("name", no_wrap=True)
+    if sizes:
+        table.add_column("params", justify="right", no_wrap=True)
+    if dimensions:
+        for header, _ in _DIMENSIONS:  # stacked headers ("KV" over "heads") when the sizes have their own table
+            table.add_column(header if sizes else header.replace(" ", "\n"), justify="right", no_wrap=True)
+        table.add_column("vocab", justify="right", no_wrap=True)
+        table.add_column("context", justify="right", no_wrap=True)
+        table.add_column("tied", no_wrap=True)
+    if sizes:
+        table.add_column("weights GB", justify="right", no_wrap=True)
+        table.add_column("KV/position", justify="right", no_wrap=True)
     for m in r.models:
-        table.add_row(
-            m.name, units.si(m.params), str(m.dim), str(m.n_layers), str(m.n_heads), str(m.n_kv_heads),
-            str(m.head_dim), str(m.ffn_dim), f"{m.vocab_size:,}", f"{m.max_seq_len:,}", "yes" if m.tie_embeddings else "",
-            f"{m.weight_bytes / 1e9:,.2f}", f"{m.kv_bytes_per_token / 2**10:,.1f} KiB",
-        )
-    print_table(console, f"[bold]Model presets[/] (weights and KV cache in {r.dtype}; sources in tracer/core/presets.py)",
-                table, blank_line=False)
-    console.print("\nUse a name with --model, or give a model folder, config.json or .gguf file instead.")
+        table.add_row(*_cells(m, dimensions, sizes))
+    return table
+
+
+def _cells(m: ModelRow, dimensions: bool, sizes: bool) -> list[str]:
+    cells = [m.name]
+    if sizes:
+        cells.append(fmt.si(m.params, ""))
+    if dimensions:
+        cells += [str(getattr(m, field)) for _, field in _DIMENSIONS]
+        cells += [fmt.count(m.vocab_size), fmt.count(m.max_seq_len), "yes" if m.tie_embeddings else ""]
+    if sizes:
+        cells += [fmt.number_in(m.weight_bytes, "G", fmt.EXACT), f"{fmt.figures(m.kv_bytes_per_token / 2**10, fmt.EXACT)} KiB"]
+    return cells

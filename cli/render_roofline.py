@@ -6,126 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from llmtrace.cli import formatting as fmt
+from llmtrace.cli.tables import report_table
 from llmtrace.tracer.roofline.analysis import BatchRow, PassBound, RooflineReport
-
-GiB = 2**30
-
-
-# ---- number formatting --------------------------------------------------------------------------------------
-
-
-def si(value: float, unit: str = "") -> str:
-    """1.33e10 -> '13.3 G', 312e12 -> '312 T' (decimal prefixes, three significant figures)."""
-    if value == 0:
-        return f"0 {unit}".strip()
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".strip()
-
-
-def gb(n: float) -> str:
-    """Bytes in GB (1e9) to three significant figures, MB (1e6) under 0.1 GB."""
-    if n >= 1e12:
-        return f"{n / 1e9:,.0f} GB"
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
-
-
-def ms(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:,.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
-
-
-def per_s(tokens: float | None) -> str:
-    return "—" if tokens is None else f"{tokens:,.1f}"
-
-
-# ---- tables -----------------------------------------------------------------------------------------------------
-
-
-def header(report: RooflineReport) -> Text:
-    m = report.machine
-    tp = report.tensor_parallel.tp
-    where = f"{tp} × {m.label}" if tp > 1 else m.label
-    text = Text()
-    text.append(f"{report.model}", style="bold")
-    text.append(f" ({report.parameters / 1e9:.3g} B parameters; weights {report.weights_dtype}, "
-                f"KV cache {report.kv_dtype}, activations {report.activation_dtype}) on ")
-    text.append(where, style="bold")
-    text.append(f"\nceilings per device: {si(m.peak_flops, 'FLOP/s')} ({m.compute_dtype}), "
-                f"memory {m.memory_bandwidth / 1e12:.3g} TB/s → ridge point {m.ridge_point:,.1f} FLOPs/byte")
-    origin = "--kernels" if report.kernels_from == "option" else f"default for {m.hardware}"
-    text.append(f"\n{report.kernels_description} [{origin}]")
-    return text
-
-
-def _g(n: float) -> str:
-    """A count in units of 1e9 (GB or GFLOP), three significant figures, no exponent."""
-    v = n / 1e9
-    if v >= 1000:
-        return f"{v:,.0f}"
-    if v == 0:
-        return "0"
-    return f"{v:.3g}" if v >= 0.001 else f"{v:.2g}"
-
-
-def _ms(seconds: float) -> str:
-    v = seconds * 1e3
-    if v >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.3g}" if v >= 0.001 or v == 0 else f"{v:.2g}"
-
-
-def work_table(report: RooflineReport) -> Table:
-    """What each pass does and moves (per device)."""
-    tp = report.tensor_parallel.tp
-    title = (f"What each pass does and moves (batch {report.prefill.batch}; T new tokens over S positions"
-             + (f"; per device of {tp}" if tp > 1 else "") + ")")
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
-    table.add_column("pass", no_wrap=True)
-    for name in ("T", "S", "GFLOP", "weights\nGB", "KV read\nGB", "KV write\nGB", "activ.\nGB", "total\nGB"):
-        table.add_column(name, justify="right")
-    for p in _passes(report):
-        table.add_row(_SHORT_NAMES.get(p.name, p.name), f"{p.new_tokens:,}", f"{p.kv_len:,}", _g(p.flops),
-                      _g(p.weight_bytes), _g(p.kv_read_bytes), _g(p.kv_write_bytes), _g(p.activation_bytes),
-                      _g(p.bytes))
-    return table
-
-
-def bound_table(report: RooflineReport) -> Table:
-    """Each pass against the ceilings: intensity vs ridge, both times, the bound."""
-    m = report.machine
-    tp = report.tensor_parallel.tp
-    table = Table(title=f"Against the ceilings (ridge point {m.ridge_point:,.1f} FLOPs/byte)", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
-    table.add_column("pass", no_wrap=True)
-    table.add_column("FLOPs/\nbyte", justify="right")
-    table.add_column("÷ ridge", justify="right")
-    table.add_column("bound")
-    table.add_column("compute\nms", justify="right")
-    table.add_column("memory\nms", justify="right")
-    if tp > 1:
-        table.add_column("all-reduce\nms", justify="right")
-    table.add_column("time\nms", justify="right", style="bold")
-    for p in _passes(report):
-        row = [_SHORT_NAMES.get(p.name, p.name), f"{p.arithmetic_intensity:,.2f}",
-               f"{p.arithmetic_intensity / m.ridge_point:.2g}",
-               Text(p.bound, style="red" if p.bound == "memory" else "green"),
-               _ms(p.compute_seconds), _ms(p.memory_seconds)]
-        if tp > 1:
-            row.append(_ms(p.comm_seconds))
-        row.append(_ms(p.seconds))
-        table.add_row(*row)
-    return table
-
 
 _SHORT_NAMES = {"first decode step": "decode 1st", "last decode step": "decode last"}
 
@@ -134,23 +21,105 @@ def _passes(report: RooflineReport) -> list[PassBound]:
     return [p for p in (report.prefill, report.first_decode, report.last_decode) if p is not None]
 
 
+def header(report: RooflineReport) -> Text:
+    m = report.machine
+    tp = report.tensor_parallel.tp
+    where = f"{tp} × {m.label}" if tp > 1 else m.label
+    text = Text()
+    text.append(f"{report.model}", style="bold")
+    text.append(f" ({fmt.si(report.parameters, '')} parameters; weights {report.weights_dtype}, "
+                f"KV cache {report.kv_dtype}, activations {report.activation_dtype}) on ")
+    text.append(where, style="bold")
+    text.append(f"\nceilings per device: {fmt.flops_per_s(m.peak_flops)} ({m.compute_dtype}), "
+                f"memory {fmt.bytes_per_s(m.memory_bandwidth)} → ridge point {fmt.intensity(m.ridge_point)}")
+    origin = "--kernels" if report.kernels_from == "option" else f"default for {m.hardware}"
+    text.append(f"\n{report.kernels_description} [{origin}]")
+    return text
+
+
+def _giga(n: float) -> str:
+    """A count in units of 1e9 (a GB or GFLOP column): exact, so four significant figures."""
+    return fmt.number_in(n, "G", fmt.EXACT)
+
+
+def _ms(seconds: float) -> str:
+    return fmt.number_in(seconds, "ms")
+
+
+def work_title(report: RooflineReport) -> str:
+    tp = report.tensor_parallel.tp
+    return (f"What each pass does and moves (batch {report.prefill.batch}; T new tokens over S positions"
+            + (f"; per device of {tp}" if tp > 1 else "") + ")")
+
+
+def work_table(report: RooflineReport) -> Table:
+    """What each pass does and moves (per device)."""
+    table = report_table()
+    table.add_column("pass", no_wrap=True)
+    for name in ("T", "S", "GFLOP", "weights\nGB", "KV read\nGB", "KV write\nGB", "activ.\nGB", "total\nGB"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for p in _passes(report):
+        table.add_row(_SHORT_NAMES.get(p.name, p.name), fmt.count(p.new_tokens), fmt.count(p.kv_len),
+                      _giga(p.flops), _giga(p.weight_bytes), _giga(p.kv_read_bytes), _giga(p.kv_write_bytes),
+                      _giga(p.activation_bytes), _giga(p.bytes))
+    return table
+
+
+def bound_title(report: RooflineReport) -> str:
+    return f"Against the ceilings (ridge point {fmt.intensity(report.machine.ridge_point)})"
+
+
+def bound_table(report: RooflineReport) -> Table:
+    """Each pass against the ceilings: intensity vs ridge, both times, the bound."""
+    tp = report.tensor_parallel.tp
+    table = report_table()
+    table.add_column("pass", no_wrap=True)
+    table.add_column("FLOP/B", justify="right", no_wrap=True)
+    table.add_column("÷ ridge", justify="right", no_wrap=True)
+    table.add_column("bound", no_wrap=True)
+    table.add_column("compute\nms", justify="right", no_wrap=True)
+    table.add_column("memory\nms", justify="right", no_wrap=True)
+    if tp > 1:
+        table.add_column("all-reduce\nms", justify="right", no_wrap=True)
+    table.add_column("time\nms", justify="right", style="bold", no_wrap=True)
+    for p in _passes(report):
+        row = [_SHORT_NAMES.get(p.name, p.name), fmt.figures(p.arithmetic_intensity),
+               fmt.figures(p.intensity_vs_ridge), Text(p.bound, style="red" if p.bound == "memory" else "green"),
+               _ms(p.compute_seconds), _ms(p.memory_seconds)]
+        if tp > 1:
+            row.append(_ms(p.comm_seconds))
+        row.append(_ms(p.seconds))
+        table.add_row(*row)
+    return table
+
+
+def generation_title(report: RooflineReport) -> str:
+    g = report.generation
+    return (f"Predicted generation: prompt {fmt.count(g.prompt_len)} tokens, {fmt.count(g.new_tokens)} new tokens, "
+            f"batch {g.batch}")
+
+
 def generation_table(report: RooflineReport) -> Table:
     g = report.generation
-    table = Table(title=f"Predicted generation: prompt {g.prompt_len:,} tokens, {g.new_tokens:,} new tokens, "
-                        f"batch {g.batch}", title_justify="left", box=box.SIMPLE_HEAD, show_header=False)
-    table.add_column("what")
-    table.add_column("value", justify="right", style="bold")
+    table = report_table(show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", justify="right", style="bold", no_wrap=True)
     table.add_column("how")
-    table.add_row("time to first token", ms(g.ttft_seconds), f"the prefill, {report.prefill.bound}-bound")
+    table.add_row("time to first token", fmt.duration_s(g.ttft_seconds), f"the prefill, {report.prefill.bound}-bound")
     if g.decode_steps:
-        table.add_row("time per output token", ms(g.time_per_output_token_seconds or 0.0),
-                      f"mean of {g.decode_steps:,} decode steps ({g.memory_bound_decode_steps:,} memory-bound)")
-        table.add_row("tokens/s per sequence", per_s(g.tokens_per_s_per_sequence), "decode steps ÷ decode time")
-        table.add_row("tokens/s in total", per_s(g.tokens_per_s_total), f"× batch {g.batch}")
+        table.add_row("time per output token", fmt.duration_s(g.time_per_output_token_seconds or 0.0),
+                      f"mean of {fmt.count(g.decode_steps)} decode steps "
+                      f"({fmt.count(g.memory_bound_decode_steps)} memory-bound)")
+        table.add_row("tokens/s per sequence", _rate(g.tokens_per_s_per_sequence), "decode steps ÷ decode time")
+        table.add_row("tokens/s in total", _rate(g.tokens_per_s_total), f"× batch {g.batch}")
     else:
         table.add_row("decode", "—", "one new token: the prefill yields it, no decode step")
-    table.add_row("total time", ms(g.total_seconds), "prefill + every decode step, each bounded on its own")
+    table.add_row("total time", fmt.duration_s(g.total_seconds), "prefill + every decode step, each bounded on its own")
     return table
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "—" if tokens_per_s is None else fmt.figures(tokens_per_s)
 
 
 def why_line(report: RooflineReport) -> str:
@@ -159,53 +128,55 @@ def why_line(report: RooflineReport) -> str:
     m = report.machine
     if d is None:
         return ""
-    naive = 1 / d.compute_seconds if d.compute_seconds else math.inf
     return (
-        f"Why decode is slow: one step does {si(d.flops, 'FLOP')} ({ms(d.compute_seconds)} at {si(m.peak_flops)}"
-        f"FLOP/s, i.e. {naive:,.0f} tokens/s per sequence if compute were the limit) but must read {gb(d.bytes)} "
-        f"({ms(d.memory_seconds)} at {m.memory_bandwidth / 1e12:.3g} TB/s). Its intensity, "
-        f"{d.arithmetic_intensity:,.2f} FLOPs/byte, is {_versus_ridge(d.arithmetic_intensity, m.ridge_point)}: "
-        f"the step is {d.bound}-bound."
+        f"Why decode is slow: one step does {fmt.flops(d.flops)} ({fmt.duration_s(d.compute_seconds)} at "
+        f"{fmt.flops_per_s(m.peak_flops)}, i.e. {fmt.figures(d.passes_per_s_at_peak)} tokens/s per sequence if "
+        f"compute were the limit) but must read {fmt.nbytes(d.bytes)} ({fmt.duration_s(d.memory_seconds)} at "
+        f"{fmt.bytes_per_s(m.memory_bandwidth)}). Its intensity, {fmt.intensity(d.arithmetic_intensity)}, is "
+        f"{_versus_ridge(d.intensity_vs_ridge)}: the step is {d.bound}-bound."
     )
 
 
-def _versus_ridge(intensity: float, ridge: float) -> str:
-    """'153× below the ridge point' / '1.8× above the ridge point' / 'at the ridge point'."""
-    if intensity == ridge:
+def _versus_ridge(intensity_vs_ridge: float) -> str:
+    """'153× below the ridge point' / '1.80× above the ridge point' / 'at the ridge point'."""
+    if intensity_vs_ridge == 1:
         return "at the ridge point"
-    if intensity < ridge:
-        return f"{ridge / intensity:,.3g}× below the ridge point"
-    return f"{intensity / ridge:,.3g}× above the ridge point"
+    if intensity_vs_ridge < 1:
+        return f"{fmt.times(1 / intensity_vs_ridge)} below the ridge point"
+    return f"{fmt.times(intensity_vs_ridge)} above the ridge point"
 
 
 def crossover_line(report: RooflineReport) -> str:
     c = report.crossover
     head = (
-        f"Batching (decode at S={c.kv_len:,}): each sequence adds {si(c.per_sequence_flops, 'FLOP')} per step against "
-        f"{gb(c.shared_bytes)} of weights read once for the whole batch, {c.per_sequence_intensity:.3g} FLOPs per "
-        f"weight byte, so weights alone would keep decode memory-bound up to batch ≈ ridge ÷ that = "
-        f"{c.crossover_batch_weights_only:,.0f}. "
+        f"Batching (decode at S={fmt.count(c.kv_len)}): each sequence adds {fmt.flops(c.per_sequence_flops)} per "
+        f"step against {fmt.nbytes(c.shared_bytes)} of weights read once for the whole batch, "
+        f"{fmt.intensity(c.per_sequence_intensity)} of weights, so weights alone would keep decode memory-bound up "
+        f"to batch ≈ ridge ÷ that = {fmt.figures(c.crossover_batch_weights_only)}. "
     )
     if c.crossover_batch is None:
         return head + (
-            f"But each sequence also reads its own KV cache ({gb(c.per_sequence_bytes)} per step), which caps the "
-            f"intensity at {c.intensity_limit:,.1f} FLOPs/byte, under the ridge: decode stays memory-bound at any "
-            f"batch at this context."
+            f"But each sequence also reads its own KV cache ({fmt.nbytes(c.per_sequence_bytes)} per step), which "
+            f"caps the intensity at {fmt.intensity(c.intensity_limit)}, under the ridge: decode stays memory-bound "
+            f"at any batch at this context."
         )
     return head + (
-        f"Counting each sequence's KV cache ({gb(c.per_sequence_bytes)} per step), decode becomes compute-bound "
-        f"from batch {c.crossover_batch:,}."
+        f"Counting each sequence's KV cache ({fmt.nbytes(c.per_sequence_bytes)} per step), decode becomes "
+        f"compute-bound from batch {fmt.count(c.crossover_batch)}."
     )
 
 
-def batch_table(report: RooflineReport) -> Table:
+def batch_title(report: RooflineReport) -> str:
     tp = report.tensor_parallel.tp
-    table = Table(title=f"Decode step at S={report.table_kv_len:,} over batch sizes"
-                        + (f" (memory per device of {tp})" if tp > 1 else ""),
-                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
-    for name in ("batch", "step\nms", "bound", "FLOPs/\nbyte", "tok/s\nper seq", "tok/s\ntotal", "KV\nGB",
+    return (f"Decode step at S={fmt.count(report.table_kv_len)} over batch sizes"
+            + (f" (memory per device of {tp})" if tp > 1 else ""))
+
+
+def batch_table(report: RooflineReport) -> Table:
+    table = report_table()
+    for name in ("batch", "step\nms", "bound", "FLOP/B", "tok/s\nper seq", "tok/s\ntotal", "KV\nGB",
                  "memory\nGB", "fits"):
-        table.add_column(name, justify="left" if name in ("bound", "fits") else "right")
+        table.add_column(name, justify="left" if name in ("bound", "fits") else "right", no_wrap=True)
     c = report.crossover.crossover_batch
     for row in report.batch_table:
         style = "dim" if not row.fits else ("bold" if row.batch in (c, report.memory.max_batch) else "")
@@ -214,9 +185,9 @@ def batch_table(report: RooflineReport) -> Table:
 
 
 def _batch_cells(row: BatchRow) -> list[str]:
-    return [f"{row.batch:,}", _ms(row.step_seconds), row.bound, f"{row.arithmetic_intensity:,.1f}",
-            f"{row.tokens_per_s_per_sequence:,.1f}", f"{row.tokens_per_s_total:,.0f}", _g(row.kv_bytes_per_device),
-            _g(row.memory_bytes_per_device), "yes" if row.fits else "no"]
+    return [fmt.count(row.batch), _ms(row.step_seconds), row.bound, fmt.figures(row.arithmetic_intensity),
+            fmt.figures(row.tokens_per_s_per_sequence), fmt.figures(row.tokens_per_s_total),
+            _giga(row.kv_bytes_per_device), _giga(row.memory_bytes_per_device), "yes" if row.fits else "no"]
 
 
 def memory_line(report: RooflineReport) -> str:
@@ -224,12 +195,10 @@ def memory_line(report: RooflineReport) -> str:
     tp = report.tensor_parallel.tp
     per = f" per device (tp {tp})" if tp > 1 else ""
     return (
-        f"Memory{per}: weights {f.weight_bytes_per_device / GiB:,.2f} GiB + KV cache "
-        f"{f.kv_bytes_per_device / GiB:,.2f} GiB ({report.generation.batch} × "
-        f"{report.generation.prompt_len + report.generation.decode_steps:,} positions) + largest activations "
-        f"{f.activation_bytes_per_device / GiB:,.2f} GiB ({report.kernels} kernels) of "
-        f"{f.capacity_bytes / GiB:,.0f} GiB; {f.free_bytes / GiB:,.2f} GiB free. "
-        f"At most {f.max_batch:,} sequences of this length fit."
+        f"Memory{per}: weights {fmt.gib(f.weight_bytes_per_device)} + KV cache {fmt.gib(f.kv_bytes_per_device)} "
+        f"({f.batch} × {fmt.count(f.positions)} positions) + largest activations "
+        f"{fmt.gib(f.activation_bytes_per_device)} ({report.kernels} kernels) of {fmt.gib(f.capacity_bytes)}; "
+        f"{fmt.gib(f.free_bytes)} free. At most {fmt.count(f.max_batch)} sequences of this length fit."
     )
 
 
@@ -239,11 +208,12 @@ def tp_line(report: RooflineReport) -> str:
         return ""
     n = t.tp
     return (
-        f"Tensor parallelism over {n} devices ({t.interconnect}, {t.link_bandwidth_one_way * 2 / 1e9:,.0f} GB/s both "
-        f"ways): {t.allreduces_per_layer} all-reduces per layer of B·T·d activations; a ring sends 2({n}-1)/{n} of "
-        f"each. Prefill: {gb(t.prefill_payload_bytes)} per all-reduce, {gb(t.prefill_comm_bytes)} sent per device, "
-        f"{ms(t.prefill_comm_seconds)}. Decode step: {t.decode_payload_bytes:,} B per all-reduce, "
-        f"{gb(t.decode_comm_bytes_per_step)} per device, {ms(t.decode_comm_seconds_per_step)}."
+        f"Tensor parallelism over {n} devices ({t.interconnect}, {fmt.bytes_per_s(t.link_bandwidth)} both ways): "
+        f"{t.allreduces_per_layer} all-reduces per layer of B·T·d activations; a ring sends 2({n}-1)/{n} of each. "
+        f"Prefill: {fmt.nbytes(t.prefill_payload_bytes)} per all-reduce, {fmt.nbytes(t.prefill_comm_bytes)} sent per "
+        f"device, {fmt.duration_s(t.prefill_comm_seconds)}. Decode step: {fmt.nbytes(t.decode_payload_bytes)} per "
+        f"all-reduce, {fmt.nbytes(t.decode_comm_bytes_per_step)} per device, "
+        f"{fmt.duration_s(t.decode_comm_seconds_per_step)}."
     )
 
 
@@ -261,25 +231,24 @@ class ChartPoint:
 def chart_points(report: RooflineReport) -> list[ChartPoint]:
     points = [ChartPoint("P", "prefill", report.prefill.arithmetic_intensity, report.prefill.attainable_flops_per_s)]
     if report.first_decode:
-        points.append(ChartPoint("D", f"decode step, S={report.first_decode.kv_len:,}",
+        points.append(ChartPoint("D", f"decode step, S={fmt.count(report.first_decode.kv_len)}",
                                  report.first_decode.arithmetic_intensity,
                                  report.first_decode.attainable_flops_per_s))
     if report.last_decode and report.generation.decode_steps > 1:
-        points.append(ChartPoint("d", f"decode step, S={report.last_decode.kv_len:,}",
+        points.append(ChartPoint("d", f"decode step, S={fmt.count(report.last_decode.kv_len)}",
                                  report.last_decode.arithmetic_intensity, report.last_decode.attainable_flops_per_s))
     biggest = [r for r in report.batch_table if r.fits]
     if biggest and biggest[-1].batch > 1:
         row = biggest[-1]
-        m = report.machine
-        attainable = min(m.peak_flops, m.memory_bandwidth * row.arithmetic_intensity)
-        points.append(ChartPoint("B", f"decode at batch {row.batch:,} (largest that fits), S={report.table_kv_len:,}",
-                                 row.arithmetic_intensity, attainable))
+        points.append(ChartPoint("B", f"decode at batch {fmt.count(row.batch)} (largest that fits), "
+                                      f"S={fmt.count(report.table_kv_len)}",
+                                 row.arithmetic_intensity, row.attainable_flops_per_s))
     return points
 
 
 def _decade_label(exponent: int, unit: str = "") -> str:
     value = 10.0**exponent
-    return si(value, unit).replace(" ", "")
+    return fmt.si(value, unit, digits=1).replace(" ", "")
 
 
 def roofline_chart(peak: float, bandwidth: float, points: list[ChartPoint], width: int = 60,
@@ -341,31 +310,30 @@ def roofline_chart(peak: float, bandwidth: float, points: list[ChartPoint], widt
 
 
 def render_report(console: Console, report: RooflineReport) -> None:
-    console.print(header(report))
-    console.print(work_table(report))
-    console.print(bound_table(report))
-    console.print(generation_table(report))
+    m = report.machine
+    parts: list = [header(report)]
+    for title, table in ((work_title(report), work_table(report)), (bound_title(report), bound_table(report)),
+                         (generation_title(report), generation_table(report))):
+        parts += [Text("\n" + title), table]
     line = why_line(report)
     if line:
-        console.print(line)
-    console.print()
-    console.print(crossover_line(report))
-    console.print(batch_table(report))
-    console.print(memory_line(report))
+        parts.append(Text("\n" + line))
+    parts += [Text("\n" + crossover_line(report)), Text("\n" + batch_title(report)), batch_table(report),
+              Text(memory_line(report))]
     tp = tp_line(report)
     if tp:
-        console.print(tp)
-    console.print()
-    m = report.machine
-    console.print(Text(f"Roofline of {m.hardware} ({m.compute_dtype}): ridge at {m.ridge_point:,.1f} FLOPs/byte",
-                       style="bold"))
+        parts.append(Text(tp))
+    parts.append(Text(f"\nRoofline of {m.hardware} ({m.compute_dtype}): ridge at {fmt.intensity(m.ridge_point)}",
+                      style="bold"))
     points = chart_points(report)
-    for line_text in roofline_chart(m.peak_flops, m.memory_bandwidth, points):
-        console.print(line_text, no_wrap=True, overflow="crop")
-    for p in points:
-        console.print(f"  {p.mark} {p.label}: {p.intensity:,.2f} FLOPs/byte, ≤ {si(p.flops_per_s, 'FLOP/s')}")
+    chart = roofline_chart(m.peak_flops, m.memory_bandwidth, points)
+    for line_text in chart:
+        line_text.no_wrap, line_text.overflow = True, "crop"
+    parts += chart
+    parts += [Text(f"  {p.mark} {p.label}: {fmt.intensity(p.intensity)}, ≤ {fmt.flops_per_s(p.flops_per_s)}")
+              for p in points]
     fused = report.kernels == "fused"
-    console.print(
+    parts.append(Text(
         "Times at the ceilings: max(FLOPs ÷ peak, bytes ÷ bandwidth) per pass"
         + (" + all-reduce bytes ÷ link bandwidth" if report.tensor_parallel.tp > 1 else "")
         + "; real kernels reach a share of both. FLOPs as the kernels execute them (2 per multiply-add"
@@ -373,6 +341,6 @@ def render_report(console: Console, report: RooflineReport) -> None:
         + "); bytes = weights once per pass + KV cache read and written + activations "
         + ("between matmul and attention kernels" if fused else "read and written once per operation")
         + ". Arithmetic intensity = FLOPs ÷ all these bytes. GB = 10⁹ bytes, GiB = 2³⁰."
-    )
-    for note in report.notes:
-        console.print(f"Note: {note}")
+    ))
+    parts += [Text(f"Note: {note}") for note in report.notes]
+    console.print(Group(*parts))

@@ -14,7 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli import formatting as fmt
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.trace.records import (
     MATMUL_KINDS,
@@ -25,6 +25,7 @@ from llmtrace.tracer.trace.records import (
     StepRecord,
     TokenizationRecord,
 )
+from llmtrace.tracer.trace.report import embedding_table_bytes
 from llmtrace.tracer.trace.summary import layer_rows, stage_totals
 
 MAX_TOKEN_ROWS = 48
@@ -37,7 +38,7 @@ def section(title: str, body: object, subtitle: str | None = None) -> Panel:
 
 def render_header(console: Console, config: ModelConfig, source: str, weight_format: str, load_seconds: float,
                   device: str, threads: int, dtype: str, dry_run: bool) -> None:
-    head = "shapes only (meta device)" if dry_run else f"loaded in {load_seconds:.2f} s"
+    head = "shapes only (meta device)" if dry_run else f"loaded in {fmt.duration_s(load_seconds)}"
     tied = "tied to the embedding" if config.tie_embeddings else "separate matrix"
     console.print(
         f"[bold]{config.name}[/]  {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
@@ -70,7 +71,7 @@ def render_tokenization(console: Console, record: TokenizationRecord | None, pro
     chars = len(record.model_text)
     utf8 = len(record.model_text.encode("utf-8"))
     notes = [
-        f"{chars} characters ({utf8} UTF-8 bytes) → [bold]{len(record.ids)} tokens[/] in {fmt.ms(record.duration_ns)}"
+        f"{chars} characters ({utf8} UTF-8 bytes) → [bold]{len(record.ids)} tokens[/] in {fmt.duration_ns(record.duration_ns)}"
         + (" · chat template applied" if record.model_text != record.text else "")
         + (" · BOS prepended" if record.add_bos else ""),
     ]
@@ -96,21 +97,17 @@ def render_embedding(console: Console, config: ModelConfig, stages: Sequence[Sta
     if embed is None:
         console.print(section("2 · Embedding", Text("not traced (--no-trace)")))
         return
-    item = _itemsize(embed.dtype)
-    table_bytes = config.vocab_size * config.dim * item
+    table_bytes = embedding_table_bytes(config, embed.dtype)
     rows = embed.input_shapes[0]
     lines = [
-        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} {embed.dtype} = {fmt.nbytes(table_bytes)}",
+        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} {embed.dtype}"
+        + (f" = {fmt.nbytes(table_bytes)}" if table_bytes is not None else ""),
         f"ids {fmt.shape(rows)} → one row each → output [bold]{fmt.shape(embed.output_shapes[0])}[/]",
         f"bytes read: {fmt.nbytes(embed.weight_bytes_read)} (only the {math.prod(rows)} rows looked up), "
         f"written {fmt.nbytes(embed.activation_bytes_written)}; 0 FLOPs (a gather)"
-        + ("" if dry_run else f" · {fmt.ms(embed.duration_ns)}"),
+        + ("" if dry_run else f" · {fmt.duration_ns(embed.duration_ns)}"),
     ]
     console.print(section("2 · Embedding  ids → vectors", Text.from_markup("\n".join(lines))))
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}.get(dtype, 4)
 
 
 # ---- 3 positions ------------------------------------------------------------------------------------------------
@@ -163,11 +160,16 @@ STAGE_LABELS = {  # stage role -> the label a table shows
 TOP_STAGE_LABELS = {"tok_embeddings": "embedding", "norm": "final norm", "output": "LM head"}
 
 
+def stage_label(role: str) -> str:
+    """The label of a stage role, inside a layer or at the top of the model."""
+    return STAGE_LABELS.get(role) or TOP_STAGE_LABELS.get(role, role)
+
+
 def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRecord, detail: str,
                   dry_run: bool) -> None:
     if not stages:
         console.print(section("4 · Transformer layers", Text(
-            f"not traced (--no-trace): prefill of {step.input_tokens} tokens took {fmt.ms(step.forward_ns)}")))
+            f"not traced (--no-trace): prefill of {step.input_tokens} tokens took {fmt.duration_ns(step.forward_ns)}")))
         return
     rows = layer_rows(stages)
     total = stage_totals(stages)
@@ -189,11 +191,11 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
     table.add_column("")
     for row in rows:
         out = fmt.shape(row.stages[-1].output_shapes[0])
-        share = fmt.percent(row.wall_ns, forward_ns) if not dry_run else fmt.percent(row.totals.flops, total.flops)
+        share = fmt.share(row.wall_ns, forward_ns) if not dry_run else fmt.share(row.totals.flops, total.flops)
         fraction = row.wall_ns / max_wall if not dry_run else row.totals.flops / max_flops
         cells = [f"[bold]layer {row.layer}[/]", out]
         if not dry_run:
-            cells.append(fmt.ms(row.wall_ns))
+            cells.append(fmt.duration_ns(row.wall_ns))
         cells.append(fmt.flops(row.totals.flops))
         if detail == "ops":
             cells.append(fmt.nbytes(row.totals.bytes_read))
@@ -206,18 +208,18 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
         label = TOP_STAGE_LABELS.get(stage.stage, stage.stage)
         cells = [label, fmt.shape(stage.output_shapes[0])]
         if not dry_run:
-            cells.append(fmt.ms(stage.duration_ns))
+            cells.append(fmt.duration_ns(stage.duration_ns))
         cells.append(fmt.flops(stage.flops))
         if detail == "ops":
             cells.append(fmt.nbytes(stage.bytes_read))
-        share = fmt.percent(stage.duration_ns, forward_ns) if not dry_run else fmt.percent(stage.flops, total.flops)
+        share = fmt.share(stage.duration_ns, forward_ns) if not dry_run else fmt.share(stage.flops, total.flops)
         table.add_row(*cells, share, "")
     per_layer = rows[0].totals if rows else total
-    matmul_share = fmt.percent(total.matmul_flops, total.flops)
+    matmul_share = fmt.share(total.matmul_flops, total.flops)
     summary = (
         f"prefill of {step.input_tokens} tokens: {fmt.flops(total.flops)} ({matmul_share} in matmuls), "
         f"{fmt.nbytes(total.bytes_read)} read"
-        + ("" if dry_run else f", {fmt.ms(forward_ns)} forward")
+        + ("" if dry_run else f", {fmt.duration_ns(forward_ns)} forward")
         + f"\none layer: {fmt.flops(per_layer.flops)}, weights {fmt.nbytes(per_layer.weight_bytes_read)}; "
         "pre-norm: x + attention(RMSNorm(x)), then h + FFN(RMSNorm(h)) with SwiGLU (three matrices)"
         + "\n" + _path_note(stages)
@@ -244,10 +246,10 @@ def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flop
     style = "" if stage.kind in MATMUL_KINDS else "dim"
     cells = [Text(f"  {label}", style=style), Text(io, style="dim")]
     if not dry_run:
-        cells.append(Text(fmt.ms(stage.duration_ns), style=style))
+        cells.append(Text(fmt.duration_ns(stage.duration_ns), style=style))
     cells.append(Text(fmt.flops(stage.flops), style=style))
     cells.append(Text(fmt.nbytes(stage.bytes_read), style="dim"))
-    share = fmt.percent(stage.duration_ns, forward_ns) if not dry_run else fmt.percent(stage.flops, total_flops)
+    share = fmt.share(stage.duration_ns, forward_ns) if not dry_run else fmt.share(stage.flops, total_flops)
     cells.append(Text(share, style="dim"))
     cells.append(Text(""))
     table.add_row(*cells)
@@ -266,7 +268,7 @@ def render_lm_head(console: Console, stages: Sequence[StageRecord], step: StepRe
             f"final RMSNorm of the last position {fmt.shape(head.input_shapes[0])} × W_out "
             f"{fmt.shape((config.vocab_size, config.dim))}ᵀ → logits [bold]{fmt.shape(head.output_shapes[0])}[/] · "
             f"{fmt.flops(head.flops)} · reads {fmt.nbytes(head.weight_bytes_read)} of weights, {tied}"
-            + ("" if dry_run else f" · {fmt.ms(head.duration_ns)}")
+            + ("" if dry_run else f" · {fmt.duration_ns(head.duration_ns)}")
         )
     if dry_run:
         console.print(section("5 · LM head  hidden state → logits", Text.from_markup("\n".join(lines))))
@@ -281,8 +283,8 @@ def render_lm_head(console: Console, stages: Sequence[StageRecord], step: StepRe
         chosen = cand.token_id == step.token_id
         kept = _kept_cell(cand)
         table.add_row("→" if chosen else "", fmt.piece(cand.piece), str(cand.token_id), f"{cand.logit:.2f}",
-                      f"{100 * cand.prob_raw:.1f}%", f"{100 * cand.prob_tempered:.1f}%", kept,
-                      f"{100 * cand.prob_final:.1f}%", style="bold" if chosen else None)
+                      fmt.probability(cand.prob_raw), fmt.probability(cand.prob_tempered), kept,
+                      fmt.probability(cand.prob_final), style="bold" if chosen else None)
     console.print(section("5 · LM head and sampling  logits → probabilities → first token",
                           Group(Text.from_markup("\n".join(lines)), table)))
 
@@ -320,9 +322,9 @@ def _chosen(step: StepRecord) -> str:
     """The chosen token with the model's own probability, and the final one when sampling changed it."""
     model_p = step.sampling.probability_raw if step.sampling is not None else None
     if step.greedy or model_p is None:
-        p = f"model p = {100 * model_p:.1f}%" if model_p is not None else f"p = {100 * step.probability:.1f}%"
+        p = f"model p = {fmt.probability(model_p)}" if model_p is not None else f"p = {fmt.probability(step.probability)}"
     else:
-        p = f"model p = {100 * model_p:.1f}%, after sampling {100 * step.probability:.1f}%"
+        p = f"model p = {fmt.probability(model_p)}, after sampling {fmt.probability(step.probability)}"
     return f"[bold]{fmt.piece(step.piece)}[/] (id {step.token_id}, {p})"
 
 

@@ -1,5 +1,9 @@
 """`llmtrace run`, after section 6: where a decode step's time goes, stage by stage (every layer's instance of a
-stage together, averaged over the decode steps), with the bytes each moved and the rate it reached."""
+stage together, averaged over the decode steps), with the bytes each moved and the rate it reached.
+
+Readable at 80 columns: where the one table would not fit, the time (with its bars) and the traffic (FLOPs, bytes,
+rates) become two tables with one line per stage each.
+"""
 
 from __future__ import annotations
 
@@ -7,55 +11,64 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
-from llmtrace.cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS, section
-from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS
-from llmtrace.tracer.trace.summary import PhaseSummary, role_rows, stage_totals
+from llmtrace.cli import formatting as fmt
+from llmtrace.cli.render_run import section, stage_label
+from llmtrace.cli.tables import natural_width
+from llmtrace.tracer.trace.records import MATMUL_KINDS
+from llmtrace.tracer.trace.summary import DecodeByStage
 
 # Roles whose layer label is shared by two roles of a layer: say which one.
 _ROLE_LABELS = {"attention_norm": "RMSNorm (attention)", "ffn_norm": "RMSNorm (FFN)",
                 "attn_residual": "residual + (attention)", "ffn_residual": "residual + (FFN)"}
-_WEIGHT_KINDS = frozenset({"linear", "lm_head"})
+_PANEL_FRAME = 4  # a panel's border and padding, in columns
 
 
-def render_decode_stages(console: Console, trace: Trace, phase: PhaseSummary) -> None:
-    """`phase`: the run's decode summary. Nothing when the run traced no decode step (--no-trace, one token)."""
-    stages = trace.stages_of(DECODE)
-    if not stages or not phase.steps:
+def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
+    """`d`: tracer.trace.summary.decode_by_stage's record; nothing when the run traced no decode step."""
+    if d is None:
         return
-    steps = phase.steps
-    forward_per_step = phase.forward_ns / steps
-    rows = role_rows(stages)
-    slowest = max(r.totals.stage_ns for r in rows) or 1
-    table = Table(show_edge=False, pad_edge=False, box=None)
-    for name, justify in (("stage", "left"), ("× / step", "right"), ("time / step", "right"), ("share", "right"),
-                          ("FLOPs / step", "right"), ("bytes / step", "right"), ("rate", "right"), ("", "left")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for row in rows:
-        t = row.totals
-        label = _ROLE_LABELS.get(row.role) or STAGE_LABELS.get(row.role) or TOP_STAGE_LABELS.get(row.role, row.role)
-        seconds = t.stage_ns / 1e9
-        rate = fmt.bytes_per_second(t.bytes_moved / seconds) if seconds else "-"
-        if row.kind in MATMUL_KINDS and seconds:
-            rate += f" · {fmt.flops_per_second(t.flops / seconds)}"
-        style = "" if row.kind in MATMUL_KINDS else "dim"
-        table.add_row(Text(label, style=style), str(t.calls // steps), fmt.ms(t.stage_ns / steps),
-                      fmt.percent(t.stage_ns, phase.forward_ns), fmt.flops(t.flops / steps),
-                      fmt.nbytes(t.bytes_moved / steps), Text(rate, style=style),
-                      fmt.bar(t.stage_ns / slowest, 16))
-    weights = stage_totals(s for s in stages if s.kind in _WEIGHT_KINDS)
-    staged = phase.totals
-    streamed = (fmt.bytes_per_second(weights.weight_bytes_read / (weights.stage_ns / 1e9)) if weights.stage_ns
-                else "-")
+    whole = _table(d, time=True, traffic=True)
+    if natural_width(console, whole) <= console.width - _PANEL_FRAME:
+        tables: list = [whole]
+    else:  # an 80-column terminal: the time and the traffic as two tables, one line per stage in each
+        tables = [_table(d, time=True, traffic=False), Text(""), _table(d, time=False, traffic=True)]
+    streamed = fmt.bytes_per_s(d.weight_stream_bytes_per_second) if d.weight_stream_bytes_per_second else "-"
     note = (
-        f"mean of {steps} decode steps, every layer's instance of a stage together; rate = bytes moved (weights, "
+        f"mean of {d.steps} decode steps, every layer's instance of a stage together; rates = bytes moved (weights, "
         f"activations, KV) and FLOPs over the stage's own time.\n"
-        f"the weight products (projections, FFN, LM head) take {fmt.percent(weights.stage_ns, phase.forward_ns)} "
-        f"of the forward and stream their weights at {streamed}; "
-        f"the other stages move little and cost their launch overhead.\n"
-        f"stages add up to {fmt.ms(staged.stage_ns / steps)} of the {fmt.ms(forward_per_step)} forward per step "
-        f"(the rest: Python between them)."
+        f"the weight products (projections, FFN, LM head) take "
+        f"{fmt.share(d.weight_products_ns_per_step, d.forward_ns_per_step)} of the forward and stream their weights "
+        f"at {streamed}; the other stages move little and cost their launch overhead.\n"
+        f"stages add up to {fmt.duration_ns(d.stages_ns_per_step)} of the {fmt.duration_ns(d.forward_ns_per_step)} "
+        f"forward per step (the rest: Python between them)."
     )
-    console.print(section(f"6 · Decode by stage  where a step's {fmt.ms(forward_per_step)} go",
-                          Group(table, Text(note, style="dim"))))
+    console.print(section(f"6 · Decode by stage  where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
+                          Group(*tables, Text(note, style="dim"))))
+
+
+def _table(d: DecodeByStage, time: bool, traffic: bool) -> Table:
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    columns = [("stage", "left")]
+    if time:
+        columns += [("× / step", "right"), ("time / step", "right"), ("share", "right")]
+    if traffic:
+        columns += [("FLOPs / step", "right"), ("bytes / step", "right"), ("bytes/s", "right"), ("FLOP/s", "right")]
+    if time:
+        columns.append(("", "left"))
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    slowest = max(r.ns_per_step for r in d.rows) or 1
+    for row in d.rows:
+        style = "" if row.kind in MATMUL_KINDS else "dim"
+        cells: list = [Text(_ROLE_LABELS.get(row.role) or stage_label(row.role), style=style)]
+        if time:
+            cells += [str(row.calls_per_step), fmt.duration_ns(row.ns_per_step),
+                      fmt.share(row.ns_per_step, d.forward_ns_per_step)]
+        if traffic:
+            cells += [fmt.flops(row.flops_per_step), fmt.nbytes(row.bytes_moved_per_step),
+                      Text(fmt.bytes_per_s(row.bytes_per_second) if row.bytes_per_second else "-", style=style),
+                      Text(fmt.flops_per_s(row.flops_per_second) if row.flops_per_second else "", style=style)]
+        if time:
+            cells.append(fmt.bar(row.ns_per_step / slowest, 16))
+        table.add_row(*cells)
+    return table

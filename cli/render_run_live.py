@@ -1,16 +1,25 @@
-"""`llmtrace run`, section 6: decode, one token per step, streamed live (rich Live) as the steps happen."""
+"""`llmtrace run`, section 6: decode, one token per step, streamed live (rich Live) as the steps happen.
+
+While streaming, the panel fits the terminal's height (rich Live crops anything taller, and the progress bar, the
+speed and the text are at the bottom): the text shows its last lines, the table its latest steps. Once finished,
+the panel shows every step and the whole text.
+"""
 
 from __future__ import annotations
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.trace.records import StepRecord
+from llmtrace.tracer.trace.summary import steps_per_second
 
-LIVE_ROWS = 24  # rows kept on screen while streaming; the final table shows every step
+# Lines of the streaming panel that are not table rows or text: its two borders, the table's header, the status
+# line, and one that rich Live keeps for the cursor.
+_FIXED_LINES = 5
+_PANEL_FRAME = 4  # a panel's border and padding, in columns
 
 
 class DecodeView:
@@ -34,7 +43,20 @@ class DecodeView:
         self.all_rows = True
         self.interrupted = interrupted
 
-    def __rich__(self) -> RenderableType:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        text = Text("text so far: ", style="dim") + Text(self.text, style="green")
+        if self.all_rows:
+            yield self._panel(self.steps, text)
+            return
+        height = options.height or console.height
+        lines = text.wrap(console, max(options.max_width - _PANEL_FRAME, 20))
+        text_lines = min(len(lines), max(1, (height - _FIXED_LINES) // 3))
+        if text_lines < len(lines):
+            text = Text("…", style="dim") + Text("\n").join(lines[-text_lines:])
+        rows = max(1, height - _FIXED_LINES - text_lines - 1)  # - 1: the "… earlier steps" row
+        yield self._panel(self.steps[-rows:], text)
+
+    def _panel(self, rows: list[StepRecord], text: Text) -> object:
         table = Table(show_edge=False, pad_edge=False, box=None)
         sampled = not self.prefill.greedy  # under greedy the final probability is always 100%: not shown
         columns = [("step", "right"), ("fed", "left"), ("→ next", "left"), ("p model", "right")]
@@ -43,27 +65,22 @@ class DecodeView:
         columns += [("step time", "right"), ("context", "right"), ("KV live", "right")]
         for name, justify in columns:
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
-        rows = self.steps if self.all_rows else self.steps[-LIVE_ROWS:]
         if len(rows) < len(self.steps):
             table.add_row("…", f"{len(self.steps) - len(rows)} earlier steps", *[""] * (len(columns) - 2))
         previous = {s.step: s for s in [self.prefill, *self.steps]}
         for step in rows:
             fed = previous.get(step.step - 1)
-            model_p = f"{100 * step.sampling.probability_raw:.1f}%" if step.sampling is not None else "-"
+            model_p = fmt.probability(step.sampling.probability_raw) if step.sampling is not None else "-"
             cells = [str(step.step), fmt.piece(fed.piece) if fed else "", Text(fmt.piece(step.piece), style="bold"),
                      model_p]
             if sampled:
-                cells.append(f"{100 * step.probability:.1f}%")
-            cells += [fmt.ms(step.duration_ns), str(step.context_length), fmt.nbytes(step.kv_live_bytes)]
+                cells.append(fmt.probability(step.probability))
+            cells += [fmt.duration_ns(step.duration_ns), str(step.context_length), fmt.nbytes(step.kv_live_bytes)]
             table.add_row(*cells)
-        decode_ns = sum(s.duration_ns for s in self.steps)
-        rate = len(self.steps) / (decode_ns / 1e9) if decode_ns else 0.0
         status = Text.assemble(
             fmt.bar(self.generated / self.limit if self.limit else 1.0, 30, "green"),
-            f" {self.generated}/{self.limit} tokens · {rate:.1f} tok/s"
+            f" {self.generated}/{self.limit} tokens · {fmt.tokens_per_s(steps_per_second(self.steps))}"
             + (" · [interrupted]" if self.interrupted else ""),
         )
-        text = Text(self.text, style="green")
-        body = Group(table, status, Text("text so far: ", style="dim") + text)
         return section(f"6 · Decode  one token per step, each reading the whole KV cache "
-                       f"(prompt {self.prefill.input_tokens} tokens)", body)
+                       f"(prompt {self.prefill.input_tokens} tokens)", Group(table, status, text))

@@ -20,7 +20,7 @@ from llmtrace.cli.render_run_summary import render_summary
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 from llmtrace.tracer.trace.records import PREFILL
-from llmtrace.tracer.trace.summary import RunSummary
+from llmtrace.tracer.trace.report import RunReport
 
 
 def render_journey(console: Console, trace: Trace, detail: str) -> None:
@@ -41,20 +41,20 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     render_lm_head(console, stages, prefill, settings, config, dry_run)
     if dry_run:
         return
-    view = DecodeView(min(settings.max_new_tokens, config.max_seq_len - prefill.input_tokens), prefill)
+    view = DecodeView(trace.new_token_limit, prefill)
     for generated, step in enumerate(trace.decode_steps, start=2):  # the prefill produced token 1
         view.add(step, generated)
     view.finish(trace.stop_reason == STOP_INTERRUPTED)
     console.print(view)
 
 
-def render_ending(console: Console, trace: Trace, detail: str, summary: RunSummary,
+def render_ending(console: Console, trace: Trace, detail: str, report: RunReport,
                   roofline: MeasuredVsBound | None, roofline_note: str) -> None:
     """After the decode stream: where a decode step's time went (unless --detail summary) and the summary; for a
     dry run, the traced figures beside the analytical estimate."""
-    if trace.settings.dry_run:
-        render_dry_run_summary(console, trace)
+    if report.dry_run is not None:
+        render_dry_run_summary(console, report.dry_run, trace.settings.model or trace.config.name)
         return
     if detail != "summary":
-        render_decode_stages(console, trace, summary.decode)
-    render_summary(console, trace, summary, roofline, roofline_note)
+        render_decode_stages(console, report.decode_stages)
+    render_summary(console, trace, report.summary, roofline, roofline_note)

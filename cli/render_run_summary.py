@@ -6,7 +6,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.run_trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
@@ -28,22 +28,22 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     table.add_column("decode", justify="right")
     pre, dec = summary.prefill, summary.decode
     traced = bool(trace.stages)
+    decoded = bool(dec.steps)
     table.add_row("tokens in", f"{pre.tokens_in}", f"{dec.tokens_in} ({dec.steps} steps)")
-    table.add_row("time", f"TTFT {fmt.ms(summary.ttft_ns)}",
-                  f"{fmt.ms(dec.step_ns / dec.steps) if dec.steps else '-'} / token")
-    table.add_row("speed", f"{pre.tokens_in / (pre.forward_ns / 1e9):.0f} tok/s" if pre.forward_ns else "-",
-                  f"[bold]{summary.decode_tokens_per_second:.1f} tok/s[/]" if dec.steps else "-")
+    table.add_row("time", f"TTFT {fmt.duration_ns(summary.ttft_ns)}",
+                  f"{fmt.duration_ns(dec.step_ns_mean)} / token" if decoded else "-")
+    table.add_row("speed", fmt.tokens_per_s(pre.forward_tokens_per_second) if pre.forward_ns else "-",
+                  f"[bold]{fmt.tokens_per_s(summary.decode_tokens_per_second)}[/]" if decoded else "-")
     if traced:
-        table.add_row("FLOPs", fmt.flops(pre.totals.flops),
-                      f"{fmt.flops(dec.totals.flops / dec.steps)} / step" if dec.steps else "-")
-        table.add_row("achieved", fmt.flops_per_second(pre.flops_per_second),
-                      fmt.flops_per_second(dec.flops_per_second) if dec.steps else "-")
+        table.add_row("FLOPs", fmt.flops(pre.totals.flops), f"{fmt.flops(dec.flops_per_step)} / step" if decoded else "-")
+        table.add_row("achieved", fmt.flops_per_s(pre.flops_per_second),
+                      fmt.flops_per_s(dec.flops_per_second) if decoded else "-")
         table.add_row("bytes read", fmt.nbytes(pre.totals.bytes_read),
-                      f"{fmt.nbytes(dec.bytes_read_per_step)} / step" if dec.steps else "-")
-        table.add_row("weights + KV moved", fmt.bytes_per_second(pre.min_bytes_per_second),
-                      fmt.bytes_per_second(dec.min_bytes_per_second) if dec.steps else "-")
-        table.add_row("arithmetic intensity", f"{pre.arithmetic_intensity:.1f} FLOP/B",
-                      f"{dec.arithmetic_intensity:.2f} FLOP/B" if dec.steps else "-")
+                      f"{fmt.nbytes(dec.bytes_read_per_step)} / step" if decoded else "-")
+        table.add_row("weights + KV moved", fmt.bytes_per_s(pre.min_bytes_per_second),
+                      fmt.bytes_per_s(dec.min_bytes_per_second) if decoded else "-")
+        table.add_row("arithmetic intensity", fmt.intensity(pre.arithmetic_intensity),
+                      fmt.intensity(dec.arithmetic_intensity) if decoded else "-")
     if roofline is not None:
         _roofline_rows(table, roofline)
     kv_line = (f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
@@ -80,8 +80,8 @@ def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:
     """The bound for this machine (llmtrace.tracer.roofline.compare), and how close the measured forward passes came."""
     decoding = cmp.predicted_decode_tokens_per_s is not None
     table.add_row("roofline bound", f"{cmp.prefill_bound}-bound", f"{cmp.decode_bound}-bound" if decoding else "-")
-    table.add_row("roofline prediction", f"TTFT {fmt.ms(cmp.predicted_ttft_s * 1e9)}",
-                  f"{cmp.predicted_decode_tokens_per_s:.1f} tok/s" if decoding else "-")
+    table.add_row("roofline prediction", f"TTFT {fmt.duration_s(cmp.predicted_ttft_s)}",
+                  fmt.tokens_per_s(cmp.predicted_decode_tokens_per_s) if cmp.predicted_decode_tokens_per_s else "-")
     table.add_row("run reached", _percent(cmp.ttft_percent_of_bound),
                   _percent(cmp.decode_percent_of_bound) if cmp.decode_percent_of_bound is not None else "-")
 
@@ -89,11 +89,12 @@ def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:
 def roofline_line(cmp: MeasuredVsBound) -> str:
     """The ceilings behind the bound, in one line."""
     note = f"; {cmp.compute_note}" if cmp.compute_note else ""
-    return (f"roofline ({cmp.kernels} kernels): {cmp.hardware} {cmp.compute_dtype} peak {fmt.flops_per_second(cmp.peak_flops)}, "
-            f"{fmt.bytes_per_second(cmp.memory_bandwidth)}, ridge {cmp.ridge_point:.1f} FLOP/B{note} "
+    return (f"roofline ({cmp.kernels} kernels): {cmp.hardware} {cmp.compute_dtype} peak "
+            f"{fmt.flops_per_s(cmp.peak_flops)}, {fmt.bytes_per_s(cmp.memory_bandwidth)}, "
+            f"ridge {fmt.intensity(cmp.ridge_point)}{note} "
             "(forward passes only; 100% = at the bound)")
 
 
 def _percent(value: float) -> str:
     """How close the run came to the bound (100% = at the roofline)."""
-    return f"[bold]{value:.0f}%[/] of the bound"
+    return f"[bold]{fmt.figures(value)}%[/] of the bound"

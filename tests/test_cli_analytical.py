@@ -212,11 +212,11 @@ def test_flops_macs() -> None:
 
 def test_kvmem_table() -> None:
     out = runner.invoke(app, ["kvmem", "--seq", "2000"]).stdout
-    assert "524,288 B = 524.288 KB (512.000 KiB)" in out
-    assert "Total: 1.049 GB (0.977 GiB)" in out
+    assert "524,288 B = 524.3 kB (512.0 KiB)" in out
+    assert "Total: 1.049 GB (0.9766 GiB)" in out
     assert "← --seq" in out and "model max" in out
     out = runner.invoke(app, ["kvmem", "--seq", "2000", "-m", "llama3-8b", "--budget", "24GiB"]).stdout
-    assert "Without GQA (32 KV heads instead of 8)" in out and "4× more" in out
+    assert "Without GQA (32 KV heads instead of 8)" in out and "4.00× more" in out
     assert "196,608 positions per sequence of KV cache alone" in out  # 24 GiB / 128 KiB
 
 

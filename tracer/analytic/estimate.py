@@ -90,6 +90,11 @@ class Totals:
     weights_kv_intensity: float  # total_flops / min_bytes: the most any kernel fusion could reach
     peak_activation_bytes: int  # largest one kernel's activation inputs + outputs (eager prefill: the scores)
 
+    @property
+    def attention_masked_flops(self) -> int:
+        """QKᵀ + PV FLOPs spent on the pairs a causal mask discards (executed densely, useless)."""
+        return self.attention_dense_flops - self.attention_useful_flops
+
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class PhaseEstimate:
@@ -101,6 +106,10 @@ class PhaseEstimate:
     kv_len: int  # S, positions attended after this pass
     components: tuple[ComponentCost, ...]
     totals: Totals
+
+    def per_layer_flops_of(self, kind: str) -> int:
+        """FLOPs of one layer's components of `kind` (MATMUL or ELEMENTWISE)."""
+        return sum(c.flops for c in self.components if c.per_layer and c.kind == kind)
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)

@@ -19,7 +19,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -193,6 +193,31 @@ def quick_measure_machine(dtypes: tuple[str, ...], device: str = "cpu",
     if device not in QUICK:
         raise BadArgumentError(f"no quick measurement for device {device!r}; use cpu or cuda")
     return measure_machine(dtypes=dtypes, device=device, progress=progress, **QUICK[device])  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class QuickMeasurement:
+    """A first-use measurement (`quick_profile`): the profile it gives, the raw record, how long it took."""
+
+    profile: HardwareProfile
+    measurement: MachineMeasurement
+    dtypes: tuple[str, ...]
+    seconds: float
+
+
+def quick_profile(dtypes: tuple[str, ...], device: str = "cpu", progress: Progress | None = None) -> QuickMeasurement:
+    """quick_measure_machine, as a 'this-machine' profile whose source says how it was measured. Like every
+    measurement here, each ceiling is the fastest of the timed runs (see the module docstring)."""
+    start = time.perf_counter()
+    result = quick_measure_machine(dtypes, device, progress)
+    seconds = time.perf_counter() - start
+    sizes = QUICK[device]
+    profile = replace(
+        profile_from_measurement(result, THIS_MACHINE),
+        source=f"quick measurement by llmtrace run (torch {result.torch_version}, GEMMs up to "
+               f"{sizes['gemm_max_n']}, {sizes['copy_bytes'] // 2**20} MiB copy, best of {sizes['repeats']} runs)",
+    )
+    return QuickMeasurement(profile=profile, measurement=result, dtypes=dtypes, seconds=seconds)
 
 
 def profile_from_measurement(m: MachineMeasurement, name: str = THIS_MACHINE) -> HardwareProfile:

@@ -27,6 +27,9 @@ PEAK_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
 THIS_MACHINE = "this-machine"
 
+# HardwareProfile.inference_ridge's dtypes, in order of preference.
+RIDGE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+
 # GEMM dtypes `llmtrace hardware --measure` can time with torch (tf32 on CUDA only).
 MEASURABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 
@@ -68,6 +71,14 @@ class HardwareProfile:
 
     def has_peak(self, dtype: str) -> bool:
         return dtype in PEAK_DTYPES and getattr(self, dtype) is not None
+
+    def inference_ridge(self) -> tuple[str, float] | None:
+        """The ridge point of the 16-bit peak LLM inference usually runs in (bf16, else fp16, else fp32), with the
+        dtype it comes from; None for a profile with none of those peaks."""
+        for dtype in RIDGE_DTYPES:
+            if self.has_peak(dtype):
+                return dtype, self.ridge_point(dtype)
+        return None
 
     def ridge_point(self, dtype: str) -> float:
         """FLOPs per byte at which the compute ceiling meets the memory ceiling: peak FLOP/s / bandwidth."""

@@ -83,6 +83,8 @@ class PassBound:
     bound: str  # "compute" | "memory"
     seconds: float  # max(compute, memory) + comm
     attainable_flops_per_s: float  # min(peak, bandwidth * intensity): the roof above this pass
+    intensity_vs_ridge: float  # arithmetic_intensity / the ridge point (< 1: memory-bound)
+    passes_per_s_at_peak: float  # 1 / compute_seconds: the rate if compute were the only limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +129,14 @@ class BatchRow:
     kv_bytes_per_device: int  # at the table's context
     memory_bytes_per_device: int  # weights + KV
     fits: bool
+    attainable_flops_per_s: float  # min(peak, bandwidth * intensity): the roof above this step
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryFit:
     capacity_bytes: int
+    batch: int
+    positions: int  # per sequence: the generation's final length (prompt + decode steps)
     weight_bytes_per_device: int
     kv_bytes_per_device: int  # at the generation's final length, whole batch
     # The largest working set one kernel needs beside them (its activation inputs + outputs): under eager kernels
@@ -148,6 +153,7 @@ class TensorParallel:
     tp: int
     interconnect: str
     link_bandwidth_one_way: float
+    link_bandwidth: float  # both directions together, as datasheets print it (0 when tp = 1)
     allreduces_per_layer: int
     prefill_payload_bytes: int  # one all-reduce in the prefill: B*P*d activations
     decode_payload_bytes: int  # one all-reduce in a decode step: B*d
@@ -236,6 +242,8 @@ def bound_pass(name: str, phase: estimate.PhaseEstimate, cost: DeviceCost, machi
         arithmetic_intensity=intensity, compute_seconds=compute, memory_seconds=memory, comm_bytes=cost.comm_bytes,
         comm_seconds=comm, bound=COMPUTE if compute >= memory else MEMORY, seconds=max(compute, memory) + comm,
         attainable_flops_per_s=min(machine.peak_flops, machine.memory_bandwidth * intensity),
+        intensity_vs_ridge=intensity / machine.ridge_point,
+        passes_per_s_at_peak=1 / compute if compute else math.inf,
     )
 
 
@@ -347,9 +355,9 @@ def _memory_fit(config: ModelConfig, dtypes: estimate.Dtypes, tp: int, positions
     per_sequence = kv_bytes_per_device(config, positions, dtypes.kv, 1, tp) + -(-activation_peak // batch)
     needed = w + kv + activation_peak
     return MemoryFit(
-        capacity_bytes=capacity, weight_bytes_per_device=w, kv_bytes_per_device=kv,
-        activation_bytes_per_device=activation_peak, needed_bytes=needed, free_bytes=capacity - needed,
-        fits=needed <= capacity, max_batch=max(0, capacity - w) // per_sequence,
+        capacity_bytes=capacity, batch=batch, positions=positions, weight_bytes_per_device=w,
+        kv_bytes_per_device=kv, activation_bytes_per_device=activation_peak, needed_bytes=needed,
+        free_bytes=capacity - needed, fits=needed <= capacity, max_batch=max(0, capacity - w) // per_sequence,
     )
 
 
@@ -436,6 +444,7 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation
         batch=batch, step_seconds=p.seconds, bound=p.bound, arithmetic_intensity=p.arithmetic_intensity,
         tokens_per_s_per_sequence=1 / p.seconds, tokens_per_s_total=batch / p.seconds, kv_bytes_per_device=kv,
         memory_bytes_per_device=w + kv, fits=w + kv + batch * activation_peak_per_sequence <= capacity,
+        attainable_flops_per_s=p.attainable_flops_per_s,
     )
 
 
@@ -504,6 +513,7 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     tensor_parallel = TensorParallel(
         tp=tp, interconnect=hardware.interconnect if tp > 1 else "none", link_bandwidth_one_way=(
             hardware.link_bandwidth_one_way if tp > 1 else 0.0),
+        link_bandwidth=hardware.interconnect_bandwidth if tp > 1 else 0.0,
         allreduces_per_layer=ALLREDUCES_PER_LAYER if tp > 1 else 0,
         prefill_payload_bytes=allreduce_payload_bytes(config, batch, prompt_len, act) if tp > 1 else 0,
         decode_payload_bytes=decode_payload if tp > 1 else 0,

@@ -34,6 +34,7 @@ from llmtrace.tracer.trace.run_trace import (
     STOP_INTERRUPTED,
     STOP_MAX_NEW_TOKENS,
     Trace,
+    new_token_limit,
 )
 from llmtrace.tracer.trace.records import (
     DECODE,
@@ -245,7 +246,7 @@ class Generation:
                 f"the prompt is {prompt_len} tokens but {self.config.name} holds {context} positions; "
                 "shorten the prompt"
             )
-        return min(self.settings.max_new_tokens, context - prompt_len)
+        return new_token_limit(self.settings.max_new_tokens, context, prompt_len)
 
     def _step(self, phase: str, index: int, ids: list[int]) -> StepRecord:
         """One forward (prefill or decode_one), the sample from its logits, the text it adds."""

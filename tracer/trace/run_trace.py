@@ -42,6 +42,11 @@ STOP_INTERRUPTED = "interrupted"
 STOP_DRY_RUN = "dry_run"
 
 
+def new_token_limit(max_new_tokens: int, max_seq_len: int, prompt_tokens: int) -> int:
+    """--max-new-tokens, or fewer when the model's context fills up first."""
+    return min(max_new_tokens, max_seq_len - prompt_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class Trace:
     settings: RunSettings
@@ -71,6 +76,13 @@ class Trace:
     @property
     def decode_steps(self) -> tuple[StepRecord, ...]:
         return tuple(s for s in self.steps if s.phase == DECODE)
+
+    @property
+    def new_token_limit(self) -> int:
+        """The most tokens this run could generate (new_token_limit of its settings, model and prompt)."""
+        prefill = self.prefill_step
+        prompt = prefill.input_tokens if prefill is not None else 0
+        return new_token_limit(self.settings.max_new_tokens, self.config.max_seq_len, prompt)
 
     # ---- JSON -----------------------------------------------------------------------------------------
 

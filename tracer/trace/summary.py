@@ -7,10 +7,10 @@ Pure functions of the records (no torch), so a trace read back from JSON summari
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.records import DECODE, PREFILL, StageRecord, StepRecord
+from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord, StepRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ def role_rows(stages: Iterable[StageRecord]) -> list[RoleRow]:
 
 @dataclass(frozen=True, slots=True)
 class PhaseSummary:
-    """One phase (the prefill, or all decode steps together)."""
+    """One phase (the prefill, or all decode steps together): its sums, and the rates they give."""
 
     phase: str
     steps: int
@@ -109,36 +109,46 @@ class PhaseSummary:
     forward_ns: int  # model forward time, summed over steps
     step_ns: int  # whole steps (forward + sample + detokenize)
     totals: StageTotals  # empty (all zero) when tracing was off
-
-    @property
-    def flops_per_second(self) -> float:
-        return self.totals.flops / (self.forward_ns / 1e9) if self.forward_ns else 0.0
-
-    @property
-    def bytes_read_per_step(self) -> float:
-        return self.totals.bytes_read / self.steps if self.steps else 0.0
-
-    @property
-    def min_bytes_per_second(self) -> float:
-        return self.totals.min_bytes / (self.forward_ns / 1e9) if self.forward_ns else 0.0
-
-    @property
-    def arithmetic_intensity(self) -> float:
-        """FLOPs executed per byte the kernels moved (weights, KV and activations: the roofline's x axis), as
-        llmtrace.tracer.analytic.estimate defines it; the traced model runs eager kernels."""
-        return self.totals.flops / self.totals.bytes_moved if self.totals.bytes_moved else 0.0
+    forward_tokens_per_second: float  # tokens_in / forward time (0 without a timed forward)
+    step_ns_mean: float  # step_ns / steps: the time per generated token of this phase (0 without steps)
+    flops_per_step: float  # totals.flops / steps
+    bytes_read_per_step: float  # totals.bytes_read / steps
+    flops_per_second: float  # totals.flops / forward time: the FLOP rate the forward passes reached
+    min_bytes_per_second: float  # weight and KV traffic / forward time
+    # FLOPs executed per byte the kernels moved (weights, KV and activations: the roofline's x axis), as
+    # llmtrace.tracer.analytic.estimate defines it; the traced model runs eager kernels.
+    arithmetic_intensity: float
 
 
 def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
     steps = [s for s in trace.steps if s.phase == phase]
+    totals = stage_totals(trace.stages_of(phase))
+    n = len(steps)
+    forward_ns = sum(s.forward_ns for s in steps)
+    step_ns = sum(s.duration_ns for s in steps)
+    tokens_in = sum(s.input_tokens for s in steps)
+    forward_s = forward_ns / 1e9
     return PhaseSummary(
         phase=phase,
-        steps=len(steps),
-        tokens_in=sum(s.input_tokens for s in steps),
-        forward_ns=sum(s.forward_ns for s in steps),
-        step_ns=sum(s.duration_ns for s in steps),
-        totals=stage_totals(trace.stages_of(phase)),
+        steps=n,
+        tokens_in=tokens_in,
+        forward_ns=forward_ns,
+        step_ns=step_ns,
+        totals=totals,
+        forward_tokens_per_second=tokens_in / forward_s if forward_ns else 0.0,
+        step_ns_mean=step_ns / n if n else 0.0,
+        flops_per_step=totals.flops / n if n else 0.0,
+        bytes_read_per_step=totals.bytes_read / n if n else 0.0,
+        flops_per_second=totals.flops / forward_s if forward_ns else 0.0,
+        min_bytes_per_second=totals.min_bytes / forward_s if forward_ns else 0.0,
+        arithmetic_intensity=totals.flops / totals.bytes_moved if totals.bytes_moved else 0.0,
     )
+
+
+def steps_per_second(steps: Sequence[StepRecord]) -> float:
+    """Steps (one token each) per second of their wall time, sampling included; 0 for none."""
+    ns = sum(s.duration_ns for s in steps)
+    return len(steps) / (ns / 1e9) if ns else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +180,65 @@ def run_summary(trace: Trace) -> RunSummary:
         ttft_ns=tokenize_ns + first.duration_ns if first else 0,
         prefill=prefill,
         decode=decode,
-        decode_tokens_per_second=decode.steps / (decode.step_ns / 1e9) if decode.step_ns else 0.0,
+        decode_tokens_per_second=steps_per_second(trace.decode_steps),
         kv_allocated_bytes=last.kv_allocated_bytes if last else 0,
         kv_live_bytes=last.kv_live_bytes if last else 0,
         peak_rss_bytes=trace.peak_rss_bytes,
         peak_device_bytes=trace.peak_device_bytes,
+    )
+
+
+# ---- decode by stage ----------------------------------------------------------------------------------------
+
+_WEIGHT_KINDS = frozenset({"linear", "lm_head"})  # the stages that stream a weight matrix
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStageRow:
+    """One stage role over the decode steps, every layer's instance together, per step (mean over the steps)."""
+
+    role: str
+    kind: str
+    calls_per_step: int
+    ns_per_step: float
+    flops_per_step: float
+    bytes_moved_per_step: float  # weights, activations and KV, read and written
+    bytes_per_second: float | None  # bytes moved over the stage's own time (None: not timed)
+    flops_per_second: float | None  # for matmul stages only
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeByStage:
+    """Where a decode step's time goes, stage by stage (`llmtrace run`'s "Decode by stage")."""
+
+    steps: int
+    forward_ns_per_step: float
+    stages_ns_per_step: float  # the stages' own times; the rest of the forward is Python between them
+    rows: tuple[DecodeStageRow, ...]
+    weight_products_ns_per_step: float  # projections, FFN, LM head
+    weight_stream_bytes_per_second: float | None  # their weight bytes over their time
+
+
+def decode_by_stage(trace: Trace, decode: PhaseSummary) -> DecodeByStage | None:
+    """`decode`: the run's decode summary. None when no decode step was traced (--no-trace, one token)."""
+    stages = trace.stages_of(DECODE)
+    if not stages or not decode.steps:
+        return None
+    n = decode.steps
+    rows = []
+    for r in role_rows(stages):
+        t = r.totals
+        seconds = t.stage_ns / 1e9
+        rows.append(DecodeStageRow(
+            role=r.role, kind=r.kind, calls_per_step=t.calls // n, ns_per_step=t.stage_ns / n,
+            flops_per_step=t.flops / n, bytes_moved_per_step=t.bytes_moved / n,
+            bytes_per_second=t.bytes_moved / seconds if seconds else None,
+            flops_per_second=t.flops / seconds if seconds and r.kind in MATMUL_KINDS else None,
+        ))
+    weights = stage_totals(s for s in stages if s.kind in _WEIGHT_KINDS)
+    return DecodeByStage(
+        steps=n, forward_ns_per_step=decode.forward_ns / n, stages_ns_per_step=decode.totals.stage_ns / n,
+        rows=tuple(rows), weight_products_ns_per_step=weights.stage_ns / n,
+        weight_stream_bytes_per_second=(weights.weight_bytes_read / (weights.stage_ns / 1e9)
+                                        if weights.stage_ns else None),
     )

@@ -1,0 +1,77 @@
+"""A finished run next to the roofline bound of the machine it ran on, or the one-line reason there is none.
+
+`llmtrace run` ends its summary with this: the run's measured prefill and decode (forward passes only) against
+llmtrace.tracer.roofline.compare's bound, in the dtype the run computed in. The ceilings come from the saved
+'this-machine' profile; when there is none yet, a quick measurement (well under 2 s; llmtrace.tracer.hardware.measure)
+makes and saves one, as `llmtrace hardware --measure` would, and the result says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable
+
+from llmtrace.tracer.core.dtypes import get_dtype
+from llmtrace.tracer.core.errors import LlmtraceError
+from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, get_profile
+from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details, save_measured_profile
+from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
+from llmtrace.tracer.trace.run_trace import Trace
+from llmtrace.tracer.trace.summary import RunSummary
+
+if TYPE_CHECKING:  # measure.py imports torch: `llmtrace show` renders a RunRoofline-free summary without it
+    from llmtrace.tracer.hardware.measure import QuickMeasurement
+
+
+@dataclass(frozen=True, slots=True)
+class RunRoofline:
+    comparison: MeasuredVsBound | None
+    note: str  # why there is no comparison; "" when there is one
+    measured: "QuickMeasurement | None"  # the first-run measurement made for it, saved as 'this-machine'
+    saved_to: str | None  # where that measurement was saved
+
+
+def run_roofline(trace: Trace, summary: RunSummary,
+                 progress: Callable[[str], None] | None = None) -> RunRoofline:
+    """The comparison for `trace` on this machine (measuring it first if needed; `progress` hears what is being
+    measured), or the note saying why there is none. Bad profiles and measurement errors become the note."""
+    device = trace.environment.device.split(":")[0]
+    measured: "QuickMeasurement | None" = None
+    saved_to: str | None = None
+
+    def without(note: str) -> RunRoofline:
+        return RunRoofline(None, f"roofline: {note}", measured, saved_to)
+
+    try:
+        dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
+        profiles = load_measured_profiles()
+        if THIS_MACHINE not in profiles:
+            if device not in ("cpu", "cuda"):
+                return without(f"no measurement for {device}; compare with "
+                               "`llmtrace roofline --hardware <your machine>`")
+            from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
+
+            measured = quick_profile(("fp32",) if dtype == "fp32" else ("fp32", dtype), device, progress)
+            saved_to = str(save_measured_profile(measured.profile, asdict(measured.measurement)))
+            profiles = {THIS_MACHINE: measured.profile}
+        else:
+            details = load_measurement_details(THIS_MACHINE) or {}
+            if details.get("device", device) != device:
+                return without(f"'this-machine' was measured on {details['device']}, this run used {device}; "
+                               f"run `llmtrace hardware --measure --device {device}`")
+        profile = get_profile(THIS_MACHINE, profiles)
+        if not profile.has_peak(dtype):
+            have = ", ".join(d for d in MEASURABLE_DTYPES if d != "tf32" and profile.has_peak(d)) or "none"
+            return without(f"the saved 'this-machine' profile has no {dtype} peak FLOP/s ({have} only), so no bound "
+                           f"for this {dtype} run; add it with `llmtrace hardware --measure --dtypes fp32,{dtype}`")
+        pre, dec = summary.prefill, summary.decode
+        if not pre.forward_ns:
+            return without("no prefill was timed")
+        decode_tps = dec.steps / (dec.forward_ns / 1e9) if dec.steps and dec.forward_ns else None
+        # the prefill yields the first token, so the bound covers the decode steps that actually ran
+        comparison = compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in, new_tokens=dec.steps + 1,
+                                           measured_ttft_s=pre.forward_ns / 1e9,
+                                           measured_decode_tokens_per_s=decode_tps, dtype=dtype)
+        return RunRoofline(comparison, "", measured, saved_to)
+    except LlmtraceError as exc:
+        return without(str(exc))
