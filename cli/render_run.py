@@ -310,7 +310,9 @@ def _survivors(step: StepRecord, settings: RunSettings) -> str:
     if settings.top_k:
         kept.append(f"top-k {settings.top_k} kept {s.n_after_top_k:,}")
     if settings.top_p is not None and settings.top_p < 1:
-        kept.append(f"top-p {settings.top_p:g} kept {s.n_after_top_p:,}")
+        mass = (f": the fewest whose probabilities reach {settings.top_p:g} ({100 * s.top_p_mass:.1f}%)"
+                if s.top_p_mass is not None else "")
+        kept.append(f"top-p {settings.top_p:g} kept {s.n_after_top_p:,}{mass}")
     if settings.min_p:
         kept.append(f"min-p {settings.min_p:g} kept {s.n_after_min_p:,}")
     counts = ", then ".join(kept) or f"no filter: all {s.n_final:,} tokens stay in the draw"

@@ -230,6 +230,7 @@ def test_sampling_run_shows_model_and_final_probabilities_survivors_and_the_draw
     out = result.output
     assert "p model" in out and "p sampled" in out and "model p = " in out and "after sampling" in out
     assert "top-p 0.9 kept " in out and " bits" in out and "entropy " in out
+    assert ": the fewest whose probabilities reach 0.9 (" in out  # and why: the mass they hold
     assert "✗ pm" not in out and "drawn: replay this run with --seed " in out
     greedy = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--no-roofline")
     assert "p model" in greedy.output and "p sampled" not in greedy.output and "greedy keeps 1 token" in greedy.output

@@ -406,3 +406,74 @@ def test_partial_selection_is_exact_when_its_sample_misleads_it() -> None:
     y = torch.zeros(49152)
     y[[5, 40000, 77]] = torch.tensor([3.0, 2.0, 2.0])
     assert _top_sorted(y.numpy(), 6).tolist() == [5, 77, 40000, 0, 1, 2]
+
+
+# ---- top-p on tied distributions: a count, as HF's TopPLogitsWarper keeps it ---------------------------------------
+
+
+def test_top_p_keeps_the_fewest_tokens_even_inside_a_tie() -> None:
+    """Five tokens tied at 16% behind one at 20%: p = 0.5 is reached by the third (20 + 16 + 16 = 52%).
+
+    A threshold on the logit would keep all six (every tied token has the cut-off's logit); the nucleus is the three.
+    Ties are cut in rank order: lower token id first, argmax's order.
+    """
+    probs = {11: 0.20, 3: 0.16, 8: 0.16, 20: 0.16, 31: 0.16, 40: 0.16}
+    logits = torch.full((50,), float("-inf"))
+    for token, p in probs.items():
+        logits[token] = math.log(p)
+    result = sample(logits, temperature=1.0, top_p=0.5, seed=0)
+    assert result.n_after_top_p == result.n_final == 3
+    assert result.top_p_mass == pytest.approx(0.52)
+    kept = [c.token_id for c in result.candidates if c.kept_top_p]
+    assert kept == [11, 3, 8]
+    assert result.token_id in kept
+    assert sum(c.prob_final for c in result.candidates) == pytest.approx(1.0)
+    hf = TopPLogitsWarper(top_p=0.5)(torch.tensor([[0]]), logits[None].clone())[0]
+    assert int(torch.isfinite(hf).sum()) == 3  # HF's count, its own tie order aside
+
+
+def _hf_top_p_kept(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    return torch.isfinite(TopPLogitsWarper(top_p=top_p)(torch.tensor([[0]]), scores[None].clone())[0])
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.8, 0.9, 0.95])
+@pytest.mark.parametrize("step", [0.25, 0.5, 1.0])
+def test_top_p_on_tied_logits_keeps_as_many_as_hf(top_p: float, step: float) -> None:
+    """Logits rounded to a grid tie in runs (as bf16 logits do). HF keeps a count decided by its sort: the same
+    count here, every token above the cut-off's logit kept by both, the rest of the count taken from the tie."""
+    generator = torch.Generator().manual_seed(int(100 * top_p + 10 * step))
+    for vocab in (64, 1000, 49152):
+        logits = torch.round(torch.randn(vocab, generator=generator) * 2 / step) * step
+        result = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0), n_candidates=vocab).sample(logits)
+        hf = _hf_top_p_kept(logits, top_p)
+        assert result.n_after_top_p == result.n_final
+        if result.n_after_top_p != int(hf.sum()):
+            # HF sums fp32 probabilities from the smallest up; here they are summed in fp64 from the largest. They
+            # may disagree only where the nucleus's mass is within fp32 rounding of p: check that it is.
+            assert abs(result.n_after_top_p - int(hf.sum())) == 1 and abs(result.top_p_mass - top_p) < 1e-6
+            continue
+        kept = torch.zeros(vocab, dtype=torch.bool)
+        kept[[c.token_id for c in result.candidates if c.kept_top_p]] = True
+        cut = float(logits[kept].min())
+        assert torch.equal(kept & (logits > cut), hf & (logits > cut))  # above the cut-off: the same tokens
+        assert int((kept & (logits == cut)).sum()) == int((hf & (logits == cut)).sum())  # from the tie: as many
+        tied = torch.nonzero(logits == cut).flatten()
+        assert kept[tied].tolist() == sorted(kept[tied].tolist(), reverse=True)  # lower ids first
+        assert bool(kept[result.token_id])
+        mass = float(torch.softmax(logits.double(), 0)[kept].sum())
+        assert result.top_p_mass == pytest.approx(mass, rel=1e-6) and mass >= top_p - 1e-6
+
+
+def test_top_p_ties_with_top_k_and_min_p_in_bf16() -> None:
+    """bf16 logits of a real LM head tie often; top-k's ties are kept (HF's rule for top-k), top-p's are cut."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(49152, generator=generator) * 3).bfloat16()
+    params = SamplingParams(temperature=1.0, top_k=200, top_p=0.6, min_p=0.0005, seed=1)
+    result = Sampler(params).sample(logits)
+    scores = logits.float()[None]
+    after_k = TopKLogitsWarper(top_k=200)(torch.tensor([[0]]), scores.clone())
+    after_p = TopPLogitsWarper(top_p=0.6)(torch.tensor([[0]]), after_k.clone())
+    after_m = MinPLogitsWarper(min_p=0.0005)(torch.tensor([[0]]), after_p.clone())
+    assert result.n_after_top_k == int(torch.isfinite(after_k).sum())
+    assert result.n_after_top_p == int(torch.isfinite(after_p).sum())
+    assert result.n_final == int(torch.isfinite(after_m).sum())

@@ -373,6 +373,7 @@ def _sampling_record(result: Any) -> SamplingRecord | None:
             n_after_top_k=int(result.n_after_top_k), n_after_top_p=int(result.n_after_top_p),
             n_after_min_p=int(result.n_after_min_p), n_final=int(result.n_final),
             entropy_raw_bits=float(result.entropy_raw_bits), entropy_final_bits=float(result.entropy_final_bits),
+            top_p_mass=float(result.top_p_mass),
         )
     except AttributeError:
         return None

@@ -7,14 +7,17 @@ The steps run in the order HF transformers' `generate()` applies its logits proc
   2. temperature: logits / T.  T = 0 means greedy: the argmax of the penalised logits, no randomness, and
      steps 3-5 do not exist (asking for them with T = 0 is an error rather than being silently ignored);
   3. top-k: keep the k largest logits (tokens tied with the k-th are kept too, as HF does);
-  4. top-p (nucleus): renormalise what top-k kept, then keep tokens, largest first, while the probability mass
-     before a token is below p (so the token that crosses p is kept);
+  4. top-p (nucleus): renormalise what top-k kept, then keep the fewest tokens, largest first, whose probability
+     sums to at least p: a token is kept while the mass before it is below p (so the one that crosses p is kept,
+     and at least one token always is). Tokens tied with the last one kept are cut by the sort, as HF's
+     TopPLogitsWarper cuts them: top-p keeps a count, not a threshold;
   5. min-p: keep tokens whose probability is at least min_p times the largest probability (a ratio, so it is the
      same before or after steps 3-4 renormalise);
   then renormalise what is left and draw one token with the Sampler's own seeded torch.Generator.
 
-Every filter keeps the largest logits, so each one is a threshold on the tempered logit; the kept set is
-"tempered logit >= the largest threshold" (ties at a cut are all kept). That is what keeps a call cheap on a
+Every filter keeps the largest logits, so each kept set is a prefix of the tokens sorted by tempered logit (ties:
+lower token id first, argmax's order): top-k and min-p are thresholds on the logit (ties at their cut all kept),
+top-p a length. The kept set is the shortest of those prefixes. That is what keeps a call cheap on a
 49152-token vocabulary: a partial selection of the best few tokens instead of a full sort (greedy: the candidate
 table only; top-p: 256 tokens, then 4096, and only for a very flat distribution the whole vocabulary, once), and
 a draw over the whole vocabulary needs no sort at all. The arithmetic is single-threaded numpy on the CPU: on
@@ -138,6 +141,7 @@ class SampleResult:
     n_after_top_p: int
     n_after_min_p: int
     n_final: int  # tokens the draw chose from (1 under greedy)
+    top_p_mass: float  # probability the top-p survivors hold among top-k's, renormalised (1.0 when top-p is off)
     entropy_raw_bits: float  # of the model's own distribution
     entropy_final_bits: float  # of the distribution actually drawn from (0 under greedy)
 
@@ -198,7 +202,7 @@ class Sampler:
                                  everything, everything, everything, one_hot, chosen)
         return SampleResult(token_id=chosen, probability=1.0, probability_raw=float(prob_raw[0]), rank=1,
                             candidates=candidates, n_after_top_k=vocab, n_after_top_p=vocab, n_after_min_p=vocab,
-                            n_final=1, entropy_final_bits=0.0, **common)
+                            n_final=1, top_p_mass=1.0, entropy_final_bits=0.0, **common)
 
     def _draw(self, raw: np.ndarray, raw_max: float, raw_lse: float, penalised: np.ndarray,
               common: dict) -> SampleResult:
@@ -225,21 +229,19 @@ class Sampler:
         # 3. top-k
         t_k = float(vals[p.top_k - 1]) if 0 < p.top_k < vocab else _NEG_INF
         n_after_top_k = count_at_least(t_k)
-        # 4. top-p, on the top-k survivors renormalised
-        t_p = _NEG_INF
+        # 4. top-p, on the top-k survivors renormalised: a count of sorted tokens, ties at the cut cut by the sort
+        n_after_top_p, top_p_mass = n_after_top_k, 1.0
         if p.top_p < 1:
-            cut = _nucleus_size(vals, n_after_top_k, vocab, scaled_lse, p.top_p)
-            while cut is None:  # a flatter distribution: the nucleus reaches past the prefix; fetch 16x more
+            nucleus = _nucleus(vals, n_after_top_k, vocab, scaled_lse, p.top_p)
+            while nucleus is None:  # a flatter distribution: the nucleus reaches past the prefix; fetch 16x more
                 order = _top_sorted(scaled, min(vocab, order.size * 16))
                 vals = scaled[order]
-                cut = _nucleus_size(vals, n_after_top_k, vocab, scaled_lse, p.top_p)
-            t_p = float(vals[cut - 1])
-        t_kp = max(t_k, t_p)
-        n_after_top_p = count_at_least(t_kp)
+                nucleus = _nucleus(vals, n_after_top_k, vocab, scaled_lse, p.top_p)
+            n_after_top_p, top_p_mass = nucleus
         # 5. min-p: p_i >= min_p * p_max  <=>  logit_i >= max logit + log(min_p)
         t_m = scaled_max + math.log(p.min_p) if p.min_p > 0 else _NEG_INF
-        threshold = max(t_kp, t_m)
-        n_final = count_at_least(threshold)
+        threshold = max(t_k, t_m)
+        n_final = min(n_after_top_p, count_at_least(threshold))
 
         u = self._next_uniform()
         if n_final <= order.size:  # the kept set is a prefix of the sorted tokens
@@ -248,7 +250,7 @@ class Sampler:
             cumulative = np.cumsum(weights)
             position = _first_above(cumulative, u * float(cumulative[-1]))
             chosen, rank = int(order[position]), position + 1
-        else:  # min-p alone, or nothing, cut less than the prefix holds: draw over the whole (masked) vocabulary
+        else:  # no top-p; min-p alone, or nothing, cut less than the prefix holds: draw over the whole vocabulary
             masked = scaled if threshold == _NEG_INF else np.where(scaled >= threshold, scaled, np.float32(_NEG_INF))
             final_lse, final_entropy, weights = _softmax_stats(masked, scaled_max)
             chosen = _draw_index(weights, u)
@@ -258,7 +260,8 @@ class Sampler:
         if rank > self._n_candidates:
             ids, ranks = np.append(ids, chosen), np.append(ranks, rank)
         s = scaled[ids]
-        kept_k, kept_p, kept_m = s >= t_k, s >= t_kp, s >= threshold
+        # every kept set is a prefix of the sorted order, so a rank says which filters kept a token
+        kept_k, kept_p, kept_m = ranks <= n_after_top_k, ranks <= n_after_top_p, ranks <= n_final
         prob_raw = np.exp(raw[ids].astype(np.float64) - raw_lse)
         prob_tempered = np.exp(s.astype(np.float64) - scaled_lse)
         prob_final = np.where(kept_m, np.exp(s.astype(np.float64) - final_lse), 0.0)
@@ -268,7 +271,7 @@ class Sampler:
         return SampleResult(token_id=chosen, probability=chosen_row.prob_final, probability_raw=chosen_row.prob_raw,
                             rank=rank, candidates=candidates, n_after_top_k=n_after_top_k,
                             n_after_top_p=n_after_top_p, n_after_min_p=n_final, n_final=n_final,
-                            entropy_final_bits=final_entropy / _LN2, **common)
+                            top_p_mass=top_p_mass, entropy_final_bits=final_entropy / _LN2, **common)
 
 
 def _logits_as_numpy(logits: torch.Tensor) -> np.ndarray:
@@ -357,10 +360,13 @@ def _top_unordered(x: np.ndarray, count: int) -> np.ndarray:
     return np.argpartition(x, x.size - count)[x.size - count:]
 
 
-def _nucleus_size(vals: np.ndarray, n_candidates: int, vocab: int, scaled_lse: float, top_p: float) -> int | None:
-    """How many of the sorted tokens top-p keeps among the first `n_candidates` (top-k's survivors).
+def _nucleus(vals: np.ndarray, n_candidates: int, vocab: int, scaled_lse: float,
+             top_p: float) -> tuple[int, float] | None:
+    """How many of the sorted tokens top-p keeps among the first `n_candidates` (top-k's survivors), and the
+    probability they hold.
 
-    HF keeps a token while the mass strictly before it is below top_p. None: the prefix `vals` is too short to say.
+    HF keeps a token while the mass strictly before it is below top_p: the fewest tokens whose probability sums to
+    top_p, at least one. None: the prefix `vals` is too short to say.
     """
     if n_candidates != vocab and n_candidates > vals.size:
         return None  # top-k's ties reach past the prefix: its survivors cannot be normalised from it
@@ -374,7 +380,8 @@ def _nucleus_size(vals: np.ndarray, n_candidates: int, vocab: int, scaled_lse: f
     below = int(np.count_nonzero(cumulative < top_p))
     if below == available and available < n_candidates:
         return None
-    return min(n_candidates, below + 1)
+    count = min(n_candidates, below + 1)
+    return count, min(float(cumulative[count - 1]), 1.0)
 
 
 def _first_above(cumulative: np.ndarray, target: float) -> int:

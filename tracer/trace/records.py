@@ -91,6 +91,9 @@ class SamplingRecord:
     n_final: int  # tokens the draw chose from (1 under greedy)
     entropy_raw_bits: float  # of the model's own distribution
     entropy_final_bits: float  # of the distribution actually drawn from (0 under greedy)
+    # Probability top-p's survivors hold among top-k's, renormalised: the first sum to reach p (1.0 when top-p is
+    # off). None in traces written before it was recorded.
+    top_p_mass: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
