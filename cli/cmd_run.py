@@ -101,6 +101,10 @@ def run_command(
     no_warmup: Annotated[bool, typer.Option(
         "--no-warmup", help="Skip the untimed warm-up pass, so the first prefill includes one-off kernel set-up "
                             "(oneDNN JIT, allocator growth).")] = False,
+    repeat: Annotated[int, typer.Option(
+        "--repeat", min=1, help="Run the generation K times (after the one warm-up) and report the median and "
+                                "spread of TTFT, decode time per token and each stage, as llama-bench -r does; the "
+                                "first run is the one shown and saved.")] = 1,
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
@@ -124,7 +128,9 @@ def run_command(
         for path in (json_path, chrome_trace):
             if path is not None and not (path is json_path and json_to_stdout):
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
-        trace = _run(console, settings, detail.value, roofline=not no_roofline)
+        if repeat > 1 and dry_run:
+            raise BadArgumentError("--repeat times real runs; drop --dry-run")
+        trace = _run(console, settings, detail.value, roofline=not no_roofline, repeat=repeat)
         if json_path is not None:
             if json_to_stdout:
                 sys.stdout.write(trace.to_json(indent=1) + "\n")
@@ -154,7 +160,7 @@ def _check_settings(settings: RunSettings) -> None:
         raise BadArgumentError("--dry-run shows traced shapes and FLOPs; drop --no-trace")
 
 
-def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True) -> Trace:
+def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True, repeat: int = 1) -> Trace:
     import torch
 
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
@@ -215,7 +221,35 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     if roofline and not settings.dry_run:
         comparison, note = _roofline_for(console, trace, report)
     render_ending(console, trace, detail, report, comparison, note)
+    if repeat > 1 and trace.stop_reason != STOP_INTERRUPTED:
+        _repeat(console, loaded, trace, repeat)
     return trace
+
+
+def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None:
+    """K - 1 more runs of the same generation (same seed, so the same tokens; no second warm-up), then the
+    medians and spreads of all K (llmtrace.tracer.trace.repeat_summary)."""
+    from dataclasses import replace
+
+    from llmtrace.cli.render_run_repeat import render_repeat
+    from llmtrace.tracer.run.generate import Generation
+    from llmtrace.tracer.trace.repeat_summary import repeat_summary
+
+    settings = replace(first.settings, warmup=False, seed_drawn=False)
+    traces = [first]
+    try:
+        with console.status(f"repeating the generation: 2 of {repeat} …") as status:
+            for k in range(2, repeat + 1):
+                status.update(f"repeating the generation: {k} of {repeat} …")
+                generation = Generation(loaded, settings)
+                try:
+                    traces.append(generation.run())
+                finally:
+                    generation.close()
+    except KeyboardInterrupt:
+        console.print(f"[dim]--repeat interrupted after {len(traces)} runs[/]")
+    if len(traces) > 1:
+        render_repeat(console, repeat_summary(traces))
 
 
 def _roofline_for(console: Console, trace: Trace, report: RunReport) -> tuple[MeasuredVsBound | None, str]:

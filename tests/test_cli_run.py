@@ -252,3 +252,28 @@ def test_dry_run_says_where_its_prompt_length_came_from() -> None:
     assert "assuming 9 prompt tokens (as --prompt-tokens says)" in given.output
     counted = _run("x" * 7, "--model", "llama-7b", "--dry-run")
     assert "assuming 7 prompt tokens (one per character of the prompt; set --prompt-tokens)" in counted.output
+
+
+def test_repeat_reports_medians_and_spreads_over_identical_runs(tiny_llama_dir: Path) -> None:
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.run.generate import Generation
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.repeat_summary import repeat_summary
+
+    loaded = load_model(str(tiny_llama_dir))
+    settings = RunSettings(model=str(tiny_llama_dir), prompt="sky", max_new_tokens=4, temperature=0.8, seed=3)
+    traces = [Generation(loaded, settings).run() for _ in range(3)]
+    assert len({t.generated_ids for t in traces}) == 1  # same seed: same tokens, same work
+    summary = repeat_summary(traces)
+    assert summary.repeats == 3 and len(summary.ttft.samples) == 3
+    decode = [t.steps[1:] for t in traces]
+    per_token = sorted(sum(s.duration_ns for s in d) / 1e9 / len(d) for d in decode)
+    assert summary.decode_per_token.median == pytest.approx(per_token[1])
+    assert (summary.decode_per_token.fastest, summary.decode_per_token.slowest) == pytest.approx(
+        (per_token[0], per_token[2]))
+    roles = {s.role for s in summary.stages}
+    assert "output" in roles and len(roles) == len(summary.stages)
+
+    result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3", "--repeat", "2", "--no-roofline")
+    assert result.exit_code == 0, result.output
+    assert "Repeated 2 times" in result.output and "decode per token" in result.output and "spread" in result.output
