@@ -15,7 +15,8 @@ MAX_STAGE_ROWS = 12
 
 
 def _cells(s: Spread) -> list[str]:
-    return [fmt.duration_s(s.median), fmt.duration_s(s.fastest), fmt.duration_s(s.slowest), f"{100 * s.relative_spread:.0f}%"]
+    return [fmt.duration_s(s.median), fmt.duration_s(s.fastest), fmt.duration_s(s.slowest),
+            f"{100 * s.relative_spread:.0f}%"]
 
 
 def render_repeat(console: Console, r: RepeatSummary) -> None:
