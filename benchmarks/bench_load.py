@@ -79,17 +79,22 @@ def components(path: str, rounds: int) -> None:
     from gguf.quants import dequantize as gguf_dequantize
 
     from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
-    from llmtrace.tracer.load.gguf_loader import dequantize
+    from llmtrace.tracer.load.gguf_dequant import dequantize
 
     header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
 
-    def all_tensors(decode) -> float:  # noqa: ANN001 - a decoder taking (raw bytes, ggml type)
+    def all_tensors(decode) -> float:  # noqa: ANN001 - a decoder taking (raw bytes, ggml type, row length)
         start = time.perf_counter()
         for info in header.tensors:
             begin = header.data_offset + info.offset
-            decode(data[begin:begin + info.n_bytes], info.ggml_type)
+            decode(data[begin:begin + info.n_bytes], info.ggml_type, info.shape[0])
         return time.perf_counter() - start
+
+    def gguf_rows(raw, kind: int, row_len: int):  # noqa: ANN001, ANN202 - gguf's call, rows as rows
+        qtype = gguf.GGMLQuantizationType(kind)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        return gguf_dequantize(raw.reshape(-1, row_len // block * block_bytes), qtype)
 
     def timed(fn) -> float:  # noqa: ANN001
         start = time.perf_counter()
@@ -98,15 +103,14 @@ def components(path: str, rounds: int) -> None:
 
     rows = {"header + vocabulary: tracer read_gguf_header(decode_arrays=True)": [],
             "header + vocabulary: gguf.GGUFReader": [],
-            "dequantize all 272 tensors: llmtrace.tracer.load.gguf_loader": [],
+            "dequantize all 272 tensors: llmtrace.tracer.load.gguf_dequant": [],
             "dequantize all 272 tensors: gguf.quants.dequantize": []}
     for _ in range(rounds):
         rows["header + vocabulary: tracer read_gguf_header(decode_arrays=True)"].append(
             timed(lambda: read_gguf_header(path, decode_arrays=True)))
         rows["header + vocabulary: gguf.GGUFReader"].append(timed(lambda: gguf.GGUFReader(path)))
-        rows["dequantize all 272 tensors: llmtrace.tracer.load.gguf_loader"].append(all_tensors(dequantize))
-        rows["dequantize all 272 tensors: gguf.quants.dequantize"].append(
-            all_tensors(lambda raw, kind: gguf_dequantize(raw, gguf.GGMLQuantizationType(kind))))
+        rows["dequantize all 272 tensors: llmtrace.tracer.load.gguf_dequant"].append(all_tensors(dequantize))
+        rows["dequantize all 272 tensors: gguf.quants.dequantize"].append(all_tensors(gguf_rows))
     print("| step | median (s) |")
     print("|---|---:|")
     for name, times in rows.items():

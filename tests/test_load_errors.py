@@ -128,13 +128,6 @@ def test_missing_tensor_is_named(write: Callable[..., Path]) -> None:
 # ---- unsupported models ------------------------------------------------------------------------------------------
 
 
-def test_unsupported_quantization(write: Callable[..., Path]) -> None:
-    path = write(matrix_type=gguf.GGMLQuantizationType.Q5_0)
-    with pytest.raises(UnsupportedModelError) as exc:
-        load_model(str(path))
-    assert "unsupported quantization Q5_0" in _one_line(exc)
-
-
 def test_unsupported_architecture(write: Callable[..., Path]) -> None:
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(str(write(arch="qwen2")))

@@ -17,6 +17,8 @@ import torch
 
 from llmtrace.tracer.core.config import ModelConfig
 
+Q = gguf.GGMLQuantizationType
+
 # Meta name suffix -> llama.cpp name, per layer (llama.cpp's tensor_mapping.py / llama-arch.cpp).
 _LAYER = {
     "attention_norm.weight": "attn_norm.weight",
@@ -71,6 +73,67 @@ def sentencepiece_vocab(model_proto: bytes) -> dict[str, Any]:
             "unk": sp.unk_id()}
 
 
+# Block layouts of ggml-common.h (QK_K = 256, K_SCALE_SIZE = 12), field by field in storage order. "f16" is an fp16
+# scale, "e8m0" MXFP4's power-of-two scale, "ue4m3" NVFP4's unsigned fp8 scales; "u8"/"i8"/"u16" are quant bits.
+_F16, _U8, _I8, _U16, _E8M0, _UE4M3 = "f16", "u8", "i8", "u16", "e8m0", "ue4m3"
+BLOCK_LAYOUTS: dict[gguf.GGMLQuantizationType, tuple[tuple[str, str, int], ...]] = {
+    Q.Q4_0: (("d", _F16, 1), ("qs", _U8, 16)),
+    Q.Q4_1: (("d", _F16, 1), ("m", _F16, 1), ("qs", _U8, 16)),
+    Q.Q5_0: (("d", _F16, 1), ("qh", _U8, 4), ("qs", _U8, 16)),
+    Q.Q5_1: (("d", _F16, 1), ("m", _F16, 1), ("qh", _U8, 4), ("qs", _U8, 16)),
+    Q.Q8_0: (("d", _F16, 1), ("qs", _I8, 32)),
+    Q.Q2_K: (("scales", _U8, 16), ("qs", _U8, 64), ("d", _F16, 1), ("dmin", _F16, 1)),
+    Q.Q3_K: (("hmask", _U8, 32), ("qs", _U8, 64), ("scales", _U8, 12), ("d", _F16, 1)),
+    Q.Q4_K: (("d", _F16, 1), ("dmin", _F16, 1), ("scales", _U8, 12), ("qs", _U8, 128)),
+    Q.Q5_K: (("d", _F16, 1), ("dmin", _F16, 1), ("scales", _U8, 12), ("qh", _U8, 32), ("qs", _U8, 128)),
+    Q.Q6_K: (("ql", _U8, 128), ("qh", _U8, 64), ("scales", _I8, 16), ("d", _F16, 1)),
+    Q.IQ2_XXS: (("d", _F16, 1), ("qs", _U16, 32)),
+    Q.IQ2_XS: (("d", _F16, 1), ("qs", _U16, 32), ("scales", _U8, 8)),
+    Q.IQ2_S: (("d", _F16, 1), ("qs", _U8, 64), ("qh", _U8, 8), ("scales", _U8, 8)),
+    Q.IQ3_XXS: (("d", _F16, 1), ("qs", _U8, 96)),
+    Q.IQ3_S: (("d", _F16, 1), ("qs", _U8, 64), ("qh", _U8, 8), ("signs", _U8, 32), ("scales", _U8, 4)),
+    Q.IQ1_S: (("d", _F16, 1), ("qs", _U8, 32), ("qh", _U16, 8)),
+    # IQ1_M has no separate scale: its fp16 scale is the top 4 bits of each of the four u16 `scales`.
+    Q.IQ1_M: (("qs", _U8, 32), ("qh", _U8, 16), ("scales", _U16, 4)),
+    Q.IQ4_NL: (("d", _F16, 1), ("qs", _U8, 16)),
+    Q.IQ4_XS: (("d", _F16, 1), ("scales_h", _U16, 1), ("scales_l", _U8, 4), ("qs", _U8, 128)),
+    Q.TQ1_0: (("qs", _U8, 48), ("qh", _U8, 4), ("d", _F16, 1)),
+    Q.TQ2_0: (("qs", _U8, 64), ("d", _F16, 1)),
+    Q.MXFP4: (("e", _E8M0, 1), ("qs", _U8, 16)),
+    Q.NVFP4: (("d", _UE4M3, 4), ("qs", _U8, 32)),
+}
+_NUMPY = {_F16: "<f2", _U8: "u1", _I8: "i1", _U16: "<u2", _E8M0: "u1", _UE4M3: "u1"}
+
+
+def block_dtype(qtype: gguf.GGMLQuantizationType) -> np.dtype:
+    """One block of `qtype` as a numpy structured dtype (packed, little-endian), per ggml-common.h."""
+    return np.dtype([(name, _NUMPY[kind], (count,)) for name, kind, count in BLOCK_LAYOUTS[qtype]])
+
+
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x cols values of `qtype` as raw blocks (uint8, rows x bytes per row): random quant bits, and scales
+    small and finite (fp16 in [0.002, 0.02]; power-of-two and fp8 scales of similar size), so every value decodes
+    to a finite weight a model can run on."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block
+    blocks = np.frombuffer(rng.integers(0, 256, n_blocks * block_bytes, dtype=np.uint8).tobytes(),
+                           dtype=block_dtype(qtype)).copy()
+    for name, kind, count in BLOCK_LAYOUTS[qtype]:
+        if kind == _F16:
+            blocks[name] = rng.uniform(0.002, 0.02, (n_blocks, count)).astype("<f2")
+        elif kind == _E8M0:
+            blocks[name] = rng.integers(118, 124, (n_blocks, count))  # 2^-9 .. 2^-4
+        elif kind == _UE4M3:
+            blocks[name] = rng.integers(8, 48, (n_blocks, count))  # exponents 1-5: 2^-6 .. 2^-1, never 0x7F
+    if qtype == Q.IQ1_M:
+        scale = rng.uniform(0.002, 0.02, n_blocks).astype("<f2").view("<u2")
+        low_bits = blocks["scales"] & 0x0FFF
+        for i in range(4):  # nibble i of the fp16 scale sits in the top 4 bits of scales[i]
+            low_bits[:, i] |= ((scale >> (4 * i)) & 0xF) << 12
+        blocks["scales"] = low_bits
+    return blocks.view(np.uint8).reshape(rows, cols // block * block_bytes)
+
+
 def write_tiny_gguf(
     path: Path,
     config: ModelConfig,
@@ -81,8 +144,13 @@ def write_tiny_gguf(
     tokenizer_model: str = "llama",
     skip: tuple[str, ...] = (),
     chat_template: str | None = None,
+    raw_blocks: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
 ) -> Path:
-    """Write `state_dict` (our names, fp32, HF RoPE layout) as a llama.cpp-style GGUF; `skip` drops llama.cpp names."""
+    """Write `state_dict` (our names, fp32, HF RoPE layout) as a llama.cpp-style GGUF; `skip` drops llama.cpp names.
+
+    `raw_blocks` maps llama.cpp names to blocks already in the file's layout (Q/K rows as llama.cpp orders them),
+    written as they are in place of the state dict's tensor: how the tests store types gguf cannot quantize.
+    """
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.n_layers)
     writer.add_context_length(config.max_seq_len)
@@ -116,6 +184,10 @@ def write_tiny_gguf(
     for ours, tensor in state_dict.items():
         name = llama_cpp_name(ours)
         if name in skip or (ours == "output.weight" and config.tie_embeddings):
+            continue
+        if raw_blocks and name in raw_blocks:
+            blocks, qtype = raw_blocks[name]
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
             continue
         array = tensor.detach().to(torch.float32).numpy()
         if ours.endswith("attention.wq.weight"):

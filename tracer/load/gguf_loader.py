@@ -2,8 +2,7 @@
 
 The descriptors come from `llmtrace.tracer.checkpoint.gguf_header` (pure Python, 0.1 s for the bundled file; `gguf.GGUFReader` spends
 seconds decoding every vocabulary string as a numpy array). The data section is a numpy memmap, so only the bytes of
-the tensor being converted are paged in. The block decoders below are vectorised numpy, checked bit-for-bit
-against `gguf.quants.dequantize` in the tests and about 3x faster than it (BENCHMARKS.md).
+the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.errors import CheckpointError, FileFormatError, UnsupportedModelError
-from llmtrace.tracer.checkpoint.gguf_header import GGML_TYPES, GGUFHeader, GGUFTensorInfo, read_gguf_header
+from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
+from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
+from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.model.transformer import expected_shapes
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 
@@ -42,10 +42,6 @@ _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
 
-# ggml type codes this loader decodes (ggml.h enum ggml_type).
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-SUPPORTED_TYPES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1"}
-
 
 def meta_name(gguf_name: str) -> str | None:
     """Meta-style name for a llama.cpp tensor name, or None when the name is not one a LLaMA model has."""
@@ -55,79 +51,6 @@ def meta_name(gguf_name: str) -> str | None:
     if match and match.group(2) in _LAYER_NAMES:
         return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
     return None
-
-
-# ---- block decoders: flat uint8 bytes -> flat float32 ---------------------------------------------------------
-
-
-def _scales(blocks: np.ndarray, start: int, count: int) -> np.ndarray:
-    """`count` fp16 scalars per block from byte `start`, as float32 (n_blocks, count)."""
-    return np.ascontiguousarray(blocks[:, start:start + 2 * count]).view("<f2").astype(np.float32)
-
-
-def _nibbles(quants: np.ndarray) -> np.ndarray:
-    """16 packed bytes per block -> 32 values: low nibbles are elements 0-15, high nibbles 16-31 (ggml's layout)."""
-    out = np.empty((quants.shape[0], 32), dtype=np.float32)
-    np.bitwise_and(quants, 0x0F, out=out[:, :16], casting="unsafe")
-    np.right_shift(quants, 4, out=out[:, 16:], casting="unsafe")
-    return out
-
-
-def _dequant_q4_1(raw: np.ndarray) -> np.ndarray:
-    """block_q4_1: fp16 d, fp16 m, 16 bytes of nibbles q; x = d * q + m."""
-    blocks = raw.reshape(-1, 20)
-    dm = _scales(blocks, 0, 2)  # (n_blocks, 2): d, m
-    out = _nibbles(blocks[:, 4:])
-    out *= dm[:, 0:1]
-    out += dm[:, 1:2]
-    return out.reshape(-1)
-
-
-def _dequant_q4_0(raw: np.ndarray) -> np.ndarray:
-    """block_q4_0: fp16 d, 16 bytes of nibbles q; x = d * (q - 8)."""
-    blocks = raw.reshape(-1, 18)
-    d = _scales(blocks, 0, 1)
-    out = _nibbles(blocks[:, 2:])
-    out -= 8.0
-    out *= d
-    return out.reshape(-1)
-
-
-def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
-    """block_q8_0: fp16 d, 32 signed bytes q; x = d * q."""
-    blocks = raw.reshape(-1, 34)
-    d = _scales(blocks, 0, 1)
-    out = blocks[:, 2:].view(np.int8).astype(np.float32)
-    out *= d
-    return out.reshape(-1)
-
-
-def _dequant_f32(raw: np.ndarray) -> np.ndarray:
-    return raw.view("<f4").copy()  # a copy: the memmap is read-only and must not back a torch tensor
-
-
-def _dequant_f16(raw: np.ndarray) -> np.ndarray:
-    return raw.view("<f2").astype(np.float32)
-
-
-def _dequant_bf16(raw: np.ndarray) -> np.ndarray:
-    """bf16 is the top half of an fp32: shift the 16 bits up."""
-    return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-
-
-_DECODERS = {F32: _dequant_f32, F16: _dequant_f16, BF16: _dequant_bf16, Q8_0: _dequant_q8_0,
-             Q4_0: _dequant_q4_0, Q4_1: _dequant_q4_1}
-
-
-def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
-    """Flat uint8 bytes of one tensor -> flat float32 values. Unsupported types raise UnsupportedModelError."""
-    if ggml_type not in _DECODERS:
-        name = GGML_TYPES.get(ggml_type, (f"type {ggml_type}", 0, 0))[0]
-        raise UnsupportedModelError(
-            f"unsupported quantization {name}; llmtrace reads {', '.join(SUPPORTED_TYPES.values())} "
-            "(re-quantize with llama.cpp's llama-quantize, e.g. to Q8_0, or pass an HF model folder)"
-        )
-    return _DECODERS[ggml_type](raw)
 
 
 # ---- Q/K row order --------------------------------------------------------------------------------------------
@@ -204,11 +127,7 @@ def _plan(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
                 f"{path}: tensor {info.name!r} has shape {info.torch_shape}, the header's config needs {shape}; "
                 "the file is corrupt or not a LLaMA model"
             )
-        if info.ggml_type not in _DECODERS:
-            dequantize(np.empty(0, np.uint8), info.ggml_type)  # raises UnsupportedModelError
-        block = GGML_TYPES[info.ggml_type][1]
-        if info.shape[0] % block:
-            raise FileFormatError(f"{path}: tensor {info.name!r} rows of {info.shape[0]} are not whole {block}-blocks")
+        check_decodable(info.ggml_type, info.name)  # before any decoding: nothing converted, nothing cached
     return {name: by_meta[name] for name in expected}
 
 
@@ -236,7 +155,7 @@ def load_gguf_weights(path: str | Path, header: GGUFHeader | None = None,
     state: dict[str, torch.Tensor] = {}
     for name, info in plan.items():
         start = header.data_offset + info.offset
-        values = dequantize(data[start:start + info.n_bytes], info.ggml_type)
+        values = dequantize(data[start:start + info.n_bytes], info.ggml_type, info.shape[0], info.name)
         if not np.isfinite(values).all():
             raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
         matrix = values.reshape(info.torch_shape)

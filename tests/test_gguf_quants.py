@@ -1,0 +1,172 @@
+"""Every GGUF quantization the `gguf` package decodes, loaded by llmtrace and compared with gguf's dequantizer bit for
+bit. gguf cannot write K-quants or IQ types, so the files are written block by block (tiny_gguf.random_blocks, the
+layouts of ggml-common.h) and carry random quant bits under small finite scales."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tiny_gguf import BLOCK_LAYOUTS, block_dtype, llama_cpp_name, llama_cpp_permute, random_blocks, \
+    sentencepiece_vocab, write_tiny_gguf
+from llmtrace.cli.app import app
+from llmtrace.tracer.checkpoint.gguf_header import GGML_TYPES, read_gguf_header
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import FileFormatError, UnsupportedModelError
+from llmtrace.tracer.load.gguf_dequant import dequantize
+from llmtrace.tracer.load.gguf_loader import load_gguf_weights
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.loader import load_model
+
+Q = gguf.GGMLQuantizationType
+# Every type gguf 0.19 can dequantize, beyond the plain floats.
+QUANT_TYPES = sorted(BLOCK_LAYOUTS, key=int)
+# llama.cpp's Q4_K_M recipe in small: Q4_K matrices, Q6_K for attn_v / ffn_down / output, Q8_0 embedding.
+Q4_K_M = {"token_embd": Q.Q8_0, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+@pytest.fixture(scope="module")
+def kquant_source(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes) -> tuple[ModelConfig, dict, dict]:
+    """A tiny LLaMA whose every matrix input dimension is a whole 256-value K-quant block (dim 256, F 512)."""
+    folder = make_tiny_llama("kquants", seed=11, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512)
+    config = ModelConfig.from_hf_json(folder)
+    return config, load_hf_state_dict(folder, config), sentencepiece_vocab(sp_model_bytes)
+
+
+def _write_blocks(path: Path, source: tuple[ModelConfig, dict, dict], type_of: Callable[[str], Q],
+                  seed: int = 0) -> tuple[Path, dict[str, tuple[np.ndarray, Q]]]:
+    """Every matrix written as random blocks of type_of(llama.cpp name); norms stay F32."""
+    config, state, vocab = source
+    rng = np.random.default_rng(seed)
+    raw = {}
+    for ours, tensor in state.items():
+        name = llama_cpp_name(ours)
+        if tensor.ndim == 2 and not (ours == "output.weight" and config.tie_embeddings):
+            qtype = type_of(name)
+            raw[name] = (random_blocks(qtype, tensor.shape[0], tensor.shape[1], rng), qtype)
+    return write_tiny_gguf(path, config, state, vocab, raw_blocks=raw), raw
+
+
+def _assert_equals_gguf_dequantize(path: Path, raw: dict[str, tuple[np.ndarray, Q]], config: ModelConfig) -> None:
+    weights = load_gguf_weights(path)
+    for ours, tensor in weights.state_dict.items():
+        name = llama_cpp_name(ours)
+        if name not in raw:
+            continue
+        blocks, qtype = raw[name]
+        reference = gguf.quants.dequantize(blocks, qtype)
+        loaded = tensor.numpy()
+        if ours.endswith("attention.wq.weight"):  # the loader un-permutes; permuting back must give the file's rows
+            loaded = llama_cpp_permute(loaded, config.n_heads, config.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            loaded = llama_cpp_permute(loaded, config.n_heads, config.n_kv_heads)
+        assert loaded.dtype == np.float32
+        np.testing.assert_array_equal(loaded, reference, err_msg=f"{ours} ({qtype.name})")
+
+
+def test_type_table_is_ggufs() -> None:
+    """The pure-Python header reader sizes every type exactly as the gguf package does."""
+    expected = {int(t): (t.name, *gguf.GGML_QUANT_SIZES[t]) for t in Q}
+    assert GGML_TYPES == expected
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_block_layouts_are_ggml_sizes(qtype: Q) -> None:
+    assert block_dtype(qtype).itemsize == gguf.GGML_QUANT_SIZES[qtype][1]
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_every_type_loads_bit_for_bit(qtype: Q, kquant_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
+    path, raw = _write_blocks(tmp_path / f"{qtype.name}.gguf", kquant_source, lambda _: qtype, seed=int(qtype))
+    assert read_gguf_header(path).tensors[0].type_name in (qtype.name, "F32")
+    _assert_equals_gguf_dequantize(path, raw, kquant_source[0])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_fast_paths_equal_gguf_on_random_blocks(qtype: Q) -> None:
+    """The hand-written Q4_0/Q4_1/Q8_0 decoders against gguf's on every bit pattern a block can hold (random blocks)."""
+    blocks = random_blocks(qtype, 64, 512, np.random.default_rng(1))
+    ours = dequantize(blocks.reshape(-1), int(qtype), 512)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(blocks, qtype).reshape(-1))
+
+
+def test_q4_k_m_mix_runs(kquant_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
+    """A file mixed the way llama.cpp's Q4_K_M is: loads bit for bit, and `llmtrace run` generates from it."""
+    def type_of(name: str) -> Q:
+        return next((q for part, q in Q4_K_M.items() if f".{part}." in f".{name}"), Q.Q4_K)
+
+    path, raw = _write_blocks(tmp_path / "q4_k_m.gguf", kquant_source, type_of)
+    assert {q for _, q in raw.values()} == {Q.Q4_K, Q.Q6_K, Q.Q8_0}
+    _assert_equals_gguf_dequantize(path, raw, kquant_source[0])
+    loaded = load_model(str(path), use_cache=False)
+    assert loaded.weight_format.startswith("GGUF Q4_K+Q6_K+Q8_0")
+    result = CliRunner().invoke(app, ["run", "capital", "--model", str(path), "--max-new-tokens", "2",
+                                      "--dtype", "fp32", "--no-roofline", "--detail", "summary"])
+    assert result.exit_code == 0, result.output
+    assert "2 tokens generated" in result.output
+
+
+def test_a_type_gguf_cannot_decode_is_one_line_with_advice(kquant_source: tuple[ModelConfig, dict, dict],
+                                                            tmp_path: Path) -> None:
+    """Q8_K is an intermediate type of llama.cpp's kernels that gguf has no dequantizer for."""
+    config, state, vocab = kquant_source
+    rows, cols = state["layers.0.feed_forward.w2.weight"].shape
+    blocks = np.zeros((rows, cols // 256 * 292), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "q8k.gguf", config, state, vocab, raw_blocks={"blk.0.ffn_down.weight": (blocks, Q.Q8_K)})
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(str(path))
+    message = str(exc.value)
+    assert "\n" not in message
+    assert "'blk.0.ffn_down.weight' is stored as Q8_K" in message
+    assert "download another quantization of this model" in message and "re-quantize" not in message
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))  # refused before anything was converted
+    result = CliRunner().invoke(app, ["run", "capital", "--model", str(path), "--no-roofline"])
+    assert result.exit_code == 2 and "Q8_K" in result.output and "Traceback" not in result.output
+
+
+def _set_type_code(path: Path, tensor: str, code: int) -> None:
+    """Overwrite one tensor descriptor's ggml type (name string, u32 n_dims, u64 dims, then the u32 type)."""
+    data = bytearray(path.read_bytes())
+    header = read_gguf_header(path)
+    info = next(t for t in header.tensors if t.name == tensor)
+    encoded = tensor.encode()
+    at = data.index(len(encoded).to_bytes(8, "little") + encoded, 0, header.data_offset) + 8 + len(encoded)
+    at += 4 + 8 * len(info.shape)
+    assert int.from_bytes(data[at:at + 4], "little") == info.ggml_type
+    data[at:at + 4] = code.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def test_unknown_type_code_is_one_line(kquant_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
+    config, state, vocab = kquant_source
+    path = write_tiny_gguf(tmp_path / "odd.gguf", config, state, vocab)
+    _set_type_code(path, "blk.0.attn_q.weight", 99)
+    with pytest.raises(FileFormatError) as exc:
+        load_model(str(path))
+    assert "'blk.0.attn_q.weight' has ggml type code 99" in str(exc.value) and "\n" not in str(exc.value)
+    result = CliRunner().invoke(app, ["flops", "--model", str(path)])
+    assert result.exit_code == 2 and "type code 99" in result.output
+
+
+def test_rows_that_are_not_whole_blocks_are_refused(tiny_llama_dir: Path, sp_model_bytes: bytes,
+                                                    tmp_path: Path) -> None:
+    """The default tiny model's norm (64 values, F32) relabelled Q4_K: 64 is not a whole 256-value block."""
+    config = ModelConfig.from_hf_json(tiny_llama_dir)
+    state = load_hf_state_dict(tiny_llama_dir, config)
+    path = write_tiny_gguf(tmp_path / "rows.gguf", config, state, sentencepiece_vocab(sp_model_bytes))
+    _set_type_code(path, "blk.0.attn_norm.weight", int(Q.Q4_K))
+    with pytest.raises(FileFormatError, match=f"rows of {config.dim} values, not whole Q4_K blocks of 256"):
+        read_gguf_header(path)
+    result = CliRunner().invoke(app, ["run", "capital", "--model", str(path), "--no-roofline"])
+    assert result.exit_code == 2 and "not whole Q4_K blocks" in result.output
