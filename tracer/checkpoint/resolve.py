@@ -63,6 +63,12 @@ def resolve_model(spec: str) -> ResolvedModel:
     """Like resolve_config, plus the checkpoint's real parameter count and dtypes from its headers (no tensor data)."""
     if spec.strip().lower() in PRESETS:
         return ResolvedModel(get_preset(spec), None, "preset", None)
+    from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
+
+    cached = cached_model_for(spec)
+    if cached is not None:  # an org/name Hub id: its snapshot in the local HF cache, named by the id
+        found = resolve_model(str(cached.path))
+        return ResolvedModel(found.config.with_name(cached.name), found.weights, found.kind, found.path)
     path = Path(spec).expanduser()
     if not path.exists():
         if "/" in spec or "\\" in spec or path.suffix in (".json", ".gguf", ".safetensors"):

@@ -5,6 +5,8 @@ spec is one of:
 - a .gguf file (or a folder holding exactly one): dequantized by llmtrace.tracer.load.gguf_loader, cached as safetensors
   (llmtrace.tracer.load.weights_cache) so the next load only maps a file;
 - an HF model folder or its config.json: memory-mapped safetensors through llmtrace.tracer.load.hf_loader;
+- a Hugging Face Hub id (org/name, org/name@revision, org/name:file.gguf): one of the above, found in the local
+  HF cache (llmtrace.tracer.checkpoint.hub_cache; never downloaded) and named by its id;
 - a preset name: no weights exist, so either `dry_run` (meta device: every shape, no memory) or `random_init`
   (seeded random weights at the real size).
 Every model is built on the meta device and adopts its tensors with `assign=True` (no second copy), strictly
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, Confi
 from llmtrace.tracer.checkpoint.gguf_header import GGUF_MAGIC
 from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_summary, read_header
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.transformer import DTYPES, Transformer, build_meta_model, expected_shapes, parse_dtype, random_weights
 from llmtrace.tracer.core.presets import PRESETS, get_preset
@@ -63,6 +66,11 @@ def load_model(
     use_cache: bool = True,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring) in `dtype` on `device`."""
+    cached = cached_model_for(spec) if spec is not None else None
+    if cached is not None:  # an org/name Hub id: its snapshot in the local HF cache, named by the id
+        loaded = load_model(str(cached.path), dtype, device, dry_run=dry_run, random_init=random_init, seed=seed,
+                            use_cache=use_cache)
+        return replace(loaded, config=loaded.config.with_name(cached.name), source=cached.description)
     start = time.perf_counter()
     target = _check_device(device)
     torch_dtype = parse_dtype(resolve_dtype(dtype, target))
