@@ -28,6 +28,9 @@ _app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
+    # click's plain help, not Typer's rich panels: its two columns wrap each option's help under it at any width,
+    # where the panels' four columns leave an 80-column terminal a 23-column help text and cut long words.
+    rich_markup_mode=None,
 )
 
 

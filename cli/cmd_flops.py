@@ -39,12 +39,13 @@ def flops(
 ) -> None:
     """FLOPs per component (formula, per layer, all layers, share) for prefill, one decode step and a generation.
 
+    \b
     Examples:
-      llmtrace flops                                  # llama-7b, P=128, N=128
+      llmtrace flops                           # llama-7b, P=128, N=128
       llmtrace flops --model llama3-8b --prompt-len 2000 --new-tokens 500
-      llmtrace flops --model path/to/model.gguf --prompt "The capital of France is"
+      llmtrace flops --model path/to/model.gguf --prompt "The sky is blue"
       llmtrace flops --model llama2-70b --dtype int4 --batch 8 --json
-      llmtrace flops --model llama3-8b --prompt-len 8192 --kernels eager    # as llmtrace's own model runs it
+      llmtrace flops -m llama3-8b -p 8192 --kernels eager  # as llmtrace runs it
     """
 
     def body() -> None:

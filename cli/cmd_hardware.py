@@ -62,9 +62,10 @@ def hardware(
 ) -> None:
     """List hardware profiles (peak FLOP/s per dtype, bandwidth, memory, ridge point, interconnect).
 
+    \b
     Examples:
       llmtrace hardware
-      llmtrace hardware --measure            # adds 'this-machine' (takes a few seconds)
+      llmtrace hardware --measure   # adds 'this-machine' (takes a few seconds)
       llmtrace hardware --json
     """
 

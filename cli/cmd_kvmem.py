@@ -25,6 +25,7 @@ def kvmem(
 ) -> None:
     """KV-cache size: 2 × layers × KV heads × head dim × bytes × positions × batch.
 
+    \b
     Examples:
       llmtrace kvmem --seq 2000
       llmtrace kvmem --model llama2-70b --seq 4096 --batch 8 --dtype int8

@@ -16,6 +16,7 @@ def models(
 ) -> None:
     """List the model presets usable as --model (each preset's source is cited in tracer/core/presets.py).
 
+    \b
     Examples:
       llmtrace models
       llmtrace models --dtype int4 --json

@@ -37,12 +37,13 @@ def roofline(
     """Why decode runs at hundreds of tokens/s, not tens of thousands: FLOPs and bytes of each pass against the
     hardware's ridge point, predicted TTFT and tokens/s, the batch where decode turns compute-bound, memory fit.
 
+    \b
     Examples:
-      llmtrace roofline                                   # llama-7b fp16 on an A100 80GB
+      llmtrace roofline                        # llama-7b fp16 on an A100 80GB
       llmtrace roofline --model llama3-8b --hardware rtx-4090 --dtype int4
       llmtrace roofline --model llama2-70b --hardware h100-sxm --tp 4 --batch 32
-      llmtrace roofline --model llama3.1-405b --hardware h200 --tp 8 --dtype fp8 --json
-      llmtrace roofline --model llama3.1-8b --hardware h100 --prompt-len 8192 --kernels eager
+      llmtrace roofline -m llama3.1-405b -H h200 --tp 8 --dtype fp8 --json
+      llmtrace roofline -m llama3.1-8b -H h100-sxm -p 8192 --kernels eager
     """
 
     def body() -> None:

@@ -54,10 +54,10 @@ class RunDtype(str, Enum):
     fp16 = "fp16"
 
 
-@app.command("run", epilog=(
-    "Examples:  llmtrace run \"今天天气真\"   ·   llmtrace run capital --detail ops   ·   "
-    "llmtrace run --model llama-7b --dry-run   ·   llmtrace run sky --temperature 0.8 --top-p 0.9 --seed 1 "
-    "--json trace.json --chrome-trace trace.perfetto.json"))
+@app.command("run", epilog=(  # \b: click keeps the lines as they are (one example each)
+    "\b\nExamples:\n  llmtrace run \"今天天气真\"\n  llmtrace run capital --detail ops\n"
+    "  llmtrace run --model llama-7b --dry-run\n"
+    "  llmtrace run sky --temperature 0.8 --top-p 0.9 --seed 1 --json trace.json"))
 def run_command(
     prompt: Annotated[Optional[str], typer.Argument(
         help="The prompt; '-' reads it from standard input; a sample name (capital, code, seed_zh, sky, story) "

@@ -25,7 +25,7 @@ from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.report import run_report
 
 
-@app.command("show", epilog="Example: llmtrace run 今天天气真 --json run.json; llmtrace show run.json --detail ops")
+@app.command("show", epilog="\b\nExample:\n  llmtrace run 今天天气真 --json run.json\n  llmtrace show run.json --detail ops")
 def show(
     path: Annotated[Path, typer.Argument(metavar="TRACE.json", help="A trace written by `llmtrace run --json`.")],
     detail: DetailOption = Detail.layers,

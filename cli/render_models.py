@@ -28,7 +28,7 @@ def render_models(console: Console, r: ModelsReport) -> None:
 
 
 def _table(r: ModelsReport, dimensions: bool, sizes: bool) -> Table:
-    table = report_table()
+    table = report_table(gap=1 if dimensions and sizes else 2)  # thirteen columns in 120
     table.add_column("name", no_wrap=True)
     if sizes:
         table.add_column("params", justify="right", no_wrap=True)

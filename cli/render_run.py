@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.trace.records import (
     MATMUL_KINDS,
@@ -30,6 +31,9 @@ from llmtrace.tracer.trace.summary import layer_rows, stage_totals
 
 MAX_TOKEN_ROWS = 48
 MAX_CANDIDATES = 10
+
+
+PANEL_FRAME = 4  # columns a section's panel takes around its body: two borders, two spaces of padding
 
 
 def section(title: str, body: object, subtitle: str | None = None) -> Panel:
@@ -173,53 +177,12 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
         return
     rows = layer_rows(stages)
     total = stage_totals(stages)
-    forward_ns = step.forward_ns
-    max_wall = max((r.wall_ns for r in rows), default=1) or 1
-    max_flops = max((r.totals.flops for r in rows), default=1) or 1
-    table = Table(show_edge=False, pad_edge=False, box=None)
-    table.add_column("layer" if detail != "ops" else "layer / stage")
-    if detail == "ops":
-        table.add_column("in → out")
-    else:
-        table.add_column("output")
-    if not dry_run:
-        table.add_column("time", justify="right")
-    table.add_column("FLOPs", justify="right")
-    if detail == "ops":
-        table.add_column("read", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("")
-    for row in rows:
-        out = fmt.shape(row.stages[-1].output_shapes[0])
-        share = fmt.share(row.wall_ns, forward_ns) if not dry_run else fmt.share(row.totals.flops, total.flops)
-        fraction = row.wall_ns / max_wall if not dry_run else row.totals.flops / max_flops
-        cells = [f"[bold]layer {row.layer}[/]", out]
-        if not dry_run:
-            cells.append(fmt.duration_ns(row.wall_ns))
-        cells.append(fmt.flops(row.totals.flops))
-        if detail == "ops":
-            cells.append(fmt.nbytes(row.totals.bytes_read))
-        table.add_row(*cells, share, fmt.bar(fraction, 16))
-        if detail == "ops":
-            for stage in row.stages:
-                _add_stage_row(table, stage, forward_ns, total.flops, dry_run)
-    outside = [s for s in stages if s.layer is None]
-    for stage in outside:
-        label = TOP_STAGE_LABELS.get(stage.stage, stage.stage)
-        cells = [label, fmt.shape(stage.output_shapes[0])]
-        if not dry_run:
-            cells.append(fmt.duration_ns(stage.duration_ns))
-        cells.append(fmt.flops(stage.flops))
-        if detail == "ops":
-            cells.append(fmt.nbytes(stage.bytes_read))
-        share = fmt.share(stage.duration_ns, forward_ns) if not dry_run else fmt.share(stage.flops, total.flops)
-        table.add_row(*cells, share, "")
     per_layer = rows[0].totals if rows else total
     matmul_share = fmt.share(total.matmul_flops, total.flops)
     summary = (
         f"prefill of {step.input_tokens} tokens: {fmt.flops(total.flops)} ({matmul_share} in matmuls), "
         f"{fmt.nbytes(total.bytes_read)} read"
-        + ("" if dry_run else f", {fmt.duration_ns(forward_ns)} forward")
+        + ("" if dry_run else f", {fmt.duration_ns(step.forward_ns)} forward")
         + f"\none layer: {fmt.flops(per_layer.flops)}, weights {fmt.nbytes(per_layer.weight_bytes_read)}; "
         "pre-norm: x + attention(RMSNorm(x)), then h + FFN(RMSNorm(h)) with SwiGLU (three matrices)"
         + "\n" + _path_note(stages)
@@ -227,8 +190,63 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
     if detail == "summary":
         body: object = Text(summary)
     else:
+        # The widest layout that fits the panel: stage inputs (--detail ops) and the bars go first when it is narrow.
+        layouts = [(True, True), (False, True), (False, False)] if detail == "ops" else [(False, True), (False, False)]
+        for inputs, bars in layouts:
+            table = _layers_table(stages, step, detail, dry_run, inputs, bars)
+            if natural_width(console, table) <= console.width - PANEL_FRAME:
+                break
         body = Group(table, Text(summary))
     console.print(section(f"4 · Transformer layers × {len(rows)}  (prefill)", body))
+
+
+def _layers_table(stages: Sequence[StageRecord], step: StepRecord, detail: str, dry_run: bool, inputs: bool,
+                  bars: bool) -> Table:
+    rows = layer_rows(stages)
+    total = stage_totals(stages)
+    forward_ns = step.forward_ns
+    max_wall = max((r.wall_ns for r in rows), default=1) or 1
+    max_flops = max((r.totals.flops for r in rows), default=1) or 1
+    ops = detail == "ops"
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    table.add_column("layer / stage" if ops else "layer", no_wrap=True)
+    table.add_column("in → out" if inputs else "output", no_wrap=True)
+    if not dry_run:
+        table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("FLOPs", justify="right", no_wrap=True)
+    if ops:
+        table.add_column("read", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    if bars:
+        table.add_column("", no_wrap=True)
+    for row in rows:
+        share = fmt.share(row.wall_ns, forward_ns) if not dry_run else fmt.share(row.totals.flops, total.flops)
+        fraction = row.wall_ns / max_wall if not dry_run else row.totals.flops / max_flops
+        cells = [f"[bold]layer {row.layer}[/]", fmt.shape(row.stages[-1].output_shapes[0])]
+        if not dry_run:
+            cells.append(fmt.duration_ns(row.wall_ns))
+        cells.append(fmt.flops(row.totals.flops))
+        if ops:
+            cells.append(fmt.nbytes(row.totals.bytes_read))
+        cells.append(share)
+        if bars:
+            cells.append(fmt.bar(fraction, 16))
+        table.add_row(*cells)
+        if ops:
+            for stage in row.stages:
+                _add_stage_row(table, stage, forward_ns, total.flops, dry_run, inputs, bars)
+    for stage in (s for s in stages if s.layer is None):
+        cells = [TOP_STAGE_LABELS.get(stage.stage, stage.stage), fmt.shape(stage.output_shapes[0])]
+        if not dry_run:
+            cells.append(fmt.duration_ns(stage.duration_ns))
+        cells.append(fmt.flops(stage.flops))
+        if ops:
+            cells.append(fmt.nbytes(stage.bytes_read))
+        cells.append(fmt.share(stage.duration_ns, forward_ns) if not dry_run else fmt.share(stage.flops, total.flops))
+        if bars:
+            cells.append("")
+        table.add_row(*cells)
+    return table
 
 
 def _path_note(stages: Sequence[StageRecord]) -> str:
@@ -239,19 +257,23 @@ def _path_note(stages: Sequence[StageRecord]) -> str:
     return "traced: stage by stage, one module per stage (Q, K, V, gate and up as separate products)"
 
 
-def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flops: int, dry_run: bool) -> None:
+def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flops: int, dry_run: bool,
+                   inputs: bool, bars: bool) -> None:
     label = STAGE_LABELS.get(stage.short_name, stage.short_name)
-    shapes = " ".join(fmt.shape(s) for s in stage.input_shapes if len(s) > 1)
-    io = f"{shapes} → {fmt.shape(stage.output_shapes[0])}"
+    out = fmt.shape(stage.output_shapes[0])
+    if inputs:
+        shapes = " ".join(fmt.shape(s) for s in stage.input_shapes if len(s) > 1)
+        out = f"{shapes} → {out}"
     style = "" if stage.kind in MATMUL_KINDS else "dim"
-    cells = [Text(f"  {label}", style=style), Text(io, style="dim")]
+    cells = [Text(f"  {label}", style=style), Text(out, style="dim")]
     if not dry_run:
         cells.append(Text(fmt.duration_ns(stage.duration_ns), style=style))
     cells.append(Text(fmt.flops(stage.flops), style=style))
     cells.append(Text(fmt.nbytes(stage.bytes_read), style="dim"))
     share = fmt.share(stage.duration_ns, forward_ns) if not dry_run else fmt.share(stage.flops, total_flops)
     cells.append(Text(share, style="dim"))
-    cells.append(Text(""))
+    if bars:
+        cells.append(Text(""))
     table.add_row(*cells)
 
 

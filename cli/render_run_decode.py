@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run import section, stage_label
+from llmtrace.cli.render_run import PANEL_FRAME, section, stage_label
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.trace.records import MATMUL_KINDS
 from llmtrace.tracer.trace.summary import DecodeByStage
@@ -20,7 +20,6 @@ from llmtrace.tracer.trace.summary import DecodeByStage
 # Roles whose layer label is shared by two roles of a layer: say which one.
 _ROLE_LABELS = {"attention_norm": "RMSNorm (attention)", "ffn_norm": "RMSNorm (FFN)",
                 "attn_residual": "residual + (attention)", "ffn_residual": "residual + (FFN)"}
-_PANEL_FRAME = 4  # a panel's border and padding, in columns
 
 
 def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
@@ -28,7 +27,7 @@ def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
     if d is None:
         return
     whole = _table(d, time=True, traffic=True)
-    if natural_width(console, whole) <= console.width - _PANEL_FRAME:
+    if natural_width(console, whole) <= console.width - PANEL_FRAME:
         tables: list = [whole]
     else:  # an 80-column terminal: the time and the traffic as two tables, one line per stage in each
         tables = [_table(d, time=True, traffic=False), Text(""), _table(d, time=False, traffic=True)]

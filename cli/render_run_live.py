@@ -12,14 +12,13 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run import section
+from llmtrace.cli.render_run import PANEL_FRAME, section
 from llmtrace.tracer.trace.records import StepRecord
 from llmtrace.tracer.trace.summary import steps_per_second
 
 # Lines of the streaming panel that are not table rows or text: its two borders, the table's header, the status
-# line, and one that rich Live keeps for the cursor.
+# line (more when it wraps), and one that rich Live keeps for the cursor.
 _FIXED_LINES = 5
-_PANEL_FRAME = 4  # a panel's border and padding, in columns
 
 
 class DecodeView:
@@ -44,19 +43,29 @@ class DecodeView:
         self.interrupted = interrupted
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        status = self._status()
         text = Text("text so far: ", style="dim") + Text(self.text, style="green")
         if self.all_rows:
-            yield self._panel(self.steps, text)
+            yield self._panel(self.steps, status, text)
             return
         height = options.height or console.height
-        lines = text.wrap(console, max(options.max_width - _PANEL_FRAME, 20))
+        width = max(options.max_width - PANEL_FRAME, 20)
+        status_lines = len(status.wrap(console, width))
+        lines = text.wrap(console, width)
         text_lines = min(len(lines), max(1, (height - _FIXED_LINES) // 3))
         if text_lines < len(lines):
             text = Text("…", style="dim") + Text("\n").join(lines[-text_lines:])
-        rows = max(1, height - _FIXED_LINES - text_lines - 1)  # - 1: the "… earlier steps" row
-        yield self._panel(self.steps[-rows:], text)
+        rows = max(1, height - _FIXED_LINES - (status_lines - 1) - text_lines - 1)  # - 1: the "… earlier" row
+        yield self._panel(self.steps[-rows:], status, text)
 
-    def _panel(self, rows: list[StepRecord], text: Text) -> object:
+    def _status(self) -> Text:
+        return Text.assemble(
+            fmt.bar(self.generated / self.limit if self.limit else 1.0, 20, "green"),
+            f" {self.generated}/{self.limit} tokens after a {self.prefill.input_tokens}-token prompt · "
+            f"{fmt.tokens_per_s(steps_per_second(self.steps))}" + (" · [interrupted]" if self.interrupted else ""),
+        )
+
+    def _panel(self, rows: list[StepRecord], status: Text, text: Text) -> object:
         table = Table(show_edge=False, pad_edge=False, box=None)
         sampled = not self.prefill.greedy  # under greedy the final probability is always 100%: not shown
         columns = [("step", "right"), ("fed", "left"), ("→ next", "left"), ("p model", "right")]
@@ -77,10 +86,4 @@ class DecodeView:
                 cells.append(fmt.probability(step.probability))
             cells += [fmt.duration_ns(step.duration_ns), str(step.context_length), fmt.nbytes(step.kv_live_bytes)]
             table.add_row(*cells)
-        status = Text.assemble(
-            fmt.bar(self.generated / self.limit if self.limit else 1.0, 30, "green"),
-            f" {self.generated}/{self.limit} tokens · {fmt.tokens_per_s(steps_per_second(self.steps))}"
-            + (" · [interrupted]" if self.interrupted else ""),
-        )
-        return section(f"6 · Decode  one token per step, each reading the whole KV cache "
-                       f"(prompt {self.prefill.input_tokens} tokens)", Group(table, status, text))
+        return section("6 · Decode  one token per step, each reading the whole KV cache", Group(table, status, text))

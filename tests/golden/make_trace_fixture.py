@@ -1,0 +1,97 @@
+"""Write tests/golden/tiny_trace.json: the fixed trace that `llmtrace show`'s golden files render.
+
+A real generation of the tiny test model (tests/tiny_llama.py: 2 layers, dim 64, SentencePiece trained on
+sample_prompts/), greedy, whose every clock reading is then replaced by a fixed, made-up timing (and the machine by a
+fixed description), so that the rendered output is the same on every machine and every run. The shapes, FLOPs,
+bytes, tokens and probabilities are the real ones.
+
+Run once, when the trace schema or the tiny model changes (then regenerate the goldens, see test_golden.py):
+
+    .venv/bin/python tests/golden/make_trace_fixture.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from tiny_llama import hf_config_dict, train_sentencepiece, write_tiny_llama  # noqa: E402
+
+PROMPT = "The sky is blue because"
+NEW_TOKENS = 6
+FIXED_ENVIRONMENT = {"llmtrace_version": "0.1.0", "torch_version": "2.13.0+cpu", "python_version": "3.11.7",
+                     "platform": "Linux (golden fixture)", "device_name": "fixture CPU", "threads": 2}
+MODEL_NAME = "tiny-llama (test fixture)"
+
+
+def generate(folder: Path) -> dict:
+    import sentencepiece as spm
+
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.run.generate import Finished, Generation
+    from llmtrace.tracer.trace.records import RunSettings
+
+    sp = train_sentencepiece()
+    vocab = spm.SentencePieceProcessor(model_proto=sp).get_piece_size()
+    write_tiny_llama(folder, hf_config_dict(vocab), seed=0, tokenizer_model=sp)
+    loaded = load_model(str(folder), dtype="fp32", device="cpu")
+    settings = RunSettings(model=str(folder), prompt=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None,
+                           top_p=None, min_p=None, repetition_penalty=1.0, seed=None, dtype="fp32", device="cpu",
+                           threads=None, chat=False, trace=True, dry_run=False, prompt_tokens=None, warmup=True,
+                           staged=False)
+    generation = Generation(loaded, settings)
+    trace = None
+    try:
+        for event in generation.events():
+            if isinstance(event, Finished):
+                trace = event.trace
+    finally:
+        generation.close()
+    assert trace is not None
+    return trace.to_dict()
+
+
+def fix_timings(data: dict) -> dict:
+    """Every clock reading replaced by a made-up one: stage k of a step takes 1-5 µs (k mod 5), a step's forward
+    is its stages plus 20 µs, sampling 30 µs, detokenizing 4 µs; steps follow each other."""
+    data["settings"]["model"] = MODEL_NAME
+    data["model"]["source"] = MODEL_NAME
+    data["model"]["load_seconds"] = 0.05
+    data["environment"].update(FIXED_ENVIRONMENT)
+    data["tokenization"]["start_ns"] = 0
+    data["tokenization"]["duration_ns"] = 120_000
+    clock = 1_000_000  # set-up (cache, warm-up) before the prefill
+    for step in data["steps"]:
+        step["start_ns"] = clock
+        stages = [s for s in data["stages"] if s["phase"] == step["phase"] and s["step"] == step["step"]]
+        t = clock
+        for k, stage in enumerate(stages):
+            stage["start_ns"] = t
+            stage["duration_ns"] = 1_000 * (1 + k % 5) * (step["input_tokens"] if step["phase"] == "prefill" else 1)
+            t += stage["duration_ns"]
+        step["forward_ns"] = t - clock + 20_000
+        step["sample_ns"] = 30_000
+        step["detokenize_ns"] = 4_000
+        step["duration_ns"] = step["forward_ns"] + step["sample_ns"] + step["detokenize_ns"]
+        clock += step["duration_ns"]
+    data["wall_ns"] = clock
+    data["peak_rss_bytes"] = 300_000_000
+    data["peak_device_bytes"] = None
+    return data
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = fix_timings(generate(Path(tmp) / "tiny"))
+    out = HERE / "tiny_trace.json"
+    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Golden files: the exact rendered output of the analytical commands and of a saved run shown again, at 80 and at
+120 columns (tests/golden/<case>-<width>.txt), compared character for character.
+
+Rendering is made deterministic: the width comes from COLUMNS (cli/console.py), output goes to a pipe so rich writes
+no colour or other escape codes, the hardware store is an empty folder, and the run is a committed trace with fixed
+timings (tests/golden/tiny_trace.json, written by tests/golden/make_trace_fixture.py).
+
+After an intended change to the output, regenerate every golden file and review the diff:
+
+    LLMTRACE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden.py
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmtrace.cli.app import app
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE = os.environ.get("LLMTRACE_UPDATE_GOLDEN") == "1"
+WIDTHS = (80, 120)
+CASES: dict[str, list[str]] = {
+    "flops": ["flops"],
+    "flops-llama3-macs": ["flops", "--model", "llama3-8b", "--prompt-len", "2000", "--new-tokens", "500", "--macs"],
+    "kvmem": ["kvmem", "--model", "llama3-8b", "--seq", "2000", "--budget", "24GiB"],
+    "models": ["models"],
+    "roofline": ["roofline"],
+    "roofline-tp": ["roofline", "--model", "llama2-70b", "--hardware", "h100-sxm", "--tp", "4", "--batch", "8"],
+    "hardware": ["hardware"],
+    "show": ["show", "tiny_trace.json"],
+    "show-ops": ["show", "tiny_trace.json", "--detail", "ops"],
+}
+
+
+# The hardware store's folder: printed by `hardware`, so fixed; never created (listing profiles writes nothing).
+CONFIG_HOME = "/nonexistent/llmtrace-golden-config"
+
+
+def render(args: list[str], width: int) -> str:
+    env = {"COLUMNS": str(width), "LINES": "40", "XDG_CONFIG_HOME": CONFIG_HOME, "NO_COLOR": "1",
+           "FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None, "LLMTRACE_DEBUG": None}
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_rendered_output_matches_golden(case: str, width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(GOLDEN)  # `show` prints the trace's path as given: relative, the same everywhere
+    text = render(CASES[case], width)
+    golden = GOLDEN / f"{case}-{width}.txt"
+    if UPDATE:
+        golden.write_text(text, encoding="utf-8")
+    assert golden.exists(), f"no {golden.name}; create it with LLMTRACE_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(encoding="utf-8"), (
+        f"{case} at {width} columns differs from {golden.name}; if the change is intended, regenerate with "
+        "LLMTRACE_UPDATE_GOLDEN=1 and review the diff")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_line_wider_than_the_terminal(case: str, width: int) -> None:
+    from rich.cells import cell_len
+
+    golden = GOLDEN / f"{case}-{width}.txt"
+    if not golden.exists():
+        pytest.skip(f"no {golden.name} yet")
+    wide = [line for line in golden.read_text(encoding="utf-8").splitlines() if cell_len(line) > width]
+    assert not wide, f"{len(wide)} lines of {golden.name} are wider than {width} columns: {wide[:3]}"
+
+
+def test_golden_output_has_no_escape_codes() -> None:
+    for golden in GOLDEN.glob("*.txt"):
+        assert "\x1b" not in golden.read_text(encoding="utf-8"), golden.name
