@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         # Everything imported so far (typer, click, rich) lives as long as the process: freezing it keeps the cyclic
         # GC from re-scanning it during the imports and work below, ~10 ms of an analytical command's ~90 ms.
         gc.freeze()
+        # `llmtrace ... | head`: once the reader has gone, the rest of the report is dropped, not a traceback; a run
+        # still writes its --json / --chrome-trace files.
+        from llmtrace.cli.pipes import PipeGuard
+
+        sys.stdout = PipeGuard(sys.stdout)  # type: ignore[assignment]
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     args = sys.argv[1:] if argv is None else list(argv)
     try:

@@ -17,9 +17,8 @@ from llmtrace.cli.app import app
 from llmtrace.cli.console import stdout_console
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import Detail, DetailOption
-from llmtrace.cli.output_files import check_writable, write_output
+from llmtrace.cli.output_files import check_writable, read_input, write_output
 from llmtrace.cli.render_run_report import render_ending, render_journey
-from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.report import run_report
@@ -27,7 +26,8 @@ from llmtrace.tracer.trace.report import run_report
 
 @app.command("show", epilog="\b\nExample:\n  llmtrace run 今天天气真 --json run.json\n  llmtrace show run.json --detail ops")
 def show(
-    path: Annotated[Path, typer.Argument(metavar="TRACE.json", help="A trace written by `llmtrace run --json`.")],
+    path: Annotated[Path, typer.Argument(metavar="TRACE.json", help="A trace written by `llmtrace run --json` "
+                                                                    "(.json or .json.gz; '-' reads standard input).")],
     detail: DetailOption = Detail.layers,
     chrome_trace: Annotated[Optional[Path], typer.Option(
         "--chrome-trace", metavar="PATH", help="Also write it as a Chrome/Perfetto trace.")] = None,
@@ -57,11 +57,5 @@ def show(
 
 
 def read_trace(path: Path) -> Trace:
-    """The trace in `path`, or a one-line error saying what is wrong with it."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadArgumentError(f"no file {path}; write one with `llmtrace run ... --json {path}`") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadArgumentError(f"cannot read {path} ({exc}); check the path") from exc
-    return Trace.from_json(text)
+    """The trace in `path` ('-': standard input; gzip or not), or a one-line error saying what is wrong with it."""
+    return Trace.from_json(read_input(path, "trace", f"write one with `llmtrace run ... --json {path}`"))

@@ -85,3 +85,69 @@ def test_resolve_prompt_errors() -> None:
     with pytest.raises(BadArgumentError, match="'-' to read standard input"):
         resolve_prompt(None, None, literal=False, default=None)
     assert resolve_prompt(None, None, literal=False, default="今天天气真").text == "今天天气真"
+
+
+# ---- files: .gz, atomic, '-' -----------------------------------------------------------------------------------
+
+
+def test_gz_outputs_are_gzip_and_show_reads_them_and_stdin(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import gzip
+
+    trace_gz, chrome_gz = tmp_path / "t.json.gz", tmp_path / "t.perfetto.json.gz"
+    result = runner.invoke(app, ["run", "The sky is", "--model", str(tiny_llama_dir), "--max-new-tokens", "2",
+                                 "--no-roofline", "--json", str(trace_gz), "--chrome-trace", str(chrome_gz)])
+    assert result.exit_code == 0, result.output
+    raw = trace_gz.read_bytes()
+    assert raw[:2] == b"\x1f\x8b"
+    trace = Trace.from_json(gzip.decompress(raw).decode())
+    assert trace.settings.prompt == "The sky is"
+    assert json.loads(gzip.decompress(chrome_gz.read_bytes()))["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name) == []  # no temporary left behind
+
+    from_file = runner.invoke(app, ["show", str(trace_gz), "--detail", "summary"])
+    from_stdin = runner.invoke(app, ["show", "-", "--detail", "summary"], input=raw)
+    assert from_file.exit_code == 0 and from_stdin.exit_code == 0, from_file.output + from_stdin.output
+    assert "7 · Summary" in from_file.stdout
+    assert from_stdin.stdout.split("\n", 1)[1] == from_file.stdout.split("\n", 1)[1]  # the same, after the header
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from llmtrace.cli import output_files
+
+    target = tmp_path / "t.json"
+    target.write_text("old")
+
+    def refuse(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(BadArgumentError, match="No space left on device"):
+        output_files.write_output(target, "new")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+@pytest.mark.parametrize("data, message", [(b"\x1f\x8b\x08\x00broken", "damaged gzip"),
+                                           (b"\xff\xfe\x00", "not UTF-8"), (b"{}", "not an llmtrace trace")])
+def test_show_bad_input_is_one_line(data: bytes, message: str, tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_bytes(data)
+    result = runner.invoke(app, ["show", str(tmp_path / "bad.json")])
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_closed_pipe_drops_the_report_but_not_the_trace(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`llmtrace run ... --json t.json | head -0`: the reader is gone before the first line."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # every write to stdout now fails with EPIPE
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    done = subprocess.run([sys.executable, "-m", "llmtrace", "run", "capital", "--model", str(tiny_llama_dir),
+                           "--max-new-tokens", "2", "--no-roofline", "--json", str(tmp_path / "t.json")],
+                          stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    os.close(write)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert Trace.from_json((tmp_path / "t.json").read_text()).settings.prompt == "The capital of France is"
