@@ -7,8 +7,10 @@ shows shapes and FLOPs without weights.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,7 +22,7 @@ from rich.live import Live
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.app import app
 from llmtrace.cli.console import stdout_console
-from llmtrace.cli.errors import run_guarded
+from llmtrace.cli.errors import fail, run_guarded
 from llmtrace.cli.output_files import check_writable, write_output
 from llmtrace.cli.prompt_input import resolve_prompt
 from llmtrace.cli.options import Detail, DetailOption
@@ -40,6 +42,8 @@ from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 from llmtrace.tracer.trace.records import RunSettings
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.report import RunReport, run_report
+from llmtrace.tracer.trace.step_selection import StepSelection
+from llmtrace.tracer.trace.summary_block import SummaryBlock, summary_block
 
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
 EXIT_INTERRUPTED = 130
@@ -87,9 +91,17 @@ def run_command(
     chrome_trace: Annotated[Optional[Path], typer.Option(
         "--chrome-trace", metavar="PATH", help="Write a Chrome/Perfetto trace (open in ui.perfetto.dev).")] = None,
     no_trace: Annotated[bool, typer.Option("--no-trace", help="No hooks: time each step only.")] = False,
+    trace_steps: Annotated[str, typer.Option(
+        "--trace-steps", metavar="STEPS",
+        help="Decode steps that keep every stage record in the trace: all, or a list of first, last, every:K and "
+             "step numbers (e.g. first,last,every:64); the others keep their sums, so totals stay exact and a long "
+             "trace stays small.")] = "all",
     staged: Annotated[bool, typer.Option(
         "--staged", help="Run and trace stage by stage: Q, K, V, gate and up as separate products, one module "
                          "each (slower; by default the traced run is the fused path an untraced run takes).")] = False,
+    summary_json: Annotated[bool, typer.Option(
+        "--summary-json", help="Print the run's summary (TTFT, tokens/s, FLOPs, bytes, KV, peak memory, roofline "
+                               "verdict) as one JSON line on stdout, the report going to stderr.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Meta device: shapes and FLOPs for any preset, no "
                                                             "weights, no memory.")] = False,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this file ('-': standard "
@@ -111,7 +123,9 @@ def run_command(
 ) -> None:
     """Trace a real generation: every stage of every token, with shapes, FLOPs, bytes and time."""
     json_to_stdout = json_path is not None and str(json_path) == "-"
-    console = stdout_console(stderr=json_to_stdout)
+    if json_to_stdout and summary_json:
+        raise fail("--json - and --summary-json both write to stdout; give --json a file path")
+    console = stdout_console(stderr=json_to_stdout or summary_json)
 
     def body() -> int:
         given = resolve_prompt(prompt, file, literal, DRY_RUN_DEFAULT_PROMPT if dry_run else None)
@@ -123,6 +137,7 @@ def run_command(
             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.value,
             device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
             prompt_tokens=prompt_tokens, warmup=not no_warmup, staged=staged,
+            trace_steps=_trace_steps(trace_steps),
         )
         _check_settings(settings)
         for path in (json_path, chrome_trace):
@@ -130,23 +145,29 @@ def run_command(
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
         if repeat > 1 and dry_run:
             raise BadArgumentError("--repeat times real runs; drop --dry-run")
-        trace = _run(console, settings, detail.value, roofline=not no_roofline, repeat=repeat)
+        trace, block = _run(console, settings, detail.value, roofline=not no_roofline, repeat=repeat)
         if json_path is not None:
             if json_to_stdout:
-                sys.stdout.write(trace.to_json(indent=1) + "\n")
+                sys.stdout.write(trace.to_json(indent=1, summary=block) + "\n")
             else:
-                write_output(json_path, trace.to_json(indent=1))
+                write_output(json_path, trace.to_json(indent=1, summary=block))
                 console.print(f"[dim]trace written to {json_path} (JSON; schema tracer/trace/trace_schema.json)[/]")
         if chrome_trace is not None:
-            import json
-
             write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
+        if summary_json:
+            sys.stdout.write(json.dumps(asdict(block), ensure_ascii=False) + "\n")
         return EXIT_INTERRUPTED if trace.stop_reason == STOP_INTERRUPTED else 0
 
     code = run_guarded(body)
     if code:
         raise typer.Exit(code)
+
+
+def _trace_steps(spec: str) -> str:
+    """--trace-steps, checked now and spelled canonically ('all' or StepSelection.describe())."""
+    selection = StepSelection.parse(spec)
+    return "all" if selection is None else selection.describe()
 
 
 def _check_settings(settings: RunSettings) -> None:
@@ -160,7 +181,8 @@ def _check_settings(settings: RunSettings) -> None:
         raise BadArgumentError("--dry-run shows traced shapes and FLOPs; drop --no-trace")
 
 
-def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True, repeat: int = 1) -> Trace:
+def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True,
+         repeat: int = 1) -> tuple[Trace, SummaryBlock]:
     import torch
 
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
@@ -223,7 +245,7 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     render_ending(console, trace, detail, report, comparison, note)
     if repeat > 1 and trace.stop_reason != STOP_INTERRUPTED:
         _repeat(console, loaded, trace, repeat)
-    return trace
+    return trace, summary_block(trace, comparison, report.summary)
 
 
 def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None:

@@ -33,8 +33,8 @@ def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
         tables = [_table(d, time=True, traffic=False), Text(""), _table(d, time=False, traffic=True)]
     streamed = fmt.bytes_per_s(d.weight_stream_bytes_per_second) if d.weight_stream_bytes_per_second else "-"
     note = (
-        f"mean of {d.steps} decode steps, every layer's instance of a stage together; rates = bytes moved (weights, "
-        f"activations, KV) and FLOPs over the stage's own time.\n"
+        f"mean of {d.steps} decode steps{_of_all(d)}, every layer's instance of a stage together; rates = bytes "
+        f"moved (weights, activations, KV) and FLOPs over the stage's own time.\n"
         f"the weight products (projections, FFN, LM head) take "
         f"{fmt.share(d.weight_products_ns_per_step, d.forward_ns_per_step)} of the forward and stream their weights "
         f"at {streamed}; the other stages move little and cost their launch overhead.\n"
@@ -71,3 +71,7 @@ def _table(d: DecodeByStage, time: bool, traffic: bool) -> Table:
             cells.append(fmt.bar(row.ns_per_step / slowest, 16))
         table.add_row(*cells)
     return table
+
+
+def _of_all(d: DecodeByStage) -> str:
+    return f" (the {d.steps} of {d.all_steps} whose stages --trace-steps kept)" if d.steps != d.all_steps else ""

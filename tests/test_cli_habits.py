@@ -19,7 +19,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True)
 def _private_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's roofline profile is saved under tmp_path, never in the real ~/.config, and measured tiny."""
+    from llmtrace.tracer.hardware import measure as hardware_measure
+
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setitem(hardware_measure.QUICK, "cpu",
+                        dict(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20))
 
 
 def test_version_comes_from_the_installed_metadata() -> None:
@@ -151,3 +156,50 @@ def test_a_closed_pipe_drops_the_report_but_not_the_trace(tiny_llama_dir: Path, 
     os.close(write)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert Trace.from_json((tmp_path / "t.json").read_text()).settings.prompt == "The capital of France is"
+
+
+# ---- the summary block --------------------------------------------------------------------------------------------
+
+
+def test_summary_block_is_in_the_trace_and_one_line_on_stdout(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import jsonschema
+
+    from llmtrace.tracer.trace.run_trace import load_schema
+    from llmtrace.tracer.trace.summary import run_summary
+
+    path = tmp_path / "t.json"
+    result = runner.invoke(app, ["run", "sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "3",
+                                 "--summary-json", "--json", str(path)])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("\n") == 1  # one line, the report on stderr
+    line = json.loads(result.stdout)
+    data = json.loads(path.read_text())
+    assert list(data)[:3] == ["schema", "schema_version", "summary"] and data["summary"] == line
+    jsonschema.validate(data, load_schema())
+    trace = Trace.from_dict(data)
+    s = run_summary(trace)
+    assert line["ttft_ns"] == s.ttft_ns > 0
+    assert line["prompt_tokens"] == s.prompt_tokens and line["generated_tokens"] == 3
+    assert line["decode_tokens_per_second"] == s.decode_tokens_per_second > 0
+    assert line["prefill_tokens_per_second"] == pytest.approx(s.prompt_tokens / (s.prefill.forward_ns / 1e9))
+    assert line["prefill_flops"] == s.prefill.totals.flops == sum(x.flops for x in trace.stages_of("prefill"))
+    assert line["decode_flops"] == s.decode.totals.flops > 0
+    assert line["decode_bytes_read"] == s.decode.totals.bytes_read
+    assert line["kv_live_bytes"] == trace.steps[-1].kv_live_bytes and line["peak_rss_bytes"] == trace.peak_rss_bytes
+    verdict = line["roofline"]
+    assert verdict["hardware"] == "this-machine" and verdict["prefill_bound"] in ("compute", "memory")
+    assert verdict["decode_percent_of_bound"] > 0
+
+
+def test_summary_json_without_tracing_has_no_flops(tiny_llama_dir: Path) -> None:
+    result = runner.invoke(app, ["run", "sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2",
+                                 "--summary-json", "--no-trace", "--no-roofline"])
+    assert result.exit_code == 0, result.stderr
+    line = json.loads(result.stdout)
+    assert line["prefill_flops"] is None and line["bytes_written"] is None and line["roofline"] is None
+    assert line["decode_tokens_per_second"] > 0
+
+
+def test_summary_json_and_json_to_stdout_collide() -> None:
+    result = runner.invoke(app, ["run", "sky", "--summary-json", "--json", "-"])
+    assert result.exit_code == 2 and "both write to stdout" in result.stderr

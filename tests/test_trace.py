@@ -52,13 +52,14 @@ def test_schema_lists_every_record_field(trace: Trace) -> None:
 
 
 def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> None:
-    """seed_drawn, warmup and staged came later: a trace without them validates and reads back with defaults."""
+    """seed_drawn, warmup, staged and trace_steps came later: a trace without them validates and reads back with
+    defaults."""
     data = json.loads(trace.to_json())
-    for key in ("seed_drawn", "warmup", "staged"):
+    for key in ("seed_drawn", "warmup", "staged", "trace_steps"):
         del data["settings"][key]
     jsonschema.validate(data, load_schema())
     settings = Trace.from_json(json.dumps(data)).settings
-    assert (settings.seed_drawn, settings.warmup, settings.staged) == (False, True, False)
+    assert (settings.seed_drawn, settings.warmup, settings.staged, settings.trace_steps) == (False, True, False, "all")
 
 
 def test_indented_json_is_the_same_document_with_one_line_per_stage(trace: Trace) -> None:

@@ -26,6 +26,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
+from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.trace.run_trace import (
     STOP_CONTEXT_FULL,
@@ -314,7 +315,7 @@ class Generation:
         # The whole text decoded at once (the streamed pieces join into it); EOS is not shown.
         text = self.tokenizer.decode(self._stream.ids) if self._stream is not None else ""
         completed = {(s.phase, s.step) for s in self._steps}
-        return Trace(
+        trace = Trace(
             settings=self.settings,
             config=self.config,
             environment=environment_info(self.device, self.dtype),
@@ -332,6 +333,7 @@ class Generation:
             peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                if self.device.type == "cuda" else None),
         )
+        return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 
 
 def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:

@@ -63,6 +63,24 @@ class StageRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTotals:
+    """The sums of one step's stage records, kept instead of them when `--trace-steps` leaves the step out
+    (tracer/trace/step_selection.py); the fields are StageRecord's, summed, and the number of calls."""
+
+    phase: str
+    step: int
+    calls: int
+    matmul_flops: int
+    elementwise_flops: int
+    weight_bytes_read: int
+    activation_bytes_read: int
+    activation_bytes_written: int
+    kv_bytes_read: int
+    kv_bytes_written: int
+    stage_ns: int  # the stages' own times, summed
+
+
+@dataclass(frozen=True, slots=True)
 class CandidateRecord:
     """One of the top candidates for a sampled token, and what each filter did to it."""
 
@@ -173,6 +191,7 @@ class RunSettings:
     prompt_tokens: int | None = None  # dry run without a tokenizer: assumed prompt length
     warmup: bool = True  # one untimed prefill + decode step first, so one-off kernel set-up is not traced as work
     staged: bool = False  # run (and trace) stage by stage instead of the fused path: Q, K, V, gate, up apart
+    trace_steps: str = "all"  # decode steps whose stage records are kept (tracer/trace/step_selection.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from llmtrace.tracer.trace.records import (
     SamplingRecord,
     StageRecord,
     StepRecord,
+    StepTotals,
     TokenizationRecord,
 )
 
@@ -63,6 +64,8 @@ class Trace:
     wall_ns: int  # from the origin to the end of the last step
     peak_rss_bytes: int
     peak_device_bytes: int | None  # cuda only
+    # Steps whose stage records --trace-steps left out, each as its sums (prefill first, then by step).
+    pruned_steps: tuple[StepTotals, ...] = ()
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -84,20 +87,31 @@ class Trace:
         prompt = prefill.input_tokens if prefill is not None else 0
         return new_token_limit(self.settings.max_new_tokens, self.config.max_seq_len, prompt)
 
+    def traced_steps(self, phase: str) -> tuple[StepRecord, ...]:
+        """The steps of `phase` whose stage records the trace holds (all of them unless --trace-steps pruned some)."""
+        pruned = {t.step for t in self.pruned_steps if t.phase == phase}
+        return tuple(s for s in self.steps if s.phase == phase and s.step not in pruned)
+
     # ---- JSON -----------------------------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, summary: Any = None) -> dict[str, Any]:
+        """`summary`: the run's SummaryBlock (tracer/trace/summary_block.py), written as the optional "summary"
+        block; from_dict skips it (every figure in it follows from the records and the roofline comparison)."""
         out: dict[str, Any] = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION}
+        if summary is not None:
+            out["summary"] = _plain(summary)  # first: the headline, before the records it sums
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "pruned_steps" and not value:
+                continue  # optional (schema): a trace that kept every stage record reads as before
             out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
         return out
 
-    def to_json(self, indent: int | None = None) -> str:
+    def to_json(self, indent: int | None = None, summary: Any = None) -> str:
         """The trace as JSON. With `indent`, the stage records (423 per step on the default model: hundreds of
         thousands in a long run) are written one compact line each, through json's C encoder, which indented
         output cannot use; everything else is indented."""
-        data = self.to_dict()
+        data = self.to_dict(summary)
         if indent is None:
             return json.dumps(data, ensure_ascii=False)
         stages = data["stages"]
@@ -132,6 +146,7 @@ class Trace:
                 wall_ns=int(data["wall_ns"]),
                 peak_rss_bytes=int(data["peak_rss_bytes"]),
                 peak_device_bytes=None if data["peak_device_bytes"] is None else int(data["peak_device_bytes"]),
+                pruned_steps=tuple(_build(StepTotals, t) for t in data.get("pruned_steps", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -182,7 +197,7 @@ def _plain(value: Any) -> Any:
 _FIELD_NAMES: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in fields(cls))
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
-                StageRecord, StepRecord, CandidateRecord, SamplingRecord)
+                StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord)
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord, StepRecord
+from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord, StepRecord, StepTotals
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,25 @@ def stage_totals(stages: Iterable[StageRecord]) -> StageTotals:
         kr += s.kv_bytes_read
         kw += s.kv_bytes_written
         ns += s.duration_ns
+    return StageTotals(calls, flops, mm, w, ar, aw, kr, kw, ns)
+
+
+def with_pruned(totals: StageTotals, pruned: Iterable[StepTotals]) -> StageTotals:
+    """`totals` plus the sums of the steps whose stage records --trace-steps left out."""
+    calls, flops, mm, w, ar, aw, kr, kw, ns = (totals.calls, totals.flops, totals.matmul_flops,
+                                               totals.weight_bytes_read, totals.activation_bytes_read,
+                                               totals.activation_bytes_written, totals.kv_bytes_read,
+                                               totals.kv_bytes_written, totals.stage_ns)
+    for t in pruned:
+        calls += t.calls
+        flops += t.matmul_flops + t.elementwise_flops
+        mm += t.matmul_flops
+        w += t.weight_bytes_read
+        ar += t.activation_bytes_read
+        aw += t.activation_bytes_written
+        kr += t.kv_bytes_read
+        kw += t.kv_bytes_written
+        ns += t.stage_ns
     return StageTotals(calls, flops, mm, w, ar, aw, kr, kw, ns)
 
 
@@ -122,7 +141,7 @@ class PhaseSummary:
 
 def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
     steps = [s for s in trace.steps if s.phase == phase]
-    totals = stage_totals(trace.stages_of(phase))
+    totals = with_pruned(stage_totals(trace.stages_of(phase)), [t for t in trace.pruned_steps if t.phase == phase])
     n = len(steps)
     forward_ns = sum(s.forward_ns for s in steps)
     step_ns = sum(s.duration_ns for s in steps)
@@ -211,7 +230,8 @@ class DecodeStageRow:
 class DecodeByStage:
     """Where a decode step's time goes, stage by stage (`llmtrace run`'s "Decode by stage")."""
 
-    steps: int
+    steps: int  # the decode steps averaged over: those whose stage records the trace kept
+    all_steps: int  # every decode step of the run (more than `steps` when --trace-steps pruned some)
     forward_ns_per_step: float
     stages_ns_per_step: float  # the stages' own times; the rest of the forward is Python between them
     rows: tuple[DecodeStageRow, ...]
@@ -222,9 +242,10 @@ class DecodeByStage:
 def decode_by_stage(trace: Trace, decode: PhaseSummary) -> DecodeByStage | None:
     """`decode`: the run's decode summary. None when no decode step was traced (--no-trace, one token)."""
     stages = trace.stages_of(DECODE)
-    if not stages or not decode.steps:
+    traced = trace.traced_steps(DECODE)  # --trace-steps may have kept the stage records of some steps only
+    if not stages or not traced:
         return None
-    n = decode.steps
+    n = len(traced)
     rows = []
     for r in role_rows(stages):
         t = r.totals
@@ -237,7 +258,8 @@ def decode_by_stage(trace: Trace, decode: PhaseSummary) -> DecodeByStage | None:
         ))
     weights = stage_totals(s for s in stages if s.kind in _WEIGHT_KINDS)
     return DecodeByStage(
-        steps=n, forward_ns_per_step=decode.forward_ns / n, stages_ns_per_step=decode.totals.stage_ns / n,
+        steps=n, all_steps=decode.steps, forward_ns_per_step=sum(s.forward_ns for s in traced) / n,
+        stages_ns_per_step=stage_totals(stages).stage_ns / n,
         rows=tuple(rows), weight_products_ns_per_step=weights.stage_ns / n,
         weight_stream_bytes_per_second=(weights.weight_bytes_read / (weights.stage_ns / 1e9)
                                         if weights.stage_ns else None),
