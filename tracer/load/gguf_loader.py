@@ -21,7 +21,7 @@ from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.model.transformer import expected_shapes
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 
-# llama.cpp tensor names (llama-arch.cpp, LLM_ARCH_LLAMA) -> Meta's names (llama/model.py), as TEAM.md fixes them.
+# llama.cpp tensor names (llama-arch.cpp, LLM_ARCH_LLAMA) -> Meta's names (llama/model.py), which the model uses.
 _GLOBAL_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",

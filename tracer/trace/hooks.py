@@ -23,7 +23,7 @@ from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages
 from llmtrace.tracer.trace.stage_cost import INDEX_ARGUMENTS, INDEX_ITEMSIZE, StageModule, stage_cost
 from llmtrace.tracer.trace.records import StageRecord
 
-# Stage modules: dotted-name suffix inside a layer -> stage kind (TEAM.md's model contract).
+# Stage modules: dotted-name suffix inside a layer (tracer/model/transformer.py's module names) -> stage kind.
 LAYER_STAGES: dict[str, str] = {
     "attention_norm": "rmsnorm",
     "attention.wq": "linear",
