@@ -36,6 +36,7 @@ from llmtrace.cli.render_run import (
 )
 from llmtrace.cli.render_run_live import DecodeView
 from llmtrace.cli.render_run_report import render_ending
+from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
@@ -117,6 +118,9 @@ def run_command(
         "--repeat", min=1, help="Run the generation K times (after the one warm-up) and report the median and "
                                 "spread of TTFT, decode time per token and each stage, as llama-bench -r does; the "
                                 "first run is the one shown and saved.")] = 1,
+    temperatures: Annotated[str, typer.Option(
+        metavar="T,T,...", help="The sampling lesson: the first token's logits at these temperatures side by side, "
+                                "with what top-k/top-p/min-p keep at each ('' = no lesson).")] = "0.1,1,2",
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
@@ -138,6 +142,7 @@ def run_command(
             device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
             prompt_tokens=prompt_tokens, warmup=not no_warmup, staged=staged,
             trace_steps=_trace_steps(trace_steps),
+            temperatures=parse_temperatures(temperatures),
         )
         _check_settings(settings)
         for path in (json_path, chrome_trace):
@@ -168,6 +173,19 @@ def _trace_steps(spec: str) -> str:
     """--trace-steps, checked now and spelled canonically ('all' or StepSelection.describe())."""
     selection = StepSelection.parse(spec)
     return "all" if selection is None else selection.describe()
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """'0.1,1,2' -> (0.1, 1.0, 2.0); '' -> () (no lesson). Range checks are the engine's (check_temperatures)."""
+    from llmtrace.tracer.run.sampling_lesson import check_temperatures
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        raise BadArgumentError(f"--temperatures takes numbers separated by commas, e.g. 0.1,1,2; got {text!r}") \
+            from None
+    return check_temperatures(values)
 
 
 def _check_settings(settings: RunSettings) -> None:
@@ -213,6 +231,7 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
                 render_positions(console, event.rope, tokenization, loaded.config.n_layers)
                 render_layers(console, event.stages, event.step, detail, settings.dry_run)
                 render_lm_head(console, event.stages, event.step, settings, loaded.config, settings.dry_run)
+                render_sampling_lesson(console, event.lesson, event.step, settings)
                 if not settings.dry_run:
                     view = DecodeView(event.limit, event.step)
                     # "visible": the final render (every step) may be taller than the terminal; while streaming,

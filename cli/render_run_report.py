@@ -17,6 +17,7 @@ from llmtrace.cli.render_run_decode import render_decode_stages
 from llmtrace.cli.render_run_dry import render_dry_run_summary
 from llmtrace.cli.render_run_live import DecodeView
 from llmtrace.cli.render_run_summary import render_summary
+from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 from llmtrace.tracer.trace.records import PREFILL
@@ -39,6 +40,7 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     render_positions(console, trace.rope, trace.tokenization, config.n_layers)
     render_layers(console, stages, prefill, detail, dry_run)
     render_lm_head(console, stages, prefill, settings, config, dry_run)
+    render_sampling_lesson(console, trace.sampling_lesson, prefill, settings)
     if dry_run:
         return
     view = DecodeView(trace.new_token_limit, prefill)

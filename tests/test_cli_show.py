@@ -47,6 +47,7 @@ def test_show_renders_the_sections_run_printed(saved: tuple[str, Path]) -> None:
     for text in (live, shown):
         assert "4/4 tokens" in text and "Q|K|V proj" in text
     assert _between(shown, "7 · Summary", "KV cache:") == _between(live, "7 · Summary", "KV cache:")
+    assert "5b · Sampling lesson" in shown
     assert "recorded by llmtrace" in shown and "roofline: left out of a saved trace" in shown
 
 

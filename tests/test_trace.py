@@ -17,6 +17,9 @@ from llmtrace.tracer.trace.records import RunSettings
 from llmtrace.tracer.trace.summary import layer_rows, role_rows, run_summary, stage_totals
 
 
+INSTRUMENTATION_KEYS = {"sampling_lesson"}
+
+
 @pytest.fixture(scope="module")
 def trace(tiny_llama_dir: Path) -> Trace:
     loaded = load_model(str(tiny_llama_dir))
@@ -45,7 +48,12 @@ def test_schema_lists_every_record_field(trace: Trace) -> None:
     """The schema's `required` lists match the dataclasses (additionalProperties is false, so both ways)."""
     schema = load_schema()
     data = json.loads(trace.to_json())
-    assert set(schema["required"]) == set(data)
+    # the instrumentation keys came later and may be absent from older traces: listed, not required
+    assert set(schema["required"]) | INSTRUMENTATION_KEYS == set(data) == set(schema["properties"])
+    lesson = data["sampling_lesson"]
+    assert set(schema["$defs"]["SamplingLesson"]["required"]) == set(lesson)
+    assert set(schema["$defs"]["LessonColumn"]["required"]) == set(lesson["columns"][0])
+    assert set(schema["$defs"]["LessonToken"]["required"]) == set(lesson["tokens"][0])
     for key, definition in (("stages", "StageRecord"), ("steps", "StepRecord")):
         assert set(schema["$defs"][definition]["required"]) == set(data[key][0])
     assert set(schema["$defs"]["CandidateRecord"]["required"]) == set(data["steps"][0]["candidates"][0])
@@ -55,11 +63,15 @@ def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> No
     """seed_drawn, warmup, staged and trace_steps came later: a trace without them validates and reads back with
     defaults."""
     data = json.loads(trace.to_json())
-    for key in ("seed_drawn", "warmup", "staged", "trace_steps"):
+    for key in ("seed_drawn", "warmup", "staged", "trace_steps", "temperatures"):
         del data["settings"][key]
+    for key in INSTRUMENTATION_KEYS:
+        del data[key]
     jsonschema.validate(data, load_schema())
-    settings = Trace.from_json(json.dumps(data)).settings
+    old = Trace.from_json(json.dumps(data))
+    settings = old.settings
     assert (settings.seed_drawn, settings.warmup, settings.staged, settings.trace_steps) == (False, True, False, "all")
+    assert settings.temperatures == (0.1, 1.0, 2.0) and old.sampling_lesson is None
 
 
 def test_indented_json_is_the_same_document_with_one_line_per_stage(trace: Trace) -> None:

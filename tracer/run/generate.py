@@ -24,6 +24,8 @@ import torch
 from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.run.detokenize import TextStream
+from llmtrace.tracer.run.sampling_lesson import sampling_lesson
+from llmtrace.tracer.trace.journey_records import SamplingLesson
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
 from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
@@ -79,6 +81,7 @@ class PrefillDone:
     stages: tuple[StageRecord, ...]  # empty with tracing off
     rope: RopeRecord
     limit: int  # the most tokens this run will generate
+    lesson: SamplingLesson | None = None  # the first token's logits at several temperatures (settings.temperatures)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,7 @@ class Generation:
         self._generated: list[int] = []
         self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
         self._steps: list[StepRecord] = []
+        self._lesson: SamplingLesson | None = None
         self._stop_reason = STOP_INTERRUPTED
         self._events: Iterator[Event] | None = None
 
@@ -204,7 +208,7 @@ class Generation:
 
     def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         step = self._step(PREFILL, 0, ids)
-        yield PrefillDone(step, self._tracer.records(), rope, limit)
+        yield PrefillDone(step, self._tracer.records(), rope, limit, self._lesson)
         return step.token_id
 
     def _dry_run(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
@@ -267,7 +271,8 @@ class Generation:
             sample_end = text_end = forward_end
             piece, text = "", ""
         else:
-            result = self.sampler.sample(logits[0], self._prompt_ids_and_generated())
+            previous = self._prompt_ids_and_generated()
+            result = self.sampler.sample(logits[0], previous)
             token_id = int(result.token_id)
             sample_end = time.perf_counter_ns()
             self._generated.append(token_id)
@@ -288,6 +293,9 @@ class Generation:
             detokenize_ns=text_end - sample_end, duration_ns=text_end - start,
         )
         self._steps.append(record)
+        if phase == PREFILL and not self.dry_run and self.settings.temperatures:
+            # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
+            self._lesson = sampling_lesson(logits[0], previous, self.settings, self.tokenizer.piece)
         return record
 
     def _prompt_ids_and_generated(self) -> list[int]:
@@ -332,6 +340,7 @@ class Generation:
             peak_rss_bytes=peak_rss_bytes(),
             peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                if self.device.type == "cuda" else None),
+            sampling_lesson=self._lesson,
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 

@@ -13,6 +13,9 @@ PREFILL = "prefill"
 DECODE = "decode"
 
 # Stage kinds, one per kind of module the tracer hooks (see tracer/trace/hooks.py for the name -> kind table).
+# The temperatures the sampling lesson shows the first token's logits at unless told otherwise (the seed article's).
+DEFAULT_LESSON_TEMPERATURES = (0.1, 1.0, 2.0)
+
 MATMUL_KINDS = frozenset({"linear", "lm_head", "attention_scores", "attention_values"})
 
 
@@ -192,6 +195,7 @@ class RunSettings:
     warmup: bool = True  # one untimed prefill + decode step first, so one-off kernel set-up is not traced as work
     staged: bool = False  # run (and trace) stage by stage instead of the fused path: Q, K, V, gate, up apart
     trace_steps: str = "all"  # decode steps whose stage records are kept (tracer/trace/step_selection.py)
+    temperatures: tuple[float, ...] = DEFAULT_LESSON_TEMPERATURES  # the sampling lesson's columns; () = no lesson
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.trace.journey_records import LessonColumn, LessonToken, SamplingLesson
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -66,6 +67,8 @@ class Trace:
     peak_device_bytes: int | None  # cuda only
     # Steps whose stage records --trace-steps left out, each as its sums (prefill first, then by step).
     pruned_steps: tuple[StepTotals, ...] = ()
+    # Instrumentation, recorded apart from the stages (tracer/trace/journey_records.py); absent in older traces.
+    sampling_lesson: SamplingLesson | None = None
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -132,7 +135,7 @@ class Trace:
             )
         try:
             return cls(
-                settings=_build(RunSettings, data["settings"]),
+                settings=_settings(data["settings"]),
                 config=_config(data["config"]),
                 environment=_build(EnvironmentInfo, data["environment"]),
                 model=_build(ModelInfo, data["model"]),
@@ -147,6 +150,7 @@ class Trace:
                 peak_rss_bytes=int(data["peak_rss_bytes"]),
                 peak_device_bytes=None if data["peak_device_bytes"] is None else int(data["peak_device_bytes"]),
                 pruned_steps=tuple(_build(StepTotals, t) for t in data.get("pruned_steps", ())),
+                sampling_lesson=_optional(_sampling_lesson, data.get("sampling_lesson")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -197,7 +201,8 @@ def _plain(value: Any) -> Any:
 _FIELD_NAMES: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in fields(cls))
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
-                StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord)
+                StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
+                LessonColumn)
 }
 
 
@@ -233,6 +238,20 @@ def _tokenization(d: dict[str, Any]) -> TokenizationRecord:
 
 def _rope(d: dict[str, Any]) -> RopeRecord:
     return _build(RopeRecord, {**d, "positions": tuple(d["positions"])})
+
+
+def _settings(d: dict[str, Any]) -> RunSettings:
+    if "temperatures" in d:
+        d = {**d, "temperatures": tuple(float(t) for t in d["temperatures"])}
+    return _build(RunSettings, d)
+
+
+def _sampling_lesson(d: dict[str, Any]) -> SamplingLesson:
+    columns = tuple(_build(LessonColumn, {**c, "probabilities": tuple(c["probabilities"]),
+                                          "final_probabilities": tuple(c["final_probabilities"])})
+                    for c in d["columns"])
+    tokens = tuple(_build(LessonToken, t) for t in d["tokens"])
+    return _build(SamplingLesson, {**d, "tokens": tokens, "columns": columns})
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:
