@@ -54,6 +54,7 @@ def _root(
 COMMAND_MODULES: dict[str, str] = {
     "run": "llmtrace.cli.cmd_run",
     "show": "llmtrace.cli.cmd_show",
+    "diff": "llmtrace.cli.cmd_diff",
     "flops": "llmtrace.cli.cmd_flops",
     "kvmem": "llmtrace.cli.cmd_kvmem",
     "models": "llmtrace.cli.cmd_models",
