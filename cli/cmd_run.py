@@ -36,6 +36,8 @@ from llmtrace.cli.render_run import (
 )
 from llmtrace.cli.render_run_live import DecodeView
 from llmtrace.cli.render_run_report import render_ending
+from llmtrace.cli.render_attention import render_attention
+from llmtrace.cli.render_lens import render_lens
 from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
@@ -121,6 +123,16 @@ def run_command(
     temperatures: Annotated[str, typer.Option(
         metavar="T,T,...", help="The sampling lesson: the first token's logits at these temperatures side by side, "
                                 "with what top-k/top-p/min-p keep at each ('' = no lesson).")] = "0.1,1,2",
+    lens: Annotated[bool, typer.Option(
+        "--lens", help="Logit lens: what the residual stream after each layer would predict (top tokens, the "
+                       "chosen token's rank), per step; runs stage by stage.")] = False,
+    attention: Annotated[bool, typer.Option(
+        "--attention", help="Attention weights of each step's predicted position, per layer and head (a heat "
+                            "strip over the prompt, the most focused heads); runs stage by stage.")] = False,
+    no_kv_cache: Annotated[bool, typer.Option(
+        "--no-kv-cache", help="After the run, generate its tokens again without a KV cache (every step recomputes "
+                              "the whole sequence) and compare time and FLOPs step by step (slow: about the prompt "
+                              "length x the run's decode time).")] = False,
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
@@ -142,7 +154,7 @@ def run_command(
             device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
             prompt_tokens=prompt_tokens, warmup=not no_warmup, staged=staged,
             trace_steps=_trace_steps(trace_steps),
-            temperatures=parse_temperatures(temperatures),
+            temperatures=parse_temperatures(temperatures), no_kv_cache=no_kv_cache, lens=lens, attention=attention,
         )
         _check_settings(settings)
         for path in (json_path, chrome_trace):
@@ -195,6 +207,8 @@ def _check_settings(settings: RunSettings) -> None:
         raise BadArgumentError(f"--threads must be at least 1, got {settings.threads}")
     if settings.prompt_tokens is not None and settings.prompt_tokens < 1:
         raise BadArgumentError(f"--prompt-tokens must be at least 1, got {settings.prompt_tokens}")
+    if settings.dry_run and (settings.no_kv_cache or settings.lens or settings.attention):
+        raise BadArgumentError("--no-kv-cache, --lens and --attention look at a real generation; drop --dry-run")
     if settings.dry_run and settings.trace is False:
         raise BadArgumentError("--dry-run shows traced shapes and FLOPs; drop --no-trace")
 
@@ -204,6 +218,7 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     import torch
 
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
+    from llmtrace.tracer.run.no_cache import NoCacheProgress
     from llmtrace.tracer.load.loader import load_model
 
     if settings.threads is not None:
@@ -221,6 +236,7 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     view: DecodeView | None = None
     trace: Trace | None = None
     tokenization = None
+    status: Any = None  # the --no-kv-cache replay's progress line
     try:
         for event in generation.events():
             if isinstance(event, Tokenized):
@@ -232,6 +248,8 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
                 render_layers(console, event.stages, event.step, detail, settings.dry_run)
                 render_lm_head(console, event.stages, event.step, settings, loaded.config, settings.dry_run)
                 render_sampling_lesson(console, event.lesson, event.step, settings)
+                render_lens(console, event.lens)
+                render_attention(console, event.attention)
                 if not settings.dry_run:
                     view = DecodeView(event.limit, event.step)
                     # "visible": the final render (every step) may be taller than the terminal; while streaming,
@@ -243,12 +261,27 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
                 if view is not None and live is not None:
                     view.add(event.step, event.generated)
                     live.refresh()
+            elif isinstance(event, NoCacheProgress):
+                if live is not None and view is not None:  # the decode stream is done: show the replay's progress
+                    view.finish(False)
+                    live.refresh()
+                    live.stop()
+                    live = None
+                    if not console.is_terminal:
+                        console.line()
+                if status is None:
+                    status = console.status("")
+                    status.start()
+                status.update(f"without a KV cache: step {event.done}/{event.total} recomputed "
+                              f"({event.step.positions} tokens) …")
             elif isinstance(event, Finished):
                 trace = event.trace
     except KeyboardInterrupt:
         trace = generation.trace()
     finally:
         generation.close()
+        if status is not None:
+            status.stop()
         if live is not None:
             if view is not None:
                 view.finish(trace is None or trace.stop_reason == STOP_INTERRUPTED)

@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS, section
 from llmtrace.tracer.trace.diff import PHASE_ROLE, DiffRow, Figures, TraceDiff
 from llmtrace.tracer.trace.records import PREFILL
@@ -97,11 +97,11 @@ def _label(role: str) -> str:
 
 
 def _time(f: Figures | None) -> str:
-    return "-" if f is None else fmt.ms(f.time_ns)
+    return "-" if f is None else fmt.duration_ns(f.time_ns)
 
 
 def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}×"
+    return "-" if value is None else fmt.times(value)
 
 
 def _divergence(diff: TraceDiff) -> str:
@@ -116,7 +116,7 @@ def _divergence(diff: TraceDiff) -> str:
         return f"{agreed}; then {longer} goes on ({d.a_tokens} vs {d.b_tokens} tokens)"
 
     def drew(piece: str, token_id: int | None, p: float | None) -> str:
-        prob = "" if p is None else f", p {100 * p:.1f}%"
+        prob = "" if p is None else f", p {fmt.probability(p)}"
         return f"[bold]{escape(fmt.piece(piece))}[/] (id {token_id}{prob})"
 
     return (f"{agreed}; at generated token {d.index + 1} A drew {drew(d.a_piece, d.a_token_id, d.a_probability)}, "

@@ -16,7 +16,10 @@ from llmtrace.cli.render_run import (
 from llmtrace.cli.render_run_decode import render_decode_stages
 from llmtrace.cli.render_run_dry import render_dry_run_summary
 from llmtrace.cli.render_run_live import DecodeView
+from llmtrace.cli.render_no_cache import render_no_cache
 from llmtrace.cli.render_run_summary import render_summary
+from llmtrace.cli.render_attention import render_attention
+from llmtrace.cli.render_lens import render_lens
 from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
@@ -41,6 +44,8 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     render_layers(console, stages, prefill, detail, dry_run)
     render_lm_head(console, stages, prefill, settings, config, dry_run)
     render_sampling_lesson(console, trace.sampling_lesson, prefill, settings)
+    render_lens(console, trace.lens[0] if trace.lens else None)
+    render_attention(console, trace.attention[0] if trace.attention else None)
     if dry_run:
         return
     view = DecodeView(trace.new_token_limit, prefill)
@@ -60,3 +65,4 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
     if detail != "summary":
         render_decode_stages(console, report.decode_stages)
     render_summary(console, trace, report.summary, roofline, roofline_note)
+    render_no_cache(console, trace.no_kv_cache)

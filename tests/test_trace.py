@@ -17,7 +17,7 @@ from llmtrace.tracer.trace.records import RunSettings
 from llmtrace.tracer.trace.summary import layer_rows, role_rows, run_summary, stage_totals
 
 
-INSTRUMENTATION_KEYS = {"sampling_lesson"}
+INSTRUMENTATION_KEYS = {"sampling_lesson", "no_kv_cache", "lens", "attention"}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> No
     """seed_drawn, warmup, staged and trace_steps came later: a trace without them validates and reads back with
     defaults."""
     data = json.loads(trace.to_json())
-    for key in ("seed_drawn", "warmup", "staged", "trace_steps", "temperatures"):
+    for key in ("seed_drawn", "warmup", "staged", "trace_steps", "temperatures", "no_kv_cache", "lens", "attention"):
         del data["settings"][key]
     for key in INSTRUMENTATION_KEYS:
         del data[key]
@@ -71,7 +71,8 @@ def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> No
     old = Trace.from_json(json.dumps(data))
     settings = old.settings
     assert (settings.seed_drawn, settings.warmup, settings.staged, settings.trace_steps) == (False, True, False, "all")
-    assert settings.temperatures == (0.1, 1.0, 2.0) and old.sampling_lesson is None
+    assert settings.temperatures == (0.1, 1.0, 2.0) and not settings.no_kv_cache
+    assert old.sampling_lesson is None and old.no_kv_cache is None and old.lens == old.attention == ()
 
 
 def test_indented_json_is_the_same_document_with_one_line_per_stage(trace: Trace) -> None:

@@ -24,8 +24,14 @@ import torch
 from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.run.detokenize import TextStream
+from llmtrace.tracer.analytic.estimate import Dtypes
+from llmtrace.tracer.core.dtypes import get_dtype
+from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
-from llmtrace.tracer.trace.journey_records import SamplingLesson
+from llmtrace.tracer.trace.attention_view import attention_step
+from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheRun, NoCacheStep, SamplingLesson
+from llmtrace.tracer.trace.lens import logit_lens
+from llmtrace.tracer.trace.observe import Observer
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
 from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
@@ -82,6 +88,8 @@ class PrefillDone:
     rope: RopeRecord
     limit: int  # the most tokens this run will generate
     lesson: SamplingLesson | None = None  # the first token's logits at several temperatures (settings.temperatures)
+    lens: LensStep | None = None  # --lens: what each layer would predict for the first token
+    attention: AttentionStep | None = None  # --attention: where the first token's position looks
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +104,7 @@ class Finished:
     trace: Trace
 
 
-Event = Tokenized | PrefillDone | TokenStep | Finished
+Event = Tokenized | PrefillDone | TokenStep | NoCacheProgress | Finished
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
@@ -113,7 +121,7 @@ class Generation:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dry_run = settings.dry_run
-        self.sampler = sampler if sampler is not None or self.dry_run else _make_sampler(settings)
+        self.sampler = sampler if sampler is not None or self.dry_run else make_sampler(settings)
         self.settings = _with_seed_used(settings, self.sampler)
         self.origin_ns = time.perf_counter_ns()
         param = next(self.model.parameters())
@@ -130,6 +138,12 @@ class Generation:
         self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
         self._steps: list[StepRecord] = []
         self._lesson: SamplingLesson | None = None
+        self._no_cache_steps: list[NoCacheStep] = []  # --no-kv-cache: the replay's steps so far
+        # --lens / --attention: forward hooks that copy the predicted position's rows (tracer/trace/observe.py)
+        observe = (settings.lens or settings.attention) and not settings.dry_run
+        self._observer = Observer(self.model, lens=settings.lens, attention=settings.attention) if observe else None
+        self._lens: list[LensStep] = []
+        self._attention: list[AttentionStep] = []
         self._stop_reason = STOP_INTERRUPTED
         self._events: Iterator[Event] | None = None
 
@@ -151,6 +165,8 @@ class Generation:
         if self._events is not None:
             self._events.close()  # type: ignore[attr-defined]
         self._tracer.remove()
+        if self._observer is not None:
+            self._observer.remove()
 
     def _run(self) -> Iterator[Event]:
         # Tokenization and context checks come first: a bad prompt fails before any hook is attached.
@@ -162,8 +178,12 @@ class Generation:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
         try:
             self.model.setup_cache(1, len(ids) + limit)
+            if self._observer is not None:
+                self._observer.attach()  # before the warm-up and the tracer: the path they take is the observed one
             if self.settings.warmup and not self.dry_run:
                 self._warm_up(ids)
+                if self._observer is not None:
+                    self._observer.take()  # the warm-up's rows are not a step's
             rope = self._rope = _rope_record(self.config, len(ids))
             with self._tracer:
                 if self.dry_run:
@@ -172,10 +192,32 @@ class Generation:
                     yield from self._generate(ids, rope, limit)
         except KeyboardInterrupt:
             self._stop_reason = STOP_INTERRUPTED
+        else:
+            if self.settings.no_kv_cache and not self.dry_run and self._steps:
+                try:
+                    yield from self._replay_without_cache(ids)
+                except KeyboardInterrupt:
+                    pass  # the generation itself finished; the replay keeps the steps it completed
         finally:
             if fused is not None:
                 self.model.use_fused = fused
+            if self._observer is not None:
+                self._observer.remove()
         yield Finished(self.trace())
+
+    def _replay_without_cache(self, ids: list[int]) -> Iterator[NoCacheProgress]:
+        """The generated tokens again without a KV cache (tracer/run/no_cache.py), traced the same way."""
+        tracer = Tracer(self.model, self.origin_ns, enabled=self.settings.trace,
+                        mechanism="wrap" if self.settings.staged else "auto")
+        try:
+            yield from replay_without_cache(self.model, self.config, self._dtypes(), ids, self._steps,
+                                            self._tracer.records(), make_sampler(self.settings), tracer, self._sync,
+                                            self._no_cache_steps)
+        finally:
+            tracer.remove()
+
+    def _dtypes(self) -> Dtypes:
+        return Dtypes.for_weights(get_dtype(str(self.dtype).removeprefix("torch.")))
 
     def _warm_up(self, ids: list[int]) -> None:
         """One untimed prefill of the prompt and one decode step, then an empty cache: the first call of a kernel
@@ -208,7 +250,8 @@ class Generation:
 
     def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         step = self._step(PREFILL, 0, ids)
-        yield PrefillDone(step, self._tracer.records(), rope, limit, self._lesson)
+        yield PrefillDone(step, self._tracer.records(), rope, limit, self._lesson,
+                          self._lens[0] if self._lens else None, self._attention[0] if self._attention else None)
         return step.token_id
 
     def _dry_run(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
@@ -293,10 +336,24 @@ class Generation:
             detokenize_ns=text_end - sample_end, duration_ns=text_end - start,
         )
         self._steps.append(record)
+        if self._observer is not None:
+            self._observe(record, ids)
         if phase == PREFILL and not self.dry_run and self.settings.temperatures:
             # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
             self._lesson = sampling_lesson(logits[0], previous, self.settings, self.tokenizer.piece)
         return record
+
+    def _observe(self, record: StepRecord, fed: list[int]) -> None:
+        """The lens and attention views of the step just taken, from the Observer's rows (after its clocks)."""
+        residual, weights = self._observer.take()
+        position = record.context_length - 1
+        if residual is not None:
+            self._lens.append(logit_lens(self.model, residual, record.step, position, record.token_id,
+                                         self.tokenizer.piece))
+        if weights is not None:
+            sequence = self._prompt_ids_and_generated()[: position + 1]  # the tokens at positions 0 .. position
+            self._attention.append(attention_step(weights, record.step, [self.tokenizer.piece(i) for i in sequence],
+                                                  keep_full=record.phase == PREFILL))
 
     def _prompt_ids_and_generated(self) -> list[int]:
         prompt = list(self._tokenization.ids) if self._tokenization is not None else []
@@ -341,8 +398,21 @@ class Generation:
             peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                if self.device.type == "cuda" else None),
             sampling_lesson=self._lesson,
+            no_kv_cache=self._no_cache_record(),
+            lens=tuple(s for s in self._lens if _done(s.step, completed)),
+            attention=tuple(a for a in self._attention if _done(a.step, completed)),
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
+
+    def _no_cache_record(self) -> NoCacheRun | None:
+        if not self._no_cache_steps:
+            return None
+        prompt_len = len(self._tokenization.ids) if self._tokenization is not None else 0
+        return no_cache_run(self._no_cache_steps, len(self._steps), self.config, self._dtypes(), prompt_len)
+
+
+def _done(step: int, completed: set[tuple[str, int]]) -> bool:
+    return (PREFILL if step == 0 else DECODE, step) in completed
 
 
 def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:
@@ -357,7 +427,7 @@ def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:
 # ---- helpers --------------------------------------------------------------------------------------------------
 
 
-def _make_sampler(settings: RunSettings) -> Any:
+def make_sampler(settings: RunSettings) -> Any:
     from llmtrace.tracer.run.sampling import Sampler, SamplingParams
 
     params = SamplingParams(

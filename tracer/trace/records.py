@@ -196,6 +196,9 @@ class RunSettings:
     staged: bool = False  # run (and trace) stage by stage instead of the fused path: Q, K, V, gate, up apart
     trace_steps: str = "all"  # decode steps whose stage records are kept (tracer/trace/step_selection.py)
     temperatures: tuple[float, ...] = DEFAULT_LESSON_TEMPERATURES  # the sampling lesson's columns; () = no lesson
+    no_kv_cache: bool = False  # after the run, generate its tokens again without a KV cache and compare
+    lens: bool = False  # the logit lens at each step's predicted position (runs stage by stage)
+    attention: bool = False  # each step's attention weights at the predicted position (runs stage by stage)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,18 @@ from typing import Any, Callable, TypeVar
 
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError
-from llmtrace.tracer.trace.journey_records import LessonColumn, LessonToken, SamplingLesson
+from llmtrace.tracer.trace.journey_records import (
+    AttentionStep,
+    HeadFocus,
+    LensLayer,
+    LensStep,
+    LensToken,
+    LessonColumn,
+    LessonToken,
+    NoCacheRun,
+    NoCacheStep,
+    SamplingLesson,
+)
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -69,6 +80,9 @@ class Trace:
     pruned_steps: tuple[StepTotals, ...] = ()
     # Instrumentation, recorded apart from the stages (tracer/trace/journey_records.py); absent in older traces.
     sampling_lesson: SamplingLesson | None = None
+    no_kv_cache: NoCacheRun | None = None  # --no-kv-cache: the run again without a cache, step by step
+    lens: tuple[LensStep, ...] = ()  # --lens: per step, what each layer would predict
+    attention: tuple[AttentionStep, ...] = ()  # --attention: per step, where each head looks
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -151,6 +165,9 @@ class Trace:
                 peak_device_bytes=None if data["peak_device_bytes"] is None else int(data["peak_device_bytes"]),
                 pruned_steps=tuple(_build(StepTotals, t) for t in data.get("pruned_steps", ())),
                 sampling_lesson=_optional(_sampling_lesson, data.get("sampling_lesson")),
+                no_kv_cache=_optional(_no_cache, data.get("no_kv_cache")),
+                lens=tuple(_lens_step(s) for s in data.get("lens", ())),
+                attention=tuple(_attention_step(a) for a in data.get("attention", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -202,7 +219,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in fields(cls))
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
-                LessonColumn)
+                LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus)
 }
 
 
@@ -252,6 +269,27 @@ def _sampling_lesson(d: dict[str, Any]) -> SamplingLesson:
                     for c in d["columns"])
     tokens = tuple(_build(LessonToken, t) for t in d["tokens"])
     return _build(SamplingLesson, {**d, "tokens": tokens, "columns": columns})
+
+
+def _no_cache(d: dict[str, Any]) -> NoCacheRun:
+    return _build(NoCacheRun, {**d, "steps": tuple(_build(NoCacheStep, s) for s in d["steps"])})
+
+
+def _lens_step(d: dict[str, Any]) -> LensStep:
+    layers = tuple(_build(LensLayer, {**layer, "top": tuple(_build(LensToken, t) for t in layer["top"])})
+                   for layer in d["layers"])
+    return _build(LensStep, {**d, "layers": layers})
+
+
+def _attention_step(d: dict[str, Any]) -> AttentionStep:
+    heads = tuple(_build(HeadFocus, {**h, "top_positions": tuple(h["top_positions"]),
+                                     "top_weights": tuple(h["top_weights"])}) for h in d["heads"])
+    full = d["weights"]
+    return _build(AttentionStep, {
+        **d, "pieces": tuple(d["pieces"]), "heads": heads,
+        "mean_weights": tuple(tuple(row) for row in d["mean_weights"]),
+        "weights": None if full is None else tuple(tuple(tuple(row) for row in layer) for layer in full),
+    })
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:
