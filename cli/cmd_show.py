@@ -31,13 +31,17 @@ def show(
     detail: DetailOption = Detail.layers,
     chrome_trace: Annotated[Optional[Path], typer.Option(
         "--chrome-trace", metavar="PATH", help="Also write it as a Chrome/Perfetto trace.")] = None,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="PATH", help="Also write a self-contained HTML report (inline SVG figures; needs the "
+                                       "html extra: matplotlib).")] = None,
 ) -> None:
     """Render a saved trace again: the same sections as `llmtrace run`, no model, no torch."""
     console = stdout_console()
 
     def body() -> int:
-        if chrome_trace is not None:
-            check_writable(chrome_trace)
+        for output in (chrome_trace, html):
+            if output is not None:
+                check_writable(output)
         trace = read_trace(path)
         env = trace.environment
         console.print(f"[dim]{path}: recorded by llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
@@ -49,6 +53,11 @@ def show(
         if chrome_trace is not None:
             write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
+        if html is not None:
+            from llmtrace.cli.render_html import html_report
+
+            write_output(html, html_report(trace))
+            console.print(f"[dim]HTML report written to {html} (self-contained: open it in any browser)[/]")
         return 0
 
     code = run_guarded(body)

@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.trace.journey_records import AttentionStep
 
@@ -43,7 +43,7 @@ def render_attention(console: Console, first: AttentionStep | None) -> None:
     notes = [
         f"the predicted position ({first.position}) attending over {first.positions} positions, each layer's heads "
         "averaged: █ ≥ 60%, ▓ ≥ 35%, ▒ ≥ 15%, ░ ≥ 5%, · below (weights are the staged model's softmax output; "
-        f"instrumentation: {fmt.ms(first.instrument_ns)}, not in the stages' time).",
+        f"instrumentation: {fmt.duration_ns(first.instrument_ns)}, not in the stages' time).",
         f"{len(sink)} of {len(first.heads)} heads put most weight on position 0 (the first token: an attention "
         "sink); the most focused of the others (lowest entropy):", *(f"  {line}" for line in focused),
     ]

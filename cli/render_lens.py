@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli import render_run_format as fmt
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.trace.journey_records import LensLayer, LensStep, LensToken
 
@@ -41,7 +41,7 @@ def render_lens(console: Console, first: LensStep | None) -> None:
     notes = [f"[bold]{headline}[/]",
              "each row: the residual stream at the predicted position after that layer, through the final RMSNorm "
              "and the LM head, as if the model stopped there (instrumentation: not in the stages' FLOPs or time; "
-             f"{fmt.ms(first.instrument_ns)} for this step)."]
+             f"{fmt.duration_ns(first.instrument_ns)} for this step)."]
     console.print(section(f"5c · Logit lens  what each layer would predict at position {first.position}",
                           Group(table, Text.from_markup("\n".join(notes)))))
 
