@@ -57,14 +57,14 @@ def _phase_title(phase: str, row: DiffRow) -> str:
         return "-" if f is None else str(f.steps)
 
     if phase == PREFILL:
-        return "Prefill  one forward over the prompt"
-    return f"Decode  per step, mean of A {steps(row.a)} / B {steps(row.b)} steps"
+        return "Prefill  one forward over the prompt; × = B/A"
+    return f"Decode  per step, mean of A {steps(row.a)} / B {steps(row.b)} steps; × = B/A"
 
 
 def _table(rows: list[DiffRow]) -> Table:
     table = Table(show_edge=False, pad_edge=False, box=None)
-    for name in ("stage", "A time", "B time", "B/A", "A FLOPs", "B/A", "A bytes", "B/A"):
-        table.add_column(name, justify="left" if name == "stage" else "right")
+    for name in ("stage", "A time", "B time", "×", "A FLOPs", "×", "bytes ×"):
+        table.add_column(name, justify="left" if name == "stage" else "right", no_wrap=True)
     for row in rows:
         phase_row = row.role == PHASE_ROLE
         table.add_row(
@@ -76,17 +76,13 @@ def _table(rows: list[DiffRow]) -> Table:
     return table
 
 
-def _costs(row: DiffRow) -> tuple[str, str, str, str]:
-    """A's FLOPs and bytes with the B/A ratios; a row only B has shows B's, marked."""
+def _costs(row: DiffRow) -> tuple[str, str, str]:
+    """A's FLOPs with the B/A ratios of FLOPs and bytes; a row only B has shows B's FLOPs, marked (--json: all)."""
     if row.a is None and row.b is not None:
-        b = row.b
-        return (f"[dim]B {fmt.flops(b.flops)}[/]", "-", f"[dim]B {fmt.nbytes(b.bytes_read + b.bytes_written)}[/]",
-                "-")
+        return f"[dim]B {fmt.flops(row.b.flops)}[/]", "-", "-"
     if row.a is None:
-        return "-", "-", "-", "-"
-    a = row.a
-    return (fmt.flops(a.flops), _ratio(row.flops_ratio), fmt.nbytes(a.bytes_read + a.bytes_written),
-            _ratio(row.bytes_ratio))
+        return "-", "-", "-"
+    return fmt.flops(row.a.flops), _ratio(row.flops_ratio), _ratio(row.bytes_ratio)
 
 
 def _label(role: str) -> str:
