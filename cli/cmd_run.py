@@ -132,6 +132,9 @@ def run_command(
     attention: Annotated[bool, typer.Option(
         "--attention", help="Attention weights of each step's predicted position, per layer and head (a heat "
                             "strip over the prompt, the most focused heads); runs stage by stage.")] = False,
+    attention_steps: Annotated[str, typer.Option(
+        metavar="N,N,...", help="With --attention: the steps whose full weights the JSON keeps (0 = the prefill; "
+                                "each at most 65,536 values; every step keeps its per-head summary).")] = "0",
     no_kv_cache: Annotated[bool, typer.Option(
         "--no-kv-cache", help="After the run, generate its tokens again without a KV cache (every step recomputes "
                               "the whole sequence) and compare time and FLOPs step by step (slow: about the prompt "
@@ -158,6 +161,7 @@ def run_command(
             prompt_tokens=prompt_tokens, warmup=not no_warmup, staged=staged,
             trace_steps=_trace_steps(trace_steps),
             temperatures=parse_temperatures(temperatures), no_kv_cache=no_kv_cache, lens=lens, attention=attention,
+            attention_steps=parse_steps(attention_steps),
         )
         _check_settings(settings)
         if html is not None and settings.dry_run:
@@ -195,6 +199,14 @@ def _trace_steps(spec: str) -> str:
     """--trace-steps, checked now and spelled canonically ('all' or StepSelection.describe())."""
     selection = StepSelection.parse(spec)
     return "all" if selection is None else selection.describe()
+
+
+def parse_steps(text: str) -> tuple[int, ...]:
+    """'0,3' -> (0, 3): step numbers, 0 = the prefill."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        raise BadArgumentError(f"--attention-steps takes step numbers >= 0 separated by commas, e.g. 0,3; got {text!r}")
+    return tuple(sorted({int(p) for p in parts}))
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:

@@ -33,7 +33,7 @@ def loaded(tiny_llama_dir: Path):
 @pytest.fixture(scope="module")
 def trace(loaded, tiny_llama_dir: Path) -> Trace:
     settings = RunSettings(model=str(tiny_llama_dir), prompt=PROMPT, max_new_tokens=3, temperatures=(), lens=True,
-                           attention=True)
+                           attention=True, attention_steps=(0, 2))
     return generate(loaded, settings)
 
 
@@ -65,9 +65,11 @@ def test_attention_rows_sum_to_one_and_equal_hf_eager_weights(trace: Trace, tiny
     expected = torch.stack([a[0, :, -1, :] for a in out.attentions])  # (layers, H, S): the last query's row
     assert torch.allclose(full, expected, atol=1e-5)
     assert torch.allclose(torch.tensor(first.mean_weights), expected.mean(dim=1), atol=1e-5)
-    # decode steps: the new token over every cached position, summaries only
+    # decode steps: the new token over every cached position; full weights only for the steps asked for
     for step in trace.attention[1:]:
-        assert step.weights is None and step.positions == len(ids) + step.step
+        assert (step.weights is not None) == (step.step == 2) and step.positions == len(ids) + step.step
+        if step.weights is not None:
+            assert torch.allclose(torch.tensor(step.weights).sum(dim=-1), torch.ones(full.shape[:2]), atol=1e-5)
         assert all(sum(row) == pytest.approx(1.0, abs=1e-5) for row in step.mean_weights)
         head = step.heads[0]
         assert list(head.top_weights) == sorted(head.top_weights, reverse=True) and head.entropy_bits >= 0
@@ -111,3 +113,10 @@ def test_bundled_paris_takes_shape_in_the_last_layers(tmp_path: Path, monkeypatc
     lens = result.output[result.output.index("5c · Logit lens"):result.output.index("6 · Decode")]
     assert "·Paris first becomes the top token after layer 29 of 30" in lens
     assert "L29    ·Paris 77%" in lens and "◀ first top" in lens
+
+
+def test_bad_attention_steps_are_one_line(tiny_llama_dir: Path) -> None:
+    result = runner.invoke(app, ["run", "sky", "--model", str(tiny_llama_dir), "--attention", "--attention-steps",
+                                 "0,-1"])
+    assert result.exit_code == 2 and "--attention-steps takes step numbers" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -63,7 +63,8 @@ def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> No
     """seed_drawn, warmup, staged and trace_steps came later: a trace without them validates and reads back with
     defaults."""
     data = json.loads(trace.to_json())
-    for key in ("seed_drawn", "warmup", "staged", "trace_steps", "temperatures", "no_kv_cache", "lens", "attention"):
+    for key in ("seed_drawn", "warmup", "staged", "trace_steps", "temperatures", "no_kv_cache", "lens", "attention",
+                "attention_steps"):
         del data["settings"][key]
     for key in INSTRUMENTATION_KEYS:
         del data[key]

@@ -353,7 +353,7 @@ class Generation:
         if weights is not None:
             sequence = self._prompt_ids_and_generated()[: position + 1]  # the tokens at positions 0 .. position
             self._attention.append(attention_step(weights, record.step, [self.tokenizer.piece(i) for i in sequence],
-                                                  keep_full=record.phase == PREFILL))
+                                                  keep_full=record.step in self.settings.attention_steps))
 
     def _prompt_ids_and_generated(self) -> list[int]:
         prompt = list(self._tokenization.ids) if self._tokenization is not None else []

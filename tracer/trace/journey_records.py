@@ -144,9 +144,9 @@ class AttentionStep:
     pieces: tuple[str, ...]  # the token at each key position
     mean_weights: tuple[tuple[float, ...], ...]  # per layer, the heads' mean weight on each position (sums to 1)
     heads: tuple[HeadFocus, ...]  # every layer's every head, layer by layer
-    weights: tuple[tuple[tuple[float, ...], ...], ...] | None  # full (layers, H, S) for the first step only, and
-    #                                                              only while layers x H x S <= ATTENTION_FULL_LIMIT
+    weights: tuple[tuple[tuple[float, ...], ...], ...] | None  # full (layers, H, S) for the steps asked for
+    #                                          (settings.attention_steps), each while layers x H x S <= ATTENTION_FULL_LIMIT
     instrument_ns: int  # time spent summarising, after the step: not in the step's or stages' time
 
 
-ATTENTION_FULL_LIMIT = 65536  # weights kept in full for the prefill's predicted position (bounded trace size)
+ATTENTION_FULL_LIMIT = 65536  # weights kept in full per step asked for (a bounded trace size)

@@ -199,6 +199,7 @@ class RunSettings:
     no_kv_cache: bool = False  # after the run, generate its tokens again without a KV cache and compare
     lens: bool = False  # the logit lens at each step's predicted position (runs stage by stage)
     attention: bool = False  # each step's attention weights at the predicted position (runs stage by stage)
+    attention_steps: tuple[int, ...] = (0,)  # steps whose full weights --attention keeps (bounded); 0 = the prefill
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,6 +260,8 @@ def _rope(d: dict[str, Any]) -> RopeRecord:
 def _settings(d: dict[str, Any]) -> RunSettings:
     if "temperatures" in d:
         d = {**d, "temperatures": tuple(float(t) for t in d["temperatures"])}
+    if "attention_steps" in d:
+        d = {**d, "attention_steps": tuple(int(s) for s in d["attention_steps"])}
     return _build(RunSettings, d)
 
 
