@@ -337,13 +337,13 @@ class Generation:
         )
         self._steps.append(record)
         if self._observer is not None:
-            self._observe(record, ids)
+            self._observe(record)
         if phase == PREFILL and not self.dry_run and self.settings.temperatures:
             # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
             self._lesson = sampling_lesson(logits[0], previous, self.settings, self.tokenizer.piece)
         return record
 
-    def _observe(self, record: StepRecord, fed: list[int]) -> None:
+    def _observe(self, record: StepRecord) -> None:
         """The lens and attention views of the step just taken, from the Observer's rows (after its clocks)."""
         residual, weights = self._observer.take()
         position = record.context_length - 1
@@ -399,8 +399,8 @@ class Generation:
                                if self.device.type == "cuda" else None),
             sampling_lesson=self._lesson,
             no_kv_cache=self._no_cache_record(),
-            lens=tuple(s for s in self._lens if _done(s.step, completed)),
-            attention=tuple(a for a in self._attention if _done(a.step, completed)),
+            lens=tuple(self._lens),  # made after each step's record: every one belongs to a completed step
+            attention=tuple(self._attention),
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 
@@ -409,10 +409,6 @@ class Generation:
             return None
         prompt_len = len(self._tokenization.ids) if self._tokenization is not None else 0
         return no_cache_run(self._no_cache_steps, len(self._steps), self.config, self._dtypes(), prompt_len)
-
-
-def _done(step: int, completed: set[tuple[str, int]]) -> bool:
-    return (PREFILL if step == 0 else DECODE, step) in completed
 
 
 def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:
