@@ -16,11 +16,12 @@ from llmtrace.tracer.trace.records import PREFILL
 def render_dry_run_summary(console: Console, check: DryRunCheck, model: str) -> None:
     """`model`: what to pass to `llmtrace roofline --model` for times on real hardware."""
     table = Table(show_edge=False, pad_edge=False, box=None)
-    for name, justify in (("pass", "left"), ("traced FLOPs", "right"), ("estimate.py", "right"), ("", "left"),
-                          ("matmul", "right"), ("weights read", "right"), ("KV read + written", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for name, justify in (("pass", "left"), ("traced\nFLOPs", "right"), ("estimate.py\nFLOPs", "right"),
+                          ("", "left"), ("matmul\nshare", "right"), ("weights\nread", "right"),
+                          ("KV read\n+ written", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for p in check.passes:
-        label = f"prefill, T = {p.new_tokens}" if p.phase == PREFILL else f"decode step, S = {p.context_length}"
+        label = f"prefill T={p.new_tokens}" if p.phase == PREFILL else f"decode S={p.context_length}"
         table.add_row(label, fmt.flops(p.traced_flops), fmt.flops(p.estimated_flops),
                       "[green]= equal[/]" if p.equal else "[red]≠ differs[/]",
                       fmt.share(p.matmul_flops, p.traced_flops), fmt.nbytes(p.weight_bytes_read),

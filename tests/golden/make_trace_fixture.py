@@ -1,4 +1,4 @@
-"""Write tests/golden/tiny_trace.json: the fixed trace that `llmtrace show`'s golden files render.
+"""Write tests/golden/tiny_trace.json and tiny_dry_run.json: the fixed traces `llmtrace show`'s golden files render.
 
 A real generation of the tiny test model (tests/tiny_llama.py: 2 layers, dim 64, SentencePiece trained on
 sample_prompts/), greedy, whose every clock reading is then replaced by a fixed, made-up timing (and the machine by a
@@ -29,7 +29,7 @@ FIXED_ENVIRONMENT = {"llmtrace_version": "0.1.0", "torch_version": "2.13.0+cpu",
 MODEL_NAME = "tiny-llama (test fixture)"
 
 
-def generate(folder: Path) -> dict:
+def generate(folder: Path, dry_run: bool = False) -> dict:
     import sentencepiece as spm
 
     from llmtrace.tracer.load.loader import load_model
@@ -38,11 +38,12 @@ def generate(folder: Path) -> dict:
 
     sp = train_sentencepiece()
     vocab = spm.SentencePieceProcessor(model_proto=sp).get_piece_size()
-    write_tiny_llama(folder, hf_config_dict(vocab), seed=0, tokenizer_model=sp)
-    loaded = load_model(str(folder), dtype="fp32", device="cpu")
+    if not folder.exists():
+        write_tiny_llama(folder, hf_config_dict(vocab), seed=0, tokenizer_model=sp)
+    loaded = load_model(str(folder), dtype="fp32", device="cpu", dry_run=dry_run)
     settings = RunSettings(model=str(folder), prompt=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None,
                            top_p=None, min_p=None, repetition_penalty=1.0, seed=None, dtype="fp32", device="cpu",
-                           threads=None, chat=False, trace=True, dry_run=False, prompt_tokens=None, warmup=True,
+                           threads=None, chat=False, trace=True, dry_run=dry_run, prompt_tokens=None, warmup=True,
                            staged=False)
     generation = Generation(loaded, settings)
     trace = None
@@ -61,6 +62,7 @@ def fix_timings(data: dict) -> dict:
     is its stages plus 20 µs, sampling 30 µs, detokenizing 4 µs; steps follow each other."""
     data["settings"]["model"] = MODEL_NAME
     data["model"]["source"] = MODEL_NAME
+    data["config"]["source"] = MODEL_NAME
     data["model"]["load_seconds"] = 0.05
     data["environment"].update(FIXED_ENVIRONMENT)
     data["tokenization"]["start_ns"] = 0
@@ -87,10 +89,11 @@ def fix_timings(data: dict) -> dict:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        data = fix_timings(generate(Path(tmp) / "tiny"))
-    out = HERE / "tiny_trace.json"
-    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+        for name, dry_run in (("tiny_trace.json", False), ("tiny_dry_run.json", True)):
+            data = fix_timings(generate(Path(tmp) / "tiny", dry_run))
+            out = HERE / name
+            out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            print(f"wrote {out} ({out.stat().st_size:,} bytes)")
 
 
 if __name__ == "__main__":
