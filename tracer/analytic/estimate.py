@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.analytic.kernels import Kernels
-from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.core.dtypes import DType, activation_dtype_for
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.analytic.params import norm_dtype_for
@@ -145,20 +145,28 @@ class GenerationEstimate:
 _Row = tuple  # (name, label, kind, per_layer, formula thunk, flops, useful, w, kv_r, kv_w, act_r, act_w)
 
 
+def attended_keys(cfg: ModelConfig, t: int, s: int) -> int:
+    """Keys the attention of T new queries over S positions reads and multiplies, as the model runs it: S, or
+    under a sliding window W only those from the first query's oldest visible key (at most T + W - 1)."""
+    return s - first_attended_position(s, t, cfg.sliding_window)
+
+
 def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes,
                             kernels: Kernels) -> list[tuple[int, ...]]:
-    """(flops, useful, weight B, KV read B, KV written B, act read B, act written B) of QKᵀ, scaling, softmax, PV."""
+    """(flops, useful, weight B, KV read B, KV written B, act read B, act written B) of QKᵀ, scaling, softmax, PV.
+    Under a sliding window they grow with the keys attended (attended_keys), which stop growing at the window."""
     h, hd = cfg.n_heads, cfg.head_dim
     a = dt.activations.bytes_per_value
     q_bytes = int(batch * t * cfg.q_dim * a)
+    s = attended_keys(cfg, t, s)
     product = ff.attention_scores_flops(batch, h, t, s, hd)
-    useful = ff.causal_attention_product_flops(batch, h, t, s, hd)
+    useful = ff.causal_attention_product_flops(batch, h, t, s, hd, cfg.sliding_window)
     bhts_bytes = int(batch * h * t * s * a)
     kv_read = batch * s * cfg.n_kv_heads * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
     if kernels is Kernels.FUSED:
         # FlashAttention: Q, K, V read once, O written once, scores on chip; masked tiles skipped, so the products,
         # the scaling and the softmax run over the causal pairs only.
-        pairs = batch * h * ff.causal_useful_pairs(t, s)
+        pairs = batch * h * ff.causal_useful_pairs(t, s, cfg.sliding_window)
         scale = ff.SCORE_SCALE_FLOPS_PER_ELEMENT * pairs
         softmax = ff.SOFTMAX_FLOPS_PER_ELEMENT * pairs
         return [
@@ -180,7 +188,9 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
 def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
     h, hd = cfg.n_heads, cfg.head_dim
-    pairs = ff.causal_useful_pairs(t, s)
+    context, s = s, attended_keys(cfg, t, s)
+    pairs = ff.causal_useful_pairs(t, s, cfg.sliding_window)
+    windowed = f", window {cfg.sliding_window}: S = {s} of {context}" if s != context else ""
     if kernels is Kernels.FUSED and pairs != t * s:  # masked tiles skipped: the causal pairs P only
         # P: the (query, key) pairs the causal mask keeps, T·(S-T) + T·(T+1)/2
         meta = [
@@ -191,13 +201,14 @@ def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, ke
         ]
     else:
         causal = f" (causal pairs {pairs:,} of {t * s:,})" if pairs != t * s else ""
+        causal += windowed
         meta = [
             ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
             ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}"),
             ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}"),
             ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
         ]
-    numbers = _attention_core_numbers(cfg, batch, t, s, dt, kernels)
+    numbers = _attention_core_numbers(cfg, batch, t, context, dt, kernels)
     return [(name, label, kind, True, formula, *row) for (name, label, kind, formula), row in zip(meta, numbers)]
 
 

@@ -47,21 +47,28 @@ def attention_values_flops(batch: int, heads: int, q_len: int, kv_len: int, head
     return 2 * batch * heads * q_len * kv_len * head_dim
 
 
-def causal_useful_pairs(q_len: int, kv_len: int) -> int:
+def causal_useful_pairs(q_len: int, kv_len: int, window: int | None = None) -> int:
     """(query, key) pairs a causal mask keeps when T new queries sit at the end of S positions.
 
-    Query i (0-based, at absolute position S - T + i) sees keys 0..S-T+i, so the count is
+    Query i (0-based, at position S - T + i) sees keys 0..S-T+i, so the count is
     sum_{i<T} (S - T + i + 1) = T * (S - T) + T * (T + 1) / 2.
     A full prefill (S = T) keeps T(T+1)/2 of T² pairs; a decode step (T = 1) keeps all S.
+    With a sliding window W a query sees at most W keys (itself and the W - 1 before it):
+    sum_{i<T} min(S - T + i + 1, W).
     """
     if q_len > kv_len:
         raise ValueError(f"q_len ({q_len}) cannot exceed kv_len ({kv_len})")
-    return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+    first = kv_len - q_len + 1  # keys the first query sees without a window
+    if window is None or first + q_len - 1 <= window:
+        return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+    below = min(max(window - first, 0), q_len)  # queries whose causal span is still shorter than the window
+    return below * first + below * (below - 1) // 2 + (q_len - below) * window
 
 
-def causal_attention_product_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int) -> int:
-    """Useful FLOPs of one attention product (QKᵀ or PV) under a causal mask: 2 * B * H * pairs * D."""
-    return 2 * batch * heads * causal_useful_pairs(q_len, kv_len) * head_dim
+def causal_attention_product_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                                   window: int | None = None) -> int:
+    """Useful FLOPs of one attention product (QKᵀ or PV) under a causal (sliding-window) mask: 2 * B * H * pairs * D."""
+    return 2 * batch * heads * causal_useful_pairs(q_len, kv_len, window) * head_dim
 
 
 def score_scale_flops(batch: int, heads: int, q_len: int, kv_len: int) -> int:

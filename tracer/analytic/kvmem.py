@@ -1,5 +1,8 @@
 """KV-cache size: 2 (K and V) x layers x KV heads x head dim x bytes per value x positions x batch. Pure Python.
 
+Positions are those the cache must hold: the context, or under a sliding window W (Mistral 7B v0.1: 4096) only
+the last min(context, W), as Mistral's reference implementation holds them (a rolling buffer).
+
 For block-quantized cache dtypes (int8, int4) the scales are stored per head vector of D values, so the exact
 bytes of one head vector are dtype.row_bytes(D) and "bytes per value" is that divided by D.
 """
@@ -25,7 +28,8 @@ class KVCacheSize:
     dtype: str
     bytes_per_value: float  # scales included
     batch: int
-    seq: int  # positions per sequence
+    seq: int  # context positions per sequence
+    cached_positions: int  # positions per sequence the cache holds: seq, or min(seq, sliding window)
     bytes_per_token_per_layer: int  # one position of one sequence, K and V, one layer
     bytes_per_token: int  # one position of one sequence, all layers
     bytes_per_layer: int  # all positions and sequences, one layer
@@ -41,7 +45,8 @@ class ContextRow:
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class BudgetFit:
     budget_bytes: int
-    max_positions_kv_only: int  # positions per sequence whose cache fits in the budget
+    max_positions_kv_only: int  # positions per sequence whose cache fits in the budget (under a sliding window:
+    # the model's whole context once the window's cache fits, since the cache never grows past the window)
     weights_dtype: str
     weights_bytes: int
     max_positions_with_weights: int  # positions per sequence that fit beside the weights (0 if the weights do not fit)
@@ -81,8 +86,8 @@ def kv_bytes_per_token(config: ModelConfig, dtype: DType) -> int:
 
 
 def kv_cache_bytes(config: ModelConfig, seq: int, dtype: DType, batch: int = 1) -> int:
-    """2 * layers * Hkv * D * bytes per value * positions * batch."""
-    return kv_bytes_per_token(config, dtype) * _positive("seq", seq) * _positive("batch", batch)
+    """2 * layers * Hkv * D * bytes per value * positions * batch; positions = min(seq, sliding window)."""
+    return kv_bytes_per_token(config, dtype) * config.cached_positions(_positive("seq", seq)) * _positive("batch", batch)
 
 
 def kv_cache_size(config: ModelConfig, seq: int, dtype: DType, batch: int = 1, n_kv_heads: int | None = None) -> KVCacheSize:
@@ -90,11 +95,13 @@ def kv_cache_size(config: ModelConfig, seq: int, dtype: DType, batch: int = 1, n
     _positive("batch", batch)
     heads = config.n_kv_heads if n_kv_heads is None else n_kv_heads
     per_layer_token = kv_bytes_per_token_per_layer(heads, config.head_dim, dtype)
+    held = config.cached_positions(seq)
     return KVCacheSize(
         n_layers=config.n_layers, n_kv_heads=heads, head_dim=config.head_dim, dtype=dtype.name,
         bytes_per_value=dtype.row_bytes(config.head_dim) / config.head_dim, batch=batch, seq=seq,
-        bytes_per_token_per_layer=per_layer_token, bytes_per_token=per_layer_token * config.n_layers,
-        bytes_per_layer=per_layer_token * seq * batch, total_bytes=per_layer_token * config.n_layers * seq * batch,
+        cached_positions=held, bytes_per_token_per_layer=per_layer_token,
+        bytes_per_token=per_layer_token * config.n_layers, bytes_per_layer=per_layer_token * held * batch,
+        total_bytes=per_layer_token * config.n_layers * held * batch,
     )
 
 
@@ -112,10 +119,18 @@ def budget_fit(config: ModelConfig, dtype: DType, batch: int, budget_bytes: int,
     per_position = kv_bytes_per_token(config, dtype) * batch
     w_bytes = weight_bytes(config, weights)
     return BudgetFit(
-        budget_bytes=budget_bytes, max_positions_kv_only=budget_bytes // per_position, weights_dtype=weights.name,
-        weights_bytes=w_bytes, max_positions_with_weights=max(0, budget_bytes - w_bytes) // per_position,
+        budget_bytes=budget_bytes, max_positions_kv_only=_positions_within(config, budget_bytes // per_position),
+        weights_dtype=weights.name, weights_bytes=w_bytes,
+        max_positions_with_weights=_positions_within(config, max(0, budget_bytes - w_bytes) // per_position),
         model_max_seq_len=config.max_seq_len,
     )
+
+
+def _positions_within(config: ModelConfig, cacheable: int) -> int:
+    """Context positions whose cache fits when `cacheable` positions do: the same, or with a sliding window that
+    fits, the model's whole context (the cache holds W positions however long the context grows)."""
+    window = config.sliding_window
+    return max(cacheable, config.max_seq_len) if window is not None and cacheable >= window else cacheable
 
 
 def kvmem_report(
@@ -124,11 +139,14 @@ def kvmem_report(
 ) -> KVMemReport:
     size = kv_cache_size(config, seq, dtype, batch)
     mha = kv_cache_size(config, seq, dtype, batch, n_kv_heads=config.n_heads)
+    positions = f"{seq} positions" if size.cached_positions == seq else \
+        f"{size.cached_positions} positions (sliding window {config.sliding_window} of {seq})"
     formula = (
         f"2 × {config.n_layers} layers × {config.n_kv_heads} KV heads × {config.head_dim} head dim × "
-        f"{size.bytes_per_value:g} B ({dtype.name}) × {seq} positions × {batch} batch = {size.total_bytes:,} B"
+        f"{size.bytes_per_value:g} B ({dtype.name}) × {positions} × {batch} batch = {size.total_bytes:,} B"
     )
-    table = tuple(ContextRow(n, size.bytes_per_token * n * batch) for n in context_lengths(config.max_seq_len, seq))
+    table = tuple(ContextRow(n, size.bytes_per_token * config.cached_positions(n) * batch)
+                  for n in context_lengths(config.max_seq_len, seq))
     budget = None
     if budget_bytes is not None:
         budget = budget_fit(config, dtype, batch, _positive("budget", budget_bytes), weights_dtype or dtype)

@@ -22,6 +22,13 @@ class RopeScaling:
     original_max_position: int
 
 
+def first_attended_position(end: int, new: int, window: int | None) -> int:
+    """The oldest position any of `new` queries (at positions end-new .. end-1) attends: 0 under full causal
+    attention; with a sliding window W, the first query's oldest key, end - new - W + 1 (transformers' mask keeps
+    key k for query q when q - W < k <= q). Attention reads the keys from here to end - 1, nothing older."""
+    return 0 if window is None else max(0, end - new - window + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Everything about a LLaMA-family model's shape that FLOPs, bytes and the model code need."""
@@ -40,6 +47,9 @@ class ModelConfig:
     explicit_head_dim: int | None = None  # set where the model gives one (dim != n_heads * head_dim is allowed)
     rope_scaling: RopeScaling | None = None
     source: str = "preset"  # where this config came from, for display
+    # Sliding-window attention (Mistral 7B v0.1: 4096): a query at position p sees keys p-W+1..p only, and the
+    # cache needs to hold only the last W positions. None: full causal attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -50,6 +60,9 @@ class ModelConfig:
             raise ConfigError(
                 f"config {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ConfigError(f"config {self.name!r}: sliding_window must be a positive integer or null, got {window!r}")
         if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ConfigError(
                 f"config {self.name!r}: dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); give head_dim"
@@ -71,6 +84,10 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def cached_positions(self, context: int) -> int:
+        """Positions a KV cache must hold for a context of `context` tokens: all of them, or the window's."""
+        return context if self.sliding_window is None else min(context, self.sliding_window)
 
     def with_name(self, name: str, source: str | None = None) -> "ModelConfig":
         return replace(self, name=name, source=source if source is not None else self.source)
@@ -112,6 +129,7 @@ class ModelConfig:
             explicit_head_dim=int(head_dim) if head_dim else None,
             rope_scaling=_rope_scaling_from_hf(data.get("rope_scaling") or data.get("rope_parameters"), source),
             source=source,
+            sliding_window=_sliding_window_from_hf(data, model_type, archs, source),
         )
 
     @classmethod
@@ -176,10 +194,35 @@ class ModelConfig:
             explicit_head_dim=int(key_length) if key_length and int(key_length) != dim // n_heads else None,
             rope_scaling=scaling,
             source=source,
+            sliding_window=_sliding_window_from_gguf(meta.get("llama.attention.sliding_window"), source),
         )
 
 
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+# MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
+_MISTRAL_DEFAULT_WINDOW = 4096
+
+
+def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> int | None:
+    """The window transformers applies: Mistral's sliding_window (4096 when absent, null for none); LLaMA has none
+    (LlamaForCausalLM ignores the key)."""
+    if not (model_type == "mistral" or "MistralForCausalLM" in archs):
+        return None
+    window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
+    return window
+
+
+def _sliding_window_from_gguf(window: Any, source: str) -> int | None:
+    """`llama.attention.sliding_window` where the file has it (llama.cpp writes it for windowed models)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{source}: GGUF attention.sliding_window must be a positive integer, got {window!r}")
+    return window
 
 
 def _rope_scaling_from_hf(raw: Any, source: str) -> RopeScaling | None:

@@ -35,8 +35,8 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
                 tie_embeddings=True, explicit_head_dim=128, rope_scaling=_LLAMA32_SCALING),
     # TinyLlama (TinyLlama/TinyLlama-1.1B-Chat-v1.0/config.json).
     ModelConfig("tinyllama-1.1b", 32000, 2048, 22, 32, 4, 5632, norm_eps=1e-5, max_seq_len=2048),
-    # Mistral 7B v0.1 (mistralai/Mistral-7B-v0.1/config.json); its 4096-token sliding window is not modelled.
-    ModelConfig("mistral-7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, max_seq_len=32768),
+    # Mistral 7B v0.1 (mistralai/Mistral-7B-v0.1/config.json): "sliding_window": 4096.
+    ModelConfig("mistral-7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, max_seq_len=32768, sliding_window=4096),
     # SmolLM2 (HuggingFaceTB/SmolLM2-*/config.json): LLaMA architecture, GQA, tied embeddings.
     ModelConfig("smollm2-135m", 49152, 576, 30, 9, 3, 1536, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
                 tie_embeddings=True),

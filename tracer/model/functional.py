@@ -19,9 +19,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor) -> torc
     return torch.div(x, rms).to(x.dtype).mul_(weight)
 
 
-def causal_mask(new: int, seen: int, device: torch.device) -> torch.Tensor:
-    """(T, S) bool, True where query t (at position S - T + t) must not see key s (s > S - T + t)."""
-    return torch.ones(new, seen, dtype=torch.bool, device=device).triu_(seen - new + 1)
+def causal_mask(new: int, seen: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(T, S) bool, True where query t (at position S - T + t) must not see key s: s > S - T + t (the future) or,
+    with a sliding window W, s <= S - T + t - W (older than the window). The S keys may be a suffix of the
+    cache (llmtrace.tracer.core.config.first_attended_position): positions count from its first key."""
+    hidden = torch.ones(new, seen, dtype=torch.bool, device=device).triu_(seen - new + 1)
+    if window is not None and seen > window:  # some query has keys older than its window
+        hidden |= torch.ones(new, seen, dtype=torch.bool, device=device).tril_(seen - new - window)
+    return hidden
 
 
 def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmtrace.tracer.core.config import first_attended_position
 from llmtrace.tracer.model.functional import causal_mask, softmax_fp32
 
 if TYPE_CHECKING:
@@ -108,7 +109,8 @@ class FusedLayer:
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
         mark()
         self.kv_row.select(1, pos).copy_(qkv[heads:])  # K and V heads (2Hkv, D) at position pos
-        live = self.kv_row.narrow(1, 0, pos + 1)  # (2Hkv, S, D)
+        first = first_attended_position(pos + 1, 1, self.cache.window)  # 0, or the window's oldest key
+        live = self.kv_row.narrow(1, first, pos + 1 - first)  # (2Hkv, S, D)
         mark()
         q = qk[:heads].view(kv_heads, self.rep, head_dim)  # (Hkv, R, D)
         keys, values = live[:kv_heads], live[kv_heads:]  # (Hkv, S, D) each
@@ -230,7 +232,9 @@ class FusedPlan:
         cos = self.cos[start : start + new] * self.qk_scale  # (T, H+Hkv, D): q's rows carry 1/sqrt(D)
         sin = self.sin[start : start + new] * self.qk_scale  # (T, H+Hkv, D)
         one_token = batch * new == 1 and self.caches[0].kv.shape[0] == 1
-        mask = causal_mask(new, start + new, tokens.device) if new > 1 else None  # (T, S)
+        window = self.caches[0].window
+        seen = start + new - first_attended_position(start + new, new, window)  # keys the caches' slices hold
+        mask = causal_mask(new, seen, tokens.device, window) if new > 1 else None  # (T, S)
         mark()
         x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
         mark()

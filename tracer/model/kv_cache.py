@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmtrace.tracer.core.config import first_attended_position
+
 
 class KVCache(nn.Module):
     """K and V of one attention layer in one buffer `kv` (max_batch, 2*Hkv, max_seq, D): heads [0, Hkv) are K,
@@ -12,14 +14,18 @@ class KVCache(nn.Module):
 
     `forward(input_pos, k, v)` writes the new keys/values (B, T, Hkv, D) at positions `input_pos` (T,) and returns
     the live slices (B, Hkv, S, D), S = positions written so far. Attention reads only that slice, so the work it
-    runs grows with S, never with max_seq. Positions are written in order (prefill, then one token per decode step),
+    runs grows with S, never with max_seq. With a sliding window W the slices start at the oldest position the
+    new queries attend (llmtrace.tracer.core.config.first_attended_position), so S is at most T + W - 1 and a
+    decode step reads W positions however long the context; `live_bytes` counts the last W positions only. The
+    buffer itself is still allocated to max_seq (written by position, never rotated). Positions are written in order (prefill, then one token per decode step),
     so the write is a contiguous slice copy at the current length; `input_pos` is passed for the hooks to see.
     """
 
-    def __init__(self, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, n_kv_heads: int, head_dim: int, window: int | None = None) -> None:
         super().__init__()
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
+        self.window = window
         self.length = 0  # positions written so far (S after the next forward is length + T)
         self.batch = 0  # batch size of the sequences in the cache
         # A non-persistent buffer: `.to(device)` moves it, `state_dict()` leaves it out.
@@ -57,10 +63,12 @@ class KVCache(nn.Module):
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of K and V holding real positions: 2 * B * Hkv * S * D * bytes_per_element."""
+        """Bytes of K and V holding positions attention can still read: 2 * B * Hkv * S * D * bytes_per_element,
+        S = positions written, or the last W of them under a sliding window."""
         if self.kv is None:
             return 0
-        return 2 * self.batch * self.n_kv_heads * self.length * self.head_dim * self.kv.element_size()
+        held = self.length if self.window is None else min(self.length, self.window)
+        return 2 * self.batch * self.n_kv_heads * held * self.head_dim * self.kv.element_size()
 
     def forward(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -71,18 +79,21 @@ class KVCache(nn.Module):
         self.kv[:batch, :hkv, start:end] = k.transpose(1, 2)  # (B, T, Hkv, D) -> (B, Hkv, T, D)
         self.kv[:batch, hkv:, start:end] = v.transpose(1, 2)  # (B, T, Hkv, D) -> (B, Hkv, T, D)
         self.length, self.batch = end, batch
-        live = self.kv[:batch, :, :end]  # (B, 2*Hkv, S, D)
+        first = first_attended_position(end, new, self.window)
+        live = self.kv[:batch, :, first:end]  # (B, 2*Hkv, S, D)
         return live[:, :hkv], live[:, hkv:]  # (B, Hkv, S, D) each
 
     def append(self, kv_new: torch.Tensor) -> torch.Tensor:
         """The fused path's write: kv_new (B, T, 2*Hkv, D), K heads then V heads, appended in one copy; returns the
-        live slice (B, 2*Hkv, S, D)."""
+        live slice (B, 2*Hkv, S, D), from the oldest position the new queries attend."""
         batch, new = kv_new.shape[0], kv_new.shape[1]
         start, end = self.length, self.length + new
         buffer = self.kv if batch == self.kv.shape[0] else self.kv[:batch]  # (B, 2*Hkv, S_max, D)
         buffer.narrow(2, start, new).copy_(kv_new.transpose(1, 2))  # (B, T, 2Hkv, D) -> (B, 2Hkv, T, D)
         self.length, self.batch = end, batch
-        return buffer.narrow(2, 0, end)  # (B, 2*Hkv, S, D)
+        first = first_attended_position(end, new, self.window)
+        return buffer.narrow(2, first, end - first)  # (B, 2*Hkv, S, D)
 
     def extra_repr(self) -> str:
-        return f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, max_seq={self.max_seq}"
+        window = f", window={self.window}" if self.window is not None else ""
+        return f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, max_seq={self.max_seq}{window}"

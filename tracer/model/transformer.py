@@ -77,14 +77,16 @@ class RMSNorm(nn.Module):
 class AttentionScores(nn.Module):
     """q (B, H, T, D) · k_all (B, Hkv, S, D) -> scores (B, H, T, S), scaled by 1/sqrt(D), causal mask applied.
 
-    The new tokens sit at the last T of the S positions; query t may see keys up to position S - T + t.
+    The new tokens sit at the last T of the S positions; query t may see keys up to position S - T + t and, under a
+    sliding window W, none before S - T + t - W + 1.
     """
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.n_rep = n_heads // n_kv_heads
         self.scale = head_dim**-0.5
+        self.window = window  # sliding window: keys older than W positions are masked too
 
     def forward(self, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
         batch, _, new, _ = q.shape
@@ -100,7 +102,7 @@ class AttentionScores(nn.Module):
             scores = torch.bmm(q_grouped, k_grouped.transpose(1, 2)).mul_(self.scale)  # (B*Hkv, R*T, S)
         scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
         if new > 1:
-            scores.masked_fill_(causal_mask(new, seen, q.device), float("-inf"))
+            scores.masked_fill_(causal_mask(new, seen, q.device, self.window), float("-inf"))
         return scores
 
     def extra_repr(self) -> str:
@@ -142,8 +144,8 @@ class Attention(nn.Module):
         self.wk = Linear(config.dim, config.kv_dim, bias=False)
         self.wv = Linear(config.dim, config.kv_dim, bias=False)
         self.rope = RotaryEmbedding(config.head_dim)
-        self.kv_cache = KVCache(config.n_kv_heads, config.head_dim)
-        self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim)
+        self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, config.sliding_window)
+        self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, config.sliding_window)
         self.softmax = Softmax()
         self.pv = AttentionValues(config.n_heads, config.n_kv_heads, config.head_dim)
         self.wo = Linear(config.q_dim, config.dim, bias=False)
