@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.core.ggml_types import GGML_TYPES
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -23,22 +24,6 @@ DEFAULT_ALIGNMENT = 32
 _SCALAR_FORMATS: dict[int, str] = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
-
-# ggml tensor types (ggml.h enum ggml_type; block sizes from ggml-common.h): code -> (name, elements per block, bytes
-# per block). Every type the `gguf` package knows, so a header is sized exactly even for types no loader decodes;
-# the tests hold this table equal to gguf.constants.GGML_QUANT_SIZES. Codes 4, 5, 31-33 and 36-38 were removed
-# from ggml (Q4_2, Q4_3 and the repacked Q4_0_4_4... layouts, never written to files by current tools).
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ArraySummary:
