@@ -19,8 +19,9 @@ def kvmem(
     batch: BatchOption = 1,
     budget: Annotated[Optional[str], typer.Option(
         "--budget", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,
-    weights_dtype: Annotated[DtypeChoice, typer.Option(
-        "--weights-dtype", help="With --budget: dtype of the weights that share the memory.")] = DtypeChoice.fp16,
+    weights_dtype: Annotated[Optional[DtypeChoice], typer.Option(
+        "--weights-dtype", show_default="the checkpoint's (a GGUF's main type, e.g. q4_1), else fp16",
+        help="With --budget: dtype of the weights that share the memory.")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """KV-cache size: 2 × layers × KV heads × head dim × bytes × positions × batch.
@@ -35,13 +36,15 @@ def kvmem(
     def body() -> None:
         from llmtrace.tracer.core.dtypes import get_dtype
         from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
-        from llmtrace.tracer.checkpoint.resolve import resolve_config
+        from llmtrace.tracer.analytic.flops_report import default_weights_dtype
+        from llmtrace.tracer.checkpoint.resolve import resolve_model
 
-        config = resolve_config(model)
+        resolved = resolve_model(model)
+        config = resolved.config
+        weights = get_dtype(weights_dtype.value) if weights_dtype is not None else default_weights_dtype(resolved)[0]
         report = kvmem_report(
             config, seq if seq is not None else config.max_seq_len, get_dtype(dtype.value), batch,
-            budget_bytes=parse_bytes(budget) if budget is not None else None,
-            weights_dtype=get_dtype(weights_dtype.value),
+            budget_bytes=parse_bytes(budget) if budget is not None else None, weights_dtype=weights,
         )
         if json_out:
             from llmtrace.cli.json_output import print_json

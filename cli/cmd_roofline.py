@@ -25,8 +25,9 @@ def roofline(
     prompt_len: Annotated[int, typer.Option("--prompt-len", "-p", min=1, help="Prompt tokens per sequence.")] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens to generate per sequence.")] = 128,
     batch: BatchOption = 1,
-    dtype: Annotated[DtypeChoice, typer.Option(
-        "--dtype", help="Weights dtype (int8/int4: block formats, multiplied in fp16).")] = DtypeChoice.fp16,
+    dtype: Annotated[Optional[DtypeChoice], typer.Option(
+        "--dtype", show_default="the checkpoint's (a GGUF's main type, e.g. q4_1), else fp16",
+        help="Weights dtype (int8/int4: block formats, multiplied in fp16).")] = None,
     kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
         "--kv-dtype", help="KV-cache dtype (default: the activation dtype; fp16 for quantized weights).")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel devices (must divide the heads).")] = 1,
@@ -48,13 +49,17 @@ def roofline(
 
     def body() -> None:
         from llmtrace.tracer.hardware.store import resolve_hardware
-        from llmtrace.tracer.checkpoint.resolve import resolve_config
+        from llmtrace.tracer.analytic.flops_report import default_weights_dtype
+        from llmtrace.tracer.checkpoint.resolve import resolve_model
         from llmtrace.tracer.roofline.analysis import roofline as predict
 
+        resolved = resolve_model(model)
+        weights, weights_from = (dtype.value, "option") if dtype is not None else \
+            (default_weights_dtype(resolved)[0].name, default_weights_dtype(resolved)[1])
         report = predict(
-            resolve_config(model), resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
-            batch=batch, dtype=dtype.value, kv_dtype=kv_dtype.value if kv_dtype else None, tp=tp,
-            kernels=kernels.value if kernels else None,
+            resolved.config, resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
+            batch=batch, dtype=weights, kv_dtype=kv_dtype.value if kv_dtype else None, tp=tp,
+            kernels=kernels.value if kernels else None, weights_from=weights_from,
         )
         if json_out:
             from llmtrace.cli.json_output import print_json

@@ -27,7 +27,8 @@ def header(report: RooflineReport) -> Text:
     where = f"{tp} × {m.label}" if tp > 1 else m.label
     text = Text()
     text.append(f"{report.model}", style="bold")
-    text.append(f" ({fmt.si(report.parameters, '')} parameters; weights {report.weights_dtype}, "
+    whose = " (the checkpoint's)" if report.weights_dtype_from == "checkpoint" else ""
+    text.append(f" ({fmt.si(report.parameters, '')} parameters; weights {report.weights_dtype}{whose}, "
                 f"KV cache {report.kv_dtype}, activations {report.activation_dtype}) on ")
     text.append(where, style="bold")
     text.append(f"\nceilings per device: {fmt.flops_per_s(m.peak_flops)} ({m.compute_dtype}), "

@@ -181,7 +181,7 @@ def test_bundled_gguf_resolves_with_real_tensor_counts() -> None:
     assert resolved.weights.total_bytes == sum(int(t.n_bytes) for t in reader.tensors)
     shares = {s.dtype: s.tensors for s in resolved.weights.by_dtype}
     assert shares == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
-    assert resolved.weights.main_dtype == "Q4_1" and resolved.weights.llmtrace_dtype is None
+    assert resolved.weights.main_dtype == "Q4_1" and resolved.weights.llmtrace_dtype == "q4_1"
     assert resolved.config.tie_embeddings and count_params(resolved.config).total == 134_515_008
 
 

@@ -170,3 +170,44 @@ def test_rows_that_are_not_whole_blocks_are_refused(tiny_llama_dir: Path, sp_mod
         read_gguf_header(path)
     result = CliRunner().invoke(app, ["run", "capital", "--model", str(path), "--no-roofline"])
     assert result.exit_code == 2 and "not whole Q4_K blocks" in result.output
+
+
+# ---- the analytical commands on a GGUF: the weights dtype the file stores ------------------------------------------
+
+
+def test_ggml_dtypes_have_ggufs_block_sizes() -> None:
+    from llmtrace.tracer.core.dtypes import GGUF_DTYPES, get_dtype
+
+    for qtype in QUANT_TYPES:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        dtype = get_dtype(qtype.name)
+        assert (dtype.block_size, dtype.block_bytes) == (block, block_bytes), qtype.name
+        assert dtype.is_quantized
+    assert get_dtype("Q4_K").bits_per_value == 4.5 and get_dtype("Q6_K").bits_per_value == 6.5625
+    assert get_dtype("Q4_1").bits_per_value == 5.0
+    assert get_dtype("q4_0").name == "int4" and "q4_0" not in GGUF_DTYPES
+
+
+def test_flops_kvmem_roofline_on_a_q4_1_file_take_q4_1() -> None:
+    """The bundled file stores its matrices as Q4_1 (20 B per 32 values): that, not the fp16 default, is what the
+    analytical commands cost; --dtype still overrides."""
+    import json as json_module
+
+    from llmtrace.tracer.analytic.params import weight_bytes
+    from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+    from llmtrace.tracer.checkpoint.resolve import resolve_config
+    from llmtrace.tracer.core.dtypes import get_dtype
+
+    path = str(bundled_model_path())
+    q4_1 = weight_bytes(resolve_config(path), get_dtype("q4_1"))
+    flops = json_module.loads(CliRunner().invoke(app, ["flops", "--model", path, "--json"]).stdout)
+    assert (flops["weights_dtype"], flops["weights_dtype_from"], flops["activation_dtype"]) == \
+        ("q4_1", "checkpoint", "fp16")
+    kv = json_module.loads(CliRunner().invoke(app, ["kvmem", "--model", path, "--budget", "1GB", "--json"]).stdout)
+    assert (kv["budget"]["weights_dtype"], kv["budget"]["weights_bytes"]) == ("q4_1", q4_1)
+    roof = json_module.loads(CliRunner().invoke(app, ["roofline", "--model", path, "-H", "rtx-4090", "--json"]).stdout)
+    assert (roof["weights_dtype"], roof["weights_dtype_from"]) == ("q4_1", "checkpoint")
+    assert roof["memory"]["weight_bytes_per_device"] == q4_1
+    forced = json_module.loads(CliRunner().invoke(app, ["roofline", "--model", path, "-H", "rtx-4090", "--dtype",
+                                                        "fp16", "--json"]).stdout)
+    assert forced["weights_dtype_from"] == "option" and forced["memory"]["weight_bytes_per_device"] > 3 * q4_1

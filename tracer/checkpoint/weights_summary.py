@@ -32,8 +32,12 @@ class WeightsSummary:
 
     @property
     def llmtrace_dtype(self) -> str | None:
-        """The llmtrace.tracer.core.dtypes name whose layout matches the main dtype exactly (Q8_0 is int8), None when none does."""
-        return _EXACT_DTYPES.get(self.main_dtype)
+        """The llmtrace.tracer.core.dtypes name whose layout matches the main dtype exactly (Q8_0 is int8, Q4_1 is
+        q4_1, Q4_K is q4_k), None when none does."""
+        from llmtrace.tracer.core.dtypes import GGUF_DTYPES
+
+        return _EXACT_DTYPES.get(self.main_dtype) or (self.main_dtype.lower() if self.main_dtype.lower() in
+                                                      GGUF_DTYPES else None)
 
 
 # File dtype names (safetensors and ggml) -> the llmtrace.tracer.core.dtypes name with the same storage layout.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.core.ggml_types import BLOCK_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,21 @@ INT4 = DType("int4", 4, block_size=32, scale_bytes=2, description="int4, fp16 sc
 
 DTYPES: dict[str, DType] = {d.name: d for d in (FP32, BF16, FP16, FP8, INT8, INT4)}
 
+
+def _ggml_block_dtype(name: str, block: int, block_bytes: int) -> DType:
+    """A GGUF block format with its exact size: the bits per value rounded down, the rest of the block as scales
+    (Q4_K: 256 values in 144 B = 4-bit values + 16 B of scales and minimums; IQ2_XXS: 2-bit + 2 B)."""
+    value_bits = block_bytes * 8 // block
+    return DType(name.lower(), value_bits, block_size=block, scale_bytes=block_bytes - block * value_bits // 8,
+                 description=f"GGUF {name}: {block_bytes} B per {block} values")
+
+
+# GGUF's other block formats (Q4_0 and Q8_0 are int4 and int8 above): storage sizes for files that use them.
+GGUF_DTYPES: dict[str, DType] = {
+    name.lower(): _ggml_block_dtype(name, block, block_bytes)
+    for name, block, block_bytes in BLOCK_TYPES if name not in ("Q4_0", "Q8_0")
+}
+
 _ALIASES: dict[str, str] = {
     "float32": "fp32", "f32": "fp32", "float": "fp32",
     "bfloat16": "bf16",
@@ -74,7 +90,9 @@ def get_dtype(name: str) -> DType:
     key = _ALIASES.get(key, key)
     if key in DTYPES:
         return DTYPES[key]
-    raise BadArgumentError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    if key in GGUF_DTYPES:
+        return GGUF_DTYPES[key]
+    raise BadArgumentError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)} (or a GGUF type: q4_k, q5_k...)")
 
 
 def activation_dtype_for(weights: DType) -> DType:

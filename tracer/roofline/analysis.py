@@ -184,6 +184,9 @@ class RooflineReport:
     table_kv_len: int  # context of the batch table's decode step
     batch_table: tuple[BatchRow, ...]
     notes: tuple[str, ...]
+    # where weights_dtype came from: "option" (--dtype), "checkpoint" (the file's main type, e.g. a GGUF's q4_1)
+    # or "default" (fp16)
+    weights_dtype_from: str = "option"
 
 
 # ---- ceilings -------------------------------------------------------------------------------------------------
@@ -453,7 +456,8 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation
 
 def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 512, new_tokens: int = 128,
              batch: int = 1, dtype: str = "fp16", kv_dtype: str | None = None, tp: int = 1,
-             check_fit: bool = True, kernels: str | Kernels | None = None) -> RooflineReport:
+             check_fit: bool = True, kernels: str | Kernels | None = None,
+             weights_from: str = "option") -> RooflineReport:
     """The roofline prediction for generating `new_tokens` after a `prompt_len` prompt, `batch` sequences at once.
 
     kernels: "eager" or "fused" (llmtrace.tracer.analytic.kernels); None = the hardware's default (fused on a GPU
@@ -536,5 +540,5 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
         kv_dtype=dtypes.kv.name, activation_dtype=dtypes.activations.name, machine=machine,
         tensor_parallel=tensor_parallel, memory=fit, prefill=prefill, first_decode=first, last_decode=last,
         generation=generation, crossover=crossover, table_kv_len=table_cached + 1, batch_table=table,
-        notes=tuple(notes),
+        notes=tuple(notes), weights_dtype_from=weights_from,
     )
