@@ -44,10 +44,11 @@ def render_header(console: Console, config: ModelConfig, source: str, weight_for
                   device: str, threads: int, dtype: str, dry_run: bool) -> None:
     head = "shapes only (meta device)" if dry_run else f"loaded in {fmt.duration_s(load_seconds)}"
     tied = "tied to the embedding" if config.tie_embeddings else "separate matrix"
+    window = f" · sliding window {config.sliding_window:,}" if config.sliding_window is not None else ""
     console.print(
         f"[bold]{config.name}[/]  {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
         f"({config.n_kv_heads} KV) · head dim {config.head_dim} · FFN {config.ffn_dim} · vocab {config.vocab_size:,} "
-        f"· LM head {tied}\n[dim]{source}\n{weight_format} · {head} · {device} · {threads} threads · {dtype}[/]"
+        f"· LM head {tied}{window}\n[dim]{source}\n{weight_format} · {head} · {device} · {threads} threads · {dtype}[/]"
     )
 
 
