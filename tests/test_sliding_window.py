@@ -215,3 +215,25 @@ def test_cli_kvmem_and_flops_show_the_window() -> None:
                                                 "--kernels", "fused", "--json"]).stdout)
     fused_scores = next(c for c in fused["decode"]["components"] if c["name"] == "attention.scores")
     assert fused_scores["flops"] == 2 * 32 * 4096 * 128  # FlashAttention-style kernels: the window's pairs too
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["fused", "staged"])
+def test_run_traces_a_windowed_model(staged: bool, mistral_folder: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llmtrace run` past the window: the trace's decode steps read W positions of K and V (2 layers)."""
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    out = tmp_path / "trace.json"
+    result = CliRunner().invoke(app, ["run", "The capital of France is a city", "--model", str(mistral_folder),
+                                      "--max-new-tokens", "20", "--no-roofline", "--dtype", "fp32", "--json",
+                                      str(out), *(["--staged"] if staged else [])], terminal_width=120)
+    assert result.exit_code == 0, result.output
+    assert "sliding window 8" in result.output
+    trace = json.loads(out.read_text())
+    assert trace["config"]["sliding_window"] == WINDOW
+    scores = [r for r in trace["stages"] if r["phase"] == "decode" and r["stage"].endswith("attention.scores")
+              and r["step"] == 19]
+    assert scores and all(r["kv_bytes_read"] == 2 * WINDOW * 16 * 4 for r in scores)  # Hkv 2, D 16, fp32

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.model.fused import FUSED_LAYER_STAGES, FUSED_TOP_AFTER, FUSED_TOP_BEFORE
 from llmtrace.tracer.trace.stage_cost import StageModule
 
@@ -54,8 +54,10 @@ def fused_stages(model: nn.Module) -> list[StageModule]:
 
 def stage_shapes(config: ModelConfig, batch: int, new: int, seen: int) -> dict[str, tuple[list[Shape], list[Shape]]]:
     """Each stage role's (input shapes, output shapes) in a step of B = `batch`, T = `new`, S = `seen`, in the
-    argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must match."""
-    b, t, s = batch, new, seen
+    argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must match.
+    Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them."""
+    b, t = batch, new
+    s = seen - first_attended_position(seen, new, config.sliding_window)  # keys attended: the window's, if any
     dim, h, hkv, d, f = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim
     x = (b, t, dim)
     q, kv = (b, t, h, d), (b, t, hkv, d)
