@@ -134,6 +134,16 @@ def test_unsupported_architecture(write: Callable[..., Path]) -> None:
     assert "'qwen2'" in _one_line(exc)
 
 
+def test_mixture_of_experts_gguf_is_named(tiny_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
+    """Mixtral GGUFs keep general.architecture 'llama' and add llama.expert_count: one line saying so, not a list
+    of tensors that do not match."""
+    config, state, vocab = tiny_source
+    path = write_tiny_gguf(tmp_path / "moe.gguf", config, state, vocab, extra_metadata={"llama.expert_count": 8})
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(str(path))
+    assert "mixture-of-experts model (8 experts per layer)" in _one_line(exc)
+
+
 def test_unsupported_tokenizer_type(write: Callable[..., Path]) -> None:
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(str(write(tokenizer_model="bert")))

@@ -145,6 +145,7 @@ def write_tiny_gguf(
     skip: tuple[str, ...] = (),
     chat_template: str | None = None,
     raw_blocks: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+    extra_metadata: Mapping[str, int] | None = None,
 ) -> Path:
     """Write `state_dict` (our names, fp32, HF RoPE layout) as a llama.cpp-style GGUF; `skip` drops llama.cpp names.
 
@@ -181,6 +182,8 @@ def write_tiny_gguf(
         writer.add_add_space_prefix(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (extra_metadata or {}).items():
+        writer.add_uint32(key, value)
     for ours, tensor in state_dict.items():
         name = llama_cpp_name(ours)
         if name in skip or (ours == "output.weight" and config.tie_embeddings):

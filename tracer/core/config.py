@@ -156,6 +156,12 @@ class ModelConfig:
         arch = meta.get("general.architecture")
         if arch != "llama":
             raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; llmtrace reads 'llama'")
+        experts = meta.get("llama.expert_count")
+        if experts:  # Mixtral-style files keep arch 'llama' and add expert tensors (ffn_*_exps, ffn_gate_inp)
+            raise UnsupportedModelError(
+                f"{source}: a mixture-of-experts model ({experts} experts per layer) is not supported; llmtrace "
+                "models dense LLaMA-family FFNs only"
+            )
 
         def need(key: str) -> Any:
             full = f"llama.{key}"
