@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core.dtypes import get_dtype
 from llmtrace.tracer.trace.records import DECODE, PREFILL
 from llmtrace.tracer.trace.run_trace import Trace
@@ -45,10 +46,12 @@ def dry_run_check(trace: Trace) -> DryRunCheck:
         step = next((s for s in trace.steps if s.phase == phase), None)
         if step is None:
             continue
+        # llmtrace's model runs eager kernels (every attention pair computed): the estimate is asked for the same
         if phase == PREFILL:
-            est = estimate.prefill(trace.config, step.input_tokens, dtypes)
+            est = estimate.prefill(trace.config, step.input_tokens, dtypes, kernels=Kernels.EAGER)
         else:
-            est = estimate.decode_step(trace.config, step.context_length - step.input_tokens, dtypes)
+            est = estimate.decode_step(trace.config, step.context_length - step.input_tokens, dtypes,
+                                       kernels=Kernels.EAGER)
         traced = stage_totals(trace.stages_of(phase))
         passes.append(DryRunPass(
             phase=phase, new_tokens=step.input_tokens, context_length=step.context_length,
