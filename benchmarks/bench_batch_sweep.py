@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ceiling-repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gemm-max-n", type=int, default=1024, help="largest GEMM of the ceilings measurement")
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
     args = parser.parse_args()
 
@@ -42,7 +43,8 @@ def main() -> None:
         for param in loaded.model.parameters():  # unique parameters: a tied LM head stays tied
             param.data = param.data.clone()
     ids = loaded.tokenizer.encode(PROMPT)
-    measurement = measure_machine(dtypes=("fp32",), repeats=args.ceiling_repeats)
+    # GEMMs up to 1024: enough to reach the peak on a few CPU cores, and minutes shorter than 4096 on a busy machine
+    measurement = measure_machine(dtypes=("fp32",), repeats=args.ceiling_repeats, gemm_max_n=args.gemm_max_n)
     profile = replace(profile_from_measurement(measurement), source="bench_batch_sweep, measured in the same run")
 
     def progress(done: int, total: int) -> None:
