@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import statistics
 import time
 from dataclasses import replace
@@ -48,8 +49,9 @@ def main() -> None:
     forward: dict[str, list[float]] = {m: [] for m in MODES}
     lens_ms: list[float] = []
     attention_ms: list[float] = []
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for mode, changes in MODES.items():
+            print(f"round {round_ + 1}: {mode}", file=sys.stderr, flush=True)
             trace = generate(loaded, replace(base, **changes))
             forward[mode] += [s.forward_ns / 1e6 for s in trace.decode_steps]
             if mode == "--lens":
