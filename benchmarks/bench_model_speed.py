@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.load.hf_loader import ours_to_hf
+from llmtrace.tracer.core.contract import ours_to_hf
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model, parse_dtype
 from llmtrace.tracer.core.presets import get_preset
 

@@ -17,6 +17,7 @@ from rich.text import Text
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.trace.records import (
     MATMUL_KINDS,
     CandidateRecord,
@@ -152,24 +153,6 @@ def _angle(radians: float) -> str:
 
 # ---- 4 layers ---------------------------------------------------------------------------------------------------
 
-STAGE_LABELS = {  # stage role -> the label a table shows
-    "attention_norm": "RMSNorm", "attention.wq": "Q proj", "attention.wk": "K proj", "attention.wv": "V proj",
-    "attention.wqkv": "Q|K|V proj",
-    "attention.rope": "RoPE q,k", "attention.kv_cache": "KV write", "attention.scores": "scores QKᵀ/√D",
-    "attention.softmax": "softmax", "attention.pv": "probs·V", "attention.wo": "O proj",
-    "attn_residual": "residual +", "ffn_norm": "RMSNorm", "feed_forward.w1": "gate (w1)",
-    "feed_forward.w3": "up (w3)", "feed_forward.w13": "gate|up (w1|w3)", "feed_forward.act": "silu(gate)·up",
-    "feed_forward.w2": "down (w2)",
-    "ffn_residual": "residual +",
-}
-TOP_STAGE_LABELS = {"tok_embeddings": "embedding", "norm": "final norm", "output": "LM head"}
-
-
-def stage_label(role: str) -> str:
-    """The label of a stage role, inside a layer or at the top of the model."""
-    return STAGE_LABELS.get(role) or TOP_STAGE_LABELS.get(role, role)
-
-
 def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRecord, detail: str,
                   dry_run: bool) -> None:
     if not stages:
@@ -237,7 +220,7 @@ def _layers_table(stages: Sequence[StageRecord], step: StepRecord, detail: str, 
             for stage in row.stages:
                 _add_stage_row(table, stage, forward_ns, total.flops, dry_run, inputs, bars)
     for stage in (s for s in stages if s.layer is None):
-        cells = [TOP_STAGE_LABELS.get(stage.stage, stage.stage), fmt.shape(stage.output_shapes[0])]
+        cells = [short_label(stage.stage), fmt.shape(stage.output_shapes[0])]
         if not dry_run:
             cells.append(fmt.duration_ns(stage.duration_ns))
         cells.append(fmt.flops(stage.flops))
@@ -260,7 +243,7 @@ def _path_note(stages: Sequence[StageRecord]) -> str:
 
 def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flops: int, dry_run: bool,
                    inputs: bool, bars: bool) -> None:
-    label = STAGE_LABELS.get(stage.short_name, stage.short_name)
+    label = short_label(stage.short_name)
     out = fmt.shape(stage.output_shapes[0])
     if inputs:
         shapes = " ".join(fmt.shape(s) for s in stage.input_shapes if len(s) > 1)

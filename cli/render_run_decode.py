@@ -12,14 +12,12 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run import PANEL_FRAME, section, stage_label
+from llmtrace.cli.render_run import PANEL_FRAME, section
 from llmtrace.cli.tables import natural_width
+from llmtrace.tracer.core.contract import role_label
 from llmtrace.tracer.trace.records import MATMUL_KINDS
 from llmtrace.tracer.trace.summary import DecodeByStage
 
-# Roles whose layer label is shared by two roles of a layer: say which one.
-_ROLE_LABELS = {"attention_norm": "RMSNorm (attention)", "ffn_norm": "RMSNorm (FFN)",
-                "attn_residual": "residual + (attention)", "ffn_residual": "residual + (FFN)"}
 
 
 def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
@@ -59,7 +57,7 @@ def _table(d: DecodeByStage, time: bool, traffic: bool) -> Table:
     slowest = max(r.ns_per_step for r in d.rows) or 1
     for row in d.rows:
         style = "" if row.kind in MATMUL_KINDS else "dim"
-        cells: list = [Text(_ROLE_LABELS.get(row.role) or stage_label(row.role), style=style)]
+        cells: list = [Text(role_label(row.role), style=style)]
         if time:
             cells += [str(row.calls_per_step), fmt.duration_ns(row.ns_per_step),
                       fmt.share(row.ns_per_step, d.forward_ns_per_step)]

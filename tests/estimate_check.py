@@ -8,7 +8,6 @@ from typing import Sequence
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import FP32
-from llmtrace.tracer.trace.fused_marks import PACKED_WEIGHTS
 from llmtrace.tracer.trace.records import StageRecord
 from llmtrace.tracer.trace.summary import stage_totals
 
@@ -16,7 +15,8 @@ from llmtrace.tracer.trace.summary import stage_totals
 def assert_traced_equals_estimate(config: ModelConfig, records: Sequence[StageRecord], prompt_len: int,
                                   decode_steps: int) -> None:
     """Step 0 is the prefill of `prompt_len` tokens (fp32 weights), steps 1.. decode one token each. A packed stage
-    of the fused path carries the components of its parts; the scores stage includes the scaling."""
+    of the fused path carries the components of its parts; the scores stage includes the scaling, a projection its
+    bias add (estimate.stage_components)."""
     dtypes = estimate.Dtypes.for_weights(FP32)
     for step in range(decode_steps + 1):
         stages = [r for r in records if r.step == step]
@@ -31,7 +31,5 @@ def assert_traced_equals_estimate(config: ModelConfig, records: Sequence[StageRe
         components = {c.name: c for c in phase.components}
         for record in (r for r in stages if r.layer == 0):
             role = record.short_name
-            expected = sum(components[part].flops for part in PACKED_WEIGHTS.get(role, (role,)))
-            if role == "attention.scores":
-                expected += components["attention.scale"].flops
+            expected = sum(components[part].flops for part in estimate.stage_components(role, config))
             assert record.flops == expected, (step, role)

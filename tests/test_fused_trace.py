@@ -13,8 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from estimate_check import assert_traced_equals_estimate
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.model.fused import FUSED_LAYER_STAGES, no_mark
-from llmtrace.tracer.trace.fused_marks import PACKED_WEIGHTS
+from llmtrace.tracer.core import contract
+from llmtrace.tracer.model.fused import no_mark
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
@@ -25,6 +25,7 @@ CONFIGS = {
     "gqa": ModelConfig("gqa", 128, 64, 3, 4, 2, 96, max_seq_len=64),
     "mqa-tied": ModelConfig("mqa", 128, 48, 2, 6, 1, 80, max_seq_len=64, tie_embeddings=True),
     "head-dim": ModelConfig("hd", 96, 64, 2, 4, 2, 96, max_seq_len=64, explicit_head_dim=24),
+    "biases": ModelConfig("bias", 128, 64, 2, 4, 2, 96, max_seq_len=64, qkv_bias=True, wo_bias=True, mlp_bias=True),
 }
 PROMPT, DECODE_STEPS = 7, 3
 
@@ -76,7 +77,8 @@ def both(request: pytest.FixtureRequest) -> tuple[ModelConfig, tuple[StageRecord
 
 def test_every_fused_stage_is_marked_once_per_layer_per_step_in_order(both) -> None:
     config, fused, _ = both
-    layer = [role for role, _ in FUSED_LAYER_STAGES]
+    layer = [s.role for s in contract.fused_stages(config) if s.in_layer]
+    assert len(layer) == 14
     layers = [f"layers.{i}.{r}" for i in range(config.n_layers) for r in layer]
     expected = ["tok_embeddings", *layers, "norm", "output"]
     for step in range(DECODE_STEPS + 1):
@@ -103,7 +105,8 @@ def test_fused_records_match_the_stage_by_stage_records(both) -> None:
                     b.input_shapes, b.output_shapes, b.flops, b.matmul_flops, b.weight_bytes_read,
                     b.activation_bytes_read, b.activation_bytes_written, b.kv_bytes_read, b.kv_bytes_written), name
         for i in range(config.n_layers):
-            for packed, parts in PACKED_WEIGHTS.items():
+            for pack in contract.PACKS:
+                packed, parts = pack.role, pack.members
                 whole = ours[f"layers.{i}.{packed}"]
                 pieces = [theirs[f"layers.{i}.{p}"] for p in parts]
                 assert whole.matmul_flops == sum(p.matmul_flops for p in pieces) > 0
@@ -127,7 +130,7 @@ def test_matmul_flops_equal_flop_counter_mode_on_the_fused_path(name: str, monke
         stages = [r for r in records if r.step == step]
         assert all(r.matmul_flops == 0 for r in stages if r.kind not in MATMUL_KINDS)
         ours = [(op_of[r.kind], r.matmul_flops) for r in stages if r.kind in MATMUL_KINDS]
-        assert ours == calls
+        assert ours == [(op.replace("addmm", "mm"), n) for op, n in calls]  # a bias makes mm an addmm
         assert len(calls) == 6 * CONFIGS[name].n_layers + 1 and all(n > 0 for _, n in calls)
 
 

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
-from llmtrace.tracer.load.hf_loader import hf_to_ours, load_hf_state_dict, ours_to_hf
-from llmtrace.tracer.model.transformer import build_meta_model, expected_shapes
+from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.model.transformer import build_meta_model
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
 from llmtrace.tracer.checkpoint.tokenizer import SentencePieceTokenizer, load_tokenizer
 

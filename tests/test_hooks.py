@@ -10,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from llmtrace.tracer.core.config import ModelConfig
 from estimate_check import assert_traced_equals_estimate
 from llmtrace.tracer.model.fused import no_mark
-from llmtrace.tracer.trace.hooks import LAYER_STAGES, MODULE_MECHANISMS, TOP_STAGES, Tracer
+from llmtrace.tracer.core import contract
+from llmtrace.tracer.trace.hooks import MODULE_MECHANISMS, Tracer
 from llmtrace.tracer.model.transformer import build_random_model
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 
@@ -57,7 +58,8 @@ def traced(request: pytest.FixtureRequest) -> tuple[ModelConfig, tuple[StageReco
 
 def test_every_stage_fires_once_per_layer_per_step(traced) -> None:
     config, records, _ = traced
-    expected = {f"layers.{i}.{s}" for i in range(config.n_layers) for s in LAYER_STAGES} | set(TOP_STAGES)
+    expected = {f"layers.{i}.{s.role}" for i in range(config.n_layers) for s in contract.layer_stages()}
+    expected |= {s.role for s in contract.staged_stages() if not s.in_layer}
     for step in range(4):
         names = [r.stage for r in records if r.step == step]
         assert sorted(names) == sorted(expected), f"step {step}"
@@ -68,7 +70,7 @@ def test_records_are_in_call_order_and_timed(traced) -> None:
     _, records, _ = traced
     prefill = [r for r in records if r.step == 0]
     assert prefill[0].stage == "tok_embeddings"
-    assert [r.stage for r in prefill[1:18]] == [f"layers.0.{s}" for s in LAYER_STAGES]
+    assert [r.stage for r in prefill[1:18]] == [f"layers.0.{s.role}" for s in contract.layer_stages()]
     assert prefill[-1].stage == "output"
     for earlier, later in zip(records, records[1:]):
         assert earlier.end_ns <= later.start_ns

@@ -30,6 +30,10 @@ _LAYER = {
     "feed_forward.w1.weight": "ffn_gate.weight",
     "feed_forward.w3.weight": "ffn_up.weight",
     "feed_forward.w2.weight": "ffn_down.weight",
+    "attention.wq.bias": "attn_q.bias",
+    "attention.wk.bias": "attn_k.bias",
+    "attention.wv.bias": "attn_v.bias",
+    "attention.wo.bias": "attn_output.bias",
 }
 _TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
 
@@ -193,9 +197,9 @@ def write_tiny_gguf(
             writer.add_tensor(name, blocks, raw_dtype=qtype)
             continue
         array = tensor.detach().to(torch.float32).numpy()
-        if ours.endswith("attention.wq.weight"):
+        if ours.endswith(("attention.wq.weight", "attention.wq.bias")):  # the converter permutes biases too
             array = llama_cpp_permute(array, config.n_heads, config.n_heads)
-        elif ours.endswith("attention.wk.weight"):
+        elif ours.endswith(("attention.wk.weight", "attention.wk.bias")):
             array = llama_cpp_permute(array, config.n_heads, config.n_kv_heads)
         if array.ndim == 1 or matrix_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
-from llmtrace.tracer.model.transformer import expected_shapes
 
 SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts"
 
@@ -46,6 +46,8 @@ def hf_config_dict(
     rope_scaling: dict[str, Any] | None = None,
     rope_theta: float = 10000.0,
     max_pos: int = 256,
+    attention_bias: bool = False,
+    mlp_bias: bool = False,
 ) -> dict[str, Any]:
     """An HF LlamaForCausalLM config.json as a dict."""
     data: dict[str, Any] = {
@@ -53,7 +55,7 @@ def hf_config_dict(
         "hidden_size": dim, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads, "intermediate_size": ffn_dim, "rms_norm_eps": 1e-5,
         "rope_theta": rope_theta, "max_position_embeddings": max_pos, "tie_word_embeddings": tie,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "attention_bias": attention_bias, "mlp_bias": mlp_bias, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "float32",
     }
     if head_dim is not None:

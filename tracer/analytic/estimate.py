@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.analytic.kernels import Kernels
+from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.core.dtypes import DType, activation_dtype_for
 from llmtrace.tracer.core.errors import BadArgumentError
@@ -212,13 +213,41 @@ def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, ke
     return [(name, label, kind, True, formula, *row) for (name, label, kind, formula), row in zip(meta, numbers)]
 
 
-_CORE_AT = 7  # the attention core sits after tok_embeddings, attention_norm, wq, wk, wv, rope, kv_cache
+# The stage kinds whose cost grows with the context (the attention core, with the score scaling after QKᵀ).
+_CORE_KINDS = ("attention_scores", "softmax", "attention_values")
+SCALE = "attention.scale"  # the estimate's name for the score scaling, counted by the tracer inside the scores stage
+
+
+def _core_at(cfg: ModelConfig) -> int:
+    """Where the attention core sits among the context-free rows: after every row of the stages before it."""
+    at = 0
+    for spec in contract.staged_stages(cfg):
+        if spec.kind in _CORE_KINDS:
+            return at
+        at += 2 if contract.bias_of(spec, cfg) is not None else 1
+    return at
 
 
 def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """Every component of one forward pass of T new tokens over S positions, per instance, in execution order."""
     rows = _context_free_rows(cfg, batch, t, dt, kernels)
-    return rows[:_CORE_AT] + _attention_core(cfg, batch, t, s, dt, kernels) + rows[_CORE_AT:]
+    at = _core_at(cfg)
+    return rows[:at] + _attention_core(cfg, batch, t, s, dt, kernels) + rows[at:]
+
+
+def stage_components(role: str, cfg: ModelConfig) -> tuple[str, ...]:
+    """The components whose figures a traced stage carries together: its own, its bias add, and for the scores
+    the scaling; a packed stage of the fused path ("attention.wqkv") those of each of its members."""
+    pack = next((p for p in contract.PACKS if p.role == role), None)
+    names: list[str] = []
+    for member in pack.members if pack is not None else (role,):
+        names.append(member)
+        spec = next((s for s in contract.staged_stages(cfg) if s.role == member), None)
+        if spec is not None and contract.bias_of(spec, cfg) is not None:
+            names.append(f"{member}.bias")
+        if spec is not None and spec.kind == "attention_scores":
+            names.append(SCALE)
+    return tuple(names)
 
 
 # Fused kernels (llmtrace.tracer.analytic.kernels): the activation bytes (read, written) of each component whose
@@ -275,32 +304,45 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         return (name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}", fl, fl, 0, 0, 0,
                 int(2 * r * d * a), int(r * d * a))
 
+    def bias(name: str, label: str, rows: int, o: int, sym: str, per_layer: bool) -> _Row:
+        # Added in the product's epilogue (addmm): FLOPs and the vector's bytes, no activation traffic of its own.
+        fl = ff.bias_add_flops(rows, o)
+        return (name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}", fl, fl,
+                norm_dtype_for(w).row_bytes(o), 0, 0, 0, 0)
+
     rope = ff.rope_flops(r, h, hkv, hd)
     swiglu = ff.swiglu_activation_flops(r, f)
     head_rows = batch  # last position of each sequence only
-    return [
-        ("tok_embeddings", "embedding lookup", MEMORY, False, lambda: f"gather {r} rows of {d}: 0 FLOPs", 0, 0,
-         r * w.row_bytes(d), 0, 0, 0, int(r * d * a)),
-        norm("attention_norm", "RMSNorm (attention)", r, True, "BT"),
-        lin("attention.wq", "Q projection", r, d, q, "2·BT·d·H·D"),
-        lin("attention.wk", "K projection", r, d, kv, "2·BT·d·Hkv·D"),
-        lin("attention.wv", "V projection", r, d, kv, "2·BT·d·Hkv·D"),
-        ("attention.rope", "RoPE on q, k", ELEMENTWISE, True, lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
-         rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a)),
-        ("attention.kv_cache", "KV cache write", MEMORY, True, lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
-         0, 0, 0, 0, 2 * r * hkv * kv_vec, int(2 * r * kv * a), 0),
-        lin("attention.wo", "output projection", r, q, d, "2·BT·H·D·d"),
-        residual("attn_residual", "residual add (attention)"),
-        norm("ffn_norm", "RMSNorm (FFN)", r, True, "BT"),
-        lin("feed_forward.w1", "SwiGLU gate (w1)", r, d, f, "2·BT·d·F"),
-        lin("feed_forward.w3", "SwiGLU up (w3)", r, d, f, "2·BT·d·F"),
-        ("feed_forward.act", "silu(gate)·up", ELEMENTWISE, True, lambda: f"6·BT·F = 6·{r}·{f}", swiglu, swiglu,
-         0, 0, 0, int(2 * r * f * a), int(r * f * a)),
-        lin("feed_forward.w2", "SwiGLU down (w2)", r, f, d, "2·BT·F·d"),
-        residual("ffn_residual", "residual add (FFN)"),
-        norm("norm", "final RMSNorm (last position)", head_rows, False, "B"),
-        lin("output", "LM head (last position)", head_rows, d, v, "2·B·d·V", per_layer=False),
-    ]
+    rows: list[_Row] = []
+    for spec in contract.staged_stages(cfg):  # the contract's stages, in execution order, the attention core apart
+        name, label, kind, per_layer = spec.role, spec.label, spec.kind, spec.in_layer
+        n, sym = (r, "BT") if per_layer else (head_rows, "B")
+        if kind in ("linear", "lm_head"):
+            weight = spec.tensors[0]
+            (out_dim, in_dim), (out_sym, in_sym) = contract.shape_of(weight, cfg), weight.shape
+            rows.append(lin(name, label, n, in_dim, out_dim, f"2·{sym}·{in_sym}·{out_sym}", per_layer))
+            if contract.bias_of(spec, cfg) is not None:
+                rows.append(bias(f"{name}.bias", f"{label} bias", n, out_dim, f"{sym}·{out_sym}", per_layer))
+        elif kind == "rmsnorm":
+            rows.append(norm(name, label, n, per_layer, sym))
+        elif kind == "residual":
+            rows.append(residual(name, label))
+        elif kind == "embedding":
+            rows.append((name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs", 0, 0,
+                         r * w.row_bytes(d), 0, 0, 0, int(r * d * a)))
+        elif kind == "rope":
+            rows.append((name, label, ELEMENTWISE, per_layer,
+                         lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
+                         rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a)))
+        elif kind == "kv_cache":
+            rows.append((name, label, MEMORY, per_layer, lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
+                         0, 0, 0, 0, 2 * r * hkv * kv_vec, int(2 * r * kv * a), 0))
+        elif kind == "swiglu":
+            rows.append((name, label, ELEMENTWISE, per_layer, lambda: f"6·BT·F = 6·{r}·{f}", swiglu, swiglu,
+                         0, 0, 0, int(2 * r * f * a), int(r * f * a)))
+        elif kind not in _CORE_KINDS:
+            raise ValueError(f"no estimate for stage kind {kind!r}")
+    return rows
 
 
 def _totals(costs: list[tuple[str, bool, int, int, int, int, int, int, int, int, bool]], peak: int) -> Totals:
@@ -403,12 +445,13 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
     # Per component: [flops, useful, w, kv_r, kv_w, act_r, act_w] summed over all decode steps (all instances).
     # The context-free components cost the same at every step; the attention core is summed step by step.
     sums = [[0] * 7 for _ in range(n_comp)]
+    core_at = _core_at(cfg)
     for i, row in enumerate(_context_free_rows(cfg, batch, 1, dtypes, kernels)):
         n = cfg.n_layers if row[3] else 1
-        acc = sums[i if i < _CORE_AT else i + 4]
+        acc = sums[i if i < core_at else i + 4]
         for k in range(7):
             acc[k] = row[5 + k] * n * steps
-    core_sums = sums[_CORE_AT:_CORE_AT + 4]
+    core_sums = sums[core_at:core_at + 4]
     for cached in range(prompt_len, prompt_len + steps):
         for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes, kernels)):
             for k in range(7):

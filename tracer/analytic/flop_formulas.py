@@ -23,6 +23,7 @@ SOFTMAX_FLOPS_PER_ELEMENT = 5  # max, subtract, exp, sum, divide
 SCORE_SCALE_FLOPS_PER_ELEMENT = 1  # scores / sqrt(D); the causal mask is a select, 0 FLOPs
 SWIGLU_FLOPS_PER_ELEMENT = 6  # sigmoid(g) = 1/(1+exp(-g)) is 4, g*sigmoid(g) is 1, *up is 1
 RESIDUAL_FLOPS_PER_ELEMENT = 1  # x + delta
+BIAS_FLOPS_PER_ELEMENT = 1  # y + b
 
 
 def linear_flops(tokens: int, in_dim: int, out_dim: int) -> int:
@@ -32,6 +33,12 @@ def linear_flops(tokens: int, in_dim: int, out_dim: int) -> int:
     `tokens` is B*T (all rows of the batch).
     """
     return 2 * tokens * in_dim * out_dim
+
+
+def bias_add_flops(tokens: int, out_dim: int) -> int:
+    """A linear layer's bias add y + b on `tokens` rows: tokens * out_dim (Q/K/V biases of Qwen2 and of LLaMA with
+    attention_bias, which also biases wo). Elementwise: FlopCounterMode counts addmm as its product only."""
+    return BIAS_FLOPS_PER_ELEMENT * tokens * out_dim
 
 
 def attention_scores_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int) -> int:

@@ -1,14 +1,17 @@
 """Parameter counts of a LLaMA-family model from its config, and the bytes its weights take in each dtype.
 
-Tensors (Meta's names): tok_embeddings (V x d); per layer attention_norm (d), wq (H*D x d), wk and wv (Hkv*D x d),
-wo (d x H*D), ffn_norm (d), w1 and w3 (F x d), w2 (d x F); final norm (d); output (V x d), which is the
-embedding matrix itself when the model ties them, and is then counted once.
+The tensors are the contract's (tracer/core/contract.py, Meta's names): tok_embeddings (V x d); per layer
+attention_norm (d), wq (H*D x d), wk and wv (Hkv*D x d) with their biases (H*D, Hkv*D) when the config has
+them, wo (d x H*D) and its bias (d) likewise, ffn_norm (d), w1 and w3 (F x d), w2 (d x F); final norm (d);
+output (V x d), which is the embedding matrix itself when the model ties them, and is then counted once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import DTYPES, FP32, DType
 
@@ -18,7 +21,7 @@ from llmtrace.tracer.core.dtypes import DTYPES, FP32, DType
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ParamCount:
     embedding: int  # V * d
-    attention_per_layer: int  # wq + wk + wv + wo
+    attention_per_layer: int  # wq + wk + wv + wo (and their biases, where the config has them)
     ffn_per_layer: int  # w1 + w2 + w3
     norms_per_layer: int  # attention_norm + ffn_norm
     per_layer: int
@@ -30,30 +33,24 @@ class ParamCount:
     non_embedding: int  # total minus the embedding table (the LM head stays when it is a separate matrix)
 
 
+def _tensors(config: ModelConfig) -> list[tuple[contract.TensorSpec, tuple[int, ...], int]]:
+    """(declaration, shape, how many) of every tensor the config's checkpoint holds (layer tensors once per layer)."""
+    return [(t, contract.shape_of(t, config), config.n_layers if spec.in_layer else 1)
+            for spec in contract.staged_stages(config) for t in contract.stage_tensors(spec, config)]
+
+
 def count_params(config: ModelConfig) -> ParamCount:
-    d, q, kv, f = config.dim, config.q_dim, config.kv_dim, config.ffn_dim
-    embedding = config.vocab_size * d
-    attention = d * q + 2 * d * kv + q * d
-    ffn = 3 * d * f
-    norms = 2 * d
-    per_layer = attention + ffn + norms
+    groups = {"embedding": 0, "attention": 0, "ffn": 0, "norm": 0, "final_norm": 0, "lm_head": 0}
+    for tensor, shape, _ in _tensors(config):  # layer groups per layer, the others once
+        groups[tensor.group] += math.prod(shape)
+    per_layer = groups["attention"] + groups["ffn"] + groups["norm"]
     layers = per_layer * config.n_layers
-    lm_head = 0 if config.tie_embeddings else config.vocab_size * d
-    total = embedding + layers + d + lm_head
+    total = groups["embedding"] + layers + groups["final_norm"] + groups["lm_head"]
     return ParamCount(
-        embedding=embedding, attention_per_layer=attention, ffn_per_layer=ffn, norms_per_layer=norms,
-        per_layer=per_layer, layers=layers, final_norm=d, lm_head=lm_head, tied=config.tie_embeddings,
-        total=total, non_embedding=total - embedding,
+        embedding=groups["embedding"], attention_per_layer=groups["attention"], ffn_per_layer=groups["ffn"],
+        norms_per_layer=groups["norm"], per_layer=per_layer, layers=layers, final_norm=groups["final_norm"],
+        lm_head=groups["lm_head"], tied=config.tie_embeddings, total=total, non_embedding=total - groups["embedding"],
     )
-
-
-def _matrices(config: ModelConfig) -> list[tuple[int, int, int]]:
-    """(rows, cols, how many) of every weight matrix, rows = output features, cols = input features."""
-    d, q, kv, f, n = config.dim, config.q_dim, config.kv_dim, config.ffn_dim, config.n_layers
-    mats = [(config.vocab_size, d, 1), (q, d, n), (kv, d, 2 * n), (d, q, n), (f, d, 2 * n), (d, f, n)]
-    if not config.tie_embeddings:
-        mats.append((config.vocab_size, d, 1))
-    return mats
 
 
 def norm_dtype_for(weights: DType) -> DType:
@@ -62,10 +59,11 @@ def norm_dtype_for(weights: DType) -> DType:
 
 
 def weight_bytes(config: ModelConfig, dtype: DType) -> int:
-    """Bytes of all weights with every matrix in `dtype` (block scales included) and norm vectors per norm_dtype_for."""
-    matrices = sum(count * dtype.matrix_bytes(rows, cols) for rows, cols, count in _matrices(config))
-    norm_values = config.dim * (2 * config.n_layers + 1)
-    return matrices + norm_dtype_for(dtype).matrix_bytes(1, norm_values)
+    """Bytes of all weights with every matrix in `dtype` (block scales included) and vectors (norms, biases) per
+    norm_dtype_for."""
+    matrices = sum(count * dtype.matrix_bytes(*shape) for _, shape, count in _tensors(config) if len(shape) == 2)
+    vector_values = sum(count * shape[0] for _, shape, count in _tensors(config) if len(shape) == 1)
+    return matrices + norm_dtype_for(dtype).matrix_bytes(1, vector_values)
 
 
 def weight_bytes_by_dtype(config: ModelConfig) -> dict[str, int]:

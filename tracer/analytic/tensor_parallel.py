@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.analytic.estimate import ComponentCost, PhaseEstimate
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 
-# Components every device runs in full (names as in llmtrace.tracer.analytic.estimate).
-REPLICATED = frozenset({"attention_norm", "ffn_norm", "attn_residual", "ffn_residual", "norm"})
 ALLREDUCES_PER_LAYER = 2
 
 
@@ -91,11 +90,17 @@ def _split(value: int, tp: int) -> int:
     return -(-value // tp)  # ceil: the busiest device
 
 
-def _component_share(c: ComponentCost, tp: int) -> tuple[int, int, int, int, int, int]:
+def replicated_components() -> frozenset[str]:
+    """Components every device runs in full: the contract's replicated stages (norms, residual adds); the rest
+    (projections and their biases, attention, the embedding and the LM head) split over the devices."""
+    return frozenset(s.role for s in contract.staged_stages() if s.replicated)
+
+
+def _component_share(c: ComponentCost, tp: int, replicated: frozenset[str]) -> tuple[int, int, int, int, int, int]:
     n = c.instances
     act = (c.act_read_bytes + c.act_write_bytes) * n
     fields = (c.flops * n, c.useful_flops * n, c.weight_bytes * n, c.kv_read_bytes * n, c.kv_write_bytes * n, act)
-    if c.name in REPLICATED:
+    if c.name in replicated:
         return fields
     return tuple(_split(v, tp) for v in fields)  # type: ignore[return-value]
 
@@ -103,8 +108,9 @@ def _component_share(c: ComponentCost, tp: int) -> tuple[int, int, int, int, int
 def device_cost(config: ModelConfig, phase: PhaseEstimate, activation_bytes: float, tp: int = 1) -> DeviceCost:
     """Per-device cost of one estimated pass split over `tp` devices (check_tp first)."""
     sums = [0] * 6
+    replicated = replicated_components()
     for c in phase.components:
-        for i, v in enumerate(_component_share(c, tp)):
+        for i, v in enumerate(_component_share(c, tp, replicated)):
             sums[i] += v
     comm = comm_bytes_per_pass(config, phase.batch, phase.new_tokens, activation_bytes, tp)
     peak = max((c.act_read_bytes + c.act_write_bytes) if c.name in REPLICATED

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import gguf_tensor_flags
 from llmtrace.tracer.core.errors import ConfigError
 from llmtrace.tracer.core.presets import PRESETS, get_preset
 
@@ -28,10 +29,12 @@ class ResolvedModel:
 
 
 def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
-    """Config from GGUF metadata; tied embeddings when the file has no separate `output.weight`."""
+    """Config from GGUF metadata; tied embeddings when the file has no separate `output.weight`, biases when its
+    layers hold them (contract.gguf_tensor_flags)."""
     names = {t.name for t in header.tensors}
     meta = dict(header.metadata)
     meta["_llmtrace.tied"] = "output.weight" not in names
+    meta.update((f"_llmtrace.{flag}", on) for flag, on in gguf_tensor_flags(names).items())
     name = str(meta.get("general.name") or Path(header.path).stem)
     return ModelConfig.from_gguf_metadata(meta, name=name, source=header.path)
 

@@ -50,6 +50,9 @@ class ModelConfig:
     # Sliding-window attention (Mistral 7B v0.1: 4096): a query at position p sees keys p-W+1..p only, and the
     # cache needs to hold only the last W positions. None: full causal attention.
     sliding_window: int | None = None
+    qkv_bias: bool = False  # Q, K and V projections add a bias (HF attention_bias; Qwen2)
+    wo_bias: bool = False  # the attention output projection adds a bias (HF attention_bias)
+    mlp_bias: bool = False  # the FFN's gate, up and down projections add biases (HF mlp_bias)
 
     def __post_init__(self) -> None:
         for field_name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -114,6 +117,7 @@ class ModelConfig:
 
         n_heads = int(need("num_attention_heads"))
         head_dim = data.get("head_dim")
+        attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
         return cls(
             name=name,
             vocab_size=int(need("vocab_size")),
@@ -130,6 +134,9 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(data.get("rope_scaling") or data.get("rope_parameters"), source),
             source=source,
             sliding_window=_sliding_window_from_hf(data, model_type, archs, source),
+            qkv_bias=attention_bias,
+            wo_bias=attention_bias,
+            mlp_bias=bool(data.get("mlp_bias", False)),
         )
 
     @classmethod
@@ -201,6 +208,10 @@ class ModelConfig:
             rope_scaling=scaling,
             source=source,
             sliding_window=_sliding_window_from_gguf(meta.get("llama.attention.sliding_window"), source),
+            # No metadata key says so: the caller reads them from the tensor list (contract.gguf_tensor_flags).
+            qkv_bias=bool(meta.get("_llmtrace.qkv_bias", False)),
+            wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
+            mlp_bias=bool(meta.get("_llmtrace.mlp_bias", False)),
         )
 
 

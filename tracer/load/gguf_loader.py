@@ -7,7 +7,6 @@ the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` dec
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,39 +17,11 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
-from llmtrace.tracer.model.transformer import expected_shapes
+from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, tensor_of
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 
-# llama.cpp tensor names (llama-arch.cpp, LLM_ARCH_LLAMA) -> Meta's names (llama/model.py), which the model uses.
-_GLOBAL_NAMES = {
-    "token_embd.weight": "tok_embeddings.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "output.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "attention_norm",
-    "attn_q": "attention.wq",
-    "attn_k": "attention.wk",
-    "attn_v": "attention.wv",
-    "attn_output": "attention.wo",
-    "ffn_norm": "ffn_norm",
-    "ffn_gate": "feed_forward.w1",
-    "ffn_up": "feed_forward.w3",
-    "ffn_down": "feed_forward.w2",
-}
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
-
-
-def meta_name(gguf_name: str) -> str | None:
-    """Meta-style name for a llama.cpp tensor name, or None when the name is not one a LLaMA model has."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
-    return None
 
 
 # ---- Q/K row order --------------------------------------------------------------------------------------------
@@ -60,13 +31,13 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`), giving HF's rotate_half layout.
 
     llama.cpp rotates adjacent pairs (x0, x1), (x2, x3)...; HF rotates (x_i, x_{i+D/2}). The converter interleaves
-    each head's two halves: reshape(H, 2, D/2, in).swapaxes(1, 2). The inverse reads the rows as (H, D/2, 2, in)
-    and swaps back.
+    each head's two halves: reshape(H, 2, D/2, ...).swapaxes(1, 2). The inverse reads the rows as (H, D/2, 2, ...)
+    and swaps back. A bias (1-D) is permuted the same way as its weight's rows.
     """
-    rows, cols = weight.shape
+    rows, rest = weight.shape[0], weight.shape[1:]
     head_dim = rows // n_heads
-    per_head = weight.reshape(n_heads, head_dim // 2, 2, cols)  # (H, D/2, 2, in): interleaved pairs
-    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(rows, cols)  # (H*D, in): halves per head
+    per_head = weight.reshape(n_heads, head_dim // 2, 2, *rest)  # (H, D/2, 2, ...): interleaved pairs
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(weight.shape)  # (H*D, ...): halves per head
 
 
 # ---- the file --------------------------------------------------------------------------------------------------
@@ -102,7 +73,7 @@ def _plan(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
     by_meta: dict[str, GGUFTensorInfo] = {}
     unexpected = []
     for info in header.tensors:
-        name = meta_name(info.name)
+        name = gguf_to_ours(info.name)
         if name is None:
             if info.name not in _IGNORED:
                 unexpected.append(info.name)
@@ -153,16 +124,16 @@ def load_gguf_weights(path: str | Path, header: GGUFHeader | None = None,
     if data.shape[0] != header.file_size:
         raise FileFormatError(f"{header.path}: file changed size while loading; try again")
     state: dict[str, torch.Tensor] = {}
+    heads = dims(config)
     for name, info in plan.items():
         start = header.data_offset + info.offset
         values = dequantize(data[start:start + info.n_bytes], info.ggml_type, info.shape[0], info.name)
         if not np.isfinite(values).all():
             raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
         matrix = values.reshape(info.torch_shape)
-        if name.endswith("attention.wq.weight"):
-            matrix = unpermute_rope_rows(matrix, config.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            matrix = unpermute_rope_rows(matrix, config.n_kv_heads)
+        rope_heads = tensor_of(name).rope_heads  # "H" for wq, "Hkv" for wk (weights and biases), else None
+        if rope_heads is not None:
+            matrix = unpermute_rope_rows(matrix, heads[rope_heads])
         tensor = torch.from_numpy(matrix)
         state[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
     del data

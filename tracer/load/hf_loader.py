@@ -19,7 +19,8 @@ import torch
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
-from llmtrace.tracer.model.transformer import expected_shapes, parse_dtype
+from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
+from llmtrace.tracer.model.transformer import parse_dtype
 from llmtrace.tracer.checkpoint.safetensors_header import (
     INDEX_NAME,
     SafetensorsFile,
@@ -37,46 +38,8 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 
-# HF LlamaForCausalLM name -> ours (Meta's). {i} is a layer index.
-_LAYER_MAP: dict[str, str] = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-}
-_TOP_MAP: dict[str, str] = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_INV_LAYER_MAP = {ours: hf for hf, ours in _LAYER_MAP.items()}
-_INV_TOP_MAP = {ours: hf for hf, ours in _TOP_MAP.items()}
 # Buffers older HF checkpoints saved that carry no weights (HF recomputes them too).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-
-
-def hf_to_ours(name: str) -> str | None:
-    """Our name for an HF tensor name, or None when it is not a LLaMA weight."""
-    if name in _TOP_MAP:
-        return _TOP_MAP[name]
-    match = _LAYER_RE.fullmatch(name)
-    if match and match.group(2) in _LAYER_MAP:
-        return f"layers.{match.group(1)}.{_LAYER_MAP[match.group(2)]}"
-    return None
-
-
-def ours_to_hf(name: str) -> str:
-    """The HF name of one of our tensor names (inverse of `hf_to_ours`)."""
-    if name in _INV_TOP_MAP:
-        return _INV_TOP_MAP[name]
-    _, index, rest = name.split(".", 2)
-    return f"model.layers.{index}.{_INV_LAYER_MAP[rest]}"
 
 
 def _shard_headers(folder: Path) -> list[SafetensorsFile]:

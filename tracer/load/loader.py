@@ -33,7 +33,8 @@ from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_sum
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
-from llmtrace.tracer.model.transformer import DTYPES, Transformer, build_meta_model, expected_shapes, parse_dtype, random_weights
+from llmtrace.tracer.core.contract import expected_shapes
+from llmtrace.tracer.model.transformer import DTYPES, Transformer, build_meta_model, parse_dtype, random_weights
 from llmtrace.tracer.core.presets import PRESETS, get_preset
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 from llmtrace.tracer.checkpoint.tokenizer import Tokenizer, load_tokenizer

@@ -12,7 +12,8 @@ their count. So when nothing watches the stage modules, `Transformer.prefill`/`d
 Tests check it against the stage-by-stage path and HF transformers. The plan records which parameter objects (and
 their in-place version counters) it read; `valid()` notices a reload, a `.to()` or an in-place weight edit.
 
-The path is instrumented from inside: it calls `mark()` after each of its stages (FUSED_LAYER_STAGES, in order),
+The path is instrumented from inside: it calls `mark()` after each of its stages (the order of
+llmtrace.tracer.core.contract.fused_stages: its stages with Q|K|V and gate|up packed),
 which costs one no-op call when nothing traces and one clock read when tracer/trace/fused_marks.py does. So a traced
 run executes exactly the untraced run's tensor ops. Each stage keeps its own ops for that reason (the residual
 adds are not folded into the output products: addmm and mm + add_ measured equal).
@@ -33,29 +34,6 @@ if TYPE_CHECKING:
     from llmtrace.tracer.model.transformer import RMSNorm, Transformer, TransformerBlock
 
 Mark = Callable[[], None]
-
-# The fused path's stages inside one layer, in the order it marks their ends: (role, stage kind). Roles name the
-# module (or packed modules) whose work the stage does; kinds are llmtrace.tracer.trace.hooks' cost-model kinds.
-FUSED_LAYER_STAGES: tuple[tuple[str, str], ...] = (
-    ("attention_norm", "rmsnorm"),
-    ("attention.wqkv", "linear"),  # wq | wk | wv packed: one product gives Q, K and V
-    ("attention.rope", "rope"),
-    ("attention.kv_cache", "kv_cache"),
-    ("attention.scores", "attention_scores"),
-    ("attention.softmax", "softmax"),
-    ("attention.pv", "attention_values"),
-    ("attention.wo", "linear"),
-    ("attn_residual", "residual"),
-    ("ffn_norm", "rmsnorm"),
-    ("feed_forward.w13", "linear"),  # w1 | w3 packed: one product gives gate and up
-    ("feed_forward.act", "swiglu"),
-    ("feed_forward.w2", "linear"),
-    ("ffn_residual", "residual"),
-)
-# Around the layers: marks after the embedding, and after the final norm and the LM head.
-FUSED_TOP_BEFORE: tuple[tuple[str, str], ...] = (("tok_embeddings", "embedding"),)
-FUSED_TOP_AFTER: tuple[tuple[str, str], ...] = (("norm", "rmsnorm"), ("output", "lm_head"))
-
 
 def no_mark() -> None:
     """The mark of an untraced run."""
@@ -89,21 +67,25 @@ class FusedLayer:
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.rep = self.heads // self.kv_heads
         self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
-        self.wqkv = _packed_rows(attn.wq, attn.wv)  # ((H+2Hkv)*D, dim)
+        self.wqkv = _packed_rows(attn.wq.weight, attn.wv.weight)  # ((H+2Hkv)*D, dim)
+        self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
         self.wo = attn.wo.weight.detach()  # (dim, H*D)
-        self.w13 = _packed_rows(ffn.w1, ffn.w3)  # (2F, dim)
+        self.bo = None if attn.wo.bias is None else attn.wo.bias.detach()  # (dim,)
+        self.w13 = _packed_rows(ffn.w1.weight, ffn.w3.weight)  # (2F, dim)
+        self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
         self.w2 = ffn.w2.weight.detach()  # (dim, F)
+        self.b2 = None if ffn.w2.bias is None else ffn.w2.bias.detach()  # (dim,)
         self.ffn_dim = self.w2.shape[1]
 
     def decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int,
                    mark: Mark = no_mark) -> torch.Tensor:
         """One token of one sequence: x (dim,) at position `pos`; cos, sin (H+Hkv, D). Matrix-vector products
         (mv): for bf16 on CPU they run about twice as fast as the same product through mm. `mark()` after each
-        stage of FUSED_LAYER_STAGES."""
+        layer stage of contract.fused_stages."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         h = self.attention_norm(x)  # (dim,)
         mark()
-        qkv = matvec(self.wqkv, h).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
+        qkv = matvec(self.wqkv, h, self.bqkv).view(heads + 2 * kv_heads, head_dim)  # (H+2Hkv, D)
         mark()
         qk = qkv[: heads + kv_heads]  # (H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
@@ -122,17 +104,17 @@ class FusedLayer:
         mark()
         out = torch.bmm(probs, values.to(probs.dtype)).view(-1).to(x.dtype)  # (H*D,)
         mark()
-        attended = matvec(self.wo, out)  # wo(attention): (dim,)
+        attended = matvec(self.wo, out, self.bo)  # wo(attention): (dim,)
         mark()
         x = attended.add_(x)  # the residual stream
         mark()
         h = self.ffn_norm(x)  # (dim,)
         mark()
-        gate_up = matvec(self.w13, h)  # (2F,)
+        gate_up = matvec(self.w13, h, self.b13)  # (2F,)
         mark()
         act = F.silu(gate_up[: self.ffn_dim]).mul_(gate_up[self.ffn_dim :])  # silu(gate) * up: (F,)
         mark()
-        down = matvec(self.w2, act)  # (dim,)
+        down = matvec(self.w2, act, self.b2)  # (dim,)
         mark()
         x = down.add_(x)
         mark()
@@ -141,13 +123,13 @@ class FusedLayer:
     def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, mark: Mark = no_mark) -> torch.Tensor:
         """Any batch and length: x (B*T, dim); cos, sin (T, H+Hkv, D); mask (T, S) or None when T == 1.
-        `mark()` after each stage of FUSED_LAYER_STAGES."""
+        `mark()` after each layer stage of contract.fused_stages."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         new = x.shape[0] // batch
         groups = batch * kv_heads
         h = self.attention_norm(x)  # (B*T, dim)
         mark()
-        qkv = torch.mm(h, self.wqkv.t()).view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
+        qkv = linear(h, self.wqkv, self.bqkv).view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
         mark()
         qk = qkv[:, :, : heads + kv_heads]  # (B, T, H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE (and q's scale) in place
@@ -167,17 +149,17 @@ class FusedLayer:
         out = torch.bmm(probs, v_all)  # (B*Hkv, R*T, D)
         out = out.view(batch, heads, new, head_dim).transpose(1, 2).reshape(batch * new, heads * head_dim)  # (B*T, H*D)
         mark()
-        attended = torch.mm(out, self.wo.t())  # wo(attention): (B*T, dim)
+        attended = linear(out, self.wo, self.bo)  # wo(attention): (B*T, dim)
         mark()
         x = attended.add_(x)  # the residual stream
         mark()
         h = self.ffn_norm(x)  # (B*T, dim)
         mark()
-        gate, up = torch.mm(h, self.w13.t()).chunk(2, dim=-1)  # (B*T, F) each
+        gate, up = linear(h, self.w13, self.b13).chunk(2, dim=-1)  # (B*T, F) each
         mark()
         act = F.silu(gate).mul_(up)  # (B*T, F)
         mark()
-        down = torch.mm(act, self.w2.t())  # (B*T, dim)
+        down = linear(act, self.w2, self.b2)  # (B*T, dim)
         mark()
         x = down.add_(x)
         mark()
@@ -197,6 +179,7 @@ class FusedPlan:
         self.layers = [FusedLayer(layer) for layer in model.layers]
         self.caches = [layer.attention.kv_cache for layer in model.layers]
         self.embedding, self.output = model.tok_embeddings.weight.detach(), model.output.weight.detach()
+        self.output_bias = None if model.output.bias is None else model.output.bias.detach()  # (V,)
         self.final_norm = FusedNorm(model.norm)
         self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each
         config, weight = model.config, model.tok_embeddings.weight
@@ -226,8 +209,8 @@ class FusedPlan:
     def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark) -> torch.Tensor:
         """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; fills the caches.
 
-        `mark()` once before the embedding, then after each stage: FUSED_TOP_BEFORE, FUSED_LAYER_STAGES per
-        layer, FUSED_TOP_AFTER."""
+        `mark()` once before the embedding, then after each stage of contract.fused_stages (the layer stages once
+        per layer)."""
         batch, new = tokens.shape
         cos = self.cos[start : start + new] * self.qk_scale  # (T, H+Hkv, D): q's rows carry 1/sqrt(D)
         sin = self.sin[start : start + new] * self.qk_scale  # (T, H+Hkv, D)
@@ -250,17 +233,27 @@ class FusedPlan:
                 x = layer.forward(x, batch, cos, sin, mask, mark)
             h = self.final_norm(x.view(batch, new, -1)[:, -1])  # (B, dim): the last position only
         mark()
-        logits = torch.mm(h, self.output.t()) if h.shape[0] > 1 else matvec(self.output, h[0]).view(1, -1)  # (B, V)
+        if h.shape[0] > 1:
+            logits = linear(h, self.output, self.output_bias)  # (B, V)
+        else:
+            logits = matvec(self.output, h[0], self.output_bias).view(1, -1)  # (1, V)
         mark()
         return logits
 
 
-def matvec(weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-    """weight @ vector: torch.mv, or mm while a TorchDispatchMode is active (FlopCounterMode counts mm, not mv),
-    so what a FLOP counter sees is the product that runs."""
+def matvec(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """weight @ vector (+ bias): torch.mv, or mm while a TorchDispatchMode is active (FlopCounterMode counts mm,
+    not mv), so what a FLOP counter sees is the product that runs. The bias is added to the product's result."""
     if torch._C._len_torch_dispatch_stack():
-        return torch.mm(weight, vector.view(-1, 1)).view(-1)
-    return torch.mv(weight, vector)
+        out = torch.mm(weight, vector.view(-1, 1)).view(-1)
+    else:
+        out = torch.mv(weight, vector)
+    return out if bias is None else out.add_(bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (N, in) @ weightᵀ (+ bias) -> (N, out), as F.linear computes it for the stage modules (addmm with a bias)."""
+    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
 
 
 def watched(modules: list[nn.Module]) -> bool:
@@ -274,32 +267,41 @@ def watched(modules: list[nn.Module]) -> bool:
 
 
 def _pack(*linears: nn.Linear) -> None:
-    """Concatenate the linears' weights by rows and make each weight a view of its block of the result."""
-    weights = [linear.weight for linear in linears]
-    packed = torch.cat([w.detach() for w in weights], dim=0)
-    row = 0
-    for linear, weight in zip(linears, weights):
-        rows = weight.shape[0]
-        linear.weight = nn.Parameter(packed[row : row + rows], requires_grad=weight.requires_grad)
-        row += rows
+    """Concatenate the linears' weights (and biases, when they have them) by rows and make each parameter a view
+    of its block of the result."""
+    for attribute in ("weight", "bias"):
+        params = [getattr(linear, attribute) for linear in linears]
+        if params[0] is None:
+            continue
+        packed = torch.cat([p.detach() for p in params], dim=0)
+        row = 0
+        for linear, param in zip(linears, params):
+            rows = param.shape[0]
+            setattr(linear, attribute, nn.Parameter(packed[row : row + rows], requires_grad=param.requires_grad))
+            row += rows
 
 
 def _packed(*linears: nn.Linear) -> bool:
-    """Whether the linears' weights are consecutive row blocks of one storage, each contiguous."""
-    weights = [linear.weight for linear in linears]
-    if not all(w.is_contiguous() for w in weights):
+    """Whether the linears' weights (and biases) are consecutive row blocks of one storage, each contiguous."""
+    return all(_consecutive([getattr(linear, attribute) for linear in linears])
+               for attribute in ("weight", "bias") if getattr(linears[0], attribute) is not None)
+
+
+def _consecutive(tensors: list[torch.Tensor]) -> bool:
+    if not all(t.is_contiguous() for t in tensors):
         return False
-    base = weights[0].untyped_storage().data_ptr()
-    expected = weights[0].data_ptr()
-    for w in weights:
-        if w.untyped_storage().data_ptr() != base or w.data_ptr() != expected:
+    base = tensors[0].untyped_storage().data_ptr()
+    expected = tensors[0].data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != base or t.data_ptr() != expected:
             return False
-        expected += w.numel() * w.element_size()
+        expected += t.numel() * t.element_size()
     return True
 
 
-def _packed_rows(first: nn.Linear, last: nn.Linear) -> torch.Tensor:
-    """The (rows, in) tensor spanning packed linears from `first` to `last`: a view, no copy."""
-    w = first.weight.detach()
-    rows = (last.weight.data_ptr() - w.data_ptr()) // (w.element_size() * w.shape[1]) + last.weight.shape[0]
-    return torch.as_strided(w, (rows, w.shape[1]), (w.shape[1], 1))
+def _packed_rows(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The (rows, ...) tensor spanning packed parameters from `first` to `last`: a view, no copy."""
+    t = first.detach()
+    row_numel = t[0].numel() if t.dim() > 1 else 1
+    rows = (last.data_ptr() - t.data_ptr()) // (t.element_size() * row_numel) + last.shape[0]
+    return torch.as_strided(t, (rows, *t.shape[1:]), t.stride())

@@ -9,10 +9,11 @@ Shape legend (used in every shape comment below):
     D    head dim (config.head_dim; not always dim // H)
     F    FFN width (SwiGLU intermediate size)
 
-Module tree (names are the contract with the hooks in the run tracer):
+Module tree (the stages of tracer/core/contract.py, whose roles are these dotted names):
     tok_embeddings, layers.{i}.attention_norm, layers.{i}.attention.{wq,wk,wv,rope,kv_cache,scores,softmax,pv,wo},
     layers.{i}.attn_residual, layers.{i}.ffn_norm, layers.{i}.feed_forward.{w1,w3,act,w2}, layers.{i}.ffn_residual,
-    norm, output.
+    norm, output. A projection has a bias where the contract declares one for the config (contract.has_bias:
+wq, wk, wv with config.qkv_bias, wo with wo_bias, w1, w3, w2 with mlp_bias).
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in fp32 then cast back before the weight multiply,
 RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Attention uses explicit batched matmuls
@@ -35,6 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes, has_bias, tensor_of
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.model.functional import causal_mask, rms_norm, softmax_fp32
 from llmtrace.tracer.model.fused import FusedPlan, Mark, matvec, no_mark, watched
@@ -43,15 +45,15 @@ from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
 
 
 class Linear(nn.Linear):
-    """An nn.Linear without bias (same parameter, state-dict name and repr) that multiplies one token through
-    torch.mv: for bf16 on CPU a matrix-vector product runs up to twice as fast as the same product through mm
-    (BENCHMARKS.md, "Model speed"), and never slower in fp32. FlopCounterMode counts mm but not mv, so while any
+    """An nn.Linear (same parameters, state-dict names and repr) that multiplies one token through torch.mv: for
+    bf16 on CPU a matrix-vector product runs up to twice as fast as the same product through mm (BENCHMARKS.md,
+    "Model speed"), and never slower in fp32. FlopCounterMode counts mm but not mv, so while any
     TorchDispatchMode is active (FlopCounterMode is one) the product goes through mm (fused.matvec): what it counts
-    is what runs."""
+    is what runs. A bias (config.qkv_bias, wo_bias) is added after the product, as the fused path adds it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features and self.bias is None:
-            return matvec(self.weight, x.reshape(-1)).view(x.shape[:-1] + (self.out_features,))  # (..., out)
+        if x.numel() == self.in_features:
+            return matvec(self.weight, x.reshape(-1), self.bias).view(x.shape[:-1] + (self.out_features,))  # (..., out)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -140,15 +142,15 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = Linear(config.dim, config.q_dim, bias=False)
-        self.wk = Linear(config.dim, config.kv_dim, bias=False)
-        self.wv = Linear(config.dim, config.kv_dim, bias=False)
+        self.wq = Linear(config.dim, config.q_dim, bias=has_bias("attention.wq", config))
+        self.wk = Linear(config.dim, config.kv_dim, bias=has_bias("attention.wk", config))
+        self.wv = Linear(config.dim, config.kv_dim, bias=has_bias("attention.wv", config))
         self.rope = RotaryEmbedding(config.head_dim)
         self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, config.sliding_window)
         self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, config.sliding_window)
         self.softmax = Softmax()
         self.pv = AttentionValues(config.n_heads, config.n_kv_heads, config.head_dim)
-        self.wo = Linear(config.q_dim, config.dim, bias=False)
+        self.wo = Linear(config.q_dim, config.dim, bias=has_bias("attention.wo", config))
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
         batch, new, _ = x.shape
@@ -177,12 +179,13 @@ class SwiGLUActivation(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU FFN: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down (Meta's names)."""
 
-    def __init__(self, dim: int, ffn_dim: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w1 = Linear(dim, ffn_dim, bias=False)
-        self.w3 = Linear(dim, ffn_dim, bias=False)
+        dim, ffn_dim = config.dim, config.ffn_dim
+        self.w1 = Linear(dim, ffn_dim, bias=has_bias("feed_forward.w1", config))
+        self.w3 = Linear(dim, ffn_dim, bias=has_bias("feed_forward.w3", config))
         self.act = SwiGLUActivation()
-        self.w2 = Linear(ffn_dim, dim, bias=False)
+        self.w2 = Linear(ffn_dim, dim, bias=has_bias("feed_forward.w2", config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, F) inside, (B, T, dim) out
@@ -204,7 +207,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.attn_residual = Residual()
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+        self.feed_forward = FeedForward(config)
         self.ffn_residual = Residual()
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
@@ -229,7 +232,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embedding)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size, bias=has_bias("output", config))
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_state_dict_post_hook(_drop_tied_output)
@@ -415,26 +418,6 @@ def _drop_tied_output(module: Transformer, state_dict: dict, prefix: str, local_
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint for `config` must hold, in our (Meta's) naming, with its shape."""
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (config.dim,)
-        shapes[p + "attention.wq.weight"] = (config.q_dim, config.dim)
-        shapes[p + "attention.wk.weight"] = (config.kv_dim, config.dim)
-        shapes[p + "attention.wv.weight"] = (config.kv_dim, config.dim)
-        shapes[p + "attention.wo.weight"] = (config.dim, config.q_dim)
-        shapes[p + "ffn_norm.weight"] = (config.dim,)
-        shapes[p + "feed_forward.w1.weight"] = (config.ffn_dim, config.dim)
-        shapes[p + "feed_forward.w3.weight"] = (config.ffn_dim, config.dim)
-        shapes[p + "feed_forward.w2.weight"] = (config.dim, config.ffn_dim)
-    shapes["norm.weight"] = (config.dim,)
-    if not config.tie_embeddings:
-        shapes["output.weight"] = (config.vocab_size, config.dim)
-    return shapes
-
-
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Raise CheckpointError naming every missing, unexpected and mis-shaped tensor (a few of each, and counts)."""
     expected = expected_shapes(config)
@@ -483,12 +466,12 @@ def build_meta_model(config: ModelConfig) -> Transformer:
 
 
 def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random weights in our naming, on the CPU: N(0, 0.02^2) matrices (GPT-2/LLaMA init std, drawn in fp32
-    then cast to `dtype`, so every dtype gets the same values up to rounding), norm weights 1."""
+    """Seeded random weights in our naming, on the CPU: N(0, 0.02^2) matrices and biases (GPT-2/LLaMA init std,
+    drawn in fp32 then cast to `dtype`, so every dtype gets the same values up to rounding), norm weights 1."""
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in expected_shapes(config).items():
-        if len(shape) == 1:
+        if tensor_of(name).group in ("norm", "final_norm"):
             state[name] = torch.ones(shape, dtype=dtype)
         else:
             state[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator).to(dtype)

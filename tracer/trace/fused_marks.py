@@ -19,70 +19,67 @@ from typing import Any, Callable
 
 from torch import nn
 
+from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
-from llmtrace.tracer.model.fused import FUSED_LAYER_STAGES, FUSED_TOP_AFTER, FUSED_TOP_BEFORE
 from llmtrace.tracer.trace.stage_cost import StageModule
-
-# Packed stages and the modules whose weights they multiply by, in row order.
-PACKED_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
-    "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
-}
 
 Shape = tuple[int, ...]
 StepDims = tuple[int, int, int]  # (B, T, S) of one step
 
 
 def fused_stages(model: nn.Module) -> list[StageModule]:
-    """The fused path's stages in the order it marks them: the embedding, every layer's FUSED_LAYER_STAGES, the
-    final norm and the LM head. A packed stage's weight is its modules' weights together."""
+    """The fused path's stages in the order it marks them (contract.fused_stages: the embedding, every layer's
+    stages with Q|K|V and gate|up packed, the final norm and the LM head). A packed stage's weight is its
+    modules' weights together."""
     modules = dict(model.named_modules())  # one walk of the tree, not one per lookup
+    specs = contract.fused_stages(model.config)
 
-    def stage(name: str, layer: int | None, kind: str, role: str) -> StageModule:
-        prefix = name[: len(name) - len(role)]
-        weights = [getattr(modules[prefix + path], "weight", None) for path in PACKED_WEIGHTS.get(role, (role,))]
-        weights = [w for w in weights if w is not None]
-        return StageModule(name, layer, kind, sum(w.numel() for w in weights),
-                           weights[0].element_size() if weights else 0)
+    def stage(prefix: str, layer: int | None, spec: contract.FusedStage) -> StageModule:
+        return StageModule.of(prefix + spec.role, layer, spec.kind, [modules[prefix + m.role] for m in spec.members])
 
-    stages = [stage(role, None, kind, role) for role, kind in FUSED_TOP_BEFORE]
+    in_layer = [i for i, spec in enumerate(specs) if spec.in_layer]
+    first, last = in_layer[0], in_layer[-1]
+    stages = [stage("", None, spec) for spec in specs[:first]]
     for index in range(len(model.layers)):
-        stages.extend(stage(f"layers.{index}.{role}", index, kind, role) for role, kind in FUSED_LAYER_STAGES)
-    stages.extend(stage(role, None, kind, role) for role, kind in FUSED_TOP_AFTER)
+        stages.extend(stage(f"layers.{index}.", index, spec) for spec in specs[first : last + 1])
+    stages.extend(stage("", None, spec) for spec in specs[last + 1 :])
     return stages
 
 
 def stage_shapes(config: ModelConfig, batch: int, new: int, seen: int) -> dict[str, tuple[list[Shape], list[Shape]]]:
-    """Each stage role's (input shapes, output shapes) in a step of B = `batch`, T = `new`, S = `seen`, in the
-    argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must match.
+    """Each fused stage role's (input shapes, output shapes) in a step of B = `batch`, T = `new`, S = `seen`, in
+    the argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must
+    match. A projection's widths come from its weights' shapes in the contract (a packed one's rows add up).
     Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them."""
     b, t = batch, new
     s = seen - first_attended_position(seen, new, config.sliding_window)  # keys attended: the window's, if any
-    dim, h, hkv, d, f = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim
+    dim, h, hkv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
     x = (b, t, dim)
     q, kv = (b, t, h, d), (b, t, hkv, d)
     cached = (b, hkv, s, d)
     scores = (b, h, t, s)
-    last = (b, dim)  # the final norm and the LM head see the last position only
-    return {
-        "tok_embeddings": ([(b, t)], [x]),
-        "attention_norm": ([x], [x]),
-        "attention.wqkv": ([x], [(b, t, (h + 2 * hkv) * d)]),
-        "attention.rope": ([q, kv, (t,)], [q, kv]),
-        "attention.kv_cache": ([(t,), kv, kv], [cached, cached]),
-        "attention.scores": ([(b, h, t, d), cached], [scores]),
-        "attention.softmax": ([scores], [scores]),
-        "attention.pv": ([scores, cached], [(b, h, t, d)]),
-        "attention.wo": ([(b, t, h * d)], [x]),
-        "attn_residual": ([x, x], [x]),
-        "ffn_norm": ([x], [x]),
-        "feed_forward.w13": ([x], [(b, t, 2 * f)]),
-        "feed_forward.act": ([(b, t, f), (b, t, f)], [(b, t, f)]),
-        "feed_forward.w2": ([(b, t, f)], [x]),
-        "ffn_residual": ([x, x], [x]),
-        "norm": ([last], [last]),
-        "output": ([last], [(b, config.vocab_size)]),
+    by_kind: dict[str, tuple[list[Shape], list[Shape]]] = {
+        "embedding": ([(b, t)], [x]),
+        "rmsnorm": ([x], [x]),
+        "rope": ([q, kv, (t,)], [q, kv]),
+        "kv_cache": ([(t,), kv, kv], [cached, cached]),
+        "attention_scores": ([(b, h, t, d), cached], [scores]),
+        "softmax": ([scores], [scores]),
+        "attention_values": ([scores, cached], [(b, h, t, d)]),
+        "residual": ([x, x], [x]),
+        "swiglu": ([(b, t, config.ffn_dim), (b, t, config.ffn_dim)], [(b, t, config.ffn_dim)]),
     }
+    shapes = {}
+    for spec in contract.fused_stages(config):
+        rows = (b, t) if spec.in_layer else (b,)  # the final norm and the LM head see the last position only
+        if spec.kind in ("linear", "lm_head"):
+            weights = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
+            shapes[spec.role] = ([(*rows, weights[0][1])], [(*rows, sum(w[0] for w in weights))])
+        elif spec.kind == "rmsnorm":
+            shapes[spec.role] = ([(*rows, dim)], [(*rows, dim)])
+        else:
+            shapes[spec.role] = by_kind[spec.kind]
+    return shapes
 
 
 class FusedMarks:

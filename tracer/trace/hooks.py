@@ -19,38 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmtrace.tracer.core import contract
+from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
-from llmtrace.tracer.trace.stage_cost import INDEX_ARGUMENTS, INDEX_ITEMSIZE, StageModule, stage_cost
+from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageModule, stage_cost
 from llmtrace.tracer.trace.records import StageRecord
-
-# Stage modules: dotted-name suffix inside a layer (tracer/model/transformer.py's module names) -> stage kind.
-LAYER_STAGES: dict[str, str] = {
-    "attention_norm": "rmsnorm",
-    "attention.wq": "linear",
-    "attention.wk": "linear",
-    "attention.wv": "linear",
-    "attention.rope": "rope",
-    "attention.kv_cache": "kv_cache",
-    "attention.scores": "attention_scores",
-    "attention.softmax": "softmax",
-    "attention.pv": "attention_values",
-    "attention.wo": "linear",
-    "attn_residual": "residual",
-    "ffn_norm": "rmsnorm",
-    "feed_forward.w1": "linear",
-    "feed_forward.w3": "linear",
-    "feed_forward.act": "swiglu",
-    "feed_forward.w2": "linear",
-    "ffn_residual": "residual",
-}
-TOP_STAGES: dict[str, str] = {"tok_embeddings": "embedding", "norm": "rmsnorm", "output": "lm_head"}
 
 MECHANISMS = ("auto", "fused", "wrap", "hooks")
 MODULE_MECHANISMS = ("wrap", "hooks")  # the ones that instrument the stage modules
 _NO_INSTANCE_FORWARD = object()  # marks a module whose forward came from its class (the usual case)
-
-# Stages whose forward returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all); the others return one.
-TUPLE_OUTPUT_KINDS = frozenset({"rope", "kv_cache"})
 
 # A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes).
 # (Shapes are torch.Size from the module mechanisms, plain tuples from the fused path's; torch.Size is a tuple.)
@@ -58,22 +35,22 @@ RawEvent = tuple[int, int, int, list[tuple[int, ...]], list[tuple[int, ...]]]
 
 
 def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
-    """The model's stage modules, in `named_modules()` order, each with its kind."""
+    """The model's stage modules (the contract's stages, tracer/core/contract.py), in `named_modules()` order."""
+    stages = contract.staged_stages(getattr(model, "config", None))
+    layer_kinds = {s.role: s.kind for s in stages if s.in_layer}
+    top_kinds = {s.role: s.kind for s in stages if not s.in_layer}
     found: list[tuple[StageModule, nn.Module]] = []
     for name, module in model.named_modules():
-        parts = name.split(".")
-        if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
-            kind = LAYER_STAGES.get(".".join(parts[2:]))
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+            kind = layer_kinds.get(parts[2])
             layer: int | None = int(parts[1])
         else:
-            kind = TOP_STAGES.get(name)
+            kind = top_kinds.get(name)
             layer = None
         if kind is None:
             continue
-        weight = getattr(module, "weight", None)
-        numel = weight.numel() if isinstance(weight, torch.Tensor) else 0
-        itemsize = weight.element_size() if isinstance(weight, torch.Tensor) else 0
-        found.append((StageModule(name, layer, kind, numel, itemsize), module))
+        found.append((StageModule.of(name, layer, kind, [module]), module))
     return found
 
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Stage kinds and which of them are matrix products: tracer/core/contract.py (KINDS) declares them; records and
+# their renderers read MATMUL_KINDS from here.
+from llmtrace.tracer.core.contract import MATMUL_KINDS
+
 PREFILL = "prefill"
 DECODE = "decode"
 
-# Stage kinds, one per kind of module the tracer hooks (see tracer/trace/hooks.py for the name -> kind table).
 # The temperatures the sampling lesson shows the first token's logits at unless told otherwise (the seed article's).
 DEFAULT_LESSON_TEMPERATURES = (0.1, 1.0, 2.0)
-
-MATMUL_KINDS = frozenset({"linear", "lm_head", "attention_scores", "attention_values"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +28,8 @@ class StageRecord:
     step: int
     layer: int | None  # None for embedding, final norm and LM head
     stage: str  # stable dotted name, e.g. "layers.3.attention.wqkv" (fused path) or "layers.3.attention.wq" (staged)
-    kind: str  # embedding, rmsnorm, linear, rope, kv_cache, attention_scores, softmax, attention_values,
-    #            residual, swiglu, lm_head
+    kind: str  # a kind of tracer/core/contract.py: embedding, rmsnorm, linear, rope, kv_cache, attention_scores,
+    #            softmax, attention_values, residual, swiglu, lm_head
     input_shapes: tuple[tuple[int, ...], ...]  # every tensor argument, in call order
     output_shapes: tuple[tuple[int, ...], ...]  # every tensor returned, in order
     dtype: str  # dtype of the (first) output, e.g. "float32"

@@ -6,27 +6,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from llmtrace.tracer.analytic import flop_formulas as ff
 
 
 @dataclass(frozen=True, slots=True)
 class StageModule:
-    """One traced stage: its stable name, layer, kind and the weight sizes the byte counts need (a stage module's
-    weight, or for a packed stage of the fused path its modules' weights together)."""
+    """One traced stage: its stable name, layer, kind and the parameter sizes the byte counts need (a stage
+    module's weight and bias, or for a packed stage of the fused path its modules' together)."""
 
     name: str
     layer: int | None
     kind: str
-    weight_numel: int  # elements of its weight (0 for parameter-free stages)
+    weight_numel: int  # elements of its parameters, weight and bias (0 for parameter-free stages)
     weight_itemsize: int
+    has_bias: bool = False  # a linear stage adds a bias to its product (one add per output element)
+
+    @classmethod
+    def of(cls, name: str, layer: int | None, kind: str, modules: list[Any]) -> "StageModule":
+        """The stage that runs `modules` (one, or a packed stage's members): their weights and biases together."""
+        weights = [w for w in (getattr(m, "weight", None) for m in modules) if w is not None]
+        biases = [b for b in (getattr(m, "bias", None) for m in modules) if b is not None]
+        numel = sum(t.numel() for t in weights + biases)
+        return cls(name, layer, kind, numel, weights[0].element_size() if weights else 0, bool(biases))
 
 
-# Integer index tensors among a stage's arguments (argument position by kind): token ids and positions, int64.
-# Every other tensor a stage takes or returns is an activation in the model's dtype (the model casts back after
-# its fp32 norm and softmax), so the tracers keep shapes only and the dtypes come from here.
-INDEX_ARGUMENTS: dict[str, int] = {"embedding": 0, "kv_cache": 0, "rope": 2}
-
+# Integer index tensors among a stage's arguments (contract.INDEX_ARGUMENTS, argument position by kind) are token
+# ids and positions, int64. Every other tensor a stage takes or returns is an activation in the model's dtype (the
+# model casts back after its fp32 norm and softmax), so the tracers keep shapes only and the dtypes come from here.
 INDEX_ITEMSIZE = 8  # int64 token ids and positions
 
 # A tensor as the cost model sees it: (shape, bytes per element).
@@ -61,7 +69,8 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
     out_shape = outputs[0][0]
     if kind in ("linear", "lm_head"):
         x = inputs[0][0]
-        return ff.linear_flops(_rows(x), x[-1], out_shape[-1]), 0, weight_bytes, read, written, 0, 0
+        bias = ff.bias_add_flops(_rows(x), out_shape[-1]) if stage.has_bias else 0
+        return ff.linear_flops(_rows(x), x[-1], out_shape[-1]), bias, weight_bytes, read, written, 0, 0
     if kind == "rmsnorm":
         x = inputs[0][0]
         return 0, ff.rmsnorm_flops(_rows(x), x[-1]), weight_bytes, read, written, 0, 0

@@ -1,0 +1,349 @@
+"""The model contract: every stage of a LLaMA-family forward pass and every tensor of its checkpoint, declared once.
+
+Everything that lists stages or tensors derives from the tables below: the stage modules the tracer wraps
+(tracer/trace/hooks.py) and the fused path's marks (tracer/trace/fused_marks.py), the analytical estimate's rows
+(tracer/analytic/estimate.py) and their tensor-parallel split, parameter counts and weight bytes
+(tracer/analytic/params.py), the tensors a checkpoint must hold and their shapes (`expected_shapes`), both loaders'
+name maps (HF safetensors, llama.cpp GGUF), the cost model's kinds (tracer/trace/stage_cost.py) and the labels the
+CLI prints. Adding a stage or a tensor here reaches all of them (tests/test_contract.py shows it); the model code
+(tracer/model/) must then compute it.
+
+Names are Meta's (llama/model.py), relative to a layer for layer stages ("attention.wq") and absolute at the top
+("output"). A tensor's shape is written in dimension symbols (`dims`), so the same declaration gives the numbers,
+the estimate's formulas and the checks. A tensor switched by a config flag (`when`, or `unless` for the LM head of
+a tied model) is expected exactly when the flag says so. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmtrace.tracer.core.config import ModelConfig
+
+
+# ---- kinds: how the cost model and the tracers treat a stage ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    name: str
+    matmul: bool  # its FLOPs are GEMM FLOPs (exact, FlopCounterMode counts them); else elementwise estimates
+    index_argument: int | None = None  # position of an int64 argument (token ids, positions), else None
+    tuple_output: bool = False  # its module returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all)
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("embedding", matmul=False, index_argument=0),
+    Kind("rmsnorm", matmul=False),
+    Kind("linear", matmul=True),
+    Kind("rope", matmul=False, index_argument=2, tuple_output=True),
+    Kind("kv_cache", matmul=False, index_argument=0, tuple_output=True),
+    Kind("attention_scores", matmul=True),
+    Kind("softmax", matmul=False),
+    Kind("attention_values", matmul=True),
+    Kind("residual", matmul=False),
+    Kind("swiglu", matmul=False),
+    Kind("lm_head", matmul=True),
+)}
+MATMUL_KINDS = frozenset(k.name for k in KINDS.values() if k.matmul)
+TUPLE_OUTPUT_KINDS = frozenset(k.name for k in KINDS.values() if k.tuple_output)
+INDEX_ARGUMENTS: dict[str, int] = {k.name: k.index_argument for k in KINDS.values() if k.index_argument is not None}
+
+
+# ---- tensors ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One checkpoint tensor. `name`, `hf` and `gguf` are relative to the layer for layer tensors
+    ("layers.{i}.", "model.layers.{i}.", "blk.{i}." in front), absolute at the top."""
+
+    name: str  # ours (Meta's): "attention.wq.weight"
+    hf: str  # HF transformers' LlamaForCausalLM / Qwen2ForCausalLM: "self_attn.q_proj.weight"
+    gguf: str  # llama.cpp (llama-arch.cpp, LLM_ARCH_LLAMA): "attn_q.weight"
+    shape: tuple[str, ...]  # dimension symbols (`dims`), rows first
+    group: str  # what a parameter count files it under: embedding, attention, ffn, norm, final_norm, lm_head
+    when: str | None = None  # a boolean config field that must be True for the tensor to exist
+    unless: str | None = None  # a boolean config field that must be False
+    rope_heads: str | None = None  # "H" / "Hkv": llama.cpp interleaves these rows per head for its RoPE
+
+    def present(self, config: ModelConfig) -> bool:
+        if self.when is not None and not getattr(config, self.when):
+            return False
+        return self.unless is None or not getattr(config, self.unless)
+
+
+# ---- stages -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """One stage of the forward pass: one module of tracer/model/transformer.py (the staged path)."""
+
+    role: str  # module path inside a layer ("attention.wq"), or at the top ("output")
+    kind: str  # a key of KINDS
+    label: str  # what the estimate's tables call it ("Q projection")
+    short: str  # what the run's tables call it ("Q proj")
+    in_layer: bool
+    block: str | None = None  # "attention" / "FFN": says which one when two stages share a short label
+    packed: str | None = None  # the fused-path stage (a PackSpec role) that does this stage's work with others
+    replicated: bool = False  # under tensor parallelism every device runs it in full (norms, residual adds)
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PackSpec:
+    """Stages the fused path (tracer/model/fused.py) runs as one product over their weights packed by rows."""
+
+    role: str
+    kind: str
+    short: str
+    members: tuple[str, ...]  # stage roles, in row order
+
+
+@dataclass(frozen=True, slots=True)
+class FusedStage:
+    """One stage the fused path marks: a stage of its own, or a pack of several."""
+
+    role: str
+    kind: str
+    in_layer: bool
+    members: tuple[StageSpec, ...]  # the staged-path stages whose work it does (one unless packed)
+
+
+def _linear(role: str, label: str, short: str, hf: str, gguf: str, shape: tuple[str, str], group: str,
+            packed: str | None = None, rope_heads: str | None = None, bias_when: str | None = None) -> StageSpec:
+    """A bias-free projection, or one with a bias vector when the config field `bias_when` says so."""
+    tensors = [TensorSpec(f"{role}.weight", f"{hf}.weight", f"{gguf}.weight", shape, group, rope_heads=rope_heads)]
+    if bias_when is not None:
+        tensors.append(TensorSpec(f"{role}.bias", f"{hf}.bias", f"{gguf}.bias", shape[:1], group, when=bias_when,
+                                  rope_heads=rope_heads))
+    return StageSpec(role, "linear", label, short, True, packed=packed, tensors=tuple(tensors))
+
+
+def _norm(role: str, label: str, block: str, hf: str, gguf: str) -> StageSpec:
+    return StageSpec(role, "rmsnorm", label, "RMSNorm", True, block=block, replicated=True,
+                     tensors=(TensorSpec(f"{role}.weight", hf, gguf, ("d",), "norm"),))
+
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("tok_embeddings", "embedding", "embedding lookup", "embedding", False,
+              tensors=(TensorSpec("tok_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight",
+                                  ("V", "d"), "embedding"),)),
+    _norm("attention_norm", "RMSNorm (attention)", "attention", "input_layernorm.weight", "attn_norm.weight"),
+    _linear("attention.wq", "Q projection", "Q proj", "self_attn.q_proj", "attn_q", ("H·D", "d"), "attention",
+            packed="attention.wqkv", rope_heads="H", bias_when="qkv_bias"),
+    _linear("attention.wk", "K projection", "K proj", "self_attn.k_proj", "attn_k", ("Hkv·D", "d"), "attention",
+            packed="attention.wqkv", rope_heads="Hkv", bias_when="qkv_bias"),
+    _linear("attention.wv", "V projection", "V proj", "self_attn.v_proj", "attn_v", ("Hkv·D", "d"), "attention",
+            packed="attention.wqkv", bias_when="qkv_bias"),
+    StageSpec("attention.rope", "rope", "RoPE on q, k", "RoPE q,k", True),
+    StageSpec("attention.kv_cache", "kv_cache", "KV cache write", "KV write", True),
+    StageSpec("attention.scores", "attention_scores", "scores QKᵀ", "scores QKᵀ/√D", True),
+    StageSpec("attention.softmax", "softmax", "softmax", "softmax", True),
+    StageSpec("attention.pv", "attention_values", "probs × V", "probs·V", True),
+    _linear("attention.wo", "output projection", "O proj", "self_attn.o_proj", "attn_output", ("d", "H·D"),
+            "attention", bias_when="wo_bias"),
+    StageSpec("attn_residual", "residual", "residual add (attention)", "residual +", True, block="attention",
+              replicated=True),
+    _norm("ffn_norm", "RMSNorm (FFN)", "FFN", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    _linear("feed_forward.w1", "SwiGLU gate (w1)", "gate (w1)", "mlp.gate_proj", "ffn_gate", ("F", "d"), "ffn",
+            packed="feed_forward.w13", bias_when="mlp_bias"),
+    _linear("feed_forward.w3", "SwiGLU up (w3)", "up (w3)", "mlp.up_proj", "ffn_up", ("F", "d"), "ffn",
+            packed="feed_forward.w13", bias_when="mlp_bias"),
+    StageSpec("feed_forward.act", "swiglu", "silu(gate)·up", "silu(gate)·up", True),
+    _linear("feed_forward.w2", "SwiGLU down (w2)", "down (w2)", "mlp.down_proj", "ffn_down", ("d", "F"), "ffn",
+            bias_when="mlp_bias"),
+    StageSpec("ffn_residual", "residual", "residual add (FFN)", "residual +", True, block="FFN", replicated=True),
+    StageSpec("norm", "rmsnorm", "final RMSNorm (last position)", "final norm", False, replicated=True,
+              tensors=(TensorSpec("norm.weight", "model.norm.weight", "output_norm.weight", ("d",), "final_norm"),)),
+    StageSpec("output", "lm_head", "LM head (last position)", "LM head", False,
+              tensors=(TensorSpec("output.weight", "lm_head.weight", "output.weight", ("V", "d"), "lm_head",
+                                  unless="tie_embeddings"),)),
+)
+
+PACKS: tuple[PackSpec, ...] = (
+    PackSpec("attention.wqkv", "linear", "Q|K|V proj", ("attention.wq", "attention.wk", "attention.wv")),
+    PackSpec("feed_forward.w13", "linear", "gate|up (w1|w3)", ("feed_forward.w1", "feed_forward.w3")),
+)
+
+
+
+# ---- derived: stages ----------------------------------------------------------------------------------------------
+
+
+def stage(role: str) -> StageSpec:
+    return _index().by_role[role]
+
+
+def staged_stages(config: ModelConfig | None = None) -> tuple[StageSpec, ...]:
+    """The stages of one forward pass on the staged path, in execution order (layer stages once)."""
+    del config  # every stage runs for every LLaMA config today; a conditional stage (QK-norm) would filter here
+    return STAGES
+
+
+def layer_stages(config: ModelConfig | None = None) -> tuple[StageSpec, ...]:
+    return tuple(s for s in staged_stages(config) if s.in_layer)
+
+
+def fused_stages(config: ModelConfig | None = None) -> tuple[FusedStage, ...]:
+    """The stages the fused path marks, in order: packed stages replace their members (at the first one)."""
+    index = _index()
+    out: list[FusedStage] = []
+    for spec in staged_stages(config):
+        if spec.packed is None:
+            out.append(FusedStage(spec.role, spec.kind, spec.in_layer, (spec,)))
+        elif spec.role == index.pack_by_role[spec.packed].members[0]:
+            pack = index.pack_by_role[spec.packed]
+            out.append(FusedStage(pack.role, pack.kind, spec.in_layer, tuple(index.by_role[m] for m in pack.members)))
+    return tuple(out)
+
+
+def short_label(role: str) -> str:
+    """The label a run's per-layer table shows for a stage or pack role ("Q proj", "Q|K|V proj", "RMSNorm")."""
+    index = _index()
+    if role in index.pack_by_role:
+        return index.pack_by_role[role].short
+    return index.by_role[role].short if role in index.by_role else role
+
+
+def role_label(role: str) -> str:
+    """As `short_label`, with the block named where two roles of a layer share a label ("RMSNorm (FFN)")."""
+    index = _index()
+    spec = index.by_role.get(role)
+    if spec is not None and spec.block is not None and index.short_count[spec.short] > 1:
+        return f"{spec.short} ({spec.block})"
+    return short_label(role)
+
+
+# ---- derived: tensors ---------------------------------------------------------------------------------------------
+
+
+def dims(config: ModelConfig) -> dict[str, int]:
+    """The value of each dimension symbol a tensor shape may use."""
+    return {"V": config.vocab_size, "d": config.dim, "H·D": config.q_dim, "Hkv·D": config.kv_dim,
+            "F": config.ffn_dim, "H": config.n_heads, "Hkv": config.n_kv_heads}
+
+
+def shape_of(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:
+    values = dims(config)
+    return tuple(values[symbol] for symbol in tensor.shape)
+
+
+def stage_tensors(spec: StageSpec, config: ModelConfig) -> tuple[TensorSpec, ...]:
+    """The stage's tensors this config has."""
+    return tuple(t for t in spec.tensors if t.present(config))
+
+
+def bias_of(spec: StageSpec, config: ModelConfig) -> TensorSpec | None:
+    """The stage's bias vector when this config has one."""
+    return next((t for t in stage_tensors(spec, config) if t.name.endswith(".bias")), None)
+
+
+def has_bias(role: str, config: ModelConfig) -> bool:
+    """Whether the stage `role` (a projection) adds a bias for this config: how the model builds its Linear."""
+    return bias_of(stage(role), config) is not None
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint for `config` must hold, in our (Meta's) naming, with its shape, in stage order
+    (the embedding, each layer's tensors, the final norm, the LM head unless tied)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    top = [s for s in staged_stages(config) if not s.in_layer]
+    in_layer = layer_stages(config)
+    for spec in top[:1]:
+        shapes.update((t.name, shape_of(t, config)) for t in stage_tensors(spec, config))
+    for i in range(config.n_layers):
+        for spec in in_layer:
+            shapes.update((f"layers.{i}.{t.name}", shape_of(t, config)) for t in stage_tensors(spec, config))
+    for spec in top[1:]:
+        shapes.update((t.name, shape_of(t, config)) for t in stage_tensors(spec, config))
+    return shapes
+
+
+def tensor_of(name: str) -> TensorSpec | None:
+    """The declaration of one of our tensor names ("layers.3.attention.wq.bias", "norm.weight")."""
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+        return _index().layer_tensors.get(parts[2])
+    return _index().top_tensors.get(name)
+
+
+def hf_to_ours(name: str) -> str | None:
+    """Our name for an HF tensor name, or None when it is not a tensor of the contract."""
+    index = _index()
+    if name in index.top_by_hf:
+        return index.top_by_hf[name].name
+    if name.startswith("model.layers."):
+        layer, _, rest = name[len("model.layers."):].partition(".")
+        if layer.isdigit() and rest in index.layer_by_hf:
+            return f"layers.{layer}.{index.layer_by_hf[rest].name}"
+    return None
+
+
+def ours_to_hf(name: str) -> str:
+    """The HF name of one of our tensor names (inverse of `hf_to_ours`)."""
+    index = _index()
+    if name in index.top_tensors:
+        return index.top_tensors[name].hf
+    _, layer, rest = name.split(".", 2)
+    return f"model.layers.{layer}.{index.layer_tensors[rest].hf}"
+
+
+def gguf_to_ours(name: str) -> str | None:
+    """Our name for a llama.cpp tensor name, or None when it is not a tensor of the contract."""
+    index = _index()
+    if name in index.top_by_gguf:
+        return index.top_by_gguf[name].name
+    if name.startswith("blk."):
+        layer, _, rest = name[len("blk."):].partition(".")
+        if layer.isdigit() and rest in index.layer_by_gguf:
+            return f"layers.{layer}.{index.layer_by_gguf[rest].name}"
+    return None
+
+
+def ours_to_gguf(name: str) -> str:
+    """The llama.cpp name of one of our tensor names (inverse of `gguf_to_ours`)."""
+    index = _index()
+    if name in index.top_tensors:
+        return index.top_tensors[name].gguf
+    _, layer, rest = name.split(".", 2)
+    return f"blk.{layer}.{index.layer_tensors[rest].gguf}"
+
+
+def gguf_tensor_flags(tensor_names: set[str] | frozenset[str]) -> dict[str, bool]:
+    """The config flags a GGUF file's tensor list sets: a flag is on when layer 0 holds a tensor it switches on."""
+    index = _index()
+    return {flag: any(f"blk.0.{t.gguf}" in tensor_names for t in index.layer_tensors.values() if t.when == flag)
+            for flag in index.flags}
+
+
+class _Index:
+    """Lookups derived from STAGES and PACKS, rebuilt when either is replaced (as tests/test_contract.py does)."""
+
+    def __init__(self, stages: tuple[StageSpec, ...], packs: tuple[PackSpec, ...]) -> None:
+        self.key = (stages, packs)
+        self.by_role = {s.role: s for s in stages}
+        self.pack_by_role = {p.role: p for p in packs}
+        self.short_count: dict[str, int] = {}
+        for spec in stages:
+            if spec.in_layer:
+                self.short_count[spec.short] = self.short_count.get(spec.short, 0) + 1
+        self.layer_tensors = {t.name: t for s in stages if s.in_layer for t in s.tensors}
+        self.top_tensors = {t.name: t for s in stages if not s.in_layer for t in s.tensors}
+        self.layer_by_hf = {t.hf: t for t in self.layer_tensors.values()}
+        self.top_by_hf = {t.hf: t for t in self.top_tensors.values()}
+        self.layer_by_gguf = {t.gguf: t for t in self.layer_tensors.values()}
+        self.top_by_gguf = {t.gguf: t for t in self.top_tensors.values()}
+        self.flags = tuple(dict.fromkeys(t.when for s in stages for t in s.tensors if t.when))
+
+
+_cached: list[_Index] = []
+
+
+def _index() -> _Index:
+    if not _cached or _cached[0].key[0] is not STAGES or _cached[0].key[1] is not PACKS:
+        _cached[:] = [_Index(STAGES, PACKS)]
+    return _cached[0]
