@@ -113,6 +113,6 @@ def device_cost(config: ModelConfig, phase: PhaseEstimate, activation_bytes: flo
         for i, v in enumerate(_component_share(c, tp, replicated)):
             sums[i] += v
     comm = comm_bytes_per_pass(config, phase.batch, phase.new_tokens, activation_bytes, tp)
-    peak = max((c.act_read_bytes + c.act_write_bytes) if c.name in REPLICATED
+    peak = max((c.act_read_bytes + c.act_write_bytes) if c.name in replicated
                else _split(c.act_read_bytes + c.act_write_bytes, tp) for c in phase.components)
     return DeviceCost(*sums, comm_bytes=comm, peak_activation_bytes=peak)
