@@ -8,7 +8,8 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS, section
+from llmtrace.cli.render_run import section
+from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.trace.diff import PHASE_ROLE, DiffRow, Figures, TraceDiff
 from llmtrace.tracer.trace.records import PREFILL
 
@@ -86,7 +87,7 @@ def _costs(row: DiffRow) -> tuple[str, str, str]:
 
 
 def _label(role: str) -> str:
-    label = STAGE_LABELS.get(role) or TOP_STAGE_LABELS.get(role, role)
+    label = short_label(role)
     if role in _SHARED_LABELS:
         label += " (FFN)" if role.startswith("ffn") else " (attn)"
     return label

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from html import escape
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run import STAGE_LABELS, TOP_STAGE_LABELS
+from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.journey_records import LensStep, SamplingLesson
@@ -101,7 +101,7 @@ def _section(anchor: str, title: str, body: str, note: str = "") -> str:
 
 
 def _label(role: str) -> str:
-    label = STAGE_LABELS.get(role) or TOP_STAGE_LABELS.get(role, role)
+    label = short_label(role)
     if role in ("attention_norm", "attn_residual"):
         return label + " (attn)"
     if role in ("ffn_norm", "ffn_residual"):
