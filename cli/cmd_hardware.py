@@ -89,8 +89,6 @@ def hardware(
 
 
 def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
-    from rich.console import Console
-
     from llmtrace.cli.console import stdout_console
     from llmtrace.cli.render_hardware import render_measurement
     from llmtrace.tracer.core.errors import BadArgumentError
@@ -102,7 +100,7 @@ def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, cop
     # torch only here: listing profiles and every analytical command stay torch-free.
     from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
 
-    err = Console(stderr=True)
+    err = stdout_console(stderr=True)
     with err.status("measuring…") as status:
         result = measure_machine(
             dtypes=dtypes,

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -21,9 +21,10 @@ from rich.live import Live
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.app import app
-from llmtrace.cli.console import stdout_console
+from llmtrace.cli.console import ReaderGoneSafe, stdout_console
 from llmtrace.cli.errors import fail, run_guarded
-from llmtrace.cli.output_files import check_writable, write_output
+from llmtrace.cli.interrupts import deferred_interrupts, stop_signals_interrupt
+from llmtrace.cli.output_files import check_outputs, check_writable, write_output
 from llmtrace.cli.prompt_input import resolve_prompt
 from llmtrace.cli.options import Detail, DetailOption
 from llmtrace.cli.render_run import (
@@ -49,7 +50,6 @@ from llmtrace.tracer.trace.step_selection import StepSelection
 from llmtrace.tracer.trace.summary_block import SummaryBlock, summary_block
 
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
-EXIT_INTERRUPTED = 130
 
 
 class RunDtype(str, Enum):
@@ -147,7 +147,9 @@ def run_command(
     json_to_stdout = json_path is not None and str(json_path) == "-"
     if json_to_stdout and summary_json:
         raise fail("--json - and --summary-json both write to stdout; give --json a file path")
-    console = stdout_console(stderr=json_to_stdout or summary_json)
+    stdout = ReaderGoneSafe(sys.stdout)  # a reader that leaves (`| head -1`) must not stop the run
+    console = stdout_console(stderr=json_to_stdout or summary_json,
+                             file=None if json_to_stdout or summary_json else stdout)
 
     def body() -> int:
         given = resolve_prompt(prompt, file, literal, DRY_RUN_DEFAULT_PROMPT if dry_run else None)
@@ -166,29 +168,47 @@ def run_command(
         _check_settings(settings)
         if html is not None and settings.dry_run:
             raise BadArgumentError("--html reports a real generation; drop --dry-run")
-        for path in (json_path, chrome_trace, html):
-            if path is not None and not (path is json_path and json_to_stdout):
+        files = {"--json": None if json_to_stdout else json_path, "--chrome-trace": chrome_trace, "--html": html}
+        check_outputs(files, {"--file": None if file is None or str(file) == "-" else file})
+        for path in files.values():
+            if path is not None:
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
         if repeat > 1 and dry_run:
             raise BadArgumentError("--repeat times real runs; drop --dry-run")
-        trace, block, comparison = _run(console, settings, detail.value, roofline=not no_roofline, repeat=repeat)
-        if json_path is not None:
-            if json_to_stdout:
-                sys.stdout.write(trace.to_json(indent=1, summary=block) + "\n")
-            else:
-                write_output(json_path, trace.to_json(indent=1, summary=block))
-                console.print(f"[dim]trace written to {json_path} (JSON; schema tracer/trace/trace_schema.json)[/]")
-        if chrome_trace is not None:
-            write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
-            console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
-        if summary_json:
-            sys.stdout.write(json.dumps(asdict(block), ensure_ascii=False) + "\n")
-        if html is not None:
-            from llmtrace.cli.render_html import html_report
+        written: list[str] = []
 
-            write_output(html, html_report(trace, comparison))
-            console.print(f"[dim]HTML report written to {html} (self-contained: open it in any browser)[/]")
-        return EXIT_INTERRUPTED if trace.stop_reason == STOP_INTERRUPTED else 0
+        def save(trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None) -> None:
+            """Write the outputs as soon as the run has its trace and summary, before the ending is rendered: nothing
+            after it (rendering to a closed pipe, --repeat, a signal) can lose them. Stop signals wait for the
+            writes."""
+            with deferred_interrupts(received):
+                if json_path is not None:
+                    if json_to_stdout:
+                        stdout.write(trace.to_json(indent=1, summary=block) + "\n")
+                        stdout.flush()
+                    else:
+                        write_output(json_path, trace.to_json(indent=1, summary=block))
+                        written.append(f"trace written to {json_path} (JSON; schema tracer/trace/trace_schema.json)")
+                if chrome_trace is not None:
+                    write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
+                    written.append(f"Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)")
+                if summary_json:
+                    stdout.write(json.dumps(asdict(block), ensure_ascii=False) + "\n")
+                    stdout.flush()
+                if html is not None:
+                    from llmtrace.cli.render_html import html_report
+
+                    write_output(html, html_report(trace, comparison))
+                    written.append(f"HTML report written to {html} (self-contained: open it in any browser)")
+
+        with stop_signals_interrupt() as received:
+            try:
+                trace = _run(console, settings, detail.value, save, roofline=not no_roofline, repeat=repeat)
+                for line in written:
+                    console.print(f"[dim]{line}[/]")
+            except KeyboardInterrupt:  # while loading (nothing to keep) or after `save` (the files are whole)
+                return received.exit_code
+        return received.exit_code if trace.stop_reason == STOP_INTERRUPTED else 0
 
     code = run_guarded(body)
     if code:
@@ -223,21 +243,41 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 
 
 def _check_settings(settings: RunSettings) -> None:
+    """Everything that depends only on the arguments, before a model is loaded or a header printed."""
     if settings.max_new_tokens < 1:
         raise BadArgumentError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
-    if settings.threads is not None and settings.threads < 1:
-        raise BadArgumentError(f"--threads must be at least 1, got {settings.threads}")
+    if settings.threads is not None:
+        cpus = available_cpus()
+        if not 1 <= settings.threads <= cpus:
+            raise BadArgumentError(f"--threads must be between 1 and the {cpus} CPUs this process may use, got "
+                                   f"{settings.threads}; more threads than CPUs only slows torch down")
     if settings.prompt_tokens is not None and settings.prompt_tokens < 1:
         raise BadArgumentError(f"--prompt-tokens must be at least 1, got {settings.prompt_tokens}")
     if settings.dry_run and (settings.no_kv_cache or settings.lens or settings.attention):
         raise BadArgumentError("--no-kv-cache, --lens and --attention look at a real generation; drop --dry-run")
     if settings.dry_run and settings.trace is False:
         raise BadArgumentError("--dry-run shows traced shapes and FLOPs; drop --no-trace")
+    if not settings.dry_run:
+        if not settings.prompt:
+            raise BadArgumentError("the prompt is empty; give some text, e.g. llmtrace run \"今天天气真\"")
+        from llmtrace.tracer.run.generate import sampling_params
+
+        sampling_params(settings)  # temperature, top-k/p, min-p, penalty, seed: one line now, not after loading
 
 
-def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = True,
-         repeat: int = 1) -> tuple[Trace, SummaryBlock, MeasuredVsBound | None]:
-    """The run, rendered as it goes; its trace, its summary block and the roofline comparison (None: none)."""
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as taskset or a container's cpuset sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _run(console: Console, settings: RunSettings, detail: str,
+         save: Callable[[Trace, SummaryBlock, MeasuredVsBound | None], None], roofline: bool = True,
+         repeat: int = 1) -> Trace:
+    """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
+    before the ending is rendered."""
     import torch
 
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
@@ -250,6 +290,8 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     with console.status(f"loading {what} …"):
         loaded = load_model(settings.model or None, dtype=settings.dtype or "auto", device=settings.device,
                             dry_run=settings.dry_run)
+    if loaded.cache_note:
+        console.print(f"[yellow]note:[/] {loaded.cache_note}", soft_wrap=True)
     param = next(loaded.model.parameters())
     render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
                   str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),
@@ -316,11 +358,15 @@ def _run(console: Console, settings: RunSettings, detail: str, roofline: bool = 
     report = run_report(trace)
     comparison, note = (None, "")
     if roofline and not settings.dry_run:
-        comparison, note = _roofline_for(console, trace, report)
+        try:
+            comparison, note = _roofline_for(console, trace, report)
+        except KeyboardInterrupt:  # stopped while measuring: the run itself is kept
+            note = "roofline: skipped (interrupted)"
+    save(trace, summary_block(trace, comparison, report.summary), comparison)
     render_ending(console, trace, detail, report, comparison, note)
     if repeat > 1 and trace.stop_reason != STOP_INTERRUPTED:
         _repeat(console, loaded, trace, repeat)
-    return trace, summary_block(trace, comparison, report.summary), comparison
+    return trace
 
 
 def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None:
@@ -355,10 +401,19 @@ def _roofline_for(console: Console, trace: Trace, report: RunReport) -> tuple[Me
     when a first run measured this machine for it."""
     from llmtrace.tracer.run.roofline_check import run_roofline
 
-    with console.status("roofline …") as status:
-        result = run_roofline(trace, report.summary,
-                              progress=lambda what: status.update(f"measuring this machine for the roofline "
-                                                                  f"(first run only): {what} …"))
+    try:
+        with console.status("roofline …") as status:
+            result = run_roofline(trace, report.summary,
+                                  progress=lambda what: status.update(f"measuring this machine for the roofline "
+                                                                      f"(first run only): {what} …"))
+    except Exception as exc:  # optional: the run and its files stand whatever fails here
+        if os.environ.get("LLMTRACE_DEBUG") == "1":
+            raise
+        return None, f"roofline: skipped after an internal error ({type(exc).__name__}: {exc})"
+    if result.measured is not None and result.not_saved:  # a read-only or full home: this run still has its bound
+        console.print(f"[yellow]warning:[/] roofline: measured this machine in "
+                      f"{fmt.duration_s(result.measured.seconds)} ({', '.join(result.measured.dtypes)} GEMMs, copy); "
+                      f"not saved: {result.not_saved}", soft_wrap=True)
     if result.measured is not None and result.saved_to is not None:
         home = str(Path.home())
         shown = "~" + result.saved_to[len(home):] if result.saved_to.startswith(home + os.sep) else result.saved_to

@@ -17,8 +17,9 @@ from llmtrace.cli.app import app
 from llmtrace.cli.console import stdout_console
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import Detail, DetailOption
-from llmtrace.cli.output_files import check_writable, read_input, write_output
+from llmtrace.cli.output_files import check_outputs, check_writable, read_input, write_output
 from llmtrace.cli.render_run_report import render_ending, render_journey
+from llmtrace.tracer.core.errors import LlmtraceError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.report import run_report
@@ -39,6 +40,8 @@ def show(
     console = stdout_console()
 
     def body() -> int:
+        check_outputs({"--chrome-trace": chrome_trace, "--html": html},
+                      {"TRACE.json": None if str(path) == "-" else path})
         for output in (chrome_trace, html):
             if output is not None:
                 check_writable(output)
@@ -67,4 +70,8 @@ def show(
 
 def read_trace(path: Path) -> Trace:
     """The trace in `path` ('-': standard input; gzip or not), or a one-line error saying what is wrong with it."""
-    return Trace.from_json(read_input(path, "trace", f"write one with `llmtrace run ... --json {path}`"))
+    text = read_input(path, "trace", f"write one with `llmtrace run ... --json {path}`")
+    try:
+        return Trace.from_json(text)
+    except LlmtraceError as exc:  # the same typed error, naming the file
+        raise type(exc)(f"{path}: {exc}") from None

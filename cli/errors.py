@@ -16,7 +16,9 @@ EXIT_USAGE = 2
 
 def fail(message: str) -> "typer.Exit":
     """Print one line to stderr and return the Exit to raise (exit code 2)."""
-    print(f"llmtrace: error: {message}", file=sys.stderr)
+    from llmtrace.cli.console import visible_controls  # a message may quote a model's metadata
+
+    print(f"llmtrace: error: {visible_controls(message)}", file=sys.stderr)
     return typer.Exit(code=EXIT_USAGE)
 
 

@@ -1,16 +1,18 @@
 """Files a command writes (a trace, a Chrome trace) and reads back: checked before the work, written atomically
-(a reader never sees half a file, a failed write never clobbers the old one), gzip when the name ends in .gz, and
-one-line errors."""
+(tracer/core/atomic_file.py: a reader never sees half a file, a failed write never clobbers the old one), gzip
+when the name ends in .gz, and one-line errors. Checked before the run: each path's folder exists and accepts
+files, no two outputs share a path, and no output is one of the command's inputs (`show run.json
+--chrome-trace run.json` would replace the trace it shows)."""
 
 from __future__ import annotations
 
 import gzip
 import os
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 
+from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.errors import BadArgumentError
 
 STDIO = "-"
@@ -26,6 +28,8 @@ def check_writable(path: Path) -> None:
         raise BadArgumentError(f"cannot write {path}: it is a folder; give a file path")
     if not folder.is_dir():
         raise BadArgumentError(f"cannot write {path}: no folder {folder}; create it or choose another path")
+    if path.exists() and not path.is_file():
+        raise BadArgumentError(f"cannot write {path}: it is not a regular file (a FIFO or device); choose a file path")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise BadArgumentError(f"cannot write {path}: permission denied; choose a writable path")
 
@@ -35,25 +39,16 @@ def is_gzip_name(path: Path) -> bool:
 
 
 def write_output(path: Path, text: str) -> None:
-    """Write `text` as UTF-8 (gzip-compressed when the name ends in .gz) through a temporary file in the same
-    folder, renamed over `path` when complete; a failure is one line naming the path."""
+    """Write `text` as UTF-8 (gzip-compressed when the name ends in .gz) atomically (tracer/core/atomic_file.py);
+    a failure is one line naming the path, and the previous file at it is kept."""
     data = text.encode("utf-8")
     if is_gzip_name(path):
         data = gzip.compress(data, compresslevel=GZIP_LEVEL, mtime=0)  # mtime 0: the same trace, the same bytes
-    folder = path.parent if str(path.parent) else Path(".")
-    partial = None
     try:
-        fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=folder)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(partial, 0o666 & ~_umask())
-        os.replace(partial, path)
-        partial = None
+        write_atomic(path, data)
     except OSError as exc:
-        raise BadArgumentError(f"cannot write {path} ({exc.strerror}); choose a writable path") from exc
-    finally:
-        if partial is not None and os.path.exists(partial):
-            os.unlink(partial)
+        raise BadArgumentError(f"cannot write {path} ({exc.strerror or exc}); the previous file, if any, is kept; "
+                               "choose a writable path or free some space") from exc
 
 
 def read_input(path: Path, what: str, missing_hint: str = "") -> str:
@@ -76,7 +71,28 @@ def read_input(path: Path, what: str, missing_hint: str = "") -> str:
         raise BadArgumentError(f"{path} is not UTF-8 text ({exc}); is it a {what}?") from exc
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None] | None = None) -> None:
+    """Refuse, before any work, two options writing one file and an output that would replace an input.
+
+    `outputs` and `inputs` map an option's name (as the user typed it, e.g. "--json") to its path or None."""
+    seen: dict[Path, str] = {}
+    for option, path in (inputs or {}).items():
+        if path is not None:
+            seen[_identity(path)] = option
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = _identity(path)
+        if key in seen:
+            other = seen[key]
+            what = "the input it reads" if other in (inputs or {}) else f"{other} too"
+            raise BadArgumentError(f"{option} {path} would overwrite {what}; give each output its own path")
+        seen[key] = option
+
+
+def _identity(path: Path) -> Path:
+    """The path with links and `..` resolved, so that `t.json` and `./dir/../t.json` are the same file."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compare as written
+        return path.absolute()

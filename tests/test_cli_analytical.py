@@ -288,7 +288,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "unknown option": (lambda t: ["kvmem", "--sequence", "5"], "No such option"),
     "bad budget": (lambda t: ["kvmem", "--budget", "12XB"], "memory size"),
     "config missing": (lambda t: ["flops", "-m", str(t / "absent" / "config.json")], "no such file or folder"),
-    "config unreadable": (lambda t: ["kvmem", "-m", _config_unreadable(t)], "not readable as JSON"),
+    "config unreadable": (lambda t: ["kvmem", "-m", _config_unreadable(t)], "not valid JSON"),
     "config lacks a field": (lambda t: ["flops", "-m", _config_lacking_field(t)], "missing field 'num_hidden_layers'"),
     "gguf truncated": (lambda t: ["flops", "-m", _bad_gguf(t)], "truncated"),
     "safetensors malformed": (lambda t: ["flops", "-m", _bad_safetensors_folder(t)], "truncated"),

@@ -232,7 +232,7 @@ def test_config_json_missing_field(tmp_path: Path, field: str) -> None:
 
 def test_config_json_unreadable(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not readable as JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):
         resolve_model(str(tmp_path))
 
 

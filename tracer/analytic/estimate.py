@@ -186,6 +186,33 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
     ]
 
 
+def _attention_core_sums(cfg: ModelConfig, batch: int, prompt_len: int, steps: int, dt: Dtypes,
+                         kernels: Kernels) -> list[tuple[int, ...]]:
+    """The attention core's numbers summed over `steps` decode steps, at KV lengths P+1 .. P+steps (per layer).
+
+    With one new token per step every figure is affine in the KV length s (the products, the scaling and the
+    softmax grow with the s pairs, the KV bytes with s rows, the scores with B·H·s values of whole bytes), so the
+    sum is n·f(s₀) + (f(s₀+1) − f(s₀))·n(n−1)/2, exact in integers and instant for any n (a loop over steps never
+    finished for --new-tokens 10**30). Activations of a fractional byte width (no CLI dtype has them) floor
+    B·H·s·a, so those are summed step by step.
+    """
+    if steps == 0:
+        return [(0,) * 7] * 4
+    first = _attention_core_numbers(cfg, batch, 1, prompt_len + 1, dt, kernels)
+    if steps == 1:
+        return first
+    if not float(dt.activations.bytes_per_value).is_integer():
+        totals = [[0] * 7 for _ in first]
+        for s in range(prompt_len + 1, prompt_len + steps + 1):
+            for acc, numbers in zip(totals, _attention_core_numbers(cfg, batch, 1, s, dt, kernels)):
+                for k in range(7):
+                    acc[k] += numbers[k]
+        return [tuple(acc) for acc in totals]
+    second = _attention_core_numbers(cfg, batch, 1, prompt_len + 2, dt, kernels)
+    return [tuple(steps * f0 + (f1 - f0) * (steps * (steps - 1) // 2) for f0, f1 in zip(a, b))
+            for a, b in zip(first, second)]
+
+
 def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """The components that grow with the context S: QKᵀ, scaling, softmax, PV (per layer)."""
     h, hd = cfg.n_heads, cfg.head_dim
@@ -452,10 +479,9 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         for k in range(7):
             acc[k] = row[5 + k] * n * steps
     core_sums = sums[core_at:core_at + 4]
-    for cached in range(prompt_len, prompt_len + steps):
-        for acc, numbers in zip(core_sums, _attention_core_numbers(cfg, batch, 1, cached + 1, dtypes, kernels)):
-            for k in range(7):
-                acc[k] += numbers[k] * cfg.n_layers
+    for acc, numbers in zip(core_sums, _attention_core_sums(cfg, batch, prompt_len, steps, dtypes, kernels)):
+        for k in range(7):
+            acc[k] += numbers[k] * cfg.n_layers
     # per_layer False: a per-layer figure makes no sense for a sum over steps of different lengths.
     # The last step, attending the most positions, has the largest working set of them all.
     decode_peak = (_peak_activation_bytes(_rows(cfg, batch, 1, prompt_len + steps, dtypes, kernels))

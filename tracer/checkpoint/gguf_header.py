@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,10 @@ class _Cursor:
         self.need(8 + (unpack_u64(buf, pos)[0] if pos + 8 <= size else 0))  # raises: the file is truncated
 
 
-def _read_value(cur: _Cursor, vtype: int, decode_arrays: bool) -> Any:
+MAX_ARRAY_NESTING = 4  # llama.cpp writes flat arrays; arrays of arrays nested deeper are a corrupt or hostile file
+
+
+def _read_value(cur: _Cursor, vtype: int, decode_arrays: bool, depth: int = 0) -> Any:
     if vtype in _SCALAR_FORMATS:
         return cur.unpack(_SCALAR_FORMATS[vtype])
     if vtype == _STRING:
@@ -142,7 +146,11 @@ def _read_value(cur: _Cursor, vtype: int, decode_arrays: bool) -> Any:
                 return ArraySummary(item_type, count)
             return [cur.string() for _ in range(count)]
         if item_type == _ARRAY:
-            return [_read_value(cur, _ARRAY, decode_arrays) for _ in range(count)]
+            if depth >= MAX_ARRAY_NESTING:
+                raise FileFormatError(f"{cur.path}: GGUF metadata arrays nested more than {MAX_ARRAY_NESTING} deep at "
+                                      f"byte {cur.pos}; the file is corrupt")
+            cur.need(count * 12)  # each nested array is at least its item type (4 bytes) and count (8)
+            return [_read_value(cur, _ARRAY, decode_arrays, depth + 1) for _ in range(count)]
         raise FileFormatError(f"{cur.path}: GGUF metadata array has unknown item type {item_type}; file is corrupt")
     raise FileFormatError(f"{cur.path}: GGUF metadata value has unknown type {vtype}; file is corrupt")
 
@@ -151,6 +159,10 @@ def read_gguf_header(path: str | Path, decode_arrays: bool = False) -> GGUFHeade
     """Parse metadata and tensor descriptors. With decode_arrays=False, arrays (the vocabulary) are only skipped."""
     path = Path(path)
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+            # open() of a FIFO blocks until a writer comes: forever, for a mistyped --model
+            raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); pass a .gguf file")
         with open(path, "rb") as fh:
             file_size = path.stat().st_size
             if file_size == 0:

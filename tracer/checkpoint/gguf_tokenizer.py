@@ -15,6 +15,8 @@ added tokens, as llama.cpp does.
 
 from __future__ import annotations
 
+import math
+
 import struct
 from typing import Any, Mapping, Sequence
 
@@ -65,6 +67,8 @@ def _need(meta: Mapping[str, Any], key: str, source: str) -> Any:
         raise FileFormatError(f"{source}: GGUF metadata lacks {key!r}; the file has no usable tokenizer")
     if not isinstance(value, (list, str)):
         raise FileFormatError(f"{source}: GGUF metadata {key!r} was not decoded; read the header with decode_arrays=True")
+    if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+        raise FileFormatError(f"{source}: GGUF metadata {key!r} must be a list of strings; the file is corrupt")
     return value
 
 
@@ -74,6 +78,8 @@ def _token_types(meta: Mapping[str, Any], n_tokens: int, source: str) -> list[in
         return [NORMAL] * n_tokens
     if not isinstance(types, list) or len(types) != n_tokens:
         raise FileFormatError(f"{source}: tokenizer.ggml.token_type does not have one entry per token; file is corrupt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise FileFormatError(f"{source}: tokenizer.ggml.token_type must hold integers; the file is corrupt")
     return types
 
 
@@ -136,6 +142,8 @@ def sentencepiece_model_proto(meta: Mapping[str, Any], source: str) -> bytes:
     scores = meta.get("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) != len(tokens):
         raise FileFormatError(f"{source}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores):
+        raise FileFormatError(f"{source}: tokenizer.ggml.scores must hold finite numbers; the file is corrupt")
     types = _token_types(meta, len(tokens), source)
     if UNKNOWN not in types:
         raise FileFormatError(f"{source}: SentencePiece vocabulary has no unknown token (token_type 2); file is corrupt")
@@ -154,9 +162,9 @@ def sentencepiece_model_proto(meta: Mapping[str, Any], source: str) -> bytes:
         + _field_varint(4, len(tokens))  # vocab_size
         + _field_varint(35, int(BYTE in types))  # byte_fallback
         + _field_varint(40, unk)  # unk_id
-        + _field_varint(41, _special_id(meta, "bos", -1))  # bos_id (-1: none)
-        + _field_varint(42, _special_id(meta, "eos", -1))  # eos_id
-        + _field_varint(43, _special_id(meta, "padding", -1))  # pad_id
+        + _field_varint(41, _special_id(meta, "bos", -1, source))  # bos_id (-1: none)
+        + _field_varint(42, _special_id(meta, "eos", -1, source))  # eos_id
+        + _field_varint(43, _special_id(meta, "padding", -1, source))  # pad_id
     )
     add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     normalizer = (
@@ -168,16 +176,28 @@ def sentencepiece_model_proto(meta: Mapping[str, Any], source: str) -> bytes:
     return bytes(pieces) + _field_bytes(2, trainer) + _field_bytes(3, normalizer)
 
 
-def _special_id(meta: Mapping[str, Any], which: str, default: int | None) -> int | None:
-    value = meta.get(f"tokenizer.ggml.{which}_token_id")
-    return int(value) if value is not None else default
+def _special_id(meta: Mapping[str, Any], which: str, default: int | None, source: str) -> int | None:
+    """tokenizer.ggml.<which>_token_id, checked to name a token of the vocabulary (a bos id past it would index
+    past the embedding table once the run has begun)."""
+    key = f"tokenizer.ggml.{which}_token_id"
+    value = meta.get(key)
+    if value is None:
+        return default
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens) if isinstance(tokens, list) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (
+            n_tokens is not None and value >= n_tokens):
+        where = f" of {n_tokens} tokens" if n_tokens is not None else ""
+        raise FileFormatError(f"{source}: {key} is {value!r}, outside the vocabulary"
+                              f"{where}; the file is corrupt")
+    return value
 
 
 def tokenizer_from_gguf(header: GGUFHeader) -> Tokenizer:
     """The tokenizer of a GGUF file (header read with decode_arrays=True), with bos/eos ids and chat template."""
     meta, source = header.metadata, header.path
     kind = meta.get("tokenizer.ggml.model")
-    bos, eos = _special_id(meta, "bos", None), _special_id(meta, "eos", None)
+    bos, eos = _special_id(meta, "bos", None, source), _special_id(meta, "eos", None, source)
     template = meta.get("tokenizer.chat_template")
     template = template if isinstance(template, str) else None
     if kind == "gpt2":

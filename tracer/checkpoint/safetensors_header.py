@@ -11,13 +11,14 @@ tracer/load/hf_loader.py memory-maps tensors at `SafetensorsFile.data_start + Sa
 
 from __future__ import annotations
 
-import json
 import math
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
+from llmtrace.tracer.core.json_input import parse_json
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation refuses headers above 100 MB
@@ -83,7 +84,12 @@ def read_safetensors_header(path: str | Path) -> SafetensorsFile:
     """Header of one .safetensors file; every entry is checked against the file's size."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); pass a .safetensors file")
+        size = st.st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
@@ -106,10 +112,7 @@ def read_safetensors_header(path: str | Path) -> SafetensorsFile:
         raise FileFormatError(f"{path}: permission denied; check the file's permissions") from exc
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc}); check the path and permissions") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FileFormatError(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from exc
+    header = parse_json(raw, f"{path}: safetensors header", FileFormatError, "the file is corrupt")
     if not isinstance(header, dict):
         raise FileFormatError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
     metadata = header.pop("__metadata__", None) or {}
@@ -127,7 +130,7 @@ def _tensor(path: Path, name: str, entry: object, data_start: int, file_size: in
     if not isinstance(entry, dict):
         raise bad("has no header entry")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise bad(f"has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise bad(f"has a malformed shape {shape!r}")
@@ -166,12 +169,12 @@ def read_safetensors_index(index: str | Path) -> SafetensorsCheckpoint:
     index = Path(index)
     folder = index.parent
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
+        raw = index.read_bytes()
     except FileNotFoundError as exc:
         raise FileFormatError(f"{index}: no such file") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FileFormatError(
-            f"{index}: not a valid safetensors index, not readable as JSON ({exc}); re-download the index") from exc
+    except OSError as exc:
+        raise FileFormatError(f"{index}: cannot read ({exc.strerror or exc}); check the file") from exc
+    data = parse_json(raw, f"{index}: safetensors index", FileFormatError, "re-download the index")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FileFormatError(

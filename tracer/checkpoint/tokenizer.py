@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
+from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 
 
@@ -312,9 +313,10 @@ def _tokenizer_config(folder: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FileFormatError(f"{path}: not readable as JSON ({exc})") from exc
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise FileFormatError(f"{path}: cannot read ({exc.strerror or exc}); check the file") from exc
+    data = parse_json(raw, str(path), FileFormatError, "check the file")
     return data if isinstance(data, dict) else {}
 
 
@@ -334,11 +336,17 @@ def _chat_template(folder: Path, settings: dict[str, Any]) -> str | None:
     """From tokenizer_config.json, or chat_template.jinja (where newer HF versions save it)."""
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: take "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
     if isinstance(template, str):
         return template
     jinja_file = folder / "chat_template.jinja"
-    return jinja_file.read_text(encoding="utf-8") if jinja_file.exists() else None
+    if not jinja_file.is_file():
+        return None
+    try:
+        return jinja_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FileFormatError(f"{jinja_file}: not readable as UTF-8 text ({exc}); check the file") from exc
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:

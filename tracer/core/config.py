@@ -5,6 +5,7 @@ Pure Python (no torch), so the analytical commands stay instant.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -55,10 +56,29 @@ class ModelConfig:
     mlp_bias: bool = False  # the FFN's gate, up and down projections add biases (HF mlp_bias)
 
     def __post_init__(self) -> None:
-        for field_name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        for field_name, limit in _INT_LIMITS.items():
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+            if value > limit:
+                raise ConfigError(f"config {self.name!r}: {field_name} is {value:,}, beyond any real model "
+                                  f"(at most {limit:,}); the file is corrupt")
+        if self.explicit_head_dim is not None and (
+                not isinstance(self.explicit_head_dim, int) or isinstance(self.explicit_head_dim, bool)
+                or not 0 < self.explicit_head_dim <= _INT_LIMITS["dim"]):
+            raise ConfigError(f"config {self.name!r}: head_dim must be a positive integer, got "
+                              f"{self.explicit_head_dim!r}")
+        for field_name in ("norm_eps", "rope_theta"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"config {self.name!r}: {field_name} must be a finite number > 0, got {value!r} "
+                                  f"({_WHY_POSITIVE[field_name]})")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"config {self.name!r}: tie_embeddings must be true or false, got "
+                              f"{self.tie_embeddings!r}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.name, self.rope_scaling)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"config {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -102,6 +122,10 @@ class ModelConfig:
         """Build from the dict of an HF `config.json` (LlamaForCausalLM / MistralForCausalLM and kin)."""
         archs = data.get("architectures") or []
         model_type = data.get("model_type", "")
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"{source}: 'architectures' must be a list of names, got {_short(archs)}")
+        if not isinstance(model_type, str):
+            raise ConfigError(f"{source}: 'model_type' must be a name, got {_short(model_type)}")
         supported_types = {"llama", "mistral", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
@@ -115,22 +139,32 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing field {key!r}; is this a LLaMA config.json?")
             return data[key]
 
-        n_heads = int(need("num_attention_heads"))
+        def whole(key: str, value: Any) -> int:
+            return whole_number(value, source, key)
+
+        def real(key: str, value: Any) -> float:
+            return real_number(value, source, key)
+
+        n_heads = whole("num_attention_heads", need("num_attention_heads"))
         head_dim = data.get("head_dim")
         attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
+        rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
+        tie = data.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{source}: 'tie_word_embeddings' must be true or false, got {tie!r}; fix the file")
         return cls(
             name=name,
-            vocab_size=int(need("vocab_size")),
-            dim=int(need("hidden_size")),
-            n_layers=int(need("num_hidden_layers")),
+            vocab_size=whole("vocab_size", need("vocab_size")),
+            dim=whole("hidden_size", need("hidden_size")),
+            n_layers=whole("num_hidden_layers", need("num_hidden_layers")),
             n_heads=n_heads,
-            n_kv_heads=int(data.get("num_key_value_heads") or n_heads),
-            ffn_dim=int(need("intermediate_size")),
-            norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            max_seq_len=int(data.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-            explicit_head_dim=int(head_dim) if head_dim else None,
+            n_kv_heads=whole("num_key_value_heads", data.get("num_key_value_heads") or n_heads),
+            ffn_dim=whole("intermediate_size", need("intermediate_size")),
+            norm_eps=real("rms_norm_eps", data.get("rms_norm_eps", 1e-6)),
+            rope_theta=real("rope_theta", rope_theta),
+            max_seq_len=whole("max_position_embeddings", data.get("max_position_embeddings", 2048)),
+            tie_embeddings=tie,
+            explicit_head_dim=whole("head_dim", head_dim) if head_dim is not None else None,
             rope_scaling=_rope_scaling_from_hf(data.get("rope_scaling") or data.get("rope_parameters"), source),
             source=source,
             sliding_window=_sliding_window_from_hf(data, model_type, archs, source),
@@ -146,12 +180,15 @@ class ModelConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
             raise ConfigError(f"{file}: no such file; pass a model folder with a config.json, or a preset name")
-        import json  # here, not at the top: presets need no JSON and `kvmem` must start in a blink
+        from llmtrace.tracer.core.json_input import parse_json
 
+        if not file.is_file():
+            raise ConfigError(f"{file}: not a regular file (a FIFO, device or folder); pass a config.json file")
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{file}: not readable as JSON ({exc}); check the file") from exc
+            raw = file.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot read ({exc.strerror or exc}); check the file") from exc
+        data = parse_json(raw, str(file), ConfigError, "check the file")
         if not isinstance(data, dict):
             raise ConfigError(f"{file}: expected a JSON object at the top level")
         name = file.parent.name if file.name == "config.json" else file.stem
@@ -176,35 +213,51 @@ class ModelConfig:
                 raise ConfigError(f"{source}: GGUF metadata lacks {full!r}; the file is incomplete or not a LLaMA model")
             return meta[full]
 
-        n_heads = int(need("attention.head_count"))
+        def whole(key: str, value: Any) -> int:
+            return whole_number(value, source, key)
+
+        def real(key: str, value: Any) -> float:
+            return real_number(value, source, key)
+
+        n_heads = whole("llama.attention.head_count", need("attention.head_count"))
+        if n_heads <= 0:
+            raise ConfigError(f"{source}: 'llama.attention.head_count' is {n_heads}; it must be at least 1, the file "
+                              "is corrupt")
         tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = int(meta.get("llama.vocab_size") or (len(tokens) if tokens is not None else 0))
+        vocab_size = meta.get("llama.vocab_size")
+        vocab = (whole("llama.vocab_size", vocab_size) if vocab_size else
+                 len(tokens) if isinstance(tokens, (list, tuple)) or hasattr(tokens, "count") else 0)
         if vocab <= 0:
             raise ConfigError(f"{source}: GGUF metadata gives no vocabulary size")
         key_length = meta.get("llama.attention.key_length")
-        dim = int(need("embedding_length"))
+        dim = whole("llama.embedding_length", need("embedding_length"))
+        head_dim = whole("llama.attention.key_length", key_length) if key_length else None
         scaling = None
         if meta.get("llama.rope.scaling.type") == "llama3" or "llama.rope.scaling.low_freq_factor" in meta:
             scaling = RopeScaling(
-                factor=float(meta.get("llama.rope.scaling.factor", 8.0)),
-                low_freq_factor=float(meta.get("llama.rope.scaling.low_freq_factor", 1.0)),
-                high_freq_factor=float(meta.get("llama.rope.scaling.high_freq_factor", 4.0)),
-                original_max_position=int(meta.get("llama.rope.scaling.original_context_length", 8192)),
+                factor=real("llama.rope.scaling.factor", meta.get("llama.rope.scaling.factor", 8.0)),
+                low_freq_factor=real("llama.rope.scaling.low_freq_factor",
+                                     meta.get("llama.rope.scaling.low_freq_factor", 1.0)),
+                high_freq_factor=real("llama.rope.scaling.high_freq_factor",
+                                      meta.get("llama.rope.scaling.high_freq_factor", 4.0)),
+                original_max_position=whole("llama.rope.scaling.original_context_length",
+                                            meta.get("llama.rope.scaling.original_context_length", 8192)),
             )
         return cls(
             name=name,
             vocab_size=vocab,
             dim=dim,
-            n_layers=int(need("block_count")),
+            n_layers=whole("llama.block_count", need("block_count")),
             n_heads=n_heads,
-            n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
-            ffn_dim=int(need("feed_forward_length")),
-            norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-            max_seq_len=int(meta.get("llama.context_length", 2048)),
+            n_kv_heads=whole("llama.attention.head_count_kv", meta.get("llama.attention.head_count_kv", n_heads)),
+            ffn_dim=whole("llama.feed_forward_length", need("feed_forward_length")),
+            norm_eps=real("llama.attention.layer_norm_rms_epsilon",
+                          meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=real("llama.rope.freq_base", meta.get("llama.rope.freq_base", 10000.0)),
+            max_seq_len=whole("llama.context_length", meta.get("llama.context_length", 2048)),
             # Filled in by the caller from the tensor list (no output.weight means tied); default from metadata.
             tie_embeddings=bool(meta.get("_llmtrace.tied", False)),
-            explicit_head_dim=int(key_length) if key_length and int(key_length) != dim // n_heads else None,
+            explicit_head_dim=head_dim if head_dim is not None and head_dim != dim // n_heads else None,
             rope_scaling=scaling,
             source=source,
             sliding_window=_sliding_window_from_gguf(meta.get("llama.attention.sliding_window"), source),
@@ -213,6 +266,54 @@ class ModelConfig:
             wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
             mlp_bias=bool(meta.get("_llmtrace.mlp_bias", False)),
         )
+
+
+# Upper bounds far past any released model (Llama 3.1 405B: dim 16,384, 126 layers, 128 heads, FFN 53,248,
+# vocabulary 128,256; the longest contexts are ~10M): a value beyond them is a corrupt file, and refusing it here
+# keeps torch from being asked for a tensor of 2^60 elements.
+_INT_LIMITS = {"vocab_size": 2**31 - 1, "dim": 2**20, "n_layers": 2**14, "n_heads": 2**14, "n_kv_heads": 2**14,
+               "ffn_dim": 2**24, "max_seq_len": 2**30}
+_WHY_POSITIVE = {"norm_eps": "RMSNorm divides by sqrt(mean(x²) + eps)",
+                 "rope_theta": "RoPE's base; 0 gives NaN angles and NaN logits"}
+
+
+def whole_number(value: Any, source: str, key: str) -> int:
+    """`value` as an int when it is one (or a float with no fraction, as some writers store sizes); else the
+    one-line ConfigError naming the file and the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{source}: {key!r} must be a whole number, got {_short(value)}; the file is malformed")
+    return int(value)
+
+
+def real_number(value: Any, source: str, key: str) -> float:
+    """`value` as a finite float; else the one-line ConfigError naming the file and the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: {key!r} must be a finite number, got {_short(value)}; the file is malformed")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dict_or_empty(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _check_rope_scaling(name: str, scaling: RopeScaling) -> None:
+    for field_name in ("factor", "low_freq_factor", "high_freq_factor"):
+        value = getattr(scaling, field_name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"config {name!r}: rope scaling {field_name} must be a finite number > 0, got {value!r}")
+    if scaling.low_freq_factor >= scaling.high_freq_factor:
+        raise ConfigError(f"config {name!r}: rope scaling low_freq_factor ({scaling.low_freq_factor}) must be below "
+                          f"high_freq_factor ({scaling.high_freq_factor})")
+    if not isinstance(scaling.original_max_position, int) or isinstance(scaling.original_max_position, bool) or \
+            not 0 < scaling.original_max_position <= _INT_LIMITS["max_seq_len"]:
+        raise ConfigError(f"config {name!r}: rope scaling original_max_position must be a positive integer, got "
+                          f"{scaling.original_max_position!r}")
 
 
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
@@ -252,10 +353,11 @@ def _rope_scaling_from_hf(raw: Any, source: str) -> RopeScaling | None:
         raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported; llmtrace handles 'llama3'")
     try:
         return RopeScaling(
-            factor=float(raw["factor"]),
-            low_freq_factor=float(raw["low_freq_factor"]),
-            high_freq_factor=float(raw["high_freq_factor"]),
-            original_max_position=int(raw["original_max_position_embeddings"]),
+            factor=real_number(raw["factor"], source, "rope_scaling.factor"),
+            low_freq_factor=real_number(raw["low_freq_factor"], source, "rope_scaling.low_freq_factor"),
+            high_freq_factor=real_number(raw["high_freq_factor"], source, "rope_scaling.high_freq_factor"),
+            original_max_position=whole_number(raw["original_max_position_embeddings"], source,
+                                               "rope_scaling.original_max_position_embeddings"),
         )
     except KeyError as exc:
         raise ConfigError(f"{source}: rope_scaling lacks field {exc.args[0]!r}") from exc

@@ -29,6 +29,7 @@ from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, H
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Progress = Callable[[str], None]
+MAX_REPEATS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +160,15 @@ def measure_machine(dtypes: tuple[str, ...] = ("fp32", "bf16"), device: str = "c
         raise BadArgumentError(f"repeats must be >= 1, got {repeats}")
     if not dtypes:
         raise BadArgumentError("give at least one dtype to measure")
+    if repeats > MAX_REPEATS:
+        raise BadArgumentError(f"repeats must be at most {MAX_REPEATS} (the fastest of a few runs sets a ceiling), "
+                               f"got {repeats}")
     max_n = gemm_max_n or (16384 if device == "cuda" else 4096)
     buffer = copy_bytes or (2 * 2**30 if device == "cuda" else 256 * 2**20)
+    memory = _memory_bytes(device)
+    if 2 * buffer > memory // 2:  # source and destination, with room left for everything else
+        raise BadArgumentError(f"a copy buffer of {buffer / 2**20:,.0f} MiB needs twice that, more than half of the "
+                               f"{memory / 2**30:,.1f} GiB {device} memory here; give a smaller --copy-mib")
     gemms = []
     for dtype in dtypes:
         if progress:
@@ -174,7 +182,7 @@ def measure_machine(dtypes: tuple[str, ...] = ("fp32", "bf16"), device: str = "c
         device_name=_device_name(device),
         threads=torch.get_num_threads(),
         torch_version=torch.__version__,
-        memory_bytes=_memory_bytes(device),
+        memory_bytes=memory,
         gemms=tuple(gemms),
         copy=copy,
     )

@@ -2,18 +2,27 @@
 
 $XDG_CONFIG_HOME/llmtrace/hardware.json, or ~/.config/llmtrace/hardware.json when XDG_CONFIG_HOME is unset.
 Plain JSON, pure Python: every command reads it (to know `this-machine`) without importing torch.
+
+The file comes from outside (hand edits, another version, a torn copy), so every profile is checked field by field
+on reading (types, finite and positive ceilings): a bad one is one HardwareError naming the file and the field,
+never a TypeError or a division by zero in the roofline. Saving is atomic with a temporary name per writer
+(tracer/core/atomic_file.py): concurrent saves never tear the file or remove each other's temporary file; a folder
+that cannot be written is a HardwareError, so `run` can report it as a warning and keep the run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.errors import HardwareError
-from llmtrace.tracer.hardware.profiles import HardwareProfile, get_profile
+from llmtrace.tracer.core.json_input import parse_json
+from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, HardwareProfile, get_profile
 
 STORE_VERSION = 1
 _FIELDS = {f.name for f in fields(HardwareProfile)}
@@ -30,26 +39,56 @@ def store_path() -> Path:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {"version": STORE_VERSION, "profiles": {}, "measurements": {}}
+    fix = "delete it and run `llmtrace hardware --measure`"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HardwareError(f"{path}: not readable as JSON ({exc}); delete it and run `llmtrace hardware --measure`")
+        text = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # nothing measured yet (or no config folder can exist)
+        return {"version": STORE_VERSION, "profiles": {}, "measurements": {}}
+    except OSError as exc:
+        raise HardwareError(f"{path}: cannot read ({exc.strerror or exc}); check its permissions or {fix}") from None
+    data = parse_json(text, str(path), HardwareError, fix)
     if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
-        raise HardwareError(f"{path}: no 'profiles' object; delete it and run `llmtrace hardware --measure`")
+        raise HardwareError(f"{path}: no 'profiles' object; {fix}")
     if not isinstance(data.setdefault("measurements", {}), dict):
-        raise HardwareError(f"{path}: 'measurements' is not an object; delete it and run `llmtrace hardware --measure`")
+        raise HardwareError(f"{path}: 'measurements' is not an object; {fix}")
     return data
 
 
+_STRING_FIELDS = ("name", "label", "interconnect", "source")
+
+
 def _profile_from_dict(name: str, raw: Any, path: Path) -> HardwareProfile:
+    def bad(why: str) -> HardwareError:
+        return HardwareError(f"{path}: profile {name!r} {why}; run `llmtrace hardware --measure` again")
+
     if not isinstance(raw, dict) or set(raw) != _FIELDS:
-        raise HardwareError(f"{path}: profile {name!r} is malformed; run `llmtrace hardware --measure` again")
-    try:
-        return HardwareProfile(**raw)
-    except TypeError as exc:
-        raise HardwareError(f"{path}: profile {name!r} is malformed ({exc}); run `llmtrace hardware --measure` again")
+        raise bad("is malformed (not an object with the profile's fields)")
+    for key in _STRING_FIELDS:
+        if not isinstance(raw[key], str):
+            raise bad(f"has a non-text {key!r} ({raw[key]!r})")
+    if not isinstance(raw["measured"], bool):
+        raise bad(f"has a non-boolean 'measured' ({raw['measured']!r})")
+    if not _is_int(raw["memory_bytes"]) or raw["memory_bytes"] <= 0:
+        raise bad(f"has 'memory_bytes' {raw['memory_bytes']!r}; it must be a positive integer")
+    for key in ("memory_bandwidth", *PEAK_DTYPES):
+        value = raw[key]
+        if key in PEAK_DTYPES and value is None:
+            continue
+        if not _is_positive_number(value):
+            raise bad(f"has {key!r} {value!r}; it must be a positive, finite number")
+    if not (_is_positive_number(raw["interconnect_bandwidth"]) or raw["interconnect_bandwidth"] == 0):
+        raise bad(f"has 'interconnect_bandwidth' {raw['interconnect_bandwidth']!r}; it must be a finite number >= 0")
+    if raw["name"] != name:
+        raise bad(f"is saved under another name ({raw['name']!r})")
+    return HardwareProfile(**raw)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and value > 0
 
 
 def load_measured_profiles(path: Path | None = None) -> dict[str, HardwareProfile]:
@@ -72,10 +111,12 @@ def save_measured_profile(profile: HardwareProfile, details: Mapping[str, Any], 
     data["version"] = STORE_VERSION
     data["profiles"][profile.name] = asdict(profile)
     data["measurements"][profile.name] = dict(details)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")  # a reader never sees half a file
+    except OSError as exc:
+        raise HardwareError(f"cannot save the profile to {path} ({exc.strerror or exc}); set XDG_CONFIG_HOME to a "
+                            "writable folder") from None
     return path
 
 

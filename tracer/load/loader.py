@@ -54,6 +54,7 @@ class LoadedModel:
     load_seconds: float  # wall time of load_model, from the call to a ready model
     weight_format: str  # e.g. "GGUF Q4_1+Q8_0 -> fp32", "safetensors bf16 -> fp32", "random init (seed 0) fp32"
     from_cache: bool = False  # GGUF weights read from the converted-weights cache
+    cache_note: str = ""  # one line when a damaged cache entry was dropped and converted again
 
 
 def load_model(
@@ -113,19 +114,31 @@ def _load_gguf(start: float, path: Path, dtype: torch.dtype, device: torch.devic
     config = config_from_gguf_header(header)
     tokenizer = tokenizer_from_gguf(header)
     fmt = f"GGUF {quantization_summary(header)} -> {_DTYPE_NAMES[dtype]}"
-    if use_cache:
-        cached = weights_cache.load_cached(path, dtype)
-        if cached is not None:
+    if not use_cache:
+        model = _assemble(config, load_gguf_weights(path, header, dtype).state_dict, device)
+        return _finish(start, config, model, tokenizer, str(path), fmt)
+    try:
+        key: weights_cache.SourceKey | None = weights_cache.source_key(path)
+    except OSError:
+        key = None  # unreadable for hashing: the conversion will say why
+    if key is None:
+        model = _assemble(config, load_gguf_weights(path, header, dtype).state_dict, device)
+        return _finish(start, config, model, tokenizer, str(path), fmt)
+    notes = []
+    with weights_cache.creating(key, dtype):  # a second first load waits here, then maps this one's entry
+        cached = weights_cache.load_cached(key, dtype)
+        notes.append(cached.note)
+        if cached.state is not None:
             try:
-                model = _assemble(config, cached, device)
+                model = _assemble(config, cached.state, device)
                 return _finish(start, config, model, tokenizer, str(path), fmt, from_cache=True)
             except CheckpointError:
-                weights_cache.cache_path(path, dtype).unlink(missing_ok=True)  # stale or foreign entry: convert again
-    state = load_gguf_weights(path, header, dtype).state_dict
-    if use_cache:
-        weights_cache.store(path, dtype, state)
+                weights_cache.cache_path(key, dtype).unlink(missing_ok=True)  # a foreign entry: convert again
+                notes.append("weights cache: the entry did not fit this model; converting again")
+        state = load_gguf_weights(path, header, dtype).state_dict
+        weights_cache.store(key, dtype, state)
     model = _assemble(config, state, device)
-    return _finish(start, config, model, tokenizer, str(path), fmt)
+    return _finish(start, config, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n))
 
 
 def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
@@ -139,9 +152,10 @@ def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch
 
 
 def _finish(start: float, config: ModelConfig, model: Transformer, tokenizer: Tokenizer | None, source: str,
-            fmt: str, from_cache: bool = False) -> LoadedModel:
+            fmt: str, from_cache: bool = False, cache_note: str = "") -> LoadedModel:
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, source=source,
-                       load_seconds=time.perf_counter() - start, weight_format=fmt, from_cache=from_cache)
+                       load_seconds=time.perf_counter() - start, weight_format=fmt, from_cache=from_cache,
+                       cache_note=cache_note)
 
 
 # ---- what spec names ------------------------------------------------------------------------------------------
@@ -177,6 +191,8 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def _has_gguf_magic(path: Path) -> bool:
+    if not path.is_file():
+        return False  # opening a FIFO would wait for a writer forever
     try:
         with path.open("rb") as fh:
             return fh.read(4) == GGUF_MAGIC

@@ -1,10 +1,34 @@
 """A cache of converted weights: a GGUF file's dequantized, renamed tensors saved once as safetensors.
 
-Where: $LLMTRACE_CACHE_DIR if set, else $XDG_CACHE_HOME/llmtrace, else ~/.cache/llmtrace; files go in its
-`weights/` folder. Key: the source file's absolute path, size and modification time, the dtype, and
-CACHE_FORMAT (bumped whenever the conversion changes), so an edited or replaced source file, or a new llmtrace
-that converts differently, never reads stale weights. A newer entry for the same source and dtype replaces the
-older. Reading memory-maps the file (safetensors), so a cached load costs page-cache reads, not dequantization.
+Where: $LLMTRACE_CACHE_DIR if set, else $XDG_CACHE_HOME/llmtrace, else ~/.cache/llmtrace; entries go in its
+`weights/` folder, what is known about each source file in `weights/sources/`.
+
+Never the wrong weights. An entry is found by the CONTENT of its source, not by where the source lies or what its
+size and modification time say: `cp -p`, `rsync -t`, `touch -r` and archive extraction all write new bytes under an
+old size and mtime, and a cache keyed on (path, size, mtime) served the old weights after them. The key is
+  {source stem}-{XXH3-128 of the whole source file}-{dtype}-{CACHE_FORMAT}.safetensors
+so a rewritten file, whatever its timestamps, is a different key, and two copies of one file share an entry.
+
+Hashing a multi-GB GGUF on every load would cost seconds (a 7B Q4 file is ~4 GB), so the digest is computed once
+and remembered, in `sources/`, next to the file's identity: (device, inode, size, mtime_ns, ctime_ns). Any write
+to the file changes its ctime, and ctime cannot be set from user space (`touch -r`, `cp -p`, `rsync -t` and tar set
+mtime only; changing the clock is the one way round it), so an unchanged identity means unchanged bytes and the
+remembered digest is reused; a changed one (even a chmod) only costs one more hash, never a reconversion of equal
+bytes. File systems stamp times from a coarse clock (ext4: one tick, ~4 ms), so a rewrite within the same tick as
+the hash could keep the identity; as git does for its "racily clean" index entries, a digest is only remembered
+when the file's last change is at least RACY_SECONDS older than the hash, otherwise the next load hashes again.
+The file is stat'ed before hashing and again before the entry is stored: a file changed meanwhile gets no entry.
+
+Never damaged weights. Each entry's header records XXH3-128 of its tensor bytes (everything after the header), and
+every load checks it before the tensors are used: zeroed pages, a NaN written into a weight, a torn copy all fail
+the check, and the entry is removed and converted again (LoadedCache.note says so in one line). XXH3 is not a
+cryptographic hash: it guards against accidents, not against someone who can already write the cache folder. It
+is the fastest well-kept checksum here (the `xxhash` package; BENCHMARKS.md "Weights cache checks" measures it
+against hashlib's sha256 and blake2b, zlib's crc32 and the load it guards).
+
+Creation is locked per entry (an flock on `<entry>.lock`): two first loads at once convert once, the second waits
+and maps the first's entry. Entries are written to `<entry>.<pid>.partial` and renamed whole; partial files left by
+a killed run are removed by the next store or eviction once their writer is gone.
 
 Size: at most $LLMTRACE_CACHE_MAX_GB gigabytes (default 20; a 7B model is ~13.5 GB in bf16). After a store, the
 least recently used entries go until the rest fit; a load marks its entry used (its mtime). The entry just
@@ -14,17 +38,34 @@ written always stays, even when it alone is over the cap.
 from __future__ import annotations
 
 import hashlib
+import json
+import mmap
 import os
+import stat
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-CACHE_FORMAT = "1"  # bump when the conversion (names, Q/K order, dequantization) changes
+from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
+from llmtrace.tracer.core.atomic_file import write_atomic
+from llmtrace.tracer.core.errors import LlmtraceError
+
+CACHE_FORMAT = "2"  # bump when the conversion (names, Q/K order, dequantization) or the entry layout changes
 CACHE_ENV = "LLMTRACE_CACHE_DIR"
 MAX_GB_ENV = "LLMTRACE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
+RACY_SECONDS = 2.0  # a digest is remembered only for a file unchanged this long before it was hashed
+PARTIAL_SUFFIX = ".partial"
+_CHUNK = 16 * 2**20
+_CHECKSUM_KEY = "tensors_xxh3_128"  # in each entry's __metadata__
+_PLACEHOLDER = "0" * 32  # the width of an XXH3-128 hex digest: written first, replaced in place
 
 
 def cache_root() -> Path:
@@ -36,63 +77,230 @@ def cache_root() -> Path:
     return base / "llmtrace"
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+def weights_dir() -> Path:
+    return cache_root() / "weights"
 
 
-def cache_path(source: str | Path, dtype: torch.dtype) -> Path:
-    """The cache file for this source file's current size and mtime, in this dtype."""
-    source = Path(source).resolve()
-    stat = source.stat()
-    dtype_name = str(dtype).removeprefix("torch.")
-    version = _digest(f"{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}")
-    return cache_root() / "weights" / f"{source.stem}-{_digest(str(source))}-{dtype_name}-{version}.safetensors"
+# ---- what the source is ------------------------------------------------------------------------------------------
 
 
-def load_cached(source: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """The cached state dict, memory-mapped, or None when absent or unreadable (an unreadable entry is removed)."""
+@dataclass(frozen=True, slots=True)
+class SourceKey:
+    """A source file as the cache knows it: its content digest and the identity it had when that was taken."""
+
+    path: Path  # absolute
+    digest: str  # XXH3-128 of the whole file, hex
+    identity: tuple[int, ...]  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _path_digest(path: Path) -> str:
+    return hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:16]
+
+
+def _memo_path(path: Path) -> Path:
+    return weights_dir() / "sources" / f"{_path_digest(path)}.json"
+
+
+def hash_file(path: Path) -> str:
+    """XXH3-128 of the file's bytes, streamed in 16 MiB chunks (hex)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_key(source: str | Path) -> SourceKey:
+    """The content key of `source`: the remembered digest while its identity is unchanged, else a fresh hash."""
+    path = Path(source).resolve()
+    identity = _identity(path.stat())
+    memo = _memo_path(path)
     try:
-        path = cache_path(source, dtype)
+        known = json.loads(memo.read_text(encoding="utf-8"))
+        if known.get("identity") == list(identity) and isinstance(known.get("digest"), str):
+            return SourceKey(path, known["digest"], identity)
+    except (OSError, ValueError, RecursionError, AttributeError):
+        pass  # none yet, or unreadable: hash
+    started_ns = time.time_ns()
+    digest = hash_file(path)
+    after = _identity(path.stat())
+    if after == identity and started_ns - max(identity[3], identity[4]) >= RACY_SECONDS * 1e9:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(memo, json.dumps({"path": str(path), "identity": list(identity), "digest": digest}))
+        except OSError:
+            pass  # a read-only cache: hash again next time
+    return SourceKey(path, digest, identity)
+
+
+def _entry_path(key: SourceKey, dtype: torch.dtype) -> Path:
+    dtype_name = str(dtype).removeprefix("torch.")
+    return weights_dir() / f"{key.path.stem}-{key.digest[:32]}-{dtype_name}-{CACHE_FORMAT}.safetensors"
+
+
+def cache_path(source: str | Path | SourceKey, dtype: torch.dtype) -> Path:
+    """The cache file for this source's current content, in this dtype."""
+    key = source if isinstance(source, SourceKey) else source_key(source)
+    return _entry_path(key, dtype)
+
+
+# ---- reading -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CachedWeights:
+    """What a cache lookup found: the state dict (None: convert), and a one-line note when an entry was dropped."""
+
+    state: dict[str, torch.Tensor] | None
+    note: str = ""
+
+
+def tensor_checksum(path: Path, data_start: int) -> str:
+    """XXH3-128 of the entry's tensor bytes (the file after its header), read through a memory map."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            for begin in range(data_start, len(mm), 64 * _CHUNK):
+                h.update(view[begin:begin + 64 * _CHUNK])
+        finally:
+            view.release()
+    return h.hexdigest()
+
+
+def load_cached(source: str | Path | SourceKey, dtype: torch.dtype) -> CachedWeights:
+    """The cached state dict, memory-mapped, after its checksum is verified; a damaged entry is removed."""
+    try:
+        key = source if isinstance(source, SourceKey) else source_key(source)
     except OSError:
-        return None
+        return CachedWeights(None)
+    path = _entry_path(key, dtype)
     if not path.is_file():
-        return None
+        return CachedWeights(None)
+    why = _damage(path, key)
+    if why:
+        path.unlink(missing_ok=True)
+        return CachedWeights(None, f"weights cache: {path.name} was damaged ({why}); converting again")
     try:
         state = load_file(path)
-    except (SafetensorError, OSError, ValueError, RuntimeError):
-        path.unlink(missing_ok=True)  # a torn or corrupt entry: convert again rather than fail
-        return None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        path.unlink(missing_ok=True)
+        return CachedWeights(None, f"weights cache: {path.name} was unreadable ({exc}); converting again")
     try:
         os.utime(path)  # used now: the last to be evicted
     except OSError:
         pass  # a read-only cache still serves
-    return state
+    return CachedWeights(state)
 
 
-def store(source: str | Path, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]) -> Path | None:
-    """Save the converted tensors (written to a temporary name, then renamed, so readers never see half a file).
+def _damage(path: Path, key: SourceKey) -> str:
+    """Why the entry at `path` cannot be trusted, or "" when its header and checksum hold."""
+    try:
+        header = read_safetensors_header(path)
+    except LlmtraceError:
+        return "its header is torn or malformed"
+    meta = header.metadata
+    if meta.get("format") != CACHE_FORMAT or meta.get("source_xxh3_128") != key.digest:
+        return "it was written for other source bytes or by another llmtrace"
+    try:
+        actual = tensor_checksum(path, header.data_start)
+    except (OSError, ValueError):
+        return "its tensor bytes cannot be read"
+    if actual != meta.get(_CHECKSUM_KEY):
+        return "its tensor bytes fail their checksum"
+    return ""
 
-    Returns the cache file, or None when the cache folder is not writable (a full or read-only disk only costs
-    speed, never the load). Older entries for the same source and dtype are removed.
+
+# ---- writing -----------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def creating(source: str | Path | SourceKey, dtype: torch.dtype) -> Iterator[None]:
+    """Hold the entry's creation lock: a second process converting the same source waits, then finds the entry.
+
+    A cache folder that cannot be written (or a platform without flock) only loses the lock, never the load."""
+    try:
+        key = source if isinstance(source, SourceKey) else source_key(source)
+        lock_path = _entry_path(key, dtype).with_suffix(".lock")
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+b")
+    except OSError:
+        yield
+        return
+    try:
+        import fcntl
+
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        handle.close()  # releases the flock
+
+
+def store(source: str | Path | SourceKey, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]) -> Path | None:
+    """Save the converted tensors with their checksums (a temporary name, then a rename: readers never see half).
+
+    Returns the cache file, or None when it was not stored: the cache folder is not writable (a full or read-only
+    disk only costs speed, never the load), or the source changed since it was hashed (its entry would lie).
+    Older entries of the same source path are removed.
     """
     try:
-        path = cache_path(source, dtype)
+        key = source if isinstance(source, SourceKey) else source_key(source)
+        if _identity(key.path.stat()) != key.identity:
+            return None  # rewritten while it was converted: these tensors may match neither version
+        path = _entry_path(key, dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         try:
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, partial,
-                      metadata={"source": str(Path(source).resolve()), "format": CACHE_FORMAT})
+            tensors = {k: v.contiguous() for k, v in state_dict.items()}
+            metadata = {"source": str(key.path), "format": CACHE_FORMAT, "source_xxh3_128": key.digest,
+                        _CHECKSUM_KEY: _PLACEHOLDER}
+            save_file(tensors, partial, metadata=metadata)
+            _write_checksum(partial, tensor_checksum(partial, read_safetensors_header(partial).data_start))
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
-        stem = path.name.rsplit("-", 1)[0]  # everything but the size/mtime/format digest
-        for old in path.parent.glob(f"{stem}-*.safetensors"):
-            if old != path:
-                old.unlink(missing_ok=True)
+        _remove_superseded(key, path)
         evict(path.parent, max_bytes(), keep=path)
         return path
-    except (OSError, SafetensorError):  # SafetensorError wraps I/O failures such as a full disk
+    except (OSError, SafetensorError, LlmtraceError):  # SafetensorError wraps I/O failures such as a full disk
         return None
+
+
+def _write_checksum(partial: Path, checksum: str) -> None:
+    """Put `checksum` in place of the placeholder in `partial`'s header. save_file cannot checksum bytes it has
+    not written yet; replacing a fixed-width value in place keeps the header's length, so it is one write."""
+    with open(partial, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        raw = fh.read(n)
+        field = f'"{_CHECKSUM_KEY}":"{_PLACEHOLDER}"'.encode()
+        at = raw.find(field)
+        if at < 0 or raw.count(field) != 1:
+            raise OSError(f"{partial}: no checksum placeholder in the header")
+        fh.seek(8 + at)
+        fh.write(f'"{_CHECKSUM_KEY}":"{checksum}"'.encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _remove_superseded(key: SourceKey, keep: Path) -> None:
+    """Entries this source path had for older contents (any dtype's digest other than the current one)."""
+    stem = key.path.stem
+    for old in keep.parent.glob(f"{stem}-*.safetensors"):
+        if old == keep or key.digest[:32] in old.name:
+            continue
+        try:
+            source = read_safetensors_header(old).metadata.get("source")
+        except LlmtraceError:
+            source = None
+        if source == str(key.path):
+            old.unlink(missing_ok=True)
 
 
 def max_bytes() -> int:
@@ -101,27 +309,58 @@ def max_bytes() -> int:
         gigabytes = float(os.environ.get(MAX_GB_ENV, DEFAULT_MAX_GB))
     except ValueError:
         gigabytes = DEFAULT_MAX_GB
-    return int(max(gigabytes, 0.0) * 1e9)
+    if gigabytes != gigabytes:  # NaN
+        gigabytes = DEFAULT_MAX_GB
+    return int(min(max(gigabytes, 0.0), 1e9) * 1e9)
+
+
+def _writer_alive(partial: Path) -> bool:
+    """Whether the process named in `<entry>.<pid>.partial` still runs (it may still be writing)."""
+    try:
+        pid = int(partial.name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def evict(folder: Path, limit: int, keep: Path) -> list[Path]:
-    """Remove the least recently used entries of `folder` until the rest fit in `limit` bytes; never `keep`.
-    Returns what was removed."""
+    """Remove leftovers of killed writes, then the least recently used entries of `folder` until the rest fit in
+    `limit` bytes; never `keep`. Partial files of live writers count towards the size. Returns what was removed."""
+    removed = []
     entries = []
-    for entry in folder.glob("*.safetensors"):
+    for entry in folder.iterdir():
+        if not (entry.name.endswith(".safetensors") or entry.name.endswith(PARTIAL_SUFFIX)):
+            continue
         try:
-            stat = entry.stat()
+            st = entry.stat()
         except OSError:
             continue  # removed meanwhile
-        entries.append((stat.st_mtime_ns, stat.st_size, entry))
-    total = sum(size for _, size, _ in entries)
-    removed = []
-    for _, size, entry in sorted(entries):  # oldest use first
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if entry.name.endswith(PARTIAL_SUFFIX):
+            if not _writer_alive(entry):
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, entry, False))  # counted, never evicted
+            continue
+        entries.append((st.st_mtime_ns, st.st_size, entry, True))
+    total = sum(size for _, size, _, _ in entries)
+    for _, size, entry, evictable in sorted(entries):  # oldest use first
         if total <= limit:
             break
-        if entry == keep:
+        if entry == keep or not evictable:
             continue
         entry.unlink(missing_ok=True)
+        entry.with_suffix(".lock").unlink(missing_ok=True)
         total -= size
         removed.append(entry)
     return removed

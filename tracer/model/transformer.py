@@ -37,7 +37,8 @@ from torch.utils.hooks import RemovableHandle
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes, has_bias, tensor_of
-from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
+from llmtrace.tracer.hardware.memory import available_memory_bytes
 from llmtrace.tracer.model.functional import causal_mask, rms_norm, softmax_fp32
 from llmtrace.tracer.model.fused import FusedPlan, Mark, matvec, no_mark, watched
 from llmtrace.tracer.model.kv_cache import KVCache
@@ -262,6 +263,13 @@ class Transformer(nn.Module):
                 f"max_seq {max_seq} exceeds the model's context length {self.config.max_seq_len}; ask for fewer tokens"
             )
         weight = self.tok_embeddings.weight
+        if weight.device.type == "cpu":
+            need = 2 * self.config.n_layers * max_batch * max_seq * self.config.kv_dim * weight.element_size()
+            free = available_memory_bytes()
+            if free is not None and need > free * 0.9:
+                raise HardwareError(
+                    f"a KV cache for {max_seq:,} positions needs {need / 1e9:,.1f} GB, this machine has "
+                    f"{free / 1e9:,.1f} GB free; ask for fewer --max-new-tokens or a shorter prompt")
         for layer in self.layers:
             layer.attention.kv_cache.allocate(max_batch, max_seq, weight.dtype, weight.device)
         self._ensure_rope(max_seq)

@@ -32,7 +32,7 @@ from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheRun, NoCacheStep, SamplingLesson
 from llmtrace.tracer.trace.lens import logit_lens
 from llmtrace.tracer.trace.observe import Observer
-from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
 from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
 from llmtrace.tracer.model.rope import rope_inv_freq
@@ -268,6 +268,7 @@ class Generation:
             if not self.dry_run:
                 raise BadArgumentError("this model has no tokenizer; pass a model folder or .gguf with one")
             count = self.settings.prompt_tokens or max(1, len(prompt))
+            self._new_token_limit(count)  # refuses a length past the context before a list of it is made
             return [0] * count
         start = time.perf_counter_ns()
         text = prompt
@@ -280,6 +281,11 @@ class Generation:
         end = time.perf_counter_ns()
         if not ids:
             raise BadArgumentError("the prompt is empty after tokenization; give some text")
+        outside = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if outside:
+            raise CheckpointError(
+                f"the tokenizer gave token id {outside[0]}, outside the model's vocabulary of "
+                f"{self.config.vocab_size}; the tokenizer (its bos/eos ids) does not belong to these weights")
         self._tokenization = TokenizationRecord(
             text=prompt, model_text=text, pieces=pieces, ids=tuple(ids),
             add_bos=bool(ids and ids[0] == getattr(self.tokenizer, "bos_id", None)),
@@ -314,6 +320,10 @@ class Generation:
             sample_end = text_end = forward_end
             piece, text = "", ""
         else:
+            if not bool(torch.isfinite(logits[0]).any()) or bool(torch.isnan(logits[0]).any()):
+                raise CheckpointError(
+                    f"the model's logits at {phase} step {index} are not finite (NaN or all -inf); its weights or "
+                    "config hold invalid values (NaN weights, a zero RoPE base, a negative norm epsilon)")
             previous = self._prompt_ids_and_generated()
             result = self.sampler.sample(logits[0], previous)
             token_id = int(result.token_id)
@@ -423,15 +433,21 @@ def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:
 # ---- helpers --------------------------------------------------------------------------------------------------
 
 
-def make_sampler(settings: RunSettings) -> Any:
-    from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+def sampling_params(settings: RunSettings) -> Any:
+    """The run's SamplingParams, checked (BadArgumentError): callers check them before loading a model."""
+    from llmtrace.tracer.run.sampling import SamplingParams
 
-    params = SamplingParams(
+    return SamplingParams(
         temperature=settings.temperature, top_k=settings.top_k or 0,
         top_p=1.0 if settings.top_p is None else settings.top_p, min_p=settings.min_p or 0.0,
         repetition_penalty=settings.repetition_penalty, seed=settings.seed,
     )
-    return Sampler(params)
+
+
+def make_sampler(settings: RunSettings) -> Any:
+    from llmtrace.tracer.run.sampling import Sampler
+
+    return Sampler(sampling_params(settings))
 
 
 def _with_seed_used(settings: RunSettings, sampler: Any) -> RunSettings:

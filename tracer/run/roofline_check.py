@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
 from llmtrace.tracer.core.dtypes import get_dtype
-from llmtrace.tracer.core.errors import LlmtraceError
+from llmtrace.tracer.core.errors import HardwareError, LlmtraceError
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, get_profile
 from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details, save_measured_profile
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
@@ -29,6 +29,7 @@ class RunRoofline:
     note: str  # why there is no comparison; "" when there is one
     measured: "QuickMeasurement | None"  # the first-run measurement made for it, saved as 'this-machine'
     saved_to: str | None  # where that measurement was saved
+    not_saved: str = ""  # why that measurement could not be saved (a read-only or full home); it still served
 
 
 def run_roofline(trace: Trace, summary: RunSummary,
@@ -38,9 +39,10 @@ def run_roofline(trace: Trace, summary: RunSummary,
     device = trace.environment.device.split(":")[0]
     measured: "QuickMeasurement | None" = None
     saved_to: str | None = None
+    not_saved = ""
 
     def without(note: str) -> RunRoofline:
-        return RunRoofline(None, f"roofline: {note}", measured, saved_to)
+        return RunRoofline(None, f"roofline: {note}", measured, saved_to, not_saved)
 
     try:
         dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
@@ -52,7 +54,10 @@ def run_roofline(trace: Trace, summary: RunSummary,
             from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
 
             measured = quick_profile(("fp32",) if dtype == "fp32" else ("fp32", dtype), device, progress)
-            saved_to = str(save_measured_profile(measured.profile, asdict(measured.measurement)))
+            try:
+                saved_to = str(save_measured_profile(measured.profile, asdict(measured.measurement)))
+            except HardwareError as exc:  # an unwritable config folder: this run still gets its bound
+                not_saved = str(exc)
             profiles = {THIS_MACHINE: measured.profile}
         else:
             details = load_measurement_details(THIS_MACHINE) or {}
@@ -72,6 +77,6 @@ def run_roofline(trace: Trace, summary: RunSummary,
         comparison = compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in, new_tokens=dec.steps + 1,
                                            measured_ttft_s=pre.forward_ns / 1e9,
                                            measured_decode_tokens_per_s=decode_tps, dtype=dtype)
-        return RunRoofline(comparison, "", measured, saved_to)
-    except LlmtraceError as exc:
-        return without(str(exc))
+        return RunRoofline(comparison, "", measured, saved_to, not_saved)
+    except LlmtraceError as exc:  # an unreadable or malformed hardware.json among others: a note, not a lost run
+        return without(f"skipped: {exc}")

@@ -28,6 +28,7 @@ from llmtrace.tracer.trace.journey_records import (
     NoCacheStep,
     SamplingLesson,
 )
+from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -155,31 +156,34 @@ class Trace:
                 model=_build(ModelInfo, data["model"]),
                 tokenization=_optional(_tokenization, data["tokenization"]),
                 rope=_optional(_rope, data["rope"]),
-                stages=tuple(_stage(s) for s in data["stages"]),
-                steps=tuple(_step(s) for s in data["steps"]),
-                generated_ids=tuple(int(i) for i in data["generated_ids"]),
-                generated_text=str(data["generated_text"]),
-                stop_reason=str(data["stop_reason"]),
-                wall_ns=int(data["wall_ns"]),
-                peak_rss_bytes=int(data["peak_rss_bytes"]),
-                peak_device_bytes=None if data["peak_device_bytes"] is None else int(data["peak_device_bytes"]),
+                stages=tuple(_stage(s) for s in _list(data["stages"])),
+                steps=tuple(_step(s) for s in _list(data["steps"])),
+                generated_ids=_typed(tuple, data["generated_ids"], "generated_ids", _TUPLES["tuple[int, ...]"]),
+                generated_text=_typed(str, data["generated_text"], "generated_text", _SCALARS["str"]),
+                stop_reason=_typed(str, data["stop_reason"], "stop_reason", _SCALARS["str"]),
+                wall_ns=_typed(int, data["wall_ns"], "wall_ns", _is_int),
+                peak_rss_bytes=_typed(int, data["peak_rss_bytes"], "peak_rss_bytes", _is_int),
+                peak_device_bytes=None if data["peak_device_bytes"] is None else _typed(
+                    int, data["peak_device_bytes"], "peak_device_bytes", _is_int),
                 pruned_steps=tuple(_build(StepTotals, t) for t in data.get("pruned_steps", ())),
                 sampling_lesson=_optional(_sampling_lesson, data.get("sampling_lesson")),
                 no_kv_cache=_optional(_no_cache, data.get("no_kv_cache")),
                 lens=tuple(_lens_step(s) for s in data.get("lens", ())),
                 attention=tuple(_attention_step(a) for a in data.get("attention", ())),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
 
     @classmethod
     def from_json(cls, text: str) -> "Trace":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise FileFormatError(f"trace is not valid JSON ({exc})") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "trace", FileFormatError, "re-record it with `llmtrace run --json`"))
 
+
+
+def _typed(kind: Callable[[Any], R], value: Any, name: str, check: Callable[[Any], bool]) -> R:
+    if not check(value):
+        raise TypeError(f"{name} has the wrong type or value ({_short(value)})")
+    return kind(value)
 
 
 def load_schema() -> dict[str, Any]:
@@ -224,18 +228,78 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
 
 
 def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
     unknown = data.keys() - _FIELD_NAMES[cls]  # type: ignore[index]
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    checks = _FIELD_CHECKS[cls]  # type: ignore[index]
+    for name, value in data.items():
+        check = checks.get(name)
+        if check is not None and not check(value):
+            raise TypeError(f"{cls.__name__}.{name} has the wrong type or value ({_short(value)})")
     return cls(**data)
+
+
+# ---- field types, checked on reading: a trace is outside data (hand edits, other tools), and a wrong type would
+# otherwise crash a renderer halfway through `show`. Built once from the records' annotations.
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_float(v: Any) -> bool:
+    return isinstance(v, float) or _is_int(v)
+
+
+_SCALARS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int, "float": _is_float, "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+}
+_TUPLES: dict[str, Callable[[Any], bool]] = {
+    "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v),
+    "tuple[str, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+    "tuple[tuple[int, ...], ...]": lambda v: isinstance(v, (list, tuple)) and all(
+        isinstance(x, (list, tuple)) and all(_is_int(d) for d in x) for x in v),
+}
+
+
+def _check_for(annotation: str) -> Callable[[Any], bool] | None:
+    """A predicate for a field annotated `annotation` (as a string: the records use postponed annotations), or
+    None for a record-typed field, which its own builder checks."""
+    optional = annotation.endswith(" | None")
+    base = annotation.removesuffix(" | None")
+    check = _SCALARS.get(base) or _TUPLES.get(base)
+    if check is None:
+        return None
+    return (lambda v: v is None or check(v)) if optional else check
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_FIELD_CHECKS: dict[type, dict[str, Callable[[Any], bool]]] = {
+    cls: {f.name: c for f in fields(cls) if (c := _check_for(str(f.type))) is not None} for cls in _FIELD_NAMES
+}
 
 
 def _optional(builder: Callable[[dict[str, Any]], R], data: dict[str, Any] | None) -> R | None:
     return None if data is None else builder(data)
 
 
-def _shapes(raw: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(d) for d in shape) for shape in raw)
+def _list(raw: Any) -> tuple[Any, ...]:
+    """A JSON array as a tuple; anything else (a string would iterate into characters) is a TypeError."""
+    if not isinstance(raw, list):
+        raise TypeError(f"expected a JSON array, got {_short(raw)}")
+    return tuple(raw)
+
+
+def _shapes(raw: Any) -> tuple[tuple[int, ...], ...]:
+    shapes = tuple(_list(shape) for shape in _list(raw))
+    if not shapes:  # every stage takes and gives a tensor; the renderers read the first shape
+        raise ValueError("a stage must list at least one shape")
+    return shapes
 
 
 def _stage(d: dict[str, Any]) -> StageRecord:
@@ -244,17 +308,17 @@ def _stage(d: dict[str, Any]) -> StageRecord:
 
 
 def _step(d: dict[str, Any]) -> StepRecord:
-    return _build(StepRecord, {**d, "filters": tuple(d["filters"]),
-                               "candidates": tuple(_build(CandidateRecord, c) for c in d["candidates"]),
+    return _build(StepRecord, {**d, "filters": _list(d["filters"]),
+                               "candidates": tuple(_build(CandidateRecord, c) for c in _list(d["candidates"])),
                                "sampling": _optional(lambda s: _build(SamplingRecord, s), d["sampling"])})
 
 
 def _tokenization(d: dict[str, Any]) -> TokenizationRecord:
-    return _build(TokenizationRecord, {**d, "pieces": tuple(d["pieces"]), "ids": tuple(d["ids"])})
+    return _build(TokenizationRecord, {**d, "pieces": _list(d["pieces"]), "ids": _list(d["ids"])})
 
 
 def _rope(d: dict[str, Any]) -> RopeRecord:
-    return _build(RopeRecord, {**d, "positions": tuple(d["positions"])})
+    return _build(RopeRecord, {**d, "positions": _list(d["positions"])})
 
 
 def _settings(d: dict[str, Any]) -> RunSettings:
