@@ -205,8 +205,9 @@ def test_generation_of_10_to_the_30_tokens_is_costed_in_closed_form() -> None:
     it against step-by-step sums)."""
     result = runner.invoke(app, ["flops", "--new-tokens", BIG, "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
-    assert data["generation"]["new_tokens"] == 10**30 if "generation" in data else True
+    generation = json.loads(result.stdout)["generation"]
+    assert generation["new_tokens"] == 10**30 and generation["decode_steps"] == 10**30 - 1
+    assert generation["final_kv_len"] == 128 + 10**30 - 1 and generation["exceeds_max_seq_len"] is True
 
 
 def test_closed_form_equals_the_step_by_step_sum() -> None:

@@ -21,7 +21,7 @@ The file is stat'ed before hashing and again before the entry is stored: a file 
 
 Never damaged weights. Each entry's header records XXH3-128 of its tensor bytes (everything after the header), and
 every load checks it before the tensors are used: zeroed pages, a NaN written into a weight, a torn copy all fail
-the check, and the entry is removed and converted again (LoadedCache.note says so in one line). XXH3 is not a
+the check, and the entry is removed and converted again (CachedWeights.note says so in one line). XXH3 is not a
 cryptographic hash: it guards against accidents, not against someone who can already write the cache folder. It
 is the fastest well-kept checksum here (the `xxhash` package; BENCHMARKS.md "Weights cache checks" measures it
 against hashlib's sha256 and blake2b, zlib's crc32 and the load it guards).
