@@ -1,8 +1,8 @@
 """`llmtrace run "prompt"`: trace a real generation and show one token's journey, stage by stage, live.
 
 Sections in the order of the journey: 1 tokenization, 2 embedding, 3 positions (RoPE), 4 transformer layers,
-5 LM head and sampling, 6 decode (streamed live), 7 summary. `--dry-run` builds any preset on the meta device and
-shows shapes and FLOPs without weights.
+5 LM head and sampling, 6 decode (streamed live), 7 decode by stage, 8 summary. `--dry-run` builds any preset on the
+meta device and shows shapes and FLOPs without weights.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
         f"stages add up to {fmt.duration_ns(d.stages_ns_per_step)} of the {fmt.duration_ns(d.forward_ns_per_step)} "
         f"forward per step (the rest: Python between them)."
     )
-    console.print(section(f"6 · Decode by stage  where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
+    console.print(section(f"7 · Decode by stage  where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
                           Group(*tables, Text(note, style="dim"))))
 
 

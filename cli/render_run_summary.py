@@ -73,7 +73,7 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     text.append(generated.rstrip("\ufffd"), style="bold green")
     if cut:
         text.append(" …(an incomplete UTF-8 character)", style="dim")
-    console.print(section("7 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
+    console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
 
 
 def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:

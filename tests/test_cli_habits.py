@@ -112,7 +112,7 @@ def test_gz_outputs_are_gzip_and_show_reads_them_and_stdin(tiny_llama_dir: Path,
     from_file = runner.invoke(app, ["show", str(trace_gz), "--detail", "summary"])
     from_stdin = runner.invoke(app, ["show", "-", "--detail", "summary"], input=raw)
     assert from_file.exit_code == 0 and from_stdin.exit_code == 0, from_file.output + from_stdin.output
-    assert "7 · Summary" in from_file.stdout
+    assert "8 · Summary" in from_file.stdout
     assert from_stdin.stdout.split("\n", 1)[1] == from_file.stdout.split("\n", 1)[1]  # the same, after the header
 
 

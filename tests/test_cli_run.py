@@ -39,7 +39,7 @@ def test_run_shows_the_journey_in_order(tiny_llama_dir: Path) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     titles = ["1 · Tokenization", "2 · Embedding", "3 · Positions", "4 · Transformer layers × 2", "5 · LM head",
-              "6 · Decode", "7 · Summary"]
+              "6 · Decode", "8 · Summary"]
     positions = [out.index(t) for t in titles]
     assert positions == sorted(positions)
     assert "<0x" in out  # 今天天气真 spelled in byte pieces by the tiny SentencePiece vocabulary
@@ -91,7 +91,7 @@ def test_json_and_chrome_trace_files(tiny_llama_dir: Path, tmp_path: Path) -> No
 def test_no_trace_still_runs_and_says_so(tiny_llama_dir: Path) -> None:
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "2", "--no-trace")
     assert result.exit_code == 0, result.output
-    assert "not traced (--no-trace)" in result.output and "7 · Summary" in result.output
+    assert "not traced (--no-trace)" in result.output and "8 · Summary" in result.output
     assert "Decode by stage" not in result.output
 
 
@@ -99,8 +99,8 @@ def test_decode_by_stage_shows_where_a_step_goes(tiny_llama_dir: Path) -> None:
     result = _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
     out = result.output
-    assert out.index("6 · Decode ") < out.index("6 · Decode by stage") < out.index("7 · Summary")
-    panel = out[out.index("6 · Decode by stage"):out.index("7 · Summary")]
+    assert out.index("6 · Decode ") < out.index("7 · Decode by stage") < out.index("8 · Summary")
+    panel = out[out.index("7 · Decode by stage"):out.index("8 · Summary")]
     for label in ("RMSNorm (attention)", "Q|K|V proj", "gate|up (w1|w3)", "down (w2)", "LM head", "mean of 3 decode steps"):
         assert label in panel
     assert "Decode by stage" not in _run("sky", "--model", str(tiny_llama_dir), "--max-new-tokens", "4",
@@ -144,7 +144,7 @@ def test_real_subprocess(tiny_llama_dir: Path, tmp_path: Path) -> None:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "7 · Summary" in proc.stdout
+    assert "8 · Summary" in proc.stdout
     trace = Trace.from_json(out.read_text(encoding="utf-8"))
     assert trace.environment.threads == 1 and len(trace.generated_ids) == 2
     bad = subprocess.run([sys.executable, "-m", "llmtrace", "run", "sky", "--max-new-tokens", "-3"], cwd=REPO, env=env,

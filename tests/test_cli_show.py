@@ -41,12 +41,12 @@ def test_show_renders_the_sections_run_printed(saved: tuple[str, Path]) -> None:
     shown = result.output
     # Sections 1-5 and the decode-by-stage panel come from the records alone: the same text, character for character.
     assert _between(shown, "1 · Tokenization", "6 · Decode ") == _between(live, "1 · Tokenization", "6 · Decode ")
-    assert (_between(shown, "6 · Decode by stage", "7 · Summary")
-            == _between(live, "6 · Decode by stage", "7 · Summary"))
+    assert (_between(shown, "7 · Decode by stage", "8 · Summary")
+            == _between(live, "7 · Decode by stage", "8 · Summary"))
     # The decode stream becomes its final table; the summary has the same numbers.
     for text in (live, shown):
         assert "4/4 tokens" in text and "Q|K|V proj" in text
-    assert _between(shown, "7 · Summary", "KV cache:") == _between(live, "7 · Summary", "KV cache:")
+    assert _between(shown, "8 · Summary", "KV cache:") == _between(live, "8 · Summary", "KV cache:")
     assert "5b · Sampling lesson" in shown
     assert "recorded by llmtrace" in shown and "roofline: left out of a saved trace" in shown
 
