@@ -49,3 +49,7 @@ bench: $(TEST_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# README.md's example outputs, re-generated from the commands (tests/test_readme_examples.py checks them).
+examples: $(RUN_STAMP)
+	$(PY) -m benchmarks.readme_examples --write
