@@ -89,7 +89,8 @@ def main() -> int:
         print(f"{len(example_commands(text))} examples, {len(changed)} re-generated: {changed}")
         return 0
     for command in changed:
-        print(f"README.md: the example of `{command}` is stale; run `make examples`", file=sys.stderr)
+        print(f"README.md: the example of `{command}` is stale; run `make examples` "
+              "(or .venv/bin/python -m benchmarks.readme_examples --write)", file=sys.stderr)
     return 1 if changed else 0
 
 

@@ -14,4 +14,5 @@ def test_readme_has_one_example_per_command() -> None:
 
 def test_readme_examples_are_current() -> None:
     _, stale = refreshed(README.read_text(encoding="utf-8"))
-    assert stale == [], f"README.md examples differ from the commands' output: {stale}; run `make examples`"
+    assert stale == [], (f"README.md examples differ from the commands' output: {stale}; run `make examples` "
+                         "(or .venv/bin/python -m benchmarks.readme_examples --write)")
