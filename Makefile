@@ -46,6 +46,7 @@ bench: $(TEST_STAMP)
 	$(PY) -m benchmarks.bench_model_speed
 	$(PY) -m benchmarks.bench_tracing --rounds 5
 	$(PY) -m benchmarks.bench_roofline --rounds 5 --new-tokens 64
+	$(PY) -m benchmarks.bench_trace_files --new-tokens 256 --rounds 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,6 @@
 """How big a long run's trace files are, and how long they take to write: whole, gzip, and --trace-steps.
 
-One greedy generation of NEW_TOKENS tokens on the bundled default model (traced, the fused path), then, rounds
+One greedy generation of --new-tokens tokens (EOS ignored) on the bundled default model (traced, fused path), then, rounds
 interleaved, the medians of: Trace.to_json(indent=1) (what `run --json` writes) and the Chrome trace, each written
 plain, as .gz, and after `--trace-steps first,last,every:64` pruning; bytes on disk and write time (serialise,
 compress, write, rename: cli.output_files.write_output, as `run` calls it).
@@ -15,8 +15,9 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from llmtrace.cli.output_files import write_output
 from llmtrace.tracer.load.loader import load_model
@@ -28,6 +29,18 @@ from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 PRUNE = "first,last,every:64"
+
+
+class _WithoutEos:
+    """The model's tokenizer with no end-of-sequence id, so generation runs to max_new_tokens."""
+
+    eos_id = None
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
 
 
 def _variants(trace: Trace) -> dict[str, Callable[[], str]]:
@@ -46,8 +59,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     loaded = load_model(None)
+    # EOS ignored, as llama-bench does for its fixed n_gen: the run always has --new-tokens tokens.
+    loaded = replace(loaded, tokenizer=_WithoutEos(loaded.tokenizer))
     start = time.perf_counter()
-    # A story prompt, so that the model writes on rather than stopping at EOS; the token count is printed.
     trace = generate(loaded, RunSettings(model="", prompt=PROMPT, max_new_tokens=args.new_tokens))
     print(f"generated {len(trace.generated_ids)} tokens ({len(trace.stages)} stage records) in "
           f"{time.perf_counter() - start:.1f} s; stop: {trace.stop_reason}")
