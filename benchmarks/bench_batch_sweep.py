@@ -32,19 +32,20 @@ def main() -> None:
 
     import torch
 
+    from llmtrace.tracer.core.dtypes import FP32
     from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run.batch_sweep import parse_batches, sweep
 
     torch.set_num_threads(args.threads)
     batches = parse_batches(args.batches)
-    loaded = load_model(None, dtype="fp32")
+    loaded = load_model(None, dtype=FP32)
     with torch.no_grad():
         for param in loaded.model.parameters():  # unique parameters: a tied LM head stays tied
             param.data = param.data.clone()
     ids = loaded.tokenizer.encode(PROMPT)
     # GEMMs up to 1024: enough to reach the peak on a few CPU cores, and minutes shorter than 4096 on a busy machine
-    measurement = measure_machine(dtypes=("fp32",), repeats=args.ceiling_repeats, gemm_max_n=args.gemm_max_n)
+    measurement = measure_machine(dtypes=(FP32,), repeats=args.ceiling_repeats, gemm_max_n=args.gemm_max_n)
     profile = replace(profile_from_measurement(measurement), source="bench_batch_sweep, measured in the same run")
 
     def progress(done: int, total: int) -> None:

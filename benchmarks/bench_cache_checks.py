@@ -54,10 +54,11 @@ def main() -> None:
         from llmtrace.tracer.checkpoint.bundled import bundled_model_path
         from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
         from llmtrace.tracer.load import weights_cache
+        from llmtrace.tracer.core.dtypes import FP32
         from llmtrace.tracer.load.loader import load_model
 
         source = bundled_model_path()
-        load_model(None, dtype="fp32")  # converts and stores the entry
+        load_model(None, dtype=FP32)  # converts and stores the entry
         entry = weights_cache.cache_path(source, torch.float32)
         start = read_safetensors_header(entry).data_start
         size = entry.stat().st_size - start
@@ -78,7 +79,7 @@ def main() -> None:
             "entry bytes: blake2b": hashed(hashlib.blake2b),
             "entry bytes: crc32": crc32,
             "source digest: XXH3-128 of the GGUF (once per file)": lambda: weights_cache.hash_file(source),
-            "cached load_model(None), check included": lambda: load_model(None, dtype="fp32"),
+            "cached load_model(None), check included": lambda: load_model(None, dtype=FP32),
         }
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):

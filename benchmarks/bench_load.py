@@ -28,9 +28,10 @@ _OURS = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load.loader import load_model
 t1 = time.perf_counter()
-loaded = load_model(None, dtype="fp32", use_cache={use_cache})
+loaded = load_model(None, dtype=FP32, use_cache={use_cache})
 t2 = time.perf_counter()
 ids = loaded.tokenizer.encode("The capital of France is")
 loaded.model.setup_cache(1, 16)

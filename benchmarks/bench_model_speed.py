@@ -25,14 +25,15 @@ import torch
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import ours_to_hf
-from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model, parse_dtype
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, DType, get_dtype
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
 from llmtrace.tracer.core.presets import get_preset
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64
 
 
-def our_model(dtype: str, random: bool) -> tuple[Transformer, str]:
+def our_model(dtype: DType, random: bool) -> tuple[Transformer, str]:
     """The bundled model (or random SmolLM2-135M) in `dtype`, every weight copied into ordinary memory."""
     if not random:
         try:
@@ -122,7 +123,7 @@ def time_hf_generate(hf: Any, prompt: torch.Tensor) -> float:
         return (run(DECODE_TOKENS + 1) - run(1)) / DECODE_TOKENS
 
 
-def bench_dtype(dtype: str, rounds: int, random: bool, staged: bool) -> dict[str, Any]:
+def bench_dtype(dtype: DType, rounds: int, random: bool, staged: bool) -> dict[str, Any]:
     ours, source = our_model(dtype, random)
     hf, hf_config = hf_model(ours)
     prompt = torch.randint(3, ours.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
@@ -142,7 +143,7 @@ def bench_dtype(dtype: str, rounds: int, random: bool, staged: bool) -> dict[str
             prefill, decode, ids[name] = run()
             times[name].append((prefill, decode))
         generate.append(time_hf_generate(hf, prompt))
-    result: dict[str, Any] = {"dtype": dtype, "weights": source, "threads": torch.get_num_threads(),
+    result: dict[str, Any] = {"dtype": dtype.name, "weights": source, "threads": torch.get_num_threads(),
                               "same_greedy_tokens": ids["llmtrace"] == ids["HF transformers"], "cases": {}}
     for name, pairs in times.items():
         result["cases"][name] = {
@@ -226,9 +227,8 @@ def main() -> None:
                   f"repeat_kv {row['repeat_kv_us']:7.1f} us  ({row['repeat_kv_us'] / row['grouped_us']:.2f}x)")
         return
     results = []
-    for dtype in args.dtypes.split(","):
-        parse_dtype(dtype)
-        results.append(bench_dtype(dtype.strip(), args.rounds, args.random, args.staged))
+    for dtype in [get_dtype(name, COMPUTE_DTYPES) for name in args.dtypes.split(",")]:
+        results.append(bench_dtype(dtype, args.rounds, args.random, args.staged))
     if args.json:
         print(json.dumps(results, indent=1))
     else:

@@ -51,11 +51,12 @@ def measure_generation(loaded, ids: list[int], new_tokens: int) -> tuple[float, 
 def part_prediction(rounds: int, new_tokens: int) -> dict:
     import torch
 
+    from llmtrace.tracer.core.dtypes import FP32
     from llmtrace.tracer.hardware.measure import measure_copy, measure_gemm, measure_machine, profile_from_measurement
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.roofline.compare import compare_with_measured
 
-    loaded = load_model(None, dtype="fp32")
+    loaded = load_model(None, dtype=FP32)
     # The converted-weights cache is memory-mapped: on this VM the kernel evicts page-cache pages idle for a few
     # seconds (DAMON reclaim), so the first steps after each ceilings measurement re-read the weights from disk at
     # ~1 s per step. The roofline bounds a model whose weights are in memory: copy them into anonymous memory.
@@ -69,7 +70,7 @@ def part_prediction(rounds: int, new_tokens: int) -> dict:
     bandwidths, flops, ttfts, decode_tps = [], [], [], []
     for _ in range(rounds):
         copy = measure_copy("cpu", 256 * 2**20, repeats=3)
-        gemm = measure_gemm("fp32", "cpu", repeats=3)
+        gemm = measure_gemm(FP32, "cpu", repeats=3)
         ttft, steps = measure_generation(loaded, ids, new_tokens)
         bandwidths.append(copy.bytes_per_s)
         flops.append(gemm.flops_per_s)
@@ -77,7 +78,7 @@ def part_prediction(rounds: int, new_tokens: int) -> dict:
         decode_tps.append(len(steps) / sum(steps))
 
     # A profile with the median ceilings of the rounds (one tiny measure_machine call supplies the device facts).
-    base = measure_machine(dtypes=("fp32",), repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20)
+    base = measure_machine(dtypes=(FP32,), repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20)
     profile = profile_from_measurement(base)
     from dataclasses import replace
 
@@ -86,7 +87,7 @@ def part_prediction(rounds: int, new_tokens: int) -> dict:
     cmp = compare_with_measured(
         loaded.config, profile, prompt_len=len(ids), new_tokens=new_tokens,
         measured_ttft_s=statistics.median(ttfts), measured_decode_tokens_per_s=statistics.median(decode_tps),
-        dtype="fp32",
+        dtype=FP32,
     )
     return {
         "model": loaded.source, "weight_format": loaded.weight_format, "threads": torch.get_num_threads(),

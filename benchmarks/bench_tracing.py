@@ -254,9 +254,10 @@ def main() -> None:
     parser.add_argument("--only", choices=("overhead", "profiler", "hf"), action="append")
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (what `llmtrace run` uses by default)")
     args = parser.parse_args()
+    from llmtrace.tracer.core.dtypes import get_compute_dtype
     from llmtrace.tracer.hardware.dtype_policy import resolve_dtype
 
-    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype = resolve_dtype(get_compute_dtype(args.dtype), "cpu")
     loaded = load_model(None, dtype=dtype)
     result: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                               "model": loaded.config.name, "rounds": args.rounds, "dtype": str(dtype)}

@@ -7,8 +7,9 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import (
-    DEFAULT_MODEL, KERNELS_HELP, BatchOption, DtypeChoice, JsonOption, KernelsChoice, ModelOption,
+    DEFAULT_MODEL, KERNELS_HELP, BatchOption, JsonOption, KernelsChoice, ModelOption, dtype_option,
 )
+from llmtrace.tracer.core.dtypes import DType
 
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_NEW_TOKENS = 128
@@ -25,10 +26,10 @@ def flops(
     context: Annotated[Optional[int], typer.Option(
         "--context", "-L", min=0, show_default="P",
         help="Positions L already cached for the single decode step shown.")] = None,
-    dtype: Annotated[Optional[DtypeChoice], typer.Option(
+    dtype: Annotated[Optional[DType], dtype_option(
         "--dtype", show_default="the checkpoint's where listed, else fp16",
         help="Weight dtype, for bytes moved and arithmetic intensity.")] = None,
-    kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
+    kv_dtype: Annotated[Optional[DType], dtype_option(
         "--kv-dtype", show_default="the weight dtype; fp16 for fp8/int8/int4 weights", help="KV-cache dtype.")] = None,
     batch: BatchOption = 1,
     kernels: Annotated[KernelsChoice, typer.Option(
@@ -50,14 +51,13 @@ def flops(
 
     def body() -> None:
         # Imported inside the command: `llmtrace --help` and the other commands do not pay for them.
-        from llmtrace.tracer.core.dtypes import get_dtype
         from llmtrace.tracer.core.errors import BadArgumentError
         from llmtrace.tracer.analytic.flops_report import flops_report
         from llmtrace.tracer.checkpoint.resolve import resolve_model
 
         if prompt is not None and prompt_len is not None:
             raise BadArgumentError("give either --prompt or --prompt-len, not both")
-        resolved = resolve_model(model)
+        resolved = resolve_model(model, vocabulary=prompt is not None)  # a GGUF header read once, vocabulary too
         tokenizer_source = None
         if prompt is not None:
             from llmtrace.tracer.checkpoint.prompt_tokens import count_prompt_tokens
@@ -69,8 +69,7 @@ def flops(
         else:
             p_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
         report = flops_report(
-            resolved, p_len, new_tokens, get_dtype(dtype.value) if dtype else None,
-            get_dtype(kv_dtype.value) if kv_dtype else None,
+            resolved, p_len, new_tokens, dtype, kv_dtype,
             batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source, kernels=kernels.value,
         )
         if json_out:

@@ -14,6 +14,7 @@ from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import JsonOption
 
 if TYPE_CHECKING:
+    from llmtrace.tracer.core.dtypes import DType
     from llmtrace.tracer.hardware.profiles import HardwareProfile
 
 # Library and rich imports live inside the command bodies: importing llmtrace.cli.app (every command) stays cheap.
@@ -24,18 +25,16 @@ class DeviceChoice(str, Enum):
     cuda = "cuda"
 
 
-def _parse_dtypes(text: str) -> tuple[str, ...]:
-    """Checked here, before torch is imported, so a typo fails in a blink."""
+def _parse_dtypes(text: str) -> tuple[DType, ...]:
+    """Parsed before torch is imported, so a typo fails in a blink."""
+    from llmtrace.tracer.core.dtypes import get_dtype
     from llmtrace.tracer.core.errors import BadArgumentError
     from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES
 
-    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    names = [part for part in text.split(",") if part.strip()]
     if not names:
         raise BadArgumentError("--dtypes is empty; give a comma-separated list such as fp32,bf16")
-    for name in names:
-        if name not in MEASURABLE_DTYPES:
-            raise BadArgumentError(f"cannot measure {name!r}; measurable dtypes are {', '.join(MEASURABLE_DTYPES)}")
-    return names
+    return tuple(get_dtype(name, MEASURABLE_DTYPES, refusal="cannot measure") for name in names)
 
 
 def _profile_json(p: "HardwareProfile") -> dict:
@@ -88,7 +87,7 @@ def hardware(
     run_guarded(body)
 
 
-def _measure(device: str, dtypes: tuple[str, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
+def _measure(device: str, dtypes: tuple[DType, ...], repeats: int, max_n: int, copy_mib: int, json_out: bool) -> None:
     from llmtrace.cli.console import stdout_console
     from llmtrace.cli.render_hardware import render_measurement
     from llmtrace.tracer.core.errors import BadArgumentError

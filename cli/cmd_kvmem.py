@@ -6,7 +6,8 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
-from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, DtypeChoice, JsonOption, ModelOption
+from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, JsonOption, ModelOption, dtype_option
+from llmtrace.tracer.core.dtypes import FP16, DType
 
 
 @app.command("kvmem")
@@ -15,11 +16,11 @@ def kvmem(
         "--seq", "-s", min=1, show_default="the model's max context",
         help="Positions per sequence (prompt + generated tokens).")] = None,
     model: ModelOption = DEFAULT_MODEL,
-    dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="KV-cache dtype.")] = DtypeChoice.fp16,
+    dtype: Annotated[DType, dtype_option("--dtype", help="KV-cache dtype.")] = FP16,
     batch: BatchOption = 1,
     budget: Annotated[Optional[str], typer.Option(
         "--budget", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,
-    weights_dtype: Annotated[Optional[DtypeChoice], typer.Option(
+    weights_dtype: Annotated[Optional[DType], dtype_option(
         "--weights-dtype", show_default="the checkpoint's (a GGUF's main type, e.g. q4_1), else fp16",
         help="With --budget: dtype of the weights that share the memory.")] = None,
     json_out: JsonOption = False,
@@ -34,16 +35,15 @@ def kvmem(
     """
 
     def body() -> None:
-        from llmtrace.tracer.core.dtypes import get_dtype
         from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
         from llmtrace.tracer.analytic.flops_report import default_weights_dtype
         from llmtrace.tracer.checkpoint.resolve import resolve_model
 
         resolved = resolve_model(model)
         config = resolved.config
-        weights = get_dtype(weights_dtype.value) if weights_dtype is not None else default_weights_dtype(resolved)[0]
+        weights = weights_dtype if weights_dtype is not None else default_weights_dtype(resolved)[0]
         report = kvmem_report(
-            config, seq if seq is not None else config.max_seq_len, get_dtype(dtype.value), batch,
+            config, seq if seq is not None else config.max_seq_len, dtype, batch,
             budget_bytes=parse_bytes(budget) if budget is not None else None, weights_dtype=weights,
         )
         if json_out:

@@ -2,16 +2,15 @@
 
 from typing import Annotated
 
-import typer
-
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
-from llmtrace.cli.options import DtypeChoice, JsonOption
+from llmtrace.cli.options import JsonOption, dtype_option
+from llmtrace.tracer.core.dtypes import FP16, DType
 
 
 @app.command("models")
 def models(
-    dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="Dtype of the weight and KV-cache columns.")] = DtypeChoice.fp16,
+    dtype: Annotated[DType, dtype_option("--dtype", help="Dtype of the weight and KV-cache columns.")] = FP16,
     json_out: JsonOption = False,
 ) -> None:
     """List the model presets usable as --model (each preset's source is cited in tracer/core/presets.py).
@@ -24,9 +23,8 @@ def models(
 
     def body() -> None:
         from llmtrace.tracer.analytic.catalog import models_report
-        from llmtrace.tracer.core.dtypes import get_dtype
 
-        report = models_report(get_dtype(dtype.value))
+        report = models_report(dtype)
         if json_out:
             from llmtrace.cli.json_output import print_json
 

@@ -9,8 +9,9 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import (
-    DEFAULT_MODEL, KERNELS_HELP, BatchOption, DtypeChoice, JsonOption, KernelsChoice, ModelOption,
+    DEFAULT_MODEL, KERNELS_HELP, BatchOption, JsonOption, KernelsChoice, ModelOption, dtype_option,
 )
+from llmtrace.tracer.core.dtypes import DType
 
 DEFAULT_HARDWARE = "a100-80gb"  # the seed article's GPU
 
@@ -25,10 +26,10 @@ def roofline(
     prompt_len: Annotated[int, typer.Option("--prompt-len", "-p", min=1, help="Prompt tokens per sequence.")] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens to generate per sequence.")] = 128,
     batch: BatchOption = 1,
-    dtype: Annotated[Optional[DtypeChoice], typer.Option(
+    dtype: Annotated[Optional[DType], dtype_option(
         "--dtype", show_default="the checkpoint's (a GGUF's main type, e.g. q4_1), else fp16",
         help="Weights dtype (int8/int4: block formats, multiplied in fp16).")] = None,
-    kv_dtype: Annotated[Optional[DtypeChoice], typer.Option(
+    kv_dtype: Annotated[Optional[DType], dtype_option(
         "--kv-dtype", help="KV-cache dtype (default: the activation dtype; fp16 for quantized weights).")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel devices (must divide the heads).")] = 1,
     kernels: Annotated[Optional[KernelsChoice], typer.Option(
@@ -54,11 +55,10 @@ def roofline(
         from llmtrace.tracer.roofline.analysis import roofline as predict
 
         resolved = resolve_model(model)
-        weights, weights_from = (dtype.value, "option") if dtype is not None else \
-            (default_weights_dtype(resolved)[0].name, default_weights_dtype(resolved)[1])
+        weights, weights_from = (dtype, "option") if dtype is not None else default_weights_dtype(resolved)
         report = predict(
             resolved.config, resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
-            batch=batch, dtype=weights, kv_dtype=kv_dtype.value if kv_dtype else None, tp=tp,
+            batch=batch, dtype=weights, kv_dtype=kv_dtype, tp=tp,
             kernels=kernels.value if kernels else None, weights_from=weights_from,
         )
         if json_out:

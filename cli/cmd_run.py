@@ -11,9 +11,8 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -26,7 +25,7 @@ from llmtrace.cli.errors import fail, run_guarded
 from llmtrace.cli.interrupts import deferred_interrupts, stop_signals_interrupt
 from llmtrace.cli.output_files import check_outputs, check_writable, write_output
 from llmtrace.cli.prompt_input import resolve_prompt
-from llmtrace.cli.options import Detail, DetailOption
+from llmtrace.cli.options import Detail, DetailOption, compute_dtype_option
 from llmtrace.cli.render_run import (
     render_embedding,
     render_header,
@@ -40,6 +39,7 @@ from llmtrace.cli.render_run_report import render_ending
 from llmtrace.cli.render_attention import render_attention
 from llmtrace.cli.render_lens import render_lens
 from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
+from llmtrace.tracer.core.dtypes import AUTO, AutoDtype, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
 from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
@@ -50,15 +50,6 @@ from llmtrace.tracer.trace.step_selection import StepSelection
 from llmtrace.tracer.trace.summary_block import SummaryBlock, summary_block
 
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
-
-
-class RunDtype(str, Enum):
-    """What `run` computes in (auto: llmtrace.tracer.hardware.dtype_policy); not the storage dtypes of llmtrace.cli.options.DtypeChoice."""
-
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
 
 
 @app.command("run", epilog=(  # \b: click keeps the lines as they are (one example each)
@@ -81,9 +72,9 @@ def run_command(
     min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p × the top probability.")] = None,
     repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages tokens already seen (1 = off).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same tokens).")] = None,
-    dtype: Annotated[RunDtype, typer.Option(
-        help="Compute dtype; auto = bf16 where the hardware has bf16 arithmetic (AMX, AVX-512 BF16, CUDA), "
-             "else fp32 (bf16 on AVX2-only CPUs is several times slower).")] = RunDtype.auto,
+    dtype: Annotated[Any, compute_dtype_option(  # DType | AutoDtype: typer declares no unions
+        "--dtype", help="Compute dtype; auto = bf16 where the hardware has bf16 arithmetic (AMX, AVX-512 BF16, "
+                        "CUDA), else fp32 (bf16 on AVX2-only CPUs is several times slower).")] = AUTO,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -158,7 +149,7 @@ def run_command(
             console.print(f"[dim]prompt: {given.source}[/]")
         settings = RunSettings(
             model=model or "", prompt=text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.value,
+            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.name,
             device=device, threads=threads, chat=chat, trace=not no_trace, dry_run=dry_run,
             prompt_tokens=prompt_tokens, warmup=not no_warmup, staged=staged,
             trace_steps=_trace_steps(trace_steps),
@@ -203,7 +194,7 @@ def run_command(
 
         with stop_signals_interrupt() as received:
             try:
-                trace = _run(console, settings, detail.value, save, roofline=not no_roofline, repeat=repeat)
+                trace = _run(console, settings, dtype, detail.value, save, roofline=not no_roofline, repeat=repeat)
                 for line in written:
                     console.print(f"[dim]{line}[/]")
             except KeyboardInterrupt:  # while loading (nothing to keep) or after `save` (the files are whole)
@@ -273,11 +264,16 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _run(console: Console, settings: RunSettings, detail: str,
+def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, detail: str,
          save: Callable[[Trace, SummaryBlock, MeasuredVsBound | None], None], roofline: bool = True,
          repeat: int = 1) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
     before the ending is rendered."""
+    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
+
+    # Classified before torch is imported: a wrong --model fails in a blink, with the error every command gives.
+    source = classify_model(settings.model) if settings.model else bundled_source()
+
     import torch
 
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
@@ -288,8 +284,7 @@ def _run(console: Console, settings: RunSettings, detail: str,
         torch.set_num_threads(settings.threads)
     what = settings.model or "the bundled SmolLM2-135M-Instruct"
     with console.status(f"loading {what} …"):
-        loaded = load_model(settings.model or None, dtype=settings.dtype or "auto", device=settings.device,
-                            dry_run=settings.dry_run)
+        loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run)
     if loaded.cache_note:
         console.print(f"[yellow]note:[/] {loaded.cache_note}", soft_wrap=True)
     param = next(loaded.model.parameters())

@@ -3,20 +3,43 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any, Callable
 
 import typer
 
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, DTYPES, AUTO, get_compute_dtype, get_dtype
+from llmtrace.tracer.core.errors import LlmtraceError
 
-class DtypeChoice(str, Enum):
-    """Storage dtypes llmtrace budgets for (llmtrace.tracer.core.dtypes): int8/int4 include one fp16 scale per 32 values."""
 
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp8 = "fp8"
-    int8 = "int8"
-    int4 = "int4"
+def _as_option_value(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A parser for typer: the engine's one-line error becomes click's "Invalid value for '--dtype': ..."."""
+
+    def parser(value: Any) -> Any:
+        try:
+            return parse(value)
+        except LlmtraceError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    return parser
+
+
+def dtype_option(*names: str, help: str, **options: Any) -> Any:
+    """A storage-dtype option (llmtrace.tracer.core.dtypes.DTYPES; aliases such as float16 or q8_0 accepted), parsed
+    into a DType as the command line is read. int8/int4 include one fp16 scale per 32 values."""
+    return typer.Option(*names, parser=_as_option_value(_storage_dtype), metavar=f"<{'|'.join(DTYPES)}>", help=help,
+                        **options)
+
+
+def _storage_dtype(value: Any) -> Any:
+    """The six storage dtypes the options offer (a GGUF's block types come from its file, not from an option)."""
+    return get_dtype(value, DTYPES.values())
+
+
+def compute_dtype_option(*names: str, help: str, **options: Any) -> Any:
+    """A compute-dtype option: auto or a format torch computes in, parsed into AUTO or a DType."""
+    choices = "|".join([AUTO.name, *(d.name for d in COMPUTE_DTYPES)])
+    return typer.Option(*names, parser=_as_option_value(get_compute_dtype), metavar=f"<{choices}>", help=help,
+                        **options)
 
 
 class KernelsChoice(str, Enum):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.load.loader import load_model
@@ -68,7 +69,7 @@ def test_sweep_measures_every_batch_and_predicts_with_the_roofline(tiny_llama_di
     assert result.kernels == "eager"  # what llmtrace's model runs
     assert [r.batch for r in result.rows] == [1, 2, 4]
     for row in result.rows:
-        report = roofline(loaded.config, MACHINE, prompt_len=len(ids), new_tokens=4, batch=row.batch, dtype="fp32",
+        report = roofline(loaded.config, MACHINE, prompt_len=len(ids), new_tokens=4, batch=row.batch, dtype=FP32,
                           check_fit=False, kernels="eager")
         assert row.predicted_step_s == report.generation.time_per_output_token_seconds
         assert row.measured_min_s <= row.measured_step_s <= row.measured_max_s

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+from llmtrace.tracer.core.dtypes import BF16
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from llmtrace.tracer.load.loader import LoadedModel, load_model
@@ -99,7 +100,7 @@ def test_second_load_comes_from_the_cache(bundled: LoadedModel, cache_dir: Path)
 
 
 def test_bf16_load_is_cached_separately(bundled: LoadedModel) -> None:
-    half = load_model(None, dtype="bf16")
+    half = load_model(None, dtype=BF16)
     assert half.model.tok_embeddings.weight.dtype == torch.bfloat16
     assert half.weight_format == "GGUF Q4_1+Q8_0 -> bf16"
     assert torch.equal(half.model.layers[3].attention.wq.weight,

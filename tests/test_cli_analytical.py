@@ -283,8 +283,11 @@ BAD_INPUTS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "seq not a number": (lambda t: ["kvmem", "--seq", "abc"], "'abc'"),
     "prompt-len zero": (lambda t: ["flops", "--prompt-len", "0"], "'--prompt-len'"),
     "new-tokens not a number": (lambda t: ["flops", "--new-tokens", "many"], "'many'"),
-    "unknown dtype flops": (lambda t: ["flops", "--dtype", "fp7"], "'fp7' is not one of"),
-    "unknown dtype kvmem": (lambda t: ["kvmem", "--dtype", "int3"], "'int3' is not one of"),
+    "unknown dtype flops": (lambda t: ["flops", "--dtype", "fp7"],
+                            "'--dtype': unknown dtype 'fp7'; choose one of fp32, bf16, fp16, fp8, int8, int4"),
+    "unknown dtype kvmem": (lambda t: ["kvmem", "--dtype", "int3"], "unknown dtype 'int3'; choose one of"),
+    "unknown kv dtype roofline": (lambda t: ["roofline", "--kv-dtype", "int3"], "unknown dtype 'int3'; choose one of"),
+    "tf32 is no storage dtype": (lambda t: ["models", "--dtype", "tf32"], "cannot use 'tf32'; choose one of fp32"),
     "unknown option": (lambda t: ["kvmem", "--sequence", "5"], "No such option"),
     "bad budget": (lambda t: ["kvmem", "--budget", "12XB"], "memory size"),
     "config missing": (lambda t: ["flops", "-m", str(t / "absent" / "config.json")], "no such file or folder"),
@@ -349,9 +352,17 @@ def _imported_modules(importtime_stderr: str) -> set[str]:
     ["flops", "--json"],
     ["flops", "--model", "BUNDLED"],
     ["flops", "--model", "BUNDLED", "--prompt", "今天天气真"],
+    ["kvmem", "--model", "BUNDLED"],
+    ["roofline"],
+    ["roofline", "--model", "BUNDLED", "--dtype", "int4", "--json"],
+    ["hardware"],
+    ["hardware", "--json"],
+    ["flops", "--model", "TINY", "--prompt", "hello"],  # an HF folder: safetensors headers and its tokenizer
+    ["kvmem", "--model", "TINY", "--dtype", "q8_0"],
 ])
-def test_analytical_commands_never_import_torch_or_numpy(args: list[str]) -> None:
-    args = [str(bundled_model_path()) if a == "BUNDLED" else a for a in args]
+def test_analytical_commands_never_import_torch_or_numpy(args: list[str], tiny_llama_dir: Path) -> None:
+    named = {"BUNDLED": str(bundled_model_path()), "TINY": str(tiny_llama_dir)}
+    args = [named.get(a, a) for a in args]
     proc = run_llmtrace(args, python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     modules = _imported_modules(proc.stderr)

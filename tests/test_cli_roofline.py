@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from llmtrace.cli.render_roofline import chart_points, render_report, roofline_chart, why_line
+from llmtrace.tracer.core.dtypes import INT4
 from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.core.presets import get_preset
 from llmtrace.tracer.roofline.analysis import roofline
@@ -166,7 +167,7 @@ def test_chart_puts_each_pass_on_the_roof() -> None:
 
 def test_render_report_in_80_columns() -> None:
     report = roofline(get_preset("llama3-8b"), get_profile("rtx-4090"), prompt_len=1000, new_tokens=200,
-                      dtype="int4", batch=4)
+                      dtype=INT4, batch=4)
     console = Console(width=80, record=True, file=open(os.devnull, "w"))
     render_report(console, report)
     text = console.export_text()

@@ -13,6 +13,7 @@ import pytest
 
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import ConfigError, FileFormatError, LlmtraceError, UnknownPresetError, UnsupportedModelError
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.analytic.params import count_params
@@ -48,7 +49,7 @@ def test_safetensors_param_count_matches_library_and_config(make_tiny_llama: Cal
     resolved = resolve_model(str(folder))
     assert resolved.kind == "hf" and resolved.weights is not None
     assert resolved.weights.n_params == ckpt.n_params == count_params(resolved.config).total
-    assert resolved.weights.main_dtype == "F32" and resolved.weights.llmtrace_dtype == "fp32"
+    assert resolved.weights.main_dtype == "F32" and resolved.weights.llmtrace_dtype is FP32
     assert resolved.weights.total_bytes == 4 * ckpt.n_params
 
 
@@ -181,7 +182,7 @@ def test_bundled_gguf_resolves_with_real_tensor_counts() -> None:
     assert resolved.weights.total_bytes == sum(int(t.n_bytes) for t in reader.tensors)
     shares = {s.dtype: s.tensors for s in resolved.weights.by_dtype}
     assert shares == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
-    assert resolved.weights.main_dtype == "Q4_1" and resolved.weights.llmtrace_dtype == "q4_1"
+    assert resolved.weights.main_dtype == "Q4_1" and resolved.weights.llmtrace_dtype.name == "q4_1"
     assert resolved.config.tie_embeddings and count_params(resolved.config).total == 134_515_008
 
 

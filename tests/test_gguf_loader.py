@@ -16,6 +16,7 @@ from tiny_gguf import llama_cpp_name, llama_cpp_permute, sentencepiece_vocab, wr
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 from llmtrace.tracer.load.gguf_dequant import dequantize
 from llmtrace.tracer.core.contract import gguf_to_ours as meta_name
 from llmtrace.tracer.load.gguf_loader import load_gguf_weights, unpermute_rope_rows
@@ -193,7 +194,8 @@ def test_quantized_tiny_gguf_equals_gguf_package_dequantization(
     config = ModelConfig.from_hf_json(folder)
     source = load_hf_state_dict(folder, config)
     path = write_tiny_gguf(tmp_path / "q.gguf", config, source, sentencepiece_vocab(sp_model_bytes), matrix_type=qtype)
-    weights = load_gguf_weights(path)
+    header = read_gguf_header(path)
+    weights = load_gguf_weights(header, config_from_gguf_header(header))
     assert weights.quantization == qtype.name
     reader = gguf.GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}

@@ -16,6 +16,7 @@ from tiny_gguf import BLOCK_LAYOUTS, block_dtype, llama_cpp_name, llama_cpp_perm
     sentencepiece_vocab, write_tiny_gguf
 from llmtrace.cli.app import app
 from llmtrace.tracer.checkpoint.gguf_header import GGML_TYPES, read_gguf_header
+from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import FileFormatError, UnsupportedModelError
 from llmtrace.tracer.load.gguf_dequant import dequantize
@@ -59,7 +60,8 @@ def _write_blocks(path: Path, source: tuple[ModelConfig, dict, dict], type_of: C
 
 
 def _assert_equals_gguf_dequantize(path: Path, raw: dict[str, tuple[np.ndarray, Q]], config: ModelConfig) -> None:
-    weights = load_gguf_weights(path)
+    header = read_gguf_header(path, decode_arrays=True)
+    weights = load_gguf_weights(header, config_from_gguf_header(header))
     for ours, tensor in weights.state_dict.items():
         name = llama_cpp_name(ours)
         if name not in raw:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmtrace.tracer.core.dtypes import BF16, FP32, INT8, TF32
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, PROFILES, THIS_MACHINE, all_profiles, get_profile
 from llmtrace.tracer.hardware.store import (
@@ -139,7 +140,7 @@ def test_measure_tiny_counts_flops_and_bytes_like_torch() -> None:
 
     from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
 
-    m = measure_machine(dtypes=("fp32", "bf16"), repeats=3, gemm_target_seconds=0.0, gemm_max_n=128,
+    m = measure_machine(dtypes=(FP32, BF16), repeats=3, gemm_target_seconds=0.0, gemm_max_n=128,
                         copy_bytes=2**20)
     assert [g.dtype for g in m.gemms] == ["fp32", "bf16"]
     for g in m.gemms:
@@ -169,9 +170,9 @@ def test_measure_rejects_bad_requests() -> None:
     from llmtrace.tracer.hardware.measure import measure_machine
 
     with pytest.raises(BadArgumentError, match="cannot measure 'int8'"):
-        measure_machine(dtypes=("int8",), gemm_max_n=128, copy_bytes=2**20)
+        measure_machine(dtypes=(INT8,), gemm_max_n=128, copy_bytes=2**20)
     with pytest.raises(BadArgumentError, match="tf32 is a CUDA"):
-        measure_machine(dtypes=("tf32",), gemm_max_n=128, copy_bytes=2**20)
+        measure_machine(dtypes=(TF32,), gemm_max_n=128, copy_bytes=2**20)
     with pytest.raises(BadArgumentError, match="unknown device 'tpu'"):
         measure_machine(device="tpu")
 
@@ -182,7 +183,7 @@ def test_saved_measurement_json_is_plain(tmp_path: Path, monkeypatch: pytest.Mon
     from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    m = measure_machine(dtypes=("fp32",), repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20)
+    m = measure_machine(dtypes=(FP32,), repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20)
     save_measured_profile(profile_from_measurement(m), asdict(m))
     data = json.loads(store_path().read_text())
     assert data["measurements"][THIS_MACHINE]["gemms"][0]["n"] == 128

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import BF16
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
@@ -57,7 +58,7 @@ def test_weights_are_views_of_one_memory_map_not_copies(tiny_llama_dir: Path) ->
 
 def test_dtype_conversion_on_load(tiny_llama_dir: Path) -> None:
     config = ModelConfig.from_hf_json(tiny_llama_dir)
-    state = load_hf_state_dict(tiny_llama_dir, config, dtype="bf16")
+    state = load_hf_state_dict(tiny_llama_dir, config, dtype=BF16)
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
 
 

@@ -17,9 +17,11 @@ import llmtrace.tracer.checkpoint.bundled
 from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 from llmtrace.tracer.checkpoint.bundled import SET_UP_HINT, bundled_model_path, install_bundled_model
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP8
 from llmtrace.tracer.core.errors import (
     BadArgumentError,
     CheckpointError,
+    ConfigError,
     FileFormatError,
     HardwareError,
     UnknownPresetError,
@@ -65,7 +67,7 @@ def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError) as exc:
+    with pytest.raises(ConfigError) as exc:  # the resolver's error, the same in every command
         load_model(str(tmp_path / "nope.gguf"))
     assert "no such file" in _one_line(exc)
 
@@ -254,7 +256,7 @@ def test_random_init_is_seeded(tiny_source: tuple[ModelConfig, dict, dict], writ
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [
-    ({"dtype": "fp8"}, BadArgumentError),
+    ({"dtype": FP8}, BadArgumentError),
     ({"device": "banana"}, BadArgumentError),
     ({"dry_run": True, "random_init": True}, BadArgumentError),
 ])

@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import BF16
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.core.contract import expected_shapes
@@ -140,7 +141,7 @@ def test_random_init_is_seeded_and_dtype_is_respected() -> None:
     assert a.output.weight is a.tok_embeddings.weight
     assert 0.015 < a.tok_embeddings.weight.std().item() < 0.025
     assert torch.equal(a.norm.weight, torch.ones(32))
-    half = build_random_model(config, seed=7, dtype="bf16")
+    half = build_random_model(config, seed=7, dtype=BF16)
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 
 

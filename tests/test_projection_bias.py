@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from estimate_check import assert_traced_equals_estimate
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import FP32
@@ -106,14 +108,17 @@ def test_gguf_with_biases_loads_the_same_weights(tmp_path: Path) -> None:
     config = ModelConfig("biased", 96, 64, 2, 4, 2, 96, max_seq_len=64, qkv_bias=True, wo_bias=True)
     weights = random_weights(config, seed=2)
     path = write_tiny_gguf(tmp_path / "biased.gguf", config, weights, vocab=None)
-    loaded = load_gguf_weights(path)
+    header = read_gguf_header(path, decode_arrays=True)
+    loaded = load_gguf_weights(header, config_from_gguf_header(header))
     assert (loaded.config.qkv_bias, loaded.config.wo_bias, loaded.config.mlp_bias) == (True, True, False)
     assert set(loaded.state_dict) == set(expected_shapes(config)) == set(weights)
     for name, tensor in weights.items():  # the Q/K biases came back from llama.cpp's interleaved order
         assert torch.equal(loaded.state_dict[name], tensor), name
     plain = write_tiny_gguf(tmp_path / "plain.gguf", config, weights, vocab=None,
                             skip=tuple(f"blk.{i}.attn_{p}.bias" for i in range(2) for p in ("q", "k", "v", "output")))
-    assert not load_gguf_weights(plain).config.qkv_bias
+    plain_header = read_gguf_header(plain, decode_arrays=True)
+    assert not config_from_gguf_header(plain_header).qkv_bias
+    assert not load_gguf_weights(plain_header, config_from_gguf_header(plain_header)).config.qkv_bias
 
 
 def test_parameters_and_weight_bytes_count_the_biases() -> None:

@@ -15,6 +15,7 @@ import torch
 
 from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load import weights_cache
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import LoadedModel, load_model
@@ -176,7 +177,7 @@ def test_a_run_names_the_damaged_entry_in_one_line(write: Callable[..., Path], t
     from llmtrace.cli.app import app
 
     path = write()
-    load_model(str(path), dtype="fp32")
+    load_model(str(path), dtype=FP32)
     _damage_entry(cache_path(path, torch.float32), "nan")
     result = CliRunner().invoke(app, ["run", "sky", "--model", str(path), "--dtype", "fp32", "--max-new-tokens",
                                       "1", "--no-roofline"])

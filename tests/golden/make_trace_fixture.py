@@ -33,6 +33,7 @@ def generate(folder: Path, dry_run: bool = False) -> dict:
     import sentencepiece as spm
 
     from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.core.dtypes import FP32
     from llmtrace.tracer.run.generate import Finished, Generation
     from llmtrace.tracer.trace.records import RunSettings
 
@@ -40,7 +41,7 @@ def generate(folder: Path, dry_run: bool = False) -> dict:
     vocab = spm.SentencePieceProcessor(model_proto=sp).get_piece_size()
     if not folder.exists():
         write_tiny_llama(folder, hf_config_dict(vocab), seed=0, tokenizer_model=sp)
-    loaded = load_model(str(folder), dtype="fp32", device="cpu", dry_run=dry_run)
+    loaded = load_model(str(folder), dtype=FP32, device="cpu", dry_run=dry_run)
     settings = RunSettings(model=str(folder), prompt=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None,
                            top_p=None, min_p=None, repetition_penalty=1.0, seed=None, dtype="fp32", device="cpu",
                            threads=None, chat=False, trace=True, dry_run=dry_run, prompt_tokens=None, warmup=True,

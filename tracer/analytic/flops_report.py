@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, parse_kernels
-from llmtrace.tracer.core.dtypes import FP16, DType, get_dtype
+from llmtrace.tracer.core.dtypes import FP16, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.analytic.model_dims import ModelDims
 from llmtrace.tracer.analytic.params import ParamCount, count_params, weight_bytes_by_dtype
@@ -62,7 +62,7 @@ class FlopsReport:
 def default_weights_dtype(model: ResolvedModel) -> tuple[DType, str]:
     """The checkpoint's own dtype where llmtrace.tracer.core.dtypes has its exact layout, else fp16; and where it came from."""
     exact = model.weights.llmtrace_dtype if model.weights is not None else None
-    return (get_dtype(exact), "checkpoint") if exact else (FP16, "default")
+    return (exact, "checkpoint") if exact is not None else (FP16, "default")
 
 
 def flops_report(

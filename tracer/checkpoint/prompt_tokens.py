@@ -7,10 +7,9 @@ else tokenizer.model) and llmtrace.tracer.checkpoint.gguf_tokenizer for the voca
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.checkpoint.resolve import ResolvedModel
+from llmtrace.tracer.checkpoint.resolve import GGUF, PRESET, ResolvedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,20 +19,23 @@ class PromptTokens:
 
 
 def count_prompt_tokens(model: ResolvedModel, text: str) -> PromptTokens:
-    if model.kind == "preset" or model.path is None:
+    """Tokens of `text` with the model's own tokenizer; resolve the model with vocabulary=True to spare a GGUF a
+    second header read."""
+    if model.kind == PRESET or model.source.path is None:
         raise BadArgumentError(
             f"model {model.config.name!r} is a preset and has no tokenizer to count --prompt with; "
             "give --prompt-len N instead, or a --model folder or .gguf file"
         )
-    path = Path(model.path)
-    if model.kind == "gguf":
+    path = model.source.path
+    if model.kind == GGUF:
         # Imported here: only --prompt needs a tokenizer, and building one costs more than the whole estimate.
-        from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+        from llmtrace.tracer.checkpoint.gguf_header import ArraySummary, read_gguf_header
         from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 
-        tokenizer = tokenizer_from_gguf(read_gguf_header(path, decode_arrays=True))
-        return PromptTokens(len(tokenizer.encode(text)), str(path))
+        header = model.gguf_header
+        if header is None or any(isinstance(v, ArraySummary) for v in header.metadata.values()):
+            header = read_gguf_header(path, decode_arrays=True)  # resolved without its vocabulary
+        return PromptTokens(len(tokenizer_from_gguf(header).encode(text)), str(path))
     from llmtrace.tracer.checkpoint.tokenizer import load_tokenizer
 
-    folder = path if path.is_dir() else path.parent
-    return PromptTokens(len(load_tokenizer(folder).encode(text)), str(folder))
+    return PromptTokens(len(load_tokenizer(path).encode(text)), str(path))

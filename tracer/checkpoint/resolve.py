@@ -1,8 +1,23 @@
-"""Turn a `--model` argument (preset name, model folder, config.json, .gguf file) into a ModelConfig, reading no weights."""
+"""What a `--model` argument names, classified once for every command, and its config read from headers only.
+
+`classify_model` is the one place that decides what a --model argument is: flops, kvmem, roofline, run (with and
+without --dry-run) and the loader all start from its ModelSource, so every command accepts the same inputs and
+refuses the rest with the same one-line error. Tried in this order:
+1. a preset name (llmtrace.tracer.core.presets), case-insensitive;
+2. a folder: an HF model folder (config.json inside), else a folder holding exactly one .gguf file;
+3. a file: a GGUF file, recognised by its magic bytes whatever its name (a `.gguf` name without them is read as
+   GGUF too, so its header reader says what is wrong); a config.json (any `.json`); a `.safetensors` file inside an
+   HF model folder, which names that folder;
+4. nothing on disk: a Hugging Face Hub id (org/name, org/name@revision, org/name:file.gguf) found in the local HF
+   cache (llmtrace.tracer.checkpoint.hub_cache; never downloaded) is the HF folder or GGUF file it stands for, named
+   by its id; else "no such file or folder" when it looks like a path, else the nearest preset names.
+A new kind of --model is one more branch in `classify_model` (and one in `resolve_model` when its config is read
+another way).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,17 +30,150 @@ if TYPE_CHECKING:  # the header readers are imported when a path is given: a pre
     from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader
     from llmtrace.tracer.checkpoint.weights_summary import WeightsSummary
 
+# The kinds of model a --model argument can name.
+PRESET = "preset"
+HF = "hf"  # an HF model folder: config.json + safetensors
+GGUF = "gguf"
 
-# Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
-# __hash__ and __repr__ for each at import, which the analytical commands (answering in a blink) feel.
+_PATH_SUFFIXES = (".gguf", ".json", ".safetensors")
+
+
+# Records read field by field: eq=False and repr=False spare compiling __eq__, __hash__ and __repr__ for each at
+# import, which the analytical commands (answering in a blink) feel.
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class ModelSource:
+    """A --model argument, classified: the kind of model it names and where that lies (read: a stat, 4 bytes)."""
+
+    kind: str  # PRESET | HF | GGUF
+    spec: str  # the argument as given
+    path: Path | None = None  # GGUF: the file; HF: the model folder; None for a preset
+    config_path: Path | None = None  # HF: the config.json to read (the folder's, or the .json file given)
+    name: str | None = None  # what to call the model when not what its files say (a Hub id: the repo id)
+    origin: str | None = None  # where it was found, when not `path` itself (a Hub id: the cache and commit)
+
+    @property
+    def preset(self) -> ModelConfig:
+        """A preset's config (its name, matched case-insensitively)."""
+        return get_preset(self.spec)
+
+
+def classify_model(spec: str) -> ModelSource:
+    """What `spec` names (see the module docstring), or the one-line error every command gives for it."""
+    if spec.strip().lower() in PRESETS:
+        return ModelSource(PRESET, spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _folder(spec, path)
+    if path.is_file():
+        return _file(spec, path)
+    if path.exists():  # a device, a FIFO...
+        raise ConfigError(f"{path}: not a file or folder; pass a model folder, a .gguf file or a preset name")
+    # Nothing on disk by that name: a kind named otherwise is recognised here, as the folder or file it stands for.
+    from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
+
+    cached = cached_model_for(spec)  # an org/name Hub id not in the cache raises, saying how to fetch it
+    if cached is not None:
+        return replace(classify_model(str(cached.path)), spec=spec, name=cached.name, origin=cached.description)
+    if _looks_like_path(spec):
+        raise ConfigError(f"{spec}: no such file or folder; check the path, or pass a preset name")
+    return ModelSource(PRESET, get_preset(spec).name)  # get_preset raises UnknownPresetError, naming the nearest
+
+
+def _folder(spec: str, folder: Path) -> ModelSource:
+    if (folder / "config.json").is_file():
+        return ModelSource(HF, spec, folder, folder / "config.json")
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(GGUF, spec, ggufs[0])
+    raise ConfigError(f"{folder}: folder has no config.json (nor a single .gguf file); pass a LLaMA model folder")
+
+
+def _file(spec: str, file: Path) -> ModelSource:
+    if _has_gguf_magic(file) or file.suffix == ".gguf":
+        return ModelSource(GGUF, spec, file)
+    if file.suffix == ".json":
+        return ModelSource(HF, spec, file.parent, file)
+    if file.suffix == ".safetensors":
+        if (file.parent / "config.json").is_file():
+            return ModelSource(HF, spec, file.parent, file.parent / "config.json")
+        raise ConfigError(f"{file}: a safetensors file needs the config.json of its model beside it; pass the model "
+                          "folder (config.json + safetensors)")
+    raise ConfigError(f"{file}: not a model folder, config.json or GGUF file; pass one of those or a preset name")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return "/" in spec or "\\" in spec or spec.startswith((".", "~")) or spec.endswith(_PATH_SUFFIXES)
+
+
+def _has_gguf_magic(file: Path) -> bool:
+    from llmtrace.tracer.checkpoint.gguf_header import GGUF_MAGIC
+
+    try:
+        with file.open("rb") as fh:
+            return fh.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def bundled_source() -> ModelSource:
+    """The bundled default model (SmolLM2-135M-Instruct Q4_1 GGUF), for a `run` without --model."""
+    from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+
+    path = bundled_model_path()
+    return ModelSource(GGUF, str(path), path)
+
+
+# ---- the config, from headers only -------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class ResolvedModel:
     """A --model argument turned into its config, plus what its checkpoint holds (None for a preset)."""
 
     config: ModelConfig
     weights: WeightsSummary | None
-    kind: str  # "preset" | "hf" | "gguf"
-    path: str | None  # the model folder, config.json or .gguf file; None for a preset
+    source: ModelSource
+    # GGUF: the header the config came from, parsed once and shared with the tokenizer and the weights loader
+    # (with its vocabulary when resolve_model was asked for it); None otherwise.
+    gguf_header: GGUFHeader | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.source.kind
+
+    @property
+    def path(self) -> str | None:
+        """The GGUF file or the HF model folder; None for a preset."""
+        return str(self.source.path) if self.source.path is not None else None
+
+
+def resolve_model(model: str | ModelSource, vocabulary: bool = False) -> ResolvedModel:
+    """The config of what `model` names and its checkpoint's real parameter count and dtypes, from headers only
+    (no tensor data). vocabulary: keep a GGUF's arrays (its tokenizer), which a config alone does not need."""
+    source = classify_model(model) if isinstance(model, str) else model
+    header = None
+    if source.kind == PRESET:
+        return ResolvedModel(source.preset, None, source)
+    if source.kind == HF:
+        assert source.path is not None and source.config_path is not None
+        config, weights = ModelConfig.from_hf_json(source.config_path), _safetensors_weights(source.path)
+    elif source.kind == GGUF:
+        from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+        from llmtrace.tracer.checkpoint.weights_summary import summarize_gguf
+
+        assert source.path is not None
+        header = read_gguf_header(source.path, decode_arrays=vocabulary)
+        config, weights = config_from_gguf_header(header), summarize_gguf(header)
+    else:  # pragma: no cover
+        raise AssertionError(f"unhandled model kind {source.kind!r}")
+    if source.name is not None:  # a Hub id: named by its repo id, not by its snapshot's commit hash
+        config = config.with_name(source.name)
+    return ResolvedModel(config, weights, source, header)
+
+
+def resolve_config(model: str | ModelSource) -> ModelConfig:
+    """The config alone: a preset name, or a path to a model folder, a config.json or a GGUF file."""
+    return resolve_model(model).config
 
 
 def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
@@ -39,11 +187,6 @@ def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(meta, name=name, source=header.path)
 
 
-def resolve_config(spec: str) -> ModelConfig:
-    """A preset name, or a path to a model folder, a config.json or a .gguf file."""
-    return resolve_model(spec).config
-
-
 def _safetensors_weights(folder: Path) -> WeightsSummary | None:
     """What the folder's safetensors headers hold, or None when it has no safetensors files."""
     from llmtrace.tracer.checkpoint.safetensors_header import INDEX_NAME, read_safetensors_checkpoint
@@ -52,40 +195,3 @@ def _safetensors_weights(folder: Path) -> WeightsSummary | None:
     if not ((folder / INDEX_NAME).exists() or any(folder.glob("*.safetensors"))):
         return None
     return summarize_safetensors(read_safetensors_checkpoint(folder))
-
-
-def _from_gguf(path: Path) -> ResolvedModel:
-    from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
-    from llmtrace.tracer.checkpoint.weights_summary import summarize_gguf
-
-    header = read_gguf_header(path)
-    return ResolvedModel(config_from_gguf_header(header), summarize_gguf(header), "gguf", str(path))
-
-
-def resolve_model(spec: str) -> ResolvedModel:
-    """Like resolve_config, plus the checkpoint's real parameter count and dtypes from its headers (no tensor data)."""
-    if spec.strip().lower() in PRESETS:
-        return ResolvedModel(get_preset(spec), None, "preset", None)
-    from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
-
-    cached = cached_model_for(spec)
-    if cached is not None:  # an org/name Hub id: its snapshot in the local HF cache, named by the id
-        found = resolve_model(str(cached.path))
-        return ResolvedModel(found.config.with_name(cached.name), found.weights, found.kind, found.path)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        if "/" in spec or "\\" in spec or path.suffix in (".json", ".gguf", ".safetensors"):
-            raise ConfigError(f"{spec}: no such file or folder; check the path, or pass a preset name")
-        return ResolvedModel(get_preset(spec), None, "preset", None)  # raises UnknownPresetError with nearest names
-    if path.is_dir():
-        if (path / "config.json").exists():
-            return ResolvedModel(ModelConfig.from_hf_json(path), _safetensors_weights(path), "hf", str(path))
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _from_gguf(ggufs[0])
-        raise ConfigError(f"{path}: folder has no config.json (nor a single .gguf file); pass a LLaMA model folder")
-    if path.suffix == ".gguf":
-        return _from_gguf(path)
-    if path.suffix == ".json":
-        return ResolvedModel(ModelConfig.from_hf_json(path), _safetensors_weights(path.parent), "hf", str(path))
-    raise ConfigError(f"{path}: not a model folder, config.json or .gguf file; pass one of those or a preset name")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from llmtrace.tracer.core.dtypes import DType, dtype_of_file_type
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader
 from llmtrace.tracer.checkpoint.safetensors_header import SafetensorsCheckpoint
 
@@ -31,17 +32,10 @@ class WeightsSummary:
         return self.by_dtype[0].dtype if self.by_dtype else "-"
 
     @property
-    def llmtrace_dtype(self) -> str | None:
-        """The llmtrace.tracer.core.dtypes name whose layout matches the main dtype exactly (Q8_0 is int8, Q4_1 is
-        q4_1, Q4_K is q4_k), None when none does."""
-        from llmtrace.tracer.core.dtypes import GGUF_DTYPES
-
-        return _EXACT_DTYPES.get(self.main_dtype) or (self.main_dtype.lower() if self.main_dtype.lower() in
-                                                      GGUF_DTYPES else None)
-
-
-# File dtype names (safetensors and ggml) -> the llmtrace.tracer.core.dtypes name with the same storage layout.
-_EXACT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "Q8_0": "int8", "Q4_0": "int4"}
+    def llmtrace_dtype(self) -> DType | None:
+        """The format whose layout the main dtype has exactly (Q8_0 is int8, Q4_1 is q4_1, Q4_K is q4_k), None when
+        none does."""
+        return dtype_of_file_type(self.main_dtype)
 
 
 def _summarize(fmt: str, files: tuple[str, ...], rows: Iterable[tuple[str, int, int]]) -> WeightsSummary:

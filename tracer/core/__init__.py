@@ -1,7 +1,7 @@
 """The vocabulary every other layer speaks: typed one-line errors, the model configuration (one frozen
 dataclass from a preset, an HF config.json or a GGUF header), the model contract (every stage and tensor of the
-forward pass declared once: contract.py), storage sizes of the number formats (ggml's block types among them:
-ggml_types.py), and the presets. Pure Python.
+forward pass declared once: contract.py), the number formats (one DType value type with its storage size, one alias
+table, one parser; ggml's block types among them: ggml_types.py), and the presets. Pure Python.
 
 May import: nothing from llmtrace (the standard library only).
 """

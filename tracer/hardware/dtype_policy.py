@@ -1,15 +1,20 @@
-"""Which compute dtype `auto` means on this machine, from what was measured (BENCHMARKS.md, "Model speed").
+"""Compute dtypes on this machine: which one `auto` means, and the torch dtype of each format.
 
-On CPUs that multiply bf16 in hardware (AMX or AVX-512 BF16) bf16 GEMMs ran 4x fp32 and bf16 decode beat fp32 by
-1.16x on the bundled model; with AVX2-only kernels bf16 prefill ran 5x slower than fp32 and decode slower too.
-So `auto` is bf16 where the hardware has bf16 arithmetic, fp32 elsewhere.
+`auto`, from what was measured (BENCHMARKS.md, "Model speed"): on CPUs that multiply bf16 in hardware (AMX or
+AVX-512 BF16) bf16 GEMMs ran 4x fp32 and bf16 decode beat fp32 by 1.16x on the bundled model; with AVX2-only
+kernels bf16 prefill ran 5x slower than fp32 and decode slower too. So `auto` is bf16 where the hardware has bf16
+arithmetic, fp32 elsewhere.
+
+The formats themselves (names, aliases, sizes) live in llmtrace.tracer.core.dtypes; this is the one place that maps
+them to and from torch's dtypes.
 """
 
 from __future__ import annotations
 
 import torch
 
-AUTO = "auto"
+from llmtrace.tracer.core.dtypes import BF16, COMPUTE_DTYPES, FP32, AutoDtype, DType, get_dtype
+from llmtrace.tracer.core.errors import BadArgumentError
 
 
 def cpu_has_native_bf16() -> bool:
@@ -21,18 +26,29 @@ def cpu_has_native_bf16() -> bool:
     return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
 
 
-def auto_dtype(device: str | torch.device) -> str:
-    """The fastest dtype that keeps results close to fp32 on `device` ('fp32' or 'bf16')."""
+def auto_dtype(device: str | torch.device) -> DType:
+    """The fastest format that keeps results close to fp32 on `device` (fp32 or bf16)."""
     kind = torch.device(device).type
     if kind == "cuda":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+        return BF16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else FP32
     if kind == "cpu":
-        return "bf16" if cpu_has_native_bf16() else "fp32"
-    return "fp32"  # mps and others: fp32 until measured
+        return BF16 if cpu_has_native_bf16() else FP32
+    return FP32  # mps and others: fp32 until measured
 
 
-def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> str | torch.dtype:
-    """`auto` -> a concrete dtype name for `device`; anything else unchanged."""
-    if isinstance(name, str) and name.strip().lower() == AUTO:
-        return auto_dtype(device)
-    return name
+def resolve_dtype(choice: DType | AutoDtype, device: str | torch.device) -> DType:
+    """`auto` -> the concrete format for `device`; a format passes through."""
+    return auto_dtype(device) if isinstance(choice, AutoDtype) else choice
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """torch's dtype for a format torch computes in; BadArgumentError for a storage-only format (int4, fp8...)."""
+    if dtype.torch_name is None:
+        names = ", ".join(d.name for d in COMPUTE_DTYPES)
+        raise BadArgumentError(f"{dtype.name} is a storage format, not one torch computes in; use one of {names}")
+    return getattr(torch, dtype.torch_name)
+
+
+def dtype_of(tensor_dtype: torch.dtype) -> DType:
+    """The format of a torch dtype among COMPUTE_DTYPES (torch.bfloat16 -> bf16); BadArgumentError otherwise."""
+    return get_dtype(str(tensor_dtype).removeprefix("torch."), COMPUTE_DTYPES)

@@ -24,9 +24,10 @@ from typing import Callable
 
 import torch
 
+from llmtrace.tracer.core.dtypes import FP32, BF16, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
+from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile
-_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Progress = Callable[[str], None]
 MAX_REPEATS = 1000
@@ -34,7 +35,7 @@ MAX_REPEATS = 1000
 
 @dataclass(frozen=True, slots=True)
 class GemmMeasurement:
-    dtype: str
+    dtype: str  # a MEASURABLE_DTYPES name
     n: int  # square matrix size
     flops_per_run: int  # 2 * n^3
     seconds: tuple[float, ...]  # every timed run
@@ -106,22 +107,21 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_gemm(dtype: str, device: str = "cpu", repeats: int = 5, target_seconds: float = 0.05,
+def measure_gemm(dtype: DType, device: str = "cpu", repeats: int = 5, target_seconds: float = 0.05,
                  max_n: int = 4096, min_n: int = 128) -> GemmMeasurement:
     """Best FLOP/s of an n x n @ n x n matmul in `dtype`, n calibrated so one run takes about target_seconds."""
-    if dtype not in MEASURABLE_DTYPES:
-        raise BadArgumentError(f"cannot measure {dtype!r}; measurable dtypes are {', '.join(MEASURABLE_DTYPES)}")
-    if dtype == "tf32" and device != "cuda":
+    dtype = get_dtype(dtype, MEASURABLE_DTYPES, refusal="cannot measure")
+    if dtype is TF32 and device != "cuda":
         raise BadArgumentError("tf32 is a CUDA tensor-core mode; measure it with --device cuda")
-    torch_dtype = _TORCH_DTYPES[dtype]
+    values = torch_dtype(dtype)
     generator = torch.Generator(device="cpu").manual_seed(0)
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = dtype is TF32
     try:
         n = min_n
         while True:
-            a = torch.randn(n, n, generator=generator).to(device=device, dtype=torch_dtype)
-            b = torch.randn(n, n, generator=generator).to(device=device, dtype=torch_dtype)
+            a = torch.randn(n, n, generator=generator).to(device=device, dtype=values)
+            b = torch.randn(n, n, generator=generator).to(device=device, dtype=values)
             one = _timed(lambda: a @ b, device)  # also the warm-up run for this size
             if one >= target_seconds or n * 2 > max_n:
                 break
@@ -131,7 +131,7 @@ def measure_gemm(dtype: str, device: str = "cpu", repeats: int = 5, target_secon
         torch.backends.cuda.matmul.allow_tf32 = previous_tf32
     flops = 2 * n**3
     best = min(seconds)
-    return GemmMeasurement(dtype, n, flops, seconds, statistics.median(seconds), best, flops / best)
+    return GemmMeasurement(dtype.name, n, flops, seconds, statistics.median(seconds), best, flops / best)
 
 
 def measure_copy(device: str = "cpu", buffer_bytes: int = 256 * 2**20, repeats: int = 5) -> CopyMeasurement:
@@ -148,7 +148,7 @@ def measure_copy(device: str = "cpu", buffer_bytes: int = 256 * 2**20, repeats: 
     return CopyMeasurement(numel * 4, moved, seconds, statistics.median(seconds), best, moved / best)
 
 
-def measure_machine(dtypes: tuple[str, ...] = ("fp32", "bf16"), device: str = "cpu", repeats: int = 5,
+def measure_machine(dtypes: tuple[DType, ...] = (FP32, BF16), device: str = "cpu", repeats: int = 5,
                     gemm_target_seconds: float = 0.05, gemm_max_n: int | None = None,
                     copy_bytes: int | None = None, progress: Progress | None = None) -> MachineMeasurement:
     """Measure GEMM FLOP/s for each of `dtypes` and copy bandwidth on `device` ("cpu" or "cuda")."""
@@ -195,7 +195,7 @@ QUICK = {"cpu": dict(repeats=5, gemm_target_seconds=0.01, gemm_max_n=512, copy_b
          "cuda": dict(repeats=3, gemm_target_seconds=0.005, gemm_max_n=4096, copy_bytes=512 * 2**20)}
 
 
-def quick_measure_machine(dtypes: tuple[str, ...], device: str = "cpu",
+def quick_measure_machine(dtypes: tuple[DType, ...], device: str = "cpu",
                           progress: Progress | None = None) -> MachineMeasurement:
     """measure_machine with QUICK's sizes for `device` ("cpu" or "cuda")."""
     if device not in QUICK:
@@ -209,11 +209,11 @@ class QuickMeasurement:
 
     profile: HardwareProfile
     measurement: MachineMeasurement
-    dtypes: tuple[str, ...]
+    dtypes: tuple[str, ...]  # the GEMM dtypes measured, by name
     seconds: float
 
 
-def quick_profile(dtypes: tuple[str, ...], device: str = "cpu", progress: Progress | None = None) -> QuickMeasurement:
+def quick_profile(dtypes: tuple[DType, ...], device: str = "cpu", progress: Progress | None = None) -> QuickMeasurement:
     """quick_measure_machine, as a 'this-machine' profile whose source says how it was measured. Like every
     measurement here, each ceiling is the fastest of the timed runs (see the module docstring)."""
     start = time.perf_counter()
@@ -225,7 +225,8 @@ def quick_profile(dtypes: tuple[str, ...], device: str = "cpu", progress: Progre
         source=f"quick measurement by llmtrace run (torch {result.torch_version}, GEMMs up to "
                f"{sizes['gemm_max_n']}, {sizes['copy_bytes'] // 2**20} MiB copy, best of {sizes['repeats']} runs)",
     )
-    return QuickMeasurement(profile=profile, measurement=result, dtypes=dtypes, seconds=seconds)
+    return QuickMeasurement(profile=profile, measurement=result, dtypes=tuple(d.name for d in dtypes),
+                            seconds=seconds)
 
 
 def profile_from_measurement(m: MachineMeasurement, name: str = THIS_MACHINE) -> HardwareProfile:

@@ -15,15 +15,17 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from llmtrace.tracer.core.dtypes import BF16, FP8, FP16, FP32, INT8, TF32, DType
 from llmtrace.tracer.core.errors import HardwareError
 
 GiB = 2**30
 TERA = 1e12
 GIGA = 1e9
 
-# The dtypes a profile can give a peak for, in display order. "tf32" is a tensor-core mode for fp32 matmuls
-# (PyTorch leaves it off by default: torch.backends.cuda.matmul.allow_tf32 = False).
-PEAK_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+# The dtypes a profile can give a peak for, in display order; their names are the profile's peak fields, which
+# peak(), has_peak() and ridge_point() look up. "tf32" is a tensor-core mode for fp32 matmuls (PyTorch leaves it off
+# by default: torch.backends.cuda.matmul.allow_tf32 = False).
+PEAK_DTYPES: tuple[str, ...] = tuple(d.name for d in (FP32, TF32, BF16, FP16, FP8, INT8))
 
 THIS_MACHINE = "this-machine"
 
@@ -31,7 +33,7 @@ THIS_MACHINE = "this-machine"
 RIDGE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 
 # GEMM dtypes `llmtrace hardware --measure` can time with torch (tf32 on CUDA only).
-MEASURABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+MEASURABLE_DTYPES: tuple[DType, ...] = (FP32, TF32, BF16, FP16)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,17 +8,15 @@ the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` dec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
-from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
+from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, tensor_of
-from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -51,11 +49,6 @@ class GGUFWeights:
     state_dict: dict[str, torch.Tensor]
     quantization: str  # e.g. "Q4_1+Q8_0": the quantized types found, most common first
     header: GGUFHeader
-
-
-def read_header(path: str | Path) -> GGUFHeader:
-    """The full header, vocabulary included (read once, shared by the config, the weights and the tokenizer)."""
-    return read_gguf_header(path, decode_arrays=True)
 
 
 def quantization_summary(header: GGUFHeader) -> str:
@@ -107,15 +100,13 @@ def _first(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def load_gguf_weights(path: str | Path, header: GGUFHeader | None = None,
-                      dtype: torch.dtype = torch.float32) -> GGUFWeights:
+def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype = torch.float32) -> GGUFWeights:
     """Read, dequantize and rename every tensor of a LLaMA GGUF file; Q/K in HF's rotate_half layout.
 
-    Values are decoded in fp32 and each tensor is cast to `dtype` as soon as it is decoded, so the peak memory is
-    the result plus one fp32 tensor.
+    `header` and `config` are the file's, parsed once by the caller (llmtrace.tracer.checkpoint.resolve.resolve_model
+    gives both). Values are decoded in fp32 and each tensor is cast to `dtype` as soon as it is decoded, so the peak
+    memory is the result plus one fp32 tensor.
     """
-    header = header if header is not None else read_header(path)
-    config = config_from_gguf_header(header)
     plan = _plan(header, config)
     try:
         data = np.memmap(header.path, dtype=np.uint8, mode="r")

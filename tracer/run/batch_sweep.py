@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from llmtrace.tracer.analytic.kernels import Kernels
+from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.analysis import roofline
@@ -106,7 +107,7 @@ def knee(batches: Sequence[int], step_seconds: Sequence[float]) -> float | None:
 
 
 def sweep(loaded: Any, hardware: HardwareProfile, ids: Sequence[int], batches: Sequence[int], steps: int = 16,
-          repeats: int = 3, dtype: str = "fp32", kernels: Kernels | str = Kernels.EAGER,
+          repeats: int = 3, dtype: DType = FP32, kernels: Kernels | str = Kernels.EAGER,
           progress: Callable[[int, int], None] | None = None) -> BatchSweep:
     """Measure and predict the decode step at each batch. Rounds are interleaved (every batch once per repeat), so
     machine noise lands on all batches alike. `progress(done, total)` is called after each measurement."""

@@ -25,7 +25,7 @@ from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.analytic.estimate import Dtypes
-from llmtrace.tracer.core.dtypes import get_dtype
+from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
@@ -217,7 +217,7 @@ class Generation:
             tracer.remove()
 
     def _dtypes(self) -> Dtypes:
-        return Dtypes.for_weights(get_dtype(str(self.dtype).removeprefix("torch.")))
+        return Dtypes.for_weights(dtype_of(self.dtype))
 
     def _warm_up(self, ids: list[int]) -> None:
         """One untimed prefill of the prompt and one decode step, then an empty cache: the first call of a kernel

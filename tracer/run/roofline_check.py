@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
-from llmtrace.tracer.core.dtypes import get_dtype
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP32, TF32, get_dtype
 from llmtrace.tracer.core.errors import HardwareError, LlmtraceError
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, get_profile
 from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details, save_measured_profile
@@ -45,7 +45,7 @@ def run_roofline(trace: Trace, summary: RunSummary,
         return RunRoofline(None, f"roofline: {note}", measured, saved_to, not_saved)
 
     try:
-        dtype = get_dtype(trace.environment.dtype).name  # "bfloat16" -> "bf16"
+        dtype = get_dtype(trace.environment.dtype, COMPUTE_DTYPES)  # the record's "bfloat16" -> BF16
         profiles = load_measured_profiles()
         if THIS_MACHINE not in profiles:
             if device not in ("cpu", "cuda"):
@@ -53,7 +53,7 @@ def run_roofline(trace: Trace, summary: RunSummary,
                                "`llmtrace roofline --hardware <your machine>`")
             from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
 
-            measured = quick_profile(("fp32",) if dtype == "fp32" else ("fp32", dtype), device, progress)
+            measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress)
             try:
                 saved_to = str(save_measured_profile(measured.profile, asdict(measured.measurement)))
             except HardwareError as exc:  # an unwritable config folder: this run still gets its bound
@@ -65,8 +65,9 @@ def run_roofline(trace: Trace, summary: RunSummary,
                 return without(f"'this-machine' was measured on {details['device']}, this run used {device}; "
                                f"run `llmtrace hardware --measure --device {device}`")
         profile = get_profile(THIS_MACHINE, profiles)
-        if not profile.has_peak(dtype):
-            have = ", ".join(d for d in MEASURABLE_DTYPES if d != "tf32" and profile.has_peak(d)) or "none"
+        if not profile.has_peak(dtype.name):
+            have = ", ".join(d.name for d in MEASURABLE_DTYPES
+                             if d is not TF32 and profile.has_peak(d.name)) or "none"
             return without(f"the saved 'this-machine' profile has no {dtype} peak FLOP/s ({have} only), so no bound "
                            f"for this {dtype} run; add it with `llmtrace hardware --measure --dtypes fp32,{dtype}`")
         pre, dec = summary.prefill, summary.decode
