@@ -178,6 +178,8 @@ def write_tiny_gguf(
         writer.add_token_types(vocab["types"])
         if "merges" in vocab:
             writer.add_token_merges(vocab["merges"])
+        if "pre" in vocab:
+            writer.add_tokenizer_pre(vocab["pre"])
         writer.add_bos_token_id(vocab["bos"])
         writer.add_eos_token_id(vocab["eos"])
         if "unk" in vocab:
@@ -197,7 +199,9 @@ def write_tiny_gguf(
             writer.add_tensor(name, blocks, raw_dtype=qtype)
             continue
         array = tensor.detach().to(torch.float32).numpy()
-        if ours.endswith(("attention.wq.weight", "attention.wq.bias")):  # the converter permutes biases too
+        if arch != "llama":
+            pass  # convert_hf_to_gguf permutes Q/K for LlamaModel only; Qwen2Model keeps HF's row order
+        elif ours.endswith(("attention.wq.weight", "attention.wq.bias")):  # the converter permutes biases too
             array = llama_cpp_permute(array, config.n_heads, config.n_heads)
         elif ours.endswith(("attention.wk.weight", "attention.wk.bias")):
             array = llama_cpp_permute(array, config.n_heads, config.n_kv_heads)

@@ -39,7 +39,12 @@ _LLAMA3_SPLIT = (
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2 = ("gpt-2", "gpt2")
 _LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
-SUPPORTED_PRE = _GPT2 + _DIGITS_THEN_GPT2 + _LLAMA3
+# Qwen2's split regex (its tokenizer.json; llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2): Llama 3's with single digits.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = ("qwen2",)
+SUPPORTED_PRE = _GPT2 + _DIGITS_THEN_GPT2 + _LLAMA3 + _QWEN2
 
 
 def _pre_tokenizer(pre: str | None, source: str) -> pre_tokenizers.PreTokenizer:
@@ -51,9 +56,10 @@ def _pre_tokenizer(pre: str | None, source: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ])
-    if pre in _LLAMA3:
+    if pre in _LLAMA3 + _QWEN2:
+        split = _LLAMA3_SPLIT if pre in _LLAMA3 else _QWEN2_SPLIT
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise UnsupportedModelError(

@@ -116,6 +116,9 @@ def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtyp
         raise FileFormatError(f"{header.path}: file changed size while loading; try again")
     state: dict[str, torch.Tensor] = {}
     heads = dims(config)
+    # llama.cpp's converter interleaves Q/K rows for the 'llama' architecture's RoPE only (LlamaModel.permute);
+    # 'qwen2' files keep HF's rotate_half order (llama.cpp runs them with NEOX-style RoPE).
+    interleaved = header.metadata.get("general.architecture") == "llama"
     for name, info in plan.items():
         start = header.data_offset + info.offset
         values = dequantize(data[start:start + info.n_bytes], info.ggml_type, info.shape[0], info.name)
@@ -123,7 +126,7 @@ def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtyp
             raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
         matrix = values.reshape(info.torch_shape)
         rope_heads = tensor_of(name).rope_heads  # "H" for wq, "Hkv" for wk (weights and biases), else None
-        if rope_heads is not None:
+        if rope_heads is not None and interleaved:
             matrix = unpermute_rope_rows(matrix, heads[rope_heads])
         tensor = torch.from_numpy(matrix)
         state[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
