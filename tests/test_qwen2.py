@@ -158,3 +158,20 @@ def test_per_layer_windows_are_refused_in_one_line() -> None:
         ModelConfig.from_hf_dict(data)
     assert ModelConfig.from_hf_dict({**data, "max_window_layers": 0}).sliding_window == 16
     assert ModelConfig.from_hf_dict({**data, "max_window_layers": 4}).sliding_window is None
+
+
+def test_a_bias_of_the_wrong_shape_is_one_line(qwen2: tuple[Path, Path, ModelConfig], tmp_path: Path) -> None:
+    """A 'qwen2' GGUF whose blk.1.attn_k.bias has 31 values instead of Hkv·D = 32: named, exit 2, nothing cached."""
+    from tiny_gguf import write_tiny_gguf as write
+    from llmtrace.tracer.core.errors import CheckpointError
+
+    _, _, config = qwen2
+    weights = random_weights(config, seed=9)
+    weights["layers.1.attention.wk.bias"] = weights["layers.1.attention.wk.bias"][:31]
+    path = write(tmp_path / "bad-bias.gguf", config, weights, _bundled_vocab(), arch="qwen2", tokenizer_model="gpt2")
+    with pytest.raises(CheckpointError) as exc:
+        load_model(str(path))
+    assert "blk.1.attn_k.bias" in str(exc.value) and "\n" not in str(exc.value)
+    result = CliRunner().invoke(app, ["run", "hi", "--model", str(path), "--no-roofline"])
+    assert result.exit_code == 2 and "blk.1.attn_k.bias" in result.output
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))
