@@ -126,7 +126,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: 'architectures' must be a list of names, got {_short(archs)}")
         if not isinstance(model_type, str):
             raise ConfigError(f"{source}: 'model_type' must be a name, got {_short(model_type)}")
-        supported_types = {"llama", "mistral", ""}
+        supported_types = {"llama", "mistral", "qwen2", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -148,6 +148,7 @@ class ModelConfig:
         n_heads = whole("num_attention_heads", need("num_attention_heads"))
         head_dim = data.get("head_dim")
         attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
+        qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs  # Qwen2Attention: a bias on q, k, v, none on o
         rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
         tie = data.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
@@ -168,9 +169,9 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(data.get("rope_scaling") or data.get("rope_parameters"), source),
             source=source,
             sliding_window=_sliding_window_from_hf(data, model_type, archs, source),
-            qkv_bias=attention_bias,
-            wo_bias=attention_bias,
-            mlp_bias=bool(data.get("mlp_bias", False)),
+            qkv_bias=attention_bias or qwen2,
+            wo_bias=attention_bias and not qwen2,
+            mlp_bias=bool(data.get("mlp_bias", False)) and not qwen2,
         )
 
     @classmethod
@@ -196,19 +197,26 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], name: str, source: str) -> "ModelConfig":
-        """Build from GGUF key/value metadata (`llama.*` keys), as read by `llmtrace.tracer.checkpoint.gguf_header`."""
+        """Build from GGUF key/value metadata (`llama.*` or `qwen2.*` keys), as read by
+        `llmtrace.tracer.checkpoint.gguf_header`."""
         arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; llmtrace reads 'llama'")
-        experts = meta.get("llama.expert_count")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{source}: GGUF architecture {arch!r} is not supported; llmtrace reads {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def key(name: str) -> str:
+            return f"{arch}.{name}"
+
+        experts = meta.get(key("expert_count"))
         if experts:  # Mixtral-style files keep arch 'llama' and add expert tensors (ffn_*_exps, ffn_gate_inp)
             raise UnsupportedModelError(
                 f"{source}: a mixture-of-experts model ({experts} experts per layer) is not supported; llmtrace "
                 "models dense LLaMA-family FFNs only"
             )
 
-        def need(key: str) -> Any:
-            full = f"llama.{key}"
+        def need(name: str) -> Any:
+            full = key(name)
             if full not in meta:
                 raise ConfigError(f"{source}: GGUF metadata lacks {full!r}; the file is incomplete or not a LLaMA model")
             return meta[full]
@@ -219,48 +227,48 @@ class ModelConfig:
         def real(key: str, value: Any) -> float:
             return real_number(value, source, key)
 
-        n_heads = whole("llama.attention.head_count", need("attention.head_count"))
+        n_heads = whole(key("attention.head_count"), need("attention.head_count"))
         if n_heads <= 0:
             raise ConfigError(f"{source}: 'llama.attention.head_count' is {n_heads}; it must be at least 1, the file "
                               "is corrupt")
         tokens = meta.get("tokenizer.ggml.tokens")
-        vocab_size = meta.get("llama.vocab_size")
-        vocab = (whole("llama.vocab_size", vocab_size) if vocab_size else
+        vocab_size = meta.get(key("vocab_size"))
+        vocab = (whole(key("vocab_size"), vocab_size) if vocab_size else
                  len(tokens) if isinstance(tokens, (list, tuple)) or hasattr(tokens, "count") else 0)
         if vocab <= 0:
             raise ConfigError(f"{source}: GGUF metadata gives no vocabulary size")
-        key_length = meta.get("llama.attention.key_length")
-        dim = whole("llama.embedding_length", need("embedding_length"))
-        head_dim = whole("llama.attention.key_length", key_length) if key_length else None
+        key_length = meta.get(key("attention.key_length"))
+        dim = whole(key("embedding_length"), need("embedding_length"))
+        head_dim = whole(key("attention.key_length"), key_length) if key_length else None
         scaling = None
-        if meta.get("llama.rope.scaling.type") == "llama3" or "llama.rope.scaling.low_freq_factor" in meta:
+        if meta.get(key("rope.scaling.type")) == "llama3" or key("rope.scaling.low_freq_factor") in meta:
             scaling = RopeScaling(
-                factor=real("llama.rope.scaling.factor", meta.get("llama.rope.scaling.factor", 8.0)),
-                low_freq_factor=real("llama.rope.scaling.low_freq_factor",
-                                     meta.get("llama.rope.scaling.low_freq_factor", 1.0)),
-                high_freq_factor=real("llama.rope.scaling.high_freq_factor",
-                                      meta.get("llama.rope.scaling.high_freq_factor", 4.0)),
-                original_max_position=whole("llama.rope.scaling.original_context_length",
-                                            meta.get("llama.rope.scaling.original_context_length", 8192)),
+                factor=real(key("rope.scaling.factor"), meta.get(key("rope.scaling.factor"), 8.0)),
+                low_freq_factor=real(key("rope.scaling.low_freq_factor"),
+                                     meta.get(key("rope.scaling.low_freq_factor"), 1.0)),
+                high_freq_factor=real(key("rope.scaling.high_freq_factor"),
+                                      meta.get(key("rope.scaling.high_freq_factor"), 4.0)),
+                original_max_position=whole(key("rope.scaling.original_context_length"),
+                                            meta.get(key("rope.scaling.original_context_length"), 8192)),
             )
         return cls(
             name=name,
             vocab_size=vocab,
             dim=dim,
-            n_layers=whole("llama.block_count", need("block_count")),
+            n_layers=whole(key("block_count"), need("block_count")),
             n_heads=n_heads,
-            n_kv_heads=whole("llama.attention.head_count_kv", meta.get("llama.attention.head_count_kv", n_heads)),
-            ffn_dim=whole("llama.feed_forward_length", need("feed_forward_length")),
-            norm_eps=real("llama.attention.layer_norm_rms_epsilon",
-                          meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=real("llama.rope.freq_base", meta.get("llama.rope.freq_base", 10000.0)),
-            max_seq_len=whole("llama.context_length", meta.get("llama.context_length", 2048)),
+            n_kv_heads=whole(key("attention.head_count_kv"), meta.get(key("attention.head_count_kv"), n_heads)),
+            ffn_dim=whole(key("feed_forward_length"), need("feed_forward_length")),
+            norm_eps=real(key("attention.layer_norm_rms_epsilon"),
+                          meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
+            rope_theta=real(key("rope.freq_base"), meta.get(key("rope.freq_base"), 10000.0)),
+            max_seq_len=whole(key("context_length"), meta.get(key("context_length"), 2048)),
             # Filled in by the caller from the tensor list (no output.weight means tied); default from metadata.
             tie_embeddings=bool(meta.get("_llmtrace.tied", False)),
             explicit_head_dim=head_dim if head_dim is not None and head_dim != dim // n_heads else None,
             rope_scaling=scaling,
             source=source,
-            sliding_window=_sliding_window_from_gguf(meta.get("llama.attention.sliding_window"), source),
+            sliding_window=_sliding_window_from_gguf(meta.get(key("attention.sliding_window")), source),
             # No metadata key says so: the caller reads them from the tensor list (contract.gguf_tensor_flags).
             qkv_bias=bool(meta.get("_llmtrace.qkv_bias", False)),
             wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
@@ -316,7 +324,10 @@ def _check_rope_scaling(name: str, scaling: RopeScaling) -> None:
                           f"{scaling.original_max_position!r}")
 
 
-_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+# GGUF architectures read: llama (LLaMA, Mistral and other LLaMA-shaped files) and qwen2 (LLaMA plus Q/K/V biases,
+# its Q/K rows in HF's order). Their metadata keys differ only in the prefix.
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
 _MISTRAL_DEFAULT_WINDOW = 4096
 
@@ -324,9 +335,22 @@ _MISTRAL_DEFAULT_WINDOW = 4096
 def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> int | None:
     """The window transformers applies: Mistral's sliding_window (4096 when absent, null for none); LLaMA has none
     (LlamaForCausalLM ignores the key)."""
-    if not (model_type == "mistral" or "MistralForCausalLM" in archs):
+    if model_type == "mistral" or "MistralForCausalLM" in archs:
+        window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    elif model_type == "qwen2" or "Qwen2ForCausalLM" in archs:  # windowed only with use_sliding_window
+        if not data.get("use_sliding_window", False) or data.get("sliding_window") is None:
+            return None
+        window = data["sliding_window"]
+        first_windowed = data.get("max_window_layers", 28)
+        if isinstance(first_windowed, int) and first_windowed >= data.get("num_hidden_layers", 0):
+            return None  # every layer is below max_window_layers: full attention throughout
+        if first_windowed != 0:
+            raise UnsupportedModelError(
+                f"{source}: sliding window on layers {first_windowed} and up only (use_sliding_window with "
+                "max_window_layers) is not modelled; llmtrace windows all layers or none"
+            )
+    else:
         return None
-    window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
