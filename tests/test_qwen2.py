@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from tiny_gguf import write_tiny_gguf
 from tiny_llama import random_weights
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.cli.app import app
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
@@ -95,7 +96,7 @@ def test_config_is_llama_with_qkv_biases(qwen2: tuple[Path, Path, ModelConfig]) 
 def test_logits_equal_qwen2_for_causal_lm(source: str, qwen2: tuple[Path, Path, ModelConfig]) -> None:
     folder, gguf_path, _ = qwen2
     hf = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    loaded = load_model(str(folder if source == "hf" else gguf_path), dtype="fp32", use_cache=False)
+    loaded = load_model(str(folder if source == "hf" else gguf_path), dtype=FP32, use_cache=False)
     assert loaded.config.qkv_bias and not loaded.config.wo_bias
     ids = torch.randint(3, loaded.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(4))
     expected = hf(input_ids=ids).logits
