@@ -67,7 +67,8 @@ def classify_model(spec: str) -> ModelSource:
     if path.is_file():
         return _file(spec, path)
     if path.exists():  # a device, a FIFO...
-        raise ConfigError(f"{path}: not a file or folder; pass a model folder, a .gguf file or a preset name")
+        raise ConfigError(f"{path}: not a regular file or folder; pass a model folder, a .gguf file or a preset "
+                          "name")
     # Nothing on disk by that name: a kind named otherwise is recognised here, as the folder or file it stands for.
     from llmtrace.tracer.checkpoint.hub_cache import cached_model_for
 
