@@ -48,7 +48,7 @@ def _assert_kept(result: object, out: Path, chrome: Path) -> None:
     assert "Traceback" not in result.output and "llmtrace: internal error" not in result.output  # type: ignore[attr-defined]
     assert len(Trace.from_json(out.read_text(encoding="utf-8")).generated_ids) == 2
     assert json.loads(chrome.read_text(encoding="utf-8"))["traceEvents"]
-    assert "7 · Summary" in result.output  # type: ignore[attr-defined]
+    assert "8 · Summary" in result.output  # type: ignore[attr-defined]
 
 
 def test_unwritable_home_keeps_the_run_and_still_gives_the_bound(tiny_llama_dir: Path, tmp_path: Path,

@@ -288,6 +288,11 @@ def _optional(builder: Callable[[dict[str, Any]], R], data: dict[str, Any] | Non
     return None if data is None else builder(data)
 
 
+def _floats(raw: Any, name: str) -> tuple[float, ...]:
+    """A JSON array of numbers as a tuple of floats; any other element is a TypeError naming the field."""
+    return tuple(_typed(float, value, name, _is_float) for value in _list(raw))
+
+
 def _list(raw: Any) -> tuple[Any, ...]:
     """A JSON array as a tuple; anything else (a string would iterate into characters) is a TypeError."""
     if not isinstance(raw, list):
@@ -330,8 +335,9 @@ def _settings(d: dict[str, Any]) -> RunSettings:
 
 
 def _sampling_lesson(d: dict[str, Any]) -> SamplingLesson:
-    columns = tuple(_build(LessonColumn, {**c, "probabilities": tuple(c["probabilities"]),
-                                          "final_probabilities": tuple(c["final_probabilities"])})
+    columns = tuple(_build(LessonColumn, {**c, "probabilities": _floats(c["probabilities"], "probabilities"),
+                                          "final_probabilities": _floats(c["final_probabilities"],
+                                                                         "final_probabilities")})
                     for c in d["columns"])
     tokens = tuple(_build(LessonToken, t) for t in d["tokens"])
     return _build(SamplingLesson, {**d, "tokens": tokens, "columns": columns})
