@@ -271,46 +271,44 @@ def tensor_of(name: str) -> TensorSpec | None:
     return _index().top_tensors.get(name)
 
 
+def _to_ours(name: str, layer_prefix: str, top_by: dict, layer_by: dict) -> str | None:
+    """Our name for a checkpoint's tensor name in one naming scheme (HF's or llama.cpp's), or None."""
+    if name in top_by:
+        return top_by[name].name
+    if name.startswith(layer_prefix):
+        layer, _, rest = name[len(layer_prefix):].partition(".")
+        if layer.isdigit() and rest in layer_by:
+            return f"layers.{layer}.{layer_by[rest].name}"
+    return None
+
+
+def _from_ours(name: str, layer_prefix: str, scheme: str) -> str:
+    """The checkpoint name of one of our tensor names in one naming scheme ("hf" or "gguf")."""
+    index = _index()
+    if name in index.top_tensors:
+        return getattr(index.top_tensors[name], scheme)
+    _, layer, rest = name.split(".", 2)
+    return f"{layer_prefix}{layer}.{getattr(index.layer_tensors[rest], scheme)}"
+
+
 def hf_to_ours(name: str) -> str | None:
     """Our name for an HF tensor name, or None when it is not a tensor of the contract."""
-    index = _index()
-    if name in index.top_by_hf:
-        return index.top_by_hf[name].name
-    if name.startswith("model.layers."):
-        layer, _, rest = name[len("model.layers."):].partition(".")
-        if layer.isdigit() and rest in index.layer_by_hf:
-            return f"layers.{layer}.{index.layer_by_hf[rest].name}"
-    return None
+    return _to_ours(name, "model.layers.", _index().top_by_hf, _index().layer_by_hf)
 
 
 def ours_to_hf(name: str) -> str:
     """The HF name of one of our tensor names (inverse of `hf_to_ours`)."""
-    index = _index()
-    if name in index.top_tensors:
-        return index.top_tensors[name].hf
-    _, layer, rest = name.split(".", 2)
-    return f"model.layers.{layer}.{index.layer_tensors[rest].hf}"
+    return _from_ours(name, "model.layers.", "hf")
 
 
 def gguf_to_ours(name: str) -> str | None:
     """Our name for a llama.cpp tensor name, or None when it is not a tensor of the contract."""
-    index = _index()
-    if name in index.top_by_gguf:
-        return index.top_by_gguf[name].name
-    if name.startswith("blk."):
-        layer, _, rest = name[len("blk."):].partition(".")
-        if layer.isdigit() and rest in index.layer_by_gguf:
-            return f"layers.{layer}.{index.layer_by_gguf[rest].name}"
-    return None
+    return _to_ours(name, "blk.", _index().top_by_gguf, _index().layer_by_gguf)
 
 
 def ours_to_gguf(name: str) -> str:
     """The llama.cpp name of one of our tensor names (inverse of `gguf_to_ours`)."""
-    index = _index()
-    if name in index.top_tensors:
-        return index.top_tensors[name].gguf
-    _, layer, rest = name.split(".", 2)
-    return f"blk.{layer}.{index.layer_tensors[rest].gguf}"
+    return _from_ours(name, "blk.", "gguf")
 
 
 def gguf_tensor_flags(tensor_names: set[str] | frozenset[str]) -> dict[str, bool]:
