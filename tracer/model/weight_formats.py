@@ -1,0 +1,321 @@
+"""How a weight matrix is held and multiplied: dense (fp32/fp16/bf16) or as GGUF stores it (4- or 8-bit blocks).
+
+The one call every product goes through is `PackedWeight.__call__`: `weight(x)` is `x @ W.T` for x (..., K) of any
+float dtype, returning (..., N) in x's dtype, whatever the format. So the model, the fused path and a measurement
+of the machine's kernels (issue 12, item 2) all time and run the same thing.
+
+Formats (WeightFormat, frozen; `name` is stable and goes into traces):
+- dense "fp32" / "fp16" / "bf16": a plain (N, K) tensor, multiplied by torch.mv (one token) or F.linear.
+- "q4_0", "q4_1", "q4_k" (GGUF Q4_0, Q4_1, Q4_K): 4-bit values q in 0..15 with one scale and one zero per 32
+  values along K, value = (q - 8) * scale + zero, which is torch's int4 weight-only layout (group size 32):
+    Q4_0  d*(q-8)               scale d,     zero 0
+    Q4_1  d*q + m               scale d,     zero m + 8d
+    Q4_K  d*sc*q - dmin*m       scale d*sc,  zero 8*d*sc - dmin*m   (per 32-value sub-block of a 256 super-block)
+  The scale and zero are computed in fp32 from the file's fp16 fields (d*sc is exact: 11-bit times 6-bit).
+- "q8_0" (GGUF Q8_0): int8 q with one fp16 scale d per 32 values, value = d*q.
+
+Kernels (the `kernel` field; what runs the product):
+- "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout.
+- "blocks": the blocks dequantized to x's dtype right before the product, in row tiles that stay in cache, so
+  memory traffic is the stored bytes (plus the tile, which stays in L2).
+- "dense": torch.mv / F.linear over a dense tensor.
+
+`pack_gguf(rows, ggml_type, kernel)` turns a GGUF tensor's raw blocks (N rows of K values each) into a
+PackedWeight; `stored_kernels(ggml_type)` says which kernels can run a ggml type as stored (empty: dequantize it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llmtrace.tracer.core.ggml_types import GGML_TYPES
+
+GROUP = 32  # values per scale along K, for every block format here
+
+# ggml type codes (ggml.h enum ggml_type)
+_Q4_0, _Q4_1, _Q8_0, _Q4_K = 2, 3, 8, 12
+
+INT4PACK, BLOCKS, DENSE = "int4pack", "blocks", "dense"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """How one weight matrix is held and which kernel multiplies it.
+
+    name: "fp32", "fp16", "bf16" (dense) or "q4_0", "q4_1", "q4_k", "q8_0" (as the GGUF stores it);
+    kernel: "dense", "int4pack" or "blocks"; stored: the file's type name ("Q4_1", "F16"...) or "" for a dense
+    tensor not read from a GGUF; stored_bits: bits per value as stored (Q4_1 5.0, Q4_K 4.5, fp32 32).
+    """
+
+    name: str
+    kernel: str
+    stored: str = ""
+    stored_bits: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """For one-line displays: "q4_1 (int4pack)", "fp32"."""
+        return self.name if self.kernel == DENSE else f"{self.name} ({self.kernel})"
+
+
+_BITS = {name: block_bytes * 8 / block for name, block, block_bytes in GGML_TYPES.values()}
+_DENSE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_BY_TYPE = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q4_K: "q4_k", _Q8_0: "q8_0"}
+
+
+def stored_kernels(ggml_type: int) -> tuple[str, ...]:
+    """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized."""
+    name = _BY_TYPE.get(ggml_type)
+    if name is None:
+        return ()
+    return (BLOCKS,) if name == "q8_0" else (INT4PACK, BLOCKS)
+
+
+# ---- the weight ------------------------------------------------------------------------------------------------
+
+
+class PackedWeight:
+    """One (N, K) weight matrix in a WeightFormat; `weight(x)` = x @ W.T.
+
+    `tensors` are what the format is made of (what a cache stores and restores with `from_tensors`):
+      dense:    {"weight": (N, K)}
+      4-bit:    {"nibbles": (N, K/2) uint8, byte j of a row holds k = 2j (low) and 2j+1 (high),
+                 "scale": (N, K/32) fp32, "zero": (N, K/32) fp32}
+      q8_0:     {"int8": (N, K) int8, "scale": (N, K/32) fp32}
+    `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
+    """
+
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_prepared_dtype")
+
+    def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
+                 stored_bytes: int) -> None:
+        self.format = fmt
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.tensors = tensors
+        self.stored_bytes = int(stored_bytes)
+        self._prepared: object = None  # the kernel's own layout, made on first use for a given activation dtype
+        self._prepared_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_tensors(cls, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
+                     stored_bytes: int) -> PackedWeight:
+        """Rebuild from `tensors` (e.g. a cache entry), checking each one's shape and dtype."""
+        expected = _layout(fmt, shape)
+        if set(tensors) != set(expected):
+            raise ValueError(f"{fmt.name} weight needs tensors {sorted(expected)}, got {sorted(tensors)}")
+        for key, (want_shape, want_dtype) in expected.items():
+            t = tensors[key]
+            if tuple(t.shape) != want_shape or (want_dtype is not None and t.dtype != want_dtype):
+                raise ValueError(f"{fmt.name} {key}: {tuple(t.shape)} {t.dtype}, needs {want_shape} {want_dtype}")
+        return cls(fmt, shape, tensors, stored_bytes)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the products' inputs it was made for: a dense weight's own, else fp32 (any float works)."""
+        return self.tensors["weight"].dtype if self.format.kernel == DENSE else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held in memory for it (the kernel's layout, once made, is counted in place of the canonical one)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.format.label}, shape={self.shape}, stored_bytes={self.stored_bytes:,})"
+
+    # ---- the product -----------------------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> x @ W.T (..., N), in x's dtype."""
+        kernel = self.format.kernel
+        if kernel == DENSE:
+            w = self.tensors["weight"]
+            if x.dim() == 1:
+                return torch.mv(w, x)
+            return F.linear(x, w)
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.shape[1])  # (M, K)
+        if kernel == INT4PACK:
+            out = self._int4pack(flat)
+        else:
+            out = self._blocks(flat)
+        return out.view(*lead, self.shape[0])
+
+    def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
+        packed, scales_zeros = self._prepare(x.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)  # (M, N rounded up to 16)
+        return out if out.shape[1] == self.shape[0] else out[:, : self.shape[0]].contiguous()
+
+    def _prepare(self, dtype: torch.dtype):  # noqa: ANN202 - the kernel's tensors
+        if self._prepared is None or self._prepared_dtype != dtype:
+            pad = -self.shape[0] % 16  # the kernel takes N in multiples of 16: zero rows, sliced off the result
+            if self._prepared is None:
+                values = unpack_nibbles(self.tensors["nibbles"]).to(torch.int32)  # (N, K), 0..15
+                values = F.pad(values, (0, 0, 0, pad))  # (N + pad, K)
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+            else:
+                packed = self._prepared[0]
+            scales_zeros = torch.stack([self.tensors["scale"].t(), self.tensors["zero"].t()], dim=-1)  # (K/32, N, 2)
+            scales_zeros = F.pad(scales_zeros, (0, 0, 0, pad))  # (K/32, N + pad, 2)
+            self._prepared = (packed, scales_zeros.to(dtype).contiguous())
+            self._prepared_dtype = dtype
+        return self._prepared
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.shape[0]
+        tile = max(1, _TILE_VALUES // self.shape[1])
+        if tile >= rows:
+            return F.linear(x, self.dequantize(x.dtype))
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+        for start in range(0, rows, tile):
+            stop = min(rows, start + tile)
+            torch.matmul(x, self.dequantize(x.dtype, start, stop).t(), out=out[:, start:stop])
+        return out
+
+    # ---- values ----------------------------------------------------------------------------------------------
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop of W as `dtype` (N', K): computed in fp32 as the formula above, then cast."""
+        stop = self.shape[0] if stop is None else stop
+        kernel = self.format.kernel
+        if kernel == DENSE:
+            return self.tensors["weight"][start:stop].to(dtype)
+        scale = self.tensors["scale"][start:stop].unsqueeze(-1)  # (N', K/32, 1)
+        if self.format.name == "q8_0":
+            q = self.tensors["int8"][start:stop].view(stop - start, -1, GROUP).to(torch.float32)  # (N', K/32, 32)
+            values = q.mul_(scale)
+        else:
+            q = unpack_nibbles(self.tensors["nibbles"][start:stop]).view(stop - start, -1, GROUP)
+            values = q.to(torch.float32).sub_(8.0).mul_(scale).add_(self.tensors["zero"][start:stop].unsqueeze(-1))
+        values = values.view(stop - start, self.shape[1])
+        return values if dtype == torch.float32 else values.to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows `ids` (any shape) of W as `dtype`: (..., K); an embedding lookup of a stored table."""
+        if self.format.kernel == DENSE:
+            return F.embedding(ids, self.tensors["weight"]).to(dtype)
+        flat = ids.reshape(-1)
+        picked = {key: t.index_select(0, flat) for key, t in self.tensors.items()}
+        part = PackedWeight(self.format, (flat.numel(), self.shape[1]), picked, 0)
+        return part.dequantize(dtype).view(*ids.shape, self.shape[1])
+
+
+# Rows per tile of the "blocks" kernel: this many values of fp32 (1 MiB) stay in L2 between dequantize and product.
+_TILE_VALUES = 1 << 18
+
+
+def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    n, k = shape
+    if fmt.kernel == DENSE:
+        return {"weight": ((n, k), None)}
+    if fmt.name == "q8_0":
+        return {"int8": ((n, k), torch.int8), "scale": ((n, k // GROUP), torch.float32)}
+    return {"nibbles": ((n, k // 2), torch.uint8), "scale": ((n, k // GROUP), torch.float32),
+            "zero": ((n, k // GROUP), torch.float32)}
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 in 0..15: byte j holds k = 2j in its low nibble, 2j+1 in its high one."""
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
+
+
+def dense_weight(weight: torch.Tensor, stored: str = "") -> PackedWeight:
+    """A dense (N, K) tensor as a PackedWeight (multiplied by torch.mv / F.linear in its own dtype)."""
+    name = _DENSE_NAMES.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
+    bits = weight.element_size() * 8
+    fmt = WeightFormat(name, DENSE, stored, float(_BITS.get(stored.upper(), bits)) if stored else float(bits))
+    return PackedWeight(fmt, tuple(weight.shape), {"weight": weight}, weight.nbytes)
+
+
+def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
+    """Row blocks of one format stacked into one matrix (wq|wk|wv, w1|w3: one product instead of several)."""
+    first = weights[0]
+    if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
+        raise ValueError("concat_rows needs weights of one format and one input width")
+    tensors = {key: torch.cat([w.tensors[key] for w in weights]) for key in first.tensors}
+    shape = (sum(w.shape[0] for w in weights), first.shape[1])
+    return PackedWeight(first.format, shape, tensors, sum(w.stored_bytes for w in weights))
+
+
+# ---- from a GGUF's blocks -------------------------------------------------------------------------------------
+
+
+def gguf_format(ggml_type: int, kernel: str) -> WeightFormat:
+    """The stored format of a ggml type under `kernel` (one of stored_kernels(ggml_type))."""
+    if kernel not in stored_kernels(ggml_type):
+        raise ValueError(f"no {kernel!r} kernel for ggml type {ggml_type}")
+    type_name, _, _ = GGML_TYPES[ggml_type]
+    return WeightFormat(_BY_TYPE[ggml_type], kernel, type_name, _BITS[type_name])
+
+
+def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str) -> PackedWeight:
+    """A GGUF tensor's raw blocks -> PackedWeight. `rows` is uint8 (N, bytes per row), each row `row_len` values
+    (the file's order: Q/K rows already put in the model's order by the caller)."""
+    fmt = gguf_format(ggml_type, kernel)
+    rows = np.ascontiguousarray(rows)
+    n = rows.shape[0]
+    _, block, block_bytes = GGML_TYPES[ggml_type]
+    if row_len % block or rows.shape[1] != row_len // block * block_bytes:
+        raise ValueError(f"rows of {rows.shape[1]} bytes do not hold {row_len} values of {fmt.stored}")
+    blocks = rows.reshape(-1, block_bytes)  # (N * K/block, block_bytes)
+    if ggml_type == _Q8_0:
+        d = _fp16(blocks, 0, 1)  # (blocks, 1)
+        q = blocks[:, 2:].view(np.int8)
+        tensors = {"int8": torch.from_numpy(q.reshape(n, row_len).copy()),
+                   "scale": torch.from_numpy(d.reshape(n, -1))}
+        return PackedWeight(fmt, (n, row_len), tensors, rows.nbytes)
+    if ggml_type == _Q4_0:
+        d = _fp16(blocks, 0, 1)
+        scale, zero = d, np.zeros_like(d)
+        codes = _ggml_nibbles(blocks[:, 2:])  # (blocks, 32)
+    elif ggml_type == _Q4_1:
+        dm = _fp16(blocks, 0, 2)
+        scale, zero = dm[:, :1], dm[:, 1:2] + 8.0 * dm[:, :1]
+        codes = _ggml_nibbles(blocks[:, 4:])
+    else:  # Q4_K: 256 values = 8 sub-blocks of 32
+        d, dmin = _fp16(blocks, 0, 1), _fp16(blocks, 2, 1)  # (blocks, 1) each
+        sc, m = _q4_k_scale_min(blocks[:, 4:16])  # (blocks, 8) each
+        scale = d * sc  # (blocks, 8)
+        zero = 8.0 * scale - dmin * m
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 0x0F).reshape(-1, 32)  # (blocks*8, 32): chunk i's low nibbles, then its high ones
+    codes = codes.reshape(n, row_len)
+    nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)  # (N, K/2)
+    tensors = {"nibbles": torch.from_numpy(np.ascontiguousarray(nibbles)),
+               "scale": torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1)),
+               "zero": torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32).reshape(n, -1))}
+    return PackedWeight(fmt, (n, row_len), tensors, rows.nbytes)
+
+
+def _fp16(blocks: np.ndarray, start: int, count: int) -> np.ndarray:
+    """`count` fp16 fields per block from byte `start`, as float32 (blocks, count)."""
+    return np.ascontiguousarray(blocks[:, start:start + 2 * count]).view("<f2").astype(np.float32)
+
+
+def _ggml_nibbles(quants: np.ndarray) -> np.ndarray:
+    """16 bytes per 32-value block -> (blocks, 32) codes: low nibbles are values 0-15, high nibbles 16-31."""
+    return np.concatenate([quants & 0x0F, quants >> 4], axis=1)
+
+
+def _q4_k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and mins -> (blocks, 8) float32 each (ggml's get_scale_min_k4)."""
+    b = packed.reshape(-1, 3, 4)
+    lo, hi, mixed = b[:, 0], b[:, 1], b[:, 2]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
+    m = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), m.astype(np.float32)
