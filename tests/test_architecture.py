@@ -66,7 +66,6 @@ def test_imports_only_run_down(module):
     assert not upward, f"{module} (layer {_layer(module)}) imports a higher layer: {upward}"
 
 
-@pytest.mark.xfail(strict=True, reason="model/transformer <-> model/fused (a TYPE_CHECKING import); the fused-layer rework removes it and this marker")
 def test_no_import_cycles():
     seen: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[list[str]] = []

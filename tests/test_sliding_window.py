@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_model_parity import assert_within_one_ulp, staged_and_fused_logits
 from tiny_llama import hf_config_dict, write_tiny_llama
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
@@ -237,3 +238,16 @@ def test_run_traces_a_windowed_model(staged: bool, mistral_folder: Path, tmp_pat
     scores = [r for r in trace["stages"] if r["phase"] == "decode" and r["stage"].endswith("attention.scores")
               and r["step"] == 19]
     assert scores and all(r["kv_bytes_read"] == 2 * WINDOW * 16 * 4 for r in scores)  # Hkv 2, D 16, fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_fused_path_rounds_like_the_staged_path_under_a_window(dtype: torch.dtype, mistral_folder: Path) -> None:
+    """Half precision, a 12-token prefill then 9 decode steps (the last 5 past the window of 8): the fused path's
+    logits are the staged path's within one ulp (test_model_parity states the tolerance)."""
+    config = ModelConfig.from_hf_json(mistral_folder)
+    model = build_meta_model(config)
+    model.load_weights(load_hf_state_dict(mistral_folder, config))
+    model = model.eval().to(dtype)
+    ids = ids_of(config.vocab_size, 2, 12, seed=3)
+    assert_within_one_ulp(*staged_and_fused_logits(model, ids, 9, 2), dtype)

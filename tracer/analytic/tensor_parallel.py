@@ -96,23 +96,26 @@ def replicated_components() -> frozenset[str]:
     return frozenset(s.role for s in contract.staged_stages() if s.replicated)
 
 
-def _component_share(c: ComponentCost, tp: int, replicated: frozenset[str]) -> tuple[int, int, int, int, int, int]:
+def _component_share(c: ComponentCost, tp: int, replicated: frozenset[str]) -> DeviceCost:
+    """One component's work on the busiest device: all of it when replicated, else its 1/tp share (rounded up)."""
     n = c.instances
-    act = (c.act_read_bytes + c.act_write_bytes) * n
-    fields = (c.flops * n, c.useful_flops * n, c.weight_bytes * n, c.kv_read_bytes * n, c.kv_write_bytes * n, act)
-    if c.name in replicated:
-        return fields
-    return tuple(_split(v, tp) for v in fields)  # type: ignore[return-value]
+    share = (lambda v: v) if c.name in replicated else (lambda v: _split(v, tp))
+    return DeviceCost(flops=share(c.flops * n), useful_flops=share(c.useful_flops * n),
+                      weight_bytes=share(c.weight_bytes * n), kv_read_bytes=share(c.kv_read_bytes * n),
+                      kv_write_bytes=share(c.kv_write_bytes * n),
+                      activation_bytes=share((c.act_read_bytes + c.act_write_bytes) * n), comm_bytes=0,
+                      peak_activation_bytes=share(c.act_read_bytes + c.act_write_bytes))
 
 
 def device_cost(config: ModelConfig, phase: PhaseEstimate, activation_bytes: float, tp: int = 1) -> DeviceCost:
     """Per-device cost of one estimated pass split over `tp` devices (check_tp first)."""
-    sums = [0] * 6
     replicated = replicated_components()
-    for c in phase.components:
-        for i, v in enumerate(_component_share(c, tp, replicated)):
-            sums[i] += v
-    comm = comm_bytes_per_pass(config, phase.batch, phase.new_tokens, activation_bytes, tp)
-    peak = max((c.act_read_bytes + c.act_write_bytes) if c.name in replicated
-               else _split(c.act_read_bytes + c.act_write_bytes, tp) for c in phase.components)
-    return DeviceCost(*sums, comm_bytes=comm, peak_activation_bytes=peak)
+    shares = [_component_share(c, tp, replicated) for c in phase.components]
+    return DeviceCost(
+        flops=sum(s.flops for s in shares), useful_flops=sum(s.useful_flops for s in shares),
+        weight_bytes=sum(s.weight_bytes for s in shares), kv_read_bytes=sum(s.kv_read_bytes for s in shares),
+        kv_write_bytes=sum(s.kv_write_bytes for s in shares),
+        activation_bytes=sum(s.activation_bytes for s in shares),
+        comm_bytes=comm_bytes_per_pass(config, phase.batch, phase.new_tokens, activation_bytes, tp),
+        peak_activation_bytes=max(s.peak_activation_bytes for s in shares),
+    )

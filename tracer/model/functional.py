@@ -1,9 +1,15 @@
-"""Stateless numerics shared by the model's stage modules and its fused path."""
+"""Stateless numerics shared by the model's stage modules and its fused path: both call these, so both round the
+same way (the way HF transformers' eager LlamaForCausalLM does)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def rms_norm_floor(dim: int, eps: float, device: torch.device | str) -> torch.Tensor:
+    """sqrt(dim * eps) as an fp32 scalar tensor on `device`: `rms_norm`'s floor."""
+    return torch.tensor((dim * eps) ** 0.5, dtype=torch.float32, device=device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
@@ -17,6 +23,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor) -> torc
     if x.dtype == torch.float32:
         return torch.div(x, rms).mul_(weight)
     return torch.div(x, rms).to(x.dtype).mul_(weight)
+
+
+def matvec(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """weight @ vector (+ bias): torch.mv, or mm while a TorchDispatchMode is active (FlopCounterMode counts mm,
+    not mv), so what a FLOP counter sees is the product that runs. The bias is added to the product's result."""
+    if torch._C._len_torch_dispatch_stack():
+        out = torch.mm(weight, vector.view(-1, 1)).view(-1)
+    else:
+        out = torch.mv(weight, vector)
+    return out if bias is None else out.add_(bias)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) -> x weightᵀ (+ bias) (..., out): one row as a matrix-vector product (for bf16 on CPU up to
+    twice as fast as mm: BENCHMARKS.md, "Model speed"), more rows as F.linear (mm, addmm with a bias)."""
+    if x.dim() == 1:
+        return matvec(weight, x, bias)  # (out,)
+    if x.numel() == weight.shape[1]:
+        return matvec(weight, x.reshape(-1), bias).view(x.shape[:-1] + (weight.shape[0],))  # (..., out)
+    return F.linear(x, weight, bias)
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, one_query: bool) -> torch.Tensor:
+    """q (G, R*T, D) · k (G, S, D)ᵀ, times `scale` after the product -> (G, R*T, S) in q's dtype (G = B*Hkv groups
+    of R query heads sharing a KV head). For one query token in half precision the product runs in fp32 and is
+    rounded once, after the scaling: a half-precision bmm this small takes oneDNN's slow path on CPU (~3x fp32)."""
+    if one_query and q.dtype != torch.float32:
+        return torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale).to(q.dtype)  # (G, R, S)
+    return torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # (G, R*T, S)
+
+
+def attention_values(probs: torch.Tensor, v: torch.Tensor, one_query: bool) -> torch.Tensor:
+    """probs (G, R*T, S) · v (G, S, D) -> (G, R*T, D): the attention-weighted sum of values, in fp32 for one query
+    token in half precision (as in attention_scores)."""
+    if one_query and probs.dtype != torch.float32:
+        return torch.bmm(probs.float(), v.float()).to(probs.dtype)  # (G, R, D)
+    return torch.bmm(probs, v)  # (G, R*T, D)
 
 
 def causal_mask(new: int, seen: int, device: torch.device, window: int | None = None) -> torch.Tensor:

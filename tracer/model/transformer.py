@@ -21,8 +21,9 @@ RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Atten
 matmul instead of copying K and V R times.
 
 Two ways through prefill/decode_one: stage by stage through these modules (whenever anything watches them: hooks,
-forward wrappers, FlopCounterMode), or, when nothing does, the fused path of tracer/model/fused.py, the same math in
-about half the tensor ops (decode speed on a CPU is mostly their count). `use_fused = False` forces the first. The
+forward wrappers, FlopCounterMode), or, when nothing does, the fused path of tracer/model/fused.py, the same math
+and the same roundings (both call tracer/model/functional.py) in fewer tensor ops (decode speed on a CPU is mostly
+their count). `use_fused = False` forces the first. The
 fused path reports its own stages through `stage_mark` (tracer/trace/fused_marks.py), so it can be traced as it runs.
 """
 
@@ -41,23 +42,28 @@ from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.memory import available_memory_bytes
-from llmtrace.tracer.model.functional import causal_mask, rms_norm, softmax_fp32
-from llmtrace.tracer.model.fused import FusedPlan, Mark, matvec, no_mark, watched
+from llmtrace.tracer.model.functional import (
+    attention_scores,
+    attention_values,
+    causal_mask,
+    project,
+    rms_norm,
+    rms_norm_floor,
+    softmax_fp32,
+)
+from llmtrace.tracer.model.fused import FusedPlan, Mark, no_mark, watched
 from llmtrace.tracer.model.kv_cache import KVCache
 from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
 
 
 class Linear(nn.Linear):
-    """An nn.Linear (same parameters, state-dict names and repr) that multiplies one token through torch.mv: for
-    bf16 on CPU a matrix-vector product runs up to twice as fast as the same product through mm (BENCHMARKS.md,
-    "Model speed"), and never slower in fp32. FlopCounterMode counts mm but not mv, so while any
-    TorchDispatchMode is active (FlopCounterMode is one) the product goes through mm (fused.matvec): what it counts
-    is what runs. A bias (config.qkv_bias, wo_bias) is added after the product, as the fused path adds it."""
+    """An nn.Linear (same parameters, state-dict names and repr) whose product is functional.project, the fused
+    path's: one token through torch.mv (for bf16 on CPU up to twice as fast as mm: BENCHMARKS.md, "Model speed"),
+    or mm while any TorchDispatchMode is active (FlopCounterMode counts mm but not mv, so what it counts is what
+    runs); more tokens through F.linear. A bias (contract.has_bias) is added to the product's result."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:
-            return matvec(self.weight, x.reshape(-1), self.bias).view(x.shape[:-1] + (self.out_features,))  # (..., out)
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -72,7 +78,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         floor = self._floor
         if floor is None or floor.device != x.device:
-            floor = self._floor = torch.tensor((self.weight.shape[0] * self.eps) ** 0.5, device=x.device)
+            floor = self._floor = rms_norm_floor(self.weight.shape[0], self.eps, x.device)
         return rms_norm(x, self.weight, floor)
 
     def extra_repr(self) -> str:
@@ -99,12 +105,7 @@ class AttentionScores(nn.Module):
         groups = batch * self.n_kv_heads
         q_grouped = q.reshape(groups, self.n_rep * new, self.head_dim)  # (B*Hkv, R*T, D)
         k_grouped = k_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
-        if new == 1 and q.dtype != torch.float32:
-            # One query token: half-precision bmm this small takes oneDNN's slow path on CPU (~3x fp32's time)
-            scores = torch.bmm(q_grouped.float(), k_grouped.float().transpose(1, 2))  # (B*Hkv, R, S), fp32
-            scores = scores.mul_(self.scale).to(q.dtype)
-        else:
-            scores = torch.bmm(q_grouped, k_grouped.transpose(1, 2)).mul_(self.scale)  # (B*Hkv, R*T, S)
+        scores = attention_scores(q_grouped, k_grouped, self.scale, new == 1)  # (B*Hkv, R*T, S)
         scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
         if new > 1:
             scores.masked_fill_(causal_mask(new, seen, q.device, self.window), float("-inf"))
@@ -134,10 +135,7 @@ class AttentionValues(nn.Module):
         groups = batch * self.n_kv_heads
         probs_grouped = probs.reshape(groups, self.n_rep * new, seen)  # (B*Hkv, R*T, S)
         v_grouped = v_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
-        if new == 1 and probs.dtype != torch.float32:  # as in AttentionScores: fp32 for one query token
-            out = torch.bmm(probs_grouped.float(), v_grouped.float()).to(probs.dtype)  # (B*Hkv, R, D)
-        else:
-            out = torch.bmm(probs_grouped, v_grouped)  # (B*Hkv, R*T, D)
+        out = attention_values(probs_grouped, v_grouped, new == 1)  # (B*Hkv, R*T, D)
         return out.view(batch, self.n_heads, new, self.head_dim)  # (B, H, T, D)
 
 

@@ -15,6 +15,7 @@ tests check them against the shapes that path's modules record for the same step
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
@@ -24,7 +25,15 @@ from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.trace.stage_cost import StageModule
 
 Shape = tuple[int, ...]
-StepDims = tuple[int, int, int]  # (B, T, S) of one step
+
+
+@dataclass(frozen=True, slots=True)
+class StepDims:
+    """The sizes of one step: B sequences, T new tokens each, S cached positions after it."""
+
+    batch: int
+    new: int
+    seen: int
 
 
 def fused_stages(model: nn.Module) -> list[StageModule]:
@@ -46,13 +55,13 @@ def fused_stages(model: nn.Module) -> list[StageModule]:
     return stages
 
 
-def stage_shapes(config: ModelConfig, batch: int, new: int, seen: int) -> dict[str, tuple[list[Shape], list[Shape]]]:
-    """Each fused stage role's (input shapes, output shapes) in a step of B = `batch`, T = `new`, S = `seen`, in
+def stage_shapes(config: ModelConfig, step: StepDims) -> dict[str, tuple[list[Shape], list[Shape]]]:
+    """Each fused stage role's (input shapes, output shapes) in a step of `step`'s B, T and S, in
     the argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must
     match. A projection's widths come from its weights' shapes in the contract (a packed one's rows add up).
     Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them."""
-    b, t = batch, new
-    s = seen - first_attended_position(seen, new, config.sliding_window)  # keys attended: the window's, if any
+    b, t = step.batch, step.new
+    s = step.seen - first_attended_position(step.seen, t, config.sliding_window)  # keys attended (a window's)
     dim, h, hkv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
     x = (b, t, dim)
     q, kv = (b, t, h, d), (b, t, hkv, d)
@@ -128,4 +137,4 @@ class FusedMarks:
             )
         seen = self.model.pos
         batch = self.model.layers[0].attention.kv_cache.batch
-        return marks, (batch, seen - self._pos_before, seen)
+        return marks, StepDims(batch, seen - self._pos_before, seen)

@@ -22,14 +22,15 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
-from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageModule, stage_cost
+from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
 from llmtrace.tracer.trace.records import StageRecord
 
 MECHANISMS = ("auto", "fused", "wrap", "hooks")
 MODULE_MECHANISMS = ("wrap", "hooks")  # the ones that instrument the stage modules
 _NO_INSTANCE_FORWARD = object()  # marks a module whose forward came from its class (the usual case)
 
-# A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes).
+# A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes). A tuple, not a
+# record, on purpose: it is made on the hot path of every traced stage call and never leaves this module.
 # (Shapes are torch.Size from the module mechanisms, plain tuples from the fused path's; torch.Size is a tuple.)
 RawEvent = tuple[int, int, int, list[tuple[int, ...]], list[tuple[int, ...]]]
 
@@ -103,7 +104,7 @@ class Tracer:
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
         self._fused: FusedMarks | None = None
-        self._cost_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._cost_cache: dict[tuple[Any, ...], tuple[Any, Any, StageCost]] = {}
         self._starts: list[int] = []
         self._events: list[RawEvent] = []
         self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
@@ -255,7 +256,7 @@ class Tracer:
 
     def _fused_events(self, marks: list[int], dims: StepDims) -> list[RawEvent]:
         """Raw events of one fused-path step: stage i ran from reading i to reading i + 1."""
-        shapes = stage_shapes(self.model.config, *dims)
+        shapes = stage_shapes(self.model.config, dims)
         events: list[RawEvent] = []
         for index, stage in enumerate(self.stages):
             inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
@@ -284,13 +285,13 @@ class Tracer:
             input_shapes=in_shapes,
             output_shapes=out_shapes,
             dtype=self.activation_dtype,
-            matmul_flops=cost[0],
-            elementwise_flops=cost[1],
-            weight_bytes_read=cost[2],
-            activation_bytes_read=cost[3],
-            activation_bytes_written=cost[4],
-            kv_bytes_read=cost[5],
-            kv_bytes_written=cost[6],
+            matmul_flops=cost.matmul_flops,
+            elementwise_flops=cost.elementwise_flops,
+            weight_bytes_read=cost.weight_bytes_read,
+            activation_bytes_read=cost.activation_bytes_read,
+            activation_bytes_written=cost.activation_bytes_written,
+            kv_bytes_read=cost.kv_bytes_read,
+            kv_bytes_written=cost.kv_bytes_written,
             start_ns=start - self.origin_ns,
             duration_ns=end - start,
         )

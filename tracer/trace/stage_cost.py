@@ -41,6 +41,19 @@ INDEX_ITEMSIZE = 8  # int64 token ids and positions
 Entry = tuple[tuple[int, ...], int]
 
 
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """What one stage call costs (the StageRecord fields of the same names)."""
+
+    matmul_flops: int
+    elementwise_flops: int
+    weight_bytes_read: int
+    activation_bytes_read: int
+    activation_bytes_written: int
+    kv_bytes_read: int = 0
+    kv_bytes_written: int = 0
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
@@ -54,9 +67,8 @@ def _rows(shape: tuple[int, ...]) -> int:
     return _numel(shape[:-1])
 
 
-def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) -> tuple[int, int, int, int, int, int, int]:
-    """(matmul FLOPs, elementwise FLOPs, weight bytes read, activation bytes read, activation bytes written,
-    KV bytes read, KV bytes written) of one stage call, from the shapes it saw.
+def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) -> StageCost:
+    """FLOPs and bytes of one stage call, from the shapes it saw.
 
     Bytes are what the stage must move at least: every input read once, every output written once, each weight
     read once (an embedding reads only the rows it looks up); cached K/V read by the attention products count as KV
@@ -70,39 +82,102 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
     if kind in ("linear", "lm_head"):
         x = inputs[0][0]
         bias = ff.bias_add_flops(_rows(x), out_shape[-1]) if stage.has_bias else 0
-        return ff.linear_flops(_rows(x), x[-1], out_shape[-1]), bias, weight_bytes, read, written, 0, 0
+        return StageCost(
+            matmul_flops=ff.linear_flops(_rows(x), x[-1], out_shape[-1]),
+            elementwise_flops=bias,
+            weight_bytes_read=weight_bytes,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
     if kind == "rmsnorm":
         x = inputs[0][0]
-        return 0, ff.rmsnorm_flops(_rows(x), x[-1]), weight_bytes, read, written, 0, 0
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.rmsnorm_flops(_rows(x), x[-1]),
+            weight_bytes_read=weight_bytes,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
     if kind == "embedding":
         ids = inputs[0][0]
         rows_read = _numel(ids) * out_shape[-1] * stage.weight_itemsize
-        return 0, ff.embedding_flops(_numel(ids), out_shape[-1]), rows_read, read, written, 0, 0
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.embedding_flops(_numel(ids), out_shape[-1]),
+            weight_bytes_read=rows_read,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
     if kind == "rope":
         (q, item), (k, _) = inputs[0], inputs[1]  # (B, T, H, D), (B, T, Hkv, D)
         flops = ff.rope_flops(_numel(q[:-2]), q[-2], k[-2], q[-1])
         tables = 2 * q[-3] * q[-1] * item  # the cos and sin rows (T, D) of these positions
-        return 0, flops, 0, read + tables, written, 0, 0
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=flops,
+            weight_bytes_read=0,
+            activation_bytes_read=read + tables,
+            activation_bytes_written=written,
+        )
     if kind == "kv_cache":
         # forward(input_pos, k, v): the new keys and values are read and copied into the cache buffers;
         # the outputs are views of the live slice (no bytes move).
         new_kv = _nbytes(inputs[1]) + _nbytes(inputs[2])
-        return 0, 0, 0, read, 0, 0, new_kv
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=0,
+            weight_bytes_read=0,
+            activation_bytes_read=read,
+            activation_bytes_written=0,
+            kv_bytes_written=new_kv,
+        )
     if kind == "attention_scores":
         q, k_all = inputs[0], inputs[1]  # q (B, H, T, D), k_all (B, Hkv, S, D)
         b, h, t, s = out_shape
         matmul = ff.attention_scores_flops(b, h, t, s, q[0][-1])
-        return matmul, ff.score_scale_flops(b, h, t, s), 0, _nbytes(q), written, _nbytes(k_all), 0
+        return StageCost(
+            matmul_flops=matmul,
+            elementwise_flops=ff.score_scale_flops(b, h, t, s),
+            weight_bytes_read=0,
+            activation_bytes_read=_nbytes(q),
+            activation_bytes_written=written,
+            kv_bytes_read=_nbytes(k_all),
+        )
     if kind == "attention_values":
         probs, v_all = inputs[0], inputs[1]  # probs (B, H, T, S), v_all (B, Hkv, S, D)
         b, h, t, s = probs[0]
         matmul = ff.attention_values_flops(b, h, t, s, out_shape[-1])
-        return matmul, 0, 0, _nbytes(probs), written, _nbytes(v_all), 0
+        return StageCost(
+            matmul_flops=matmul,
+            elementwise_flops=0,
+            weight_bytes_read=0,
+            activation_bytes_read=_nbytes(probs),
+            activation_bytes_written=written,
+            kv_bytes_read=_nbytes(v_all),
+        )
     if kind == "softmax":
         b, h, t, s = out_shape
-        return 0, ff.softmax_flops(b, h, t, s), 0, read, written, 0, 0
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.softmax_flops(b, h, t, s),
+            weight_bytes_read=0,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
     if kind == "residual":
-        return 0, ff.residual_flops(_rows(out_shape), out_shape[-1]), 0, read, written, 0, 0
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.residual_flops(_rows(out_shape), out_shape[-1]),
+            weight_bytes_read=0,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
     if kind == "swiglu":
-        return 0, ff.swiglu_activation_flops(_rows(out_shape), out_shape[-1]), 0, read, written, 0, 0
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.swiglu_activation_flops(_rows(out_shape), out_shape[-1]),
+            weight_bytes_read=0,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
     raise ValueError(f"no cost model for stage kind {kind!r}")
