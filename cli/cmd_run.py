@@ -34,6 +34,7 @@ from llmtrace.cli.render_run import (
     render_positions,
     render_tokenization,
 )
+from llmtrace.cli.render_run_batch import BatchDecodeView, render_batch_first_tokens, render_batch_tokenization
 from llmtrace.cli.render_run_live import DecodeView
 from llmtrace.cli.render_run_report import render_ending
 from llmtrace.cli.render_attention import render_attention
@@ -130,6 +131,11 @@ def run_command(
         "--no-kv-cache", help="After the run, generate its tokens again without a KV cache (every step recomputes "
                               "the whole sequence) and compare time and FLOPs step by step (slow: about the prompt "
                               "length x the run's decode time).")] = False,
+    batch: Annotated[Optional[int], typer.Option(
+        "--batch", metavar="N", help="Generate N sequences together (one batched prefill, then one decode step for "
+                                     "all): the prompts are --file's first N non-empty lines, or the prompt N times. "
+                                     "Each has its own positions, sampler (seed + its index) and stop; finished ones "
+                                     "leave the batch.")] = None,
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
@@ -147,6 +153,7 @@ def run_command(
         text = given.text
         if given.source:
             console.print(f"[dim]prompt: {given.source}[/]")
+        prompts = batch_prompts(text, batch, file) if batch is not None else ()
         settings = RunSettings(
             model=model or "", prompt=text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, dtype=dtype.name,
@@ -155,6 +162,7 @@ def run_command(
             trace_steps=_trace_steps(trace_steps),
             temperatures=parse_temperatures(temperatures), no_kv_cache=no_kv_cache, lens=lens, attention=attention,
             attention_steps=parse_steps(attention_steps),
+            batch=batch if batch is not None else 1, batch_prompts=prompts,
         )
         _check_settings(settings)
         if html is not None and settings.dry_run:
@@ -206,6 +214,20 @@ def run_command(
         raise typer.Exit(code)
 
 
+def batch_prompts(text: str, batch: int, file: Path | None) -> tuple[str, ...]:
+    """--batch N's prompts: the first N non-empty lines of --file (or of standard input), else the prompt N times."""
+    if batch < 1:
+        raise BadArgumentError(f"--batch must be at least 1, got {batch}")
+    if file is None:
+        return (text,) * batch
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < batch:
+        where = "standard input" if str(file) == "-" else str(file)
+        raise BadArgumentError(f"--batch {batch} takes one prompt per line, but {where} has {len(lines)} non-empty "
+                               f"line{'s' if len(lines) != 1 else ''}; give a smaller --batch or more lines")
+    return tuple(lines[:batch])
+
+
 def _trace_steps(spec: str) -> str:
     """--trace-steps, checked now and spelled canonically ('all' or StepSelection.describe())."""
     selection = StepSelection.parse(spec)
@@ -254,6 +276,10 @@ def _check_settings(settings: RunSettings) -> None:
         from llmtrace.tracer.run.generate import sampling_params
 
         sampling_params(settings)  # temperature, top-k/p, min-p, penalty, seed: one line now, not after loading
+    if settings.batch_prompts:
+        from llmtrace.tracer.run.batch_generate import check_batch_settings
+
+        check_batch_settings(settings)
 
 
 def available_cpus() -> int:
@@ -276,7 +302,8 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
 
     import torch
 
-    from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep
+    from llmtrace.tracer.run.batch_generate import BatchTokenized, generation_for
+    from llmtrace.tracer.run.generate import Finished, PrefillDone, Tokenized, TokenStep
     from llmtrace.tracer.run.no_cache import NoCacheProgress
     from llmtrace.tracer.load.loader import load_model
 
@@ -291,27 +318,36 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
                   str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),
                   settings.dry_run)
-    generation = Generation(loaded, settings)
+    generation = generation_for(loaded, settings)
+    batched = bool(settings.batch_prompts)
     live: Live | None = None
-    view: DecodeView | None = None
+    view: DecodeView | BatchDecodeView | None = None
     trace: Trace | None = None
     tokenization = None
     status: Any = None  # the --no-kv-cache replay's progress line
     try:
         for event in generation.events():
-            if isinstance(event, Tokenized):
+            if isinstance(event, BatchTokenized):
+                render_batch_tokenization(console, event.records, event.pads)
+            elif isinstance(event, Tokenized):
                 tokenization = event.record
                 render_tokenization(console, event.record, event.prompt_tokens, settings.prompt_tokens is not None)
             elif isinstance(event, PrefillDone):
                 render_embedding(console, loaded.config, event.stages, settings.dry_run)
                 render_positions(console, event.rope, tokenization, loaded.config.n_layers)
                 render_layers(console, event.stages, event.step, detail, settings.dry_run)
-                render_lm_head(console, event.stages, event.step, settings, loaded.config, settings.dry_run)
+                if batched:
+                    render_batch_first_tokens(console, event.step)
+                else:
+                    render_lm_head(console, event.stages, event.step, settings, loaded.config, settings.dry_run)
                 render_sampling_lesson(console, event.lesson, event.step, settings)
                 render_lens(console, event.lens)
                 render_attention(console, event.attention)
-                if not settings.dry_run:
+                if batched:
+                    view = BatchDecodeView(settings.batch, event.limit, event.step)
+                elif not settings.dry_run:
                     view = DecodeView(event.limit, event.step)
+                if view is not None:
                     # "visible": the final render (every step) may be taller than the terminal; while streaming,
                     # the view keeps itself to the terminal's height.
                     live = Live(view, console=console, refresh_per_second=8, transient=False,
@@ -370,7 +406,7 @@ def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None
     from dataclasses import replace
 
     from llmtrace.cli.render_run_repeat import render_repeat
-    from llmtrace.tracer.run.generate import Generation
+    from llmtrace.tracer.run.batch_generate import generation_for
     from llmtrace.tracer.trace.repeat_summary import repeat_summary
 
     # the repeats time the generation itself: no second sampling lesson or no-cache replay (both after the timed steps)
@@ -380,7 +416,7 @@ def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None
         with console.status(f"repeating the generation: 2 of {repeat} …") as status:
             for k in range(2, repeat + 1):
                 status.update(f"repeating the generation: {k} of {repeat} …")
-                generation = Generation(loaded, settings)
+                generation = generation_for(loaded, settings)
                 try:
                     traces.append(generation.run())
                 finally:

@@ -13,6 +13,12 @@ from llmtrace.cli.render_run import (
     render_positions,
     render_tokenization,
 )
+from llmtrace.cli.render_run_batch import (
+    BatchDecodeView,
+    render_batch_first_tokens,
+    render_batch_summary,
+    render_batch_tokenization,
+)
 from llmtrace.cli.render_run_decode import render_decode_stages
 from llmtrace.cli.render_run_dry import render_dry_run_summary
 from llmtrace.cli.render_run_live import DecodeView
@@ -34,19 +40,33 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     render_header(console, config, trace.model.source, trace.model.weight_format, trace.model.load_seconds,
                   env.device, env.threads, env.dtype, dry_run)
     prefill = trace.prefill_step
-    render_tokenization(console, trace.tokenization, prefill.input_tokens if prefill else 0,
-                        settings.prompt_tokens is not None)
+    batch = trace.batch
+    if batch is not None:
+        render_batch_tokenization(console, [s.tokenization for s in batch.sequences], [s.pad for s in batch.sequences])
+    else:
+        render_tokenization(console, trace.tokenization, prefill.input_tokens if prefill else 0,
+                            settings.prompt_tokens is not None)
     if prefill is None:
         return
     stages = trace.stages_of(PREFILL)
     render_embedding(console, config, stages, dry_run)
-    render_positions(console, trace.rope, trace.tokenization, config.n_layers)
+    render_positions(console, trace.rope, None if batch is not None else trace.tokenization, config.n_layers)
     render_layers(console, stages, prefill, detail, dry_run)
-    render_lm_head(console, stages, prefill, settings, config, dry_run)
+    if batch is not None:
+        render_batch_first_tokens(console, prefill)
+    else:
+        render_lm_head(console, stages, prefill, settings, config, dry_run)
     render_sampling_lesson(console, trace.sampling_lesson, prefill, settings)
     render_lens(console, trace.lens[0] if trace.lens else None)
     render_attention(console, trace.attention[0] if trace.attention else None)
     if dry_run:
+        return
+    if batch is not None:
+        batch_view = BatchDecodeView(len(batch.sequences), trace.new_token_limit, prefill)
+        for step in trace.decode_steps:
+            batch_view.add(step)
+        batch_view.finish(trace.stop_reason == STOP_INTERRUPTED)
+        console.print(batch_view)
         return
     view = DecodeView(trace.new_token_limit, prefill)
     for generated, step in enumerate(trace.decode_steps, start=2):  # the prefill produced token 1
@@ -64,5 +84,7 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
         return
     if detail != "summary":
         render_decode_stages(console, report.decode_stages)
+    if trace.batch is not None:
+        render_batch_summary(console, trace.batch)
     render_summary(console, trace, report.summary, roofline, roofline_note)
     render_no_cache(console, trace.no_kv_cache)

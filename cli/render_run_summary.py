@@ -30,8 +30,9 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     traced = bool(trace.stages)
     decoded = bool(dec.steps)
     table.add_row("tokens in", f"{pre.tokens_in}", f"{dec.tokens_in} ({dec.steps} steps)")
+    per = "step" if trace.batch is not None else "token"  # a batched step gives a token to every row
     table.add_row("time", f"TTFT {fmt.duration_ns(summary.ttft_ns)}",
-                  f"{fmt.duration_ns(dec.step_ns_mean)} / token" if decoded else "-")
+                  f"{fmt.duration_ns(dec.step_ns_mean)} / {per}" if decoded else "-")
     table.add_row("speed", fmt.tokens_per_s(pre.forward_tokens_per_second) if pre.forward_ns else "-",
                   f"[bold]{fmt.tokens_per_s(summary.decode_tokens_per_second)}[/]" if decoded else "-")
     if traced:
@@ -46,8 +47,10 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
                       fmt.intensity(dec.arithmetic_intensity) if decoded else "-")
     if roofline is not None:
         _roofline_rows(table, roofline)
+    last = trace.steps[-1] if trace.steps else None
+    rows = f"{last.batch} rows × " if last is not None and trace.batch is not None else ""
     kv_line = (f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
-               f"allocated ({trace.steps[-1].context_length if trace.steps else 0} positions × "
+               f"allocated ({rows}{last.context_length if last else 0} positions × "
                f"{trace.config.n_layers} layers × 2 (K,V) × {trace.config.n_kv_heads} KV heads × "
                f"{trace.config.head_dim} × {trace.environment.dtype})")
     memory = f"peak RSS {fmt.nbytes(summary.peak_rss_bytes)}"
@@ -58,6 +61,8 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if settings.seed is not None and settings.temperature > 0:
         lines.append(f"seed {settings.seed} (drawn: replay this run with --seed {settings.seed})"
                      if settings.seed_drawn else f"seed {settings.seed}")
+        if trace.batch is not None:
+            lines[-1] += f"; sequence i samples with seed {settings.seed} + i"
     if roofline is not None:
         lines.append(f"[dim]{roofline_line(roofline)}[/]")
     if roofline is None and roofline_note:
@@ -66,6 +71,9 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
         lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
     stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)
     lines.append(f"stopped: {stop} · {summary.generated_tokens} tokens generated")
+    if trace.batch is not None:  # each sequence's text is in the Sequences table above
+        console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)))))
+        return
     text = Text("\n")
     text.append(trace.settings.prompt, style="dim")
     generated = trace.generated_text

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 import tempfile
 from pathlib import Path
 
@@ -29,12 +30,16 @@ FIXED_ENVIRONMENT = {"llmtrace_version": "0.1.0", "torch_version": "2.13.0+cpu",
 MODEL_NAME = "tiny-llama (test fixture)"
 
 
-def generate(folder: Path, dry_run: bool = False) -> dict:
+BATCH_PROMPTS = ("The sky is blue because", "Hi", "Once upon a time there was a small dog")
+
+
+def generate(folder: Path, dry_run: bool = False, batch: bool = False) -> dict:
     import sentencepiece as spm
 
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.core.dtypes import FP32
-    from llmtrace.tracer.run.generate import Finished, Generation
+    from llmtrace.tracer.run.batch_generate import generation_for
+    from llmtrace.tracer.run.generate import Finished
     from llmtrace.tracer.trace.records import RunSettings
 
     sp = train_sentencepiece()
@@ -46,7 +51,9 @@ def generate(folder: Path, dry_run: bool = False) -> dict:
                            top_p=None, min_p=None, repetition_penalty=1.0, seed=None, dtype="fp32", device="cpu",
                            threads=None, chat=False, trace=True, dry_run=dry_run, prompt_tokens=None, warmup=True,
                            staged=False)
-    generation = Generation(loaded, settings)
+    if batch:  # three prompts of different lengths: left pads, each sequence its own tokens
+        settings = replace(settings, batch=len(BATCH_PROMPTS), batch_prompts=BATCH_PROMPTS, temperatures=())
+    generation = generation_for(loaded, settings)
     trace = None
     try:
         for event in generation.events():
@@ -68,6 +75,9 @@ def fix_timings(data: dict) -> dict:
     data["environment"].update(FIXED_ENVIRONMENT)
     data["tokenization"]["start_ns"] = 0
     data["tokenization"]["duration_ns"] = 120_000
+    for index, sequence in enumerate(data.get("batch", {}).get("sequences", ())):
+        sequence["tokenization"]["start_ns"] = 120_000 * index
+        sequence["tokenization"]["duration_ns"] = 120_000
     clock = 1_000_000  # set-up (cache, warm-up) before the prefill
     for step in data["steps"]:
         step["start_ns"] = clock
@@ -80,7 +90,9 @@ def fix_timings(data: dict) -> dict:
         step["forward_ns"] = t - clock + 20_000
         step["sample_ns"] = 30_000
         step["detokenize_ns"] = 4_000
-        step["duration_ns"] = step["forward_ns"] + step["sample_ns"] + step["detokenize_ns"]
+        if step.get("compact_ns"):
+            step["compact_ns"] = 15_000
+        step["duration_ns"] = step["forward_ns"] + step["sample_ns"] + step["detokenize_ns"] + step.get("compact_ns", 0)
         clock += step["duration_ns"]
     data["wall_ns"] = clock
     data["peak_rss_bytes"] = 300_000_000
@@ -90,8 +102,9 @@ def fix_timings(data: dict) -> dict:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        for name, dry_run in (("tiny_trace.json", False), ("tiny_dry_run.json", True)):
-            data = fix_timings(generate(Path(tmp) / "tiny", dry_run))
+        for name, dry_run, batch in (("tiny_trace.json", False, False), ("tiny_dry_run.json", True, False),
+                                     ("tiny_batch_trace.json", False, True)):
+            data = fix_timings(generate(Path(tmp) / "tiny", dry_run, batch))
             out = HERE / name
             out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             print(f"wrote {out} ({out.stat().st_size:,} bytes)")

@@ -83,6 +83,13 @@ class KVCache(nn.Module):
         live = self.kv[:batch, :, first:end]  # (B, 2*Hkv, S, D)
         return live[:, :hkv], live[:, hkv:]  # (B, Hkv, S, D) each
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the sequences `index` (B',) of the batch, moved to rows 0 .. B'-1 (their live positions copied;
+        index_select copies first, so the rows may overlap their new places)."""
+        live = self.kv[: self.batch, :, : self.length]  # (B, 2*Hkv, S, D)
+        self.kv[: index.shape[0], :, : self.length] = live.index_select(0, index)  # (B', 2*Hkv, S, D)
+        self.batch = int(index.shape[0])
+
     def append(self, kv_new: torch.Tensor) -> torch.Tensor:
         """The fused path's write: kv_new (B, T, 2*Hkv, D), K heads then V heads, appended in one copy; returns the
         live slice (B, 2*Hkv, S, D), from the oldest position the new queries attend."""

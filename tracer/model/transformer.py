@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.core.contract import expected_shapes, has_bias, tensor_of
 from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
@@ -98,6 +98,10 @@ class AttentionScores(nn.Module):
         self.n_rep = n_heads // n_kv_heads
         self.scale = head_dim**-0.5
         self.window = window  # sliding window: keys older than W positions are masked too
+        # (B, 1, T, S) bool, True where a real query must not see a left-pad key; set by the model for the step of a
+        # batch of prompts of different lengths (Transformer._pad_step), None otherwise. An attribute, not an
+        # argument: the tracer's wrappers record every tensor argument as an activation the stage reads.
+        self.pad_mask: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
         batch, _, new, _ = q.shape
@@ -109,6 +113,8 @@ class AttentionScores(nn.Module):
         scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
         if new > 1:
             scores.masked_fill_(causal_mask(new, seen, q.device, self.window), float("-inf"))
+        if self.pad_mask is not None:
+            scores.masked_fill_(self.pad_mask, float("-inf"))  # exp(-inf) = 0: a pad adds nothing to any sum
         return scores
 
     def extra_repr(self) -> str:
@@ -246,6 +252,9 @@ class Transformer(nn.Module):
         self.stage_mark: Mark = no_mark  # called by the fused path after each stage (tracer/trace/fused_marks.py)
         self._fused_plan: FusedPlan | None = None  # built by setup_cache
         self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen
+        # (B,) left pads of each cached sequence when a batch of prompts of different lengths was prefilled
+        # (`prefill(tokens, pad)`), None when no row has any.
+        self._pad: torch.Tensor | None = None
 
     # ---- cache ---------------------------------------------------------------------------------------------
 
@@ -275,12 +284,47 @@ class Transformer(nn.Module):
         self._ensure_rope(max_seq)
         self._fused_plan = FusedPlan(self)
         self._pos = 0
+        self._pad = None
 
     def reset_cache(self) -> None:
         """Forget the cached sequence (buffers stay allocated)."""
         for layer in self.layers:
             layer.attention.kv_cache.reset()
         self._pos = 0
+        self._pad = None
+
+    @property
+    def batch(self) -> int:
+        """Sequences in the cache (0 before the first prefill)."""
+        return self.layers[0].attention.kv_cache.batch if len(self.layers) else 0
+
+    @property
+    def pads(self) -> tuple[int, ...]:
+        """Left pads of each cached sequence (all 0 unless prompts of different lengths were prefilled together)."""
+        if self._pad is None:
+            return (0,) * self.batch
+        return tuple(int(p) for p in self._pad.tolist())
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Compact the batch to the sequences `rows` (indices into the current batch, ascending): each layer's cache
+        copies those rows' live positions to the front of its buffer, so the next step runs on len(rows) rows only.
+        A finished sequence leaves the batch this way and costs nothing more."""
+        if not rows or list(rows) != sorted(set(rows)) or rows[-1] >= self.batch:
+            raise BadArgumentError(f"keep_rows takes ascending row indices below the batch of {self.batch}, got {rows}")
+        if len(rows) == self.batch:
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.tok_embeddings.weight.device)  # (B',)
+        for layer in self.layers:
+            layer.attention.kv_cache.keep_rows(index)
+        if self._pad is not None:
+            pad = self._pad.index_select(0, index)  # (B',)
+            self._pad = pad if bool(pad.any()) else None
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """K and V bytes one position of one sequence holds in the caches of all layers together."""
+        return sum(2 * c.n_kv_heads * c.head_dim * c.kv.element_size()
+                   for c in (layer.attention.kv_cache for layer in self.layers) if c.kv is not None)
 
     @property
     def kv_allocated_bytes(self) -> int:
@@ -318,11 +362,21 @@ class Transformer(nn.Module):
             x = layer(x, input_pos, False)
         return self.output(self.norm(x))  # (B, T, V)
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, pad: list[int] | None = None) -> torch.Tensor:
         """Run the prompt tokens (B, T) through the model, filling the cache; logits (B, V) of the last position.
 
         Only the last position goes through the final norm and the LM head: the others' logits are never used.
+        `pad` (one count per row): prompts of different lengths, left-padded to T; row b's first pad[b] tokens are
+        padding. No real query attends a pad key (now or in any later decode step), and each row's positions count
+        from its first real token, so its RoPE angles, and so its logits, are those of its batch-1 run.
         """
+        if pad is not None:
+            if len(pad) != tokens.shape[0] or min(pad) < 0 or max(pad) >= tokens.shape[1]:
+                raise BadArgumentError(f"pad needs one count in [0, {tokens.shape[1]}) per row, got {list(pad)}")
+            if self._pos:
+                raise BadArgumentError("pads are set by the first prefill of a sequence; reset the cache first")
+        self._pad = (torch.tensor(pad, dtype=torch.long, device=tokens.device)  # (B,)
+                     if pad is not None and any(pad) else None)
         return self._cached_step(tokens)
 
     def decode_one(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -351,6 +405,8 @@ class Transformer(nn.Module):
                 else:
                     x = self.tok_embeddings(tokens)  # (B, T, dim)
                     input_pos = self._positions[start : start + new]  # (T,)
+                    if self._pad is not None:
+                        input_pos = self._pad_step(input_pos, start + new)  # (B, T)
                     for layer in self.layers:
                         x = layer(x, input_pos, True)
                     x = x[:, -1, :]  # (B, dim): the last position only
@@ -360,8 +416,27 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 layer.attention.kv_cache.length = start
             raise
+        finally:
+            for layer in self.layers:
+                layer.attention.scores.pad_mask = None
         self._pos = start + new
         return logits
+
+    def _pad_step(self, index: torch.Tensor, end: int) -> torch.Tensor:
+        """For a step over the cache indices `index` (T,) of left-padded rows: each row's positions (B, T), counted
+        from its first real token (pads at 0, never seen), and each layer's pad mask (B, 1, T, S) hiding the pad keys
+        among the S keys the step reads from every real query. A pad query may see earlier pads (only pads): its
+        softmax stays finite, and no real row ever reads what it computes."""
+        pad = self._pad  # (B,)
+        positions = (index.unsqueeze(0) - pad.unsqueeze(1)).clamp_(min=0)  # (B, T)
+        first = first_attended_position(end, index.shape[0], self.config.sliding_window)
+        keys = torch.arange(first, end, device=index.device)  # (S,) cache indices the step reads
+        key_is_pad = keys.unsqueeze(0) < pad.unsqueeze(1)  # (B, S)
+        query_is_real = index.unsqueeze(0) >= pad.unsqueeze(1)  # (B, T)
+        hidden = (query_is_real.unsqueeze(2) & key_is_pad.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, S)
+        for layer in self.layers:
+            layer.attention.scores.pad_mask = hidden
+        return positions
 
     # ---- the fused path ------------------------------------------------------------------------------------
 
@@ -372,7 +447,7 @@ class Transformer(nn.Module):
         nn.Module forward hook, local or global (a tracer's hooks, FlopCounterMode's module tracker), or an
         instance-level forward wrapper sends the call stage by stage, so what is traced is what runs."""
         plan = self._fused_plan
-        if not self.use_fused or plan is None:
+        if not self.use_fused or plan is None or self._pad is not None:
             return False
         modules = self._watchable()
         stamp = RemovableHandle.next_id  # bumped by every hook registration anywhere

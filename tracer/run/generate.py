@@ -262,8 +262,9 @@ class Generation:
         yield TokenStep(decode, 1, 1)
         self._stop_reason = STOP_DRY_RUN
 
-    def _tokenize(self) -> list[int]:
-        prompt = self.settings.prompt
+    def _tokenize(self, prompt: str | None = None) -> list[int]:
+        """The ids of `prompt` (default: the run's), recorded as this run's TokenizationRecord."""
+        prompt = self.settings.prompt if prompt is None else prompt
         if self.tokenizer is None:
             if not self.dry_run:
                 raise BadArgumentError("this model has no tokenizer; pass a model folder or .gguf with one")

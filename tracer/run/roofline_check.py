@@ -73,11 +73,14 @@ def run_roofline(trace: Trace, summary: RunSummary,
         pre, dec = summary.prefill, summary.decode
         if not pre.forward_ns:
             return without("no prefill was timed")
+        # per sequence: a batched step gives each row one token (finished rows leave, so late steps may hold fewer
+        # rows than the bound assumes: the bound is then for the whole batch throughout)
         decode_tps = dec.steps / (dec.forward_ns / 1e9) if dec.steps and dec.forward_ns else None
+        batch = trace.prefill_step.batch if trace.prefill_step is not None else 1
         # the prefill yields the first token, so the bound covers the decode steps that actually ran
-        comparison = compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in, new_tokens=dec.steps + 1,
-                                           measured_ttft_s=pre.forward_ns / 1e9,
-                                           measured_decode_tokens_per_s=decode_tps, dtype=dtype)
+        comparison = compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in // batch,
+                                           new_tokens=dec.steps + 1, measured_ttft_s=pre.forward_ns / 1e9,
+                                           measured_decode_tokens_per_s=decode_tps, dtype=dtype, batch=batch)
         return RunRoofline(comparison, "", measured, saved_to, not_saved)
     except LlmtraceError as exc:  # an unreadable or malformed hardware.json among others: a note, not a lost run
         return without(f"skipped: {exc}")

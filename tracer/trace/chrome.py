@@ -41,20 +41,23 @@ def chrome_trace(trace: "Trace") -> dict[str, Any]:
         {"name": "thread_name", "ph": "M", "pid": _PID, "tid": _TID,
          "args": {"name": f"{trace.config.name} on {trace.environment.device}"}},
     ]
-    tok = trace.tokenization
-    if tok is not None:
-        events.append(_span("tokenize", tok.start_ns, tok.duration_ns, "tokenize",
-                            {"tokens": len(tok.ids), "text": tok.model_text}))
+    tokenized = ([(f"tokenize seq {s.index}", s.tokenization) for s in trace.batch.sequences]
+                 if trace.batch is not None else [("tokenize", trace.tokenization)])
+    for name, tok in tokenized:
+        if tok is not None:
+            events.append(_span(name, tok.start_ns, tok.duration_ns, "tokenize",
+                                {"tokens": len(tok.ids), "text": tok.model_text}))
     by_step: dict[tuple[str, int], list[StageRecord]] = {}
     for stage in trace.stages:
         by_step.setdefault((stage.phase, stage.step), []).append(stage)
     for step in trace.steps:
         events.extend(_step_events(step, by_step.get((step.phase, step.step), [])))
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ns",
-        "otherData": {"model": trace.config.name, "source": trace.model.source, "generated_text": trace.generated_text},
-    }
+    other: dict[str, Any] = {"model": trace.config.name, "source": trace.model.source,
+                             "generated_text": trace.generated_text}
+    if trace.batch is not None:
+        other["batch"] = len(trace.batch.sequences)
+        other["generated_texts"] = [s.generated_text for s in trace.batch.sequences]
+    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}
 
 
 def _step_events(step: StepRecord, stages: list[StageRecord]) -> list[dict[str, Any]]:
@@ -63,6 +66,7 @@ def _step_events(step: StepRecord, stages: list[StageRecord]) -> list[dict[str, 
         **_totals(stages), "input_tokens": step.input_tokens, "context_length": step.context_length,
         "token_id": step.token_id, "piece": step.piece, "kv_live_bytes": step.kv_live_bytes,
         "kv_allocated_bytes": step.kv_allocated_bytes,
+        **({"batch": step.batch, "tokens": " | ".join(f"{r.sequence}:{r.piece}" for r in step.rows)} if step.rows else {}),
     })]
     layers: dict[int, list[StageRecord]] = {}
     for stage in stages:
@@ -83,11 +87,15 @@ def _step_events(step: StepRecord, stages: list[StageRecord]) -> list[dict[str, 
         for group_name, group in groups.items():
             events.append(_group(group_name, group, {"layer": layer}))
     forward_end = step.start_ns + step.forward_ns
+    sampled = ({"rows": len(step.rows), "token_ids": [r.token_id for r in step.rows]} if step.rows else
+               {"token_id": step.token_id, "probability": step.probability})
     events.append(_span("sample", forward_end, step.sample_ns, "sample",
-                        {"token_id": step.token_id, "probability": step.probability,
-                         "filters": ",".join(step.filters) or "greedy"}))
+                        {**sampled, "filters": ",".join(step.filters) or "greedy"}))
     events.append(_span("detokenize", forward_end + step.sample_ns, step.detokenize_ns, "detokenize",
-                        {"text": step.text}))
+                        {"texts": [r.text for r in step.rows]} if step.rows else {"text": step.text}))
+    if step.compact_ns:
+        events.append(_span("compact batch", forward_end + step.sample_ns + step.detokenize_ns, step.compact_ns,
+                            "compact", {"left": [r.sequence for r in step.rows if r.finished]}))
     return events
 
 

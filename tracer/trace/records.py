@@ -119,6 +119,21 @@ class SamplingRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class RowToken:
+    """One sequence's token in a step of a batched run (`llmtrace run --batch N`)."""
+
+    sequence: int  # the sequence (0 = the first prompt), whatever row it holds now
+    row: int  # its row in this step's forward (finished sequences leave the batch: the rows after them move up)
+    token_id: int
+    piece: str
+    text: str  # text this token added to the sequence's output
+    probability: float  # of the chosen token, after all filters
+    context_length: int  # the sequence's own positions after this step: its prompt and tokens so far (no pads)
+    kv_live_bytes: int  # K and V of those positions, all layers (its pads not counted)
+    finished: str  # "" while it goes on; else why this was its last token: "eos", "max_new_tokens", "context_full"
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One forward step and the token sampled from its logits."""
 
@@ -140,11 +155,22 @@ class StepRecord:
     forward_ns: int  # model forward (prefill or decode_one), device synchronised
     sample_ns: int
     detokenize_ns: int
-    duration_ns: int  # the whole step: forward + sample + detokenize
+    duration_ns: int  # the whole step: forward + sample + detokenize (+ compact_ns in a batched run)
+    # A batched run (--batch N): the rows of this forward (input_tokens counts every row's tokens, pads included;
+    # context_length and the kv_* bytes are the cache's, pads included) and each row's token. The step's own token
+    # fields are then empty (token_id -1), as in a dry run: the tokens are in `rows`.
+    batch: int = 1
+    rows: tuple[RowToken, ...] = ()
+    compact_ns: int = 0  # dropping the sequences this step finished from the batch (their KV rows), after sampling
 
     @property
     def end_ns(self) -> int:
         return self.start_ns + self.duration_ns
+
+    @property
+    def tokens_out(self) -> int:
+        """Tokens this step generated: one per row of a batched step, else one."""
+        return len(self.rows) if self.rows else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +227,8 @@ class RunSettings:
     lens: bool = False  # the logit lens at each step's predicted position (runs stage by stage)
     attention: bool = False  # each step's attention weights at the predicted position (runs stage by stage)
     attention_steps: tuple[int, ...] = (0,)  # steps whose full weights --attention keeps (bounded); 0 = the prefill
+    batch: int = 1  # --batch N: sequences generated together
+    batch_prompts: tuple[str, ...] = ()  # with --batch: each sequence's prompt (the --file lines, or the prompt N times)
 
 
 @dataclass(frozen=True, slots=True)

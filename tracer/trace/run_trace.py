@@ -29,6 +29,7 @@ from llmtrace.tracer.trace.journey_records import (
     SamplingLesson,
 )
 from llmtrace.tracer.core.json_input import parse_json
+from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -36,6 +37,7 @@ from llmtrace.tracer.trace.records import (
     EnvironmentInfo,
     ModelInfo,
     RopeRecord,
+    RowToken,
     RunSettings,
     SamplingRecord,
     StageRecord,
@@ -84,6 +86,9 @@ class Trace:
     no_kv_cache: NoCacheRun | None = None  # --no-kv-cache: the run again without a cache, step by step
     lens: tuple[LensStep, ...] = ()  # --lens: per step, what each layer would predict
     attention: tuple[AttentionStep, ...] = ()  # --attention: per step, where each head looks
+    # --batch N: every sequence's prompt, tokens and end (tracer/trace/batch_records.py). The top-level tokenization
+    # and generated_ids/generated_text are then the first sequence's, so a reader that knows no batch still reads a run.
+    batch: BatchRun | None = None
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -120,9 +125,15 @@ class Trace:
             out["summary"] = _plain(summary)  # first: the headline, before the records it sums
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "pruned_steps" and not value:
+            if f.name in ("pruned_steps", "batch") and not value:
                 continue  # optional (schema): a trace that kept every stage record reads as before
             out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
+        if self.batch is None:  # a one-sequence run's steps and settings read exactly as before --batch existed
+            for step in out["steps"]:
+                for name in _BATCH_STEP_FIELDS:
+                    step.pop(name, None)
+            for name in _BATCH_SETTINGS:
+                out["settings"].pop(name, None)
         return out
 
     def to_json(self, indent: int | None = None, summary: Any = None) -> str:
@@ -170,6 +181,7 @@ class Trace:
                 no_kv_cache=_optional(_no_cache, data.get("no_kv_cache")),
                 lens=tuple(_lens_step(s) for s in data.get("lens", ())),
                 attention=tuple(_attention_step(a) for a in data.get("attention", ())),
+                batch=_optional(_batch, data.get("batch")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -196,6 +208,8 @@ R = TypeVar("R")
 
 
 _STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
+_BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
+_BATCH_SETTINGS = ("batch", "batch_prompts")
 _SHAPE_FIELDS = ("input_shapes", "output_shapes")
 
 
@@ -223,7 +237,8 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in fields(cls))
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
-                LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus)
+                LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
+                RowToken, SequenceRecord, BatchRun)
 }
 
 
@@ -315,7 +330,15 @@ def _stage(d: dict[str, Any]) -> StageRecord:
 def _step(d: dict[str, Any]) -> StepRecord:
     return _build(StepRecord, {**d, "filters": _list(d["filters"]),
                                "candidates": tuple(_build(CandidateRecord, c) for c in _list(d["candidates"])),
-                               "sampling": _optional(lambda s: _build(SamplingRecord, s), d["sampling"])})
+                               "sampling": _optional(lambda s: _build(SamplingRecord, s), d["sampling"]),
+                               "rows": tuple(_build(RowToken, r) for r in _list(d.get("rows", [])))})
+
+
+def _batch(d: dict[str, Any]) -> BatchRun:
+    sequences = tuple(_build(SequenceRecord, {**q, "tokenization": _tokenization(q["tokenization"]),
+                                              "generated_ids": _list(q["generated_ids"])})
+                      for q in _list(d["sequences"]))
+    return _build(BatchRun, {**d, "sequences": sequences})
 
 
 def _tokenization(d: dict[str, Any]) -> TokenizationRecord:
@@ -331,6 +354,8 @@ def _settings(d: dict[str, Any]) -> RunSettings:
         d = {**d, "temperatures": tuple(float(t) for t in d["temperatures"])}
     if "attention_steps" in d:
         d = {**d, "attention_steps": tuple(int(s) for s in d["attention_steps"])}
+    if "batch_prompts" in d:
+        d = {**d, "batch_prompts": _list(d["batch_prompts"])}
     return _build(RunSettings, d)
 
 

@@ -111,7 +111,9 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
     if kind == "rope":
         (q, item), (k, _) = inputs[0], inputs[1]  # (B, T, H, D), (B, T, Hkv, D)
         flops = ff.rope_flops(_numel(q[:-2]), q[-2], k[-2], q[-1])
-        tables = 2 * q[-3] * q[-1] * item  # the cos and sin rows (T, D) of these positions
+        # the cos and sin rows (T, D) of these positions; (B*T, D) when each row has its own (a left-padded batch)
+        rows = _numel(inputs[2][0]) if len(inputs) > 2 else q[-3]
+        tables = 2 * rows * q[-1] * item
         return StageCost(
             matmul_flops=0,
             elementwise_flops=flops,

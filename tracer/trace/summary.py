@@ -165,22 +165,24 @@ def phase_summary(trace: Trace, phase: str) -> PhaseSummary:
 
 
 def steps_per_second(steps: Sequence[StepRecord]) -> float:
-    """Steps (one token each) per second of their wall time, sampling included; 0 for none."""
+    """Tokens the steps generated (one per step; one per row of a batched step) per second of their wall time,
+    sampling included; 0 for none."""
     ns = sum(s.duration_ns for s in steps)
-    return len(steps) / (ns / 1e9) if ns else 0.0
+    return sum(s.tokens_out for s in steps) / (ns / 1e9) if ns else 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
-    prompt_tokens: int
-    generated_tokens: int
-    # Tokenization + the prefill step (forward, sampling, detokenization): the request's time to first token. Not
+    prompt_tokens: int  # a batched run: every sequence's, pads not counted
+    generated_tokens: int  # a batched run: every sequence's
+    # Tokenization + the prefill step (forward, sampling, detokenization): the request's time to first token (a
+    # batched run: every prompt's tokenization and the batched prefill, the first token of every sequence). Not
     # the wall time since tokenization, which also holds llmtrace's own set-up (KV cache allocation, the warm-up
     # pass, entering the tracer), none of which a server pays per request.
     ttft_ns: int
     prefill: PhaseSummary
     decode: PhaseSummary
-    decode_tokens_per_second: float  # decode steps / their wall time (sampling included)
+    decode_tokens_per_second: float  # decode tokens (all sequences) / the decode steps' wall time (sampling included)
     kv_allocated_bytes: int
     kv_live_bytes: int
     peak_rss_bytes: int
@@ -191,11 +193,14 @@ def run_summary(trace: Trace) -> RunSummary:
     prefill = phase_summary(trace, PREFILL)
     decode = phase_summary(trace, DECODE)
     first: StepRecord | None = trace.prefill_step
-    tokenize_ns = trace.tokenization.duration_ns if trace.tokenization is not None else 0
+    if trace.batch is not None:
+        tokenize_ns = sum(s.tokenization.duration_ns for s in trace.batch.sequences)
+    else:
+        tokenize_ns = trace.tokenization.duration_ns if trace.tokenization is not None else 0
     last = trace.steps[-1] if trace.steps else None
     return RunSummary(
-        prompt_tokens=first.input_tokens if first else 0,
-        generated_tokens=len(trace.generated_ids),
+        prompt_tokens=(trace.batch.prompt_tokens if trace.batch is not None else first.input_tokens if first else 0),
+        generated_tokens=trace.batch.generated_tokens if trace.batch is not None else len(trace.generated_ids),
         ttft_ns=tokenize_ns + first.duration_ns if first else 0,
         prefill=prefill,
         decode=decode,

@@ -47,7 +47,7 @@ class SummaryBlock:
     stop_reason: str
     ttft_ns: int  # tokenization + the prefill step (RunSummary.ttft_ns)
     prefill_tokens_per_second: float  # prompt tokens / prefill forward time
-    decode_tokens_per_second: float  # decode steps / their wall time, sampling included
+    decode_tokens_per_second: float  # decode tokens (every sequence's) / the decode steps' wall time, sampling included
     prefill_flops: int | None
     decode_flops: int | None
     prefill_bytes_read: int | None
@@ -58,6 +58,7 @@ class SummaryBlock:
     peak_rss_bytes: int
     peak_device_bytes: int | None  # cuda only
     roofline: RooflineVerdict | None  # None: not compared (dry run, --no-roofline, no profile for the dtype)
+    sequences: int = 1  # run --batch N: N (prompt and generated tokens are then all sequences' together)
 
 
 def summary_block(trace: Trace, comparison: MeasuredVsBound | None = None,
@@ -91,4 +92,5 @@ def summary_block(trace: Trace, comparison: MeasuredVsBound | None = None,
             predicted_decode_tokens_per_second=comparison.predicted_decode_tokens_per_s,
             decode_percent_of_bound=comparison.decode_percent_of_bound,
         ),
+        sequences=len(trace.batch.sequences) if trace.batch is not None else 1,
     )
