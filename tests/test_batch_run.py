@@ -249,3 +249,68 @@ def test_bad_batch_settings_are_one_line(change: dict, message: str) -> None:
     settings = replace(RunSettings(model="", prompt="a", batch=2, batch_prompts=("a", "b")), **change)
     with pytest.raises(BadArgumentError, match=message):
         check_batch_settings(settings)
+
+
+# ---- the command ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def _private_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    return CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "80"})
+
+
+def test_run_batch_writes_every_view(tiny_llama_dir: Path, tmp_path: Path, _private_config: None) -> None:
+    """--file's lines as the batch: the run view at 80 columns, --json (schema-valid, reads back), --summary-json,
+    the Chrome trace."""
+    import json
+
+    import jsonschema
+
+    from llmtrace.tracer.trace.run_trace import load_schema
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The sky is blue because\n\nHi\nOnce upon a time\nnot used\n", encoding="utf-8")
+    trace_path, chrome = tmp_path / "t.json", tmp_path / "c.json"
+    result = _cli("--model", str(tiny_llama_dir), "--batch", "3", "--file", str(prompts), "--max-new-tokens", "3",
+                  "--json", str(trace_path), "--chrome-trace", str(chrome), "--summary-json", "--no-roofline")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["sequences"] == 3 and summary["generated_tokens"] == 9
+    assert all(len(line) <= 80 for line in result.stderr.splitlines())
+    for title in ("N prompts → one batch", "one token per sequence", "Sequences", "8 · Summary"):
+        assert title in result.stderr
+    data = json.loads(trace_path.read_text(encoding="utf-8"))
+    jsonschema.validate(data, load_schema())
+    trace = Trace.from_dict(data)
+    assert trace.settings.batch_prompts == ("The sky is blue because", "Hi", "Once upon a time")
+    assert [len(s.generated_ids) for s in trace.batch.sequences] == [3, 3, 3]
+    doc = json.loads(chrome.read_text(encoding="utf-8"))
+    assert doc["otherData"]["batch"] == 3
+    assert sum(e["name"].startswith("tokenize seq") for e in doc["traceEvents"]) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--batch", "4", "--file", "{prompts}"], "--batch 4 takes one prompt per line, but {prompts} has 2 non-empty lines"),
+    (["--batch", "2", "--no-kv-cache"], "--batch does not combine with --no-kv-cache"),
+    (["--batch", "2", "--lens"], "--batch does not combine with --lens"),
+])
+def test_bad_batch_input_is_one_line_exit_2(args: list[str], message: str, tiny_llama_dir: Path,
+                                             tmp_path: Path, _private_config: None) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n", encoding="utf-8")
+    args = [a.replace("{prompts}", str(prompts)) for a in args]
+    if "--file" not in args:
+        args = ["sky", *args]
+    result = _cli("--model", str(tiny_llama_dir), *args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert message.replace("{prompts}", str(prompts)) in result.stderr
