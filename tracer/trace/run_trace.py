@@ -160,7 +160,7 @@ class Trace:
                 "re-record it with this llmtrace"
             )
         try:
-            return cls(
+            return _check_rows(cls(
                 settings=_settings(data["settings"]),
                 config=_config(data["config"]),
                 environment=_build(EnvironmentInfo, data["environment"]),
@@ -182,7 +182,7 @@ class Trace:
                 lens=tuple(_lens_step(s) for s in data.get("lens", ())),
                 attention=tuple(_attention_step(a) for a in data.get("attention", ())),
                 batch=_optional(_batch, data.get("batch")),
-            )
+            ))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
 
@@ -338,7 +338,19 @@ def _batch(d: dict[str, Any]) -> BatchRun:
     sequences = tuple(_build(SequenceRecord, {**q, "tokenization": _tokenization(q["tokenization"]),
                                               "generated_ids": _list(q["generated_ids"])})
                       for q in _list(d["sequences"]))
+    if not sequences or any(not s.tokenization.ids for s in sequences):
+        raise ValueError("a batch needs at least one sequence, each with its prompt's ids")
     return _build(BatchRun, {**d, "sequences": sequences})
+
+
+def _check_rows(trace: "Trace") -> "Trace":
+    """Every row of a batched step names one of the trace's sequences (the renderers index them by it)."""
+    count = len(trace.batch.sequences) if trace.batch is not None else 0
+    for step in trace.steps:
+        for row in step.rows:
+            if not 0 <= row.sequence < count:
+                raise ValueError(f"step {step.step} has a row of sequence {row.sequence}, the trace has {count}")
+    return trace
 
 
 def _tokenization(d: dict[str, Any]) -> TokenizationRecord:
@@ -365,6 +377,10 @@ def _sampling_lesson(d: dict[str, Any]) -> SamplingLesson:
                                                                          "final_probabilities")})
                     for c in d["columns"])
     tokens = tuple(_build(LessonToken, t) for t in d["tokens"])
+    for column in columns:  # one probability per lesson token: the panel reads them by the tokens' rows
+        if len(column.probabilities) != len(tokens) or len(column.final_probabilities) != len(tokens):
+            raise ValueError(f"sampling_lesson column T={column.temperature} has {len(column.probabilities)} "
+                             f"probabilities for {len(tokens)} tokens")
     return _build(SamplingLesson, {**d, "tokens": tokens, "columns": columns})
 
 
