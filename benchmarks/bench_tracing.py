@@ -255,12 +255,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (what `llmtrace run` uses by default)")
     args = parser.parse_args()
     from llmtrace.tracer.core.dtypes import get_compute_dtype
-    from llmtrace.tracer.hardware.dtype_policy import resolve_dtype
 
-    dtype = resolve_dtype(get_compute_dtype(args.dtype), "cpu")
-    loaded = load_model(None, dtype=dtype)
+    loaded = load_model(None, dtype=get_compute_dtype(args.dtype))  # auto: measured (tracer/load/kernel_pick.py)
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     result: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                              "model": loaded.config.name, "rounds": args.rounds, "dtype": str(dtype)}
+                              "model": loaded.config.name, "rounds": args.rounds, "dtype": dtype}
     for name, fn in (("overhead", bench_overhead), ("profiler", bench_profiler), ("hf", bench_hf)):
         if args.only is None or name in args.only:
             result[name] = fn(loaded, args.rounds)

@@ -29,6 +29,7 @@ from llmtrace.cli.options import Detail, DetailOption, compute_dtype_option
 from llmtrace.cli.render_run import (
     render_embedding,
     render_header,
+    render_kernel_choice,
     render_layers,
     render_lm_head,
     render_positions,
@@ -74,8 +75,9 @@ def run_command(
     repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages tokens already seen (1 = off).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same tokens).")] = None,
     dtype: Annotated[Any, compute_dtype_option(  # DType | AutoDtype: typer declares no unions
-        "--dtype", help="Compute dtype; auto = bf16 where the hardware has bf16 arithmetic (AMX, AVX-512 BF16, "
-                        "CUDA), else fp32 (bf16 on AVX2-only CPUs is several times slower).")] = AUTO,
+        "--dtype", help="Compute dtype; auto = the fastest numerically safe one, measured on this machine for this "
+                        "model's products on first use (seconds; saved) and never fewer significand bits than the "
+                        "checkpoint's.")] = AUTO,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -302,6 +304,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
 
     import torch
 
+    from llmtrace.tracer.hardware.dtype_policy import dtype_of
     from llmtrace.tracer.run.batch_generate import BatchTokenized, generation_for
     from llmtrace.tracer.run.generate import Finished, PrefillDone, Tokenized, TokenStep
     from llmtrace.tracer.run.no_cache import NoCacheProgress
@@ -310,14 +313,18 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     what = settings.model or "the bundled SmolLM2-135M-Instruct"
-    with console.status(f"loading {what} …"):
-        loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run)
-    if loaded.cache_note:
-        console.print(f"[yellow]note:[/] {loaded.cache_note}", soft_wrap=True)
+    with console.status(f"loading {what} …") as status:
+        loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run,
+                            progress=lambda step: status.update(f"measuring this machine's products for this model "
+                                                                f"(first run only): {step} …"))
+    for note in (loaded.cache_note, loaded.kernel_note):
+        if note:
+            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     param = next(loaded.model.parameters())
     render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
                   str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),
                   settings.dry_run)
+    render_kernel_choice(console, loaded.kernels, dtype_of(param.dtype).name)
     generation = generation_for(loaded, settings)
     batched = bool(settings.batch_prompts)
     live: Live | None = None

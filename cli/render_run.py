@@ -15,9 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli.render_kernels import alternatives_line, choice_line
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import short_label
+from llmtrace.tracer.hardware.kernel_choice import KernelChoice
 from llmtrace.tracer.trace.records import (
     MATMUL_KINDS,
     CandidateRecord,
@@ -51,6 +53,15 @@ def render_header(console: Console, config: ModelConfig, source: str, weight_for
         f"({config.n_kv_heads} KV) · head dim {config.head_dim} · FFN {config.ffn_dim} · vocab {config.vocab_size:,} "
         f"· LM head {tied}{window}\n[dim]{source}\n{weight_format} · {head} · {device} · {threads} threads · {dtype}[/]"
     )
+
+
+def render_kernel_choice(console: Console, choice: KernelChoice | None, dtype: str) -> None:
+    """How the dtype was chosen and what was measured (cli/render_kernels.py), under the header; nothing when no
+    choice was recorded (an explicit --dtype on a machine that never measured this model, or an older trace)."""
+    if choice is None:
+        return
+    lines = [choice_line(choice, dtype), alternatives_line(choice)]
+    console.print(Text("\n".join(line for line in lines if line), style="dim"))
 
 
 # ---- 1 tokenization ---------------------------------------------------------------------------------------------

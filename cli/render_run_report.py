@@ -8,6 +8,7 @@ from rich.console import Console
 from llmtrace.cli.render_run import (
     render_embedding,
     render_header,
+    render_kernel_choice,
     render_layers,
     render_lm_head,
     render_positions,
@@ -19,6 +20,7 @@ from llmtrace.cli.render_run_batch import (
     render_batch_summary,
     render_batch_tokenization,
 )
+from llmtrace.cli.render_kernels import dtype_name
 from llmtrace.cli.render_run_decode import render_decode_stages
 from llmtrace.cli.render_run_dry import render_dry_run_summary
 from llmtrace.cli.render_run_live import DecodeView
@@ -39,6 +41,7 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     dry_run = settings.dry_run
     render_header(console, config, trace.model.source, trace.model.weight_format, trace.model.load_seconds,
                   env.device, env.threads, env.dtype, dry_run)
+    render_kernel_choice(console, trace.kernels, dtype_name(env.dtype))
     prefill = trace.prefill_step
     batch = trace.batch
     if batch is not None:
@@ -88,3 +91,4 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
         render_batch_summary(console, trace.batch)
     render_summary(console, trace, report.summary, roofline, roofline_note)
     render_no_cache(console, trace.no_kv_cache)
+

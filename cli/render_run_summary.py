@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli.render_kernels import alternatives_line, choice_line, dtype_name
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.run_trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
@@ -67,6 +69,9 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
         lines.append(f"[dim]{roofline_line(roofline)}[/]")
     if roofline is None and roofline_note:
         lines.append(f"[dim]{roofline_note}[/]")
+    if trace.kernels is not None:
+        lines.extend(f"[dim]{escape(line)}[/]" for line in (choice_line(trace.kernels, dtype_name(trace.environment.dtype)),
+                                                            alternatives_line(trace.kernels)) if line)
     if not traced:
         lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
     stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)

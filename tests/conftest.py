@@ -50,3 +50,36 @@ def make_tiny_llama(
 def tiny_llama_dir(make_tiny_llama: Callable[..., Path]) -> Path:
     """The default tiny model: 2 layers, dim 64, 4 heads over 2 KV heads (GQA), untied, SentencePiece tokenizer."""
     return make_tiny_llama("default")
+
+
+# ---- --dtype auto's measurement (kernel choice) ---------------------------------------------------------------------
+
+
+def fixed_timings(kernels: Any, config: Any, device: str = "cpu", progress: Any = None) -> tuple[tuple[Any, ...], float]:
+    """product_timing.time_kernels' stand-in: fixed times with fp32 fastest, then fp16, then bf16, so `--dtype auto`
+    is the same on every machine (tests assert no speed); the weights' bytes are the real ones."""
+    from llmtrace.tracer.hardware.kernel_choice import CandidateTiming
+    from llmtrace.tracer.hardware.product_timing import product_shapes
+
+    rank = {"fp32": 1.0, "fp16": 2.0, "bf16": 3.0}
+    timings = []
+    for kernel in kernels:
+        per_value = {"fp32": 4, "fp16": 2, "bf16": 2}.get(kernel.dtype, 1)
+        values = sum(s.rows * s.cols * (config.n_layers if s.per_layer else 1) for s in product_shapes(config))
+        slow = rank.get(kernel.name, 4.0)
+        timings.append(CandidateTiming(kernel.name, kernel.dtype, kernel.weights, "mv", slow * 1e-3, slow * 1e-2,
+                                       values * per_value))
+    return tuple(timings), 0.01
+
+
+@pytest.fixture(autouse=True)
+def _fixed_kernel_choice(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """In-process tests never time products (a speed-dependent --dtype auto would make their output vary) and never
+    read or write the user's saved choices: a fixed timer and a kernels.json of their own. Tests of the timing and
+    the store itself call them directly; subprocess tests set XDG_CONFIG_HOME and measure for real."""
+    from llmtrace.tracer.hardware import kernel_store
+    from llmtrace.tracer.load import kernel_pick
+
+    path = tmp_path_factory.mktemp("kernels") / "kernels.json"
+    monkeypatch.setattr(kernel_pick, "time_kernels", fixed_timings)
+    monkeypatch.setattr(kernel_store, "kernels_path", lambda: path)

@@ -141,7 +141,7 @@ def activation_dtype_for(weights: DType) -> DType:
 
 class AutoDtype:
     """`--dtype auto`: the fastest compute format that keeps results close to fp32 on the device that runs, chosen
-    by the engine (llmtrace.tracer.hardware.dtype_policy.resolve_dtype) once the device is known. One instance, AUTO
+    by the engine (measured: llmtrace.tracer.load.kernel_pick) once the model and device are known. One instance, AUTO
     (a plain class: a dataclass costs the analytical commands' start-up a compile for one constant)."""
 
     __slots__ = ()

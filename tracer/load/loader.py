@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -30,16 +31,17 @@ from llmtrace.tracer.checkpoint.resolve import (
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import FP32, AutoDtype, DType
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
-from llmtrace.tracer.hardware.dtype_policy import dtype_of, resolve_dtype, torch_dtype
-from llmtrace.tracer.load import weights_cache
+from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
+from llmtrace.tracer.hardware.kernel_choice import KernelChoice, unmeasured, without
+from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_summary
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
 
-# The library's default is fp32, the reference numerics; the CLI passes AUTO (llmtrace.tracer.hardware.dtype_policy:
-# bf16 where the hardware has bf16 arithmetic, else fp32), which load_model also accepts.
+# The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
+# measured on this machine: llmtrace.tracer.load.kernel_pick), which load_model also accepts.
 DEFAULT_DTYPE = FP32
 
 
@@ -53,6 +55,10 @@ class LoadedModel:
     weight_format: str  # e.g. "GGUF Q4_1+Q8_0 -> fp32", "safetensors bf16 -> fp32", "random init (seed 0) fp32"
     from_cache: bool = False  # GGUF weights read from the converted-weights cache
     cache_note: str = ""  # one line when a damaged cache entry was dropped and converted again
+    # What --dtype auto resolved to and the measured alternatives (tracer/hardware/kernel_choice.py); with an explicit
+    # dtype, the saved measurement for this machine and model when there is one (overridden_by says so), else None.
+    kernels: KernelChoice | None = None
+    kernel_note: str = ""  # one line: a damaged kernel store replaced, a choice not saved, fp16 refused
 
 
 def load_model(
@@ -64,18 +70,52 @@ def load_model(
     random_init: bool = False,
     seed: int = 0,
     use_cache: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring; a string is classified by
-    llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`."""
+    llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. AUTO measures
+    this machine's products for the model's shapes on first use (llmtrace.tracer.load.kernel_pick; `progress`
+    hears what is being measured) and records the choice in `kernels`."""
     start = time.perf_counter()
     target = _check_device(device)
-    compute = resolve_dtype(dtype, target)
-    values = torch_dtype(compute)
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
-    config, kind = resolved.config, resolved.kind
+    if resolved.kind == PRESET and not (dry_run or random_init):
+        raise BadArgumentError(
+            f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
+            ".gguf file or an HF model folder as --model"
+        )
+    if not isinstance(dtype, AutoDtype):
+        kernels = None if dry_run else kernel_pick.lookup(resolved, target)
+        if kernels is not None:
+            kernels = replace(kernels, overridden_by=f"--dtype {dtype.name}", from_store=True)
+        loaded = _load(start, resolved, dtype, target, dry_run, random_init, seed, use_cache)
+        return replace(loaded, kernels=kernels)
+    if dry_run:  # shapes only: a saved choice when there is one, never a measurement
+        saved = kernel_pick.lookup(resolved, target)
+        kernels = saved or unmeasured("fp32", "dry run: not measured")
+        return replace(_load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, True, False, seed,
+                             use_cache), kernels=kernels)
+    picked = kernel_pick.pick(resolved, target, progress)
+    kernels, note = picked.choice, picked.note
+    loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init, seed,
+                   use_cache)
+    if kernels.dtype == FP16.name:
+        problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
+        if problem:  # the next safe candidate (never fp16 again: `without` marks it unsafe)
+            kernels = without(kernels, FP16.name, problem)
+            note = "; ".join(n for n in (note, f"fp16 not used: {problem}") if n)
+            loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init,
+                           seed, use_cache)
+    return replace(loaded, kernels=kernels, kernel_note=note)
 
+
+def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.device, dry_run: bool,
+          random_init: bool, seed: int, use_cache: bool) -> LoadedModel:
+    """load_model once the compute dtype is decided."""
+    values = torch_dtype(compute)
+    config, kind = resolved.config, resolved.kind
     if dry_run or random_init:
         tokenizer = _tokenizer(resolved)
         where = resolved.path if resolved.path is not None else f"preset {config.name}"
@@ -85,11 +125,6 @@ def load_model(
         model = _assemble(config, random_state_dict(config, compute, seed), target)
         return _finish(start, resolved, model, tokenizer, where, f"random init (seed {seed}) {compute.name}")
 
-    if kind == PRESET:
-        raise BadArgumentError(
-            f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
-            ".gguf file or an HF model folder as --model"
-        )
     if kind == HF:
         folder = resolved.source.path
         mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype

@@ -412,6 +412,7 @@ class Generation:
             no_kv_cache=self._no_cache_record(),
             lens=tuple(self._lens),  # made after each step's record: every one belongs to a completed step
             attention=tuple(self._attention),
+            kernels=getattr(self.loaded, "kernels", None),
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.trace.journey_records import (
     AttentionStep,
     HeadFocus,
@@ -89,6 +90,9 @@ class Trace:
     # --batch N: every sequence's prompt, tokens and end (tracer/trace/batch_records.py). The top-level tokenization
     # and generated_ids/generated_text are then the first sequence's, so a reader that knows no batch still reads a run.
     batch: BatchRun | None = None
+    # How the compute dtype was chosen (tracer/hardware/kernel_choice.py): --dtype auto's measured choice and the
+    # alternatives, or with an explicit --dtype the saved measurement (overridden_by); None: nothing measured.
+    kernels: KernelChoice | None = None
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -125,8 +129,8 @@ class Trace:
             out["summary"] = _plain(summary)  # first: the headline, before the records it sums
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("pruned_steps", "batch") and not value:
-                continue  # optional (schema): a trace that kept every stage record reads as before
+            if (f.name in ("pruned_steps", "batch") and not value) or (f.name == "kernels" and value is None):
+                continue  # optional (schema): absent reads as before
             out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
         if self.batch is None:  # a one-sequence run's steps and settings read exactly as before --batch existed
             for step in out["steps"]:
@@ -182,6 +186,7 @@ class Trace:
                 lens=tuple(_lens_step(s) for s in data.get("lens", ())),
                 attention=tuple(_attention_step(a) for a in data.get("attention", ())),
                 batch=_optional(_batch, data.get("batch")),
+                kernels=_optional(_kernels, data.get("kernels")),
             ))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -238,7 +243,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
                 LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
-                RowToken, SequenceRecord, BatchRun)
+                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming)
 }
 
 
@@ -403,6 +408,10 @@ def _attention_step(d: dict[str, Any]) -> AttentionStep:
         "mean_weights": tuple(tuple(row) for row in d["mean_weights"]),
         "weights": None if full is None else tuple(tuple(tuple(row) for row in layer) for layer in full),
     })
+
+
+def _kernels(d: dict[str, Any]) -> KernelChoice:
+    return _build(KernelChoice, {**d, "candidates": tuple(_build(CandidateTiming, c) for c in _list(d["candidates"]))})
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:

@@ -1,0 +1,326 @@
+"""llmtrace against its peers on one machine, in one run: the default `llmtrace run` (untraced, traced, and traced
+stage by stage), HF transformers holding the same weights (fp32, fp16 and bf16; its fastest is the reference), and
+llama.cpp (llama-cpp-python) running the bundled GGUF as stored. Issue 12's targets are checked against the result.
+
+Every engine gets the same torch/ggml threads (`--threads`, 2 by default), the same 128 prompt token ids (the prompt
+text is tokenized by llmtrace, and those ids are fed to HF and llama.cpp) and the same number of greedy decode steps.
+Rounds interleave the engines (a shared machine's slow spells then hit all of them); medians are reported.
+
+- llmtrace: `load_model(None, AUTO)` and `Generation` with `run`'s default settings (its warm-up pass included, as
+  `run` does), only the prompt and `max_new_tokens` set; the figures are the trace summary's (prefill: prompt
+  tokens / prefill forward time; decode: steps / their wall time, sampling included), so they are what `run` prints.
+- HF transformers: LlamaForCausalLM with llmtrace's dequantized weights cast to each dtype; a forward loop with a
+  DynamicCache, `logits_to_keep=1` in the prefill, greedy argmax (benchmarks/bench_model_speed.py's loop).
+- llama.cpp: `Llama.eval` on the ids (one batch for the prefill), argmax of the last logits per decode step.
+- The bandwidth bound: the bytes the traced llmtrace decode step read (weights, activations, KV; the trace's
+  records) over this machine's best measured bandwidth (a 256 MiB STREAM copy and a 256 MiB read-only sum, the
+  faster of the two), and the same for llama.cpp with the GGUF's tensor bytes.
+
+llama-cpp-python is a benchmark-only dependency (`pip install -e .[bench]`; it builds llama.cpp from source, about
+4 minutes on 2 cores); without it the llama.cpp rows say so and the rest still runs.
+
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_vs_peers --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmtrace.tracer.core.dtypes import AUTO, BF16, FP16, FP32, DType
+
+PROMPT_TOKENS = 128
+DECODE_TOKENS = 64
+SOURCE_TEXT = ("story", "sky", "code", "capital")  # sample prompts, concatenated until the prompt is long enough
+
+Timing = tuple[float, float, list[int]]  # (prefill tokens/s, decode tokens/s, greedy ids)
+
+
+def prompt_of(tokenizer: Any, tokens: int) -> tuple[str, list[int]]:
+    """A prompt text (from the sample prompts) that llmtrace tokenizes into exactly `tokens` ids where one exists,
+    and its ids: the first `tokens` ids of a longer text, decoded, when they encode back to themselves; else the
+    longest run of whole words within `tokens`."""
+    from importlib import resources
+
+    words: list[str] = []
+    while len(words) < 4 * tokens:
+        for name in SOURCE_TEXT:
+            words += (resources.files("llmtrace.sample_prompts") / f"{name}.txt").read_text("utf-8").split()
+    fallback = ""
+    for count in range(1, len(words) + 1):
+        text = " ".join(words[:count])
+        ids = list(tokenizer.encode(text))
+        if len(ids) < tokens:
+            fallback = text
+            continue
+        cut = tokenizer.decode(ids[:tokens])
+        if list(tokenizer.encode(cut)) == ids[:tokens]:
+            return cut, ids[:tokens]
+        if len(ids) > tokens + 8:
+            break
+    return fallback, list(tokenizer.encode(fallback))
+
+
+# ---- llmtrace -------------------------------------------------------------------------------------------------
+
+
+def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens: int) -> tuple[Timing, Any]:
+    """One `run` with default settings (warm-up included); (prefill tok/s, decode tok/s, ids) and its summary."""
+    from llmtrace.tracer.run.generate import Generation
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.summary import run_summary
+
+    settings = RunSettings(model="", prompt=text, max_new_tokens=new_tokens, dtype="auto", trace=trace, staged=staged)
+    generation = Generation(loaded, settings)
+    try:
+        result = generation.run()
+    finally:
+        generation.close()
+    summary = run_summary(result)
+    pre = summary.prefill
+    ids = [s.token_id for s in result.steps]
+    return (pre.tokens_in / (pre.forward_ns / 1e9), summary.decode_tokens_per_second, ids), summary
+
+
+# ---- HF transformers ------------------------------------------------------------------------------------------
+
+
+def hf_models(dtypes: tuple[DType, ...]) -> dict[str, tuple[Any, Any]]:
+    """LlamaForCausalLM per dtype, holding llmtrace's dequantized fp32 weights of the bundled GGUF cast to it."""
+    from benchmarks.bench_model_speed import hf_model
+    from llmtrace.tracer.hardware.dtype_policy import torch_dtype
+    from llmtrace.tracer.load.loader import load_model
+
+    reference = load_model(None, dtype=FP32).model
+    models = {}
+    for dtype in dtypes:
+        ours = reference.to(torch_dtype(dtype)) if dtype is not FP32 else reference
+        models[dtype.name] = hf_model(ours)
+        reference = reference.float()
+    return models
+
+
+def time_hf(hf: Any, hf_config: Any, ids: list[int], new_tokens: int) -> Timing:
+    from transformers import DynamicCache
+
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        cache = DynamicCache(config=hf_config)
+        start = time.perf_counter()
+        out = hf(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        prefill = time.perf_counter() - start
+        generated = [int(token)]
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = hf(input_ids=token, cache=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            generated.append(int(token))
+        decode = time.perf_counter() - start
+    return len(ids) / prefill, (new_tokens - 1) / decode, generated
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------------------
+
+
+def llama_cpp_model(path: Path, threads: int, context: int) -> Any:
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
+                           n_threads_batch=threads, logits_all=False, verbose=False)
+
+
+def time_llama_cpp(llm: Any, ids: list[int], new_tokens: int) -> Timing:
+    import numpy as np
+
+    def last_logits() -> Any:  # Llama.eval no longer copies them (its sampler reads them in C): read the context's
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(ids)
+    token = int(np.argmax(last_logits()))
+    prefill = time.perf_counter() - start
+    generated = [token]
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = int(np.argmax(last_logits()))
+        generated.append(token)
+    decode = time.perf_counter() - start
+    return len(ids) / prefill, (new_tokens - 1) / decode, generated
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of every tensor the GGUF stores: what llama.cpp reads per decode step (the LM head reads the tied
+    embedding in full; the embedding lookup itself reads one row, which the sum over-counts by a negligible 0.2%
+    when the head is untied)."""
+    from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+
+    header = read_gguf_header(path)
+    return sum(t.n_bytes for t in header.tensors)
+
+
+# ---- bandwidth ------------------------------------------------------------------------------------------------
+
+
+def best_bandwidth(repeats: int = 5, buffer_bytes: int = 256 * 2**20) -> dict[str, float]:
+    """Bytes/s of a STREAM copy (read + written counted) and of a read-only sum, each the best of `repeats`."""
+    from llmtrace.tracer.hardware.measure import measure_copy
+
+    copy = measure_copy("cpu", buffer_bytes, repeats).bytes_per_s
+    values = torch.ones(buffer_bytes // 4)
+    values.sum()  # first touch
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        values.sum()
+        seconds.append(time.perf_counter() - start)
+    return {"copy_bytes_per_s": copy, "read_bytes_per_s": buffer_bytes / min(seconds)}
+
+
+# ---- the run --------------------------------------------------------------------------------------------------
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    parser.add_argument("--keep-store", action="store_true",
+                        help="use the saved kernel choices (default: measure afresh in a temporary config folder, so "
+                             "`auto` is decided under the same conditions as the timings)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not args.keep_store:
+        import os
+        import tempfile
+
+        os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="bench-vs-peers-")
+
+    from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+    from llmtrace.tracer.load.loader import load_model
+
+    loaded = load_model(None, dtype=AUTO)  # what `llmtrace run` loads by default
+    text, ids = prompt_of(loaded.tokenizer, PROMPT_TOKENS)
+    new = args.decode_tokens
+    gguf = bundled_model_path()
+    cases: dict[str, Callable[[], Timing]] = {}
+    summaries: dict[str, Any] = {}
+
+    def ours(name: str, trace: bool, staged: bool) -> Callable[[], Timing]:
+        def run() -> Timing:
+            timing, summaries[name] = time_llmtrace(loaded, text, trace, staged, new)
+            return timing
+        return run
+
+    cases["llmtrace run --no-trace"] = ours("untraced", False, False)
+    cases["llmtrace run (traced)"] = ours("traced", True, False)
+    cases["llmtrace run --staged (traced)"] = ours("staged", True, True)
+    for dtype, (hf, hf_config) in hf_models((FP32, FP16, BF16)).items():
+        cases[f"HF transformers {dtype}"] = (lambda hf=hf, hf_config=hf_config: time_hf(hf, hf_config, ids, new))
+    llama_note = ""
+    try:
+        llm = llama_cpp_model(gguf, args.threads, len(ids) + new + 8)
+        cases["llama.cpp (GGUF as stored)"] = lambda: time_llama_cpp(llm, ids, new)
+        import llama_cpp
+
+        llama_note = f"llama-cpp-python {llama_cpp.__version__}"
+    except ImportError:
+        llama_note = "llama-cpp-python not installed (pip install -e .[bench]): no llama.cpp rows"
+
+    for run in cases.values():  # warm-up round: page faults, allocator growth, oneDNN/ggml set-up
+        run()
+    results: dict[str, list[Timing]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, run in cases.items():
+            results[name].append(run())
+    bandwidth = best_bandwidth()
+    report(args, loaded, ids, gguf, results, summaries, bandwidth, llama_note)
+
+
+def report(args: Any, loaded: Any, ids: list[int], gguf: Path, results: dict[str, list[Timing]],
+           summaries: dict[str, Any], bandwidth: dict[str, float], llama_note: str) -> None:
+    rows = {name: {"prefill_tok_per_s": median([t[0] for t in timings]),
+                   "decode_tok_per_s": median([t[1] for t in timings]),
+                   "decode_rounds": [round(t[1], 1) for t in timings],
+                   "ids": timings[-1][2]} for name, timings in results.items()}
+    hf_names = [n for n in rows if n.startswith("HF")]
+    hf_best = max(hf_names, key=lambda n: rows[n]["decode_tok_per_s"])
+    llama = rows.get("llama.cpp (GGUF as stored)")
+    default = rows["llmtrace run --no-trace"]
+    traced = summaries["traced"]
+    bytes_per_step = traced.decode.bytes_read_per_step
+    weight_bytes_per_step = traced.decode.totals.weight_bytes_read / max(traced.decode.steps, 1)
+    best_bw = max(bandwidth.values())
+    bound_tps = best_bw / bytes_per_step
+    gguf_bytes = gguf_tensor_bytes(gguf)
+    with open("/proc/loadavg", encoding="ascii") as fh:
+        load = " ".join(fh.read().split()[:3])
+    print(f"CPU: {_cpu_name()}; torch {torch.__version__}; threads {args.threads}; load average {load}")
+    print(f"model: {loaded.source} ({loaded.weight_format}); prompt {len(ids)} tokens, {args.decode_tokens} greedy "
+          f"tokens, {args.rounds} rounds, medians; {llama_note}")
+    kernels = getattr(loaded, "kernels", None)
+    if kernels is not None:
+        print(f"--dtype auto: {kernels.picked} ({kernels.rule}); measured: " + ", ".join(
+            f"{c.name} {c.decode_kernel} decode {c.decode_s * 1e3:.1f} ms, prefill {c.prefill_s * 1e3:.0f} ms"
+            for c in kernels.candidates) + f" (in {kernels.measured_seconds:.1f} s)")
+    print(f"{'engine':34} {'prefill tok/s':>13} {'decode tok/s':>12}  decode rounds")
+    for name, row in rows.items():
+        print(f"{name:34} {row['prefill_tok_per_s']:>13.0f} {row['decode_tok_per_s']:>12.1f}  "
+              f"{' '.join(str(r) for r in row['decode_rounds'])}")
+    same = {name: row["ids"] == default["ids"] for name, row in rows.items()}
+    print("same greedy ids as llmtrace --no-trace: " + ", ".join(f"{n}: {s}" for n, s in same.items()))
+    print(f"bandwidth: copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s, read {bandwidth['read_bytes_per_s'] / 1e9:.1f}"
+          f" GB/s; llmtrace reads {bytes_per_step / 1e6:.1f} MB per decode step ({weight_bytes_per_step / 1e6:.1f} MB "
+          f"weights): bound {bound_tps:.1f} tok/s; the GGUF's tensors are {gguf_bytes / 1e6:.1f} MB: bound "
+          f"{best_bw / gguf_bytes:.1f} tok/s")
+    print("targets (issue 12, item 4):")
+    checks = []
+    if llama is not None:
+        checks.append(("decode >= 1.0x llama.cpp (stretch 1.3x)", default["decode_tok_per_s"] / llama["decode_tok_per_s"], 1.0))
+        checks.append(("128-token prefill >= llama.cpp", default["prefill_tok_per_s"] / llama["prefill_tok_per_s"], 1.0))
+    checks.append((f"decode >= 1.5x HF's fastest ({hf_best})", default["decode_tok_per_s"] / rows[hf_best]["decode_tok_per_s"], 1.5))
+    checks.append(("decode >= 70% of the bandwidth bound", default["decode_tok_per_s"] / bound_tps, 0.7))
+    overhead = default["decode_tok_per_s"] / rows["llmtrace run (traced)"]["decode_tok_per_s"]
+    checks.append(("tracing overhead (untraced/traced decode) <= 1.10x", overhead, None))
+    staged = default["decode_tok_per_s"] / rows["llmtrace run --staged (traced)"]["decode_tok_per_s"]
+    checks.append(("--staged traced decode within 1.5x of untraced", staged, None))
+    for label, value, floor in checks:
+        if floor is None:
+            limit = 1.10 if "overhead" in label else 1.5
+            met = value <= limit
+        else:
+            met = value >= floor
+        print(f"  {label}: {value:.2f}{'x' if floor != 0.7 else ''} -> {'met' if met else 'NOT met'}")
+    if args.json:
+        print(json.dumps({"rows": {n: {k: v for k, v in r.items() if k != "ids"} for n, r in rows.items()},
+                          "bandwidth": bandwidth, "bytes_per_decode_step": bytes_per_step,
+                          "gguf_tensor_bytes": gguf_bytes, "load_average": load}, indent=1))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Saved kernel choices: `kernels.json` next to hardware.json (tracer/hardware/store.py's config folder).
+
+One entry per machine (product_timing.machine_key: device, its model, torch, CPU kernels, threads) and model shape
+(`model_key`: the product shapes, the layer count and the matrices' stored formats), so a different CPU, torch,
+thread count or model shape measures again, and the same ones do not.
+
+The file comes from outside (hand edits, another version, a torn copy): whatever fails to read back as the records
+it should hold (bad JSON, a wrong version, a missing or mistyped field) is a `StoreProblem` the caller turns into
+one line and a fresh measurement, which then replaces the damaged file; never a traceback. Saving is atomic
+(tracer/core/atomic_file.py). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from llmtrace.tracer.core.atomic_file import write_atomic
+from llmtrace.tracer.core.errors import HardwareError
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
+from llmtrace.tracer.hardware.store import config_dir
+
+STORE_VERSION = 1
+_CHOICE_FIELDS = {f.name: f for f in fields(KernelChoice)}
+_TIMING_FIELDS = {f.name: f for f in fields(CandidateTiming)}
+
+
+class StoreProblem(HardwareError):
+    """The saved choices could not be read back; the message names the file and what was wrong."""
+
+
+def kernels_path() -> Path:
+    return config_dir() / "kernels.json"
+
+
+def model_key(shapes: Iterable[Any], n_layers: int, stored_formats: Iterable[str]) -> str:
+    """The model shape a choice is for: each product's (rows x cols), per layer or per step, the layer count and
+    the matrices' stored formats (which candidates exist and are safe)."""
+    products = ",".join(f"{s.role}:{s.rows}x{s.cols}{'/layer' if s.per_layer else ''}" for s in shapes)
+    return f"{n_layers} layers|{products}|stored {'+'.join(sorted(set(stored_formats))) or 'none'}"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return {"version": STORE_VERSION, "machines": {}}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreProblem(f"{path}: cannot read ({exc})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise StoreProblem(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("version") != STORE_VERSION or not isinstance(data.get("machines"), dict):
+        raise StoreProblem(f"{path}: not a version-{STORE_VERSION} kernel store")
+    return data
+
+
+def load_choice(machine: str, model: str, path: Path | None = None) -> KernelChoice | None:
+    """The saved choice for this machine and model shape, None when there is none; StoreProblem when the file or
+    the entry is damaged."""
+    path = path or kernels_path()
+    data = _read(path)
+    entry = data["machines"].get(machine, {})
+    if not isinstance(entry, dict):
+        raise StoreProblem(f"{path}: machine entry {machine!r} is not an object")
+    raw = entry.get(model)
+    if raw is None:
+        return None
+    return _choice_from(raw, f"{path}: saved choice for {machine!r}")
+
+
+def save_choice(machine: str, model: str, choice: KernelChoice, path: Path | None = None) -> Path:
+    """Add or replace the choice for this machine and model shape; a damaged file is replaced, other entries of a
+    sound one kept. HardwareError when the folder cannot be written."""
+    path = path or kernels_path()
+    try:
+        data = _read(path)
+    except StoreProblem:
+        data = {"version": STORE_VERSION, "machines": {}}
+    machines = data["machines"]
+    if not isinstance(machines.get(machine), dict):
+        machines[machine] = {}
+    record = asdict(choice)
+    record.update(from_store=False, overridden_by="")
+    machines[machine][model] = record
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise HardwareError(f"cannot save the kernel choice to {path} ({exc.strerror or exc}); set XDG_CONFIG_HOME "
+                            "to a writable folder") from None
+    return path
+
+
+def _choice_from(raw: Any, where: str) -> KernelChoice:
+    if not isinstance(raw, dict) or set(raw) != set(_CHOICE_FIELDS):
+        raise StoreProblem(f"{where} is malformed (not an object with the choice's fields)")
+    if not isinstance(raw["candidates"], list):
+        raise StoreProblem(f"{where}: 'candidates' is not a list")
+    candidates = tuple(_timing_from(c, where) for c in raw["candidates"])
+    values = {k: v for k, v in raw.items() if k != "candidates"}
+    for name, value in values.items():
+        if name == "stored_dtype":
+            ok = value is None or isinstance(value, str)
+        elif name == "measured_seconds":
+            ok = _number(value)
+        elif name == "from_store":
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise StoreProblem(f"{where}: field {name!r} has a wrong value ({value!r})")
+    if candidates and values["picked"] not in {c.name for c in candidates}:
+        raise StoreProblem(f"{where}: the picked candidate {values['picked']!r} is not among those measured")
+    return KernelChoice(candidates=candidates, **values)
+
+
+def _timing_from(raw: Any, where: str) -> CandidateTiming:
+    if not isinstance(raw, dict) or set(raw) != set(_TIMING_FIELDS):
+        raise StoreProblem(f"{where}: a candidate is malformed")
+    for name, value in raw.items():
+        if name in ("decode_s", "prefill_s"):
+            ok = _number(value) and value > 0
+        elif name == "weight_bytes":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        elif name == "safe":
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise StoreProblem(f"{where}: candidate field {name!r} has a wrong value ({value!r})")
+    return CandidateTiming(**raw)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
