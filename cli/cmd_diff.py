@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.console import stdout_console
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import JsonOption
 
@@ -34,6 +33,7 @@ def diff_command(
 
             print_json(diff)
         else:
+            from llmtrace.cli.console import stdout_console
             from llmtrace.cli.render_diff import render_diff
 
             render_diff(stdout_console(), diff, str(trace_a), str(trace_b))

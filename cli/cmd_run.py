@@ -12,44 +12,24 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
-from rich.console import Console
-from rich.live import Live
 
-from llmtrace.cli import formatting as fmt
 from llmtrace.cli.app import app
-from llmtrace.cli.console import ReaderGoneSafe, stdout_console
 from llmtrace.cli.errors import fail, run_guarded
-from llmtrace.cli.interrupts import deferred_interrupts, stop_signals_interrupt
-from llmtrace.cli.output_files import check_outputs, check_writable, write_output
-from llmtrace.cli.prompt_input import resolve_prompt
 from llmtrace.cli.options import Detail, DetailOption, compute_dtype_option
-from llmtrace.cli.render_run import (
-    render_embedding,
-    render_header,
-    render_kernel_choice,
-    render_layers,
-    render_lm_head,
-    render_positions,
-    render_tokenization,
-)
-from llmtrace.cli.render_run_batch import BatchDecodeView, render_batch_first_tokens, render_batch_tokenization
-from llmtrace.cli.render_run_live import DecodeView
-from llmtrace.cli.render_run_report import render_ending
-from llmtrace.cli.render_attention import render_attention
-from llmtrace.cli.render_lens import render_lens
-from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 from llmtrace.tracer.core.dtypes import AUTO, AutoDtype, DType
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
-from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
-from llmtrace.tracer.trace.records import RunSettings
-from llmtrace.tracer.roofline.compare import MeasuredVsBound
-from llmtrace.tracer.trace.report import RunReport, run_report
-from llmtrace.tracer.trace.step_selection import StepSelection
-from llmtrace.tracer.trace.summary_block import SummaryBlock, summary_block
+
+if TYPE_CHECKING:  # the run's own modules are imported when it runs: `llmtrace --help` imports this one too
+    from rich.console import Console
+
+    from llmtrace.tracer.roofline.compare import MeasuredVsBound
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.report import RunReport
+    from llmtrace.tracer.trace.run_trace import Trace
+    from llmtrace.tracer.trace.summary_block import SummaryBlock
 
 DRY_RUN_DEFAULT_PROMPT = "今天天气真"  # the seed article's example
 
@@ -143,6 +123,14 @@ def run_command(
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
 ) -> None:
     """Trace a real generation: every stage of every token, with shapes, FLOPs, bytes and time."""
+    from llmtrace.cli.console import ReaderGoneSafe, stdout_console
+    from llmtrace.cli.interrupts import deferred_interrupts, stop_signals_interrupt
+    from llmtrace.cli.output_files import check_outputs, check_writable, write_output
+    from llmtrace.cli.prompt_input import resolve_prompt
+    from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED
+
     json_to_stdout = json_path is not None and str(json_path) == "-"
     if json_to_stdout and summary_json:
         raise fail("--json - and --summary-json both write to stdout; give --json a file path")
@@ -232,6 +220,8 @@ def batch_prompts(text: str, batch: int, file: Path | None) -> tuple[str, ...]:
 
 def _trace_steps(spec: str) -> str:
     """--trace-steps, checked now and spelled canonically ('all' or StepSelection.describe())."""
+    from llmtrace.tracer.trace.step_selection import StepSelection
+
     selection = StepSelection.parse(spec)
     return "all" if selection is None else selection.describe()
 
@@ -297,7 +287,27 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
          repeat: int = 1) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
     before the ending is rendered."""
+    from rich.live import Live
+
+    from llmtrace.cli.render_attention import render_attention
+    from llmtrace.cli.render_lens import render_lens
+    from llmtrace.cli.render_run import (
+        render_embedding,
+        render_header,
+        render_kernel_choice,
+        render_layers,
+        render_lm_head,
+        render_positions,
+        render_tokenization,
+    )
+    from llmtrace.cli.render_run_batch import BatchDecodeView, render_batch_first_tokens, render_batch_tokenization
+    from llmtrace.cli.render_run_live import DecodeView
+    from llmtrace.cli.render_run_report import render_ending
+    from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
     from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
+    from llmtrace.tracer.trace.report import run_report
+    from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED
+    from llmtrace.tracer.trace.summary_block import summary_block
 
     # Classified before torch is imported: a wrong --model fails in a blink, with the error every command gives.
     source = classify_model(settings.model) if settings.model else bundled_source()
@@ -437,6 +447,7 @@ def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None
 def _roofline_for(console: Console, trace: Trace, report: RunReport) -> tuple[MeasuredVsBound | None, str]:
     """The run against this machine's roofline (llmtrace.tracer.run.roofline_check), or why there is none; says so
     when a first run measured this machine for it."""
+    from llmtrace.cli import formatting as fmt
     from llmtrace.tracer.run.roofline_check import run_roofline
 
     try:

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.console import stdout_console
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import Detail, DetailOption
-from llmtrace.cli.output_files import check_outputs, check_writable, read_input, write_output
-from llmtrace.cli.render_run_report import render_ending, render_journey
-from llmtrace.tracer.core.errors import LlmtraceError
-from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
-from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.report import run_report
+
+if TYPE_CHECKING:
+    from llmtrace.tracer.trace.run_trace import Trace
 
 
 @app.command("show", epilog="\b\nExample:\n  llmtrace run 今天天气真 --json run.json\n  llmtrace show run.json --detail ops")
@@ -37,6 +33,14 @@ def show(
                                        "html extra: matplotlib).")] = None,
 ) -> None:
     """Render a saved trace again: the same sections as `llmtrace run`, no model, no torch."""
+    # Imported here, not at the top: `llmtrace --help` imports every command module, and these (the trace records
+    # and the renderers) would double its start-up (BENCHMARKS.md, "Analytical commands").
+    from llmtrace.cli.console import stdout_console
+    from llmtrace.cli.output_files import check_outputs, check_writable, write_output
+    from llmtrace.cli.render_run_report import render_ending, render_journey
+    from llmtrace.tracer.trace.chrome import chrome_trace as chrome_trace_doc
+    from llmtrace.tracer.trace.report import run_report
+
     console = stdout_console()
 
     def body() -> int:
@@ -70,6 +74,10 @@ def show(
 
 def read_trace(path: Path) -> Trace:
     """The trace in `path` ('-': standard input; gzip or not), or a one-line error saying what is wrong with it."""
+    from llmtrace.cli.output_files import read_input
+    from llmtrace.tracer.core.errors import LlmtraceError
+    from llmtrace.tracer.trace.run_trace import Trace
+
     text = read_input(path, "trace", f"write one with `llmtrace run ... --json {path}`")
     try:
         return Trace.from_json(text)

@@ -1,5 +1,6 @@
 """`llmtrace flops`, `kvmem` and `models`: their JSON (checked against the schema documented in README.md), their
-tables, every bad input (one line on stderr, exit 2), and that none of them imports torch or numpy."""
+tables, every bad input (one line on stderr, exit 2), and that none of them (nor `show` of a saved trace, nor `--help`)
+imports torch or numpy."""
 
 from __future__ import annotations
 
@@ -359,6 +360,9 @@ def _imported_modules(importtime_stderr: str) -> set[str]:
     ["hardware", "--json"],
     ["flops", "--model", "TINY", "--prompt", "hello"],  # an HF folder: safetensors headers and its tokenizer
     ["kvmem", "--model", "TINY", "--dtype", "q8_0"],
+    ["show", "tests/data/readme_run.trace.json.gz"],  # a saved run rendered: records only, no model
+    ["--help"],
+    ["flops", "--help"],
 ])
 def test_analytical_commands_never_import_torch_or_numpy(args: list[str], tiny_llama_dir: Path) -> None:
     named = {"BUNDLED": str(bundled_model_path()), "TINY": str(tiny_llama_dir)}
