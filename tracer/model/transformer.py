@@ -357,10 +357,10 @@ class Transformer(nn.Module):
         new = tokens.shape[1]
         self._ensure_rope(new)
         input_pos = self._positions[:new]  # (T,)
-        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        x = self.embed(tokens)  # (B, T, dim)
         for layer in self.layers:
             x = layer(x, input_pos, False)
-        return self.output(self.norm(x))  # (B, T, V)
+        return self.logits(x)  # (B, T, V)
 
     def prefill(self, tokens: torch.Tensor, pad: list[int] | None = None) -> torch.Tensor:
         """Run the prompt tokens (B, T) through the model, filling the cache; logits (B, V) of the last position.
@@ -403,14 +403,14 @@ class Transformer(nn.Module):
                 if self.fusable():
                     logits = self._fused_plan.step(tokens, start, self.stage_mark)
                 else:
-                    x = self.tok_embeddings(tokens)  # (B, T, dim)
+                    x = self.embed(tokens)  # (B, T, dim)
                     input_pos = self._positions[start : start + new]  # (T,)
                     if self._pad is not None:
                         input_pos = self._pad_step(input_pos, start + new)  # (B, T)
                     for layer in self.layers:
                         x = layer(x, input_pos, True)
                     x = x[:, -1, :]  # (B, dim): the last position only
-                    logits = self.output(self.norm(x))  # (B, V)
+                    logits = self.logits(x)  # (B, V)
         except BaseException:
             # A failure (or Ctrl-C) mid-pass must not leave some layers' caches one step ahead of the others.
             for layer in self.layers:
@@ -437,6 +437,16 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.scores.pad_mask = hidden
         return positions
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> hidden states (B, T, dim) through the tok_embeddings stage. The stage-by-stage path's
+        one way in: a tensor-parallel model (tracer/model/tensor_parallel.py) adds its all-reduce here."""
+        return self.tok_embeddings(tokens)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., dim) -> logits (..., V) through the final norm and the LM head (the stage-by-stage
+        path's one way out; a tensor-parallel model gathers the vocabulary slices here)."""
+        return self.output(self.norm(x))
 
     # ---- the fused path ------------------------------------------------------------------------------------
 

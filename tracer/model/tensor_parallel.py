@@ -1,0 +1,155 @@
+"""One rank's share of a tensor-parallel model (Megatron-LM's split, Shoeybi et al. 2019, section 3).
+
+Each of N ranks holds a Transformer built from `shard_config(config, N)`: the same module tree and stage names as the
+whole model, with the split dimensions divided by N, so the stage modules, the KV cache and the tracer all see this
+rank's shapes and count this rank's FLOPs and bytes:
+
+    wq, wk, wv, w1, w3   column-parallel: H/N query heads, Hkv/N KV heads, F/N FFN columns per rank (contiguous
+                         slices; query head h of a rank still reads KV head h // R of the same rank)
+    wo, w2               row-parallel: each rank multiplies its own heads' / columns' rows, then an all-reduce
+                         (sum) of the (B, T, dim) partial outputs; a bias is added once (rank 0 holds it, the others
+                         hold zeros)
+    tok_embeddings       vocab-parallel: rank r holds rows [r*V', (r+1)*V'), V' = ceil(V / N); an id outside the
+                         slice looks up zeros, and an all-reduce (sum) gives every rank the full (B, T, dim) rows
+    output (LM head)     vocab-parallel: rank r computes its V' logits; an all-gather along the vocabulary gives
+                         every rank the whole (B, V) row (so every rank samples the same token with the same seed);
+                         when N does not divide V the last slice is padded with zero rows, whose logits are dropped
+    norms, residuals     replicated: every rank computes them on the whole hidden vector
+
+So each forward makes two all-reduces per layer (after wo and after w2), one after the embedding and one all-gather
+after the LM head. The collectives go through a `Collectives` object (the
+trace layer's tracer/trace/collectives.py times and records each one); this module only says where they happen.
+The fused fast path (tracer/model/fused.py) has no tensor-parallel variant: a sharded model always runs stage by stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrace.tracer.analytic.tensor_parallel import tp_sizes
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.model.transformer import Transformer, TransformerBlock
+
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+
+
+class Collectives(Protocol):
+    """What a sharded model asks of its process group; `after` names the stage whose output is exchanged."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
+        """The element-wise sum of `x` over every rank (may work in place)."""
+
+    def all_gather(self, x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
+        """Every rank's `x` concatenated along the last dimension, in rank order."""
+
+
+def valid_tp(config: ModelConfig) -> list[int]:
+    """Every N this model splits over: 1 and each N > 1 dividing its query heads, KV heads and FFN width."""
+    return [1, *tp_sizes(config)]
+
+
+def check_tp_split(config: ModelConfig, tp: int) -> None:
+    """A one-line BadArgumentError unless each of `tp` ranks can hold whole heads and an equal FFN slice."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise BadArgumentError(f"--tp must be an integer >= 1, got {tp!r}")
+    parts = (("KV heads", config.n_kv_heads), ("query heads", config.n_heads), ("FFN width", config.ffn_dim))
+    for what, value in parts:
+        if value % tp:
+            valid = ", ".join(map(str, valid_tp(config)))
+            raise BadArgumentError(f"--tp {tp} does not divide {config.name}'s {value} {what} (each rank needs whole "
+                                   f"heads); use --tp {valid}")
+
+
+def vocab_slice(config: ModelConfig, tp: int) -> int:
+    """Rows of the embedding and LM head each rank holds: ceil(V / N) (the last slice padded when N does not divide
+    V)."""
+    return -(-config.vocab_size // tp)
+
+
+def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config one rank's Transformer is built from: heads, KV heads, FFN width and vocabulary divided by `tp`,
+    head_dim given explicitly (dim stays whole: the residual stream is replicated)."""
+    check_tp_split(config, tp)
+    if tp == 1:
+        return config
+    return replace(config, name=f"{config.name} [1/{tp} shard]", n_heads=config.n_heads // tp,
+                   n_kv_heads=config.n_kv_heads // tp, ffn_dim=config.ffn_dim // tp,
+                   vocab_size=vocab_slice(config, tp), explicit_head_dim=config.head_dim)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [start, start + rows) of the embedding table; any other id looks up a zero row (the
+    all-reduce after it fills those in from the rank that holds them). Same parameter name as nn.Embedding."""
+
+    def __init__(self, rows: int, dim: int, start: int, vocab_size: int) -> None:
+        super().__init__(rows, dim, _weight=torch.empty(rows, dim))
+        self.start = start
+        self.real_rows = max(0, min(rows, vocab_size - start))  # the padded tail of the last slice is never looked up
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start  # (B, T)
+        outside = (local < 0) | (local >= self.real_rows)  # (B, T)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
+        return rows.masked_fill_(outside.unsqueeze(-1), 0.0)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.real_rows - 1}, dim={self.embedding_dim}"
+
+
+class TensorParallelBlock(TransformerBlock):
+    """A pre-norm block whose attention and FFN outputs are partial sums: each is all-reduced before its residual."""
+
+    def __init__(self, config: ModelConfig, layer: int, comm: Collectives) -> None:
+        super().__init__(config)
+        self.layer_index = layer
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
+        partial = self.attention(self.attention_norm(x), input_pos, use_cache)  # (B, T, dim), this rank's heads
+        h = self.attn_residual(x, self.comm.all_reduce(partial, self.layer_index, "attention.wo"))
+        partial = self.feed_forward(self.ffn_norm(h))  # (B, T, dim), this rank's FFN columns
+        return self.ffn_residual(h, self.comm.all_reduce(partial, self.layer_index, "feed_forward.w2"))
+
+
+class TensorParallelTransformer(Transformer):
+    """Rank `rank` of `tp`: a Transformer of `shard_config(config, tp)` whose blocks, embedding and LM head exchange
+    through `comm`. Build on the meta device and load `shard_state_dict` (tracer/load/tensor_parallel.py)."""
+
+    def __init__(self, config: ModelConfig, tp: int, rank: int, comm: Collectives) -> None:
+        local = shard_config(config, tp)
+        super().__init__(local)
+        self.full_config = config
+        self.tp, self.rank, self.comm = tp, rank, comm
+        self.use_fused = False  # no sharded fused path: every step runs stage by stage
+        self.layers = nn.ModuleList(TensorParallelBlock(local, i, comm) for i in range(local.n_layers))
+        self.tok_embeddings = VocabParallelEmbedding(local.vocab_size, local.dim, rank * local.vocab_size,
+                                                     config.vocab_size)
+        if local.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.tok_embeddings(tokens), None, "tok_embeddings")  # (B, T, dim)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.output(self.norm(x))  # (..., V'): this rank's slice of the vocabulary
+        whole = self.comm.all_gather(local, None, "output")  # (..., N*V')
+        return whole[..., : self.full_config.vocab_size]  # (..., V): the padding of the last slice dropped
+
+    def fusable(self) -> bool:
+        return False
+
+
+def build_meta_shard(config: ModelConfig, tp: int, rank: int, comm: Collectives) -> TensorParallelTransformer:
+    """Rank `rank`'s model on the meta device: every shape, no memory (a dry run, or a shell to load a shard into)."""
+    with torch.device("meta"):
+        return TensorParallelTransformer(config, tp, rank, comm)
