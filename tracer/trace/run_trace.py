@@ -31,6 +31,13 @@ from llmtrace.tracer.trace.journey_records import (
 )
 from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
+from llmtrace.tracer.trace.tp_records import (
+    CollectiveRecord,
+    LinkMeasurement,
+    RankStages,
+    RankStep,
+    TensorParallelRun,
+)
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -57,6 +64,7 @@ STOP_MAX_NEW_TOKENS = "max_new_tokens"
 STOP_CONTEXT_FULL = "context_full"
 STOP_INTERRUPTED = "interrupted"
 STOP_DRY_RUN = "dry_run"
+STOP_RANK_FAILED = "rank_failed"  # a tensor-parallel rank died or hung: the steps every rank completed are kept
 
 
 def new_token_limit(max_new_tokens: int, max_seq_len: int, prompt_tokens: int) -> int:
@@ -93,6 +101,10 @@ class Trace:
     # How the compute dtype was chosen (tracer/hardware/kernel_choice.py): --dtype auto's measured choice and the
     # alternatives, or with an explicit --dtype the saved measurement (overridden_by); None: nothing measured.
     kernels: KernelChoice | None = None
+    # --tp N (tracer/trace/tp_records.py): the set-up, every collective of every rank, the other ranks' records.
+    tensor_parallel: TensorParallelRun | None = None
+    collectives: tuple[CollectiveRecord, ...] = ()
+    rank_stages: tuple[RankStages, ...] = ()
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -129,7 +141,7 @@ class Trace:
             out["summary"] = _plain(summary)  # first: the headline, before the records it sums
         for f in fields(self):
             value = getattr(self, f.name)
-            if (f.name in ("pruned_steps", "batch") and not value) or (f.name == "kernels" and value is None):
+            if (f.name in _OMITTED_WHEN_EMPTY and not value) or (f.name == "kernels" and value is None):
                 continue  # optional (schema): absent reads as before
             out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
         if self.batch is None:  # a one-sequence run's steps and settings read exactly as before --batch existed
@@ -187,6 +199,9 @@ class Trace:
                 attention=tuple(_attention_step(a) for a in data.get("attention", ())),
                 batch=_optional(_batch, data.get("batch")),
                 kernels=_optional(_kernels, data.get("kernels")),
+                tensor_parallel=_optional(_tensor_parallel, data.get("tensor_parallel")),
+                collectives=tuple(read_collective(c) for c in _list(data.get("collectives", []))),
+                rank_stages=tuple(_rank_stages(r) for r in _list(data.get("rank_stages", []))),
             ))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -215,6 +230,7 @@ R = TypeVar("R")
 _STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
 _BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
 _BATCH_SETTINGS = ("batch", "batch_prompts")
+_OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages"})
 _SHAPE_FIELDS = ("input_shapes", "output_shapes")
 
 
@@ -243,7 +259,8 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
                 LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
-                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming)
+                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming,
+                CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
 }
 
 
@@ -410,8 +427,6 @@ def _attention_step(d: dict[str, Any]) -> AttentionStep:
     })
 
 
-def _kernels(d: dict[str, Any]) -> KernelChoice:
-    return _build(KernelChoice, {**d, "candidates": tuple(_build(CandidateTiming, c) for c in _list(d["candidates"]))})
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:
