@@ -121,6 +121,15 @@ def run_command(
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
+    tp: Annotated[int, typer.Option(
+        "--tp", min=1, help="Tensor parallelism: split the model over N ranks (processes; gloo on CPU, NCCL with one "
+                            "GPU each on cuda), Megatron-style, and trace every rank and collective; also runs under "
+                            "torchrun --nproc-per-node N. With --dry-run: rank 0's shapes, FLOPs and collectives on "
+                            "the meta device.")] = 1,
+    tp_timeout: Annotated[float, typer.Option(
+        "--tp-timeout", min=0.5, metavar="SECONDS",
+        help="--tp: the longest a collective waits for a missing rank; a rank that dies or hangs ends the run "
+             "within about this long.")] = 60.0,
 ) -> None:
     """Trace a real generation: every stage of every token, with shapes, FLOPs, bytes and time."""
     from llmtrace.cli.console import ReaderGoneSafe, stdout_console
@@ -164,6 +173,9 @@ def run_command(
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
         if repeat > 1 and dry_run:
             raise BadArgumentError("--repeat times real runs; drop --dry-run")
+        if tp > 1 and (repeat > 1 or lens or attention or no_kv_cache or html is not None):
+            raise BadArgumentError("--tp runs one generation over its ranks; drop --repeat, --lens, --attention, "
+                                   "--no-kv-cache and --html (they look at one device's model)")
         written: list[str] = []
 
         def save(trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None) -> None:
@@ -191,8 +203,19 @@ def run_command(
                     written.append(f"HTML report written to {html} (self-contained: open it in any browser)")
 
         with stop_signals_interrupt() as received:
+            if tp > 1 and not dry_run:
+                from llmtrace.cli.cmd_run_tp import run_tensor_parallel_cli
+
+                trace, code = run_tensor_parallel_cli(console, settings, dtype, detail.value, tp, tp_timeout,
+                                                      available_cpus(), save)
+                for line in written:
+                    console.print(f"[dim]{line}[/]")
+                if trace is not None and trace.stop_reason == STOP_INTERRUPTED:
+                    return received.exit_code
+                return code
             try:
-                trace = _run(console, settings, dtype, detail.value, save, roofline=not no_roofline, repeat=repeat)
+                trace = _run(console, settings, dtype, detail.value, save, roofline=not no_roofline, repeat=repeat,
+                             tp=tp)
                 for line in written:
                     console.print(f"[dim]{line}[/]")
             except KeyboardInterrupt:  # while loading (nothing to keep) or after `save` (the files are whole)
@@ -284,7 +307,7 @@ def available_cpus() -> int:
 
 def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, detail: str,
          save: Callable[[Trace, SummaryBlock, MeasuredVsBound | None], None], roofline: bool = True,
-         repeat: int = 1) -> Trace:
+         repeat: int = 1, tp: int = 1) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
     before the ending is rendered."""
     from rich.live import Live
@@ -323,10 +346,17 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     what = settings.model or "the bundled SmolLM2-135M-Instruct"
+    tp_dry = None  # --dry-run --tp N: rank 0's shard on the meta device (tracer/run/tp_dry_run.py)
     with console.status(f"loading {what} …") as status:
-        loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run,
-                            progress=lambda step: status.update(f"measuring this machine's products for this model "
-                                                                f"(first run only): {step} …"))
+        if tp > 1:
+            from llmtrace.tracer.run.tp_dry_run import TensorParallelDryRun
+
+            tp_dry = TensorParallelDryRun(settings.model or None, dtype, tp)
+            loaded = tp_dry.loaded
+        else:
+            loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run,
+                                progress=lambda step: status.update(f"measuring this machine's products for this "
+                                                                    f"model (first run only): {step} …"))
     for note in (loaded.cache_note, loaded.kernel_note):
         if note:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
@@ -403,6 +433,8 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
                 console.line()  # Live leaves no newline after its last render when it cannot redraw
     if trace is None:
         trace = generation.trace()
+    if tp_dry is not None:
+        trace = tp_dry.finish(trace, generation.origin_ns)
     report = run_report(trace)
     comparison, note = (None, "")
     if roofline and not settings.dry_run:
@@ -411,6 +443,12 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
         except KeyboardInterrupt:  # stopped while measuring: the run itself is kept
             note = "roofline: skipped (interrupted)"
     save(trace, summary_block(trace, comparison, report.summary), comparison)
+    if tp_dry is not None:  # one rank's pass: the one-device estimate check does not apply, the per-device one does
+        from llmtrace.cli.render_tp import render_tp_dry_run
+        from llmtrace.tracer.trace.tp_summary import tp_dry_run_passes
+
+        render_tp_dry_run(console, tp_dry_run_passes(trace), tp)
+        return trace
     render_ending(console, trace, detail, report, comparison, note)
     if repeat > 1 and trace.stop_reason != STOP_INTERRUPTED:
         _repeat(console, loaded, trace, repeat)

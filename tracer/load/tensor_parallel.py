@@ -14,8 +14,7 @@ from dataclasses import replace
 import torch
 
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import AutoDtype, DType
-from llmtrace.tracer.hardware.dtype_policy import resolve_dtype
+from llmtrace.tracer.core.dtypes import BF16, AutoDtype, DType
 from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.model.tensor_parallel import Collectives, build_meta_shard, shard_config, vocab_slice
 
@@ -73,8 +72,9 @@ def load_shard(spec: object, dtype: DType | AutoDtype, device: str, rank: int, t
     """Rank `rank`'s LoadedModel: the tokenizer and the whole config as load_model gives them, the model a
     TensorParallelTransformer holding this rank's slices (on the meta device for a dry run: shapes only)."""
     start = time.perf_counter()
-    compute = resolve_dtype(dtype, torch.device(device))  # the rank's device decides "auto", not the CPU it loads on
-    whole = load_model(spec, dtype=compute, device="cpu", dry_run=dry_run)  # moved to `device` as slices
+    if isinstance(dtype, AutoDtype) and torch.device(device).type == "cuda":
+        dtype = BF16  # the whole model is loaded on the CPU, whose measured pick says nothing of the rank's GPU
+    whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run)  # moved to `device` as slices
     config = whole.config
     shard_config(config, tp)
     values = next(whole.model.parameters()).dtype

@@ -17,7 +17,9 @@ steps the other ranks completed.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from typing import Any, Callable
 
 from llmtrace.tracer.core.errors import BadArgumentError, FileFormatError, LlmtraceError
 from llmtrace.tracer.core.json_input import parse_json
-from llmtrace.tracer.run.tp_worker import RankJob, backend_for, spawned_rank
+from llmtrace.tracer.run.tp_worker import OpenGate, RankJob, backend_for, init_group, run_rank, spawned_rank
 from llmtrace.tracer.trace.run_trace import Trace, read_collective, read_link
 from llmtrace.tracer.trace.tp_merge import RankTrace, merge_rank_traces
 from llmtrace.tracer.trace.tp_records import STATUS_OK, TensorParallelRun
@@ -123,7 +125,7 @@ def run_tensor_parallel(settings: Any, dtype: Any, tp: int, threads: int = 1, ti
                 p.join(timeout=5)
         outcomes = [_read_outcome(Path(job.result_path)) for job in jobs]
     codes = tuple(None if r in killed else p.exitcode for r, p in enumerate(processes))
-    status = _status(outcomes, codes, killed, gate, timeout_s)
+    status = _status(outcomes, codes, killed, lambda rank: _where(gate.step_of(rank)), timeout_s)
     traces = [o.ranked for o in outcomes if o is not None and o.ranked is not None]
     link = next((o.link for o in outcomes if o is not None and o.link is not None), None)
     if not traces:
@@ -184,11 +186,15 @@ class _Outcome:
 
 
 def _read_outcome(path: Path) -> _Outcome | None:
-    """A rank's outcome file (our own JSON, read with the trace reader's checks), or None when it wrote none."""
+    """A rank's outcome file, or None when it wrote none."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return _outcome(path.read_text(encoding="utf-8"))
     except OSError:
         return None
+
+
+def _outcome(text: str) -> _Outcome:
+    """A rank's outcome from its JSON (our own, read with the trace reader's checks: JSON, never pickle)."""
     data = parse_json(text, "rank outcome", FileFormatError, "this is a bug; report it")
     trace = None if data["trace"] is None else Trace.from_dict(data["trace"])
     collectives = tuple(read_collective(c) for c in data["collectives"])
@@ -197,19 +203,97 @@ def _read_outcome(path: Path) -> _Outcome | None:
     return _Outcome(data["rank"], ranked, link, data["error"])
 
 
-def _status(outcomes: list[_Outcome | None], codes: tuple[int | None, ...], killed: set[int], gate: StopGate,
-            timeout_s: float) -> str:
+def _status(outcomes: list[_Outcome | None], codes: tuple[int | None, ...], killed: set[int],
+            where: Callable[[int], str], timeout_s: float) -> str:
     """"ok", or one line: the rank that failed first (died, hung, or raised), where, and what the others did."""
     for rank, outcome in enumerate(outcomes):
         if rank in killed and outcome is None:
-            return (f"rank {rank} hung {_where(gate.step_of(rank))}: the others' collectives waited the "
+            return (f"rank {rank} hung {where(rank)}: the others' collectives waited the "
                     f"{timeout_s:g} s process-group timeout; it was killed and the steps before are kept")
     for rank, outcome in enumerate(outcomes):
         if outcome is None:
-            return (f"rank {rank} died (exit code {codes[rank]}) {_where(gate.step_of(rank))}; the steps the "
-                    "other ranks completed are kept")
+            how = (f"died (exit code {codes[rank]})" if codes[rank] is not None
+                   else "left no outcome (it died, or its launcher stopped it)")
+            return f"rank {rank} {how} {where(rank)}; the steps the other ranks completed are kept"
     errors = [(o.rank, o.error) for o in outcomes if o is not None and o.error]
     if errors:
         rank, error = errors[0]
-        return f"rank {rank} failed {_where(gate.step_of(rank))}: {error}"
+        return f"rank {rank} failed {where(rank)}: {error}"
     return STATUS_OK
+
+
+# ---- torchrun ---------------------------------------------------------------------------------------------------
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when this process was started by torchrun (its environment), else None."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    except (KeyError, ValueError):
+        return None
+
+
+def run_under_torchrun(settings: Any, dtype: Any, tp: int, threads: int = 1,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelResult | None:
+    """This process's rank of a torchrun-started run (one process per rank; --tp must equal the world size).
+    Rank 0 gathers every rank's outcome at the end and returns the merged result; the other ranks return None."""
+    import torch
+    import torch.distributed as dist
+
+    where = torchrun_world()
+    if where is None:
+        raise BadArgumentError("not started by torchrun (RANK and WORLD_SIZE are not set)")
+    rank, world, local_rank = where
+    if world != tp:
+        raise BadArgumentError(f"--tp {tp} but torchrun started {world} processes; pass --nproc-per-node {tp}")
+    torch.set_num_threads(threads)
+    job = RankJob(rank=rank, tp=tp, model=settings.model or None, dtype=dtype, device=settings.device,
+                  settings=settings, threads=threads, timeout_s=timeout_s, result_path="")
+    device = init_group(job, None, local_rank)
+    outcome = run_rank(job, device, OpenGate())
+    mine = json.dumps(outcome.to_dict(), ensure_ascii=False).encode("utf-8")
+    try:
+        payloads = _gather_bytes(mine, rank, world, timeout_s)
+    except Exception:  # noqa: BLE001 - a rank is gone: rank 0 keeps its own outcome
+        payloads = [mine] if rank == 0 else []
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly
+            pass
+    if rank != 0:
+        return None
+    outcomes: list[_Outcome | None] = [None] * world
+    for payload in payloads:
+        o = _outcome(payload.decode("utf-8"))
+        outcomes[o.rank] = o
+    steps = {o.rank: len(o.ranked.trace.steps) - 1 if o.ranked else -1 for o in outcomes if o is not None}
+    status = _status(outcomes, (None,) * world, set(), lambda r: _where(steps.get(r, -1)), timeout_s)
+    traces = [o.ranked for o in outcomes if o is not None and o.ranked is not None]
+    if not traces:
+        raise TensorParallelFailed(outcome.error or status)
+    setup = TensorParallelRun(tp=tp, backend=backend_for(settings.device), launcher="torchrun",
+                              threads_per_rank=threads, timeout_s=timeout_s, link=outcome.link, status=status,
+                              exit_codes=(None,) * world)
+    return TensorParallelResult(merge_rank_traces(traces, setup), status)
+
+
+def _gather_bytes(payload: bytes, rank: int, world: int, timeout_s: float) -> list[bytes]:
+    """Every rank's `payload` on rank 0 (others get []), over a gloo group (NCCL runs too: bytes stay on the CPU)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    if rank != 0:
+        return []
+    return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, sizes)]

@@ -141,3 +141,74 @@ def tensor_parallel_summary(trace: Trace) -> TensorParallelSummary | None:
     return TensorParallelSummary(tp=setup.tp, backend=setup.backend, bus_bandwidth=bandwidth,
                                  small_allreduce_seconds=small, phases=phases,
                                  ranks=tuple(sorted(ranks, key=lambda r: r.rank)), status=setup.status)
+
+
+# ---- dry runs -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSize:
+    """One collective a forward makes on every rank, by size (a dry run's records grouped)."""
+
+    kind: str
+    after: str  # the stage role: "attention.wo", "feed_forward.w2" (once per layer), "tok_embeddings", "output"
+    per_pass: int  # how many one forward makes
+    payload_bytes: int  # each one's tensor per rank
+    bytes_sent: int  # each one's ring bytes per rank
+
+
+@dataclass(frozen=True, slots=True)
+class RankPass:
+    """One pass as one rank runs it, beside the analytic per-device figure `roofline --tp` uses."""
+
+    phase: str
+    new_tokens: int
+    context_length: int
+    traced_flops: int  # rank 0's stage records
+    analytic_flops: int  # tracer/analytic/tensor_parallel.py device_cost: the same pass, split by formula
+    single_device_flops: int  # the whole model's pass (estimate)
+    replicated_flops: int  # of traced_flops, what every rank repeats (norms, residual adds)
+    weight_bytes: int  # traced, rank 0
+    collectives: tuple[CollectiveSize, ...]
+
+    @property
+    def equal(self) -> bool:
+        return self.traced_flops == self.analytic_flops
+
+
+def tp_dry_run_passes(trace: Trace) -> tuple[RankPass, ...]:
+    """A --dry-run --tp N trace's passes: rank 0's traced figures, the analytic per-device ones, the collectives."""
+    from llmtrace.tracer.analytic import estimate
+    from llmtrace.tracer.analytic.kernels import Kernels
+    from llmtrace.tracer.analytic.tensor_parallel import device_cost, replicated_components
+    from llmtrace.tracer.core.dtypes import get_dtype
+
+    setup = trace.tensor_parallel
+    if setup is None:
+        return ()
+    dtypes = estimate.Dtypes.for_weights(get_dtype(trace.environment.dtype))
+    replicated = replicated_components()
+    out = []
+    for step in trace.steps:
+        if step.phase == PREFILL:
+            est = estimate.prefill(trace.config, step.input_tokens, dtypes, kernels=Kernels.EAGER)
+        else:
+            est = estimate.decode_step(trace.config, step.context_length - step.input_tokens, dtypes,
+                                       kernels=Kernels.EAGER)
+        stages = [s for s in trace.stages if s.phase == step.phase and s.step == step.step]
+        traced = stage_totals(stages)
+        cost = device_cost(trace.config, est, dtypes.activations.bytes_per_value, setup.tp)
+        sizes: dict[tuple[str, str, int], list[CollectiveRecord]] = {}
+        for c in trace.collectives:
+            if c.phase == step.phase and c.step == step.step:
+                role = c.after.split(".", 2)[2] if c.layer is not None else c.after
+                sizes.setdefault((c.kind, role, c.payload_bytes), []).append(c)
+        out.append(RankPass(
+            phase=step.phase, new_tokens=step.input_tokens, context_length=step.context_length,
+            traced_flops=traced.flops, analytic_flops=cost.flops, single_device_flops=est.totals.total_flops,
+            replicated_flops=sum(s.flops for s in stages if s.short_name in replicated),
+            weight_bytes=traced.weight_bytes_read,
+            collectives=tuple(CollectiveSize(kind, role, len(cs), payload, cs[0].bytes_sent)
+                              for (kind, role, payload), cs in sizes.items()),
+        ))
+    return tuple(out)
