@@ -173,9 +173,9 @@ def run_command(
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
         if repeat > 1 and dry_run:
             raise BadArgumentError("--repeat times real runs; drop --dry-run")
-        if tp > 1 and (repeat > 1 or lens or attention or no_kv_cache or html is not None):
-            raise BadArgumentError("--tp runs one generation over its ranks; drop --repeat, --lens, --attention, "
-                                   "--no-kv-cache and --html (they look at one device's model)")
+        if tp > 1 and (repeat > 1 or lens or attention or no_kv_cache or html is not None or batch is not None):
+            raise BadArgumentError("--tp runs one sequence's generation over its ranks; drop --batch, --repeat, "
+                                   "--lens, --attention, --no-kv-cache and --html (they look at one device's model)")
         written: list[str] = []
 
         def save(trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None) -> None:
