@@ -427,6 +427,28 @@ def _attention_step(d: dict[str, Any]) -> AttentionStep:
     })
 
 
+def _kernels(d: dict[str, Any]) -> KernelChoice:
+    return _build(KernelChoice, {**d, "candidates": tuple(_build(CandidateTiming, c) for c in _list(d["candidates"]))})
+
+
+def read_collective(d: dict[str, Any]) -> CollectiveRecord:
+    """A CollectiveRecord from its JSON object, checked as every record of a trace is."""
+    return _build(CollectiveRecord, {**d, "ranks": _list(d["ranks"])})
+
+
+def read_link(d: dict[str, Any]) -> LinkMeasurement:
+    return _build(LinkMeasurement, d)
+
+
+def _tensor_parallel(d: dict[str, Any]) -> TensorParallelRun:
+    link = d.get("link")
+    return _build(TensorParallelRun, {**d, "exit_codes": _list(d["exit_codes"]),
+                                      "link": None if link is None else read_link(link)})
+
+
+def _rank_stages(d: dict[str, Any]) -> RankStages:
+    return _build(RankStages, {**d, "steps": tuple(_build(RankStep, s) for s in _list(d["steps"])),
+                               "stages": tuple(_stage(s) for s in _list(d["stages"]))})
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:
