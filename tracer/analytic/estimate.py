@@ -23,7 +23,9 @@ kernels executing them (`total_bytes`, activations included), the x axis of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Callable
+
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core import contract
@@ -143,7 +145,47 @@ class GenerationEstimate:
 
 # ---- one pass ---------------------------------------------------------------------------------------------
 
-_Row = tuple  # (name, label, kind, per_layer, formula thunk, flops, useful, w, kv_r, kv_w, act_r, act_w)
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What one instance of a component costs in one pass: FLOPs (all, and those the causal mask keeps) and the bytes
+    it must move. Also a sum of such figures over instances or steps."""
+
+    flops: int = 0
+    useful_flops: int = 0
+    weight_bytes: int = 0
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+    act_read_bytes: int = 0
+    act_write_bytes: int = 0
+
+    def times(self, n: int) -> Cost:
+        return Cost(*(getattr(self, f) * n for f in _COST_FIELDS))
+
+    def plus(self, other: Cost) -> Cost:
+        return Cost(*(getattr(self, f) + getattr(other, f) for f in _COST_FIELDS))
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.act_read_bytes + self.act_write_bytes
+
+
+_COST_FIELDS = tuple(f.name for f in fields(Cost))
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One component of one pass before it becomes a ComponentCost: the formula is a thunk, formatted only for
+    the pass that is shown."""
+
+    name: str
+    label: str
+    kind: str
+    per_layer: bool
+    formula: Callable[[], str]
+    cost: Cost
+
+    def with_cost(self, cost: Cost) -> _Row:
+        return _Row(self.name, self.label, self.kind, self.per_layer, self.formula, cost)
 
 
 def attended_keys(cfg: ModelConfig, t: int, s: int) -> int:
@@ -153,8 +195,8 @@ def attended_keys(cfg: ModelConfig, t: int, s: int) -> int:
 
 
 def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes,
-                            kernels: Kernels) -> list[tuple[int, ...]]:
-    """(flops, useful, weight B, KV read B, KV written B, act read B, act written B) of QKᵀ, scaling, softmax, PV.
+                            kernels: Kernels) -> list[Cost]:
+    """The Costs of QKᵀ, scaling, softmax, PV.
     Under a sliding window they grow with the keys attended (attended_keys), which stop growing at the window."""
     h, hd = cfg.n_heads, cfg.head_dim
     a = dt.activations.bytes_per_value
@@ -171,24 +213,26 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
         scale = ff.SCORE_SCALE_FLOPS_PER_ELEMENT * pairs
         softmax = ff.SOFTMAX_FLOPS_PER_ELEMENT * pairs
         return [
-            (useful, useful, 0, kv_read, 0, q_bytes, 0),
-            (scale, scale, 0, 0, 0, 0, 0),
-            (softmax, softmax, 0, 0, 0, 0, 0),
-            (useful, useful, 0, kv_read, 0, 0, q_bytes),
+            Cost(flops=useful, useful_flops=useful, kv_read_bytes=kv_read, act_read_bytes=q_bytes),
+            Cost(flops=scale, useful_flops=scale),
+            Cost(flops=softmax, useful_flops=softmax),
+            Cost(flops=useful, useful_flops=useful, kv_read_bytes=kv_read, act_write_bytes=q_bytes),
         ]
     scale = ff.score_scale_flops(batch, h, t, s)
     softmax = ff.softmax_flops(batch, h, t, s)
     return [
-        (product, useful, 0, kv_read, 0, q_bytes, bhts_bytes),
-        (scale, scale, 0, 0, 0, bhts_bytes, bhts_bytes),
-        (softmax, softmax, 0, 0, 0, bhts_bytes, bhts_bytes),
-        (product, useful, 0, kv_read, 0, bhts_bytes, q_bytes),
+        Cost(flops=product, useful_flops=useful, kv_read_bytes=kv_read, act_read_bytes=q_bytes,
+             act_write_bytes=bhts_bytes),
+        Cost(flops=scale, useful_flops=scale, act_read_bytes=bhts_bytes, act_write_bytes=bhts_bytes),
+        Cost(flops=softmax, useful_flops=softmax, act_read_bytes=bhts_bytes, act_write_bytes=bhts_bytes),
+        Cost(flops=product, useful_flops=useful, kv_read_bytes=kv_read, act_read_bytes=bhts_bytes,
+             act_write_bytes=q_bytes),
     ]
 
 
 def _attention_core_sums(cfg: ModelConfig, batch: int, prompt_len: int, steps: int, dt: Dtypes,
-                         kernels: Kernels) -> list[tuple[int, ...]]:
-    """The attention core's numbers summed over `steps` decode steps, at KV lengths P+1 .. P+steps (per layer).
+                         kernels: Kernels) -> list[Cost]:
+    """The attention core's Costs summed over `steps` decode steps, at KV lengths P+1 .. P+steps (per layer).
 
     With one new token per step every figure is affine in the KV length s (the products, the scaling and the
     softmax grow with the s pairs, the KV bytes with s rows, the scores with B·H·s values of whole bytes), so the
@@ -197,19 +241,18 @@ def _attention_core_sums(cfg: ModelConfig, batch: int, prompt_len: int, steps: i
     B·H·s·a, so those are summed step by step.
     """
     if steps == 0:
-        return [(0,) * 7] * 4
+        return [Cost()] * 4
     first = _attention_core_numbers(cfg, batch, 1, prompt_len + 1, dt, kernels)
     if steps == 1:
         return first
     if not float(dt.activations.bytes_per_value).is_integer():
-        totals = [[0] * 7 for _ in first]
+        totals = [Cost()] * len(first)
         for s in range(prompt_len + 1, prompt_len + steps + 1):
-            for acc, numbers in zip(totals, _attention_core_numbers(cfg, batch, 1, s, dt, kernels)):
-                for k in range(7):
-                    acc[k] += numbers[k]
-        return [tuple(acc) for acc in totals]
+            totals = [acc.plus(c) for acc, c in zip(totals, _attention_core_numbers(cfg, batch, 1, s, dt, kernels))]
+        return totals
     second = _attention_core_numbers(cfg, batch, 1, prompt_len + 2, dt, kernels)
-    return [tuple(steps * f0 + (f1 - f0) * (steps * (steps - 1) // 2) for f0, f1 in zip(a, b))
+    pairs = steps * (steps - 1) // 2
+    return [Cost(*(steps * getattr(a, f) + (getattr(b, f) - getattr(a, f)) * pairs for f in _COST_FIELDS))
             for a, b in zip(first, second)]
 
 
@@ -237,7 +280,7 @@ def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, ke
             ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
         ]
     numbers = _attention_core_numbers(cfg, batch, t, context, dt, kernels)
-    return [(name, label, kind, True, formula, *row) for (name, label, kind, formula), row in zip(meta, numbers)]
+    return [_Row(name, label, kind, True, formula, cost) for (name, label, kind, formula), cost in zip(meta, numbers)]
 
 
 # The stage kinds whose cost grows with the context (the attention core, with the score scaling after QKᵀ).
@@ -292,8 +335,10 @@ _FUSED_ACTIVATIONS: dict[str, tuple[str, str]] = {
 
 def _fused_traffic(row: _Row, cfg: ModelConfig, rows: int, a: float) -> _Row:
     widths = {"": 0, "d": cfg.dim, "q": cfg.q_dim, "F": cfg.ffn_dim}
-    read, write = _FUSED_ACTIVATIONS[row[0]]
-    return (*row[:10], int(rows * widths[read] * a), int(rows * widths[write] * a))
+    read, write = _FUSED_ACTIVATIONS[row.name]
+    c = row.cost
+    return row.with_cost(Cost(c.flops, c.useful_flops, c.weight_bytes, c.kv_read_bytes, c.kv_write_bytes,
+                              int(rows * widths[read] * a), int(rows * widths[write] * a)))
 
 
 def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
@@ -302,8 +347,8 @@ def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes, kernels
     if kernels is Kernels.EAGER:
         return rows
     a = dt.activations.bytes_per_value
-    return [_fused_traffic(row, cfg, batch if not row[3] else batch * t, a) if row[0] in _FUSED_ACTIVATIONS else row
-            for row in rows]
+    return [_fused_traffic(row, cfg, batch * t if row.per_layer else batch, a) if row.name in _FUSED_ACTIVATIONS
+            else row for row in rows]
 
 
 def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
@@ -318,24 +363,24 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
 
     def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool = True) -> _Row:
         fl = ff.linear_flops(rows, i, o)
-        return (name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}", fl, fl,
-                w.matrix_bytes(o, i), 0, 0, int(rows * i * a), int(rows * o * a))
+        return _Row(name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}",
+                    Cost(fl, fl, w.matrix_bytes(o, i), 0, 0, int(rows * i * a), int(rows * o * a)))
 
     def norm(name: str, label: str, rows: int, per_layer: bool, sym: str) -> _Row:
         fl = ff.rmsnorm_flops(rows, d)
-        return (name, label, ELEMENTWISE, per_layer, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)", fl, fl,
-                norm_w, 0, 0, int(rows * d * a), int(rows * d * a))
+        return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)",
+                    Cost(fl, fl, norm_w, 0, 0, int(rows * d * a), int(rows * d * a)))
 
     def residual(name: str, label: str) -> _Row:
         fl = ff.residual_flops(r, d)
-        return (name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}", fl, fl, 0, 0, 0,
-                int(2 * r * d * a), int(r * d * a))
+        return _Row(name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}",
+                    Cost(fl, fl, 0, 0, 0, int(2 * r * d * a), int(r * d * a)))
 
     def bias(name: str, label: str, rows: int, o: int, sym: str, per_layer: bool) -> _Row:
         # Added in the product's epilogue (addmm): FLOPs and the vector's bytes, no activation traffic of its own.
         fl = ff.bias_add_flops(rows, o)
-        return (name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}", fl, fl,
-                norm_dtype_for(w).row_bytes(o), 0, 0, 0, 0)
+        return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}",
+                    Cost(fl, fl, norm_dtype_for(w).row_bytes(o)))
 
     rope = ff.rope_flops(r, h, hkv, hd)
     swiglu = ff.swiglu_activation_flops(r, f)
@@ -355,38 +400,52 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         elif kind == "residual":
             rows.append(residual(name, label))
         elif kind == "embedding":
-            rows.append((name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs", 0, 0,
-                         r * w.row_bytes(d), 0, 0, 0, int(r * d * a)))
+            rows.append(_Row(name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs",
+                             Cost(weight_bytes=r * w.row_bytes(d), act_write_bytes=int(r * d * a))))
         elif kind == "rope":
-            rows.append((name, label, ELEMENTWISE, per_layer,
-                         lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
-                         rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a)))
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer,
+                             lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
+                             Cost(rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a))))
         elif kind == "kv_cache":
-            rows.append((name, label, MEMORY, per_layer, lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
-                         0, 0, 0, 0, 2 * r * hkv * kv_vec, int(2 * r * kv * a), 0))
+            rows.append(_Row(name, label, MEMORY, per_layer,
+                             lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
+                             Cost(kv_write_bytes=2 * r * hkv * kv_vec, act_read_bytes=int(2 * r * kv * a))))
         elif kind == "swiglu":
-            rows.append((name, label, ELEMENTWISE, per_layer, lambda: f"6·BT·F = 6·{r}·{f}", swiglu, swiglu,
-                         0, 0, 0, int(2 * r * f * a), int(r * f * a)))
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"6·BT·F = 6·{r}·{f}",
+                             Cost(swiglu, swiglu, 0, 0, 0, int(2 * r * f * a), int(r * f * a))))
         elif kind not in _CORE_KINDS:
             raise ValueError(f"no estimate for stage kind {kind!r}")
     return rows
 
 
-def _totals(costs: list[tuple[str, bool, int, int, int, int, int, int, int, int, bool]], peak: int) -> Totals:
-    """costs: (kind, per_layer, instances, flops, useful, w, kv_r, kv_w, act_r, act_w, is_attention_product)."""
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    """A component's cost as the totals count it: `cost` per instance, `instances` of it; `in_layer` adds it to
+    the per-layer FLOPs (once); an attention product adds it to the attention FLOPs."""
+
+    name: str
+    kind: str
+    in_layer: bool
+    instances: int
+    cost: Cost
+
+
+def _totals(counted: list[_Counted], peak: int) -> Totals:
     mm = ew = useful = att_dense = att_useful = per_layer = wb = kvr = kvw = act = 0
-    for kind, in_layer, n, fl, us, w, kr, kw, ar, aw, is_att in costs:
-        if kind == MATMUL:
-            mm += fl * n
+    for item in counted:
+        n, c = item.instances, item.cost
+        if item.kind == MATMUL:
+            mm += c.flops * n
         else:
-            ew += fl * n
-        useful += us * n
-        if is_att:
-            att_dense += fl * n
-            att_useful += us * n
-        if in_layer:
-            per_layer += fl
-        wb, kvr, kvw, act = wb + w * n, kvr + kr * n, kvw + kw * n, act + (ar + aw) * n
+            ew += c.flops * n
+        useful += c.useful_flops * n
+        if item.name in _ATTENTION_PRODUCTS:
+            att_dense += c.flops * n
+            att_useful += c.useful_flops * n
+        if item.in_layer:
+            per_layer += c.flops
+        wb, kvr, kvw = wb + c.weight_bytes * n, kvr + c.kv_read_bytes * n, kvw + c.kv_write_bytes * n
+        act += c.activation_bytes * n
     return _make_totals(mm, ew, useful, att_dense, att_useful, per_layer, wb, kvr, kvw, act, peak)
 
 
@@ -405,17 +464,15 @@ def _make_totals(mm: int, ew: int, useful: int, att_dense: int, att_useful: int,
 
 def _peak_activation_bytes(rows: list[_Row]) -> int:
     """The largest activation inputs + outputs of one kernel: what must be live at once, at least."""
-    return max(ar + aw for *_, ar, aw in rows)
+    return max(row.cost.activation_bytes for row in rows)
 
 
 _ATTENTION_PRODUCTS = ("attention.scores", "attention.pv")
 
 
-def _cost_tuples(cfg: ModelConfig, rows: list[_Row]) -> list[tuple]:
-    return [
-        (kind, per_layer, cfg.n_layers if per_layer else 1, fl, us, w, kr, kw, ar, aw, name in _ATTENTION_PRODUCTS)
-        for name, _label, kind, per_layer, _formula, fl, us, w, kr, kw, ar, aw in rows
-    ]
+def _counted(cfg: ModelConfig, rows: list[_Row]) -> list[_Counted]:
+    return [_Counted(row.name, row.kind, row.per_layer, cfg.n_layers if row.per_layer else 1, row.cost)
+            for row in rows]
 
 
 def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dtypes,
@@ -423,16 +480,17 @@ def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dt
     s = cached + t
     rows = _rows(cfg, batch, t, s, dt, kernels)
     components = []
-    for name, label, kind, per_layer, formula, fl, us, w, kr, kw, ar, aw in rows:
-        n = cfg.n_layers if per_layer else 1
+    for row in rows:
+        n, c = cfg.n_layers if row.per_layer else 1, row.cost
         components.append(ComponentCost(
-            name=name, label=label, kind=kind, per_layer=per_layer, instances=n, formula=formula(), flops=fl,
-            useful_flops=us, weight_bytes=w, kv_read_bytes=kr, kv_write_bytes=kw, act_read_bytes=ar,
-            act_write_bytes=aw, total_flops=fl * n, total_useful_flops=us * n,
+            name=row.name, label=row.label, kind=row.kind, per_layer=row.per_layer, instances=n,
+            formula=row.formula(), flops=c.flops, useful_flops=c.useful_flops, weight_bytes=c.weight_bytes,
+            kv_read_bytes=c.kv_read_bytes, kv_write_bytes=c.kv_write_bytes, act_read_bytes=c.act_read_bytes,
+            act_write_bytes=c.act_write_bytes, total_flops=c.flops * n, total_useful_flops=c.useful_flops * n,
         ))
     return PhaseEstimate(phase=phase, kernels=kernels.value, batch=batch, new_tokens=t, cached_before=cached,
                          kv_len=s, components=tuple(components),
-                         totals=_totals(_cost_tuples(cfg, rows), _peak_activation_bytes(rows)))
+                         totals=_totals(_counted(cfg, rows), _peak_activation_bytes(rows)))
 
 
 def check_count(name: str, value: int, minimum: int = 1) -> int:
@@ -468,28 +526,19 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
     if pre.kernels != kernels.value:
         raise ValueError(f"prefill_estimate was costed with {pre.kernels} kernels, not {kernels.value}")
     steps = new_tokens - 1
-    n_comp = len(pre.components)
-    # Per component: [flops, useful, w, kv_r, kv_w, act_r, act_w] summed over all decode steps (all instances).
-    # The context-free components cost the same at every step; the attention core is summed step by step.
-    sums = [[0] * 7 for _ in range(n_comp)]
+    # Per component: its Cost summed over all decode steps, all instances. The context-free components cost the
+    # same at every step; the attention core is summed step by step.
     core_at = _core_at(cfg)
-    for i, row in enumerate(_context_free_rows(cfg, batch, 1, dtypes, kernels)):
-        n = cfg.n_layers if row[3] else 1
-        acc = sums[i if i < core_at else i + 4]
-        for k in range(7):
-            acc[k] = row[5 + k] * n * steps
-    core_sums = sums[core_at:core_at + 4]
-    for acc, numbers in zip(core_sums, _attention_core_sums(cfg, batch, prompt_len, steps, dtypes, kernels)):
-        for k in range(7):
-            acc[k] += numbers[k] * cfg.n_layers
+    free = [row.cost.times((cfg.n_layers if row.per_layer else 1) * steps)
+            for row in _context_free_rows(cfg, batch, 1, dtypes, kernels)]
+    core = [c.times(cfg.n_layers) for c in _attention_core_sums(cfg, batch, prompt_len, steps, dtypes, kernels)]
+    sums = free[:core_at] + core + free[core_at:]  # in the order of pre.components
     # per_layer False: a per-layer figure makes no sense for a sum over steps of different lengths.
     # The last step, attending the most positions, has the largest working set of them all.
     decode_peak = (_peak_activation_bytes(_rows(cfg, batch, 1, prompt_len + steps, dtypes, kernels))
                    if steps else 0)
-    decode_totals = _totals([
-        (c.kind, False, 1, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], c.name in _ATTENTION_PRODUCTS)
-        for c, acc in zip(pre.components, sums)
-    ], decode_peak)
+    decode_totals = _totals([_Counted(c.name, c.kind, False, 1, acc) for c, acc in zip(pre.components, sums)],
+                            decode_peak)
     p = pre.totals
     totals = _make_totals(
         p.matmul_flops + decode_totals.matmul_flops, p.elementwise_flops + decode_totals.elementwise_flops,
@@ -500,8 +549,9 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         max(p.peak_activation_bytes, decode_peak),
     )
     components = tuple(
-        ComponentSum(name=c.name, label=c.label, kind=c.kind, prefill_flops=c.total_flops, decode_flops=acc[0],
-                     total_flops=c.total_flops + acc[0], total_useful_flops=c.total_useful_flops + acc[1])
+        ComponentSum(name=c.name, label=c.label, kind=c.kind, prefill_flops=c.total_flops,
+                     decode_flops=acc.flops, total_flops=c.total_flops + acc.flops,
+                     total_useful_flops=c.total_useful_flops + acc.useful_flops)
         for c, acc in zip(pre.components, sums)
     )
     final_kv_len = prompt_len + steps
