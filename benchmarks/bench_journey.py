@@ -61,6 +61,7 @@ def main() -> None:
     plain = statistics.median(forward["plain (fused)"])
     results: dict[str, Any] = {
         "cpu": _cpu(), "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
+        "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         "new_tokens": args.new_tokens,
         "decode_forward_ms": {m: round(statistics.median(v), 2) for m, v in forward.items()},
         "decode_forward_vs_plain": {m: round(statistics.median(v) / plain, 2) for m, v in forward.items()},
