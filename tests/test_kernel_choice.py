@@ -263,3 +263,31 @@ def test_the_trace_keeps_the_choice(tiny_q_gguf: Path) -> None:
     data = json.loads(trace.to_json())
     jsonschema.validate(data, load_schema())
     assert Trace.from_json(trace.to_json()).kernels == trace.kernels
+
+
+def test_the_measured_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
+    """decode_kernel "mm" sends the fused path's one-token products through mm (torch.mv never runs), with the same
+    logits as "mv"; the loader sets it from the measured choice."""
+    def mm_faster(kernels, config, device="cpu", progress=None):
+        timings, seconds = fixed_timings(kernels, config)
+        return tuple(replace(t, decode_kernel="mm") for t in timings), seconds
+
+    monkeypatch.setattr(kernel_pick, "time_kernels", mm_faster)
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    model = loaded.model
+    assert model.decode_kernel == "mm"
+    ids = torch.tensor([[3, 4, 5]])
+    logits = {}
+    for kernel in ("mv", "mm"):
+        model.decode_kernel = kernel
+        model.setup_cache(1, 8)
+        model.prefill(ids)
+        calls = []
+        real_mv = torch.mv
+        monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
+        logits[kernel] = model.decode_one(torch.tensor([[6]]))
+        monkeypatch.setattr(torch, "mv", real_mv)
+        assert bool(calls) is (kernel == "mv")
+    torch.testing.assert_close(logits["mm"], logits["mv"], rtol=1e-5, atol=1e-5)
+    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False)  # the saved measurement timed fp16 too
+    assert forced.model.decode_kernel == "mm"

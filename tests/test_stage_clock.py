@@ -92,3 +92,56 @@ def test_cuda_events_time_real_kernels() -> None:
         stamps.append(clock.stamp())
     times = clock.resolve(stamps)
     assert all(later > earlier for earlier, later in zip(times, times[1:]))
+
+
+class HostTimedEvent:
+    """A CUDA event's interface over the CPU: work runs synchronously, so an event's device time is the host time at
+    which it is recorded."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def record(self) -> None:
+        import time
+
+        self.ns = time.perf_counter_ns()
+
+    def elapsed_time(self, other: "HostTimedEvent") -> float:
+        return (other.ns - self.ns) / 1e6
+
+
+@pytest.mark.parametrize("mechanism", ["fused", "wrap", "hooks"])
+def test_the_tracer_runs_its_cuda_event_path_on_the_cpu(mechanism: str) -> None:
+    """The Tracer with an EventClock (the path a CUDA run takes) gives the same records as with the host clock, each
+    stage timed inside its step, with one synchronize per step."""
+    from llmtrace.tracer.core.config import ModelConfig
+    from llmtrace.tracer.model.transformer import build_random_model
+    from llmtrace.tracer.trace.hooks import Tracer
+    from llmtrace.tracer.trace.records import DECODE, PREFILL
+
+    config = ModelConfig("tiny", 128, 64, 2, 4, 2, 96, max_seq_len=32)
+    records = {}
+    for kind in ("host", "events"):
+        syncs: list[int] = []
+        clock = EventClock(HostTimedEvent, lambda: syncs.append(1)) if kind == "events" else None
+        model = build_random_model(config, seed=1)
+        model.setup_cache(1, 12)
+        bounds = []
+        with Tracer(model, mechanism=mechanism, clock=clock) as tracer:
+            for step, ids in enumerate(([[5, 6, 7, 8]], [[9]], [[10]])):
+                import time
+
+                before = time.perf_counter_ns()
+                tracer.begin_step(PREFILL if step == 0 else DECODE, step)
+                (model.prefill if step == 0 else model.decode_one)(torch.tensor(ids))
+                tracer.end_step()
+                bounds.append((before, time.perf_counter_ns()))
+        records[kind] = tracer.records()
+        if kind == "events":
+            assert len(syncs) == 2 * 3  # begin and end of each step, none per stage
+        for r in records[kind]:
+            start, end = bounds[r.step]
+            assert start - tracer.origin_ns <= r.start_ns <= r.start_ns + r.duration_ns <= end - tracer.origin_ns
+            assert r.duration_ns >= 0
+    strip = lambda rs: [(r.phase, r.step, r.stage, r.input_shapes, r.matmul_flops, r.weight_bytes_read) for r in rs]
+    assert strip(records["events"]) == strip(records["host"])

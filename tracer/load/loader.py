@@ -38,6 +38,7 @@ from llmtrace.tracer.hardware.kernel_choice import KernelChoice, unmeasured, wit
 from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_summary
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
 
 # The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
@@ -91,6 +92,9 @@ def load_model(
         if kernels is not None:
             kernels = replace(kernels, overridden_by=f"--dtype {dtype.name}", from_store=True)
         loaded = _load(start, resolved, dtype, target, dry_run, random_init, seed, use_cache)
+        measured = kernels.timing(dtype.name) if kernels is not None else None
+        if measured is not None and measured.decode_kernel in MATVEC_KERNELS:  # this dtype was timed too
+            loaded.model.decode_kernel = measured.decode_kernel
         return replace(loaded, kernels=kernels)
     if dry_run:  # shapes only: a saved choice when there is one, never a measurement
         saved = kernel_pick.lookup(resolved, target)
@@ -108,6 +112,8 @@ def load_model(
             note = "; ".join(n for n in (note, f"fp16 not used: {problem}") if n)
             loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init,
                            seed, use_cache)
+    if kernels.decode_kernel in MATVEC_KERNELS:  # the measured faster one-token kernel of this dtype: mv or mm
+        loaded.model.decode_kernel = kernels.decode_kernel
     return replace(loaded, kernels=kernels, kernel_note=note)
 
 

@@ -3,6 +3,8 @@ same way (the way HF transformers' eager LlamaForCausalLM does)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -35,13 +37,26 @@ def matvec(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out.add_(bias)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) -> x weightᵀ (+ bias) (..., out): one row as a matrix-vector product (for bf16 on CPU up to
-    twice as fast as mm: BENCHMARKS.md, "Model speed"), more rows as F.linear (mm, addmm with a bias)."""
+def matvec_mm(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """weight @ vector (+ bias) through mm, as a (1, in) @ (in, out) product: for some dtypes on some CPUs faster than
+    torch.mv (fp16 on AVX2), for others slower (bf16 with AVX-512); which is measured (tracer/load/kernel_pick.py)."""
+    out = torch.mm(vector.view(1, -1), weight.t()).view(-1)
+    return out if bias is None else out.add_(bias)
+
+
+# The matrix-vector kernels a decode step can run, by the name the kernel choice records (KernelChoice.decode_kernel).
+MATVEC_KERNELS = {"mv": matvec, "mm": matvec_mm}
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            vector_kernel: Callable[..., torch.Tensor] = matvec) -> torch.Tensor:
+    """x (..., in) -> x weightᵀ (+ bias) (..., out): one row as a matrix-vector product through `vector_kernel`
+    (torch.mv unless the machine's measurement chose mm: MATVEC_KERNELS), more rows as F.linear (mm, addmm with a
+    bias)."""
     if x.dim() == 1:
-        return matvec(weight, x, bias)  # (out,)
+        return vector_kernel(weight, x, bias)  # (out,)
     if x.numel() == weight.shape[1]:
-        return matvec(weight, x.reshape(-1), bias).view(x.shape[:-1] + (weight.shape[0],))  # (..., out)
+        return vector_kernel(weight, x.reshape(-1), bias).view(x.shape[:-1] + (weight.shape[0],))  # (..., out)
     return F.linear(x, weight, bias)
 
 

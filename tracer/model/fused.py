@@ -28,6 +28,7 @@ output products: addmm and mm + add_ measured equal).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
 from llmtrace.tracer.model.functional import (
+    MATVEC_KERNELS,
     attention_scores,
     attention_values,
     causal_mask,
@@ -73,7 +75,8 @@ class FusedLayer:
     """One transformer block (a TransformerBlock) on the fused path: its norms, views of its packed weights and
     biases, its KV cache."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor] = project) -> None:
+        self.product = product  # functional.project with the decode kernel the model was set to (decode_kernel)
         attn, ffn = layer.attention, layer.feed_forward
         self.cache = attn.kv_cache
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -98,7 +101,7 @@ class FusedLayer:
         groups = batch * kv_heads
         h = self.attention_norm(x)  # (B*T, dim)
         mark()
-        qkv = project(h, self.wqkv, self.bqkv).view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
+        qkv = self.product(h, self.wqkv, self.bqkv).view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
         mark()
         qk = qkv[:, :, : heads + kv_heads]  # (B, T, H+Hkv, D), a view
         torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE on q and k, in place
@@ -118,17 +121,17 @@ class FusedLayer:
         out = attention_values(probs, v_all, new == 1)  # (B*Hkv, R*T, D)
         out = out.view(batch, heads, new, head_dim).transpose(1, 2).reshape(*rows, heads * head_dim)  # (B*T, H*D)
         mark()
-        attended = project(out, self.wo, self.bo)  # wo(attention): (B*T, dim)
+        attended = self.product(out, self.wo, self.bo)  # wo(attention): (B*T, dim)
         mark()
         x = attended.add_(x)  # the residual stream
         mark()
         h = self.ffn_norm(x)  # (B*T, dim)
         mark()
-        gate_up = project(h, self.w13, self.b13)  # (B*T, 2F): gate | up
+        gate_up = self.product(h, self.w13, self.b13)  # (B*T, 2F): gate | up
         mark()
         act = F.silu(gate_up[..., :ffn_dim]).mul_(gate_up[..., ffn_dim:])  # silu(gate) * up: (B*T, F)
         mark()
-        down = project(act, self.w2, self.b2)  # (B*T, dim)
+        down = self.product(act, self.w2, self.b2)  # (B*T, dim)
         mark()
         x = down.add_(x)
         mark()
@@ -145,7 +148,8 @@ class FusedPlan:
                 _pack(attn.wq, attn.wk, attn.wv)
             if not _packed(ffn.w1, ffn.w3):
                 _pack(ffn.w1, ffn.w3)
-        self.layers = [FusedLayer(layer) for layer in model.layers]
+        self.product = partial(project, vector_kernel=MATVEC_KERNELS[getattr(model, "decode_kernel", "mv")])
+        self.layers = [FusedLayer(layer, self.product) for layer in model.layers]
         self.embedding = model.tok_embeddings.weight.detach()
         self.output, self.output_bias = model.output.weight.detach(), _detached(model.output.bias)  # (V, dim), (V,)
         self.final_norm = FusedNorm(model.norm)
@@ -190,7 +194,7 @@ class FusedPlan:
             x = layer.forward(x, batch, cos, sin, mask, mark)
         h = self.final_norm(x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last position
         mark()
-        logits = project(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
+        logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
         mark()
         return logits
 

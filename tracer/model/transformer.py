@@ -249,6 +249,9 @@ class Transformer(nn.Module):
         self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
         self._rope_sin: torch.Tensor | None = None
         self.use_fused = True  # False: always run stage by stage, even without hooks (for comparisons)
+        # The fused path's one-token product kernel (functional.MATVEC_KERNELS: "mv" or "mm"), as this machine's
+        # measurement chose it for the model's dtype (the loader sets it; setup_cache applies it).
+        self.decode_kernel = "mv"
         self.stage_mark: Mark = no_mark  # called by the fused path after each stage (tracer/trace/fused_marks.py)
         self._fused_plan: FusedPlan | None = None  # built by setup_cache
         self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen

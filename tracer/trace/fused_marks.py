@@ -14,7 +14,6 @@ tests check them against the shapes that path's modules record for the same step
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ from torch import nn
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock
 from llmtrace.tracer.trace.stage_cost import StageModule
 
 Shape = tuple[int, ...]
@@ -95,23 +95,19 @@ class FusedMarks:
     """Installs a clock-reading `stage_mark` on a model with a fused path and collects one step's readings.
 
     `install()` / `remove()` around the run; `begin_step()` before a prefill or decode_one, `end_step()` after it
-    returns the step's readings and (B, T, S). `sync` (cuda/mps) waits for the device before each reading.
+    returns the step's readings (host nanoseconds) and (B, T, S). `clock` (tracer/trace/stage_clock.py) stamps each
+    mark: the host clock on cpu (after a synchronize on mps), a CUDA event on cuda, resolved at the end of the step.
     """
 
-    def __init__(self, model: nn.Module, stages: int, sync: Callable[[], Any] | None) -> None:
+    def __init__(self, model: nn.Module, stages: int, clock: HostClock | EventClock | None = None) -> None:
         self.model = model
         self.expected = stages + 1  # a reading before the first stage, one after each of `stages`
+        self.clock = clock or HostClock()
         self._marks: list[int] = []
         self._previous: Callable[[], None] | None = None
         self._pos_before = 0
-        marks, clock = self._marks, time.perf_counter_ns
-        if sync is None:
-            self._mark: Callable[[], None] = lambda: marks.append(clock())
-        else:
-            def mark() -> None:
-                sync()
-                marks.append(clock())
-            self._mark = mark
+        marks, stamp = self._marks, self.clock.stamp
+        self._mark: Callable[[], None] = lambda: marks.append(stamp())
 
     def install(self) -> None:
         self._previous = self.model.stage_mark
@@ -124,6 +120,7 @@ class FusedMarks:
     def begin_step(self) -> None:
         self._marks.clear()
         self._pos_before = self.model.pos
+        self.clock.begin_step()
 
     def end_step(self) -> tuple[list[int], StepDims]:
         """This step's clock readings (one before the first stage, one after each) and its (B, T, S)."""
@@ -137,4 +134,4 @@ class FusedMarks:
             )
         seen = self.model.pos
         batch = self.model.layers[0].attention.kv_cache.batch
-        return marks, StepDims(batch, seen - self._pos_before, seen)
+        return self.clock.resolve(marks), StepDims(batch, seen - self._pos_before, seen)

@@ -8,7 +8,8 @@ in and out (torch.Size objects, no copies). Either way FLOPs and bytes are worke
 the analytical estimate uses.
 
 The instrumentation exists only inside `with Tracer(model) as tracer:` and is removed in `finally`, also after an
-exception. On cuda/mps the device is synchronised before each clock read, so a stage's time is its kernels' time.
+exception. Stage boundaries are stamped by tracer/trace/stage_clock.py: on cuda with CUDA events (the kernels' own
+times, no synchronize between stages), on mps with the host clock after a synchronize, on cpu with the host clock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
 from llmtrace.tracer.trace.records import StageRecord
@@ -93,7 +95,7 @@ class Tracer:
     """
 
     def __init__(self, model: nn.Module, origin_ns: int | None = None, enabled: bool = True,
-                 mechanism: str = "auto") -> None:
+                 mechanism: str = "auto", clock: HostClock | EventClock | None = None) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
         self.mechanism = mechanism
@@ -113,7 +115,8 @@ class Tracer:
         self._phase = ""
         self._step = -1
         param = next(model.parameters(), None)
-        self.sync = device_synchronizer(param.device) if param is not None else None
+        # Stage boundaries: CUDA events on cuda, the host clock elsewhere (tracer/trace/stage_clock.py).
+        self.clock = clock or clock_for(param.device if param is not None else "cpu")
         dtype = param.dtype if param is not None else torch.float32
         self.activation_dtype = str(dtype).removeprefix("torch.")
         self.activation_itemsize = dtype.itemsize
@@ -125,7 +128,7 @@ class Tracer:
             self.mechanism = "fused" if fusable is not None and fusable() else "wrap"
         if self.mechanism == "fused":
             self.stages = fused_stages(self.model)
-            self._fused = FusedMarks(self.model, len(self.stages), self.sync)
+            self._fused = FusedMarks(self.model, len(self.stages), self.clock)
         else:
             found = stage_modules(self.model)
             self.stages = [s for s, _ in found]
@@ -187,42 +190,32 @@ class Tracer:
         return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
 
     def _make_wrapper(self, index: int, forward: Any) -> Any:
-        """An instance-level forward for one stage: clock, original forward, clock, shapes (torch.Size, no copies)."""
+        """An instance-level forward for one stage: stamp, original forward, stamp, shapes (torch.Size, no copies)."""
         events = self._events
-        clock = time.perf_counter_ns
-        sync = self.sync
+        stamp = self.clock.stamp
         tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
 
         def traced_forward(*args: Any) -> Any:
-            if sync is not None:
-                sync()
-            start = clock()
+            start = stamp()
             output = forward(*args)
-            if sync is not None:
-                sync()
-            end = clock()
+            end = stamp()
             events.append((index, start, end, *_shapes(args, output, tuple_output)))
             return output
 
         return traced_forward
 
     def _make_hooks(self, index: int) -> tuple[Any, Any]:
-        """The two hooks of one stage. Hot path: one clock read each, then the shapes (torch.Size, no copies)."""
+        """The two hooks of one stage. Hot path: one stamp each, then the shapes (torch.Size, no copies)."""
         starts = self._starts
         events = self._events
-        clock = time.perf_counter_ns
-        sync = self.sync
+        stamp = self.clock.stamp
         tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
 
         def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if sync is not None:
-                sync()
-            starts[index] = clock()
+            starts[index] = stamp()
 
         def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if sync is not None:
-                sync()
-            end = clock()
+            end = stamp()
             events.append((index, starts[index], end, *_shapes(args, output, tuple_output)))
 
         return pre, post
@@ -234,6 +227,8 @@ class Tracer:
         self._events.clear()
         if self._fused is not None:
             self._fused.begin_step()
+        elif self.enabled:
+            self.clock.begin_step()
 
     def end_step(self) -> None:
         """Close the step; its records are built when `records()` is next called (off the hot path)."""
@@ -241,7 +236,11 @@ class Tracer:
             marks, dims = self._fused.end_step()
             self._fused_steps.append((self._phase, self._step, marks, dims))
         elif self.enabled:
-            self._steps.append((self._phase, self._step, list(self._events)))
+            events = list(self._events)
+            if self.clock.on_device:  # event indices -> host nanoseconds, with one synchronize for the step
+                times = iter(self.clock.resolve([t for e in events for t in e[1:3]]))
+                events = [(e[0], next(times), next(times), e[3], e[4]) for e in events]
+            self._steps.append((self._phase, self._step, events))
         self._events.clear()
 
     def records(self) -> tuple[StageRecord, ...]:
