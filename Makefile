@@ -44,6 +44,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/bench_analytical.py --runs 41
 	$(PY) -m benchmarks.bench_load --rounds 5
 	$(PY) -m benchmarks.bench_model_speed
+	$(PY) -m benchmarks.bench_vs_peers --rounds 3  # llama.cpp rows need the bench extra: pip install -e .[bench]
 	$(PY) -m benchmarks.bench_tracing --rounds 5
 	$(PY) -m benchmarks.bench_roofline --rounds 5 --new-tokens 64
 	$(PY) -m benchmarks.bench_trace_files --new-tokens 256 --rounds 3
