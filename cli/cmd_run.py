@@ -206,8 +206,11 @@ def run_command(
             if tp > 1 and not dry_run:
                 from llmtrace.cli.cmd_run_tp import run_tensor_parallel_cli
 
-                trace, code = run_tensor_parallel_cli(console, settings, dtype, detail.value, tp, tp_timeout,
-                                                      available_cpus(), save)
+                try:
+                    trace, code = run_tensor_parallel_cli(console, settings, dtype, detail.value, tp, tp_timeout,
+                                                          available_cpus(), save)
+                except KeyboardInterrupt:  # before the ranks ran (their own stop goes through the launcher's gate)
+                    return received.exit_code
                 for line in written:
                     console.print(f"[dim]{line}[/]")
                 if trace is not None and trace.stop_reason == STOP_INTERRUPTED:
