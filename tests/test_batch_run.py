@@ -48,10 +48,11 @@ def _greedy_logits(model, tokens: torch.Tensor, pads: list[int] | None, steps: i
     return torch.stack(out, dim=1)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "staged"])
 @pytest.mark.parametrize("config", [GQA, WINDOWED], ids=["gqa", "sliding-window"])
-def test_left_padded_rows_give_their_batch_1_logits(config: ModelConfig) -> None:
+def test_left_padded_rows_give_their_batch_1_logits(config: ModelConfig, fused: bool) -> None:
     model = build_random_model(config, seed=3)
-    model.use_fused = False
+    model.use_fused = fused
     prompts = [[5, 9, 13], [7, 3, 11, 21, 40, 2, 8], [8]]
     tokens, pads = _left_padded(prompts)
     batched = _greedy_logits(model, tokens, pads, steps=5)
@@ -61,10 +62,11 @@ def test_left_padded_rows_give_their_batch_1_logits(config: ModelConfig) -> None
         assert torch.equal(batched[row].argmax(-1), single.argmax(-1))
 
 
-def test_pads_change_no_logit_whatever_their_ids() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "staged"])
+def test_pads_change_no_logit_whatever_their_ids(fused: bool) -> None:
     """A pad is never attended: other pad ids leave every real row's logits bit for bit the same."""
     model = build_random_model(GQA, seed=3)
-    model.use_fused = False
+    model.use_fused = fused
     tokens, pads = _left_padded([[5, 9, 13], [7, 3, 11, 21, 40, 2, 8]])
     first = _greedy_logits(model, tokens, pads, steps=3)
     other = tokens.clone()
@@ -127,10 +129,10 @@ def _settings(model_dir: Path, prompts: tuple[str, ...], **kw) -> RunSettings:
                        dtype="fp32", batch=len(prompts), batch_prompts=prompts, temperatures=(), **kw)
 
 
-@pytest.fixture(scope="module")
-def batched(tiny_llama_dir: Path) -> tuple[Trace, list[Trace]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["fused", "staged"])
+def batched(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> tuple[Trace, list[Trace]]:
     loaded = load_model(str(tiny_llama_dir), dtype=FP32)
-    generation = BatchGeneration(loaded, _settings(tiny_llama_dir, PROMPTS))
+    generation = BatchGeneration(loaded, _settings(tiny_llama_dir, PROMPTS, staged=request.param))
     try:
         trace = generation.run()
     finally:
@@ -166,6 +168,10 @@ def test_batched_steps_and_stages_have_the_batch_shape(batched) -> None:
         assert {s.output_shapes[0][0] for s in stages if s.kind in MATMUL_KINDS} == {step.batch}
     for sequence in trace.batch.sequences:
         assert sequence.pad == longest - len(sequence.tokenization.ids)
+    rope = next(s for s in trace.stages_of(PREFILL) if s.kind == "rope")
+    assert rope.input_shapes[2] == (n, longest)  # each row its own positions, on either path
+    packed = any(s.short_name == "attention.wqkv" for s in trace.stages)
+    assert packed == (not trace.settings.staged)  # the path the settings ask for is the one traced
 
 
 def test_kv_bytes_per_sequence_and_in_total(batched) -> None:

@@ -93,8 +93,9 @@ class FusedLayer:
 
     def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, mark: Mark = no_mark) -> torch.Tensor:
-        """x (B*T, dim), or (dim,) for one token of one sequence; cos, sin (T, 1, D); mask (T, S) or None when
-        T == 1. `mark()` after each layer stage of contract.fused_stages."""
+        """x (B*T, dim), or (dim,) for one token of one sequence; cos, sin (T, 1, D), or (B, T, 1, D) when each row
+        has its own positions (a left-padded batch); mask (T, S), or (B, 1, T, S) with pads, or None (one new token
+        and no pads). `mark()` after each layer stage of contract.fused_stages."""
         heads, kv_heads, head_dim, ffn_dim = self.heads, self.kv_heads, self.head_dim, self.ffn_dim
         rows = x.shape[:-1]  # (B*T,) or () for one token
         new = (x.shape[0] if rows else 1) // batch
@@ -174,17 +175,24 @@ class FusedPlan:
                 return False
         return all(owner.get(name) is tensor for owner, name, tensor in self._buffers)
 
-    def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark, positions: torch.Tensor | None = None,
+             pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; fills the caches.
 
-        `mark()` once before the embedding, then after each stage of contract.fused_stages (the layer stages once
-        per layer)."""
+        A left-padded batch (Transformer._pad_step) gives each row's `positions` (B, T) and the `pad_mask`
+        (B, 1, T, S) hiding pad keys from real queries. `mark()` once before the embedding, then after each stage
+        of contract.fused_stages (the layer stages once per layer)."""
         batch, new = tokens.shape
-        cos = self.cos[start : start + new]  # (T, 1, D)
-        sin = self.sin[start : start + new]  # (T, 1, D)
+        if positions is None:
+            cos = self.cos[start : start + new]  # (T, 1, D)
+            sin = self.sin[start : start + new]  # (T, 1, D)
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]  # (B, T, 1, D): each row its own positions
         window = self.layers[0].cache.window
         seen = start + new - first_attended_position(start + new, new, window)  # keys the caches' slices hold
         mask = causal_mask(new, seen, tokens.device, window) if new > 1 else None  # (T, S)
+        if pad_mask is not None:
+            mask = pad_mask if mask is None else pad_mask | mask  # (B, 1, T, S)
         mark()
         x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
         mark()

@@ -403,13 +403,17 @@ class Transformer(nn.Module):
             raise BadArgumentError(f"batch size changed from {kv_cache.batch} to {batch} mid-sequence; reset the cache")
         try:
             with torch.no_grad():
+                input_pos = self._positions[start : start + new]  # (T,)
+                pad_mask = None
+                if self._pad is not None:
+                    input_pos, pad_mask = self._pad_step(input_pos, start + new)  # (B, T), (B, 1, T, S)
                 if self.fusable():
-                    logits = self._fused_plan.step(tokens, start, self.stage_mark)
+                    logits = self._fused_plan.step(tokens, start, self.stage_mark,
+                                                   None if pad_mask is None else input_pos, pad_mask)
                 else:
                     x = self.embed(tokens)  # (B, T, dim)
-                    input_pos = self._positions[start : start + new]  # (T,)
-                    if self._pad is not None:
-                        input_pos = self._pad_step(input_pos, start + new)  # (B, T)
+                    for layer in self.layers:
+                        layer.attention.scores.pad_mask = pad_mask
                     for layer in self.layers:
                         x = layer(x, input_pos, True)
                     x = x[:, -1, :]  # (B, dim): the last position only
@@ -425,11 +429,11 @@ class Transformer(nn.Module):
         self._pos = start + new
         return logits
 
-    def _pad_step(self, index: torch.Tensor, end: int) -> torch.Tensor:
+    def _pad_step(self, index: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a step over the cache indices `index` (T,) of left-padded rows: each row's positions (B, T), counted
-        from its first real token (pads at 0, never seen), and each layer's pad mask (B, 1, T, S) hiding the pad keys
-        among the S keys the step reads from every real query. A pad query may see earlier pads (only pads): its
-        softmax stays finite, and no real row ever reads what it computes."""
+        from its first real token (pads at 0, never seen), and the pad mask (B, 1, T, S) hiding the pad keys among
+        the S keys the step reads from every real query. A pad query may see earlier pads (only pads): its softmax
+        stays finite, and no real row ever reads what it computes."""
         pad = self._pad  # (B,)
         positions = (index.unsqueeze(0) - pad.unsqueeze(1)).clamp_(min=0)  # (B, T)
         first = first_attended_position(end, index.shape[0], self.config.sliding_window)
@@ -437,9 +441,7 @@ class Transformer(nn.Module):
         key_is_pad = keys.unsqueeze(0) < pad.unsqueeze(1)  # (B, S)
         query_is_real = index.unsqueeze(0) >= pad.unsqueeze(1)  # (B, T)
         hidden = (query_is_real.unsqueeze(2) & key_is_pad.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, S)
-        for layer in self.layers:
-            layer.attention.scores.pad_mask = hidden
-        return positions
+        return positions, hidden
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> hidden states (B, T, dim) through the tok_embeddings stage. The stage-by-stage path's
@@ -460,7 +462,7 @@ class Transformer(nn.Module):
         nn.Module forward hook, local or global (a tracer's hooks, FlopCounterMode's module tracker), or an
         instance-level forward wrapper sends the call stage by stage, so what is traced is what runs."""
         plan = self._fused_plan
-        if not self.use_fused or plan is None or self._pad is not None:
+        if not self.use_fused or plan is None:
             return False
         modules = self._watchable()
         stamp = RemovableHandle.next_id  # bumped by every hook registration anywhere

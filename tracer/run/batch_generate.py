@@ -104,8 +104,8 @@ class BatchGeneration(Generation):
         pad = list(self._pads) if any(self._pads) else None
         yield BatchTokenized(tuple(self._records), self._pads)
         fused = getattr(self.model, "use_fused", None)
-        if fused is not None:
-            self.model.use_fused = False  # the fused path takes one position per step for all rows: no pads yet
+        if self.settings.staged and fused is not None:
+            self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
         try:
             self.model.setup_cache(len(ids), longest + limit)
             self._kv_per_position = int(self.model.kv_bytes_per_position)

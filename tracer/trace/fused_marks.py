@@ -34,6 +34,7 @@ class StepDims:
     batch: int
     new: int
     seen: int
+    per_row_positions: bool = False  # a left-padded batch: each row's RoPE positions (B, T), not one (T,)
 
 
 def fused_stages(model: nn.Module) -> list[StageModule]:
@@ -70,8 +71,8 @@ def stage_shapes(config: ModelConfig, step: StepDims) -> dict[str, tuple[list[Sh
     by_kind: dict[str, tuple[list[Shape], list[Shape]]] = {
         "embedding": ([(b, t)], [x]),
         "rmsnorm": ([x], [x]),
-        "rope": ([q, kv, (t,)], [q, kv]),
-        "kv_cache": ([(t,), kv, kv], [cached, cached]),
+        "rope": ([q, kv, (b, t) if step.per_row_positions else (t,)], [q, kv]),
+        "kv_cache": ([(b, t) if step.per_row_positions else (t,), kv, kv], [cached, cached]),
         "attention_scores": ([(b, h, t, d), cached], [scores]),
         "softmax": ([scores], [scores]),
         "attention_values": ([scores, cached], [(b, h, t, d)]),
@@ -134,4 +135,4 @@ class FusedMarks:
             )
         seen = self.model.pos
         batch = self.model.layers[0].attention.kv_cache.batch
-        return self.clock.resolve(marks), StepDims(batch, seen - self._pos_before, seen)
+        return self.clock.resolve(marks), StepDims(batch, seen - self._pos_before, seen, any(self.model.pads))
