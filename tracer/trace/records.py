@@ -20,8 +20,37 @@ DECODE = "decode"
 DEFAULT_LESSON_TEMPERATURES = (0.1, 1.0, 2.0)
 
 
+class ByteTraffic:
+    """The byte sums every record of stage traffic derives the same way from its weight_bytes_read,
+    activation_bytes_read/_written and kv_bytes_read/_written fields (StageRecord, StepTotals, summary.StageTotals)."""
+
+    __slots__ = ()  # the dataclasses below keep their slots
+    weight_bytes_read: int
+    activation_bytes_read: int
+    activation_bytes_written: int
+    kv_bytes_read: int
+    kv_bytes_written: int
+
+    @property
+    def bytes_read(self) -> int:
+        return self.weight_bytes_read + self.activation_bytes_read + self.kv_bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.activation_bytes_written + self.kv_bytes_written
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def min_bytes(self) -> int:
+        """Weights and KV traffic: what a pass must move whatever the kernel fusion (the roofline's bytes)."""
+        return self.weight_bytes_read + self.kv_bytes_read + self.kv_bytes_written
+
+
 @dataclass(frozen=True, slots=True)
-class StageRecord:
+class StageRecord(ByteTraffic):
     """One call of one stage module during one step (prefill = step 0, decode steps 1, 2, ...)."""
 
     phase: str  # "prefill" or "decode"
@@ -48,14 +77,6 @@ class StageRecord:
         return self.matmul_flops + self.elementwise_flops
 
     @property
-    def bytes_read(self) -> int:
-        return self.weight_bytes_read + self.activation_bytes_read + self.kv_bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.activation_bytes_written + self.kv_bytes_written
-
-    @property
     def end_ns(self) -> int:
         return self.start_ns + self.duration_ns
 
@@ -67,7 +88,7 @@ class StageRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class StepTotals:
+class StepTotals(ByteTraffic):
     """The sums of one step's stage records, kept instead of them when `--trace-steps` leaves the step out
     (tracer/trace/step_selection.py); the fields are StageRecord's, summed, and the number of calls."""
 

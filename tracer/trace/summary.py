@@ -10,12 +10,20 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord, StepRecord, StepTotals
+from llmtrace.tracer.trace.records import (
+    DECODE,
+    MATMUL_KINDS,
+    PREFILL,
+    ByteTraffic,
+    StageRecord,
+    StepRecord,
+    StepTotals,
+)
 
 
 @dataclass(frozen=True, slots=True)
-class StageTotals:
-    """Sums over a set of stage records."""
+class StageTotals(ByteTraffic):
+    """Sums over a set of stage records (their byte sums: records.ByteTraffic)."""
 
     calls: int
     flops: int
@@ -26,23 +34,6 @@ class StageTotals:
     kv_bytes_read: int
     kv_bytes_written: int
     stage_ns: int  # sum of the stages' own times
-
-    @property
-    def bytes_read(self) -> int:
-        return self.weight_bytes_read + self.activation_bytes_read + self.kv_bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.activation_bytes_written + self.kv_bytes_written
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.bytes_read + self.bytes_written
-
-    @property
-    def min_bytes(self) -> int:
-        """Weights and KV traffic: what a pass must move whatever the kernel fusion (the roofline's bytes)."""
-        return self.weight_bytes_read + self.kv_bytes_read + self.kv_bytes_written
 
 
 def stage_totals(stages: Iterable[StageRecord]) -> StageTotals:
