@@ -15,7 +15,9 @@ Formats (WeightFormat, frozen; `name` is stable and goes into traces):
 - "q8_0" (GGUF Q8_0): int8 q with one fp16 scale d per 32 values, value = d*q.
 
 Kernels (the `kernel` field; what runs the product):
-- "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout.
+- "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
+  bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
+  result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
 - "blocks": the blocks dequantized to x's dtype right before the product, in row tiles that stay in cache, so
   memory traffic is the stored bytes (plus the tile, which stays in L2).
 - "dense": torch.mv / F.linear over a dense tensor.
@@ -72,7 +74,7 @@ def stored_kernels(ggml_type: int) -> tuple[str, ...]:
     name = _BY_TYPE.get(ggml_type)
     if name is None:
         return ()
-    return (BLOCKS,) if name == "q8_0" else (INT4PACK, BLOCKS)
+    return (INT4PACK, BLOCKS)
 
 
 # ---- the weight ------------------------------------------------------------------------------------------------
@@ -89,7 +91,7 @@ class PackedWeight:
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
     """
 
-    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_prepared_dtype")
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
                  stored_bytes: int) -> None:
@@ -97,8 +99,7 @@ class PackedWeight:
         self.shape = (int(shape[0]), int(shape[1]))
         self.tensors = tensors
         self.stored_bytes = int(stored_bytes)
-        self._prepared: object = None  # the kernel's own layout, made on first use for a given activation dtype
-        self._prepared_dtype: torch.dtype | None = None
+        self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
 
     @classmethod
     def from_tensors(cls, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
@@ -132,8 +133,9 @@ class PackedWeight:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held in memory for it (the kernel's layout, once made, is counted in place of the canonical one)."""
-        return sum(t.nbytes for t in self.tensors.values())
+        """Bytes held in memory for it: the canonical tensors plus the kernel's layout once made."""
+        prepared = sum(t.nbytes for t in self._prepared) if self._prepared is not None else 0
+        return sum(t.nbytes for t in self.tensors.values()) + prepared
 
     def __repr__(self) -> str:
         return f"PackedWeight({self.format.label}, shape={self.shape}, stored_bytes={self.stored_bytes:,})"
@@ -157,23 +159,36 @@ class PackedWeight:
         return out.view(*lead, self.shape[0])
 
     def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
-        packed, scales_zeros = self._prepare(x.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)  # (M, N rounded up to 16)
-        return out if out.shape[1] == self.shape[0] else out[:, : self.shape[0]].contiguous()
+        """The int4 kernel in bf16, its fast dtype (fp16 and fp32 activations take a path ~10x slower on CPU,
+        BENCHMARKS.md "Stored-precision products"); the result is cast back to x's dtype."""
+        packed, scales_zeros = self._prepare()
+        xb = x.to(torch.bfloat16)
+        if self.format.name == "q8_0":
+            xb = torch.cat([xb, xb], dim=1)  # (M, 2K): the high plane's columns, then the low plane's
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros)  # (M, N rounded up to 16)
+        if out.shape[1] != self.shape[0]:
+            out = out[:, : self.shape[0]]
+        return out.to(x.dtype) if x.dtype != torch.bfloat16 else out.contiguous()
 
-    def _prepare(self, dtype: torch.dtype):  # noqa: ANN202 - the kernel's tensors
-        if self._prepared is None or self._prepared_dtype != dtype:
-            pad = -self.shape[0] % 16  # the kernel takes N in multiples of 16: zero rows, sliced off the result
-            if self._prepared is None:
-                values = unpack_nibbles(self.tensors["nibbles"]).to(torch.int32)  # (N, K), 0..15
-                values = F.pad(values, (0, 0, 0, pad))  # (N + pad, K)
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-            else:
-                packed = self._prepared[0]
-            scales_zeros = torch.stack([self.tensors["scale"].t(), self.tensors["zero"].t()], dim=-1)  # (K/32, N, 2)
-            scales_zeros = F.pad(scales_zeros, (0, 0, 0, pad))  # (K/32, N + pad, 2)
-            self._prepared = (packed, scales_zeros.to(dtype).contiguous())
-            self._prepared_dtype = dtype
+    def _prepare(self):  # noqa: ANN202 - the kernel's tensors
+        """The int4 kernel's layout, made once: codes (N', K') repacked by torch, scales and zeros (K'/32, N', 2) in
+        bf16; N' is N rounded up to 16 (zero rows, sliced off the result). Q8_0 becomes two 4-bit planes side by
+        side along K (K' = 2K): u = q + 128 = 16*hi + lo, and d*q = (hi - 8)*16d + ((lo - 8)*d + 8d)."""
+        if self._prepared is not None:
+            return self._prepared
+        pad = -self.shape[0] % 16
+        if self.format.name == "q8_0":
+            u = self.tensors["int8"].to(torch.int32) + 128  # (N, K), 0..255
+            codes = torch.cat([u >> 4, u & 0x0F], dim=1)  # (N, 2K)
+            d = self.tensors["scale"]  # (N, K/32)
+            scale = torch.cat([16.0 * d, d], dim=1)
+            zero = torch.cat([torch.zeros_like(d), 8.0 * d], dim=1)
+        else:
+            codes = unpack_nibbles(self.tensors["nibbles"]).to(torch.int32)  # (N, K), 0..15
+            scale, zero = self.tensors["scale"], self.tensors["zero"]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(codes, (0, 0, 0, pad)), 1)
+        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # (K'/32, N, 2)
+        self._prepared = (packed, F.pad(scales_zeros, (0, 0, 0, pad)).to(torch.bfloat16).contiguous())
         return self._prepared
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
