@@ -17,6 +17,8 @@ from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, tensor_of
+from llmtrace.tracer.core.ggml_types import GGML_TYPES
+from llmtrace.tracer.model.weight_formats import PackedWeight, pack_gguf, stored_kernels
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -98,6 +100,66 @@ def _plan(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
 def _first(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def stored_matrices(header: GGUFHeader, config: ModelConfig, kernel: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Which of the file's matrices `kernel` runs as stored, and which it cannot: ({Meta name: ggml type name}
+    with a kernel, {Meta name: ggml type name} without one). The 1-D tensors (norms, biases) are never packed."""
+    plan = _plan(header, config)
+    packable, dense = {}, {}
+    for name, info in plan.items():
+        if len(info.shape) < 2:
+            continue
+        (packable if kernel in stored_kernels(info.ggml_type) else dense)[name] = info.type_name
+    return packable, dense
+
+
+def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype,
+                     kernel: str) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+    """The file's matrices as stored, for `kernel` (llmtrace.tracer.model.weight_formats), and the rest dense.
+
+    Returns (dense state dict in `dtype`: norms, biases and any matrix whose type `kernel` cannot run, which is
+    dequantized as load_gguf_weights does; {Meta name: PackedWeight} for the others, Q/K rows in HF's order).
+    """
+    plan = _plan(header, config)
+    packable, _ = stored_matrices(header, config, kernel)
+    try:
+        data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise FileFormatError(f"{header.path}: cannot map the tensor data ({exc}); check the file") from exc
+    if data.shape[0] != header.file_size:
+        raise FileFormatError(f"{header.path}: file changed size while loading; try again")
+    heads = dims(config)
+    interleaved = header.metadata.get("general.architecture") == "llama"
+    dense: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
+    for name, info in plan.items():
+        start = header.data_offset + info.offset
+        raw = data[start:start + info.n_bytes]
+        rope_heads = tensor_of(name).rope_heads
+        if name not in packable:
+            values = dequantize(raw, info.ggml_type, info.shape[0], info.name)
+            if not np.isfinite(values).all():
+                raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
+            matrix = values.reshape(info.torch_shape)
+            if rope_heads is not None and interleaved:
+                matrix = unpermute_rope_rows(matrix, heads[rope_heads])
+            tensor = torch.from_numpy(matrix)
+            dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
+            continue
+        out_features, in_features = info.torch_shape
+        _, block, block_bytes = GGML_TYPES[info.ggml_type]
+        rows = np.asarray(raw).reshape(out_features, in_features // block * block_bytes)  # (N, bytes per row)
+        if rope_heads is not None and interleaved:
+            rows = unpermute_rope_rows(rows, heads[rope_heads])  # whole rows move: the blocks stay intact
+        weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
+        for key, tensor in weight.tensors.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file "
+                                      "is corrupt")
+        packed[name] = weight
+    del data
+    return dense, packed
 
 
 def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype = torch.float32) -> GGUFWeights:

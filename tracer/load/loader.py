@@ -36,7 +36,10 @@ from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, Hardw
 from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import KernelChoice, unmeasured, without
 from llmtrace.tracer.load import kernel_pick, weights_cache
-from llmtrace.tracer.load.gguf_loader import load_gguf_weights, quantization_summary
+from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary, stored_matrices
+from llmtrace.tracer.load.stored_weights import (
+    DENSE, STORED, STORED_KERNEL, WeightsChoice, choose_weights, entry_variant, from_entry, to_entry,
+)
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
@@ -60,6 +63,7 @@ class LoadedModel:
     # dtype, the saved measurement for this machine and model when there is one (overridden_by says so), else None.
     kernels: KernelChoice | None = None
     kernel_note: str = ""  # one line: a damaged kernel store replaced, a choice not saved, fp16 refused
+    weights: WeightsChoice = WeightsChoice(DENSE, "")  # stored or dense, and why (llmtrace.tracer.load.stored_weights)
 
 
 def load_model(
@@ -72,11 +76,16 @@ def load_model(
     seed: int = 0,
     use_cache: bool = True,
     progress: Callable[[str], None] | None = None,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring; a string is classified by
     llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. AUTO measures
     this machine's products for the model's shapes on first use (llmtrace.tracer.load.kernel_pick; `progress`
-    hears what is being measured) and records the choice in `kernels`."""
+    hears what is being measured) and records the choice in `kernels`.
+
+    `weights`: "stored" (a GGUF's matrices multiplied as the file stores them), "dense" (dequantized to the
+    compute dtype) or None (stored when every matrix of the GGUF has a stored kernel):
+    llmtrace.tracer.load.stored_weights."""
     start = time.perf_counter()
     target = _check_device(device)
     if dry_run and random_init:
@@ -91,7 +100,7 @@ def load_model(
         kernels = None if dry_run else kernel_pick.lookup(resolved, target)
         if kernels is not None:
             kernels = replace(kernels, overridden_by=f"--dtype {dtype.name}", from_store=True)
-        loaded = _load(start, resolved, dtype, target, dry_run, random_init, seed, use_cache)
+        loaded = _load(start, resolved, dtype, target, dry_run, random_init, seed, use_cache, weights)
         measured = kernels.timing(dtype.name) if kernels is not None else None
         if measured is not None and measured.decode_kernel in MATVEC_KERNELS:  # this dtype was timed too
             loaded.model.decode_kernel = measured.decode_kernel
@@ -100,25 +109,25 @@ def load_model(
         saved = kernel_pick.lookup(resolved, target)
         kernels = saved or unmeasured("fp32", "dry run: not measured")
         return replace(_load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, True, False, seed,
-                             use_cache), kernels=kernels)
+                             use_cache, weights), kernels=kernels)
     picked = kernel_pick.pick(resolved, target, progress)
     kernels, note = picked.choice, picked.note
     loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init, seed,
-                   use_cache)
+                   use_cache, weights)
     if kernels.dtype == FP16.name:
         problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
         if problem:  # the next safe candidate (never fp16 again: `without` marks it unsafe)
             kernels = without(kernels, FP16.name, problem)
             note = "; ".join(n for n in (note, f"fp16 not used: {problem}") if n)
             loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init,
-                           seed, use_cache)
+                           seed, use_cache, weights)
     if kernels.decode_kernel in MATVEC_KERNELS:  # the measured faster one-token kernel of this dtype: mv or mm
         loaded.model.decode_kernel = kernels.decode_kernel
     return replace(loaded, kernels=kernels, kernel_note=note)
 
 
 def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.device, dry_run: bool,
-          random_init: bool, seed: int, use_cache: bool) -> LoadedModel:
+          random_init: bool, seed: int, use_cache: bool, weights: str | None = None) -> LoadedModel:
     """load_model once the compute dtype is decided."""
     values = torch_dtype(compute)
     config, kind = resolved.config, resolved.kind
@@ -131,6 +140,8 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
         model = _assemble(config, random_state_dict(config, compute, seed), target)
         return _finish(start, resolved, model, tokenizer, where, f"random init (seed {seed}) {compute.name}")
 
+    if kind != GGUF:
+        choice = choose_weights(weights, False, {}, {})
     if kind == HF:
         folder = resolved.source.path
         mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype
@@ -138,13 +149,65 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
         state = {name: tensor.to(values) for name, tensor in mapped.items()}  # no copy when already that dtype
         model = _assemble(config, state, target)
         return _finish(start, resolved, model, _tokenizer(resolved), str(folder),
-                       f"safetensors {stored} -> {compute.name}")
+                       f"safetensors {stored} -> {compute.name}", weights=choice)
     assert kind == GGUF
-    return _load_gguf(start, resolved, compute, target, use_cache)
+    header = resolved.gguf_header
+    assert header is not None
+    packable, unpackable = stored_matrices(header, resolved.config, STORED_KERNEL)
+    choice = choose_weights(weights, True, packable, unpackable)
+    if choice.mode == STORED:
+        if target.type != "cpu":
+            raise HardwareError(f"--weights stored runs on the CPU only so far; use --weights dense on {target.type}")
+        return _load_gguf_stored(start, resolved, compute, use_cache, choice)
+    return _load_gguf(start, resolved, compute, target, use_cache, choice)
+
+
+def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use_cache: bool,
+                      choice: WeightsChoice) -> LoadedModel:
+    """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats), cached like dense ones:
+    the entry holds the packed tensors (safetensors, described in JSON metadata; never unpickled)."""
+    header, config = resolved.gguf_header, resolved.config
+    assert header is not None
+    path, values = Path(header.path), torch_dtype(compute)
+    tokenizer = tokenizer_from_gguf(header)
+    fmt = f"GGUF {quantization_summary(header)} as stored ({STORED_KERNEL}) · {compute.name} activations"
+    variant = entry_variant(STORED_KERNEL, values)
+
+    def assemble(dense: dict[str, torch.Tensor], packed: dict) -> Transformer:
+        model = build_meta_model(config)
+        model.load_stored(dense, packed)
+        model.requires_grad_(False)
+        return model.eval()
+
+    key: weights_cache.SourceKey | None = None
+    if use_cache:
+        try:
+            key = weights_cache.source_key(path)
+        except OSError:
+            key = None
+    if key is None:
+        model = assemble(*load_gguf_stored(header, config, values, STORED_KERNEL))
+        return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
+    notes = []
+    with weights_cache.creating(key, variant):
+        cached = weights_cache.load_cached(key, variant)
+        notes.append(cached.note)
+        if cached.state is not None:
+            try:
+                model = assemble(*from_entry(cached.state, cached.metadata))
+                return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True, weights=choice)
+            except (CheckpointError, ValueError):
+                weights_cache.cache_path(key, variant).unlink(missing_ok=True)
+                notes.append("weights cache: the entry did not fit this model; converting again")
+        dense, packed = load_gguf_stored(header, config, values, STORED_KERNEL)
+        weights_cache.store(key, variant, *to_entry(dense, packed))
+    model = assemble(dense, packed)
+    return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),
+                   weights=choice)
 
 
 def _load_gguf(start: float, resolved: ResolvedModel, compute: DType, device: torch.device,
-               use_cache: bool) -> LoadedModel:
+               use_cache: bool, choice: WeightsChoice) -> LoadedModel:
     """The header, its config and its tokenizer come from resolve_model: the file's header is parsed once."""
     header, config = resolved.gguf_header, resolved.config
     assert header is not None
@@ -156,13 +219,15 @@ def _load_gguf(start: float, resolved: ResolvedModel, compute: DType, device: to
         return load_gguf_weights(header, config, values).state_dict
 
     if not use_cache:
-        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt)
+        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt,
+                       weights=choice)
     try:
         key: weights_cache.SourceKey | None = weights_cache.source_key(path)
     except OSError:
         key = None  # unreadable for hashing: the conversion will say why
     if key is None:
-        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt)
+        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt,
+                       weights=choice)
     notes = []
     with weights_cache.creating(key, values):  # a second first load waits here, then maps this one's entry
         cached = weights_cache.load_cached(key, values)
@@ -170,14 +235,15 @@ def _load_gguf(start: float, resolved: ResolvedModel, compute: DType, device: to
         if cached.state is not None:
             try:
                 model = _assemble(config, cached.state, device)
-                return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True)
+                return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True, weights=choice)
             except CheckpointError:
                 weights_cache.cache_path(key, values).unlink(missing_ok=True)  # a foreign entry: convert again
                 notes.append("weights cache: the entry did not fit this model; converting again")
         state = convert()
         weights_cache.store(key, values, state)
     model = _assemble(config, state, device)
-    return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n))
+    return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),
+                   weights=choice)
 
 
 def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
@@ -191,11 +257,12 @@ def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device: torch
 
 
 def _finish(start: float, resolved: ResolvedModel, model: Transformer, tokenizer: Tokenizer | None, source: str,
-            fmt: str, from_cache: bool = False, cache_note: str = "") -> LoadedModel:
+            fmt: str, from_cache: bool = False, cache_note: str = "",
+            weights: WeightsChoice = WeightsChoice(DENSE, "")) -> LoadedModel:
     source = resolved.source.origin or source  # a Hub id: the cache and commit it was found at
     return LoadedModel(config=resolved.config, model=model, tokenizer=tokenizer, source=source,
                        load_seconds=time.perf_counter() - start, weight_format=fmt, from_cache=from_cache,
-                       cache_note=cache_note)
+                       cache_note=cache_note, weights=weights)
 
 
 def _tokenizer(resolved: ResolvedModel) -> Tokenizer | None:

@@ -66,6 +66,7 @@ PARTIAL_SUFFIX = ".partial"
 _CHUNK = 16 * 2**20
 _CHECKSUM_KEY = "tensors_xxh3_128"  # in each entry's __metadata__
 _PLACEHOLDER = "0" * 32  # the width of an XXH3-128 hex digest: written first, replaced in place
+_OWN_KEYS = frozenset({"source", "format", "source_xxh3_128", _CHECKSUM_KEY})  # metadata the cache itself writes
 
 
 def cache_root() -> Path:
@@ -137,12 +138,17 @@ def source_key(source: str | Path) -> SourceKey:
     return SourceKey(path, digest, identity)
 
 
-def _entry_path(key: SourceKey, dtype: torch.dtype) -> Path:
-    dtype_name = str(dtype).removeprefix("torch.")
+# What an entry holds: a dtype (the dequantized tensors in it) or a variant name ("stored-int4pack-float32": the
+# matrices as stored, packed for a kernel, beside the rest in that dtype).
+Variant = torch.dtype | str
+
+
+def _entry_path(key: SourceKey, dtype: Variant) -> Path:
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     return weights_dir() / f"{key.path.stem}-{key.digest[:32]}-{dtype_name}-{CACHE_FORMAT}.safetensors"
 
 
-def cache_path(source: str | Path | SourceKey, dtype: torch.dtype) -> Path:
+def cache_path(source: str | Path | SourceKey, dtype: Variant) -> Path:
     """The cache file for this source's current content, in this dtype."""
     key = source if isinstance(source, SourceKey) else source_key(source)
     return _entry_path(key, dtype)
@@ -153,10 +159,12 @@ def cache_path(source: str | Path | SourceKey, dtype: torch.dtype) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class CachedWeights:
-    """What a cache lookup found: the state dict (None: convert), and a one-line note when an entry was dropped."""
+    """What a cache lookup found: the state dict (None: convert), a one-line note when an entry was dropped, and
+    the entry's own metadata (what store() was given, e.g. the formats of packed weights)."""
 
     state: dict[str, torch.Tensor] | None
     note: str = ""
+    metadata: dict[str, str] | None = None
 
 
 def tensor_checksum(path: Path, data_start: int) -> str:
@@ -172,7 +180,7 @@ def tensor_checksum(path: Path, data_start: int) -> str:
     return h.hexdigest()
 
 
-def load_cached(source: str | Path | SourceKey, dtype: torch.dtype) -> CachedWeights:
+def load_cached(source: str | Path | SourceKey, dtype: Variant) -> CachedWeights:
     """The cached state dict, memory-mapped, after its checksum is verified; a damaged entry is removed."""
     try:
         key = source if isinstance(source, SourceKey) else source_key(source)
@@ -187,14 +195,15 @@ def load_cached(source: str | Path | SourceKey, dtype: torch.dtype) -> CachedWei
         return CachedWeights(None, f"weights cache: {path.name} was damaged ({why}); converting again")
     try:
         state = load_file(path)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        extra = read_safetensors_header(path).metadata
+    except (SafetensorError, OSError, ValueError, RuntimeError, LlmtraceError) as exc:
         path.unlink(missing_ok=True)
         return CachedWeights(None, f"weights cache: {path.name} was unreadable ({exc}); converting again")
     try:
         os.utime(path)  # used now: the last to be evicted
     except OSError:
         pass  # a read-only cache still serves
-    return CachedWeights(state)
+    return CachedWeights(state, metadata={k: v for k, v in extra.items() if k not in _OWN_KEYS})
 
 
 def _damage(path: Path, key: SourceKey) -> str:
@@ -219,7 +228,7 @@ def _damage(path: Path, key: SourceKey) -> str:
 
 
 @contextmanager
-def creating(source: str | Path | SourceKey, dtype: torch.dtype) -> Iterator[None]:
+def creating(source: str | Path | SourceKey, dtype: Variant) -> Iterator[None]:
     """Hold the entry's creation lock: a second process converting the same source waits, then finds the entry.
 
     A cache folder that cannot be written (or a platform without flock) only loses the lock, never the load."""
@@ -243,7 +252,8 @@ def creating(source: str | Path | SourceKey, dtype: torch.dtype) -> Iterator[Non
         handle.close()  # releases the flock
 
 
-def store(source: str | Path | SourceKey, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]) -> Path | None:
+def store(source: str | Path | SourceKey, dtype: Variant, state_dict: dict[str, torch.Tensor],
+          metadata: dict[str, str] | None = None) -> Path | None:
     """Save the converted tensors with their checksums (a temporary name, then a rename: readers never see half).
 
     Returns the cache file, or None when it was not stored: the cache folder is not writable (a full or read-only
@@ -259,9 +269,9 @@ def store(source: str | Path | SourceKey, dtype: torch.dtype, state_dict: dict[s
         partial = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         try:
             tensors = {k: v.contiguous() for k, v in state_dict.items()}
-            metadata = {"source": str(key.path), "format": CACHE_FORMAT, "source_xxh3_128": key.digest,
-                        _CHECKSUM_KEY: _PLACEHOLDER}
-            save_file(tensors, partial, metadata=metadata)
+            own = {"source": str(key.path), "format": CACHE_FORMAT, "source_xxh3_128": key.digest,
+                   _CHECKSUM_KEY: _PLACEHOLDER}
+            save_file(tensors, partial, metadata={**(metadata or {}), **own})
             _write_checksum(partial, tensor_checksum(partial, read_safetensors_header(partial).data_start))
             os.replace(partial, path)
         finally:

@@ -8,6 +8,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from llmtrace.tracer.model.weight_formats import PackedWeight
+
 
 def rms_norm_floor(dim: int, eps: float, device: torch.device | str) -> torch.Tensor:
     """sqrt(dim * eps) as an fp32 scalar tensor on `device`: `rms_norm`'s floor."""
@@ -48,11 +50,15 @@ def matvec_mm(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | N
 MATVEC_KERNELS = {"mv": matvec, "mm": matvec_mm}
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
             vector_kernel: Callable[..., torch.Tensor] = matvec) -> torch.Tensor:
     """x (..., in) -> x weightᵀ (+ bias) (..., out): one row as a matrix-vector product through `vector_kernel`
     (torch.mv unless the machine's measurement chose mm: MATVEC_KERNELS), more rows as F.linear (mm, addmm with a
-    bias)."""
+    bias). A weight held as the GGUF stores it (PackedWeight) multiplies through its own kernel (FlopCounterMode
+    does not count torch's int4 kernel: count FLOPs on dense weights)."""
+    if isinstance(weight, PackedWeight):
+        out = weight(x)  # (..., out)
+        return out if bias is None else out.add_(bias)
     if x.dim() == 1:
         return vector_kernel(weight, x, bias)  # (out,)
     if x.numel() == weight.shape[1]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
+from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 from llmtrace.tracer.model.functional import (
     MATVEC_KERNELS,
     attention_scores,
@@ -83,12 +84,12 @@ class FusedLayer:
         self.rep = self.heads // self.kv_heads
         self.scale = attn.scores.scale
         self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
-        self.wqkv = _packed_rows(attn.wq.weight, attn.wv.weight)  # ((H+2Hkv)*D, dim)
+        self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
         self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
-        self.wo, self.bo = attn.wo.weight.detach(), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
-        self.w13 = _packed_rows(ffn.w1.weight, ffn.w3.weight)  # (2F, dim)
+        self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
+        self.w13 = _rows_of(ffn.w1, ffn.w3)  # (2F, dim)
         self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
-        self.w2, self.b2 = ffn.w2.weight.detach(), _detached(ffn.w2.bias)  # (dim, F), (dim,)
+        self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
         self.ffn_dim = self.w2.shape[1]
 
     def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -145,15 +146,15 @@ class FusedPlan:
     def __init__(self, model: Any) -> None:
         for layer in model.layers:
             attn, ffn = layer.attention, layer.feed_forward
-            if not _packed(attn.wq, attn.wk, attn.wv):
-                _pack(attn.wq, attn.wk, attn.wv)
-            if not _packed(ffn.w1, ffn.w3):
-                _pack(ffn.w1, ffn.w3)
+            for group in ((attn.wq, attn.wk, attn.wv), (ffn.w1, ffn.w3)):
+                if not _packed(*group, stored=_stored(group[0])):
+                    _pack(*group, stored=_stored(group[0]))
         self.product = partial(project, vector_kernel=MATVEC_KERNELS[getattr(model, "decode_kernel", "mv")])
         self.layers = [FusedLayer(layer, self.product) for layer in model.layers]
-        self.embedding = model.tok_embeddings.weight.detach()
-        self.output, self.output_bias = model.output.weight.detach(), _detached(model.output.bias)  # (V, dim), (V,)
+        self.embedding = _weight_of(model.tok_embeddings)  # (V, dim), or as stored
+        self.output, self.output_bias = _weight_of(model.output), _detached(model.output.bias)  # (V, dim), (V,)
         self.final_norm = FusedNorm(model.norm)
+        self.dtype = model.norm.weight.dtype  # the compute dtype (a stored embedding's rows are dequantized to it)
         self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each
         # Parameters must stay the same objects, unmodified in place (their version counters); buffers (the KV
         # caches, written every step) the same objects.
@@ -194,7 +195,10 @@ class FusedPlan:
         if pad_mask is not None:
             mask = pad_mask if mask is None else pad_mask | mask  # (B, 1, T, S)
         mark()
-        x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
+        if isinstance(self.embedding, PackedWeight):  # held as stored: only the looked-up rows are dequantized
+            x = self.embedding.rows(tokens.reshape(-1), self.dtype)  # (B*T, dim)
+        else:
+            x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
         mark()
         if batch * new == 1:
             x = x[0]  # (dim,): one token runs vectors through matrix-vector products
@@ -215,10 +219,37 @@ def watched(modules: list[nn.Module]) -> bool:
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-def _pack(*linears: nn.Linear) -> None:
+def _stored(linear: nn.Module) -> bool:
+    """Whether the linear's matrix is held as the GGUF stores it (its `packed`; its weight a meta placeholder)."""
+    return getattr(linear, "packed", None) is not None
+
+
+def _weight_of(module: nn.Module) -> torch.Tensor | PackedWeight:
+    """What the fused path multiplies by: the module's PackedWeight when it is held as stored, else its weight."""
+    packed = getattr(module, "packed", None)
+    return packed if packed is not None else module.weight.detach()
+
+
+def _rows_of(*linears: nn.Module) -> torch.Tensor | PackedWeight:
+    """The linears' matrices as one (rows, in) product: a view of the packed parameters, or for weights held as
+    stored the one PackedWeight `_pack` concatenated (kept on the first linear as `fused_packed`)."""
+    if _stored(linears[0]):
+        return linears[0].fused_packed
+    return _packed_rows(linears[0].weight, linears[-1].weight)
+
+
+def _pack(*linears: nn.Module, stored: bool = False) -> None:
     """Concatenate the linears' weights (and biases, when they have them) by rows and make each parameter a view
-    of its block of the result."""
+    of its block of the result. Weights held as stored are concatenated into one PackedWeight (a copy: the int4
+    kernel's layout cannot be sliced by rows), kept on the first linear as `fused_packed`; their biases as above."""
+    if stored:
+        if not all(_stored(linear) for linear in linears):
+            raise ValueError("a packed stage mixes stored and dense matrices")
+        linears[0].fused_packed = concat_rows([linear.packed for linear in linears])
+        linears[0].fused_members = tuple(linear.packed for linear in linears)
     for attribute in ("weight", "bias"):
+        if stored and attribute == "weight":
+            continue
         params = [getattr(linear, attribute) for linear in linears]
         if params[0] is None:
             continue
@@ -230,8 +261,16 @@ def _pack(*linears: nn.Linear) -> None:
             row += rows
 
 
-def _packed(*linears: nn.Linear) -> bool:
-    """Whether the linears' weights (and biases) are consecutive row blocks of one storage, each contiguous."""
+def _packed(*linears: nn.Module, stored: bool = False) -> bool:
+    """Whether the linears' weights (and biases) are consecutive row blocks of one storage, each contiguous; for
+    weights held as stored, whether the concatenation of exactly these PackedWeights exists."""
+    if stored:
+        members = getattr(linears[0], "fused_members", None)
+        if members is None or len(members) != len(linears) or any(
+                m is not linear.packed for m, linear in zip(members, linears)):
+            return False
+        return all(_consecutive([getattr(linear, "bias") for linear in linears])
+                   for _ in (0,) if linears[0].bias is not None)
     return all(_consecutive([getattr(linear, attribute) for linear in linears])
                for attribute in ("weight", "bias") if getattr(linears[0], attribute) is not None)
 

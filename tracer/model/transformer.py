@@ -54,6 +54,7 @@ from llmtrace.tracer.model.functional import (
 from llmtrace.tracer.model.fused import FusedPlan, Mark, no_mark, watched
 from llmtrace.tracer.model.kv_cache import KVCache
 from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
+from llmtrace.tracer.model.weight_formats import PackedWeight
 
 
 class Linear(nn.Linear):
@@ -62,8 +63,27 @@ class Linear(nn.Linear):
     or mm while any TorchDispatchMode is active (FlopCounterMode counts mm but not mv, so what it counts is what
     runs); more tokens through F.linear. A bias (contract.has_bias) is added to the product's result."""
 
+    With `packed` set (Transformer.load_stored: the matrix as the GGUF stores it), the product is the packed
+    weight's own kernel (llmtrace.tracer.model.weight_formats) and `weight` is a meta-device placeholder of the
+    right shape: anything that would still multiply by a dense weight fails instead of running."""
+
+    packed: PackedWeight | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias)
+        return project(x, self.weight if self.packed is None else self.packed, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """An nn.Embedding whose table may be held as stored (`packed`): then a lookup dequantizes only the rows it
+    reads, into `compute_dtype`."""
+
+    packed: PackedWeight | None = None
+    compute_dtype: torch.dtype = torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.rows(ids, self.compute_dtype)  # (..., dim)
+        return super().forward(ids)
 
 
 class RMSNorm(nn.Module):
@@ -236,7 +256,7 @@ class Transformer(nn.Module):
         if embedding.device.type != "meta":
             # nn.Embedding's own init, skipped on meta, where normal_ imports torch._dynamo (2 s of load time)
             nn.init.normal_(embedding)
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embedding)
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim, _weight=embedding)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size, bias=has_bias("output", config))
@@ -274,7 +294,7 @@ class Transformer(nn.Module):
             raise BadArgumentError(
                 f"max_seq {max_seq} exceeds the model's context length {self.config.max_seq_len}; ask for fewer tokens"
             )
-        weight = self.tok_embeddings.weight
+        weight = self.norm.weight  # always dense, in the model's dtype (a stored embedding is a meta placeholder)
         if weight.device.type == "cpu":
             need = 2 * self.config.n_layers * max_batch * max_seq * self.config.kv_dim * weight.element_size()
             free = available_memory_bytes()
@@ -339,7 +359,7 @@ class Transformer(nn.Module):
 
     def _ensure_rope(self, length: int) -> None:
         """Share one cos/sin table of at least `length` positions among every layer's RotaryEmbedding."""
-        weight = self.tok_embeddings.weight
+        weight = self.norm.weight
         key = self._rope_key
         if key is not None and key[0] >= length and key[1] == weight.device and key[2] == weight.dtype:
             return
@@ -487,6 +507,39 @@ class Transformer(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------------------
 
+    def load_stored(self, state_dict: Mapping[str, torch.Tensor], packed: Mapping[str, PackedWeight]) -> None:
+        """Adopt dense tensors (`state_dict`: norms, biases, matrices without a stored kernel) and matrices as stored
+        (`packed`, by the same names: "layers.0.attention.wq.weight"...), strictly checked together. A packed
+        matrix's parameter becomes a meta placeholder of its shape in the model's dtype (no memory); its module
+        multiplies (Linear) or looks up (Embedding) through the PackedWeight."""
+        dtype = self.norm_dtype(state_dict)
+        placeholders = {name: torch.empty(w.shape, dtype=dtype, device="meta") for name, w in packed.items()}
+        overlap = sorted(set(state_dict) & set(packed))
+        if overlap:
+            raise CheckpointError(f"tensors given both dense and packed: {', '.join(overlap[:3])}")
+        self.load_weights({**state_dict, **placeholders})
+        for name, weight in packed.items():
+            module = self.get_submodule(name.removesuffix(".weight"))
+            if not isinstance(module, (Linear, Embedding)):
+                raise CheckpointError(f"{name} is not a matrix a stored kernel can run")
+            module.packed = weight
+            if isinstance(module, Embedding):
+                module.compute_dtype = dtype
+        if self.config.tie_embeddings:
+            self.output.packed = self.tok_embeddings.packed
+
+    def norm_dtype(self, state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
+        """The model's compute dtype: its final norm's (the one tensor every checkpoint holds dense)."""
+        norm = state_dict.get("norm.weight")
+        if norm is None:
+            raise CheckpointError("checkpoint does not match: missing norm.weight")
+        return norm.dtype
+
+    def stored_weights(self) -> dict[str, PackedWeight]:
+        """{module name: PackedWeight} of every matrix held as stored (the tied LM head under both names)."""
+        return {name: module.packed for name, module in self.named_modules()
+                if isinstance(module, (Linear, Embedding)) and module.packed is not None}
+
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Adopt the tensors of a checkpoint in our naming (no copy: `assign=True`), strictly checked first.
 
@@ -497,6 +550,9 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             full["output.weight"] = full["tok_embeddings.weight"]
         self.load_state_dict(full, strict=True, assign=True)
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding)):
+                module.packed = None  # dense weights now: a stored matrix of an earlier load is gone
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._positions, self._rope_key = None, None

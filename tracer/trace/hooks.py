@@ -291,6 +291,7 @@ class Tracer:
             activation_bytes_written=cost.activation_bytes_written,
             kv_bytes_read=cost.kv_bytes_read,
             kv_bytes_written=cost.kv_bytes_written,
+            weight_format=stage.weight_format,
             start_ns=start - self.origin_ns,
             duration_ns=end - start,
         )

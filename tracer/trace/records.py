@@ -71,6 +71,10 @@ class StageRecord(ByteTraffic):
     kv_bytes_written: int  # new keys/values written into the cache
     start_ns: int
     duration_ns: int
+    # The weight's format as it ran ("fp32", "q4_1 (int4pack)"; "+"-joined for a packed stage of mixed formats);
+    # weight_bytes_read counts it as held (a stored GGUF matrix: its bytes in the file). "" for parameter-free
+    # stages and traces written before it was recorded.
+    weight_format: str = ""
 
     @property
     def flops(self) -> int:

@@ -14,22 +14,37 @@ from llmtrace.tracer.analytic import flop_formulas as ff
 @dataclass(frozen=True, slots=True)
 class StageModule:
     """One traced stage: its stable name, layer, kind and the parameter sizes the byte counts need (a stage
-    module's weight and bias, or for a packed stage of the fused path its modules' together)."""
+    module's weight and bias, or for a packed stage of the fused path its modules' together), as held: a matrix
+    kept as the GGUF stores it (a module's `packed`, llmtrace.tracer.model.weight_formats) counts its stored bytes."""
 
     name: str
     layer: int | None
     kind: str
-    weight_numel: int  # elements of its parameters, weight and bias (0 for parameter-free stages)
-    weight_itemsize: int
+    weight_bytes: int  # bytes of its parameters, weight and bias, as held (0 for parameter-free stages)
+    weight_row_bytes: float  # bytes of one row of its (first) weight as held: what an embedding lookup reads
     has_bias: bool = False  # a linear stage adds a bias to its product (one add per output element)
+    weight_format: str = ""  # the weight's format as it runs: "fp32", "q4_1 (int4pack)"; "" when it has none
 
     @classmethod
     def of(cls, name: str, layer: int | None, kind: str, modules: list[Any]) -> "StageModule":
         """The stage that runs `modules` (one, or a packed stage's members): their weights and biases together."""
-        weights = [w for w in (getattr(m, "weight", None) for m in modules) if w is not None]
+        held = [_held(m) for m in modules if getattr(m, "weight", None) is not None]
         biases = [b for b in (getattr(m, "bias", None) for m in modules) if b is not None]
-        numel = sum(t.numel() for t in weights + biases)
-        return cls(name, layer, kind, numel, weights[0].element_size() if weights else 0, bool(biases))
+        total = sum(nbytes for nbytes, _, _ in held) + sum(b.numel() * b.element_size() for b in biases)
+        row = held[0][1] if held else 0.0
+        formats = "+".join(dict.fromkeys(fmt for _, _, fmt in held))
+        return cls(name, layer, kind, total, row, bool(biases), formats)
+
+
+def _held(module: Any) -> tuple[int, float, str]:
+    """(bytes, bytes per row, format label) of a module's weight as it is held and multiplied."""
+    packed = getattr(module, "packed", None)
+    if packed is not None:
+        return packed.stored_bytes, packed.stored_bytes / packed.shape[0], packed.format.label
+    weight = module.weight
+    name = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(str(weight.dtype).removeprefix("torch."),
+                                                                      str(weight.dtype).removeprefix("torch."))
+    return weight.numel() * weight.element_size(), weight[0].numel() * weight.element_size(), name
 
 
 # Integer index tensors among a stage's arguments (contract.INDEX_ARGUMENTS, argument position by kind) are token
@@ -75,7 +90,7 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
     reads, the new K/V copied into the cache as KV writes.
     """
     kind = stage.kind
-    weight_bytes = stage.weight_numel * stage.weight_itemsize
+    weight_bytes = stage.weight_bytes
     read = sum(_nbytes(e) for e in inputs)
     written = sum(_nbytes(e) for e in outputs)
     out_shape = outputs[0][0]
@@ -100,7 +115,7 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
         )
     if kind == "embedding":
         ids = inputs[0][0]
-        rows_read = _numel(ids) * out_shape[-1] * stage.weight_itemsize
+        rows_read = int(_numel(ids) * stage.weight_row_bytes)
         return StageCost(
             matmul_flops=0,
             elementwise_flops=ff.embedding_flops(_numel(ids), out_shape[-1]),
