@@ -18,7 +18,7 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import fail, run_guarded
-from llmtrace.cli.options import Detail, DetailOption, compute_dtype_option
+from llmtrace.cli.options import Detail, DetailOption, WeightsMode, compute_dtype_option
 from llmtrace.tracer.core.dtypes import AUTO, AutoDtype, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 
@@ -58,6 +58,10 @@ def run_command(
         "--dtype", help="Compute dtype; auto = the fastest numerically safe one, measured on this machine for this "
                         "model's products on first use (seconds; saved) and never fewer significand bits than the "
                         "checkpoint's.")] = AUTO,
+    weights: Annotated[Optional[WeightsMode], typer.Option(
+        "--weights", help="stored: multiply a GGUF's matrices as the file stores them (Q4_0/Q4_1/Q4_K/Q8_0 through "
+                          "torch's int4 kernel; other types dequantized); dense: dequantize every matrix to --dtype. "
+                          "Default: stored when every matrix of the GGUF has a stored kernel.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -162,6 +166,7 @@ def run_command(
             temperatures=parse_temperatures(temperatures), no_kv_cache=no_kv_cache, lens=lens, attention=attention,
             attention_steps=parse_steps(attention_steps),
             batch=batch if batch is not None else 1, batch_prompts=prompts,
+            weights=weights.value if weights is not None else "",
         )
         _check_settings(settings)
         if html is not None and settings.dry_run:
@@ -358,12 +363,15 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
             loaded = tp_dry.loaded
         else:
             loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run,
+                                weights=settings.weights or None,
                                 progress=lambda step: status.update(f"measuring this machine's products for this "
                                                                     f"model (first run only): {step} …"))
     for note in (loaded.cache_note, loaded.kernel_note):
         if note:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-    param = next(loaded.model.parameters())
+    if loaded.weights.reason and not settings.dry_run:
+        console.print(f"[dim]weights {loaded.weights.mode}: {loaded.weights.reason}[/]", soft_wrap=True)
+    param = loaded.model.norm.weight  # dense in the compute dtype (a stored matrix's parameter is a placeholder)
     render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
                   str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),
                   settings.dry_run)

@@ -75,7 +75,7 @@ def parse_batches(text: str) -> tuple[int, ...]:
 
 def measure_decode_steps(model: Any, ids: Sequence[int], batch: int, steps: int) -> list[float]:
     """Seconds of each of `steps` greedy decode steps after an untimed prefill of `ids` repeated `batch` times."""
-    param = next(model.parameters())
+    param = model.norm.weight  # dense, in the compute dtype (stored matrices are meta placeholders)
     sync = device_synchronizer(param.device)
     tokens = torch.tensor([list(ids)] * batch, dtype=torch.long, device=param.device)  # (B, P)
     model.setup_cache(batch, len(ids) + steps)

@@ -124,7 +124,7 @@ class Generation:
         self.sampler = sampler if sampler is not None or self.dry_run else make_sampler(settings)
         self.settings = _with_seed_used(settings, self.sampler)
         self.origin_ns = time.perf_counter_ns()
-        param = next(self.model.parameters())
+        param = self.model.norm.weight  # dense, in the compute dtype (stored matrices are meta placeholders)
         self.device = param.device
         self.dtype = param.dtype
         self._sync = device_synchronizer(self.device)
@@ -528,11 +528,15 @@ def environment_info(device: torch.device, dtype: torch.dtype) -> EnvironmentInf
 
 def model_info(loaded: LoadedModelLike) -> ModelInfo:
     params = list(loaded.model.parameters())  # tied weights listed once
+    stored = getattr(loaded.model, "stored_weights", dict)()  # {module: PackedWeight}; the tied head twice
+    placeholders = {id(module.weight) for module in map(loaded.model.get_submodule, stored)}
+    held = {id(w): w.stored_bytes for w in stored.values()}  # a matrix held as stored: its bytes in the file
     return ModelInfo(
         source=str(loaded.source),
         weight_format=str(loaded.weight_format),
         load_seconds=float(loaded.load_seconds),
         parameters=sum(p.numel() for p in params),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params if id(p) not in placeholders)
+        + sum(held.values()),
     )
 

@@ -51,7 +51,7 @@ def replay_without_cache(model: Any, config: ModelConfig, dtypes: Dtypes, prompt
     with tracer:
         for i, cached in enumerate(cached_steps):
             positions = prompt_len + i
-            tokens = torch.tensor([ids[:positions]], dtype=torch.long, device=next(model.parameters()).device)
+            tokens = torch.tensor([ids[:positions]], dtype=torch.long, device=model.norm.weight.device)
             model.reset_cache()
             tracer.begin_step(cached.phase, cached.step)
             if sync is not None:

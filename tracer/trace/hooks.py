@@ -114,7 +114,8 @@ class Tracer:
         self._built: list[StageRecord] = []
         self._phase = ""
         self._step = -1
-        param = next(model.parameters(), None)
+        norm = getattr(model, "norm", None)  # a Transformer: its dense final norm (stored matrices are meta)
+        param = norm.weight if isinstance(getattr(norm, "weight", None), torch.Tensor) else next(model.parameters(), None)
         # Stage boundaries: CUDA events on cuda, the host clock elsewhere (tracer/trace/stage_clock.py).
         self.clock = clock or clock_for(param.device if param is not None else "cpu")
         dtype = param.dtype if param is not None else torch.float32

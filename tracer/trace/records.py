@@ -254,6 +254,8 @@ class RunSettings:
     attention_steps: tuple[int, ...] = (0,)  # steps whose full weights --attention keeps (bounded); 0 = the prefill
     batch: int = 1  # --batch N: sequences generated together
     batch_prompts: tuple[str, ...] = ()  # with --batch: each sequence's prompt (the --file lines, or the prompt N times)
+    weights: str = ""  # --weights: "stored", "dense" or "" (the default: stored for a GGUF every matrix of which
+    #                    has a stored kernel; llmtrace.tracer.load.stored_weights)
 
 
 @dataclass(frozen=True, slots=True)
