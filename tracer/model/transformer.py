@@ -61,7 +61,7 @@ class Linear(nn.Linear):
     """An nn.Linear (same parameters, state-dict names and repr) whose product is functional.project, the fused
     path's: one token through torch.mv (for bf16 on CPU up to twice as fast as mm: BENCHMARKS.md, "Model speed"),
     or mm while any TorchDispatchMode is active (FlopCounterMode counts mm but not mv, so what it counts is what
-    runs); more tokens through F.linear. A bias (contract.has_bias) is added to the product's result."""
+    runs); more tokens through F.linear. A bias (contract.has_bias) is added to the product's result.
 
     With `packed` set (Transformer.load_stored: the matrix as the GGUF stores it), the product is the packed
     weight's own kernel (llmtrace.tracer.model.weight_formats) and `weight` is a meta-device placeholder of the
