@@ -114,10 +114,13 @@ def render_embedding(console: Console, config: ModelConfig, stages: Sequence[Sta
     if embed is None:
         console.print(section("2 · Embedding", Text("not traced (--no-trace)")))
         return
-    table_bytes = embedding_table_bytes(config, embed.dtype)
     rows = embed.input_shapes[0]
+    stored = embed.weight_format not in ("", "fp32", "fp16", "bf16")  # held as the GGUF stores it: "q8_0 (int4pack)"
+    table_bytes = (embed.weight_bytes_read * config.vocab_size // math.prod(rows) if stored
+                   else embedding_table_bytes(config, embed.dtype))
     lines = [
-        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} {embed.dtype}"
+        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} "
+        f"{embed.weight_format + ' as stored' if stored else embed.dtype}"
         + (f" = {fmt.nbytes(table_bytes)}" if table_bytes is not None else ""),
         f"ids {fmt.shape(rows)} → one row each → output [bold]{fmt.shape(embed.output_shapes[0])}[/]",
         f"bytes read: {fmt.nbytes(embed.weight_bytes_read)} (only the {math.prod(rows)} rows looked up), "

@@ -41,7 +41,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def bundled(cache_dir: Path) -> LoadedModel:
-    return load_model(None)  # cold: converts and fills the cache
+    return load_model(None, weights="dense")  # cold: converts and fills the cache; dense: the HF-parity path
 
 
 def _greedy(loaded: LoadedModel, prompt: str, n_tokens: int) -> str:
@@ -92,7 +92,7 @@ def test_greedy_answer_is_paris(bundled: LoadedModel) -> None:
 def test_second_load_comes_from_the_cache(bundled: LoadedModel, cache_dir: Path) -> None:
     entry = cache_path(bundled_model_path(), torch.float32)
     assert entry.parent == cache_dir / "weights" and entry.is_file()
-    again = load_model(None)
+    again = load_model(None, weights="dense")
     assert again.from_cache
     tokens = torch.tensor([bundled.tokenizer.encode("The sky is")])
     with torch.no_grad():
@@ -100,7 +100,7 @@ def test_second_load_comes_from_the_cache(bundled: LoadedModel, cache_dir: Path)
 
 
 def test_bf16_load_is_cached_separately(bundled: LoadedModel) -> None:
-    half = load_model(None, dtype=BF16)
+    half = load_model(None, dtype=BF16, weights="dense")
     assert half.model.tok_embeddings.weight.dtype == torch.bfloat16
     assert half.weight_format == "GGUF Q4_1+Q8_0 -> bf16"
     assert torch.equal(half.model.layers[3].attention.wq.weight,

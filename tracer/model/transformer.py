@@ -65,7 +65,8 @@ class Linear(nn.Linear):
 
     With `packed` set (Transformer.load_stored: the matrix as the GGUF stores it), the product is the packed
     weight's own kernel (llmtrace.tracer.model.weight_formats) and `weight` is a meta-device placeholder of the
-    right shape: anything that would still multiply by a dense weight fails instead of running."""
+    right shape (its shape and dtype are right, its values do not exist: code that multiplies by a module's
+    weight directly must take `packed` when set, as functional.project does)."""
 
     packed: PackedWeight | None = None
 

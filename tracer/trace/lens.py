@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmtrace.tracer.model.functional import rms_norm
+from llmtrace.tracer.model.functional import project, rms_norm
 from llmtrace.tracer.trace.journey_records import LensLayer, LensStep, LensToken
 
 LENS_TOP = 3
@@ -29,7 +29,8 @@ def logit_lens(model: Any, residual: torch.Tensor, step: int, position: int, cho
     floor = torch.tensor((norm.weight.shape[0] * norm.eps) ** 0.5, device=residual.device)
     with torch.no_grad():
         hidden = rms_norm(residual.to(norm.weight.dtype), norm.weight, floor)  # (L+1, dim)
-        logits = (hidden @ model.output.weight.t()).float()  # (L+1, V)
+        head = model.output.packed if getattr(model.output, "packed", None) is not None else model.output.weight
+        logits = project(hidden, head).float()  # (L+1, V): the LM head as it runs (a stored one as stored)
         logprobs = torch.log_softmax(logits, dim=-1)
         probs = logprobs.exp()
         entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(dim=-1) / math.log(2.0)  # (L+1,) bits
