@@ -36,15 +36,18 @@ def kvmem(
 
     def body() -> None:
         from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
-        from llmtrace.tracer.analytic.flops_report import default_weights_dtype
+        from llmtrace.tracer.analytic.flops_report import default_weights_dtype, weights_as_stored
         from llmtrace.tracer.checkpoint.resolve import resolve_model
 
         resolved = resolve_model(model)
         config = resolved.config
-        weights = weights_dtype if weights_dtype is not None else default_weights_dtype(resolved)[0]
+        weights, weights_from = ((weights_dtype, "option") if weights_dtype is not None
+                                 else default_weights_dtype(resolved))
+        stored = weights_as_stored(resolved) if weights_from == "file" else ()
         report = kvmem_report(
             config, seq if seq is not None else config.max_seq_len, dtype, batch,
             budget_bytes=parse_bytes(budget) if budget is not None else None, weights_dtype=weights,
+            stored_weight_bytes=sum(n_bytes for _, n_bytes, _ in stored) if stored else None,
         )
         if json_out:
             from llmtrace.cli.json_output import print_json

@@ -50,7 +50,7 @@ def roofline(
 
     def body() -> None:
         from llmtrace.tracer.hardware.store import resolve_hardware
-        from llmtrace.tracer.analytic.flops_report import default_weights_dtype
+        from llmtrace.tracer.analytic.flops_report import default_weights_dtype, weights_as_stored
         from llmtrace.tracer.checkpoint.resolve import resolve_model
         from llmtrace.tracer.roofline.analysis import roofline as predict
 
@@ -60,6 +60,7 @@ def roofline(
             resolved.config, resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
             batch=batch, dtype=weights, kv_dtype=kv_dtype, tp=tp,
             kernels=kernels.value if kernels else None, weights_from=weights_from,
+            stored=weights_as_stored(resolved) if weights_from == "file" else (),
         )
         if json_out:
             from llmtrace.cli.json_output import print_json

@@ -16,7 +16,8 @@ from llmtrace.cli.tables import report_table
 from llmtrace.tracer.analytic.estimate import ELEMENTWISE, MATMUL, PhaseEstimate, Totals
 from llmtrace.tracer.analytic.flops_report import FlopsReport
 
-_WEIGHTS_FROM = {"option": "", "checkpoint": " (the checkpoint's)", "default": " (default; --dtype to change)"}
+_WEIGHTS_FROM = {"option": "", "file": " (the file's: each tensor at its stored size)",
+                 "checkpoint": " (the checkpoint's)", "default": " (default; --dtype to change)"}
 _KIND_STYLE = {MATMUL: "", ELEMENTWISE: "dim", "memory": "dim italic"}
 _FORMULA_COLUMN_MIN_WIDTH = 110  # below this, formulas go under the component names
 

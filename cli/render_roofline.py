@@ -27,7 +27,8 @@ def header(report: RooflineReport) -> Text:
     where = f"{tp} × {m.label}" if tp > 1 else m.label
     text = Text()
     text.append(f"{report.model}", style="bold")
-    whose = " (the checkpoint's)" if report.weights_dtype_from == "checkpoint" else ""
+    whose = {"checkpoint": " (the checkpoint's)", "file": " (the file's, each tensor at its stored size)"}.get(
+        report.weights_dtype_from, "")
     text.append(f" ({fmt.si(report.parameters, '')} parameters; weights {report.weights_dtype}{whose}, "
                 f"KV cache {report.kv_dtype}, activations {report.activation_dtype}) on ")
     text.append(where, style="bold")

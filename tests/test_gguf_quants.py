@@ -190,26 +190,60 @@ def test_ggml_dtypes_have_ggufs_block_sizes() -> None:
     assert get_dtype("q4_0").name == "int4" and "q4_0" not in GGUF_DTYPES
 
 
-def test_flops_kvmem_roofline_on_a_q4_1_file_take_q4_1() -> None:
-    """The bundled file stores its matrices as Q4_1 (20 B per 32 values): that, not the fp16 default, is what the
-    analytical commands cost; --dtype still overrides."""
+def test_flops_kvmem_roofline_on_a_q4_1_file_take_the_files_bytes() -> None:
+    """The bundled file stores its matrices as Q4_1 (20 B per 32 values) and its embedding (the tied LM head) as
+    Q8_0: the analytical commands cost each tensor at its stored size, as `run --weights stored` reads it (a decode
+    step: every stored byte once plus its token's embedding row, 576 values of Q8_0 = 612 B); --dtype overrides."""
     import json as json_module
 
-    from llmtrace.tracer.analytic.params import weight_bytes
     from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-    from llmtrace.tracer.checkpoint.resolve import resolve_config
-    from llmtrace.tracer.core.dtypes import get_dtype
 
     path = str(bundled_model_path())
-    q4_1 = weight_bytes(resolve_config(path), get_dtype("q4_1"))
-    flops = json_module.loads(CliRunner().invoke(app, ["flops", "--model", path, "--json"]).stdout)
+    file_bytes = sum(t.n_bytes for t in read_gguf_header(path).tensors)
+    flops = json_module.loads(CliRunner().invoke(app, ["flops", "--model", path, "--prompt-len", "6",
+                                                       "--json"]).stdout)
     assert (flops["weights_dtype"], flops["weights_dtype_from"], flops["activation_dtype"]) == \
-        ("q4_1", "checkpoint", "fp16")
+        ("q4_1", "file", "fp16")
+    assert flops["decode"]["totals"]["weight_bytes"] == file_bytes + 576 * 34 // 32
+    stored = {t["name"]: t for t in flops["checkpoint"]["by_tensor"]}
+    assert stored["tok_embeddings.weight"]["dtypes"] == "Q8_0" and stored["feed_forward.w2.weight"]["dtypes"] == "Q4_1"
     kv = json_module.loads(CliRunner().invoke(app, ["kvmem", "--model", path, "--budget", "1GB", "--json"]).stdout)
-    assert (kv["budget"]["weights_dtype"], kv["budget"]["weights_bytes"]) == ("q4_1", q4_1)
+    assert (kv["budget"]["weights_dtype"], kv["budget"]["weights_bytes"]) == ("q4_1", file_bytes)
     roof = json_module.loads(CliRunner().invoke(app, ["roofline", "--model", path, "-H", "rtx-4090", "--json"]).stdout)
-    assert (roof["weights_dtype"], roof["weights_dtype_from"]) == ("q4_1", "checkpoint")
-    assert roof["memory"]["weight_bytes_per_device"] == q4_1
+    assert (roof["weights_dtype"], roof["weights_dtype_from"]) == ("q4_1", "file")
+    assert roof["memory"]["weight_bytes_per_device"] == file_bytes
     forced = json_module.loads(CliRunner().invoke(app, ["roofline", "--model", path, "-H", "rtx-4090", "--dtype",
                                                         "fp16", "--json"]).stdout)
-    assert forced["weights_dtype_from"] == "option" and forced["memory"]["weight_bytes_per_device"] > 3 * q4_1
+    assert forced["weights_dtype_from"] == "option" and forced["memory"]["weight_bytes_per_device"] > 2.5 * file_bytes
+
+
+def test_a_q4_k_m_mix_is_costed_tensor_by_tensor(kquant_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
+    """Q6_K ffn_down in layer 0 only, Q4_K elsewhere: the estimate's ffn_down bytes are the file's, per layer."""
+    import json as json_module
+    from dataclasses import replace
+
+    import torch
+
+    from llmtrace.tracer.core.contract import expected_shapes
+
+    config, state, vocab = kquant_source
+    two_layers = replace(config, n_layers=2, tie_embeddings=False, name="mix")
+    rng = np.random.default_rng(5)
+    raw = {}
+    for ours, shape in expected_shapes(two_layers).items():
+        if len(shape) == 2:
+            name = llama_cpp_name(ours)
+            qtype = Q.Q6_K if name == "blk.0.ffn_down.weight" else Q.Q8_0 if name == "token_embd.weight" else Q.Q4_K
+            raw[name] = (random_blocks(qtype, shape[0], shape[1], rng), qtype)
+    weights = {name: torch.zeros(shape) for name, shape in expected_shapes(two_layers).items()}
+    path = write_tiny_gguf(tmp_path / "mix.gguf", two_layers, weights, vocab, raw_blocks=raw)
+    header = read_gguf_header(path)
+    down = [t.n_bytes for t in header.tensors if t.name.endswith("ffn_down.weight")]
+    assert down == [256 * 512 // 256 * 210, 256 * 512 // 256 * 144]
+    data = json_module.loads(CliRunner().invoke(app, ["flops", "--model", str(path), "--json"]).stdout)
+    assert data["weights_dtype"] == "q4_k" and data["weights_dtype_from"] == "file"
+    w2 = next(c for c in data["decode"]["components"] if c["name"] == "feed_forward.w2")
+    assert w2["weight_bytes"] * 2 == sum(down)  # per instance: the mean of the two layers' stored bytes
+    # untied: every matrix once, the LM head its own Q4_K matrix, and one gathered row of the Q8_0 embedding
+    read = sum(t.n_bytes for t in header.tensors if t.name != "token_embd.weight") + 256 * 34 // 32
+    assert data["decode"]["totals"]["weight_bytes"] == read

@@ -42,11 +42,23 @@ class Dtypes:
     weights: DType
     kv: DType
     activations: DType
+    # Tensors whose bytes the file gives (a GGUF's, each as its own type): (contract tensor name, bytes, values)
+    # over all layers. Their traffic is those bytes, in proportion to the values read; every other tensor is sized
+    # by `weights` (matrices) or its vector dtype (norms, biases).
+    stored: tuple[tuple[str, int, int], ...] = ()
 
     @classmethod
-    def for_weights(cls, weights: DType, kv: DType | None = None) -> "Dtypes":
+    def for_weights(cls, weights: DType, kv: DType | None = None,
+                    stored: tuple[tuple[str, int, int], ...] = ()) -> "Dtypes":
         act = activation_dtype_for(weights)
-        return cls(weights=weights, kv=kv or act, activations=act)
+        return cls(weights=weights, kv=kv or act, activations=act, stored=stored)
+
+    def tensor_bytes(self, tensor: str, values: int, default: int) -> int:
+        """Bytes of `values` values of `tensor` as the file stores it, else `default`."""
+        for name, n_bytes, n_values in self.stored:
+            if name == tensor:
+                return round(values * n_bytes / n_values)
+        return default
 
 
 # Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,
@@ -351,6 +363,11 @@ def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes, kernels
             else row for row in rows]
 
 
+def _stored_name(tensor: str, cfg: ModelConfig) -> str:
+    """The stored tensor a weight is read from: a tied model's LM head is the embedding matrix."""
+    return "tok_embeddings.weight" if tensor == "output.weight" and cfg.tie_embeddings else tensor
+
+
 def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
     """The context-free components as eager kernels run them: each reads its inputs and writes its output."""
     d, h, hkv, hd, f, v = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
@@ -361,26 +378,26 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
     norm_w = norm_dtype_for(w).row_bytes(d)
     kv_vec = dt.kv.row_bytes(hd)  # one head vector of K or V, scales included
 
-    def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool = True) -> _Row:
+    def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
         fl = ff.linear_flops(rows, i, o)
         return _Row(name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}",
-                    Cost(fl, fl, w.matrix_bytes(o, i), 0, 0, int(rows * i * a), int(rows * o * a)))
+                    Cost(fl, fl, dt.tensor_bytes(_stored_name(tensor, cfg), o * i, w.matrix_bytes(o, i)), 0, 0, int(rows * i * a), int(rows * o * a)))
 
-    def norm(name: str, label: str, rows: int, per_layer: bool, sym: str) -> _Row:
+    def norm(name: str, label: str, rows: int, per_layer: bool, sym: str, tensor: str) -> _Row:
         fl = ff.rmsnorm_flops(rows, d)
         return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)",
-                    Cost(fl, fl, norm_w, 0, 0, int(rows * d * a), int(rows * d * a)))
+                    Cost(fl, fl, dt.tensor_bytes(tensor, d, norm_w), 0, 0, int(rows * d * a), int(rows * d * a)))
 
     def residual(name: str, label: str) -> _Row:
         fl = ff.residual_flops(r, d)
         return _Row(name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}",
                     Cost(fl, fl, 0, 0, 0, int(2 * r * d * a), int(r * d * a)))
 
-    def bias(name: str, label: str, rows: int, o: int, sym: str, per_layer: bool) -> _Row:
+    def bias(name: str, label: str, rows: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
         # Added in the product's epilogue (addmm): FLOPs and the vector's bytes, no activation traffic of its own.
         fl = ff.bias_add_flops(rows, o)
         return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}",
-                    Cost(fl, fl, norm_dtype_for(w).row_bytes(o)))
+                    Cost(fl, fl, dt.tensor_bytes(tensor, o, norm_dtype_for(w).row_bytes(o))))
 
     rope = ff.rope_flops(r, h, hkv, hd)
     swiglu = ff.swiglu_activation_flops(r, f)
@@ -392,16 +409,18 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         if kind in ("linear", "lm_head"):
             weight = spec.tensors[0]
             (out_dim, in_dim), (out_sym, in_sym) = contract.shape_of(weight, cfg), weight.shape
-            rows.append(lin(name, label, n, in_dim, out_dim, f"2·{sym}·{in_sym}·{out_sym}", per_layer))
-            if contract.bias_of(spec, cfg) is not None:
-                rows.append(bias(f"{name}.bias", f"{label} bias", n, out_dim, f"{sym}·{out_sym}", per_layer))
+            rows.append(lin(name, label, n, in_dim, out_dim, f"2·{sym}·{in_sym}·{out_sym}", per_layer, weight.name))
+            bias_spec = contract.bias_of(spec, cfg)
+            if bias_spec is not None:
+                rows.append(bias(f"{name}.bias", f"{label} bias", n, out_dim, f"{sym}·{out_sym}", per_layer,
+                                 bias_spec.name))
         elif kind == "rmsnorm":
-            rows.append(norm(name, label, n, per_layer, sym))
+            rows.append(norm(name, label, n, per_layer, sym, spec.tensors[0].name))
         elif kind == "residual":
             rows.append(residual(name, label))
         elif kind == "embedding":
             rows.append(_Row(name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs",
-                             Cost(weight_bytes=r * w.row_bytes(d), act_write_bytes=int(r * d * a))))
+                             Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * w.row_bytes(d)), act_write_bytes=int(r * d * a))))
         elif kind == "rope":
             rows.append(_Row(name, label, ELEMENTWISE, per_layer,
                              lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",

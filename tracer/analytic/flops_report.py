@@ -38,7 +38,8 @@ class FlopsReport:
     weight_bytes: dict[str, int]  # every dtype llmtrace knows -> bytes of all weights in it
     checkpoint: WeightsSummary | None  # what the file on disk holds (None for a preset)
     weights_dtype: str
-    weights_dtype_from: str  # "option" (--dtype), "checkpoint" (its main dtype), or "default" (fp16)
+    weights_dtype_from: str  # "option" (--dtype), "file" (a GGUF: each tensor's stored bytes, weights_dtype its main
+    # type), "checkpoint" (its main dtype), or "default" (fp16)
     kv_dtype: str
     activation_dtype: str
     kernels: str  # "eager" | "fused": the kernel model the FLOPs and bytes are costed under
@@ -60,9 +61,18 @@ class FlopsReport:
 
 
 def default_weights_dtype(model: ResolvedModel) -> tuple[DType, str]:
-    """The checkpoint's own dtype where llmtrace.tracer.core.dtypes has its exact layout, else fp16; and where it came from."""
+    """The checkpoint's own dtype where llmtrace.tracer.core.dtypes has its exact layout, else fp16; and where it
+    came from: "file" for a GGUF, whose every tensor is then costed at its stored size (weights_as_stored: a
+    Q8_0 embedding, Q4_K_M's Q6_K layers), as `run --weights stored` reads them; else "checkpoint" or "default"."""
     exact = model.weights.llmtrace_dtype if model.weights is not None else None
-    return (exact, "checkpoint") if exact is not None else (FP16, "default")
+    if exact is None:
+        return FP16, "default"
+    return exact, "file" if weights_as_stored(model) else "checkpoint"
+
+
+def weights_as_stored(model: ResolvedModel) -> tuple[tuple[str, int, int], ...]:
+    """A GGUF's tensors with their stored bytes, (contract name, bytes, values) each; () for other checkpoints."""
+    return model.weights.stored if model.weights is not None else ()
 
 
 def flops_report(
@@ -75,7 +85,7 @@ def flops_report(
     kernels = parse_kernels(kernels)
     cfg = model.config
     weights, weights_from = (weights, "option") if weights is not None else default_weights_dtype(model)
-    dtypes = estimate.Dtypes.for_weights(weights, kv)
+    dtypes = estimate.Dtypes.for_weights(weights, kv, weights_as_stored(model) if weights_from == "file" else ())
     context = prompt_len if decode_context is None else decode_context
     if context < 0:
         raise BadArgumentError(f"decode context must be >= 0, got {context}")

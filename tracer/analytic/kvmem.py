@@ -115,9 +115,11 @@ def context_lengths(max_seq_len: int, seq: int) -> tuple[int, ...]:
     return tuple(sorted(lengths))
 
 
-def budget_fit(config: ModelConfig, dtype: DType, batch: int, budget_bytes: int, weights: DType) -> BudgetFit:
+def budget_fit(config: ModelConfig, dtype: DType, batch: int, budget_bytes: int, weights: DType,
+               stored_bytes: int | None = None) -> BudgetFit:
+    """stored_bytes: the file's weights as stored (a GGUF's tensors, each its own type) instead of `weights`' size."""
     per_position = kv_bytes_per_token(config, dtype) * batch
-    w_bytes = weight_bytes(config, weights)
+    w_bytes = weight_bytes(config, weights) if stored_bytes is None else stored_bytes
     return BudgetFit(
         budget_bytes=budget_bytes, max_positions_kv_only=_positions_within(config, budget_bytes // per_position),
         weights_dtype=weights.name, weights_bytes=w_bytes,
@@ -135,8 +137,9 @@ def _positions_within(config: ModelConfig, cacheable: int) -> int:
 
 def kvmem_report(
     config: ModelConfig, seq: int, dtype: DType, batch: int = 1,
-    budget_bytes: int | None = None, weights_dtype: DType | None = None,
+    budget_bytes: int | None = None, weights_dtype: DType | None = None, stored_weight_bytes: int | None = None,
 ) -> KVMemReport:
+    """stored_weight_bytes: a GGUF's weights as stored (each tensor its own type), which the budget then takes."""
     size = kv_cache_size(config, seq, dtype, batch)
     mha = kv_cache_size(config, seq, dtype, batch, n_kv_heads=config.n_heads)
     positions = f"{seq} positions" if size.cached_positions == seq else \
@@ -149,7 +152,8 @@ def kvmem_report(
                   for n in context_lengths(config.max_seq_len, seq))
     budget = None
     if budget_bytes is not None:
-        budget = budget_fit(config, dtype, batch, _positive("budget", budget_bytes), weights_dtype or dtype)
+        budget = budget_fit(config, dtype, batch, _positive("budget", budget_bytes), weights_dtype or dtype,
+                            stored_weight_bytes)
     return KVMemReport(
         schema=KVMEM_SCHEMA, model=config.name, max_seq_len=config.max_seq_len, formula=formula, size=size, without_gqa=mha,
         gqa_saving=mha.total_bytes / size.total_bytes, table=table, budget=budget,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from llmtrace.tracer.core.dtypes import DType, dtype_of_file_type
@@ -19,6 +20,18 @@ class DtypeShare:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorShare:
+    """One tensor of the model contract summed over the layers, as the file stores it (a Q4_K_M file keeps
+    ffn_down in Q6_K in some layers and Q4_K in the others)."""
+
+    name: str  # the contract's name, inside a layer or at the top: "attention.wq.weight", "tok_embeddings.weight"
+    dtypes: str  # the file's types for it, most values first: "Q4_K+Q6_K"
+    params: int
+    bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True, slots=True)
 class WeightsSummary:
     format: str  # "safetensors" | "gguf"
     files: tuple[str, ...]
@@ -26,6 +39,12 @@ class WeightsSummary:
     n_params: int
     total_bytes: int
     by_dtype: tuple[DtypeShare, ...]  # largest share first
+    by_tensor: tuple[TensorShare, ...] = ()  # GGUF: each contract tensor as stored (empty for safetensors)
+
+    @property
+    def stored(self) -> tuple[tuple[str, int, int], ...]:
+        """(contract tensor name, bytes, values) of each tensor as the file stores it, for the estimate."""
+        return tuple((t.name, t.bytes, t.params) for t in self.by_tensor)
 
     @property
     def main_dtype(self) -> str:
@@ -64,4 +83,29 @@ def summarize_safetensors(ckpt: SafetensorsCheckpoint) -> WeightsSummary:
 
 
 def summarize_gguf(header: GGUFHeader) -> WeightsSummary:
-    return _summarize("gguf", (header.path,), ((t.type_name, t.n_elements, t.n_bytes) for t in header.tensors))
+    summary = _summarize("gguf", (header.path,), ((t.type_name, t.n_elements, t.n_bytes) for t in header.tensors))
+    return replace(summary, by_tensor=_by_tensor(header))
+
+
+def _by_tensor(header: GGUFHeader) -> tuple[TensorShare, ...]:
+    """Bytes and values of each contract tensor over all layers, with the types they are stored in."""
+    from llmtrace.tracer.core.contract import gguf_to_ours
+
+    acc: dict[str, list] = {}
+    for info in header.tensors:
+        ours = gguf_to_ours(info.name)
+        if ours is None:
+            continue
+        name = _LAYER_PREFIX.sub("", ours)
+        entry = acc.setdefault(name, [{}, 0, 0, 0])
+        entry[0][info.type_name] = entry[0].get(info.type_name, 0) + info.n_elements
+        entry[1] += info.n_elements
+        entry[2] += info.n_bytes
+        entry[3] += 1
+    return tuple(
+        TensorShare(name, "+".join(sorted(types, key=lambda t: -types[t])), params, n_bytes, count)
+        for name, (types, params, n_bytes, count) in acc.items()
+    )
+
+
+_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")

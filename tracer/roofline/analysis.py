@@ -338,8 +338,13 @@ def _decode_sum(ctx: _Context, first_cached: int, steps: int, batch: int) -> tup
 # ---- memory -----------------------------------------------------------------------------------------------
 
 
-def weight_bytes_per_device(config: ModelConfig, weights: DType, tp: int) -> int:
-    """Matrices split over tp devices; norm vectors replicated on each."""
+def weight_bytes_per_device(config: ModelConfig, weights: DType, tp: int,
+                            stored: tuple[tuple[str, int, int], ...] = ()) -> int:
+    """Matrices split over tp devices; norm vectors replicated on each. `stored` (a GGUF's tensors as stored,
+    estimate.Dtypes.stored): the file's bytes instead of `weights`' size."""
+    if stored:
+        norms = sum(n_bytes for name, n_bytes, _ in stored if "norm" in name)
+        return -(-(sum(n_bytes for _, n_bytes, _ in stored) - norms) // tp) + norms
     norms = norm_dtype_for(weights).matrix_bytes(1, config.dim * (2 * config.n_layers + 1))
     return -(-(weight_bytes(config, weights) - norms) // tp) + norms
 
@@ -351,7 +356,7 @@ def kv_bytes_per_device(config: ModelConfig, positions: int, kv: DType, batch: i
 def _memory_fit(config: ModelConfig, dtypes: estimate.Dtypes, tp: int, positions: int, batch: int,
                 capacity: int, activation_peak: int) -> MemoryFit:
     """`activation_peak`: the largest working set of one kernel per device over the generation's passes."""
-    w = weight_bytes_per_device(config, dtypes.weights, tp)
+    w = weight_bytes_per_device(config, dtypes.weights, tp, dtypes.stored)
     kv = kv_bytes_per_device(config, positions, dtypes.kv, batch, tp)
     # Every activation scales with the batch: each sequence brings its share of the peak along with its KV cache.
     per_sequence = kv_bytes_per_device(config, positions, dtypes.kv, 1, tp) + -(-activation_peak // batch)
@@ -376,7 +381,7 @@ def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, 
     if fit.weight_bytes_per_device > fit.capacity_bytes:
         if hardware.interconnect_bandwidth > 0:
             enough = [n for n in tp_sizes(config)
-                      if n > tp and weight_bytes_per_device(config, dtypes.weights, n) < fit.capacity_bytes]
+                      if n > tp and weight_bytes_per_device(config, dtypes.weights, n, dtypes.stored) < fit.capacity_bytes]
             if enough:
                 hints.append(f"--tp {enough[0]}")
         smaller = [d.name for d in DTYPES.values() if d.bits_per_value < dtypes.weights.bits_per_value]
@@ -440,7 +445,7 @@ def _table_batches(crossover: Crossover, max_batch: int) -> list[int]:
 def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation_peak_per_sequence: int) -> BatchRow:
     phase, cost = ctx.decode_cost(cached, batch)
     p = bound_pass("decode", phase, cost, ctx.machine)
-    w = weight_bytes_per_device(ctx.config, ctx.dtypes.weights, ctx.tp)
+    w = weight_bytes_per_device(ctx.config, ctx.dtypes.weights, ctx.tp, ctx.dtypes.stored)
     kv = kv_bytes_per_device(ctx.config, phase.kv_len, ctx.dtypes.kv, batch, ctx.tp)
     return BatchRow(
         batch=batch, step_seconds=p.seconds, bound=p.bound, arithmetic_intensity=p.arithmetic_intensity,
@@ -456,7 +461,7 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation
 def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 512, new_tokens: int = 128,
              batch: int = 1, dtype: DType = FP16, kv_dtype: DType | None = None, tp: int = 1,
              check_fit: bool = True, kernels: str | Kernels | None = None,
-             weights_from: str = "option") -> RooflineReport:
+             weights_from: str = "option", stored: tuple[tuple[str, int, int], ...] = ()) -> RooflineReport:
     """The roofline prediction for generating `new_tokens` after a `prompt_len` prompt, `batch` sequences at once.
 
     kernels: "eager" or "fused" (llmtrace.tracer.analytic.kernels); None = the hardware's default (fused on a GPU
@@ -469,7 +474,7 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     estimate.check_count("--prompt-len", prompt_len)
     estimate.check_count("--new-tokens", new_tokens)
     weights = dtype
-    dtypes = estimate.Dtypes.for_weights(weights, kv_dtype)
+    dtypes = estimate.Dtypes.for_weights(weights, kv_dtype, stored)  # stored: a GGUF's tensors at their own sizes
     check_tp(config, tp, hardware)
     kernels_from = "option" if kernels is not None else "default"
     kernels = parse_kernels(kernels) if kernels is not None else default_kernels(hardware)
