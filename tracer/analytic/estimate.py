@@ -381,7 +381,8 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
     def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
         fl = ff.linear_flops(rows, i, o)
         return _Row(name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}",
-                    Cost(fl, fl, dt.tensor_bytes(_stored_name(tensor, cfg), o * i, w.matrix_bytes(o, i)), 0, 0, int(rows * i * a), int(rows * o * a)))
+                    Cost(fl, fl, dt.tensor_bytes(_stored_name(tensor, cfg), o * i, w.matrix_bytes(o, i)), 0, 0,
+                         int(rows * i * a), int(rows * o * a)))
 
     def norm(name: str, label: str, rows: int, per_layer: bool, sym: str, tensor: str) -> _Row:
         fl = ff.rmsnorm_flops(rows, d)
@@ -420,7 +421,8 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
             rows.append(residual(name, label))
         elif kind == "embedding":
             rows.append(_Row(name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs",
-                             Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * w.row_bytes(d)), act_write_bytes=int(r * d * a))))
+                             Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * w.row_bytes(d)),
+                                  act_write_bytes=int(r * d * a))))
         elif kind == "rope":
             rows.append(_Row(name, label, ELEMENTWISE, per_layer,
                              lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
