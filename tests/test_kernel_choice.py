@@ -192,29 +192,29 @@ def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.Monk
         return tuple(replace(t, decode_s=t.decode_s / 10) if t.name == "fp16" else t for t in timings), seconds
 
     monkeypatch.setattr(kernel_pick, "time_kernels", fp16_fastest)
-    first = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    first = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert calls == [("fp32", "fp16")]  # bf16 is not safe for Q8_0 matrices: not even timed
     assert first.kernels.picked == "fp16" and not first.kernels.from_store
     assert next(first.model.parameters()).dtype == torch.float16
     assert "bf16: Q8_0 matrices need 11" in first.kernels.rule
-    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert calls == [("fp32", "fp16")] and again.kernels.from_store and again.kernels.picked == "fp16"
     monkeypatch.setattr(kernel_pick, "machine_key", lambda device: "another CPU")
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert len(calls) == 2  # a different machine measures again
 
 
 def test_an_explicit_dtype_is_recorded_as_an_override(tiny_q_gguf: Path) -> None:
-    assert load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False).kernels is None  # nothing measured yet
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)  # measures (fixed timings: fp32 fastest)
-    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False)
+    assert load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense").kernels is None  # nothing measured yet
+    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")  # measures (fixed timings: fp32 fastest)
+    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense")
     assert next(forced.model.parameters()).dtype == torch.float16
     assert forced.kernels.overridden_by == "--dtype fp16" and forced.kernels.picked == "fp32"
 
 
 def test_a_damaged_store_does_not_stop_a_load(tiny_q_gguf: Path) -> None:
     kernel_store.kernels_path().write_text("{ torn")
-    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert loaded.kernels.picked == "fp32" and "measuring again" in loaded.kernel_note
     assert kernel_store.load_choice(kernel_pick.machine_key("cpu"),
                                     kernel_store.model_key(product_shapes(loaded.config), 2, ("Q8_0",))) is not None
@@ -230,7 +230,7 @@ def test_an_fp32_checkpoint_stays_fp32_without_measuring(monkeypatch: pytest.Mon
 
 def test_fp16_is_refused_when_the_residual_stream_would_overflow(monkeypatch: pytest.MonkeyPatch,
                                                                   tiny_q_gguf: Path) -> None:
-    loaded = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False)
+    loaded = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense")
     assert kernel_pick.fp16_problem(loaded.model, loaded.tokenizer) == ""
     with torch.no_grad():
         loaded.model.tok_embeddings.weight.fill_(5000.0)  # a residual stream in the thousands: finite, over the limit
@@ -245,7 +245,7 @@ def test_fp16_is_refused_when_the_residual_stream_would_overflow(monkeypatch: py
 
     monkeypatch.setattr(kernel_pick, "time_kernels", fp16_fastest)
     monkeypatch.setattr(kernel_pick, "fp16_problem", lambda model, tokenizer: "a probe's residual stream reaches 9e4")
-    fallback = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    fallback = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert next(fallback.model.parameters()).dtype == torch.float32
     assert fallback.kernels.picked == "fp32" and "fp16 not used" in fallback.kernel_note
 
@@ -257,7 +257,7 @@ def test_the_trace_keeps_the_choice(tiny_q_gguf: Path) -> None:
     from llmtrace.tracer.trace.records import RunSettings
     from llmtrace.tracer.trace.run_trace import Trace, load_schema
 
-    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     trace = generate(loaded, RunSettings(model=str(tiny_q_gguf), prompt="sky", max_new_tokens=2, dtype="auto"))
     assert trace.kernels == loaded.kernels and trace.kernels.candidates
     data = json.loads(trace.to_json())
@@ -273,7 +273,7 @@ def test_the_measured_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.Mon
         return tuple(replace(t, decode_kernel="mm") for t in timings), seconds
 
     monkeypatch.setattr(kernel_pick, "time_kernels", mm_faster)
-    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     model = loaded.model
     assert model.decode_kernel == "mm"
     ids = torch.tensor([[3, 4, 5]])
@@ -289,5 +289,5 @@ def test_the_measured_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.Mon
         monkeypatch.setattr(torch, "mv", real_mv)
         assert bool(calls) is (kernel == "mv")
     torch.testing.assert_close(logits["mm"], logits["mv"], rtol=1e-5, atol=1e-5)
-    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False)  # the saved measurement timed fp16 too
+    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense")  # the saved measurement timed fp16 too
     assert forced.model.decode_kernel == "mm"

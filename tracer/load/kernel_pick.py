@@ -136,6 +136,8 @@ def fp16_problem(model: Any, tokenizer: Any) -> str:
     residual stream exceeds FP16_ACTIVATION_LIMIT (or is not finite). The probe runs stage by stage with a hook on
     each layer, then leaves the model as it was (cache reset, hooks removed)."""
     for name, tensor in model.named_parameters():
+        if tensor.is_meta:
+            continue  # a matrix held as the GGUF stores it (a placeholder): its values are the file's blocks
         if not torch.isfinite(tensor).all():
             return f"{name} overflows fp16"
     ids = list(tokenizer.encode(PROBE_TEXT)) if tokenizer is not None else list(range(1, 17))
@@ -150,7 +152,7 @@ def fp16_problem(model: Any, tokenizer: Any) -> str:
     handles = [layer.register_forward_hook(watch) for layer in model.layers]
     try:
         model.setup_cache(1, len(ids))
-        model.prefill(torch.tensor([ids], device=next(model.parameters()).device))
+        model.prefill(torch.tensor([ids], device=model.norm.weight.device))
     finally:
         for handle in handles:
             handle.remove()
