@@ -323,7 +323,8 @@ def test_fused_prefill_meets_the_causal_compute_bound(hardware, prompt: int, ttf
     assert r.kernels == "fused" and r.kernels_from == "default"
     floor = max(_causal_prefill_flops(prompt) / hardware.fp16, _minimal_prefill_bytes(prompt) / hardware.memory_bandwidth)
     assert r.prefill.bound == "compute"
-    assert 1.0 <= r.generation.ttft_seconds / floor < 1.01  # the elementwise work (norms, softmax, ...) is the rest
+    # strictly above the floor: the elementwise work (norms, softmax, ...) is counted on top, and it is under 1%
+    assert 1.0 < r.generation.ttft_seconds / floor < 1.01
     assert r.generation.ttft_seconds == pytest.approx(ttft, rel=5e-4)  # the figures: 0.134, 0.750, 2.38 s
     assert r.prefill.flops == r.prefill.useful_flops  # masked tiles skipped: nothing computed beyond the causal pairs
 

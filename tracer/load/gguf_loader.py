@@ -102,6 +102,18 @@ def _first(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _map_tensor_data(header: GGUFHeader) -> np.ndarray:
+    """The file's bytes, memory-mapped read-only; FileFormatError if it cannot be mapped or changed size since the
+    header was read (the offsets would point at other bytes)."""
+    try:
+        data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise FileFormatError(f"{header.path}: cannot map the tensor data ({exc}); check the file") from exc
+    if data.shape[0] != header.file_size:
+        raise FileFormatError(f"{header.path}: file changed size while loading; try again")
+    return data
+
+
 def stored_matrices(header: GGUFHeader, config: ModelConfig, kernel: str) -> tuple[dict[str, str], dict[str, str]]:
     """Which of the file's matrices `kernel` runs as stored, and which it cannot: ({Meta name: ggml type name}
     with a kernel, {Meta name: ggml type name} without one). The 1-D tensors (norms, biases) are never packed."""
@@ -123,12 +135,7 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     """
     plan = _plan(header, config)
     packable, _ = stored_matrices(header, config, kernel)
-    try:
-        data = np.memmap(header.path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as exc:
-        raise FileFormatError(f"{header.path}: cannot map the tensor data ({exc}); check the file") from exc
-    if data.shape[0] != header.file_size:
-        raise FileFormatError(f"{header.path}: file changed size while loading; try again")
+    data = _map_tensor_data(header)
     heads = dims(config)
     interleaved = header.metadata.get("general.architecture") == "llama"
     dense: dict[str, torch.Tensor] = {}
@@ -170,12 +177,7 @@ def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtyp
     memory is the result plus one fp32 tensor.
     """
     plan = _plan(header, config)
-    try:
-        data = np.memmap(header.path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as exc:
-        raise FileFormatError(f"{header.path}: cannot map the tensor data ({exc}); check the file") from exc
-    if data.shape[0] != header.file_size:
-        raise FileFormatError(f"{header.path}: file changed size while loading; try again")
+    data = _map_tensor_data(header)
     state: dict[str, torch.Tensor] = {}
     heads = dims(config)
     # llama.cpp's converter interleaves Q/K rows for the 'llama' architecture's RoPE only (LlamaModel.permute);
