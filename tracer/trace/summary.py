@@ -36,38 +36,36 @@ class StageTotals(ByteTraffic):
     stage_ns: int  # sum of the stages' own times
 
 
+_COUNTS = ("calls", "flops", "matmul_flops", "weight_bytes_read", "activation_bytes_read",
+           "activation_bytes_written", "kv_bytes_read", "kv_bytes_written", "stage_ns")
+
+
+def _summed(parts: Iterable[StageTotals]) -> StageTotals:
+    sums = dict.fromkeys(_COUNTS, 0)
+    for part in parts:
+        for name in _COUNTS:
+            sums[name] += getattr(part, name)
+    return StageTotals(**sums)
+
+
+def _of_stage(s: StageRecord) -> StageTotals:
+    return StageTotals(1, s.flops, s.matmul_flops, s.weight_bytes_read, s.activation_bytes_read,
+                       s.activation_bytes_written, s.kv_bytes_read, s.kv_bytes_written, s.duration_ns)
+
+
+def _of_pruned_step(t: StepTotals) -> StageTotals:
+    return StageTotals(t.calls, t.matmul_flops + t.elementwise_flops, t.matmul_flops, t.weight_bytes_read,
+                       t.activation_bytes_read, t.activation_bytes_written, t.kv_bytes_read, t.kv_bytes_written,
+                       t.stage_ns)
+
+
 def stage_totals(stages: Iterable[StageRecord]) -> StageTotals:
-    calls = flops = mm = w = ar = aw = kr = kw = ns = 0
-    for s in stages:
-        calls += 1
-        flops += s.flops
-        mm += s.matmul_flops
-        w += s.weight_bytes_read
-        ar += s.activation_bytes_read
-        aw += s.activation_bytes_written
-        kr += s.kv_bytes_read
-        kw += s.kv_bytes_written
-        ns += s.duration_ns
-    return StageTotals(calls, flops, mm, w, ar, aw, kr, kw, ns)
+    return _summed(_of_stage(s) for s in stages)
 
 
 def with_pruned(totals: StageTotals, pruned: Iterable[StepTotals]) -> StageTotals:
     """`totals` plus the sums of the steps whose stage records --trace-steps left out."""
-    calls, flops, mm, w, ar, aw, kr, kw, ns = (totals.calls, totals.flops, totals.matmul_flops,
-                                               totals.weight_bytes_read, totals.activation_bytes_read,
-                                               totals.activation_bytes_written, totals.kv_bytes_read,
-                                               totals.kv_bytes_written, totals.stage_ns)
-    for t in pruned:
-        calls += t.calls
-        flops += t.matmul_flops + t.elementwise_flops
-        mm += t.matmul_flops
-        w += t.weight_bytes_read
-        ar += t.activation_bytes_read
-        aw += t.activation_bytes_written
-        kr += t.kv_bytes_read
-        kw += t.kv_bytes_written
-        ns += t.stage_ns
-    return StageTotals(calls, flops, mm, w, ar, aw, kr, kw, ns)
+    return _summed([totals, *(_of_pruned_step(t) for t in pruned)])
 
 
 @dataclass(frozen=True, slots=True)
