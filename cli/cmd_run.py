@@ -18,7 +18,7 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import fail, run_guarded
-from llmtrace.cli.options import Detail, DetailOption, WeightsMode, compute_dtype_option
+from llmtrace.cli.options import Detail, DetailOption, compute_dtype_option
 from llmtrace.tracer.core.dtypes import AUTO, AutoDtype, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 
@@ -58,10 +58,12 @@ def run_command(
         "--dtype", help="Compute dtype; auto = the fastest numerically safe one, measured on this machine for this "
                         "model's products on first use (seconds; saved) and never fewer significand bits than the "
                         "checkpoint's.")] = AUTO,
-    weights: Annotated[Optional[WeightsMode], typer.Option(
-        "--weights", help="stored: multiply a GGUF's matrices as the file stores them (Q4_0/Q4_1/Q4_K/Q8_0 through "
-                          "torch's int4 kernel; other types dequantized); dense: dequantize every matrix to --dtype. "
-                          "Default: stored when every matrix of the GGUF has a stored kernel.")] = None,
+    weights: Annotated[Optional[str], typer.Option(
+        "--weights", metavar="auto|stored|dense|KERNEL",
+        help="How a GGUF's matrices are multiplied. auto: the fastest acceptable of the stored kernels and dense "
+             "dtypes, measured on this machine for this model on first use (saved); stored: the fastest acceptable "
+             "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (int4pack, blocks...) runs "
+             "that kernel.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -166,7 +168,7 @@ def run_command(
             temperatures=parse_temperatures(temperatures), no_kv_cache=no_kv_cache, lens=lens, attention=attention,
             attention_steps=parse_steps(attention_steps),
             batch=batch if batch is not None else 1, batch_prompts=prompts,
-            weights=weights.value if weights is not None else "",
+            weights=weights or "",
         )
         _check_settings(settings)
         if html is not None and settings.dry_run:
@@ -370,7 +372,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
         if note:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     if loaded.weights.reason and not settings.dry_run:
-        console.print(f"[dim]weights {loaded.weights.mode}: {loaded.weights.reason}[/]", soft_wrap=True)
+        console.print(f"[dim]weights {loaded.weights.label}: {loaded.weights.reason}[/]", soft_wrap=True)
     param = loaded.model.norm.weight  # dense in the compute dtype (a stored matrix's parameter is a placeholder)
     render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
                   str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),

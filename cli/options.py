@@ -62,13 +62,6 @@ class Detail(str, Enum):
     ops = "ops"
 
 
-class WeightsMode(str, Enum):
-    """--weights: a GGUF's matrices as the file stores them, or dequantized (llmtrace.tracer.load.stored_weights)."""
-
-    stored = "stored"
-    dense = "dense"
-
-
 DetailOption = Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every "
                                                    "stage of every layer.")]
 

@@ -56,19 +56,21 @@ def tiny_llama_dir(make_tiny_llama: Callable[..., Path]) -> Path:
 
 
 def fixed_timings(kernels: Any, config: Any, device: str = "cpu", progress: Any = None) -> tuple[tuple[Any, ...], float]:
-    """product_timing.time_kernels' stand-in: fixed times with fp32 fastest, then fp16, then bf16, so `--dtype auto`
-    is the same on every machine (tests assert no speed); the weights' bytes are the real ones."""
+    """product_timing.time_kernels' stand-in: fixed times with the stored kernels fastest (int4pack, then blocks, then
+    any other), then fp32, fp16, bf16, so `--dtype auto` / `--weights auto` are the same on every machine (tests
+    assert no speed); the weights' bytes are the real ones."""
     from llmtrace.tracer.hardware.kernel_choice import CandidateTiming
     from llmtrace.tracer.hardware.product_timing import product_shapes
 
-    rank = {"fp32": 1.0, "fp16": 2.0, "bf16": 3.0}
+    rank = {"int4pack": 0.5, "blocks": 0.7, "fp32": 1.0, "fp16": 2.0, "bf16": 3.0}
     timings = []
     for kernel in kernels:
         per_value = {"fp32": 4, "fp16": 2, "bf16": 2}.get(kernel.dtype, 1)
         values = sum(s.rows * s.cols * (config.n_layers if s.per_layer else 1) for s in product_shapes(config))
-        slow = rank.get(kernel.name, 4.0)
-        timings.append(CandidateTiming(kernel.name, kernel.dtype, kernel.weights, "mv", slow * 1e-3, slow * 1e-2,
-                                       values * per_value))
+        stored = kernel.weights == "stored"
+        slow = rank.get(kernel.name, 0.9 if stored else 4.0)
+        timings.append(CandidateTiming(kernel.name, kernel.dtype, kernel.weights, kernel.name if stored else "mv",
+                                       slow * 1e-3, slow * 1e-2, values // 2 if stored else values * per_value))
     return tuple(timings), 0.01
 
 

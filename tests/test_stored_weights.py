@@ -71,7 +71,7 @@ def _logits(path: Path, weights: str, tokens: list[int]) -> torch.Tensor:
 def test_stored_logits_match_dense_within_the_stated_tolerance(qtype: Q, tiny_quantized: Callable[[Q], Path]) -> None:
     path = tiny_quantized(qtype)
     tokens = [1, 40, 41, 42, 43, 44]
-    stored, dense = _logits(path, STORED, tokens), _logits(path, DENSE, tokens)
+    stored, dense = _logits(path, "int4pack", tokens), _logits(path, DENSE, tokens)
     scale = dense.abs().max()
     assert (stored - dense).abs().max() <= LOGIT_TOLERANCE * scale, float((stored - dense).abs().max() / scale)
     assert not torch.equal(stored, dense)  # the stored path really ran (bf16 products differ in the last bits)
@@ -109,8 +109,8 @@ def test_a_decode_step_reads_the_files_bytes_and_every_record_names_its_format()
     The fused path and --staged both run the stored weights and count the same bytes."""
     path = bundled_model_path()
     file_bytes = sum(t.n_bytes for t in read_gguf_header(path).tensors)
-    loaded = load_model(None, FP32)
-    assert loaded.weights.mode == STORED
+    loaded = load_model(None, FP32, weights="int4pack")
+    assert loaded.weights.mode == STORED and loaded.weights.kernel == "int4pack"
     settings = RunSettings(model="", prompt="The capital of France is", max_new_tokens=3, temperatures=())
     for staged in (False, True):
         trace = generate(loaded, replace(settings, staged=staged))
@@ -129,3 +129,4 @@ def test_weights_option_on_the_command_line() -> None:
     assert "weights dense: --weights dense" in result.output
     bad = CliRunner().invoke(app, ["run", "capital", "--weights", "int3"])
     assert bad.exit_code == 2
+    assert "--weights must be one of auto, stored, dense, int4pack, blocks" in bad.output

@@ -1,44 +1,65 @@
 """Which way to run a model's products on this machine: the rule that turns measured timings into a choice.
 
-`--dtype auto` is decided here from measurements (tracer/hardware/product_timing.py times the model's own products at
-the model's own shapes), not from CPU flags: on one AVX-512-BF16 CPU fp16 matrix-vector products streamed at ~50 GB/s
-and bf16 ones at ~17 GB/s, on an AMX CPU bf16 won, on an AVX2 one bf16 is several times slower than fp32. Which is
-fastest is a property of the machine.
+`--dtype auto` and `--weights auto` are decided here from measurements (tracer/hardware/product_timing.py times the
+model's own products at the model's own shapes), not from CPU flags: on one AVX-512-BF16 CPU fp16 matrix-vector
+products streamed at ~50 GB/s and bf16 ones at ~17 GB/s, on an AMX CPU bf16 won, on an AVX2 one bf16 is several
+times slower than fp32, and torch's int4 kernel is a bf16 kernel that beats every dense dtype on some shapes and not
+on others. Which is fastest is a property of the machine.
 
 The rule, in order:
-1. Candidates. Each dense compute dtype (fp32, fp16, bf16: every matrix converted to it, activations in it) and,
-   where the weights have a stored-precision kernel, the stored format itself (the weights read as stored).
-2. Numerical safety: a candidate never holds a matrix with fewer significand bits than the checkpoint gives it
-   (`precise_enough`): a float matrix keeps at least its own bits (fp16 -> bf16 loses 3, so never; bf16 -> fp16
-   is exact in fp16's range); a block-quantized matrix (GGUF Q4_1, Q8_0...) needs its code bits + 3 guard bits, so
-   rounding its dequantized values adds at most 1/8 of a quantization step (half a step is the error the format
-   already has): Q4 and Q5 fit bf16's 8 bits, Q6_K and Q8_0 need fp16's 11. 1-D tensors (norms, biases) follow the
-   compute dtype, as in every framework; the fused path normalises in fp32 anyway. fp16 has a second condition,
-   range, checked on the loaded model (tracer/load/kernel_pick.py): no weight beyond fp16's largest value and the
-   residual stream of a probe forward below FP16_ACTIVATION_LIMIT, else the next candidate is taken.
-   The stored format itself is always safe for its weights (it reads them as stored).
+1. Candidates. Each dense compute dtype (fp32, fp16, bf16: every matrix converted to it, activations in it) and, for
+   a GGUF, each stored-precision kernel that runs every one of its matrices as stored
+   (llmtrace.tracer.model.weight_formats.stored_kernels: "int4pack", "blocks", and any kernel added there), with fp32
+   activations (the rest of the model computes in fp32; the kernel reads the weights as the file stores them).
+2. Accuracy: one rule for dense and stored candidates. A matrix stored as format F needs `required_bits(F)`
+   significand bits: a float matrix its own bits (fp16 -> bf16 loses 3, so never; bf16 -> fp16 is exact in fp16's
+   range); a block-quantized one (GGUF Q4_1, Q8_0...) its code bits + GUARD_BITS, so that rounding a dequantized
+   value adds at most 1/8 of a quantization step (half a step is the error the format already has): Q4 and Q5 fit
+   bf16's 8 bits, Q6_K and Q8_0 need fp16's 11. A candidate carries `precision_bits`: a dense dtype its significand
+   bits; a stored kernel the bits its products keep (KERNEL_BITS: "int4pack" rounds the activations, scales and
+   zeros to bf16, so 8; "blocks" dequantizes exactly into the activations' dtype, so the activations' bits; a kernel
+   not listed has None: it is judged by its probe alone). A candidate is ACCEPTABLE for the model when, for every
+   matrix format F of the model,
+     precision_bits >= required_bits(F), or
+     F is block-quantized and the PROBED product error on the model's own F matrices is at most 2^-required_bits(F):
+     err = ||y - y_exact||_2 / ||y_exact||_2 over the outputs of PROBE_ROWS seeded standard-normal activation rows
+     multiplied by those matrices (y: the candidate's product; y_exact: the same rows times the file's exactly
+     dequantized values, in fp64). 2^-b is the unit roundoff of a b-bit significand, so a candidate passes when its
+     products are as close to the exact ones as rounding to the bits the format needs would leave them.
+   The probe runs once per machine and model (its error is saved with the timings) and only where the bits do not
+   already settle it; a float-stored matrix is never probed (its values are the checkpoint; fewer bits change them).
+   So int4pack is acceptable for Q4 models and refused for a Q8_0 matrix unless its probe passes; exact kernels always
+   pass; dense bf16 for Q8_0 is probed the same way. fp16 has a second condition, range, checked on the loaded model
+   (tracer/load/kernel_pick.py): no weight beyond fp16's largest value and the residual stream of a probe forward
+   below FP16_ACTIVATION_LIMIT, else the next candidate is taken.
 3. Speed: each candidate's cost is the time of a reference generation, a REFERENCE_PROMPT-token prefill plus
    REFERENCE_DECODE decode steps, from its measured product times (decode: matrix-vector, the faster of torch.mv and
-   mm; prefill: matrix-matrix). The fastest safe candidate wins, except that a checkpoint stored in fp16 or bf16
-   keeps its own dtype unless another safe one is MARGIN faster ("measurably": beyond a quick measurement's noise).
-   A checkpoint without stored weights (random init) has every candidate safe.
+   mm for a dense dtype, the kernel itself for a stored one; prefill: matrix-matrix). The fastest acceptable
+   candidate wins, except that a checkpoint stored in fp16 or bf16 keeps its own dtype unless another acceptable
+   one is MARGIN faster ("measurably": beyond a quick measurement's noise). A checkpoint without stored weights
+   (random init) has every dense candidate acceptable. Refused candidates are timed too and listed with the reason.
+4. Overrides: `--dtype X` and `--weights dense|stored|<kernel>` restrict the candidates (`constrained`); the run
+   records the option, what auto would have taken, and the candidate that ran.
 
-Pure Python (no torch): the timings come in as records, so the rule is tested with injected timings.
+Pure Python (no torch): the timings and probe errors come in as records, so the rule is tested with injected ones.
 """
+
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Iterable, Mapping
 
 # The reference generation a candidate's cost is the time of: a typical prompt's prefill and as many decode steps.
 REFERENCE_PROMPT = 128
 REFERENCE_DECODE = 128
 MARGIN = 1.10  # another dtype must be 10% faster to replace a checkpoint's own fp16 or bf16
 FP16_ACTIVATION_LIMIT = 4096.0  # 65504 / 16: room for prompts that push the residual stream further than the probe
+PROBE_ROWS = 4  # activation rows a probe multiplies each matrix by
 
 DENSE = "dense"  # every matrix converted to the compute dtype
 STORED = "stored"  # the matrices read at their stored precision (GGUF blocks through their kernels)
+STORED_ACTIVATIONS = "fp32"  # the activations' dtype of a stored candidate
 
 # Significand bits (the implicit bit included) of the dtypes the products compute in.
 COMPUTE_BITS = {"fp32": 24, "fp16": 11, "bf16": 8}
@@ -51,6 +72,11 @@ QUANT_BITS = {
     "IQ2_XS": 2, "IQ2_S": 2, "TQ1_0": 2, "TQ2_0": 2, "IQ1_S": 1, "IQ1_M": 1, "Q1_0": 1,
 }
 GUARD_BITS = 3  # rounding a dequantized value adds at most 2^-3 of a quantization step
+# The significand bits a stored kernel's products keep: "int4pack" (torch's int4 kernel) runs in bf16 (activations,
+# scales and zeros rounded to bf16); "blocks" dequantizes exactly into the activations' dtype (EXACT: their bits).
+# A kernel not listed is judged by its probe alone (its precision is measured, not declared).
+EXACT = "exact"
+KERNEL_BITS: dict[str, int | str] = {"int4pack": COMPUTE_BITS["bf16"], "blocks": EXACT}
 
 
 def required_bits(stored: str) -> int:
@@ -63,14 +89,58 @@ def required_bits(stored: str) -> int:
     return COMPUTE_BITS["fp32"]  # an unknown format: only fp32 is known to be enough
 
 
+def tolerance(stored: str) -> float:
+    """The largest probed relative product error acceptable for matrices stored as `stored`: 2^-required_bits."""
+    return 2.0 ** -required_bits(stored)
+
+
+def probed(stored: str) -> bool:
+    """Whether a candidate short of bits may still pass on a probe of `stored` matrices: block formats only."""
+    return stored in QUANT_BITS
+
+
+def precision_bits(weights: str, dtype: str, kernel: str = "") -> int | None:
+    """The significand bits a candidate's products keep (see the module docstring); None: not declared, so only a
+    probe can accept it."""
+    if weights == DENSE:
+        return COMPUTE_BITS[dtype]
+    declared = KERNEL_BITS.get(kernel)
+    if declared == EXACT:
+        return COMPUTE_BITS[dtype]
+    return None if declared is None else min(int(declared), COMPUTE_BITS[dtype])
+
+
 def precise_enough(dtype: str, stored_formats: Iterable[str]) -> tuple[bool, str]:
-    """Whether dense `dtype` holds every matrix format in `stored_formats` (see the module docstring), and if not,
-    which one it cannot hold."""
-    bits = COMPUTE_BITS[dtype]
-    for stored in sorted(set(stored_formats)):
+    """Whether dense `dtype` holds every matrix format in `stored_formats` by its bits alone (no probe), and if
+    not, which one it cannot hold."""
+    short = short_of_bits(COMPUTE_BITS[dtype], stored_formats)
+    if short:
+        need = required_bits(short[0])
+        return False, f"{short[0]} matrices need {need} significand bits, {dtype} has {COMPUTE_BITS[dtype]}"
+    return True, ""
+
+
+def short_of_bits(bits: int | None, stored_formats: Iterable[str]) -> tuple[str, ...]:
+    """The formats a candidate keeping `bits` cannot hold by its bits alone (all of them when bits is None)."""
+    return tuple(f for f in sorted(set(stored_formats)) if bits is None or bits < required_bits(f))
+
+
+def judge(name: str, bits: int | None, stored_formats: Iterable[str], errors: Mapping[str, float]
+          ) -> tuple[bool, str]:
+    """Whether candidate `name` (keeping `bits`, None = undeclared) is acceptable for a model whose matrices are
+    `stored_formats`, given the probed relative product errors `errors` {format: err} (see the module
+    docstring); and if not, why, in a phrase naming the format, the bits, and the probe's error and tolerance."""
+    for stored in short_of_bits(bits, stored_formats):
         need = required_bits(stored)
-        if bits < need:
-            return False, f"{stored} matrices need {need} significand bits, {dtype} has {bits}"
+        has = f"{name} keeps {bits}" if bits is not None else f"{name} declares none"
+        if not probed(stored):
+            return False, f"{stored} matrices need {need} significand bits, {has}"
+        err = errors.get(stored)
+        if err is None:
+            return False, f"{stored} matrices need {need} significand bits, {has}, and no probe was made"
+        if not err <= tolerance(stored):  # NaN fails
+            return False, (f"{stored} matrices need {need} significand bits, {has}; probed product error "
+                           f"{err:.2g} > 2^-{need} = {tolerance(stored):.2g}")
     return True, ""
 
 
@@ -78,15 +148,17 @@ def precise_enough(dtype: str, stored_formats: Iterable[str]) -> tuple[bool, str
 class CandidateTiming:
     """One measured way to run the model's products."""
 
-    name: str  # "fp16", or "stored+bf16" (the stored formats' kernels with bf16 activations)
+    name: str  # "fp16" (dense), or a stored kernel's name: "int4pack", "blocks"
     dtype: str  # the compute (activation) dtype: fp32, fp16, bf16
     weights: str  # DENSE or STORED
-    decode_kernel: str  # "mv" or "mm" for dense; the stored formats' kernel otherwise
+    decode_kernel: str  # "mv" or "mm" for dense; the stored kernel otherwise
     decode_s: float  # the products of one decode step: every layer and the LM head, best of the timed runs
     prefill_s: float  # the products of a REFERENCE_PROMPT-token prefill (the LM head on the last position only)
-    weight_bytes: int  # bytes a decode step's products read in this form
-    safe: bool = True
+    weight_bytes: int  # bytes a decode step's products read in this form (stored bytes for a stored kernel)
+    safe: bool = True  # acceptable by the accuracy rule (module docstring, step 2) and fp16's range checks
     unsafe_reason: str = ""
+    # The probed relative product error (step 2), worst over the formats probed; None: no probe was needed.
+    product_error: float | None = None
 
     @property
     def reference_s(self) -> float:
@@ -100,21 +172,27 @@ class CandidateTiming:
 
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
-    """What `--dtype auto` (and `--weights`, once stored formats exist) resolved to, and why."""
+    """What `--dtype auto` and `--weights auto` resolved to, and why."""
 
-    picked: str  # a candidate name
+    picked: str  # a candidate name: what auto takes (with overridden_by: would take)
     dtype: str  # its compute dtype
     weights: str  # DENSE or STORED
-    decode_kernel: str
+    decode_kernel: str  # "mv"/"mm" for dense, the stored kernel for stored
     rule: str  # one line: why this one
-    candidates: tuple[CandidateTiming, ...]  # every candidate measured, fastest first (unsafe ones included)
+    candidates: tuple[CandidateTiming, ...]  # every candidate measured, fastest first (refused ones included)
     measured_seconds: float  # how long the measurement took (0 when read back)
     from_store: bool = False  # read back from the saved choices for this machine and model shape
-    overridden_by: str = ""  # "--dtype fp32" when the user chose; then `picked` is what auto would have taken
+    overridden_by: str = ""  # "--dtype fp32", "--weights dense" when the user chose; then `picked` is auto's
     stored_dtype: str | None = None  # the checkpoint's own compute dtype (select's argument)
+    ran: str = ""  # with overridden_by: the candidate the options left (the one that ran), "" when none matched
 
     def timing(self, name: str) -> CandidateTiming | None:
         return next((c for c in self.candidates if c.name == name), None)
+
+    @property
+    def running(self) -> CandidateTiming | None:
+        """The candidate the run used: `ran` under an override, else `picked` (None when nothing was measured)."""
+        return self.timing(self.ran if self.overridden_by else self.picked)
 
 
 def select(candidates: Iterable[CandidateTiming], stored_dtype: str | None = None,
@@ -124,7 +202,7 @@ def select(candidates: Iterable[CandidateTiming], stored_dtype: str | None = Non
     ranked = tuple(sorted(candidates, key=lambda c: (not c.safe, c.reference_s, c.name)))
     safe = [c for c in ranked if c.safe]
     if not safe:
-        raise ValueError("no numerically safe candidate was measured")  # the caller always offers fp32 dense
+        raise ValueError("no acceptable candidate was measured")  # the caller always offers fp32 dense
     fastest = safe[0]
     own = next((c for c in safe if c.weights == DENSE and c.dtype == stored_dtype), None)
     if own is not None and stored_dtype in ("fp16", "bf16") and own is not fastest:
@@ -134,15 +212,32 @@ def select(candidates: Iterable[CandidateTiming], stored_dtype: str | None = Non
                            f"the checkpoint's own {stored_dtype}: {fastest.name} is only {gain:.2f}x faster "
                            f"(needs {MARGIN:.2f}x)", stored_dtype)
     if len(safe) == 1:
-        rule = f"the only numerically safe candidate ({_unsafe_summary(ranked)})"
+        rule = f"the only acceptable candidate ({_unsafe_summary(ranked)})"
     else:
         runner_up = safe[1]
-        rule = (f"fastest of {len(safe)} safe candidates ({runner_up.reference_s / fastest.reference_s:.2f}x "
+        rule = (f"fastest of {len(safe)} acceptable candidates ({runner_up.reference_s / fastest.reference_s:.2f}x "
                 f"ahead of {runner_up.name})")
         unsafe = [c for c in ranked if not c.safe]
         if unsafe:
-            rule += f"; not safe: {_unsafe_summary(ranked)}"
+            rule += f"; refused: {_unsafe_summary(ranked)}"
     return _choice(fastest, ranked, measured_seconds, rule, stored_dtype)
+
+
+def constrained(choice: KernelChoice, flags: str, dtype: str | None = None, weights: str | None = None,
+                kernel: str | None = None) -> KernelChoice:
+    """`choice` under the user's options (`flags`, e.g. "--dtype fp16 --weights stored"): `ran` is the fastest
+    measured candidate they allow (acceptable ones first: an option may also force a refused one), "" when none
+    does; `picked` stays what auto takes. `dtype` fixes a dense candidate's dtype (a stored candidate then runs its
+    activations in it); `weights` DENSE or STORED; `kernel` one stored kernel."""
+    def allowed(c: CandidateTiming) -> bool:
+        if weights is not None and c.weights != weights:
+            return False
+        if kernel is not None and (c.weights != STORED or c.decode_kernel != kernel):
+            return False
+        return dtype is None or c.weights == STORED or c.dtype == dtype
+
+    matching = sorted((c for c in choice.candidates if allowed(c)), key=lambda c: (not c.safe, c.reference_s))
+    return replace(choice, overridden_by=flags, ran=matching[0].name if matching else "")
 
 
 def without(choice: KernelChoice, name: str, reason: str) -> KernelChoice:
@@ -153,7 +248,7 @@ def without(choice: KernelChoice, name: str, reason: str) -> KernelChoice:
 
 
 def unmeasured(dtype: str, rule: str, stored_dtype: str | None = None) -> KernelChoice:
-    """A choice with nothing to measure (one safe candidate, or a device without timings): dense `dtype`."""
+    """A choice with nothing to measure (one acceptable candidate, or a device without timings): dense `dtype`."""
     return KernelChoice(picked=dtype, dtype=dtype, weights=DENSE, decode_kernel="mv", rule=rule, candidates=(),
                         measured_seconds=0.0, stored_dtype=stored_dtype)
 

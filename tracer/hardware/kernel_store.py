@@ -23,7 +23,9 @@ from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.hardware.store import config_dir
 
-STORE_VERSION = 1
+# 2: stored kernels are candidates (CandidateTiming.product_error, KernelChoice.ran); a version-1 file is read as
+# out of date: one line, and a fresh measurement replaces it.
+STORE_VERSION = 2
 _CHOICE_FIELDS = {f.name: f for f in fields(KernelChoice)}
 _TIMING_FIELDS = {f.name: f for f in fields(CandidateTiming)}
 
@@ -36,11 +38,15 @@ def kernels_path() -> Path:
     return config_dir() / "kernels.json"
 
 
-def model_key(shapes: Iterable[Any], n_layers: int, stored_formats: Iterable[str]) -> str:
-    """The model shape a choice is for: each product's (rows x cols), per layer or per step, the layer count and
-    the matrices' stored formats (which candidates exist and are safe)."""
+def model_key(shapes: Iterable[Any], n_layers: int, stored_formats: Iterable[str],
+              candidates: Iterable[str] = ()) -> str:
+    """The model shape a choice is for: each product's (rows x cols), per layer or per step, the layer count, the
+    matrices' stored formats (which candidates exist and are acceptable) and the candidates' names (a kernel added
+    to llmtrace means measuring again)."""
     products = ",".join(f"{s.role}:{s.rows}x{s.cols}{'/layer' if s.per_layer else ''}" for s in shapes)
-    return f"{n_layers} layers|{products}|stored {'+'.join(sorted(set(stored_formats))) or 'none'}"
+    key = f"{n_layers} layers|{products}|stored {'+'.join(sorted(set(stored_formats))) or 'none'}"
+    names = ",".join(candidates)
+    return f"{key}|candidates {names}" if names else key
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -54,6 +60,9 @@ def _read(path: Path) -> dict[str, Any]:
         data = json.loads(text)
     except ValueError as exc:
         raise StoreProblem(f"{path}: not JSON ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] < STORE_VERSION:
+        raise StoreProblem(f"{path}: saved by an older llmtrace (version {data['version']}, before stored kernels "
+                           "were measured)")
     if not isinstance(data, dict) or data.get("version") != STORE_VERSION or not isinstance(data.get("machines"), dict):
         raise StoreProblem(f"{path}: not a version-{STORE_VERSION} kernel store")
     return data
@@ -85,7 +94,7 @@ def save_choice(machine: str, model: str, choice: KernelChoice, path: Path | Non
     if not isinstance(machines.get(machine), dict):
         machines[machine] = {}
     record = asdict(choice)
-    record.update(from_store=False, overridden_by="")
+    record.update(from_store=False, overridden_by="", ran="")
     machines[machine][model] = record
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +123,8 @@ def _choice_from(raw: Any, where: str) -> KernelChoice:
             ok = isinstance(value, str)
         if not ok:
             raise StoreProblem(f"{where}: field {name!r} has a wrong value ({value!r})")
+    if values["ran"] and values["ran"] not in {c.name for c in candidates}:
+        raise StoreProblem(f"{where}: the candidate that ran ({values['ran']!r}) is not among those measured")
     if candidates and values["picked"] not in {c.name for c in candidates}:
         raise StoreProblem(f"{where}: the picked candidate {values['picked']!r} is not among those measured")
     return KernelChoice(candidates=candidates, **values)
@@ -129,6 +140,8 @@ def _timing_from(raw: Any, where: str) -> CandidateTiming:
             ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
         elif name == "safe":
             ok = isinstance(value, bool)
+        elif name == "product_error":
+            ok = value is None or _number(value)
         else:
             ok = isinstance(value, str)
         if not ok:

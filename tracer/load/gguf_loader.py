@@ -126,6 +126,11 @@ def stored_matrices(header: GGUFHeader, config: ModelConfig, kernel: str) -> tup
     return packable, dense
 
 
+def matrix_infos(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
+    """The file's matrices (2-D tensors) under Meta's names, in the file's order of the expected tensors."""
+    return {name: info for name, info in _plan(header, config).items() if len(info.shape) >= 2}
+
+
 def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype,
                      kernel: str) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
     """The file's matrices as stored, for `kernel` (llmtrace.tracer.model.weight_formats), and the rest dense.
@@ -136,37 +141,73 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     plan = _plan(header, config)
     packable, _ = stored_matrices(header, config, kernel)
     data = _map_tensor_data(header)
-    heads = dims(config)
-    interleaved = header.metadata.get("general.architecture") == "llama"
     dense: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     for name, info in plan.items():
-        start = header.data_offset + info.offset
-        raw = data[start:start + info.n_bytes]
-        rope_heads = tensor_of(name).rope_heads
         if name not in packable:
-            values = dequantize(raw, info.ggml_type, info.shape[0], info.name)
-            if not np.isfinite(values).all():
-                raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
-            matrix = values.reshape(info.torch_shape)
-            if rope_heads is not None and interleaved:
-                matrix = unpermute_rope_rows(matrix, heads[rope_heads])
-            tensor = torch.from_numpy(matrix)
+            tensor = _dequantized(header, config, data, name, info)
             dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
             continue
-        out_features, in_features = info.torch_shape
-        _, block, block_bytes = GGML_TYPES[info.ggml_type]
-        rows = np.asarray(raw).reshape(out_features, in_features // block * block_bytes)  # (N, bytes per row)
-        if rope_heads is not None and interleaved:
-            rows = unpermute_rope_rows(rows, heads[rope_heads])  # whole rows move: the blocks stay intact
-        weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
-        for key, tensor in weight.tensors.items():
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file "
-                                      "is corrupt")
-        packed[name] = weight
+        packed[name] = _packed(header, config, data, name, info, kernel)
     del data
     return dense, packed
+
+
+def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], kernel: str | None
+                  ) -> dict[str, PackedWeight | torch.Tensor]:
+    """The matrices `names` alone (a sample for measuring kernels, tracer/load/stored_candidates.py): packed for
+    `kernel`, or with kernel None dequantized exactly to fp32 tensors; Q/K rows in HF's order as the model holds
+    them. Only these tensors' bytes are read."""
+    plan = _plan(header, config)
+    data = _map_tensor_data(header)
+    out: dict[str, PackedWeight | torch.Tensor] = {}
+    for name in names:
+        info = plan[name]
+        out[name] = (_dequantized(header, config, data, name, info) if kernel is None
+                     else _packed(header, config, data, name, info, kernel))
+    del data
+    return out
+
+
+def _raw(header: GGUFHeader, data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    start = header.data_offset + info.offset
+    return data[start:start + info.n_bytes]
+
+
+def _rope_heads(header: GGUFHeader, config: ModelConfig, name: str) -> int | None:
+    """The head count whose Q/K rows llama.cpp interleaved in this tensor, None when it did not."""
+    rope_heads = tensor_of(name).rope_heads
+    if rope_heads is None or header.metadata.get("general.architecture") != "llama":
+        return None
+    return dims(config)[rope_heads]
+
+
+def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str,
+                 info: GGUFTensorInfo) -> torch.Tensor:
+    values = dequantize(_raw(header, data, info), info.ggml_type, info.shape[0], info.name)
+    if not np.isfinite(values).all():
+        raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
+    matrix = values.reshape(info.torch_shape)
+    heads = _rope_heads(header, config, name)
+    if heads is not None:
+        matrix = unpermute_rope_rows(matrix, heads)
+    return torch.from_numpy(matrix)
+
+
+def _packed(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str, info: GGUFTensorInfo,
+            kernel: str) -> PackedWeight:
+    out_features, in_features = info.torch_shape
+    _, block, block_bytes = GGML_TYPES[info.ggml_type]
+    rows = np.asarray(_raw(header, data, info)).reshape(out_features, in_features // block * block_bytes)  # (N, B)
+    heads = _rope_heads(header, config, name)
+    if heads is not None:
+        rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
+    weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
+    for tensor in weight.tensors.values():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file "
+                                  "is corrupt")
+    return weight
 
 
 def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype = torch.float32) -> GGUFWeights:

@@ -1,12 +1,16 @@
-"""`--dtype auto` for one model on this machine: read the saved choice, or measure the model's products and save it.
+"""`--dtype auto` and `--weights auto` for one model on this machine: read the saved choice, or measure the model's
+products and save it.
 
 The rule is tracer/hardware/kernel_choice.py's; the timing tracer/hardware/product_timing.py's; the saved choices
-tracer/hardware/kernel_store.py's. This module knows the checkpoint (which formats its matrices are stored in, so
-which candidates are numerically safe) and the loaded model (fp16's range checks), so it sits in the load layer.
+tracer/hardware/kernel_store.py's; the stored kernels' adapter and the accuracy probe
+tracer/load/stored_candidates.py's. This module knows the checkpoint (which formats its matrices are stored in, so
+which candidates are acceptable) and the loaded model (fp16's range checks), so it sits in the load layer.
 
-Flow (`pick`): the matrices' stored formats -> the dense candidates that are precise enough for them -> one safe
-candidate: taken without measuring; several: the saved choice for this machine and model shape, or a measurement
-(seconds, `progress` hears each candidate) that is then saved. A damaged store is one line (`note`) and a fresh
+Flow (`pick`): the matrices' stored formats -> the candidates: each dense dtype, and for a GGUF on the CPU each
+stored kernel that runs all its matrices; a candidate short of the bits a float-stored matrix needs is refused
+untimed, one short of a block format's bits is probed -> one candidate and no probe: taken without measuring;
+otherwise the saved choice for this machine and model shape, or a measurement (the probes, then the products;
+seconds, `progress` hears each candidate) that is then saved. A damaged store is one line (`note`) and a fresh
 measurement that replaces it; an unwritable one is one line and an unsaved choice. After the model is loaded in
 fp16, `fp16_problem` checks its range: no weight overflowed to inf, and a probe forward's residual stream stays
 below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next candidate (`without`).
@@ -14,6 +18,7 @@ below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,6 +33,7 @@ from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.hardware.product_timing import (
     DenseKernel, ProductKernel, machine_key, product_shapes, time_kernels,
 )
+from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
 
 Progress = Callable[[str], None]
 Timer = Callable[..., tuple[tuple[CandidateTiming, ...], float]]  # product_timing.time_kernels' signature
@@ -71,34 +77,59 @@ def dense_dtypes(device: torch.device) -> tuple[str, ...]:
     return DENSE_DTYPES
 
 
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    """The candidates of one model on one device, before any timing."""
+
+    kernels: tuple[ProductKernel, ...]  # those to time: acceptable by their bits, or judged by a probe
+    bits: dict[str, int | None]  # {candidate: precision_bits}
+    probes: dict[str, tuple[str, ...]]  # {candidate: block formats a probe must judge}
+    refused: tuple[str, ...]  # "bf16: F16 matrices need 11 significand bits, bf16 keeps 8": never timed
+
+
+def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence[str]) -> _Candidates:
+    kernels: list[ProductKernel] = []
+    bits: dict[str, int | None] = {}
+    probes: dict[str, tuple[str, ...]] = {}
+    refused: list[str] = []
+    offered: list[tuple[ProductKernel, int | None]] = [
+        (DenseKernel(dtype), rule.precision_bits(rule.DENSE, dtype)) for dtype in dense_dtypes(device)]
+    header = resolved.gguf_header
+    if resolved.kind == GGUF and header is not None and device.type == "cpu":  # stored kernels run on the CPU
+        offered += [(StoredKernel(header, resolved.config, k), rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k))
+                    for k in kernels_for(header, resolved.config)]
+    for kernel, kept in offered:
+        short = rule.short_of_bits(kept, formats)
+        unprobeable = [f for f in short if not rule.probed(f)]
+        if unprobeable:  # a float-stored matrix: fewer bits change the checkpoint's values; nothing to time
+            ok, why = rule.judge(kernel.name, kept, unprobeable, {})
+            refused.append(f"{kernel.name}: {why}")
+            continue
+        kernels.append(kernel)
+        bits[kernel.name] = kept
+        if short:
+            probes[kernel.name] = short
+    return _Candidates(tuple(kernels), bits, probes, tuple(refused))
+
+
 def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | None = None,
-         extra_kernels: Sequence[ProductKernel] = (), timer: Timer | None = None,
-         store_path: Path | None = None) -> PickedKernels:
-    """What `--dtype auto` means for `resolved` on `device` (see the module docstring). `extra_kernels`: stored-
-    precision candidates (always safe for their weights); `timer`: product_timing.time_kernels, looked up at call
-    time (tests inject another)."""
+         timer: Timer | None = None, store_path: Path | None = None) -> PickedKernels:
+    """What `--dtype auto` / `--weights auto` mean for `resolved` on `device` (see the module docstring and
+    kernel_choice's rule). `timer`: product_timing.time_kernels, looked up at call time (tests inject another)."""
     formats = matrix_formats(resolved)
     own = stored_dtype(formats)
-    kernels: list[ProductKernel] = []
-    unsafe: list[str] = []
-    for dtype in dense_dtypes(device):
-        ok, why = rule.precise_enough(dtype, formats)
-        if ok:
-            kernels.append(DenseKernel(dtype))
-        else:
-            unsafe.append(f"{dtype}: {why}")
-    kernels.extend(extra_kernels)
     if device.type not in ("cpu", "cuda"):
         fallback = own if own is not None else "fp32"
         return PickedKernels(rule.unmeasured(fallback, f"{device.type}: not measured; the checkpoint's own "
                                                        f"{fallback}" if own else f"{device.type}: not measured; fp32",
                                              own))
-    if len(kernels) == 1:
-        only = kernels[0]
-        return PickedKernels(rule.unmeasured(only.dtype, "the only numerically safe dtype (" + "; ".join(unsafe)
-                                             + ")", own))
+    offered = _candidates(resolved, device, formats)
+    if len(offered.kernels) == 1 and not offered.probes:
+        only = offered.kernels[0]
+        return PickedKernels(rule.unmeasured(only.dtype, "the only acceptable candidate ("
+                                             + "; ".join(offered.refused) + ")", own))
     machine = machine_key(str(device))
-    model = kernel_store.model_key(product_shapes(resolved.config), resolved.config.n_layers, formats)
+    model = _model_key(resolved, formats, offered)
     note = ""
     try:
         saved = kernel_store.load_choice(machine, model, store_path)
@@ -106,10 +137,22 @@ def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
         saved, note = None, f"kernel choices: {exc}; measuring again"
     if saved is not None:
         return PickedKernels(replace(saved, from_store=True), note)
-    timings, seconds = (timer or time_kernels)(kernels, resolved.config, str(device), progress=progress)
-    choice = rule.select(timings, own, seconds)
-    if unsafe:
-        choice = replace(choice, rule=f"{choice.rule}; not safe: {'; '.join(unsafe)}")
+    errors: dict[str, dict[str, float]] = {}
+    if offered.probes:
+        assert resolved.gguf_header is not None  # only block formats are probed
+        if progress:
+            progress("accuracy probe of " + ", ".join(offered.probes))
+        errors = probe_errors(resolved.gguf_header, resolved.config, offered.probes)
+    timings, seconds = (timer or time_kernels)(offered.kernels, resolved.config, str(device), progress=progress)
+    judged = []
+    for timing in timings:
+        ok, why = rule.judge(timing.name, offered.bits.get(timing.name), formats, errors.get(timing.name, {}))
+        worst = max(errors[timing.name].values(), default=None) if timing.name in errors else None
+        worst = worst if worst is not None and math.isfinite(worst) else None  # JSON holds no NaN; `why` says it
+        judged.append(replace(timing, safe=ok, unsafe_reason=why, product_error=worst))
+    choice = rule.select(judged, own, seconds)
+    if offered.refused:
+        choice = replace(choice, rule=f"{choice.rule}; refused: {'; '.join(offered.refused)}")
     try:
         saved_to: str | None = str(kernel_store.save_choice(machine, model, choice, store_path))
     except HardwareError as exc:
@@ -118,17 +161,30 @@ def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
     return PickedKernels(choice, note, saved_to)
 
 
+def needs_measurement(resolved: ResolvedModel, device: torch.device) -> bool:
+    """Whether `pick` would time anything (several candidates, or a probe to make), rather than take the only one."""
+    if device.type not in ("cpu", "cuda"):
+        return False
+    offered = _candidates(resolved, device, matrix_formats(resolved))
+    return len(offered.kernels) > 1 or bool(offered.probes)
+
+
 def lookup(resolved: ResolvedModel, device: torch.device, store_path: Path | None = None) -> KernelChoice | None:
     """The saved choice for `resolved` on `device` without measuring (a run whose --dtype overrides auto still
     shows what was measured); None when there is none or the store cannot be read."""
     if device.type not in ("cpu", "cuda"):
         return None
     formats = matrix_formats(resolved)
-    model = kernel_store.model_key(product_shapes(resolved.config), resolved.config.n_layers, formats)
+    model = _model_key(resolved, formats, _candidates(resolved, device, formats))
     try:
         return kernel_store.load_choice(machine_key(str(device)), model, store_path)
     except kernel_store.StoreProblem:
         return None
+
+
+def _model_key(resolved: ResolvedModel, formats: Sequence[str], offered: _Candidates) -> str:
+    return kernel_store.model_key(product_shapes(resolved.config), resolved.config.n_layers, formats,
+                                  [k.name for k in offered.kernels])
 
 
 def fp16_problem(model: Any, tokenizer: Any) -> str:

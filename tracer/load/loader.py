@@ -34,11 +34,12 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
 from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
-from llmtrace.tracer.hardware.kernel_choice import KernelChoice, unmeasured, without
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, constrained, unmeasured, without
 from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary, stored_matrices
 from llmtrace.tracer.load.stored_weights import (
-    DENSE, STORED, STORED_KERNEL, WeightsChoice, choose_weights, entry_variant, from_entry, to_entry,
+    AUTO as WEIGHTS_AUTO, DENSE, STORED, WeightsChoice, WeightsRequest, all_kernels, entry_variant, from_entry, parse_weights, to_entry,
+    widest_kernel,
 )
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
@@ -76,18 +77,21 @@ def load_model(
     seed: int = 0,
     use_cache: bool = True,
     progress: Callable[[str], None] | None = None,
-    weights: str | None = None,
+    weights: str | WeightsRequest | None = None,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring; a string is classified by
     llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. AUTO measures
     this machine's products for the model's shapes on first use (llmtrace.tracer.load.kernel_pick; `progress`
     hears what is being measured) and records the choice in `kernels`.
 
-    `weights`: "stored" (a GGUF's matrices multiplied as the file stores them), "dense" (dequantized to the
-    compute dtype) or None (stored when every matrix of the GGUF has a stored kernel):
-    llmtrace.tracer.load.stored_weights."""
+    `weights`: `--weights` as typed (llmtrace.tracer.load.stored_weights.parse_weights): None/"auto" takes the
+    measured choice between a GGUF's stored kernels and the dense dtypes (measured on first use even with an
+    explicit `dtype`, which then fixes the activations' dtype), "stored" the fastest acceptable stored kernel,
+    "dense" dequantizes, a kernel's name runs that kernel. Options that override auto are recorded in
+    `kernels.overridden_by`, with the candidate they left in `kernels.ran`."""
     start = time.perf_counter()
     target = _check_device(device)
+    request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
@@ -96,39 +100,104 @@ def load_model(
             f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
             ".gguf file or an HF model folder as --model"
         )
-    if not isinstance(dtype, AutoDtype):
-        kernels = None if dry_run else kernel_pick.lookup(resolved, target)
-        if kernels is not None:
-            kernels = replace(kernels, overridden_by=f"--dtype {dtype.name}", from_store=True)
-        loaded = _load(start, resolved, dtype, target, dry_run, random_init, seed, use_cache, weights)
-        measured = kernels.timing(dtype.name) if kernels is not None else None
-        if measured is not None and measured.decode_kernel in MATVEC_KERNELS:  # this dtype was timed too
-            loaded.model.decode_kernel = measured.decode_kernel
-        return replace(loaded, kernels=kernels)
+    auto = isinstance(dtype, AutoDtype)
     if dry_run:  # shapes only: a saved choice when there is one, never a measurement
         saved = kernel_pick.lookup(resolved, target)
-        kernels = saved or unmeasured("fp32", "dry run: not measured")
-        return replace(_load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, True, False, seed,
-                             use_cache, weights), kernels=kernels)
-    picked = kernel_pick.pick(resolved, target, progress)
-    kernels, note = picked.choice, picked.note
-    loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init, seed,
-                   use_cache, weights)
-    if kernels.dtype == FP16.name:
+        kernels = saved or (unmeasured("fp32", "dry run: not measured") if auto else None)
+        compute = get_dtype(kernels.dtype, COMPUTE_DTYPES) if auto and kernels is not None else dtype
+        if not auto and kernels is not None:
+            kernels = replace(constrained(kernels, f"--dtype {dtype.name}", dtype=dtype.name), from_store=True)
+        assert isinstance(compute, DType)
+        return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, None), kernels=kernels)
+    gguf = resolved.kind == GGUF and not random_init
+    measure = auto or (gguf and request.mode in (WEIGHTS_AUTO, STORED) and request.kernel is None)
+    note = ""
+    kernels: KernelChoice | None
+    if measure and (auto or kernel_pick.needs_measurement(resolved, target)):
+        picked = kernel_pick.pick(resolved, target, progress)
+        kernels, note = picked.choice, picked.note
+    else:
+        kernels = None if random_init else kernel_pick.lookup(resolved, target)
+        if kernels is not None:
+            kernels = replace(kernels, from_store=True)
+    flags = " ".join(f for f in ("" if auto else f"--dtype {dtype.name}", request.flag) if f)
+    if flags and kernels is not None:
+        kernels = constrained(kernels, flags, dtype=None if auto else dtype.name,
+                              weights=None if request.mode == WEIGHTS_AUTO else request.mode, kernel=request.kernel)
+    while True:
+        running = kernels.running if kernels is not None else None
+        compute = dtype if not auto else get_dtype(running.dtype if running else kernels.dtype, COMPUTE_DTYPES)
+        assert isinstance(compute, DType)
+        decided = _weights_choice(resolved, target, request, kernels, running, gguf)
+        loaded = _load(start, resolved, compute, target, False, random_init, seed, use_cache, decided)
+        if not (auto and compute.name == FP16.name and decided.mode == DENSE and kernels is not None):
+            break
         problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
-        if problem:  # the next safe candidate (never fp16 again: `without` marks it unsafe)
-            kernels = without(kernels, FP16.name, problem)
-            note = "; ".join(n for n in (note, f"fp16 not used: {problem}") if n)
-            loaded = _load(start, resolved, get_dtype(kernels.dtype, COMPUTE_DTYPES), target, False, random_init,
-                           seed, use_cache, weights)
-    if kernels.decode_kernel in MATVEC_KERNELS:  # the measured faster one-token kernel of this dtype: mv or mm
+        if not problem:
+            break
+        # the next acceptable candidate (never fp16 again: `without` marks it refused), under the same options
+        kernels = without(kernels, FP16.name, problem)
+        if flags:
+            kernels = constrained(kernels, flags, weights=None if request.mode == WEIGHTS_AUTO else request.mode)
+        note = "; ".join(n for n in (note, f"fp16 not used: {problem}") if n)
+    if running is not None and running.weights == DENSE and running.decode_kernel in MATVEC_KERNELS:
+        loaded.model.decode_kernel = running.decode_kernel  # the measured faster one-token kernel: mv or mm
+    elif running is None and kernels is not None and kernels.decode_kernel in MATVEC_KERNELS and auto:
         loaded.model.decode_kernel = kernels.decode_kernel
     return replace(loaded, kernels=kernels, kernel_note=note)
 
 
+def _weights_choice(resolved: ResolvedModel, target: torch.device, request: WeightsRequest,
+                    kernels: KernelChoice | None, running: CandidateTiming | None, gguf: bool) -> WeightsChoice:
+    """Stored or dense, which kernel, and why, from the options and the kernel choice."""
+    if not gguf:
+        if request.mode == STORED:
+            return WeightsChoice(DENSE, "not a GGUF: the checkpoint's tensors are dense already")
+        return WeightsChoice(DENSE, "not a GGUF" if resolved.kind != PRESET else "random weights")
+    if request.mode == DENSE:
+        return WeightsChoice(DENSE, "--weights dense")
+    if request.kernel is not None:
+        return WeightsChoice(STORED, f"--weights {request.kernel}", request.kernel)
+    how = "" if kernels is None else ("saved measurement" if kernels.from_store else "measured")
+    if running is not None and running.weights == STORED:
+        if request.mode == STORED:
+            return WeightsChoice(STORED, f"--weights stored: the fastest acceptable stored kernel ({how})", running.name)
+        return WeightsChoice(STORED, f"auto: the fastest acceptable candidate ({how})", running.name)
+    if request.mode == STORED:  # nothing measured runs every matrix: the kernel that runs the most
+        header = resolved.gguf_header
+        assert header is not None
+        counts = {k: len(stored_matrices(header, resolved.config, k)[0]) for k in all_kernels()}
+        kernel = widest_kernel(counts)
+        _, rest = stored_matrices(header, resolved.config, kernel)
+        kinds = ", ".join(sorted(set(rest.values())))
+        extra = f"; {len(rest)} matrices of type {kinds} have no {kernel} kernel and run dequantized" if rest else ""
+        return WeightsChoice(STORED, f"--weights stored: {kernel}, not measured{extra}", kernel)
+    if running is not None:
+        return WeightsChoice(DENSE, f"auto: {running.name} dense is the fastest acceptable candidate ({how})")
+    if target.type != "cpu":
+        return WeightsChoice(DENSE, f"stored kernels run on the CPU only; dequantized on {target.type}")
+    header = resolved.gguf_header
+    assert header is not None
+    kinds = sorted({t.type_name for t in header.tensors if len(t.shape) == 2} - set(_kernel_types(resolved)))
+    if kinds:
+        return WeightsChoice(DENSE, f"auto: no stored kernel runs {', '.join(kinds)} matrices, so all are "
+                                    "dequantized (--weights stored runs the others as stored)")
+    return WeightsChoice(DENSE, "auto: nothing measured")
+
+
+def _kernel_types(resolved: ResolvedModel) -> set[str]:
+    """The file's matrix types some stored kernel runs."""
+    header = resolved.gguf_header
+    assert header is not None
+    out: set[str] = set()
+    for kernel in all_kernels():
+        out |= set(stored_matrices(header, resolved.config, kernel)[0].values())
+    return out
+
+
 def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.device, dry_run: bool,
-          random_init: bool, seed: int, use_cache: bool, weights: str | None = None) -> LoadedModel:
-    """load_model once the compute dtype is decided."""
+          random_init: bool, seed: int, use_cache: bool, decided: WeightsChoice | None) -> LoadedModel:
+    """load_model once the compute dtype and the weights' form are decided."""
     values = torch_dtype(compute)
     config, kind = resolved.config, resolved.kind
     if dry_run or random_init:
@@ -138,10 +207,9 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
             model = build_meta_model(config).to(values)  # meta: a dtype change costs nothing
             return _finish(start, resolved, model, tokenizer, where, f"dry run (meta device) {compute.name}")
         model = _assemble(config, random_state_dict(config, compute, seed), target)
-        return _finish(start, resolved, model, tokenizer, where, f"random init (seed {seed}) {compute.name}")
-
-    if kind != GGUF:
-        choice = choose_weights(weights, False, {}, {})
+        return _finish(start, resolved, model, tokenizer, where, f"random init (seed {seed}) {compute.name}",
+                       weights=decided or WeightsChoice(DENSE, ""))
+    choice = decided or WeightsChoice(DENSE, "")
     if kind == HF:
         folder = resolved.source.path
         mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype
@@ -151,10 +219,6 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
         return _finish(start, resolved, model, _tokenizer(resolved), str(folder),
                        f"safetensors {stored} -> {compute.name}", weights=choice)
     assert kind == GGUF
-    header = resolved.gguf_header
-    assert header is not None
-    packable, unpackable = stored_matrices(header, resolved.config, STORED_KERNEL)
-    choice = choose_weights(weights, True, packable, unpackable)
     if choice.mode == STORED:
         if target.type != "cpu":
             raise HardwareError(f"--weights stored runs on the CPU only so far; use --weights dense on {target.type}")
@@ -170,8 +234,9 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
     assert header is not None
     path, values = Path(header.path), torch_dtype(compute)
     tokenizer = tokenizer_from_gguf(header)
-    fmt = f"GGUF {quantization_summary(header)} as stored ({STORED_KERNEL}) · {compute.name} activations"
-    variant = entry_variant(STORED_KERNEL, values)
+    kernel = choice.kernel
+    fmt = f"GGUF {quantization_summary(header)} as stored ({kernel}) · {compute.name} activations"
+    variant = entry_variant(kernel, values)
 
     def assemble(dense: dict[str, torch.Tensor], packed: dict) -> Transformer:
         model = build_meta_model(config)
@@ -186,7 +251,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         except OSError:
             key = None
     if key is None:
-        model = assemble(*load_gguf_stored(header, config, values, STORED_KERNEL))
+        model = assemble(*load_gguf_stored(header, config, values, kernel))
         return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
     notes = []
     with weights_cache.creating(key, variant):
@@ -199,7 +264,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
             except (CheckpointError, ValueError):
                 weights_cache.cache_path(key, variant).unlink(missing_ok=True)
                 notes.append("weights cache: the entry did not fit this model; converting again")
-        dense, packed = load_gguf_stored(header, config, values, STORED_KERNEL)
+        dense, packed = load_gguf_stored(header, config, values, kernel)
         weights_cache.store(key, variant, *to_entry(dense, packed))
     model = assemble(dense, packed)
     return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),

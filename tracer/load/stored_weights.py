@@ -1,10 +1,12 @@
-"""A GGUF's weights as stored (`--weights stored`): which matrices run packed, and their cache entry layout.
+"""A GGUF's weights as stored: what `--weights` asks for, which matrices run packed, and their cache entry layout.
 
-The choice: `--weights stored` multiplies every matrix whose ggml type has a stored kernel
-(llmtrace.tracer.model.weight_formats.stored_kernels) in that kernel and dequantizes the rest; `--weights dense`
-dequantizes everything to the compute dtype (the path llmtrace always had). With neither, a GGUF runs stored when
-ALL its matrices have a kernel (a mixed model, part dense, would be neither the file's bytes nor the dense
-baseline), otherwise dense, and `run` says which and why.
+`--weights` (parsed once, `parse_weights`): "auto" (the default) takes the kernel choice's measured pick
+(llmtrace.tracer.load.kernel_pick: every stored kernel that runs all the file's matrices is timed beside each dense
+dtype and judged by one accuracy rule, tracer/hardware/kernel_choice.py); "stored" the fastest acceptable stored
+kernel measured; "dense" dequantizes every matrix to the compute dtype (the path llmtrace always had); a kernel's
+name ("int4pack", "blocks", any kernel llmtrace.tracer.model.weight_formats lists) runs that kernel, unmeasured.
+A kernel multiplies every matrix whose ggml type it runs and the rest are dequantized; auto only ever picks kernels
+that run all of them (a mixed model, part dense, would be neither the file's bytes nor the dense baseline).
 
 A cache entry (llmtrace.tracer.load.weights_cache) holds the dense tensors under their names and each packed
 matrix's tensors under "<name>#<part>" ("layers.0.attention.wq.weight#nibbles"); the entry's metadata key
@@ -20,44 +22,63 @@ from dataclasses import dataclass
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.model.weight_formats import INT4PACK, PackedWeight, WeightFormat
+from llmtrace.tracer.core.ggml_types import GGML_TYPES
+from llmtrace.tracer.model.weight_formats import PackedWeight, WeightFormat, stored_kernels
 
-STORED, DENSE = "stored", "dense"
-WEIGHTS_CHOICES = (STORED, DENSE)
-STORED_KERNEL = INT4PACK  # the kernel `--weights stored` runs (fastest measured here: BENCHMARKS.md)
+AUTO, STORED, DENSE = "auto", "stored", "dense"
 _META_KEY = "packed_weights"
+
+
+def all_kernels() -> tuple[str, ...]:
+    """Every stored kernel weight_formats knows, in its order of preference."""
+    names: list[str] = []
+    for ggml_type in GGML_TYPES:
+        names += [k for k in stored_kernels(ggml_type) if k not in names]
+    return tuple(names)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsRequest:
+    """`--weights` parsed: `mode` AUTO, STORED or DENSE; `kernel` a stored kernel's name when one was named."""
+
+    mode: str = AUTO
+    kernel: str | None = None
+
+    @property
+    def flag(self) -> str:
+        """As typed: "--weights int4pack"; "" for auto."""
+        return "" if self.mode == AUTO else f"--weights {self.kernel or self.mode}"
+
+
+def parse_weights(text: str | None) -> WeightsRequest:
+    """`--weights` text (None or "" = auto) -> WeightsRequest; BadArgumentError naming the choices otherwise."""
+    if text in (None, "", AUTO):
+        return WeightsRequest()
+    if text in (STORED, DENSE):
+        return WeightsRequest(text)
+    if text in all_kernels():
+        return WeightsRequest(STORED, text)
+    raise BadArgumentError(f"--weights must be one of {', '.join((AUTO, STORED, DENSE, *all_kernels()))}, "
+                           f"got {text!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class WeightsChoice:
-    """What a load decided: `mode` "stored" or "dense", and why, in one line for `run` to print."""
+    """What a load decided: `mode` "stored" or "dense", the stored `kernel`, and why, in one line for `run`."""
 
     mode: str
     reason: str
+    kernel: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} ({self.kernel})" if self.kernel else self.mode
 
 
-def choose_weights(asked: str | None, is_gguf: bool, packable: dict[str, str], unpackable: dict[str, str]
-                   ) -> WeightsChoice:
-    """`asked` is "stored", "dense" or None (the default). `packable`/`unpackable`: {matrix: ggml type} with and
-    without a stored kernel (empty for checkpoints that are not GGUF)."""
-    if asked not in (None, STORED, DENSE):
-        raise BadArgumentError(f"--weights must be one of {', '.join(WEIGHTS_CHOICES)}, got {asked!r}")
-    if not is_gguf:
-        if asked == STORED:
-            return WeightsChoice(DENSE, "not a GGUF: the checkpoint's tensors are dense already")
-        return WeightsChoice(DENSE, "not a GGUF")
-    if asked == DENSE:
-        return WeightsChoice(DENSE, "--weights dense")
-    kinds = sorted(set(unpackable.values()))
-    if asked == STORED:
-        if unpackable:
-            return WeightsChoice(STORED, f"--weights stored ({len(unpackable)} matrices of type "
-                                         f"{', '.join(kinds)} have no stored kernel and run dequantized)")
-        return WeightsChoice(STORED, "--weights stored")
-    if unpackable:
-        return WeightsChoice(DENSE, f"default: {len(unpackable)} matrices are {', '.join(kinds)}, which no stored "
-                                    "kernel runs, so all are dequantized (--weights stored runs the others as stored)")
-    return WeightsChoice(STORED, "default for a GGUF whose matrices all have a stored kernel")
+def widest_kernel(packable_by_kernel: dict[str, int]) -> str:
+    """The kernel that runs the most matrices (all_kernels' order breaks ties): --weights stored with nothing
+    measured."""
+    return max(all_kernels(), key=lambda k: (packable_by_kernel.get(k, 0), -all_kernels().index(k)))
 
 
 def entry_variant(kernel: str, dtype: torch.dtype) -> str:
