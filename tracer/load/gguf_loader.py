@@ -186,7 +186,8 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name
                  info: GGUFTensorInfo) -> torch.Tensor:
     values = dequantize(_raw(header, data, info), info.ggml_type, info.shape[0], info.name)
     if not np.isfinite(values).all():
-        raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
+        raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is "
+                              "corrupt")
     matrix = values.reshape(info.torch_shape)
     heads = _rope_heads(header, config, name)
     if heads is not None:
@@ -228,7 +229,8 @@ def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtyp
         start = header.data_offset + info.offset
         values = dequantize(data[start:start + info.n_bytes], info.ggml_type, info.shape[0], info.name)
         if not np.isfinite(values).all():
-            raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is corrupt")
+            raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is "
+                              "corrupt")
         matrix = values.reshape(info.torch_shape)
         rope_heads = tensor_of(name).rope_heads  # "H" for wq, "Hkv" for wk (weights and biases), else None
         if rope_heads is not None and interleaved:

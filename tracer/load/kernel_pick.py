@@ -96,7 +96,8 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
         (DenseKernel(dtype), rule.precision_bits(rule.DENSE, dtype)) for dtype in dense_dtypes(device)]
     header = resolved.gguf_header
     if resolved.kind == GGUF and header is not None and device.type == "cpu":  # stored kernels run on the CPU
-        offered += [(StoredKernel(header, resolved.config, k), rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k))
+        offered += [(StoredKernel(header, resolved.config, k),
+                     rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k))
                     for k in kernels_for(header, resolved.config)]
     for kernel, kept in offered:
         short = rule.short_of_bits(kept, formats)

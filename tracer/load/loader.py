@@ -38,8 +38,8 @@ from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary, stored_matrices
 from llmtrace.tracer.load.stored_weights import (
-    AUTO as WEIGHTS_AUTO, DENSE, STORED, WeightsChoice, WeightsRequest, all_kernels, entry_variant, from_entry, parse_weights, to_entry,
-    widest_kernel,
+    AUTO as WEIGHTS_AUTO, DENSE, STORED, WeightsChoice, WeightsRequest, all_kernels, entry_variant, from_entry,
+    parse_weights, to_entry, widest_kernel,
 )
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
@@ -161,7 +161,8 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
     how = "" if kernels is None else ("saved measurement" if kernels.from_store else "measured")
     if running is not None and running.weights == STORED:
         if request.mode == STORED:
-            return WeightsChoice(STORED, f"--weights stored: the fastest acceptable stored kernel ({how})", running.name)
+            return WeightsChoice(STORED, f"--weights stored: the fastest acceptable stored kernel ({how})",
+                                 running.name)
         return WeightsChoice(STORED, f"auto: the fastest acceptable candidate ({how})", running.name)
     if request.mode == STORED:  # nothing measured runs every matrix: the kernel that runs the most
         header = resolved.gguf_header

@@ -141,7 +141,8 @@ def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequ
                 continue
             if candidate in rule.COMPUTE_BITS:  # a dense dtype: values and activations rounded to it
                 values = torch.float32 if candidate == "fp32" else getattr(torch, _TORCH[candidate])
-                product: ProductFn = lambda n, x, v=values: (x.to(v) @ exact[n].to(v).t()).double()  # type: ignore[misc, union-attr]
+                product: ProductFn = (  # type: ignore[misc]
+                    lambda n, x, v=values: (x.to(v) @ exact[n].to(v).t()).double())  # type: ignore[union-attr]
             else:
                 packed = pack_matrices(header, config, names, candidate)
                 product = lambda n, x, p=packed: p[n](x).double()  # type: ignore[misc, operator]

@@ -74,7 +74,8 @@ def load_shard(spec: object, dtype: DType | AutoDtype, device: str, rank: int, t
     start = time.perf_counter()
     if isinstance(dtype, AutoDtype) and torch.device(device).type == "cuda":
         dtype = BF16  # the whole model is loaded on the CPU, whose measured pick says nothing of the rank's GPU
-    whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run)  # moved to `device` as slices
+    # dense: the ranks slice plain tensors (a matrix held as stored cannot be split by rows or columns)
+    whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run, weights="dense")  # moved to `device` later
     config = whole.config
     shard_config(config, tp)
     values = next(whole.model.parameters()).dtype
