@@ -124,6 +124,12 @@ def run_command(
                                      "all): the prompts are --file's first N non-empty lines, or the prompt N times. "
                                      "Each has its own positions, sampler (seed + its index) and stop; finished ones "
                                      "leave the batch.")] = None,
+    batch_sweep: Annotated[Optional[str], typer.Option(
+        "--batch-sweep", metavar="B,B,...",
+        help="Measure decode time per step at each batch size (real batched generations of --max-new-tokens - 1 "
+             "timed greedy steps, --repeat rounds; prompts: --file's lines or the prompt repeated) beside the "
+             "prediction from this machine's kernels measured at decode's shapes (saved for `roofline`) and the "
+             "copy + GEMM roofline, with the crossover of each; e.g. 1,2,4,8,16,32,64.")] = None,
     no_roofline: Annotated[bool, typer.Option(
         "--no-roofline", help="Skip the roofline comparison in the summary (and the quick measurement of this "
                               "machine that a first run makes when no 'this-machine' profile is saved).")] = False,
@@ -178,6 +184,20 @@ def run_command(
         for path in files.values():
             if path is not None:
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
+        if batch_sweep is not None:
+            from llmtrace.cli.cmd_run_sweep import check_sweep_options, run_batch_sweep_cli
+
+            check_sweep_options({"--batch": batch is not None, "--dry-run": dry_run, "--tp": tp > 1, "--lens": lens,
+                                 "--attention": attention, "--no-kv-cache": no_kv_cache, "--html": html is not None,
+                                 "--chrome-trace": chrome_trace is not None, "--summary-json": summary_json,
+                                 "--staged": staged}, settings)
+            with stop_signals_interrupt() as received:
+                try:
+                    run_batch_sweep_cli(console, settings, dtype, batch_sweep, file is not None, repeat,
+                                        json_path, stdout)
+                except KeyboardInterrupt:
+                    return received.exit_code
+            return 0
         if repeat > 1 and dry_run:
             raise BadArgumentError("--repeat times real runs; drop --dry-run")
         if tp > 1 and (repeat > 1 or lens or attention or no_kv_cache or html is not None or batch is not None):

@@ -26,6 +26,7 @@ import torch
 
 from llmtrace.tracer.core.dtypes import FP32, BF16, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
+from llmtrace.tracer.hardware.decode_ceilings import this_cpu_name
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile
 
@@ -97,14 +98,7 @@ def _memory_bytes(device: str) -> int:
 def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return this_cpu_name() or platform.processor() or platform.machine()
 
 
 def measure_gemm(dtype: DType, device: str = "cpu", repeats: int = 5, target_seconds: float = 0.05,

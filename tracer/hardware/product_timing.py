@@ -24,43 +24,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import get_dtype, COMPUTE_DTYPES
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import DENSE, REFERENCE_PROMPT, CandidateTiming
+from llmtrace.tracer.hardware.product_shapes import ProductShape, product_shapes  # noqa: F401 - re-exported
 
 Progress = Callable[[str], None]
 STREAM_BYTES = 128 * 2**20  # decode passes stream at least this much (or the whole model, if smaller)
 REPEATS = 3
 BUDGET_SECONDS = 0.6  # per candidate and phase, after the warm-up run
 SLOW_WARMUP = 4.0  # a warm-up this many budgets long is not repeated
-
-
-@dataclass(frozen=True, slots=True)
-class ProductShape:
-    """One matrix the model multiplies by: (rows, cols) = (out features, in features)."""
-
-    role: str  # "attention.wqkv", "feed_forward.w13", "output"...
-    rows: int
-    cols: int
-    per_layer: bool  # once per layer; False: once per step (the LM head)
-
-
-def product_shapes(config: ModelConfig) -> tuple[ProductShape, ...]:
-    """The matrices a fused-path step multiplies by, packed ones as one (their rows added)."""
-    shapes = []
-    for spec in contract.fused_stages(config):
-        if spec.kind not in ("linear", "lm_head"):
-            continue
-        weights = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
-        shapes.append(ProductShape(spec.role, sum(w[0] for w in weights), weights[0][1], spec.in_layer))
-    return tuple(shapes)
 
 
 class ProductKernel(Protocol):

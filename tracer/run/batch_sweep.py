@@ -1,44 +1,60 @@
-"""Decode time per step over batch sizes, measured on the real model beside the roofline's prediction.
+"""`llmtrace run --batch-sweep 1,2,4,…`: decode time per step at each batch, measured on the real model beside the
+prediction from this machine's kernels measured at decode's shapes, with the crossover of each.
 
-The roofline predicts that batching is nearly free while decode is memory-bound (every sequence shares one read of
-the weights) and costs linearly once it is compute-bound; the batch where the two meet is the crossover
-(llmtrace.tracer.roofline.analysis.Crossover). `sweep` checks that on the model itself: for each batch it runs a
-prefill of the prompt repeated `batch` times (untimed) and then `steps` decode steps, each timed alone with the
-device synchronised around it, greedy (every sequence feeds back its own argmax), without hooks, `repeats` times;
-the figure is the median step. The prediction is the roofline's mean decode step over the same contexts, for the
-same machine profile and the same kernel model (llmtrace's model runs eager kernels, so `eager` by default).
+For every batch B the measurement is a real batched generation (tracer/run/batch_generate.py, what `run --batch B`
+runs: the prompts left-padded, per-sequence positions, greedy sampling, no hooks) with its untimed warm-up pass,
+then `steps` decode steps; each step's forward pass is timed alone (StepRecord.forward_ns, the device synchronised
+around it). Only steps that still hold all B sequences count (a sequence that stops early leaves the batch). The
+batches are interleaved over `repeats` rounds, so machine noise lands on all of them alike; a row reports the
+median step and the fastest and slowest.
 
-The measured crossover is read off the measurement the way the roofline draws its two roofs: the memory roof is
-the batch-1 step time (flat in the batch), the compute roof is the line through the two largest batches' times;
-the crossover is where they meet. When the largest batches add no time (still memory-bound) there is none.
+The prediction is llmtrace.tracer.roofline.kernel_decode over ceilings measured in the same process
+(tracer/run/decode_measure.py: the model's own products at (B, N, K), the step's other operations counted and
+timed), saved for `llmtrace roofline` to read back. Beside it, for reference, the two-roof roofline of this
+machine's profile (copy bandwidth and square-GEMM FLOP/s, eager kernels: what llmtrace's model runs). The three
+crossovers (measured, predicted, roofline) are read off their step times by one rule (kernel_decode.CROSSOVER_RULE).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
-
 from llmtrace.tracer.analytic.kernels import Kernels
-from llmtrace.tracer.core.dtypes import FP32, DType
-from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
+from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
+from llmtrace.tracer.hardware.decode_ceilings import DecodeCeilings, save_ceilings
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.analysis import roofline
-from llmtrace.tracer.trace.hooks import device_synchronizer
+from llmtrace.tracer.roofline.kernel_decode import (
+    COPY_AND_GEMM, CROSSOVER_RULE, MEASURED_KERNELS, growth_crossover, mean_step_seconds,
+)
+from llmtrace.tracer.run.batch_generate import BatchGeneration
+from llmtrace.tracer.trace.records import DECODE, RunSettings
+
+Progress = Callable[[str], None]
+MAX_BATCH = 4096
+GOAL_RATIO = 1.5  # issue 14: measured within 1.5x of the prediction at every batch
+GOAL_CROSSOVER = 2.0  # and the crossover within 2x
 
 
 @dataclass(frozen=True, slots=True)
 class SweepRow:
     batch: int
-    measured_step_s: float  # median decode step over every step of every repeat
-    measured_min_s: float  # fastest and slowest step: the spread behind the median
+    steps_timed: int  # decode steps that held all `batch` sequences, over every repeat
+    measured_step_s: float  # median forward pass of those steps
+    measured_min_s: float  # the fastest and slowest of them: the spread behind the median
     measured_max_s: float
-    predicted_step_s: float  # the roofline's mean decode step over the same contexts
-    predicted_bound: str  # of the last decode step: "compute" | "memory"
-    measured_over_predicted: float  # measured_step_s / predicted_step_s
+    predicted_step_s: float  # measured kernels: mean over the same contexts
+    predicted_products_s: float  # of which the weight products
+    predicted_ops: int  # the step's other tensor operations
+    predicted_ops_s: float  # their measured time
+    predicted_context_s: float  # attention/KV traffic of the sweep's contexts beyond the measured one
+    measured_over_predicted: float
+    roofline_step_s: float  # the two-roof roofline (copy bandwidth, square GEMM), eager kernels
+    roofline_bound: str  # "compute" | "memory", of the last decode step
+    measured_over_roofline: float
     measured_tokens_per_s: float  # batch / measured step: all sequences together
     predicted_tokens_per_s: float
 
@@ -46,103 +62,148 @@ class SweepRow:
 @dataclass(frozen=True, slots=True)
 class BatchSweep:
     model: str
-    hardware: str
-    kernels: str  # the kernel model of the prediction
+    weights: str  # "dense fp32" or "stored"
+    formats: str  # the products' formats as run ("fp32", "q4_1 (int4pack)+q8_0 (int4pack)")
     compute_dtype: str
-    peak_flops: float
-    memory_bandwidth: float
-    ridge_point: float
-    prompt_len: int
-    decode_steps: int  # per repeat, per batch
+    device_name: str
+    machine: str  # product_timing.machine_key: what the ceilings are saved under
+    prompts: int  # distinct prompts (the prompt repeated, or --file's lines)
+    prompt_tokens: int  # the longest prompt's tokens: where every row's decode starts
+    decode_steps: int  # timed per generation
     repeats: int
-    threads: int
+    ceilings: str  # kernel_decode.MEASURED_KERNELS: what the prediction stands on
+    roofline_ceilings: str  # kernel_decode.COPY_AND_GEMM: what the reference roofline stands on
+    roofline_weights: str  # how the reference roofline costs the weights: "fp32", "fp32 (matrices as stored)"
+    peak_flops: float  # the reference roofline's ceilings
+    memory_bandwidth: float
     rows: tuple[SweepRow, ...]
-    predicted_crossover: int | None  # the roofline's exact crossover at the last step's context; None = never
-    predicted_knee: float | None  # the same two-roof construction applied to the predicted times
-    measured_crossover: float | None  # where the measured memory and compute roofs meet; None = not in the sweep
+    crossover_rule: str
+    measured_crossover: int | None  # by crossover_rule over the measured steps; None = not within the sweep
+    predicted_crossover: int | None  # the same rule over the predicted steps
+    roofline_crossover: int | None  # the same rule over the reference roofline's steps
+    roofline_exact_crossover: int | None  # the roofline's own: the smallest compute-bound batch
+    worst_ratio: float  # the largest of measured/predicted and predicted/measured over the rows
+    goal_met: bool  # worst_ratio <= GOAL_RATIO and the crossovers within GOAL_CROSSOVER of each other
+    ceilings_saved_to: str  # where the ceilings were saved ("" when they could not be)
+    note: str  # why they were not saved, or ""
 
 
-def parse_batches(text: str) -> tuple[int, ...]:
+def parse_batches(text: str, option: str = "--batch-sweep") -> tuple[int, ...]:
     """'1,2,4,8' -> (1, 2, 4, 8); a one-line BadArgumentError for anything else."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or not all(parts):
+        raise BadArgumentError(f"{option} takes batch sizes separated by commas, e.g. 1,2,4,8; got {text!r}")
     try:
-        batches = tuple(int(part) for part in text.split(",") if part.strip())
+        batches = tuple(int(part) for part in parts)
     except ValueError:
-        raise BadArgumentError(f"--batches must be whole numbers separated by commas, got {text!r}") from None
-    if not batches or min(batches) < 1 or list(batches) != sorted(set(batches)):
-        raise BadArgumentError(f"--batches must be increasing whole numbers >= 1, got {text!r}")
+        raise BadArgumentError(f"{option} takes whole numbers separated by commas, e.g. 1,2,4,8; got {text!r}") \
+            from None
+    if min(batches) < 1 or max(batches) > MAX_BATCH or list(batches) != sorted(set(batches)):
+        raise BadArgumentError(f"{option} takes increasing batch sizes from 1 to {MAX_BATCH}, e.g. 1,2,4,8; "
+                               f"got {text!r}")
     return batches
 
 
-def measure_decode_steps(model: Any, ids: Sequence[int], batch: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` greedy decode steps after an untimed prefill of `ids` repeated `batch` times."""
-    param = model.norm.weight  # dense, in the compute dtype (stored matrices are meta placeholders)
-    sync = device_synchronizer(param.device)
-    tokens = torch.tensor([list(ids)] * batch, dtype=torch.long, device=param.device)  # (B, P)
-    model.setup_cache(batch, len(ids) + steps)
-    times = []
-    with torch.no_grad():
-        logits = model.prefill(tokens)  # (B, V)
-        for _ in range(steps):
-            next_ids = logits.argmax(dim=-1, keepdim=True)  # (B, 1): each sequence its own token
-            if sync is not None:
-                sync()
-            start = time.perf_counter()
-            logits = model.decode_one(next_ids)
-            if sync is not None:
-                sync()
-            times.append(time.perf_counter() - start)
-    return times
+def sweep_prompts(prompts: Sequence[str], batches: Sequence[int], from_file: bool) -> tuple[str, ...]:
+    """The prompts batch B takes its first B from: --file's lines (there must be one per sequence of the largest
+    batch), or the one prompt repeated."""
+    if not from_file:
+        return (prompts[0],) * batches[-1]
+    if len(prompts) < batches[-1]:
+        raise BadArgumentError(f"--batch-sweep up to {batches[-1]} takes one prompt per sequence, but --file has "
+                               f"{len(prompts)}; give more lines or a smaller largest batch")
+    return tuple(prompts[: batches[-1]])
 
 
-def knee(batches: Sequence[int], step_seconds: Sequence[float]) -> float | None:
-    """Where the flat roof at the batch-1 time meets the line through the two largest batches' times."""
-    if len(batches) < 3:
-        return None
-    (b1, t1), (b2, t2) = (batches[-2], step_seconds[-2]), (batches[-1], step_seconds[-1])
-    slope = (t2 - t1) / (b2 - b1)
-    if slope <= 0:
-        return None
-    crossing = b2 - (t2 - step_seconds[0]) / slope
-    return max(crossing, float(batches[0]))
+def _generation_steps(loaded: Any, prompts: Sequence[str], batch: int, steps: int, dtype: str) -> list[float]:
+    """Forward seconds of the decode steps of one greedy generation of `batch` sequences that held all of them."""
+    settings = RunSettings(model="", prompt=prompts[0], max_new_tokens=steps + 1, trace=False, warmup=True,
+                           temperatures=(), batch=batch, batch_prompts=tuple(prompts[:batch]), dtype=dtype)
+    generation = BatchGeneration(loaded, settings)
+    try:
+        trace = generation.run()
+    finally:
+        generation.close()
+    return [s.forward_ns / 1e9 for s in trace.steps if s.phase == DECODE and s.batch == batch]
 
 
-def sweep(loaded: Any, hardware: HardwareProfile, ids: Sequence[int], batches: Sequence[int], steps: int = 16,
-          repeats: int = 3, dtype: DType = FP32, kernels: Kernels | str = Kernels.EAGER,
-          progress: Callable[[int, int], None] | None = None) -> BatchSweep:
-    """Measure and predict the decode step at each batch. Rounds are interleaved (every batch once per repeat), so
-    machine noise lands on all batches alike. `progress(done, total)` is called after each measurement."""
+def sweep(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batches: Sequence[int],
+          measure_ceilings: Callable[..., DecodeCeilings], steps: int = 8, repeats: int = 3,
+          stored: tuple[tuple[str, int, int], ...] = (),
+          progress: Progress | None = None, save: bool = True) -> BatchSweep:
+    """Measure and predict the decode step at each of `batches` (see the module docstring). `prompts` holds at
+    least the largest batch's prompts (sweep_prompts). `measure_ceilings(loaded, ids, batches, bandwidth, progress=)`
+    measures the kernels (tracer/run/decode_measure.measure_decode_ceilings; a stand-in in tests).
+    `stored`: a GGUF's tensors as stored (estimate.Dtypes.stored) when the run multiplies them as stored, so the
+    reference roofline costs their stored bytes (its FLOP/s ceiling is the compute dtype's either way)."""
     if steps < 2 or repeats < 1:
         raise BadArgumentError(f"a sweep needs at least 2 decode steps and 1 repeat, got {steps} and {repeats}")
-    model = loaded.model
-    measure_decode_steps(model, ids, batches[-1], 2)  # warm-up at the largest batch: allocator, kernel set-up
+    if not batches or len(prompts) < batches[-1]:
+        raise BadArgumentError("a sweep needs batch sizes and a prompt for every sequence of the largest")
+    config, tokenizer = loaded.config, loaded.tokenizer
+    dtype_name = _compute_dtype(loaded)
     samples: dict[int, list[float]] = {b: [] for b in batches}
     total = len(batches) * repeats
     for r in range(repeats):
         for i, b in enumerate(batches):
-            samples[b].extend(measure_decode_steps(model, ids, b, steps))
             if progress is not None:
-                progress(r * len(batches) + i + 1, total)
-    model.reset_cache()
-
-    rows = []
+                progress(f"decode at batch {b} ({r * len(batches) + i + 1} of {total} generations)")
+            samples[b].extend(_generation_steps(loaded, prompts, b, steps, dtype_name))
+    for b in batches:
+        if not samples[b]:
+            raise BadArgumentError(f"no decode step at batch {b} held all {b} sequences (one stopped at once); "
+                                   "use other prompts or a larger --max-new-tokens")
+    ids = tokenizer.encode(prompts[0])
+    longest = max(len(tokenizer.encode(p)) for p in set(prompts[: batches[-1]]))
+    ceilings = measure_ceilings(loaded, ids, batches, hardware.memory_bandwidth, progress=progress)
+    saved_to, note = "", ""
+    if save:
+        try:
+            saved_to = str(save_ceilings(ceilings))
+        except HardwareError as exc:
+            note = str(exc)
+    weights = get_dtype(dtype_name, COMPUTE_DTYPES)
+    rows, roofline_steps = [], []
     report = None
     for b in batches:
-        report = roofline(loaded.config, hardware, prompt_len=len(ids), new_tokens=steps + 1, batch=b, dtype=dtype,
-                          check_fit=False, kernels=kernels)
-        predicted = report.generation.time_per_output_token_seconds
+        first, last, predicted = mean_step_seconds(ceilings, config, b, longest, steps)
+        report = roofline(config, hardware, prompt_len=longest, new_tokens=steps + 1, batch=b, dtype=weights,
+                          check_fit=False, kernels=Kernels.EAGER, stored=stored)
+        reference = report.generation.time_per_output_token_seconds or 0.0
+        roofline_steps.append(reference)
         measured = statistics.median(samples[b])
         rows.append(SweepRow(
-            batch=b, measured_step_s=measured, measured_min_s=min(samples[b]), measured_max_s=max(samples[b]),
-            predicted_step_s=predicted, predicted_bound=report.last_decode.bound,
-            measured_over_predicted=measured / predicted, measured_tokens_per_s=b / measured,
-            predicted_tokens_per_s=b / predicted,
+            batch=b, steps_timed=len(samples[b]), measured_step_s=measured, measured_min_s=min(samples[b]),
+            measured_max_s=max(samples[b]), predicted_step_s=predicted,
+            predicted_products_s=(first.products_seconds + last.products_seconds) / 2,
+            predicted_ops=first.ops, predicted_ops_s=(first.ops_seconds + last.ops_seconds) / 2,
+            predicted_context_s=(first.context_seconds + last.context_seconds) / 2,
+            measured_over_predicted=measured / predicted, roofline_step_s=reference,
+            roofline_bound=report.last_decode.bound if report.last_decode else "",
+            measured_over_roofline=measured / reference if reference else 0.0,
+            measured_tokens_per_s=b / measured, predicted_tokens_per_s=b / predicted,
         ))
-    m = report.machine
+    assert report is not None
+    measured_x = growth_crossover(batches, [r.measured_step_s for r in rows])
+    predicted_x = growth_crossover(batches, [r.predicted_step_s for r in rows])
+    worst = max(max(r.measured_over_predicted, 1 / r.measured_over_predicted) for r in rows)
+    crossover_ok = (measured_x == predicted_x or (measured_x is not None and predicted_x is not None
+                                                   and max(measured_x, predicted_x) / min(measured_x, predicted_x)
+                                                   <= GOAL_CROSSOVER))
     return BatchSweep(
-        model=loaded.config.name, hardware=hardware.name, kernels=report.kernels, compute_dtype=m.compute_dtype,
-        peak_flops=m.peak_flops, memory_bandwidth=m.memory_bandwidth, ridge_point=m.ridge_point,
-        prompt_len=len(ids), decode_steps=steps, repeats=repeats, threads=torch.get_num_threads(), rows=tuple(rows),
-        predicted_crossover=report.crossover.crossover_batch,
-        predicted_knee=knee(batches, [r.predicted_step_s for r in rows]),
-        measured_crossover=knee(batches, [r.measured_step_s for r in rows]),
+        model=config.name, weights=ceilings.weights, formats=ceilings.formats, compute_dtype=dtype_name,
+        device_name=ceilings.device_name, machine=ceilings.machine, prompts=len(set(prompts[: batches[-1]])),
+        prompt_tokens=longest, decode_steps=steps, repeats=repeats, ceilings=MEASURED_KERNELS,
+        roofline_ceilings=COPY_AND_GEMM, roofline_weights=weights.name + (" (matrices as stored)" if stored else ""), peak_flops=report.machine.peak_flops,
+        memory_bandwidth=report.machine.memory_bandwidth, rows=tuple(rows), crossover_rule=CROSSOVER_RULE,
+        measured_crossover=measured_x, predicted_crossover=predicted_x,
+        roofline_crossover=growth_crossover(batches, roofline_steps),
+        roofline_exact_crossover=report.crossover.crossover_batch, worst_ratio=worst,
+        goal_met=worst <= GOAL_RATIO and crossover_ok, ceilings_saved_to=saved_to, note=note,
     )
+
+
+def _compute_dtype(loaded: Any) -> str:
+    from llmtrace.tracer.hardware.dtype_policy import dtype_of
+
+    return dtype_of(loaded.model.norm.weight.dtype).name

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
-from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP32, TF32, get_dtype
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP32, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import HardwareError, LlmtraceError
-from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, get_profile
+from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile, get_profile
 from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details, save_measured_profile
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
 from llmtrace.tracer.trace.run_trace import Trace
@@ -32,6 +32,42 @@ class RunRoofline:
     not_saved: str = ""  # why that measurement could not be saved (a read-only or full home); it still served
 
 
+class NoProfileForDevice(HardwareError):
+    """'this-machine' cannot serve the run's device (measured on another, or a device nothing measures)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MachineProfile:
+    """This machine's saved profile, or the quick measurement made (and saved, where possible) because none was."""
+
+    profile: HardwareProfile
+    measured: "QuickMeasurement | None"  # the first-run measurement made for it, saved as 'this-machine'
+    saved_to: str | None
+    not_saved: str = ""  # why that measurement could not be saved; it still serves
+
+
+def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], None] | None = None) -> MachineProfile:
+    """The saved 'this-machine' profile, or one measured now (quickly, fp32 and `dtype` GEMMs and a copy) and saved.
+    NoProfileForDevice when it cannot serve `device`; HardwareError for an unreadable store."""
+    profiles = load_measured_profiles()
+    if THIS_MACHINE in profiles:
+        details = load_measurement_details(THIS_MACHINE) or {}
+        if details.get("device", device) != device:
+            raise NoProfileForDevice(f"'this-machine' was measured on {details['device']}, this run used {device}; "
+                                f"run `llmtrace hardware --measure --device {device}`")
+        return MachineProfile(get_profile(THIS_MACHINE, profiles), None, None)
+    if device not in ("cpu", "cuda"):
+        raise NoProfileForDevice(f"no measurement for {device}; compare with `llmtrace roofline --hardware <your machine>`")
+    from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
+
+    measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress)
+    try:
+        saved_to, not_saved = str(save_measured_profile(measured.profile, asdict(measured.measurement))), ""
+    except HardwareError as exc:  # an unwritable config folder: this run still gets its bound
+        saved_to, not_saved = None, str(exc)
+    return MachineProfile(measured.profile, measured, saved_to, not_saved)
+
+
 def run_roofline(trace: Trace, summary: RunSummary,
                  progress: Callable[[str], None] | None = None) -> RunRoofline:
     """The comparison for `trace` on this machine (measuring it first if needed; `progress` hears what is being
@@ -46,25 +82,11 @@ def run_roofline(trace: Trace, summary: RunSummary,
 
     try:
         dtype = get_dtype(trace.environment.dtype, COMPUTE_DTYPES)  # the record's "bfloat16" -> BF16
-        profiles = load_measured_profiles()
-        if THIS_MACHINE not in profiles:
-            if device not in ("cpu", "cuda"):
-                return without(f"no measurement for {device}; compare with "
-                               "`llmtrace roofline --hardware <your machine>`")
-            from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
-
-            measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress)
-            try:
-                saved_to = str(save_measured_profile(measured.profile, asdict(measured.measurement)))
-            except HardwareError as exc:  # an unwritable config folder: this run still gets its bound
-                not_saved = str(exc)
-            profiles = {THIS_MACHINE: measured.profile}
-        else:
-            details = load_measurement_details(THIS_MACHINE) or {}
-            if details.get("device", device) != device:
-                return without(f"'this-machine' was measured on {details['device']}, this run used {device}; "
-                               f"run `llmtrace hardware --measure --device {device}`")
-        profile = get_profile(THIS_MACHINE, profiles)
+        try:
+            machine = this_machine_profile(device, dtype, progress)
+        except NoProfileForDevice as exc:
+            return without(str(exc))
+        profile, measured, saved_to, not_saved = machine.profile, machine.measured, machine.saved_to, machine.not_saved
         if not profile.has_peak(dtype.name):
             have = ", ".join(d.name for d in MEASURABLE_DTYPES
                              if d is not TF32 and profile.has_peak(d.name)) or "none"

@@ -1,0 +1,184 @@
+"""Measure a loaded model's decode ceilings on this machine (llmtrace.tracer.hardware.decode_ceilings): the model's
+own weight products at each batch's shapes, and the rest of its decode step, counted and timed.
+
+At each batch B:
+- Products: one pass of the step's products in the step's order, every layer's Q|K|V, O, gate|up and down, then
+  the LM head, each called as the fused path calls it (its `product`: torch.mv for one row, F.linear for more, a
+  stored matrix's own kernel through PackedWeight.__call__) on a (B, K) input; the pass streams every weight from
+  memory as a real step does (timing one matrix again and again would read it from the caches). Each call is timed;
+  the pass with the smallest total (of one warm-up and `repeats` timed passes) gives each product's time, its
+  per-layer calls averaged.
+- The rest: the same model's decode steps with the weight products taken out (each returns an uninitialised tensor
+  of its output's shape), so what is left is every other operation of the step at its real shapes: norms, RoPE, the
+  KV-cache write, attention, activations, residual adds, the embedding lookup and all views. One step runs under a
+  dispatch counter (every aten operation but the stand-ins' allocations counts); `steps` more are timed, median.
+The products' outputs are values no one reads and the stubbed steps' tokens are garbage: only times are kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.hardware.decode_ceilings import (
+    STORED, BatchCeilings, DecodeCeilings, ProductTime, dense_key, shapes_key,
+)
+from llmtrace.tracer.hardware.dtype_policy import dtype_of
+from llmtrace.tracer.hardware.product_shapes import product_shapes
+from llmtrace.tracer.hardware.product_timing import machine_key
+from llmtrace.tracer.model.weight_formats import DENSE, PackedWeight
+from llmtrace.tracer.trace.hooks import device_synchronizer
+
+Progress = Callable[[str], None]
+# Each per-layer product of the fused path and the FusedLayer attributes holding its weight and bias.
+LAYER_PRODUCTS = {"attention.wqkv": ("wqkv", "bqkv"), "attention.wo": ("wo", "bo"),
+                  "feed_forward.w13": ("w13", "b13"), "feed_forward.w2": ("w2", "b2")}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _plan(model: Any, batch: int, positions: int) -> Any:
+    model.setup_cache(batch, positions)
+    plan = getattr(model, "_fused_plan", None)
+    if plan is None or not model.fusable():
+        raise BadArgumentError("the decode ceilings are measured on the fused path; something watches the model's "
+                               "modules (a hook), so it runs stage by stage")
+    return plan
+
+
+def weights_of(plan: Any) -> tuple[str, str]:
+    """(weights key, formats label) of the plan's products: "stored" when any is held as the GGUF stores it."""
+    labels, stored = [], False
+    for weight in [getattr(layer, attr) for layer in plan.layers for attr, _ in LAYER_PRODUCTS.values()] + [plan.output]:
+        if isinstance(weight, PackedWeight):
+            labels.append(weight.format.label)
+            stored = stored or weight.format.kernel != DENSE
+        else:
+            labels.append(dtype_of(weight.dtype).name)
+    formats = "+".join(sorted(set(labels)))
+    return (STORED if stored else dense_key(dtype_of(plan.dtype).name)), formats
+
+
+def _time_products(plan: Any, config: Any, batch: int, repeats: int, sync: Callable[[], None] | None,
+                   ) -> tuple[ProductTime, ...]:
+    shapes = {s.role: s for s in product_shapes(config)}
+    device, dtype = plan.final_norm.weight.device, plan.dtype
+    generator = torch.Generator().manual_seed(0)
+    calls: list[tuple[str, Any, Any]] = []
+    for layer in plan.layers:
+        for role, (weight, bias) in LAYER_PRODUCTS.items():
+            calls.append((role, getattr(layer, weight), getattr(layer, bias)))
+    head_role = next(s.role for s in shapes.values() if not s.per_layer)
+    calls.append((head_role, plan.output, plan.output_bias))
+    inputs = {}
+    for role, shape in shapes.items():
+        x = torch.empty(batch, shape.cols).uniform_(-1, 1, generator=generator).to(device, dtype)
+        inputs[role] = x[0] if batch == 1 else x  # one row runs as a vector, as the fused path does
+    best: dict[str, float] | None = None
+    with torch.no_grad():
+        for round_ in range(repeats + 1):  # round 0 warms up (kernel set-up, first touch of outputs)
+            spent: dict[str, float] = {role: 0.0 for role in shapes}
+            for role, weight, bias in calls:
+                if sync is not None:
+                    sync()
+                start = time.perf_counter()
+                plan.product(inputs[role], weight, bias)
+                if sync is not None:
+                    sync()
+                spent[role] += time.perf_counter() - start
+            if round_ and (best is None or sum(spent.values()) < sum(best.values())):
+                best = spent
+    assert best is not None
+    n_layers = len(plan.layers)
+    return tuple(ProductTime(role=s.role, rows=s.rows, cols=s.cols, per_layer=s.per_layer,
+                             seconds=best[s.role] / (n_layers if s.per_layer else 1)) for s in shapes.values())
+
+
+def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps: int,
+                   sync: Callable[[], None] | None) -> tuple[int, float, int]:
+    """(operations of one decode step besides its products, median seconds of `steps` such steps, median context)."""
+    stand_ins = 0
+
+    def stand_in(x: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
+        nonlocal stand_ins
+        stand_ins += 1
+        return x.new_empty(x.shape[:-1] + (weight.shape[0],))  # (..., out), values never read for what they are
+
+    layers_product = [layer.product for layer in plan.layers]
+    plan_product = plan.product
+    tokens = torch.tensor([list(ids)] * batch, dtype=torch.long, device=plan.final_norm.weight.device)  # (B, P)
+    times, contexts = [], []
+    with torch.no_grad():
+        logits = model.prefill(tokens)  # (B, V): real products, so the cache holds what a decode step reads
+        try:
+            plan.product = stand_in
+            for layer in plan.layers:
+                layer.product = stand_in
+            counter = _OpCounter()
+            next_ids = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            stand_ins = 0
+            with counter:
+                logits = model.decode_one(next_ids)
+            ops = counter.count - stand_ins
+            for _ in range(steps):
+                next_ids = logits.argmax(dim=-1, keepdim=True).clamp_(0, plan.embedding.shape[0] - 1)
+                if sync is not None:
+                    sync()
+                start = time.perf_counter()
+                logits = model.decode_one(next_ids)
+                if sync is not None:
+                    sync()
+                times.append(time.perf_counter() - start)
+                contexts.append(int(model.pos))
+        finally:
+            plan.product = plan_product
+            for layer, product in zip(plan.layers, layers_product):
+                layer.product = product
+    return ops, statistics.median(times), round(statistics.median(contexts))
+
+
+def measure_decode_ceilings(loaded: Any, ids: Sequence[int], batches: Sequence[int], memory_bandwidth: float,
+                            steps: int = 6, repeats: int = 3, progress: Progress | None = None) -> DecodeCeilings:
+    """The decode ceilings of `loaded`'s model at each of `batches` (see the module docstring); `ids` is the prompt
+    each sequence of the stubbed steps starts from, `memory_bandwidth` (bytes/s, the machine's copy figure) what
+    attention/KV bytes of other contexts are charged at."""
+    if steps < 1 or repeats < 1:
+        raise BadArgumentError(f"measuring decode ceilings needs at least 1 step and 1 repeat, got {steps}, {repeats}")
+    model, config = loaded.model, loaded.config
+    sync = device_synchronizer(model.norm.weight.device)
+    entries = []
+    try:
+        for batch in batches:
+            if progress is not None:
+                progress(f"kernels at batch {batch}")
+            plan = _plan(model, batch, len(ids) + steps + 2)
+            products = _time_products(plan, config, batch, repeats, sync)
+            ops, other, context = _stubbed_steps(model, plan, ids, batch, steps, sync)
+            entries.append(BatchCeilings(batch=batch, products=products, ops=ops, other_seconds=other,
+                                         context=context))
+        weights, formats = weights_of(plan)
+    finally:
+        model.reset_cache()
+    device = str(model.norm.weight.device)
+    return DecodeCeilings(
+        machine=machine_key(device), device_name=machine_key(device).split("|")[1], shapes=shapes_key(config),
+        weights=weights, formats=formats, compute_dtype=dtype_of(model.norm.weight.dtype).name,
+        n_layers=config.n_layers, memory_bandwidth=memory_bandwidth,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), batches=tuple(entries),
+    )
