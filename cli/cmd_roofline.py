@@ -53,15 +53,19 @@ def roofline(
         from llmtrace.tracer.analytic.flops_report import default_weights_dtype, weights_as_stored
         from llmtrace.tracer.checkpoint.resolve import resolve_model
         from llmtrace.tracer.roofline.analysis import roofline as predict
+        from llmtrace.tracer.roofline.measured_decode import measured_roofline
 
         resolved = resolve_model(model)
         weights, weights_from = (dtype, "option") if dtype is not None else default_weights_dtype(resolved)
+        profile = resolve_hardware(hardware)
         report = predict(
-            resolved.config, resolve_hardware(hardware), prompt_len=prompt_len, new_tokens=new_tokens,
+            resolved.config, profile, prompt_len=prompt_len, new_tokens=new_tokens,
             batch=batch, dtype=weights, kv_dtype=kv_dtype, tp=tp,
             kernels=kernels.value if kernels else None, weights_from=weights_from,
             stored=weights_as_stored(resolved) if weights_from == "file" else (),
         )
+        if tp == 1:  # measured kernels are one device's
+            report = measured_roofline(report, resolved.config, profile, weights, weights_from)
         if json_out:
             from llmtrace.cli.json_output import print_json
 

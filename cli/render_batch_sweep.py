@@ -24,15 +24,14 @@ def _crossover(batch: int | None) -> str:
 
 def render_batch_sweep(console: Console, s: BatchSweep) -> None:
     main = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
-                 title="decode step, ms (all sequences together)", title_justify="left")
-    for name, justify in (("batch", "right"), ("measured", "right"), ("min–max", "right"), ("kernels", "right"),
-                          ("meas/kern", "right"), ("roofline", "right"), ("meas/roof", "right"),
-                          ("tok/s", "right")):
-        main.add_column(name, justify=justify, no_wrap=True)
+                 title="decode step in ms, all sequences together: measured (median, min–max) ÷ predicted",
+                 title_justify="left")
+    for name in ("batch", "measured", "min–max", "kernels", "÷ kern.", "roofline", "÷ roof.", "tok/s"):
+        main.add_column(name, justify="right", no_wrap=True)
     for r in s.rows:
         off = max(r.measured_over_predicted, 1 / r.measured_over_predicted) > GOAL_RATIO
         main.add_row(
-            str(r.batch), _ms(r.measured_step_s), f"{_ms(r.measured_min_s)}–{_ms(r.measured_max_s)}",
+            str(r.batch), _ms(r.measured_step_s), f"{r.measured_min_s * 1e3:.0f}–{r.measured_max_s * 1e3:.0f}",
             _ms(r.predicted_step_s), Text(f"{r.measured_over_predicted:.2f}", style="red" if off else "green"),
             _ms(r.roofline_step_s), f"{r.measured_over_roofline:.2f}", fmt.figures(r.measured_tokens_per_s),
         )

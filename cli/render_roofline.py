@@ -192,6 +192,41 @@ def _batch_cells(row: BatchRow) -> list[str]:
             _giga(row.kv_bytes_per_device), _giga(row.memory_bytes_per_device), "yes" if row.fits else "no"]
 
 
+def kernel_decode_parts(report: RooflineReport) -> list:
+    """This machine's decode from kernels measured at decode shapes, or which ceilings the figures above stand on
+    (measured profiles only: a datasheet profile has nothing else)."""
+    k = report.kernel_decode
+    if k is None:
+        if not report.machine.measured:
+            return []
+        return [Text(f"\nDecode ceilings: {report.decode_ceilings} (no kernels measured at decode shapes for this "
+                     f"model and weights here; `llmtrace run --batch-sweep 1,2,4,8,16,32,64` measures them)")]
+    first, last = k.first_step, k.last_step
+    head = Text(f"\nDecode from {k.ceilings} ({k.weights}: {k.formats}; batches "
+                f"{', '.join(map(str, k.measured_batches))} measured {k.measured_at})", style="bold")
+    step = Text(
+        f"batch {fmt.count(first.batch)}, first step: products {_ms(first.products_seconds)} ms + "
+        f"{fmt.count(first.ops)} other ops × {fmt.duration_s(first.op_seconds)} = {_ms(first.ops_seconds)} ms + "
+        f"context {_ms(first.context_seconds)} ms = {_ms(first.seconds)} ms; last step {_ms(last.seconds)} ms; "
+        f"mean {_ms(k.time_per_output_token_seconds)} ms → {fmt.tokens_per_s(k.tokens_per_s_per_sequence)} per "
+        f"sequence, {fmt.tokens_per_s(k.tokens_per_s_total)} in all (the copy + GEMM roofline above: "
+        f"{_ms(report.generation.time_per_output_token_seconds or 0.0)} ms)")
+    table = report_table()
+    for name in ("batch", "step\nms", "products\nms", "other ops\nms", "tok/s\nper seq", "tok/s\ntotal",
+                 "roofline\nms"):
+        table.add_column(name, justify="right", no_wrap=True)
+    roof = {row.batch: row.step_seconds for row in report.batch_table}
+    for row in k.table:
+        table.add_row(fmt.count(row.batch) + ("" if not row.interpolated else "*"), _ms(row.seconds),
+                      _ms(row.products_seconds), _ms(row.ops_seconds), fmt.figures(1 / row.seconds),
+                      fmt.figures(row.batch / row.seconds), _ms(roof[row.batch]),
+                      style="bold" if row.batch == k.crossover_batch else "")
+    crossing = ("none within the table" if k.crossover_batch is None else f"batch {fmt.count(k.crossover_batch)}")
+    foot = Text(f"* between or beyond the measured batches (interpolated linearly). Crossover: {crossing} "
+                f"({k.crossover_rule}).")
+    return [head, step, table, foot]
+
+
 def memory_line(report: RooflineReport) -> str:
     f = report.memory
     tp = report.tensor_parallel.tp
@@ -320,8 +355,9 @@ def render_report(console: Console, report: RooflineReport) -> None:
     line = why_line(report)
     if line:
         parts.append(Text("\n" + line))
-    parts += [Text("\n" + crossover_line(report)), Text("\n" + batch_title(report)), batch_table(report),
-              Text(memory_line(report))]
+    parts += [Text("\n" + crossover_line(report)), Text("\n" + batch_title(report)), batch_table(report)]
+    parts += kernel_decode_parts(report)
+    parts.append(Text(memory_line(report)))
     tp = tp_line(report)
     if tp:
         parts.append(Text(tp))

@@ -1,80 +1,344 @@
-"""The batch sweep (llmtrace.tracer.run.batch_sweep): what it measures, what it predicts, how it reads a crossover.
+"""The batch sweep and the decode prediction from kernels measured at decode shapes (issue 14, item 5).
 
-Timings here are never asserted (speed lives in BENCHMARKS.md); the structure, the prediction (the roofline's own
-figure for the same contexts) and the knee arithmetic are, on a tiny random model.
+No timing is asserted (speed lives in BENCHMARKS.md): the prediction's arithmetic against a hand computation from
+given ceilings, the crossover rule, the ceilings' store, the measurement's records and the sweep's on a tiny
+random model, the CLI's bad input, its JSON against its schema, and the rendered table against golden files.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import math
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-import torch
+from typer.testing import CliRunner
 
-from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.cli.app import app
+from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.hardware.profiles import HardwareProfile
-from llmtrace.tracer.load.loader import load_model
-from llmtrace.tracer.roofline.analysis import roofline
-from llmtrace.tracer.run.batch_sweep import knee, measure_decode_steps, parse_batches, sweep
+from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.hardware.decode_ceilings import (
+    BatchCeilings, DecodeCeilings, DecodeCeilingsProblem, ProductTime, dense_key, load_ceilings, save_ceilings,
+    shapes_key,
+)
+from llmtrace.tracer.hardware.product_shapes import product_shapes
+from llmtrace.tracer.hardware.profiles import HardwareProfile, get_profile
+from llmtrace.tracer.roofline.kernel_decode import (
+    COPY_AND_GEMM, DATASHEET, MEASURED_KERNELS, growth_crossover, kernel_step, mean_step_seconds,
+)
 
-# A CPU-like measured profile: 100 GFLOP/s fp32, 20 GB/s -> ridge 5 FLOPs/byte.
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE = os.environ.get("LLMTRACE_UPDATE_GOLDEN") == "1"
+SMOL = get_preset("smollm2-135m")  # 30 layers, 9 heads over 3 KV heads of 64, dim 576
 MACHINE = HardwareProfile("this-machine", "test CPU", 20e9, 16 * 2**30, 100e9, None, None, None, None, None,
                           "none", 0.0, "test", measured=True)
 
 
-def test_parse_batches() -> None:
-    assert parse_batches("1,2,4, 8") == (1, 2, 4, 8)
-    for bad in ("", "1,x", "4,2", "0,1", "1,1"):
-        with pytest.raises(BadArgumentError, match="--batches"):
-            parse_batches(bad)
+def ceilings_for(config, batches=(1, 2, 8), context=10, device="AMD EPYC", weights="dense fp32",
+                 measured_at="2026-12-01T20:00:00+00:00") -> DecodeCeilings:
+    """Hand-made ceilings: each product takes (1 + batch) µs per call times its position in the step (1..5), the
+    other ops are 400 + batch at 10 µs each."""
+    entries = []
+    for b in batches:
+        products = tuple(ProductTime(s.role, s.rows, s.cols, s.per_layer, (1 + b) * 1e-6 * (i + 1))
+                         for i, s in enumerate(product_shapes(config)))
+        entries.append(BatchCeilings(batch=b, products=products, ops=400 + b, other_seconds=(400 + b) * 10e-6,
+                                     context=context))
+    return DecodeCeilings(machine=f"cpu|{device}|torch x|AVX2|2 threads", device_name=device,
+                          shapes=shapes_key(config), weights=weights, formats="fp32", compute_dtype="fp32",
+                          n_layers=config.n_layers, memory_bandwidth=20e9, measured_at=measured_at,
+                          batches=tuple(entries))
 
 
-def test_knee_is_where_the_flat_and_the_sloped_roof_meet() -> None:
-    # flat at 10 ms, then 1 ms per sequence from batch 16: 16 -> 16 ms, 32 -> 32 ms; the line t = B meets t = 10
-    assert knee([1, 2, 4, 8, 16, 32], [0.010, 0.010, 0.010, 0.011, 0.016, 0.032]) == pytest.approx(10.0)
-    assert knee([1, 2, 4], [0.010, 0.010, 0.010]) is None  # still flat: no crossover in the sweep
-    assert knee([1, 2], [0.01, 0.02]) is None  # two points cannot show two roofs
+# ---- the prediction's arithmetic ----------------------------------------------------------------------------
 
 
-def test_batched_greedy_decode_keeps_every_sequence_on_its_batch_1_tokens(tiny_llama_dir: Path) -> None:
-    """The prompt repeated B times: each row's greedy tokens equal the batch-1 run's (fp32)."""
-    loaded = load_model(str(tiny_llama_dir))
-    model = loaded.model
-    ids = loaded.tokenizer.encode("The sky is blue")
+def test_kernel_step_is_products_plus_ops_plus_context_bytes_by_hand() -> None:
+    c = ceilings_for(SMOL)
+    # products: the four per-layer ones (positions 1-4) x 30 layers + the LM head (position 5), (1 + B) µs each
+    def products(b: int) -> float:
+        return (1 + b) * 1e-6 * ((1 + 2 + 3 + 4) * 30 + 5)
 
-    def greedy(batch: int) -> torch.Tensor:
-        model.setup_cache(batch, len(ids) + 6)
-        with torch.no_grad():
-            logits = model.prefill(torch.tensor([ids] * batch))
-            out = []
-            for _ in range(6):
-                nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
-                out.append(nxt)
-                logits = model.decode_one(nxt)
-        return torch.cat(out, dim=1)  # (B, 6)
+    # each position beyond the measured context: per layer K and V rows of 3 KV heads x 64 fp32 values, and the
+    # eager scores (B x 9 heads fp32) written by QKᵀ, read + written by the scaling and the softmax, read by PV
+    def context_bytes(b: int, extra: int) -> int:
+        return extra * 30 * (2 * b * 3 * 64 * 4 + 6 * b * 9 * 4)
 
-    one = greedy(1)
-    four = greedy(4)
-    assert four.shape == (4, 6) and all(torch.equal(row, one[0]) for row in four)
-    assert len(measure_decode_steps(model, ids, 3, 4)) == 4
+    step = kernel_step(c, SMOL, 2, 25)
+    assert step.products_seconds == pytest.approx(products(2))
+    assert step.ops == 402 and step.ops_seconds == pytest.approx(402 * 10e-6) and not step.interpolated
+    assert step.op_seconds == pytest.approx(10e-6)
+    assert step.context_bytes == context_bytes(2, 25 - 10)
+    assert step.context_seconds == pytest.approx(context_bytes(2, 15) / 20e9)
+    assert step.seconds == pytest.approx(products(2) + 402 * 10e-6 + context_bytes(2, 15) / 20e9)
+    assert kernel_step(c, SMOL, 1, 10).context_bytes == 0  # at the measured context: nothing added
 
 
-def test_sweep_measures_every_batch_and_predicts_with_the_roofline(tiny_llama_dir: Path) -> None:
+def test_kernel_step_interpolates_between_and_extends_past_the_measured_batches() -> None:
+    c = ceilings_for(SMOL)  # measured at 1, 2, 8: every term is linear in the batch, so interpolation is exact
+    for b in (4, 5, 16):
+        step = kernel_step(c, SMOL, b, 10)
+        assert step.interpolated
+        assert step.products_seconds == pytest.approx((1 + b) * 1e-6 * (10 * 30 + 5))
+        assert step.ops == 400 + b and step.ops_seconds == pytest.approx((400 + b) * 10e-6)
+    assert kernel_step(c, SMOL, 1, 10).products_seconds == pytest.approx(2e-6 * 305)
+
+
+def test_mean_step_is_the_mean_of_every_step_because_each_is_affine_in_its_context() -> None:
+    c = ceilings_for(SMOL)
+    first, last, mean = mean_step_seconds(c, SMOL, 2, 20, 7)
+    steps = [kernel_step(c, SMOL, 2, 20 + k).seconds for k in range(1, 8)]
+    assert (first.kv_len, last.kv_len) == (21, 27)
+    assert mean == pytest.approx(sum(steps) / len(steps))
+
+
+def test_growth_crossover_rule() -> None:
+    # flat while memory-bound, then linear: 10, 10, 10, 11, 16, 32 ms at 1..32; 8 -> 16 grows 1.45x > √2
+    assert growth_crossover([1, 2, 4, 8, 16, 32], [0.010, 0.010, 0.010, 0.011, 0.016, 0.032]) == 8
+    # batch 1's faster kernel is not a crossover: 1 -> 2 doubles the step, but from 2 on it is flat
+    assert growth_crossover([1, 2, 4, 8], [0.005, 0.010, 0.010, 0.011]) is None
+    # a two-roof roofline: t = max(M, c B) with the exact crossover B* = 20 -> the rule gives 16 (B* / √2 < 16)
+    batches = [1, 2, 4, 8, 16, 32, 64]
+    assert growth_crossover(batches, [max(1.0, b / 20) for b in batches]) == 16
+    assert growth_crossover([2, 3, 4], [1.0, 1.3, 1.6]) == 2  # 1.3 > √1.5
+    assert growth_crossover([1], [1.0]) is None
+
+
+# ---- the store ----------------------------------------------------------------------------------------------
+
+
+def test_ceilings_store_round_trip_latest_wins_damage_is_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "decode_kernels.json"
+    old = ceilings_for(SMOL, measured_at="2026-12-01T19:00:00+00:00")
+    new = replace(ceilings_for(SMOL, measured_at="2026-12-01T20:00:00+00:00"), machine="cpu|AMD EPYC|torch y|AVX2|1")
+    save_ceilings(old, path)
+    save_ceilings(new, path)
+    assert load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path) == new
+    assert load_ceilings("Other CPU", shapes_key(SMOL), dense_key("fp32"), path) is None
+    assert load_ceilings("AMD EPYC", shapes_key(SMOL), "stored", path) is None
+    assert load_ceilings("AMD EPYC", shapes_key(get_preset("llama-7b")), dense_key("fp32"), path) is None
+    data = json.loads(path.read_text())
+    entry = next(iter(data["entries"].values()))
+    entry["batches"][0]["other_seconds"] = -1
+    path.write_text(json.dumps(data))
+    with pytest.raises(DecodeCeilingsProblem, match="other_seconds"):
+        load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path)
+    path.write_text("{not json")
+    with pytest.raises(DecodeCeilingsProblem, match="not JSON"):
+        load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path)
+    save_ceilings(old, path)  # a damaged file is replaced by the next measurement
+    assert load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path) == old
+
+
+def test_roofline_reads_saved_ceilings_for_this_machine_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmtrace.tracer.core.dtypes import FP32
+    from llmtrace.tracer.hardware import decode_ceilings
+    from llmtrace.tracer.roofline.analysis import roofline
+    from llmtrace.tracer.roofline.measured_decode import measured_roofline
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr(decode_ceilings, "this_cpu_name", lambda: "AMD EPYC")
+    monkeypatch.setattr("llmtrace.tracer.roofline.measured_decode.this_cpu_name", lambda: "AMD EPYC")
+    report = roofline(SMOL, MACHINE, prompt_len=20, new_tokens=8, batch=2, dtype=FP32, check_fit=False)
+    assert report.decode_ceilings == COPY_AND_GEMM and report.kernel_decode is None
+    gpu = roofline(SMOL, get_profile("h100-sxm"), prompt_len=20, new_tokens=8)
+    assert gpu.decode_ceilings == DATASHEET
+    assert measured_roofline(gpu, SMOL, get_profile("h100-sxm"), FP32, "option").kernel_decode is None
+
+    c = ceilings_for(SMOL)
+    save_ceilings(c)
+    shown = measured_roofline(report, SMOL, MACHINE, FP32, "option")
+    k = shown.kernel_decode
+    assert shown.decode_ceilings == MEASURED_KERNELS and k is not None
+    assert k.first_step == kernel_step(c, SMOL, 2, 21) and k.last_step == kernel_step(c, SMOL, 2, 27)
+    assert k.time_per_output_token_seconds == pytest.approx(mean_step_seconds(c, SMOL, 2, 20, 7)[2])
+    assert [r.batch for r in k.table] == [r.batch for r in report.batch_table]
+    assert shown.generation == report.generation  # the copy + GEMM figures stay, beside the kernels'
+
+    (tmp_path / "llmtrace" / "decode_kernels.json").write_text("[]")
+    damaged = measured_roofline(report, SMOL, MACHINE, FP32, "option")
+    assert damaged.kernel_decode is None and damaged.decode_ceilings == COPY_AND_GEMM
+    assert any("decode ceilings not used" in n and "--batch-sweep" in n for n in damaged.notes)
+
+
+# ---- measuring, on a tiny model -------------------------------------------------------------------------------
+
+
+def test_measured_ceilings_have_every_product_and_count_the_other_ops(tiny_llama_dir: Path) -> None:
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.run.decode_measure import measure_decode_ceilings
+
     loaded = load_model(str(tiny_llama_dir))
     ids = loaded.tokenizer.encode("Once upon a time")
-    calls = []
-    result = sweep(loaded, MACHINE, ids, (1, 2, 4), steps=3, repeats=2, progress=lambda d, t: calls.append((d, t)))
-    assert calls[-1] == (6, 6) and len(calls) == 6
-    assert result.kernels == "eager"  # what llmtrace's model runs
+    seen = []
+    c = measure_decode_ceilings(loaded, ids, (1, 3), 20e9, steps=2, repeats=1, progress=seen.append)
+    assert seen == ["kernels at batch 1", "kernels at batch 3"]
+    assert c.batch_sizes == (1, 3) and c.weights == "dense fp32" and c.formats == "fp32"
+    assert c.shapes == shapes_key(loaded.config) and c.n_layers == loaded.config.n_layers
+    non_products = [s for s in contract.fused_stages(loaded.config)
+                    if s.in_layer and s.kind not in ("linear", "lm_head")]
+    for entry in c.batches:
+        assert [(p.role, p.rows, p.cols, p.per_layer) for p in entry.products] == [
+            (s.role, s.rows, s.cols, s.per_layer) for s in product_shapes(loaded.config)]
+        assert all(p.seconds > 0 for p in entry.products)
+        # every non-product stage of every layer runs at least one tensor op
+        assert entry.ops >= len(non_products) * loaded.config.n_layers
+        assert entry.other_seconds > 0 and entry.context >= len(ids) + 1
+    assert loaded.model.fusable()  # the stand-ins are gone: the model runs its products again
+    loaded.model.setup_cache(1, 16)
+    import torch
+
+    with torch.no_grad():
+        logits = loaded.model.prefill(torch.tensor([ids]))
+    assert bool(torch.isfinite(logits).all())
+
+
+def test_sweep_records_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.run.batch_sweep import sweep
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    loaded = load_model(str(tiny_llama_dir))
+    fixed = ceilings_for(loaded.config, batches=(1, 2, 4))
+    asked = []
+
+    def measure(loaded_, ids, batches, bandwidth, progress=None):  # noqa: ANN001, ANN202
+        asked.append((tuple(batches), bandwidth))
+        return fixed
+
+    heard = []
+    result = sweep(loaded, MACHINE, ("Once upon a time",) * 4, (1, 2, 4), measure, steps=3, repeats=2,
+                   progress=heard.append)
+    assert asked == [((1, 2, 4), 20e9)]
+    assert sum("decode at batch" in h for h in heard) == 6
     assert [r.batch for r in result.rows] == [1, 2, 4]
-    for row in result.rows:
-        report = roofline(loaded.config, MACHINE, prompt_len=len(ids), new_tokens=4, batch=row.batch, dtype=FP32,
-                          check_fit=False, kernels="eager")
-        assert row.predicted_step_s == report.generation.time_per_output_token_seconds
-        assert row.measured_min_s <= row.measured_step_s <= row.measured_max_s
-        assert row.measured_over_predicted == pytest.approx(row.measured_step_s / row.predicted_step_s)
-        assert row.measured_tokens_per_s == pytest.approx(row.batch / row.measured_step_s)
-    assert result.predicted_crossover == report.crossover.crossover_batch
+    prompt = len(loaded.tokenizer.encode("Once upon a time"))
+    assert result.prompt_tokens == prompt and result.decode_steps == 3 and result.repeats == 2
+    for r in result.rows:
+        assert r.steps_timed == 6  # 3 steps x 2 rounds, every one with the whole batch
+        assert r.measured_min_s <= r.measured_step_s <= r.measured_max_s
+        assert r.predicted_step_s == pytest.approx(mean_step_seconds(fixed, loaded.config, r.batch, prompt, 3)[2])
+        assert r.measured_over_predicted == pytest.approx(r.measured_step_s / r.predicted_step_s)
+        assert r.predicted_ops == 400 + r.batch
+    assert result.predicted_crossover == growth_crossover([1, 2, 4], [r.predicted_step_s for r in result.rows])
+    assert result.measured_crossover == growth_crossover([1, 2, 4], [r.measured_step_s for r in result.rows])
+    worst = max(max(r.measured_over_predicted, 1 / r.measured_over_predicted) for r in result.rows)
+    assert result.worst_ratio == pytest.approx(worst)
+    assert result.ceilings_saved_to == str(tmp_path / "llmtrace" / "decode_kernels.json")
     with pytest.raises(BadArgumentError, match="at least 2 decode steps"):
-        sweep(loaded, MACHINE, ids, (1, 2), steps=1)
+        sweep(loaded, MACHINE, ("x",), (1,), measure, steps=1)
+
+
+def test_parse_batches_and_prompts() -> None:
+    from llmtrace.tracer.run.batch_sweep import parse_batches, sweep_prompts
+
+    assert parse_batches("1,2,4, 8") == (1, 2, 4, 8)
+    for bad in ("", " ", "1,,2", "1,x", "4,2", "0,1", "1,1", "1.5", "5000"):
+        with pytest.raises(BadArgumentError, match="--batch-sweep"):
+            parse_batches(bad)
+    assert sweep_prompts(("a",), (1, 2), from_file=False) == ("a", "a")
+    assert sweep_prompts(("a", "b", "c"), (1, 2), from_file=True) == ("a", "b")
+    with pytest.raises(BadArgumentError, match="--file has 2"):
+        sweep_prompts(("a", "b"), (1, 4), from_file=True)
+
+
+# ---- the CLI -----------------------------------------------------------------------------------------------
+
+
+def _cli(*args: str, config: Path, input_: str | None = None):  # noqa: ANN202
+    env = {"XDG_CONFIG_HOME": str(config), "COLUMNS": "80", "LLMTRACE_DEBUG": None}
+    return CliRunner().invoke(app, ["run", *args], env=env, input=input_)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sweep", ""], "--batch-sweep takes batch sizes"),
+    (["--batch-sweep", "0,1"], "from 1 to"),
+    (["--batch-sweep", "one,two"], "whole numbers"),
+    (["--batch-sweep", "1,2", "--batch", "2"], "drop --batch"),
+    (["--batch-sweep", "1,2", "--temperature", "0.7"], "drop --temperature"),
+    (["--batch-sweep", "1,2", "--max-new-tokens", "2"], "at least 2"),
+])
+def test_bad_sweep_input_is_one_line_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    result = _cli("hello", "--model", "/nonexistent-never-loaded", *args, config=tmp_path)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.output
+
+
+def test_sweep_more_batches_than_file_prompts_is_one_line(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n\n")
+    result = _cli("--file", str(prompts), "--model", str(tiny_llama_dir), "--batch-sweep", "1,2,4",
+                  config=tmp_path)
+    assert result.exit_code == 2 and "--file has 2" in result.stderr and "Traceback" not in result.output
+
+
+def test_sweep_cli_json_matches_its_schema(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import jsonschema
+
+    from llmtrace.tracer.hardware.store import save_measured_profile
+
+    save_measured_profile(MACHINE, {"device": "cpu"}, tmp_path / "llmtrace" / "hardware.json")  # no measuring
+    result = _cli("Once upon a time", "--model", str(tiny_llama_dir), "--batch-sweep", "1,2",
+                  "--max-new-tokens", "3", "--json", "-", config=tmp_path)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    schema_path = Path(__file__).resolve().parents[1] / "tracer" / "run" / "batch_sweep_schema.json"
+    jsonschema.validate(data, json.loads(schema_path.read_text()))
+    assert [r["batch"] for r in data["rows"]] == [1, 2] and data["ceilings"] == MEASURED_KERNELS
+    assert "Batch sweep" in result.stderr  # the view goes to stderr when the JSON has stdout
+    saved = json.loads((tmp_path / "llmtrace" / "decode_kernels.json").read_text())
+    assert len(saved["entries"]) == 1
+
+
+# ---- the view ------------------------------------------------------------------------------------------------
+
+
+def fixed_sweep():  # noqa: ANN201
+    from llmtrace.tracer.run.batch_sweep import BatchSweep, SweepRow
+
+    rows = []
+    for b, measured, predicted, roof in ((1, 0.0953, 0.0801, 0.0347), (2, 0.1695, 0.1512, 0.0349),
+                                         (4, 0.1912, 0.1650, 0.0354), (8, 0.1669, 0.1701, 0.0364),
+                                         (16, 0.2063, 0.2110, 0.0590), (32, 0.2518, 0.2498, 0.1181),
+                                         (64, 0.3913, 0.3502, 0.2362)):
+        rows.append(SweepRow(
+            batch=b, steps_timed=48, measured_step_s=measured, measured_min_s=measured * 0.9,
+            measured_max_s=measured * 1.3, predicted_step_s=predicted, predicted_products_s=predicted * 0.7,
+            predicted_ops=1575 if b > 1 else 1605, predicted_ops_s=predicted * 0.3, predicted_context_s=1e-4,
+            measured_over_predicted=measured / predicted, roofline_step_s=roof,
+            roofline_bound="memory" if b < 16 else "compute", measured_over_roofline=measured / roof,
+            measured_tokens_per_s=b / measured, predicted_tokens_per_s=b / predicted))
+    return BatchSweep(
+        model="Smollm2 135M", weights="dense fp32", formats="fp32", compute_dtype="fp32", device_name="AMD EPYC",
+        machine="cpu|AMD EPYC|torch 2.13.0+cpu|AVX2|2 threads", prompts=1, prompt_tokens=5, decode_steps=16,
+        repeats=3, ceilings=MEASURED_KERNELS, roofline_ceilings=COPY_AND_GEMM, roofline_weights="fp32",
+        peak_flops=73.3e9, memory_bandwidth=15.63e9, rows=tuple(rows),
+        crossover_rule="smallest batch B >= 2 from which the next swept batch B' takes more than sqrt(B'/B) times "
+                       "B's step time (batch 1 runs a matrix-vector kernel, so it is not a starting point)",
+        measured_crossover=32, predicted_crossover=32, roofline_crossover=16, roofline_exact_crossover=11,
+        worst_ratio=1.19, goal_met=True, ceilings_saved_to="~/.config/llmtrace/decode_kernels.json", note="")
+
+
+@pytest.mark.parametrize("width", (80, 120))
+def test_sweep_view_matches_golden(width: int) -> None:
+    from rich.console import Console
+    from rich.cells import cell_len
+
+    from llmtrace.cli.render_batch_sweep import render_batch_sweep
+
+    out = io.StringIO()
+    render_batch_sweep(Console(file=out, width=width, color_system=None, force_terminal=False), fixed_sweep())
+    text = out.getvalue()
+    golden = GOLDEN / f"batch-sweep-{width}.txt"
+    if UPDATE:
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8")
+    assert all(cell_len(line) <= width for line in text.splitlines())
+    assert json.loads(json.dumps(asdict(fixed_sweep())))["rows"][0]["batch"] == 1
+    assert math.isclose(fixed_sweep().rows[0].measured_over_predicted, 0.0953 / 0.0801)

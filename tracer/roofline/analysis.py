@@ -34,6 +34,7 @@ from llmtrace.tracer.core.dtypes import BF16, COMPUTE_DTYPES, DTYPES, FP8, FP16,
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
+from llmtrace.tracer.roofline.kernel_decode import KernelDecode, ceilings_label
 from llmtrace.tracer.analytic.params import count_params, norm_dtype_for, weight_bytes
 from llmtrace.tracer.analytic.tensor_parallel import (
     ALLREDUCES_PER_LAYER, DeviceCost, allreduce_payload_bytes, check_tp, device_cost, tp_sizes,
@@ -187,6 +188,11 @@ class RooflineReport:
     # where weights_dtype came from: "option" (--dtype), "checkpoint" (the file's main type, e.g. a GGUF's q4_1)
     # or "default" (fp16)
     weights_dtype_from: str = "option"
+    # what the decode figures above stand on: "datasheet peak + bandwidth", "memcpy + square GEMM" (a measured
+    # profile's copy bandwidth and GEMM FLOP/s) or "measured kernels at decode shapes" (then `kernel_decode` holds
+    # the decode predicted from them: llmtrace.tracer.roofline.measured_decode)
+    decode_ceilings: str = ""
+    kernel_decode: KernelDecode | None = None
 
 
 # ---- ceilings -------------------------------------------------------------------------------------------------
@@ -545,4 +551,5 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
         tensor_parallel=tensor_parallel, memory=fit, prefill=prefill, first_decode=first, last_decode=last,
         generation=generation, crossover=crossover, table_kv_len=table_cached + 1, batch_table=table,
         notes=tuple(notes), weights_dtype_from=weights_from,
+        decode_ceilings=ceilings_label(hardware.measured, kernels_found=False),
     )

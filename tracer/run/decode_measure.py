@@ -6,12 +6,14 @@ At each batch B:
   the LM head, each called as the fused path calls it (its `product`: torch.mv for one row, F.linear for more, a
   stored matrix's own kernel through PackedWeight.__call__) on a (B, K) input; the pass streams every weight from
   memory as a real step does (timing one matrix again and again would read it from the caches). Each call is timed;
-  the pass with the smallest total (of one warm-up and `repeats` timed passes) gives each product's time, its
-  per-layer calls averaged.
-- The rest: the same model's decode steps with the weight products taken out (each returns an uninitialised tensor
-  of its output's shape), so what is left is every other operation of the step at its real shapes: norms, RoPE, the
-  KV-cache write, attention, activations, residual adds, the embedding lookup and all views. One step runs under a
-  dispatch counter (every aten operation but the stand-ins' allocations counts); `steps` more are timed, median.
+  the median pass by total (of `repeats` timed passes after one warm-up) gives each product's time, its per-layer
+  calls averaged: a typical step's products, as the sweep compares typical (median) steps.
+- The rest: the same model's decode steps with each weight product replaced by a stand-in that reads the weight's
+  bytes (so the caches are as cold as a product leaves them: small operations right after a weight-streaming
+  product run several times slower than hot) and returns an uninitialised tensor of the output's shape; the
+  stand-ins' time is taken out. What is left is every other operation of the step at its real shapes: norms, RoPE,
+  the KV-cache write, attention, activations, residual adds, the embedding lookup and all views. One step runs
+  under a dispatch counter (the stand-ins' own operations not counted); `steps` more are timed, median.
 The products' outputs are values no one reads and the stubbed steps' tokens are garbage: only times are kept.
 """
 
@@ -42,14 +44,16 @@ LAYER_PRODUCTS = {"attention.wqkv": ("wqkv", "bqkv"), "attention.wo": ("wo", "bo
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts every aten operation dispatched while active."""
+    """Counts every aten operation dispatched while active (and not paused)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.paused = False  # inside a product's stand-in: its operations are not the step's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
-        self.count += 1
+        if not self.paused:
+            self.count += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -90,7 +94,7 @@ def _time_products(plan: Any, config: Any, batch: int, repeats: int, sync: Calla
     for role, shape in shapes.items():
         x = torch.empty(batch, shape.cols).uniform_(-1, 1, generator=generator).to(device, dtype)
         inputs[role] = x[0] if batch == 1 else x  # one row runs as a vector, as the fused path does
-    best: dict[str, float] | None = None
+    passes: list[dict[str, float]] = []
     with torch.no_grad():
         for round_ in range(repeats + 1):  # round 0 warms up (kernel set-up, first touch of outputs)
             spent: dict[str, float] = {role: 0.0 for role in shapes}
@@ -102,24 +106,50 @@ def _time_products(plan: Any, config: Any, batch: int, repeats: int, sync: Calla
                 if sync is not None:
                     sync()
                 spent[role] += time.perf_counter() - start
-            if round_ and (best is None or sum(spent.values()) < sum(best.values())):
-                best = spent
-    assert best is not None
+            if round_:
+                passes.append(spent)
+    passes.sort(key=lambda spent: sum(spent.values()))
+    typical = passes[(len(passes) - 1) // 2]  # the median pass: a typical step's products, as the sweep's median step
     n_layers = len(plan.layers)
     return tuple(ProductTime(role=s.role, rows=s.rows, cols=s.cols, per_layer=s.per_layer,
-                             seconds=best[s.role] / (n_layers if s.per_layer else 1)) for s in shapes.values())
+                             seconds=typical[s.role] / (n_layers if s.per_layer else 1)) for s in shapes.values())
+
+
+def _streamed(weight: Any) -> list[torch.Tensor]:
+    """The tensors a product by `weight` reads: the dense matrix, or a stored matrix's kernel layout (the int4
+    kernel's repacked codes and scales, made on its first product) or else its codes, scales and zeros."""
+    if not isinstance(weight, PackedWeight):
+        return [weight]
+    prepared = weight._prepared  # noqa: SLF001 - what the int4 kernel reads, once made
+    return list(prepared) if prepared is not None else list(weight.tensors.values())
 
 
 def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps: int,
                    sync: Callable[[], None] | None) -> tuple[int, float, int]:
-    """(operations of one decode step besides its products, median seconds of `steps` such steps, median context)."""
-    stand_ins = 0
+    """(operations of one decode step besides its products, median seconds of `steps` such steps, median context).
+
+    Each product is replaced by a stand-in that reads its weight's bytes (a sum over them: the caches end up as
+    cold as after the product) and returns an uninitialised output of its shape; the stand-ins' own time is taken
+    out of each step and their operations out of the count, so what remains is the other operations' time with
+    the caches in the state a real step leaves them in."""
+    inside = 0.0
 
     def stand_in(x: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
-        nonlocal stand_ins
-        stand_ins += 1
-        return x.new_empty(x.shape[:-1] + (weight.shape[0],))  # (..., out), values never read for what they are
+        nonlocal inside
+        counter.paused = True
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        for tensor in _streamed(weight):
+            tensor.sum()
+        out = x.new_empty(x.shape[:-1] + (weight.shape[0],))  # (..., out), values never read for what they are
+        if sync is not None:
+            sync()
+        inside += time.perf_counter() - start
+        counter.paused = False
+        return out
 
+    counter = _OpCounter()
     layers_product = [layer.product for layer in plan.layers]
     plan_product = plan.product
     tokens = torch.tensor([list(ids)] * batch, dtype=torch.long, device=plan.final_norm.weight.device)  # (B, P)
@@ -130,21 +160,20 @@ def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps:
             plan.product = stand_in
             for layer in plan.layers:
                 layer.product = stand_in
-            counter = _OpCounter()
             next_ids = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            stand_ins = 0
             with counter:
                 logits = model.decode_one(next_ids)
-            ops = counter.count - stand_ins
+            ops = counter.count
             for _ in range(steps):
                 next_ids = logits.argmax(dim=-1, keepdim=True).clamp_(0, plan.embedding.shape[0] - 1)
+                inside = 0.0
                 if sync is not None:
                     sync()
                 start = time.perf_counter()
                 logits = model.decode_one(next_ids)
                 if sync is not None:
                     sync()
-                times.append(time.perf_counter() - start)
+                times.append(time.perf_counter() - start - inside)
                 contexts.append(int(model.pos))
         finally:
             plan.product = plan_product
@@ -154,7 +183,7 @@ def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps:
 
 
 def measure_decode_ceilings(loaded: Any, ids: Sequence[int], batches: Sequence[int], memory_bandwidth: float,
-                            steps: int = 6, repeats: int = 3, progress: Progress | None = None) -> DecodeCeilings:
+                            steps: int = 6, repeats: int = 5, progress: Progress | None = None) -> DecodeCeilings:
     """The decode ceilings of `loaded`'s model at each of `batches` (see the module docstring); `ids` is the prompt
     each sequence of the stubbed steps starts from, `memory_bandwidth` (bytes/s, the machine's copy figure) what
     attention/KV bytes of other contexts are charged at."""
