@@ -1,7 +1,7 @@
 """The weight products of one decode step alone, at each batch, on the bundled model: the weight-streaming bandwidth
 and FLOP/s they reach beside the two ceilings the roofline uses for this machine (square fp32 GEMM FLOP/s and copy
-bandwidth, measured in the same run). Explains where bench_batch_sweep's measured step and the roofline's
-prediction part: at small batch a product streams its weights slower than a copy moves bytes, at large batch a
+bandwidth, measured in the same run). Explains where the measured decode step (`llmtrace run --batch-sweep`) and
+the copy + GEMM roofline's prediction part: at small batch a product streams its weights slower than a copy moves bytes, at large batch a
 skinny (B x K) @ (K x N) product reaches a fraction of a square GEMM's FLOP/s.
 
 Every projection of every layer and the LM head, in the fused path's packed shapes (Q|K|V, O, gate|up, down, LM
@@ -33,7 +33,7 @@ def main() -> None:
     from llmtrace.tracer.run.batch_sweep import parse_batches
 
     torch.set_num_threads(args.threads)
-    batches = parse_batches(args.batches)
+    batches = parse_batches(args.batches, "--batches")
     loaded = load_model(None, dtype=FP32)
     model = loaded.model
     model.setup_cache(1, 8)  # packs Q|K|V and gate|up as the fused path runs them

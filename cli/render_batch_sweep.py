@@ -42,7 +42,8 @@ def render_batch_sweep(console: Console, s: BatchSweep) -> None:
     for r in s.rows:
         per_op = r.predicted_ops_s / r.predicted_ops if r.predicted_ops else 0.0
         parts.add_row(str(r.batch), _ms(r.predicted_products_s), f"{r.predicted_ops:,}", fmt.duration_s(per_op),
-                      _ms(r.predicted_ops_s), _ms(r.predicted_context_s) if abs(r.predicted_context_s) >= 5e-5 else "0.0")
+                      _ms(r.predicted_ops_s),
+                      _ms(r.predicted_context_s) if abs(r.predicted_context_s) >= 5e-5 else "0.0")
     verdict = "met" if s.goal_met else "not met"
     lines = [
         f"kernels: predicted from {s.ceilings} ({s.formats} products, {s.compute_dtype} activations), measured "

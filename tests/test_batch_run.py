@@ -320,3 +320,43 @@ def test_bad_batch_input_is_one_line_exit_2(args: list[str], message: str, tiny_
     assert result.exit_code == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert message.replace("{prompts}", str(prompts)) in result.stderr
+
+
+def test_repeat_with_batch_reports_medians_per_stage_and_writes_the_trace(
+        tiny_llama_dir: Path, tmp_path: Path, _private_config: None) -> None:
+    """--repeat K with --batch N (issue 14, item 4): K batched generations of the same tokens, medians and spreads
+    per stage over them (checked against repeat_summary of K batched runs made here), and the first run's trace
+    written as JSON (schema-valid, a batch of N)."""
+    import json
+
+    import jsonschema
+
+    from llmtrace.tracer.trace.repeat_summary import repeat_summary
+    from llmtrace.tracer.trace.run_trace import load_schema
+
+    loaded = load_model(str(tiny_llama_dir))
+    settings = RunSettings(model=str(tiny_llama_dir), prompt="sky", max_new_tokens=3, batch=2,
+                           batch_prompts=("The sky is", "Once upon a time"))
+    traces = [BatchGeneration(loaded, replace(settings, warmup=k == 0)).run() for k in range(3)]
+    assert len({tuple(s.generated_ids for s in t.batch.sequences) for t in traces}) == 1  # same tokens each run
+    summary = repeat_summary(traces)
+    assert summary.repeats == 3 and summary.decode_steps == 2
+    forward = sorted(sum(s.forward_ns for s in t.steps[1:]) / 1e9 / 2 for t in traces)
+    assert summary.decode_forward_per_token.median == pytest.approx(forward[1])
+    roles = {s.role for s in summary.stages}
+    assert {"attention.wqkv", "output"} <= roles and len(roles) == len(summary.stages)
+    for stage in summary.stages:  # every stage of every run: a median between the fastest and the slowest
+        spread = stage.decode_per_step
+        assert len(spread.samples) == 3 and spread.fastest <= spread.median <= spread.slowest
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The sky is\nOnce upon a time\n", encoding="utf-8")
+    trace_path = tmp_path / "t.json"
+    result = _cli("--model", str(tiny_llama_dir), "--batch", "2", "--file", str(prompts), "--max-new-tokens", "3",
+                  "--repeat", "3", "--json", str(trace_path), "--no-roofline")
+    assert result.exit_code == 0, result.output
+    assert "Repeated 3 times" in result.output and "decode per token" in result.output
+    assert "attention.wqkv" in result.output  # the per-stage medians
+    data = json.loads(trace_path.read_text(encoding="utf-8"))
+    jsonschema.validate(data, load_schema())
+    assert Trace.from_dict(data).settings.batch == 2

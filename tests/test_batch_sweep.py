@@ -342,3 +342,27 @@ def test_sweep_view_matches_golden(width: int) -> None:
     assert all(cell_len(line) <= width for line in text.splitlines())
     assert json.loads(json.dumps(asdict(fixed_sweep())))["rows"][0]["batch"] == 1
     assert math.isclose(fixed_sweep().rows[0].measured_over_predicted, 0.0953 / 0.0801)
+
+
+@pytest.mark.parametrize("width", (80, 120))
+def test_roofline_view_with_measured_kernels_matches_golden(width: int, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    from llmtrace.cli.render_roofline import render_report
+    from llmtrace.tracer.core.dtypes import FP32
+    from llmtrace.tracer.roofline.analysis import roofline
+    from llmtrace.tracer.roofline.measured_decode import with_measured_kernels
+
+    report = roofline(SMOL, MACHINE, prompt_len=5, new_tokens=17, batch=1, dtype=FP32, check_fit=False)
+    shown = with_measured_kernels(report, SMOL, ceilings_for(SMOL, batches=(1, 2, 4, 8, 16, 32, 64)))
+    out = io.StringIO()
+    render_report(Console(file=out, width=width, color_system=None, force_terminal=False), shown)
+    text = out.getvalue()
+    golden = GOLDEN / f"roofline-kernels-{width}.txt"
+    if UPDATE:
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8")
+    assert all(cell_len(line) <= width for line in text.splitlines())
+    assert "Decode from measured kernels at decode shapes" in text

@@ -69,7 +69,8 @@ def _plan(model: Any, batch: int, positions: int) -> Any:
 def weights_of(plan: Any) -> tuple[str, str]:
     """(weights key, formats label) of the plan's products: "stored" when any is held as the GGUF stores it."""
     labels, stored = [], False
-    for weight in [getattr(layer, attr) for layer in plan.layers for attr, _ in LAYER_PRODUCTS.values()] + [plan.output]:
+    matrices = [getattr(layer, attr) for layer in plan.layers for attr, _ in LAYER_PRODUCTS.values()]
+    for weight in matrices + [plan.output]:
         if isinstance(weight, PackedWeight):
             labels.append(weight.format.label)
             stored = stored or weight.format.kernel != DENSE

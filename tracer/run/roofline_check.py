@@ -57,7 +57,8 @@ def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], No
                                 f"run `llmtrace hardware --measure --device {device}`")
         return MachineProfile(get_profile(THIS_MACHINE, profiles), None, None)
     if device not in ("cpu", "cuda"):
-        raise NoProfileForDevice(f"no measurement for {device}; compare with `llmtrace roofline --hardware <your machine>`")
+        raise NoProfileForDevice(f"no measurement for {device}; compare with "
+                                 "`llmtrace roofline --hardware <your machine>`")
     from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
 
     measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress)
