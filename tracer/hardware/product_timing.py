@@ -12,7 +12,9 @@ Weights are random (timing does not depend on their values) and, for decode, spr
 STREAM_BYTES per pass: one layer of a small model sits in the CPU's caches, which a real decode step (all layers)
 never does. Each figure is the fastest of the timed runs after one warm-up run (as tracer/hardware/measure.py:
 on a shared machine the median mostly measures the neighbours); runs stop early once a candidate has used its
-share of the time budget, so a first run measures in seconds.
+share of the time budget, so a first run measures in seconds; a kernel already SLOW_FACTOR times slower than the
+fastest so far with one layer in cache is not streamed at all (the exact "blocks" reference kernel: it
+dequantizes every matrix per product), and one whose warm-up alone is several budgets long is timed once.
 
 Stored-precision kernels (GGUF blocks, int4 packs) come in through the same `ProductKernel` interface from the
 layer that owns them (tracer/load/stored_candidates.py: the model's own blocks, one layer's matrices and the LM
@@ -39,6 +41,7 @@ STREAM_BYTES = 128 * 2**20  # decode passes stream at least this much (or the wh
 REPEATS = 3
 BUDGET_SECONDS = 0.6  # per candidate and phase, after the warm-up run
 SLOW_WARMUP = 4.0  # a warm-up this many budgets long is not repeated
+SLOW_FACTOR = 4.0  # a candidate this many times slower than the fastest on a cached layer is not streamed
 
 
 class ProductKernel(Protocol):
@@ -88,19 +91,18 @@ def _sync(device: str) -> None:
 
 
 def _best(run: Callable[[], object], device: str, budget: float) -> float:
-    """The fastest of up to REPEATS timed runs after one warm-up; stops once `budget` seconds are spent. A warm-up
-    over SLOW_WARMUP x `budget` is the figure itself (an upper bound: it includes the set-up): a kernel that slow
-    per pass (the exact "blocks" reference kernel) would cost more to time again than the figure could change."""
+    """The fastest of up to REPEATS timed runs after one warm-up; stops once `budget` seconds are spent. After a
+    warm-up over SLOW_WARMUP x `budget` only one run is timed: a kernel that slow per pass (the exact "blocks"
+    reference kernel) would cost more to time again than the figure could change."""
     _sync(device)
     start = time.perf_counter()
     run()  # warm-up: first-call kernel set-up (oneDNN), first touch of the outputs
     _sync(device)
     warmup = time.perf_counter() - start
-    if warmup > SLOW_WARMUP * budget:
-        return warmup
+    repeats = 1 if warmup > SLOW_WARMUP * budget else REPEATS
     best = math.inf
     spent = 0.0
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         run()
         _sync(device)
@@ -112,8 +114,10 @@ def _best(run: Callable[[], object], device: str, budget: float) -> float:
 
 
 def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu", budget: float = BUDGET_SECONDS,
-                progress: Progress | None = None, seed: int = 0) -> CandidateTiming:
-    """Decode and prefill product times of `kernel` at `config`'s shapes (see the module docstring)."""
+                progress: Progress | None = None, seed: int = 0, beat: float | None = None) -> CandidateTiming:
+    """Decode and prefill product times of `kernel` at `config`'s shapes (see the module docstring). `beat`: the
+    fastest decode step measured so far; a kernel whose decode products with one layer in cache already take
+    SLOW_FACTOR times that is not streamed (its figure is that lower bound: it cannot win)."""
     shapes = product_shapes(config)
     layer_shapes = [s for s in shapes if s.per_layer]
     step_shapes = [s for s in shapes if not s.per_layer]
@@ -129,15 +133,15 @@ def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu",
     first = [kernel.prepare(s, generator, device) for s in layer_shapes]
     layer_bytes = sum(kernel.nbytes(w) for w in first)
     copies = max(1, min(config.n_layers, math.ceil(STREAM_BYTES / max(layer_bytes, 1))))
-    layers = [first] + [[kernel.prepare(s, generator, device) for s in layer_shapes] for _ in range(copies - 1)]
+    layers: list[list[Any]] = []  # `copies` layers, made when a decode pass first streams them
     head = [kernel.prepare(s, generator, device) for s in step_shapes]
     vectors = {s.cols: vector(s.cols) for s in shapes}
     rows = {s.cols: vector(s.cols, REFERENCE_PROMPT) for s in layer_shapes}
 
     decode_times = {}
     for variant in kernel.decode_variants:
-        def layers_pass(variant: str = variant) -> None:
-            for weights in layers:
+        def layers_pass(variant: str = variant, only_first: bool = False) -> None:
+            for weights in [first] if only_first else layers:
                 for shape, weight in zip(layer_shapes, weights):
                     kernel.matvec(variant, weight, vectors[shape.cols])
 
@@ -145,8 +149,16 @@ def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu",
             for shape, weight in zip(step_shapes, head):
                 kernel.matvec(variant, weight, vectors[shape.cols])
 
-        per_layer = _best(layers_pass, device, budget / 2) / copies
         head_s = _best(head_pass, device, budget / 4)
+        if beat is not None:  # one layer in cache first: a lower bound of the streamed figure
+            cached = _best(lambda: layers_pass(only_first=True), device, budget / 4) * config.n_layers + head_s
+            if cached > SLOW_FACTOR * beat:
+                decode_times[variant] = (cached, head_s)
+                continue
+        if not layers:
+            layers = [first] + [[kernel.prepare(s, generator, device) for s in layer_shapes]
+                                for _ in range(copies - 1)]
+        per_layer = _best(layers_pass, device, budget / 2) / copies
         decode_times[variant] = (per_layer * config.n_layers + head_s, head_s)
     variant = min(decode_times, key=lambda v: decode_times[v][0])
     decode_s, head_s = decode_times[variant]
@@ -165,9 +177,10 @@ def time_kernels(kernels: Sequence[ProductKernel], config: ModelConfig, device: 
                  progress: Progress | None = None) -> tuple[tuple[CandidateTiming, ...], float]:
     """Every kernel timed in turn (its weights freed before the next); and the seconds it all took."""
     start = time.perf_counter()
-    timings = []
+    timings: list[CandidateTiming] = []
     for kernel in kernels:
-        timings.append(time_kernel(kernel, config, device, progress=progress))
+        beat = min((t.decode_s for t in timings), default=None)
+        timings.append(time_kernel(kernel, config, device, progress=progress, beat=beat))
         release = getattr(kernel, "release", None)
         if release is not None:
             release()
