@@ -354,7 +354,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
         render_tokenization,
     )
     from llmtrace.cli.render_run_batch import BatchDecodeView, render_batch_first_tokens, render_batch_tokenization
-    from llmtrace.cli.render_run_live import DecodeView
+    from llmtrace.cli.render_run_live import DecodeView, RedrawPacer
     from llmtrace.cli.render_run_report import render_ending
     from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
     from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
@@ -401,6 +401,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     generation = generation_for(loaded, settings)
     batched = bool(settings.batch_prompts)
     live: Live | None = None
+    pacer = RedrawPacer()
     view: DecodeView | BatchDecodeView | None = None
     trace: Trace | None = None
     tokenization = None
@@ -429,14 +430,15 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
                     view = DecodeView(event.limit, event.step)
                 if view is not None:
                     # "visible": the final render (every step) may be taller than the terminal; while streaming,
-                    # the view keeps itself to the terminal's height.
-                    live = Live(view, console=console, refresh_per_second=8, transient=False,
+                    # the view keeps itself to the terminal's height. No refresh thread: it would render beside the
+                    # model's steps, on the cores they use; the loop redraws between steps, paced.
+                    live = Live(view, console=console, auto_refresh=False, transient=False,
                                 vertical_overflow="visible")
                     live.start()
             elif isinstance(event, TokenStep):
                 if view is not None and live is not None:
                     view.add(event.step, event.generated)
-                    live.refresh()
+                    pacer.redraw(live.refresh)
             elif isinstance(event, NoCacheProgress):
                 if live is not None and view is not None:  # the decode stream is done: show the replay's progress
                     view.finish(False)

@@ -1,11 +1,18 @@
 """`llmtrace run`, section 6: decode, one token per step, streamed live (rich Live) as the steps happen.
 
 While streaming, the panel fits the terminal's height (rich Live crops anything taller, and the progress bar, the
-speed and the text are at the bottom): the text shows its last lines, the table its latest steps. Once finished,
-the panel shows every step and the whole text.
+speed and the text are at the bottom): the text shows its last lines, the table its latest steps, at most
+STREAM_ROWS of them. Once finished, the panel shows every step and the whole text.
+
+Redrawing is paced (RedrawPacer), not done per token: rich renders this panel at about 1 ms per table row on a
+2-core AMD EPYC (45-55 ms for a 40-line terminal), so a redraw per step at 25 tokens/s more than doubled the
+run's wall time (BENCHMARKS.md, "Decode step overhead").
 """
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
@@ -19,6 +26,31 @@ from llmtrace.tracer.trace.summary import steps_per_second
 # Lines of the streaming panel that are not table rows or text: its two borders, the table's header, the status
 # line (more when it wraps), and one that rich Live keeps for the cursor.
 _FIXED_LINES = 5
+# The most step rows the streaming panel shows (each costs ~1 ms a redraw); the finished panel shows them all.
+STREAM_ROWS = 12
+
+
+class RedrawPacer:
+    """Decides when the live view redraws: never twice within `min_interval` seconds, and after a redraw that took
+    d seconds not again for d / `share` (so redrawing takes at most `share` of the run, whatever the terminal's
+    size or speed). The first call always redraws."""
+
+    def __init__(self, min_interval: float = 0.1, share: float = 0.04,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.min_interval = min_interval
+        self.share = share
+        self.clock = clock
+        self._next = float("-inf")
+
+    def redraw(self, refresh: Callable[[], None]) -> bool:
+        """Call `refresh` if a redraw is due; whether it was."""
+        start = self.clock()
+        if start < self._next:
+            return False
+        refresh()
+        end = self.clock()
+        self._next = end + max(self.min_interval, (end - start) / self.share)
+        return True
 
 
 class DecodeView:
@@ -56,6 +88,7 @@ class DecodeView:
         if text_lines < len(lines):
             text = Text("…", style="dim") + Text("\n").join(lines[-text_lines:])
         rows = max(1, height - _FIXED_LINES - (status_lines - 1) - text_lines - 1)  # - 1: the "… earlier" row
+        rows = min(rows, STREAM_ROWS)
         yield self._panel(self.steps[-rows:], status, text)
 
     def _status(self) -> Text:

@@ -89,3 +89,33 @@ def test_live_decode_panel_fits_the_terminal_height(trace: Trace, height: int) -
     with console.capture() as captured:
         console.print(view)
     assert len(captured.get().splitlines()) > len(view.steps)  # finished: every step
+
+
+def test_redraw_pacer_bounds_the_time_spent_redrawing() -> None:
+    """The live view redraws at once, then not within min_interval, and after a slow redraw (d seconds) not for
+    d / share: redrawing never takes more than `share` of the run."""
+    from llmtrace.cli.render_run_live import RedrawPacer
+
+    now = [100.0]
+    cost = [0.001]
+    drawn: list[float] = []
+
+    def refresh() -> None:
+        drawn.append(now[0])
+        now[0] += cost[0]
+
+    pacer = RedrawPacer(min_interval=0.1, share=0.04, clock=lambda: now[0])
+    assert pacer.redraw(refresh)  # the first step is shown at once
+    now[0] += 0.05
+    assert not pacer.redraw(refresh)  # 51 ms later: not yet
+    now[0] += 0.06
+    assert pacer.redraw(refresh)  # past 100 ms
+    cost[0] = 0.02  # a tall terminal: 20 ms a redraw -> next one 0.5 s after it ends
+    now[0] += 0.2
+    assert pacer.redraw(refresh)
+    end = now[0]
+    now[0] = end + 0.49
+    assert not pacer.redraw(refresh)
+    now[0] = end + 0.51
+    assert pacer.redraw(refresh)
+    assert len(drawn) == 4

@@ -27,6 +27,7 @@ from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.analytic.estimate import Dtypes
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
+from llmtrace.tracer.run.sampling import NonFiniteLogitsError
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheRun, NoCacheStep, SamplingLesson
@@ -321,12 +322,13 @@ class Generation:
             sample_end = text_end = forward_end
             piece, text = "", ""
         else:
-            if not bool(torch.isfinite(logits[0]).any()) or bool(torch.isnan(logits[0]).any()):
-                raise CheckpointError(
-                    f"the model's logits at {phase} step {index} are not finite (NaN or all -inf); its weights or "
-                    "config hold invalid values (NaN weights, a zero RoPE base, a negative norm epsilon)")
             previous = self._prompt_ids_and_generated()
-            result = self.sampler.sample(logits[0], previous)
+            try:  # the sampler's one pass over the logits is the finiteness check (no torch pass of its own)
+                result = self.sampler.sample(logits[0], previous)
+            except NonFiniteLogitsError:
+                raise CheckpointError(
+                    f"the model's logits at {phase} step {index} are not finite (NaN, +inf or all -inf); its weights "
+                    "or config hold invalid values (NaN weights, a zero RoPE base, a negative norm epsilon)") from None
             token_id = int(result.token_id)
             sample_end = time.perf_counter_ns()
             self._generated.append(token_id)

@@ -47,6 +47,11 @@ _NEG_INF = float("-inf")
 STEP_ORDER = ("repetition_penalty", "temperature", "greedy", "top_k", "top_p", "min_p")
 
 
+class NonFiniteLogitsError(ValueError):
+    """The logits hold a NaN or +inf, or nothing above -inf: there is no distribution to sample. The generation loop
+    relies on this check (one numpy max over the vector it reads anyway) instead of testing the logits itself."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick the next token. Neutral values switch a step off (HF's conventions)."""
@@ -179,7 +184,7 @@ class Sampler:
         vocab = raw.size
         raw_max = float(raw.max())  # NaN propagates through max, so this also catches NaN
         if not math.isfinite(raw_max):
-            raise ValueError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
+            raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
         raw_lse, raw_entropy, _ = _softmax_stats(raw, raw_max)
         if p.repetition_penalty != 1:
             penalised, n_penalized = _apply_repetition_penalty(raw, previous_ids, p.repetition_penalty)

@@ -1,0 +1,249 @@
+"""Where a default decode step's time goes: the weight products against everything else (issue 12, item 4).
+
+The model is the one `llmtrace run` loads by default (the bundled SmolLM2-135M Q4_1 GGUF, `--dtype auto`,
+`--weights` as the loader picks: stored matrices through their PackedWeight kernel). Three views:
+
+1. step: `decode_one` after a 5-token prompt, one token per step. Products are every `PackedWeight.__call__` (the
+   class method timed by a wrapper, in steps of their own); "other" is the unwrapped forward's median minus the
+   products' median: norms, RoPE, the cache write, attention, residuals, the embedding row, Python. Also the torch
+   ops one forward dispatches (torch.profiler's top-level events, one extra step).
+2. loop: whole greedy generations through `Generation(trace=False)` (what `run --no-trace` runs): per step the
+   forward, sampling and detokenization (the StepRecord's clocks), and the gap between one step's end and the
+   next one's start (the loop's own work: records, events).
+3. cli: `llmtrace run PROMPT --max-new-tokens 48 --no-trace --no-roofline --summary-json --json FILE` as a
+   subprocess: the summary's decode tokens/s, and the decode wall per token from the trace file (first decode
+   step's start to the last one's end, over the steps between), with the console on a pipe and on a pseudo-terminal
+   (where rich's live view redraws as the steps come).
+
+`--baseline TREE` runs the same measurements on another worktree's code (TREE/.venv/bin/python with this script),
+rounds interleaved with this tree's, so before/after are measured side by side:
+
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_decode_step --rounds 5 --baseline /work/main
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_decode_step --only cli --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pty
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = "The capital of France is"
+STEPS = 32  # decode steps timed per round in the step view
+CLI_TOKENS = 48
+HERE = Path(__file__).resolve()
+TREE = HERE.parents[1]
+
+
+# ---- measured inside one process (this tree's code or the baseline's) ---------------------------------------
+
+
+def measure_step(steps: int) -> dict[str, Any]:
+    """The step and loop views on this interpreter's llmtrace: one round's medians (ms) and op counts."""
+    import torch
+
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.model.weight_formats import PackedWeight
+    from llmtrace.tracer.run.generate import Generation, TokenStep
+    from llmtrace.tracer.trace.records import RunSettings
+
+    loaded = load_model(None)
+    model = loaded.model
+    ids = torch.tensor([list(loaded.tokenizer.encode(PROMPT))])  # (1, T)
+    token = ids[:, -1:]  # (1, 1)
+
+    def decode_steps(n: int) -> None:
+        model.setup_cache(1, ids.shape[1] + n + 1)
+        model.prefill(ids)
+        for _ in range(n):
+            model.decode_one(token)
+
+    decode_steps(4)  # warm-up: first-call kernel set-up
+    forward: list[int] = []
+    model.setup_cache(1, ids.shape[1] + steps + 1)
+    model.prefill(ids)
+    for _ in range(steps):
+        start = time.perf_counter_ns()
+        model.decode_one(token)
+        forward.append(time.perf_counter_ns() - start)
+
+    products: list[int] = []
+    calls = [0]
+    spent = [0]
+    original = PackedWeight.__call__
+
+    def timed(self: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter_ns()
+        out = original(self, x)
+        spent[0] += time.perf_counter_ns() - start
+        calls[0] += 1
+        return out
+
+    PackedWeight.__call__ = timed  # type: ignore[method-assign]
+    try:
+        model.setup_cache(1, ids.shape[1] + steps + 1)
+        model.prefill(ids)
+        for _ in range(steps):
+            spent[0] = calls[0] = 0
+            model.decode_one(token)
+            products.append(spent[0])
+    finally:
+        PackedWeight.__call__ = original  # type: ignore[method-assign]
+
+    ops = _ops_per_step(model, ids, token)
+
+    settings = RunSettings(model="", prompt=PROMPT, max_new_tokens=steps + 1, trace=False)
+    generation = Generation(loaded, settings)
+    try:
+        records = [e.step for e in generation.events() if isinstance(e, TokenStep)]
+    finally:
+        generation.close()
+    gaps = [b.start_ns - (a.start_ns + a.duration_ns) for a, b in zip(records, records[1:])]
+    ms = lambda values: statistics.median(values) / 1e6  # noqa: E731
+    return {
+        "weights": loaded.weight_format,
+        "dtype": str(model.norm.weight.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "forward_ms": ms(forward),
+        "products_ms": ms(products),
+        "product_calls": calls[0],
+        "ops_per_step": ops,
+        "loop_forward_ms": ms([r.forward_ns for r in records]),
+        "loop_sample_ms": ms([r.sample_ns for r in records]),
+        "loop_detokenize_ms": ms([r.detokenize_ns for r in records]),
+        "loop_step_ms": ms([r.duration_ns for r in records]),
+        "loop_gap_ms": ms(gaps),
+    }
+
+
+def _ops_per_step(model: Any, ids: Any, token: Any) -> dict[str, int]:
+    """The top-level torch ops one decode_one dispatches, by name (torch.profiler; one step after a warm one)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model.setup_cache(1, ids.shape[1] + 3)
+    model.prefill(ids)
+    model.decode_one(token)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.decode_one(token)
+    counts = Counter(e.name for e in prof.events() if e.cpu_parent is None)
+    return dict(counts.most_common())
+
+
+# ---- the CLI as a subprocess -----------------------------------------------------------------------------------
+
+
+def measure_cli(python: str, tty: bool) -> dict[str, float]:
+    """One `llmtrace run --no-trace` of the default model: summary tokens/s and decode wall per token (ms)."""
+    with tempfile.TemporaryDirectory() as folder:
+        trace_file = Path(folder) / "trace.json"
+        command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(CLI_TOKENS), "--no-trace",
+                   "--no-roofline", "--summary-json", "--json", str(trace_file)]
+        env = dict(os.environ, COLUMNS="100", LINES="40")
+        if tty:
+            summary = _run_on_pty(command, env)
+        else:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+            summary = done.stdout
+        trace = json.loads(trace_file.read_text())
+    steps = [s for s in trace["steps"] if s["phase"] == "decode"]
+    span = steps[-1]["start_ns"] + steps[-1]["duration_ns"] - steps[0]["start_ns"]  # every decode step, and between
+    step_ms = statistics.median(s["duration_ns"] for s in steps) / 1e6
+    return {
+        "decode_tokens_per_second": json.loads(summary.strip().splitlines()[-1])["decode_tokens_per_second"],
+        "decode_steps": len(steps),
+        "step_ms": step_ms,
+        "wall_ms_per_token": span / len(steps) / 1e6,
+    }
+
+
+def _run_on_pty(command: list[str], env: dict[str, str]) -> str:
+    """Run with stderr (where --summary-json puts the console) on a pseudo-terminal read and discarded by a
+    thread; stdout (the summary) on a pipe."""
+    main, secondary = pty.openpty()
+    reader = threading.Thread(target=_drain, args=(main,), daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=secondary, stdin=subprocess.DEVNULL,
+                              text=True, env=env, check=True)
+    finally:
+        os.close(secondary)
+        reader.join(timeout=5)
+        os.close(main)
+    return done.stdout
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 65536):
+            pass
+    except OSError:
+        pass
+
+
+# ---- driver --------------------------------------------------------------------------------------------------
+
+
+def _child(tree: Path, steps: int) -> dict[str, Any]:
+    done = subprocess.run([str(tree / ".venv" / "bin" / "python"), str(HERE), "--child", "--steps", str(steps)],
+                          capture_output=True, text=True, check=True, cwd=str(tree))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _median_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in rounds[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in rounds)
+        else:
+            out[key] = value
+    if "forward_ms" in out:
+        out["other_ms"] = out["forward_ms"] - out["products_ms"]
+        out["ops_total"] = sum(out["ops_per_step"].values())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--baseline", type=Path, help="another worktree (with its own .venv) measured alongside")
+    parser.add_argument("--only", choices=("step", "cli"), help="one view only (default: both)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure_step(args.steps)))
+        return
+    trees = {"this": TREE}
+    if args.baseline is not None:
+        trees["baseline"] = args.baseline.resolve()
+    pythons = {name: str(tree / ".venv" / "bin" / "python") for name, tree in trees.items()}
+    result: dict[str, Any] = {"load_average_before": os.getloadavg()}
+    if args.only in (None, "step"):
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name, tree in trees.items():
+                rounds[name].append(_child(tree, args.steps))
+        result["step"] = {name: _median_of(r) for name, r in rounds.items()}
+    if args.only in (None, "cli"):
+        cli: dict[str, list[dict[str, float]]] = {f"{name} {view}": [] for name in trees for view in ("pipe", "pty")}
+        for _ in range(args.rounds):
+            for name, python in pythons.items():
+                for view in ("pipe", "pty"):
+                    cli[f"{name} {view}"].append(measure_cli(python, view == "pty"))
+        result["cli"] = {name: _median_of(r) for name, r in cli.items()}
+    result["load_average_after"] = os.getloadavg()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
