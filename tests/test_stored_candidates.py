@@ -22,7 +22,7 @@ from llmtrace.tracer.core.dtypes import AUTO, FP16, FP32
 from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.hardware import kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, constrained, judge, precision_bits, select
-from llmtrace.tracer.hardware.product_timing import time_kernel, time_kernels
+from llmtrace.tracer.hardware.product_timing import product_shapes, time_kernel, time_kernels
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.gguf_loader import matrix_infos
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
@@ -150,6 +150,9 @@ def test_stored_kernels_are_timed_at_the_models_shapes_on_its_own_blocks(tiny: C
         assert timing.weight_bytes == matrix_bytes  # every layer's matrices and the (untied) head, as stored
         assert timing.decode_s > 0 and timing.prefill_s > 0
     kernel = StoredKernel(header, config, "int4pack")
+    shape = next(s for s in product_shapes(config) if s.per_layer)
+    handed = [kernel.prepare(shape, torch.Generator(), "cpu") for _ in range(2)]  # the sample, then a copy
+    assert all(w._prepared is not None for w in handed)  # int4pack's repacking done before any product is timed
     time_kernels([kernel], config)
     assert kernel._sample is None  # released: no packed copy stays beside the model
 
