@@ -93,7 +93,8 @@ def time_ours(model: Transformer, prompt: torch.Tensor, fused: bool) -> tuple[fl
     return prefill, decode, ids
 
 
-def time_hf(hf: Any, hf_config: Any, prompt: torch.Tensor) -> tuple[float, float, list[int]]:
+def hf_greedy(hf: Any, hf_config: Any, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[int]]:
+    """HF's forward loop with a DynamicCache: (prefill seconds, seconds for `steps` decode steps, the greedy ids)."""
     from transformers import DynamicCache
 
     with torch.no_grad():
@@ -104,12 +105,18 @@ def time_hf(hf: Any, hf_config: Any, prompt: torch.Tensor) -> tuple[float, float
         prefill = time.perf_counter() - start
         ids = [int(token)]
         start = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
+        for _ in range(steps):
             out = hf(input_ids=token, cache=cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             ids.append(int(token))
-        decode = (time.perf_counter() - start) / DECODE_TOKENS
+        decode = time.perf_counter() - start
     return prefill, decode, ids
+
+
+def time_hf(hf: Any, hf_config: Any, prompt: torch.Tensor) -> tuple[float, float, list[int]]:
+    """(prefill seconds, seconds per decode token, ids) over DECODE_TOKENS steps."""
+    prefill, decode, ids = hf_greedy(hf, hf_config, prompt, DECODE_TOKENS)
+    return prefill, decode / DECODE_TOKENS, ids
 
 
 def time_hf_generate(hf: Any, prompt: torch.Tensor) -> float:

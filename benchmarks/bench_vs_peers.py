@@ -115,22 +115,9 @@ def hf_models(dtypes: tuple[DType, ...]) -> dict[str, tuple[Any, Any]]:
 
 
 def time_hf(hf: Any, hf_config: Any, ids: list[int], new_tokens: int) -> Timing:
-    from transformers import DynamicCache
+    from benchmarks.bench_model_speed import hf_greedy
 
-    prompt = torch.tensor([ids])
-    with torch.no_grad():
-        cache = DynamicCache(config=hf_config)
-        start = time.perf_counter()
-        out = hf(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        prefill = time.perf_counter() - start
-        generated = [int(token)]
-        start = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            out = hf(input_ids=token, cache=cache, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            generated.append(int(token))
-        decode = time.perf_counter() - start
+    prefill, decode, generated = hf_greedy(hf, hf_config, torch.tensor([ids]), new_tokens - 1)
     return len(ids) / prefill, (new_tokens - 1) / decode, generated
 
 
