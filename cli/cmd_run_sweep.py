@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
                   f"{torch.get_num_threads()} threads; batches {', '.join(map(str, batches))}[/]", soft_wrap=True)
     stored = weights_as_stored(resolve_model(source)) if loaded.weights.mode == "stored" else ()
     with console.status("batch sweep …") as status:
-        result = sweep(loaded, machine.profile, prompts, batches, measure_decode_ceilings,
+        result = sweep(loaded, machine.profile, prompts, batches, partial(measure_decode_ceilings, repeats=3),
                        steps=settings.max_new_tokens - 1, repeats=repeat, stored=stored,
                        progress=lambda what_: status.update(f"batch sweep: {what_} …"))
     if json_path is not None:

@@ -209,13 +209,13 @@ def test_sweep_records_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: Path,
 
     def measure(loaded_, ids, batches, bandwidth, progress=None):  # noqa: ANN001, ANN202
         asked.append((tuple(batches), bandwidth))
-        return fixed
+        return replace(fixed, batches=tuple(b for b in fixed.batches if b.batch in batches))
 
     heard = []
     result = sweep(loaded, MACHINE, ("Once upon a time",) * 4, (1, 2, 4), measure, steps=3, repeats=2,
                    progress=heard.append)
-    assert asked == [((1, 2, 4), 20e9)]
-    assert sum("decode at batch" in h for h in heard) == 6
+    assert asked == [((1,), 20e9), ((2,), 20e9), ((4,), 20e9)] * 2  # each batch after each of its generations
+    assert sum("decode at batch" in h for h in heard) == 6 and sum("kernels at batch" in h for h in heard) == 6
     assert [r.batch for r in result.rows] == [1, 2, 4]
     prompt = len(loaded.tokenizer.encode("Once upon a time"))
     assert result.prompt_tokens == prompt and result.decode_steps == 3 and result.repeats == 2
@@ -366,3 +366,22 @@ def test_roofline_view_with_measured_kernels_matches_golden(width: int, tmp_path
     assert text == golden.read_text(encoding="utf-8")
     assert all(cell_len(line) <= width for line in text.splitlines())
     assert "Decode from measured kernels at decode shapes" in text
+
+
+def test_combine_takes_each_batch_median_over_rounds() -> None:
+    from llmtrace.tracer.hardware.decode_ceilings import combine
+
+    rounds = []
+    for k, scale in enumerate((1.0, 3.0, 2.0)):
+        c = ceilings_for(SMOL, batches=(1, 4), measured_at=f"2026-12-01T20:0{k}:00+00:00")
+        rounds.append(replace(c, batches=tuple(
+            replace(b, other_seconds=b.other_seconds * scale,
+                    products=tuple(replace(p, seconds=p.seconds * scale) for p in b.products))
+            for b in c.batches)))
+    one = [replace(r, batches=r.batches[:1]) for r in rounds] + [replace(r, batches=r.batches[1:]) for r in rounds]
+    combined = combine(one)
+    middle = ceilings_for(SMOL, batches=(1, 4))  # the median scale is 2.0
+    assert combined.batch_sizes == (1, 4) and combined.measured_at == "2026-12-01T20:02:00+00:00"
+    for got, base in zip(combined.batches, middle.batches):
+        assert got.other_seconds == pytest.approx(2.0 * base.other_seconds) and got.ops == base.ops
+        assert [p.seconds for p in got.products] == pytest.approx([2.0 * p.seconds for p in base.products])

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+import statistics
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,29 @@ def _count(value: Any, zero: bool = False) -> bool:
 def _positive(value: Any, zero: bool = False) -> bool:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return ok and (value >= 0 if zero else value > 0)
+
+
+def combine(measurements: list[DecodeCeilings]) -> DecodeCeilings:
+    """Several measurements of one model on one machine (a sweep measures each batch once per round, between its
+    generations, so machine noise lands on measurement and prediction alike) as one: per batch, each product's and
+    the other operations' median time over the measurements of that batch; the latest's identity and date."""
+    if not measurements:
+        raise ValueError("nothing to combine")
+    by_batch: dict[int, list[BatchCeilings]] = {}
+    for m in measurements:
+        for entry in m.batches:
+            by_batch.setdefault(entry.batch, []).append(entry)
+    batches = []
+    for batch in sorted(by_batch):
+        entries = by_batch[batch]
+        first = entries[0]
+        products = tuple(
+            ProductTime(p.role, p.rows, p.cols, p.per_layer,
+                        statistics.median(e.products[i].seconds for e in entries))
+            for i, p in enumerate(first.products))
+        batches.append(BatchCeilings(
+            batch=batch, products=products, ops=first.ops,
+            other_seconds=statistics.median(e.other_seconds for e in entries),
+            context=round(statistics.median(e.context for e in entries))))
+    latest = max(measurements, key=lambda m: m.measured_at)
+    return replace(latest, batches=tuple(batches))

@@ -10,7 +10,9 @@ median step and the fastest and slowest.
 
 The prediction is llmtrace.tracer.roofline.kernel_decode over ceilings measured in the same process
 (tracer/run/decode_measure.py: the model's own products at (B, N, K), the step's other operations counted and
-timed), saved for `llmtrace roofline` to read back. Beside it, for reference, the two-roof roofline of this
+timed), each batch's right after each of its generations (on a shared machine the speed drifts over minutes, and
+measuring all generations first and all kernels after put 1.5x between them), combined as medians over the rounds
+(decode_ceilings.combine) and saved for `llmtrace roofline` to read back. Beside it, for reference, the two-roof roofline of this
 machine's profile (copy bandwidth and square-GEMM FLOP/s, eager kernels: what llmtrace's model runs). The three
 crossovers (measured, predicted, roofline) are read off their step times by one rule (kernel_decode.CROSSOVER_RULE).
 """
@@ -24,7 +26,7 @@ from typing import Any, Callable, Sequence
 from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
-from llmtrace.tracer.hardware.decode_ceilings import DecodeCeilings, save_ceilings
+from llmtrace.tracer.hardware.decode_ceilings import DecodeCeilings, combine, save_ceilings
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.analysis import roofline
 from llmtrace.tracer.roofline.kernel_decode import (
@@ -132,8 +134,9 @@ def sweep(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batche
           stored: tuple[tuple[str, int, int], ...] = (),
           progress: Progress | None = None, save: bool = True) -> BatchSweep:
     """Measure and predict the decode step at each of `batches` (see the module docstring). `prompts` holds at
-    least the largest batch's prompts (sweep_prompts). `measure_ceilings(loaded, ids, batches, bandwidth, progress=)`
-    measures the kernels (tracer/run/decode_measure.measure_decode_ceilings; a stand-in in tests).
+    least the largest batch's prompts (sweep_prompts). `measure_ceilings(loaded, ids, batches, bandwidth)` measures
+    the kernels (tracer/run/decode_measure.measure_decode_ceilings; a stand-in in tests): once per batch and round,
+    right after that batch's generation, so the two see the same machine; the rounds' medians are combined.
     `stored`: a GGUF's tensors as stored (estimate.Dtypes.stored) when the run multiplies them as stored, so the
     reference roofline costs their stored bytes (its FLOP/s ceiling is the compute dtype's either way)."""
     if steps < 2 or repeats < 1:
@@ -142,20 +145,25 @@ def sweep(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batche
         raise BadArgumentError("a sweep needs batch sizes and a prompt for every sequence of the largest")
     config, tokenizer = loaded.config, loaded.tokenizer
     dtype_name = _compute_dtype(loaded)
+    ids = tokenizer.encode(prompts[0])
+    longest = max(len(tokenizer.encode(p)) for p in set(prompts[: batches[-1]]))
     samples: dict[int, list[float]] = {b: [] for b in batches}
+    measured: list[DecodeCeilings] = []
     total = len(batches) * repeats
     for r in range(repeats):
         for i, b in enumerate(batches):
+            where = f"batch {b} ({r * len(batches) + i + 1} of {total})"
             if progress is not None:
-                progress(f"decode at batch {b} ({r * len(batches) + i + 1} of {total} generations)")
+                progress(f"decode at {where}")
             samples[b].extend(_generation_steps(loaded, prompts, b, steps, dtype_name))
+            if progress is not None:
+                progress(f"kernels at {where}")
+            measured.append(measure_ceilings(loaded, ids, (b,), hardware.memory_bandwidth))
     for b in batches:
         if not samples[b]:
             raise BadArgumentError(f"no decode step at batch {b} held all {b} sequences (one stopped at once); "
                                    "use other prompts or a larger --max-new-tokens")
-    ids = tokenizer.encode(prompts[0])
-    longest = max(len(tokenizer.encode(p)) for p in set(prompts[: batches[-1]]))
-    ceilings = measure_ceilings(loaded, ids, batches, hardware.memory_bandwidth, progress=progress)
+    ceilings = combine(measured)
     saved_to, note = "", ""
     if save:
         try:
