@@ -18,8 +18,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f}"
 
 
-def _crossover(batch: int | None) -> str:
-    return "none in the sweep" if batch is None else f"batch {batch}"
+def _crossover(batch: float | None) -> str:
+    return "none in the sweep" if batch is None else f"batch {fmt.figures(batch)}"
 
 
 def render_batch_sweep(console: Console, s: BatchSweep) -> None:

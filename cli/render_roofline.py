@@ -220,8 +220,8 @@ def kernel_decode_parts(report: RooflineReport) -> list:
         table.add_row(fmt.count(row.batch) + ("" if not row.interpolated else "*"), _ms(row.seconds),
                       _ms(row.products_seconds), _ms(row.ops_seconds), fmt.figures(1 / row.seconds),
                       fmt.figures(row.batch / row.seconds), _ms(roof[row.batch]),
-                      style="bold" if row.batch == k.crossover_batch else "")
-    crossing = ("none within the table" if k.crossover_batch is None else f"batch {fmt.count(k.crossover_batch)}")
+                      )
+    crossing = ("none within the table" if k.crossover_batch is None else f"batch {fmt.figures(k.crossover_batch)}")
     foot = Text(f"* between or beyond the measured batches (interpolated linearly). Crossover: {crossing} "
                 f"({k.crossover_rule}).")
     return [head, step, table, foot]

@@ -28,7 +28,7 @@ from llmtrace.tracer.hardware.decode_ceilings import (
 from llmtrace.tracer.hardware.product_shapes import product_shapes
 from llmtrace.tracer.hardware.profiles import HardwareProfile, get_profile
 from llmtrace.tracer.roofline.kernel_decode import (
-    COPY_AND_GEMM, DATASHEET, MEASURED_KERNELS, growth_crossover, kernel_step, mean_step_seconds,
+    COPY_AND_GEMM, CROSSOVER_RULE, DATASHEET, MEASURED_KERNELS, growth_crossover, kernel_step, mean_step_seconds,
 )
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -97,15 +97,19 @@ def test_mean_step_is_the_mean_of_every_step_because_each_is_affine_in_its_conte
 
 
 def test_growth_crossover_rule() -> None:
-    # flat while memory-bound, then linear: 10, 10, 10, 11, 16, 32 ms at 1..32; 8 -> 16 grows 1.45x > √2
-    assert growth_crossover([1, 2, 4, 8, 16, 32], [0.010, 0.010, 0.010, 0.011, 0.016, 0.032]) == 8
-    # batch 1's faster kernel is not a crossover: 1 -> 2 doubles the step, but from 2 on it is flat
-    assert growth_crossover([1, 2, 4, 8], [0.005, 0.010, 0.010, 0.011]) is None
-    # a two-roof roofline: t = max(M, c B) with the exact crossover B* = 20 -> the rule gives 16 (B* / √2 < 16)
-    batches = [1, 2, 4, 8, 16, 32, 64]
-    assert growth_crossover(batches, [max(1.0, b / 20) for b in batches]) == 16
-    assert growth_crossover([2, 3, 4], [1.0, 1.3, 1.6]) == 2  # 1.3 > √1.5
-    assert growth_crossover([1], [1.0]) is None
+    r2 = math.sqrt(2)
+    # two roofs max(M, c B) sampled at their meeting point B* = 8 and at 2 B*: exactly B*
+    assert growth_crossover([1, 2, 4, 8, 16, 32], [0.5, 1, 1, 1, 2, 4]) == pytest.approx(8.0)
+    # the floor is the smallest step at batch >= 2 (10 ms); 14.1 ms is reached between 8 (11) and 16 (16) ms,
+    # log-log: 8 * 2 ** (log(14.14/11) / log(16/11)), then divided by √2
+    expected = 8 * 2 ** (math.log(0.010 * r2 / 0.011) / math.log(0.016 / 0.011)) / r2
+    assert growth_crossover([1, 2, 4, 8, 16, 32], [0.010, 0.010, 0.010, 0.011, 0.016, 0.032]) == pytest.approx(expected)
+    # batch 1's faster kernel is not a crossover: 1 -> 2 doubles the step, then it stays within √2 of its floor
+    assert growth_crossover([1, 2, 4, 8], [0.005, 0.010, 0.010, 0.013]) is None
+    # noise within √2 of the floor does not move it: a dip at 4 and a bump at 8 give the same crossover
+    assert growth_crossover([2, 4, 8, 16, 32], [1.0, 0.95, 1.3, 2.0, 4.0]) == pytest.approx(
+        8 * 2 ** (math.log(0.95 * r2 / 1.3) / math.log(2.0 / 1.3)) / r2)
+    assert growth_crossover([1], [1.0]) is None and growth_crossover([1, 2], [1.0, 3.0]) is None
 
 
 # ---- the store ----------------------------------------------------------------------------------------------
@@ -319,9 +323,8 @@ def fixed_sweep():  # noqa: ANN201
         machine="cpu|AMD EPYC|torch 2.13.0+cpu|AVX2|2 threads", prompts=1, prompt_tokens=5, decode_steps=16,
         repeats=3, ceilings=MEASURED_KERNELS, roofline_ceilings=COPY_AND_GEMM, roofline_weights="fp32",
         peak_flops=73.3e9, memory_bandwidth=15.63e9, rows=tuple(rows),
-        crossover_rule="smallest batch B >= 2 from which the next swept batch B' takes more than sqrt(B'/B) times "
-                       "B's step time (batch 1 runs a matrix-vector kernel, so it is not a starting point)",
-        measured_crossover=32, predicted_crossover=32, roofline_crossover=16, roofline_exact_crossover=11,
+        crossover_rule=CROSSOVER_RULE, measured_crossover=21.4, predicted_crossover=19.8, roofline_crossover=11.3,
+        roofline_exact_crossover=11,
         worst_ratio=1.19, goal_met=True, ceilings_saved_to="~/.config/llmtrace/decode_kernels.json", note="")
 
 

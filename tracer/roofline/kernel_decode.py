@@ -14,17 +14,18 @@ calls = the layer count for a per-layer product, 1 for the LM head. Between meas
 interpolated linearly in the batch; past the largest it is extended along the line through the last two (a
 product that already grows with the batch keeps growing), below the smallest it is the smallest's.
 
-The crossover is read the same way off any step-time curve, predicted or measured (`growth_crossover`): the
-smallest batch B >= 2 from which doubling the batch (the next swept batch) costs more than √(ratio) in step time,
-i.e. the step time grows faster than the square root of the batch. A memory-bound step grows by ~1x per doubling
-(the weights are read once for all rows), a compute-bound one by ~2x; √2 is the midpoint on a log scale, and under
-the two-roof roofline the rule lands within √2 below the exact crossover. Batch 1 is left out as a starting point
-because it runs another kernel (torch.mv: a matrix-vector product) than every larger batch (mm), which on some CPUs
-is 2x faster per weight byte: that jump is a kernel switch, not a crossover.
+The crossover is read the same way off any step-time curve, predicted or measured (`growth_crossover`). On two
+roofs, t(B) = max(M, c·B), it is the batch B* = M / c where they meet; read off points, the memory roof M is the
+smallest step at a batch >= 2, the curve is followed (linearly in log batch and log time between the swept
+batches) to where it first reaches √2·M, and that batch divided by √2 is the crossover: exactly B* on two roofs
+sampled at B* and 2B*, and, on a real curve, not moved by noise within √2 of the floor. Batch 1 is left out of
+the floor because it runs another kernel (torch.mv: a matrix-vector product) than every larger batch (mm), which
+on some CPUs is 2x faster per weight byte: that jump is a kernel switch, not a crossover.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,7 +38,7 @@ from llmtrace.tracer.hardware.decode_ceilings import BatchCeilings, DecodeCeilin
 MEASURED_KERNELS = "measured kernels at decode shapes"
 COPY_AND_GEMM = "memcpy + square GEMM"
 DATASHEET = "datasheet peak + bandwidth"
-GROWTH_EXPONENT = 0.5  # the crossover rule: step time growing faster than batch ** this
+SQRT2 = math.sqrt(2.0)  # the crossover rule's margin above the memory roof
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,21 +73,25 @@ class KernelDecode:
     tokens_per_s_per_sequence: float
     tokens_per_s_total: float
     table: tuple[KernelStep, ...]  # the batch table's batches at its context
-    crossover_batch: int | None  # growth_crossover over the table's batches; None = not within them
+    crossover_batch: float | None  # growth_crossover over the table's batches; None = not within them
     crossover_rule: str
 
 
-CROSSOVER_RULE = ("smallest batch B >= 2 from which the next swept batch B' takes more than sqrt(B'/B) times B's "
-                  "step time (batch 1 runs a matrix-vector kernel, so it is not a starting point)")
+CROSSOVER_RULE = ("the batch where the step time first reaches sqrt(2) x its floor (the smallest step at batch >= 2; "
+                  "log-log between swept batches), divided by sqrt(2): where two roofs max(M, cB) meet")
 
 
-def growth_crossover(batches: Sequence[int], seconds: Sequence[float]) -> int | None:
-    """The crossover by the rule of the module docstring over (batch, step seconds) points; None when the step never
-    grows that fast within them."""
-    points = [(b, t) for b, t in zip(batches, seconds) if b >= 2]
-    for (b, t), (b_next, t_next) in zip(points, points[1:]):
-        if t_next / t > (b_next / b) ** GROWTH_EXPONENT:
-            return b
+def growth_crossover(batches: Sequence[int], seconds: Sequence[float]) -> float | None:
+    """The crossover by the rule of the module docstring over (batch, step seconds) points; None when the step
+    never reaches √2 times its floor within them."""
+    points = [(b, t) for b, t in zip(batches, seconds) if b >= 2 and t > 0]
+    if len(points) < 2:
+        return None
+    target = SQRT2 * min(t for _, t in points)
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if t1 >= target > t0:
+            where = math.log(target / t0) / math.log(t1 / t0)  # of the way from b0 to b1, in log batch
+            return b0 * (b1 / b0) ** where / SQRT2
     return None
 
 
@@ -148,13 +153,12 @@ def kernel_decode(ceilings: DecodeCeilings, config: ModelConfig, batch: int, pro
         return None
     first, last, mean = mean_step_seconds(ceilings, config, batch, prompt_len, steps)
     table = tuple(kernel_step(ceilings, config, b, table_kv_len) for b in table_batches)
-    powers = [row for row in table if row.batch & (row.batch - 1) == 0]  # the doublings the rule reads
     return KernelDecode(
         ceilings=MEASURED_KERNELS, machine=ceilings.machine, measured_at=ceilings.measured_at,
         weights=ceilings.weights, formats=ceilings.formats, measured_batches=ceilings.batch_sizes,
         first_step=first, last_step=last, time_per_output_token_seconds=mean,
         tokens_per_s_per_sequence=1 / mean, tokens_per_s_total=batch / mean, table=table,
-        crossover_batch=growth_crossover([r.batch for r in powers], [r.seconds for r in powers]),
+        crossover_batch=growth_crossover([r.batch for r in table], [r.seconds for r in table]),
         crossover_rule=CROSSOVER_RULE,
     )
 

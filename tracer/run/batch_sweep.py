@@ -80,9 +80,9 @@ class BatchSweep:
     memory_bandwidth: float
     rows: tuple[SweepRow, ...]
     crossover_rule: str
-    measured_crossover: int | None  # by crossover_rule over the measured steps; None = not within the sweep
-    predicted_crossover: int | None  # the same rule over the predicted steps
-    roofline_crossover: int | None  # the same rule over the reference roofline's steps
+    measured_crossover: float | None  # by crossover_rule over the measured steps; None = not within the sweep
+    predicted_crossover: float | None  # the same rule over the predicted steps
+    roofline_crossover: float | None  # the same rule over the reference roofline's steps
     roofline_exact_crossover: int | None  # the roofline's own: the smallest compute-bound batch
     worst_ratio: float  # the largest of measured/predicted and predicted/measured over the rows
     goal_met: bool  # worst_ratio <= GOAL_RATIO and the crossovers within GOAL_CROSSOVER of each other
