@@ -258,3 +258,43 @@ def test_a_fake_timer_sees_stored_candidates(tiny: Callable[[Q], Path], monkeypa
     assert loaded.weights.mode == "dense" and loaded.kernels.picked == "fp32"
     assert "auto: fp32 dense is the fastest acceptable candidate" in loaded.weights.reason
     assert next(loaded.model.parameters()).dtype == torch.float32 and FP32.name == "fp32" and FP16.name == "fp16"
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaMA as Q4_1 matrices with a Q8_0 LM head (as the bundled file mixes them)."""
+    import numpy as np
+
+    folder = make_tiny_llama("default")
+    config = ModelConfig.from_hf_json(folder)
+    state = load_hf_state_dict(folder, config)
+    head = gguf.quants.quantize(state["output.weight"].float().numpy().astype(np.float32), Q.Q8_0)
+    path = tmp_path_factory.mktemp("cand-mixed") / "tiny.gguf"
+    return write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=Q.Q4_1,
+                           raw_blocks={"output.weight": (head, Q.Q8_0)})
+
+
+def test_a_kernel_per_type_when_no_one_kernel_is_acceptable_for_all(tiny_mixed: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_1 + a Q8_0 head: int4pack is refused (the head), blocks is exact; the plan int4pack for Q4_1 and blocks
+    for Q8_0 is a candidate of its own, acceptable type by type, and runs when fastest."""
+    def plan_fastest(kernels, config, device="cpu", progress=None):
+        timings, seconds = fixed_timings(kernels, config)
+        return tuple(replace(t, decode_s=t.decode_s / 100) if ":" in t.name else t for t in timings), seconds
+
+    monkeypatch.setattr(kernel_pick, "time_kernels", plan_fastest)
+    loaded = load_model(str(tiny_mixed), AUTO, use_cache=False)
+    spec = "Q4_1:int4pack,Q8_0:blocks"
+    assert loaded.kernels.picked == spec and loaded.weights.kernel == spec and loaded.kernels.timing(spec).safe
+    assert not loaded.kernels.timing("int4pack").safe
+    formats = {name: w.format.label for name, w in loaded.model.stored_weights().items()}
+    assert formats["output"] == "q8_0 (blocks)" and formats["layers.0.attention.wq"] == "q4_1 (int4pack)"
+    again = load_model(str(tiny_mixed), AUTO, weights=spec)  # the spec as an option, cached under its own entry
+    ids = torch.tensor([[1, 40, 41, 42]])
+    dense = load_model(str(tiny_mixed), FP32, weights="dense").model
+    for model in (loaded.model, again.model, dense):
+        model.setup_cache(1, 8)
+    logits = [m.prefill(ids) for m in (loaded.model, again.model, dense)]
+    torch.testing.assert_close(logits[0], logits[1])
+    assert (logits[0] - logits[2]).abs().max() <= 0.04 * logits[2].abs().max()

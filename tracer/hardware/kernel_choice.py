@@ -10,7 +10,9 @@ The rule, in order:
 1. Candidates. Each dense compute dtype (fp32, fp16, bf16: every matrix converted to it, activations in it) and, for
    a GGUF, each stored-precision kernel that runs every one of its matrices as stored
    (llmtrace.tracer.model.weight_formats.stored_kernels: "int4pack", "blocks", and any kernel added there), with fp32
-   activations (the rest of the model computes in fp32; the kernel reads the weights as the file stores them).
+   activations (the rest of the model computes in fp32; the kernel reads the weights as the file stores them);
+   and, when no one kernel is acceptable for every matrix type, a kernel PER TYPE ("Q4_1:int4pack,Q8_0:blocks":
+   for each type the first kernel in weight_formats' order that is acceptable for that type alone).
 2. Accuracy: one rule for dense and stored candidates. A matrix stored as format F needs `required_bits(F)`
    significand bits: a float matrix its own bits (fp16 -> bf16 loses 3, so never; bf16 -> fp16 is exact in fp16's
    range); a block-quantized one (GGUF Q4_1, Q8_0...) its code bits + GUARD_BITS, so that rounding a dequantized

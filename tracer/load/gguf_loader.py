@@ -8,6 +8,7 @@ the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` dec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -114,15 +115,26 @@ def _map_tensor_data(header: GGUFHeader) -> np.ndarray:
     return data
 
 
-def stored_matrices(header: GGUFHeader, config: ModelConfig, kernel: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Which of the file's matrices `kernel` runs as stored, and which it cannot: ({Meta name: ggml type name}
-    with a kernel, {Meta name: ggml type name} without one). The 1-D tensors (norms, biases) are never packed."""
+KernelPlan = str | Mapping[str, str]  # one kernel for every matrix, or {ggml type name: kernel}
+
+
+def kernel_of(plan: KernelPlan, info: GGUFTensorInfo) -> str | None:
+    """The kernel `plan` runs this matrix with, None when it has none that runs its type (dequantized)."""
+    kernel = plan if isinstance(plan, str) else plan.get(info.type_name)
+    return kernel if kernel is not None and kernel in stored_kernels(info.ggml_type) else None
+
+
+def stored_matrices(header: GGUFHeader, config: ModelConfig, kernel: KernelPlan
+                    ) -> tuple[dict[str, str], dict[str, str]]:
+    """Which of the file's matrices `kernel` (one kernel, or one per ggml type) runs as stored, and which it cannot:
+    ({Meta name: ggml type name} with a kernel, {Meta name: ggml type name} without one). The 1-D tensors (norms,
+    biases) are never packed."""
     plan = _plan(header, config)
     packable, dense = {}, {}
     for name, info in plan.items():
         if len(info.shape) < 2:
             continue
-        (packable if kernel in stored_kernels(info.ggml_type) else dense)[name] = info.type_name
+        (packable if kernel_of(kernel, info) is not None else dense)[name] = info.type_name
     return packable, dense
 
 
@@ -132,7 +144,7 @@ def matrix_infos(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTenso
 
 
 def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype,
-                     kernel: str) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+                     kernel: KernelPlan) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
     """The file's matrices as stored, for `kernel` (llmtrace.tracer.model.weight_formats), and the rest dense.
 
     Returns (dense state dict in `dtype`: norms, biases and any matrix whose type `kernel` cannot run, which is
@@ -148,12 +160,12 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
             tensor = _dequantized(header, config, data, name, info)
             dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
             continue
-        packed[name] = _packed(header, config, data, name, info, kernel)
+        packed[name] = _packed(header, config, data, name, info, kernel_of(kernel, info))  # type: ignore[arg-type]
     del data
     return dense, packed
 
 
-def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], kernel: str | None
+def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], kernel: KernelPlan | None
                   ) -> dict[str, PackedWeight | torch.Tensor]:
     """The matrices `names` alone (a sample for measuring kernels, tracer/load/stored_candidates.py): packed for
     `kernel`, or with kernel None dequantized exactly to fp32 tensors; Q/K rows in HF's order as the model holds
@@ -164,7 +176,7 @@ def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], ker
     for name in names:
         info = plan[name]
         out[name] = (_dequantized(header, config, data, name, info) if kernel is None
-                     else _packed(header, config, data, name, info, kernel))
+                     else _packed(header, config, data, name, info, kernel_of(kernel, info)))  # type: ignore[arg-type]
     del data
     return out
 

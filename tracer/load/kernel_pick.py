@@ -19,7 +19,7 @@ below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -33,7 +33,10 @@ from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.hardware.product_timing import (
     DenseKernel, ProductKernel, machine_key, product_shapes, time_kernels,
 )
+from llmtrace.tracer.load.gguf_loader import matrix_infos
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
+from llmtrace.tracer.load.stored_weights import plan_spec
+from llmtrace.tracer.model.weight_formats import stored_kernels
 
 Progress = Callable[[str], None]
 Timer = Callable[..., tuple[tuple[CandidateTiming, ...], float]]  # product_timing.time_kernels' signature
@@ -83,8 +86,10 @@ class _Candidates:
 
     kernels: tuple[ProductKernel, ...]  # those to time: acceptable by their bits, or judged by a probe
     bits: dict[str, int | None]  # {candidate: precision_bits}
-    probes: dict[str, tuple[str, ...]]  # {candidate: block formats a probe must judge}
+    probes: dict[str, tuple[str, ...]]  # {candidate or stored kernel: block formats a probe must judge}
     refused: tuple[str, ...]  # "bf16: F16 matrices need 11 significand bits, bf16 keeps 8": never timed
+    # {ggml type name of a matrix: the stored kernels that run it, in weight_formats' order}: for a kernel per type
+    type_kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence[str]) -> _Candidates:
@@ -110,7 +115,32 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
         bits[kernel.name] = kept
         if short:
             probes[kernel.name] = short
-    return _Candidates(tuple(kernels), bits, probes, tuple(refused))
+    type_kernels: dict[str, tuple[str, ...]] = {}
+    if resolved.kind == GGUF and header is not None and device.type == "cpu":
+        for info in matrix_infos(header, resolved.config).values():
+            type_kernels[info.type_name] = stored_kernels(info.ggml_type)
+        for type_name, names in type_kernels.items():  # kernels that run only some types are probed for a plan
+            for k in names:
+                kept = rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k)
+                if rule.short_of_bits(kept, [type_name]) and type_name not in probes.get(k, ()):
+                    probes[k] = (*probes.get(k, ()), type_name)
+                bits.setdefault(k, kept)
+    return _Candidates(tuple(kernels), bits, probes, tuple(refused), type_kernels)
+
+
+def per_type_plan(offered: _Candidates, errors: dict[str, dict[str, float]]) -> dict[str, str] | None:
+    """A kernel per matrix type: for each type, the first stored kernel (weight_formats' order: fastest known
+    first) that is acceptable for it (kernel_choice.judge on that type alone). None when some type has none, or
+    when one kernel would run every type (that is a uniform candidate already)."""
+    plan = {}
+    for type_name, names in offered.type_kernels.items():
+        ok = [k for k in names if rule.judge(k, offered.bits.get(k), [type_name], errors.get(k, {}))[0]]
+        if not ok:
+            return None
+        plan[type_name] = ok[0]
+    if not plan or len(set(plan.values())) == 1:
+        return None
+    return plan
 
 
 def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | None = None,
@@ -144,11 +174,21 @@ def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
         if progress:
             progress("accuracy probe of " + ", ".join(offered.probes))
         errors = probe_errors(resolved.gguf_header, resolved.config, offered.probes)
-    timings, seconds = (timer or time_kernels)(offered.kernels, resolved.config, str(device), progress=progress)
+    kernels = list(offered.kernels)
+    plan = per_type_plan(offered, errors)
+    if plan is not None:  # e.g. int4pack for the Q4 matrices, an exact kernel for a Q8_0 one
+        assert resolved.gguf_header is not None
+        kernels.append(StoredKernel(resolved.gguf_header, resolved.config, plan_spec(plan)))
+    timings, seconds = (timer or time_kernels)(kernels, resolved.config, str(device), progress=progress)
     judged = []
     for timing in timings:
-        ok, why = rule.judge(timing.name, offered.bits.get(timing.name), formats, errors.get(timing.name, {}))
-        worst = max(errors[timing.name].values(), default=None) if timing.name in errors else None
+        if plan is not None and timing.name == plan_spec(plan):  # acceptable type by type, by construction
+            ok, why = True, ""
+            probed = [errors[k][t] for t, k in plan.items() if t in errors.get(k, {})]
+            worst = max(probed) if probed else None
+        else:
+            ok, why = rule.judge(timing.name, offered.bits.get(timing.name), formats, errors.get(timing.name, {}))
+            worst = max(errors[timing.name].values(), default=None) if timing.name in errors else None
         worst = worst if worst is not None and math.isfinite(worst) else None  # JSON holds no NaN; `why` says it
         judged.append(replace(timing, safe=ok, unsafe_reason=why, product_error=worst))
     choice = rule.select(judged, own, seconds)

@@ -39,7 +39,7 @@ from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary, stored_matrices
 from llmtrace.tracer.load.stored_weights import (
     AUTO as WEIGHTS_AUTO, DENSE, STORED, WeightsChoice, WeightsRequest, all_kernels, entry_variant, from_entry,
-    parse_weights, to_entry, widest_kernel,
+    kernel_plan, parse_weights, plan_spec, to_entry, widest_kernel,
 )
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
@@ -252,7 +252,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         except OSError:
             key = None
     if key is None:
-        model = assemble(*load_gguf_stored(header, config, values, kernel))
+        model = assemble(*load_gguf_stored(header, config, values, kernel_plan(kernel)))
         return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
     notes = []
     with weights_cache.creating(key, variant):
@@ -265,7 +265,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
             except (CheckpointError, ValueError):
                 weights_cache.cache_path(key, variant).unlink(missing_ok=True)
                 notes.append("weights cache: the entry did not fit this model; converting again")
-        dense, packed = load_gguf_stored(header, config, values, kernel)
+        dense, packed = load_gguf_stored(header, config, values, kernel_plan(kernel))
         weights_cache.store(key, variant, *to_entry(dense, packed))
     model = assemble(dense, packed)
     return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),

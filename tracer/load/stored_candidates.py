@@ -26,6 +26,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.hardware.product_timing import ProductShape
 from llmtrace.tracer.load.gguf_loader import matrix_infos, pack_matrices
+from llmtrace.tracer.load.stored_weights import kernel_plan
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows, stored_kernels
 
 PROBE_MATRICES = 2  # matrices of each format a probe multiplies (the LM head is often the only Q8_0 one)
@@ -65,6 +66,7 @@ class StoredKernel:
     dtype = rule.STORED_ACTIVATIONS
 
     def __init__(self, header: GGUFHeader, config: ModelConfig, kernel: str) -> None:
+        """`kernel`: a stored kernel's name, or a kernel per type ("Q4_1:int4pack,Q8_0:blocks")."""
         self.name = kernel
         self.decode_variants = (kernel,)
         self._header, self._config = header, config
@@ -75,7 +77,7 @@ class StoredKernel:
     def _weights(self) -> dict[str, PackedWeight | tuple[PackedWeight, ...]]:
         if self._sample is None:
             names = sorted({n for members in self._roles.values() for n in members})
-            packed = pack_matrices(self._header, self._config, names, self.name)
+            packed = pack_matrices(self._header, self._config, names, kernel_plan(self.name))
             sample: dict[str, PackedWeight | tuple[PackedWeight, ...]] = {}
             for role, members in self._roles.items():
                 parts = [packed[n] for n in members]  # type: ignore[misc]

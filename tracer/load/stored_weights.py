@@ -4,7 +4,8 @@
 (llmtrace.tracer.load.kernel_pick: every stored kernel that runs all the file's matrices is timed beside each dense
 dtype and judged by one accuracy rule, tracer/hardware/kernel_choice.py); "stored" the fastest acceptable stored
 kernel measured; "dense" dequantizes every matrix to the compute dtype (the path llmtrace always had); a kernel's
-name ("int4pack", "blocks", any kernel llmtrace.tracer.model.weight_formats lists) runs that kernel, unmeasured.
+name ("int4pack", "blocks", any kernel llmtrace.tracer.model.weight_formats lists) runs that kernel, unmeasured, and
+"Q4_1:int4pack,Q8_0:blocks" a kernel per ggml type (what auto measures when no one kernel is acceptable for all).
 A kernel multiplies every matrix whose ggml type it runs and the rest are dequantized; auto only ever picks kernels
 that run all of them (a mixed model, part dense, would be neither the file's bytes nor the dense baseline).
 
@@ -58,8 +59,35 @@ def parse_weights(text: str | None) -> WeightsRequest:
         return WeightsRequest(text)
     if text in all_kernels():
         return WeightsRequest(STORED, text)
-    raise BadArgumentError(f"--weights must be one of {', '.join((AUTO, STORED, DENSE, *all_kernels()))}, "
-                           f"got {text!r}")
+    try:
+        plan = kernel_plan(text)
+    except ValueError:
+        plan = None
+    if isinstance(plan, dict):
+        return WeightsRequest(STORED, text)
+    raise BadArgumentError(f"--weights must be one of {', '.join((AUTO, STORED, DENSE, *all_kernels()))}, or a "
+                           f"kernel per type (Q4_1:int4pack,Q8_0:blocks), got {text!r}")
+
+
+def kernel_plan(spec: str) -> str | dict[str, str]:
+    """A stored-kernel spec as gguf_loader takes it: "int4pack" (every matrix), or "Q4_1:int4pack,Q8_0:blocks"
+    ({ggml type name: kernel}); ValueError for a kernel llmtrace does not have or a malformed part."""
+    if ":" not in spec:
+        if spec not in all_kernels():
+            raise ValueError(f"no stored kernel {spec!r}")
+        return spec
+    plan = {}
+    for part in spec.split(","):
+        type_name, _, kernel = part.partition(":")
+        if not type_name or kernel not in all_kernels():
+            raise ValueError(f"bad kernel spec part {part!r}")
+        plan[type_name] = kernel
+    return plan
+
+
+def plan_spec(plan: dict[str, str]) -> str:
+    """The spec of a per-type plan, types sorted: "Q4_1:int4pack,Q8_0:blocks"."""
+    return ",".join(f"{t}:{plan[t]}" for t in sorted(plan))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +110,9 @@ def widest_kernel(packable_by_kernel: dict[str, int]) -> str:
 
 
 def entry_variant(kernel: str, dtype: torch.dtype) -> str:
-    """The cache entry's name part for stored weights: "stored-int4pack-float32"."""
-    return f"stored-{kernel}-{str(dtype).removeprefix('torch.')}"
+    """The cache entry's name part for stored weights: "stored-int4pack-float32" ("stored-Q4_1.int4pack_Q8_0.blocks-
+    float32" for a kernel per type)."""
+    return f"stored-{kernel.replace(':', '.').replace(',', '_')}-{str(dtype).removeprefix('torch.')}"
 
 
 def to_entry(dense: dict[str, torch.Tensor], packed: dict[str, PackedWeight]
