@@ -1,19 +1,21 @@
 """Where a default decode step's time goes: the weight products against everything else (issue 12, item 4).
 
-The model is the one `llmtrace run` loads by default (the bundled SmolLM2-135M Q4_1 GGUF, `--dtype auto`,
-`--weights` as the loader picks: stored matrices through their PackedWeight kernel). Three views:
+The model is the one `llmtrace run` loads by default (the bundled SmolLM2-135M Q4_1 GGUF, `--dtype auto`, the
+weights as the loader's measured choice holds them), or with `--weights SPEC` as `run --weights SPEC` would. Views:
 
-1. step: `decode_one` after a 5-token prompt, one token per step. Products are every `PackedWeight.__call__` (the
-   class method timed by a wrapper, in steps of their own); "other" is the unwrapped forward's median minus the
-   products' median: norms, RoPE, the cache write, attention, residuals, the embedding row, Python. Also the torch
-   ops one forward dispatches (torch.profiler's top-level events, one extra step).
+1. step: `decode_one` after a 5-token prompt, one token per step. Products are every `PackedWeight.__call__` and
+   every dense matrix-vector kernel (functional.MATVEC_KERNELS), timed by wrappers in steps of their own; "other"
+   is the unwrapped forward's median minus the products' median: norms, RoPE, the cache write, attention,
+   residuals, the embedding row, Python. Also the torch ops one forward dispatches (torch.profiler's top-level
+   events, one extra step).
 2. loop: whole greedy generations through `Generation(trace=False)` (what `run --no-trace` runs): per step the
    forward, sampling and detokenization (the StepRecord's clocks), and the gap between one step's end and the
    next one's start (the loop's own work: records, events).
 3. cli: `llmtrace run PROMPT --max-new-tokens 48 --no-trace --no-roofline --summary-json --json FILE` as a
    subprocess: the summary's decode tokens/s, and the decode wall per token from the trace file (first decode
    step's start to the last one's end, over the steps between), with the console on a pipe and on a pseudo-terminal
-   (where rich's live view redraws as the steps come).
+   (where rich's live view redraws as the steps come); and `--staged` traced (pipe), against which the
+   untraced default is issue 12's "--staged traced decode within 1.5x" target.
 
 `--baseline TREE` runs the same measurements on another worktree's code (TREE/.venv/bin/python with this script),
 rounds interleaved with this tree's, so before/after are measured side by side:
@@ -46,16 +48,17 @@ TREE = HERE.parents[1]
 # ---- measured inside one process (this tree's code or the baseline's) ---------------------------------------
 
 
-def measure_step(steps: int) -> dict[str, Any]:
+def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
     """The step and loop views on this interpreter's llmtrace: one round's medians (ms) and op counts."""
     import torch
 
     from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.model import functional
     from llmtrace.tracer.model.weight_formats import PackedWeight
     from llmtrace.tracer.run.generate import Generation, TokenStep
     from llmtrace.tracer.trace.records import RunSettings
 
-    loaded = load_model(None)
+    loaded = load_model(None, weights=weights)
     model = loaded.model
     ids = torch.tensor([list(loaded.tokenizer.encode(PROMPT))])  # (1, T)
     token = ids[:, -1:]  # (1, 1)
@@ -78,16 +81,21 @@ def measure_step(steps: int) -> dict[str, Any]:
     products: list[int] = []
     calls = [0]
     spent = [0]
-    original = PackedWeight.__call__
 
-    def timed(self: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter_ns()
-        out = original(self, x)
-        spent[0] += time.perf_counter_ns() - start
-        calls[0] += 1
-        return out
+    def timed(product: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            out = product(*args, **kwargs)
+            spent[0] += time.perf_counter_ns() - start
+            calls[0] += 1
+            return out
+        return run
 
-    PackedWeight.__call__ = timed  # type: ignore[method-assign]
+    # Every weight product of a decode step: a matrix held as stored (PackedWeight.__call__) or a dense one through
+    # the matrix-vector kernels the fused plan binds when it is built (setup_cache, below, rebuilds it).
+    original_call, original_kernels = PackedWeight.__call__, dict(functional.MATVEC_KERNELS)
+    PackedWeight.__call__ = timed(original_call)  # type: ignore[method-assign]
+    functional.MATVEC_KERNELS.update({name: timed(kernel) for name, kernel in original_kernels.items()})
     try:
         model.setup_cache(1, ids.shape[1] + steps + 1)
         model.prefill(ids)
@@ -96,11 +104,12 @@ def measure_step(steps: int) -> dict[str, Any]:
             model.decode_one(token)
             products.append(spent[0])
     finally:
-        PackedWeight.__call__ = original  # type: ignore[method-assign]
+        PackedWeight.__call__ = original_call  # type: ignore[method-assign]
+        functional.MATVEC_KERNELS.update(original_kernels)
 
     ops = _ops_per_step(model, ids, token)
 
-    settings = RunSettings(model="", prompt=PROMPT, max_new_tokens=steps + 1, trace=False)
+    settings = RunSettings(model="", prompt=PROMPT, max_new_tokens=steps + 1, trace=False, weights=weights or "")
     generation = Generation(loaded, settings)
     try:
         records = [e.step for e in generation.events() if isinstance(e, TokenStep)]
@@ -142,14 +151,17 @@ def _ops_per_step(model: Any, ids: Any, token: Any) -> dict[str, int]:
 # ---- the CLI as a subprocess -----------------------------------------------------------------------------------
 
 
-def measure_cli(python: str, tty: bool) -> dict[str, float]:
-    """One `llmtrace run --no-trace` of the default model: summary tokens/s and decode wall per token (ms)."""
+def measure_cli(python: str, view: str, weights: str | None) -> dict[str, float]:
+    """One `llmtrace run` of the default model (`view`: "pipe" or "pty" untraced, "staged" traced stage by stage):
+    summary tokens/s and decode wall per token (ms)."""
     with tempfile.TemporaryDirectory() as folder:
         trace_file = Path(folder) / "trace.json"
-        command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(CLI_TOKENS), "--no-trace",
+        mode = ["--staged"] if view == "staged" else ["--no-trace"]
+        command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(CLI_TOKENS), *mode,
                    "--no-roofline", "--summary-json", "--json", str(trace_file)]
+        command += ["--weights", weights] if weights else []
         env = dict(os.environ, COLUMNS="100", LINES="40")
-        if tty:
+        if view == "pty":
             summary = _run_on_pty(command, env)
         else:
             done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
@@ -193,9 +205,10 @@ def _drain(fd: int) -> None:
 # ---- driver --------------------------------------------------------------------------------------------------
 
 
-def _child(tree: Path, steps: int) -> dict[str, Any]:
-    done = subprocess.run([str(tree / ".venv" / "bin" / "python"), str(HERE), "--child", "--steps", str(steps)],
-                          capture_output=True, text=True, check=True, cwd=str(tree))
+def _child(tree: Path, steps: int, weights: str | None) -> dict[str, Any]:
+    command = [str(tree / ".venv" / "bin" / "python"), str(HERE), "--child", "--steps", str(steps)]
+    command += ["--weights", weights] if weights else []
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=str(tree))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -218,10 +231,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--baseline", type=Path, help="another worktree (with its own .venv) measured alongside")
     parser.add_argument("--only", choices=("step", "cli"), help="one view only (default: both)")
+    parser.add_argument("--weights", help="as `run --weights` (default: the loader's measured choice)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_step(args.steps)))
+        print(json.dumps(measure_step(args.steps, args.weights)))
         return
     trees = {"this": TREE}
     if args.baseline is not None:
@@ -232,15 +246,19 @@ def main() -> None:
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name, tree in trees.items():
-                rounds[name].append(_child(tree, args.steps))
+                rounds[name].append(_child(tree, args.steps, args.weights))
         result["step"] = {name: _median_of(r) for name, r in rounds.items()}
     if args.only in (None, "cli"):
-        cli: dict[str, list[dict[str, float]]] = {f"{name} {view}": [] for name in trees for view in ("pipe", "pty")}
+        views = ("pipe", "pty", "staged")
+        cli: dict[str, list[dict[str, float]]] = {f"{name} {view}": [] for name in trees for view in views}
         for _ in range(args.rounds):
             for name, python in pythons.items():
-                for view in ("pipe", "pty"):
-                    cli[f"{name} {view}"].append(measure_cli(python, view == "pty"))
+                for view in views:
+                    cli[f"{name} {view}"].append(measure_cli(python, view, args.weights))
         result["cli"] = {name: _median_of(r) for name, r in cli.items()}
+        for name in trees:  # issue 12: --staged traced decode within 1.5x of the untraced default
+            staged, plain = result["cli"][f"{name} staged"], result["cli"][f"{name} pipe"]
+            result["cli"][f"{name} staged / untraced"] = staged["wall_ms_per_token"] / plain["wall_ms_per_token"]
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 

@@ -70,9 +70,15 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, one_query: 
     """q (G, R*T, D) · k (G, S, D)ᵀ, times `scale` after the product -> (G, R*T, S) in q's dtype (G = B*Hkv groups
     of R query heads sharing a KV head). For one query token in half precision the product runs in fp32 and is
     rounded once, after the scaling: a half-precision bmm this small takes oneDNN's slow path on CPU (~3x fp32)."""
+    return attention_scores_t(q, k.transpose(1, 2), scale, one_query)
+
+
+def attention_scores_t(q: torch.Tensor, k_t: torch.Tensor, scale: float, one_query: bool) -> torch.Tensor:
+    """attention_scores with the keys already transposed: k_t (G, D, S) (the fused path's one-token step makes
+    every layer's in one op)."""
     if one_query and q.dtype != torch.float32:
-        return torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale).to(q.dtype)  # (G, R, S)
-    return torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # (G, R*T, S)
+        return torch.bmm(q.float(), k_t.float()).mul_(scale).to(q.dtype)  # (G, R, S)
+    return torch.bmm(q, k_t).mul_(scale)  # (G, R*T, S)
 
 
 def attention_values(probs: torch.Tensor, v: torch.Tensor, one_query: bool) -> torch.Tensor:

@@ -41,6 +41,7 @@ from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 from llmtrace.tracer.model.functional import (
     MATVEC_KERNELS,
     attention_scores,
+    attention_scores_t,
     attention_values,
     causal_mask,
     project,
@@ -93,6 +94,11 @@ class FusedLayer:
         self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
         self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
         self.ffn_dim = self.w2.shape[1]
+        # The one-token step's views of its Q|K|V vector ((H+2Hkv)*D,): (size, stride, offset) for as_strided.
+        d = self.head_dim
+        self.qk_view = ((self.heads + self.kv_heads, d), (d, 1), 0)  # q and k heads, rotated together
+        self.kv_view = ((2 * self.kv_heads, d), (d, 1), self.heads * d)  # K and V heads
+        self.q_view = ((self.kv_heads, self.rep, d), (self.rep * d, d, 1), 0)  # q heads by the KV head they share
 
     def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, mark: Mark = no_mark) -> torch.Tensor:
@@ -141,6 +147,47 @@ class FusedLayer:
         mark()
         return x
 
+    def decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor,
+                   keys_t: torch.Tensor, values: torch.Tensor, mark: Mark = no_mark) -> torch.Tensor:
+        """`forward` for one token of one sequence, in fewer ops: x (dim,); cos, sin (1, D) of its position; `write`
+        (2*Hkv, D), this layer's cache row at that position; keys_t (Hkv, D, S) and values (Hkv, S, D), the live
+        cache (the new position included, once written): views FusedPlan made for every layer at once. The same
+        ops on the same values as `forward` (so the same bits), minus its reshapes and per-layer cache views."""
+        h = self.attention_norm(x)  # (dim,)
+        mark()
+        qkv = self.product(h, self.wqkv, self.bqkv)  # ((H+2Hkv)*D,)
+        mark()
+        offset = qkv.storage_offset()
+        size, stride, start = self.qk_view
+        qk = qkv.as_strided(size, stride, offset + start)  # (H+Hkv, D)
+        torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin, out=qk)  # RoPE on q and k, in place
+        mark()
+        size, stride, start = self.kv_view
+        write.copy_(qkv.as_strided(size, stride, offset + start))  # (2*Hkv, D): K heads, V heads
+        mark()
+        size, stride, start = self.q_view
+        scores = attention_scores_t(qkv.as_strided(size, stride, offset + start), keys_t, self.scale, True)
+        mark()  # scores (Hkv, R, S)
+        probs = softmax_fp32(scores)  # (Hkv, R, S)
+        mark()
+        out = attention_values(probs, values, True).view(-1)  # (Hkv, R, D) -> (H*D,)
+        mark()
+        attended = self.product(out, self.wo, self.bo)  # (dim,)
+        mark()
+        x = attended.add_(x)
+        mark()
+        h = self.ffn_norm(x)
+        mark()
+        gate_up = self.product(h, self.w13, self.b13)  # (2F,): gate | up
+        mark()
+        act = F.silu(gate_up[: self.ffn_dim]).mul_(gate_up[self.ffn_dim :])  # (F,)
+        mark()
+        down = self.product(act, self.w2, self.b2)  # (dim,)
+        mark()
+        x = down.add_(x)
+        mark()
+        return x
+
 
 class FusedPlan:
     """Everything the fused path reads, built once by `Transformer.setup_cache` (which packs the projections)."""
@@ -158,6 +205,15 @@ class FusedPlan:
         self.final_norm = FusedNorm(model.norm)
         self.dtype = model.norm.weight.dtype  # the compute dtype (a stored embedding's rows are dequantized to it)
         self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each
+        # Row 0 of every layer's cache as one (L, 2*Hkv, S_max, D) view, when the model keeps them in one tensor
+        # (Transformer.setup_cache) and the layers' buffers are still its slices; else None (no one-token path).
+        self.caches = [layer.cache for layer in self.layers]
+        kv_all = getattr(model, "_kv_all", None)
+        shared = kv_all is not None and len(self.caches) == kv_all.shape[0] and all(
+            c.kv is not None and c.kv.data_ptr() == kv_all[i].data_ptr() and c.kv.stride() == kv_all[i].stride()
+            and c.kv.shape == kv_all[i].shape for i, c in enumerate(self.caches))
+        self.kv_rows = kv_all.select(1, 0) if shared and self.caches else None
+        self.window = self.caches[0].window if self.caches else None
         # Parameters must stay the same objects, unmodified in place (their version counters); buffers (the KV
         # caches, written every step) the same objects. Kept as parallel lists: `valid` runs before every step and
         # compares them in C loops (map/all), ~25 us for ~300 tensors where a Python loop took ~70 us.
@@ -186,6 +242,8 @@ class FusedPlan:
         (B, 1, T, S) hiding pad keys from real queries. `mark()` once before the embedding, then after each stage
         of contract.fused_stages (the layer stages once per layer)."""
         batch, new = tokens.shape
+        if batch == 1 and new == 1 and positions is None and pad_mask is None and self.kv_rows is not None:
+            return self._decode_one(tokens, start, mark)
         if positions is None:
             cos = self.cos[start : start + new]  # (T, 1, D)
             sin = self.sin[start : start + new]  # (T, 1, D)
@@ -209,6 +267,35 @@ class FusedPlan:
         h = self.final_norm(x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last position
         mark()
         logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
+        mark()
+        return logits
+
+    def _decode_one(self, tokens: torch.Tensor, start: int, mark: Mark) -> torch.Tensor:
+        """`step` for one token (1, 1) of one sequence at position `start`: every layer's cache row at that position
+        and live keys and values come from a handful of views of the one cache tensor, made once for all layers,
+        instead of ~6 per layer; the layers run FusedLayer.decode_one. The same stages, marks and values."""
+        end = start + 1
+        first = first_attended_position(end, 1, self.window)
+        heads = self.layers[0].kv_heads
+        rows = self.kv_rows  # (L, 2*Hkv, S_max, D)
+        writes = rows.select(2, start).unbind(0)  # L x (2*Hkv, D)
+        live = rows.narrow(2, first, end - first)  # (L, 2*Hkv, S, D)
+        keys_t = live.narrow(1, 0, heads).transpose(2, 3).unbind(0)  # L x (Hkv, D, S)
+        values = live.narrow(1, heads, heads).unbind(0)  # L x (Hkv, S, D)
+        cos, sin = self.cos[start], self.sin[start]  # (1, D) each
+        mark()
+        if isinstance(self.embedding, PackedWeight):  # held as stored: only the looked-up row is dequantized
+            x = self.embedding.rows(tokens.view(1), self.dtype)[0]  # (dim,)
+        else:
+            x = F.embedding(tokens.view(1), self.embedding)[0]  # (dim,)
+        mark()
+        for layer, write, k_t, v in zip(self.layers, writes, keys_t, values):
+            x = layer.decode_one(x, cos, sin, write, k_t, v, mark)
+        for cache in self.caches:  # (a step that fails before here leaves them as they were: Transformer resets)
+            cache.set_length(end, 1)
+        h = self.final_norm(x)  # (dim,)
+        mark()
+        logits = self.product(h, self.output, self.output_bias).view(1, -1)  # (1, V)
         mark()
         return logits
 

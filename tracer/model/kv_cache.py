@@ -31,9 +31,15 @@ class KVCache(nn.Module):
         # A non-persistent buffer: `.to(device)` moves it, `state_dict()` leaves it out.
         self.register_buffer("kv", None, persistent=False)
 
-    def allocate(self, max_batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def allocate(self, max_batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str,
+                 buffer: torch.Tensor | None = None) -> None:
+        """Zeroed K and V for `max_batch` sequences of `max_seq` positions; `buffer`, when given, is that zeroed
+        (B_max, 2*Hkv, S_max, D) tensor already made (the model makes every layer's as a slice of one tensor:
+        Transformer.setup_cache)."""
         shape = (max_batch, 2 * self.n_kv_heads, max_seq, self.head_dim)  # (B_max, 2*Hkv, S_max, D)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        if buffer is not None and (tuple(buffer.shape) != shape or buffer.dtype != dtype):
+            raise ValueError(f"a KV buffer of {tuple(buffer.shape)} {buffer.dtype}, needs {shape} {dtype}")
+        self.kv = torch.zeros(shape, dtype=dtype, device=device) if buffer is None else buffer
         self.reset()
 
     def reset(self) -> None:
@@ -84,6 +90,12 @@ class KVCache(nn.Module):
         first = first_attended_position(end, new, self.window)
         live = self.kv[:batch, :, first:end]  # (B, 2*Hkv, S, D)
         return live[:, :hkv], live[:, hkv:]  # (B, Hkv, S, D) each
+
+    def set_length(self, length: int, batch: int) -> None:
+        """Positions written and sequences held, after a write that did not go through `forward`/`append` (the
+        fused path's one-token step writes every layer's position itself). Plain ints set in the instance dict:
+        nn.Module.__setattr__ costs ~2 us, 60 times a step."""
+        self.__dict__["length"], self.__dict__["batch"] = length, batch
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the sequences `index` (B',) of the batch, moved to rows 0 .. B'-1 (their live positions copied;

@@ -277,6 +277,9 @@ class Transformer(nn.Module):
         self.decode_kernel = "mv"
         self.stage_mark: Mark = no_mark  # called by the fused path after each stage (tracer/trace/fused_marks.py)
         self._fused_plan: FusedPlan | None = None  # built by setup_cache
+        # (L, B_max, 2*Hkv, S_max, D): every layer's KV cache buffer is one slice of it (setup_cache), so the fused
+        # path's one-token step takes all layers' write positions and live keys/values in a few views per step.
+        self._kv_all: torch.Tensor | None = None
         self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen
         # (B,) left pads of each cached sequence when a batch of prompts of different lengths was prefilled
         # (`prefill(tokens, pad)`), None when no row has any.
@@ -305,8 +308,16 @@ class Transformer(nn.Module):
                 raise HardwareError(
                     f"a KV cache for {max_seq:,} positions needs {need / 1e9:,.1f} GB, this machine has "
                     f"{free / 1e9:,.1f} GB free; ask for fewer --max-new-tokens or a shorter prompt")
-        for cache in self._kv_caches():
-            cache.allocate(max_batch, max_seq, weight.dtype, weight.device)
+        caches = self._kv_caches()
+        heads = {(cache.n_kv_heads, cache.head_dim) for cache in caches}
+        self._kv_all = None
+        if len(heads) == 1:  # every layer's cache is one slice of a single tensor (FusedPlan reads them together)
+            (kv_heads, head_dim), = heads
+            self._kv_all = torch.zeros((len(caches), max_batch, 2 * kv_heads, max_seq, head_dim),
+                                       dtype=weight.dtype, device=weight.device)  # (L, B_max, 2*Hkv, S_max, D)
+        for index, cache in enumerate(caches):
+            buffer = None if self._kv_all is None else self._kv_all[index]  # (B_max, 2*Hkv, S_max, D)
+            cache.allocate(max_batch, max_seq, weight.dtype, weight.device, buffer)
         self._ensure_rope(max_seq)
         self._fused_plan = FusedPlan(self)
         self._pos = 0
@@ -583,6 +594,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self._positions, self._rope_key = None, None
         self._fused_plan = None
+        self._kv_all = None
         for layer in self.layers:  # the caches were sized and typed for the old weights: set them up again
             layer.attention.kv_cache.kv = None
             layer.attention.kv_cache.reset()
