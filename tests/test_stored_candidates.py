@@ -154,7 +154,7 @@ def test_stored_kernels_are_timed_at_the_models_shapes_on_its_own_blocks(tiny: C
     handed = [kernel.prepare(shape, torch.Generator(), "cpu") for _ in range(2)]  # the sample, then a copy
     assert all(w._prepared is not None for w in handed)  # int4pack's repacking done before any product is timed
     time_kernels([kernel], config)
-    assert kernel._sample is None  # released: no packed copy stays beside the model
+    assert kernel._members is None  # released: no packed copy stays beside the model
 
 
 # ---- the loader and the options -----------------------------------------------------------------------------------

@@ -71,26 +71,23 @@ class StoredKernel:
         self.decode_variants = (kernel,)
         self._header, self._config = header, config
         self._roles = role_names(config)
-        self._sample: dict[str, PackedWeight | tuple[PackedWeight, ...]] | None = None
+        self._members: dict[str, list[PackedWeight]] | None = None  # {role: its matrices, packed from the file}
         self._handed: set[str] = set()
 
-    def _weights(self) -> dict[str, PackedWeight | tuple[PackedWeight, ...]]:
-        if self._sample is None:
+    def _weights(self) -> dict[str, list[PackedWeight]]:
+        if self._members is None:
             names = sorted({n for members in self._roles.values() for n in members})
             packed = pack_matrices(self._header, self._config, names, kernel_plan(self.name))
-            sample: dict[str, PackedWeight | tuple[PackedWeight, ...]] = {}
-            for role, members in self._roles.items():
-                parts = [packed[n] for n in members]  # type: ignore[misc]
-                same = all(p.format == parts[0].format for p in parts)
-                sample[role] = parts[0] if len(parts) == 1 else concat_rows(parts) if same else tuple(parts)
-            self._sample = sample
-        return self._sample
+            self._members = {role: [packed[n] for n in names_]  # type: ignore[misc]
+                             for role, names_ in self._roles.items()}
+        return self._members
 
     def prepare(self, shape: ProductShape, generator: torch.Generator, device: str) -> Any:
-        weight = self._weights()[shape.role]
+        members = self._weights()[shape.role]
         if shape.role in self._handed:  # the first request of a role gets the sample itself, later ones copies
-            weight = tuple(_copy(w) for w in weight) if isinstance(weight, tuple) else _copy(weight)
+            members = [_copy(w) for w in members]
         self._handed.add(shape.role)
+        weight = _combined(members)
         for w in weight if isinstance(weight, tuple) else (weight,):
             _make_layout(w)
         return weight
@@ -108,13 +105,24 @@ class StoredKernel:
         return weight(x)
 
     def release(self) -> None:
-        self._sample, self._handed = None, set()
+        self._members, self._handed = None, set()
 
 
 def _make_layout(weight: PackedWeight) -> None:
     """Build the kernel's own layout now (int4pack repacks on first use), so the set-up is not timed as a product:
     a first pass that slow would otherwise be taken as the figure itself (product_timing._best's SLOW_WARMUP)."""
     weight(torch.zeros(1, weight.in_features))
+
+
+def _combined(members: list[PackedWeight]) -> PackedWeight | tuple[PackedWeight, ...]:
+    """A packed role's matrices as the fused path multiplies them: one concat_rows product where the kernel can
+    stack them, else one product each."""
+    if len(members) == 1:
+        return members[0]
+    try:
+        return concat_rows(members)
+    except ValueError:  # formats differ and the kernel cannot stack them
+        return tuple(members)
 
 
 def _copy(weight: PackedWeight) -> PackedWeight:
