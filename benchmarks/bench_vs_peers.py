@@ -105,7 +105,7 @@ def hf_models(dtypes: tuple[DType, ...]) -> dict[str, tuple[Any, Any]]:
     from llmtrace.tracer.hardware.dtype_policy import torch_dtype
     from llmtrace.tracer.load.loader import load_model
 
-    reference = load_model(None, dtype=FP32).model
+    reference = load_model(None, dtype=FP32, weights="dense").model  # HF holds dense tensors
     models = {}
     for dtype in dtypes:
         ours = reference.to(torch_dtype(dtype)) if dtype is not FP32 else reference
