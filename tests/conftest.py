@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -85,3 +86,23 @@ def _fixed_kernel_choice(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pyte
     path = tmp_path_factory.mktemp("kernels") / "kernels.json"
     monkeypatch.setattr(kernel_pick, "time_kernels", fixed_timings)
     monkeypatch.setattr(kernel_store, "kernels_path", lambda: path)
+
+
+# ---- the native stored kernel (tracer/model/native_kernel.py) -------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernel_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One build of the native kernel for the whole session, outside the user's cache: set in os.environ so the
+    CLI subprocesses inherit it (each would otherwise compile again, ~2 s, into its own empty cache folder)."""
+    from llmtrace.tracer.model import native_kernel
+
+    before = os.environ.get(native_kernel.DIR_ENV)
+    os.environ[native_kernel.DIR_ENV] = str(tmp_path_factory.mktemp("native"))
+    native_kernel.reset()
+    yield
+    if before is None:
+        os.environ.pop(native_kernel.DIR_ENV, None)
+    else:
+        os.environ[native_kernel.DIR_ENV] = before
+    native_kernel.reset()

@@ -53,6 +53,7 @@ def test_sdist_and_wheel_carry_the_package_data(dist: dict[str, Path]) -> None:
         assert f"sample_prompts/{name}" in in_sdist and f"llmtrace/sample_prompts/{name}" in in_wheel
     assert "tracer/trace/trace_schema.json" in in_sdist
     assert "llmtrace/tracer/trace/trace_schema.json" in in_wheel and "llmtrace/__main__.py" in in_wheel
+    assert "tracer/model/native/gguf_matmul.c" in in_sdist and "llmtrace/tracer/model/native/gguf_matmul.c" in in_wheel
     assert not any(n.startswith(("tracer/", "cli/", "tests/")) for n in in_wheel)  # no generic top-level names
     assert "License-Expression: Apache-2.0" in metadata
     assert "Requires-Dist: jinja2>=3.1" in metadata
@@ -80,3 +81,10 @@ def test_wheel_runs_alone_outside_the_checkout(dist: dict[str, Path], tmp_path: 
                  "--json", trace, cwd=tmp_path, env=env)
     assert "prompt: sample prompt 'capital'" in out  # read from the wheel's package data, and said so
     assert json.loads(trace.read_text())["settings"]["prompt"] == "The capital of France is"
+    # the native kernel compiles from the wheel's own copy of its source, into a folder of its own
+    env["LLMTRACE_NATIVE_DIR"] = str(tmp_path / "native")
+    built = _check(python, "-c", "from llmtrace.tracer.model import native_kernel as n; print(n.available()); "
+                   "print(n.unavailable_reason()); print(n.SOURCE)", cwd=tmp_path, env=env).splitlines()
+    assert built[2].startswith(str(purelib)), built
+    if built[0] != "True":  # a machine without a C compiler: the one-line reason, not a failure
+        assert built[1].startswith("no C compiler"), built

@@ -1,7 +1,8 @@
 """`--weights stored`: a GGUF's matrices multiplied as the file stores them (tracer/load/stored_weights.py).
 
 Checked against independent figures: the file's own tensor sizes (what a decode step must read), the dense path's
-logits (same values, products in bf16: a stated tolerance), the bundled model's greedy " Paris"."""
+logits (same values; the int4 kernel's products in bf16: a stated tolerance), the bundled model's greedy " Paris".
+The native kernel's own exactness is tests/test_native_kernel.py's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load import weights_cache
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
-from llmtrace.tracer.load.stored_weights import DENSE, STORED, entry_variant
+from llmtrace.tracer.load.stored_weights import DENSE, STORED, all_kernels, entry_variant
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE
 from llmtrace.tracer.run.generate import generate
 from llmtrace.tracer.trace.records import DECODE, RunSettings
 from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
@@ -87,9 +90,13 @@ def test_default_is_stored_when_every_matrix_has_a_kernel(tiny_quantized: Callab
 
 
 def test_cached_stored_entry_is_reused_and_a_damaged_one_reconverted(tiny_quantized: Callable[[Q], Path]) -> None:
+    """int4pack's packing is a conversion, cached; the native kernel's weights are the file's blocks, never cached."""
     path = tiny_quantized(Q.Q4_0)
-    first = load_model(str(path), FP32, weights=STORED)
-    second = load_model(str(path), FP32, weights=STORED)
+    if native_kernel.available():
+        native = [load_model(str(path), FP32, weights=NATIVE) for _ in range(2)]
+        assert not any(n.from_cache for n in native) and not list(weights_cache.weights_dir().glob("*.safetensors"))
+    first = load_model(str(path), FP32, weights=INT4PACK)
+    second = load_model(str(path), FP32, weights=INT4PACK)
     assert not first.from_cache and second.from_cache
     x = torch.randn(1, 64)
     wq1, wq2 = first.model.layers[0].attention.wq, second.model.layers[0].attention.wq
@@ -98,27 +105,30 @@ def test_cached_stored_entry_is_reused_and_a_damaged_one_reconverted(tiny_quanti
     raw = bytearray(entry.read_bytes())
     raw[-1] ^= 0xFF  # a flipped bit in the last tensor's bytes
     entry.write_bytes(bytes(raw))
-    third = load_model(str(path), FP32, weights=STORED)
+    third = load_model(str(path), FP32, weights=INT4PACK)
     assert not third.from_cache and "damaged" in third.cache_note
     assert torch.equal(third.model.layers[0].attention.wq(x), wq1(x))
 
 
-def test_a_decode_step_reads_the_files_bytes_and_every_record_names_its_format() -> None:
+@pytest.mark.parametrize("kernel", [NATIVE, INT4PACK])
+def test_a_decode_step_reads_the_files_bytes_and_every_record_names_its_format(kernel: str) -> None:
     """Bundled Q4_1 file: one decode step reads every stored tensor once (the tied LM head is the Q8_0 embedding,
     the norms F32 = the fp32 compute dtype) plus the embedding row of its token (576 values of Q8_0 = 612 B).
     The fused path and --staged both run the stored weights and count the same bytes."""
+    if kernel == NATIVE and not native_kernel.available():
+        pytest.skip(native_kernel.unavailable_reason())
     path = bundled_model_path()
     file_bytes = sum(t.n_bytes for t in read_gguf_header(path).tensors)
-    loaded = load_model(None, FP32, weights="int4pack")
-    assert loaded.weights.mode == STORED and loaded.weights.kernel == "int4pack"
+    loaded = load_model(None, FP32, weights=kernel)
+    assert loaded.weights.mode == STORED and loaded.weights.kernel == kernel
     settings = RunSettings(model="", prompt="The capital of France is", max_new_tokens=3, temperatures=())
     for staged in (False, True):
         trace = generate(loaded, replace(settings, staged=staged))
         step = [s for s in trace.stages if s.phase == DECODE and s.step == 1]
         assert sum(s.weight_bytes_read for s in step) == file_bytes + 576 * 34 // 32, staged
         formats = {s.short_name: s.weight_format for s in step if s.kind in ("linear", "lm_head", "embedding")}
-        assert set(formats.values()) == {"q4_1 (int4pack)", "q8_0 (int4pack)"}, formats
-        assert formats["output"] == formats["tok_embeddings"] == "q8_0 (int4pack)"
+        assert set(formats.values()) == {f"q4_1 ({kernel})", f"q8_0 ({kernel})"}, formats
+        assert formats["output"] == formats["tok_embeddings"] == f"q8_0 ({kernel})"
         assert loaded.tokenizer.decode([trace.steps[0].token_id]) == " Paris", staged
 
 
@@ -129,4 +139,5 @@ def test_weights_option_on_the_command_line() -> None:
     assert "weights dense: --weights dense" in result.output
     bad = CliRunner().invoke(app, ["run", "capital", "--weights", "int3"])
     assert bad.exit_code == 2
-    assert "--weights must be one of auto, stored, dense, int4pack, blocks" in bad.output
+    assert f"--weights must be one of auto, stored, dense, {', '.join(all_kernels())}" in bad.output
+    assert all_kernels() == ((NATIVE,) if native_kernel.available() else ()) + (INT4PACK, "blocks")

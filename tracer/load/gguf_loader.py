@@ -19,7 +19,7 @@ from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, tensor_of
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
-from llmtrace.tracer.model.weight_formats import PackedWeight, pack_gguf, stored_kernels
+from llmtrace.tracer.model.weight_formats import PackedWeight, finite_scales, pack_gguf, stored_kernels
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -104,10 +104,12 @@ def _first(names: list[str], limit: int = 5) -> str:
 
 
 def _map_tensor_data(header: GGUFHeader) -> np.ndarray:
-    """The file's bytes, memory-mapped read-only; FileFormatError if it cannot be mapped or changed size since the
-    header was read (the offsets would point at other bytes)."""
+    """The file's bytes, memory-mapped copy-on-write (the file is never written; the arrays are writable, so the
+    native kernel's tensors can be views of the map: torch refuses read-only memory without a warning);
+    FileFormatError if it cannot be mapped or changed size since the header was read (the offsets would point at
+    other bytes)."""
     try:
-        data = np.memmap(header.path, dtype=np.uint8, mode="r")
+        data = np.memmap(header.path, dtype=np.uint8, mode="c")
     except (OSError, ValueError) as exc:
         raise FileFormatError(f"{header.path}: cannot map the tensor data ({exc}); check the file") from exc
     if data.shape[0] != header.file_size:
@@ -216,10 +218,8 @@ def _packed(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str
     if heads is not None:
         rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
     weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
-    for tensor in weight.tensors.values():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file "
-                                  "is corrupt")
+    if not finite_scales(weight):
+        raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")
     return weight
 
 

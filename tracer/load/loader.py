@@ -43,6 +43,7 @@ from llmtrace.tracer.load.stored_weights import (
 )
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
+from llmtrace.tracer.model.weight_formats import NATIVE
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
 
 # The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
@@ -229,8 +230,10 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
 
 def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use_cache: bool,
                       choice: WeightsChoice) -> LoadedModel:
-    """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats), cached like dense ones:
-    the entry holds the packed tensors (safetensors, described in JSON metadata; never unpickled)."""
+    """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats). Converted packings
+    (int4pack, blocks) are cached like dense weights: the entry holds the packed tensors (safetensors, described in
+    JSON metadata; never unpickled). The native kernel's are not: its weights ARE the file's blocks, views of the
+    memory-mapped file, so an entry would only be a second copy of the file, no faster to map."""
     header, config = resolved.gguf_header, resolved.config
     assert header is not None
     path, values = Path(header.path), torch_dtype(compute)
@@ -246,7 +249,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         return model.eval()
 
     key: weights_cache.SourceKey | None = None
-    if use_cache:
+    if use_cache and kernel != NATIVE:
         try:
             key = weights_cache.source_key(path)
         except OSError:

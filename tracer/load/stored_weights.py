@@ -24,7 +24,8 @@ import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
-from llmtrace.tracer.model.weight_formats import PackedWeight, WeightFormat, stored_kernels
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import NATIVE, PackedWeight, WeightFormat, stored_kernels
 
 AUTO, STORED, DENSE = "auto", "stored", "dense"
 _META_KEY = "packed_weights"
@@ -59,6 +60,9 @@ def parse_weights(text: str | None) -> WeightsRequest:
         return WeightsRequest(text)
     if text in all_kernels():
         return WeightsRequest(STORED, text)
+    if text == NATIVE:  # a kernel of weight_formats that cannot be built here: say why, not just "one of"
+        raise BadArgumentError(f"--weights {NATIVE}: {native_kernel.unavailable_reason()}; use --weights stored "
+                               "(another stored kernel) or dense")
     try:
         plan = kernel_plan(text)
     except ValueError:

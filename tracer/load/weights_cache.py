@@ -1,7 +1,7 @@
 """A cache of converted weights: a GGUF file's dequantized, renamed tensors saved once as safetensors.
 
-Where: $LLMTRACE_CACHE_DIR if set, else $XDG_CACHE_HOME/llmtrace, else ~/.cache/llmtrace; entries go in its
-`weights/` folder, what is known about each source file in `weights/sources/`.
+Where: the cache folder (llmtrace.tracer.core.cache_dirs: $LLMTRACE_CACHE_DIR, $XDG_CACHE_HOME/llmtrace or
+~/.cache/llmtrace); entries go in its `weights/` folder, what is known about each source file in `weights/sources/`.
 
 Never the wrong weights. An entry is found by the CONTENT of its source, not by where the source lies or what its
 size and modification time say: `cp -p`, `rsync -t`, `touch -r` and archive extraction all write new bytes under an
@@ -55,10 +55,10 @@ from safetensors.torch import load_file, save_file
 
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
 from llmtrace.tracer.core.atomic_file import write_atomic
+from llmtrace.tracer.core.cache_dirs import cache_root
 from llmtrace.tracer.core.errors import LlmtraceError
 
 CACHE_FORMAT = "2"  # bump when the conversion (names, Q/K order, dequantization) or the entry layout changes
-CACHE_ENV = "LLMTRACE_CACHE_DIR"
 MAX_GB_ENV = "LLMTRACE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
 RACY_SECONDS = 2.0  # a digest is remembered only for a file unchanged this long before it was hashed
@@ -67,15 +67,6 @@ _CHUNK = 16 * 2**20
 _CHECKSUM_KEY = "tensors_xxh3_128"  # in each entry's __metadata__
 _PLACEHOLDER = "0" * 32  # the width of an XXH3-128 hex digest: written first, replaced in place
 _OWN_KEYS = frozenset({"source", "format", "source_xxh3_128", _CHECKSUM_KEY})  # metadata the cache itself writes
-
-
-def cache_root() -> Path:
-    """The llmtrace cache folder ($LLMTRACE_CACHE_DIR, $XDG_CACHE_HOME/llmtrace or ~/.cache/llmtrace)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "llmtrace"
 
 
 def weights_dir() -> Path:

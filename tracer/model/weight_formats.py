@@ -13,8 +13,15 @@ Formats (WeightFormat, frozen; `name` is stable and goes into traces):
     Q4_K  d*sc*q - dmin*m       scale d*sc,  zero 8*d*sc - dmin*m   (per 32-value sub-block of a 256 super-block)
   The scale and zero are computed in fp32 from the file's fp16 fields (d*sc is exact: 11-bit times 6-bit).
 - "q8_0" (GGUF Q8_0): int8 q with one fp16 scale d per 32 values, value = d*q.
+- "q5_0", "q5_1", "q5_k", "q6_k" (GGUF Q5_0, Q5_1, Q5_K, Q6_K): only the "native" kernel runs them (the rest of a
+  Q4_K_M or Q5_K_M file, so such files run wholly as stored).
 
 Kernels (the `kernel` field; what runs the product):
+- "native": llmtrace's own C kernel (llmtrace.tracer.model.native_kernel, compiled on first use) over the GGUF's
+  block bytes as the file holds them: each block dequantized in registers to exactly gguf.quants.dequantize's
+  values and multiplied with fp32 activations in fp32 (other activation dtypes are cast to fp32 and back). Every
+  format above. Listed first by `stored_kernels` when it can be built here; when it cannot (no C compiler), the
+  reason is `native_kernel.unavailable_reason()` and the other kernels remain.
 - "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
   bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
   result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
@@ -35,21 +42,23 @@ import torch
 import torch.nn.functional as F
 
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
+from llmtrace.tracer.model import native_kernel
 
 GROUP = 32  # values per scale along K, for every block format here
 
 # ggml type codes (ggml.h enum ggml_type)
-_Q4_0, _Q4_1, _Q8_0, _Q4_K = 2, 3, 8, 12
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
-INT4PACK, BLOCKS, DENSE = "int4pack", "blocks", "dense"
+NATIVE, INT4PACK, BLOCKS, DENSE = "native", "int4pack", "blocks", "dense"
 
 
 @dataclass(frozen=True, slots=True)
 class WeightFormat:
     """How one weight matrix is held and which kernel multiplies it.
 
-    name: "fp32", "fp16", "bf16" (dense) or "q4_0", "q4_1", "q4_k", "q8_0" (as the GGUF stores it);
-    kernel: "dense", "int4pack" or "blocks"; stored: the file's type name ("Q4_1", "F16"...) or "" for a dense
+    name: "fp32", "fp16", "bf16" (dense) or "q4_0", "q4_1", "q4_k", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k" (as the
+    GGUF stores it); kernel: "dense", "native", "int4pack" or "blocks"; stored: the file's type name ("Q4_1",
+    "F16"...) or "" for a dense
     tensor not read from a GGUF; stored_bits: bits per value as stored (Q4_1 5.0, Q4_K 4.5, fp32 32).
     """
 
@@ -66,15 +75,19 @@ class WeightFormat:
 
 _BITS = {name: block_bytes * 8 / block for name, block, block_bytes in GGML_TYPES.values()}
 _DENSE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-_BY_TYPE = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q4_K: "q4_k", _Q8_0: "q8_0"}
+_BY_TYPE = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q4_K: "q4_k", _Q8_0: "q8_0", _Q5_0: "q5_0", _Q5_1: "q5_1",
+            _Q5_K: "q5_k", _Q6_K: "q6_k"}
+_CODES = {name: code for code, (name, _, _) in GGML_TYPES.items()}  # "Q4_1" -> 3
+_TORCH_TYPES = (_Q4_0, _Q4_1, _Q4_K, _Q8_0)  # what "int4pack" and "blocks" run
 
 
 def stored_kernels(ggml_type: int) -> tuple[str, ...]:
-    """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized."""
-    name = _BY_TYPE.get(ggml_type)
-    if name is None:
-        return ()
-    return (INT4PACK, BLOCKS)
+    """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized.
+    "native" is listed only when it can be built here (asking builds it once: about a second)."""
+    kernels = [NATIVE] if ggml_type in native_kernel.TYPES and native_kernel.available() else []
+    if ggml_type in _TORCH_TYPES:
+        kernels += [INT4PACK, BLOCKS]
+    return tuple(kernels)
 
 
 # ---- the weight ------------------------------------------------------------------------------------------------
@@ -88,18 +101,26 @@ class PackedWeight:
       4-bit:    {"nibbles": (N, K/2) uint8, byte j of a row holds k = 2j (low) and 2j+1 (high),
                  "scale": (N, K/32) fp32, "zero": (N, K/32) fp32}
       q8_0:     {"int8": (N, K) int8, "scale": (N, K/32) fp32}
+      native:   {"blocks": (N, bytes per row) uint8}: the file's own blocks of each row, unconverted (when loaded
+                from a GGUF, a copy-on-write view of the memory-mapped file, so loading copies nothing); row blocks
+                stacked by concat_rows keep each member's: {"blocks.0": ..., "blocks.1": ...}, formats may differ
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
     """
 
-    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared")
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_native")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
-                 stored_bytes: int) -> None:
+                 stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None) -> None:
         self.format = fmt
         self.shape = (int(shape[0]), int(shape[1]))
         self.tensors = tensors
         self.stored_bytes = int(stored_bytes)
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
+        # the native kernel's row blocks, (ggml type code, blocks) each, and its call's arguments once made
+        if parts is None and fmt.kernel == NATIVE:
+            parts = ((_CODES[fmt.stored], tensors["blocks"]),)
+        self._parts = parts or ()
+        self._native: native_kernel.BlockMatrix | None = None
 
     @classmethod
     def from_tensors(cls, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
@@ -152,7 +173,13 @@ class PackedWeight:
             return F.linear(x, w)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.shape[1])  # (M, K)
-        if kernel == INT4PACK:
+        if kernel == NATIVE:
+            if self._native is None:
+                self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1])
+            out = native_kernel.matmul(self._native, flat)  # (M, N) fp32
+            if x.dtype != torch.float32:
+                out = out.to(x.dtype)
+        elif kernel == INT4PACK:
             out = self._int4pack(flat)
         else:
             out = self._blocks(flat)
@@ -210,6 +237,15 @@ class PackedWeight:
         kernel = self.format.kernel
         if kernel == DENSE:
             return self.tensors["weight"][start:stop].to(dtype)
+        if kernel == NATIVE:
+            pieces, first = [], 0
+            for code, blocks in self._parts:  # each row block's rows that fall in start..stop
+                lo, hi = max(start - first, 0), min(stop - first, blocks.shape[0])
+                if lo < hi:
+                    pieces.append(native_kernel.dequantize(code, blocks[lo:hi], self.shape[1]))
+                first += blocks.shape[0]
+            values = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.shape[1])
+            return values if dtype == torch.float32 else values.to(dtype)
         scale = self.tensors["scale"][start:stop].unsqueeze(-1)  # (N', K/32, 1)
         if self.format.name == "q8_0":
             q = self.tensors["int8"][start:stop].view(stop - start, -1, GROUP).to(torch.float32)  # (N', K/32, 32)
@@ -225,6 +261,13 @@ class PackedWeight:
         if self.format.kernel == DENSE:
             return F.embedding(ids, self.tensors["weight"]).to(dtype)
         flat = ids.reshape(-1)
+        if self.format.kernel == NATIVE:
+            if len(self._parts) == 1:
+                code, blocks = self._parts[0]
+                values = native_kernel.dequantize(code, blocks, self.shape[1], flat)  # (ids, K)
+            else:
+                values = self.dequantize()[flat]
+            return values.view(*ids.shape, self.shape[1]).to(dtype)
         picked = {key: t.index_select(0, flat) for key, t in self.tensors.items()}
         part = PackedWeight(self.format, (flat.numel(), self.shape[1]), picked, 0)
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
@@ -238,6 +281,11 @@ def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[
     n, k = shape
     if fmt.kernel == DENSE:
         return {"weight": ((n, k), None)}
+    if fmt.kernel == NATIVE:
+        if fmt.stored not in _CODES:
+            raise ValueError(f"{fmt.name}: row blocks of several formats are not rebuilt from tensors")
+        _, block, block_bytes = GGML_TYPES[_CODES[fmt.stored]]
+        return {"blocks": ((n, k // block * block_bytes), torch.uint8)}
     if fmt.name == "q8_0":
         return {"int8": ((n, k), torch.int8), "scale": ((n, k // GROUP), torch.float32)}
     return {"nibbles": ((n, k // 2), torch.uint8), "scale": ((n, k // GROUP), torch.float32),
@@ -258,13 +306,26 @@ def dense_weight(weight: torch.Tensor, stored: str = "") -> PackedWeight:
 
 
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
-    """Row blocks of one format stacked into one matrix (wq|wk|wv, w1|w3: one product instead of several)."""
+    """Row blocks of one format stacked into one matrix (wq|wk|wv, w1|w3: one product instead of several). The
+    native kernel's are not copied, and may mix formats (a Q4_K_M file's Q4_K wq, wk and Q6_K wv): it multiplies
+    every member's blocks in place in one call."""
     first = weights[0]
+    shape = (sum(w.shape[0] for w in weights), first.shape[1])
+    stored = sum(w.stored_bytes for w in weights)
+    if first.format.kernel == NATIVE:
+        if any(w.format.kernel != NATIVE or w.shape[1] != first.shape[1] for w in weights):
+            raise ValueError("concat_rows needs native weights of one input width")
+        parts = tuple(part for w in weights for part in w._parts)
+        formats = list(dict.fromkeys(w.format for w in weights))
+        fmt = formats[0] if len(formats) == 1 else WeightFormat(
+            "+".join(dict.fromkeys(f.name for f in formats)), NATIVE, "+".join(dict.fromkeys(f.stored for f in formats)),
+            stored * 8 / (shape[0] * shape[1]))
+        tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {f"blocks.{i}": t for i, (_, t) in enumerate(parts)}
+        return PackedWeight(fmt, shape, tensors, stored, parts)
     if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows needs weights of one format and one input width")
     tensors = {key: torch.cat([w.tensors[key] for w in weights]) for key in first.tensors}
-    shape = (sum(w.shape[0] for w in weights), first.shape[1])
-    return PackedWeight(first.format, shape, tensors, sum(w.stored_bytes for w in weights))
+    return PackedWeight(first.format, shape, tensors, stored)
 
 
 # ---- from a GGUF's blocks -------------------------------------------------------------------------------------
@@ -280,13 +341,17 @@ def gguf_format(ggml_type: int, kernel: str) -> WeightFormat:
 
 def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str) -> PackedWeight:
     """A GGUF tensor's raw blocks -> PackedWeight. `rows` is uint8 (N, bytes per row), each row `row_len` values
-    (the file's order: Q/K rows already put in the model's order by the caller)."""
+    (the file's order: Q/K rows already put in the model's order by the caller). "native" keeps `rows` itself
+    (no copy when it is contiguous and writable, e.g. a copy-on-write map of the file; a read-only one is copied)."""
     fmt = gguf_format(ggml_type, kernel)
     rows = np.ascontiguousarray(rows)
     n = rows.shape[0]
     _, block, block_bytes = GGML_TYPES[ggml_type]
     if row_len % block or rows.shape[1] != row_len // block * block_bytes:
         raise ValueError(f"rows of {rows.shape[1]} bytes do not hold {row_len} values of {fmt.stored}")
+    if kernel == NATIVE:
+        blocks = rows if rows.flags.writeable else rows.copy()
+        return PackedWeight(fmt, (n, row_len), {"blocks": torch.from_numpy(blocks)}, rows.nbytes)
     blocks = rows.reshape(-1, block_bytes)  # (N * K/block, block_bytes)
     if ggml_type == _Q8_0:
         d = _fp16(blocks, 0, 1)  # (blocks, 1)
@@ -315,6 +380,24 @@ def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str) -> Pa
                "scale": torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1)),
                "zero": torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32).reshape(n, -1))}
     return PackedWeight(fmt, (n, row_len), tensors, rows.nbytes)
+
+
+# Byte offsets of each block's fp16 fields (scales, mins) per type (ggml-common.h).
+_FP16_FIELDS = {_Q4_0: (0,), _Q4_1: (0, 2), _Q5_0: (0,), _Q5_1: (0, 2), _Q8_0: (0,), _Q4_K: (0, 2), _Q5_K: (0, 2),
+                _Q6_K: (208,)}
+
+
+def finite_scales(weight: PackedWeight) -> bool:
+    """Whether every scale (and min) of a stored weight is finite: NaN or infinity there is a corrupt file. The
+    native kernel's blocks are checked in place (strided fp16 views of the bytes; nothing is decoded)."""
+    if weight.format.kernel == DENSE:
+        return bool(torch.isfinite(weight.tensors["weight"]).all())
+    if weight.format.kernel != NATIVE:
+        return all(bool(torch.isfinite(t).all()) for t in weight.tensors.values() if t.is_floating_point())
+    code = _CODES[weight.format.stored]
+    _, _, block_bytes = GGML_TYPES[code]
+    blocks = weight.tensors["blocks"].numpy().reshape(-1, block_bytes)  # (blocks, bytes per block)
+    return all(bool(np.isfinite(blocks[:, at:at + 2].view("<f2")).all()) for at in _FP16_FIELDS[code])
 
 
 def _fp16(blocks: np.ndarray, start: int, count: int) -> np.ndarray:

@@ -1,0 +1,326 @@
+"""The "native" stored kernel: native/gguf_matmul.c, compiled once per machine and compiler, called through ctypes.
+
+What it runs: x @ W.T with W in a GGUF's own block bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each
+block dequantized in registers to exactly gguf.quants.dequantize's values (the C file's header says how), and
+those exact values for embedding lookups. llmtrace.tracer.model.weight_formats wraps it as the kernel "native".
+
+Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it
+may be a command line such as "ccache gcc") compiles the one C file with -O3 -march=native -fopenmp
+-ffp-contract=off; without OpenMP (Apple's clang) it is built again without -fopenmp and runs on one thread; no
+torch or Python headers, so it takes about a second. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests
+share one build that way), else the cache folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that shapes the binary: the source, the
+compiler's `--version`, the flags, the CPU (model and flags: -march=native) and the ABI number. A build is written
+under a temporary name and renamed to a name that carries its own SHA-256 (`gguf_matmul-<key>-<sha>.so`); a small
+pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build. A loader hashes the file before
+dlopen-ing it: a damaged or truncated library is never loaded (a bad ELF can crash the process rather than fail)
+but rebuilt, and two processes building at once each rename a whole file, so neither can serve a torn one. After
+loading, a self-test multiplies a small matrix whose exact product is known.
+
+When it cannot be built (no compiler, a failed compile, a failed self-test) `available()` is False and
+`unavailable_reason()` says why in one line; the other stored kernels ("int4pack", "blocks") remain. The outcome
+is remembered for the process (`reset()` forgets it: tests, or after changing $CC).
+
+The OpenMP runtime is torch's own: torch is imported first and ships libgomp.so.1, which the library's
+DT_NEEDED entry of the same name resolves to, so both share one thread pool (two pools on two cores would spin
+against each other). Each call passes torch.get_num_threads() as its thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import re
+import shlex
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmtrace.tracer.core.atomic_file import write_atomic
+from llmtrace.tracer.core.cache_dirs import cache_root
+
+SOURCE = Path(__file__).resolve().with_name("native") / "gguf_matmul.c"
+ABI = 2  # LLMT_ABI in the C file
+MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
+CC_ENV = "CC"
+DIR_ENV = "LLMTRACE_NATIVE_DIR"
+# Tried in order: the first that compiles is used (OpenMP missing, then -march=native unknown to the compiler).
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
+COMMON_FLAGS = ("-ffp-contract=off", "-fPIC", "-shared")
+COMPILE_TIMEOUT_S = 120
+# ggml type codes the C file multiplies (ggml.h enum ggml_type)
+TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_STATUS = {1: "unsupported ggml type", 2: "shapes that do not fit the blocks", 3: "out of memory"}
+_NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLibrary:
+    """The loaded library: its file, the flags it was built with, and its two entry points."""
+
+    path: Path
+    flags: tuple[str, ...]
+    avx2: bool  # the AVX2+FMA+F16C paths are compiled in (else portable C loops)
+    openmp: bool  # threads (else one)
+    matmul: ctypes._CFuncPtr
+    dequantize: ctypes._CFuncPtr
+
+    @property
+    def description(self) -> str:
+        """For one-line displays: "AVX2, OpenMP"."""
+        return ", ".join(["AVX2" if self.avx2 else "portable C", "OpenMP" if self.openmp else "one thread"])
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    library: NativeLibrary | None
+    reason: str  # why there is none, one line; "" when there is one
+
+
+class NativeKernelError(RuntimeError):
+    """The library refused a call (a shape or type the caller should have checked)."""
+
+
+def available() -> bool:
+    """Whether the native kernel can run here (builds it on the first call of the process)."""
+    return _outcome().library is not None
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False, in one line ("" when it is True)."""
+    return _outcome().reason
+
+
+def library() -> NativeLibrary:
+    """The loaded library; NativeKernelError (with the reason) when there is none."""
+    outcome = _outcome()
+    if outcome.library is None:
+        raise NativeKernelError(f"the native kernel is not available: {outcome.reason}")
+    return outcome.library
+
+
+def reset() -> None:
+    """Forget this process's outcome: the next call looks for (and if need be builds) the library again."""
+    _outcome.cache_clear()
+
+
+# ---- the calls -------------------------------------------------------------------------------------------------
+
+
+class BlockMatrix:
+    """W as the kernel takes it: row blocks ("parts") stacked, each (rows, bytes per row) uint8 on the CPU, rows
+    contiguous in themselves, of one ggml type each, all `k` values wide (wq|wk|wv of a Q4_K_M file is Q4_K, Q4_K,
+    Q6_K). It holds the tensors (the kernel reads their memory in place) and the call's argument arrays, made once:
+    a decode step makes ~120 calls, so each costs only what ctypes must."""
+
+    __slots__ = ("parts", "k", "rows", "_args")
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int) -> None:
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"the native kernel multiplies 1 to {MAX_PARTS} row blocks at once, not {len(parts)}")
+        for code, blocks in parts:
+            if code not in TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" \
+                    or (blocks.shape[0] > 1 and blocks.stride(1) != 1):
+                raise ValueError(f"not a matrix of {TYPES.get(code, code)} blocks: {blocks.dtype} "
+                                 f"{tuple(blocks.shape)} on {blocks.device}")
+        self.parts = tuple(parts)
+        self.k = int(k)
+        self.rows = sum(blocks.shape[0] for _, blocks in parts)
+        count = len(parts)
+        self._args = (count, (ctypes.c_int * count)(*(code for code, _ in parts)),
+                      (ctypes.c_void_p * count)(*(blocks.data_ptr() for _, blocks in parts)),
+                      (ctypes.c_int64 * count)(*(blocks.stride(0) for _, blocks in parts)),
+                      (ctypes.c_int64 * count)(*(blocks.shape[0] for _, blocks in parts)), self.k)
+
+
+def matmul(matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ W.T -> (M, N) fp32 for W = `matrix`; x of another dtype is cast to fp32 first."""
+    lib = library()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    m = x.shape[0]
+    out = torch.empty(m, matrix.rows, dtype=torch.float32)
+    status = lib.matmul(*matrix._args, x.data_ptr(), m, out.data_ptr(), torch.get_num_threads())
+    if status:
+        kinds = "+".join(TYPES[code] for code, _ in matrix.parts)
+        raise NativeKernelError(f"native matmul refused {kinds} ({matrix.rows} x {matrix.k}) times "
+                                f"{tuple(x.shape)}: {_STATUS.get(status, status)}")
+    return out
+
+
+def dequantize(ggml_type: int, blocks: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` (1-D int64; every row when None) of W as fp32 (len(ids), K): exactly gguf's values."""
+    lib = library()
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+    n = blocks.shape[0] if ids is None else ids.shape[0]
+    out = torch.empty(n, k, dtype=torch.float32)
+    status = lib.dequantize(ggml_type, blocks.data_ptr(), blocks.stride(0), blocks.shape[0],
+                            None if ids is None else ids.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native dequantize refused {TYPES.get(ggml_type, ggml_type)} "
+                                f"{tuple(blocks.shape)}: {_STATUS.get(status, status)} (row ids out of range?)")
+    return out
+
+
+# ---- finding or building the library ---------------------------------------------------------------------------
+
+
+def native_dir() -> Path:
+    """Where builds live: $LLMTRACE_NATIVE_DIR, else the cache folder's native/."""
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV]).expanduser()
+    return cache_root() / "native"
+
+
+@functools.cache
+def _outcome() -> _Outcome:
+    compiler = shlex.split(os.environ.get(CC_ENV, "") or "cc")
+    version = _compiler_version(compiler)
+    if version is None:
+        return _Outcome(None, f"no C compiler: `{' '.join(compiler)}` does not run (set ${CC_ENV} to one)")
+    key = _key(compiler, version)
+    folder = native_dir()
+    library, why = _load_current(folder, key)
+    if library is not None:
+        return _Outcome(library, "")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        flags, error = _build(compiler, folder, key)
+    except OSError as exc:
+        return _Outcome(None, f"cannot write the compiled kernel to {folder}: {exc.strerror or exc}")
+    if flags is None:
+        return _Outcome(None, f"`{' '.join(compiler)}` could not compile {SOURCE.name}: {error}")
+    library, why = _load_current(folder, key)
+    if library is None:
+        return _Outcome(None, f"the compiled kernel does not work: {why}")
+    return _Outcome(library, "")
+
+
+def _compiler_version(compiler: list[str]) -> str | None:
+    try:
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _cpu() -> str:
+    """The CPU as -march=native sees it: model name and feature flags (Linux), else what platform knows."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "flags", "Features", "CPU part") and name not in fields:
+                    fields[name] = value.strip()
+                if not line.strip() and fields:
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {sorted(fields.items())}"
+
+
+def _key(compiler: list[str], version: str) -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(compiler).encode(), version.encode(), repr((FLAG_SETS, COMMON_FLAGS)).encode(),
+                 _cpu().encode(), str(ABI).encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()[:20]
+
+
+def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...] | None, str]:
+    """Compile into `folder` under a temporary name, rename to its content name, point the key's pointer at it.
+    Returns (the flags that compiled, "") or (None, the compiler's last error line)."""
+    error = ""
+    for flags in FLAG_SETS:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".gguf_matmul-{key}.", suffix=".so.partial")
+        os.close(fd)
+        try:
+            try:
+                done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                                      text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+            except (OSError, subprocess.SubprocessError) as exc:
+                error = str(exc)
+                continue
+            if done.returncode != 0:
+                lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+                error = lines[-1].strip() if lines else f"exit status {done.returncode}"
+                continue
+            digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+            name = f"gguf_matmul-{key}-{digest}.so"
+            os.replace(tmp, folder / name)
+            write_atomic(folder / f"gguf_matmul-{key}.txt", f"{name}\n{' '.join(flags)}\n")
+            return flags, ""
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return None, error
+
+
+def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
+    """The library the key's pointer names, if it is whole (its SHA-256 is in its name), loads, has this ABI and
+    passes the self-test; else (None, why)."""
+    try:
+        name, flag_line = (folder / f"gguf_matmul-{key}.txt").read_text(encoding="utf-8").splitlines()[:2]
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, "not built yet"
+    if not _NAME.fullmatch(name):
+        return None, "damaged pointer file"
+    path = folder / name
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None, "library file missing"
+    if hashlib.sha256(data).hexdigest() != name[-67:-3]:
+        return None, "library file damaged"
+    try:
+        handle = ctypes.CDLL(str(path))
+        if handle.llmt_abi() != ABI:
+            return None, "library of another ABI"
+        features = handle.llmt_features()
+    except (OSError, AttributeError) as exc:
+        return None, f"library does not load ({exc})"
+    matmul = handle.llmt_matmul
+    matmul.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
+                       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    matmul.restype = ctypes.c_int
+    dequant = handle.llmt_dequantize
+    dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    dequant.restype = ctypes.c_int
+    library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), matmul, dequant)
+    why = _self_test(library)
+    return (library, "") if not why else (None, why)
+
+
+def _self_test(lib: NativeLibrary) -> str:
+    """Two Q8_0 rows (d = 1, q = j - 16 and 16 - j) times x = 1..32 for one and for two activation rows: integer
+    sums, exact in fp32, through both code paths (the one-row kernel and the tiled one). "" when right."""
+    block = bytearray()
+    for sign in (1, -1):
+        block += bytes([0x00, 0x3C])  # fp16 1.0
+        block += bytes(((sign * (j - 16)) & 0xFF) for j in range(32))
+    blocks = (ctypes.c_uint8 * len(block)).from_buffer(block)
+    x = (ctypes.c_float * 64)(*[float(j + 1) for j in range(32)] * 2)
+    want = sum((j - 16) * (j + 1) for j in range(32))
+    for m in (1, 2):
+        out = (ctypes.c_float * (2 * m))()
+        status = lib.matmul(1, (ctypes.c_int * 1)(8), (ctypes.c_void_p * 1)(ctypes.addressof(blocks)),
+                            (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, ctypes.addressof(x), m,
+                            ctypes.addressof(out), 1)
+        if status or list(out) != [float(want), float(-want)] * m:
+            return f"self-test failed (status {status}, {list(out)} for {m} row(s))"
+    values = (ctypes.c_float * 64)()
+    status = lib.dequantize(8, ctypes.addressof(blocks), 34, 2, None, 2, 32, ctypes.addressof(values), 1)
+    if status or list(values[:32]) != [float(j - 16) for j in range(32)]:
+        return "self-test of dequantization failed"
+    return ""
