@@ -45,7 +45,7 @@ from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.cache_dirs import cache_root
 
 SOURCE = Path(__file__).resolve().with_name("native") / "gguf_matmul.c"
-ABI = 2  # LLMT_ABI in the C file
+ABI = 3  # LLMT_ABI in the C file
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"
@@ -67,8 +67,10 @@ class NativeLibrary:
     flags: tuple[str, ...]
     avx2: bool  # the AVX2+FMA+F16C paths are compiled in (else portable C loops)
     openmp: bool  # threads (else one)
+    describe: ctypes._CFuncPtr
     matmul: ctypes._CFuncPtr
     dequantize: ctypes._CFuncPtr
+    matrix_size: int  # bytes of the C side's description of a matrix
 
     @property
     def description(self) -> str:
@@ -118,7 +120,7 @@ class BlockMatrix:
     Q6_K). It holds the tensors (the kernel reads their memory in place) and the call's argument arrays, made once:
     a decode step makes ~120 calls, so each costs only what ctypes must."""
 
-    __slots__ = ("parts", "k", "rows", "_args")
+    __slots__ = ("parts", "k", "rows", "_described", "_address", "_call")
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int) -> None:
         if not 1 <= len(parts) <= MAX_PARTS:
@@ -131,25 +133,33 @@ class BlockMatrix:
         self.parts = tuple(parts)
         self.k = int(k)
         self.rows = sum(blocks.shape[0] for _, blocks in parts)
+        lib = library()
         count = len(parts)
-        self._args = (count, (ctypes.c_int * count)(*(code for code, _ in parts)),
-                      (ctypes.c_void_p * count)(*(blocks.data_ptr() for _, blocks in parts)),
-                      (ctypes.c_int64 * count)(*(blocks.stride(0) for _, blocks in parts)),
-                      (ctypes.c_int64 * count)(*(blocks.shape[0] for _, blocks in parts)), self.k)
+        self._described = ctypes.create_string_buffer(lib.matrix_size)  # the C side's description, kept here
+        status = lib.describe(count, (ctypes.c_int * count)(*(code for code, _ in parts)),
+                              (ctypes.c_void_p * count)(*(blocks.data_ptr() for _, blocks in parts)),
+                              (ctypes.c_int64 * count)(*(blocks.stride(0) for _, blocks in parts)),
+                              (ctypes.c_int64 * count)(*(blocks.shape[0] for _, blocks in parts)), self.k,
+                              self._described)
+        if status:
+            kinds = "+".join(TYPES[code] for code, _ in parts)
+            raise NativeKernelError(f"native kernel refused {kinds} ({self.rows} x {self.k}): "
+                                    f"{_STATUS.get(status, status)}")
+        self._address = ctypes.addressof(self._described)
+        self._call = lib.matmul
 
 
 def matmul(matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) @ W.T -> (M, N) fp32 for W = `matrix`; x of another dtype is cast to fp32 first."""
-    lib = library()
+    """x (..., K) @ W.T -> (..., N) fp32 for W = `matrix`; x of another dtype is cast to fp32 first. A decode step
+    makes ~120 of these calls, so this path does only what it must (no reshapes: the kernel takes rows of K)."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.to(torch.float32).contiguous()
-    m = x.shape[0]
-    out = torch.empty(m, matrix.rows, dtype=torch.float32)
-    status = lib.matmul(*matrix._args, x.data_ptr(), m, out.data_ptr(), torch.get_num_threads())
+    if x.shape[-1] != matrix.k:
+        raise NativeKernelError(f"native matmul: x has {x.shape[-1]} values per row, the matrix {matrix.k}")
+    out = torch.empty(x.shape[:-1] + (matrix.rows,), dtype=torch.float32)
+    status = matrix._call(matrix._address, x.data_ptr(), x.numel() // matrix.k, out.data_ptr(), torch.get_num_threads())
     if status:
-        kinds = "+".join(TYPES[code] for code, _ in matrix.parts)
-        raise NativeKernelError(f"native matmul refused {kinds} ({matrix.rows} x {matrix.k}) times "
-                                f"{tuple(x.shape)}: {_STATUS.get(status, status)}")
+        raise NativeKernelError(f"native matmul of {matrix.rows} x {matrix.k} failed: {_STATUS.get(status, status)}")
     return out
 
 
@@ -288,16 +298,21 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
         features = handle.llmt_features()
     except (OSError, AttributeError) as exc:
         return None, f"library does not load ({exc})"
+    describe = handle.llmt_describe
+    describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
+                         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                         ctypes.c_void_p]
+    describe.restype = ctypes.c_int
     matmul = handle.llmt_matmul
-    matmul.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
-                       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     matmul.restype = ctypes.c_int
+    handle.llmt_matrix_size.restype = ctypes.c_int64
     dequant = handle.llmt_dequantize
     dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     dequant.restype = ctypes.c_int
-    library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), matmul, dequant)
+    library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), describe, matmul,
+                            dequant, int(handle.llmt_matrix_size()))
     why = _self_test(library)
     return (library, "") if not why else (None, why)
 
@@ -312,11 +327,14 @@ def _self_test(lib: NativeLibrary) -> str:
     blocks = (ctypes.c_uint8 * len(block)).from_buffer(block)
     x = (ctypes.c_float * 64)(*[float(j + 1) for j in range(32)] * 2)
     want = sum((j - 16) * (j + 1) for j in range(32))
+    described = ctypes.create_string_buffer(lib.matrix_size)
+    status = lib.describe(1, (ctypes.c_int * 1)(8), (ctypes.c_void_p * 1)(ctypes.addressof(blocks)),
+                          (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, described)
+    if status:
+        return f"self-test failed (status {status} describing the matrix)"
     for m in (1, 2):
         out = (ctypes.c_float * (2 * m))()
-        status = lib.matmul(1, (ctypes.c_int * 1)(8), (ctypes.c_void_p * 1)(ctypes.addressof(blocks)),
-                            (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, ctypes.addressof(x), m,
-                            ctypes.addressof(out), 1)
+        status = lib.matmul(described, ctypes.addressof(x), m, ctypes.addressof(out), 1)
         if status or list(out) != [float(want), float(-want)] * m:
             return f"self-test failed (status {status}, {list(out)} for {m} row(s))"
     values = (ctypes.c_float * 64)()

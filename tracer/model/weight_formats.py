@@ -171,15 +171,14 @@ class PackedWeight:
             if x.dim() == 1:
                 return torch.mv(w, x)
             return F.linear(x, w)
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.shape[1])  # (M, K)
-        if kernel == NATIVE:
+        if kernel == NATIVE:  # any leading shape as it is (the decode step's products are ~10 us: no reshapes)
             if self._native is None:
                 self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1])
-            out = native_kernel.matmul(self._native, flat)  # (M, N) fp32
-            if x.dtype != torch.float32:
-                out = out.to(x.dtype)
-        elif kernel == INT4PACK:
+            out = native_kernel.matmul(self._native, x)  # (..., N) fp32
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.shape[1])  # (M, K)
+        if kernel == INT4PACK:
             out = self._int4pack(flat)
         else:
             out = self._blocks(flat)

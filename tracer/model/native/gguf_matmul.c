@@ -43,7 +43,7 @@
 #define LLMT_AVX2 0
 #endif
 
-#define LLMT_ABI 2 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_ABI 3 /* bump when a signature below changes: native_kernel.py checks it */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };
@@ -585,12 +585,18 @@ typedef struct {
     const uint8_t *w[MAX_PARTS];
     int64_t strides[MAX_PARTS], rows[MAX_PARTS], row_bytes[MAX_PARTS], column[MAX_PARTS]; /* column: first output */
     int64_t block_values[MAX_PARTS], block_bytes[MAX_PARTS];
-    int64_t total_rows, total_bytes;
+    int64_t k, total_rows, total_bytes;
 } Matrix;
 
-static int describe(int parts, const int *types, const uint8_t *const *w, const int64_t *strides, const int64_t *rows,
-                    int64_t k, Matrix *mat) {
+/* Bytes the caller allocates for a Matrix (opaque to it). */
+int64_t llmt_matrix_size(void) { return (int64_t)sizeof(Matrix); }
+
+/* Checks and describes W once (the caller keeps `mat` and the blocks alive); every product then passes only `mat`,
+   so a call costs what a call must (a decode step makes ~120). */
+int llmt_describe(int parts, const int *types, const uint8_t *const *w, const int64_t *strides, const int64_t *rows,
+                  int64_t k, Matrix *mat) {
     if (parts < 1 || parts > MAX_PARTS || k <= 0) return BAD_SHAPE;
+    mat->k = k;
     mat->parts = parts;
     mat->total_rows = mat->total_bytes = 0;
     for (int p = 0; p < parts; p++) {
@@ -635,12 +641,11 @@ static int current_thread(int *count) {
 #endif
 }
 
-/* out (m x N, row stride N = all parts' rows) = x (m x k, contiguous) @ W.T */
-int llmt_matmul(int parts, const int *types, const uint8_t *const *w, const int64_t *strides, const int64_t *rows,
-                int64_t k, const float *x, int64_t m, float *out, int threads) {
-    Matrix mat;
-    const int described = describe(parts, types, w, strides, rows, k, &mat);
-    if (described != OK) return described;
+/* out (m x N, row stride N = all parts' rows) = x (m x k, contiguous) @ W.T, W described by llmt_describe */
+int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, int threads) {
+    const Matrix mat = *described;
+    const int parts = mat.parts;
+    const int64_t k = mat.k;
     if (m < 0) return BAD_SHAPE;
     if (mat.total_rows == 0 || m == 0) return OK;
     const int64_t n = mat.total_rows;
