@@ -19,6 +19,7 @@ from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, precise_enou
 from llmtrace.tracer.hardware.product_timing import DenseKernel, product_shapes, time_kernel
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.load.stored_weights import all_kernels
 
 
 def timing(name: str, decode_ms: float, prefill_ms: float = 10.0, safe: bool = True) -> CandidateTiming:
@@ -194,7 +195,7 @@ def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.Monk
     monkeypatch.setattr(kernel_pick, "time_kernels", fp16_fastest)
     first = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     # bf16 and int4pack keep 8 bits, short of Q8_0's 11: probed, refused, and timed all the same (an option may force them)
-    assert calls == [("fp32", "fp16", "bf16", "int4pack", "blocks")]
+    assert calls == [("fp32", "fp16", "bf16", *all_kernels())]  # all_kernels: native first where it builds
     assert first.kernels.picked == "fp16" and not first.kernels.from_store
     assert next(first.model.parameters()).dtype == torch.float16
     assert "bf16: Q8_0 matrices need 11" in first.kernels.rule
@@ -218,7 +219,7 @@ def test_a_damaged_store_does_not_stop_a_load(tiny_q_gguf: Path) -> None:
     kernel_store.kernels_path().write_text("{ torn")
     loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert loaded.kernels.picked == "blocks" and loaded.kernels.ran == "fp32" and "measuring again" in loaded.kernel_note
-    names = [c.name for c in (kernel_pick.DenseKernel(d) for d in ("fp32", "fp16", "bf16"))] + ["int4pack", "blocks"]
+    names = [c.name for c in (kernel_pick.DenseKernel(d) for d in ("fp32", "fp16", "bf16"))] + list(all_kernels())
     key = kernel_store.model_key(product_shapes(loaded.config), 2, ("Q8_0",), names)
     assert kernel_store.load_choice(kernel_pick.machine_key("cpu"), key) is not None
 

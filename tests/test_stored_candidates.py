@@ -28,6 +28,7 @@ from llmtrace.tracer.load.gguf_loader import matrix_infos
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
+from llmtrace.tracer.load.stored_weights import all_kernels
 from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -141,7 +142,7 @@ def test_stored_kernels_are_timed_at_the_models_shapes_on_its_own_blocks(tiny: C
 
     resolved = resolve_model(str(tiny(Q.Q4_1)))
     header, config = resolved.gguf_header, resolved.config
-    assert kernels_for(header, config) == ("int4pack", "blocks")
+    assert kernels_for(header, config) == all_kernels()  # native (where it builds), int4pack, blocks
     matrix_bytes = sum(info.n_bytes for info in matrix_infos(header, config).values() if info.name != "token_embd.weight")
     for name in kernels_for(header, config):
         kernel = StoredKernel(header, config, name)
@@ -234,7 +235,7 @@ def test_the_run_header_and_the_trace_show_every_candidate(tiny: Callable[[Q], P
     data = json.loads(out.read_text())
     jsonschema.validate(data, load_schema())
     names = [c["name"] for c in data["kernels"]["candidates"]]
-    assert set(names) == {"fp32", "fp16", "bf16", "int4pack", "blocks"}
+    assert set(names) == {"fp32", "fp16", "bf16", *all_kernels()}
     assert Trace.from_json(out.read_text()).kernels.timing("int4pack").product_error > 2.0 ** -11
     forced = CliRunner().invoke(app, ["run", "sky", "-m", str(tiny(Q.Q8_0)), "--max-new-tokens", "1", "--no-trace",
                                       "--no-roofline", "--temperatures", "", "--weights", "int4pack"], terminal_width=80)

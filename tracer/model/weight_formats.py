@@ -103,7 +103,7 @@ class PackedWeight:
       q8_0:     {"int8": (N, K) int8, "scale": (N, K/32) fp32}
       native:   {"blocks": (N, bytes per row) uint8}: the file's own blocks of each row, unconverted (when loaded
                 from a GGUF, a copy-on-write view of the memory-mapped file, so loading copies nothing); row blocks
-                stacked by concat_rows keep each member's: {"blocks.0": ..., "blocks.1": ...}, formats may differ
+                stacked by concat_rows keep each member's: {"blocks.0.Q4_K": ..., "blocks.1.Q6_K": ...}
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
     """
 
@@ -117,8 +117,9 @@ class PackedWeight:
         self.stored_bytes = int(stored_bytes)
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
         # the native kernel's row blocks, (ggml type code, blocks) each, and its call's arguments once made
-        if parts is None and fmt.kernel == NATIVE:
-            parts = ((_CODES[fmt.stored], tensors["blocks"]),)
+        if parts is None and fmt.kernel == NATIVE:  # "blocks", or stacked row blocks "blocks.<i>.<type name>"
+            parts = ((_CODES[fmt.stored], tensors["blocks"]),) if "blocks" in tensors else tuple(
+                (_CODES[key.split(".")[2]], t) for key, t in sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1])))
         self._parts = parts or ()
         self._native: native_kernel.BlockMatrix | None = None
 
@@ -319,7 +320,8 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
             "+".join(dict.fromkeys(f.name for f in formats)), NATIVE, "+".join(dict.fromkeys(f.stored for f in formats)),
             stored * 8 / (shape[0] * shape[1]))
-        tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {f"blocks.{i}": t for i, (_, t) in enumerate(parts)}
+        tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {
+            f"blocks.{i}.{GGML_TYPES[code][0]}": t for i, (code, t) in enumerate(parts)}
         return PackedWeight(fmt, shape, tensors, stored, parts)
     if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows needs weights of one format and one input width")
