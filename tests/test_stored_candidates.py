@@ -29,6 +29,7 @@ from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
 from llmtrace.tracer.load.stored_weights import all_kernels
+from llmtrace.tracer.model import native_kernel
 from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -285,6 +286,7 @@ def test_a_kernel_per_type_when_no_one_kernel_is_acceptable_for_all(tiny_mixed: 
         return tuple(replace(t, decode_s=t.decode_s / 100) if ":" in t.name else t for t in timings), seconds
 
     monkeypatch.setattr(kernel_pick, "time_kernels", plan_fastest)
+    monkeypatch.setattr(native_kernel, "available", lambda: False)  # exact for every type, it would run them all
     loaded = load_model(str(tiny_mixed), AUTO, use_cache=False)
     spec = "Q4_1:int4pack,Q8_0:blocks"
     assert loaded.kernels.picked == spec and loaded.weights.kernel == spec and loaded.kernels.timing(spec).safe
