@@ -34,7 +34,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     batches = parse_batches(args.batches, "--batches")
-    loaded = load_model(None, dtype=FP32)
+    loaded = load_model(None, dtype=FP32, weights="dense")
     model = loaded.model
     model.setup_cache(1, 8)  # packs Q|K|V and gate|up as the fused path runs them
     with torch.no_grad():

@@ -31,7 +31,7 @@ import torch
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load.loader import load_model
 t1 = time.perf_counter()
-loaded = load_model(None, dtype=FP32, use_cache={use_cache})
+loaded = load_model(None, dtype=FP32, use_cache={use_cache}, weights="dense")
 t2 = time.perf_counter()
 ids = loaded.tokenizer.encode("The capital of France is")
 loaded.model.setup_cache(1, 16)

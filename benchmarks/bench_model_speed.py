@@ -39,7 +39,7 @@ def our_model(dtype: DType, random: bool) -> tuple[Transformer, str]:
         try:
             from llmtrace.tracer.load.loader import load_model
 
-            loaded = load_model(None, dtype=dtype)
+            loaded = load_model(None, dtype=dtype, weights="dense")  # HF and the meta copy take dense
             source = f"bundled {loaded.weight_format}"
             model = loaded.model
         except Exception as exc:  # bundled model absent or unloadable: say so in the output, use random weights
