@@ -106,3 +106,29 @@ def _native_kernel_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     else:
         os.environ[native_kernel.DIR_ENV] = before
     native_kernel.reset()
+
+
+# ---- tiny quantized GGUFs (stored weights, native kernel, stored candidates) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
+                   tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any], Path]:
+    """qtype (gguf.GGMLQuantizationType) -> the tiny LLaMA (dim 64, GQA, untied) written as a GGUF whose matrices gguf
+    quantized to qtype; each file written once per session."""
+    from llmtrace.tracer.core.config import ModelConfig
+    from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+    from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
+    folder = make_tiny_llama("default")
+    config = ModelConfig.from_hf_json(folder)
+    state = load_hf_state_dict(folder, config)
+    made: dict[Any, Path] = {}
+
+    def make(qtype: Any) -> Path:
+        if qtype not in made:
+            path = tmp_path_factory.mktemp(f"quantized-{qtype.name}") / "tiny.gguf"
+            made[qtype] = write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=qtype)
+        return made[qtype]
+
+    return make

@@ -250,22 +250,6 @@ def test_a_compiler_that_fails_is_one_line(own_build: Path, monkeypatch: pytest.
 # ---- end to end ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
-                   tmp_path_factory: pytest.TempPathFactory) -> Callable[[Q], Path]:
-    """qtype -> the tiny LLaMA (dim 64, GQA, untied) written as a GGUF whose matrices gguf quantized to qtype."""
-    folder = make_tiny_llama("default")
-    config = ModelConfig.from_hf_json(folder)
-    state = load_hf_state_dict(folder, config)
-    made: dict[Q, Path] = {}
-
-    def make(qtype: Q) -> Path:
-        if qtype not in made:
-            path = tmp_path_factory.mktemp(f"native-{qtype.name}") / "tiny.gguf"
-            made[qtype] = write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=qtype)
-        return made[qtype]
-
-    return make
 
 
 @pytest.fixture(scope="module")

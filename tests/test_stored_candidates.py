@@ -36,21 +36,9 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
-def tiny(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
-         tmp_path_factory: pytest.TempPathFactory) -> Callable[[Q], Path]:
-    """qtype -> the tiny LLaMA (dim 64, GQA, untied) as a GGUF whose matrices are qtype."""
-    folder = make_tiny_llama("default")
-    config = ModelConfig.from_hf_json(folder)
-    state = load_hf_state_dict(folder, config)
-    made: dict[Q, Path] = {}
-
-    def make(qtype: Q) -> Path:
-        if qtype not in made:
-            path = tmp_path_factory.mktemp(f"cand-{qtype.name}") / "tiny.gguf"
-            made[qtype] = write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=qtype)
-        return made[qtype]
-
-    return make
+def tiny(tiny_quantized: Callable[[Q], Path]) -> Callable[[Q], Path]:
+    """qtype -> the tiny LLaMA as a GGUF whose matrices are qtype (conftest's tiny_quantized)."""
+    return tiny_quantized
 
 
 def stored(name: str, decode_ms: float, safe: bool = True, error: float | None = None) -> CandidateTiming:

@@ -18,17 +18,14 @@ from typer.testing import CliRunner
 from llmtrace.cli.app import app
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
-from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load import weights_cache
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_weights import DENSE, STORED, all_kernels, entry_variant
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE
 from llmtrace.tracer.run.generate import generate
 from llmtrace.tracer.trace.records import DECODE, RunSettings
-from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -44,22 +41,6 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
 
 
-@pytest.fixture(scope="module")
-def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
-                   tmp_path_factory: pytest.TempPathFactory) -> Callable[[Q], Path]:
-    """qtype -> the tiny LLaMA (dim 64, GQA, untied) written as a GGUF whose matrices gguf quantized to qtype."""
-    folder = make_tiny_llama("default")
-    config = ModelConfig.from_hf_json(folder)
-    state = load_hf_state_dict(folder, config)
-    made: dict[Q, Path] = {}
-
-    def make(qtype: Q) -> Path:
-        if qtype not in made:
-            path = tmp_path_factory.mktemp(qtype.name) / "tiny.gguf"
-            made[qtype] = write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=qtype)
-        return made[qtype]
-
-    return make
 
 
 def _logits(path: Path, weights: str, tokens: list[int]) -> torch.Tensor:
