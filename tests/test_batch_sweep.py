@@ -132,7 +132,7 @@ def test_ceilings_store_round_trip_latest_wins_damage_is_one_error(tmp_path: Pat
     with pytest.raises(DecodeCeilingsProblem, match="other_seconds"):
         load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path)
     path.write_text("{not json")
-    with pytest.raises(DecodeCeilingsProblem, match="not JSON"):
+    with pytest.raises(DecodeCeilingsProblem, match="not valid JSON"):
         load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path)
     save_ceilings(old, path)  # a damaged file is replaced by the next measurement
     assert load_ceilings("AMD EPYC", shapes_key(SMOL), dense_key("fp32"), path) == old

@@ -67,13 +67,13 @@ def test_unwritable_home_keeps_the_run_and_still_gives_the_bound(tiny_llama_dir:
 
 def test_a_failing_save_is_a_warning(tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full or read-only file system: the write itself raises (as EROFS / ENOSPC would)."""
-    from llmtrace.tracer.hardware import store
+    from llmtrace.tracer.core import json_store  # hardware.json is saved through it
 
     def refuse(path: object, text: str) -> None:
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setattr(store, "write_atomic", refuse)
+    monkeypatch.setattr(json_store, "write_atomic", refuse)
     result, out, chrome = _run_with_outputs(tiny_llama_dir, tmp_path)
     _assert_kept(result, out, chrome)
     assert "not saved: cannot save the profile" in result.output and "Read-only file system" in result.output

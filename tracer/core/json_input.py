@@ -14,7 +14,8 @@ from llmtrace.tracer.core.errors import LlmtraceError
 
 
 def parse_json(text: str | bytes, source: str, error: type[LlmtraceError], fix: str) -> Any:
-    """`json.loads(text)`; any failure is `error("{source}: not valid JSON (why); {fix}")`."""
+    """`json.loads(text)`; any failure is `error("{source}: not valid JSON (why); {fix}")` ("; {fix}" left out when
+    `fix` is empty: the caller says what happens next)."""
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
@@ -25,4 +26,4 @@ def parse_json(text: str | bytes, source: str, error: type[LlmtraceError], fix: 
         why = str(exc)
     except RecursionError:
         why = "nested too deeply"
-    raise error(f"{source}: not valid JSON ({why}); {fix}")
+    raise error(f"{source}: not valid JSON ({why})" + (f"; {fix}" if fix else ""))

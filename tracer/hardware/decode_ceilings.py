@@ -17,21 +17,20 @@ Stored in `decode_kernels.json` beside hardware.json and kernels.json, one entry
 the machine is product_timing.machine_key (CPU model, torch version, CPU capability, threads), so a new torch or
 another thread count measures again; the model shapes are `shapes_key` (every product's rows x cols and the layer
 count). A damaged file or entry is one DecodeCeilingsProblem; the roofline then says so in one note and uses the
-copy + GEMM ceilings, and the next sweep replaces the file.
+copy + GEMM ceilings, and the next sweep replaces the file (read and saved by tracer/core/json_store.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import HardwareError
+from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
 from llmtrace.tracer.hardware.product_shapes import product_shapes
 from llmtrace.tracer.hardware.store import config_dir
 
@@ -42,6 +41,10 @@ STORED = "stored"  # weights key of a run multiplying a GGUF's matrices as store
 
 class DecodeCeilingsProblem(HardwareError):
     """The saved decode ceilings could not be read back; the message names the file and what was wrong."""
+
+
+# The caller (roofline/measured_decode.py) says what to do: measure again with `run --batch-sweep`.
+STORE = StoreFormat("decode-ceilings store", STORE_VERSION, ("entries",), DecodeCeilingsProblem, HardwareError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,22 +123,6 @@ def this_cpu_name() -> str:
 # ---- the store ----------------------------------------------------------------------------------------------
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return {"version": STORE_VERSION, "entries": {}}
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DecodeCeilingsProblem(f"{path}: cannot read ({exc})") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise DecodeCeilingsProblem(f"{path}: not JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("version") != STORE_VERSION or not isinstance(data.get("entries"), dict):
-        raise DecodeCeilingsProblem(f"{path}: not a version-{STORE_VERSION} decode-ceilings store")
-    return data
-
-
 def entry_key(ceilings: DecodeCeilings) -> str:
     return f"{ceilings.machine}||{ceilings.shapes}||{ceilings.weights}"
 
@@ -145,24 +132,18 @@ def save_ceilings(ceilings: DecodeCeilings, path: Path | None = None) -> Path:
     entries of a sound one kept. HardwareError when the folder cannot be written."""
     path = path or ceilings_path()
     try:
-        data = _read(path)
+        data = read_store(path, STORE)
     except DecodeCeilingsProblem:
-        data = {"version": STORE_VERSION, "entries": {}}
+        data = STORE.empty()
     data["entries"][entry_key(ceilings)] = asdict(ceilings)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-    except OSError as exc:
-        raise HardwareError(f"cannot save the decode ceilings to {path} ({exc.strerror or exc}); set "
-                            "XDG_CONFIG_HOME to a writable folder") from None
-    return path
+    return write_store(path, data, STORE, "the decode ceilings")
 
 
 def load_ceilings(device_name: str, shapes: str, weights: str, path: Path | None = None) -> DecodeCeilings | None:
     """The latest entry measured on a device called `device_name` for these shapes and weights; None when there is
     none. Every entry of the file is checked, so a damaged one is a DecodeCeilingsProblem, not a wrong figure."""
     path = path or ceilings_path()
-    found = [_ceilings_from(raw, f"{path}: entry {key!r}") for key, raw in _read(path)["entries"].items()]
+    found = [_ceilings_from(raw, f"{path}: entry {key!r}") for key, raw in read_store(path, STORE)["entries"].items()]
     matching = [c for c in found if c.device_name == device_name and c.shapes == shapes and c.weights == weights]
     return max(matching, key=lambda c: c.measured_at) if matching else None
 

@@ -6,20 +6,19 @@ thread count or model shape measures again, and the same ones do not.
 
 The file comes from outside (hand edits, another version, a torn copy): whatever fails to read back as the records
 it should hold (bad JSON, a wrong version, a missing or mistyped field) is a `StoreProblem` the caller turns into
-one line and a fresh measurement, which then replaces the damaged file; never a traceback. Saving is atomic
-(tracer/core/atomic_file.py). Pure Python, no torch.
+one line and a fresh measurement, which then replaces the damaged file; never a traceback. The file itself is read
+and saved (atomically) by tracer/core/json_store.py. Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Iterable
 
-from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.errors import HardwareError
+from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.hardware.store import config_dir
 
@@ -32,6 +31,11 @@ _TIMING_FIELDS = {f.name: f for f in fields(CandidateTiming)}
 
 class StoreProblem(HardwareError):
     """The saved choices could not be read back; the message names the file and what was wrong."""
+
+
+# The caller (load/kernel_pick.py) says what happens next: measuring again.
+STORE = StoreFormat("kernel store", STORE_VERSION, ("machines",), StoreProblem, HardwareError,
+                    older="before stored kernels were measured")
 
 
 def kernels_path() -> Path:
@@ -49,30 +53,11 @@ def model_key(shapes: Iterable[Any], n_layers: int, stored_formats: Iterable[str
     return f"{key}|candidates {names}" if names else key
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return {"version": STORE_VERSION, "machines": {}}
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StoreProblem(f"{path}: cannot read ({exc})") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise StoreProblem(f"{path}: not JSON ({exc})") from None
-    if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] < STORE_VERSION:
-        raise StoreProblem(f"{path}: saved by an older llmtrace (version {data['version']}, before stored kernels "
-                           "were measured)")
-    if not isinstance(data, dict) or data.get("version") != STORE_VERSION or not isinstance(data.get("machines"), dict):
-        raise StoreProblem(f"{path}: not a version-{STORE_VERSION} kernel store")
-    return data
-
-
 def load_choice(machine: str, model: str, path: Path | None = None) -> KernelChoice | None:
     """The saved choice for this machine and model shape, None when there is none; StoreProblem when the file or
     the entry is damaged."""
     path = path or kernels_path()
-    data = _read(path)
+    data = read_store(path, STORE)
     entry = data["machines"].get(machine, {})
     if not isinstance(entry, dict):
         raise StoreProblem(f"{path}: machine entry {machine!r} is not an object")
@@ -87,22 +72,16 @@ def save_choice(machine: str, model: str, choice: KernelChoice, path: Path | Non
     sound one kept. HardwareError when the folder cannot be written."""
     path = path or kernels_path()
     try:
-        data = _read(path)
+        data = read_store(path, STORE)
     except StoreProblem:
-        data = {"version": STORE_VERSION, "machines": {}}
+        data = STORE.empty()
     machines = data["machines"]
     if not isinstance(machines.get(machine), dict):
         machines[machine] = {}
     record = asdict(choice)
     record.update(from_store=False, overridden_by="", ran="")
     machines[machine][model] = record
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-    except OSError as exc:
-        raise HardwareError(f"cannot save the kernel choice to {path} ({exc.strerror or exc}); set XDG_CONFIG_HOME "
-                            "to a writable folder") from None
-    return path
+    return write_store(path, data, STORE, "the kernel choice")
 
 
 def _choice_from(raw: Any, where: str) -> KernelChoice:

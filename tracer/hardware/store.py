@@ -5,23 +5,22 @@ Plain JSON, pure Python: every command reads it (to know `this-machine`) without
 
 The file comes from outside (hand edits, another version, a torn copy), so every profile is checked field by field
 on reading (types, finite and positive ceilings): a bad one is one HardwareError naming the file and the field,
-never a TypeError or a division by zero in the roofline. Saving is atomic with a temporary name per writer
-(tracer/core/atomic_file.py): concurrent saves never tear the file or remove each other's temporary file; a folder
-that cannot be written is a HardwareError, so `run` can report it as a warning and keep the run.
+never a TypeError or a division by zero in the roofline. The file is read and saved by tracer/core/json_store.py:
+saving is atomic with a temporary name per writer, so concurrent saves never tear the file or remove each other's
+temporary file; a folder that cannot be written is a HardwareError, so `run` can report it as a warning and keep
+the run.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.errors import HardwareError
-from llmtrace.tracer.core.json_input import parse_json
+from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
 from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, HardwareProfile, get_profile
 
 STORE_VERSION = 1
@@ -38,20 +37,9 @@ def store_path() -> Path:
     return config_dir() / "hardware.json"
 
 
-def _read(path: Path) -> dict[str, Any]:
-    fix = "delete it and run `llmtrace hardware --measure`"
-    try:
-        text = path.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):  # nothing measured yet (or no config folder can exist)
-        return {"version": STORE_VERSION, "profiles": {}, "measurements": {}}
-    except OSError as exc:
-        raise HardwareError(f"{path}: cannot read ({exc.strerror or exc}); check its permissions or {fix}") from None
-    data = parse_json(text, str(path), HardwareError, fix)
-    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
-        raise HardwareError(f"{path}: no 'profiles' object; {fix}")
-    if not isinstance(data.setdefault("measurements", {}), dict):
-        raise HardwareError(f"{path}: 'measurements' is not an object; {fix}")
-    return data
+# Files written by hand (or by the first llmtrace) may lack "version" and "measurements".
+STORE = StoreFormat("hardware store", STORE_VERSION, ("profiles", "measurements"), HardwareError, HardwareError,
+                    fix="delete it and run `llmtrace hardware --measure`", added=("measurements",), unversioned=True)
 
 
 _STRING_FIELDS = ("name", "label", "interconnect", "source")
@@ -94,30 +82,23 @@ def _is_positive_number(value: Any) -> bool:
 def load_measured_profiles(path: Path | None = None) -> dict[str, HardwareProfile]:
     """Saved profiles by name; empty when nothing was measured yet."""
     path = path or store_path()
-    data = _read(path)
+    data = read_store(path, STORE)
     return {name: _profile_from_dict(name, raw, path) for name, raw in data["profiles"].items()}
 
 
 def load_measurement_details(name: str, path: Path | None = None) -> dict[str, Any] | None:
     """The raw measurement record saved with profile `name` (sizes, repeats, every timing), or None."""
-    details = _read(path or store_path())["measurements"].get(name)
+    details = read_store(path or store_path(), STORE)["measurements"].get(name)
     return details if isinstance(details, dict) else None
 
 
 def save_measured_profile(profile: HardwareProfile, details: Mapping[str, Any], path: Path | None = None) -> Path:
     """Add or replace `profile` (and the measurement details behind it); other saved profiles are kept."""
     path = path or store_path()
-    data = _read(path)
-    data["version"] = STORE_VERSION
+    data = read_store(path, STORE)
     data["profiles"][profile.name] = asdict(profile)
     data["measurements"][profile.name] = dict(details)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")  # a reader never sees half a file
-    except OSError as exc:
-        raise HardwareError(f"cannot save the profile to {path} ({exc.strerror or exc}); set XDG_CONFIG_HOME to a "
-                            "writable folder") from None
-    return path
+    return write_store(path, data, STORE, "the profile")
 
 
 def resolve_hardware(name: str, path: Path | None = None) -> HardwareProfile:
