@@ -53,8 +53,8 @@ def main() -> None:
 
         from llmtrace.tracer.checkpoint.bundled import bundled_model_path
         from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
-        from llmtrace.tracer.load import weights_cache
         from llmtrace.tracer.core.dtypes import FP32
+        from llmtrace.tracer.load import weights_cache
         from llmtrace.tracer.load.loader import load_model
 
         source = bundled_model_path()

@@ -42,9 +42,9 @@ def main() -> None:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     import gguf
     from gguf.quants import dequantize as gguf_dequantize
+    from tiny_gguf import BLOCK_LAYOUTS, random_blocks
 
     from llmtrace.tracer.load.gguf_dequant import dequantize
-    from tiny_gguf import BLOCK_LAYOUTS, random_blocks
 
     q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(0)

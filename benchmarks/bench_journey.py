@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import statistics
+import sys
 import time
 from dataclasses import replace
 from typing import Any

@@ -26,8 +26,8 @@ import torch
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import ours_to_hf
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, DType, get_dtype
-from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
 from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.run.generate import Finished, Generation, TokenStep
 from llmtrace.tracer.trace.hooks import Tracer
-from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings
 
 PROMPT = "The capital of France is"

@@ -210,7 +210,7 @@ def main() -> None:
         os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="bench-vs-peers-")
 
     from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-    from llmtrace.tracer.core.dtypes import get_dtype, COMPUTE_DTYPES
+    from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
     from llmtrace.tracer.load.loader import load_model
 
     loaded = load_model(None, dtype=AUTO)  # what `llmtrace run` loads by default

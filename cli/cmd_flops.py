@@ -7,7 +7,13 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import (
-    DEFAULT_MODEL, KERNELS_HELP, BatchOption, JsonOption, KernelsChoice, ModelOption, dtype_option,
+    DEFAULT_MODEL,
+    KERNELS_HELP,
+    BatchOption,
+    JsonOption,
+    KernelsChoice,
+    ModelOption,
+    dtype_option,
 )
 from llmtrace.tracer.core.dtypes import DType
 
@@ -51,9 +57,9 @@ def flops(
 
     def body() -> None:
         # Imported inside the command: `llmtrace --help` and the other commands do not pay for them.
-        from llmtrace.tracer.core.errors import BadArgumentError
         from llmtrace.tracer.analytic.flops_report import flops_report
         from llmtrace.tracer.checkpoint.resolve import resolve_model
+        from llmtrace.tracer.core.errors import BadArgumentError
 
         if prompt is not None and prompt_len is not None:
             raise BadArgumentError("give either --prompt or --prompt-len, not both")

@@ -35,8 +35,8 @@ def kvmem(
     """
 
     def body() -> None:
-        from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
         from llmtrace.tracer.analytic.flops_report import default_weights_dtype, weights_as_stored
+        from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
         from llmtrace.tracer.checkpoint.resolve import resolve_model
 
         resolved = resolve_model(model)

@@ -9,7 +9,13 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import (
-    DEFAULT_MODEL, KERNELS_HELP, BatchOption, JsonOption, KernelsChoice, ModelOption, dtype_option,
+    DEFAULT_MODEL,
+    KERNELS_HELP,
+    BatchOption,
+    JsonOption,
+    KernelsChoice,
+    ModelOption,
+    dtype_option,
 )
 from llmtrace.tracer.core.dtypes import DType
 
@@ -49,9 +55,9 @@ def roofline(
     """
 
     def body() -> None:
-        from llmtrace.tracer.hardware.store import resolve_hardware
         from llmtrace.tracer.analytic.flops_report import default_weights_dtype, weights_as_stored
         from llmtrace.tracer.checkpoint.resolve import resolve_model
+        from llmtrace.tracer.hardware.store import resolve_hardware
         from llmtrace.tracer.roofline.analysis import roofline as predict
         from llmtrace.tracer.roofline.measured_decode import measured_roofline
 

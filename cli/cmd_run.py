@@ -368,10 +368,10 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     import torch
 
     from llmtrace.tracer.hardware.dtype_policy import dtype_of
+    from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run.batch_generate import BatchTokenized, generation_for
     from llmtrace.tracer.run.generate import Finished, PrefillDone, Tokenized, TokenStep
     from llmtrace.tracer.run.no_cache import NoCacheProgress
-    from llmtrace.tracer.load.loader import load_model
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)

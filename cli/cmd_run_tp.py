@@ -40,8 +40,12 @@ def run_tensor_parallel_cli(console: Console, settings: RunSettings, dtype: Any,
                             timeout_s: float, cpus: int,
                             save: Callable[[Trace, Any, Any], None]) -> tuple[Trace, int]:
     """The run, its files saved, rendered; (trace, exit code: 0, or 1 when a rank failed)."""
-    from llmtrace.tracer.run.tp_launch import check_tensor_parallel, run_tensor_parallel, run_under_torchrun, \
-        torchrun_world
+    from llmtrace.tracer.run.tp_launch import (
+        check_tensor_parallel,
+        run_tensor_parallel,
+        run_under_torchrun,
+        torchrun_world,
+    )
 
     check_tensor_parallel(settings.model or None, tp, settings.device)
     if settings.temperature > 0 and settings.seed is None:

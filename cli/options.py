@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable
 
 import typer
 
-from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, DTYPES, AUTO, get_compute_dtype, get_dtype
+from llmtrace.tracer.core.dtypes import AUTO, COMPUTE_DTYPES, DTYPES, get_compute_dtype, get_dtype
 from llmtrace.tracer.core.errors import LlmtraceError
 
 

@@ -9,6 +9,7 @@ recorded them, the attention strip, the logit lens, the sampling lesson and the 
 from __future__ import annotations
 
 from html import escape
+
 from llmtrace.cli import formatting as fmt
 from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.core.errors import BadArgumentError

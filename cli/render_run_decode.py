@@ -19,7 +19,6 @@ from llmtrace.tracer.trace.records import MATMUL_KINDS
 from llmtrace.tracer.trace.summary import DecodeByStage
 
 
-
 def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
     """`d`: tracer.trace.summary.decode_by_stage's record; nothing when the run traced no decode step."""
     if d is None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from llmtrace.cli.render_attention import render_attention
+from llmtrace.cli.render_kernels import dtype_name
+from llmtrace.cli.render_lens import render_lens
+from llmtrace.cli.render_no_cache import render_no_cache
 from llmtrace.cli.render_run import (
     render_embedding,
     render_header,
@@ -20,19 +24,15 @@ from llmtrace.cli.render_run_batch import (
     render_batch_summary,
     render_batch_tokenization,
 )
-from llmtrace.cli.render_kernels import dtype_name
 from llmtrace.cli.render_run_decode import render_decode_stages
 from llmtrace.cli.render_run_dry import render_dry_run_summary
 from llmtrace.cli.render_run_live import DecodeView
-from llmtrace.cli.render_no_cache import render_no_cache
 from llmtrace.cli.render_run_summary import render_summary
-from llmtrace.cli.render_attention import render_attention
-from llmtrace.cli.render_lens import render_lens
 from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
-from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 from llmtrace.tracer.trace.records import PREFILL
 from llmtrace.tracer.trace.report import RunReport
+from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED, Trace
 
 
 def render_journey(console: Console, trace: Trace, detail: str) -> None:

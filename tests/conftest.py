@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-
 from tiny_llama import hf_config_dict, train_sentencepiece, write_tiny_llama
 
 # ---- tiny LLaMA folders (model engineer) -------------------------------------------------------------------------
@@ -116,9 +115,10 @@ def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
                    tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any], Path]:
     """qtype (gguf.GGMLQuantizationType) -> the tiny LLaMA (dim 64, GQA, untied) written as a GGUF whose matrices gguf
     quantized to qtype; each file written once per session."""
+    from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
     from llmtrace.tracer.core.config import ModelConfig
     from llmtrace.tracer.load.hf_loader import load_hf_state_dict
-    from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
     folder = make_tiny_llama("default")
     config = ModelConfig.from_hf_json(folder)

@@ -4,10 +4,10 @@ and pyproject installs every package folder under the one `llmtrace` namespace."
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

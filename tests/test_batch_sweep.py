@@ -22,13 +22,25 @@ from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.presets import get_preset
 from llmtrace.tracer.hardware.decode_ceilings import (
-    BatchCeilings, DecodeCeilings, DecodeCeilingsProblem, ProductTime, dense_key, load_ceilings, save_ceilings,
+    BatchCeilings,
+    DecodeCeilings,
+    DecodeCeilingsProblem,
+    ProductTime,
+    dense_key,
+    load_ceilings,
+    save_ceilings,
     shapes_key,
 )
 from llmtrace.tracer.hardware.product_shapes import product_shapes
 from llmtrace.tracer.hardware.profiles import HardwareProfile, get_profile
 from llmtrace.tracer.roofline.kernel_decode import (
-    COPY_AND_GEMM, CROSSOVER_RULE, DATASHEET, MEASURED_KERNELS, growth_crossover, kernel_step, mean_step_seconds,
+    COPY_AND_GEMM,
+    CROSSOVER_RULE,
+    DATASHEET,
+    MEASURED_KERNELS,
+    growth_crossover,
+    kernel_step,
+    mean_step_seconds,
 )
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -330,8 +342,8 @@ def fixed_sweep():  # noqa: ANN201
 
 @pytest.mark.parametrize("width", (80, 120))
 def test_sweep_view_matches_golden(width: int) -> None:
-    from rich.console import Console
     from rich.cells import cell_len
+    from rich.console import Console
 
     from llmtrace.cli.render_batch_sweep import render_batch_sweep
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-from llmtrace.tracer.core.dtypes import BF16
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
-from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
+from llmtrace.tracer.core.dtypes import BF16
+from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.load.weights_cache import cache_path
 
 PROMPTS = ["今天天气真", "The capital of France is", "I love 🦀 and 😀!", "def add(a, b):\n    return a + b  # 2024",

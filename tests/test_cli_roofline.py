@@ -13,8 +13,8 @@ from rich.console import Console
 
 from llmtrace.cli.render_roofline import chart_points, render_report, roofline_chart, why_line
 from llmtrace.tracer.core.dtypes import INT4
-from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.roofline.analysis import roofline
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,15 +11,21 @@ from typing import Callable
 
 import pytest
 
-from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import FP32
-from llmtrace.tracer.core.errors import ConfigError, FileFormatError, LlmtraceError, UnknownPresetError, UnsupportedModelError
-from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.analytic.params import count_params
+from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.prompt_tokens import count_prompt_tokens
 from llmtrace.tracer.checkpoint.resolve import resolve_model
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_checkpoint, read_safetensors_header
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.core.errors import (
+    ConfigError,
+    FileFormatError,
+    LlmtraceError,
+    UnknownPresetError,
+    UnsupportedModelError,
+)
 
 # ---- safetensors -------------------------------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from estimate_check import assert_traced_equals_estimate
+
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
 from llmtrace.tracer.analytic.tensor_parallel import replicated_components

@@ -5,8 +5,20 @@ from __future__ import annotations
 import pytest
 
 from llmtrace.tracer.core.dtypes import (
-    AUTO, BF16, COMPUTE_DTYPES, DTYPES, FP8, FP16, FP32, GGUF_DTYPES, INT4, INT8, TF32, dtype_of_file_type,
-    get_compute_dtype, get_dtype,
+    AUTO,
+    BF16,
+    COMPUTE_DTYPES,
+    DTYPES,
+    FP8,
+    FP16,
+    FP32,
+    GGUF_DTYPES,
+    INT4,
+    INT8,
+    TF32,
+    dtype_of_file_type,
+    get_compute_dtype,
+    get_dtype,
 )
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, PEAK_DTYPES

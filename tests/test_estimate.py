@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from llmtrace.tracer.analytic import estimate
+from llmtrace.tracer.analytic.params import count_params, weight_bytes, weight_bytes_by_dtype
 from llmtrace.tracer.core.dtypes import FP16, FP32, INT4, INT8, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.analytic.params import count_params, weight_bytes, weight_bytes_by_dtype
 from llmtrace.tracer.core.presets import get_preset
 
 FP16_ALL = estimate.Dtypes.for_weights(FP16)

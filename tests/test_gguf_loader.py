@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
-
 from tiny_gguf import llama_cpp_name, llama_cpp_permute, sentencepiece_vocab, write_tiny_gguf
+
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
-from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
-from llmtrace.tracer.load.gguf_dequant import dequantize
-from llmtrace.tracer.core.contract import gguf_to_ours as meta_name
-from llmtrace.tracer.load.gguf_loader import load_gguf_weights, unpermute_rope_rows
 from llmtrace.tracer.checkpoint.gguf_tokenizer import _pre_tokenizer
+from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import gguf_to_ours as meta_name
+from llmtrace.tracer.load.gguf_dequant import dequantize
+from llmtrace.tracer.load.gguf_loader import load_gguf_weights, unpermute_rope_rows
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 

@@ -10,10 +10,17 @@ from typing import Callable
 import gguf
 import numpy as np
 import pytest
+from tiny_gguf import (
+    BLOCK_LAYOUTS,
+    block_dtype,
+    llama_cpp_name,
+    llama_cpp_permute,
+    random_blocks,
+    sentencepiece_vocab,
+    write_tiny_gguf,
+)
 from typer.testing import CliRunner
 
-from tiny_gguf import BLOCK_LAYOUTS, block_dtype, llama_cpp_name, llama_cpp_permute, random_blocks, \
-    sentencepiece_vocab, write_tiny_gguf
 from llmtrace.cli.app import app
 from llmtrace.tracer.checkpoint.gguf_header import GGML_TYPES, read_gguf_header
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header

@@ -14,7 +14,11 @@ from llmtrace.tracer.core.dtypes import BF16, FP32, INT8, TF32
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, PROFILES, THIS_MACHINE, all_profiles, get_profile
 from llmtrace.tracer.hardware.store import (
-    load_measured_profiles, load_measurement_details, resolve_hardware, save_measured_profile, store_path,
+    load_measured_profiles,
+    load_measurement_details,
+    resolve_hardware,
+    save_measured_profile,
+    store_path,
 )
 
 REPO = Path(__file__).resolve().parent.parent

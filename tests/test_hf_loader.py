@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import BF16
-from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
-from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
-from llmtrace.tracer.model.transformer import build_meta_model
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
 from llmtrace.tracer.checkpoint.tokenizer import SentencePieceTokenizer, load_tokenizer
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
+from llmtrace.tracer.core.dtypes import BF16
+from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.model.transformer import build_meta_model
 
 
 def copy_folder(source: Path, tmp_path: Path) -> Path:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from estimate_check import assert_traced_equals_estimate
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmtrace.tracer.core.config import ModelConfig
-from estimate_check import assert_traced_equals_estimate
-from llmtrace.tracer.model.fused import no_mark
 from llmtrace.tracer.core import contract
-from llmtrace.tracer.trace.hooks import MODULE_MECHANISMS, Tracer
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.model.fused import no_mark
 from llmtrace.tracer.model.transformer import build_random_model
+from llmtrace.tracer.trace.hooks import MODULE_MECHANISMS, Tracer
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 
 CONFIGS = {
@@ -122,8 +122,8 @@ def test_flops_and_bytes_equal_the_analytical_estimate(traced) -> None:
 def test_llama7b_decode_flops_by_hand(mechanism: str) -> None:
     """A hand-derived figure: one LLaMA-7B decode step at S positions, on the meta device (no memory), through the
     fused path and stage by stage."""
-    from llmtrace.tracer.model.transformer import build_meta_model
     from llmtrace.tracer.core.presets import get_preset
+    from llmtrace.tracer.model.transformer import build_meta_model
 
     config = get_preset("llama-7b")
     model = build_meta_model(config)

@@ -118,8 +118,8 @@ def test_nested_gguf_metadata_arrays_are_refused(tmp_path: Path) -> None:
 def test_gguf_special_token_outside_the_vocabulary_is_refused(tmp_path: Path, sp_model_bytes: bytes,
                                                               make_tiny_llama: Callable[..., Path]) -> None:
     import gguf
-
     from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
     from llmtrace.tracer.load.hf_loader import load_hf_state_dict
     from llmtrace.tracer.load.loader import load_model
 

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fixed_timings
+
 from llmtrace.tracer.core.dtypes import AUTO, FP16, FP32
 from llmtrace.tracer.core.presets import get_preset
-from llmtrace.tracer.hardware import kernel_choice as rule
-from llmtrace.tracer.hardware import kernel_store
+from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, precise_enough, select, without
 from llmtrace.tracer.hardware.product_timing import DenseKernel, product_shapes, time_kernel
 from llmtrace.tracer.load import kernel_pick
@@ -172,8 +171,8 @@ def test_a_mistyped_timing_is_refused(tmp_path: Path) -> None:
 def tiny_q_gguf(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes, sp_vocab_size: int) -> Path:
     """A tiny GGUF whose matrices are Q8_0: fp32 and fp16 are safe for it, bf16 is not."""
     import gguf
-
     from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
     from llmtrace.tracer.model.transformer import random_weights
 
     config = replace(get_preset("smollm2-135m"), n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from llmtrace.tracer.analytic.kvmem import (
+    context_lengths,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kvmem_report,
+    parse_bytes,
+)
 from llmtrace.tracer.core.dtypes import FP16, FP32, INT4, INT8, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.analytic.kvmem import context_lengths, kv_bytes_per_token, kv_cache_bytes, kvmem_report, parse_bytes
 from llmtrace.tracer.core.presets import get_preset
 
 MiB = 2**20

@@ -12,10 +12,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
 import llmtrace.tracer.checkpoint.bundled
-from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 from llmtrace.tracer.checkpoint.bundled import SET_UP_HINT, bundled_model_path, install_bundled_model
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import FP8
 from llmtrace.tracer.core.errors import (
@@ -27,7 +28,6 @@ from llmtrace.tracer.core.errors import (
     UnknownPresetError,
     UnsupportedModelError,
 )
-from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.weights_cache import cache_path, cache_root

@@ -11,12 +11,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import BF16
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
-from llmtrace.tracer.core.contract import expected_shapes
-from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
 from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-
 from test_cli_analytical import invoke_main
 from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
 from llmtrace.tracer.checkpoint import gguf_header
 from llmtrace.tracer.checkpoint.resolve import GGUF, HF, PRESET, classify_model, resolve_model
 from llmtrace.tracer.core.config import ModelConfig

@@ -12,9 +12,11 @@ from typing import Callable
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from estimate_check import assert_traced_equals_estimate
+from safetensors.torch import save_file
+from tiny_gguf import write_tiny_gguf
+from tiny_llama import random_weights
+
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
@@ -27,8 +29,6 @@ from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours, load_hf_stat
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, PREFILL
-from tiny_gguf import write_tiny_gguf
-from tiny_llama import random_weights
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
-
 from tiny_gguf import write_tiny_gguf
 from tiny_llama import random_weights
-from llmtrace.tracer.core.dtypes import FP32
+from typer.testing import CliRunner
+
 from llmtrace.cli.app import app
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.gguf_tokenizer import _pre_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
@@ -164,6 +164,7 @@ def test_per_layer_windows_are_refused_in_one_line() -> None:
 def test_a_bias_of_the_wrong_shape_is_one_line(qwen2: tuple[Path, Path, ModelConfig], tmp_path: Path) -> None:
     """A 'qwen2' GGUF whose blk.1.attn_k.bias has 31 values instead of Hkv·D = 32: named, exit 2, nothing cached."""
     from tiny_gguf import write_tiny_gguf as write
+
     from llmtrace.tracer.core.errors import CheckpointError
 
     _, _, config = qwen2

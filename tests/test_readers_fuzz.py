@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
@@ -40,6 +39,7 @@ def _only_typed_errors(fn: Callable[[], Any]) -> None:
 def real_gguf(tmp_path_factory: pytest.TempPathFactory, make_tiny_llama: Callable[..., Path],
               sp_model_bytes: bytes) -> bytes:
     from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
     from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 
     folder = make_tiny_llama("fuzz-gguf")

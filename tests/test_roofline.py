@@ -17,13 +17,13 @@ import pytest
 
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import Kernels
+from llmtrace.tracer.analytic.tensor_parallel import device_cost
 from llmtrace.tracer.core.dtypes import FP8, FP16, FP32, INT4, INT8, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
-from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.core.presets import get_preset
+from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.roofline.analysis import bound_pass, compute_dtype_for, machine_for, roofline
 from llmtrace.tracer.roofline.compare import compare_with_measured
-from llmtrace.tracer.analytic.tensor_parallel import device_cost
 
 A100 = get_profile("a100-80gb")
 H100 = get_profile("h100-sxm")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_model_parity import assert_within_one_ulp, staged_and_fused_logits
 from tiny_llama import hf_config_dict, write_tiny_llama
+
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.core.errors import ConfigError

@@ -13,14 +13,13 @@ from typing import Callable
 import gguf
 import pytest
 import torch
+from conftest import fixed_timings
 from typer.testing import CliRunner
 
-from conftest import fixed_timings
 from llmtrace.cli.app import app
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import AUTO, FP16, FP32
-from llmtrace.tracer.hardware import kernel_choice as rule
-from llmtrace.tracer.hardware import kernel_store
+from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, constrained, judge, precision_bits, select
 from llmtrace.tracer.hardware.product_timing import product_shapes, time_kernel, time_kernels
 from llmtrace.tracer.load import kernel_pick

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tp_threads import run_ranks
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
@@ -20,7 +21,6 @@ from llmtrace.tracer.run.tp_launch import StopGate
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.tp_summary import tp_dry_run_passes
-from tp_threads import run_ranks
 
 runner = CliRunner()
 

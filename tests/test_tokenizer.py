@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llmtrace.tracer.core.errors import ConfigError
 from llmtrace.tracer.checkpoint.tokenizer import HFTokenizer, SentencePieceTokenizer, display_bytes, load_tokenizer
+from llmtrace.tracer.core.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("google.protobuf")  # transformers needs it to convert a tokenizer.model

@@ -9,13 +9,12 @@ import jsonschema
 import pytest
 
 from llmtrace.tracer.core.errors import FileFormatError
-from llmtrace.tracer.trace.chrome import chrome_trace
-from llmtrace.tracer.run.generate import generate
 from llmtrace.tracer.load.loader import load_model
-from llmtrace.tracer.trace.run_trace import Trace, load_schema
+from llmtrace.tracer.run.generate import generate
+from llmtrace.tracer.trace.chrome import chrome_trace
 from llmtrace.tracer.trace.records import RunSettings
+from llmtrace.tracer.trace.run_trace import Trace, load_schema
 from llmtrace.tracer.trace.summary import layer_rows, role_rows, run_summary, stage_totals
-
 
 INSTRUMENTATION_KEYS = {"sampling_lesson", "no_kv_cache", "lens", "attention"}
 

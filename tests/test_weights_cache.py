@@ -12,8 +12,8 @@ from typing import Callable
 
 import pytest
 import torch
-
 from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load import weights_cache

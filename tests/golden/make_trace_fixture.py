@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,8 +36,8 @@ BATCH_PROMPTS = ("The sky is blue because", "Hi", "Once upon a time there was a 
 def generate(folder: Path, dry_run: bool = False, batch: bool = False) -> dict:
     import sentencepiece as spm
 
-    from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.core.dtypes import FP32
+    from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run.batch_generate import generation_for
     from llmtrace.tracer.run.generate import Finished
     from llmtrace.tracer.trace.records import RunSettings

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.analytic.kvmem import kv_bytes_per_token
 from llmtrace.tracer.analytic.model_dims import ModelDims
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
+from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.presets import PRESETS
 
 MODELS_SCHEMA = "llmtrace.models/1"

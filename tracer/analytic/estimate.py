@@ -28,11 +28,11 @@ from typing import Callable
 
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.analytic.kernels import Kernels
+from llmtrace.tracer.analytic.params import norm_dtype_for
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.core.dtypes import DType, activation_dtype_for
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.analytic.params import norm_dtype_for
 
 MATMUL, ELEMENTWISE, MEMORY = "matmul", "elementwise", "memory"
 

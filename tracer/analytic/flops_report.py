@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, parse_kernels
-from llmtrace.tracer.core.dtypes import FP16, DType
-from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.analytic.model_dims import ModelDims
 from llmtrace.tracer.analytic.params import ParamCount, count_params, weight_bytes_by_dtype
 from llmtrace.tracer.checkpoint.resolve import ResolvedModel
+from llmtrace.tracer.core.dtypes import FP16, DType
+from llmtrace.tracer.core.errors import BadArgumentError
 
 if TYPE_CHECKING:
     from llmtrace.tracer.checkpoint.weights_summary import WeightsSummary

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from llmtrace.tracer.analytic.params import weight_bytes
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.analytic.params import weight_bytes
 
 
 # Output records, read field by field and through asdict(): eq=False and repr=False spare compiling __eq__,

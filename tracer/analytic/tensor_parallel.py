@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrace.tracer.analytic.estimate import ComponentCost, PhaseEstimate
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
-from llmtrace.tracer.analytic.estimate import ComponentCost, PhaseEstimate
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 
 ALLREDUCES_PER_LAYER = 2

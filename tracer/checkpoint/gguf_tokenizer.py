@@ -16,16 +16,14 @@ added tokens, as llama.cpp does.
 from __future__ import annotations
 
 import math
-
 import struct
 from typing import Any, Mapping, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import AddedToken, Regex, Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
 
-from llmtrace.tracer.core.errors import FileFormatError, UnsupportedModelError
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader
 from llmtrace.tracer.checkpoint.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from llmtrace.tracer.core.errors import FileFormatError, UnsupportedModelError
 
 # llama.cpp token types (llama.h enum llama_token_type), the same numbers as SentencePiece's Piece.Type.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

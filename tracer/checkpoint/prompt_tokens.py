@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.checkpoint.resolve import GGUF, PRESET, ResolvedModel
+from llmtrace.tracer.core.errors import BadArgumentError
 
 
 @dataclass(frozen=True, slots=True)

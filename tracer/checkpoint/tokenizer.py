@@ -16,8 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
-from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
+from llmtrace.tracer.core.json_input import parse_json
 
 
 def display_bytes(raw: bytes) -> str:

@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from llmtrace.tracer.core.dtypes import DType, dtype_of_file_type
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader
 from llmtrace.tracer.checkpoint.safetensors_header import SafetensorsCheckpoint
+from llmtrace.tracer.core.dtypes import DType, dtype_of_file_type
 
 
 @dataclass(frozen=True, slots=True)

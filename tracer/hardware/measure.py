@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from llmtrace.tracer.core.dtypes import FP32, BF16, TF32, DType, get_dtype
+from llmtrace.tracer.core.dtypes import BF16, FP32, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.decode_ceilings import this_cpu_name
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype

@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import get_dtype, COMPUTE_DTYPES
+from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import DENSE, REFERENCE_PROMPT, CandidateTiming
 from llmtrace.tracer.hardware.product_shapes import ProductShape, product_shapes  # noqa: F401 - re-exported

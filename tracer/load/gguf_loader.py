@@ -13,12 +13,12 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo
-from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
+from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, tensor_of
+from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
+from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.model.weight_formats import PackedWeight, finite_scales, pack_gguf, stored_kernels
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.

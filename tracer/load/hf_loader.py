@@ -17,11 +17,6 @@ from pathlib import Path
 
 import torch
 
-from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import DType
-from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
-from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
-from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.checkpoint.safetensors_header import (
     INDEX_NAME,
     SafetensorsFile,
@@ -29,6 +24,11 @@ from llmtrace.tracer.checkpoint.safetensors_header import (
     read_safetensors_header,
     read_safetensors_index,
 )
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
+from llmtrace.tracer.core.dtypes import DType
+from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
+from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = INDEX_NAME

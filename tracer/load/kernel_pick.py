@@ -27,11 +27,14 @@ import torch
 
 from llmtrace.tracer.checkpoint.resolve import GGUF, HF, ResolvedModel
 from llmtrace.tracer.core.errors import HardwareError
-from llmtrace.tracer.hardware import kernel_choice as rule
-from llmtrace.tracer.hardware import kernel_store
+from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.hardware.product_timing import (
-    DenseKernel, ProductKernel, machine_key, product_shapes, time_kernels,
+    DenseKernel,
+    ProductKernel,
+    machine_key,
+    product_shapes,
+    time_kernels,
 )
 from llmtrace.tracer.load.gguf_loader import matrix_infos
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors

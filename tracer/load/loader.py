@@ -26,25 +26,42 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from llmtrace.tracer.checkpoint.resolve import (
-    GGUF, HF, PRESET, ModelSource, ResolvedModel, bundled_source, resolve_model,
+    GGUF,
+    HF,
+    PRESET,
+    ModelSource,
+    ResolvedModel,
+    bundled_source,
+    resolve_model,
 )
-from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
 from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, constrained, unmeasured, without
 from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary, stored_matrices
-from llmtrace.tracer.load.stored_weights import (
-    AUTO as WEIGHTS_AUTO, DENSE, STORED, WeightsChoice, WeightsRequest, all_kernels, entry_variant, from_entry,
-    kernel_plan, parse_weights, plan_spec, to_entry, widest_kernel,
-)
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.stored_weights import (
+    AUTO as WEIGHTS_AUTO,
+    DENSE,
+    STORED,
+    WeightsChoice,
+    WeightsRequest,
+    all_kernels,
+    entry_variant,
+    from_entry,
+    kernel_plan,
+    parse_weights,
+    plan_spec,
+    to_entry,
+    widest_kernel,
+)
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
-from llmtrace.tracer.model.weight_formats import NATIVE
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
+from llmtrace.tracer.model.weight_formats import NATIVE
 
 # The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
 # measured on this machine: llmtrace.tracer.load.kernel_pick), which load_model also accepts.

@@ -29,16 +29,21 @@ from dataclasses import dataclass
 
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, default_kernels, parse_kernels
+from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
+from llmtrace.tracer.analytic.params import count_params, norm_dtype_for, weight_bytes
+from llmtrace.tracer.analytic.tensor_parallel import (
+    ALLREDUCES_PER_LAYER,
+    DeviceCost,
+    allreduce_payload_bytes,
+    check_tp,
+    device_cost,
+    tp_sizes,
+)
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import BF16, COMPUTE_DTYPES, DTYPES, FP8, FP16, DType
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
-from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
 from llmtrace.tracer.roofline.kernel_decode import KernelDecode, ceilings_label
-from llmtrace.tracer.analytic.params import count_params, norm_dtype_for, weight_bytes
-from llmtrace.tracer.analytic.tensor_parallel import (
-    ALLREDUCES_PER_LAYER, DeviceCost, allreduce_payload_bytes, check_tp, device_cost, tp_sizes,
-)
 
 COMPUTE, MEMORY = "compute", "memory"
 MAX_TABLE_BATCH = 4096

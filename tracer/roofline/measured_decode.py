@@ -15,7 +15,13 @@ from dataclasses import replace
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, DType
 from llmtrace.tracer.hardware.decode_ceilings import (
-    STORED, DecodeCeilings, DecodeCeilingsProblem, dense_key, load_ceilings, shapes_key, this_cpu_name,
+    STORED,
+    DecodeCeilings,
+    DecodeCeilingsProblem,
+    dense_key,
+    load_ceilings,
+    shapes_key,
+    this_cpu_name,
 )
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.analysis import RooflineReport

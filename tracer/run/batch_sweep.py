@@ -30,7 +30,11 @@ from llmtrace.tracer.hardware.decode_ceilings import DecodeCeilings, combine, sa
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.analysis import roofline
 from llmtrace.tracer.roofline.kernel_decode import (
-    COPY_AND_GEMM, CROSSOVER_RULE, MEASURED_KERNELS, growth_crossover, mean_step_seconds,
+    COPY_AND_GEMM,
+    CROSSOVER_RULE,
+    MEASURED_KERNELS,
+    growth_crossover,
+    mean_step_seconds,
 )
 from llmtrace.tracer.run.batch_generate import BatchGeneration
 from llmtrace.tracer.trace.records import DECODE, RunSettings

@@ -29,7 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware.decode_ceilings import (
-    STORED, BatchCeilings, DecodeCeilings, ProductTime, dense_key, shapes_key,
+    STORED,
+    BatchCeilings,
+    DecodeCeilings,
+    ProductTime,
+    dense_key,
+    shapes_key,
 )
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.hardware.product_shapes import product_shapes

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.estimate import Dtypes
 from llmtrace.tracer.analytic.no_cache import generation_without_cache, prefill_flops
-from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.journey_records import NoCacheRun, NoCacheStep

@@ -22,10 +22,10 @@ from torch import nn
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
-from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
-from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
 from llmtrace.tracer.trace.records import StageRecord
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
+from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
 
 MECHANISMS = ("auto", "fused", "wrap", "hooks")
 MODULE_MECHANISMS = ("wrap", "hooks")  # the ones that instrument the stage modules

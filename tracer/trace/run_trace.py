@@ -16,7 +16,9 @@ from typing import Any, Callable, TypeVar
 
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
+from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
 from llmtrace.tracer.trace.journey_records import (
     AttentionStep,
     HeadFocus,
@@ -28,15 +30,6 @@ from llmtrace.tracer.trace.journey_records import (
     NoCacheRun,
     NoCacheStep,
     SamplingLesson,
-)
-from llmtrace.tracer.core.json_input import parse_json
-from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
-from llmtrace.tracer.trace.tp_records import (
-    CollectiveRecord,
-    LinkMeasurement,
-    RankStages,
-    RankStep,
-    TensorParallelRun,
 )
 from llmtrace.tracer.trace.records import (
     DECODE,
@@ -52,6 +45,13 @@ from llmtrace.tracer.trace.records import (
     StepRecord,
     StepTotals,
     TokenizationRecord,
+)
+from llmtrace.tracer.trace.tp_records import (
+    CollectiveRecord,
+    LinkMeasurement,
+    RankStages,
+    RankStep,
+    TensorParallelRun,
 )
 
 SCHEMA_NAME = "llmtrace.trace"

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.records import (
     DECODE,
     MATMUL_KINDS,
@@ -19,6 +18,7 @@ from llmtrace.tracer.trace.records import (
     StepRecord,
     StepTotals,
 )
+from llmtrace.tracer.trace.run_trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
