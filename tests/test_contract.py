@@ -78,6 +78,7 @@ def test_a_tensor_added_to_the_contract_reaches_every_consumer(lm_head_bias: con
         assert model.output.bias is not None and model.output.bias.shape == (v,)
         assert (logits - plain_logits).abs().max() > 0  # the random bias changed the logits...
         head = [r for r in records if r.stage == "output"]
+        assert [r.step for r in head] == [0, 1, 2]  # one LM head per step: the checks below see each
         assert all(r.elementwise_flops == v for r in head)  # ...and the traced LM head adds it: B·V FLOPs
         assert all(r.weight_bytes_read == 4 * (v * CONFIG.dim + v) for r in head)
         assert_traced_equals_estimate(CONFIG, records, prompt_len=5, decode_steps=2)

@@ -43,7 +43,7 @@ def test_batch_and_dtype() -> None:
     assert kv_bytes_per_token(cfg, INT8) == 2 * 80 * 8 * 136
     # int4: 18 bytes per 32 values -> 72 bytes per head vector.
     assert kv_bytes_per_token(cfg, INT4) == 2 * 80 * 8 * 72
-    assert kv_bytes_per_token(cfg, get_dtype("bf16")) == kv_bytes_per_token(cfg, FP16)
+    assert kv_bytes_per_token(cfg, get_dtype("bf16")) == 2 * 80 * 8 * 128 * 2 == kv_bytes_per_token(cfg, FP16)
 
 
 def test_report_llama_7b_seq_2000() -> None:

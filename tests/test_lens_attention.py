@@ -5,6 +5,7 @@ The bundled model's " Paris" is followed through its layers."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def test_lens_after_the_last_layer_is_the_models_prediction(trace: Trace) -> Non
         for token in last.top:
             assert token.probability == pytest.approx(model_p[token.token_id], abs=1e-5)
         assert last.chosen_rank == step.sampling.rank == 1  # greedy
+        assert last.entropy_bits == pytest.approx(step.sampling.entropy_raw_bits, abs=1e-4)  # the model's own
         assert lens.first_top_layer is not None and lens.first_top_layer <= n_layers - 1
         assert all(layer.chosen_rank > 1 for layer in lens.layers[1:] if layer.layer < lens.first_top_layer)
 
@@ -65,6 +67,14 @@ def test_attention_rows_sum_to_one_and_equal_hf_eager_weights(trace: Trace, tiny
     expected = torch.stack([a[0, :, -1, :] for a in out.attentions])  # (layers, H, S): the last query's row
     assert torch.allclose(full, expected, atol=1e-5)
     assert torch.allclose(torch.tensor(first.mean_weights), expected.mean(dim=1), atol=1e-5)
+    # each head's summary from HF's own weights: entropy in bits (0 log 0 = 0) and its highest weights
+    hf_entropy = -(expected * expected.clamp_min(1e-30).log2()).sum(dim=-1)  # (layers, H)
+    hf_top = expected.topk(3, dim=-1).values  # (layers, H, 3)
+    assert [(h.layer, h.head) for h in first.heads] == [(i, j) for i in range(len(expected))
+                                                         for j in range(expected.shape[1])]
+    for head in first.heads:
+        assert head.entropy_bits == pytest.approx(float(hf_entropy[head.layer, head.head]), abs=1e-4)
+        assert head.top_weights == pytest.approx(hf_top[head.layer, head.head].tolist(), abs=1e-5)
     # decode steps: the new token over every cached position; full weights only for the steps asked for
     for step in trace.attention[1:]:
         assert (step.weights is not None) == (step.step == 2) and step.positions == len(ids) + step.step
@@ -72,7 +82,9 @@ def test_attention_rows_sum_to_one_and_equal_hf_eager_weights(trace: Trace, tiny
             assert torch.allclose(torch.tensor(step.weights).sum(dim=-1), torch.ones(full.shape[:2]), atol=1e-5)
         assert all(sum(row) == pytest.approx(1.0, abs=1e-5) for row in step.mean_weights)
         head = step.heads[0]
-        assert list(head.top_weights) == sorted(head.top_weights, reverse=True) and head.entropy_bits >= 0
+        assert list(head.top_weights) == sorted(head.top_weights, reverse=True)
+        # between all on one position (0 bits) and spread evenly (log2 of the positions); the summary clamps at 0
+        assert 0 < head.entropy_bits <= math.log2(step.positions) + 1e-6
 
 
 def test_hooks_are_gone_and_the_views_are_off_by_default(loaded, trace: Trace, tiny_llama_dir: Path) -> None:

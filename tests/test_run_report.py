@@ -55,7 +55,8 @@ def test_decode_by_stage_from_the_raw_stages(raw: dict, trace: Trace) -> None:
                 + s["kv_bytes_read"] + s["kv_bytes_written"] for s in members)
     assert qkv.bytes_moved_per_step == pytest.approx(moved / n)
     assert qkv.bytes_per_second == pytest.approx(moved / (sum(s["duration_ns"] for s in members) / 1e9))
-    assert qkv.flops_per_second is not None
+    flops = sum(s["matmul_flops"] + s["elementwise_flops"] for s in members)
+    assert qkv.flops_per_second == pytest.approx(flops / (sum(s["duration_ns"] for s in members) / 1e9))
     assert next(r for r in d.rows if r.role == "attention_norm").flops_per_second is None  # not a matmul
     weights = [s for s in decode_stages if s["kind"] in ("linear", "lm_head")]
     assert d.weight_stream_bytes_per_second == pytest.approx(

@@ -142,6 +142,5 @@ def test_the_tracer_runs_its_cuda_event_path_on_the_cpu(mechanism: str) -> None:
         for r in records[kind]:
             start, end = bounds[r.step]
             assert start - tracer.origin_ns <= r.start_ns <= r.start_ns + r.duration_ns <= end - tracer.origin_ns
-            assert r.duration_ns >= 0
     strip = lambda rs: [(r.phase, r.step, r.stage, r.input_shapes, r.matmul_flops, r.weight_bytes_read) for r in rs]
     assert strip(records["events"]) == strip(records["host"])
