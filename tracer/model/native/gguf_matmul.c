@@ -223,38 +223,46 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A one-row product streams W from memory once (a decode step reads ~100 MB, far more than the caches hold) and
+   does too little arithmetic per byte to hide the wait for each line, so the kernels ask for the bytes
+   PREFETCH_BYTES ahead of the ones they read: 1.2-1.3x the one-row streaming rate here (BENCHMARKS "native stored
+   kernel"). Each thread reads one contiguous run of rows, so "ahead" is simply further along it; a prefetch past
+   the end of W is harmless (it never faults). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+static inline void prefetch(const uint8_t *p) { _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0); }
+
 static inline __m128i load_u32(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return _mm_cvtsi32_si128(v);
 }
 
-/* The activation row in the order a kernel unpacks values, made once per call (x stays in the file's order for
-   Q5_0, Q5_1, Q8_0 and Q6_K). Unpacking 4-bit values is the kernels' main cost, so they take the order that
-   costs fewest instructions and x is permuted to match:
-   - NIBBLES16 (Q4_0, Q4_1): a block's 16 bytes in both halves of a register, lane i of vector v shifted right by
-     8v (+4 in the upper half): lane i < 4 holds value 4i+v (low nibble of byte 4i+v), lane i+4 value 4i+v+16;
+/* The activation row in the order a kernel unpacks values, made once per call. Unpacking 4-bit values is the
+   kernels' main cost, so they take the order that costs fewest instructions and x is permuted to match:
+   - NATURAL (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K): the file's order (Q4_0/Q4_1 widen each 8 bytes of a block to
+     32-bit lanes straight from memory, so low and high nibbles come out in order);
    - DWORDS32 (Q4_K, Q5_K): 32 bytes in one register, vector v of a sub-block shifted right by 8v (+4 for the
-     high-nibble sub-block): lane i holds value 4i+v of the sub-block. */
+     high-nibble sub-block): lane i holds value 4i+v of the sub-block.
+   NIBBLES16 (no longer used by a kernel here) keeps its place in the enum: callers size their buffers by it. */
 enum { NATURAL, NIBBLES16, DWORDS32 };
 
 static int x_order(int type) {
-    if (type == Q4_0 || type == Q4_1) return NIBBLES16;
     if (type == Q4_K || type == Q5_K) return DWORDS32;
     return NATURAL;
 }
 
 static void prepare_x(int type, const float *x, int64_t k, float *xs, float *sx) {
-    const int order = x_order(type);
+    if (x_order(type) == DWORDS32) {
+        for (int64_t b = 0; b < k; b += 32)
+            for (int v = 0; v < 4; v++)
+                for (int i = 0; i < 8; i++) xs[b + 8 * v + i] = x[b + 4 * i + v];
+    } else {
+        memcpy(xs, x, sizeof(float) * (size_t)k);
+    }
     for (int64_t b = 0; b < k; b += 32) {
         const float *xb = x + b;
-        float *o = xs + b;
-        for (int v = 0; v < 4; v++)
-            for (int i = 0; i < 8; i++) {
-                if (order == NIBBLES16) o[8 * v + i] = xb[i < 4 ? 4 * i + v : 4 * (i - 4) + v + 16];
-                else if (order == DWORDS32) o[8 * v + i] = xb[4 * i + v];
-                else o[8 * v + i] = xb[8 * v + i];
-            }
         const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
                                        _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
         sx[b / 32] = hsum(s);
@@ -274,43 +282,39 @@ static inline __m256 dot16_u8(__m128i q, const float *x) {
                            _mm256_loadu_ps(x + 8), a);
 }
 
-/* sum over a NIBBLES16 block (16 bytes at qs) of x * q, q the unsigned nibbles */
-static inline __m256 nibbles16_dot(const uint8_t *qs, const float *xs) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+/* sum over a 32-value block's 16 nibble bytes at qs of x * q (natural order): each 8 bytes widened to 32-bit lanes
+   straight from memory, so a lane holds one byte and its high nibble needs only a shift; the four products are
+   summed in one chain (the chain's latency is hidden by the next blocks') */
+static inline __m256 nibbles_dot(const uint8_t *qs, const float *x) {
     const __m256i low4 = _mm256_set1_epi32(0x0F);
-    const __m256i s0 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), s1 = _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12),
-                  s2 = _mm256_setr_epi32(16, 16, 16, 16, 20, 20, 20, 20),
-                  s3 = _mm256_setr_epi32(24, 24, 24, 24, 28, 28, 28, 28);
-    __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s0), low4)),
-                              _mm256_loadu_ps(xs));
-    __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s1), low4)),
-                              _mm256_loadu_ps(xs + 8));
-    p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s2), low4)),
-                         _mm256_loadu_ps(xs + 16), p0);
-    p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s3), low4)),
-                         _mm256_loadu_ps(xs + 24), p1);
-    return _mm256_add_ps(p0, p1);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));       /* bytes 0-7 */
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8))); /* bytes 8-15 */
+    __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_loadu_ps(x + 16), s);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), _mm256_loadu_ps(x + 24), s);
 }
 
 /* Q4_0: sum x*d*(q-8) = d*sum(x*q) + d*(-8*sum x); Q4_1: sum x*(d*q+m) = d*sum(x*q) + m*sum x */
-static inline void q4_block(const uint8_t *blk, int has_min, const float *xs, float sxb, __m256 *acc, __m128 *off) {
+static inline void q4_block(const uint8_t *blk, int has_min, const float *x, float sxb, __m256 *acc, __m128 *off) {
     const __m128 dm = _mm_cvtph_ps(load_u32(blk)); /* d, and m for Q4_1 */
-    const __m256 s = nibbles16_dot(blk + (has_min ? 4 : 2), xs);
+    const __m256 s = nibbles_dot(blk + (has_min ? 4 : 2), x);
     *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), s, *acc);
     if (has_min) *off = _mm_fmadd_ss(_mm_movehdup_ps(dm), _mm_set_ss(sxb), *off);
     else *off = _mm_fmadd_ss(dm, _mm_set_ss(-8.0f * sxb), *off);
 }
 
-static inline float q4_row(const uint8_t *row, int64_t n_blocks, int has_min, const float *xs, const float *sx) {
+static inline float q4_row(const uint8_t *row, int64_t n_blocks, int has_min, const float *x, const float *sx) {
     const int64_t bytes = has_min ? 20 : 18;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     __m128 off0 = _mm_setzero_ps(), off1 = off0;
     int64_t b = 0;
     for (; b + 2 <= n_blocks; b += 2) {
-        q4_block(row + b * bytes, has_min, xs + 32 * b, sx[b], &acc0, &off0);
-        q4_block(row + (b + 1) * bytes, has_min, xs + 32 * b + 32, sx[b + 1], &acc1, &off1);
+        prefetch(row + b * bytes);
+        q4_block(row + b * bytes, has_min, x + 32 * b, sx[b], &acc0, &off0);
+        q4_block(row + (b + 1) * bytes, has_min, x + 32 * b + 32, sx[b + 1], &acc1, &off1);
     }
-    if (b < n_blocks) q4_block(row + b * bytes, has_min, xs + 32 * b, sx[b], &acc0, &off0);
+    if (b < n_blocks) q4_block(row + b * bytes, has_min, x + 32 * b, sx[b], &acc0, &off0);
     return hsum(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(off0, off1));
 }
 
@@ -330,6 +334,7 @@ static inline float q5_row(const uint8_t *row, int64_t n_blocks, int has_min, co
     __m128 off = _mm_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = row + b * bytes;
+        prefetch(blk);
         const __m128 dm = _mm_cvtph_ps(load_u32(blk));
         const uint32_t qh = read_u32(blk + 2 + 2 * has_min);
         const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 6 + 2 * has_min));
@@ -350,11 +355,18 @@ static inline float q5_row(const uint8_t *row, int64_t n_blocks, int has_min, co
     return hsum(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(off);
 }
 
-/* Q8_0: d*sum(x*q) */
+/* Q8_0: d*sum(x*q), each 8 int8 widened to 32-bit lanes straight from memory */
 static inline void q8_block(const uint8_t *blk, const float *x, __m256 *acc) {
     const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(load_u32(blk)));
-    const __m256 s = _mm256_add_ps(dot16_i8(_mm_loadu_si128((const __m128i *)(blk + 2)), x),
-                                   dot16_i8(_mm_loadu_si128((const __m128i *)(blk + 18)), x + 16));
+    const uint8_t *q = blk + 2;
+    __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))),
+                             _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))),
+                        _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16)))),
+                        _mm256_loadu_ps(x + 16), s);
+    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 24)))),
+                        _mm256_loadu_ps(x + 24), s);
     *acc = _mm256_fmadd_ps(d, s, *acc);
 }
 
@@ -362,6 +374,8 @@ static inline float q8_row(const uint8_t *row, int64_t n_blocks, const float *x)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     int64_t b = 0;
     for (; b + 2 <= n_blocks; b += 2) {
+        prefetch(row + b * 34);
+        prefetch(row + b * 34 + 64);
         q8_block(row + b * 34, x + 32 * b, &acc0);
         q8_block(row + (b + 1) * 34, x + 32 * b + 32, &acc1);
     }
@@ -407,6 +421,7 @@ static inline float k4_row(const uint8_t *row, int64_t n_blocks, int is_q5, cons
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = row + b * bytes;
+        for (int line = 0; line < bytes; line += 64) prefetch(blk + line);
         const __m128 dd = _mm_cvtph_ps(load_u32(blk)); /* d, dmin */
         uint64_t sc8, m8;
         k4_scales(blk + 4, &sc8, &m8);
@@ -443,7 +458,9 @@ static inline float q6k_row(const uint8_t *row, int64_t n_blocks, const float *x
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = row + b * 210;
-        const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(load_u32(blk + 208)));
+        for (int line = 0; line < 210; line += 64) prefetch(blk + line);
+        const __m128i d16 = _mm_cvtsi32_si128(blk[208] | (blk[209] << 8)); /* d ends the block: read no further */
+        const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(d16));
         float ds[16];
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         _mm256_storeu_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
