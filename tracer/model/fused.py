@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
+from llmtrace.tracer.model.native_step import NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 from llmtrace.tracer.model.functional import (
     MATVEC_KERNELS,
@@ -52,6 +53,10 @@ from llmtrace.tracer.model.functional import (
 
 Mark = Callable[[], None]
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
+# A mark may carry this attribute: a function taking the host clock readings (time.perf_counter_ns's nanoseconds)
+# of stages that ran outside Python (the native decode step stamps its stages in C), in stage order, as if mark()
+# had been called at each. A mark without it makes the one-token step run its torch ops, which call it.
+TAKE_STAMPS = "take_stamps"
 
 
 def no_mark() -> None:
@@ -224,6 +229,10 @@ class FusedPlan:
         self._tensors = [tensor for _, _, tensor in params + buffers]
         self._params = [tensor for _, _, tensor in params]
         self._versions = list(map(_VERSION, self._params))
+        # The one-token step as one C call (tracer/model/native_step.py) when every product is a native-kernel
+        # PackedWeight and the model runs in fp32 on the CPU; else None, and `native_reason` says why.
+        self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
+            None, "the layers' KV caches are not one tensor")
 
     def valid(self, model: Any) -> bool:
         """Whether the plan still describes the model: same rope tables, parameters and buffers."""
@@ -235,14 +244,19 @@ class FusedPlan:
         return list(map(_VERSION, self._params)) == self._versions
 
     def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark, positions: torch.Tensor | None = None,
-             pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+             pad_mask: torch.Tensor | None = None, native: bool = True) -> torch.Tensor:
         """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; fills the caches.
 
         A left-padded batch (Transformer._pad_step) gives each row's `positions` (B, T) and the `pad_mask`
         (B, 1, T, S) hiding pad keys from real queries. `mark()` once before the embedding, then after each stage
-        of contract.fused_stages (the layer stages once per layer)."""
+        of contract.fused_stages (the layer stages once per layer). `native=False`: a one-token step runs its torch
+        ops even where the native step could run it (comparisons)."""
         batch, new = tokens.shape
         if batch == 1 and new == 1 and positions is None and pad_mask is None and self.kv_rows is not None:
+            if native and self.native is not None and self.native.cos is self.cos:
+                take = None if mark is no_mark else getattr(mark, TAKE_STAMPS, None)
+                if mark is no_mark or (take is not None and host_clock_matches()):
+                    return self._decode_native(tokens, start, mark, take)
             return self._decode_one(tokens, start, mark)
         if positions is None:
             cos = self.cos[start : start + new]  # (T, 1, D)
@@ -268,6 +282,24 @@ class FusedPlan:
         mark()
         logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
         mark()
+        return logits
+
+    def _decode_native(self, tokens: torch.Tensor, start: int, mark: Mark,
+                       take: Callable[[list[int]], None] | None) -> torch.Tensor:
+        """`_decode_one` as one C call (tracer/model/native_step.py): the embedding here, marked as there; every
+        later stage stamped in C when traced (`take` receives those readings)."""
+        end = start + 1
+        mark()
+        if isinstance(self.embedding, PackedWeight):
+            x = self.embedding.rows(tokens.view(1), self.dtype)[0]  # (dim,), a new tensor the step overwrites
+        else:
+            x = F.embedding(tokens.view(1), self.embedding)[0]  # (dim,)
+        mark()
+        logits = self.native(x, start, first_attended_position(end, 1, self.window), take is not None)  # (1, V)
+        for cache in self.caches:
+            cache.set_length(end, 1)
+        if take is not None:
+            take(self.native.readings())
         return logits
 
     def _decode_one(self, tokens: torch.Tensor, start: int, mark: Mark) -> torch.Tensor:

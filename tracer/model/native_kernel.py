@@ -44,14 +44,19 @@ import torch
 from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.cache_dirs import cache_root
 
-SOURCE = Path(__file__).resolve().with_name("native") / "gguf_matmul.c"
-ABI = 3  # LLMT_ABI in the C file
+NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
+# The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
+SOURCE = NATIVE_SOURCES / "decode_step.c"
+SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c")  # everything the binary is made of: the build key covers each
+ABI = 4  # LLMT_ABI in gguf_matmul.c
+STEP_ABI = 1  # LLMT_STEP_ABI in decode_step.c
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"
 # Tried in order: the first that compiles is used (OpenMP missing, then -march=native unknown to the compiler).
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 COMMON_FLAGS = ("-ffp-contract=off", "-fPIC", "-shared")
+LIBS = ("-lm",)  # after the source: linkers that drop libraries not yet needed (--as-needed) keep it
 COMPILE_TIMEOUT_S = 120
 # ggml type codes the C file multiplies (ggml.h enum ggml_type)
 TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -61,7 +66,7 @@ _NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
 
 @dataclass(frozen=True, slots=True)
 class NativeLibrary:
-    """The loaded library: its file, the flags it was built with, and its two entry points."""
+    """The loaded library: its file, the flags it was built with, and the products' entry points."""
 
     path: Path
     flags: tuple[str, ...]
@@ -71,6 +76,7 @@ class NativeLibrary:
     matmul: ctypes._CFuncPtr
     dequantize: ctypes._CFuncPtr
     matrix_size: int  # bytes of the C side's description of a matrix
+    handle: ctypes.CDLL  # the library itself: native_step.py declares the decode step's entry points on it
 
     @property
     def description(self) -> str:
@@ -147,6 +153,11 @@ class BlockMatrix:
                                     f"{_STATUS.get(status, status)}")
         self._address = ctypes.addressof(self._described)
         self._call = lib.matmul
+
+    @property
+    def address(self) -> int:
+        """Where the C side's description lives (valid while this object is)."""
+        return self._address
 
 
 def matmul(matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -239,8 +250,9 @@ def _cpu() -> str:
 
 def _key(compiler: list[str], version: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(compiler).encode(), version.encode(), repr((FLAG_SETS, COMMON_FLAGS)).encode(),
-                 _cpu().encode(), str(ABI).encode()):
+    parts = [path.read_bytes() for path in SOURCES]
+    for part in (*parts, " ".join(compiler).encode(), version.encode(), repr((FLAG_SETS, COMMON_FLAGS, LIBS)).encode(),
+                 _cpu().encode(), f"{ABI} {STEP_ABI}".encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()[:20]
@@ -255,7 +267,7 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
         os.close(fd)
         try:
             try:
-                done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True,
                                       text=True, timeout=COMPILE_TIMEOUT_S, check=False)
             except (OSError, subprocess.SubprocessError) as exc:
                 error = str(exc)
@@ -293,7 +305,7 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
         return None, "library file damaged"
     try:
         handle = ctypes.CDLL(str(path))
-        if handle.llmt_abi() != ABI:
+        if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI:
             return None, "library of another ABI"
         features = handle.llmt_features()
     except (OSError, AttributeError) as exc:
@@ -312,7 +324,7 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     dequant.restype = ctypes.c_int
     library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), describe, matmul,
-                            dequant, int(handle.llmt_matrix_size()))
+                            dequant, int(handle.llmt_matrix_size()), handle)
     why = _self_test(library)
     return (library, "") if not why else (None, why)
 

@@ -272,6 +272,9 @@ class Transformer(nn.Module):
         self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
         self._rope_sin: torch.Tensor | None = None
         self.use_fused = True  # False: always run stage by stage, even without hooks (for comparisons)
+        # False: the fused path's one-token step runs its torch ops even where the native decode step
+        # (tracer/model/native_step.py) could run it in one C call (for comparisons)
+        self.use_native_step = True
         # The fused path's one-token product kernel (functional.MATVEC_KERNELS: "mv" or "mm"), as this machine's
         # measurement chose it for the model's dtype (the loader sets it; setup_cache applies it).
         self.decode_kernel = "mv"
@@ -456,7 +459,8 @@ class Transformer(nn.Module):
                     input_pos, pad_mask = self._pad_step(input_pos, start + new)  # (B, T), (B, 1, T, S)
                 if self.fusable():
                     logits = self._fused_plan.step(tokens, start, self.stage_mark,
-                                                   None if pad_mask is None else input_pos, pad_mask)
+                                                   None if pad_mask is None else input_pos, pad_mask,
+                                                   self.use_native_step)
                 else:
                     staged = True
                     x = self.embed(tokens)  # (B, T, dim)

@@ -173,9 +173,7 @@ class PackedWeight:
                 return torch.mv(w, x)
             return F.linear(x, w)
         if kernel == NATIVE:  # any leading shape as it is (the decode step's products are ~10 us: no reshapes)
-            if self._native is None:
-                self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1])
-            out = native_kernel.matmul(self._native, x)  # (..., N) fp32
+            out = native_kernel.matmul(self._native or self.native_matrix(), x)  # (..., N) fp32
             return out if x.dtype == torch.float32 else out.to(x.dtype)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.shape[1])  # (M, K)
@@ -184,6 +182,15 @@ class PackedWeight:
         else:
             out = self._blocks(flat)
         return out.view(*lead, self.shape[0])
+
+    def native_matrix(self) -> native_kernel.BlockMatrix:
+        """The native kernel's description of this matrix (made once): what its products, and the native decode
+        step (tracer/model/native_step.py), pass to C."""
+        if self.format.kernel != NATIVE:
+            raise ValueError(f"{self.format.label} is not held for the native kernel")
+        if self._native is None:
+            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1])
+        return self._native
 
     def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
         """The int4 kernel in bf16, its fast dtype (fp16 and fp32 activations take a path ~10x slower on CPU,

@@ -14,6 +14,7 @@ tests check them against the shapes that path's modules record for the same step
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
+from llmtrace.tracer.model.fused import TAKE_STAMPS
 from llmtrace.tracer.trace.stage_clock import EventClock, HostClock
 from llmtrace.tracer.trace.stage_cost import StageModule
 
@@ -98,6 +100,9 @@ class FusedMarks:
     `install()` / `remove()` around the run; `begin_step()` before a prefill or decode_one, `end_step()` after it
     returns the step's readings (host nanoseconds) and (B, T, S). `clock` (tracer/trace/stage_clock.py) stamps each
     mark: the host clock on cpu (after a synchronize on mps), a CUDA event on cuda, resolved at the end of the step.
+    On the plain host clock the mark also takes readings made outside Python (fused.TAKE_STAMPS): the native decode
+    step (tracer/model/native_step.py) stamps its stages in C on that clock, so a traced step still leaves one
+    reading per stage, each taken where the stage ended.
     """
 
     def __init__(self, model: nn.Module, stages: int, clock: HostClock | EventClock | None = None) -> None:
@@ -109,6 +114,9 @@ class FusedMarks:
         self._pos_before = 0
         marks, stamp = self._marks, self.clock.stamp
         self._mark: Callable[[], None] = lambda: marks.append(stamp())
+        if isinstance(self.clock, HostClock) and self.clock.sync is None and self.clock.stamp is time.perf_counter_ns:
+            # Readings the native decode step took in C on the same clock stand for the mark() calls of its stages.
+            setattr(self._mark, TAKE_STAMPS, marks.extend)
 
     def install(self) -> None:
         self._previous = self.model.stage_mark

@@ -43,7 +43,7 @@
 #define LLMT_AVX2 0
 #endif
 
-#define LLMT_ABI 3 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_ABI 4 /* bump when a signature below changes: native_kernel.py checks it */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };

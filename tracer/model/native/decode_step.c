@@ -1,0 +1,339 @@
+/* llmtrace's native decode step: one token of one sequence through every layer, the final norm and the LM head,
+ * in one call and one OpenMP parallel region.
+ *
+ * Unity build: this file #includes gguf_matmul.c, so the one library native_kernel.py compiles holds both, and the
+ * step reuses that file's row kernels as they are (prepare_x, x_order, dot_rows, the Matrix description and
+ * `share`'s byte-balanced split of a matrix's rows between threads). Compiled with the same flags
+ * (-O3 -march=native -fopenmp -ffp-contract=off) and linked with -lm.
+ *
+ * Why: a decode step of a small model on a CPU is ~120 weight-streaming products and ~1,000 small tensor ops. Called
+ * one by one from Python each product costs a ctypes call, an output allocation and a wake-up of the other OpenMP
+ * threads, and each small op a torch dispatch, so per-call costs outweighed the weight streaming itself. Here the
+ * threads are woken once per step and meet at a barrier between dependent phases instead.
+ *
+ * The math and stage order are the fused path's (tracer/model/fused.py, FusedLayer.decode_one), in fp32:
+ *   h = x / sqrt(mean(x^2) + eps) * w                      attention RMSNorm (as hypot(||x||, sqrt(dim*eps))/sqrt(dim))
+ *   qkv = Wqkv h (+ b)                                     one product over the packed Q|K|V rows
+ *   q, k = x*cos + roll(x, D/2)*sin                         RoPE on q and k heads (sin signed: first half negated)
+ *   cache[k|v, position] = k, v                            this layer's K|V rows of the shared cache tensor
+ *   s = (q . k) * scale over keys first..position          per query head, against the KV head it shares (GQA)
+ *   p = softmax(s)                                         fp32
+ *   o = sum p * v                                          (H*D,)
+ *   a = Wo o (+ b); x = a + x                              product, residual
+ *   h = rmsnorm(x); gu = W13 h (+ b)                       FFN RMSNorm, packed gate|up product
+ *   act = silu(gate) * up; d = W2 act (+ b); x = d + x
+ * then the final RMSNorm and the LM head (+ bias) into `logits`.
+ * Sums run in another order than torch's (so results agree within fp32 summation error, not bit for bit).
+ *
+ * Threads. Products split their rows with `share` (byte-balanced) and add their own rows' bias; attention splits the
+ * query heads; silu*up splits F. Norms, RoPE, the cache write and residual adds are a few thousand values: they run
+ * on thread 0 while the others wait at the next barrier (waking them costs more than the work). One barrier per
+ * dependency, none per op.
+ *
+ * Tracing. With `stamps` not NULL, thread 0 reads CLOCK_MONOTONIC (what Python's time.perf_counter_ns reads on
+ * Linux; native_step.py checks) after each stage of the fused path's order (contract.fused_stages: per layer
+ * attention norm, Q|K|V, RoPE, KV write, scores, softmax, values, wo, residual, FFN norm, gate|up, silu*up, w2,
+ * residual; then final norm, LM head), after the barrier that ends a parallel stage. Traced, attention meets at a
+ * barrier after its scores and after its softmax too (so each stage's time is the slowest thread's); untraced, each
+ * thread runs its heads' three stages back to back. With `stamps` NULL no clock is read.
+ */
+
+#include "gguf_matmul.c"
+
+#include <math.h>
+#include <time.h>
+
+#define LLMT_STEP_ABI 1 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+
+/* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none). */
+typedef struct {
+    const Matrix *wqkv, *wo, *w13, *w2;
+    const float *attention_norm, *ffn_norm;
+    const float *bqkv, *bo, *b13, *b2;
+} StepLayer;
+
+/* Everything a step reads and writes, built once by native_step.py (which holds every tensor it points into). */
+typedef struct {
+    int64_t layers, dim, heads, kv_heads, head_dim, ffn_dim, vocab, max_seq;
+    float norm_floor;   /* sqrt(dim * eps) */
+    float scale;        /* attention scores' scale */
+    const StepLayer *layer;
+    const float *final_norm;
+    const Matrix *head;
+    const float *head_bias;
+    float *kv;          /* (L, 2*Hkv, S_max, D) fp32: layer l's K head g at kv + l*kv_layer + g*kv_head, V heads after */
+    int64_t kv_layer, kv_head; /* strides in floats; a position's row is D floats, contiguous */
+    float *scratch;     /* llmt_step_scratch_floats(plan, threads) floats */
+    int64_t scratch_floats;
+} StepPlan;
+
+int64_t llmt_step_abi(void) { return LLMT_STEP_ABI; }
+int64_t llmt_step_layer_size(void) { return (int64_t)sizeof(StepLayer); }
+int64_t llmt_step_plan_size(void) { return (int64_t)sizeof(StepPlan); }
+
+/* 1 when the step can run in this build (its products use the AVX2 one-row kernels). */
+int llmt_step_supported(void) { return LLMT_AVX2; }
+
+static int64_t widest_input(const StepPlan *p) {
+    int64_t k = p->dim;
+    if (p->heads * p->head_dim > k) k = p->heads * p->head_dim;
+    if (p->ffn_dim > k) k = p->ffn_dim;
+    return k;
+}
+
+/* Shared vectors, then each thread's prepared activation row (x in three orders + its sums per 32 values). */
+static int64_t shared_floats(const StepPlan *p) {
+    const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
+    return p->dim * 2 + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->ffn_dim + p->heads * p->max_seq;
+}
+
+static int64_t thread_floats(const StepPlan *p) {
+    const int64_t k = widest_input(p);
+    return 3 * k + k / 32 + 16; /* +16: each thread's block starts 64 bytes after the previous one's end */
+}
+
+int64_t llmt_step_scratch_floats(const StepPlan *p, int threads) {
+    return shared_floats(p) + (threads < 1 ? 1 : threads) * thread_floats(p);
+}
+
+/* ---- the stages' pieces ------------------------------------------------------------------------------------ */
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+#define STAMP()                                                                                                      \
+    do {                                                                                                             \
+        if (stamps != NULL) stamps[n_stamps++] = now_ns();                                                           \
+    } while (0)
+
+static inline void barrier(void) {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py) */
+static void rms_norm(const float *x, const float *w, int64_t n, float floor, float *out) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < n; i++) squares += (double)x[i] * (double)x[i];
+    const float rms = hypotf((float)sqrt(squares), floor) * (float)(1.0 / sqrt((double)n));
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] / rms * w[i];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#if LLMT_AVX2
+    int64_t i = 0;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    float s = hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+#else
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+/* This thread's rows of `mat` times x (k values): x prepared into the thread's own buffer, then `share`'s rows,
+   each part's rows plus their bias. */
+static void product(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int t, int count) {
+#if LLMT_AVX2
+    const int64_t k = mat->k;
+    float *sx = xs + 3 * k;
+    int64_t first[MAX_PARTS], last[MAX_PARTS];
+    int made[3] = {0, 0, 0}, any = 0;
+    for (int p = 0; p < mat->parts; p++) {
+        share(mat, p, t, count, &first[p], &last[p]);
+        any |= first[p] < last[p];
+    }
+    if (!any) return;
+    for (int p = 0; p < mat->parts; p++) {
+        const int order = x_order(mat->types[p]);
+        if (first[p] < last[p] && !made[order]) {
+            prepare_x(mat->types[p], x, k, xs + order * k, sx);
+            made[order] = 1;
+        }
+    }
+    for (int p = 0; p < mat->parts; p++) {
+        if (first[p] >= last[p]) continue;
+        float *o = out + mat->column[p];
+        dot_rows(mat->types[p], mat->w[p], mat->strides[p], first[p], last[p], k / mat->block_values[p],
+                 xs + x_order(mat->types[p]) * k, sx, o);
+        if (bias != NULL) {
+            const float *b = bias + mat->column[p];
+            for (int64_t r = first[p]; r < last[p]; r++) o[r] += b[r];
+        }
+    }
+#else
+    (void)mat; (void)x; (void)xs; (void)bias; (void)out; (void)t; (void)count;
+#endif
+}
+
+/* RoPE on `heads` heads of D values in place: x*cos + roll(x, D/2)*sin (sin signed), as rope.py's tables mean it */
+static void rope(float *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * d;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] + b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* The query heads [*first, *last) thread t of `count` attends (contiguous runs, sizes differing by at most one). */
+static void split(int64_t n, int t, int count, int64_t *first, int64_t *last) {
+    *first = n * t / count;
+    *last = n * (t + 1) / count;
+}
+
+static void scores_of(const StepPlan *p, const float *q, const float *keys, int64_t seen, float *scores) {
+    const int64_t d = p->head_dim;
+    for (int64_t s = 0; s < seen; s++) scores[s] = dot(q, keys + s * d, d) * p->scale;
+}
+
+static void softmax(float *s, int64_t n) {
+    float top = s[0];
+    for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - top);
+        total += s[i];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t i = 0; i < n; i++) s[i] *= inverse;
+}
+
+static void values_of(const StepPlan *p, const float *probs, const float *values, int64_t seen, float *out) {
+    const int64_t d = p->head_dim;
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t s = 0; s < seen; s++) {
+        const float w = probs[s];
+        const float *v = values + s * d;
+        for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+    }
+}
+
+/* ---- the step ---------------------------------------------------------------------------------------------- */
+
+enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5 };
+
+/* x (dim,): the token's embedding, updated in place through the layers (the residual stream); cos, sin (D,): the
+   rope tables' rows of `position`; keys first..position are attended (first > 0 under a sliding window); logits
+   (vocab,) out; stamps: NULL, or room for 14 * layers + 2 readings (ns). Returns STEP_OK or a status. */
+int llmt_decode_step(const StepPlan *plan, float *x, const float *cos, const float *sin, int64_t position,
+                     int64_t first, float *logits, int64_t *stamps, int threads) {
+    if (!LLMT_AVX2) return STEP_UNSUPPORTED;
+    if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
+    int team = threads < 1 ? 1 : threads;
+    if (llmt_step_scratch_floats(plan, team) > plan->scratch_floats) return STEP_SCRATCH;
+    const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, d = plan->head_dim;
+    const int64_t ffn = plan->ffn_dim, rep = heads / kv_heads, seen = position + 1 - first;
+    float *h = plan->scratch;                      /* (dim,) a norm's output */
+    float *branch = h + dim;                       /* (dim,) wo's or w2's output */
+    float *qkv = branch + dim;                     /* ((H+2Hkv)*D,) */
+    float *attended = qkv + (heads + 2 * kv_heads) * d; /* (H*D,) */
+    float *gate_up = attended + heads * d;         /* (2F,) */
+    float *act = gate_up + 2 * ffn;                /* (F,) */
+    float *scores = act + ffn;                     /* (H, S_max) */
+    float *own = scores + heads * plan->max_seq;   /* each thread's prepared activations */
+    const int traced = stamps != NULL;
+
+#ifdef _OPENMP
+#pragma omp parallel num_threads(team) if (team > 1)
+#endif
+    {
+        int count;
+        const int t = current_thread(&count);
+        float *xs = own + t * thread_floats(plan);
+        int64_t n_stamps = 0; /* thread 0's */
+        int64_t head_first, head_last, ffn_first, ffn_last;
+        split(heads, t, count, &head_first, &head_last);
+        split(ffn, t, count, &ffn_first, &ffn_last);
+        for (int64_t l = 0; l < plan->layers; l++) {
+            const StepLayer *layer = plan->layer + l;
+            float *keys = plan->kv + l * plan->kv_layer;       /* K head g at keys + g*kv_head */
+            float *values = keys + kv_heads * plan->kv_head; /* V head g at values + g*kv_head */
+            if (t == 0) {
+                rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
+                STAMP();
+            }
+            barrier();
+            product(layer->wqkv, h, xs, layer->bqkv, qkv, t, count);
+            barrier();
+            if (t == 0) {
+                STAMP();
+                rope(qkv, heads + kv_heads, d, cos, sin);
+                STAMP();
+                for (int64_t g = 0; g < 2 * kv_heads; g++) /* K heads then V heads, as the cache holds them */
+                    memcpy(keys + g * plan->kv_head + position * d, qkv + (heads + g) * d, sizeof(float) * (size_t)d);
+                STAMP();
+            }
+            barrier();
+            if (traced) {
+                for (int64_t hq = head_first; hq < head_last; hq++)
+                    scores_of(plan, qkv + hq * d, keys + (hq / rep) * plan->kv_head + first * d, seen,
+                              scores + hq * plan->max_seq);
+                barrier();
+                if (t == 0) STAMP();
+                for (int64_t hq = head_first; hq < head_last; hq++) softmax(scores + hq * plan->max_seq, seen);
+                barrier();
+                if (t == 0) STAMP();
+                for (int64_t hq = head_first; hq < head_last; hq++)
+                    values_of(plan, scores + hq * plan->max_seq, values + (hq / rep) * plan->kv_head + first * d,
+                              seen, attended + hq * d);
+            } else {
+                for (int64_t hq = head_first; hq < head_last; hq++) {
+                    float *s = scores + hq * plan->max_seq;
+                    scores_of(plan, qkv + hq * d, keys + (hq / rep) * plan->kv_head + first * d, seen, s);
+                    softmax(s, seen);
+                    values_of(plan, s, values + (hq / rep) * plan->kv_head + first * d, seen, attended + hq * d);
+                }
+            }
+            barrier();
+            if (t == 0) STAMP();
+            product(layer->wo, attended, xs, layer->bo, branch, t, count);
+            barrier();
+            if (t == 0) {
+                STAMP();
+                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
+                STAMP();
+                rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
+                STAMP();
+            }
+            barrier();
+            product(layer->w13, h, xs, layer->b13, gate_up, t, count);
+            barrier();
+            if (t == 0) STAMP();
+            for (int64_t i = ffn_first; i < ffn_last; i++) act[i] = silu(gate_up[i]) * gate_up[ffn + i];
+            barrier();
+            if (t == 0) STAMP();
+            product(layer->w2, act, xs, layer->b2, branch, t, count);
+            barrier();
+            if (t == 0) {
+                STAMP();
+                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
+                STAMP();
+            }
+        }
+        if (t == 0) {
+            rms_norm(x, plan->final_norm, dim, plan->norm_floor, h);
+            STAMP();
+        }
+        barrier();
+        product(plan->head, h, xs, plan->head_bias, logits, t, count);
+        barrier();
+        if (t == 0) STAMP();
+    }
+    return STEP_OK;
+}

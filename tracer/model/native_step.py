@@ -1,0 +1,210 @@
+"""The native decode step: one token of one sequence through every layer in one C call (native/decode_step.c).
+
+The fused path's one-token step (tracer/model/fused.py, FusedPlan._decode_one) on weights held as the GGUF stores
+them makes ~120 native products and ~1,000 small torch ops per token; on a small model their per-call costs (ctypes,
+output allocations, waking the OpenMP threads, torch dispatch) take longer than streaming the weights. This module
+builds, once per FusedPlan, the C step's plan: a description of every layer's matrices (the PackedWeights'
+BlockMatrix descriptions), norm weights, biases, the KV cache tensor and its strides, the scales, and scratch
+buffers allocated once; a step is then one ctypes call, with the threads woken once.
+
+Eligibility (`NativeStep.build` returns None with a reason otherwise, and the torch fused path runs as before):
+every product of the step (each layer's packed Q|K|V, wo, gate|up, w2 and the LM head) is a PackedWeight of the
+"native" kernel; the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
+every layer has the same shapes and norm epsilon. The plan holds a reference to every tensor whose memory C reads.
+
+Tracing: with `stamps=True` the C step reads CLOCK_MONOTONIC after each stage of contract.fused_stages (from the
+first layer's attention norm to the LM head), the clock time.perf_counter_ns reads on Linux (`host_clock_matches`
+checks that; where it does not, a traced run takes the torch fused path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from typing import Any
+
+import torch
+
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import NATIVE, PackedWeight
+
+STAGES_PER_LAYER = 14  # the fused path's layer stages (contract.fused_stages); the C step stamps each
+STAGES_AFTER_LAYERS = 2  # final norm, LM head
+_STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch"}
+
+
+class _Layer(ctypes.Structure):
+    """decode_step.c's StepLayer."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("wqkv", "wo", "w13", "w2", "attention_norm", "ffn_norm", "bqkv", "bo", "b13", "b2")]
+
+
+class _Plan(ctypes.Structure):
+    """decode_step.c's StepPlan."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in
+                  ("layers", "dim", "heads", "kv_heads", "head_dim", "ffn_dim", "vocab", "max_seq")),
+                ("norm_floor", ctypes.c_float), ("scale", ctypes.c_float),
+                ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
+                ("head_bias", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("kv_layer", ctypes.c_int64),
+                ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64)]
+
+
+@functools.cache
+def host_clock_matches() -> bool:
+    """Whether time.perf_counter_ns reads CLOCK_MONOTONIC, the clock the C step stamps with (Linux: yes)."""
+    return time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
+
+
+@functools.cache
+def _entry_points() -> tuple[Any, Any] | None:
+    """(llmt_decode_step, llmt_step_scratch_floats) with their signatures declared, or None when the library is
+    missing, its step's structures differ from this module's, or it was built without the AVX2 row kernels."""
+    if not native_kernel.available():
+        return None
+    handle = native_kernel.library().handle
+    handle.llmt_step_layer_size.restype = handle.llmt_step_plan_size.restype = ctypes.c_int64
+    if (handle.llmt_step_layer_size() != ctypes.sizeof(_Layer) or handle.llmt_step_plan_size() != ctypes.sizeof(_Plan)
+            or not handle.llmt_step_supported()):
+        return None
+    step = handle.llmt_decode_step
+    step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    step.restype = ctypes.c_int
+    scratch = handle.llmt_step_scratch_floats
+    scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    scratch.restype = ctypes.c_int64
+    return step, scratch
+
+
+def reset() -> None:
+    """Forget the declared entry points (after native_kernel.reset(): another library may load)."""
+    _entry_points.cache_clear()
+
+
+class NotEligible(Exception):
+    """Why a model's step cannot run natively (one line)."""
+
+
+class NativeStep:
+    """A model's decode step as one C call. Build with `NativeStep.build(plan)`; call with the token's embedding."""
+
+    def __init__(self, plan: Any) -> None:
+        """`plan` is a FusedPlan (its layers, output, norms, rope tables and KV rows); NotEligible if it cannot run."""
+        entry = _entry_points()
+        if entry is None:
+            raise NotEligible("the native library (with its AVX2 row kernels) is not available")
+        self._step, self._scratch_floats = entry
+        layers = plan.layers
+        if not layers or plan.kv_rows is None:
+            raise NotEligible("no layers, or the layers' KV caches are not one tensor")
+        first = layers[0]
+        heads, kv_heads, head_dim, ffn = first.heads, first.kv_heads, first.head_dim, first.ffn_dim
+        dim = first.attention_norm.weight.shape[0]
+        vocab = plan.output.shape[0] if isinstance(plan.output, PackedWeight) else 0
+        if plan.dtype != torch.float32:
+            raise NotEligible(f"the model computes in {plan.dtype}, the native step in fp32")
+        if head_dim % 2:
+            raise NotEligible("odd head dimension")
+        self._keep: list[Any] = []  # every tensor and description whose memory C reads
+        floor = float(first.attention_norm.floor)
+        described = []
+        for layer in layers:
+            if (layer.heads, layer.kv_heads, layer.head_dim, layer.ffn_dim) != (heads, kv_heads, head_dim, ffn) \
+                    or layer.scale != first.scale:
+                raise NotEligible("layers of different shapes")
+            mats = [self._matrix(layer.wqkv, ((heads + 2 * kv_heads) * head_dim, dim), "Q|K|V"),
+                    self._matrix(layer.wo, (dim, heads * head_dim), "wo"),
+                    self._matrix(layer.w13, (2 * ffn, dim), "gate|up"), self._matrix(layer.w2, (dim, ffn), "w2")]
+            norms = [self._vector(n.weight, dim, "norm") for n in (layer.attention_norm, layer.ffn_norm)]
+            if any(float(n.floor) != floor for n in (layer.attention_norm, layer.ffn_norm)):
+                raise NotEligible("norms of different epsilons")
+            biases = [self._vector(b, rows, "bias") for b, rows in
+                      ((layer.bqkv, (heads + 2 * kv_heads) * head_dim), (layer.bo, dim), (layer.b13, 2 * ffn),
+                       (layer.b2, dim))]
+            described.append(_Layer(*mats, *norms, *biases))
+        if float(plan.final_norm.floor) != floor:
+            raise NotEligible("norms of different epsilons")
+        head = self._matrix(plan.output, (vocab, dim), "LM head")
+        kv = plan.kv_rows  # (L, 2*Hkv, S_max, D)
+        if kv.dtype != torch.float32 or kv.device.type != "cpu" or kv.shape[:2] != (len(layers), 2 * kv_heads) \
+                or kv.shape[3] != head_dim or kv.stride(3) != 1 or kv.stride(2) != head_dim:
+            raise NotEligible("the KV cache is not fp32 rows of D values on the CPU")
+        self.cos, self.sin = plan.cos, plan.sin  # (S_max, 1, D) each: the step reads the position's row
+        for table in (self.cos, self.sin):
+            if table is None or table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
+                raise NotEligible("rope tables not contiguous fp32")
+        self._layers = (_Layer * len(layers))(*described)
+        self._plan = _Plan(len(layers), dim, heads, kv_heads, head_dim, ffn, vocab, kv.shape[2], floor, first.scale,
+                           ctypes.addressof(self._layers), self._vector(plan.final_norm.weight, dim, "norm"), head,
+                           self._vector(plan.output_bias, vocab, "bias"), kv.data_ptr(), kv.stride(0), kv.stride(1),
+                           None, 0)
+        self._keep.append(kv)
+        self._address = ctypes.addressof(self._plan)
+        self.layers, self.vocab, self.dim, self.head_dim = len(layers), vocab, dim, head_dim
+        self.stamp_count = STAGES_PER_LAYER * len(layers) + STAGES_AFTER_LAYERS
+        self._stamps = torch.zeros(self.stamp_count, dtype=torch.int64)
+        self._threads = 0
+        self._ensure_scratch(torch.get_num_threads())
+
+    @classmethod
+    def build(cls, plan: Any) -> tuple[NativeStep | None, str]:
+        """(the step, "") or (None, why not): the fused path then runs its torch ops."""
+        if not all(isinstance(w, PackedWeight) and w.format.kernel == NATIVE for w in _products(plan)):
+            return None, "a product of the step is not held for the native kernel"
+        try:
+            return cls(plan), ""
+        except NotEligible as exc:
+            return None, str(exc)
+
+    def _matrix(self, weight: Any, shape: tuple[int, int], name: str) -> int:
+        if not isinstance(weight, PackedWeight) or weight.format.kernel != NATIVE:
+            raise NotEligible(f"{name} is not held for the native kernel")
+        if weight.shape != shape:
+            raise NotEligible(f"{name} is {weight.shape}, the step expects {shape}")
+        described = weight.native_matrix()
+        self._keep.append(described)  # holds the row blocks' tensors and the C description
+        return described.address
+
+    def _vector(self, tensor: torch.Tensor | None, size: int, name: str) -> int | None:
+        if tensor is None:
+            return None
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous() \
+                or tensor.shape != (size,):
+            raise NotEligible(f"a {name} is not a contiguous fp32 ({size},) vector on the CPU")
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _ensure_scratch(self, threads: int) -> None:
+        if threads <= self._threads:
+            return
+        floats = self._scratch_floats(self._address, threads)
+        scratch = torch.zeros(floats, dtype=torch.float32)
+        self._plan.scratch, self._plan.scratch_floats = scratch.data_ptr(), floats
+        self._scratch, self._threads = scratch, threads
+
+    def __call__(self, x: torch.Tensor, position: int, first: int, stamps: bool = False) -> torch.Tensor:
+        """x (dim,) fp32 contiguous, the token's embedding (overwritten: it carries the residual stream); the token
+        at `position`, attending keys first..position -> logits (1, V). Writes every layer's K and V at `position`.
+        With `stamps`, `readings()` then holds the clock reading after each stage."""
+        threads = torch.get_num_threads()
+        if threads > self._threads:
+            self._ensure_scratch(threads)
+        logits = torch.empty(1, self.vocab, dtype=torch.float32)
+        row = position * self.head_dim * 4  # bytes into the (S_max, 1, D) tables
+        status = self._step(self._address, x.data_ptr(), self.cos.data_ptr() + row, self.sin.data_ptr() + row,
+                            position, first, logits.data_ptr(), self._stamps.data_ptr() if stamps else None, threads)
+        if status:
+            raise native_kernel.NativeKernelError(f"the native decode step failed: {_STATUS.get(status, status)}")
+        return logits
+
+    def readings(self) -> list[int]:
+        """The last traced step's clock readings (ns, CLOCK_MONOTONIC), one after each stage."""
+        return self._stamps.tolist()
+
+
+def _products(plan: Any) -> list[Any]:
+    """Every matrix the step multiplies by: each layer's packed Q|K|V, wo, gate|up, w2, then the LM head."""
+    return [w for layer in plan.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [plan.output]
