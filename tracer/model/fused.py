@@ -291,7 +291,7 @@ class FusedPlan:
         end = start + 1
         mark()
         if isinstance(self.embedding, PackedWeight):
-            x = self.embedding.rows(tokens.view(1), self.dtype)[0]  # (dim,), a new tensor the step overwrites
+            x = self.embedding.rows(tokens.view(1), self.dtype)[0]  # (dim,)
         else:
             x = F.embedding(tokens.view(1), self.embedding)[0]  # (dim,)
         mark()

@@ -69,7 +69,9 @@ def _entry_points() -> tuple[Any, Any] | None:
     if (handle.llmt_step_layer_size() != ctypes.sizeof(_Layer) or handle.llmt_step_plan_size() != ctypes.sizeof(_Plan)
             or not handle.llmt_step_supported()):
         return None
-    step = handle.llmt_decode_step
+    # Called holding the GIL (a PyDLL function): the step's threads are as many as the cores torch uses, and a Python
+    # thread running meanwhile (a live view's refresh) would take one of them and stall every barrier of the step.
+    step = ctypes.PyDLL(str(native_kernel.library().path)).llmt_decode_step
     step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     step.restype = ctypes.c_int
@@ -186,9 +188,9 @@ class NativeStep:
         self._scratch, self._threads = scratch, threads
 
     def __call__(self, x: torch.Tensor, position: int, first: int, stamps: bool = False) -> torch.Tensor:
-        """x (dim,) fp32 contiguous, the token's embedding (overwritten: it carries the residual stream); the token
-        at `position`, attending keys first..position -> logits (1, V). Writes every layer's K and V at `position`.
-        With `stamps`, `readings()` then holds the clock reading after each stage."""
+        """x (dim,) fp32 contiguous, the token's embedding; the token at `position`, attending keys
+        first..position -> logits (1, V). Writes every layer's K and V at `position`. With `stamps`, `readings()`
+        then holds the clock reading after each stage."""
         threads = torch.get_num_threads()
         if threads > self._threads:
             self._ensure_scratch(threads)

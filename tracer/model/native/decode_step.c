@@ -81,19 +81,22 @@ static int64_t widest_input(const StepPlan *p) {
     return k;
 }
 
-/* Shared vectors, then each thread's prepared activation row (x in three orders + its sums per 32 values). */
+/* Shared vectors (products' outputs, the attention's scores), then each thread's own: its copy of the residual
+   stream x and of the norm's output h (every thread computes them, so no barrier waits for one thread's norm), its
+   silu(gate)*up, and its prepared activation row (x in three orders + its sums per 32 values). */
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
-    return p->dim * 2 + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->ffn_dim + p->heads * p->max_seq;
+    return p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq;
 }
 
 static int64_t thread_floats(const StepPlan *p) {
     const int64_t k = widest_input(p);
-    return 3 * k + k / 32 + 16; /* +16: each thread's block starts 64 bytes after the previous one's end */
+    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + k / 32;
+    return (floats + 15) / 16 * 16 + 16; /* whole cache lines, one apart: threads never share a line */
 }
 
 int64_t llmt_step_scratch_floats(const StepPlan *p, int threads) {
-    return shared_floats(p) + (threads < 1 ? 1 : threads) * thread_floats(p);
+    return shared_floats(p) + (threads < 1 ? 1 : threads) * thread_floats(p) + 16;
 }
 
 /* ---- the stages' pieces ------------------------------------------------------------------------------------ */
@@ -115,12 +118,63 @@ static inline void barrier(void) {
 #endif
 }
 
-/* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py) */
+/* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py);
+   the squares summed in 16 fp32 lanes, as torch's vectorised norm does (n is a multiple of 32 here) */
 static void rms_norm(const float *x, const float *w, int64_t n, float floor, float *out) {
-    double squares = 0.0;
-    for (int64_t i = 0; i < n; i++) squares += (double)x[i] * (double)x[i];
-    const float rms = hypotf((float)sqrt(squares), floor) * (float)(1.0 / sqrt((double)n));
+    float squares;
+#if LLMT_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        s0 = _mm256_fmadd_ps(a, a, s0);
+        s1 = _mm256_fmadd_ps(b, b, s1);
+    }
+    squares = hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) squares += x[i] * x[i];
+#else
+    squares = 0.0f;
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+#endif
+    const float rms = hypotf(sqrtf(squares), floor) * (float)(1.0 / sqrt((double)n));
     for (int64_t i = 0; i < n; i++) out[i] = x[i] / rms * w[i];
+}
+
+#if LLMT_AVX2
+/* e^x in 8 lanes, within ~2 ulp of expf (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r,
+   times 2^n); 0 below -87.3 (where expf's results are subnormal or 0), and x clamped at 88.37 (e^x ~ 2.4e38). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.3365447504019f), high = _mm256_set1_ps(88.3762626647949f);
+    const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, low), high);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: n*ln2 exact enough */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+#endif
+
+/* act[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i] */
+static void swiglu(const float *gate, const float *up, int64_t n, float *act) {
+    int64_t i = 0;
+#if LLMT_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_xor_ps(g, sign));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -189,8 +243,6 @@ static void rope(float *x, int64_t heads, int64_t d, const float *cos, const flo
     }
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
-
 /* The query heads [*first, *last) thread t of `count` attends (contiguous runs, sizes differing by at most one). */
 static void split(int64_t n, int t, int count, int64_t *first, int64_t *last) {
     *first = n * t / count;
@@ -206,12 +258,23 @@ static void softmax(float *s, int64_t n) {
     float top = s[0];
     for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;
     float total = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#if LLMT_AVX2
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
+        _mm256_storeu_ps(s + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    total = hsum(sum);
+#endif
+    for (; i < n; i++) {
         s[i] = expf(s[i] - top);
         total += s[i];
     }
     const float inverse = 1.0f / total;
-    for (int64_t i = 0; i < n; i++) s[i] *= inverse;
+    for (i = 0; i < n; i++) s[i] *= inverse;
 }
 
 static void values_of(const StepPlan *p, const float *probs, const float *values, int64_t seen, float *out) {
@@ -228,25 +291,23 @@ static void values_of(const StepPlan *p, const float *probs, const float *values
 
 enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5 };
 
-/* x (dim,): the token's embedding, updated in place through the layers (the residual stream); cos, sin (D,): the
-   rope tables' rows of `position`; keys first..position are attended (first > 0 under a sliding window); logits
-   (vocab,) out; stamps: NULL, or room for 14 * layers + 2 readings (ns). Returns STEP_OK or a status. */
-int llmt_decode_step(const StepPlan *plan, float *x, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads) {
+/* x (dim,): the token's embedding (read only); cos, sin (D,): the rope tables' rows of `position`; keys
+   first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps: NULL, or room for
+   14 * layers + 2 readings (ns). Returns STEP_OK or a status. */
+int llmt_decode_step(const StepPlan *plan, const float *embedding, const float *cos, const float *sin,
+                     int64_t position, int64_t first, float *logits, int64_t *stamps, int threads) {
     if (!LLMT_AVX2) return STEP_UNSUPPORTED;
     if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
     int team = threads < 1 ? 1 : threads;
     if (llmt_step_scratch_floats(plan, team) > plan->scratch_floats) return STEP_SCRATCH;
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, d = plan->head_dim;
     const int64_t ffn = plan->ffn_dim, rep = heads / kv_heads, seen = position + 1 - first;
-    float *h = plan->scratch;                      /* (dim,) a norm's output */
-    float *branch = h + dim;                       /* (dim,) wo's or w2's output */
-    float *qkv = branch + dim;                     /* ((H+2Hkv)*D,) */
+    float *branch = plan->scratch;                  /* (dim,) wo's or w2's output */
+    float *qkv = branch + dim;                      /* ((H+2Hkv)*D,) */
     float *attended = qkv + (heads + 2 * kv_heads) * d; /* (H*D,) */
-    float *gate_up = attended + heads * d;         /* (2F,) */
-    float *act = gate_up + 2 * ffn;                /* (F,) */
-    float *scores = act + ffn;                     /* (H, S_max) */
-    float *own = scores + heads * plan->max_seq;   /* each thread's prepared activations */
+    float *gate_up = attended + heads * d;          /* (2F,) */
+    float *scores = gate_up + 2 * ffn;              /* (H, S_max) */
+    float *own = (float *)(((uintptr_t)(scores + heads * plan->max_seq) + 63) & ~(uintptr_t)63);
     const int traced = stamps != NULL;
 
 #ifdef _OPENMP
@@ -255,20 +316,20 @@ int llmt_decode_step(const StepPlan *plan, float *x, const float *cos, const flo
     {
         int count;
         const int t = current_thread(&count);
-        float *xs = own + t * thread_floats(plan);
-        int64_t n_stamps = 0; /* thread 0's */
-        int64_t head_first, head_last, ffn_first, ffn_last;
+        float *x = own + t * thread_floats(plan); /* (dim,) this thread's copy of the residual stream */
+        float *h = x + dim;                       /* (dim,) a norm's output */
+        float *act = h + dim;                     /* (F,) silu(gate) * up */
+        float *xs = act + ffn;                    /* the prepared activation row */
+        int64_t n_stamps = 0;                     /* thread 0's */
+        int64_t head_first, head_last;
         split(heads, t, count, &head_first, &head_last);
-        split(ffn, t, count, &ffn_first, &ffn_last);
+        memcpy(x, embedding, sizeof(float) * (size_t)dim);
         for (int64_t l = 0; l < plan->layers; l++) {
             const StepLayer *layer = plan->layer + l;
             float *keys = plan->kv + l * plan->kv_layer;       /* K head g at keys + g*kv_head */
             float *values = keys + kv_heads * plan->kv_head; /* V head g at values + g*kv_head */
-            if (t == 0) {
-                rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
-                STAMP();
-            }
-            barrier();
+            rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
+            if (t == 0) STAMP();
             product(layer->wqkv, h, xs, layer->bqkv, qkv, t, count);
             barrier();
             if (t == 0) {
@@ -304,33 +365,24 @@ int llmt_decode_step(const StepPlan *plan, float *x, const float *cos, const flo
             if (t == 0) STAMP();
             product(layer->wo, attended, xs, layer->bo, branch, t, count);
             barrier();
-            if (t == 0) {
-                STAMP();
-                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-                STAMP();
-                rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
-                STAMP();
-            }
-            barrier();
+            if (t == 0) STAMP();
+            for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
+            if (t == 0) STAMP();
+            rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
+            if (t == 0) STAMP();
             product(layer->w13, h, xs, layer->b13, gate_up, t, count);
             barrier();
             if (t == 0) STAMP();
-            for (int64_t i = ffn_first; i < ffn_last; i++) act[i] = silu(gate_up[i]) * gate_up[ffn + i];
-            barrier();
+            swiglu(gate_up, gate_up + ffn, ffn, act); /* every thread all of it: w2's rows each need all of act */
             if (t == 0) STAMP();
             product(layer->w2, act, xs, layer->b2, branch, t, count);
             barrier();
-            if (t == 0) {
-                STAMP();
-                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-                STAMP();
-            }
+            if (t == 0) STAMP();
+            for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
+            if (t == 0) STAMP();
         }
-        if (t == 0) {
-            rms_norm(x, plan->final_norm, dim, plan->norm_floor, h);
-            STAMP();
-        }
-        barrier();
+        rms_norm(x, plan->final_norm, dim, plan->norm_floor, h);
+        if (t == 0) STAMP();
         product(plan->head, h, xs, plan->head_bias, logits, t, count);
         barrier();
         if (t == 0) STAMP();

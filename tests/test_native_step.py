@@ -1,0 +1,215 @@
+"""The native decode step (tracer/model/native/decode_step.c, tracer/model/native_step.py) against the torch fused
+path it replaces, on the same native weights.
+
+Tolerance. Both paths compute every value in fp32 from the same weights; only the order of each sum differs (the
+products' blocks, the norms' squares, the attention dots and the softmax's total). Two orders of one fp32 sum of n
+terms differ by at most 2(n-1)u·sum|terms| (Higham's bound, u = 2^-24); here n <= 96, so one product's outputs agree
+to ~1.1e-5 of their sum of |terms|. The RMSNorms rescale each layer's input, so that relative error reaches the
+logits amplified only by the two layers' gain: we allow 2^-14 (6.1e-5) of the logits' scale (max |logit|, ~5x the
+one-sum bound), and the greedy token must not change. Measured differences are ~2e-7 of the scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmtrace.tracer.core import contract
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.native_step import STAGES_AFTER_LAYERS, STAGES_PER_LAYER
+from llmtrace.tracer.model.transformer import Transformer
+from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE, pack_gguf
+from llmtrace.tracer.trace.fused_marks import FusedMarks, fused_stages
+from tests.tiny_gguf import random_blocks
+
+Q = gguf.GGMLQuantizationType
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+TOLERANCE = 2**-14  # of max |logit|: see the module docstring
+BASE = ModelConfig(name="tiny-native", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                   max_seq_len=64)
+
+
+@pytest.fixture(autouse=True)
+def native() -> None:
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+
+
+def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: str = NATIVE) -> Transformer:
+    """A random fp32 model of `config` whose matrices gguf quantized to `qtype`, held for `kernel`; norm weights and
+    biases random too (not ones and zeros, which would hide a skipped one)."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    dense = Transformer(config)
+    state = {name: t.detach().clone() for name, t in dense.state_dict().items()}
+    packed = {}
+    for name, tensor in list(state.items()):
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.2 * torch.randn_like(tensor)
+        elif name.endswith(".bias"):
+            state[name] = 0.1 * torch.randn_like(tensor)
+        elif tensor.dim() == 2:
+            if qtype in QUANTIZABLE:
+                raw = gguf.quants.quantize(tensor.numpy().astype(np.float32), qtype)
+            else:  # k-quants gguf cannot quantize: random blocks of small, finite scales
+                raw = random_blocks(qtype, tensor.shape[0], tensor.shape[1], rng)
+            packed[name] = pack_gguf(raw, int(qtype), tensor.shape[1], kernel)
+            del state[name]
+    model = Transformer(config)
+    model.load_stored(state, packed)
+    return model.eval()
+
+
+def generate(model: Transformer, native: bool, steps: int = 6, prompt: int = 5) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of `steps` greedy decode steps after a `prompt`-token prefill, and the KV cache tensor after them."""
+    model.use_native_step = native
+    model.setup_cache(1, prompt + steps + 1)
+    assert (model._fused_plan.native is not None) or not native, model._fused_plan.native_reason
+    tokens = torch.arange(3, 3 + prompt).view(1, -1) % model.config.vocab_size
+    logits = model.prefill(tokens)
+    out = []
+    for _ in range(steps):
+        logits = model.decode_one(logits.argmax(-1, keepdim=True))
+        out.append(logits.clone())
+    return out, model._kv_all.clone()
+
+
+def assert_same_steps(model: Transformer, steps: int = 6) -> None:
+    native_logits, native_kv = generate(model, True, steps)
+    torch_logits, torch_kv = generate(model, False, steps)
+    for got, want in zip(native_logits, torch_logits):
+        assert got.shape == want.shape
+        scale = float(want.abs().max())
+        assert float((got - want).abs().max()) <= TOLERANCE * scale
+        assert int(got.argmax()) == int(want.argmax())
+    scale = float(torch_kv.abs().max())
+    assert float((native_kv - torch_kv).abs().max()) <= TOLERANCE * scale
+    assert bool(native_kv.ne(0).any(dim=-1).any())  # something was written
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", [
+    {},  # GQA (4 heads over 2 KV heads), untied
+    {"n_kv_heads": 4},  # one KV head per query head
+    {"tie_embeddings": True},  # the LM head is the embedding table
+    {"qkv_bias": True, "wo_bias": True, "mlp_bias": True},  # every projection adds a bias (Qwen2 has Q, K, V's)
+    {"sliding_window": 4},  # a window smaller than the sequence: keys before it are never read
+])
+def test_native_step_matches_the_torch_fused_path(variant: dict[str, Any], threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_same_steps(native_model(dataclasses.replace(BASE, **variant)))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K])
+def test_native_step_on_other_block_types(qtype: Q) -> None:
+    config = dataclasses.replace(BASE, dim=256, ffn_dim=256, n_heads=4, n_kv_heads=1)  # k-quants: K % 256 == 0
+    assert_same_steps(native_model(config, qtype), steps=4)
+
+
+def test_window_keys_outside_it_are_not_read() -> None:
+    """Under a sliding window the step reads only the window's keys: poisoning an older cache row changes
+    nothing, while poisoning one inside the window does."""
+    model = native_model(dataclasses.replace(BASE, sliding_window=3))
+    model.setup_cache(1, 12)
+    logits = model.prefill(torch.arange(3, 11).view(1, -1))  # positions 0..7; the next token is at 8
+    token = logits.argmax(-1, keepdim=True)
+    state = model._kv_all.clone()
+    clean = model.decode_one(token)
+    for row, changes in ((5, False), (6, True)):  # window 3 at position 8: keys 6, 7, 8
+        model._kv_all.copy_(state)
+        model._kv_all[:, 0, :, row] = 1e6
+        model._pos = 8
+        for cache in model._kv_caches():
+            cache.set_length(8, 1)
+        assert model._fused_plan.native is not None
+        assert bool((model.decode_one(token) - clean).abs().max() > 1) == changes
+
+
+def test_not_eligible_runs_the_torch_path() -> None:
+    """A dense model (or one whose products are not all native) keeps the torch fused path, and says why."""
+    dense = Transformer(BASE).eval()
+    dense.setup_cache(1, 8)
+    assert dense._fused_plan.native is None and "native" in dense._fused_plan.native_reason
+    model = native_model(BASE, kernel=INT4PACK)  # what --weights int4pack loads
+    model.setup_cache(1, 8)
+    assert model._fused_plan.native is None and "not held for the native kernel" in model._fused_plan.native_reason
+    logits = model.prefill(torch.arange(3, 8).view(1, -1))
+    assert model.decode_one(logits.argmax(-1, keepdim=True)).shape == (1, BASE.vocab_size)
+
+
+def test_in_place_edit_voids_the_plan() -> None:
+    """An in-place edit of a norm weight voids the fused plan (and so the native step) until setup_cache."""
+    model = native_model(BASE)
+    model.setup_cache(1, 8)
+    assert model.fusable() and model._fused_plan.native is not None
+    with torch.no_grad():
+        model.layers[0].ffn_norm.weight.mul_(2.0)
+    assert not model.fusable()
+
+
+def test_traced_step_stamps_every_stage() -> None:
+    """A traced native step leaves exactly the expected readings, non-decreasing, so stage times add up to the step
+    (the first reading is the step's start, the last its end)."""
+    model = native_model(BASE)
+    stages = fused_stages(model)
+    marks = FusedMarks(model, len(stages))
+    assert len(stages) == 1 + STAGES_PER_LAYER * BASE.n_layers + STAGES_AFTER_LAYERS  # the embedding, then C's
+    assert STAGES_PER_LAYER == sum(spec.in_layer for spec in contract.fused_stages(BASE))
+    model.setup_cache(1, 12)
+    logits = model.prefill(torch.arange(3, 8).view(1, -1))
+    marks.install()
+    try:
+        for _ in range(3):
+            marks.begin_step()
+            logits = model.decode_one(logits.argmax(-1, keepdim=True))
+            readings, dims = marks.end_step()
+            assert len(readings) == marks.expected
+            assert readings == sorted(readings)
+            times = [b - a for a, b in zip(readings, readings[1:])]
+            assert sum(times) == readings[-1] - readings[0] and len(times) == len(stages)
+            assert dims.new == 1 and dims.batch == 1
+    finally:
+        marks.remove()
+
+
+def test_traced_without_stamp_taker_runs_the_torch_path() -> None:
+    """A mark that cannot take C's readings gets its mark() calls: the one-token step then runs its torch ops."""
+    model = native_model(BASE)
+    model.setup_cache(1, 8)
+    logits = model.prefill(torch.arange(3, 8).view(1, -1))
+    calls = []
+    model.stage_mark = lambda: calls.append(1)
+    model.decode_one(logits.argmax(-1, keepdim=True))
+    assert len(calls) == 2 + STAGES_PER_LAYER * BASE.n_layers + STAGES_AFTER_LAYERS
+
+
+def test_bundled_model_greedy_ids_match_the_torch_path() -> None:
+    """The bundled SmolLM2 Q4_1 file with the native kernel: 16 greedy tokens, the same ids either way."""
+    from llmtrace.tracer.load.loader import load_model
+
+    loaded = load_model(None, weights=NATIVE)
+    model = loaded.model
+    ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])
+    runs = []
+    for native in (True, False):
+        model.use_native_step = native
+        model.setup_cache(1, ids.shape[1] + 17)
+        assert model._fused_plan.native is not None, model._fused_plan.native_reason
+        logits = model.prefill(ids)
+        out = []
+        for _ in range(16):
+            token = logits.argmax(-1, keepdim=True)
+            out.append(int(token))
+            logits = model.decode_one(token)
+        runs.append(out)
+    assert runs[0] == runs[1]
