@@ -3,19 +3,21 @@
 The model is the one `llmtrace run` loads by default (the bundled SmolLM2-135M Q4_1 GGUF, `--dtype auto`, the
 weights as the loader's measured choice holds them), or with `--weights SPEC` as `run --weights SPEC` would. Views:
 
-1. step: `decode_one` after a 5-token prompt, one token per step. Products are every `PackedWeight.__call__` and
-   every dense matrix-vector kernel (functional.MATVEC_KERNELS), timed by wrappers in steps of their own; "other"
-   is the unwrapped forward's median minus the products' median: norms, RoPE, the cache write, attention,
-   residuals, the embedding row, Python. Also the torch ops one forward dispatches (torch.profiler's top-level
-   events, one extra step).
+1. step: `decode_one` after a 5-token prompt, one token per step: `forward_ms` as the model runs it (the native
+   decode step, tracer/model/native_step.py, where its weights allow), and `forward_torch_fused_ms` with the native
+   step switched off (the torch fused path on the same weights), in alternated blocks. Products are every
+   `PackedWeight.__call__` and every dense matrix-vector kernel (functional.MATVEC_KERNELS) of the torch fused
+   path, timed by wrappers in steps of their own; "other" is that path's forward median minus the products'
+   median: norms, RoPE, the cache write, attention, residuals, the embedding row, Python. Also the torch ops one
+   forward dispatches, either way (torch.profiler's top-level events, one extra step).
 2. loop: whole greedy generations through `Generation(trace=False)` (what `run --no-trace` runs): per step the
    forward, sampling and detokenization (the StepRecord's clocks), and the gap between one step's end and the
    next one's start (the loop's own work: records, events).
 3. cli: `llmtrace run PROMPT --max-new-tokens 48 --no-trace --no-roofline --summary-json --json FILE` as a
    subprocess: the summary's decode tokens/s, and the decode wall per token from the trace file (first decode
    step's start to the last one's end, over the steps between), with the console on a pipe and on a pseudo-terminal
-   (where rich's live view redraws as the steps come); and `--staged` traced (pipe), against which the
-   untraced default is issue 12's "--staged traced decode within 1.5x" target.
+   (where rich's live view redraws as the steps come); traced as `run` traces by default (pipe); and `--staged`
+   traced (pipe), against which the untraced default is issue 12's "--staged traced decode within 1.5x" target.
 
 `--baseline TREE` runs the same measurements on another worktree's code (TREE/.venv/bin/python with this script),
 rounds interleaved with this tree's, so before/after are measured side by side:
@@ -70,13 +72,23 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
             model.decode_one(token)
 
     decode_steps(4)  # warm-up: first-call kernel set-up
-    forward: list[int] = []
     model.setup_cache(1, ids.shape[1] + steps + 1)
-    model.prefill(ids)
-    for _ in range(steps):
-        start = time.perf_counter_ns()
-        model.decode_one(token)
-        forward.append(time.perf_counter_ns() - start)
+    plan = model._fused_plan
+    native = getattr(plan, "native", None) is not None  # the native decode step runs this model's one-token steps
+    forward: list[int] = []
+    forward_torch: list[int] = []  # the torch fused path on the same weights (the native step switched off)
+    for _ in range(2):  # blocks alternated, so a drift of the machine falls on both
+        for use_native, times in ((True, forward), (False, forward_torch)):
+            if not native and not use_native:
+                continue
+            model.use_native_step = use_native
+            model.setup_cache(1, ids.shape[1] + steps // 2 + 1)
+            model.prefill(ids)
+            for _ in range(steps // 2):
+                start = time.perf_counter_ns()
+                model.decode_one(token)
+                times.append(time.perf_counter_ns() - start)
+    model.use_native_step = True
 
     products: list[int] = []
     calls = [0]
@@ -93,9 +105,11 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
 
     # Every weight product of a decode step: a matrix held as stored (PackedWeight.__call__) or a dense one through
     # the matrix-vector kernels the fused plan binds when it is built (setup_cache, below, rebuilds it).
+    # The native step's products run inside its one C call: they are timed as the torch fused path calls them.
     original_call, original_kernels = PackedWeight.__call__, dict(functional.MATVEC_KERNELS)
     PackedWeight.__call__ = timed(original_call)  # type: ignore[method-assign]
     functional.MATVEC_KERNELS.update({name: timed(kernel) for name, kernel in original_kernels.items()})
+    model.use_native_step = False
     try:
         model.setup_cache(1, ids.shape[1] + steps + 1)
         model.prefill(ids)
@@ -106,8 +120,12 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
     finally:
         PackedWeight.__call__ = original_call  # type: ignore[method-assign]
         functional.MATVEC_KERNELS.update(original_kernels)
+        model.use_native_step = True
 
     ops = _ops_per_step(model, ids, token)
+    model.use_native_step = False
+    ops_torch = _ops_per_step(model, ids, token)
+    model.use_native_step = True
 
     settings = RunSettings(model="", prompt=PROMPT, max_new_tokens=steps + 1, trace=False, weights=weights or "")
     generation = Generation(loaded, settings)
@@ -121,10 +139,13 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
         "weights": loaded.weight_format,
         "dtype": str(model.norm.weight.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "native_step": native,
         "forward_ms": ms(forward),
+        "forward_torch_fused_ms": ms(forward_torch or forward),
         "products_ms": ms(products),
         "product_calls": calls[0],
         "ops_per_step": ops,
+        "ops_per_step_torch_fused": ops_torch,
         "loop_forward_ms": ms([r.forward_ns for r in records]),
         "loop_sample_ms": ms([r.sample_ns for r in records]),
         "loop_detokenize_ms": ms([r.detokenize_ns for r in records]),
@@ -151,13 +172,14 @@ def _ops_per_step(model: Any, ids: Any, token: Any) -> dict[str, int]:
 # ---- the CLI as a subprocess -----------------------------------------------------------------------------------
 
 
-def measure_cli(python: str, view: str, weights: str | None) -> dict[str, float]:
-    """One `llmtrace run` of the default model (`view`: "pipe" or "pty" untraced, "staged" traced stage by stage):
-    summary tokens/s and decode wall per token (ms)."""
+def measure_cli(python: str, view: str, weights: str | None, tokens: int = CLI_TOKENS) -> dict[str, float]:
+    """One `llmtrace run` of the default model (`view`: "pipe" or "pty" untraced, "traced" traced as `run` does by
+    default (the fused path's marks), "staged" traced stage by stage): summary tokens/s and decode wall per token
+    (ms)."""
     with tempfile.TemporaryDirectory() as folder:
         trace_file = Path(folder) / "trace.json"
-        mode = ["--staged"] if view == "staged" else ["--no-trace"]
-        command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(CLI_TOKENS), *mode,
+        mode = {"staged": ["--staged"], "traced": []}.get(view, ["--no-trace"])
+        command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(tokens), *mode,
                    "--no-roofline", "--summary-json", "--json", str(trace_file)]
         command += ["--weights", weights] if weights else []
         env = dict(os.environ, COLUMNS="100", LINES="40")
@@ -220,8 +242,10 @@ def _median_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = value
     if "forward_ms" in out:
-        out["other_ms"] = out["forward_ms"] - out["products_ms"]
+        out["other_ms"] = out["forward_torch_fused_ms"] - out["products_ms"]  # around the products they time
         out["ops_total"] = sum(out["ops_per_step"].values())
+        out["ops_total_torch_fused"] = sum(out["ops_per_step_torch_fused"].values())
+        out["torch_fused / native"] = out["forward_torch_fused_ms"] / out["forward_ms"]
     return out
 
 
@@ -231,6 +255,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--baseline", type=Path, help="another worktree (with its own .venv) measured alongside")
     parser.add_argument("--only", choices=("step", "cli"), help="one view only (default: both)")
+    parser.add_argument("--views", default="pipe,pty,staged,traced", help="the cli view's runs, comma-separated")
+    parser.add_argument("--cli-tokens", type=int, default=CLI_TOKENS, help="--max-new-tokens of the cli view")
     parser.add_argument("--weights", help="as `run --weights` (default: the loader's measured choice)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -249,16 +275,19 @@ def main() -> None:
                 rounds[name].append(_child(tree, args.steps, args.weights))
         result["step"] = {name: _median_of(r) for name, r in rounds.items()}
     if args.only in (None, "cli"):
-        views = ("pipe", "pty", "staged")
+        views = tuple(args.views.split(","))
         cli: dict[str, list[dict[str, float]]] = {f"{name} {view}": [] for name in trees for view in views}
         for _ in range(args.rounds):
             for name, python in pythons.items():
                 for view in views:
-                    cli[f"{name} {view}"].append(measure_cli(python, view, args.weights))
+                    cli[f"{name} {view}"].append(measure_cli(python, view, args.weights, args.cli_tokens))
         result["cli"] = {name: _median_of(r) for name, r in cli.items()}
-        for name in trees:  # issue 12: --staged traced decode within 1.5x of the untraced default
-            staged, plain = result["cli"][f"{name} staged"], result["cli"][f"{name} pipe"]
-            result["cli"][f"{name} staged / untraced"] = staged["wall_ms_per_token"] / plain["wall_ms_per_token"]
+        for name in trees:  # issue 12: traced (default, and --staged) decode within 1.10x / 1.5x of the untraced
+            plain = result["cli"].get(f"{name} pipe")
+            for traced in ("staged", "traced"):
+                if plain is not None and f"{name} {traced}" in result["cli"]:
+                    result["cli"][f"{name} {traced} / untraced"] = (
+                        result["cli"][f"{name} {traced}"]["wall_ms_per_token"] / plain["wall_ms_per_token"])
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 
