@@ -17,7 +17,10 @@ notices a reload, a `.to()` or an in-place weight edit.
 
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
 fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Both go through
-the one `FusedLayer.forward`.
+the one `FusedLayer.forward`. When every product of such a step is held for the native kernel and the model runs
+in fp32 on the CPU, the step after the embedding is one C call instead (tracer/model/native_step.py: the same
+stages in the same order, all layers in one OpenMP region); a traced step then takes the readings C stamps after
+each stage (a mark's TAKE_STAMPS), and a mark that cannot take them gets the torch ops and their mark() calls.
 
 The path is instrumented from inside: it calls `mark()` after each of its stages (the order of
 llmtrace.tracer.core.contract.fused_stages: its stages with Q|K|V and gate|up packed), which costs one no-op call
