@@ -185,7 +185,7 @@ class BatchGeneration(Generation):
             positions = len(self._records[q].ids) + len(self._outputs[q]) - 1  # in the cache after this forward
             held = positions if self.config.sliding_window is None else min(positions, self.config.sliding_window)
             rows.append(RowToken(
-                sequence=q, row=row, token_id=token_id, piece=self.tokenizer.piece(token_id), text=text,
+                sequence=q, row=row, token_id=token_id, piece=self._piece(token_id), text=text,
                 probability=float(result.probability), context_length=positions,
                 kv_live_bytes=held * self._kv_per_position, finished=finished))
             if finished:

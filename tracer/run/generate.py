@@ -137,6 +137,8 @@ class Generation:
         self._rope: RopeRecord | None = None
         self._generated: list[int] = []
         self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
+        self._pieces: dict[int, str] = {}  # display pieces looked up so far (_piece)
+        self._kv_allocated: int | None = None  # the cache's allocated bytes, read once it is set up
         self._steps: list[StepRecord] = []
         self._lesson: SamplingLesson | None = None
         self._no_cache_steps: list[NoCacheStep] = []  # --no-kv-cache: the replay's steps so far
@@ -179,6 +181,7 @@ class Generation:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
         try:
             self.model.setup_cache(1, len(ids) + limit)
+            self._kv_allocated = int(self.model.kv_allocated_bytes)  # fixed until the next setup_cache
             if self._observer is not None:
                 self._observer.attach()  # before the warm-up and the tracer: the path they take is the observed one
             if self.settings.warmup and not self.dry_run:
@@ -334,7 +337,7 @@ class Generation:
             self._generated.append(token_id)
             text = self._new_text(token_id)
             text_end = time.perf_counter_ns()
-            piece = self.tokenizer.piece(token_id)
+            piece = self._piece(token_id)
             probability = float(result.probability)
             greedy = self.settings.temperature == 0
             filters = _active_filters(result)
@@ -344,7 +347,9 @@ class Generation:
             phase=phase, step=index, input_tokens=len(ids), context_length=int(self.model.pos),
             token_id=token_id, piece=piece, text=text, probability=probability, greedy=greedy, filters=filters,
             candidates=candidates, sampling=sampling,
-            kv_allocated_bytes=int(self.model.kv_allocated_bytes), kv_live_bytes=int(self.model.kv_live_bytes),
+            kv_allocated_bytes=(int(self.model.kv_allocated_bytes) if self._kv_allocated is None
+                                else self._kv_allocated),
+            kv_live_bytes=int(self.model.kv_live_bytes),
             start_ns=start - self.origin_ns, forward_ns=forward_end - start, sample_ns=sample_end - forward_end,
             detokenize_ns=text_end - sample_end, duration_ns=text_end - start,
         )
@@ -353,7 +358,7 @@ class Generation:
             self._observe(record)
         if phase == PREFILL and not self.dry_run and self.settings.temperatures:
             # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
-            self._lesson = sampling_lesson(logits[0], previous, self.settings, self.tokenizer.piece)
+            self._lesson = sampling_lesson(logits[0], previous, self.settings, self._piece)
         return record
 
     def _observe(self, record: StepRecord) -> None:
@@ -361,11 +366,10 @@ class Generation:
         residual, weights = self._observer.take()
         position = record.context_length - 1
         if residual is not None:
-            self._lens.append(logit_lens(self.model, residual, record.step, position, record.token_id,
-                                         self.tokenizer.piece))
+            self._lens.append(logit_lens(self.model, residual, record.step, position, record.token_id, self._piece))
         if weights is not None:
             sequence = self._prompt_ids_and_generated()[: position + 1]  # the tokens at positions 0 .. position
-            self._attention.append(attention_step(weights, record.step, [self.tokenizer.piece(i) for i in sequence],
+            self._attention.append(attention_step(weights, record.step, [self._piece(i) for i in sequence],
                                                   keep_full=record.step in self.settings.attention_steps))
 
     def _prompt_ids_and_generated(self) -> list[int]:
@@ -378,9 +382,17 @@ class Generation:
             self._stream = TextStream(self.tokenizer, getattr(self.tokenizer, "eos_id", None))
         return self._stream.add(token_id)
 
+    def _piece(self, token_id: int) -> str:
+        """The token's display piece, looked up once a run: a step's record shows its token and ten candidates, and
+        the tokenizer rebuilds a byte-level piece from its bytes on every call (~8 us each)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.tokenizer.piece(token_id)
+        return piece
+
     def _candidate(self, c: Any) -> CandidateRecord:
         return CandidateRecord(
-            token_id=int(c.token_id), piece=self.tokenizer.piece(int(c.token_id)), logit=float(c.logit),
+            token_id=int(c.token_id), piece=self._piece(int(c.token_id)), logit=float(c.logit),
             logit_penalized=float(getattr(c, "logit_penalized", c.logit)),
             prob_raw=float(c.prob_raw), prob_tempered=float(c.prob_tempered), kept_top_k=bool(c.kept_top_k),
             kept_top_p=bool(c.kept_top_p), kept_min_p=bool(c.kept_min_p), prob_final=float(c.prob_final),

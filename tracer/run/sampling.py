@@ -24,6 +24,14 @@ a draw over the whole vocabulary needs no sort at all. The arithmetic is single-
 one vector its reductions and partial selection beat torch's, and torch's two-thread kernels stall for
 milliseconds when another process holds the other core. Logits on another device are copied over first.
 
+A decode step calls this once per token, so its full-vocabulary passes are kept few and allocation-free: the
+Sampler owns scratch arrays of the vocabulary's size (a fresh 192 KiB numpy array is mapped and page-faulted on
+every call: the exp pass took 1.7x as long into a new array as into a kept one), the entropy needs no separate pass
+to find -inf logits, a distribution the draw uses again (temperature 1, or no filter that cuts) is not recomputed,
+and the top tokens are sorted within the few that pass a sampled threshold instead of the whole vocabulary.
+Every figure is the one the straightforward computation gives, bit for bit (tests/test_sampling_equality.py
+holds that computation as its reference).
+
 Records are frozen dataclasses of plain Python values, so `dataclasses.asdict()` is JSON-ready.
 """
 
@@ -41,6 +49,8 @@ from llmtrace.tracer.core.errors import BadArgumentError
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
 _PREFIX = 256
+# Weights per block of the two-level inverse-CDF draw over the whole vocabulary (_draw_index).
+_DRAW_BLOCK = 256
 _LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
 
@@ -161,6 +171,7 @@ class Sampler:
         self._n_candidates = n_candidates
         self._generator = torch.Generator(device="cpu")
         self._uniforms: list[float] = []
+        self._scratch: _Scratch | None = None  # made on the first call, for that vocabulary's size
         if params.seed is None:
             self._seed = self._generator.seed()  # drawn from the OS; reported so the run can be replayed
         else:
@@ -172,6 +183,11 @@ class Sampler:
         if not self._uniforms:
             self._uniforms = torch.rand(64, generator=self._generator, dtype=torch.float64).tolist()[::-1]
         return self._uniforms.pop()
+
+    def _scratch_for(self, vocab: int) -> _Scratch:
+        if self._scratch is None or self._scratch.size != vocab:
+            self._scratch = _Scratch(vocab)
+        return self._scratch
 
     @property
     def seed(self) -> int:
@@ -185,16 +201,19 @@ class Sampler:
         raw_max = float(raw.max())  # NaN propagates through max, so this also catches NaN
         if not math.isfinite(raw_max):
             raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
-        raw_lse, raw_entropy, _ = _softmax_stats(raw, raw_max)
+        scratch = self._scratch_for(vocab)
+        raw_softmax = _softmax(raw, raw_max, scratch)
+        raw_entropy = raw_softmax.entropy_nats(scratch)
         if p.repetition_penalty != 1:
-            penalised, n_penalized = _apply_repetition_penalty(raw, previous_ids, p.repetition_penalty)
+            penalised, n_penalized = _apply_repetition_penalty(raw, previous_ids, p.repetition_penalty,
+                                                               scratch.penalised)
         else:
             penalised, n_penalized = raw, 0
         common = dict(active_steps=p.active_steps, vocab_size=vocab, n_penalized=n_penalized,
                       entropy_raw_bits=raw_entropy / _LN2)
         if p.greedy:
-            return self._greedy(raw, raw_lse, penalised, common)
-        return self._draw(raw, raw_max, raw_lse, penalised, common)
+            return self._greedy(raw, raw_softmax.lse, penalised, common)
+        return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch)
 
     def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> SampleResult:
         ids = _top_sorted(penalised, min(self._n_candidates, penalised.size))
@@ -209,16 +228,19 @@ class Sampler:
                             candidates=candidates, n_after_top_k=vocab, n_after_top_p=vocab, n_after_min_p=vocab,
                             n_final=1, top_p_mass=1.0, entropy_final_bits=0.0, **common)
 
-    def _draw(self, raw: np.ndarray, raw_max: float, raw_lse: float, penalised: np.ndarray,
-              common: dict) -> SampleResult:
+    def _draw(self, raw: np.ndarray, raw_max: float, raw_softmax: _Softmax, raw_entropy: float,
+              penalised: np.ndarray, common: dict, scratch: _Scratch) -> SampleResult:
         p = self._params
         vocab = penalised.size
+        raw_lse = raw_softmax.lse
         if p.temperature == 1 and penalised is raw:
-            scaled, scaled_max, scaled_lse = raw, raw_max, raw_lse
+            scaled, scaled_max, tempered = raw, raw_max, raw_softmax  # the model's own distribution, computed
         else:
-            scaled = penalised / np.float32(p.temperature) if p.temperature != 1 else penalised
+            scaled = np.divide(penalised, np.float32(p.temperature), out=scratch.scaled) \
+                if p.temperature != 1 else penalised
             scaled_max = float(scaled.max())
-            scaled_lse, _, _ = _softmax_stats(scaled, scaled_max, entropy=False)
+            tempered = _softmax(scaled, scaled_max, scratch)  # the raw one's scratch arrays: it is done with them
+        scaled_lse = tempered.lse
 
         want = self._n_candidates
         if p.top_k:
@@ -251,14 +273,20 @@ class Sampler:
         u = self._next_uniform()
         if n_final <= order.size:  # the kept set is a prefix of the sorted tokens
             kept = vals[:n_final].astype(np.float64)
-            final_lse, final_entropy, weights = _softmax_stats(kept, float(kept[0]))
-            cumulative = np.cumsum(weights)
+            kept_softmax = _softmax(kept, float(kept[0]))
+            final_lse, final_entropy = kept_softmax.lse, kept_softmax.entropy_nats()
+            cumulative = np.cumsum(kept_softmax.weights)
             position = _first_above(cumulative, u * float(cumulative[-1]))
             chosen, rank = int(order[position]), position + 1
         else:  # no top-p; min-p alone, or nothing, cut less than the prefix holds: draw over the whole vocabulary
-            masked = scaled if threshold == _NEG_INF else np.where(scaled >= threshold, scaled, np.float32(_NEG_INF))
-            final_lse, final_entropy, weights = _softmax_stats(masked, scaled_max)
-            chosen = _draw_index(weights, u)
+            if threshold == _NEG_INF:  # nothing cut: the final distribution is the tempered one
+                final = tempered if tempered is not raw_softmax else None
+                final_entropy = raw_entropy if final is None else final.entropy_nats(scratch)
+                final_lse, weights = tempered.lse, tempered.weights
+            else:  # exp(-inf) = 0 for a cut token, its kept neighbours' weights unchanged: mask the weights
+                final = tempered.cut_below(scaled, threshold)
+                final_lse, final_entropy, weights = final.lse, final.entropy_nats(scratch), final.weights
+            chosen = _draw_index(weights, u, scratch.padded)
             rank = _rank_of(scaled, chosen)
 
         ids, ranks = order[: self._n_candidates], np.arange(1, min(self._n_candidates, order.size) + 1)
@@ -279,6 +307,53 @@ class Sampler:
                             top_p_mass=top_p_mass, entropy_final_bits=final_entropy / _LN2, **common)
 
 
+class _Scratch:
+    """Full-vocabulary arrays one Sampler writes its intermediate results into, call after call (allocated once:
+    see the module's docstring). What a call returns never points into them."""
+
+    __slots__ = ("size", "shifted", "weights", "products", "scaled", "penalised", "padded")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.shifted = np.empty(size, dtype=np.float32)  # x - max(x)
+        self.weights = np.empty(size, dtype=np.float32)  # exp(shifted)
+        self.products = np.empty(size, dtype=np.float32)  # weights * shifted, for the entropy
+        self.scaled = np.empty(size, dtype=np.float32)  # penalised / temperature
+        self.penalised = np.empty(size, dtype=np.float32)  # the logits after the repetition penalty
+        self.padded = np.zeros(-(-size // _DRAW_BLOCK) * _DRAW_BLOCK, dtype=np.float64)  # the draw's weights; the
+        #                                                                        tail past `size` stays 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Softmax:
+    """softmax(x) held as its unnormalised weights exp(x - max) (the arrays may be a _Scratch's)."""
+
+    max: float  # max(x)
+    lse: float  # log(sum(exp(x))) = max + log(total)
+    total: float  # sum(weights)
+    shifted: np.ndarray  # x - max(x)
+    weights: np.ndarray  # exp(shifted); 0 for a -inf entry
+
+    def entropy_nats(self, scratch: _Scratch | None = None) -> float:
+        """H = log(total) - sum(weights * shifted) / total. A -inf entry (weight 0) makes 0 * -inf = NaN; only then
+        is the sum taken again with those entries' terms set to 0 (a probability 0 adds nothing)."""
+        with np.errstate(invalid="ignore"):  # 0 * -inf: found below by its NaN
+            products = np.multiply(self.weights, self.shifted, out=None if scratch is None else scratch.products)
+        # not np.dot: BLAS may spread a long dot product over threads, which stalls on a busy machine
+        weighted = float(products.sum())
+        if math.isnan(weighted):
+            np.multiply(self.weights, np.where(self.weights > 0, self.shifted, 0), out=products)
+            weighted = float(products.sum())
+        return max(math.log(self.total) - weighted / self.total, 0.0)
+
+    def cut_below(self, x: np.ndarray, threshold: float) -> _Softmax:
+        """The softmax of x with every entry below `threshold` set to -inf, normalised against the same max (the
+        arrays are new, so this one's stay valid)."""
+        weights = np.where(x >= threshold, self.weights, np.float32(0))
+        total = float(weights.sum())
+        return _Softmax(self.max, self.max + math.log(total), total, self.shifted, weights)
+
+
 def _logits_as_numpy(logits: torch.Tensor) -> np.ndarray:
     """A read-only-by-convention float32 CPU view of a 1-D logits tensor (copied only if needed)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.shape[0] == 0:
@@ -290,8 +365,9 @@ def _logits_as_numpy(logits: torch.Tensor) -> np.ndarray:
 
 
 def _apply_repetition_penalty(raw: np.ndarray, previous_ids: Sequence[int] | torch.Tensor,
-                              penalty: float) -> tuple[np.ndarray, int]:
-    """CTRL's penalty on a copy: seen positive logits / penalty, seen negative logits * penalty."""
+                              penalty: float, out: np.ndarray) -> tuple[np.ndarray, int]:
+    """CTRL's penalty, written into `out` (raw is left alone): seen positive logits / penalty, seen negative logits
+    * penalty."""
     if isinstance(previous_ids, torch.Tensor):
         ids = previous_ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
     else:
@@ -300,69 +376,54 @@ def _apply_repetition_penalty(raw: np.ndarray, previous_ids: Sequence[int] | tor
         return raw, 0
     if ids.min() < 0 or ids.max() >= raw.size:
         raise ValueError(f"previous_ids must lie in [0, {raw.size}), got ids from {ids.min()} to {ids.max()}")
-    out = raw.copy()
+    np.copyto(out, raw)
     seen = raw[ids]  # repeated ids just write the same value again
     out[ids] = np.where(seen < 0, seen * np.float32(penalty), seen / np.float32(penalty))
-    distinct = np.zeros(raw.size, dtype=bool)
-    distinct[ids] = True
-    return out, int(np.count_nonzero(distinct))
+    return out, int(np.unique(ids).size)
 
 
-def _softmax_stats(x: np.ndarray, x_max: float, *, entropy: bool = True) -> tuple[float, float, np.ndarray]:
-    """log(sum(exp(x))), the entropy (nats) of softmax(x), and the unnormalised weights exp(x - x_max).
-
-    -inf entries count as probability 0. One exp pass and two reductions over x.
-    """
-    shifted = x - np.asarray(x_max, dtype=x.dtype)
-    weights = np.exp(shifted)
+def _softmax(x: np.ndarray, x_max: float, scratch: _Scratch | None = None) -> _Softmax:
+    """softmax(x) as log(sum(exp(x))) and the unnormalised weights exp(x - x_max): one subtraction, one exp pass and
+    one sum (into `scratch`'s arrays when given). -inf entries get weight 0."""
+    shifted = np.subtract(x, np.asarray(x_max, dtype=x.dtype), out=None if scratch is None else scratch.shifted)
+    weights = np.exp(shifted, out=None if scratch is None else scratch.weights)
     total = float(weights.sum())
-    nats = 0.0
-    if entropy:
-        if float(shifted.min()) == _NEG_INF:
-            shifted = np.where(weights > 0, shifted, 0)  # 0 * -inf would be NaN
-        # not np.dot: BLAS may spread a long dot product over threads, which stalls on a busy machine
-        nats = max(math.log(total) - float((weights * shifted).sum()) / total, 0.0)
-    return x_max + math.log(total), nats, weights
+    return _Softmax(x_max, x_max + math.log(total), total, shifted, weights)
 
 
 def _top_sorted(x: np.ndarray, count: int) -> np.ndarray:
     """Indices of the `count` largest values, largest first, ties by lower index (argmax's choice)."""
-    if count < x.size:
-        top = _top_unordered(x, count)
-        boundary = x[top].min()
-        at_boundary = int(np.count_nonzero(x[top] == boundary))
-        if np.count_nonzero(x == boundary) > at_boundary:  # the cut went through tied values: take the lowest ids
-            top = np.concatenate((top[x[top] > boundary], np.flatnonzero(x == boundary)[:at_boundary]))
+    if count >= x.size:
+        pool = np.arange(x.size)
     else:
-        top = np.arange(x.size)
-    top = top[np.argsort(-x[top])]
-    values = x[top]
-    tied = values[1:] == values[:-1]
-    if tied.any():  # rare; a stable sort of everything costs several times more than fixing the tied runs
-        in_run = np.flatnonzero(np.concatenate(([False], tied)) | np.concatenate((tied, [False])))
-        members = top[in_run]
-        top[in_run] = members[np.lexsort((members, -values[in_run]))]
-    return top
+        pool = _pool(x, count)
+        if pool is None:  # no small superset found: partition the whole vector, then settle the cut's ties
+            top = np.argpartition(x, x.size - count)[x.size - count:]
+            boundary = x[top].min()
+            at_boundary = int(np.count_nonzero(x[top] == boundary))
+            if np.count_nonzero(x == boundary) > at_boundary:  # the cut went through tied values: lowest ids
+                top = np.concatenate((top[x[top] > boundary], np.flatnonzero(x == boundary)[:at_boundary]))
+            pool = np.sort(top)
+    # a stable sort of the pool (ascending indices) puts tied values lower index first
+    return pool[np.argsort(-x[pool], kind="stable")[:count]]
 
 
-def _top_unordered(x: np.ndarray, count: int) -> np.ndarray:
-    """Indices of the `count` largest values, in no order.
+def _pool(x: np.ndarray, count: int) -> np.ndarray | None:
+    """Ascending indices of every value at or above a threshold that at least `count` values reach, so the pool
+    holds the top `count` and every value tied with the count-th; None when this shortcut does not apply.
 
     A full argpartition costs ~60 us on 49152 values. Instead, the (1.5 count/16 + 8)-th largest of every 16th
     value is a threshold that leaves about 1.5 count + 128 values above it (~10 us to find them); in the rare case
-    it leaves fewer than `count`, fall back to the full partition. When >= count values pass, the top `count` do.
+    it leaves fewer than `count`, the caller partitions the whole vector.
     """
     stride = 16
-    if count * stride * 2 < x.size:
-        sample = x[::stride]
-        rank = (3 * count) // (2 * stride) + 8
-        threshold = np.partition(sample, sample.size - rank)[sample.size - rank]
-        passed = np.flatnonzero(x >= threshold)
-        if passed.size >= count:
-            if passed.size == count:
-                return passed
-            return passed[np.argpartition(x[passed], passed.size - count)[passed.size - count:]]
-    return np.argpartition(x, x.size - count)[x.size - count:]
+    if count * stride * 2 >= x.size:
+        return None
+    sample = x[::stride]
+    rank = (3 * count) // (2 * stride) + 8
+    threshold = np.partition(sample, sample.size - rank)[sample.size - rank]
+    passed = np.flatnonzero(x >= threshold)
+    return passed if passed.size >= count else None
 
 
 def _nucleus(vals: np.ndarray, n_candidates: int, vocab: int, scaled_lse: float,
@@ -397,14 +458,16 @@ def _first_above(cumulative: np.ndarray, target: float) -> int:
     return index
 
 
-def _draw_index(weights: np.ndarray, u: float) -> int:
+def _draw_index(weights: np.ndarray, u: float, padded: np.ndarray | None = None) -> int:
     """Draw index i with probability weights[i] / sum(weights), u uniform in [0, 1).
 
     Two levels (block totals, then one block) so it costs two short cumulative sums, not one over the vocabulary.
+    `padded`: float64 scratch of whole blocks whose entries past len(weights) are 0 (made here when not given).
     """
-    block = 256
+    block = _DRAW_BLOCK
     blocks = -(-weights.size // block)
-    padded = np.zeros(blocks * block, dtype=np.float64)
+    if padded is None:
+        padded = np.zeros(blocks * block, dtype=np.float64)
     padded[: weights.size] = weights
     block_cumulative = np.cumsum(padded.reshape(blocks, block).sum(axis=1))
     target = u * float(block_cumulative[-1])

@@ -1,0 +1,95 @@
+"""The fast sampler against the computation it replaced (tests/sampling_reference.py): every figure of every
+SampleResult (the token, its probabilities, ranks, counts after each filter, entropies, the candidate table) equal
+bit for bit, call after call on one Sampler, on logits built to reach every path: ties (grids, bf16), -inf entries,
+a vocabulary of one, small ones, the bundled model's 49152 and one that no block size divides, flat distributions
+that grow the top-p prefix, peaked ones, repetition penalties, huge magnitudes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+from sampling_reference import ReferenceSampler
+
+CASES = [
+    dict(),  # greedy
+    dict(repetition_penalty=1.3),
+    dict(temperature=1.0),
+    dict(temperature=0.7),
+    dict(temperature=1.0, repetition_penalty=1.2),
+    dict(temperature=0.7, top_k=50),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=0.9, top_k=300),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_p=0.99),
+    dict(temperature=1.3, min_p=0.05),
+    dict(temperature=1.0, min_p=0.001),
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
+    dict(temperature=1.0, top_p=0.5, repetition_penalty=0.8),
+    dict(temperature=2.0, top_k=400, top_p=0.99),
+]
+
+
+def logits_family(vocab: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Logits of several shapes for one vocabulary size."""
+    normal = torch.randn(vocab, generator=generator)
+    out = [normal * 3.0, normal * 0.3]  # peaked-ish, very flat (top-p reaches past its first prefixes)
+    out.append(torch.round(normal * 4) / 2)  # a grid: long runs of ties, ties at every cut
+    out.append((normal * 3).bfloat16())  # bf16, as a real LM head may give them
+    with_inf = normal * 2
+    with_inf[torch.rand(vocab, generator=generator) < 0.3] = float("-inf")  # masked tokens
+    with_inf[int(torch.randint(vocab, (1,), generator=generator))] = 5.0  # at least one finite
+    out.append(with_inf)
+    tied_top = normal.clone()
+    tied_top[torch.randperm(vocab, generator=generator)[: max(1, vocab // 50)]] = 7.0  # many tied maxima
+    out.append(tied_top)
+    out.append(normal * 1e4)  # huge logits: exp underflows to 0 for all but a few
+    return out
+
+
+def assert_same_calls(params: SamplingParams, calls: list[tuple[torch.Tensor, list[int]]],
+                      n_candidates: int = 10) -> None:
+    fast, reference = Sampler(params, n_candidates=n_candidates), ReferenceSampler(params, n_candidates=n_candidates)
+    for logits, previous in calls:
+        new, old = fast.sample(logits, previous), reference.sample(logits, previous)
+        assert new == old, (params, logits.shape)
+        # == compares floats by value: 0.0 == -0.0 and nothing else; check the signs too
+        assert [math.copysign(1, c.prob_final) for c in new.candidates] == \
+            [math.copysign(1, c.prob_final) for c in old.candidates]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: ",".join(f"{k}={v}" for k, v in case.items()) or "greedy")
+def test_every_figure_equals_the_reference_computation(case: dict) -> None:
+    generator = torch.Generator().manual_seed(len(str(case)))
+    calls = []
+    for vocab in (1, 7, 1000, 49152, 50021):  # 50021: prime, no block divides it
+        for logits in logits_family(vocab, generator):
+            previous = torch.randint(0, vocab, (40,), generator=generator).tolist()
+            calls.append((logits, previous))
+    # one Sampler for every call: its scratch arrays are reused (and remade when the vocabulary changes), its
+    # seeded draws go on; nothing of one call may leak into the next
+    assert_same_calls(SamplingParams(seed=11, **case), calls)
+
+
+def test_a_seeded_run_of_decode_steps_draws_the_same_tokens() -> None:
+    """Twenty steps on one vocabulary, as a decode loop makes them: the same tokens and every figure."""
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(49152, generator=generator) * 2.5
+    calls, previous = [], torch.randint(0, 49152, (8,), generator=generator).tolist()
+    for _ in range(20):
+        logits = base + torch.randn(49152, generator=generator) * 0.5
+        calls.append((logits, list(previous)))
+        previous.append(int(torch.randint(0, 49152, (1,), generator=generator)))
+    for case in (dict(temperature=0.7, top_p=0.9, repetition_penalty=1.1), dict(temperature=1.0),
+                 dict(temperature=0.8, min_p=0.05), dict()):
+        assert_same_calls(SamplingParams(seed=3, **case), calls)
+
+
+def test_a_candidate_table_as_large_as_the_vocabulary_equals_the_reference() -> None:
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.round(torch.randn(2000, generator=generator) * 6) / 3
+    for case in CASES:
+        assert_same_calls(SamplingParams(seed=1, **case), [(logits, [3, 5, 5, 1999])], n_candidates=2000)
