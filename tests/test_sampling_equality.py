@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
+from sampling_reference import ReferenceSampler
 
 from llmtrace.tracer.run.sampling import Sampler, SamplingParams
-from sampling_reference import ReferenceSampler
 
 CASES = [
     dict(),  # greedy
