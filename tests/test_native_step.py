@@ -213,3 +213,16 @@ def test_bundled_model_greedy_ids_match_the_torch_path() -> None:
             logits = model.decode_one(token)
         runs.append(out)
     assert runs[0] == runs[1]
+
+
+def test_decode_ceilings_time_the_native_step_whole() -> None:
+    """At batch 1 the native step runs its products in C, where the ceilings' stand-ins cannot reach: the rest is the
+    real step minus the products' pass, and the operations counted are the few the step dispatches."""
+    from llmtrace.tracer.run.decode_measure import measure_decode_ceilings
+
+    model = native_model(BASE)
+    loaded = type("Loaded", (), {"model": model, "config": BASE})()
+    ceilings = measure_decode_ceilings(loaded, [3, 4, 5, 6], (1, 2), 20e9, steps=2, repeats=1)
+    one, two = ceilings.batches
+    assert one.other_seconds >= 0 and one.context == 6
+    assert one.ops < 20 < two.ops  # the native step's few ops (embedding row, logits) against the torch path's

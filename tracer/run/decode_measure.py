@@ -15,6 +15,10 @@ At each batch B:
   the KV-cache write, attention, activations, residual adds, the embedding lookup and all views. One step runs
   under a dispatch counter (the stand-ins' own operations not counted); `steps` more are timed, median.
 The products' outputs are values no one reads and the stubbed steps' tokens are garbage: only times are kept.
+Where the model's one-token steps run as the native decode step (tracer/model/native_step.py: batch 1, every
+product a native-kernel matrix) the products run inside one C call, where no stand-in can replace them: the rest
+is then the real steps' median minus the products' pass (each product called alone, as above), at least 0, and
+its operations those the real step dispatches.
 """
 
 from __future__ import annotations
@@ -188,6 +192,30 @@ def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps:
     return ops, statistics.median(times), round(statistics.median(contexts))
 
 
+def _pass_seconds(products: tuple[ProductTime, ...], plan: Any) -> float:
+    """One step's products: each per-layer product once per layer, the LM head once."""
+    return sum(p.seconds * (len(plan.layers) if p.per_layer else 1) for p in products)
+
+
+def _native_steps(model: Any, plan: Any, ids: Sequence[int], steps: int, products: float) -> tuple[int, float, int]:
+    """`_stubbed_steps` for a model whose one-token steps run as the native decode step (one sequence, CPU): the
+    real steps timed, the products' pass (`products` seconds) taken out, at least 0."""
+    counter = _OpCounter()
+    tokens = torch.tensor([list(ids)], dtype=torch.long)  # (1, P)
+    times, contexts = [], []
+    with torch.no_grad():
+        logits = model.prefill(tokens)
+        with counter:
+            logits = model.decode_one(logits.argmax(dim=-1, keepdim=True))
+        for _ in range(steps):
+            next_ids = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
+            start = time.perf_counter()
+            logits = model.decode_one(next_ids)
+            times.append(time.perf_counter() - start)
+            contexts.append(int(model.pos))
+    return counter.count, max(0.0, statistics.median(times) - products), round(statistics.median(contexts))
+
+
 def measure_decode_ceilings(loaded: Any, ids: Sequence[int], batches: Sequence[int], memory_bandwidth: float,
                             steps: int = 6, repeats: int = 5, progress: Progress | None = None) -> DecodeCeilings:
     """The decode ceilings of `loaded`'s model at each of `batches` (see the module docstring); `ids` is the prompt
@@ -204,7 +232,10 @@ def measure_decode_ceilings(loaded: Any, ids: Sequence[int], batches: Sequence[i
                 progress(f"kernels at batch {batch}")
             plan = _plan(model, batch, len(ids) + steps + 2)
             products = _time_products(plan, config, batch, repeats, sync)
-            ops, other, context = _stubbed_steps(model, plan, ids, batch, steps, sync)
+            if batch == 1 and getattr(plan, "native", None) is not None and getattr(model, "use_native_step", True):
+                ops, other, context = _native_steps(model, plan, ids, steps, _pass_seconds(products, plan))
+            else:
+                ops, other, context = _stubbed_steps(model, plan, ids, batch, steps, sync)
             entries.append(BatchCeilings(batch=batch, products=products, ops=ops, other_seconds=other,
                                          context=context))
         weights, formats = weights_of(plan)
