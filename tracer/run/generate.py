@@ -27,7 +27,7 @@ from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.analytic.estimate import Dtypes
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
-from llmtrace.tracer.run.sampling import NonFiniteLogitsError
+from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheRun, NoCacheStep, SamplingLesson
@@ -391,6 +391,9 @@ class Generation:
         return piece
 
     def _candidate(self, c: Any) -> CandidateRecord:
+        if type(c) is Candidate:  # the Sampler's own: plain Python values already (a step makes ten of these)
+            return CandidateRecord(c.token_id, self._piece(c.token_id), c.logit, c.logit_penalized, c.prob_raw,
+                                   c.prob_tempered, c.kept_top_k, c.kept_top_p, c.kept_min_p, c.prob_final)
         return CandidateRecord(
             token_id=int(c.token_id), piece=self._piece(int(c.token_id)), logit=float(c.logit),
             logit_penalized=float(getattr(c, "logit_penalized", c.logit)),

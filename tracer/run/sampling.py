@@ -203,7 +203,8 @@ class Sampler:
             raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
         scratch = self._scratch_for(vocab)
         raw_softmax = _softmax(raw, raw_max, scratch)
-        raw_entropy = raw_softmax.entropy_nats(scratch)
+        # greedy reads none of raw_softmax's arrays again: its products may overwrite `shifted`
+        raw_entropy = raw_softmax.entropy_nats(raw_softmax.shifted if p.greedy else scratch.products)
         if p.repetition_penalty != 1:
             penalised, n_penalized = _apply_repetition_penalty(raw, previous_ids, p.repetition_penalty,
                                                                scratch.penalised)
@@ -281,11 +282,11 @@ class Sampler:
         else:  # no top-p; min-p alone, or nothing, cut less than the prefix holds: draw over the whole vocabulary
             if threshold == _NEG_INF:  # nothing cut: the final distribution is the tempered one
                 final = tempered if tempered is not raw_softmax else None
-                final_entropy = raw_entropy if final is None else final.entropy_nats(scratch)
+                final_entropy = raw_entropy if final is None else final.entropy_nats(scratch.products)
                 final_lse, weights = tempered.lse, tempered.weights
             else:  # exp(-inf) = 0 for a cut token, its kept neighbours' weights unchanged: mask the weights
                 final = tempered.cut_below(scaled, threshold)
-                final_lse, final_entropy, weights = final.lse, final.entropy_nats(scratch), final.weights
+                final_lse, final_entropy, weights = final.lse, final.entropy_nats(scratch.products), final.weights
             chosen = _draw_index(weights, u, scratch.padded)
             rank = _rank_of(scaled, chosen)
 
@@ -334,16 +335,17 @@ class _Softmax:
     shifted: np.ndarray  # x - max(x)
     weights: np.ndarray  # exp(shifted); 0 for a -inf entry
 
-    def entropy_nats(self, scratch: _Scratch | None = None) -> float:
-        """H = log(total) - sum(weights * shifted) / total. A -inf entry (weight 0) makes 0 * -inf = NaN; only then
-        is the sum taken again with those entries' terms set to 0 (a probability 0 adds nothing)."""
+    def entropy_nats(self, out: np.ndarray | None = None) -> float:
+        """H = log(total) - sum(weights * shifted) / total, the products written into `out` (may be `shifted` itself
+        when nothing reads it afterwards: one full-vocabulary array fewer for the caches). A -inf entry (weight 0)
+        makes 0 * -inf = NaN; only then is the sum taken again with those entries' terms set to 0 (a probability 0
+        adds nothing)."""
         with np.errstate(invalid="ignore"):  # 0 * -inf: found below by its NaN
-            products = np.multiply(self.weights, self.shifted, out=None if scratch is None else scratch.products)
+            products = np.multiply(self.weights, self.shifted, out=out)
         # not np.dot: BLAS may spread a long dot product over threads, which stalls on a busy machine
         weighted = float(products.sum())
-        if math.isnan(weighted):
-            np.multiply(self.weights, np.where(self.weights > 0, self.shifted, 0), out=products)
-            weighted = float(products.sum())
+        if math.isnan(weighted):  # weight > 0: its product as computed; weight 0: 0 (not 0 * -inf)
+            weighted = float(np.where(self.weights > 0, products, np.float32(0)).sum())
         return max(math.log(self.total) - weighted / self.total, 0.0)
 
     def cut_below(self, x: np.ndarray, threshold: float) -> _Softmax:
