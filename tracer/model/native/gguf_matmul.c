@@ -241,15 +241,15 @@ static inline __m128i load_u32(const uint8_t *p) {
 
 /* The activation row in the order a kernel unpacks values, made once per call. Unpacking 4-bit values is the
    kernels' main cost, so they take the order that costs fewest instructions and x is permuted to match:
-   - NATURAL (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K): the file's order (Q4_0/Q4_1 widen each 8 bytes of a block to
-     32-bit lanes straight from memory, so low and high nibbles come out in order);
-   - DWORDS32 (Q4_K, Q5_K): 32 bytes in one register, vector v of a sub-block shifted right by 8v (+4 for the
+   - NATURAL (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, Q6_K): the file's order (the 4-bit kernels widen each 8 bytes
+     to 32-bit lanes straight from memory, so low and high nibbles come out in order);
+   - DWORDS32 (Q5_K): 32 bytes in one register, vector v of a sub-block shifted right by 8v (+4 for the
      high-nibble sub-block): lane i holds value 4i+v of the sub-block.
    NIBBLES16 (no longer used by a kernel here) keeps its place in the enum: callers size their buffers by it. */
 enum { NATURAL, NIBBLES16, DWORDS32 };
 
 static int x_order(int type) {
-    if (type == Q4_K || type == Q5_K) return DWORDS32;
+    if (type == Q5_K) return DWORDS32;
     return NATURAL;
 }
 
@@ -415,13 +415,12 @@ static inline __m256 dwords32_dot(__m256i nib, __m256i high, const float *xs) {
     return _mm256_add_ps(p0, p1);
 }
 
-/* Q4_K/Q5_K: per sub-block s, (d*sc_s)*sum(x*q) - (dmin*m_s)*sum x */
-static inline float k4_row(const uint8_t *row, int64_t n_blocks, int is_q5, const float *xs, const float *sx) {
-    const int64_t bytes = is_q5 ? 176 : 144;
+/* Q5_K: per sub-block s, (d*sc_s)*sum(x*q) - (dmin*m_s)*sum x, x in DWORDS32 order */
+static inline float q5k_row(const uint8_t *row, int64_t n_blocks, const float *xs, const float *sx) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
     for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = row + b * bytes;
-        for (int line = 0; line < bytes; line += 64) prefetch(blk + line);
+        const uint8_t *blk = row + b * 176;
+        for (int line = 0; line < 176; line += 64) prefetch(blk + line);
         const __m128 dd = _mm_cvtph_ps(load_u32(blk)); /* d, dmin */
         uint64_t sc8, m8;
         k4_scales(blk + 4, &sc8, &m8);
@@ -431,20 +430,56 @@ static inline float k4_row(const uint8_t *row, int64_t n_blocks, int is_q5, cons
         const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
         mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m),
                                _mm256_loadu_ps(sx + 8 * b), mins);
-        const uint8_t *qs = blk + (is_q5 ? 48 : 16);
-        const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        const uint8_t *qs = blk + 48;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
         const float *xb = xs + 256 * b;
         for (int p = 0; p < 4; p++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
             /* fifth bits of sub-blocks 2p and 2p+1: bit 2p (2p+1) of each qh byte moved to bit 4 */
-            __m256i h0 = _mm256_setzero_si256(), h1 = h0;
-            if (is_q5) {
-                const __m128i c0 = _mm_cvtsi32_si128(4 - 2 * p), c1 = _mm_cvtsi32_si128(2 * p + 1 - 4);
-                h0 = p < 2 ? _mm256_sll_epi32(qh, c0) : _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p - 4));
-                h1 = p < 2 ? _mm256_sll_epi32(qh, _mm_cvtsi32_si128(4 - 2 * p - 1)) : _mm256_srl_epi32(qh, c1);
-            }
+            const __m256i h0 = p < 2 ? _mm256_sll_epi32(qh, _mm_cvtsi32_si128(4 - 2 * p))
+                                     : _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p - 4));
+            const __m256i h1 = p < 2 ? _mm256_sll_epi32(qh, _mm_cvtsi32_si128(3 - 2 * p))
+                                     : _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p - 3));
             const __m256 s0 = dwords32_dot(v, h0, xb + 64 * p);
             const __m256 s1 = dwords32_dot(_mm256_srli_epi32(v, 4), h1, xb + 64 * p + 32);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * p]), s0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * p + 1]), s1, acc1);
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) - hsum(mins);
+}
+
+/* sum over 8 bytes at q widened to 32-bit lanes, as low nibbles (lo) and high nibbles (hi), times x: the four
+   groups of 8 values of two 32-value sub-blocks at once, each summed in one chain */
+static inline void nibbles32_dot(const uint8_t *q, const float *x_lo, const float *x_hi, __m256 *lo, __m256 *hi) {
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    for (int i = 0; i < 4; i++) {
+        const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(u, low4)), b = _mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4));
+        *lo = i ? _mm256_fmadd_ps(a, _mm256_loadu_ps(x_lo + 8 * i), *lo) : _mm256_mul_ps(a, _mm256_loadu_ps(x_lo));
+        *hi = i ? _mm256_fmadd_ps(b, _mm256_loadu_ps(x_hi + 8 * i), *hi) : _mm256_mul_ps(b, _mm256_loadu_ps(x_hi));
+    }
+}
+
+/* Q4_K: per sub-block s, (d*sc_s)*sum(x*q) - (dmin*m_s)*sum x, x in natural order (bytes widened from memory) */
+static inline float q4k_row(const uint8_t *row, int64_t n_blocks, const float *x, const float *sx) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row + b * 144;
+        for (int line = 0; line < 144; line += 64) prefetch(blk + line);
+        const __m128 dd = _mm_cvtph_ps(load_u32(blk)); /* d, dmin */
+        uint64_t sc8, m8;
+        k4_scales(blk + 4, &sc8, &m8);
+        float ds[8];
+        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_broadcastss_ps(dd),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)))));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
+        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m),
+                               _mm256_loadu_ps(sx + 8 * b), mins);
+        const float *xb = x + 256 * b;
+        for (int p = 0; p < 4; p++) {
+            __m256 s0, s1;
+            nibbles32_dot(blk + 16 + 32 * p, xb + 64 * p, xb + 64 * p + 32, &s0, &s1);
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * p]), s0, acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * p + 1]), s1, acc1);
         }
@@ -500,8 +535,8 @@ static void dot_rows(int type, const uint8_t *w, int64_t w_stride, int64_t first
     case Q5_0: for (int64_t r = first; r < last; r++) out[r] = q5_row(w + r * w_stride, n_blocks, 0, xs, sx); break;
     case Q5_1: for (int64_t r = first; r < last; r++) out[r] = q5_row(w + r * w_stride, n_blocks, 1, xs, sx); break;
     case Q8_0: for (int64_t r = first; r < last; r++) out[r] = q8_row(w + r * w_stride, n_blocks, xs); break;
-    case Q4_K: for (int64_t r = first; r < last; r++) out[r] = k4_row(w + r * w_stride, n_blocks, 0, xs, sx); break;
-    case Q5_K: for (int64_t r = first; r < last; r++) out[r] = k4_row(w + r * w_stride, n_blocks, 1, xs, sx); break;
+    case Q4_K: for (int64_t r = first; r < last; r++) out[r] = q4k_row(w + r * w_stride, n_blocks, xs, sx); break;
+    case Q5_K: for (int64_t r = first; r < last; r++) out[r] = q5k_row(w + r * w_stride, n_blocks, xs, sx); break;
     case Q6_K: for (int64_t r = first; r < last; r++) out[r] = q6k_row(w + r * w_stride, n_blocks, xs); break;
     default: break;
     }

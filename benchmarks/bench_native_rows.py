@@ -1,0 +1,153 @@
+"""The native kernel's one-row (decode) products, two builds side by side: the current source and a baseline.
+
+Each build is tracer/model/native/gguf_matmul.c (or the baseline's text of it, from a git revision or a file)
+compiled with native_kernel's own flags into a temporary folder and called through ctypes as llmtrace calls it
+(llmt_describe once, llmt_matmul per product, one activation row). Calls of the builds are interleaved, so a slow
+spell of a shared machine hits both; medians and bests (the fastest call: what the code can do when nothing else
+runs) are reported as GB/s of stored bytes streamed.
+
+- per shape: one matrix called over and over (its bytes stay in L2/L3: the kernel's arithmetic rate);
+- "step": a decode step's products in their order (every layer's matrices, then the LM head), each matrix its
+  own memory, ~100 MB in all: the bytes come from DRAM as in a real decode step, so this is the figure that sets
+  decode speed.
+
+Shapes: the bundled SmolLM2-135M (`--model smollm2`: Q4_1 layers and a Q8_0 head by default; 30 layers of wq|wk|wv
+960x576, wo 576x576, w1|w3 3072x576, w2 576x1536, head 49152x576), or a 2048-wide LLaMA (`--model llama2048`:
+TinyLlama-1.1B's shapes, for the K-quants whose 256-value blocks 576 does not hold; 4 layers + a 32000x2048 head).
+
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --layers Q4_K --head Q6_K --model llama2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from llmtrace.tracer.model import native_kernel  # noqa: E402
+from tests.tiny_gguf import random_blocks  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+REPO = Path(__file__).resolve().parent.parent
+MODELS = {  # (layer matrices as (rows, k), layers, head rows, width)
+    "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, 49152, 576),
+    "llama2048": ([(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)], 4, 32000, 2048),
+}
+NAMES = ["wq|wk|wv", "wo", "w1|w3", "w2"]
+
+
+class Build:
+    """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes."""
+
+    def __init__(self, label: str, source: str, folder: Path) -> None:
+        self.label = label
+        path = folder / f"{label}.c"
+        path.write_text(source)
+        library = folder / f"{label}.so"
+        compiler = os.environ.get("CC", "cc").split()
+        flags = (*native_kernel.FLAG_SETS[0], *native_kernel.COMMON_FLAGS)
+        subprocess.run([*compiler, *flags, "-o", str(library), str(path)], check=True)
+        handle = ctypes.CDLL(str(library))
+        self.describe = handle.llmt_describe
+        self.describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                  ctypes.c_void_p]
+        self.matmul = handle.llmt_matmul
+        self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        handle.llmt_matrix_size.restype = ctypes.c_int64
+        self.size = int(handle.llmt_matrix_size())
+
+    def matrix(self, qtype: Q, blocks: np.ndarray, k: int) -> ctypes.Array:
+        described = ctypes.create_string_buffer(self.size)
+        status = self.describe(1, (ctypes.c_int * 1)(int(qtype)), (ctypes.c_void_p * 1)(blocks.ctypes.data),
+                               (ctypes.c_int64 * 1)(blocks.shape[1]), (ctypes.c_int64 * 1)(blocks.shape[0]), k,
+                               described)
+        assert status == 0, status
+        return described
+
+
+def baseline_source(spec: str) -> str:
+    """A file's text, else `git show SPEC:tracer/model/native/gguf_matmul.c`."""
+    if Path(spec).is_file():
+        return Path(spec).read_text()
+    return subprocess.run(["git", "-C", str(REPO), "show", f"{spec}:tracer/model/native/gguf_matmul.c"],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def compare(builds: list[Build], matrices: list[tuple[Q, np.ndarray, int]], x: np.ndarray, out: np.ndarray,
+            threads: int, runs: int) -> list[tuple[float, float]]:
+    """(median, best) seconds per build for one pass over `matrices`, the builds' passes interleaved."""
+    described = [[build.matrix(qtype, blocks, k) for qtype, blocks, k in matrices] for build in builds]
+    calls = [[(build.matmul, m) for m in mats] for build, mats in zip(builds, described)]
+    xp, op = x.ctypes.data, out.ctypes.data
+
+    def one_pass(build_calls):
+        for matmul, m in build_calls:
+            matmul(m, xp, 1, op, threads)
+
+    for build_calls in calls:  # warm-up
+        one_pass(build_calls)
+    times = [[] for _ in builds]
+    for _ in range(runs):
+        for i, build_calls in enumerate(calls):
+            times[i].append(timed(lambda: one_pass(build_calls)))
+    return [(float(np.median(t)), min(t)) for t in times]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="main", help="git revision or file of the baseline source ('' none)")
+    parser.add_argument("--layers", default="Q4_1", help="layer matrices' type")
+    parser.add_argument("--head", default="Q8_0", help="LM head's type")
+    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    parser.add_argument("--runs", type=int, default=15, help="steps per build and thread count")
+    args = parser.parse_args()
+    layer_type, head_type = Q[args.layers], Q[args.head]
+    shapes, n_layers, head_rows, width = MODELS[args.model]
+    rng = np.random.default_rng(0)
+    print("load average before:", os.getloadavg())
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = [Build("current", native_kernel.SOURCE.read_text(), Path(tmp))]
+        if args.baseline:
+            builds.insert(0, Build("baseline", baseline_source(args.baseline), Path(tmp)))
+        labels = " | ".join(f"{b.label} med / best" for b in builds)
+        layers = [[(layer_type, random_blocks(layer_type, n, k, rng), k) for n, k in shapes] for _ in range(n_layers)]
+        head = (head_type, random_blocks(head_type, head_rows, width, rng), width)
+        step = [m for layer in layers for m in layer] + [head]
+        step_bytes = sum(blocks.nbytes for _, blocks, _ in step)
+        x = rng.standard_normal(max(k for _, k in shapes)).astype(np.float32)
+        out = np.empty(head_rows, dtype=np.float32)
+        for threads in (1, 2):
+            print(f"{threads} thread(s); GB/s of stored bytes: {labels}")
+            for name, matrix in zip(NAMES + ["head"], layers[0] + [head]):
+                runs = 200 if matrix is not head else 15
+                result = compare(builds, [matrix], x, out, threads, runs)
+                rows, k = matrix[1].shape[0], matrix[2]
+                nbytes = matrix[1].nbytes
+                cells = " | ".join(f"{nbytes / med / 1e9:6.2f} / {nbytes / best / 1e9:6.2f}" for med, best in result)
+                print(f"  {name:9} {matrix[0].name:5} {rows:6}x{k:<5} {cells}", flush=True)
+            result = compare(builds, step, x, out, threads, args.runs)
+            cells = " | ".join(f"{step_bytes / med / 1e9:6.2f} / {step_bytes / best / 1e9:6.2f}" for med, best in result)
+            ms = " | ".join(f"{med * 1e3:.2f} ms" for med, _ in result)
+            print(f"  step ({step_bytes / 1e6:.1f} MB) {cells}   (median {ms})", flush=True)
+    print("load average after:", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
