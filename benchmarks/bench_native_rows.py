@@ -15,7 +15,12 @@ Shapes: the bundled SmolLM2-135M (`--model smollm2`: Q4_1 layers and a Q8_0 head
 960x576, wo 576x576, w1|w3 3072x576, w2 576x1536, head 49152x576), or a 2048-wide LLaMA (`--model llama2048`:
 TinyLlama-1.1B's shapes, for the K-quants whose 256-value blocks 576 does not hold; 4 layers + a 32000x2048 head).
 
-    /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main
+With `--in-model ROUNDS`, also the bundled model itself (`--weights native`, 2 threads) in child processes, one
+per build and round, alternated (benchmarks/run_with_native_source.py builds the baseline): 128 `decode_one` steps
+after a 5-token prompt, each step's forward and the time inside its weight products (PackedWeight calls: the
+kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps.
+
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main --in-model 4
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --layers Q4_K --head Q6_K --model llama2048
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -110,13 +116,73 @@ def compare(builds: list[Build], matrices: list[tuple[Q, np.ndarray, int]], x: n
     return [(float(np.median(t)), min(t)) for t in times]
 
 
+def model_steps(steps: int = 128) -> dict[str, float]:
+    """This process's build in the bundled model: percentiles (ms) of decode steps and of their products."""
+    import torch
+
+    from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.model.weight_formats import PackedWeight
+
+    torch.set_num_threads(2)
+    loaded = load_model(None, weights="native")
+    model = loaded.model
+    ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])  # (1, T)
+    token = ids[:, -1:]  # (1, 1)
+    spent = [0]
+    original = PackedWeight.__call__
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter_ns()
+        out = original(self, *args, **kwargs)
+        spent[0] += time.perf_counter_ns() - start
+        return out
+
+    PackedWeight.__call__ = timed
+    model.setup_cache(1, ids.shape[1] + 5)
+    model.prefill(ids)
+    for _ in range(4):  # warm-up
+        model.decode_one(token)
+    forward, products = [], []
+    model.setup_cache(1, ids.shape[1] + steps + 1)
+    model.prefill(ids)
+    for _ in range(steps):
+        spent[0] = 0
+        start = time.perf_counter_ns()
+        model.decode_one(token)
+        forward.append(time.perf_counter_ns() - start)
+        products.append(spent[0])
+    PackedWeight.__call__ = original
+    return {f"{name} p{p}": float(np.percentile(values, p)) / 1e6
+            for name, values in (("forward", forward), ("products", products)) for p in (10, 50)}
+
+
+def in_model(baseline: str, rounds: int) -> None:
+    """Alternate child processes of the baseline build and the current one; print each round and the medians."""
+    results: dict[str, list[dict[str, float]]] = {"baseline": [], "current": []}
+    for round_ in range(rounds):
+        for label in results:
+            command = [sys.executable, "-m", "benchmarks.run_with_native_source", baseline] if label == "baseline" \
+                else [sys.executable]
+            done = subprocess.run([*command, "-m", "benchmarks.bench_native_rows", "--model-child"], cwd=REPO,
+                                  check=True, capture_output=True, text=True)
+            results[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  round {round_ + 1} {label:8}", {k: round(v, 2) for k, v in results[label][-1].items()}, flush=True)
+    for label, rows in results.items():
+        print(f"  median of rounds, {label:8}", {k: round(float(np.median([r[k] for r in rows])), 2) for k in rows[0]})
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--model-child"]:
+        print(json.dumps(model_steps()))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="main", help="git revision or file of the baseline source ('' none)")
     parser.add_argument("--layers", default="Q4_1", help="layer matrices' type")
     parser.add_argument("--head", default="Q8_0", help="LM head's type")
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--runs", type=int, default=15, help="steps per build and thread count")
+    parser.add_argument("--in-model", type=int, default=0, metavar="ROUNDS",
+                        help="also the bundled model's decode steps, ROUNDS child processes per build")
     args = parser.parse_args()
     layer_type, head_type = Q[args.layers], Q[args.head]
     shapes, n_layers, head_rows, width = MODELS[args.model]
@@ -146,6 +212,9 @@ def main() -> None:
             cells = " | ".join(f"{step_bytes / med / 1e9:6.2f} / {step_bytes / best / 1e9:6.2f}" for med, best in result)
             ms = " | ".join(f"{med * 1e3:.2f} ms" for med, _ in result)
             print(f"  step ({step_bytes / 1e6:.1f} MB) {cells}   (median {ms})", flush=True)
+    if args.in_model and args.baseline:
+        print("bundled model, --weights native, 2 threads: decode_one ms (forward) and its products' ms")
+        in_model(args.baseline, args.in_model)
     print("load average after:", os.getloadavg())
 
 
