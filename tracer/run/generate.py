@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol
 
+import numpy as np
 import torch
 
 from llmtrace.tracer.core.version import llmtrace_version
@@ -309,7 +310,7 @@ class Generation:
 
     def _step(self, phase: str, index: int, ids: list[int]) -> StepRecord:
         """One forward (prefill or decode_one), the sample from its logits, the text it adds."""
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        tokens = self._token_tensor(ids)  # (1, T)
         sync = self._sync
         self._tracer.begin_step(phase, index)
         if sync is not None:
@@ -360,6 +361,14 @@ class Generation:
             # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
             self._lesson = sampling_lesson(logits[0], previous, self.settings, self._piece)
         return record
+
+    def _token_tensor(self, ids: list[int]) -> torch.Tensor:
+        """The ids as a (1, T) int64 tensor on the model's device. On the CPU through numpy: torch.tensor() parses a
+        nested list and dispatches a copy, tens of microseconds right after a model step has evicted the caches
+        (bench_token_overhead)."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(np.array([ids], dtype=np.int64))  # (1, T); a fresh array: nothing aliases it
+        return torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
 
     def _observe(self, record: StepRecord) -> None:
         """The lens and attention views of the step just taken, from the Observer's rows (after its clocks)."""
