@@ -3,7 +3,8 @@
 It traces the path the model takes. On the fused path (the default when nothing else watches the model) the path
 itself marks the end of each stage and the Tracer's mark reads the clock (tracer/trace/fused_marks.py). Stage by stage,
 each stage module is wrapped (or hooked): one clock read before and one after it, then the shapes of the tensors
-in and out (torch.Size objects, no copies). Either way FLOPs and bytes are worked out from the shapes later
+in and out (torch.Size objects, no copies), kept as the id of that set of shapes (ShapeTable). Either way FLOPs and
+bytes are worked out from the shapes later, once per stage and set of shapes
 (`Tracer.records()`, after the run), by tracer/trace/stage_cost.py with the functions in tracer/analytic/flop_formulas.py that
 the analytical estimate uses.
 
@@ -14,6 +15,7 @@ times, no synchronize between stages), on mps with the host clock after a synchr
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any
 
@@ -31,10 +33,14 @@ MECHANISMS = ("auto", "fused", "wrap", "hooks")
 MODULE_MECHANISMS = ("wrap", "hooks")  # the ones that instrument the stage modules
 _NO_INSTANCE_FORWARD = object()  # marks a module whose forward came from its class (the usual case)
 
-# A raw event, kept by the post-hook: (stage index, start ns, end ns, input shapes, output shapes). A tuple, not a
-# record, on purpose: it is made on the hot path of every traced stage call and never leaves this module.
-# (Shapes are torch.Size from the module mechanisms, plain tuples from the fused path's; torch.Size is a tuple.)
-RawEvent = tuple[int, int, int, list[tuple[int, ...]], list[tuple[int, ...]]]
+# A raw event, kept on the hot path of every traced stage call: (stage index, start stamp, end stamp, shape id).
+# Four ints, not a record: the shapes a call saw are interned once per distinct set (ShapeTable), so a step's ~500
+# events hold no lists or torch.Size objects. A tuple of ints is dropped from the garbage collector's lists at its
+# first collection; events that held lists of torch.Size stayed tracked until the run's records were built, and
+# the collector's passes over them grew with the run (BENCHMARKS.md, "`--staged` tracing overhead").
+RawEvent = tuple[int, int, int, int]
+ShapeKey = tuple[Any, ...]  # the input shapes, None, the output shapes (torch.Size or tuples: equal and same hash)
+_SHAPE = operator.attrgetter("shape")  # through map(): no Python frame per tensor, unlike a comprehension
 
 
 def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
@@ -57,13 +63,36 @@ def stage_modules(model: nn.Module) -> list[tuple[StageModule, nn.Module]]:
     return found
 
 
-def _shapes(args: tuple[Any, ...], output: Any, tuple_output: bool) -> tuple[list[Any], list[Any]]:
-    """The torch.Size of each tensor a stage took and returned (no copies): both module mechanisms' hot path."""
+class ShapeTable:
+    """Interns the shapes of stage calls: each distinct (input shapes, output shapes) gets a small int id, once.
+
+    A decode step repeats the same few shape sets in every layer (only S changes from step to step), so the hot path
+    does one dict lookup of a tuple it builds anyway, and the record builder looks the shapes up by id."""
+
+    __slots__ = ("ids", "shapes")
+
+    def __init__(self) -> None:
+        self.ids: dict[ShapeKey, int] = {}
+        self.shapes: list[tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]] = []
+
+    def add(self, key: ShapeKey) -> int:
+        """The id of `key` (input shapes, None, output shapes), made on first sight."""
+        found = self.ids.get(key)
+        if found is None:
+            cut = key.index(None)
+            self.shapes.append((tuple(tuple(s) for s in key[:cut]), tuple(tuple(s) for s in key[cut + 1:])))
+            found = self.ids[key] = len(self.shapes) - 1
+        return found
+
+
+def _shape_key(args: tuple[Any, ...], output: Any, tuple_output: bool) -> ShapeKey:
+    """The torch.Size of each tensor a stage took, None, then of each it returned (no copies): both module
+    mechanisms' hot path."""
     try:
-        inputs = [a.shape for a in args]
+        inputs = tuple(map(_SHAPE, args))
     except AttributeError:  # a non-tensor argument: keep the tensors only
-        inputs = [a.shape for a in args if isinstance(a, torch.Tensor)]
-    return inputs, [o.shape for o in output] if tuple_output else [output.shape]
+        inputs = tuple(a.shape for a in args if isinstance(a, torch.Tensor))
+    return (*inputs, None, *map(_SHAPE, output)) if tuple_output else (*inputs, None, output.shape)
 
 
 def device_synchronizer(device: torch.device) -> Any:
@@ -106,7 +135,10 @@ class Tracer:
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
         self._fused: FusedMarks | None = None
-        self._cost_cache: dict[tuple[Any, ...], tuple[Any, Any, StageCost]] = {}
+        self._shape_table = ShapeTable()
+        # (stage index, shape id) -> the record's fields that follow from them (_static_fields): a decode step's
+        # stages repeat their shapes, so each distinct call is costed once
+        self._static: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._starts: list[int] = []
         self._events: list[RawEvent] = []
         self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
@@ -191,25 +223,49 @@ class Tracer:
         return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
 
     def _make_wrapper(self, index: int, forward: Any) -> Any:
-        """An instance-level forward for one stage: stamp, original forward, stamp, shapes (torch.Size, no copies)."""
-        events = self._events
+        """An instance-level forward for one stage: stamp, original forward, stamp, then the id of the shapes it saw
+        (torch.Size, no copies) and one append of four ints."""
+        append = self._events.append
         stamp = self.clock.stamp
+        ids = self._shape_table.ids
+        add = self._shape_table.add
         tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
 
-        def traced_forward(*args: Any) -> Any:
-            start = stamp()
-            output = forward(*args)
-            end = stamp()
-            events.append((index, start, end, *_shapes(args, output, tuple_output)))
-            return output
+        # Written out per output kind, without a helper call: this runs ~500 times a decode step.
+        if tuple_output:
+            def traced_forward(*args: Any) -> Any:
+                start = stamp()
+                output = forward(*args)
+                end = stamp()
+                try:
+                    key = (*map(_SHAPE, args), None, *map(_SHAPE, output))
+                except AttributeError:
+                    key = _shape_key(args, output, True)
+                shape_id = ids.get(key)
+                append((index, start, end, add(key) if shape_id is None else shape_id))
+                return output
+        else:
+            def traced_forward(*args: Any) -> Any:
+                start = stamp()
+                output = forward(*args)
+                end = stamp()
+                try:
+                    key = (*map(_SHAPE, args), None, output.shape)
+                except AttributeError:
+                    key = _shape_key(args, output, False)
+                shape_id = ids.get(key)
+                append((index, start, end, add(key) if shape_id is None else shape_id))
+                return output
 
         return traced_forward
 
     def _make_hooks(self, index: int) -> tuple[Any, Any]:
-        """The two hooks of one stage. Hot path: one stamp each, then the shapes (torch.Size, no copies)."""
+        """The two hooks of one stage. Hot path: one stamp each, then the id of the shapes (as the wrapper's)."""
         starts = self._starts
-        events = self._events
+        append = self._events.append
         stamp = self.clock.stamp
+        ids = self._shape_table.ids
+        add = self._shape_table.add
         tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
 
         def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -217,7 +273,9 @@ class Tracer:
 
         def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             end = stamp()
-            events.append((index, starts[index], end, *_shapes(args, output, tuple_output)))
+            key = _shape_key(args, output, tuple_output)
+            shape_id = ids.get(key)
+            append((index, starts[index], end, add(key) if shape_id is None else shape_id))
 
         return pre, post
 
@@ -240,59 +298,53 @@ class Tracer:
             events = list(self._events)
             if self.clock.on_device:  # event indices -> host nanoseconds, with one synchronize for the step
                 times = iter(self.clock.resolve([t for e in events for t in e[1:3]]))
-                events = [(e[0], next(times), next(times), e[3], e[4]) for e in events]
+                events = [(e[0], next(times), next(times), e[3]) for e in events]
             self._steps.append((self._phase, self._step, events))
         self._events.clear()
 
     def records(self) -> tuple[StageRecord, ...]:
         """Every stage record so far, in call order."""
         for phase, step, events in self._steps:
-            self._built.extend(self._record(phase, step, e) for e in events)
+            self._built.extend(self._records_of(phase, step, events))
         self._steps.clear()
         for phase, step, marks, dims in self._fused_steps:
-            self._built.extend(self._record(phase, step, e) for e in self._fused_events(marks, dims))
+            self._built.extend(self._records_of(phase, step, self._fused_events(marks, dims)))
         self._fused_steps.clear()
         return tuple(self._built)
 
     def _fused_events(self, marks: list[int], dims: StepDims) -> list[RawEvent]:
         """Raw events of one fused-path step: stage i ran from reading i to reading i + 1."""
         shapes = stage_shapes(self.model.config, dims)
+        add = self._shape_table.add
         events: list[RawEvent] = []
         for index, stage in enumerate(self.stages):
             inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
-            events.append((index, marks[index], marks[index + 1], inputs, outputs))
+            events.append((index, marks[index], marks[index + 1], add((*inputs, None, *outputs))))
         return events
 
-    def _record(self, phase: str, step: int, event: RawEvent) -> StageRecord:
-        index, start, end, input_shapes, output_shapes = event
+    def _records_of(self, phase: str, step: int, events: list[RawEvent]) -> list[StageRecord]:
+        """One step's records. The fields fixed by the stage and its shapes come from `_static` (positional, in
+        StageRecord's field order: layer .. kv_bytes_written), so each record costs one lookup and one constructor."""
+        static = self._static
+        origin = self.origin_ns
+        records = []
+        for index, start, end, shape_id in events:
+            fields = static.get((index, shape_id))
+            if fields is None:
+                fields = static[(index, shape_id)] = self._static_fields(index, shape_id)
+            records.append(StageRecord(phase, step, *fields, start - origin, end - start,
+                                       self.stages[index].weight_format))
+        return records
+
+    def _static_fields(self, index: int, shape_id: int) -> tuple[Any, ...]:
+        """StageRecord's fields from `layer` to `kv_bytes_written` for stage `index` on the shapes `shape_id`:
+        what the call cost (tracer/trace/stage_cost.py), from its shapes, the stage's weights and the dtype."""
         stage = self.stages[index]
-        key = (index, *input_shapes, None, *output_shapes)  # torch.Size is a tuple: hashable
-        cached = self._cost_cache.get(key)
-        if cached is None:
-            act = self.activation_itemsize
-            index_arg = INDEX_ARGUMENTS.get(stage.kind)
-            inputs = [(tuple(s), INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(input_shapes)]
-            outputs = [(tuple(s), act) for s in output_shapes]
-            cached = (tuple(s for s, _ in inputs), tuple(s for s, _ in outputs), stage_cost(stage, inputs, outputs))
-            self._cost_cache[key] = cached
-        in_shapes, out_shapes, cost = cached
-        return StageRecord(
-            phase=phase,
-            step=step,
-            layer=stage.layer,
-            stage=stage.name,
-            kind=stage.kind,
-            input_shapes=in_shapes,
-            output_shapes=out_shapes,
-            dtype=self.activation_dtype,
-            matmul_flops=cost.matmul_flops,
-            elementwise_flops=cost.elementwise_flops,
-            weight_bytes_read=cost.weight_bytes_read,
-            activation_bytes_read=cost.activation_bytes_read,
-            activation_bytes_written=cost.activation_bytes_written,
-            kv_bytes_read=cost.kv_bytes_read,
-            kv_bytes_written=cost.kv_bytes_written,
-            weight_format=stage.weight_format,
-            start_ns=start - self.origin_ns,
-            duration_ns=end - start,
-        )
+        in_shapes, out_shapes = self._shape_table.shapes[shape_id]
+        act = self.activation_itemsize
+        index_arg = INDEX_ARGUMENTS.get(stage.kind)
+        inputs = [(s, INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(in_shapes)]
+        cost: StageCost = stage_cost(stage, inputs, [(s, act) for s in out_shapes])
+        return (stage.layer, stage.name, stage.kind, in_shapes, out_shapes, self.activation_dtype,
+                cost.matmul_flops, cost.elementwise_flops, cost.weight_bytes_read, cost.activation_bytes_read,
+                cost.activation_bytes_written, cost.kv_bytes_read, cost.kv_bytes_written)
