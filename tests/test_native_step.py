@@ -41,9 +41,11 @@ def native() -> None:
         pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
 
 
-def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: str = NATIVE) -> Transformer:
-    """A random fp32 model of `config` whose matrices gguf quantized to `qtype`, held for `kernel`; norm weights and
-    biases random too (not ones and zeros, which would hide a skipped one)."""
+def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: str = NATIVE,
+                 dense_embedding: bool = False) -> Transformer:
+    """A random fp32 model of `config` whose matrices gguf quantized to `qtype`, held for `kernel` (the embedding
+    table dense fp32 if `dense_embedding`); norm weights and biases random too (not ones and zeros, which would
+    hide a skipped one)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     dense = Transformer(config)
@@ -54,7 +56,7 @@ def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: 
             state[name] = 1.0 + 0.2 * torch.randn_like(tensor)
         elif name.endswith(".bias"):
             state[name] = 0.1 * torch.randn_like(tensor)
-        elif tensor.dim() == 2:
+        elif tensor.dim() == 2 and not (dense_embedding and name == "tok_embeddings.weight"):
             if qtype in QUANTIZABLE:
                 raw = gguf.quants.quantize(tensor.numpy().astype(np.float32), qtype)
             else:  # k-quants gguf cannot quantize: random blocks of small, finite scales
@@ -108,6 +110,12 @@ def test_native_step_matches_the_torch_fused_path(variant: dict[str, Any], threa
         assert_same_steps(native_model(dataclasses.replace(BASE, **variant)))
     finally:
         torch.set_num_threads(before)
+
+
+def test_native_step_with_a_dense_embedding_table() -> None:
+    model = native_model(BASE, dense_embedding=True)
+    assert model.tok_embeddings.packed is None
+    assert_same_steps(model)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K])
@@ -226,3 +234,13 @@ def test_decode_ceilings_time_the_native_step_whole() -> None:
     one, two = ceilings.batches
     assert one.other_seconds >= 0 and one.context == 6
     assert one.ops < 20 < two.ops  # the native step's few ops (embedding row, logits) against the torch path's
+
+
+def test_token_outside_the_table_is_refused_before_any_write() -> None:
+    model = native_model(BASE)
+    model.setup_cache(1, 8)
+    model.prefill(torch.arange(3, 8).view(1, -1))
+    before = model._kv_all.clone()
+    with pytest.raises(native_kernel.NativeKernelError, match="token id outside the embedding table"):
+        model.decode_one(torch.tensor([[BASE.vocab_size]]))
+    assert model.pos == 5 and torch.equal(model._kv_all, before)

@@ -18,7 +18,7 @@ notices a reload, a `.to()` or an in-place weight edit.
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
 fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Both go through
 the one `FusedLayer.forward`. When every product of such a step is held for the native kernel and the model runs
-in fp32 on the CPU, the step after the embedding is one C call instead (tracer/model/native_step.py: the same
+in fp32 on the CPU, the step is one C call instead (tracer/model/native_step.py: the same
 stages in the same order, all layers in one OpenMP region); a traced step then takes the readings C stamps after
 each stage (a mark's TAKE_STAMPS), and a mark that cannot take them gets the torch ops and their mark() calls.
 
@@ -289,16 +289,10 @@ class FusedPlan:
 
     def _decode_native(self, tokens: torch.Tensor, start: int, mark: Mark,
                        take: Callable[[list[int]], None] | None) -> torch.Tensor:
-        """`_decode_one` as one C call (tracer/model/native_step.py): the embedding here, marked as there; every
-        later stage stamped in C when traced (`take` receives those readings)."""
+        """`_decode_one` as one C call (tracer/model/native_step.py), from the token id to the logits; when traced,
+        `take` receives the readings C stamped (the step's start, then one after each stage)."""
         end = start + 1
-        mark()
-        if isinstance(self.embedding, PackedWeight):
-            x = self.embedding.rows(tokens.view(1), self.dtype)[0]  # (dim,)
-        else:
-            x = F.embedding(tokens.view(1), self.embedding)[0]  # (dim,)
-        mark()
-        logits = self.native(x, start, first_attended_position(end, 1, self.window), take is not None)  # (1, V)
+        logits = self.native(int(tokens), start, first_attended_position(end, 1, self.window), take is not None)
         for cache in self.caches:
             cache.set_length(end, 1)
         if take is not None:

@@ -12,9 +12,13 @@ every product of the step (each layer's packed Q|K|V, wo, gate|up, w2 and the LM
 "native" kernel; the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
 every layer has the same shapes and norm epsilon. The plan holds a reference to every tensor whose memory C reads.
 
-Tracing: with `stamps=True` the C step reads CLOCK_MONOTONIC after each stage of contract.fused_stages (from the
-first layer's attention norm to the LM head), the clock time.perf_counter_ns reads on Linux (`host_clock_matches`
-checks that; where it does not, a traced run takes the torch fused path).
+The token's embedding row is looked up in C too (the table held as stored, its row dequantized exactly as
+native_kernel.dequantize does, or dense fp32), so the step is one call from the token id to the logits.
+
+Tracing: with `stamps=True` the C step reads CLOCK_MONOTONIC at its start and after each stage of
+contract.fused_stages (the embedding, every layer's stages, the final norm and the LM head), the clock
+time.perf_counter_ns reads on Linux (`host_clock_matches` checks that; where it does not, a traced run takes the
+torch fused path).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import torch
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import NATIVE, PackedWeight
 
+STAGES_BEFORE_LAYERS = 1  # the embedding
 STAGES_PER_LAYER = 14  # the fused path's layer stages (contract.fused_stages); the C step stamps each
 STAGES_AFTER_LAYERS = 2  # final norm, LM head
-_STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch"}
+_STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch",
+           6: "a token id outside the embedding table"}
 
 
 class _Layer(ctypes.Structure):
@@ -49,7 +55,8 @@ class _Plan(ctypes.Structure):
                 ("norm_floor", ctypes.c_float), ("scale", ctypes.c_float),
                 ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
                 ("head_bias", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("kv_layer", ctypes.c_int64),
-                ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64)]
+                ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64),
+                ("embedding", ctypes.c_void_p), ("embedding_dense", ctypes.c_void_p), ("embedding_rows", ctypes.c_int64)]
 
 
 @functools.cache
@@ -58,32 +65,37 @@ def host_clock_matches() -> bool:
     return time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
 
-@functools.cache
 def _entry_points() -> tuple[Any, Any] | None:
-    """(llmt_decode_step, llmt_step_scratch_floats) with their signatures declared, or None when the library is
-    missing, its step's structures differ from this module's, or it was built without the AVX2 row kernels."""
+    """(llmt_decode_step, llmt_step_scratch_floats) of the current library (native_kernel.reset() may load another)
+    with their signatures declared, or None when there is no library, its step's structures differ from this
+    module's, or it was built without the AVX2 row kernels."""
     if not native_kernel.available():
         return None
-    handle = native_kernel.library().handle
+    library = native_kernel.library()
+    if library.path not in _DECLARED:
+        _DECLARED[library.path] = _declare(library)
+    return _DECLARED[library.path]
+
+
+_DECLARED: dict[Any, tuple[Any, Any] | None] = {}  # by library file: made once per library loaded
+
+
+def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any] | None:
+    handle = library.handle
     handle.llmt_step_layer_size.restype = handle.llmt_step_plan_size.restype = ctypes.c_int64
     if (handle.llmt_step_layer_size() != ctypes.sizeof(_Layer) or handle.llmt_step_plan_size() != ctypes.sizeof(_Plan)
             or not handle.llmt_step_supported()):
         return None
     # Called holding the GIL (a PyDLL function): the step's threads are as many as the cores torch uses, and a Python
     # thread running meanwhile (a live view's refresh) would take one of them and stall every barrier of the step.
-    step = ctypes.PyDLL(str(native_kernel.library().path)).llmt_decode_step
-    step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+    step = ctypes.PyDLL(str(library.path)).llmt_decode_step
+    step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     step.restype = ctypes.c_int
     scratch = handle.llmt_step_scratch_floats
     scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     scratch.restype = ctypes.c_int64
     return step, scratch
-
-
-def reset() -> None:
-    """Forget the declared entry points (after native_kernel.reset(): another library may load)."""
-    _entry_points.cache_clear()
 
 
 class NotEligible(Exception):
@@ -144,9 +156,17 @@ class NativeStep:
                            self._vector(plan.output_bias, vocab, "bias"), kv.data_ptr(), kv.stride(0), kv.stride(1),
                            None, 0)
         self._keep.append(kv)
+        table = plan.embedding  # (V, dim): held as stored (the native kernel's rows) or dense fp32
+        if isinstance(table, PackedWeight) and table.format.kernel == NATIVE and table.shape[1] == dim:
+            self._plan.embedding = self._keep_matrix(table)
+        elif isinstance(table, torch.Tensor) and table.dim() == 2 and table.shape[1] == dim:
+            self._plan.embedding_dense = self._vector(table.reshape(-1), table.numel(), "embedding table")
+        else:
+            raise NotEligible("the embedding table is neither native blocks nor dense fp32")
+        self._plan.embedding_rows = table.shape[0]
         self._address = ctypes.addressof(self._plan)
         self.layers, self.vocab, self.dim, self.head_dim = len(layers), vocab, dim, head_dim
-        self.stamp_count = STAGES_PER_LAYER * len(layers) + STAGES_AFTER_LAYERS
+        self.stamp_count = 1 + STAGES_BEFORE_LAYERS + STAGES_PER_LAYER * len(layers) + STAGES_AFTER_LAYERS
         self._stamps = torch.zeros(self.stamp_count, dtype=torch.int64)
         self._threads = 0
         self._ensure_scratch(torch.get_num_threads())
@@ -166,6 +186,9 @@ class NativeStep:
             raise NotEligible(f"{name} is not held for the native kernel")
         if weight.shape != shape:
             raise NotEligible(f"{name} is {weight.shape}, the step expects {shape}")
+        return self._keep_matrix(weight)
+
+    def _keep_matrix(self, weight: PackedWeight) -> int:
         described = weight.native_matrix()
         self._keep.append(described)  # holds the row blocks' tensors and the C description
         return described.address
@@ -187,23 +210,23 @@ class NativeStep:
         self._plan.scratch, self._plan.scratch_floats = scratch.data_ptr(), floats
         self._scratch, self._threads = scratch, threads
 
-    def __call__(self, x: torch.Tensor, position: int, first: int, stamps: bool = False) -> torch.Tensor:
-        """x (dim,) fp32 contiguous, the token's embedding; the token at `position`, attending keys
-        first..position -> logits (1, V). Writes every layer's K and V at `position`. With `stamps`, `readings()`
-        then holds the clock reading after each stage."""
+    def __call__(self, token: int, position: int, first: int, stamps: bool = False) -> torch.Tensor:
+        """The token (its id) at `position`, attending keys first..position -> logits (1, V). Writes every layer's K
+        and V at `position`. With `stamps`, `readings()` then holds the step's start and the clock reading after
+        each stage from the embedding on."""
         threads = torch.get_num_threads()
         if threads > self._threads:
             self._ensure_scratch(threads)
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
         row = position * self.head_dim * 4  # bytes into the (S_max, 1, D) tables
-        status = self._step(self._address, x.data_ptr(), self.cos.data_ptr() + row, self.sin.data_ptr() + row,
+        status = self._step(self._address, token, self.cos.data_ptr() + row, self.sin.data_ptr() + row,
                             position, first, logits.data_ptr(), self._stamps.data_ptr() if stamps else None, threads)
         if status:
             raise native_kernel.NativeKernelError(f"the native decode step failed: {_STATUS.get(status, status)}")
         return logits
 
     def readings(self) -> list[int]:
-        """The last traced step's clock readings (ns, CLOCK_MONOTONIC), one after each stage."""
+        """The last traced step's clock readings (ns, CLOCK_MONOTONIC): its start, then one after each stage."""
         return self._stamps.tolist()
 
 

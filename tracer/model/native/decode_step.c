@@ -22,7 +22,8 @@
  *   a = Wo o (+ b); x = a + x                              product, residual
  *   h = rmsnorm(x); gu = W13 h (+ b)                       FFN RMSNorm, packed gate|up product
  *   act = silu(gate) * up; d = W2 act (+ b); x = d + x
- * then the final RMSNorm and the LM head (+ bias) into `logits`.
+ * after the token's embedding row (dequantized exactly, as native_kernel.dequantize does), then the final RMSNorm
+ * and the LM head (+ bias) into `logits`.
  * Sums run in another order than torch's (so results agree within fp32 summation error, not bit for bit).
  *
  * Threads. Products split their rows with `share` (byte-balanced) and add their own rows' bias; attention splits the
@@ -31,9 +32,10 @@
  * dependency, none per op.
  *
  * Tracing. With `stamps` not NULL, thread 0 reads CLOCK_MONOTONIC (what Python's time.perf_counter_ns reads on
- * Linux; native_step.py checks) after each stage of the fused path's order (contract.fused_stages: per layer
- * attention norm, Q|K|V, RoPE, KV write, scores, softmax, values, wo, residual, FFN norm, gate|up, silu*up, w2,
- * residual; then final norm, LM head), after the barrier that ends a parallel stage. Traced, attention meets at a
+ * Linux; native_step.py checks) at the step's start and after each stage of the fused path's order
+ * (contract.fused_stages: the embedding; per layer attention norm, Q|K|V, RoPE, KV write, scores, softmax, values,
+ * wo, residual, FFN norm, gate|up, silu*up, w2, residual; then final norm, LM head), after the barrier that ends a
+ * parallel stage. Traced, attention meets at a
  * barrier after its scores and after its softmax too (so each stage's time is the slowest thread's); untraced, each
  * thread runs its heads' three stages back to back. With `stamps` NULL no clock is read.
  */
@@ -43,7 +45,7 @@
 #include <math.h>
 #include <time.h>
 
-#define LLMT_STEP_ABI 1 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+#define LLMT_STEP_ABI 2 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none). */
 typedef struct {
@@ -65,6 +67,9 @@ typedef struct {
     int64_t kv_layer, kv_head; /* strides in floats; a position's row is D floats, contiguous */
     float *scratch;     /* llmt_step_scratch_floats(plan, threads) floats */
     int64_t scratch_floats;
+    const Matrix *embedding;       /* the token table held as stored (its rows dequantized exactly), or NULL and */
+    const float *embedding_dense;  /* the table as (vocab rows, dim) fp32 */
+    int64_t embedding_rows;
 } StepPlan;
 
 int64_t llmt_step_abi(void) { return LLMT_STEP_ABI; }
@@ -86,7 +91,7 @@ static int64_t widest_input(const StepPlan *p) {
    silu(gate)*up, and its prepared activation row (x in three orders + its sums per 32 values). */
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
-    return p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq;
+    return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq;
 }
 
 static int64_t thread_floats(const StepPlan *p) {
@@ -289,26 +294,50 @@ static void values_of(const StepPlan *p, const float *probs, const float *values
 
 /* ---- the step ---------------------------------------------------------------------------------------------- */
 
-enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5 };
+enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6 };
 
-/* x (dim,): the token's embedding (read only); cos, sin (D,): the rope tables' rows of `position`; keys
-   first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps: NULL, or room for
-   14 * layers + 2 readings (ns). Returns STEP_OK or a status. */
-int llmt_decode_step(const StepPlan *plan, const float *embedding, const float *cos, const float *sin,
-                     int64_t position, int64_t first, float *logits, int64_t *stamps, int threads) {
+/* x = row `token` of the embedding table: exactly dequantize_row's values (those of gguf.quants.dequantize, as
+   native_kernel.dequantize gives them), or the dense row */
+static void embed(const StepPlan *plan, int64_t token, float *x) {
+    const Matrix *m = plan->embedding;
+    if (m == NULL) {
+        memcpy(x, plan->embedding_dense + token * plan->dim, sizeof(float) * (size_t)plan->dim);
+        return;
+    }
+    for (int p = 0; p < m->parts; p++) {
+        const int64_t row = token - m->column[p];
+        if (row >= 0 && row < m->rows[p]) {
+            dequantize_row(m->types[p], m->w[p] + row * m->strides[p], m->k / m->block_values[p],
+                           m->block_values[p], m->block_bytes[p], x);
+            return;
+        }
+    }
+}
+
+/* token: the token's id, looked up in the embedding table here; cos, sin (D,): the rope tables' rows of
+   `position`; keys first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps:
+   NULL, or room for 14 * layers + 4 readings (ns): the step's start, then the end of each stage from the embedding
+   to the LM head. Returns STEP_OK or a status. */
+int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
+                     int64_t first, float *logits, int64_t *stamps, int threads) {
     if (!LLMT_AVX2) return STEP_UNSUPPORTED;
     if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
+    if (token < 0 || token >= plan->embedding_rows) return STEP_BAD_TOKEN;
     int team = threads < 1 ? 1 : threads;
     if (llmt_step_scratch_floats(plan, team) > plan->scratch_floats) return STEP_SCRATCH;
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, d = plan->head_dim;
     const int64_t ffn = plan->ffn_dim, rep = heads / kv_heads, seen = position + 1 - first;
-    float *branch = plan->scratch;                  /* (dim,) wo's or w2's output */
+    float *embedding = plan->scratch;               /* (dim,) the token's row */
+    float *branch = embedding + dim;                /* (dim,) wo's or w2's output */
     float *qkv = branch + dim;                      /* ((H+2Hkv)*D,) */
     float *attended = qkv + (heads + 2 * kv_heads) * d; /* (H*D,) */
     float *gate_up = attended + heads * d;          /* (2F,) */
     float *scores = gate_up + 2 * ffn;              /* (H, S_max) */
     float *own = (float *)(((uintptr_t)(scores + heads * plan->max_seq) + 63) & ~(uintptr_t)63);
     const int traced = stamps != NULL;
+    if (traced) stamps[0] = now_ns();
+    embed(plan, token, embedding);
+    if (traced) stamps[1] = now_ns();
 
 #ifdef _OPENMP
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -320,7 +349,7 @@ int llmt_decode_step(const StepPlan *plan, const float *embedding, const float *
         float *h = x + dim;                       /* (dim,) a norm's output */
         float *act = h + dim;                     /* (F,) silu(gate) * up */
         float *xs = act + ffn;                    /* the prepared activation row */
-        int64_t n_stamps = 0;                     /* thread 0's */
+        int64_t n_stamps = 2;                     /* thread 0's, after the start and the embedding */
         int64_t head_first, head_last;
         split(heads, t, count, &head_first, &head_last);
         memcpy(x, embedding, sizeof(float) * (size_t)dim);
