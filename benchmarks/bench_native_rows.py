@@ -1,6 +1,6 @@
 """The native kernel's one-row (decode) products, two builds side by side: the current source and a baseline.
 
-Each build is tracer/model/native/gguf_matmul.c (or the baseline's text of it, from a git revision or a file)
+Each build is tracer/model/native/gguf_matmul.c alone (or the baseline's text of it, from a git revision or a file)
 compiled with native_kernel's own flags into a temporary folder and called through ctypes as llmtrace calls it
 (llmt_describe once, llmt_matmul per product, one activation row). Calls of the builds are interleaved, so a slow
 spell of a shared machine hits both; medians and bests (the fastest call: what the code can do when nothing else
@@ -18,7 +18,8 @@ TinyLlama-1.1B's shapes, for the K-quants whose 256-value blocks 576 does not ho
 With `--in-model ROUNDS`, also the bundled model itself (`--weights native`, 2 threads) in child processes, one
 per build and round, alternated (benchmarks/run_with_native_source.py builds the baseline): 128 `decode_one` steps
 after a 5-token prompt, each step's forward and the time inside its weight products (PackedWeight calls: the
-kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps.
+kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps. The
+baseline's gguf_matmul.c is built with the current decode_step.c, so it must have the current ABI (main 2bf3729 on).
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main --in-model 4
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --layers Q4_K --head Q6_K --model llama2048
@@ -189,7 +190,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print("load average before:", os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
-        builds = [Build("current", native_kernel.SOURCE.read_text(), Path(tmp))]
+        builds = [Build("current", (native_kernel.NATIVE_SOURCES / "gguf_matmul.c").read_text(), Path(tmp))]
         if args.baseline:
             builds.insert(0, Build("baseline", baseline_source(args.baseline), Path(tmp)))
         labels = " | ".join(f"{b.label} med / best" for b in builds)

@@ -28,10 +28,11 @@ def main() -> None:
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     folder = Path(os.environ.get(native_kernel.DIR_ENV) or Path(tempfile.gettempdir()) / f"llmtrace-native-{digest}")
     folder.mkdir(parents=True, exist_ok=True)
-    source = folder / "gguf_matmul.c"
-    source.write_text(text)
+    (folder / "gguf_matmul.c").write_text(text)  # included by decode_step.c: the baseline must have today's ABI
+    (folder / "decode_step.c").write_text(native_kernel.SOURCE.read_text())
     os.environ[native_kernel.DIR_ENV] = str(folder)
-    native_kernel.SOURCE = source  # read when the kernel is built and keyed
+    native_kernel.SOURCE = folder / "decode_step.c"  # read when the kernel is built and keyed
+    native_kernel.SOURCES = (native_kernel.SOURCE, folder / "gguf_matmul.c")
     if rest[:1] == ["-m"]:  # another module's main, e.g. a benchmark's in-process measurement
         sys.argv = [rest[1], *rest[2:]]
         runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
