@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
-from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from llmtrace.tracer.checkpoint.tokenizer import load_tokenizer
+from llmtrace.tracer.run.detokenize import TextStream
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower.",

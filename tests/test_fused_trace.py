@@ -9,14 +9,14 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from estimate_check import assert_traced_equals_estimate
 from torch.utils.flop_counter import FlopCounterMode
 
-from estimate_check import assert_traced_equals_estimate
-from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core import contract
+from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model.fused import no_mark
-from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
+from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 from llmtrace.tracer.trace.summary import stage_totals
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.model.fused import no_mark
 from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, Tokenized, TokenStep, generate
-from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
-from llmtrace.tracer.load.loader import LoadedModel, load_model
-from llmtrace.tracer.trace.run_trace import STOP_DRY_RUN, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS
 from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings
+from llmtrace.tracer.trace.run_trace import STOP_DRY_RUN, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")

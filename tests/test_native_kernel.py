@@ -26,9 +26,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
-from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.stored_weights import DENSE, STORED, all_kernels, parse_weights
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import BLOCKS, INT4PACK, NATIVE, concat_rows, pack_gguf, stored_kernels

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.run.sampling import Candidate, SampleResult, Sampler, SamplingParams
+from llmtrace.tracer.run.sampling import Candidate, Sampler, SampleResult, SamplingParams
 
 # The seed article's table (好 72.5%, 热 15.1%, 冷 5.2%, ...), completed so it sums to 1, under shuffled token ids
 # so that nothing can pass by reading positions.

@@ -14,7 +14,15 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import (
-    BLOCKS, DENSE, INT4PACK, NATIVE, PackedWeight, concat_rows, dense_weight, pack_gguf, stored_kernels,
+    BLOCKS,
+    DENSE,
+    INT4PACK,
+    NATIVE,
+    PackedWeight,
+    concat_rows,
+    dense_weight,
+    pack_gguf,
+    stored_kernels,
 )
 from tests.tiny_gguf import random_blocks
 

@@ -40,8 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
-from llmtrace.tracer.model.native_step import NativeStep, host_clock_matches
-from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 from llmtrace.tracer.model.functional import (
     MATVEC_KERNELS,
     attention_scores,
@@ -53,6 +51,8 @@ from llmtrace.tracer.model.functional import (
     rms_norm_floor,
     softmax_fp32,
 )
+from llmtrace.tracer.model.native_step import NativeStep, host_clock_matches
+from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
 Mark = Callable[[], None]
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter

@@ -22,31 +22,21 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from llmtrace.tracer.core.version import llmtrace_version
-from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.analytic.estimate import Dtypes
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
+from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
+from llmtrace.tracer.model.rope import rope_inv_freq
+from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
 from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
+from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
 from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheRun, NoCacheStep, SamplingLesson
 from llmtrace.tracer.trace.lens import logit_lens
 from llmtrace.tracer.trace.observe import Observer
-from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
-from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
-from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
-from llmtrace.tracer.model.rope import rope_inv_freq
-from llmtrace.tracer.trace.run_trace import (
-    STOP_CONTEXT_FULL,
-    STOP_DRY_RUN,
-    STOP_EOS,
-    STOP_INTERRUPTED,
-    STOP_MAX_NEW_TOKENS,
-    Trace,
-    new_token_limit,
-)
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -60,7 +50,16 @@ from llmtrace.tracer.trace.records import (
     StepRecord,
     TokenizationRecord,
 )
-
+from llmtrace.tracer.trace.run_trace import (
+    STOP_CONTEXT_FULL,
+    STOP_DRY_RUN,
+    STOP_EOS,
+    STOP_INTERRUPTED,
+    STOP_MAX_NEW_TOKENS,
+    Trace,
+    new_token_limit,
+)
+from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
 
 
 class LoadedModelLike(Protocol):
