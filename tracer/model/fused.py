@@ -288,16 +288,26 @@ class FusedPlan:
         return logits
 
     def _decode_native(self, tokens: torch.Tensor, start: int, mark: Mark,
-                       take: Callable[[list[int]], None] | None) -> torch.Tensor:
+                       take: Callable[[list[int]], None] | None, staged: bool = False) -> torch.Tensor:
         """`_decode_one` as one C call (tracer/model/native_step.py), from the token id to the logits; when traced,
-        `take` receives the readings C stamped (the step's start, then one after each stage)."""
+        `take` receives the readings C stamped (the step's start, then one after each stage). `staged`: the staged
+        path's stages apart (`staged_step`)."""
         end = start + 1
-        logits = self.native(int(tokens), start, first_attended_position(end, 1, self.window), take is not None)
+        logits = self.native(int(tokens), start, first_attended_position(end, 1, self.window), take is not None,
+                             staged)
         for cache in self.caches:
             cache.set_length(end, 1)
         if take is not None:
             take(self.native.readings())
         return logits
+
+    def staged_step(self, tokens: torch.Tensor, start: int,
+                    take: Callable[[list[int]], None] | None) -> torch.Tensor:
+        """A one-token step (1, 1) of one sequence at position `start` as the native step with the stages of
+        contract.staged_stages run apart, each its own phase (`--staged`; Transformer decides when): the same logits
+        and cache as the fused step, bit for bit. `take`, when given, receives the step's start and the clock
+        reading after each staged stage. Needs `native` (the caller checks)."""
+        return self._decode_native(tokens, start, no_mark, take, staged=True)
 
     def _decode_one(self, tokens: torch.Tensor, start: int, mark: Mark) -> torch.Tensor:
         """`step` for one token (1, 1) of one sequence at position `start`: every layer's cache row at that position

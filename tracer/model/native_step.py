@@ -19,6 +19,11 @@ Tracing: with `stamps=True` the C step reads CLOCK_MONOTONIC at its start and af
 contract.fused_stages (the embedding, every layer's stages, the final norm and the LM head), the clock
 time.perf_counter_ns reads on Linux (`host_clock_matches` checks that; where it does not, a traced run takes the
 torch fused path).
+
+Staged (`staged=True`, what `llmtrace run --staged` runs for a one-token step of such a model): the stages of
+contract.staged_stages run apart, each its own phase in C (Q, K, V over their row blocks of the packed Q|K|V
+matrix, gate and up over theirs of gate|up), and the stamps are taken after each of them; logits and cache are the
+fused step's, bit for bit (decode_step.c says why).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from llmtrace.tracer.model.weight_formats import NATIVE, PackedWeight
 
 STAGES_BEFORE_LAYERS = 1  # the embedding
 STAGES_PER_LAYER = 14  # the fused path's layer stages (contract.fused_stages); the C step stamps each
+STAGED_STAGES_PER_LAYER = 17  # the staged path's (contract.staged_stages): Q, K, V and gate, up apart
 STAGES_AFTER_LAYERS = 2  # final norm, LM head
 _STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch",
            6: "a token id outside the embedding table"}
@@ -90,7 +96,7 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any] | None:
     # thread running meanwhile (a live view's refresh) would take one of them and stall every barrier of the step.
     step = ctypes.PyDLL(str(library.path)).llmt_decode_step
     step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     step.restype = ctypes.c_int
     scratch = handle.llmt_step_scratch_floats
     scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -166,8 +172,10 @@ class NativeStep:
         self._plan.embedding_rows = table.shape[0]
         self._address = ctypes.addressof(self._plan)
         self.layers, self.vocab, self.dim, self.head_dim = len(layers), vocab, dim, head_dim
-        self.stamp_count = 1 + STAGES_BEFORE_LAYERS + STAGES_PER_LAYER * len(layers) + STAGES_AFTER_LAYERS
-        self._stamps = torch.zeros(self.stamp_count, dtype=torch.int64)
+        self.stamp_count = stamp_count(len(layers), staged=False)
+        self.staged_stamp_count = stamp_count(len(layers), staged=True)
+        self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
+        self._taken = 0  # readings the last traced step left
         self._threads = 0
         self._ensure_scratch(torch.get_num_threads())
 
@@ -210,24 +218,35 @@ class NativeStep:
         self._plan.scratch, self._plan.scratch_floats = scratch.data_ptr(), floats
         self._scratch, self._threads = scratch, threads
 
-    def __call__(self, token: int, position: int, first: int, stamps: bool = False) -> torch.Tensor:
+    def __call__(self, token: int, position: int, first: int, stamps: bool = False,
+                 staged: bool = False) -> torch.Tensor:
         """The token (its id) at `position`, attending keys first..position -> logits (1, V). Writes every layer's K
         and V at `position`. With `stamps`, `readings()` then holds the step's start and the clock reading after
-        each stage from the embedding on."""
+        each stage from the embedding on: contract.fused_stages', or with `staged` contract.staged_stages' (Q, K, V
+        and gate, up as products of their own rows, every stage ended by a barrier; the same logits and cache, bit
+        for bit)."""
         threads = torch.get_num_threads()
         if threads > self._threads:
             self._ensure_scratch(threads)
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
         row = position * self.head_dim * 4  # bytes into the (S_max, 1, D) tables
         status = self._step(self._address, token, self.cos.data_ptr() + row, self.sin.data_ptr() + row,
-                            position, first, logits.data_ptr(), self._stamps.data_ptr() if stamps else None, threads)
+                            position, first, logits.data_ptr(), self._stamps.data_ptr() if stamps else None, threads,
+                            int(staged))
+        self._taken = (self.staged_stamp_count if staged else self.stamp_count) if stamps else 0
         if status:
             raise native_kernel.NativeKernelError(f"the native decode step failed: {_STATUS.get(status, status)}")
         return logits
 
     def readings(self) -> list[int]:
         """The last traced step's clock readings (ns, CLOCK_MONOTONIC): its start, then one after each stage."""
-        return self._stamps.tolist()
+        return self._stamps[: self._taken].tolist()
+
+
+def stamp_count(layers: int, staged: bool) -> int:
+    """Clock readings of a traced step of `layers` layers: its start, then one after each stage."""
+    per_layer = STAGED_STAGES_PER_LAYER if staged else STAGES_PER_LAYER
+    return 1 + STAGES_BEFORE_LAYERS + per_layer * layers + STAGES_AFTER_LAYERS
 
 
 def _products(plan: Any) -> list[Any]:

@@ -53,8 +53,9 @@ from llmtrace.tracer.model.functional import (
     rms_norm_floor,
     softmax_fp32,
 )
-from llmtrace.tracer.model.fused import FusedPlan, Mark, no_mark, watched
+from llmtrace.tracer.model.fused import TAKE_STAMPS, FusedPlan, Mark, no_mark, watched
 from llmtrace.tracer.model.kv_cache import KVCache
+from llmtrace.tracer.model.native_step import host_clock_matches
 from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
 from llmtrace.tracer.model.weight_formats import PackedWeight
 
@@ -279,6 +280,12 @@ class Transformer(nn.Module):
         # measurement chose it for the model's dtype (the loader sets it; setup_cache applies it).
         self.decode_kernel = "mv"
         self.stage_mark: Mark = no_mark  # called by the fused path after each stage (tracer/trace/fused_marks.py)
+        # --staged (tracer/run/generate.py): a one-token step of one sequence runs the native decode step with the
+        # staged path's stages apart, each its own phase timed in C (FusedPlan.staged_step), instead of the stage
+        # modules, where `staged_native_reason()` finds nothing against it. `staged_mark`'s TAKE_STAMPS, when it has
+        # one, receives that step's clock readings (the tracer's "wrap" mechanism, tracer/trace/native_staged.py).
+        self.staged_native = False
+        self.staged_mark: Mark = no_mark
         self._fused_plan: FusedPlan | None = None  # built by setup_cache
         # (L, B_max, 2*Hkv, S_max, D): every layer's KV cache buffer is one slice of it (setup_cache), so the fused
         # path's one-token step takes all layers' write positions and live keys/values in a few views per step.
@@ -461,6 +468,8 @@ class Transformer(nn.Module):
                     logits = self._fused_plan.step(tokens, start, self.stage_mark,
                                                    None if pad_mask is None else input_pos, pad_mask,
                                                    self.use_native_step)
+                elif batch == 1 and new == 1 and pad_mask is None and not self.staged_native_reason():
+                    logits = self._fused_plan.staged_step(tokens, start, getattr(self.staged_mark, TAKE_STAMPS, None))
                 else:
                     staged = True
                     x = self.embed(tokens)  # (B, T, dim)
@@ -528,6 +537,36 @@ class Transformer(nn.Module):
         if any(map(operator.contains, self._watchable_dicts(), repeat("forward"))):
             return False
         return plan.valid(self)
+
+    def staged_native_reason(self) -> str:
+        """"" when a one-token step of one sequence runs as the native staged step (`staged_native`), else why the
+        stage modules run it: the step is not asked for, the model has no native decode step (FusedPlan.native), or
+        something watches the stage modules that would miss it (a forward hook: --lens, --attention,
+        FlopCounterMode; an instance-level forward wrapper that takes no C stamps)."""
+        plan = self._fused_plan
+        if not self.staged_native:
+            return "not asked for (staged_native is off)"
+        if plan is None:
+            return "the KV cache is not set up"
+        if plan.native is None:
+            return f"no native decode step for this model: {plan.native_reason}"
+        if not self.use_native_step:
+            return "the native decode step is switched off (use_native_step)"
+        if plan.native.cos is not plan.cos:
+            return "the rope tables changed since setup_cache"
+        modules = self._watchable()
+        if RemovableHandle.next_id != self._hook_free_stamp:
+            if watched(modules):
+                return "forward hooks watch the stage modules (--lens, --attention or FlopCounterMode)"
+            self._hook_free_stamp = RemovableHandle.next_id
+        take = getattr(self.staged_mark, TAKE_STAMPS, None)
+        if take is None and any(map(operator.contains, self._watchable_dicts(), repeat("forward"))):
+            return "forward wrappers that take no C stamps watch the stage modules"
+        if take is not None and not host_clock_matches():
+            return "the host clock is not CLOCK_MONOTONIC, the one the C step stamps with"
+        if not plan.valid(self):
+            return "the weights changed since setup_cache (a reload, .to() or an in-place edit)"
+        return ""
 
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares."""

@@ -177,8 +177,11 @@ class Generation:
         limit = self._new_token_limit(len(ids))
         yield Tokenized(self._tokenization, len(ids))
         fused = getattr(self.model, "use_fused", None)
+        staged_native = getattr(self.model, "staged_native", None)
         if self.settings.staged and fused is not None:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
+            if staged_native is not None:  # one-token steps as the native step's stages apart, where it can
+                self.model.staged_native = True
         try:
             self.model.setup_cache(1, len(ids) + limit)
             self._kv_allocated = int(self.model.kv_allocated_bytes)  # fixed until the next setup_cache
@@ -205,6 +208,8 @@ class Generation:
         finally:
             if fused is not None:
                 self.model.use_fused = fused
+            if staged_native is not None:
+                self.model.staged_native = staged_native
             if self._observer is not None:
                 self._observer.remove()
         yield Finished(self.trace())

@@ -58,11 +58,14 @@ def fused_stages(model: nn.Module) -> list[StageModule]:
     return stages
 
 
-def stage_shapes(config: ModelConfig, step: StepDims) -> dict[str, tuple[list[Shape], list[Shape]]]:
+def stage_shapes(config: ModelConfig, step: StepDims,
+                 staged: bool = False) -> dict[str, tuple[list[Shape], list[Shape]]]:
     """Each fused stage role's (input shapes, output shapes) in a step of `step`'s B, T and S, in
     the argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must
     match. A projection's widths come from its weights' shapes in the contract (a packed one's rows add up).
-    Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them."""
+    Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them.
+    `staged`: each staged stage role's instead (contract.staged_stages: Q, K, V, gate and up apart), for the native
+    staged step (tracer/trace/native_staged.py)."""
     b, t = step.batch, step.new
     s = step.seen - first_attended_position(step.seen, t, config.sliding_window)  # keys attended (a window's)
     dim, h, hkv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
@@ -82,7 +85,9 @@ def stage_shapes(config: ModelConfig, step: StepDims) -> dict[str, tuple[list[Sh
         "swiglu": ([(b, t, config.ffn_dim), (b, t, config.ffn_dim)], [(b, t, config.ffn_dim)]),
     }
     shapes = {}
-    for spec in contract.fused_stages(config):
+    specs = contract.fused_stages(config) if not staged else tuple(
+        contract.FusedStage(s.role, s.kind, s.in_layer, (s,)) for s in contract.staged_stages(config))
+    for spec in specs:
         rows = (b, t) if spec.in_layer else (b,)  # the final norm and the LM head see the last position only
         if spec.kind in ("linear", "lm_head"):
             weights = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each

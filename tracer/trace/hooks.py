@@ -25,6 +25,7 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
+from llmtrace.tracer.trace.native_staged import NativeStagedMarks
 from llmtrace.tracer.trace.records import StageRecord
 from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
@@ -115,7 +116,10 @@ class Tracer:
       after each of its stages (tracer/trace/fused_marks.py). Q|K|V and gate|up are one packed product each there, so
       they are one stage each ("attention.wqkv", "feed_forward.w13"). Costs one clock read per stage.
     - "wrap": each stage module gets an instance-level `forward` that reads the clock around the original one;
-      the model runs stage by stage (Q, K, V, gate, up separately), which is slower than the fused path.
+      the model runs stage by stage (Q, K, V, gate, up separately), which is slower than the fused path. When the
+      model asks for its native staged step (`staged_native`, `--staged`), a one-token step runs those stages
+      apart in C instead and the tracer takes their C clock readings (tracer/trace/native_staged.py): the same
+      records, the wrappers seeing no call in that step.
     - "hooks": as "wrap" through nn.Module forward pre/post hooks, which send every call through nn.Module's
       slow path (BENCHMARKS.md, "Tracing overhead").
     - "auto" (default): "fused" when the model takes its fused path when entered (its cache set up, nothing
@@ -135,6 +139,7 @@ class Tracer:
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
         self._fused: FusedMarks | None = None
+        self._native_staged: NativeStagedMarks | None = None
         self._shape_table = ShapeTable()
         # (stage index, shape id) -> the record's fields that follow from them (_static_fields): a decode step's
         # stages repeat their shapes, so each distinct call is costed once
@@ -167,6 +172,8 @@ class Tracer:
             self.stages = [s for s, _ in found]
             self._modules = [m for _, m in found]
             self._starts = [0] * len(self.stages)
+            if self.mechanism == "wrap" and NativeStagedMarks.usable(self.model, self.stages, self.clock):
+                self._native_staged = NativeStagedMarks(self.model, self.stages)
 
     # ---- context manager -------------------------------------------------------------------------------
 
@@ -183,6 +190,9 @@ class Tracer:
                 # invisible to that check, so say it outright: what is traced must be what runs.
                 self._handles.append((self.model, "use_fused", self.model.use_fused))
                 self.model.use_fused = False
+            if self._native_staged is not None:
+                self._native_staged.install()
+                self._handles.append(self._native_staged)
             for index, module in enumerate(self._modules):
                 if self.mechanism == "hooks":
                     pre, post = self._make_hooks(index)
@@ -204,7 +214,7 @@ class Tracer:
         """Undo every hook and wrapper (idempotent)."""
         handles, self._handles = self._handles, []
         for handle in reversed(handles):
-            if isinstance(handle, FusedMarks):
+            if isinstance(handle, (FusedMarks, NativeStagedMarks)):
                 handle.remove()
             elif isinstance(handle, tuple) and len(handle) == 3:
                 setattr(handle[0], handle[1], handle[2])
@@ -219,7 +229,8 @@ class Tracer:
 
     @property
     def attached(self) -> int:
-        """Hooks (two per stage), wrappers (one per stage) or installed fused-path marks (one) in place."""
+        """Hooks (two per stage), wrappers (one per stage, plus the native staged step's mark when installed) or
+        installed fused-path marks (one) in place."""
         return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
 
     def _make_wrapper(self, index: int, forward: Any) -> Any:
@@ -288,12 +299,16 @@ class Tracer:
             self._fused.begin_step()
         elif self.enabled:
             self.clock.begin_step()
+            if self._native_staged is not None:
+                self._native_staged.begin_step()
 
     def end_step(self) -> None:
         """Close the step; its records are built when `records()` is next called (off the hot path)."""
         if self._fused is not None:
             marks, dims = self._fused.end_step()
             self._fused_steps.append((self._phase, self._step, marks, dims))
+        elif self._native_staged is not None and self._native_staged.taken():
+            self._steps.append((self._phase, self._step, self._native_staged.events(self._shape_table.add)))
         elif self.enabled:
             events = list(self._events)
             if self.clock.on_device:  # event indices -> host nanoseconds, with one synchronize for the step

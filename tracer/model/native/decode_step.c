@@ -38,6 +38,14 @@
  * parallel stage. Traced, attention meets at a
  * barrier after its scores and after its softmax too (so each stage's time is the slowest thread's); untraced, each
  * thread runs its heads' three stages back to back. With `stamps` NULL no clock is read.
+ *
+ * Staged (`staged` not 0: `llmtrace run --staged` on a model this step can run). The stages of the staged path
+ * (contract.staged_stages, the stage modules of tracer/model/transformer.py) run apart, each its own phase ended by a
+ * barrier and thread 0's stamp: per layer attention norm, Q, K, V (three products, each over its own row block of
+ * the packed Q|K|V matrix), RoPE, KV write, scores, softmax, values, wo, residual, FFN norm, gate, up (each over
+ * its rows of gate|up), silu*up, w2, residual; the final norm ends at a barrier too. Every row of every product is
+ * the same dot_rows call on the same prepared input as in the fused order, and every other stage the same code, so
+ * the logits and the KV cache are bit for bit the fused step's; only the waits between stages are added.
  */
 
 #include "gguf_matmul.c"
@@ -45,7 +53,7 @@
 #include <math.h>
 #include <time.h>
 
-#define LLMT_STEP_ABI 2 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+#define LLMT_STEP_ABI 3 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none). */
 typedef struct {
@@ -122,6 +130,13 @@ static inline void barrier(void) {
 #pragma omp barrier
 #endif
 }
+
+/* the end of a stage of the staged step: every thread done with it, then thread 0's clock reading */
+#define END_STAGE()                                                                                                  \
+    do {                                                                                                             \
+        barrier();                                                                                                   \
+        if (t == 0) STAMP();                                                                                         \
+    } while (0)
 
 /* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py);
    the squares summed in 16 fp32 lanes, as torch's vectorised norm does (n is a multiple of 32 here) */
@@ -200,16 +215,40 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #endif
 }
 
-/* This thread's rows of `mat` times x (k values): x prepared into the thread's own buffer, then `share`'s rows,
-   each part's rows plus their bias. */
-static void product(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int t, int count) {
+/* The rows of part p within the matrix's rows [lo, hi) that thread t of `count` takes: `share`'s byte-balanced
+   split applied to those rows alone (over all rows it is `share`'s split). */
+static void share_rows(const Matrix *mat, int p, int64_t lo, int64_t hi, int t, int count, int64_t *first,
+                       int64_t *last) {
+    int64_t before = 0, total = 0, from = 0, to = 0;
+    for (int q = 0; q < mat->parts; q++) {
+        int64_t a = lo - mat->column[q], b = hi - mat->column[q];
+        a = a < 0 ? 0 : a > mat->rows[q] ? mat->rows[q] : a;
+        b = b < a ? a : b > mat->rows[q] ? mat->rows[q] : b;
+        if (q < p) before += (b - a) * mat->row_bytes[q];
+        if (q == p) from = a, to = b;
+        total += (b - a) * mat->row_bytes[q];
+    }
+    const int64_t start = (int64_t)((double)total * t / count);
+    const int64_t stop = t + 1 == count ? total : (int64_t)((double)total * (t + 1) / count);
+    const int64_t row = mat->row_bytes[p], n = to - from;
+    const int64_t a = start <= before ? 0 : (start - before + row - 1) / row;
+    const int64_t b = stop <= before ? 0 : (stop - before + row - 1) / row;
+    *first = from + (a < n ? a : n);
+    *last = from + (b < n ? b : n);
+}
+
+/* This thread's rows of `mat` among rows [lo, hi) times x (k values): x prepared into the thread's own buffer, then
+   `share_rows`' rows, each part's rows plus their bias, written at their row of `out` (a row's value does not
+   depend on the range or the thread that computes it: every row is one dot_rows call over the same prepared x). */
+static void product_rows(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int64_t lo,
+                         int64_t hi, int t, int count) {
 #if LLMT_AVX2
     const int64_t k = mat->k;
     float *sx = xs + 3 * k;
     int64_t first[MAX_PARTS], last[MAX_PARTS];
     int made[3] = {0, 0, 0}, any = 0;
     for (int p = 0; p < mat->parts; p++) {
-        share(mat, p, t, count, &first[p], &last[p]);
+        share_rows(mat, p, lo, hi, t, count, &first[p], &last[p]);
         any |= first[p] < last[p];
     }
     if (!any) return;
@@ -231,8 +270,13 @@ static void product(const Matrix *mat, const float *x, float *xs, const float *b
         }
     }
 #else
-    (void)mat; (void)x; (void)xs; (void)bias; (void)out; (void)t; (void)count;
+    (void)mat; (void)x; (void)xs; (void)bias; (void)out; (void)lo; (void)hi; (void)t; (void)count;
 #endif
+}
+
+/* This thread's rows of the whole of `mat` times x */
+static void product(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int t, int count) {
+    product_rows(mat, x, xs, bias, out, 0, mat->total_rows, t, count);
 }
 
 /* RoPE on `heads` heads of D values in place: x*cos + roll(x, D/2)*sin (sin signed), as rope.py's tables mean it */
@@ -316,10 +360,11 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
 
 /* token: the token's id, looked up in the embedding table here; cos, sin (D,): the rope tables' rows of
    `position`; keys first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps:
-   NULL, or room for 14 * layers + 4 readings (ns): the step's start, then the end of each stage from the embedding
-   to the LM head. Returns STEP_OK or a status. */
+   NULL, or room for 14 * layers + 4 readings (17 * layers + 4 when `staged`) (ns): the step's start, then the end
+   of each stage from the embedding to the LM head. `staged`: run the staged path's stages apart (the header
+   comment). Returns STEP_OK or a status. */
 int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads) {
+                     int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
     if (!LLMT_AVX2) return STEP_UNSUPPORTED;
     if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
     if (token < 0 || token >= plan->embedding_rows) return STEP_BAD_TOKEN;
@@ -327,6 +372,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     if (llmt_step_scratch_floats(plan, team) > plan->scratch_floats) return STEP_SCRATCH;
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, d = plan->head_dim;
     const int64_t ffn = plan->ffn_dim, rep = heads / kv_heads, seen = position + 1 - first;
+    const int64_t q_rows = heads * d, kv_rows = kv_heads * d; /* Q|K|V's row blocks */
     float *embedding = plan->scratch;               /* (dim,) the token's row */
     float *branch = embedding + dim;                /* (dim,) wo's or w2's output */
     float *qkv = branch + dim;                      /* ((H+2Hkv)*D,) */
@@ -357,6 +403,51 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             const StepLayer *layer = plan->layer + l;
             float *keys = plan->kv + l * plan->kv_layer;       /* K head g at keys + g*kv_head */
             float *values = keys + kv_heads * plan->kv_head; /* V head g at values + g*kv_head */
+            if (staged) { /* contract.staged_stages' 17 layer stages, each ended by a barrier and thread 0's stamp */
+                rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
+                END_STAGE();
+                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, 0, q_rows, t, count); /* Q's rows */
+                END_STAGE();
+                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, q_rows, q_rows + kv_rows, t, count); /* K's */
+                END_STAGE();
+                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, q_rows + kv_rows, q_rows + 2 * kv_rows, t,
+                             count); /* V's */
+                END_STAGE();
+                if (t == 0) rope(qkv, heads + kv_heads, d, cos, sin);
+                END_STAGE();
+                if (t == 0)
+                    for (int64_t g = 0; g < 2 * kv_heads; g++)
+                        memcpy(keys + g * plan->kv_head + position * d, qkv + (heads + g) * d,
+                               sizeof(float) * (size_t)d);
+                END_STAGE();
+                for (int64_t hq = head_first; hq < head_last; hq++)
+                    scores_of(plan, qkv + hq * d, keys + (hq / rep) * plan->kv_head + first * d, seen,
+                              scores + hq * plan->max_seq);
+                END_STAGE();
+                for (int64_t hq = head_first; hq < head_last; hq++) softmax(scores + hq * plan->max_seq, seen);
+                END_STAGE();
+                for (int64_t hq = head_first; hq < head_last; hq++)
+                    values_of(plan, scores + hq * plan->max_seq, values + (hq / rep) * plan->kv_head + first * d,
+                              seen, attended + hq * d);
+                END_STAGE();
+                product(layer->wo, attended, xs, layer->bo, branch, t, count);
+                END_STAGE();
+                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
+                END_STAGE();
+                rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
+                END_STAGE();
+                product_rows(layer->w13, h, xs, layer->b13, gate_up, 0, ffn, t, count); /* gate's rows */
+                END_STAGE();
+                product_rows(layer->w13, h, xs, layer->b13, gate_up, ffn, 2 * ffn, t, count); /* up's rows */
+                END_STAGE();
+                swiglu(gate_up, gate_up + ffn, ffn, act);
+                END_STAGE();
+                product(layer->w2, act, xs, layer->b2, branch, t, count);
+                END_STAGE();
+                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
+                END_STAGE();
+                continue;
+            }
             rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
             if (t == 0) STAMP();
             product(layer->wqkv, h, xs, layer->bqkv, qkv, t, count);
@@ -411,6 +502,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             if (t == 0) STAMP();
         }
         rms_norm(x, plan->final_norm, dim, plan->norm_floor, h);
+        if (staged) barrier();
         if (t == 0) STAMP();
         product(plan->head, h, xs, plan->head_bias, logits, t, count);
         barrier();
