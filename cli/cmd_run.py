@@ -83,8 +83,10 @@ def run_command(
              "step numbers (e.g. first,last,every:64); the others keep their sums, so totals stay exact and a long "
              "trace stays small.")] = "all",
     staged: Annotated[bool, typer.Option(
-        "--staged", help="Run and trace stage by stage: Q, K, V, gate and up as separate products, one module "
-                         "each (slower; by default the traced run is the fused path an untraced run takes).")] = False,
+        "--staged", help="Run and trace stage by stage: the 17 stages of a layer apart, Q, K, V, gate and up as "
+                         "separate products. On the native decode step each stage is its own phase timed in C; "
+                         "elsewhere (the prefill, other models) each stage module is wrapped. By default the traced "
+                         "run is the fused path an untraced run takes.")] = False,
     summary_json: Annotated[bool, typer.Option(
         "--summary-json", help="Print the run's summary (TTFT, tokens/s, FLOPs, bytes, KV, peak memory, roofline "
                                "verdict) as one JSON line on stdout, the report going to stderr.")] = False,

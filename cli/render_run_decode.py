@@ -15,12 +15,13 @@ from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import PANEL_FRAME, section
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.contract import role_label
-from llmtrace.tracer.trace.records import MATMUL_KINDS
+from llmtrace.tracer.trace.records import MATMUL_KINDS, StagedDecode
 from llmtrace.tracer.trace.summary import DecodeByStage
 
 
-def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
-    """`d`: tracer.trace.summary.decode_by_stage's record; nothing when the run traced no decode step."""
+def render_decode_stages(console: Console, d: DecodeByStage | None, staged: StagedDecode | None = None) -> None:
+    """`d`: tracer.trace.summary.decode_by_stage's record; nothing when the run traced no decode step. `staged`:
+    how a --staged run ran its decode steps (Trace.staged_decode), said under the table."""
     if d is None:
         return
     whole = _table(d, time=True, traffic=True)
@@ -37,6 +38,7 @@ def render_decode_stages(console: Console, d: DecodeByStage | None) -> None:
         f"at {streamed}; the other stages move little and cost their launch overhead.\n"
         f"stages add up to {fmt.duration_ns(d.stages_ns_per_step)} of the {fmt.duration_ns(d.forward_ns_per_step)} "
         f"forward per step (the rest: Python between them)."
+        + _staged_note(staged)
     )
     console.print(section(f"7 · Decode by stage  where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
                           Group(*tables, Text(note, style="dim"))))
@@ -72,3 +74,12 @@ def _table(d: DecodeByStage, time: bool, traffic: bool) -> Table:
 
 def _of_all(d: DecodeByStage) -> str:
     return f" (the {d.steps} of {d.all_steps} whose stages --trace-steps kept)" if d.steps != d.all_steps else ""
+
+
+def _staged_note(staged: StagedDecode | None) -> str:
+    if staged is None:
+        return ""
+    if staged.native:
+        return ("\n--staged: each decode step ran the native step's stages apart in C, every stage its own phase "
+                "ended by a barrier and timed there; the prefill ran the stage modules.")
+    return f"\n--staged: the decode steps ran the stage modules, each wrapped ({staged.reason})."

@@ -46,6 +46,7 @@ from llmtrace.tracer.trace.records import (
     RopeRecord,
     RunSettings,
     SamplingRecord,
+    StagedDecode,
     StageRecord,
     StepRecord,
     TokenizationRecord,
@@ -149,6 +150,7 @@ class Generation:
         self._attention: list[AttentionStep] = []
         self._stop_reason = STOP_INTERRUPTED
         self._events: Iterator[Event] | None = None
+        self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)
 
     def events(self) -> Iterator[Event]:
         if self._events is not None:
@@ -193,6 +195,7 @@ class Generation:
                     self._observer.take()  # the warm-up's rows are not a step's
             rope = self._rope = _rope_record(self.config, len(ids))
             with self._tracer:
+                self._staged_decode = self._staged_path()
                 if self.dry_run:
                     yield from self._dry_run(ids, rope, limit)
                 else:
@@ -213,6 +216,15 @@ class Generation:
             if self._observer is not None:
                 self._observer.remove()
         yield Finished(self.trace())
+
+    def _staged_path(self) -> StagedDecode | None:
+        """--staged: whether the one-token steps run as the native step's stages apart, timed in C, or through the
+        stage modules, and why (asked with the observers and the tracer attached, as the steps will run)."""
+        if not self.settings.staged:
+            return None
+        why = getattr(self.model, "staged_native_reason", None)
+        reason = why() if why is not None else "this model has no native decode step"
+        return StagedDecode(not reason, reason)
 
     def _replay_without_cache(self, ids: list[int]) -> Iterator[NoCacheProgress]:
         """The generated tokens again without a KV cache (tracer/run/no_cache.py), traced the same way."""
@@ -443,6 +455,7 @@ class Generation:
             lens=tuple(self._lens),  # made after each step's record: every one belongs to a completed step
             attention=tuple(self._attention),
             kernels=getattr(self.loaded, "kernels", None),
+            staged_decode=self._staged_decode,
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 

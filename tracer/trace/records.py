@@ -259,6 +259,15 @@ class RunSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedDecode:
+    """How a `--staged` run ran its one-token steps: as the native decode step with the staged stages apart, each
+    its own phase timed in C (tracer/model/native_step.py), or through the stage modules, each wrapped (and why)."""
+
+    native: bool  # the one-token steps ran in C, stage by stage; the prefill always runs the stage modules
+    reason: str  # why the stage modules ran them ("" when native): no native step for the model, --lens, ...
+
+
+@dataclass(frozen=True, slots=True)
 class EnvironmentInfo:
     """Where the run happened."""
 

@@ -41,6 +41,7 @@ from llmtrace.tracer.trace.records import (
     RowToken,
     RunSettings,
     SamplingRecord,
+    StagedDecode,
     StageRecord,
     StepRecord,
     StepTotals,
@@ -105,6 +106,9 @@ class Trace:
     tensor_parallel: TensorParallelRun | None = None
     collectives: tuple[CollectiveRecord, ...] = ()
     rank_stages: tuple[RankStages, ...] = ()
+    # --staged: whether its one-token steps ran as the native step's stages apart (timed in C) or through the stage
+    # modules, and why; None without --staged (and in traces written before it existed).
+    staged_decode: StagedDecode | None = None
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -141,7 +145,7 @@ class Trace:
             out["summary"] = _plain(summary)  # first: the headline, before the records it sums
         for f in fields(self):
             value = getattr(self, f.name)
-            if (f.name in _OMITTED_WHEN_EMPTY and not value) or (f.name == "kernels" and value is None):
+            if (f.name in _OMITTED_WHEN_EMPTY and not value) or (f.name in _OMITTED_WHEN_NONE and value is None):
                 continue  # optional (schema): absent reads as before
             out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
         if self.batch is None:  # a one-sequence run's steps and settings read exactly as before --batch existed
@@ -202,6 +206,7 @@ class Trace:
                 tensor_parallel=_optional(_tensor_parallel, data.get("tensor_parallel")),
                 collectives=tuple(read_collective(c) for c in _list(data.get("collectives", []))),
                 rank_stages=tuple(_rank_stages(r) for r in _list(data.get("rank_stages", []))),
+                staged_decode=_optional(lambda d: _build(StagedDecode, d), data.get("staged_decode")),
             ))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -230,6 +235,7 @@ R = TypeVar("R")
 _STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
 _BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
 _BATCH_SETTINGS = ("batch", "batch_prompts")
+_OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode"})
 _OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages"})
 _SHAPE_FIELDS = ("input_shapes", "output_shapes")
 
@@ -259,7 +265,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
                 LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
-                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming,
+                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, StagedDecode,
                 CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
 }
 
