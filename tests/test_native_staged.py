@@ -251,3 +251,11 @@ def test_bundled_model_greedy_ids_match_the_stage_modules() -> None:
         runs.append(out)
     model.staged_native, model.use_fused = False, True
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_tensor_parallel_shard_never_runs_it() -> None:
+    """A shard holds a slice of each matrix and needs its collectives between stages: stage modules only."""
+    from llmtrace.tracer.model.tensor_parallel import TensorParallelTransformer
+
+    assert TensorParallelTransformer.staged_native_reason is not Transformer.staged_native_reason
+    assert "tensor-parallel" in TensorParallelTransformer.staged_native_reason(None)  # type: ignore[arg-type]

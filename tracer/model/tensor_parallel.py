@@ -148,6 +148,10 @@ class TensorParallelTransformer(Transformer):
     def fusable(self) -> bool:
         return False
 
+    def staged_native_reason(self) -> str:
+        """--staged's native step multiplies whole matrices, with no collectives: a shard never runs it."""
+        return "a tensor-parallel shard runs stage by stage (the native decode step has no sharded variant)"
+
 
 def build_meta_shard(config: ModelConfig, tp: int, rank: int, comm: Collectives) -> TensorParallelTransformer:
     """Rank `rank`'s model on the meta device: every shape, no memory (a dry run, or a shell to load a shard into)."""
