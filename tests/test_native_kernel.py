@@ -31,7 +31,15 @@ from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_weights import DENSE, STORED, all_kernels, parse_weights
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import BLOCKS, INT4PACK, NATIVE, concat_rows, pack_gguf, stored_kernels
+from llmtrace.tracer.model.weight_formats import (
+    BLOCKS,
+    INT4PACK,
+    NATIVE,
+    concat_rows,
+    pack_gguf,
+    runs_blocks,
+    stored_kernels,
+)
 from tests.tiny_gguf import llama_cpp_name, random_blocks, sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -338,10 +346,12 @@ def test_native_logits_equal_dense_fp32_within_fp32_rounding(qtype: Q, native: N
 
 
 def test_a_k_quant_mix_runs_wholly_stored(native: None, tiny_q4_k_m: Path) -> None:
-    """Q4_K_M-like files: every matrix has the native kernel, so the default runs all of them as stored (no other
-    kernel runs Q6_K or Q5_*), and the logits are the dense path's within fp32 rounding."""
+    """Q4_K_M-like files: every matrix has the native library's kernels (native, and i8dot where the accuracy probe
+    admits it), so the default runs all of them as stored (no other kernel runs Q6_K or Q5_*), and the exact
+    kernel's logits are the dense path's within fp32 rounding."""
     loaded = load_model(str(tiny_q4_k_m), FP32, weights=STORED, use_cache=False)
-    assert loaded.weights.mode == STORED and "as stored (native)" in loaded.weight_format
+    assert loaded.weights.mode == STORED and "as stored (" in loaded.weight_format
+    assert all(runs_blocks(w.format.kernel) for w in loaded.model.stored_weights().values())
     formats = {w.format.name for w in loaded.model.stored_weights().values()}
     assert formats == {"q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_0", "q8_0"}
     tokens = [1, 40, 41, 42, 43, 44]

@@ -150,7 +150,7 @@ def test_not_eligible_runs_the_torch_path() -> None:
     assert dense._fused_plan.native is None and "native" in dense._fused_plan.native_reason
     model = native_model(BASE, kernel=INT4PACK)  # what --weights int4pack loads
     model.setup_cache(1, 8)
-    assert model._fused_plan.native is None and "not held for the native kernel" in model._fused_plan.native_reason
+    assert model._fused_plan.native is None and "not held for the native library's kernels" in model._fused_plan.native_reason
     logits = model.prefill(torch.arange(3, 8).view(1, -1))
     assert model.decode_one(logits.argmax(-1, keepdim=True)).shape == (1, BASE.vocab_size)
 

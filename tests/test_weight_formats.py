@@ -16,6 +16,7 @@ from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import (
     BLOCKS,
     DENSE,
+    I8DOT,
     INT4PACK,
     NATIVE,
     PackedWeight,
@@ -92,7 +93,7 @@ def test_dense_weight_and_rebuilding_from_tensors() -> None:
 
 
 def test_types_without_a_stored_kernel() -> None:
-    native = (NATIVE,) if native_kernel.available() else ()
+    native = (I8DOT, NATIVE) if native_kernel.available() else ()  # the native library's two kernels
     assert stored_kernels(int(Q.Q6_K)) == native and stored_kernels(int(Q.F16)) == ()
     assert stored_kernels(int(Q.Q8_0)) == (*native, INT4PACK, BLOCKS)
     assert stored_kernels(int(Q.Q2_K)) == () and stored_kernels(int(Q.IQ4_XS)) == ()

@@ -61,7 +61,7 @@ from llmtrace.tracer.load.stored_weights import (
 )
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
-from llmtrace.tracer.model.weight_formats import NATIVE
+from llmtrace.tracer.model.weight_formats import runs_blocks
 
 # The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
 # measured on this machine: llmtrace.tracer.load.kernel_pick), which load_model also accepts.
@@ -204,6 +204,13 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
     return WeightsChoice(DENSE, "auto: nothing measured")
 
 
+def _views_of_the_file(kernel: str) -> bool:
+    """Whether every matrix a kernel spec packs is held as the file's own bytes (the native library's kernels: a
+    view of the memory-mapped file), so a cache entry would only copy the file."""
+    plan = kernel_plan(kernel)
+    return all(runs_blocks(k) for k in ([plan] if isinstance(plan, str) else plan.values()))
+
+
 def _kernel_types(resolved: ResolvedModel) -> set[str]:
     """The file's matrix types some stored kernel runs."""
     header = resolved.gguf_header
@@ -266,7 +273,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         return model.eval()
 
     key: weights_cache.SourceKey | None = None
-    if use_cache and kernel != NATIVE:
+    if use_cache and not _views_of_the_file(kernel):
         try:
             key = weights_cache.source_key(path)
         except OSError:

@@ -25,7 +25,7 @@ import torch
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import NATIVE, PackedWeight, WeightFormat, stored_kernels
+from llmtrace.tracer.model.weight_formats import I8DOT, NATIVE, PackedWeight, WeightFormat, stored_kernels
 
 AUTO, STORED, DENSE = "auto", "stored", "dense"
 _META_KEY = "packed_weights"
@@ -60,8 +60,8 @@ def parse_weights(text: str | None) -> WeightsRequest:
         return WeightsRequest(text)
     if text in all_kernels():
         return WeightsRequest(STORED, text)
-    if text == NATIVE:  # a kernel of weight_formats that cannot be built here: say why, not just "one of"
-        raise BadArgumentError(f"--weights {NATIVE}: {native_kernel.unavailable_reason()}; use --weights stored "
+    if text in (NATIVE, I8DOT):  # a kernel of weight_formats that cannot be built here: say why, not just "one of"
+        raise BadArgumentError(f"--weights {text}: {native_kernel.unavailable_reason()}; use --weights stored "
                                "(another stored kernel) or dense")
     try:
         plan = kernel_plan(text)
@@ -108,9 +108,11 @@ class WeightsChoice:
 
 
 def widest_kernel(packable_by_kernel: dict[str, int]) -> str:
-    """The kernel that runs the most matrices (all_kernels' order breaks ties): --weights stored with nothing
-    measured."""
-    return max(all_kernels(), key=lambda k: (packable_by_kernel.get(k, 0), -all_kernels().index(k)))
+    """The kernel that runs the most matrices (all_kernels' order breaks ties, except that i8dot comes last: it
+    rounds the activations, and only a measurement, the accuracy probe, may admit it): --weights stored with
+    nothing measured."""
+    order = all_kernels()
+    return max(order, key=lambda k: (packable_by_kernel.get(k, 0), k != I8DOT, -order.index(k)))
 
 
 def entry_variant(kernel: str, dtype: torch.dtype) -> str:

@@ -3,7 +3,9 @@
 What it runs: x @ W.T with W in a GGUF's own block bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each
 block dequantized in registers to exactly gguf.quants.dequantize's values (the C file's header says how), and
 those exact values for embedding lookups. llmtrace.tracer.model.weight_formats wraps it as the kernel "native".
-The same library holds the native decode step (native/decode_step.c, driven by tracer/model/native_step.py).
+The same library holds the "i8dot" kernel (native/int8_dot.c: the activations rounded to int8 per 32 values and
+integer dot products with the blocks' codes; not exact: admitted only by the kernel choice's accuracy probe), chosen
+per row block of a BlockMatrix, and the native decode step (native/decode_step.c, driven by tracer/model/native_step.py).
 
 Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it
 may be a command line such as "ccache gcc") compiles native/decode_step.c, which #includes gguf_matmul.c (one
@@ -49,9 +51,10 @@ from llmtrace.tracer.core.cache_dirs import cache_root
 NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
 SOURCE = NATIVE_SOURCES / "decode_step.c"
-SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c")  # everything the binary is made of: the build key covers each
-ABI = 4  # LLMT_ABI in gguf_matmul.c
-STEP_ABI = 3  # LLMT_STEP_ABI in decode_step.c
+# everything the binary is made of (gguf_matmul.c #includes int8_dot.c, the "i8dot" kernel): the build key covers each
+SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c")
+ABI = 5  # LLMT_ABI in gguf_matmul.c
+STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"
@@ -128,9 +131,10 @@ class BlockMatrix:
     Q6_K). It holds the tensors (the kernel reads their memory in place) and the call's argument arrays, made once:
     a decode step makes ~120 calls, so each costs only what ctypes must."""
 
-    __slots__ = ("parts", "k", "rows", "_described", "_address", "_call")
+    __slots__ = ("parts", "k", "rows", "int8", "_described", "_address", "_call")
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int) -> None:
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int, int8: tuple[bool, ...] | None = None) -> None:
+        """`int8`: per part, whether its products run the i8dot kernel (activations rounded to int8); None: none."""
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"the native kernel multiplies 1 to {MAX_PARTS} row blocks at once, not {len(parts)}")
         for code, blocks in parts:
@@ -141,6 +145,9 @@ class BlockMatrix:
         self.parts = tuple(parts)
         self.k = int(k)
         self.rows = sum(blocks.shape[0] for _, blocks in parts)
+        self.int8 = tuple(bool(v) for v in int8) if int8 is not None else (False,) * len(parts)
+        if len(self.int8) != len(parts):
+            raise ValueError(f"{len(self.int8)} int8 flags for {len(parts)} row blocks")
         lib = library()
         count = len(parts)
         self._described = ctypes.create_string_buffer(lib.matrix_size)  # the C side's description, kept here
@@ -148,7 +155,7 @@ class BlockMatrix:
                               (ctypes.c_void_p * count)(*(blocks.data_ptr() for _, blocks in parts)),
                               (ctypes.c_int64 * count)(*(blocks.stride(0) for _, blocks in parts)),
                               (ctypes.c_int64 * count)(*(blocks.shape[0] for _, blocks in parts)), self.k,
-                              self._described)
+                              (ctypes.c_int * count)(*self.int8), self._described)
         if status:
             kinds = "+".join(TYPES[code] for code, _ in parts)
             raise NativeKernelError(f"native kernel refused {kinds} ({self.rows} x {self.k}): "
@@ -315,7 +322,7 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
     describe = handle.llmt_describe
     describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
                          ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                         ctypes.c_void_p]
+                         ctypes.POINTER(ctypes.c_int), ctypes.c_void_p]
     describe.restype = ctypes.c_int
     matmul = handle.llmt_matmul
     matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -333,7 +340,8 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
 
 def _self_test(lib: NativeLibrary) -> str:
     """Two Q8_0 rows (d = 1, q = j - 16 and 16 - j) times x = 1..32 for one and for two activation rows: integer
-    sums, exact in fp32, through both code paths (the one-row kernel and the tiled one). "" when right."""
+    sums, exact in fp32, through both code paths (the one-row kernel and the tiled one); then the i8dot kernel with
+    x = 127 - 8j (max |x| = 127, so x is its own int8 code and the sums are exact too). "" when right."""
     block = bytearray()
     for sign in (1, -1):
         block += bytes([0x00, 0x3C])  # fp16 1.0
@@ -342,15 +350,20 @@ def _self_test(lib: NativeLibrary) -> str:
     x = (ctypes.c_float * 64)(*[float(j + 1) for j in range(32)] * 2)
     want = sum((j - 16) * (j + 1) for j in range(32))
     described = ctypes.create_string_buffer(lib.matrix_size)
-    status = lib.describe(1, (ctypes.c_int * 1)(8), (ctypes.c_void_p * 1)(ctypes.addressof(blocks)),
-                          (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, described)
-    if status:
-        return f"self-test failed (status {status} describing the matrix)"
-    for m in (1, 2):
-        out = (ctypes.c_float * (2 * m))()
-        status = lib.matmul(described, ctypes.addressof(x), m, ctypes.addressof(out), 1)
-        if status or list(out) != [float(want), float(-want)] * m:
-            return f"self-test failed (status {status}, {list(out)} for {m} row(s))"
+    x8 = (ctypes.c_float * 64)(*[float(127 - 8 * j) for j in range(32)] * 2)
+    want8 = sum((j - 16) * (127 - 8 * j) for j in range(32))
+    for int8, inputs, expected in ((0, x, want), (1, x8, want8)):
+        status = lib.describe(1, (ctypes.c_int * 1)(8), (ctypes.c_void_p * 1)(ctypes.addressof(blocks)),
+                              (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, (ctypes.c_int * 1)(int8),
+                              described)
+        if status:
+            return f"self-test failed (status {status} describing the matrix)"
+        for m in (1, 2):
+            out = (ctypes.c_float * (2 * m))()
+            status = lib.matmul(described, ctypes.addressof(inputs), m, ctypes.addressof(out), 1)
+            if status or list(out) != [float(expected), float(-expected)] * m:
+                kernel = "i8dot" if int8 else "exact"
+                return f"self-test failed ({kernel}: status {status}, {list(out)} for {m} row(s))"
     values = (ctypes.c_float * 64)()
     status = lib.dequantize(8, ctypes.addressof(blocks), 34, 2, None, 2, 32, ctypes.addressof(values), 1)
     if status or list(values[:32]) != [float(j - 16) for j in range(32)]:

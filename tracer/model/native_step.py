@@ -9,7 +9,8 @@ buffers allocated once; a step is then one ctypes call, with the threads woken o
 
 Eligibility (`NativeStep.build` returns None with a reason otherwise, and the torch fused path runs as before):
 every product of the step (each layer's packed Q|K|V, wo, gate|up, w2 and the LM head) is a PackedWeight of the
-"native" kernel; the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
+native library's kernels ("native", exact, or "i8dot", int8 activations: each row block's description says which,
+so a step runs a per-type plan such as "Q4_1:i8dot,Q8_0:native" as it is); the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
 every layer has the same shapes and norm epsilon. The plan holds a reference to every tensor whose memory C reads.
 
 The token's embedding row is looked up in C too (the table held as stored, its row dequantized exactly as
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import NATIVE, PackedWeight
+from llmtrace.tracer.model.weight_formats import PackedWeight, runs_blocks
 
 STAGES_BEFORE_LAYERS = 1  # the embedding
 STAGES_PER_LAYER = 14  # the fused path's layer stages (contract.fused_stages); the C step stamps each
@@ -163,7 +164,7 @@ class NativeStep:
                            None, 0)
         self._keep.append(kv)
         table = plan.embedding  # (V, dim): held as stored (the native kernel's rows) or dense fp32
-        if isinstance(table, PackedWeight) and table.format.kernel == NATIVE and table.shape[1] == dim:
+        if isinstance(table, PackedWeight) and runs_blocks(table.format.kernel) and table.shape[1] == dim:
             self._plan.embedding = self._keep_matrix(table)
         elif isinstance(table, torch.Tensor) and table.dim() == 2 and table.shape[1] == dim:
             self._plan.embedding_dense = self._vector(table.reshape(-1), table.numel(), "embedding table")
@@ -182,16 +183,16 @@ class NativeStep:
     @classmethod
     def build(cls, plan: Any) -> tuple[NativeStep | None, str]:
         """(the step, "") or (None, why not): the fused path then runs its torch ops."""
-        if not all(isinstance(w, PackedWeight) and w.format.kernel == NATIVE for w in _products(plan)):
-            return None, "a product of the step is not held for the native kernel"
+        if not all(isinstance(w, PackedWeight) and runs_blocks(w.format.kernel) for w in _products(plan)):
+            return None, "a product of the step is not held for the native library's kernels (native, i8dot)"
         try:
             return cls(plan), ""
         except NotEligible as exc:
             return None, str(exc)
 
     def _matrix(self, weight: Any, shape: tuple[int, int], name: str) -> int:
-        if not isinstance(weight, PackedWeight) or weight.format.kernel != NATIVE:
-            raise NotEligible(f"{name} is not held for the native kernel")
+        if not isinstance(weight, PackedWeight) or not runs_blocks(weight.format.kernel):
+            raise NotEligible(f"{name} is not held for the native library's kernels (native, i8dot)")
         if weight.shape != shape:
             raise NotEligible(f"{name} is {weight.shape}, the step expects {shape}")
         return self._keep_matrix(weight)

@@ -22,6 +22,15 @@ Kernels (the `kernel` field; what runs the product):
   values and multiplied with fp32 activations in fp32 (other activation dtypes are cast to fp32 and back). Every
   format above. Listed first by `stored_kernels` when it can be built here; when it cannot (no C compiler), the
   reason is `native_kernel.unavailable_reason()` and the other kernels remain.
+- "i8dot": the same C library's integer kernel (native_kernel; native/int8_dot.c) over the same block bytes: the
+  activations rounded to int8 per 32 values (scale max|x|/127, round to nearest), then integer dot products with the
+  blocks' codes and one multiply-add with the two scales per block, as llama.cpp's CPU kernels do: ~2.5x fewer
+  instructions per block than "native", so a one-token product streams at the memory's pace instead of the core's.
+  NOT exact: each activation moves by up to half its block's step, so a product's error is at most
+  sum over blocks of (max|x|/254) * sum|w|. Its precision is not declared (kernel_choice.KERNEL_BITS): the kernel
+  choice's accuracy probe admits it per matrix format, so a Q4 model's matrices may run it while a Q8_0 LM head,
+  which needs 11 significand bits, stays on "native" (a per-type plan "Q4_1:i8dot,Q8_0:native"). Listed before
+  "native" (fastest known first): a per-type plan takes, for each type, the first kernel the probe accepts.
 - "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
   bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
   result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
@@ -49,7 +58,15 @@ GROUP = 32  # values per scale along K, for every block format here
 # ggml type codes (ggml.h enum ggml_type)
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
-NATIVE, INT4PACK, BLOCKS, DENSE = "native", "int4pack", "blocks", "dense"
+NATIVE, I8DOT, INT4PACK, BLOCKS, DENSE = "native", "i8dot", "int4pack", "blocks", "dense"
+# The native library's kernels: the file's block bytes held as they are (rows of "blocks"), multiplied in C.
+BLOCK_KERNELS = (I8DOT, NATIVE)
+
+
+def runs_blocks(kernel: str) -> bool:
+    """Whether a format's kernel is the native library's over the file's blocks: "native", "i8dot", or row blocks
+    stacked from both ("i8dot+native": a Q4_K_M file's Q4_K rows on i8dot beside its Q6_K rows on native)."""
+    return all(part in BLOCK_KERNELS for part in kernel.split("+"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +74,8 @@ class WeightFormat:
     """How one weight matrix is held and which kernel multiplies it.
 
     name: "fp32", "fp16", "bf16" (dense) or "q4_0", "q4_1", "q4_k", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k" (as the
-    GGUF stores it); kernel: "dense", "native", "int4pack" or "blocks"; stored: the file's type name ("Q4_1",
+    GGUF stores it); kernel: "dense", "native", "i8dot", "int4pack" or "blocks" ("i8dot+native" for row blocks
+    stacked from both); stored: the file's type name ("Q4_1",
     "F16"...) or "" for a dense
     tensor not read from a GGUF; stored_bits: bits per value as stored (Q4_1 5.0, Q4_K 4.5, fp32 32).
     """
@@ -83,8 +101,8 @@ _TORCH_TYPES = (_Q4_0, _Q4_1, _Q4_K, _Q8_0)  # what "int4pack" and "blocks" run
 
 def stored_kernels(ggml_type: int) -> tuple[str, ...]:
     """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized.
-    "native" is listed only when it can be built here (asking builds it once: about a second)."""
-    kernels = [NATIVE] if ggml_type in native_kernel.TYPES and native_kernel.available() else []
+    "i8dot" and "native" are listed only when the library can be built here (asking builds it once: a second)."""
+    kernels = [I8DOT, NATIVE] if ggml_type in native_kernel.TYPES and native_kernel.available() else []
     if ggml_type in _TORCH_TYPES:
         kernels += [INT4PACK, BLOCKS]
     return tuple(kernels)
@@ -107,20 +125,23 @@ class PackedWeight:
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
     """
 
-    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_native")
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_int8", "_native")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
-                 stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None) -> None:
+                 stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None,
+                 int8: tuple[bool, ...] | None = None) -> None:
         self.format = fmt
         self.shape = (int(shape[0]), int(shape[1]))
         self.tensors = tensors
         self.stored_bytes = int(stored_bytes)
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
         # the native kernel's row blocks, (ggml type code, blocks) each, and its call's arguments once made
-        if parts is None and fmt.kernel == NATIVE:  # "blocks", or stacked row blocks "blocks.<i>.<type name>"
+        if parts is None and runs_blocks(fmt.kernel):  # "blocks", or stacked row blocks "blocks.<i>.<type name>"
             parts = ((_CODES[fmt.stored], tensors["blocks"]),) if "blocks" in tensors else tuple(
                 (_CODES[key.split(".")[2]], t) for key, t in sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1])))
         self._parts = parts or ()
+        # per row block: whether its products run i8dot (int8 activations) rather than the exact "native"
+        self._int8 = int8 if int8 is not None else (fmt.kernel == I8DOT,) * len(self._parts)
         self._native: native_kernel.BlockMatrix | None = None
 
     @classmethod
@@ -172,7 +193,7 @@ class PackedWeight:
             if x.dim() == 1:
                 return torch.mv(w, x)
             return F.linear(x, w)
-        if kernel == NATIVE:  # any leading shape as it is (the decode step's products are ~10 us: no reshapes)
+        if runs_blocks(kernel):  # any leading shape as it is (the decode step's products are ~10 us: no reshapes)
             out = native_kernel.matmul(self._native or self.native_matrix(), x)  # (..., N) fp32
             return out if x.dtype == torch.float32 else out.to(x.dtype)
         lead = x.shape[:-1]
@@ -185,11 +206,11 @@ class PackedWeight:
 
     def native_matrix(self) -> native_kernel.BlockMatrix:
         """The native kernel's description of this matrix (made once): what its products, and the native decode
-        step (tracer/model/native_step.py), pass to C."""
-        if self.format.kernel != NATIVE:
-            raise ValueError(f"{self.format.label} is not held for the native kernel")
+        step (tracer/model/native_step.py), pass to C; each row block says its kernel (i8dot or native)."""
+        if not runs_blocks(self.format.kernel):
+            raise ValueError(f"{self.format.label} is not held for the native library's kernels")
         if self._native is None:
-            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1])
+            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1], self._int8)
         return self._native
 
     def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,7 +265,7 @@ class PackedWeight:
         kernel = self.format.kernel
         if kernel == DENSE:
             return self.tensors["weight"][start:stop].to(dtype)
-        if kernel == NATIVE:
+        if runs_blocks(kernel):  # the exact values, whichever kernel multiplies them
             pieces, first = [], 0
             for code, blocks in self._parts:  # each row block's rows that fall in start..stop
                 lo, hi = max(start - first, 0), min(stop - first, blocks.shape[0])
@@ -268,7 +289,7 @@ class PackedWeight:
         if self.format.kernel == DENSE:
             return F.embedding(ids, self.tensors["weight"]).to(dtype)
         flat = ids.reshape(-1)
-        if self.format.kernel == NATIVE:
+        if runs_blocks(self.format.kernel):  # exact rows (an embedding lookup rounds nothing)
             if len(self._parts) == 1:
                 code, blocks = self._parts[0]
                 values = native_kernel.dequantize(code, blocks, self.shape[1], flat)  # (ids, K)
@@ -288,7 +309,7 @@ def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[
     n, k = shape
     if fmt.kernel == DENSE:
         return {"weight": ((n, k), None)}
-    if fmt.kernel == NATIVE:
+    if runs_blocks(fmt.kernel):
         if fmt.stored not in _CODES:
             raise ValueError(f"{fmt.name}: row blocks of several formats are not rebuilt from tensors")
         _, block, block_bytes = GGML_TYPES[_CODES[fmt.stored]]
@@ -315,21 +336,23 @@ def dense_weight(weight: torch.Tensor, stored: str = "") -> PackedWeight:
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
     """Row blocks of one format stacked into one matrix (wq|wk|wv, w1|w3: one product instead of several). The
     native kernel's are not copied, and may mix formats (a Q4_K_M file's Q4_K wq, wk and Q6_K wv): it multiplies
-    every member's blocks in place in one call."""
+    every member's blocks in place in one call, each row block with its own kernel (i8dot or native)."""
     first = weights[0]
     shape = (sum(w.shape[0] for w in weights), first.shape[1])
     stored = sum(w.stored_bytes for w in weights)
-    if first.format.kernel == NATIVE:
-        if any(w.format.kernel != NATIVE or w.shape[1] != first.shape[1] for w in weights):
-            raise ValueError("concat_rows needs native weights of one input width")
+    if runs_blocks(first.format.kernel):
+        if any(not runs_blocks(w.format.kernel) or w.shape[1] != first.shape[1] for w in weights):
+            raise ValueError("concat_rows needs native-library weights of one input width")
         parts = tuple(part for w in weights for part in w._parts)
+        int8 = tuple(flag for w in weights for flag in w._int8)
         formats = list(dict.fromkeys(w.format for w in weights))
+        kernels = "+".join(dict.fromkeys(k for f in formats for k in f.kernel.split("+")))
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
-            "+".join(dict.fromkeys(f.name for f in formats)), NATIVE, "+".join(dict.fromkeys(f.stored for f in formats)),
+            "+".join(dict.fromkeys(f.name for f in formats)), kernels, "+".join(dict.fromkeys(f.stored for f in formats)),
             stored * 8 / (shape[0] * shape[1]))
         tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {
             f"blocks.{i}.{GGML_TYPES[code][0]}": t for i, (code, t) in enumerate(parts)}
-        return PackedWeight(fmt, shape, tensors, stored, parts)
+        return PackedWeight(fmt, shape, tensors, stored, parts, int8)
     if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows needs weights of one format and one input width")
     tensors = {key: torch.cat([w.tensors[key] for w in weights]) for key in first.tensors}
@@ -357,7 +380,7 @@ def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str) -> Pa
     _, block, block_bytes = GGML_TYPES[ggml_type]
     if row_len % block or rows.shape[1] != row_len // block * block_bytes:
         raise ValueError(f"rows of {rows.shape[1]} bytes do not hold {row_len} values of {fmt.stored}")
-    if kernel == NATIVE:
+    if kernel in BLOCK_KERNELS:
         blocks = rows if rows.flags.writeable else rows.copy()
         return PackedWeight(fmt, (n, row_len), {"blocks": torch.from_numpy(blocks)}, rows.nbytes)
     blocks = rows.reshape(-1, block_bytes)  # (N * K/block, block_bytes)
@@ -400,7 +423,7 @@ def finite_scales(weight: PackedWeight) -> bool:
     native kernel's blocks are checked in place (strided fp16 views of the bytes; nothing is decoded)."""
     if weight.format.kernel == DENSE:
         return bool(torch.isfinite(weight.tensors["weight"]).all())
-    if weight.format.kernel != NATIVE:
+    if not runs_blocks(weight.format.kernel):
         return all(bool(torch.isfinite(t).all()) for t in weight.tensors.values() if t.is_floating_point())
     code = _CODES[weight.format.stored]
     _, _, block_bytes = GGML_TYPES[code]

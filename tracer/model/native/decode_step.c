@@ -2,7 +2,8 @@
  * in one call and one OpenMP parallel region.
  *
  * Unity build: this file #includes gguf_matmul.c, so the one library native_kernel.py compiles holds both, and the
- * step reuses that file's row kernels as they are (prepare_x, x_order, dot_rows, the Matrix description and
+ * step reuses that file's row kernels as they are (prepare_x, x_order, dot_rows, int8_dot.c's quantize_x and
+ * i8_dot_rows for the i8dot parts, the Matrix description and
  * `share`'s byte-balanced split of a matrix's rows between threads). Compiled with the same flags
  * (-O3 -march=native -fopenmp -ffp-contract=off) and linked with -lm.
  *
@@ -53,7 +54,7 @@
 #include <math.h>
 #include <time.h>
 
-#define LLMT_STEP_ABI 3 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+#define LLMT_STEP_ABI 4 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none). */
 typedef struct {
@@ -96,7 +97,9 @@ static int64_t widest_input(const StepPlan *p) {
 
 /* Shared vectors (products' outputs, the attention's scores), then each thread's own: its copy of the residual
    stream x and of the norm's output h (every thread computes them, so no barrier waits for one thread's norm), its
-   silu(gate)*up, and its prepared activation row (x in three orders + its sums per 32 values). */
+   silu(gate)*up, its prepared activation row (x in three orders + its sums per 32 values) and the same row
+   quantized for the i8dot parts (int8_dot.c's XBlocks: each thread quantizes the product's input itself, rather than
+   all waiting at a barrier for one thread to do it). */
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
     return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq;
@@ -104,7 +107,7 @@ static int64_t shared_floats(const StepPlan *p) {
 
 static int64_t thread_floats(const StepPlan *p) {
     const int64_t k = widest_input(p);
-    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + k / 32;
+    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + k / 32 + k / 32 * (int64_t)(sizeof(XBlock) / sizeof(float));
     return (floats + 15) / 16 * 16 + 16; /* whole cache lines, one apart: threads never share a line */
 }
 
@@ -237,7 +240,8 @@ static void share_rows(const Matrix *mat, int p, int64_t lo, int64_t hi, int t, 
     *last = from + (b < n ? b : n);
 }
 
-/* This thread's rows of `mat` among rows [lo, hi) times x (k values): x prepared into the thread's own buffer, then
+/* This thread's rows of `mat` among rows [lo, hi) times x (k values): x prepared into the thread's own buffer
+   (quantized to int8 blocks for the i8dot parts, in the orders the exact kernels need for the others), then
    `share_rows`' rows, each part's rows plus their bias, written at their row of `out` (a row's value does not
    depend on the range or the thread that computes it: every row is one dot_rows call over the same prepared x). */
 static void product_rows(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int64_t lo,
@@ -245,16 +249,23 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
 #if LLMT_AVX2
     const int64_t k = mat->k;
     float *sx = xs + 3 * k;
+    XBlock *xq = (XBlock *)(sx + k / 32);
     int64_t first[MAX_PARTS], last[MAX_PARTS];
-    int made[3] = {0, 0, 0}, any = 0;
+    int made[3] = {0, 0, 0}, any = 0, quantized = 0;
     for (int p = 0; p < mat->parts; p++) {
         share_rows(mat, p, lo, hi, t, count, &first[p], &last[p]);
         any |= first[p] < last[p];
     }
     if (!any) return;
     for (int p = 0; p < mat->parts; p++) {
+        if (first[p] >= last[p]) continue;
+        if (mat->int8[p]) {
+            if (!quantized) quantize_x(x, k, xq);
+            quantized = 1;
+            continue;
+        }
         const int order = x_order(mat->types[p]);
-        if (first[p] < last[p] && !made[order]) {
+        if (!made[order]) {
             prepare_x(mat->types[p], x, k, xs + order * k, sx);
             made[order] = 1;
         }
@@ -262,8 +273,11 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
     for (int p = 0; p < mat->parts; p++) {
         if (first[p] >= last[p]) continue;
         float *o = out + mat->column[p];
-        dot_rows(mat->types[p], mat->w[p], mat->strides[p], first[p], last[p], k / mat->block_values[p],
-                 xs + x_order(mat->types[p]) * k, sx, o);
+        if (mat->int8[p])
+            i8_dot_rows(mat, p, first[p], last[p], xq, 1, o, 0);
+        else
+            dot_rows(mat->types[p], mat->w[p], mat->strides[p], first[p], last[p], k / mat->block_values[p],
+                     xs + x_order(mat->types[p]) * k, sx, o);
         if (bias != NULL) {
             const float *b = bias + mat->column[p];
             for (int64_t r = first[p]; r < last[p]; r++) o[r] += b[r];

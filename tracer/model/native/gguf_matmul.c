@@ -25,8 +25,12 @@
  *  - otherwise (prefill, several rows, or no AVX2): tiles of W dequantized exactly into a buffer that stays in
  *    cache, then every activation row multiplied with the tile, so W's bytes are read once for all rows.
  * Rows of W are split between OpenMP threads (the count is an argument of every call).
+ *
+ * A part of W described with int8 activations runs the "i8dot" kernel instead (int8_dot.c, #included below): the
+ * activation rows rounded to 8-bit integers per 32 values, integer dot products; not exact, see that file.
  */
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +47,7 @@
 #define LLMT_AVX2 0
 #endif
 
-#define LLMT_ABI 4 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_ABI 5 /* bump when a signature below changes: native_kernel.py checks it */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };
@@ -637,19 +641,24 @@ typedef struct {
     const uint8_t *w[MAX_PARTS];
     int64_t strides[MAX_PARTS], rows[MAX_PARTS], row_bytes[MAX_PARTS], column[MAX_PARTS]; /* column: first output */
     int64_t block_values[MAX_PARTS], block_bytes[MAX_PARTS];
+    int int8[MAX_PARTS]; /* 1: this part's products round the activations to int8 (the i8dot kernel) */
+    int any_int8;
     int64_t k, total_rows, total_bytes;
 } Matrix;
 
 /* Bytes the caller allocates for a Matrix (opaque to it). */
 int64_t llmt_matrix_size(void) { return (int64_t)sizeof(Matrix); }
 
+#include "int8_dot.c"
+
 /* Checks and describes W once (the caller keeps `mat` and the blocks alive); every product then passes only `mat`,
-   so a call costs what a call must (a decode step makes ~120). */
+   so a call costs what a call must (a decode step makes ~120). int8: per part, 1 for the i8dot kernel (NULL: none). */
 int llmt_describe(int parts, const int *types, const uint8_t *const *w, const int64_t *strides, const int64_t *rows,
-                  int64_t k, Matrix *mat) {
+                  int64_t k, const int *int8, Matrix *mat) {
     if (parts < 1 || parts > MAX_PARTS || k <= 0) return BAD_SHAPE;
     mat->k = k;
     mat->parts = parts;
+    mat->any_int8 = 0;
     mat->total_rows = mat->total_bytes = 0;
     for (int p = 0; p < parts; p++) {
         int64_t block_values, block_bytes;
@@ -662,6 +671,8 @@ int llmt_describe(int parts, const int *types, const uint8_t *const *w, const in
         mat->row_bytes[p] = k / block_values * block_bytes;
         mat->block_values[p] = block_values;
         mat->block_bytes[p] = block_bytes;
+        mat->int8[p] = int8 != NULL && int8[p] != 0;
+        mat->any_int8 |= mat->int8[p];
         mat->column[p] = mat->total_rows;
         mat->total_rows += rows[p];
         mat->total_bytes += rows[p] * mat->row_bytes[p];
@@ -703,17 +714,31 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
     const int64_t n = mat.total_rows;
     const int team = thread_count(threads, (double)n * (double)k * (double)m);
     int status = OK;
+    XBlock *xq = NULL; /* the activation rows quantized for the i8dot parts, once per call */
+    if (mat.any_int8) {
+        xq = malloc(sizeof(XBlock) * (size_t)(m * (k / 32)));
+        if (xq == NULL) return NO_MEMORY;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(team) if (team > 1 && m > 1) schedule(static)
+#endif
+        for (int64_t i = 0; i < m; i++) quantize_x(x + i * k, k, xq + i * (k / 32));
+    }
 #if LLMT_AVX2
     if (m == 1) {
         /* x in each order a part needs (NATURAL, NIBBLES16, DWORDS32), then its sums per 32 values */
         float *buffer = malloc(sizeof(float) * (size_t)(3 * k + k / 32));
-        if (buffer == NULL) return NO_MEMORY;
+        if (buffer == NULL) {
+            free(xq);
+            return NO_MEMORY;
+        }
         float *sx = buffer + 3 * k;
         int made[3] = {0, 0, 0};
         for (int p = 0; p < parts; p++) {
             const int order = x_order(mat.types[p]);
-            if (!made[order]) prepare_x(mat.types[p], x, k, buffer + order * k, sx);
-            made[order] = 1;
+            if (!mat.int8[p] && !made[order]) {
+                prepare_x(mat.types[p], x, k, buffer + order * k, sx);
+                made[order] = 1;
+            }
         }
 #ifdef _OPENMP
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -724,11 +749,15 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
             for (int p = 0; p < parts; p++) {
                 int64_t first, last;
                 share(&mat, p, t, count, &first, &last);
-                dot_rows(mat.types[p], mat.w[p], mat.strides[p], first, last, k / mat.block_values[p],
-                         buffer + x_order(mat.types[p]) * k, sx, out + mat.column[p]);
+                if (mat.int8[p])
+                    i8_dot_rows(&mat, p, first, last, xq, 1, out + mat.column[p], n);
+                else
+                    dot_rows(mat.types[p], mat.w[p], mat.strides[p], first, last, k / mat.block_values[p],
+                             buffer + x_order(mat.types[p]) * k, sx, out + mat.column[p]);
             }
         }
         free(buffer);
+        free(xq);
         return OK;
     }
 #endif
@@ -750,6 +779,10 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
             for (int p = 0; p < parts; p++) {
                 int64_t first, last;
                 share(&mat, p, t, count, &first, &last);
+                if (mat.int8[p]) {
+                    i8_dot_rows(&mat, p, first, last, xq, m, out + mat.column[p], n);
+                    continue;
+                }
                 for (int64_t r = first; r < last; r += tile) {
                     const int64_t count_rows = last - r < tile ? last - r : tile;
                     for (int64_t j = 0; j < count_rows; j++)
@@ -761,6 +794,7 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
         }
         free(buffer);
     }
+    free(xq);
     return status;
 }
 

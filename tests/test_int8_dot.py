@@ -1,0 +1,219 @@
+"""The "i8dot" stored kernel (tracer/model/native/int8_dot.c): activations rounded to int8 per 32 values, integer
+dot products with the blocks' codes.
+
+Two references, both independent of the C code's decoding (gguf's dequantizer gives the weights' values w):
+- the SAME math: x quantized here as the kernel describes it (per 32 values d = max|x|/127, q = round-half-even(
+  x * (127/max|x|)) in fp32), then sum over blocks of d * sum(w * q) in fp64. The kernel sums integer products exactly
+  and rounds only its per-block fp32 terms, (a*d) * sum(c*q) and b * s (w = a*c + b: the block's scale, code and
+  offset); those terms can exceed |w| * |q| (Q4_0's code 0..15 against its value c - 8; a K-quant's min), so the
+  bound is 2^-16 of d * sum(|w| + max|w| of the block) * |q|: 2^-24 would be one rounding, 2^8 leaves room for the
+  ~30 rounded additions of a 7-block row and the offsets' size (measured: below 2^-20 of it).
+- the exact product x @ w.T: the kernel's result differs by the rounding of x, at most d/2 per value, so
+  |y - x @ w.T| <= sum over blocks of d/2 * sum|w| (plus fp32 summation, 2^-20 of sum |x||w|): a derived bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from llmtrace.tracer.load.stored_weights import all_kernels, parse_weights, widest_kernel
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import (
+    I8DOT,
+    INT4PACK,
+    NATIVE,
+    concat_rows,
+    pack_gguf,
+    runs_blocks,
+    stored_kernels,
+)
+from tests.tiny_gguf import random_blocks
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+SAME_MATH_TOLERANCE = 2**-16
+SUM_TOLERANCE = 2**-20
+
+
+@pytest.fixture
+def native() -> None:
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+
+
+def _columns(qtype: Q) -> int:
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    return 7 * 32 if block == 32 else 2 * 256
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, K) fp32 -> (codes (rows, K) int, scales d (rows, K/32) fp32), as int8_dot.c's quantize_x."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)  # (rows, K/32, 1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    codes = np.rint(blocks * inverse)  # fp32 product, then round half to even
+    assert np.abs(codes).max() <= 127
+    return codes.reshape(x.shape).astype(np.int64), d[..., 0]
+
+
+def same_math(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the kernel's product in fp64, the fp32-rounding bound of each output) for x (rows, K) and values w (N, K)."""
+    codes, d = quantize(x)
+    wb = w.astype(np.float64).reshape(w.shape[0], -1, 32)  # (N, K/32, 32)
+    qb = codes.reshape(codes.shape[0], -1, 32).astype(np.float64)  # (rows, K/32, 32)
+    product = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), wb, qb)
+    size = np.abs(wb) + np.abs(wb).max(axis=2, keepdims=True)
+    bound = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), size, np.abs(qb)) * SAME_MATH_TOLERANCE
+    return product, bound
+
+
+def rounding_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """sum over blocks of d/2 * sum|w|, plus fp32 summation: how far the kernel may be from x @ w.T."""
+    _, d = quantize(x)
+    absw = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 32).sum(axis=2)  # (N, K/32)
+    return 0.5 * d.astype(np.float64) @ absw.T + np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T * SUM_TOLERANCE
+
+
+def _check(weight, raw: np.ndarray, qtype: Q, x: torch.Tensor) -> None:  # noqa: ANN001
+    values = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32)
+    got = weight(x).double().numpy()
+    want, bound = same_math(x.numpy(), values)
+    assert (np.abs(got - want) <= bound).all(), float((np.abs(got - want) / bound).max())
+    exact = x.double().numpy() @ values.astype(np.float64).T
+    assert (np.abs(got - exact) <= rounding_bound(x.numpy(), values)).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_products_are_the_int8_math_and_within_the_rounding_bound(qtype: Q, native: None) -> None:
+    rng = np.random.default_rng(100 + int(qtype))
+    rows, cols = 37, _columns(qtype)  # 37 rows: an odd split between two threads
+    raw = random_blocks(qtype, rows, cols, rng)
+    weight = pack_gguf(raw, int(qtype), cols, I8DOT)
+    assert weight.format.kernel == I8DOT and weight.format.label == f"{qtype.name.lower()} (i8dot)"
+    assert weight.stored_bytes == raw.nbytes and np.shares_memory(weight.tensors["blocks"].numpy(), raw)
+    # the values (embedding rows, dequantize) are the exact ones: only products round the activations
+    values = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32)
+    assert np.array_equal(weight.dequantize().numpy(), values)
+    assert np.array_equal(weight.rows(torch.tensor([3, 0]), torch.float32).numpy(), values[[3, 0]])
+    for tokens in (1, 3, 17):  # one token (decode), a few, a prefill
+        x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)) * 3
+        x[0, :32] = 0.0  # an all-zero block: d = 0, no division by zero
+        _check(weight, raw, qtype, x)
+
+
+def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
+    raw = random_blocks(Q.Q4_1, 5, 128, np.random.default_rng(1))
+    weight = pack_gguf(raw, int(Q.Q4_1), 128, I8DOT)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 128)
+        x[1, 70] = bad
+        y = weight(x)
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+        assert torch.isnan(weight(x[1:])).all()  # the one-row kernel too
+
+
+def test_threads_and_uneven_splits_give_the_same_sums(native: None) -> None:
+    """Each output is one thread's sum in one order: 1 and 2 threads agree bit for bit, whatever the split."""
+    x = torch.randn(5, 576)
+    for rows in (1, 3, 301):
+        raw = random_blocks(Q.Q4_1, rows, 576, np.random.default_rng(rows))
+        weight = pack_gguf(raw, int(Q.Q4_1), 576, I8DOT)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = (weight(x[:1]), weight(x))
+            torch.set_num_threads(2)
+            two = (weight(x[:1]), weight(x))
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+        assert torch.equal(one[0][0], one[1][0])  # a row's sum does not depend on the rows beside it
+
+
+def test_row_blocks_of_both_kernels_multiply_in_one_call(native: None) -> None:
+    """A per-type plan on a Q4_K_M file: Q4_K rows on i8dot stacked with Q6_K rows on native, each its own kernel."""
+    rng = np.random.default_rng(7)
+    q4k = random_blocks(Q.Q4_K, 40, 512, rng)
+    q6k = random_blocks(Q.Q6_K, 9, 512, rng)
+    both = concat_rows([pack_gguf(q4k, int(Q.Q4_K), 512, I8DOT), pack_gguf(q6k, int(Q.Q6_K), 512, NATIVE)])
+    assert both.format.kernel == "i8dot+native" and runs_blocks(both.format.kernel)
+    assert both.format.label == "q4_k+q6_k (i8dot+native)"
+    x = torch.randn(3, 512)
+    got = both(x)
+    assert torch.equal(got[:, :40], pack_gguf(q4k, int(Q.Q4_K), 512, I8DOT)(x))
+    assert torch.equal(got[:, 40:], pack_gguf(q6k, int(Q.Q6_K), 512, NATIVE)(x))
+
+
+def test_i8dot_is_listed_first_but_never_taken_unmeasured(native: None) -> None:
+    """Fastest known first (a per-type plan takes each type's first kernel the probe admits); --weights stored
+    with nothing measured takes the widest kernel that rounds nothing."""
+    assert stored_kernels(int(Q.Q4_1))[:2] == (I8DOT, NATIVE) and all_kernels()[:2] == (I8DOT, NATIVE)
+    assert widest_kernel({I8DOT: 10, NATIVE: 10, INT4PACK: 10}) == NATIVE
+    assert widest_kernel({I8DOT: 10, NATIVE: 0, INT4PACK: 4}) == I8DOT
+    assert parse_weights(I8DOT).kernel == I8DOT
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages through libc mprotect (Linux)")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
+    """As the exact kernel's test: W ends where an unreadable page starts; one token and a few, 1 and 2 threads."""
+    page = mmap.PAGESIZE
+    rows, cols = 5, _columns(qtype)
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
+    span = -(-raw.nbytes // page) * page
+    region = mmap.mmap(-1, span + page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert libc.mprotect(base + span, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
+    try:
+        at_end = np.frombuffer(region, dtype=np.uint8, count=raw.nbytes, offset=span - raw.nbytes)
+        at_end[:] = raw.reshape(-1)
+        weight = pack_gguf(at_end.reshape(raw.shape), int(qtype), cols, I8DOT)
+        assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for tokens in (1, 3):
+                    _check(weight, raw, qtype, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))
+        finally:
+            torch.set_num_threads(before)
+        del weight, at_end
+    finally:
+        libc.mprotect(base + span, page, 3)
+
+
+@pytest.fixture
+def portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The library built without -march=native (no AVX2: the portable C loops), in a folder of the test's own."""
+    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
+    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-fopenmp"), ("-O3",)))
+    native_kernel.reset()
+    yield
+    native_kernel.reset()
+
+
+def test_the_portable_build_computes_the_same_math(portable_build: None) -> None:
+    if not native_kernel.available():
+        pytest.skip(f"no C build here: {native_kernel.unavailable_reason()}")
+    assert not native_kernel.library().avx2
+    for qtype in TYPES:
+        cols = _columns(qtype)
+        raw = random_blocks(qtype, 6, cols, np.random.default_rng(int(qtype)))
+        weight = pack_gguf(raw, int(qtype), cols, I8DOT)
+        for tokens in (1, 2):
+            _check(weight, raw, qtype, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))

@@ -1,0 +1,379 @@
+/* llmtrace's "i8dot" stored kernel: y = x @ W.T with W in a GGUF's own blocks and x rounded to 8-bit integers.
+ *
+ * #included by gguf_matmul.c (one unity build; it uses that file's block helpers) and called from its entry points
+ * for the parts of a Matrix described with int8 activations.
+ *
+ * Why: the exact kernel widens every 4-bit value to fp32 and multiplies it with an fp32 activation: about 8 cycles
+ * per 32-value block on an AVX2 core, so a decode step is compute-bound below the memory's bandwidth. Here the
+ * activation row is quantized once per product, per 32 values (the scheme of ggml's Q8_1 activation blocks):
+ *     d = max|x| / 127,  q = round-to-nearest-even(x * 127 / max|x|)  (int8, |q| <= 127),  s = d * sum(q)
+ * and each weight block's integer codes c meet q in integer dot products (AVX2: _mm256_maddubs_epi16 of unsigned
+ * codes and signed activations, _mm256_madd_epi16 with ones, one conversion, one multiply-add with the two scales).
+ * Per 32 values, with the weight's values w = a * c + b (a, b the block's fp32 scale and offset):
+ *     sum x*w  ~=  sum (d*q) * (a*c + b)  =  (a*d) * sum(c*q) + b * s
+ *   Q4_0 c = nibble 0..15,          a = d_w,        b = -8 d_w
+ *   Q4_1 c = nibble,                a = d_w,        b = m
+ *   Q5_0 c = nibble | bit4 0..31,   a = d_w,        b = -16 d_w
+ *   Q5_1 c = as Q5_0,               a = d_w,        b = m
+ *   Q8_0 c = int8 (signed),         a = d_w,        b = 0
+ *   Q4_K c = nibble, per 32 values  a = d * sc,     b = -dmin * m
+ *   Q5_K c = nibble | bit4,         a = d * sc,     b = -dmin * m
+ *   Q6_K c = 6 bits - 32 (signed),  a = d * sc per 16 values, b = 0
+ * (a and b exactly as the exact kernel's dequantization forms them). The integer sums are exact; the result differs
+ * from the exact product only by the rounding of x: at most d/2 per value, so |error| <= sum over blocks of
+ * d/2 * sum|w| (plus fp32 summation). Whether that is close enough for a model is not declared here: the kernel
+ * choice's accuracy probe measures it on the model's own matrices (tracer/hardware/kernel_choice.py).
+ * A block of x holding a NaN or an infinity gets d = s = NaN, so the outputs it touches are NaN, never silently
+ * finite. One activation row: each row of W read once; several rows: each row of W, while in L1, times every
+ * quantized activation row. The portable C path computes the same sums without AVX2.
+ */
+
+/* One 32-value block of the quantized activations: scale, scale * sum of codes, codes. */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} XBlock;
+
+/* x (k values, k a multiple of 32) -> k / 32 blocks */
+static void quantize_x(const float *x, int64_t k, XBlock *out) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *v = x + 32 * b;
+        XBlock *o = out + b;
+        float amax;
+        int finite;
+#if LLMT_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+        __m256 vs[4], top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            vs[i] = _mm256_loadu_ps(v + 8 * i);
+            const __m256 a = _mm256_andnot_ps(sign, vs[i]);
+            top = _mm256_max_ps(top, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* NaN or infinite */
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        amax = _mm_cvtss_f32(t);
+        finite = _mm256_movemask_ps(bad) == 0;
+#else
+        amax = 0.0f;
+        finite = 1;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(v[i]);
+            if (!(a < INFINITY)) finite = 0;
+            amax = a > amax ? a : amax;
+        }
+#endif
+        if (!finite) {
+            o->d = o->s = NAN;
+            memset(o->q, 0, sizeof o->q);
+            continue;
+        }
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+#if LLMT_AVX2
+        const __m256 scale = _mm256_set1_ps(id);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[0], scale)); /* nearest, ties to even (default MXCSR) */
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[1], scale));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[2], scale));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[3], scale));
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i st = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        st = _mm_add_epi32(st, _mm_shuffle_epi32(st, 0x4E));
+        st = _mm_add_epi32(st, _mm_shuffle_epi32(st, 0xB1));
+        sum = _mm_cvtsi128_si32(st);
+        /* packs interleave the 128-bit lanes: values 0-3 16-19 4-7 20-23 ... put back in order by the permute */
+        i0 = _mm256_packs_epi32(i0, i1);
+        i2 = _mm256_packs_epi32(i2, i3);
+        i0 = _mm256_packs_epi16(i0, i2);
+        i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)o->q, i0);
+#else
+        for (int i = 0; i < 32; i++) {
+            const int q = (int)nearbyintf(v[i] * id); /* the default rounding mode: nearest, ties to even */
+            o->q[i] = (int8_t)q;
+            sum += q;
+        }
+#endif
+        o->d = d;
+        o->s = d * (float)sum;
+    }
+}
+
+/* ---- portable C (builds without AVX2): a block's codes and scales, then integer sums ------------------------ */
+
+#if !LLMT_AVX2
+
+/* Sub-block `sub` (32 values) of the block at b: codes c, the scales a0 (values 0-15) and a1 (16-31), offset off */
+static void block_codes(int type, const uint8_t *b, int sub, int c[32], float *a0, float *a1, float *off) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const int has_min = type == Q4_1;
+        const float d = half_to_float(b);
+        const uint8_t *qs = b + 2 + 2 * has_min;
+        for (int j = 0; j < 16; j++) {
+            c[j] = qs[j] & 0x0F;
+            c[j + 16] = qs[j] >> 4;
+        }
+        *a0 = *a1 = d;
+        *off = has_min ? half_to_float(b + 2) : -8.0f * d;
+        return;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const int has_min = type == Q5_1;
+        const float d = half_to_float(b);
+        const uint32_t qh = read_u32(b + 2 + 2 * has_min);
+        const uint8_t *qs = b + 6 + 2 * has_min;
+        for (int j = 0; j < 16; j++) {
+            c[j] = (qs[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
+            c[j + 16] = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+        }
+        *a0 = *a1 = d;
+        *off = has_min ? half_to_float(b + 2) : -16.0f * d;
+        return;
+    }
+    case Q8_0: {
+        for (int j = 0; j < 32; j++) c[j] = (int8_t)b[2 + j];
+        *a0 = *a1 = half_to_float(b);
+        *off = 0.0f;
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        uint8_t sc, m;
+        scale_min_k4(b + 4, sub, &sc, &m);
+        const uint8_t *qs = (type == Q4_K ? b + 16 : b + 48) + 32 * (sub / 2);
+        for (int l = 0; l < 32; l++) {
+            c[l] = (qs[l] >> (4 * (sub & 1))) & 0x0F;
+            if (type == Q5_K) c[l] |= ((b[16 + l] >> sub) & 1) << 4;
+        }
+        *a0 = *a1 = d * (float)sc;
+        *off = -(dmin * (float)m);
+        return;
+    }
+    case Q6_K: {
+        const float d = half_to_float(b + 208);
+        const int half = sub / 4, chunk = sub % 4;
+        const uint8_t *ql = b + 64 * half + (chunk & 1) * 32, *qh = b + 128 + 32 * half;
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * chunk;
+        for (int l = 0; l < 32; l++) {
+            const int low = chunk < 2 ? ql[l] & 0x0F : ql[l] >> 4;
+            c[l] = (low | (((qh[l] >> (2 * chunk)) & 3) << 4)) - 32;
+        }
+        *a0 = d * (float)sc[0];
+        *a1 = d * (float)sc[1];
+        *off = 0.0f;
+        return;
+    }
+    default:
+        return;
+    }
+}
+
+static float i8_row_portable(int type, const uint8_t *row, int64_t n_blocks, int64_t block_values, int64_t block_bytes,
+                             const XBlock *x) {
+    const int subs = (int)(block_values / 32);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        for (int s = 0; s < subs; s++) {
+            int c[32] = {0};
+            float a0 = 0.0f, a1 = 0.0f, off = 0.0f;
+            block_codes(type, row + b * block_bytes, s, c, &a0, &a1, &off);
+            const XBlock *xb = x + b * subs + s;
+            int lo = 0, hi = 0;
+            for (int l = 0; l < 16; l++) lo += c[l] * xb->q[l];
+            for (int l = 16; l < 32; l++) hi += c[l] * xb->q[l];
+            acc += (a0 * xb->d) * (float)lo + (a1 * xb->d) * (float)hi + off * xb->s;
+        }
+    }
+    return acc;
+}
+#endif /* !LLMT_AVX2 */
+
+/* ---- AVX2 --------------------------------------------------------------------------------------------------- */
+
+#if LLMT_AVX2
+
+/* 32 unsigned bytes times 32 signed bytes: the 8 int32 sums of 4 neighbouring products, as fp32 */
+static inline __m256 dot_us(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* signed times signed: |a| times s carrying a's sign (a = -128 reads as 128 unsigned; |s| <= 127) */
+static inline __m256 dot_ss(__m256i a, __m256i s) {
+    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a));
+}
+
+/* a 32-value block's 16 nibble bytes as 32 bytes in value order: low nibbles (values 0-15), then high ones */
+static inline __m256i nibble_bytes(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* byte i: 0x10 where bit i of `bits` is set, else 0 (Q5_0/Q5_1's fifth bits) */
+static inline __m256i fifth_bits32(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                 0x0101010101010101LL, 0));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
+
+static inline __m256i xcodes(const XBlock *x) { return _mm256_loadu_si256((const __m256i *)x->q); }
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values */
+static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
+    int64_t bytes = 18;
+    switch (type) {
+    case Q4_1: bytes = 20; break;
+    case Q5_0: bytes = 22; break;
+    case Q5_1: bytes = 24; break;
+    case Q8_0: bytes = 34; break;
+    default: break;
+    }
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float off = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row + b * bytes;
+        if (!(b & 1)) prefetch(blk);
+        if (type == Q8_0) prefetch(blk + 34);
+        const __m128 dm = _mm_cvtph_ps(load_u32(blk)); /* d, and m for Q4_1/Q5_1 (Q4_0's next bytes: unused) */
+        const float d = _mm_cvtss_f32(dm);
+        __m256 p;
+        switch (type) {
+        case Q4_0:
+            p = dot_us(nibble_bytes(blk + 2), xcodes(x + b));
+            off += (-8.0f * d) * x[b].s;
+            break;
+        case Q4_1:
+            p = dot_us(nibble_bytes(blk + 4), xcodes(x + b));
+            off += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * x[b].s;
+            break;
+        case Q5_0:
+            p = dot_us(_mm256_or_si256(nibble_bytes(blk + 6), fifth_bits32(read_u32(blk + 2))), xcodes(x + b));
+            off += (-16.0f * d) * x[b].s;
+            break;
+        case Q5_1:
+            p = dot_us(_mm256_or_si256(nibble_bytes(blk + 8), fifth_bits32(read_u32(blk + 4))), xcodes(x + b));
+            off += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * x[b].s;
+            break;
+        default: /* Q8_0 */
+            p = dot_ss(_mm256_loadu_si256((const __m256i *)(blk + 2)), xcodes(x + b));
+            break;
+        }
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), p, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), p, acc0);
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + off;
+}
+
+/* Q4_K, Q5_K: per 32-value sub-block s, (d*sc_s) * sum(c*q) * d_x - (dmin*m_s) * s_x */
+static inline float i8_k45_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
+    const int64_t bytes = type == Q4_K ? 144 : 176;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float mins = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row + b * bytes;
+        for (int line = 0; line < bytes; line += 64) prefetch(blk + line);
+        const __m128 dd = _mm_cvtph_ps(load_u32(blk));
+        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        const uint8_t *qs = type == Q4_K ? blk + 16 : blk + 48;
+        const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        const XBlock *xb = x + 8 * b;
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (type == Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p)), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+            }
+            uint8_t sc0, m0, sc1, m1;
+            scale_min_k4(blk + 4, 2 * p, &sc0, &m0);
+            scale_min_k4(blk + 4, 2 * p + 1, &sc1, &m1);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps((d * (float)sc0) * xb[2 * p].d), dot_us(lo, xcodes(xb + 2 * p)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps((d * (float)sc1) * xb[2 * p + 1].d),
+                                   dot_us(hi, xcodes(xb + 2 * p + 1)), acc1);
+            mins += (dmin * (float)m0) * xb[2 * p].s + (dmin * (float)m1) * xb[2 * p + 1].s;
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) - mins;
+}
+
+/* Q6_K: per 16 values (d*sc) * sum(c*q) * d_x, c = 6 bits - 32 */
+static inline float i8_q6k_row(const uint8_t *row, int64_t n_blocks, const XBlock *x) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row + b * 210;
+        for (int line = 0; line < 210; line += 64) prefetch(blk + line);
+        const __m128i d16 = _mm_cvtsi32_si128(blk[208] | (blk[209] << 8)); /* d ends the block: read no further */
+        const float d = _mm_cvtss_f32(_mm_cvtph_ps(d16));
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int half = 0; half < 2; half++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)),
+            };
+            for (int c = 0; c < 4; c++) {
+                const XBlock *xb = x + 8 * b + 4 * half + c;
+                const int g = 8 * half + 2 * c;
+                /* lanes 0-3 sum values 0-15 (scale sc[g]), lanes 4-7 values 16-31 (sc[g+1]) */
+                const __m256 scale = _mm256_set_m128(_mm_set1_ps((d * (float)sc[g + 1]) * xb->d),
+                                                     _mm_set1_ps((d * (float)sc[g]) * xb->d));
+                const __m256 p = dot_ss(_mm256_sub_epi8(q[c], thirty_two), xcodes(xb));
+                if (c & 1) acc1 = _mm256_fmadd_ps(scale, p, acc1);
+                else acc0 = _mm256_fmadd_ps(scale, p, acc0);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+#endif /* LLMT_AVX2 */
+
+/* one row of W (n_blocks blocks of `type`) times one quantized activation row */
+static inline float i8_row(int type, const uint8_t *row, int64_t n_blocks, int64_t block_values, int64_t block_bytes,
+                           const XBlock *x) {
+#if LLMT_AVX2
+    (void)block_values;
+    (void)block_bytes;
+    switch (type) {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1:
+    case Q8_0: return i8_q32_row(type, row, n_blocks, x);
+    case Q4_K:
+    case Q5_K: return i8_k45_row(type, row, n_blocks, x);
+    case Q6_K: return i8_q6k_row(row, n_blocks, x);
+    default: return 0.0f;
+    }
+#else
+    return i8_row_portable(type, row, n_blocks, block_values, block_bytes, x);
+#endif
+}
+
+/* rows first..last of part p times m quantized activation rows (k/32 blocks each, row i at x + i * (k/32)):
+   out[i * out_stride + r]; each row of W stays in L1 while every activation row passes over it */
+static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XBlock *x, int64_t m,
+                        float *out, int64_t out_stride) {
+    const int64_t xblocks = mat->k / 32, n_blocks = mat->k / mat->block_values[p];
+    for (int64_t r = first; r < last; r++) {
+        const uint8_t *row = mat->w[p] + r * mat->strides[p];
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = i8_row(mat->types[p], row, n_blocks, mat->block_values[p], mat->block_bytes[p],
+                                             x + i * xblocks);
+    }
+}
