@@ -1,4 +1,5 @@
-"""The native kernel's one-row (decode) products, two builds side by side: the current source and a baseline.
+"""The native kernels' one-row (decode) products side by side: a baseline build, the current one's exact kernel
+("native") and its int8-activation kernel ("i8dot", the same library, each matrix described with int8 activations).
 
 Each build is tracer/model/native/gguf_matmul.c alone (or the baseline's text of it, from a git revision or a file)
 compiled with native_kernel's own flags into a temporary folder and called through ctypes as llmtrace calls it
@@ -18,8 +19,9 @@ TinyLlama-1.1B's shapes, for the K-quants whose 256-value blocks 576 does not ho
 With `--in-model ROUNDS`, also the bundled model itself (`--weights native`, 2 threads) in child processes, one
 per build and round, alternated (benchmarks/run_with_native_source.py builds the baseline): 128 `decode_one` steps
 after a 5-token prompt, each step's forward and the time inside its weight products (PackedWeight calls: the
-kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps. The
-baseline's gguf_matmul.c is built with the current decode_step.c, so it must have the current ABI (main 2bf3729 on).
+kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps; and the
+current build with the i8dot plan (`--weights Q4_1:i8dot,Q8_0:native`). The baseline's gguf_matmul.c is built with
+the current decode_step.c, so it must have the current ABI (5: the per-part int8 flag) for --in-model.
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main --in-model 4
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --layers Q4_K --head Q6_K --model llama2048
@@ -28,6 +30,7 @@ baseline's gguf_matmul.c is built with the current decode_step.c, so it must hav
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import json
 import os
@@ -54,31 +57,44 @@ NAMES = ["wq|wk|wv", "wo", "w1|w3", "w2"]
 
 
 class Build:
-    """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes."""
+    """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes; `int8`: its matrices described
+    for the i8dot kernel (ABI 5 on)."""
 
     def __init__(self, label: str, source: str, folder: Path) -> None:
         self.label = label
+        self.int8 = False
         path = folder / f"{label}.c"
         path.write_text(source)
         library = folder / f"{label}.so"
         compiler = os.environ.get("CC", "cc").split()
         flags = (*native_kernel.FLAG_SETS[0], *native_kernel.COMMON_FLAGS)
-        subprocess.run([*compiler, *flags, "-o", str(library), str(path)], check=True)
+        # -I: gguf_matmul.c #includes int8_dot.c from the source folder
+        subprocess.run([*compiler, *flags, "-I", str(native_kernel.NATIVE_SOURCES), "-o", str(library), str(path),
+                        *native_kernel.LIBS], check=True)
         handle = ctypes.CDLL(str(library))
+        self.abi = int(handle.llmt_abi())
         self.describe = handle.llmt_describe
         self.describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
                                   ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                                  ctypes.c_void_p]
+                                  *([ctypes.POINTER(ctypes.c_int)] if self.abi >= 5 else []), ctypes.c_void_p]
         self.matmul = handle.llmt_matmul
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         handle.llmt_matrix_size.restype = ctypes.c_int64
         self.size = int(handle.llmt_matrix_size())
 
+    def with_int8(self, label: str) -> Build:
+        """The same library, its matrices described for the i8dot kernel."""
+        assert self.abi >= 5, "the i8dot kernel needs ABI 5"
+        other = copy.copy(self)
+        other.label, other.int8 = label, True
+        return other
+
     def matrix(self, qtype: Q, blocks: np.ndarray, k: int) -> ctypes.Array:
         described = ctypes.create_string_buffer(self.size)
+        int8 = [(ctypes.c_int * 1)(int(self.int8))] if self.abi >= 5 else []
         status = self.describe(1, (ctypes.c_int * 1)(int(qtype)), (ctypes.c_void_p * 1)(blocks.ctypes.data),
                                (ctypes.c_int64 * 1)(blocks.shape[1]), (ctypes.c_int64 * 1)(blocks.shape[0]), k,
-                               described)
+                               *int8, described)
         assert status == 0, status
         return described
 
@@ -117,15 +133,16 @@ def compare(builds: list[Build], matrices: list[tuple[Q, np.ndarray, int]], x: n
     return [(float(np.median(t)), min(t)) for t in times]
 
 
-def model_steps(steps: int = 128) -> dict[str, float]:
-    """This process's build in the bundled model: percentiles (ms) of decode steps and of their products."""
+def model_steps(weights: str = "native", steps: int = 128) -> dict[str, float]:
+    """This process's build in the bundled model under `weights`: percentiles (ms) of decode steps and of their
+    products (the products' share is 0 when the native decode step runs them inside its one C call)."""
     import torch
 
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.model.weight_formats import PackedWeight
 
     torch.set_num_threads(2)
-    loaded = load_model(None, weights="native")
+    loaded = load_model(None, weights=weights)
     model = loaded.model
     ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])  # (1, T)
     token = ids[:, -1:]  # (1, 1)
@@ -159,13 +176,14 @@ def model_steps(steps: int = 128) -> dict[str, float]:
 
 def in_model(baseline: str, rounds: int) -> None:
     """Alternate child processes of the baseline build and the current one; print each round and the medians."""
-    results: dict[str, list[dict[str, float]]] = {"baseline": [], "current": []}
+    results: dict[str, list[dict[str, float]]] = {"baseline": [], "current": [], "i8dot": []}
     for round_ in range(rounds):
         for label in results:
             command = [sys.executable, "-m", "benchmarks.run_with_native_source", baseline] if label == "baseline" \
                 else [sys.executable]
-            done = subprocess.run([*command, "-m", "benchmarks.bench_native_rows", "--model-child"], cwd=REPO,
-                                  check=True, capture_output=True, text=True)
+            weights = ["Q4_1:i8dot,Q8_0:native"] if label == "i8dot" else []
+            done = subprocess.run([*command, "-m", "benchmarks.bench_native_rows", "--model-child", *weights],
+                                  cwd=REPO, check=True, capture_output=True, text=True)
             results[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"  round {round_ + 1} {label:8}", {k: round(v, 2) for k, v in results[label][-1].items()}, flush=True)
     for label, rows in results.items():
@@ -173,8 +191,8 @@ def in_model(baseline: str, rounds: int) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--model-child"]:
-        print(json.dumps(model_steps()))
+    if sys.argv[1:2] == ["--model-child"]:
+        print(json.dumps(model_steps(*sys.argv[2:3])))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="main", help="git revision or file of the baseline source ('' none)")
@@ -191,6 +209,7 @@ def main() -> None:
     print("load average before:", os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         builds = [Build("current", (native_kernel.NATIVE_SOURCES / "gguf_matmul.c").read_text(), Path(tmp))]
+        builds.append(builds[0].with_int8("i8dot"))
         if args.baseline:
             builds.insert(0, Build("baseline", baseline_source(args.baseline), Path(tmp)))
         labels = " | ".join(f"{b.label} med / best" for b in builds)

@@ -76,7 +76,9 @@ QUANT_BITS = {
 GUARD_BITS = 3  # rounding a dequantized value adds at most 2^-3 of a quantization step
 # The significand bits a stored kernel's products keep: "int4pack" (torch's int4 kernel) runs in bf16 (activations,
 # scales and zeros rounded to bf16); "blocks" dequantizes exactly into the activations' dtype (EXACT: their bits).
-# A kernel not listed is judged by its probe alone (its precision is measured, not declared).
+# A kernel not listed is judged by its probe alone (its precision is measured, not declared): "native" (exact, so its
+# probe measures fp32 rounding), and "i8dot", which rounds the activations to int8 per 32 values (~2^-7.5 relative
+# on a product: admitted for Q4 matrices, refused for Q5/Q6_K/Q8_0 ones on the probe's standard-normal rows).
 EXACT = "exact"
 KERNEL_BITS: dict[str, int | str] = {"int4pack": COMPUTE_BITS["bf16"], "blocks": EXACT}
 

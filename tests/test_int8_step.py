@@ -1,0 +1,176 @@
+"""The i8dot kernel inside the native decode step, and the accuracy rule's verdict on it for the bundled model.
+
+- On tiny random models the C step with i8dot matrices (all of them, or a per-type plan: i8dot layers, an exact
+  Q8_0 LM head) is the torch fused path over the same weights: both quantize each product's input the same way,
+  but they compute that input (norms, attention) in different fp32 orders, so now and then a value sits on a
+  rounding boundary of its int8 code and the two round it apart, moving that product's output by up to one code
+  step times |w| (~1/254 of the block's largest |x|). We allow 2^-9 of max |logit| (the exact step's test allows
+  2^-14); measured differences are ~1e-6 of the scale.
+- On the bundled SmolLM2 Q4_1 file the i8dot plan's logits are the exact native step's within 2^-3 of max |logit|,
+  teacher-forced over 16 steps (measured: <= 5%; each Q4 product moves by ~2^-7.6 of its size, relative, and 30
+  layers add up); the first five greedy tokens are the same (" Paris.\n\nThe"): at the sixth the exact run's top
+  two logits are 0.22 apart (1.4% of the scale), a near tie the kernel's error may tip either way.
+- The probe (kernel_choice's rule): on the bundled file i8dot's product error is within 2^-7 for Q4_1 and above
+  2^-11 for the Q8_0 head, so the per-type plan is "Q4_1:i8dot,Q8_0:native".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.hardware import kernel_choice as rule
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.transformer import Transformer
+from llmtrace.tracer.model.weight_formats import I8DOT, NATIVE, pack_gguf
+
+Q = gguf.GGMLQuantizationType
+TINY_TOLERANCE = 2**-9
+BUNDLED_TOLERANCE = 2**-3
+BASE = ModelConfig(name="tiny-i8dot", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                   max_seq_len=64)
+PLAN = "Q4_1:i8dot,Q8_0:native"
+
+
+@pytest.fixture(autouse=True)
+def native() -> None:
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+
+
+def mixed_model(config: ModelConfig, layer_kernel: str, head_kernel: str, seed: int = 0) -> Transformer:
+    """A random fp32 model: layer matrices gguf-quantized to Q4_1 for `layer_kernel`, the embedding table / LM head
+    to Q8_0 for `head_kernel` (the bundled file's layout); norms and biases random."""
+    torch.manual_seed(seed)
+    dense = Transformer(config)
+    state = {name: t.detach().clone() for name, t in dense.state_dict().items()}
+    packed = {}
+    for name, tensor in list(state.items()):
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.2 * torch.randn_like(tensor)
+        elif name.endswith(".bias"):
+            state[name] = 0.1 * torch.randn_like(tensor)
+        elif tensor.dim() == 2:
+            head = name in ("tok_embeddings.weight", "output.weight")
+            qtype = Q.Q8_0 if head else Q.Q4_1
+            raw = gguf.quants.quantize(tensor.numpy().astype(np.float32), qtype)
+            packed[name] = pack_gguf(raw, int(qtype), tensor.shape[1], head_kernel if head else layer_kernel)
+            del state[name]
+    model = Transformer(config)
+    model.load_stored(state, packed)
+    return model.eval()
+
+
+def steps(model: Transformer, native: bool, count: int = 6, prompt: int = 5) -> list[torch.Tensor]:
+    model.use_native_step = native
+    model.setup_cache(1, prompt + count + 1)
+    assert (model._fused_plan.native is not None) or not native, model._fused_plan.native_reason
+    logits = model.prefill(torch.arange(3, 3 + prompt).view(1, -1) % model.config.vocab_size)
+    out = []
+    for _ in range(count):
+        logits = model.decode_one(logits.argmax(-1, keepdim=True))
+        out.append(logits.clone())
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", [{}, {"tie_embeddings": True}, {"qkv_bias": True, "wo_bias": True,
+                                                                     "mlp_bias": True}])
+@pytest.mark.parametrize("head_kernel", [I8DOT, NATIVE])
+def test_i8dot_step_matches_the_torch_fused_path(variant: dict, threads: int, head_kernel: str) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = mixed_model(dataclasses.replace(BASE, **variant), I8DOT, head_kernel)
+        kernels = {w.format.kernel for w in model.stored_weights().values()}
+        assert kernels == {I8DOT, head_kernel}
+        for got, want in zip(steps(model, True), steps(model, False)):
+            scale = float(want.abs().max())
+            assert float((got - want).abs().max()) <= TINY_TOLERANCE * scale
+            assert int(got.argmax()) == int(want.argmax())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_uneven_split_of_i8dot_rows() -> None:
+    """dim 96, ffn 160: products whose rows and bytes do not split evenly between two threads."""
+    config = dataclasses.replace(BASE, dim=96, ffn_dim=160, n_heads=3, n_kv_heads=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = mixed_model(config, I8DOT, NATIVE, seed=3)
+        for got, want in zip(steps(model, True, 4), steps(model, False, 4)):
+            assert float((got - want).abs().max()) <= TINY_TOLERANCE * float(want.abs().max())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bundled_runs() -> dict[str, tuple[list[int], list[torch.Tensor], str]]:
+    """The bundled file under the exact kernel and under the i8dot plan: greedy ids of the exact run and each run's
+    logits teacher-forced on those ids (16 steps), and the plan's load description."""
+    from llmtrace.tracer.load.loader import load_model
+
+    runs: dict[str, tuple[list[int], list[torch.Tensor], str]] = {}
+    forced: list[int] = []
+    for spec in (NATIVE, PLAN):
+        loaded = load_model(None, weights=spec)
+        model = loaded.model
+        ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])
+        model.setup_cache(1, ids.shape[1] + 17)
+        assert model._fused_plan.native is not None, model._fused_plan.native_reason
+        logits = model.prefill(ids)
+        greedy, out = [], []
+        for i in range(16):
+            greedy.append(int(logits.argmax()))
+            token = forced[i] if forced else greedy[-1]
+            logits = model.decode_one(torch.tensor([[token]]))
+            out.append(logits.clone())
+        forced = forced or greedy
+        runs[spec] = (greedy, out, loaded.weight_format + " | " + loaded.tokenizer.decode(greedy[:5]))
+    return runs
+
+
+def test_bundled_plan_runs_i8dot_layers_and_an_exact_head(bundled_runs: dict) -> None:
+    from llmtrace.tracer.load.loader import load_model
+
+    loaded = load_model(None, weights=PLAN)
+    kernels = {name: w.format.label for name, w in loaded.model.stored_weights().items()}
+    assert {label for name, label in kernels.items() if name.startswith("layers.")} == {"q4_1 (i8dot)"}
+    assert kernels["tok_embeddings"] == "q8_0 (native)"  # the tied LM head
+    assert f"as stored ({PLAN})" in loaded.weight_format
+    loaded.model.setup_cache(1, 4)
+    step = loaded.model._fused_plan.native
+    assert step is not None  # FusedPlan admits the mixed plan: the whole step is one C call
+
+
+def test_bundled_logits_and_greedy_ids(bundled_runs: dict) -> None:
+    exact_ids, exact, _ = bundled_runs[NATIVE]
+    plan_ids, plan, description = bundled_runs[PLAN]
+    for got, want in zip(plan, exact):
+        assert float((got - want).abs().max()) <= BUNDLED_TOLERANCE * float(want.abs().max())
+    assert plan_ids[:5] == exact_ids[:5]
+    assert description.endswith(" Paris.\n\nThe")
+
+
+def test_the_probe_admits_i8dot_for_q4_1_and_refuses_it_for_q8_0() -> None:
+    from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+    from llmtrace.tracer.load import kernel_pick
+    from llmtrace.tracer.load.stored_candidates import probe_errors
+
+    resolved = resolve_model(str(bundled_model_path()))
+    assert resolved.gguf_header is not None
+    offered = kernel_pick._candidates(resolved, torch.device("cpu"), kernel_pick.matrix_formats(resolved))
+    assert rule.KERNEL_BITS.get(I8DOT) is None and set(offered.probes[I8DOT]) == {"Q4_1", "Q8_0"}
+    errors = probe_errors(resolved.gguf_header, resolved.config, {I8DOT: ("Q4_1", "Q8_0"), NATIVE: ("Q4_1", "Q8_0")})
+    assert errors[I8DOT]["Q4_1"] <= rule.tolerance("Q4_1") == 2.0**-7
+    assert errors[I8DOT]["Q8_0"] > rule.tolerance("Q8_0") == 2.0**-11
+    ok, why = rule.judge(I8DOT, None, ["Q4_1", "Q8_0"], errors[I8DOT])
+    assert not ok and "Q8_0 matrices need 11 significand bits" in why
+    assert kernel_pick.per_type_plan(offered, errors) == {"Q4_1": I8DOT, "Q8_0": NATIVE}
