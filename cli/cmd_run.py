@@ -62,8 +62,8 @@ def run_command(
         "--weights", metavar="auto|stored|dense|KERNEL",
         help="How a GGUF's matrices are multiplied. auto: the fastest acceptable of the stored kernels and dense "
              "dtypes, measured on this machine for this model on first use (saved); stored: the fastest acceptable "
-             "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (int4pack, blocks...) runs "
-             "that kernel; Q4_1:int4pack,Q8_0:blocks a kernel per type.")] = None,
+             "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (i8dot, native, int4pack, "
+             "blocks) runs that kernel; Q4_1:i8dot,Q8_0:native a kernel per type.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,

@@ -224,7 +224,40 @@ static inline __m256i fifth_bits32(uint32_t bits) {
 
 static inline __m256i xcodes(const XBlock *x) { return _mm256_loadu_si256((const __m256i *)x->q); }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values */
+/* one block of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0: (d_w * d_x) * sum(c*q) into acc, offset * s_x into off */
+static inline void i8_q32_block(int type, const uint8_t *blk, const XBlock *x, __m256 *acc, __m128 *off) {
+    const __m128 dm = _mm_cvtph_ps(load_u32(blk)); /* d, and m for Q4_1/Q5_1 (Q4_0's next bytes: unused) */
+    __m256 p;
+    __m128 offset; /* lane 0: the block's offset b (w = d*c + b) */
+    switch (type) {
+    case Q4_0:
+        p = dot_us(nibble_bytes(blk + 2), xcodes(x));
+        offset = _mm_mul_ss(dm, _mm_set_ss(-8.0f));
+        break;
+    case Q4_1:
+        p = dot_us(nibble_bytes(blk + 4), xcodes(x));
+        offset = _mm_movehdup_ps(dm);
+        break;
+    case Q5_0:
+        p = dot_us(_mm256_or_si256(nibble_bytes(blk + 6), fifth_bits32(read_u32(blk + 2))), xcodes(x));
+        offset = _mm_mul_ss(dm, _mm_set_ss(-16.0f));
+        break;
+    case Q5_1:
+        p = dot_us(_mm256_or_si256(nibble_bytes(blk + 8), fifth_bits32(read_u32(blk + 4))), xcodes(x));
+        offset = _mm_movehdup_ps(dm);
+        break;
+    default: /* Q8_0 */
+        p = dot_ss(_mm256_loadu_si256((const __m256i *)(blk + 2)), xcodes(x));
+        offset = _mm_setzero_ps();
+        break;
+    }
+    const __m128 ds = _mm_load_ss(&x->d), ss = _mm_load_ss(&x->s);
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_mul_ss(dm, ds)), p, *acc);
+    if (type != Q8_0) *off = _mm_fmadd_ss(offset, ss, *off);
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values; two blocks at a time into two accumulators
+   (the multiply-adds of neighbouring blocks do not wait for each other) */
 static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
     int64_t bytes = 18;
     switch (type) {
@@ -235,39 +268,17 @@ static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, c
     default: break;
     }
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float off = 0.0f;
-    for (int64_t b = 0; b < n_blocks; b++) {
+    __m128 off0 = _mm_setzero_ps(), off1 = off0;
+    int64_t b = 0;
+    for (; b + 2 <= n_blocks; b += 2) {
         const uint8_t *blk = row + b * bytes;
-        if (!(b & 1)) prefetch(blk);
-        if (type == Q8_0) prefetch(blk + 34);
-        const __m128 dm = _mm_cvtph_ps(load_u32(blk)); /* d, and m for Q4_1/Q5_1 (Q4_0's next bytes: unused) */
-        const float d = _mm_cvtss_f32(dm);
-        __m256 p;
-        switch (type) {
-        case Q4_0:
-            p = dot_us(nibble_bytes(blk + 2), xcodes(x + b));
-            off += (-8.0f * d) * x[b].s;
-            break;
-        case Q4_1:
-            p = dot_us(nibble_bytes(blk + 4), xcodes(x + b));
-            off += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * x[b].s;
-            break;
-        case Q5_0:
-            p = dot_us(_mm256_or_si256(nibble_bytes(blk + 6), fifth_bits32(read_u32(blk + 2))), xcodes(x + b));
-            off += (-16.0f * d) * x[b].s;
-            break;
-        case Q5_1:
-            p = dot_us(_mm256_or_si256(nibble_bytes(blk + 8), fifth_bits32(read_u32(blk + 4))), xcodes(x + b));
-            off += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * x[b].s;
-            break;
-        default: /* Q8_0 */
-            p = dot_ss(_mm256_loadu_si256((const __m256i *)(blk + 2)), xcodes(x + b));
-            break;
-        }
-        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), p, acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), p, acc0);
+        prefetch(blk);
+        if (type == Q8_0) prefetch(blk + 64);
+        i8_q32_block(type, blk, x + b, &acc0, &off0);
+        i8_q32_block(type, blk + bytes, x + b + 1, &acc1, &off1);
     }
-    return hsum(_mm256_add_ps(acc0, acc1)) + off;
+    if (b < n_blocks) i8_q32_block(type, row + b * bytes, x + b, &acc0, &off0);
+    return hsum(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(off0, off1));
 }
 
 /* Q4_K, Q5_K: per 32-value sub-block s, (d*sc_s) * sum(c*q) * d_x - (dmin*m_s) * s_x */
