@@ -12,8 +12,9 @@ Every rounding is the stage modules' (which are HF transformers' eager LlamaAtte
 fp32, rounded, then times the weight; scores scaled after the product and rounded; softmax in fp32, rounded; one
 query token's attention products in fp32 (half-precision bmm this small is slow on CPU). In bf16 the two paths
 agree to the last bit but for the packed products' accumulation order (tests/test_fused_trace.py states the
-tolerance). The plan records which parameter objects (and their in-place version counters) it read; `valid()`
-notices a reload, a `.to()` or an in-place weight edit.
+tolerance). The plan records which modules, parameter objects (and their in-place version counters) and buffers it
+read; `valid()` notices a reload, a `.to()`, a replaced layer or an in-place weight edit, and `unchanged()` the same in
+O(1) of the model's size before every step (the model's edit counter: tracer/model/edit_watch.py).
 
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
 fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Both go through
@@ -51,6 +52,7 @@ from llmtrace.tracer.model.functional import (
     rms_norm_floor,
     softmax_fp32,
 )
+from llmtrace.tracer.model.edit_watch import unwatched_dicts, watch
 from llmtrace.tracer.model.native_step import NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
@@ -201,6 +203,7 @@ class FusedPlan:
     """Everything the fused path reads, built once by `Transformer.setup_cache` (which packs the projections)."""
 
     def __init__(self, model: Any) -> None:
+        self._edits = watch(model)  # from here on, any replacement in the module tree bumps its generation
         for layer in model.layers:
             attn, ffn = layer.attention, layer.feed_forward
             for group in ((attn.wq, attn.wk, attn.wv), (ffn.w1, ffn.w3)):
@@ -216,6 +219,7 @@ class FusedPlan:
         # Row 0 of every layer's cache as one (L, 2*Hkv, S_max, D) view, when the model keeps them in one tensor
         # (Transformer.setup_cache) and the layers' buffers are still its slices; else None (no one-token path).
         self.caches = [layer.cache for layer in self.layers]
+        self.cache_dicts = [cache.__dict__ for cache in self.caches]  # where their lengths are (KVCache.set_length)
         kv_all = getattr(model, "_kv_all", None)
         shared = kv_all is not None and len(self.caches) == kv_all.shape[0] and all(
             c.kv is not None and c.kv.data_ptr() == kv_all[i].data_ptr() and c.kv.stride() == kv_all[i].stride()
@@ -223,28 +227,58 @@ class FusedPlan:
         self.kv_rows = kv_all.select(1, 0) if shared and self.caches else None
         self.window = self.caches[0].window if self.caches else None
         # Parameters must stay the same objects, unmodified in place (their version counters); buffers (the KV
-        # caches, written every step) the same objects. Kept as parallel lists: `valid` runs before every step and
-        # compares them in C loops (map/all), ~25 us for ~300 tensors where a Python loop took ~70 us.
-        params = [(m._parameters, n, t) for m in model.modules() for n, t in m._parameters.items() if t is not None]
-        buffers = [(m._buffers, n, t) for m in model.modules() for n, t in m._buffers.items() if t is not None]
+        # caches, written every step) and modules the same objects. `valid` compares all of them (in C loops:
+        # map/all); `unchanged`, before every step, only what the model's edit counter cannot see (edit_watch.py).
+        # A meta placeholder (a matrix held as stored) holds no values: an in-place op on it changes nothing.
+        self.modules = list(model.modules())
+        self.module_dicts = [module.__dict__ for module in self.modules]  # where a forward wrapper would sit
+        self.unwatched_dicts = unwatched_dicts(model)  # ... of the modules that do not count their own wrappers
+        params = [(m._parameters, n, t) for m in self.modules for n, t in m._parameters.items() if t is not None]
+        buffers = [(m._buffers, n, t) for m in self.modules for n, t in m._buffers.items() if t is not None]
         self._owners = [owner for owner, _, _ in params + buffers]
         self._names = [name for _, name, _ in params + buffers]
         self._tensors = [tensor for _, _, tensor in params + buffers]
-        self._params = [tensor for _, _, tensor in params]
+        self._params = [tensor for _, _, tensor in params if tensor.device.type != "meta"]
         self._versions = list(map(_VERSION, self._params))
         # The one-token step as one C call (tracer/model/native_step.py) when every product is a native-kernel
         # PackedWeight and the model runs in fp32 on the CPU; else None, and `native_reason` says why.
         self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
             None, "the layers' KV caches are not one tensor")
+        # The edit generation the tree last matched the plan at (`valid`), and the one `Transformer.fusable` last
+        # found everything clear at (no hooks or wrappers either: `rearm`); `unchanged` holds while it stays.
+        self._matched = self._generation = self._edits.generation
 
     def valid(self, model: Any) -> bool:
-        """Whether the plan still describes the model: same rope tables, parameters and buffers."""
-        cos, sin = model.rope_tables()
-        if cos is not self.cos or sin is not self.sin:
+        """Whether the plan still describes the model: same rope tables, modules, parameters and buffers, no
+        parameter edited in place. Walks the modules and tensors only when the edit counter moved since they last
+        matched (every replacement moves it)."""
+        if not self._same_tables_and_values(model):
+            return False
+        generation = self._edits.generation
+        if generation == self._matched:
+            return True
+        modules = list(model.modules())
+        if len(modules) != len(self.modules) or not all(map(operator.is_, modules, self.modules)):
             return False
         if not all(map(operator.is_, map(dict.get, self._owners, self._names), self._tensors)):
             return False
-        return list(map(_VERSION, self._params)) == self._versions
+        self._matched = generation
+        return True
+
+    def rearm(self) -> None:
+        """After a `valid` look that found everything clear (hooks and wrappers too: Transformer.fusable): `unchanged`
+        holds until the next counted edit."""
+        self._generation = self._edits.generation
+
+    def unchanged(self, model: Any) -> bool:
+        """`valid` in O(1) of the model's size when nothing in its module tree was replaced since the last check
+        (its edit counter): then only the rope tables and the version counters of the dense parameters are read. A
+        False says "look closer" (`valid`), not that the plan is stale."""
+        return self._edits.generation == self._generation and self._same_tables_and_values(model)
+
+    def _same_tables_and_values(self, model: Any) -> bool:
+        cos, sin = model.rope_tables()
+        return cos is self.cos and sin is self.sin and list(map(_VERSION, self._params)) == self._versions
 
     def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark, positions: torch.Tensor | None = None,
              pad_mask: torch.Tensor | None = None, native: bool = True) -> torch.Tensor:
@@ -256,11 +290,8 @@ class FusedPlan:
         ops even where the native step could run it (comparisons)."""
         batch, new = tokens.shape
         if batch == 1 and new == 1 and positions is None and pad_mask is None and self.kv_rows is not None:
-            if native and self.native is not None and self.native.cos is self.cos:
-                take = None if mark is no_mark else getattr(mark, TAKE_STAMPS, None)
-                if mark is no_mark or (take is not None and host_clock_matches()):
-                    return self._decode_native(tokens, start, mark, take)
-            return self._decode_one(tokens, start, mark)
+            logits = self.native_decode(tokens, start, mark, native)
+            return self._decode_one(tokens, start, mark) if logits is None else logits
         if positions is None:
             cos = self.cos[start : start + new]  # (T, 1, D)
             sin = self.sin[start : start + new]  # (T, 1, D)
@@ -287,18 +318,31 @@ class FusedPlan:
         mark()
         return logits
 
-    def _decode_native(self, tokens: torch.Tensor, start: int, mark: Mark,
-                       take: Callable[[list[int]], None] | None, staged: bool = False) -> torch.Tensor:
-        """`_decode_one` as one C call (tracer/model/native_step.py), from the token id to the logits; when traced,
-        `take` receives the readings C stamped (the step's start, then one after each stage). `staged`: the staged
-        path's stages apart (`staged_step`)."""
+    def native_decode(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark,
+                      native: bool = True) -> torch.Tensor | None:
+        """`_decode_one` of tokens (1, 1) at position `start` as one C call (tracer/model/native_step.py), from the
+        token id to the logits (1, V), when the native step can take it: built for this plan's rope tables, and
+        either untraced or traced by a mark that takes the readings C stamps (the step's start, then one after
+        each stage); else None (`native=False`: always None). Runs no autograd op: no torch.no_grad() needed."""
+        step = self.native
+        if not native or step is None or step.cos is not self.cos or self.kv_rows is None:
+            return None
+        take = None if mark is no_mark else getattr(mark, TAKE_STAMPS, None)
+        if mark is not no_mark and (take is None or not host_clock_matches()):
+            return None
+        return self._decode_native(tokens, start, take)
+
+    def _decode_native(self, tokens: torch.Tensor, start: int, take: Callable[[list[int]], None] | None,
+                       staged: bool = False) -> torch.Tensor:
+        """`_decode_one` as one C call; when traced, `take` receives the readings C stamped (the step's start, then
+        one after each stage). `staged`: the staged path's stages apart (`staged_step`)."""
         end = start + 1
-        logits = self.native(int(tokens), start, first_attended_position(end, 1, self.window), take is not None,
-                             staged)
-        for cache in self.caches:
-            cache.set_length(end, 1)
+        step = self.native
+        logits = step(int(tokens), start, first_attended_position(end, 1, self.window), take is not None, staged)
+        for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes
+            cache["length"], cache["batch"] = end, 1
         if take is not None:
-            take(self.native.readings())
+            take(step.readings())
         return logits
 
     def staged_step(self, tokens: torch.Tensor, start: int,
@@ -307,7 +351,7 @@ class FusedPlan:
         contract.staged_stages run apart, each its own phase (`--staged`; Transformer decides when): the same logits
         and cache as the fused step, bit for bit. `take`, when given, receives the step's start and the clock
         reading after each staged stage. Needs `native` (the caller checks)."""
-        return self._decode_native(tokens, start, no_mark, take, staged=True)
+        return self._decode_native(tokens, start, take, staged=True)
 
     def _decode_one(self, tokens: torch.Tensor, start: int, mark: Mark) -> torch.Tensor:
         """`step` for one token (1, 1) of one sequence at position `start`: every layer's cache row at that position

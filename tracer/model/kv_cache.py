@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
+from llmtrace.tracer.model.edit_watch import ForwardWatched
 
 
-class KVCache(nn.Module):
+class KVCache(ForwardWatched):
     """K and V of one attention layer in one buffer `kv` (max_batch, 2*Hkv, max_seq, D): heads [0, Hkv) are K,
     [Hkv, 2*Hkv) are V, so the model's fused path stores both with one copy. `k_cache`/`v_cache` are views of it.
 

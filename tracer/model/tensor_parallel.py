@@ -34,6 +34,7 @@ from torch import nn
 from llmtrace.tracer.analytic.tensor_parallel import tp_sizes
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.model.edit_watch import ForwardWatched
 from llmtrace.tracer.model.transformer import Transformer, TransformerBlock
 
 ALL_REDUCE = "all_reduce"
@@ -87,7 +88,7 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
                    vocab_size=vocab_slice(config, tp), explicit_head_dim=config.head_dim)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(ForwardWatched, nn.Embedding):
     """This rank's rows [start, start + rows) of the embedding table; any other id looks up a zero row (the
     all-reduce after it fills those in from the rank that holds them). Same parameter name as nn.Embedding."""
 

@@ -44,6 +44,7 @@ from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.memory import available_memory_bytes
+from llmtrace.tracer.model.edit_watch import EDIT_COUNTER, ForwardWatched, watch
 from llmtrace.tracer.model.functional import (
     attention_scores,
     attention_values,
@@ -60,7 +61,7 @@ from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
 from llmtrace.tracer.model.weight_formats import PackedWeight
 
 
-class Linear(nn.Linear):
+class Linear(ForwardWatched, nn.Linear):
     """An nn.Linear (same parameters, state-dict names and repr) whose product is functional.project, the fused
     path's: one token through torch.mv (for bf16 on CPU up to twice as fast as mm: BENCHMARKS.md, "Model speed"),
     or mm while any TorchDispatchMode is active (FlopCounterMode counts mm but not mv, so what it counts is what
@@ -77,7 +78,7 @@ class Linear(nn.Linear):
         return project(x, self.weight if self.packed is None else self.packed, self.bias)
 
 
-class Embedding(nn.Embedding):
+class Embedding(ForwardWatched, nn.Embedding):
     """An nn.Embedding whose table may be held as stored (`packed`): then a lookup dequantizes only the rows it
     reads, into `compute_dtype`."""
 
@@ -90,7 +91,7 @@ class Embedding(nn.Embedding):
         return super().forward(ids)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(ForwardWatched):
     """x / sqrt(mean(x^2) + eps) * weight; the normalisation runs in fp32 and is cast back before the weight."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -109,7 +110,7 @@ class RMSNorm(nn.Module):
         return f"dim={self.weight.shape[0]}, eps={self.eps}"
 
 
-class AttentionScores(nn.Module):
+class AttentionScores(ForwardWatched):
     """q (B, H, T, D) · k_all (B, Hkv, S, D) -> scores (B, H, T, S), scaled by 1/sqrt(D), causal mask applied.
 
     The new tokens sit at the last T of the S positions; query t may see keys up to position S - T + t and, under a
@@ -145,14 +146,14 @@ class AttentionScores(nn.Module):
         return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}"
 
 
-class Softmax(nn.Module):
+class Softmax(ForwardWatched):
     """Softmax over the key axis, computed in fp32 and cast back to the scores' dtype (as HF does)."""
 
     def forward(self, scores: torch.Tensor) -> torch.Tensor:
         return softmax_fp32(scores)
 
 
-class AttentionValues(nn.Module):
+class AttentionValues(ForwardWatched):
     """probs (B, H, T, S) · v_all (B, Hkv, S, D) -> (B, H, T, D): the attention-weighted sum of values."""
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
@@ -169,7 +170,7 @@ class AttentionValues(nn.Module):
         return out.view(batch, self.n_heads, new, self.head_dim)  # (B, H, T, D)
 
 
-class Attention(nn.Module):
+class Attention(ForwardWatched):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
@@ -200,14 +201,14 @@ class Attention(nn.Module):
         return self.wo(out)  # (B, T, dim)
 
 
-class SwiGLUActivation(nn.Module):
+class SwiGLUActivation(ForwardWatched):
     """silu(gate) * up, elementwise over (B, T, F)."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate).mul_(up)
 
 
-class FeedForward(nn.Module):
+class FeedForward(ForwardWatched):
     """SwiGLU FFN: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down (Meta's names)."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -222,14 +223,14 @@ class FeedForward(nn.Module):
         return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, F) inside, (B, T, dim) out
 
 
-class Residual(nn.Module):
+class Residual(ForwardWatched):
     """x + delta: the residual stream after a sub-block."""
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return x + delta
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(ForwardWatched):
     """Pre-norm block: h = x + attention(norm(x)); out = h + ffn(norm(h))."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -246,7 +247,7 @@ class TransformerBlock(nn.Module):
         return self.ffn_residual(h, self.feed_forward(self.ffn_norm(h)))
 
 
-class Transformer(nn.Module):
+class Transformer(ForwardWatched):
     """The whole model. Build big ones on the meta device (`build_meta_model`) and load with `load_weights`.
 
     Generation: `setup_cache(max_batch, max_seq)`, then `prefill(prompt)` and `decode_one(token)` repeatedly.
@@ -290,7 +291,8 @@ class Transformer(nn.Module):
         # (L, B_max, 2*Hkv, S_max, D): every layer's KV cache buffer is one slice of it (setup_cache), so the fused
         # path's one-token step takes all layers' write positions and live keys/values in a few views per step.
         self._kv_all: torch.Tensor | None = None
-        self._hook_free_stamp = -1  # RemovableHandle.next_id when no observers were last seen
+        self._hook_free_stamp = -1  # RemovableHandle.next_id when `fusable()` last found everything clear
+        self._staged_hook_free_stamp = -1  # RemovableHandle.next_id when no hooks were last seen (staged_native_reason)
         # (B,) left pads of each cached sequence when a batch of prompts of different lengths was prefilled
         # (`prefill(tokens, pad)`), None when no row has any.
         self._pad: torch.Tensor | None = None
@@ -318,6 +320,7 @@ class Transformer(nn.Module):
                 raise HardwareError(
                     f"a KV cache for {max_seq:,} positions needs {need / 1e9:,.1f} GB, this machine has "
                     f"{free / 1e9:,.1f} GB free; ask for fewer --max-new-tokens or a shorter prompt")
+        watch(self)  # the edit counter FusedPlan relies on, started before the caches' list is read
         caches = self._kv_caches()
         heads = {(cache.n_kv_heads, cache.head_dim) for cache in caches}
         self._kv_all = None
@@ -329,7 +332,10 @@ class Transformer(nn.Module):
             buffer = None if self._kv_all is None else self._kv_all[index]  # (B_max, 2*Hkv, S_max, D)
             cache.allocate(max_batch, max_seq, weight.dtype, weight.device, buffer)
         self._ensure_rope(max_seq)
+        for layer in self.layers:  # a layer replaced since the tables were made has none yet
+            layer.attention.rope.set_tables(self._rope_cos, self._rope_sin, self._positions)
         self._fused_plan = FusedPlan(self)
+        self._hook_free_stamp = -1  # a new plan: the next `fusable()` takes a full look
         self._pos = 0
         self._pad = None
 
@@ -343,13 +349,16 @@ class Transformer(nn.Module):
     def _kv_caches(self) -> list[KVCache]:
         """Every layer's KVCache, in order, as a plain list: read a few times per step (their sizes for the step's
         record), where nn.Module's attribute lookups cost ~2 us each (layer.attention.kv_cache: ~120 us a step).
-        Rebuilt when `layers` is another ModuleList or another length."""
+        Rebuilt when `layers` is another ModuleList or another length, or anything in the module tree was replaced
+        (a layer, a cache) since it was made (the edit counter setup_cache starts: tracer/model/edit_watch.py)."""
         layers = self._modules["layers"]
+        counter = self.__dict__.get(EDIT_COUNTER)
+        generation = None if counter is None else counter.generation
         cached = self.__dict__.get("_kv_cache_list")
-        if cached is None or cached[0] is not layers or len(cached[1]) != len(layers):
-            cached = (layers, [layer.attention.kv_cache for layer in layers])
+        if cached is None or cached[0] is not layers or cached[1] != generation or len(cached[2]) != len(layers):
+            cached = (layers, generation, [layer.attention.kv_cache for layer in layers])
             self.__dict__["_kv_cache_list"] = cached  # a plain attribute, not a submodule registration
-        return cached[1]
+        return cached[2]
 
     @property
     def batch(self) -> int:
@@ -459,26 +468,34 @@ class Transformer(nn.Module):
             raise BadArgumentError(f"batch size changed from {kv_cache.batch} to {batch} mid-sequence; reset the cache")
         staged = False  # the stage-by-stage path sets every layer's pad mask; only then is there one to clear
         try:
-            with torch.no_grad():
-                input_pos = self._positions[start : start + new]  # (T,)
-                pad_mask = None
-                if self._pad is not None:
-                    input_pos, pad_mask = self._pad_step(input_pos, start + new)  # (B, T), (B, 1, T, S)
-                if self.fusable():
-                    logits = self._fused_plan.step(tokens, start, self.stage_mark,
-                                                   None if pad_mask is None else input_pos, pad_mask,
-                                                   self.use_native_step)
-                elif batch == 1 and new == 1 and pad_mask is None and not self.staged_native_reason():
-                    logits = self._fused_plan.staged_step(tokens, start, getattr(self.staged_mark, TAKE_STAMPS, None))
-                else:
-                    staged = True
-                    x = self.embed(tokens)  # (B, T, dim)
-                    for layer in self.layers:
-                        layer.attention.scores.pad_mask = pad_mask
-                    for layer in self.layers:
-                        x = layer(x, input_pos, True)
-                    x = x[:, -1, :]  # (B, dim): the last position only
-                    logits = self.logits(x)  # (B, V)
+            fused = self.fusable()
+            logits = None
+            if fused and batch == 1 and new == 1 and self._pad is None:
+                # The native decode step, when it takes this step: one C call, no autograd op, no position tensor
+                # (everything touched after a step that streamed the weights is cold: tens of us per torch op).
+                logits = self._fused_plan.native_decode(tokens, start, self.stage_mark, self.use_native_step)
+            if logits is None:
+                with torch.no_grad():
+                    input_pos = self._positions[start : start + new]  # (T,)
+                    pad_mask = None
+                    if self._pad is not None:
+                        input_pos, pad_mask = self._pad_step(input_pos, start + new)  # (B, T), (B, 1, T, S)
+                    if fused:
+                        logits = self._fused_plan.step(tokens, start, self.stage_mark,
+                                                       None if pad_mask is None else input_pos, pad_mask,
+                                                       self.use_native_step)
+                    elif batch == 1 and new == 1 and pad_mask is None and not self.staged_native_reason():
+                        logits = self._fused_plan.staged_step(tokens, start,
+                                                              getattr(self.staged_mark, TAKE_STAMPS, None))
+                    else:
+                        staged = True
+                        x = self.embed(tokens)  # (B, T, dim)
+                        for layer in self.layers:
+                            layer.attention.scores.pad_mask = pad_mask
+                        for layer in self.layers:
+                            x = layer(x, input_pos, True)
+                        x = x[:, -1, :]  # (B, dim): the last position only
+                        logits = self.logits(x)  # (B, V)
         except BaseException:
             # A failure (or Ctrl-C) mid-pass must not leave some layers' caches one step ahead of the others.
             for cache in caches:
@@ -520,23 +537,32 @@ class Transformer(nn.Module):
     def fusable(self) -> bool:
         """True when `prefill`/`decode_one` may run the fused path (tracer/model/fused.py): the same math in about half
         the tensor ops. It needs `use_fused`, the plan `setup_cache` made still describing the model (a reload,
-        `.to()` or in-place weight edit voids it until the next setup_cache), and nothing watching a module: any
-        nn.Module forward hook, local or global (a tracer's hooks, FlopCounterMode's module tracker), or an
-        instance-level forward wrapper sends the call stage by stage, so what is traced is what runs."""
+        `.to()`, a replaced module or an in-place weight edit voids it until the next setup_cache), and nothing
+        watching a module: any nn.Module forward hook, local or global (a tracer's hooks, FlopCounterMode's module
+        tracker), or an instance-level forward wrapper sends the call stage by stage, so what is traced is what runs.
+
+        Asked before every step, so the answer of the last full look is kept while nothing that could change it
+        happened: no hook registered anywhere (RemovableHandle.next_id), nothing replaced or wrapped in the module
+        tree (the model's edit counter, tracer/model/edit_watch.py), no wrapper on a module that does not count its
+        own, the same rope tables and parameter versions. A full look walks every module, parameter and buffer:
+        ~0.45 ms a step on the bundled model, with the caches a decode step just flushed."""
         plan = self._fused_plan
         if not self.use_fused or plan is None:
             return False
-        modules = self._watchable()
         stamp = RemovableHandle.next_id  # bumped by every hook registration anywhere
-        if stamp != self._hook_free_stamp:
-            if watched(modules):
-                return False
-            self._hook_free_stamp = stamp
-        # Wrappers bump no stamp: look every time, in a C loop over the modules' __dicts__ (~15 us for ~600 modules;
-        # a generator over the modules took ~100 us).
-        if any(map(operator.contains, self._watchable_dicts(), repeat("forward"))):
+        if stamp == self._hook_free_stamp and plan.unchanged(self) and not any(
+                map(operator.contains, plan.unwatched_dicts, repeat("forward"))):
+            return True
+        if watched(plan.modules):
             return False
-        return plan.valid(self)
+        # Wrappers bump no stamp: look in every module's __dict__ (a C loop: ~15 us warm for ~600 modules)
+        if any(map(operator.contains, plan.module_dicts, repeat("forward"))):
+            return False
+        if not plan.valid(self):
+            return False
+        plan.rearm()  # `unchanged` holds from this edit generation on ...
+        self._hook_free_stamp = stamp  # ... and nothing watched at this stamp
+        return True
 
     def staged_native_reason(self) -> str:
         """"" when a one-token step of one sequence runs as the native staged step (`staged_native`), else why the
@@ -554,13 +580,12 @@ class Transformer(nn.Module):
             return "the native decode step is switched off (use_native_step)"
         if plan.native.cos is not plan.cos:
             return "the rope tables changed since setup_cache"
-        modules = self._watchable()
-        if RemovableHandle.next_id != self._hook_free_stamp:
-            if watched(modules):
+        if RemovableHandle.next_id != self._staged_hook_free_stamp:
+            if watched(plan.modules):
                 return "forward hooks watch the stage modules (--lens, --attention or FlopCounterMode)"
-            self._hook_free_stamp = RemovableHandle.next_id
+            self._staged_hook_free_stamp = RemovableHandle.next_id
         take = getattr(self.staged_mark, TAKE_STAMPS, None)
-        if take is None and any(map(operator.contains, self._watchable_dicts(), repeat("forward"))):
+        if take is None and any(map(operator.contains, plan.module_dicts, repeat("forward"))):
             return "forward wrappers that take no C stamps watch the stage modules"
         if take is not None and not host_clock_matches():
             return "the host clock is not CLOCK_MONOTONIC, the one the C step stamps with"
@@ -571,19 +596,6 @@ class Transformer(nn.Module):
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares."""
         return self._rope_cos, self._rope_sin
-
-    def _watchable(self) -> list[nn.Module]:
-        modules = self.__dict__.get("_watchable_modules")
-        if modules is None:
-            modules = list(self.modules())
-            self.__dict__["_watchable_modules"] = modules  # a plain cached list, not submodule registrations
-            self.__dict__["_watchable_module_dicts"] = [module.__dict__ for module in modules]
-        return modules
-
-    def _watchable_dicts(self) -> list[dict]:
-        """The __dict__ of each of `_watchable()`'s modules, where an instance-level `forward` wrapper would sit."""
-        self._watchable()
-        return self.__dict__["_watchable_module_dicts"]
 
     # ---- weights -------------------------------------------------------------------------------------------
 
