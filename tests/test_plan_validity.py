@@ -207,3 +207,41 @@ def test_every_write_to_a_watched_dict_counts() -> None:
         write()
         assert counter.generation == count
     assert d == {} and type(copy.copy(d)) is dict
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@torch.no_grad()
+def test_live_kv_bytes_are_every_cache_s_whatever_path_ran(window: int | None) -> None:
+    """kv_live_bytes takes layers x one cache's when the caches are one tensor: the sum it stands for, after
+    prefills and decode steps of every path, batches, kept rows and a failed step."""
+    from dataclasses import replace
+
+    model = build_random_model(replace(CONFIG, sliding_window=window), seed=3)
+
+    def check() -> None:
+        caches = model._kv_caches()
+        assert model.kv_live_bytes == sum(cache.live_bytes for cache in caches)
+        assert len({(c.length, c.batch) for c in caches}) == 1
+
+    for fused in (True, False):
+        model.use_fused = fused
+        model.setup_cache(3, 16)
+        check()
+        model.prefill(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
+        check()
+        for token in range(6):
+            model.decode_one(torch.tensor([[token]] * 3))
+            check()
+        model.keep_rows([0, 2])
+        check()
+        with pytest.raises(Exception):
+            model.decode_one(torch.tensor([[1]] * 5))  # a batch the cache does not hold
+        check()
+        model.reset_cache()
+        check()
+    model.use_fused = True
+    model.setup_cache(1, 16)
+    model.prefill(torch.tensor([[1, 2, 3]]))
+    model.layers[1].attention.kv_cache.length = 2  # by hand, between steps: no longer what the formula assumes
+    model.layers[0].ffn_norm.weight = nn.Parameter(torch.ones(CONFIG.dim))  # an edit: the sum is taken again
+    assert model.kv_live_bytes == sum(cache.live_bytes for cache in model._kv_caches())

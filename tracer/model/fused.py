@@ -270,6 +270,10 @@ class FusedPlan:
         holds until the next counted edit."""
         self._generation = self._edits.generation
 
+    def tree_unchanged(self) -> bool:
+        """Nothing in the model's module tree replaced, added or wrapped since it last matched the plan (`valid`)."""
+        return self._edits.generation == self._matched
+
     def unchanged(self, model: Any) -> bool:
         """`valid` in O(1) of the model's size when nothing in its module tree was replaced since the last check
         (its edit counter): then only the rope tables and the version counters of the dense parameters are read. A

@@ -139,6 +139,8 @@ class Generation:
         self._generated: list[int] = []
         self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
         self._pieces: dict[int, str] = {}  # display pieces looked up so far (_piece)
+        self._decode_ids: np.ndarray | None = None  # a decode step's input id on the CPU (_token_tensor) ...
+        self._decode_tensor: torch.Tensor | None = None  # ... and the (1, 1) tensor over it
         self._kv_allocated: int | None = None  # the cache's allocated bytes, read once it is set up
         self._steps: list[StepRecord] = []
         self._lesson: SamplingLesson | None = None
@@ -344,7 +346,7 @@ class Generation:
         else:
             previous = self._prompt_ids_and_generated()
             try:  # the sampler's one pass over the logits is the finiteness check (no torch pass of its own)
-                result = self.sampler.sample(logits[0], previous)
+                result = self.sampler.sample(_first_row(logits), previous)
             except NonFiniteLogitsError:
                 raise CheckpointError(
                     f"the model's logits at {phase} step {index} are not finite (NaN, +inf or all -inf); its weights "
@@ -381,10 +383,17 @@ class Generation:
     def _token_tensor(self, ids: list[int]) -> torch.Tensor:
         """The ids as a (1, T) int64 tensor on the model's device. On the CPU through numpy: torch.tensor() parses a
         nested list and dispatches a copy, tens of microseconds right after a model step has evicted the caches
-        (bench_token_overhead)."""
-        if self.device.type == "cpu":
+        (bench_token_overhead). A decode step's one id is written into the run's one (1, 1) tensor, made once: the
+        model reads its ids during the step and keeps no reference to them."""
+        if self.device.type != "cpu":
+            return torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        if len(ids) != 1:
             return torch.from_numpy(np.array([ids], dtype=np.int64))  # (1, T); a fresh array: nothing aliases it
-        return torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        if self._decode_ids is None:
+            self._decode_ids = np.zeros((1, 1), dtype=np.int64)
+            self._decode_tensor = torch.from_numpy(self._decode_ids)  # (1, 1), sharing the array's memory
+        self._decode_ids[0, 0] = ids[0]
+        return self._decode_tensor
 
     def _observe(self, record: StepRecord) -> None:
         """The lens and attention views of the step just taken, from the Observer's rows (after its clocks)."""
@@ -501,6 +510,14 @@ def _with_seed_used(settings: RunSettings, sampler: Any) -> RunSettings:
     if settings.seed is not None or settings.temperature == 0 or drawn is None:
         return settings  # greedy needs no seed: it is deterministic
     return replace(settings, seed=int(drawn), seed_drawn=True)
+
+
+def _first_row(logits: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """Row 0 of a step's logits (1, V) for the sampler: a numpy view when the tensor is CPU fp32 and needs no grad
+    (no torch op: right after a decode step each costs tens of microseconds), else the tensor's row."""
+    if logits.is_cpu and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy()[0]
+    return logits[0]
 
 
 def _sampling_record(result: Any) -> SamplingRecord | None:

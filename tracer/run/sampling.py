@@ -193,8 +193,10 @@ class Sampler:
     def seed(self) -> int:
         return self._seed
 
-    def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor = ()) -> SampleResult:
-        """Pick the next token from `logits` (shape (vocab,)); `previous_ids` are the tokens the penalty sees."""
+    def sample(self, logits: torch.Tensor | np.ndarray,
+               previous_ids: Sequence[int] | torch.Tensor = ()) -> SampleResult:
+        """Pick the next token from `logits` (shape (vocab,): a tensor, or a float32 numpy array); `previous_ids` are
+        the tokens the penalty sees."""
         p = self._params
         raw = _logits_as_numpy(logits)
         vocab = raw.size
@@ -356,14 +358,21 @@ class _Softmax:
         return _Softmax(self.max, self.max + math.log(total), total, self.shifted, weights)
 
 
-def _logits_as_numpy(logits: torch.Tensor) -> np.ndarray:
-    """A read-only-by-convention float32 CPU view of a 1-D logits tensor (copied only if needed)."""
+def _logits_as_numpy(logits: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A read-only-by-convention float32 CPU view of 1-D logits, a tensor or a numpy array (copied only if needed).
+    No torch op when it need not: right after a decode step each one costs tens of microseconds (cold caches)."""
+    if isinstance(logits, np.ndarray):
+        if logits.ndim != 1 or logits.shape[0] == 0:
+            raise ValueError(f"logits must be a non-empty 1-D array of shape (vocab,), got {logits.shape}")
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.shape[0] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be a non-empty 1-D tensor of shape (vocab,), got {shape}")
     if logits.dtype != torch.float32 or not logits.is_cpu:
         logits = logits.to(device="cpu", dtype=torch.float32)
-    return logits.detach().numpy()  # numpy() gives a strided view, so a non-contiguous slice needs no copy
+    if logits.requires_grad:
+        logits = logits.detach()
+    return logits.numpy()  # numpy() gives a strided view, so a non-contiguous slice needs no copy
 
 
 def _apply_repetition_penalty(raw: np.ndarray, previous_ids: Sequence[int] | torch.Tensor,
