@@ -275,9 +275,9 @@ class FusedPlan:
         return self._edits.generation == self._matched
 
     def unchanged(self, model: Any) -> bool:
-        """`valid` in O(1) of the model's size when nothing in its module tree was replaced since the last check
-        (its edit counter): then only the rope tables and the version counters of the dense parameters are read. A
-        False says "look closer" (`valid`), not that the plan is stale."""
+        """`valid` in O(1) of the model's size while nothing in its module tree was replaced or wrapped since the
+        look that found everything clear (`rearm`; the edit counter): then only the rope tables and the version
+        counters of the dense parameters are read. A False says "look closer", not that the plan is stale."""
         return self._edits.generation == self._generation and self._same_tables_and_values(model)
 
     def _same_tables_and_values(self, model: Any) -> bool:
