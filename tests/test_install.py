@@ -53,7 +53,7 @@ def test_sdist_and_wheel_carry_the_package_data(dist: dict[str, Path]) -> None:
         assert f"sample_prompts/{name}" in in_sdist and f"llmtrace/sample_prompts/{name}" in in_wheel
     assert "tracer/trace/trace_schema.json" in in_sdist
     assert "llmtrace/tracer/trace/trace_schema.json" in in_wheel and "llmtrace/__main__.py" in in_wheel
-    for source in ("gguf_matmul.c", "decode_step.c"):  # the native library is built from both
+    for source in ("gguf_matmul.c", "decode_step.c", "int8_dot.c", "top_values.c"):  # the native library's sources
         assert f"tracer/model/native/{source}" in in_sdist and f"llmtrace/tracer/model/native/{source}" in in_wheel
     assert not any(n.startswith(("tracer/", "cli/", "tests/")) for n in in_wheel)  # no generic top-level names
     assert "License-Expression: Apache-2.0" in metadata

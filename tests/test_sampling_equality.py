@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from sampling_reference import ReferenceSampler
 
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.native_top import MAX_COUNT, top_values
+from llmtrace.tracer.run import sampling
 from llmtrace.tracer.run.sampling import Sampler, SamplingParams
 
 CASES = [
@@ -31,6 +35,18 @@ CASES = [
     dict(temperature=1.0, top_p=0.5, repetition_penalty=0.8),
     dict(temperature=2.0, top_k=400, top_p=0.99),
 ]
+
+
+@pytest.fixture(autouse=True, params=["native selection", "numpy selection"])
+def selection(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: the top values selected in C (native/top_values.c, when the library builds here) and in
+    numpy; both must give the reference's figures."""
+    if request.param == "native selection":
+        if not native_kernel.available():
+            pytest.skip(f"no native library: {native_kernel.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(sampling, "top_values", lambda x, count: None)
+    return request.param
 
 
 def logits_family(vocab: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -93,3 +109,30 @@ def test_a_candidate_table_as_large_as_the_vocabulary_equals_the_reference() -> 
     logits = torch.round(torch.randn(2000, generator=generator) * 6) / 3
     for case in CASES:
         assert_same_calls(SamplingParams(seed=1, **case), [(logits, [3, 5, 5, 1999])], n_candidates=2000)
+
+
+def test_the_native_selection_is_numpy_s(selection: str) -> None:
+    """One C pass against the numpy selection on what could trip it: ties within and across its 8-value lanes,
+    -inf, a vector shorter than the count, lengths no lane width divides, the largest values last or first."""
+    if selection != "native selection":
+        pytest.skip("the C pass itself")
+    generator = torch.Generator().manual_seed(17)
+    vectors = []
+    for n in (1, 5, 8, 9, 63, 64, 65, 1000, 4099, 49152):
+        normal = torch.randn(n, generator=generator)
+        vectors += [normal, torch.round(normal * 2) / 2, torch.zeros(n), torch.arange(n, dtype=torch.float32),
+                    -torch.arange(n, dtype=torch.float32)]
+        with_inf = normal.clone()
+        with_inf[torch.rand(n, generator=generator) < 0.5] = float("-inf")
+        vectors.append(with_inf)
+    for vector in vectors:
+        x = vector.numpy()
+        for count in (1, 2, 10, 11, 50, MAX_COUNT):
+            native = top_values(x, count)
+            assert native is not None
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(sampling, "top_values", lambda x, count: None)
+                expected = sampling._top_sorted(x, min(count, x.size))
+            assert native.tolist() == expected.tolist(), (x.size, count)
+    assert top_values(np.ones(4, dtype=np.float32), MAX_COUNT + 1) is None  # more than one call selects
+    assert top_values(np.ones(8, dtype=np.float32)[::2], 2) is None  # not contiguous: the caller's numpy

@@ -51,8 +51,9 @@ from llmtrace.tracer.core.cache_dirs import cache_root
 NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
 SOURCE = NATIVE_SOURCES / "decode_step.c"
-# everything the binary is made of (gguf_matmul.c #includes int8_dot.c, the "i8dot" kernel): the build key covers each
-SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c")
+# everything the binary is made of (gguf_matmul.c #includes int8_dot.c, the "i8dot" kernel; decode_step.c #includes
+# top_values.c, the sampler's selection): the build key covers each
+SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "top_values.c")
 ABI = 5  # LLMT_ABI in gguf_matmul.c
 STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
@@ -115,6 +116,14 @@ def library() -> NativeLibrary:
     if outcome.library is None:
         raise NativeKernelError(f"the native kernel is not available: {outcome.reason}")
     return outcome.library
+
+
+def loaded() -> NativeLibrary | None:
+    """The library when this process has already looked for it and has it; never builds or loads one (a caller on a
+    hot path that can do without it: the sampler's selection)."""
+    if _outcome.cache_info().currsize == 0:
+        return None
+    return _outcome().library
 
 
 def reset() -> None:

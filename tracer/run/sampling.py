@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.model.native_top import top_values
 
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
@@ -403,7 +404,11 @@ def _softmax(x: np.ndarray, x_max: float, scratch: _Scratch | None = None) -> _S
 
 
 def _top_sorted(x: np.ndarray, count: int) -> np.ndarray:
-    """Indices of the `count` largest values, largest first, ties by lower index (argmax's choice)."""
+    """Indices of the `count` largest values, largest first, ties by lower index (argmax's choice). Up to
+    native_top.MAX_COUNT of them in one C pass when the native library is loaded (the same indices), else numpy."""
+    native = top_values(x, count)
+    if native is not None:
+        return native
     pool = _pool(x, count) if count < x.size else None
     if pool is not None:  # a few hundred ascending indices: a stable sort puts tied values lower index first
         return pool[np.argsort(-x[pool], kind="stable")[:count]]

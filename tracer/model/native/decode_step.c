@@ -50,6 +50,7 @@
  */
 
 #include "gguf_matmul.c"
+#include "top_values.c" /* the sampler's selection (native_top.py) */
 
 #include <math.h>
 #include <time.h>
