@@ -8,7 +8,9 @@ weights choice), or `--weights SPEC`. Views (medians per decode token, microseco
    events minus the model step (`Transformer.decode_one`, timed by a wrapper) is "outside"; wrappers time its parts:
    sampling (`Sampler.sample`), detokenizing (`TextStream.add`), the candidate table's records
    (`Generation._candidate`, ten a step), the tracer's step bracket (`Tracer.begin_step`/`end_step`); "rest" is
-   the remainder (the step record, the KV sizes, the token tensor, the generator's own work). Three runs:
+   the remainder (the step record, the KV sizes, the token tensor, the generator's own work). With the native
+   decode step, "outside the C call" is the wall minus its one ctypes call (the Python of decode_one included).
+   Three runs:
    greedy untraced (`run --no-trace`), greedy traced (the default `run`), and sampled untraced (temperature 0.7,
    top-p 0.9, seed 1).
 2. sampler: `Sampler.sample` alone on the logits a greedy run produced (recorded once, replayed), per
@@ -106,7 +108,7 @@ def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run import generate
     from llmtrace.tracer.run.detokenize import TextStream
-    from llmtrace.tracer.run.generate import Generation, TokenStep
+    from llmtrace.tracer.run.generate import Generation, PrefillDone, TokenStep
     from llmtrace.tracer.trace.hooks import Tracer
     from llmtrace.tracer.trace.records import RunSettings
 
@@ -132,6 +134,8 @@ def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
                     for event in generation.events():
                         if isinstance(event, TokenStep):
                             events.append(time.perf_counter_ns())
+                        elif isinstance(event, PrefillDone):
+                            _time_native_call(loaded.model, timers)
                 finally:
                     generation.close()
                 intervals = list(zip(events, events[1:]))  # one decode token each
@@ -139,6 +143,10 @@ def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
                 spent = {part: timers.within(part, intervals) for part in parts}
                 outside = [b - a - m for (a, b), m in zip(intervals, spent["model step"])]
                 row["outside"] = _us(outside)
+                native = timers.within("C call", intervals)
+                if any(native):  # the native decode step: everything but the one C call it makes
+                    row["C call"] = _us(native)
+                    row["outside the C call"] = _us([b - a - c for (a, b), c in zip(intervals, native)])
                 row.update({part: _us(spent[part]) for part in parts})
                 row["rest"] = _us([o - sum(spent[p][i] for p in parts[1:]) for i, o in enumerate(outside)])
                 per_round.append(row)
@@ -146,6 +154,15 @@ def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
     finally:
         timers.remove()
     return result
+
+
+def _time_native_call(model: Any, timers: _Timers) -> None:
+    """Time the ctypes call of this generation's native decode step (setup_cache made a new one), if it has one."""
+    plan = getattr(model, "_fused_plan", None)
+    native = getattr(plan, "native", None)
+    if native is not None and "C call" not in getattr(native, "_timed", ()):
+        timers.wrap(native, "_step", "C call")
+        native._timed = ("C call",)
 
 
 # ---- 2. the sampler alone -------------------------------------------------------------------------------------
