@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -64,6 +65,26 @@ def test_staged_traces_q_k_v_gate_and_up_apart(tiny_llama_dir: Path) -> None:
     for label in ("Q proj", "K proj", "V proj", "gate (w1)", "up (w3)", "down (w2)", "traced: stage by stage"):
         assert label in result.output
     assert "Q|K|V proj" not in result.output
+    # a dense model has no native decode step: its decode steps ran the stage modules, and the view says why
+    assert "--staged: the decode steps ran the stage modules, each wrapped (no native decode step" in _unwrapped(
+        result.output)
+
+
+def test_staged_on_the_native_step_says_so(tiny_quantized: Any) -> None:
+    import gguf
+
+    path = tiny_quantized(gguf.GGMLQuantizationType.Q8_0)
+    result = _run("sky", "--model", str(path), "--weights", "native", "--max-new-tokens", "3", "--staged")
+    assert result.exit_code == 0, result.output
+    text = _unwrapped(result.output)
+    assert "--staged: each decode step ran the native step's stages apart in C" in text
+    for label in ("Q proj", "K proj", "V proj", "gate (w1)", "up (w3)"):
+        assert label in result.output
+
+
+def _unwrapped(output: str) -> str:
+    """The report's text with the panels' borders and line breaks taken out (a note wraps at the terminal's width)."""
+    return " ".join(line.strip().strip("│").strip() for line in output.splitlines())
 
 
 def test_json_to_stdout_is_the_trace_alone(tiny_llama_dir: Path) -> None:
