@@ -25,7 +25,7 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
-from llmtrace.tracer.trace.native_staged import NativeStagedMarks
+from llmtrace.tracer.trace.native_staged import NativeStagedMarks, StagedStep
 from llmtrace.tracer.trace.records import StageRecord
 from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
@@ -146,7 +146,8 @@ class Tracer:
         self._static: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._starts: list[int] = []
         self._events: list[RawEvent] = []
-        self._steps: list[tuple[str, int, list[RawEvent]]] = []  # finished steps, records not yet built
+        # finished steps, records not yet built: their raw events, or a native staged step's readings
+        self._steps: list[tuple[str, int, list[RawEvent] | StagedStep]] = []
         self._fused_steps: list[tuple[str, int, list[int], StepDims]] = []  # (phase, step, clock readings, B/T/S)
         self._built: list[StageRecord] = []
         self._phase = ""
@@ -308,7 +309,7 @@ class Tracer:
             marks, dims = self._fused.end_step()
             self._fused_steps.append((self._phase, self._step, marks, dims))
         elif self._native_staged is not None and self._native_staged.taken():
-            self._steps.append((self._phase, self._step, self._native_staged.events(self._shape_table.add)))
+            self._steps.append((self._phase, self._step, self._native_staged.take()))
         elif self.enabled:
             events = list(self._events)
             if self.clock.on_device:  # event indices -> host nanoseconds, with one synchronize for the step
@@ -320,6 +321,8 @@ class Tracer:
     def records(self) -> tuple[StageRecord, ...]:
         """Every stage record so far, in call order."""
         for phase, step, events in self._steps:
+            if isinstance(events, StagedStep):  # a native staged step's readings: its events made now
+                events = self._native_staged.events(events, self._shape_table.add)
             self._built.extend(self._records_of(phase, step, events))
         self._steps.clear()
         for phase, step, marks, dims in self._fused_steps:

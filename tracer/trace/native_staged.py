@@ -14,6 +14,7 @@ with C's times.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -38,13 +39,22 @@ def staged_order(model: nn.Module) -> list[str]:
     return names
 
 
+@dataclass(frozen=True, slots=True)
+class StagedStep:
+    """One native staged step as taken: its clock readings (the start, then one after each stage) and its sizes."""
+
+    readings: list[int]
+    dims: StepDims
+
+
 class NativeStagedMarks:
     """The model's `staged_mark` while a "wrap" Tracer is attached: takes the native staged step's readings.
 
     `usable()` says whether it can stand in for the wrappers (the model asks for the native staged step, the tracer's
     stages are that step's stages in its order, the clock is the plain host clock); `install()` / `remove()` around
-    the run; `begin_step()` before a step; after it `taken()` says whether the step ran natively, and `events()`
-    gives its raw events (stage index, start, end, shape id)."""
+    the run; `begin_step()` before a step; after it `taken()` says whether the step ran natively, and `take()` keeps
+    its readings (a StagedStep, cheap: the tracer's end_step runs between decode steps), which `events()` turns into
+    raw events (stage index, start, end, shape id) when the records are built, after the run."""
 
     def __init__(self, model: nn.Module, stages: list[StageModule]) -> None:
         self.model = model
@@ -85,14 +95,18 @@ class NativeStagedMarks:
         """Whether the step since `begin_step` ran as the native staged step (it left readings)."""
         return bool(self._readings)
 
-    def events(self, add_shapes: Any) -> list[tuple[int, int, int, int]]:
-        """The step's raw events; `add_shapes` interns a (input shapes, None, output shapes) key (ShapeTable.add)."""
+    def take(self) -> StagedStep:
+        """The step's readings and sizes, for `events` later."""
         readings = list(self._readings)
         self._readings.clear()
         if len(readings) != self.expected:
             raise RuntimeError(f"the native staged step left {len(readings)} clock readings, {self.expected} expected")
         seen = self.model.pos
-        dims = StepDims(1, seen - self._pos_before, seen)
-        shapes = stage_shapes(self.model.config, dims, staged=True)
+        return StagedStep(readings, StepDims(1, seen - self._pos_before, seen))
+
+    def events(self, step: StagedStep, add_shapes: Any) -> list[tuple[int, int, int, int]]:
+        """The step's raw events; `add_shapes` interns a (input shapes, None, output shapes) key (ShapeTable.add)."""
+        readings = step.readings
+        shapes = stage_shapes(self.model.config, step.dims, staged=True)
         ids = {role: add_shapes((*inputs, None, *outputs)) for role, (inputs, outputs) in shapes.items()}
         return [(index, readings[index], readings[index + 1], ids[role]) for index, role in enumerate(self._roles)]
