@@ -259,3 +259,15 @@ def test_a_tensor_parallel_shard_never_runs_it() -> None:
 
     assert TensorParallelTransformer.staged_native_reason is not Transformer.staged_native_reason
     assert "tensor-parallel" in TensorParallelTransformer.staged_native_reason(None)  # type: ignore[arg-type]
+
+
+def test_int8_activation_products_stay_bit_for_bit() -> None:
+    """With i8dot products (the input quantized to int8 blocks once per product) a row's value still does not depend
+    on the row range computing it: the staged step's logits and cache are the fused step's, bit for bit."""
+    from llmtrace.tracer.model.weight_formats import I8DOT
+
+    model = native_model(BASE, qtype=gguf.GGMLQuantizationType.Q4_1, kernel=I8DOT)
+    _, staged, staged_kv, steps = run_staged(model, native=True)
+    fused, fused_kv = run_fused(model)
+    assert steps == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(staged, fused)) and torch.equal(staged_kv, fused_kv)
