@@ -25,6 +25,9 @@ forward wrappers, FlopCounterMode), or, when nothing does, the fused path of tra
 and the same roundings (both call tracer/model/functional.py) in fewer tensor ops (decode speed on a CPU is mostly
 their count). `use_fused = False` forces the first. The
 fused path reports its own stages through `stage_mark` (tracer/trace/fused_marks.py), so it can be traced as it runs.
+Stage by stage with `staged_native` (`run --staged`), a one-token step of one sequence whose model has a native
+decode step runs that C step with the stage modules' stages apart, each timed in C (FusedPlan.staged_step), unless
+something that would miss it watches the modules (`staged_native_reason`).
 """
 
 from __future__ import annotations
