@@ -225,7 +225,7 @@ static inline __m256i fifth_bits32(uint32_t bits) {
 static inline __m256i xcodes(const XBlock *x) { return _mm256_loadu_si256((const __m256i *)x->q); }
 
 /* one block of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0: (d_w * d_x) * sum(c*q) into acc, offset * s_x into off */
-static inline void i8_q32_block(int type, const uint8_t *blk, const XBlock *x, __m256 *acc, __m128 *off) {
+static inline __attribute__((always_inline)) void i8_q32_block(int type, const uint8_t *blk, const XBlock *x, __m256 *acc, __m128 *off) {
     const __m128 dm = _mm_cvtph_ps(load_u32(blk)); /* d, and m for Q4_1/Q5_1 (Q4_0's next bytes: unused) */
     __m256 p;
     __m128 offset; /* lane 0: the block's offset b (w = d*c + b) */
@@ -256,29 +256,61 @@ static inline void i8_q32_block(int type, const uint8_t *blk, const XBlock *x, _
     if (type != Q8_0) *off = _mm_fmadd_ss(offset, ss, *off);
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values; two blocks at a time into two accumulators
-   (the multiply-adds of neighbouring blocks do not wait for each other) */
-static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
-    int64_t bytes = 18;
+static inline __attribute__((always_inline)) int64_t q32_bytes(int type) {
     switch (type) {
-    case Q4_1: bytes = 20; break;
-    case Q5_0: bytes = 22; break;
-    case Q5_1: bytes = 24; break;
-    case Q8_0: bytes = 34; break;
-    default: break;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    default: return 18;
     }
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    __m128 off0 = _mm_setzero_ps(), off1 = off0;
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values. `rows` (1 or 2) rows of W at once, so each
+   block of x is loaded once for both; each row's even and odd blocks go to two accumulators (the multiply-adds of
+   neighbouring blocks do not wait for each other), and a row's sum is the same whether it ran alone or paired.
+   Always inlined with a constant type and row count: one loop per type, no branch per block. */
+static inline __attribute__((always_inline)) void i8_q32_rows(int type, int rows, const uint8_t *r0,
+                                                              const uint8_t *r1, int64_t n_blocks, const XBlock *x,
+                                                              float *o0, float *o1) {
+    const int64_t bytes = q32_bytes(type);
+    __m256 acc00 = _mm256_setzero_ps(), acc01 = acc00, acc10 = acc00, acc11 = acc00;
+    __m128 off00 = _mm_setzero_ps(), off01 = off00, off10 = off00, off11 = off00;
     int64_t b = 0;
     for (; b + 2 <= n_blocks; b += 2) {
-        const uint8_t *blk = row + b * bytes;
-        prefetch(blk);
-        if (type == Q8_0) prefetch(blk + 64);
-        i8_q32_block(type, blk, x + b, &acc0, &off0);
-        i8_q32_block(type, blk + bytes, x + b + 1, &acc1, &off1);
+        prefetch(r0 + b * bytes);
+        if (type == Q8_0) prefetch(r0 + b * bytes + 64);
+        i8_q32_block(type, r0 + b * bytes, x + b, &acc00, &off00);
+        i8_q32_block(type, r0 + (b + 1) * bytes, x + b + 1, &acc01, &off01);
+        if (rows == 2) {
+            prefetch(r1 + b * bytes);
+            if (type == Q8_0) prefetch(r1 + b * bytes + 64);
+            i8_q32_block(type, r1 + b * bytes, x + b, &acc10, &off10);
+            i8_q32_block(type, r1 + (b + 1) * bytes, x + b + 1, &acc11, &off11);
+        }
     }
-    if (b < n_blocks) i8_q32_block(type, row + b * bytes, x + b, &acc0, &off0);
-    return hsum(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(off0, off1));
+    if (b < n_blocks) {
+        i8_q32_block(type, r0 + b * bytes, x + b, &acc00, &off00);
+        if (rows == 2) i8_q32_block(type, r1 + b * bytes, x + b, &acc10, &off10);
+    }
+    *o0 = hsum(_mm256_add_ps(acc00, acc01)) + _mm_cvtss_f32(_mm_add_ss(off00, off01));
+    if (rows == 2) *o1 = hsum(_mm256_add_ps(acc10, acc11)) + _mm_cvtss_f32(_mm_add_ss(off10, off11));
+}
+
+static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
+    float out = 0.0f;
+    i8_q32_rows(type, 1, row, NULL, n_blocks, x, &out, NULL);
+    return out;
+}
+
+/* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row, two rows at a time */
+static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
+                                                               int64_t first, int64_t last, int64_t n_blocks,
+                                                               const XBlock *x, float *out) {
+    int64_t r = first;
+    for (; r + 2 <= last; r += 2)
+        i8_q32_rows(type, 2, w + r * stride, w + (r + 1) * stride, n_blocks, x, out + r, out + r + 1);
+    if (r < last) i8_q32_rows(type, 1, w + r * stride, NULL, n_blocks, x, out + r, NULL);
 }
 
 /* Q4_K, Q5_K: per 32-value sub-block s, (d*sc_s) * sum(c*q) * d_x - (dmin*m_s) * s_x */
@@ -381,6 +413,20 @@ static inline float i8_row(int type, const uint8_t *row, int64_t n_blocks, int64
 static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XBlock *x, int64_t m,
                         float *out, int64_t out_stride) {
     const int64_t xblocks = mat->k / 32, n_blocks = mat->k / mat->block_values[p];
+#if LLMT_AVX2
+    if (m == 1) { /* decode: one loop per type, rows in pairs */
+        const uint8_t *w = mat->w[p];
+        const int64_t stride = mat->strides[p];
+        switch (mat->types[p]) {
+        case Q4_0: i8_q32_one_x(Q4_0, w, stride, first, last, n_blocks, x, out); return;
+        case Q4_1: i8_q32_one_x(Q4_1, w, stride, first, last, n_blocks, x, out); return;
+        case Q5_0: i8_q32_one_x(Q5_0, w, stride, first, last, n_blocks, x, out); return;
+        case Q5_1: i8_q32_one_x(Q5_1, w, stride, first, last, n_blocks, x, out); return;
+        case Q8_0: i8_q32_one_x(Q8_0, w, stride, first, last, n_blocks, x, out); return;
+        default: break;
+        }
+    }
+#endif
     for (int64_t r = first; r < last; r++) {
         const uint8_t *row = mat->w[p] + r * mat->strides[p];
         for (int64_t i = 0; i < m; i++)
