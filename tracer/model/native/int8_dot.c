@@ -303,6 +303,91 @@ static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, c
     return out;
 }
 
+/* one block of Q4_0..Q8_0 as codes (32 bytes: unsigned, or signed for Q8_0), d_w and the offset b (lane 0 each) */
+static inline __attribute__((always_inline)) __m256i q32_codes(int type, const uint8_t *blk, __m128 *d, __m128 *off) {
+    const __m128 dm = _mm_cvtph_ps(load_u32(blk));
+    *d = dm;
+    switch (type) {
+    case Q4_0: *off = _mm_mul_ss(dm, _mm_set_ss(-8.0f)); return nibble_bytes(blk + 2);
+    case Q4_1: *off = _mm_movehdup_ps(dm); return nibble_bytes(blk + 4);
+    case Q5_0:
+        *off = _mm_mul_ss(dm, _mm_set_ss(-16.0f));
+        return _mm256_or_si256(nibble_bytes(blk + 6), fifth_bits32(read_u32(blk + 2)));
+    case Q5_1:
+        *off = _mm_movehdup_ps(dm);
+        return _mm256_or_si256(nibble_bytes(blk + 8), fifth_bits32(read_u32(blk + 4)));
+    default: *off = _mm_setzero_ps(); return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+}
+
+/* Several activation rows (prefill): a tile of 2 rows of W times 4 quantized rows of x, so each block's codes are
+   unpacked once for 4 rows of x and each block of x loaded once for 2 rows of W. dT, sT: the 4 rows' d and s per
+   block, interleaved (dT[4b + i]), so one load gives the 4 rows' scales. Rows beyond the matrix or x (a tile's
+   padding) repeat the last one and are not written. */
+static inline __attribute__((always_inline)) void i8_q32_tile(int type, const uint8_t *r0, const uint8_t *r1,
+                                                              int64_t n_blocks, const XBlock *x0, const XBlock *x1,
+                                                              const XBlock *x2, const XBlock *x3, const float *dT,
+                                                              const float *sT, float out[2][4]) {
+    const int64_t bytes = q32_bytes(type);
+    __m256 acc[2][4];
+    __m128 off[2];
+    for (int j = 0; j < 2; j++) {
+        off[j] = _mm_setzero_ps();
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const __m128 dv = _mm_loadu_ps(dT + 4 * b), sv = _mm_loadu_ps(sT + 4 * b);
+        const __m256i q[4] = {xcodes(x0 + b), xcodes(x1 + b), xcodes(x2 + b), xcodes(x3 + b)};
+        for (int j = 0; j < 2; j++) {
+            const uint8_t *blk = (j ? r1 : r0) + b * bytes;
+            __m128 d, offset;
+            const __m256i c = q32_codes(type, blk, &d, &offset);
+            const __m128 dd = _mm_mul_ps(_mm_broadcastss_ps(d), dv); /* d_w * d_x of the 4 rows of x */
+            if (type != Q8_0) off[j] = _mm_fmadd_ps(_mm_broadcastss_ps(offset), sv, off[j]);
+            const __m256i sc = type == Q8_0 ? _mm256_sign_epi8(c, c) : c;
+#define LLMT_TILE_LANE(i, imm)                                                                                      \
+    acc[j][i] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_permute_ps(dd, imm)),                                     \
+                                dot_us(sc, type == Q8_0 ? _mm256_sign_epi8(q[i], c) : q[i]), acc[j][i])
+            LLMT_TILE_LANE(0, 0x00);
+            LLMT_TILE_LANE(1, 0x55);
+            LLMT_TILE_LANE(2, 0xAA);
+            LLMT_TILE_LANE(3, 0xFF);
+#undef LLMT_TILE_LANE
+        }
+    }
+    for (int j = 0; j < 2; j++) {
+        float offs[4];
+        _mm_storeu_ps(offs, off[j]);
+        for (int i = 0; i < 4; i++) out[j][i] = hsum(acc[j][i]) + offs[i];
+    }
+}
+
+/* rows first..last of a Q4_0..Q8_0 part times m >= 2 quantized rows of x: tiles of 2 x 4 */
+static int i8_q32_many_x(int type, const uint8_t *w, int64_t stride, int64_t first, int64_t last, int64_t n_blocks,
+                         const XBlock *x, int64_t m, float *out, int64_t out_stride) {
+    float *dT = malloc(sizeof(float) * (size_t)(8 * n_blocks));
+    if (dT == NULL) return 0;
+    float *sT = dT + 4 * n_blocks;
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+        const XBlock *xr[4];
+        for (int i = 0; i < 4; i++) xr[i] = x + (i0 + i < m ? i0 + i : m - 1) * n_blocks;
+        for (int64_t b = 0; b < n_blocks; b++)
+            for (int i = 0; i < 4; i++) {
+                dT[4 * b + i] = xr[i][b].d;
+                sT[4 * b + i] = xr[i][b].s;
+            }
+        for (int64_t r = first; r < last; r += 2) {
+            const int64_t r1 = r + 1 < last ? r + 1 : r;
+            float tile[2][4];
+            i8_q32_tile(type, w + r * stride, w + r1 * stride, n_blocks, xr[0], xr[1], xr[2], xr[3], dT, sT, tile);
+            for (int j = 0; j < (r + 1 < last ? 2 : 1); j++)
+                for (int i = 0; i < 4 && i0 + i < m; i++) out[(i0 + i) * out_stride + r + j] = tile[j][i];
+        }
+    }
+    free(dT);
+    return 1;
+}
+
 /* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row, two rows at a time */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
                                                                int64_t first, int64_t last, int64_t n_blocks,
@@ -423,6 +508,18 @@ static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, c
         case Q5_0: i8_q32_one_x(Q5_0, w, stride, first, last, n_blocks, x, out); return;
         case Q5_1: i8_q32_one_x(Q5_1, w, stride, first, last, n_blocks, x, out); return;
         case Q8_0: i8_q32_one_x(Q8_0, w, stride, first, last, n_blocks, x, out); return;
+        default: break;
+        }
+    }
+    if (m > 1) { /* prefill: 2 x 4 tiles (falls through to the row loop below only if the scratch cannot be had) */
+        const uint8_t *w = mat->w[p];
+        const int64_t stride = mat->strides[p];
+        switch (mat->types[p]) {
+        case Q4_0: if (i8_q32_many_x(Q4_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
+        case Q4_1: if (i8_q32_many_x(Q4_1, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
+        case Q5_0: if (i8_q32_many_x(Q5_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
+        case Q5_1: if (i8_q32_many_x(Q5_1, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
+        case Q8_0: if (i8_q32_many_x(Q8_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
         default: break;
         }
     }
