@@ -63,6 +63,9 @@ def logits_family(vocab: int, generator: torch.Generator) -> list[torch.Tensor]:
     tied_top[torch.randperm(vocab, generator=generator)[: max(1, vocab // 50)]] = 7.0  # many tied maxima
     out.append(tied_top)
     out.append(normal * 1e4)  # huge logits: exp underflows to 0 for all but a few
+    signed_zeros = -normal.abs()
+    signed_zeros[::7], signed_zeros[::11] = 0.0, -0.0  # the max is zero, of both signs
+    out.append(signed_zeros)
     return out
 
 
@@ -135,4 +138,22 @@ def test_the_native_selection_is_numpy_s(selection: str) -> None:
                 expected = sampling._top_sorted(x, min(count, x.size))
             assert native.tolist() == expected.tolist(), (x.size, count)
     assert top_values(np.ones(4, dtype=np.float32), MAX_COUNT + 1) is None  # more than one call selects
+    with_nan = np.arange(100, dtype=np.float32)
+    for at in (0, 3, 50, 99):  # in the first values, in the eight-value lanes, in the tail
+        copy = with_nan.copy()
+        copy[at] = np.nan
+        assert top_values(copy, 5) is None  # the caller's numpy max raises
     assert top_values(np.ones(8, dtype=np.float32)[::2], 2) is None  # not contiguous: the caller's numpy
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_refused_whichever_selection_ran(selection: str, bad: float) -> None:
+    from llmtrace.tracer.run.sampling import NonFiniteLogitsError
+
+    logits = torch.randn(4099, generator=torch.Generator().manual_seed(2))
+    for at in (0, 2000, 4098):
+        broken = logits.clone()
+        broken[at] = bad
+        for case in (dict(), dict(temperature=0.7, top_k=50)):
+            with pytest.raises(NonFiniteLogitsError):
+                Sampler(SamplingParams(seed=1, **case)).sample(broken)

@@ -20,8 +20,8 @@ _DECLARED: dict[Any, Any] = {}  # by library file: the entry point with its sign
 
 
 def top_values(x: np.ndarray, count: int) -> np.ndarray | None:
-    """Indices (int64) of the `count` largest values of `x` (1-D contiguous float32, no NaN), largest first, ties
-    lower index first; None when the library is not loaded or `count` is outside 1..MAX_COUNT."""
+    """Indices (int64) of the `count` largest values of `x` (1-D contiguous float32), largest first, ties lower index
+    first; None when the library is not loaded, `count` is outside 1..MAX_COUNT or `x` holds a NaN."""
     if not 1 <= count <= MAX_COUNT:
         return None
     library = native_kernel.loaded()
@@ -36,4 +36,4 @@ def top_values(x: np.ndarray, count: int) -> np.ndarray | None:
         return None
     ids = np.empty(min(count, x.shape[0]), dtype=np.int64)
     written = call(x.__array_interface__["data"][0], x.shape[0], count, ids.__array_interface__["data"][0])
-    return ids if written == ids.shape[0] else None  # fewer: NaNs (the caller's own checks say so)
+    return ids if written == ids.shape[0] else None  # -1: a NaN (the caller's numpy max says so)

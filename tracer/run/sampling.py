@@ -169,6 +169,7 @@ class Sampler:
         if not _is_int(n_candidates) or n_candidates < 1:
             raise BadArgumentError(f"n_candidates must be a whole number >= 1, got {n_candidates!r}")
         self._params = params
+        self._active_steps = params.active_steps  # a property that builds its tuple: once, not per token
         self._n_candidates = n_candidates
         self._generator = torch.Generator(device="cpu")
         self._uniforms: list[float] = []
@@ -201,7 +202,12 @@ class Sampler:
         p = self._params
         raw = _logits_as_numpy(logits)
         vocab = raw.size
-        raw_max = float(raw.max())  # NaN propagates through max, so this also catches NaN
+        # Greedy on the raw logits: the candidate table comes first (one C pass when the native library is loaded),
+        # and its first value is the max: a nonzero float has one bit pattern, so it is numpy's max exactly (a zero
+        # max, whose sign numpy may pick differently, and any NaN are left to numpy's max).
+        top = _top_sorted(raw, min(self._n_candidates, vocab)) if p.greedy and p.repetition_penalty == 1 else None
+        first = raw[top[0]] if top is not None else 0.0
+        raw_max = float(first) if first != 0 and first == first else float(raw.max())  # max propagates NaN
         if not math.isfinite(raw_max):
             raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
         scratch = self._scratch_for(vocab)
@@ -213,14 +219,15 @@ class Sampler:
                                                                scratch.penalised)
         else:
             penalised, n_penalized = raw, 0
-        common = dict(active_steps=p.active_steps, vocab_size=vocab, n_penalized=n_penalized,
+        common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=n_penalized,
                       entropy_raw_bits=raw_entropy / _LN2)
         if p.greedy:
-            return self._greedy(raw, raw_softmax.lse, penalised, common)
+            return self._greedy(raw, raw_softmax.lse, penalised, common, top)
         return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch)
 
-    def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> SampleResult:
-        ids = _top_sorted(penalised, min(self._n_candidates, penalised.size))
+    def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict,
+                top: np.ndarray | None) -> SampleResult:
+        ids = _top_sorted(penalised, min(self._n_candidates, penalised.size)) if top is None else top
         chosen = int(ids[0])  # ties sort lower ids first, so this is argmax's first maximum, like HF
         vocab = penalised.size
         prob_raw = np.exp(raw[ids].astype(np.float64) - raw_lse)

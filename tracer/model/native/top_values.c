@@ -29,18 +29,23 @@ static inline int64_t top_insert(float *vals, int64_t *ids, int64_t held, int64_
 }
 
 /* ids[0 .. k) <- the indices of the k = min(count, n, LLMT_TOP_MAX) largest values, largest first, ties lower index
- * first; NaNs are never selected (fewer than k then, when the rest are NaN). Returns how many were written. */
+ * first. Returns k, or -1 when any value is NaN (the caller's numpy max then says so). */
 int64_t llmt_top_values(const float *x, int64_t n, int64_t count, int64_t *ids) {
     float vals[LLMT_TOP_MAX];
     if (count > n) count = n;
     if (count > LLMT_TOP_MAX) count = LLMT_TOP_MAX;
     if (count < 1) return 0;
     int64_t held = 0, i = 0;
-    for (; i < n && held < count; i++) /* the first values go in whatever they are, until `count` are held */
+    int nan = 0;
+    for (; i < n && held < count; i++) { /* the first values go in whatever they are, until `count` are held */
         if (x[i] == x[i]) held = top_insert(vals, ids, held, count, x[i], i);
+        else nan = 1;
+    }
 #if LLMT_AVX2
+    __m256 unordered = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(x + i);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         int above = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(vals[count - 1]), _CMP_GT_OQ));
         while (above) { /* rare after the first few hundred values */
             int lane = __builtin_ctz((unsigned)above);
@@ -49,8 +54,11 @@ int64_t llmt_top_values(const float *x, int64_t n, int64_t count, int64_t *ids) 
                 held = top_insert(vals, ids, held, count, x[i + lane], i + lane);
         }
     }
+    if (_mm256_movemask_ps(unordered)) nan = 1;
 #endif
-    for (; i < n; i++)
-        if (x[i] > vals[count - 1]) held = top_insert(vals, ids, held, count, x[i], i);
-    return held;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) nan = 1;
+        else if (x[i] > vals[count - 1]) held = top_insert(vals, ids, held, count, x[i], i);
+    }
+    return nan ? -1 : held;
 }
