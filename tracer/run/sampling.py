@@ -202,12 +202,12 @@ class Sampler:
         p = self._params
         raw = _logits_as_numpy(logits)
         vocab = raw.size
-        # Greedy on the raw logits: the candidate table comes first (one C pass when the native library is loaded),
-        # and its first value is the max: a nonzero float has one bit pattern, so it is numpy's max exactly (a zero
-        # max, whose sign numpy may pick differently, and any NaN are left to numpy's max).
-        top = _top_sorted(raw, min(self._n_candidates, vocab)) if p.greedy and p.repetition_penalty == 1 else None
+        # Greedy on the raw logits, with the native library loaded: the candidate table comes first, in one C pass
+        # that also says there is no NaN, and its first value is the max: a nonzero float has one bit pattern, so it
+        # is numpy's max exactly (a zero max, whose sign numpy may pick otherwise, is left to numpy's max).
+        top = top_values(raw, min(self._n_candidates, vocab)) if p.greedy and p.repetition_penalty == 1 else None
         first = raw[top[0]] if top is not None else 0.0
-        raw_max = float(first) if first != 0 and first == first else float(raw.max())  # max propagates NaN
+        raw_max = float(first) if first != 0 else float(raw.max())  # numpy's max propagates NaN
         if not math.isfinite(raw_max):
             raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
         scratch = self._scratch_for(vocab)
