@@ -57,6 +57,11 @@ def in_place_norm_edit(model: Transformer) -> None:
         model.layers[0].ffn_norm.weight.mul_(2.0)
 
 
+def in_place_final_norm_edit(model: Transformer) -> None:
+    with torch.no_grad():
+        model.norm.weight.add_(1.0)  # the last of the norm weights the plan packs into one vector
+
+
 def in_place_packed_edit(model: Transformer) -> None:
     with torch.no_grad():
         model.layers[1].attention.wv.weight.add_(1.0)  # a view of the packed Q|K|V: its version is the pack's
@@ -99,6 +104,7 @@ STALE: dict[str, Callable[[Transformer], None]] = {
     "model.to(float64)": to_double,
     "one layer .half()": to_half_through_one_layer,
     "in-place edit of a norm": in_place_norm_edit,
+    "in-place edit of the final norm": in_place_final_norm_edit,
     "in-place edit of a packed matrix": in_place_packed_edit,
     "load_state_dict(assign=True)": load_state_dict_assign,
     "rope tables replaced": rope_tables_replaced,
@@ -245,3 +251,14 @@ def test_live_kv_bytes_are_every_cache_s_whatever_path_ran(window: int | None) -
     model.layers[1].attention.kv_cache.length = 2  # by hand, between steps: no longer what the formula assumes
     model.layers[0].ffn_norm.weight = nn.Parameter(torch.ones(CONFIG.dim))  # an edit: the sum is taken again
     assert model.kv_live_bytes == sum(cache.live_bytes for cache in model._kv_caches())
+
+
+def test_the_norm_weights_are_one_vector_whose_version_the_plan_reads() -> None:
+    model = planned()
+    norms = [n for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm)] + [model.norm]
+    base = norms[0].weight.untyped_storage().data_ptr()
+    assert all(n.weight.untyped_storage().data_ptr() == base for n in norms)
+    plan = model._fused_plan
+    assert not any(p is n.weight for p in plan._params for n in norms)  # one spanning view instead of 2L + 1
+    model.setup_cache(1, 16)  # packed already: the same parameters
+    assert all(n.weight.untyped_storage().data_ptr() == base for n in norms)

@@ -209,6 +209,11 @@ class FusedPlan:
             for group in ((attn.wq, attn.wk, attn.wv), (ffn.w1, ffn.w3)):
                 if not _packed(*group, stored=_stored(group[0])):
                     _pack(*group, stored=_stored(group[0]))
+        # Every RMSNorm weight a view of one vector, so one version counter stands for all of them (`unchanged`
+        # reads it before every step instead of 2L + 1 cold ones); None when they are not all dense 1-D tensors of
+        # one dtype and device.
+        norms = [n for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm)] + [model.norm]
+        norm_base = _pack_vectors(norms)
         self.product = partial(project, vector_kernel=MATVEC_KERNELS[getattr(model, "decode_kernel", "mv")])
         self.layers = [FusedLayer(layer, self.product) for layer in model.layers]
         self.embedding = _weight_of(model.tok_embeddings)  # (V, dim), or as stored
@@ -238,7 +243,10 @@ class FusedPlan:
         self._owners = [owner for owner, _, _ in params + buffers]
         self._names = [name for _, name, _ in params + buffers]
         self._tensors = [tensor for _, _, tensor in params + buffers]
-        self._params = [tensor for _, _, tensor in params if tensor.device.type != "meta"]
+        shared = set() if norm_base is None else {id(n.weight) for n in norms}  # counted by norm_base's version
+        self._params = [tensor for _, _, tensor in params if tensor.device.type != "meta" and id(tensor) not in shared]
+        if norm_base is not None:
+            self._params.append(norm_base)
         self._versions = list(map(_VERSION, self._params))
         # The one-token step as one C call (tracer/model/native_step.py) when every product is a native-kernel
         # PackedWeight and the model runs in fp32 on the CPU; else None, and `native_reason` says why.
@@ -449,6 +457,26 @@ def _packed(*linears: nn.Module, stored: bool = False) -> bool:
                    for _ in (0,) if linears[0].bias is not None)
     return all(_consecutive([getattr(linear, attribute) for linear in linears])
                for attribute in ("weight", "bias") if getattr(linears[0], attribute) is not None)
+
+
+def _pack_vectors(modules: list[nn.Module]) -> torch.Tensor | None:
+    """Make the modules' 1-D weights consecutive views of one tensor (unless they already are: a second setup_cache)
+    and return a view spanning them all, which shares their version counter (an in-place edit of any bumps it); None,
+    changing nothing, when they are not all dense 1-D tensors of one dtype and device."""
+    weights = [getattr(m, "weight", None) for m in modules]
+    if not weights or any(not isinstance(w, torch.Tensor) or w.dim() != 1 or w.is_meta for w in weights) or len(
+            {(w.dtype, w.device) for w in weights}) != 1:
+        return None
+    if not _consecutive(weights):
+        packed = torch.cat([w.detach() for w in weights])
+        row = 0
+        for module, weight in zip(modules, weights):
+            module.weight = nn.Parameter(packed[row : row + weight.shape[0]], requires_grad=weight.requires_grad)
+            row += weight.shape[0]
+        weights = [m.weight for m in modules]
+    first, last = weights[0].detach(), weights[-1]
+    return torch.as_strided(first, (last.data_ptr() // first.element_size() - first.data_ptr() // first.element_size()
+                                    + last.shape[0],), (1,))
 
 
 def _consecutive(tensors: list[torch.Tensor]) -> bool:
