@@ -388,14 +388,15 @@ static int i8_q32_many_x(int type, const uint8_t *w, int64_t stride, int64_t fir
     return 1;
 }
 
-/* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row, two rows at a time */
+/* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row, two rows at a time (Q8_0: one) */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
                                                                int64_t first, int64_t last, int64_t n_blocks,
                                                                const XBlock *x, float *out) {
     int64_t r = first;
-    for (; r + 2 <= last; r += 2)
+    /* Q8_0 in pairs ran at a third of its single-row rate here (BENCHMARKS "The i8dot kernel"): one row at a time */
+    for (; type != Q8_0 && r + 2 <= last; r += 2)
         i8_q32_rows(type, 2, w + r * stride, w + (r + 1) * stride, n_blocks, x, out + r, out + r + 1);
-    if (r < last) i8_q32_rows(type, 1, w + r * stride, NULL, n_blocks, x, out + r, NULL);
+    for (; r < last; r++) i8_q32_rows(type, 1, w + r * stride, NULL, n_blocks, x, out + r, NULL);
 }
 
 /* Q4_K, Q5_K: per 32-value sub-block s, (d*sc_s) * sum(c*q) * d_x - (dmin*m_s) * s_x */
