@@ -3,7 +3,7 @@
 process as a user runs it (`--no-trace --summary-json`, the summary's figures), rounds interleaved so a slow spell
 of a shared machine hits every setting.
 
-    /work/tools/quiet .venv/bin/python -m benchmarks.bench_weights_e2e --weights auto,native --rounds 3
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_weights_e2e --weights "native Q4_1:i8dot,Q8_0:native" --rounds 3
 
 Run `llmtrace run capital --max-new-tokens 1` once before, so `--weights auto`'s first-run measurement is not timed
 (and is made alone, under the same `quiet`).
@@ -32,7 +32,7 @@ def summary(args: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default="auto,native", help="comma-separated --weights values")
+    parser.add_argument("--weights", default="auto native", help="--weights values separated by spaces (a per-type plan has commas)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--skip-prefill", action="store_true")
@@ -41,7 +41,7 @@ def main() -> None:
     from llmtrace.tracer.load.loader import load_model
 
     text, ids = prompt_of(load_model(None, weights="native").tokenizer, PROMPT_TOKENS)
-    settings = args.weights.split(",")
+    settings = args.weights.split()
     decode: dict[str, list[float]] = {w: [] for w in settings}
     prefill: dict[str, list[float]] = {w: [] for w in settings}
     formats: dict[str, str] = {}
