@@ -199,13 +199,14 @@ def test_a_model_without_a_native_step_runs_the_stage_modules() -> None:
     assert [r.stage for r in records] == staged_order(dense)
 
 
-def _generate(model_path: str, staged: bool, tokens: int = 4, **load: Any) -> Trace:
+def _generate(model_path: str, staged: bool, tokens: int = 4, prompts: tuple[str, ...] = (), **load: Any) -> Trace:
     from llmtrace.tracer.load.loader import load_model
-    from llmtrace.tracer.run.generate import generate
+    from llmtrace.tracer.run.batch_generate import generation_for
 
     loaded = load_model(model_path, **load)
-    settings = RunSettings(model=model_path, prompt="The sky is", max_new_tokens=tokens, staged=staged)
-    return generate(loaded, settings)
+    settings = RunSettings(model=model_path, prompt="The sky is", max_new_tokens=tokens, staged=staged,
+                           batch=max(1, len(prompts)), batch_prompts=prompts)
+    return generation_for(loaded, settings).run()
 
 
 def test_trace_says_how_staged_ran(tiny_quantized: Callable[[Any], Path], tiny_llama_dir: Path) -> None:
@@ -217,9 +218,13 @@ def test_trace_says_how_staged_ran(tiny_quantized: Callable[[Any], Path], tiny_l
     dense = _generate(str(tiny_llama_dir), staged=True)
     assert dense.staged_decode is not None and not dense.staged_decode.native
     assert dense.staged_decode.reason.startswith("no native decode step")
+    batch = _generate(str(tiny_quantized(gguf.GGMLQuantizationType.Q8_0)), staged=True, weights=NATIVE,
+                      prompts=("The sky is", "Hello"))
+    assert batch.staged_decode is not None and not batch.staged_decode.native
+    assert batch.staged_decode.reason.startswith("a batch of 2 sequences")
     plain = _generate(str(tiny_llama_dir), staged=False)
     assert plain.staged_decode is None and "staged_decode" not in json.loads(plain.to_json())
-    for trace in (native, dense):
+    for trace in (native, dense, batch):
         data = json.loads(trace.to_json())
         jsonschema.validate(data, schema)
         assert Trace.from_json(trace.to_json()).staged_decode == trace.staged_decode

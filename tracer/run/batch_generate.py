@@ -37,7 +37,15 @@ from llmtrace.tracer.run.generate import (
     sampling_params,
 )
 from llmtrace.tracer.trace.batch_records import FINISHED_ROWS, PADDING, BatchRun, SequenceRecord
-from llmtrace.tracer.trace.records import DECODE, PREFILL, RowToken, RunSettings, StepRecord, TokenizationRecord
+from llmtrace.tracer.trace.records import (
+    DECODE,
+    PREFILL,
+    RowToken,
+    RunSettings,
+    StagedDecode,
+    StepRecord,
+    TokenizationRecord,
+)
 from llmtrace.tracer.trace.run_trace import (
     STOP_CONTEXT_FULL,
     STOP_EOS,
@@ -106,6 +114,9 @@ class BatchGeneration(Generation):
         fused = getattr(self.model, "use_fused", None)
         if self.settings.staged and fused is not None:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
+        if self.settings.staged:  # the native staged step runs one sequence: a batch's steps run the stage modules
+            self._staged_decode = StagedDecode(False, f"a batch of {len(ids)} sequences (the native decode step "
+                                                      "runs one)")
         try:
             self.model.setup_cache(len(ids), longest + limit)
             self._kv_per_position = int(self.model.kv_bytes_per_position)
