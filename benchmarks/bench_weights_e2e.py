@@ -32,7 +32,8 @@ def summary(args: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default="auto native", help="--weights values separated by spaces (a per-type plan has commas)")
+    parser.add_argument("--weights", default="auto native",
+                        help="--weights values separated by spaces (a per-type plan has commas)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--skip-prefill", action="store_true")
