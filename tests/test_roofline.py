@@ -397,3 +397,27 @@ def test_kernel_model_choice() -> None:
     assert parse_kernels("Fused") is Kernels.FUSED
     with pytest.raises(BadArgumentError, match="--kernels must be eager or fused, got 'flash'"):
         roofline(get_preset("llama-7b"), A100, kernels="flash")
+
+
+def test_a_run_read_as_stored_is_bounded_by_the_files_bytes() -> None:
+    """`run` on a GGUF read as stored passes the file's tensors (run_roofline's `stored`): the decode bound is then
+    the stored bytes over the bandwidth (plus a small KV cache and activations), not the fp32 matrices' bytes."""
+    from llmtrace.tracer.analytic.flops_report import weights_as_stored
+    from llmtrace.tracer.checkpoint.resolve import bundled_source, resolve_model
+
+    resolved = resolve_model(bundled_source())
+    stored = weights_as_stored(resolved)
+    file_bytes = sum(n_bytes for _, n_bytes, _ in stored)
+    assert 90e6 < file_bytes < 100e6  # Q4_1 layers and a Q8_0 embedding/head: 96.6 MB
+    cfg = resolved.config
+    as_stored = compare_with_measured(cfg, A100, prompt_len=10, new_tokens=33, measured_ttft_s=0.01,
+                                      measured_decode_tokens_per_s=500.0, dtype=FP32, stored=stored)
+    dense = compare_with_measured(cfg, A100, prompt_len=10, new_tokens=33, measured_ttft_s=0.01,
+                                  measured_decode_tokens_per_s=500.0, dtype=FP32)
+    report = roofline(cfg, A100, prompt_len=10, new_tokens=33, dtype=FP32, check_fit=False, kernels="eager",
+                      stored=stored)
+    assert as_stored.predicted_decode_tokens_per_s == report.generation.tokens_per_s_per_sequence
+    moved = as_stored.predicted_time_per_output_token_s * as_stored.memory_bandwidth  # memory-bound: bytes a step
+    assert as_stored.decode_bound == "memory" and file_bytes <= moved < 1.05 * file_bytes
+    dense_moved = dense.predicted_time_per_output_token_s * dense.memory_bandwidth
+    assert dense_moved > 5 * file_bytes  # ~540 MB of fp32 matrices: what the run did not read

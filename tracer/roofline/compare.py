@@ -53,13 +53,16 @@ def compare_with_measured(
     kv_dtype: DType | None = None,
     batch: int = 1,
     kernels: str | Kernels = Kernels.EAGER,
+    stored: tuple[tuple[str, int, int], ...] = (),
 ) -> MeasuredVsBound:
     """Roofline bound for this generation on `hardware`, next to what was measured.
 
     measured_ttft_s: wall time of the prefill forward pass (prompt_len tokens per sequence, empty cache).
     measured_decode_tokens_per_s: per sequence, (new_tokens - 1) / wall time of the decode forward passes; the
     prefill yields the first new token, so a run of N new tokens has N - 1 decode steps. None when N == 1.
-    dtype: the dtype the weights were multiplied in (the default GGUF model is dequantized to fp32).
+    dtype: the dtype the weights were multiplied in (the activations' dtype when they were read as stored).
+    stored: a GGUF's tensors as the run read them (flops_report.weights_as_stored) when it ran them at their stored
+    precision, so the bound counts the bytes the run moved; () when the weights were converted to `dtype`.
     Memory fit is not checked: the run already happened.
     """
     if not measured_ttft_s > 0:
@@ -69,7 +72,7 @@ def compare_with_measured(
             f"measured decode tokens/s must be > 0 when there are decode steps, got {measured_decode_tokens_per_s!r}"
         )
     report = roofline(config, hardware, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, dtype=dtype,
-                      kv_dtype=kv_dtype, check_fit=False, kernels=kernels)
+                      kv_dtype=kv_dtype, check_fit=False, kernels=kernels, stored=stored)
     g = report.generation
     predicted_tps = g.tokens_per_s_per_sequence
     decoding = predicted_tps is not None

@@ -70,9 +70,12 @@ def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], No
 
 
 def run_roofline(trace: Trace, summary: RunSummary,
-                 progress: Callable[[str], None] | None = None) -> RunRoofline:
+                 progress: Callable[[str], None] | None = None,
+                 stored: tuple[tuple[str, int, int], ...] = ()) -> RunRoofline:
     """The comparison for `trace` on this machine (measuring it first if needed; `progress` hears what is being
-    measured), or the note saying why there is none. Bad profiles and measurement errors become the note."""
+    measured), or the note saying why there is none. Bad profiles and measurement errors become the note.
+    `stored`: the GGUF's tensors as stored when the run read them so (compare_with_measured), so the bound and the
+    run count the same bytes."""
     device = trace.environment.device.split(":")[0]
     measured: "QuickMeasurement | None" = None
     saved_to: str | None = None
@@ -103,7 +106,8 @@ def run_roofline(trace: Trace, summary: RunSummary,
         # the prefill yields the first token, so the bound covers the decode steps that actually ran
         comparison = compare_with_measured(trace.config, profile, prompt_len=pre.tokens_in // batch,
                                            new_tokens=dec.steps + 1, measured_ttft_s=pre.forward_ns / 1e9,
-                                           measured_decode_tokens_per_s=decode_tps, dtype=dtype, batch=batch)
+                                           measured_decode_tokens_per_s=decode_tps, dtype=dtype, batch=batch,
+                                           stored=stored)
         return RunRoofline(comparison, "", measured, saved_to, not_saved)
     except LlmtraceError as exc:  # an unreadable or malformed hardware.json among others: a note, not a lost run
         return without(f"skipped: {exc}")
