@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -27,7 +26,8 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
-from llmtrace.tracer.model.weight_formats import I8DOT, NATIVE, pack_gguf
+from llmtrace.tracer.model.weight_formats import I8DOT, NATIVE
+from test_native_step import generate, native_model
 
 Q = gguf.GGMLQuantizationType
 TINY_TOLERANCE = 2**-9
@@ -46,36 +46,11 @@ def native() -> None:
 def mixed_model(config: ModelConfig, layer_kernel: str, head_kernel: str, seed: int = 0) -> Transformer:
     """A random fp32 model: layer matrices gguf-quantized to Q4_1 for `layer_kernel`, the embedding table / LM head
     to Q8_0 for `head_kernel` (the bundled file's layout); norms and biases random."""
-    torch.manual_seed(seed)
-    dense = Transformer(config)
-    state = {name: t.detach().clone() for name, t in dense.state_dict().items()}
-    packed = {}
-    for name, tensor in list(state.items()):
-        if name.endswith("norm.weight"):
-            state[name] = 1.0 + 0.2 * torch.randn_like(tensor)
-        elif name.endswith(".bias"):
-            state[name] = 0.1 * torch.randn_like(tensor)
-        elif tensor.dim() == 2:
-            head = name in ("tok_embeddings.weight", "output.weight")
-            qtype = Q.Q8_0 if head else Q.Q4_1
-            raw = gguf.quants.quantize(tensor.numpy().astype(np.float32), qtype)
-            packed[name] = pack_gguf(raw, int(qtype), tensor.shape[1], head_kernel if head else layer_kernel)
-            del state[name]
-    model = Transformer(config)
-    model.load_stored(state, packed)
-    return model.eval()
+    return native_model(config, Q.Q4_1, seed, layer_kernel, head=(Q.Q8_0, head_kernel))
 
 
 def steps(model: Transformer, native: bool, count: int = 6, prompt: int = 5) -> list[torch.Tensor]:
-    model.use_native_step = native
-    model.setup_cache(1, prompt + count + 1)
-    assert (model._fused_plan.native is not None) or not native, model._fused_plan.native_reason
-    logits = model.prefill(torch.arange(3, 3 + prompt).view(1, -1) % model.config.vocab_size)
-    out = []
-    for _ in range(count):
-        logits = model.decode_one(logits.argmax(-1, keepdim=True))
-        out.append(logits.clone())
-    return out
+    return generate(model, native, count, prompt)[0]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -42,10 +42,11 @@ def native() -> None:
 
 
 def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: str = NATIVE,
-                 dense_embedding: bool = False) -> Transformer:
+                 dense_embedding: bool = False, head: tuple[Q, str] | None = None) -> Transformer:
     """A random fp32 model of `config` whose matrices gguf quantized to `qtype`, held for `kernel` (the embedding
-    table dense fp32 if `dense_embedding`); norm weights and biases random too (not ones and zeros, which would
-    hide a skipped one)."""
+    table dense fp32 if `dense_embedding`; the embedding table / LM head quantized to head[0] for head[1] when
+    `head` is given: a per-type plan); norm weights and biases random too (not ones and zeros, which would hide a
+    skipped one)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     dense = Transformer(config)
@@ -57,11 +58,13 @@ def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: 
         elif name.endswith(".bias"):
             state[name] = 0.1 * torch.randn_like(tensor)
         elif tensor.dim() == 2 and not (dense_embedding and name == "tok_embeddings.weight"):
-            if qtype in QUANTIZABLE:
-                raw = gguf.quants.quantize(tensor.numpy().astype(np.float32), qtype)
+            its_type, its_kernel = (head if head is not None and name in ("tok_embeddings.weight", "output.weight")
+                                    else (qtype, kernel))
+            if its_type in QUANTIZABLE:
+                raw = gguf.quants.quantize(tensor.numpy().astype(np.float32), its_type)
             else:  # k-quants gguf cannot quantize: random blocks of small, finite scales
-                raw = random_blocks(qtype, tensor.shape[0], tensor.shape[1], rng)
-            packed[name] = pack_gguf(raw, int(qtype), tensor.shape[1], kernel)
+                raw = random_blocks(its_type, tensor.shape[0], tensor.shape[1], rng)
+            packed[name] = pack_gguf(raw, int(its_type), tensor.shape[1], its_kernel)
             del state[name]
     model = Transformer(config)
     model.load_stored(state, packed)
