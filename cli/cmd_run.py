@@ -519,26 +519,16 @@ def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None
         render_repeat(console, repeat_summary(traces))
 
 
-def _stored_as_read(source: Any, loaded: Any) -> tuple[tuple[str, int, int], ...]:
-    """The GGUF's tensors at their stored sizes when the run read its weights as stored (the bound then counts the
-    bytes the run moved, as `run --batch-sweep` and `roofline` on the file do); () for converted weights."""
-    if getattr(getattr(loaded, "weights", None), "mode", "") != "stored":
-        return ()
-    from llmtrace.tracer.analytic.flops_report import weights_as_stored
-    from llmtrace.tracer.checkpoint.resolve import resolve_model
-
-    return weights_as_stored(resolve_model(source))
-
-
 def _roofline_for(console: Console, trace: Trace, report: RunReport, source: Any = None,
                   loaded: Any = None) -> tuple[MeasuredVsBound | None, str]:
     """The run against this machine's roofline (llmtrace.tracer.run.roofline_check), or why there is none; says so
     when a first run measured this machine for it. A run that read its weights as stored is bounded by those bytes."""
     from llmtrace.cli import formatting as fmt
+    from llmtrace.tracer.load.stored_weights import tensors_as_read
     from llmtrace.tracer.run.roofline_check import run_roofline
 
     try:
-        stored = _stored_as_read(source, loaded) if loaded is not None else ()
+        stored = () if loaded is None else tensors_as_read(source, loaded.weights)
         with console.status("roofline …") as status:
             result = run_roofline(trace, report.summary,
                                   progress=lambda what: status.update(f"measuring this machine for the roofline "

@@ -44,16 +44,16 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
     batches = parse_batches(batches_text)
     prompts = sweep_prompts(sweep_prompt_list(settings.prompt, from_file), batches, from_file)
 
-    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model, resolve_model
+    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
 
     source = classify_model(settings.model) if settings.model else bundled_source()
 
     import torch
 
-    from llmtrace.tracer.analytic.flops_report import weights_as_stored
     from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
     from llmtrace.tracer.hardware.dtype_policy import dtype_of
     from llmtrace.tracer.load.loader import load_model
+    from llmtrace.tracer.load.stored_weights import tensors_as_read
     from llmtrace.tracer.run.batch_sweep import sweep
     from llmtrace.tracer.run.decode_measure import measure_decode_ceilings
     from llmtrace.tracer.run.roofline_check import this_machine_profile
@@ -71,7 +71,7 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
                                        lambda what_: status.update(f"measuring this machine: {what_} …"))
     console.print(f"[dim]{what}: {loaded.weight_format}, weights {loaded.weights.mode}, {compute} activations, "
                   f"{torch.get_num_threads()} threads; batches {', '.join(map(str, batches))}[/]", soft_wrap=True)
-    stored = weights_as_stored(resolve_model(source)) if loaded.weights.mode == "stored" else ()
+    stored = tensors_as_read(source, loaded.weights)
     with console.status("batch sweep …") as status:
         result = sweep(loaded, machine.profile, prompts, batches, partial(measure_decode_ceilings, repeats=3),
                        steps=settings.max_new_tokens - 1, repeats=repeat, stored=stored,

@@ -107,6 +107,18 @@ class WeightsChoice:
         return f"{self.mode} ({self.kernel})" if self.kernel else self.mode
 
 
+def tensors_as_read(source: object, choice: WeightsChoice) -> tuple[tuple[str, int, int], ...]:
+    """The checkpoint's tensors at their stored sizes (flops_report.weights_as_stored) when a load read them as
+    stored, so a roofline bound counts the bytes the run moves (`run`'s summary, `run --batch-sweep`); () when they
+    were converted to the compute dtype. `source`: what load_model was given."""
+    if choice.mode != "stored":
+        return ()
+    from llmtrace.tracer.analytic.flops_report import weights_as_stored
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    return weights_as_stored(resolve_model(source))
+
+
 def widest_kernel(packable_by_kernel: dict[str, int]) -> str:
     """The kernel that runs the most matrices (all_kernels' order breaks ties, except that i8dot comes last: it
     rounds the activations, and only a measurement, the accuracy probe, may admit it): --weights stored with
