@@ -14,7 +14,6 @@ tests check them against the shapes that path's modules record for the same step
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.model.fused import TAKE_STAMPS
-from llmtrace.tracer.trace.stage_clock import EventClock, HostClock
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, reads_host_clock
 from llmtrace.tracer.trace.stage_cost import StageModule
 
 Shape = tuple[int, ...]
@@ -119,7 +118,7 @@ class FusedMarks:
         self._pos_before = 0
         marks, stamp = self._marks, self.clock.stamp
         self._mark: Callable[[], None] = lambda: marks.append(stamp())
-        if isinstance(self.clock, HostClock) and self.clock.sync is None and self.clock.stamp is time.perf_counter_ns:
+        if reads_host_clock(self.clock):
             # Readings the native decode step took in C on the same clock stand for the mark() calls of its stages.
             setattr(self._mark, TAKE_STAMPS, marks.extend)
 

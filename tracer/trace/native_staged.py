@@ -13,7 +13,6 @@ with C's times.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.model.fused import TAKE_STAMPS
 from llmtrace.tracer.trace.fused_marks import StepDims, stage_shapes
-from llmtrace.tracer.trace.stage_clock import EventClock, HostClock
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, reads_host_clock
 from llmtrace.tracer.trace.stage_cost import StageModule
 
 
@@ -75,7 +74,7 @@ class NativeStagedMarks:
     def usable(model: nn.Module, stages: list[StageModule], clock: HostClock | EventClock) -> bool:
         if not getattr(model, "staged_native", False) or not hasattr(model, "staged_mark"):
             return False
-        if not (isinstance(clock, HostClock) and clock.sync is None and clock.stamp is time.perf_counter_ns):
+        if not reads_host_clock(clock):
             return False
         return [s.name for s in stages] == staged_order(model)
 

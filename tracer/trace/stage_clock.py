@@ -21,6 +21,13 @@ from typing import Any, Callable
 Stamp = int  # HostClock: nanoseconds; EventClock: an event index within the step
 
 
+def reads_host_clock(clock: object) -> bool:
+    """Whether `clock`'s stamps are plain time.perf_counter_ns() readings (a HostClock with no device to
+    synchronise): then readings the native decode step takes in C on the same clock (CLOCK_MONOTONIC on Linux,
+    native_step.host_clock_matches) can stand for its stamps."""
+    return isinstance(clock, HostClock) and clock.sync is None and clock.stamp is time.perf_counter_ns
+
+
 class HostClock:
     """Host clock readings, the device synchronised first when `sync` is given (mps)."""
 
