@@ -266,41 +266,25 @@ static inline __attribute__((always_inline)) int64_t q32_bytes(int type) {
     }
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values. `rows` (1 or 2) rows of W at once, so each
-   block of x is loaded once for both; each row's even and odd blocks go to two accumulators (the multiply-adds of
-   neighbouring blocks do not wait for each other), and a row's sum is the same whether it ran alone or paired.
-   Always inlined with a constant type and row count: one loop per type, no branch per block. */
-static inline __attribute__((always_inline)) void i8_q32_rows(int type, int rows, const uint8_t *r0,
-                                                              const uint8_t *r1, int64_t n_blocks, const XBlock *x,
-                                                              float *o0, float *o1) {
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values; one row of W. Its even and odd blocks go to
+   two accumulators (the multiply-adds of neighbouring blocks do not wait for each other). One row at a time, not two
+   sharing each block of x: rows in pairs were 1.4x faster with W in cache but streamed from DRAM slower than one at
+   a time (a decode step's products 10.8 -> 8.4 ms on the bundled model, BENCHMARKS "The i8dot kernel").
+   Always inlined with a constant type: one loop per type, no branch per block. */
+static inline __attribute__((always_inline)) float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks,
+                                                              const XBlock *x) {
     const int64_t bytes = q32_bytes(type);
-    __m256 acc00 = _mm256_setzero_ps(), acc01 = acc00, acc10 = acc00, acc11 = acc00;
-    __m128 off00 = _mm_setzero_ps(), off01 = off00, off10 = off00, off11 = off00;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    __m128 off0 = _mm_setzero_ps(), off1 = off0;
     int64_t b = 0;
     for (; b + 2 <= n_blocks; b += 2) {
-        prefetch(r0 + b * bytes);
-        if (type == Q8_0) prefetch(r0 + b * bytes + 64);
-        i8_q32_block(type, r0 + b * bytes, x + b, &acc00, &off00);
-        i8_q32_block(type, r0 + (b + 1) * bytes, x + b + 1, &acc01, &off01);
-        if (rows == 2) {
-            prefetch(r1 + b * bytes);
-            if (type == Q8_0) prefetch(r1 + b * bytes + 64);
-            i8_q32_block(type, r1 + b * bytes, x + b, &acc10, &off10);
-            i8_q32_block(type, r1 + (b + 1) * bytes, x + b + 1, &acc11, &off11);
-        }
+        prefetch(row + b * bytes);
+        if (type == Q8_0) prefetch(row + b * bytes + 64);
+        i8_q32_block(type, row + b * bytes, x + b, &acc0, &off0);
+        i8_q32_block(type, row + (b + 1) * bytes, x + b + 1, &acc1, &off1);
     }
-    if (b < n_blocks) {
-        i8_q32_block(type, r0 + b * bytes, x + b, &acc00, &off00);
-        if (rows == 2) i8_q32_block(type, r1 + b * bytes, x + b, &acc10, &off10);
-    }
-    *o0 = hsum(_mm256_add_ps(acc00, acc01)) + _mm_cvtss_f32(_mm_add_ss(off00, off01));
-    if (rows == 2) *o1 = hsum(_mm256_add_ps(acc10, acc11)) + _mm_cvtss_f32(_mm_add_ss(off10, off11));
-}
-
-static inline float i8_q32_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
-    float out = 0.0f;
-    i8_q32_rows(type, 1, row, NULL, n_blocks, x, &out, NULL);
-    return out;
+    if (b < n_blocks) i8_q32_block(type, row + b * bytes, x + b, &acc0, &off0);
+    return hsum(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(off0, off1));
 }
 
 /* one block of Q4_0..Q8_0 as codes (32 bytes: unsigned, or signed for Q8_0), d_w and the offset b (lane 0 each) */
@@ -388,15 +372,11 @@ static int i8_q32_many_x(int type, const uint8_t *w, int64_t stride, int64_t fir
     return 1;
 }
 
-/* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row, two rows at a time (Q8_0: one) */
+/* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
                                                                int64_t first, int64_t last, int64_t n_blocks,
                                                                const XBlock *x, float *out) {
-    int64_t r = first;
-    /* Q8_0 in pairs ran at a third of its single-row rate here (BENCHMARKS "The i8dot kernel"): one row at a time */
-    for (; type != Q8_0 && r + 2 <= last; r += 2)
-        i8_q32_rows(type, 2, w + r * stride, w + (r + 1) * stride, n_blocks, x, out + r, out + r + 1);
-    for (; r < last; r++) i8_q32_rows(type, 1, w + r * stride, NULL, n_blocks, x, out + r, NULL);
+    for (int64_t r = first; r < last; r++) out[r] = i8_q32_row(type, w + r * stride, n_blocks, x);
 }
 
 /* Q4_K, Q5_K: per 32-value sub-block s, (d*sc_s) * sum(c*q) * d_x - (dmin*m_s) * s_x */
@@ -500,7 +480,7 @@ static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, c
                         float *out, int64_t out_stride) {
     const int64_t xblocks = mat->k / 32, n_blocks = mat->k / mat->block_values[p];
 #if LLMT_AVX2
-    if (m == 1) { /* decode: one loop per type, rows in pairs */
+    if (m == 1) { /* decode: one loop per type */
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
         switch (mat->types[p]) {
