@@ -30,7 +30,7 @@ from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
-from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError
+from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
@@ -346,7 +346,7 @@ class Generation:
         else:
             previous = self._prompt_ids_and_generated()
             try:  # the sampler's one pass over the logits is the finiteness check (no torch pass of its own)
-                result = self.sampler.sample(_first_row(logits), previous)
+                result = self.sampler.sample(float32_numpy(logits)[0], previous)  # (V,), a view when it can be
             except NonFiniteLogitsError:
                 raise CheckpointError(
                     f"the model's logits at {phase} step {index} are not finite (NaN, +inf or all -inf); its weights "
@@ -510,14 +510,6 @@ def _with_seed_used(settings: RunSettings, sampler: Any) -> RunSettings:
     if settings.seed is not None or settings.temperature == 0 or drawn is None:
         return settings  # greedy needs no seed: it is deterministic
     return replace(settings, seed=int(drawn), seed_drawn=True)
-
-
-def _first_row(logits: torch.Tensor) -> torch.Tensor | np.ndarray:
-    """Row 0 of a step's logits (1, V) for the sampler: a numpy view when the tensor is CPU fp32 and needs no grad
-    (no torch op: right after a decode step each costs tens of microseconds), else the tensor's row."""
-    if logits.is_cpu and logits.dtype == torch.float32 and not logits.requires_grad:
-        return logits.numpy()[0]
-    return logits[0]
 
 
 def _sampling_record(result: Any) -> SamplingRecord | None:

@@ -376,11 +376,18 @@ def _logits_as_numpy(logits: torch.Tensor | np.ndarray) -> np.ndarray:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.shape[0] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be a non-empty 1-D tensor of shape (vocab,), got {shape}")
-    if logits.dtype != torch.float32 or not logits.is_cpu:
-        logits = logits.to(device="cpu", dtype=torch.float32)
-    if logits.requires_grad:
-        logits = logits.detach()
-    return logits.numpy()  # numpy() gives a strided view, so a non-contiguous slice needs no copy
+    return float32_numpy(logits)
+
+
+def float32_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor as a float32 CPU numpy array: a view, with no torch op, when it already is CPU float32 and needs no
+    grad (right after a decode step each torch op costs tens of microseconds, cold caches), else a converted copy.
+    numpy() gives a strided view, so a non-contiguous slice needs no copy either."""
+    if tensor.dtype != torch.float32 or not tensor.is_cpu:
+        tensor = tensor.to(device="cpu", dtype=torch.float32)
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor.numpy()
 
 
 def _apply_repetition_penalty(raw: np.ndarray, previous_ids: Sequence[int] | torch.Tensor,
