@@ -40,9 +40,9 @@ def choice_line(choice: KernelChoice | None, dtype: str) -> str:
 
 
 def alternatives_line(choice: KernelChoice | None) -> str:
-    """The measured candidates, fastest acceptable first: decode products per token and 128-token prefill
-    products, refused ones marked (with the probed error where a probe judged them); "" when nothing was
-    measured."""
+    """The measured candidates, fastest acceptable first: a decode step (whole native C steps for a candidate that
+    runs as one, else its products: kernel_choice's rule, step 3) and 128-token prefill products, refused ones
+    marked (with the probed error where a probe judged them); "" when nothing was measured."""
     if choice is None or not choice.candidates:
         return ""
     parts = []
@@ -51,7 +51,7 @@ def alternatives_line(choice: KernelChoice | None) -> str:
         probe = f", probe error {c.product_error:.1e}" if c.product_error is not None else ""
         mark = f" (refused{probe})" if not c.safe else (f" (probe error {c.product_error:.1e})" if probe else "")
         parts.append(f"{c.name}{kernel} {fmt.duration_s(c.decode_s)} · {fmt.duration_s(c.prefill_s)}{mark}")
-    return "measured products (decode step · 128-token prefill): " + ", ".join(parts)
+    return "measured (decode step · 128-token prefill products): " + ", ".join(parts)
 
 
 def _form(c: CandidateTiming, dtype: str | None = None) -> str:

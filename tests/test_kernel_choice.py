@@ -186,7 +186,7 @@ def tiny_q_gguf(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes,
 def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
     calls: list[tuple[str, ...]] = []
 
-    def fp16_fastest(kernels, config, device="cpu", progress=None):
+    def fp16_fastest(kernels, config, device="cpu", progress=None, steps=None):
         calls.append(tuple(k.name for k in kernels))
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_s=t.decode_s / 10) if t.name == "fp16" else t for t in timings), seconds
@@ -203,6 +203,31 @@ def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.Monk
     monkeypatch.setattr(kernel_pick, "machine_key", lambda device: "another CPU")
     load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert len(calls) == 2  # a different machine measures again
+
+
+def test_a_choice_saved_by_the_older_timing_is_measured_again(monkeypatch: pytest.MonkeyPatch,
+                                                               tiny_q_gguf: Path) -> None:
+    """A version-2 kernels.json (decode costs summed per product, also for native-step candidates) holding this
+    very machine and model's choice is not served: one line, a fresh measurement, the file rewritten as version 3."""
+    calls: list[int] = []
+
+    def counted(kernels, config, device="cpu", progress=None, steps=None):
+        calls.append(1)
+        return fixed_timings(kernels, config)
+
+    monkeypatch.setattr(kernel_pick, "time_kernels", counted)
+    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    path = kernel_store.kernels_path()
+    data = json.loads(path.read_text())
+    assert data["version"] == kernel_store.STORE_VERSION == 3 and len(calls) == 1
+    (entry,) = [e for models in data["machines"].values() for e in models.values()]
+    entry["picked"] = entry["dtype"] = "fp16"  # what the old timing had decided, under the same keys
+    path.write_text(json.dumps({**data, "version": 2}))
+    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    assert len(calls) == 2 and not again.kernels.from_store and again.kernels.picked == "blocks"
+    assert "saved by an older llmtrace (version 2, before native-step candidates were timed as whole decode " \
+           "steps); measuring again" in again.kernel_note
+    assert json.loads(path.read_text())["version"] == 3
 
 
 def test_an_explicit_dtype_is_recorded_as_an_override(tiny_q_gguf: Path) -> None:
@@ -242,7 +267,7 @@ def test_fp16_is_refused_when_the_residual_stream_would_overflow(monkeypatch: py
         loaded.model.layers[0].feed_forward.w2.weight.fill_(float("inf"))
     assert "overflows fp16" in kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
 
-    def fp16_fastest(kernels, config, device="cpu", progress=None):
+    def fp16_fastest(kernels, config, device="cpu", progress=None, steps=None):
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_s=t.decode_s / 10) if t.name == "fp16" else t for t in timings), seconds
 
@@ -271,7 +296,7 @@ def test_the_trace_keeps_the_choice(tiny_q_gguf: Path) -> None:
 def test_the_measured_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
     """decode_kernel "mm" sends the fused path's one-token products through mm (torch.mv never runs), with the same
     logits as "mv"; the loader sets it from the measured choice."""
-    def mm_faster(kernels, config, device="cpu", progress=None):
+    def mm_faster(kernels, config, device="cpu", progress=None, steps=None):
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_kernel="mm") for t in timings), seconds
 

@@ -236,7 +236,7 @@ def test_a_fake_timer_sees_stored_candidates(tiny: Callable[[Q], Path], monkeypa
     """The stored candidates reach the timer as ProductKernels beside the dense ones; dense fastest -> dense."""
     seen = []
 
-    def dense_fastest(kernels, config, device="cpu", progress=None):
+    def dense_fastest(kernels, config, device="cpu", progress=None, steps=None):
         seen.extend((k.name, k.weights) for k in kernels)
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_s=t.decode_s * 10) if t.weights == "stored" else t for t in timings), seconds
@@ -268,7 +268,7 @@ def test_a_kernel_per_type_when_no_one_kernel_is_acceptable_for_all(tiny_mixed: 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_1 + a Q8_0 head: int4pack is refused (the head), blocks is exact; the plan int4pack for Q4_1 and blocks
     for Q8_0 is a candidate of its own, acceptable type by type, and runs when fastest."""
-    def plan_fastest(kernels, config, device="cpu", progress=None):
+    def plan_fastest(kernels, config, device="cpu", progress=None, steps=None):
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_s=t.decode_s / 100) if ":" in t.name else t for t in timings), seconds
 

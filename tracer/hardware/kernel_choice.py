@@ -35,8 +35,19 @@ The rule, in order:
    (tracer/load/kernel_pick.py): no weight beyond fp16's largest value and the residual stream of a probe forward
    below FP16_ACTIVATION_LIMIT, else the next candidate is taken.
 3. Speed: each candidate's cost is the time of a reference generation, a REFERENCE_PROMPT-token prefill plus
-   REFERENCE_DECODE decode steps, from its measured product times (decode: matrix-vector, the faster of torch.mv and
-   mm for a dense dtype, the kernel itself for a stored one; prefill: matrix-matrix). The fastest acceptable
+   REFERENCE_DECODE decode steps (`reference_s`). Prefill: its measured matrix-matrix product times. Decode
+   (`decode_s`), timed as the candidate's decode step will run:
+   - a stored candidate whose one-token step runs as the native C step (every matrix on the native library's
+     kernels: "native", "i8dot", a plan of both; tracer/model/native_step.py) is timed as WHOLE steps of its model as
+     `run` loads it (tracer/load/step_timing.py: steps at the first positions of an empty cache, the candidates
+     alternated in rounds, the 0.2 quantile of ~40 steps): its products, norms, RoPE, a few keys' attention and the
+     embedding row in one C call, as it runs. A sum of its products called one by one from Python is not what that
+     step does (a ctypes call and a thread wake-up per product, activations quantized per call): it misranked the
+     two such candidates of the bundled model;
+   - every other candidate as the sum of its matrix-vector products (tracer/hardware/product_timing.py: the faster
+     of torch.mv and mm for a dense dtype, the kernel itself for a stored one; each the best of a few passes): the
+     step's other operations are not counted, which leans towards these candidates, never against them.
+   The fastest acceptable
    candidate wins, except that a checkpoint stored in fp16 or bf16 keeps its own dtype unless another acceptable
    one is MARGIN faster ("measurably": beyond a quick measurement's noise). A checkpoint without stored weights
    (random init) has every dense candidate acceptable. Refused candidates are timed too and listed with the reason.
@@ -156,7 +167,9 @@ class CandidateTiming:
     dtype: str  # the compute (activation) dtype: fp32, fp16, bf16
     weights: str  # DENSE or STORED
     decode_kernel: str  # "mv" or "mm" for dense; the stored kernel otherwise
-    decode_s: float  # the products of one decode step: every layer and the LM head, best of the timed runs
+    # One decode step (step 3): a whole native C step for a native-step candidate, else its products (every layer
+    # and the LM head, best of the timed runs)
+    decode_s: float
     prefill_s: float  # the products of a REFERENCE_PROMPT-token prefill (the LM head on the last position only)
     weight_bytes: int  # bytes a decode step's products read in this form (stored bytes for a stored kernel)
     safe: bool = True  # acceptable by the accuracy rule (module docstring, step 2) and fp16's range checks

@@ -22,9 +22,11 @@ from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
 from llmtrace.tracer.hardware.store import config_dir
 
-# 2: stored kernels are candidates (CandidateTiming.product_error, KernelChoice.ran); a version-1 file is read as
-# out of date: one line, and a fresh measurement replaces it.
-STORE_VERSION = 2
+# 2: stored kernels are candidates (CandidateTiming.product_error, KernelChoice.ran).
+# 3: a native-step candidate's decode_s is its whole C step, no longer the sum of its products (kernel_choice's rule,
+#    step 3): a choice made from the sums misranked such candidates, so an older file is read as out of date: one
+#    line, and a fresh measurement replaces it (never a stale choice served).
+STORE_VERSION = 3
 _CHOICE_FIELDS = {f.name: f for f in fields(KernelChoice)}
 _TIMING_FIELDS = {f.name: f for f in fields(CandidateTiming)}
 
@@ -35,7 +37,7 @@ class StoreProblem(HardwareError):
 
 # The caller (load/kernel_pick.py) says what happens next: measuring again.
 STORE = StoreFormat("kernel store", STORE_VERSION, ("machines",), StoreProblem, HardwareError,
-                    older="before stored kernels were measured")
+                    older="before native-step candidates were timed as whole decode steps")
 
 
 def kernels_path() -> Path:

@@ -19,6 +19,7 @@ from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, t
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
+from llmtrace.tracer.model.transformer import Transformer, build_meta_model
 from llmtrace.tracer.model.weight_formats import PackedWeight, finite_scales, pack_gguf, stored_kernels
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
@@ -165,6 +166,17 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
         packed[name] = _packed(header, config, data, name, info, kernel_of(kernel, info))  # type: ignore[arg-type]
     del data
     return dense, packed
+
+
+def stored_model(config: ModelConfig, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedWeight]
+                 ) -> Transformer:
+    """The model of load_gguf_stored's pair (dense tensors, matrices as stored): a meta shell that adopts them
+    (Transformer.load_stored), for inference only. What `run` loads, and what the kernel choice times whole decode
+    steps of (tracer/load/step_timing.py)."""
+    model = build_meta_model(config)
+    model.load_stored(dense, packed)
+    model.requires_grad_(False)
+    return model.eval()
 
 
 def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], kernel: KernelPlan | None

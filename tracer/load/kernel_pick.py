@@ -9,16 +9,18 @@ which candidates are acceptable) and the loaded model (fp16's range checks), so 
 Flow (`pick`): the matrices' stored formats -> the candidates: each dense dtype, and for a GGUF on the CPU each
 stored kernel that runs all its matrices; a candidate short of the bits a float-stored matrix needs is refused
 untimed, one short of a block format's bits is probed -> one candidate and no probe: taken without measuring;
-otherwise the saved choice for this machine and model shape, or a measurement (the probes, then the products;
-seconds, `progress` hears each candidate) that is then saved. A damaged store is one line (`note`) and a fresh
-measurement that replaces it; an unwritable one is one line and an unsaved choice. After the model is loaded in
-fp16, `fp16_problem` checks its range: no weight overflowed to inf, and a probe forward's residual stream stays
-below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next candidate (`without`).
+otherwise the saved choice for this machine and model shape, or a measurement (the probes, then whole decode steps of
+the candidates that run as the native C step (tracer/load/step_timing.py), then the products, those candidates'
+decode products excepted; seconds, `progress` hears each candidate) that is then saved. A damaged store is one line
+(`note`) and a fresh measurement that replaces it; an unwritable one is one line and an unsaved choice. After the
+model is loaded in fp16, `fp16_problem` checks its range: no weight overflowed to inf, and a probe forward's residual
+stream stays below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next candidate (`without`).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -38,6 +40,7 @@ from llmtrace.tracer.hardware.product_timing import (
 )
 from llmtrace.tracer.load.gguf_loader import matrix_infos
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
+from llmtrace.tracer.load.step_timing import time_native_steps
 from llmtrace.tracer.load.stored_weights import plan_spec
 from llmtrace.tracer.model.weight_formats import stored_kernels
 
@@ -182,7 +185,15 @@ def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
     if plan is not None:  # e.g. int4pack for the Q4 matrices, an exact kernel for a Q8_0 one
         assert resolved.gguf_header is not None
         kernels.append(StoredKernel(resolved.gguf_header, resolved.config, plan_spec(plan)))
-    timings, seconds = (timer or time_kernels)(kernels, resolved.config, str(device), progress=progress)
+    steps: dict[str, float] = {}
+    step_seconds = 0.0
+    if resolved.gguf_header is not None and device.type == "cpu":  # the native step runs on the CPU
+        started = time.perf_counter()
+        steps = time_native_steps(resolved.gguf_header, resolved.config,
+                                  [k.name for k in kernels if k.weights == rule.STORED], progress)
+        step_seconds = time.perf_counter() - started
+    timings, seconds = (timer or time_kernels)(kernels, resolved.config, str(device), progress=progress, steps=steps)
+    seconds += step_seconds
     judged = []
     for timing in timings:
         if plan is not None and timing.name == plan_spec(plan):  # acceptable type by type, by construction

@@ -42,7 +42,13 @@ from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, Hardw
 from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, constrained, unmeasured, without
 from llmtrace.tracer.load import kernel_pick, weights_cache
-from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary, stored_matrices
+from llmtrace.tracer.load.gguf_loader import (
+    load_gguf_stored,
+    load_gguf_weights,
+    quantization_summary,
+    stored_matrices,
+    stored_model,
+)
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.stored_weights import (
     AUTO as WEIGHTS_AUTO,
@@ -266,12 +272,6 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
     fmt = f"GGUF {quantization_summary(header)} as stored ({kernel}) · {compute.name} activations"
     variant = entry_variant(kernel, values)
 
-    def assemble(dense: dict[str, torch.Tensor], packed: dict) -> Transformer:
-        model = build_meta_model(config)
-        model.load_stored(dense, packed)
-        model.requires_grad_(False)
-        return model.eval()
-
     key: weights_cache.SourceKey | None = None
     if use_cache and not _views_of_the_file(kernel):
         try:
@@ -279,7 +279,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         except OSError:
             key = None
     if key is None:
-        model = assemble(*load_gguf_stored(header, config, values, kernel_plan(kernel)))
+        model = stored_model(config, *load_gguf_stored(header, config, values, kernel_plan(kernel)))
         return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
     notes = []
     with weights_cache.creating(key, variant):
@@ -287,14 +287,14 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         notes.append(cached.note)
         if cached.state is not None:
             try:
-                model = assemble(*from_entry(cached.state, cached.metadata))
+                model = stored_model(config, *from_entry(cached.state, cached.metadata))
                 return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True, weights=choice)
             except (CheckpointError, ValueError):
                 weights_cache.cache_path(key, variant).unlink(missing_ok=True)
                 notes.append("weights cache: the entry did not fit this model; converting again")
         dense, packed = load_gguf_stored(header, config, values, kernel_plan(kernel))
         weights_cache.store(key, variant, *to_entry(dense, packed))
-    model = assemble(dense, packed)
+    model = stored_model(config, dense, packed)
     return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),
                    weights=choice)
 

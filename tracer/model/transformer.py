@@ -575,6 +575,24 @@ class Transformer(ForwardWatched):
         self._hook_free_stamp = stamp  # ... and nothing watched at this stamp
         return True
 
+    def native_decode_reason(self) -> str:
+        """"" when an untraced one-token step of one sequence runs as the native decode step now (one C call:
+        FusedPlan.native), else why the fused path's torch ops or the stage modules run it: no cache set up, no
+        native step for this model (its reason), the step switched off, or the model not fusable (a hook, a
+        replaced module, an edit since setup_cache)."""
+        plan = self._fused_plan
+        if plan is None:
+            return "the KV cache is not set up"
+        if plan.native is None:
+            return f"no native decode step for this model: {plan.native_reason}"
+        if not self.use_native_step:
+            return "the native decode step is switched off (use_native_step)"
+        if plan.native.cos is not plan.cos:
+            return "the rope tables changed since setup_cache"
+        if not self.fusable():
+            return "the fused path does not run (fusable() is False: a hook, a replaced module or an edit)"
+        return ""
+
     def staged_native_reason(self) -> str:
         """"" when a one-token step of one sequence runs as the native staged step (`staged_native`), else why the
         stage modules run it: the step is not asked for, the model has no native decode step (FusedPlan.native), or
