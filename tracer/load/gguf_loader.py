@@ -8,7 +8,7 @@ the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` dec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -19,8 +19,10 @@ from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, t
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
+from llmtrace.tracer.load.weight_arena import WeightArena
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
-from llmtrace.tracer.model.weight_formats import PackedWeight, finite_scales, pack_gguf, stored_kernels
+from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, PackedWeight, finite_scales, pack_gguf,
+                                                 stored_kernels)
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -156,6 +158,7 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     plan = _plan(header, config)
     packable, _ = stored_matrices(header, config, kernel)
     data = _map_tensor_data(header)
+    arena = _arena_for(plan, packable, kernel)
     dense: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     for name, info in plan.items():
@@ -163,7 +166,8 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
             tensor = _dequantized(header, config, data, name, info)
             dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
             continue
-        packed[name] = _packed(header, config, data, name, info, kernel_of(kernel, info))  # type: ignore[arg-type]
+        packed[name] = _packed(header, config, data, name, info, kernel_of(kernel, info),  # type: ignore[arg-type]
+                               arena)
     del data
     return dense, packed
 
@@ -186,11 +190,13 @@ def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], ker
     them. Only these tensors' bytes are read."""
     plan = _plan(header, config)
     data = _map_tensor_data(header)
+    arena = None if kernel is None else _arena_for(plan, names, kernel)  # the memory a run reads them from
     out: dict[str, PackedWeight | torch.Tensor] = {}
     for name in names:
         info = plan[name]
         out[name] = (_dequantized(header, config, data, name, info) if kernel is None
-                     else _packed(header, config, data, name, info, kernel_of(kernel, info)))  # type: ignore[arg-type]
+                     else _packed(header, config, data, name, info, kernel_of(kernel, info),  # type: ignore[arg-type]
+                                  arena))
     del data
     return out
 
@@ -221,14 +227,25 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name
     return torch.from_numpy(matrix)
 
 
+def _arena_for(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan) -> WeightArena | None:
+    """An arena holding the matrices of `names` that a block kernel reads as stored (native, i8dot: the file's own
+    blocks), None when there are none (tracer/load/weight_arena.py says why they are copied)."""
+    infos = [plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS]
+    return WeightArena(sum(info.n_bytes for info in infos), len(infos)) if infos else None
+
+
 def _packed(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str, info: GGUFTensorInfo,
-            kernel: str) -> PackedWeight:
+            kernel: str, arena: WeightArena | None = None) -> PackedWeight:
+    """One matrix packed for `kernel`; a block kernel's blocks copied into `arena` when given (else views of
+    `data`, the file's map)."""
     out_features, in_features = info.torch_shape
     _, block, block_bytes = GGML_TYPES[info.ggml_type]
     rows = np.asarray(_raw(header, data, info)).reshape(out_features, in_features // block * block_bytes)  # (N, B)
     heads = _rope_heads(header, config, name)
     if heads is not None:
         rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
+    if arena is not None and kernel in BLOCK_KERNELS:
+        rows = arena.place(rows)
     weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
     if not finite_scales(weight):
         raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")

@@ -1,0 +1,103 @@
+"""The weight arena: a GGUF's block-kernel matrices copied into one anonymous, huge-page-advised mapping at load
+(tracer/load/weight_arena.py), value for value, each where the arena says, and nothing else moved."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.load.gguf_loader import load_gguf_stored, pack_matrices
+from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.weight_arena import ALIGN, HUGE_PAGE, WeightArena
+from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE
+from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_place_copies_each_array_aligned_in_order() -> None:
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, size=shape, dtype=np.uint8) for shape in ((3, 20), (1, 7), (5, 34))]
+    arena = WeightArena(sum(a.nbytes for a in arrays), len(arrays))
+    placed = [arena.place(a) for a in arrays]
+    addresses = [p.ctypes.data for p in placed]
+    assert addresses[0] % HUGE_PAGE == 0  # from the first 2 MiB boundary: whole huge pages
+    assert all(address % ALIGN == 0 for address in addresses)
+    assert addresses == sorted(addresses) and addresses[1] >= addresses[0] + arrays[0].nbytes
+    for original, copy in zip(arrays, placed):
+        assert copy.shape == original.shape and copy.dtype == original.dtype and copy.flags.writeable
+        assert np.array_equal(copy, original) and not np.shares_memory(copy, original)
+    if sys.platform == "linux":
+        assert arena.advised  # Linux has MADV_HUGEPAGE; whether pages come is the kernel's THP setting
+
+
+def test_place_refuses_what_does_not_fit() -> None:
+    arena = WeightArena(100)
+    assert HUGE_PAGE <= arena.free <= arena.capacity  # what lies after the first 2 MiB boundary
+    arena.place(np.ones(arena.free - ALIGN, dtype=np.uint8))
+    with pytest.raises(ValueError, match="weight arena full"):
+        arena.place(np.zeros(ALIGN + 1, dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
+            tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = make_tiny_llama("default")
+    config = ModelConfig.from_hf_json(folder)
+    state = load_hf_state_dict(folder, config)
+    path = tmp_path_factory.mktemp("arena") / "tiny.gguf"
+    return write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=Q.Q8_0)
+
+
+def _mapped_file(address: int) -> str:
+    """The path of the file mapped at `address` in this process ("" for anonymous memory), from /proc/self/maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+def _span(blocks: list[np.ndarray]) -> tuple[int, int]:
+    return min(b.ctypes.data for b in blocks), max(b.ctypes.data + b.nbytes for b in blocks)
+
+
+def test_native_matrices_live_in_one_arena_not_in_the_file(tiny_q8: Path) -> None:
+    header = read_gguf_header(tiny_q8)
+    config = config_from_gguf_header(header)
+    _, packed = load_gguf_stored(header, config, torch.float32, NATIVE)
+    blocks = [t.numpy() for w in packed.values() for t in w.tensors.values()]
+    assert len(blocks) == len(packed) > 0
+    file_view = np.memmap(tiny_q8, dtype=np.uint8, mode="r")
+    assert all(b.ctypes.data % ALIGN == 0 for b in blocks)
+    if sys.platform == "linux":  # each lies in anonymous memory, not in a mapping of the file
+        assert {_mapped_file(b.ctypes.data) for b in blocks} == {""}
+    low, high = _span(blocks)
+    total = sum(b.nbytes for b in blocks)
+    assert high - low < total + len(blocks) * ALIGN  # back to back: one arena, no gaps beyond alignment
+    # the same bytes the file holds (Q8_0 rows are not permuted for wv, wo, w1..w3, the head: compare those)
+    offsets = {info.name: header.data_offset + info.offset for info in header.tensors}
+    v = packed["layers.0.attention.wv.weight"].tensors["blocks"].numpy()
+    start = offsets["blk.0.attn_v.weight"]
+    assert np.array_equal(v.reshape(-1), file_view[start:start + v.nbytes])
+
+
+def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:
+    header = read_gguf_header(tiny_q8)
+    config = config_from_gguf_header(header)
+    names = ["layers.0.attention.wo.weight", "layers.0.feed_forward.w2.weight"]
+    native = pack_matrices(header, config, names, NATIVE)
+    first, second = (native[n].tensors["blocks"].numpy() for n in names)  # type: ignore[union-attr]
+    assert second.ctypes.data - first.ctypes.data < first.nbytes + ALIGN  # placed one after the other
+    int4 = pack_matrices(header, config, ["layers.0.attention.wo.weight"], {"Q8_0": INT4PACK})
+    assert "blocks" not in int4["layers.0.attention.wo.weight"].tensors  # type: ignore[union-attr]
