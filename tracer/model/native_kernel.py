@@ -52,10 +52,11 @@ NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
 SOURCE = NATIVE_SOURCES / "decode_step.c"
 # everything the binary is made of (gguf_matmul.c #includes int8_dot.c, the "i8dot" kernel; decode_step.c #includes
-# top_values.c, the sampler's selection): the build key covers each
+# top_values.c, the sampler's passes): the build key covers each
 SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "top_values.c")
 ABI = 5  # LLMT_ABI in gguf_matmul.c
 STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
+SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: native_top.py)
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"
@@ -270,7 +271,7 @@ def _key(compiler: list[str], version: str) -> str:
     h = hashlib.sha256()
     parts = [path.read_bytes() for path in SOURCES]
     for part in (*parts, " ".join(compiler).encode(), version.encode(), repr((FLAG_SETS, COMMON_FLAGS, LIBS)).encode(),
-                 _cpu().encode(), f"{ABI} {STEP_ABI}".encode()):
+                 _cpu().encode(), f"{ABI} {STEP_ABI} {SAMPLER_ABI}".encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()[:20]
@@ -323,7 +324,8 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
         return None, "library file damaged"
     try:
         handle = ctypes.CDLL(str(path))
-        if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI:
+        if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI \
+                or handle.llmt_sampler_abi() != SAMPLER_ABI:
             return None, "library of another ABI"
         features = handle.llmt_features()
     except (OSError, AttributeError) as exc:

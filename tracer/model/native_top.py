@@ -1,14 +1,26 @@
-"""The sampler's top-value selection in one C pass (native/top_values.c), when the native library is loaded.
+"""The sampler's passes over the whole vocabulary in C (native/top_values.c), when the native library is loaded.
 
-The sampler (tracer/run/sampling.py) sorts the best few logits for its candidate table (and top-k); after a decode
-step every numpy call it makes is cold, and its numpy selection is ~8 of them. This is one ctypes call with the same
-answer: the indices of the `count` largest values, largest first, ties by lower index. It never builds or loads the
-library (native_kernel.loaded()): a process that has not loaded it gets None, and the caller selects in numpy.
+The sampler (tracer/run/sampling.py) needs, per token, the best few logits sorted (its candidate table, top-k) and,
+over all 49152 of them, a softmax's log-sum-exp and entropy, sometimes with a cut (min-p), a draw from it, and a few
+counts. After a decode step every numpy call it makes is cold, and numpy needs ~5 passes for one softmax; each of
+these is one ctypes call and one pass:
+
+- `top_values`: the indices of the `count` largest values, largest first, ties lower index first. Exact (comparisons
+  only): numpy's selection gives the same indices.
+- `SamplerPasses.softmax`: max + log(sum exp(x - max)) and the entropy, the weights exp(x - max) computed and summed
+  in double. Not numpy's fp32 bits; within the bounds derived at SOFTMAX_WEIGHT_ERROR below.
+- `SamplerPasses.draw`: the inverse-CDF draw from those weights; `SamplerPasses.count_before`: counts and ranks
+  (comparisons only: exact).
+
+None of this builds or loads the library (native_kernel.loaded()): a process that has not loaded it gets None, and
+the caller computes in numpy.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +28,25 @@ import numpy as np
 from llmtrace.tracer.model import native_kernel
 
 MAX_COUNT = 64  # LLMT_TOP_MAX in native/top_values.c
-_DECLARED: dict[Any, Any] = {}  # by library file: the entry point with its signature declared
+DRAW_BLOCK = 256  # LLMT_DRAW_BLOCK in native/top_values.c
+
+# Relative error bound of one softmax weight exp(s) (LLMT_EXP_RELATIVE_ERROR, derived at llmt_exp_le0 in
+# native/top_values.c: the degree-8 Taylor remainder 4.0e-10 on |r| <= ln2/2 plus double roundings; the measured worst
+# over 2e8 values of s in [-708, 0] against libm's exp was 2.7e-10).
+#
+# What it bounds. Each weight is w_i (1 + e_i) with |e_i| <= eps = SOFTMAX_WEIGHT_ERROR (s_i = x_i - max is exact in
+# double up to 2^-53 relative, which exp turns into |s_i| 2^-53 <= 708 * 1.1e-16 = 8e-14: inside eps's margin);
+# the sums add up to n = 5e4 doubles, relative error <= n 2^-53 = 6e-12, also inside it. Then
+#   total T = sum w_i: relative error <= eps, so the log-sum-exp max + log T is off by <= eps (absolute, nats),
+#     plus the rounding of the sum max + log T, 2^-53 |lse|;
+#   a probability exp(x_i - lse): relative error <= eps (+ the same rounding of x_i - lse);
+#   entropy H = log T + A with A = sum p_i |s_i| (a p-weighted mean of |s_i|): perturbing every weight by a factor
+#     within 1 +- eps moves a weighted mean by at most 2 eps A / (1 - eps), and log T by eps; A <= H because
+#     log T >= 0 (the max's own weight is exp(0) = 1), so |dH| <= eps (1 + 2 H) + O(eps^2) nats.
+# Weights below exp(-708) are taken as 0 (LLMT_EXP_MIN): at most n * 1e-307 of a total >= 1, nothing in double.
+SOFTMAX_WEIGHT_ERROR = 4.1e-10
+
+_DECLARED: dict[Any, Any] = {}  # by library file: the top_values entry point with its signature declared
 
 
 def top_values(x: np.ndarray, count: int) -> np.ndarray | None:
@@ -37,3 +67,80 @@ def top_values(x: np.ndarray, count: int) -> np.ndarray | None:
     ids = np.empty(min(count, x.shape[0]), dtype=np.int64)
     written = call(x.__array_interface__["data"][0], x.shape[0], count, ids.__array_interface__["data"][0])
     return ids if written == ids.shape[0] else None  # -1: a NaN (the caller's numpy max says so)
+
+
+@dataclass(frozen=True, slots=True)
+class SoftmaxSums:
+    """softmax(x) with every value below `cut` taken as -inf, as the C pass summed it."""
+
+    max: float  # the max the weights were shifted by
+    cut: float  # -inf: nothing cut
+    total: float  # sum of exp(x_i - max) over the kept values (>= 1 when the max is kept)
+    lse: float  # log-sum-exp: max + log(total)
+    entropy_nats: float
+    kept: int  # how many values are >= cut
+    blocks: np.ndarray  # float64 per DRAW_BLOCK values: each block's total, for SamplerPasses.draw
+
+
+class SamplerPasses:
+    """The C passes of the loaded library. Every array argument must be 1-D, C-contiguous float32 (the caller checks
+    once: the sampler's logits are, or it takes numpy's path throughout)."""
+
+    __slots__ = ("_sums", "_draw", "_count")
+
+    def __init__(self, handle: ctypes.CDLL) -> None:
+        self._sums = handle.llmt_softmax_sums
+        self._sums.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
+                               ctypes.c_void_p]
+        self._sums.restype = ctypes.c_int64
+        self._draw = handle.llmt_softmax_draw
+        self._draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
+                               ctypes.c_double]
+        self._draw.restype = ctypes.c_int64
+        self._count = handle.llmt_count_before
+        self._count.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
+        self._count.restype = ctypes.c_int64
+
+    def softmax(self, x: np.ndarray, x_max: float, cut: float = -math.inf) -> SoftmaxSums:
+        """One pass: the log-sum-exp and entropy of softmax(x), values below `cut` taken as -inf. `x_max` must be
+        max(x), and kept (x_max >= cut)."""
+        n = x.shape[0]
+        sums = np.empty(2, dtype=np.float64)
+        blocks = np.empty(-(-n // DRAW_BLOCK), dtype=np.float64)
+        kept = self._sums(x.__array_interface__["data"][0], n, x_max, cut, sums.__array_interface__["data"][0],
+                          blocks.__array_interface__["data"][0])
+        total, weighted = float(sums[0]), float(sums[1])
+        log_total = math.log(total)
+        # H = log T - sum w s / T (s <= 0); max(.., 0): a one-hot distribution's rounding must not go negative
+        return SoftmaxSums(x_max, cut, total, x_max + log_total, max(log_total - weighted / total, 0.0), int(kept),
+                           blocks)
+
+    def draw(self, x: np.ndarray, sums: SoftmaxSums, u: float) -> int:
+        """Index i drawn with probability (its weight) / sums.total, u uniform in [0, 1): the first index whose
+        running sum of weights exceeds u * total, never one of weight 0."""
+        index = self._draw(x.__array_interface__["data"][0], x.shape[0], sums.max, sums.cut,
+                           sums.blocks.__array_interface__["data"][0], u * sums.total)
+        if index < 0:
+            raise ValueError("no value of nonzero weight to draw")  # cannot happen: the max's weight is 1
+        return int(index)
+
+    def count_at_least(self, x: np.ndarray, threshold: float) -> int:
+        return int(self._count(x.__array_interface__["data"][0], x.shape[0], threshold, x.shape[0]))
+
+    def rank_of(self, x: np.ndarray, index: int) -> int:
+        """1-based rank of x[index], largest first, ties lower index first."""
+        return int(self._count(x.__array_interface__["data"][0], x.shape[0], float(x[index]), index)) + 1
+
+
+_PASSES: dict[Any, SamplerPasses] = {}  # by library file
+
+
+def sampler_passes() -> SamplerPasses | None:
+    """The C passes when this process has loaded the native library, else None (never builds or loads it)."""
+    library = native_kernel.loaded()
+    if library is None:
+        return None
+    passes = _PASSES.get(library.path)
+    if passes is None:
+        passes = _PASSES[library.path] = SamplerPasses(library.handle)
+    return passes

@@ -24,13 +24,28 @@ a draw over the whole vocabulary needs no sort at all. The arithmetic is single-
 one vector its reductions and partial selection beat torch's, and torch's two-thread kernels stall for
 milliseconds when another process holds the other core. Logits on another device are copied over first.
 
-A decode step calls this once per token, so its full-vocabulary passes are kept few and allocation-free: the
-Sampler owns scratch arrays of the vocabulary's size (a fresh 192 KiB numpy array is mapped and page-faulted on
-every call: the exp pass took 1.7x as long into a new array as into a kept one), the entropy needs no separate pass
-to find -inf logits, a distribution the draw uses again (temperature 1, or no filter that cuts) is not recomputed,
-and the top tokens are sorted within the few that pass a sampled threshold instead of the whole vocabulary.
-Every figure is the one the straightforward computation gives, bit for bit (tests/test_sampling_equality.py
-holds that computation as its reference).
+A decode step calls this once per token, right after the step has streamed ~100 MB of weights, so every array it
+touches is cold; its full-vocabulary passes are kept few. Two paths compute them:
+
+- native (the library tracer/model/native_top.py calls, when this process has loaded it: every stored-weights run
+  has, and the logits are contiguous fp32): one C pass per softmax gives its log-sum-exp and entropy (numpy needed
+  five), one the draw over the whole vocabulary, one each count or rank. What is exact: the token chosen under
+  greedy (the argmax, ties to the lower id), the candidate table's tokens, ranks, logits and flags, every count
+  (n_after_top_k/top_p/min_p, n_final, n_penalized), and a seeded draw: the same token as the numpy path unless the
+  uniform, or a cumulative probability at top-p's cut, lies within the bound below of a boundary. What is within
+  a tolerance: the probabilities, entropies and top-p mass. The weights exp(x - max) are computed and summed in
+  double with a relative error under eps = native_top.SOFTMAX_WEIGHT_ERROR = 4.1e-10 (derived there), so against
+  the exact float64 figures a log-sum-exp is within eps (nats), a probability within relative eps, an entropy
+  within eps (1 + 2H) nats, plus float64 rounding: ~1000 times closer than the fp32 numpy figures are.
+- numpy (the portable fallback: no compiler, a library not loaded, a strided logits view): numpy's fp32 passes,
+  allocation-free (the Sampler owns scratch arrays of the vocabulary's size: a fresh 192 KiB numpy array is mapped
+  and page-faulted on every call, and the exp pass took 1.7x as long into a new array as into a kept one), the
+  entropy with no separate pass to find -inf logits, a distribution the draw uses again (temperature 1, or no
+  filter that cuts) not recomputed. Every figure is the one the straightforward computation gives, bit for bit.
+
+tests/test_sampling_equality.py holds both to that straightforward computation (the numpy path bit for bit; the
+native path's discrete figures exactly and the rest within the bounds above of a float64 computation); the top
+tokens are sorted within the few that pass a threshold instead of the whole vocabulary on both.
 
 Records are frozen dataclasses of plain Python values, so `dataclasses.asdict()` is JSON-ready.
 """
@@ -45,7 +60,7 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.model.native_top import top_values
+from llmtrace.tracer.model.native_top import SamplerPasses, SoftmaxSums, sampler_passes, top_values
 
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
@@ -202,6 +217,8 @@ class Sampler:
         p = self._params
         raw = _logits_as_numpy(logits)
         vocab = raw.size
+        # the C passes when the library is loaded; a strided view of the logits takes numpy's throughout
+        native = sampler_passes() if raw.flags.c_contiguous else None
         # Greedy on the raw logits, with the native library loaded: the candidate table comes first, in one C pass
         # that also says there is no NaN, and its first value is the max: a nonzero float has one bit pattern, so it
         # is numpy's max exactly (a zero max, whose sign numpy may pick otherwise, is left to numpy's max).
@@ -211,9 +228,14 @@ class Sampler:
         if not math.isfinite(raw_max):
             raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
         scratch = self._scratch_for(vocab)
-        raw_softmax = _softmax(raw, raw_max, scratch)
-        # greedy reads none of raw_softmax's arrays again: its products may overwrite `shifted`
-        raw_entropy = raw_softmax.entropy_nats(raw_softmax.shifted if p.greedy else scratch.products)
+        raw_softmax: _Softmax | SoftmaxSums
+        if native is not None:
+            raw_softmax = native.softmax(raw, raw_max)
+            raw_entropy = raw_softmax.entropy_nats
+        else:
+            raw_softmax = _softmax(raw, raw_max, scratch)
+            # greedy reads none of raw_softmax's arrays again: its products may overwrite `shifted`
+            raw_entropy = raw_softmax.entropy_nats(raw_softmax.shifted if p.greedy else scratch.products)
         if p.repetition_penalty != 1:
             penalised, n_penalized = _apply_repetition_penalty(raw, previous_ids, p.repetition_penalty,
                                                                scratch.penalised)
@@ -223,7 +245,7 @@ class Sampler:
                       entropy_raw_bits=raw_entropy / _LN2)
         if p.greedy:
             return self._greedy(raw, raw_softmax.lse, penalised, common, top)
-        return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch)
+        return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch, native)
 
     def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict,
                 top: np.ndarray | None) -> SampleResult:
@@ -239,8 +261,8 @@ class Sampler:
                             candidates=candidates, n_after_top_k=vocab, n_after_top_p=vocab, n_after_min_p=vocab,
                             n_final=1, top_p_mass=1.0, entropy_final_bits=0.0, **common)
 
-    def _draw(self, raw: np.ndarray, raw_max: float, raw_softmax: _Softmax, raw_entropy: float,
-              penalised: np.ndarray, common: dict, scratch: _Scratch) -> SampleResult:
+    def _draw(self, raw: np.ndarray, raw_max: float, raw_softmax: _Softmax | SoftmaxSums, raw_entropy: float,
+              penalised: np.ndarray, common: dict, scratch: _Scratch, native: SamplerPasses | None) -> SampleResult:
         p = self._params
         vocab = penalised.size
         raw_lse = raw_softmax.lse
@@ -250,7 +272,8 @@ class Sampler:
             scaled = np.divide(penalised, np.float32(p.temperature), out=scratch.scaled) \
                 if p.temperature != 1 else penalised
             scaled_max = float(scaled.max())
-            tempered = _softmax(scaled, scaled_max, scratch)  # the raw one's scratch arrays: it is done with them
+            tempered = native.softmax(scaled, scaled_max) if native is not None \
+                else _softmax(scaled, scaled_max, scratch)  # the raw one's scratch arrays: it is done with them
         scaled_lse = tempered.lse
 
         want = self._n_candidates
@@ -262,7 +285,11 @@ class Sampler:
         vals = scaled[order]
 
         def count_at_least(threshold: float) -> int:
-            return vocab if threshold == _NEG_INF else int(np.count_nonzero(scaled >= threshold))
+            if threshold == _NEG_INF:
+                return vocab
+            if native is not None:
+                return native.count_at_least(scaled, threshold)
+            return int(np.count_nonzero(scaled >= threshold))
 
         # 3. top-k
         t_k = float(vals[p.top_k - 1]) if 0 < p.top_k < vocab else _NEG_INF
@@ -289,6 +316,11 @@ class Sampler:
             cumulative = np.cumsum(kept_softmax.weights)
             position = _first_above(cumulative, u * float(cumulative[-1]))
             chosen, rank = int(order[position]), position + 1
+        elif native is not None:  # the same over the whole vocabulary, in C: a pass for a cut, one for the draw
+            cut = tempered if threshold == _NEG_INF else native.softmax(scaled, scaled_max, threshold)
+            final_lse, final_entropy = cut.lse, cut.entropy_nats
+            chosen = native.draw(scaled, cut, u)
+            rank = native.rank_of(scaled, chosen)
         else:  # no top-p; min-p alone, or nothing, cut less than the prefix holds: draw over the whole vocabulary
             if threshold == _NEG_INF:  # nothing cut: the final distribution is the tempered one
                 final = tempered if tempered is not raw_softmax else None

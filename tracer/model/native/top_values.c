@@ -62,3 +62,189 @@ int64_t llmt_top_values(const float *x, int64_t n, int64_t count, int64_t *ids) 
     }
     return nan ? -1 : held;
 }
+
+/* ---- the softmax's sums, the draw and the counts (native_top.py's SamplerPasses) ----------------------------------
+ *
+ * After the selection above, what the sampler computes over the whole vocabulary is a softmax's log-sum-exp and
+ * entropy, sometimes with entries below a cut set to -inf (min-p, top-k ties), a draw from it, and counts. numpy
+ * needs a subtraction, an exp, a sum, a product and another sum for one softmax (five cold passes, ~0.3 ms after a
+ * decode step); here it is one pass that keeps nothing but two sums (and per-block sums for a draw).
+ *
+ * Not bit for bit numpy's fp32 figures: the weights are exp(s) with s = x - max in double, by llmt_exp_le0 below, and
+ * summed in double. Its error bound (derived at llmt_exp_le0) is relative 4.1e-10 per weight, which native_top.py
+ * turns into the tolerances sampling.py states; numpy's fp32 passes are only within ~1e-6 of the true values. */
+
+#define LLMT_SAMPLER_ABI 1 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_DRAW_BLOCK 256 /* values per block of the two-level draw (native_top.DRAW_BLOCK) */
+#define LLMT_EXP_MIN (-708.0) /* below it 2^k leaves double's normal range: the weight is taken as 0 */
+
+int llmt_sampler_abi(void) { return LLMT_SAMPLER_ABI; }
+
+/* exp(s) for LLMT_EXP_MIN <= s <= 0 (callers mask the rest), as exp(s) = 2^k exp(r): k = s/ln2 rounded to nearest
+ * (the 1.5 * 2^52 trick, which leaves k in the low mantissa bits), r = s - k ln2 in two parts (Cody and Waite: k ln2_hi
+ * is exact for |k| < 2^11, so r is s - k ln2 to ~1e-16), |r| <= ln2/2, then the Taylor polynomial of degree 8 (in
+ * Estrin's form: a shorter dependency chain than Horner's, which kept the pass waiting on latencies), then k added to
+ * the exponent bits.
+ * Error: the Taylor remainder is at most |r|^9/9! e^|r| = 0.3466^9/362880 * 1.415 = 2.8e-10 absolute on a value >=
+ * e^-0.3466 = 0.707, so relative 4.0e-10; the ~15 double roundings add ~15 * 2^-53 = 1.7e-15, the reduction
+ * |k| (ln2 - ln2_hi - ln2_lo) < 1e-16 * 1022; the total is under 4.1e-10 relative (native_top.SOFTMAX_WEIGHT_ERROR;
+ * the worst measured against libm's exp over 2e8 values of s in [-708, 0] was 2.7e-10; tests/test_sampler_passes.py
+ * checks values against math.exp).
+ * The vector and scalar forms run the same operations in the same order (LLMT_MADD: fused where the vector form is,
+ * so the scalar tail matches it), so they give the same bits: a value's weight does not depend on where a vector
+ * lane fell. */
+static const double llmt_log2e = 1.4426950408889634, llmt_shift = 6755399441055744.0; /* 1.5 * 2^52 */
+static const double llmt_ln2_hi = 6.93147180369123816490e-01, llmt_ln2_lo = 1.90821492927058770002e-10;
+static const double llmt_taylor[9] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                      1.0 / 40320};
+#if LLMT_AVX2 || defined(FP_FAST_FMA)
+#define LLMT_MADD(a, b, c) fma((a), (b), (c)) /* one instruction here: the vector form's _mm256_fmadd_pd */
+#else
+#define LLMT_MADD(a, b, c) ((a) * (b) + (c)) /* no fast fma (a software one would cost ~50 ns a call) */
+#endif
+
+static inline double llmt_exp_le0(double s) {
+    double t = LLMT_MADD(s, llmt_log2e, llmt_shift);
+    double k = t - llmt_shift;
+    double r = LLMT_MADD(-k, llmt_ln2_lo, LLMT_MADD(-k, llmt_ln2_hi, s));
+    double r2 = r * r, r4 = r2 * r2;
+    double ab = LLMT_MADD(r2, LLMT_MADD(r, llmt_taylor[3], llmt_taylor[2]), LLMT_MADD(r, llmt_taylor[1], llmt_taylor[0]));
+    double cd = LLMT_MADD(r2, LLMT_MADD(r, llmt_taylor[7], llmt_taylor[6]), LLMT_MADD(r, llmt_taylor[5], llmt_taylor[4]));
+    double p = LLMT_MADD(r4, LLMT_MADD(r4, llmt_taylor[8], cd), ab);
+    uint64_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    bits = (bits + 1023) << 52;
+    double scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The weight of one value: exp(x - max) when x >= cut and x - max >= LLMT_EXP_MIN, else 0; *shifted <- x - max
+ * (clamped to LLMT_EXP_MIN, so a weight of 0 times it is 0, never 0 * -inf). */
+static inline double llmt_weight(float x, double max, float cut, double *shifted) {
+    double s = (double)x - max;
+    if (s < LLMT_EXP_MIN) s = LLMT_EXP_MIN;
+    *shifted = s;
+    return (x >= cut && s > LLMT_EXP_MIN) ? llmt_exp_le0(s) : 0.0;
+}
+
+#if LLMT_AVX2
+#define LLMT_C(j) _mm256_set1_pd(llmt_taylor[j])
+static inline __m256d llmt_exp_le0_4(__m256d s) {
+    __m256d shift = _mm256_set1_pd(llmt_shift);
+    __m256d t = _mm256_fmadd_pd(s, _mm256_set1_pd(llmt_log2e), shift);
+    __m256d k = _mm256_sub_pd(t, shift);
+    __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(llmt_ln2_lo), _mm256_fnmadd_pd(k, _mm256_set1_pd(llmt_ln2_hi), s));
+    __m256d r2 = _mm256_mul_pd(r, r), r4 = _mm256_mul_pd(r2, r2);
+    __m256d ab = _mm256_fmadd_pd(r2, _mm256_fmadd_pd(r, LLMT_C(3), LLMT_C(2)), _mm256_fmadd_pd(r, LLMT_C(1), LLMT_C(0)));
+    __m256d cd = _mm256_fmadd_pd(r2, _mm256_fmadd_pd(r, LLMT_C(7), LLMT_C(6)), _mm256_fmadd_pd(r, LLMT_C(5), LLMT_C(4)));
+    __m256d p = _mm256_fmadd_pd(r4, _mm256_fmadd_pd(r4, LLMT_C(8), cd), ab);
+    __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+}
+
+/* Four weights as llmt_weight gives them (x4: four floats), and their clamped shifts in *shifted. */
+static inline __m256d llmt_weight_4(__m128 x4, __m256d max, __m128 cut, __m256d *shifted) {
+    __m256d floor = _mm256_set1_pd(LLMT_EXP_MIN);
+    __m256d s = _mm256_max_pd(_mm256_sub_pd(_mm256_cvtps_pd(x4), max), floor); /* max(-inf, floor) = floor */
+    *shifted = s;
+    __m256d at_or_above_cut = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_castps_si128(_mm_cmpge_ps(x4, cut))));
+    __m256d keep = _mm256_and_pd(at_or_above_cut, _mm256_cmp_pd(s, floor, _CMP_GT_OQ));
+    return _mm256_and_pd(llmt_exp_le0_4(s), keep);
+}
+#endif
+
+/* One block's sum of weights and of weight * shift, over x[start .. end). */
+static void llmt_block_sums(const float *x, int64_t start, int64_t end, double max, float cut, double *total,
+                            double *weighted) {
+    double w_sum = 0.0, ws_sum = 0.0, shifted;
+    int64_t i = start;
+#if LLMT_AVX2
+    /* eight values an iteration in two independent halves: more work in flight for the out-of-order core */
+    __m256d w_lo = _mm256_setzero_pd(), w_hi = w_lo, ws_lo = w_lo, ws_hi = w_lo, max4 = _mm256_set1_pd(max), s_lo, s_hi;
+    __m128 cut4 = _mm_set1_ps(cut);
+    for (; i + 8 <= end; i += 8) {
+        __m256d a = llmt_weight_4(_mm_loadu_ps(x + i), max4, cut4, &s_lo);
+        __m256d b = llmt_weight_4(_mm_loadu_ps(x + i + 4), max4, cut4, &s_hi);
+        w_lo = _mm256_add_pd(w_lo, a);
+        w_hi = _mm256_add_pd(w_hi, b);
+        ws_lo = _mm256_fmadd_pd(a, s_lo, ws_lo);
+        ws_hi = _mm256_fmadd_pd(b, s_hi, ws_hi);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(w_lo, w_hi));
+    w_sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    _mm256_storeu_pd(lanes, _mm256_add_pd(ws_lo, ws_hi));
+    ws_sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+    for (; i < end; i++) {
+        double w = llmt_weight(x[i], max, cut, &shifted);
+        w_sum += w;
+        ws_sum = LLMT_MADD(w, shifted, ws_sum);
+    }
+    *total = w_sum;
+    *weighted = ws_sum;
+}
+
+/* Over x[0 .. n) with w_i = exp(x_i - max) for x_i >= cut (cut = -inf: every value), else 0; `max` must be the
+ * largest x_i (no shift is positive): sums[0] <- sum w_i, sums[1] <- sum w_i (x_i - max), in double, added block by
+ * block (LLMT_DRAW_BLOCK values) in index order; blocks (NULL: not wanted) <- each block's sum of w_i, for
+ * llmt_softmax_draw. Returns how many x_i >= cut. The log-sum-exp is max + log(sums[0]), the entropy
+ * log(sums[0]) - sums[1] / sums[0] (nats). */
+int64_t llmt_softmax_sums(const float *x, int64_t n, float max, float cut, double *sums, double *blocks) {
+    double total = 0.0, weighted = 0.0;
+    int64_t kept = 0;
+    for (int64_t start = 0, b = 0; start < n; start += LLMT_DRAW_BLOCK, b++) {
+        int64_t end = start + LLMT_DRAW_BLOCK < n ? start + LLMT_DRAW_BLOCK : n;
+        double t, ws;
+        llmt_block_sums(x, start, end, (double)max, cut, &t, &ws);
+        total += t;
+        weighted += ws;
+        if (blocks) blocks[b] = t;
+    }
+    if (cut == -INFINITY) kept = n;
+    else
+        for (int64_t i = 0; i < n; i++) kept += x[i] >= cut;
+    sums[0] = total;
+    sums[1] = weighted;
+    return kept;
+}
+
+/* The inverse-CDF draw from the weights llmt_softmax_sums summed (the same x, max, cut, and its `blocks`): the first
+ * index whose running sum of weights exceeds target (u * sums[0], u uniform in [0, 1)). Two levels: the block totals,
+ * then the weights of one block, computed again (the same bits). Never an index of weight 0: when rounding puts the
+ * target at or past a running sum's end, the last index of nonzero weight before it. */
+int64_t llmt_softmax_draw(const float *x, int64_t n, float max, float cut, const double *blocks, double target) {
+    int64_t n_blocks = (n + LLMT_DRAW_BLOCK - 1) / LLMT_DRAW_BLOCK, b = 0, last = -1;
+    double before = 0.0;
+    for (; b < n_blocks; b++) {
+        if (blocks[b] > 0) last = b;
+        if (before + blocks[b] > target) break;
+        before += blocks[b];
+    }
+    if (b == n_blocks) { /* rounding put the target at the total: the last nonzero weight of the last such block */
+        if (last < 0) return -1;
+        b = last;
+        target = INFINITY;
+    }
+    int64_t start = b * LLMT_DRAW_BLOCK, end = start + LLMT_DRAW_BLOCK < n ? start + LLMT_DRAW_BLOCK : n;
+    double running = before, shifted;
+    int64_t chosen = -1;
+    for (int64_t i = start; i < end; i++) {
+        double w = llmt_weight(x[i], (double)max, cut, &shifted);
+        if (w > 0) {
+            chosen = i;
+            running += w;
+            if (running > target) return i;
+        }
+    }
+    return chosen;
+}
+
+/* #{i : x_i > v} + #{i < index : x_i == v}: with v = x[index], index's rank - 1 among the values sorted largest
+ * first, ties lower index first; with index = n, how many x_i >= v. */
+int64_t llmt_count_before(const float *x, int64_t n, float v, int64_t index) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) count += (x[i] > v) | ((i < index) & (x[i] == v));
+    return count;
+}

@@ -1,0 +1,102 @@
+"""The sampler's C passes (tracer/model/native_top.py, native/top_values.c) on values whose answers are known: each
+weight against math.exp within the stated bound (in every lane position and the scalar tail), what a cut and -inf
+entries do, the draw's inverse CDF at and around its boundaries, counts and ranks with ties. The sampler's use of
+them is tests/test_sampling_equality.py's."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.native_top import DRAW_BLOCK, SOFTMAX_WEIGHT_ERROR, SamplerPasses, sampler_passes
+
+
+@pytest.fixture(scope="module")
+def passes() -> SamplerPasses:
+    if not native_kernel.available():
+        pytest.skip(f"no native library: {native_kernel.unavailable_reason()}")
+    found = sampler_passes()
+    assert found is not None  # the library is loaded, so the passes are there
+    return found
+
+
+def test_each_weight_is_exp_within_the_stated_bound(passes: SamplerPasses) -> None:
+    """One finite value among -inf ones, so the total is that value's weight alone; at positions 0..8 of a vector of
+    11 (the 8-value vector lanes and the scalar tail), for shifts across [-708, 0] and the reduction's edges."""
+    rng = np.random.default_rng(3)
+    shifts = np.concatenate([-np.geomspace(1e-30, 707.9, 400), rng.uniform(-708, 0, 400), [0.0, -0.5 * math.log(2),
+                             -1.5 * math.log(2), -math.log(2) * 700.5]]).astype(np.float32)
+    for position in range(9):
+        for s in shifts[position::9]:
+            x = np.full(11, -np.inf, dtype=np.float32)
+            x[position] = s
+            got = passes.softmax(x, 0.0)
+            want = math.exp(float(s))
+            assert abs(got.total - want) <= SOFTMAX_WEIGHT_ERROR * want, (position, float(s))
+            assert got.kept == 11  # no cut: every value counts as kept, -inf ones too
+
+
+def test_the_max_weighs_exactly_one_and_lse_and_entropy_follow(passes: SamplerPasses) -> None:
+    x = np.array([2.0, 2.0, 2.0, 2.0], dtype=np.float32)  # uniform over four: lse = 2 + log 4, H = log 4
+    got = passes.softmax(x, 2.0)
+    assert got.total == 4.0
+    assert got.lse == pytest.approx(2 + math.log(4), abs=1e-15)
+    assert got.entropy_nats == pytest.approx(math.log(4), abs=1e-15)
+    one = passes.softmax(np.array([5.0, -np.inf, -1e30], dtype=np.float32), 5.0)  # one-hot: H = 0, not -0 or NaN
+    assert (one.total, one.lse, one.entropy_nats) == (1.0, 5.0, 0.0)
+
+
+def test_a_cut_drops_values_below_it_and_counts_those_kept(passes: SamplerPasses) -> None:
+    x = np.array([0.0, -1.0, -2.0, -3.0, -2.0] * 5, dtype=np.float32)  # 25 values: lanes and a tail
+    got = passes.softmax(x, 0.0, cut=-2.0)  # keeps 0, -1, -2, -2 of each five
+    assert got.kept == 20
+    assert got.total == pytest.approx(5 * (1 + math.exp(-1) + 2 * math.exp(-2)), rel=SOFTMAX_WEIGHT_ERROR)
+    p = np.array([1, math.exp(-1), math.exp(-2), math.exp(-2)]) / (1 + math.exp(-1) + 2 * math.exp(-2))
+    assert got.entropy_nats == pytest.approx(math.log(5) - float((p * np.log(p)).sum()), rel=1e-9)
+
+
+def test_weights_below_exp_minus_708_are_zero(passes: SamplerPasses) -> None:
+    x = np.array([0.0, -707.0, -709.0, -1e30], dtype=np.float32)
+    assert passes.softmax(x, 0.0).total == pytest.approx(1 + math.exp(-707.0), rel=SOFTMAX_WEIGHT_ERROR)
+
+
+def test_the_draw_is_the_inverse_cdf(passes: SamplerPasses) -> None:
+    """Weights 1, 2, 3, 4 (cumulative 1, 3, 6, 10): u * 10 picks the first index whose running sum exceeds it."""
+    x = np.log(np.array([1.0, 2.0, 3.0, 4.0])).astype(np.float32)
+    sums = passes.softmax(x, float(x.max()))
+    weights = np.exp(x.astype(np.float64) - float(x.max()))
+    cumulative = np.cumsum(weights) / weights.sum()
+    for u in (0.0, 0.05, 0.0999, 0.1001, 0.29, 0.31, 0.59, 0.61, 0.95, 0.999999):
+        assert passes.draw(x, sums, u) == int(np.searchsorted(cumulative, u, side="right")), u
+
+
+def test_the_draw_crosses_blocks_and_never_picks_a_zero_weight(passes: SamplerPasses) -> None:
+    """Equal weights on every third value of three blocks and a bit, -inf between: u picks the
+    (floor(u * kept) + 1)-th finite one; u just below 1 picks the last finite one, never a -inf after it."""
+    n = 3 * DRAW_BLOCK + 37
+    x = np.full(n, -np.inf, dtype=np.float32)
+    finite = np.arange(0, n - 5, 3)
+    x[finite] = 1.5
+    sums = passes.softmax(x, 1.5)
+    assert sums.total == finite.size
+    for u in (0.0, 0.2, 0.5, 0.77, 0.9999):
+        assert passes.draw(x, sums, u) == finite[int(u * finite.size)]
+    assert passes.draw(x, sums, math.nextafter(1.0, 0.0)) == finite[-1]
+    cut = passes.softmax(x, 1.5, cut=1.5)  # a cut at the value itself keeps it
+    assert cut.kept == finite.size
+
+
+def test_counts_and_ranks_settle_ties_by_index(passes: SamplerPasses) -> None:
+    rng = np.random.default_rng(5)
+    x = (np.round(rng.normal(size=1003) * 2) / 2).astype(np.float32)  # many ties
+    x[[4, 500]] = -np.inf
+    order = np.lexsort((np.arange(x.size), -x))
+    rank = np.empty(x.size, dtype=np.int64)
+    rank[order] = np.arange(1, x.size + 1)
+    for index in (0, 4, 7, 500, 1002, int(order[0]), int(order[-1])):
+        assert passes.rank_of(x, index) == rank[index]
+    for threshold in (-np.inf, -1.0, 0.0, 0.25, 100.0):
+        assert passes.count_at_least(x, threshold) == int(np.count_nonzero(x >= threshold))
