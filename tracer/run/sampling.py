@@ -52,6 +52,7 @@ Records are frozen dataclasses of plain Python values, so `dataclasses.asdict()`
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -60,7 +61,7 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.model.native_top import SamplerPasses, SoftmaxSums, sampler_passes, top_values
+from llmtrace.tracer.model.native_top import MAX_COUNT, SamplerPasses, SoftmaxSums, sampler_passes, top_values
 
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
@@ -189,6 +190,7 @@ class Sampler:
         self._generator = torch.Generator(device="cpu")
         self._uniforms: list[float] = []
         self._scratch: _Scratch | None = None  # made on the first call, for that vocabulary's size
+        self._passes: SamplerPasses | None = None  # the C passes, once found (_native_passes)
         if params.seed is None:
             self._seed = self._generator.seed()  # drawn from the OS; reported so the run can be replayed
         else:
@@ -206,6 +208,13 @@ class Sampler:
             self._scratch = _Scratch(vocab)
         return self._scratch
 
+    def _native_passes(self, raw: np.ndarray) -> SamplerPasses | None:
+        """The C passes for these logits: None without the library, or for a strided view (numpy's path
+        throughout). Looked up until found, then kept: the lookup alone cost ~25 us a token, cold."""
+        if self._passes is None:
+            self._passes = sampler_passes()
+        return self._passes if raw.flags.c_contiguous else None
+
     @property
     def seed(self) -> int:
         return self._seed
@@ -217,22 +226,32 @@ class Sampler:
         p = self._params
         raw = _logits_as_numpy(logits)
         vocab = raw.size
-        # the C passes when the library is loaded; a strided view of the logits takes numpy's throughout
-        native = sampler_passes() if raw.flags.c_contiguous else None
-        # Greedy on the raw logits, with the native library loaded: the candidate table comes first, in one C pass
-        # that also says there is no NaN, and its first value is the max: a nonzero float has one bit pattern, so it
-        # is numpy's max exactly (a zero max, whose sign numpy may pick otherwise, is left to numpy's max).
-        top = top_values(raw, min(self._n_candidates, vocab)) if p.greedy and p.repetition_penalty == 1 else None
-        first = raw[top[0]] if top is not None else 0.0
-        raw_max = float(first) if first != 0 else float(raw.max())  # numpy's max propagates NaN
-        if not math.isfinite(raw_max):
-            raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
-        scratch = self._scratch_for(vocab)
+        native = self._native_passes(raw)
+        table = min(self._n_candidates, vocab)
         raw_softmax: _Softmax | SoftmaxSums
+        top: np.ndarray | None = None  # greedy on the raw logits: the candidate table, when a C pass selected it
         if native is not None:
-            raw_softmax = native.softmax(raw, raw_max)
-            raw_entropy = raw_softmax.entropy_nats
+            # one call: the top values (the candidate table under greedy, else just the max) and the raw softmax
+            greedy_table = p.greedy and p.repetition_penalty == 1 and table <= MAX_COUNT
+            found = native.top_softmax(raw, table if greedy_table else 1)
+            if found is None:  # a NaN or no finite max: numpy's max says which
+                raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max "
+                                           f"{float(raw.max())}")
+            ids, raw_softmax = found
+            top = ids if greedy_table else None
+            raw_max, raw_entropy = raw_softmax.max, raw_softmax.entropy_nats
+            scratch = self._scratch_for(vocab)
         else:
+            # Greedy on the raw logits: the candidate table comes first, in one C pass when the library is loaded
+            # (a strided view was copied for it) that also says there is no NaN, and its first value is the max: a
+            # nonzero float has one bit pattern, so it is numpy's max exactly (a zero max, whose sign numpy may pick
+            # otherwise, is left to numpy's max).
+            top = top_values(raw, table) if p.greedy and p.repetition_penalty == 1 else None
+            first = raw[top[0]] if top is not None else 0.0
+            raw_max = float(first) if first != 0 else float(raw.max())  # numpy's max propagates NaN
+            if not math.isfinite(raw_max):
+                raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
+            scratch = self._scratch_for(vocab)
             raw_softmax = _softmax(raw, raw_max, scratch)
             # greedy reads none of raw_softmax's arrays again: its products may overwrite `shifted`
             raw_entropy = raw_softmax.entropy_nats(raw_softmax.shifted if p.greedy else scratch.products)
@@ -250,14 +269,20 @@ class Sampler:
     def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict,
                 top: np.ndarray | None) -> SampleResult:
         ids = _top_sorted(penalised, min(self._n_candidates, penalised.size)) if top is None else top
-        chosen = int(ids[0])  # ties sort lower ids first, so this is argmax's first maximum, like HF
         vocab = penalised.size
-        prob_raw = np.exp(raw[ids].astype(np.float64) - raw_lse)
-        one_hot = (ids == chosen).astype(np.float64)
-        everything = np.ones(ids.size, dtype=bool)
-        candidates = _candidates(ids, np.arange(1, ids.size + 1), raw, penalised, prob_raw, one_hot,
-                                 everything, everything, everything, one_hot, chosen)
-        return SampleResult(token_id=chosen, probability=1.0, probability_raw=float(prob_raw[0]), rank=1,
+        # Python lists, not numpy arrays of ten: after a decode step each numpy call costs microseconds, cold
+        id_list = ids.tolist()
+        chosen = id_list[0]  # ties sort lower ids first, so this is argmax's first maximum, like HF
+        logits = raw[ids]
+        prob_raw = np.exp(logits.astype(np.float64) - raw_lse).tolist()
+        logit_list = logits.tolist()
+        penalised_list = logit_list if penalised is raw else penalised[ids].tolist()
+        # the T -> 0 limit: the argmax has probability 1 before and after every filter, which keep everything
+        candidates = tuple(Candidate(token, rank, logit, logit_penalized, p_raw, float(rank == 1), True, True, True,
+                                     float(rank == 1), rank == 1)
+                           for rank, token, logit, logit_penalized, p_raw in zip(itertools.count(1), id_list,
+                                                                                logit_list, penalised_list, prob_raw))
+        return SampleResult(token_id=chosen, probability=1.0, probability_raw=prob_raw[0], rank=1,
                             candidates=candidates, n_after_top_k=vocab, n_after_top_p=vocab, n_after_min_p=vocab,
                             n_final=1, top_p_mass=1.0, entropy_final_bits=0.0, **common)
 
