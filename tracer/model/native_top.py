@@ -79,7 +79,7 @@ class SoftmaxSums:
     lse: float  # log-sum-exp: max + log(total)
     entropy_nats: float
     kept: int  # how many values are >= cut
-    blocks: np.ndarray  # float64 per DRAW_BLOCK values: each block's total, for SamplerPasses.draw
+    blocks: ctypes.Array | None  # doubles, per DRAW_BLOCK values each block's total, for SamplerPasses.draw
 
 
 def _address(x: np.ndarray) -> int:
@@ -99,7 +99,7 @@ class SamplerPasses:
     def __init__(self, handle: ctypes.CDLL) -> None:
         self._top_softmax = handle.llmt_top_softmax
         self._top_softmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_void_p]
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._top_softmax.restype = ctypes.c_int64
         self._sums = handle.llmt_softmax_sums
         self._sums.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
@@ -113,34 +113,37 @@ class SamplerPasses:
         self._count.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
         self._count.restype = ctypes.c_int64
 
-    def top_softmax(self, x: np.ndarray, count: int) -> tuple[np.ndarray, SoftmaxSums] | None:
-        """`top_values(x, count)` and `softmax(x, max(x))` in one call (count in 1..MAX_COUNT); None when x holds a
-        NaN or no finite max (the caller's numpy max says which)."""
+    def top_softmax(self, x: np.ndarray, count: int, *,
+                    for_draw: bool = True) -> tuple[list[int], list[float], SoftmaxSums] | None:
+        """`top_values(x, count)` as a list of ids, their values, and `softmax(x, max(x))`, in one call (count in
+        1..MAX_COUNT; for_draw=False: no block totals, so no `draw` from it); None when x holds a NaN or no finite
+        max (the caller's numpy max says which). Python lists and ctypes arrays, not numpy's: this runs once a
+        decode token, right after the step, when every numpy call is cold."""
         n = x.shape[0]
-        ids = np.empty(min(count, n), dtype=np.int64)
-        sums = (ctypes.c_double * 2)()
-        blocks = np.empty(-(-n // DRAW_BLOCK), dtype=np.float64)
-        written = self._top_softmax(_address(x), n, count, _address(ids), sums, _address(blocks))
-        if written != ids.shape[0]:
+        k = min(count, n)
+        ids, values, sums = (ctypes.c_int64 * k)(), (ctypes.c_float * k)(), (ctypes.c_double * 2)()
+        blocks = (ctypes.c_double * -(-n // DRAW_BLOCK))() if for_draw else None
+        if self._top_softmax(_address(x), n, count, ids, values, sums, blocks) != k:
             return None
-        x_max = float(x[ids[0]])
-        if not math.isfinite(x_max):
+        top = values[:]
+        if not math.isfinite(top[0]):
             return None
-        return ids, _summed(x_max, -math.inf, sums[0], sums[1], n, blocks)
+        return ids[:], top, _summed(top[0], -math.inf, sums[0], sums[1], n, blocks)
 
     def softmax(self, x: np.ndarray, x_max: float, cut: float = -math.inf) -> SoftmaxSums:
         """One pass: the log-sum-exp and entropy of softmax(x), values below `cut` taken as -inf. `x_max` must be
         max(x), and kept (x_max >= cut)."""
         n = x.shape[0]
-        sums = (ctypes.c_double * 2)()
-        blocks = np.empty(-(-n // DRAW_BLOCK), dtype=np.float64)
-        kept = self._sums(_address(x), n, x_max, cut, sums, _address(blocks))
+        sums, blocks = (ctypes.c_double * 2)(), (ctypes.c_double * -(-n // DRAW_BLOCK))()
+        kept = self._sums(_address(x), n, x_max, cut, sums, blocks)
         return _summed(x_max, cut, sums[0], sums[1], int(kept), blocks)
 
     def draw(self, x: np.ndarray, sums: SoftmaxSums, u: float) -> int:
         """Index i drawn with probability (its weight) / sums.total, u uniform in [0, 1): the first index whose
         running sum of weights exceeds u * total, never one of weight 0."""
-        index = self._draw(_address(x), x.shape[0], sums.max, sums.cut, _address(sums.blocks), u * sums.total)
+        if sums.blocks is None:
+            raise ValueError("these sums were taken without block totals (for_draw=False)")
+        index = self._draw(_address(x), x.shape[0], sums.max, sums.cut, sums.blocks, u * sums.total)
         if index < 0:
             raise ValueError("no value of nonzero weight to draw")  # cannot happen: the max's weight is 1
         return int(index)
@@ -153,7 +156,8 @@ class SamplerPasses:
         return int(self._count(_address(x), x.shape[0], float(x[index]), index)) + 1
 
 
-def _summed(x_max: float, cut: float, total: float, weighted: float, kept: int, blocks: np.ndarray) -> SoftmaxSums:
+def _summed(x_max: float, cut: float, total: float, weighted: float, kept: int,
+            blocks: ctypes.Array | None) -> SoftmaxSums:
     log_total = math.log(total)
     # H = log T - sum w s / T (s <= 0); max(.., 0): a one-hot distribution's rounding must not go negative
     return SoftmaxSums(x_max, cut, total, x_max + log_total, max(log_total - weighted / total, 0.0), kept, blocks)

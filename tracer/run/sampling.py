@@ -229,26 +229,20 @@ class Sampler:
         native = self._native_passes(raw)
         table = min(self._n_candidates, vocab)
         raw_softmax: _Softmax | SoftmaxSums
-        top: np.ndarray | None = None  # greedy on the raw logits: the candidate table, when a C pass selected it
+        top: tuple[list[int], list[float]] | None = None  # greedy, raw logits: the C pass's table, ids and logits
         if native is not None:
             # one call: the top values (the candidate table under greedy, else just the max) and the raw softmax
             greedy_table = p.greedy and p.repetition_penalty == 1 and table <= MAX_COUNT
-            found = native.top_softmax(raw, table if greedy_table else 1)
+            found = native.top_softmax(raw, table if greedy_table else 1, for_draw=not p.greedy)
             if found is None:  # a NaN or no finite max: numpy's max says which
                 raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max "
                                            f"{float(raw.max())}")
-            ids, raw_softmax = found
-            top = ids if greedy_table else None
+            top_ids, top_logits, raw_softmax = found
+            top = (top_ids, top_logits) if greedy_table else None
             raw_max, raw_entropy = raw_softmax.max, raw_softmax.entropy_nats
             scratch = self._scratch_for(vocab)
         else:
-            # Greedy on the raw logits: the candidate table comes first, in one C pass when the library is loaded
-            # (a strided view was copied for it) that also says there is no NaN, and its first value is the max: a
-            # nonzero float has one bit pattern, so it is numpy's max exactly (a zero max, whose sign numpy may pick
-            # otherwise, is left to numpy's max).
-            top = top_values(raw, table) if p.greedy and p.repetition_penalty == 1 else None
-            first = raw[top[0]] if top is not None else 0.0
-            raw_max = float(first) if first != 0 else float(raw.max())  # numpy's max propagates NaN
+            raw_max = float(raw.max())  # numpy's max propagates NaN
             if not math.isfinite(raw_max):
                 raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
             scratch = self._scratch_for(vocab)
@@ -267,16 +261,21 @@ class Sampler:
         return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch, native)
 
     def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict,
-                top: np.ndarray | None) -> SampleResult:
-        ids = _top_sorted(penalised, min(self._n_candidates, penalised.size)) if top is None else top
+                top: tuple[list[int], list[float]] | None) -> SampleResult:
         vocab = penalised.size
         # Python lists, not numpy arrays of ten: after a decode step each numpy call costs microseconds, cold
-        id_list = ids.tolist()
+        if top is not None:  # the C pass's table of the raw logits (no penalty): exp within its tolerance
+            id_list, logit_list = top
+            penalised_list = logit_list
+            prob_raw = [math.exp(logit - raw_lse) for logit in logit_list]
+        else:  # numpy's exp, the reference's bits
+            ids = _top_sorted(penalised, min(self._n_candidates, vocab))
+            id_list = ids.tolist()
+            logits = raw[ids]
+            prob_raw = np.exp(logits.astype(np.float64) - raw_lse).tolist()
+            logit_list = logits.tolist()
+            penalised_list = logit_list if penalised is raw else penalised[ids].tolist()
         chosen = id_list[0]  # ties sort lower ids first, so this is argmax's first maximum, like HF
-        logits = raw[ids]
-        prob_raw = np.exp(logits.astype(np.float64) - raw_lse).tolist()
-        logit_list = logits.tolist()
-        penalised_list = logit_list if penalised is raw else penalised[ids].tolist()
         # the T -> 0 limit: the argmax has probability 1 before and after every filter, which keep everything
         candidates = tuple(Candidate(token, rank, logit, logit_penalized, p_raw, float(rank == 1), True, True, True,
                                      float(rank == 1), rank == 1)

@@ -250,10 +250,14 @@ int64_t llmt_count_before(const float *x, int64_t n, float v, int64_t index) {
 }
 
 /* The selection and the softmax of the same vector in one call (one ctypes call a token instead of two): ids as
- * llmt_top_values gives them, then, when the largest value is finite, llmt_softmax_sums over x shifted by it, no cut,
- * into sums (and blocks, when not NULL). Returns llmt_top_values's count, or -1 for a NaN (sums then unwritten). */
-int64_t llmt_top_softmax(const float *x, int64_t n, int64_t count, int64_t *ids, double *sums, double *blocks) {
+ * llmt_top_values gives them and values[j] = x[ids[j]], then, when the largest value is finite, llmt_softmax_sums
+ * over x shifted by it, no cut, into sums (and blocks, when not NULL). Returns llmt_top_values's count, or -1 for a
+ * NaN (values and sums then unwritten). */
+int64_t llmt_top_softmax(const float *x, int64_t n, int64_t count, int64_t *ids, float *values, double *sums,
+                         double *blocks) {
     int64_t k = llmt_top_values(x, n, count, ids);
-    if (k >= 1 && isfinite(x[ids[0]])) llmt_softmax_sums(x, n, x[ids[0]], -INFINITY, sums, blocks);
+    if (k < 1) return k;
+    for (int64_t j = 0; j < k; j++) values[j] = x[ids[j]];
+    if (isfinite(values[0])) llmt_softmax_sums(x, n, values[0], -INFINITY, sums, blocks);
     return k;
 }
