@@ -1,6 +1,6 @@
 """`--staged` on the native decode step: a one-token step runs in C with contract.staged_stages apart
 (tracer/model/native_step.py with staged=True, FusedPlan.staged_step), and the "wrap" tracer takes C's readings
-(tracer/trace/native_staged.py).
+(FusedMarks(staged=True), tracer/trace/fused_marks.py).
 
 What must hold:
 - records: the wrapped torch staged path's records for the same steps, field by field but the times (names, order,
@@ -33,7 +33,7 @@ from llmtrace.tracer.model.native_step import STAGED_STAGES_PER_LAYER, stamp_cou
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
 from llmtrace.tracer.model.weight_formats import NATIVE
 from llmtrace.tracer.trace.hooks import Tracer
-from llmtrace.tracer.trace.native_staged import staged_order
+from llmtrace.tracer.trace.fused_marks import staged_order
 from llmtrace.tracer.trace.observe import Observer
 from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings, StageRecord
 from llmtrace.tracer.trace.run_trace import Trace, load_schema

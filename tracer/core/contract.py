@@ -188,12 +188,14 @@ def layer_stages(config: ModelConfig | None = None) -> tuple[StageSpec, ...]:
     return tuple(s for s in staged_stages(config) if s.in_layer)
 
 
-def fused_stages(config: ModelConfig | None = None) -> tuple[FusedStage, ...]:
-    """The stages the fused path marks, in order: packed stages replace their members (at the first one)."""
+def fused_stages(config: ModelConfig | None = None, packed: bool = True) -> tuple[FusedStage, ...]:
+    """The stages the fused path marks, in order: packed stages replace their members (at the first one).
+    `packed=False`: every staged stage its own (Q, K, V, gate and up apart), the stages the native staged step
+    marks (tracer/model/native_step.py)."""
     index = _index()
     out: list[FusedStage] = []
     for spec in staged_stages(config):
-        if spec.packed is None:
+        if spec.packed is None or not packed:
             out.append(FusedStage(spec.role, spec.kind, spec.in_layer, (spec,)))
         elif spec.role == index.pack_by_role[spec.packed].members[0]:
             pack = index.pack_by_role[spec.packed]

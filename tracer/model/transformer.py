@@ -287,7 +287,8 @@ class Transformer(ForwardWatched):
         # --staged (tracer/run/generate.py): a one-token step of one sequence runs the native decode step with the
         # staged path's stages apart, each its own phase timed in C (FusedPlan.staged_step), instead of the stage
         # modules, where `staged_native_reason()` finds nothing against it. `staged_mark`'s TAKE_STAMPS, when it has
-        # one, receives that step's clock readings (the tracer's "wrap" mechanism, tracer/trace/native_staged.py).
+        # one, receives that step's clock readings (the tracer's "wrap" mechanism: tracer/trace/fused_marks.py's
+        # FusedMarks(staged=True)).
         self.staged_native = False
         self.staged_mark: Mark = no_mark
         self._fused_plan: FusedPlan | None = None  # built by setup_cache

@@ -10,12 +10,22 @@ The shapes each stage saw follow from the step's batch B, new tokens T and cache
 around the step) and the config. They are written in the stage-by-stage path's layout ((B, T, dim) activations,
 (B, H, T, S) scores, ...), which is what the fused path's tensors hold (for one token it runs 1-D views of them);
 tests check them against the shapes that path's modules record for the same step.
+
+The native staged step. Under `--staged` the tracer wraps every stage module ("wrap", tracer/trace/hooks.py) and a
+prefill runs through them. A one-token step of one sequence of a model whose decode step is native runs in C instead
+(Transformer.staged_native, FusedPlan.staged_step): the stages of contract.staged_stages one by one, each its own
+phase ended by a barrier and a clock reading on the clock time.perf_counter_ns reads, no module called. The model
+hands those readings to its `staged_mark`'s TAKE_STAMPS; `FusedMarks(staged=True)` is that mark, and a step's
+readings become the raw events the wrappers would have left, as a fused step's do: stage i ran from reading i to
+reading i + 1, on the shapes the stage modules see in that step (`stage_shapes(staged=True)`, which tests hold
+against the modules' own). The records built from them are the wrapped path's records (names, order, shapes, FLOPs,
+bytes, formats) with C's times.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from torch import nn
 
@@ -38,23 +48,32 @@ class StepDims:
     per_row_positions: bool = False  # a left-padded batch: each row's RoPE positions (B, T), not one (T,)
 
 
+def _in_model_order(model: nn.Module, packed: bool) -> list[tuple[str, int | None, contract.FusedStage]]:
+    """(name prefix, layer, stage) of every stage a step marks, in its order: the stages before the layers, each
+    layer's stages, the ones after (contract.fused_stages, packed or not)."""
+    specs = contract.fused_stages(getattr(model, "config", None), packed)
+    in_layer = [i for i, spec in enumerate(specs) if spec.in_layer]
+    first, last = in_layer[0], in_layer[-1]
+    order: list[tuple[str, int | None, contract.FusedStage]] = [("", None, spec) for spec in specs[:first]]
+    for index in range(len(model.layers)):
+        order.extend((f"layers.{index}.", index, spec) for spec in specs[first : last + 1])
+    order.extend(("", None, spec) for spec in specs[last + 1 :])
+    return order
+
+
 def fused_stages(model: nn.Module) -> list[StageModule]:
     """The fused path's stages in the order it marks them (contract.fused_stages: the embedding, every layer's
     stages with Q|K|V and gate|up packed, the final norm and the LM head). A packed stage's weight is its
     modules' weights together."""
     modules = dict(model.named_modules())  # one walk of the tree, not one per lookup
-    specs = contract.fused_stages(model.config)
+    return [StageModule.of(prefix + spec.role, layer, spec.kind, [modules[prefix + m.role] for m in spec.members])
+            for prefix, layer, spec in _in_model_order(model, packed=True)]
 
-    def stage(prefix: str, layer: int | None, spec: contract.FusedStage) -> StageModule:
-        return StageModule.of(prefix + spec.role, layer, spec.kind, [modules[prefix + m.role] for m in spec.members])
 
-    in_layer = [i for i, spec in enumerate(specs) if spec.in_layer]
-    first, last = in_layer[0], in_layer[-1]
-    stages = [stage("", None, spec) for spec in specs[:first]]
-    for index in range(len(model.layers)):
-        stages.extend(stage(f"layers.{index}.", index, spec) for spec in specs[first : last + 1])
-    stages.extend(stage("", None, spec) for spec in specs[last + 1 :])
-    return stages
+def staged_order(model: nn.Module) -> list[str]:
+    """The stage names the native staged step stamps, in its order: the embedding, each layer's staged stages, the
+    final norm and the LM head (contract.staged_stages)."""
+    return [prefix + spec.role for prefix, _, spec in _in_model_order(model, packed=False)]
 
 
 def stage_shapes(config: ModelConfig, step: StepDims,
@@ -64,7 +83,7 @@ def stage_shapes(config: ModelConfig, step: StepDims,
     match. A projection's widths come from its weights' shapes in the contract (a packed one's rows add up).
     Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them.
     `staged`: each staged stage role's instead (contract.staged_stages: Q, K, V, gate and up apart), for the native
-    staged step (tracer/trace/native_staged.py)."""
+    staged step (`FusedMarks(staged=True)`)."""
     b, t = step.batch, step.new
     s = step.seen - first_attended_position(step.seen, t, config.sliding_window)  # keys attended (a window's)
     dim, h, hkv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
@@ -84,9 +103,7 @@ def stage_shapes(config: ModelConfig, step: StepDims,
         "swiglu": ([(b, t, config.ffn_dim), (b, t, config.ffn_dim)], [(b, t, config.ffn_dim)]),
     }
     shapes = {}
-    specs = contract.fused_stages(config) if not staged else tuple(
-        contract.FusedStage(s.role, s.kind, s.in_layer, (s,)) for s in contract.staged_stages(config))
-    for spec in specs:
+    for spec in contract.fused_stages(config, packed=not staged):
         rows = (b, t) if spec.in_layer else (b,)  # the final norm and the LM head see the last position only
         if spec.kind in ("linear", "lm_head"):
             weights = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
@@ -107,12 +124,19 @@ class FusedMarks:
     On the plain host clock the mark also takes readings made outside Python (fused.TAKE_STAMPS): the native decode
     step (tracer/model/native_step.py) stamps its stages in C on that clock, so a traced step still leaves one
     reading per stage, each taken where the stage ended.
+
+    `staged=True`: the model's `staged_mark` instead, while a "wrap" Tracer is attached (`staged_usable` says when it
+    can stand in for the wrappers): only the native staged step's C readings come to it, and a step that ran through
+    the wrappers leaves none (`taken()` is False; its events are the wrappers').
     """
 
-    def __init__(self, model: nn.Module, stages: int, clock: HostClock | EventClock | None = None) -> None:
+    def __init__(self, model: nn.Module, stages: int, clock: HostClock | EventClock | None = None,
+                 staged: bool = False) -> None:
         self.model = model
         self.expected = stages + 1  # a reading before the first stage, one after each of `stages`
         self.clock = clock or HostClock()
+        self.staged = staged
+        self._attr = "staged_mark" if staged else "stage_mark"
         self._marks: list[int] = []
         self._previous: Callable[[], None] | None = None
         self._pos_before = 0
@@ -122,24 +146,41 @@ class FusedMarks:
             # Readings the native decode step took in C on the same clock stand for the mark() calls of its stages.
             setattr(self._mark, TAKE_STAMPS, marks.extend)
 
+    @staticmethod
+    def staged_usable(model: nn.Module, stages: list[StageModule], clock: HostClock | EventClock) -> bool:
+        """Whether `FusedMarks(staged=True)` can stand in for the wrappers of `stages`: the model asks for the native
+        staged step, the stages are that step's stages in its order, and the clock is the plain host clock."""
+        if not getattr(model, "staged_native", False) or not hasattr(model, "staged_mark"):
+            return False
+        if not reads_host_clock(clock):
+            return False
+        return [s.name for s in stages] == staged_order(model)
+
     def install(self) -> None:
-        self._previous = self.model.stage_mark
-        self.model.stage_mark = self._mark
+        self._previous = getattr(self.model, self._attr)
+        setattr(self.model, self._attr, self._mark)
 
     def remove(self) -> None:
         if self._previous is not None:
-            self.model.stage_mark, self._previous = self._previous, None
+            setattr(self.model, self._attr, self._previous)
+            self._previous = None
 
     def begin_step(self) -> None:
         self._marks.clear()
         self._pos_before = self.model.pos
         self.clock.begin_step()
 
+    def taken(self) -> bool:
+        """Whether the step since `begin_step` left readings (under `staged`: it ran as the native staged step)."""
+        return bool(self._marks)
+
     def end_step(self) -> tuple[list[int], StepDims]:
         """This step's clock readings (one before the first stage, one after each) and its (B, T, S)."""
         marks = list(self._marks)
         self._marks.clear()
         if len(marks) != self.expected:
+            if self.staged:
+                raise RuntimeError(f"the native staged step left {len(marks)} clock readings, {self.expected} expected")
             raise RuntimeError(
                 f"the fused path marked {len(marks)} times in this step, {self.expected} expected: the model ran "
                 "stage by stage (a forward hook, or use_fused = False) while a fused-path Tracer was attached; "

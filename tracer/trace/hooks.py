@@ -25,7 +25,6 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
-from llmtrace.tracer.trace.native_staged import NativeStagedMarks, StagedStep
 from llmtrace.tracer.trace.records import StageRecord
 from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
@@ -118,7 +117,7 @@ class Tracer:
     - "wrap": each stage module gets an instance-level `forward` that reads the clock around the original one;
       the model runs stage by stage (Q, K, V, gate, up separately), which is slower than the fused path. When the
       model asks for its native staged step (`staged_native`, `--staged`), a one-token step runs those stages
-      apart in C instead and the tracer takes their C clock readings (tracer/trace/native_staged.py): the same
+      apart in C instead and the tracer takes their C clock readings (FusedMarks(staged=True)): the same
       records, the wrappers seeing no call in that step.
     - "hooks": as "wrap" through nn.Module forward pre/post hooks, which send every call through nn.Module's
       slow path (BENCHMARKS.md, "Tracing overhead").
@@ -138,17 +137,18 @@ class Tracer:
         self.stages: list[StageModule] = []
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
-        self._fused: FusedMarks | None = None
-        self._native_staged: NativeStagedMarks | None = None
+        # the marks that take the model's own clock readings: the fused path's ("fused"), or the native staged
+        # step's ("wrap" where it can stand in for the wrappers: FusedMarks.staged_usable)
+        self._marks: FusedMarks | None = None
         self._shape_table = ShapeTable()
         # (stage index, shape id) -> the record's fields that follow from them (_static_fields): a decode step's
         # stages repeat their shapes, so each distinct call is costed once
         self._static: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._starts: list[int] = []
         self._events: list[RawEvent] = []
-        # finished steps, records not yet built: their raw events, or a native staged step's readings
-        self._steps: list[tuple[str, int, list[RawEvent] | StagedStep]] = []
-        self._fused_steps: list[tuple[str, int, list[int], StepDims]] = []  # (phase, step, clock readings, B/T/S)
+        # finished steps, records not yet built: (phase, step, raw events, clock readings, B/T/S), a step that ran
+        # through the stage modules with its events, one the model marked with its readings and sizes (and no events)
+        self._steps: list[tuple[str, int, list[RawEvent], list[int], StepDims | None]] = []
         self._built: list[StageRecord] = []
         self._phase = ""
         self._step = -1
@@ -167,14 +167,14 @@ class Tracer:
             self.mechanism = "fused" if fusable is not None and fusable() else "wrap"
         if self.mechanism == "fused":
             self.stages = fused_stages(self.model)
-            self._fused = FusedMarks(self.model, len(self.stages), self.clock)
+            self._marks = FusedMarks(self.model, len(self.stages), self.clock)
         else:
             found = stage_modules(self.model)
             self.stages = [s for s, _ in found]
             self._modules = [m for _, m in found]
             self._starts = [0] * len(self.stages)
-            if self.mechanism == "wrap" and NativeStagedMarks.usable(self.model, self.stages, self.clock):
-                self._native_staged = NativeStagedMarks(self.model, self.stages)
+            if self.mechanism == "wrap" and FusedMarks.staged_usable(self.model, self.stages, self.clock):
+                self._marks = FusedMarks(self.model, len(self.stages), self.clock, staged=True)
 
     # ---- context manager -------------------------------------------------------------------------------
 
@@ -183,17 +183,14 @@ class Tracer:
             return self
         self._resolve()
         try:
-            if self._fused is not None:
-                self._fused.install()
-                self._handles.append(self._fused)
-            elif hasattr(self.model, "use_fused"):
+            if self.mechanism != "fused" and hasattr(self.model, "use_fused"):
                 # A model with a fused fast path uses it only when nothing watches its stage modules; wrappers are
                 # invisible to that check, so say it outright: what is traced must be what runs.
                 self._handles.append((self.model, "use_fused", self.model.use_fused))
                 self.model.use_fused = False
-            if self._native_staged is not None:
-                self._native_staged.install()
-                self._handles.append(self._native_staged)
+            if self._marks is not None:
+                self._marks.install()
+                self._handles.append(self._marks)
             for index, module in enumerate(self._modules):
                 if self.mechanism == "hooks":
                     pre, post = self._make_hooks(index)
@@ -215,7 +212,7 @@ class Tracer:
         """Undo every hook and wrapper (idempotent)."""
         handles, self._handles = self._handles, []
         for handle in reversed(handles):
-            if isinstance(handle, (FusedMarks, NativeStagedMarks)):
+            if isinstance(handle, FusedMarks):
                 handle.remove()
             elif isinstance(handle, tuple) and len(handle) == 3:
                 setattr(handle[0], handle[1], handle[2])
@@ -296,43 +293,37 @@ class Tracer:
     def begin_step(self, phase: str, step: int) -> None:
         self._phase, self._step = phase, step
         self._events.clear()
-        if self._fused is not None:
-            self._fused.begin_step()
+        if self._marks is not None:
+            self._marks.begin_step()
         elif self.enabled:
             self.clock.begin_step()
-            if self._native_staged is not None:
-                self._native_staged.begin_step()
 
     def end_step(self) -> None:
         """Close the step; its records are built when `records()` is next called (off the hot path)."""
-        if self._fused is not None:
-            marks, dims = self._fused.end_step()
-            self._fused_steps.append((self._phase, self._step, marks, dims))
-        elif self._native_staged is not None and self._native_staged.taken():
-            self._steps.append((self._phase, self._step, self._native_staged.take()))
+        marks = self._marks
+        if marks is not None and (not marks.staged or marks.taken()):  # a staged step without readings was wrapped
+            self._steps.append((self._phase, self._step, [], *marks.end_step()))
         elif self.enabled:
             events = list(self._events)
             if self.clock.on_device:  # event indices -> host nanoseconds, with one synchronize for the step
                 times = iter(self.clock.resolve([t for e in events for t in e[1:3]]))
                 events = [(e[0], next(times), next(times), e[3]) for e in events]
-            self._steps.append((self._phase, self._step, events))
+            self._steps.append((self._phase, self._step, events, [], None))
         self._events.clear()
 
     def records(self) -> tuple[StageRecord, ...]:
         """Every stage record so far, in call order."""
-        for phase, step, events in self._steps:
-            if isinstance(events, StagedStep):  # a native staged step's readings: its events made now
-                events = self._native_staged.events(events, self._shape_table.add)
+        for phase, step, events, marks, dims in self._steps:
+            if dims is not None:  # a step the model marked: its events made now, off the hot path
+                events = self._fused_events(marks, dims, self._marks.staged)
             self._built.extend(self._records_of(phase, step, events))
         self._steps.clear()
-        for phase, step, marks, dims in self._fused_steps:
-            self._built.extend(self._records_of(phase, step, self._fused_events(marks, dims)))
-        self._fused_steps.clear()
         return tuple(self._built)
 
-    def _fused_events(self, marks: list[int], dims: StepDims) -> list[RawEvent]:
-        """Raw events of one fused-path step: stage i ran from reading i to reading i + 1."""
-        shapes = stage_shapes(self.model.config, dims)
+    def _fused_events(self, marks: list[int], dims: StepDims, staged: bool = False) -> list[RawEvent]:
+        """Raw events of one step the model marked (the fused path's, or with `staged` the native staged step's):
+        stage i ran from reading i to reading i + 1."""
+        shapes = stage_shapes(self.model.config, dims, staged)
         add = self._shape_table.add
         events: list[RawEvent] = []
         for index, stage in enumerate(self.stages):
