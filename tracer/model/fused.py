@@ -330,14 +330,29 @@ class FusedPlan:
         mark()
         return logits
 
+    def native_off_reason(self, use_native_step: bool = True) -> str:
+        """"" when a one-token step of one sequence may run as the native decode step: the plan has one (else
+        `native_reason` says why), `use_native_step` allows it, and it was built over the plan's current rope tables
+        (longer ones replace them: Transformer._ensure_rope) and KV rows; else why not. The one test of whether the
+        native step runs, for `native_decode`, Transformer.staged_native_reason and the decode ceilings."""
+        step = self.native
+        if step is None:
+            return f"no native decode step for this model: {self.native_reason}"
+        if not use_native_step:
+            return "the native decode step is switched off (use_native_step)"
+        if step.cos is not self.cos:
+            return "the rope tables changed since setup_cache"
+        if self.kv_rows is None:
+            return "the layers' KV caches are not one tensor"
+        return ""
+
     def native_decode(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark,
                       native: bool = True) -> torch.Tensor | None:
         """`_decode_one` of tokens (1, 1) at position `start` as one C call (tracer/model/native_step.py), from the
-        token id to the logits (1, V), when the native step can take it: built for this plan's rope tables, and
+        token id to the logits (1, V), when the native step can take it (`native_off_reason` finds nothing), and
         either untraced or traced by a mark that takes the readings C stamps (the step's start, then one after
         each stage); else None (`native=False`: always None). Runs no autograd op: no torch.no_grad() needed."""
-        step = self.native
-        if not native or step is None or step.cos is not self.cos or self.kv_rows is None:
+        if self.native_off_reason(native):
             return None
         take = None if mark is no_mark else getattr(mark, TAKE_STAMPS, None)
         if mark is not no_mark and (take is None or not host_clock_matches()):

@@ -604,12 +604,9 @@ class Transformer(ForwardWatched):
             return "not asked for (staged_native is off)"
         if plan is None:
             return "the KV cache is not set up"
-        if plan.native is None:
-            return f"no native decode step for this model: {plan.native_reason}"
-        if not self.use_native_step:
-            return "the native decode step is switched off (use_native_step)"
-        if plan.native.cos is not plan.cos:
-            return "the rope tables changed since setup_cache"
+        off = plan.native_off_reason(self.use_native_step)
+        if off:
+            return off
         if RemovableHandle.next_id != self._staged_hook_free_stamp:
             if watched(plan.modules):
                 return "forward hooks watch the stage modules (--lens, --attention or FlopCounterMode)"

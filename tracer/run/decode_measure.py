@@ -232,7 +232,7 @@ def measure_decode_ceilings(loaded: Any, ids: Sequence[int], batches: Sequence[i
                 progress(f"kernels at batch {batch}")
             plan = _plan(model, batch, len(ids) + steps + 2)
             products = _time_products(plan, config, batch, repeats, sync)
-            if batch == 1 and getattr(plan, "native", None) is not None and getattr(model, "use_native_step", True):
+            if batch == 1 and not plan.native_off_reason(model.use_native_step):
                 ops, other, context = _native_steps(model, plan, ids, steps, _pass_seconds(products, plan))
             else:
                 ops, other, context = _stubbed_steps(model, plan, ids, batch, steps, sync)
