@@ -168,6 +168,18 @@ def test_a_wrapper_set_before_the_plan_is_seen() -> None:
 
 
 @torch.no_grad()
+def test_a_wrapper_set_before_the_plan_is_seen_after_a_look_that_lets_wrappers_be() -> None:
+    """The native staged step's look (`_watcher` with wrappers that take C stamps, the "wrap" tracer's) keeps the
+    hook-free stamp `fusable()` shares; its fast answer must still wait for a full look of its own."""
+    model = build_random_model(CONFIG, seed=3)
+    rope = model.layers[1].attention.rope
+    rope.forward = lambda *args, **kwargs: type(rope).forward(rope, *args, **kwargs)
+    model.setup_cache(1, 16)
+    assert model._watcher(model._fused_plan, wrappers_take_stamps=True) == ""
+    assert not model.fusable() and not model.fusable()
+
+
+@torch.no_grad()
 def test_steps_and_harmless_changes_keep_the_plan() -> None:
     model = planned()
     model.prefill(torch.tensor([[1, 2, 3]]))

@@ -253,8 +253,10 @@ class FusedPlan:
         self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
             None, "the layers' KV caches are not one tensor")
         # The edit generation the tree last matched the plan at (`valid`), and the one `Transformer.fusable` last
-        # found everything clear at (no hooks or wrappers either: `rearm`); `unchanged` holds while it stays.
-        self._matched = self._generation = self._edits.generation
+        # found everything clear at (no hooks or wrappers either: `rearm`); `unchanged` holds while it stays, and
+        # not before the first such look (None: wrappers put on before the plan was made count no edit after it).
+        self._matched = self._edits.generation
+        self._generation: int | None = None
 
     def valid(self, model: Any) -> bool:
         """Whether the plan still describes the model: same rope tables, modules, parameters and buffers, no

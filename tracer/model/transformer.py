@@ -295,8 +295,7 @@ class Transformer(ForwardWatched):
         # (L, B_max, 2*Hkv, S_max, D): every layer's KV cache buffer is one slice of it (setup_cache), so the fused
         # path's one-token step takes all layers' write positions and live keys/values in a few views per step.
         self._kv_all: torch.Tensor | None = None
-        self._hook_free_stamp = -1  # RemovableHandle.next_id when `fusable()` last found everything clear
-        self._staged_hook_free_stamp = -1  # RemovableHandle.next_id when no hooks were last seen (staged_native_reason)
+        self._hook_free_stamp = -1  # RemovableHandle.next_id when `_watcher` last found no forward hook
         # (B,) left pads of each cached sequence when a batch of prompts of different lengths was prefilled
         # (`prefill(tokens, pad)`), None when no row has any.
         self._pad: torch.Tensor | None = None
@@ -556,24 +555,17 @@ class Transformer(ForwardWatched):
         Asked before every step, so the answer of the last full look is kept while nothing that could change it
         happened: no hook registered anywhere (RemovableHandle.next_id), nothing replaced or wrapped in the module
         tree (the model's edit counter, tracer/model/edit_watch.py), no wrapper on a module that does not count its
-        own, the same rope tables and parameter versions. A full look walks every module, parameter and buffer:
-        ~0.45 ms a step on the bundled model, with the caches a decode step just flushed."""
+        own, the same rope tables and parameter versions. A full look (`_watcher`) walks every module, parameter and
+        buffer: ~0.45 ms a step on the bundled model, with the caches a decode step just flushed."""
         plan = self._fused_plan
         if not self.use_fused or plan is None:
             return False
-        stamp = RemovableHandle.next_id  # bumped by every hook registration anywhere
-        if stamp == self._hook_free_stamp and plan.unchanged(self) and not any(
+        if RemovableHandle.next_id == self._hook_free_stamp and plan.unchanged(self) and not any(
                 map(operator.contains, plan.unwatched_dicts, repeat("forward"))):
             return True
-        if watched(plan.modules):
+        if self._watcher(plan):
             return False
-        # Wrappers bump no stamp: look in every module's __dict__ (a C loop: ~15 us warm for ~600 modules)
-        if any(map(operator.contains, plan.module_dicts, repeat("forward"))):
-            return False
-        if not plan.valid(self):
-            return False
-        plan.rearm()  # `unchanged` holds from this edit generation on ...
-        self._hook_free_stamp = stamp  # ... and nothing watched at this stamp
+        plan.rearm()  # `unchanged` holds from this edit generation on (and no hook at this stamp: `_watcher`)
         return True
 
     def native_decode_reason(self) -> str:
@@ -607,15 +599,31 @@ class Transformer(ForwardWatched):
         off = plan.native_off_reason(self.use_native_step)
         if off:
             return off
-        if RemovableHandle.next_id != self._staged_hook_free_stamp:
-            if watched(plan.modules):
-                return "forward hooks watch the stage modules (--lens, --attention or FlopCounterMode)"
-            self._staged_hook_free_stamp = RemovableHandle.next_id
         take = getattr(self.staged_mark, TAKE_STAMPS, None)
-        if take is None and any(map(operator.contains, plan.module_dicts, repeat("forward"))):
-            return "forward wrappers that take no C stamps watch the stage modules"
+        watcher = self._watcher(plan, wrappers_take_stamps=take is not None)
+        if watcher:
+            return watcher
         if take is not None and not host_clock_matches():
             return "the host clock is not CLOCK_MONOTONIC, the one the C step stamps with"
+        return ""
+
+    def _watcher(self, plan: FusedPlan, wrappers_take_stamps: bool = False) -> str:
+        """"" when nothing watches the modules that a step run past them (the fused path, the native step) would
+        miss and `plan` still describes the model, else what does: a forward hook, local or global (a tracer's
+        hooks, --lens, --attention, FlopCounterMode's module tracker), an instance-level forward wrapper (unless
+        `wrappers_take_stamps`: the "wrap" tracer's, whose staged mark takes the native staged step's C readings), or
+        a replaced or edited weight (FusedPlan.valid). `fusable()` and `staged_native_reason()` both ask it.
+
+        Hooks are looked for only when one was registered anywhere since none was last seen (RemovableHandle.next_id,
+        bumped by every registration, kept in `_hook_free_stamp`). Wrappers bump no stamp: every module's __dict__ is
+        looked in (a C loop: ~15 us warm for ~600 modules)."""
+        stamp = RemovableHandle.next_id
+        if stamp != self._hook_free_stamp:
+            if watched(plan.modules):
+                return "forward hooks watch the stage modules (--lens, --attention or FlopCounterMode)"
+            self._hook_free_stamp = stamp
+        if not wrappers_take_stamps and any(map(operator.contains, plan.module_dicts, repeat("forward"))):
+            return "forward wrappers that take no C stamps watch the stage modules"
         if not plan.valid(self):
             return "the weights changed since setup_cache (a reload, .to() or an in-place edit)"
         return ""
