@@ -28,12 +28,13 @@ import torch
 from test_native_step import BASE, TOLERANCE, native_model
 
 from llmtrace.tracer.core import contract
+from llmtrace.tracer.core.errors import FileFormatError
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.native_step import STAGED_STAGES_PER_LAYER, stamp_count
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
 from llmtrace.tracer.model.weight_formats import NATIVE
-from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.fused_marks import staged_order
+from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.observe import Observer
 from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings, StageRecord
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
@@ -211,7 +212,8 @@ def _generate(model_path: str, staged: bool, tokens: int = 4, prompts: tuple[str
 
 def test_trace_says_how_staged_ran(tiny_quantized: Callable[[Any], Path], tiny_llama_dir: Path) -> None:
     """Trace.staged_decode: native on a model the native step runs (a tiny Q8_0 GGUF), the reason on one it cannot
-    (dense safetensors); absent without --staged; valid against the schema and read back."""
+    (dense safetensors); absent without --staged; valid against the schema and read back, and a trace whose
+    `native` disagrees with its `reason` refused."""
     schema = load_schema()
     native = _generate(str(tiny_quantized(gguf.GGMLQuantizationType.Q8_0)), staged=True, weights=NATIVE)
     assert native.staged_decode is not None and native.staged_decode.native and native.staged_decode.reason == ""
@@ -228,6 +230,9 @@ def test_trace_says_how_staged_ran(tiny_quantized: Callable[[Any], Path], tiny_l
         data = json.loads(trace.to_json())
         jsonschema.validate(data, schema)
         assert Trace.from_json(trace.to_json()).staged_decode == trace.staged_decode
+        data["staged_decode"]["native"] = not data["staged_decode"]["native"]  # native is `not reason`, never apart
+        with pytest.raises(FileFormatError, match="StagedDecode.native"):
+            Trace.from_dict(data)
         decode = [r for r in trace.stages if r.phase == DECODE and r.step == 1]
         assert [r.stage for r in decode][:3] == ["tok_embeddings", "layers.0.attention_norm", "layers.0.attention.wq"]
 

@@ -115,8 +115,7 @@ class BatchGeneration(Generation):
         if self.settings.staged and fused is not None:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
         if self.settings.staged:  # the native staged step runs one sequence: a batch's steps run the stage modules
-            self._staged_decode = StagedDecode(False, f"a batch of {len(ids)} sequences (the native decode step "
-                                                      "runs one)")
+            self._staged_decode = StagedDecode(f"a batch of {len(ids)} sequences (the native decode step runs one)")
         try:
             self.model.setup_cache(len(ids), longest + limit)
             self._kv_per_position = int(self.model.kv_bytes_per_position)

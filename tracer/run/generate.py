@@ -226,7 +226,7 @@ class Generation:
             return None
         why = getattr(self.model, "staged_native_reason", None)
         reason = why() if why is not None else "this model has no native decode step"
-        return StagedDecode(not reason, reason)
+        return StagedDecode(reason)
 
     def _replay_without_cache(self, ids: list[int]) -> Iterator[NoCacheProgress]:
         """The generated tokens again without a KV cache (tracer/run/no_cache.py), traced the same way."""

@@ -7,7 +7,7 @@ origin (the moment the Generation started); bytes are integer bytes; FLOPs count
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Stage kinds and which of them are matrix products: tracer/core/contract.py (KINDS) declares them; records and
 # their renderers read MATMUL_KINDS from here.
@@ -263,8 +263,13 @@ class StagedDecode:
     """How a `--staged` run ran its one-token steps: as the native decode step with the staged stages apart, each
     its own phase timed in C (tracer/model/native_step.py), or through the stage modules, each wrapped (and why)."""
 
-    native: bool  # the one-token steps ran in C, stage by stage; the prefill always runs the stage modules
+    # The one-token steps ran in C, stage by stage (the prefill always runs the stage modules): `not reason`, made
+    # from it (init=False), so the two cannot disagree; a field still, so the trace's JSON holds it (schema).
+    native: bool = field(init=False)
     reason: str  # why the stage modules ran them ("" when native): no native step for the model, --lens, ...
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "native", not self.reason)
 
 
 @dataclass(frozen=True, slots=True)

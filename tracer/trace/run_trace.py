@@ -270,6 +270,13 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
 }
 
 
+# The fields a record makes from its others (init=False: StagedDecode.native): written, and on reading checked
+# against what the others make, never passed in.
+_DERIVED: dict[type, frozenset[str]] = {
+    cls: frozenset(f.name for f in fields(cls) if not f.init) for cls in _FIELD_NAMES
+}
+
+
 def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
     if not isinstance(data, dict):
         raise TypeError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
@@ -281,7 +288,15 @@ def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
         check = checks.get(name)
         if check is not None and not check(value):
             raise TypeError(f"{cls.__name__}.{name} has the wrong type or value ({_short(value)})")
-    return cls(**data)
+    derived = _DERIVED[cls]  # type: ignore[index]
+    if not derived:
+        return cls(**data)
+    record = cls(**{name: value for name, value in data.items() if name not in derived})
+    for name in derived & data.keys():
+        if data[name] != getattr(record, name):
+            raise ValueError(f"{cls.__name__}.{name} is {_short(data[name])}, but the other fields make it "
+                             f"{_short(getattr(record, name))}")
+    return record
 
 
 # ---- field types, checked on reading: a trace is outside data (hand edits, other tools), and a wrong type would
