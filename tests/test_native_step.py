@@ -247,3 +247,20 @@ def test_token_outside_the_table_is_refused_before_any_write() -> None:
     with pytest.raises(native_kernel.NativeKernelError, match="token id outside the embedding table"):
         model.decode_one(torch.tensor([[BASE.vocab_size]]))
     assert model.pos == 5 and torch.equal(model._kv_all, before)
+
+
+def test_a_failed_step_leaves_no_readings() -> None:
+    """A traced step that fails leaves no readings: not the last step's, which a reader would take for its own."""
+    model = native_model(BASE)
+    model.setup_cache(1, 8)
+    model.prefill(torch.arange(3, 8).view(1, -1))
+    step = model._fused_plan.native
+    step(4, 5, 0, stamps=True)
+    assert len(step.readings()) == step.stamp_count
+    with pytest.raises(native_kernel.NativeKernelError, match="token id outside the embedding table"):
+        step(BASE.vocab_size, 6, 0, stamps=True)
+    assert step.readings() == []
+    step(4, 6, 0, stamps=True, staged=True)
+    assert len(step.readings()) == step.staged_stamp_count
+    step(4, 7, 0)  # untraced: no readings either
+    assert step.readings() == []

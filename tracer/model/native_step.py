@@ -231,16 +231,20 @@ class NativeStep:
             self._ensure_scratch(threads)
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
         row = position * self.head_dim * 4  # bytes into the (S_max, 1, D) tables
+        # Until this step succeeds there are no readings: the buffer holds the last step's, or part of this one's.
+        self._taken = 0
         status = self._step(self._address, token, self.cos.data_ptr() + row, self.sin.data_ptr() + row,
                             position, first, logits.data_ptr(), self._stamps.data_ptr() if stamps else None, threads,
                             int(staged))
-        self._taken = (self.staged_stamp_count if staged else self.stamp_count) if stamps else 0
         if status:
             raise native_kernel.NativeKernelError(f"the native decode step failed: {_STATUS.get(status, status)}")
+        if stamps:
+            self._taken = self.staged_stamp_count if staged else self.stamp_count
         return logits
 
     def readings(self) -> list[int]:
-        """The last traced step's clock readings (ns, CLOCK_MONOTONIC): its start, then one after each stage."""
+        """The last step's clock readings (ns, CLOCK_MONOTONIC): its start, then one after each stage; none after a
+        step that was not traced or failed."""
         return self._stamps[: self._taken].tolist()
 
 
