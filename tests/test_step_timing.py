@@ -51,11 +51,11 @@ def test_only_native_step_candidates_are_timed_whole_and_the_c_step_runs(mixed: 
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """int4pack, blocks and a plan with them are left out; the others' models run the C step, at the first
     positions of an empty cache, alternated in rounds, every timed step one C call."""
-    calls: list[tuple[int, int]] = []  # (id of the step's model, position)
+    calls: list[tuple[NativeStep, int]] = []  # (the model's step, held so no other takes its id; position)
     real = NativeStep.__call__
 
     def spy(self: NativeStep, token: int, position: int, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
-        calls.append((id(self), position))
+        calls.append((self, position))
         return real(self, token, position, *args, **kwargs)
 
     monkeypatch.setattr(NativeStep, "__call__", spy)
@@ -68,11 +68,27 @@ def test_only_native_step_candidates_are_timed_whole_and_the_c_step_runs(mixed: 
     assert max(position for _, position in calls) <= ROUND_STEPS
 
 
-def _runs(items: list[int]) -> list[list[int]]:
-    """Consecutive equal items grouped."""
-    groups: list[list[int]] = []
+def test_models_that_do_not_fit_together_are_timed_one_at_a_time(mixed: ResolvedModel,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each candidate's model holds its own copy of the file's matrices: where three would take more than their
+    share of the memory available, one model at a time (its rounds back to back), the same candidates timed."""
+    matrices = sum(t.n_bytes for t in mixed.gguf_header.tensors if len(t.shape) >= 2)
+    assert step_timing.fit_together(mixed.gguf_header, 3, available=6 * matrices)
+    assert not step_timing.fit_together(mixed.gguf_header, 3, available=6 * matrices - 1)
+    models: list[NativeStep] = []  # held: a freed model's id could be another's
+    real = NativeStep.__call__
+    monkeypatch.setattr(NativeStep, "__call__", lambda self, *a, **k: (models.append(self), real(self, *a, **k))[1])
+    monkeypatch.setattr(step_timing, "available_memory_bytes", lambda: 6 * matrices - 1)
+    steps = step_timing.time_native_steps(mixed.gguf_header, mixed.config, NAMES)
+    assert set(steps) == STEPPED
+    assert len(_runs(models)) == len(STEPPED)  # one model's rounds, then the next's
+
+
+def _runs(items: list[NativeStep]) -> list[list[NativeStep]]:
+    """Consecutive calls of one step grouped."""
+    groups: list[list[NativeStep]] = []
     for item in items:
-        if groups and groups[-1][0] == item:
+        if groups and groups[-1][0] is item:
             groups[-1].append(item)
         else:
             groups.append([item])

@@ -9,14 +9,16 @@ the bundled model: 11.9 ms (Q4_1:i8dot,Q8_0:native) against 11.6 ms (native) whi
 and `--weights auto` took one or the other from run to run.
 
 What is timed (`time_native_steps`):
-- each candidate's model as `run` loads it: load_gguf_stored with the candidate's kernel plan (for the native
-  library's kernels the matrices are views of the memory-mapped file, so this copies only what the loader copies:
-  Q/K rows put back in HF's order, norms), its cache set up for ROUND_STEPS + 1 positions. A candidate whose model
-  has no native step (Transformer.native_decode_reason: a matrix on another kernel, a model shape the step does
-  not take, a library without its AVX2 row kernels) is left out: its decode stays the sum of its products;
+- each candidate's model as `run` loads it: load_gguf_stored with the candidate's kernel plan (its block matrices
+  copied into one huge-page arena, tracer/load/weight_arena.py, the rest dense fp32), its cache set up for
+  ROUND_STEPS + 1 positions. A candidate whose model has no native step (Transformer.native_decode_reason: a matrix
+  on another kernel, a model shape the step does not take, a library without its AVX2 row kernels) is left out:
+  its decode stays the sum of its products;
 - ROUNDS rounds with the candidates alternated within each (a slow spell of a shared machine then hits every
-  candidate, not the one that happened to be measured during it): the cache reset, one untimed step (the first
-  after another model's steps), then `decode_one` steps at positions 1, 2, ..., each timed alone (perf_counter
+  candidate, not the one that happened to be measured during it), when their models fit in memory together (each
+  holds a copy of the file's matrices: at most TOGETHER_SHARE of the memory available); else one candidate at a
+  time, its rounds back to back. A round: the cache reset, one untimed step (the first after another model's
+  steps), then `decode_one` steps at positions 1, 2, ..., each timed alone (perf_counter
   around the call: what `run`'s decode loop calls per token), until the round's share of STEP_BUDGET_SECONDS is
   spent (at least MIN_ROUND_STEPS, at most ROUND_STEPS steps). The steps sit at the first positions of an empty
   cache (attention over at most ROUND_STEPS + 1 keys), so beyond its products a step's work is at its smallest:
@@ -41,6 +43,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import STORED_ACTIVATIONS
+from llmtrace.tracer.hardware.memory import available_memory_bytes
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, stored_model
 from llmtrace.tracer.load.stored_weights import kernel_plan
 from llmtrace.tracer.model import native_kernel
@@ -53,6 +56,7 @@ ROUND_STEPS = 16  # at most, per candidate and round
 MIN_ROUND_STEPS = 2  # at least, however slow a step
 STEP_BUDGET_SECONDS = 0.5  # per candidate, over all its rounds (the untimed steps not counted)
 STEP_QUANTILE = 0.2
+TOGETHER_SHARE = 0.5  # of MemAvailable: the most the candidates' models may take to be timed alternated
 TOKEN = 1  # the token every timed step feeds (any id: a step's time does not depend on it)
 
 
@@ -110,14 +114,26 @@ def time_native_steps(header: GGUFHeader, config: ModelConfig, names: Sequence[s
                       progress: Progress | None = None) -> dict[str, float]:
     """{candidate: seconds of one decode step, whole} for the candidates among `names` that run as the native
     step (STEP_QUANTILE of their timed steps); the others are absent (see the module docstring)."""
-    if not any(native_library_plan(n) for n in names):
+    wanted = [n for n in names if native_library_plan(n)]
+    if not wanted:
         return {}
     if progress:
-        progress("native decode steps of " + ", ".join(n for n in names if native_library_plan(n)))
-    models = native_step_models(header, config, names)
-    try:
-        with torch.no_grad():
-            times = time_steps(models)
-    finally:
-        models.clear()
+        progress("native decode steps of " + ", ".join(wanted))
+    groups = [wanted] if fit_together(header, len(wanted)) else [[n] for n in wanted]
+    times: dict[str, list[float]] = {}
+    for group in groups:
+        models = native_step_models(header, config, group)
+        try:
+            with torch.no_grad():
+                times.update(time_steps(models))
+        finally:
+            models.clear()
     return {name: low_quantile(steps) for name, steps in times.items()}
+
+
+def fit_together(header: GGUFHeader, candidates: int, available: int | None = None) -> bool:
+    """Whether `candidates` models of this file, each with its own copy of the file's matrices, take at most
+    TOGETHER_SHARE of the memory available (`available`: MemAvailable when not given; unknown: assumed to fit)."""
+    available = available_memory_bytes() if available is None else available
+    matrices = sum(t.n_bytes for t in header.tensors if len(t.shape) >= 2)
+    return available is None or candidates * matrices <= TOGETHER_SHARE * available
