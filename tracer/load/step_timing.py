@@ -25,7 +25,7 @@ What is timed (`time_native_steps`):
   the figure stays comparable with the other candidates' sums of products, which count no attention at all;
 - the figure: the STEP_QUANTILE quantile of a candidate's timed steps (the fastest fifth's slowest). Each step
   streams the model's weights from DRAM, so the steps' times have a floor, and a shared machine's neighbours only
-  add to it: the median measures the neighbours (as product_timing's best-of says); the single fastest of ~40
+  add to it: the median measures the neighbours (as product_timing's best-of says); the single fastest of up to 64
   steps is an extreme that moves with how many steps were taken; a low quantile is neither.
 The models are dropped when timing ends: nothing stays resident beside the model `run` then loads.
 """
