@@ -125,12 +125,13 @@ def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
         assert torch.isnan(weight(x[1:])).all()  # the one-row kernel too
 
 
-def test_threads_and_uneven_splits_give_the_same_sums(native: None) -> None:
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_threads_and_uneven_splits_give_the_same_sums(qtype: Q, native: None) -> None:
     """Each output is one thread's sum in one order: 1 and 2 threads agree bit for bit, whatever the split."""
     x = torch.randn(5, 576)
     for rows in (1, 3, 301):
-        raw = random_blocks(Q.Q4_1, rows, 576, np.random.default_rng(rows))
-        weight = pack_gguf(raw, int(Q.Q4_1), 576, I8DOT)
+        raw = random_blocks(qtype, rows, 576, np.random.default_rng(rows))
+        weight = pack_gguf(raw, int(qtype), 576, I8DOT)
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -139,7 +140,7 @@ def test_threads_and_uneven_splits_give_the_same_sums(native: None) -> None:
             two = (weight(x[:1]), weight(x))
         finally:
             torch.set_num_threads(before)
-        # rows pair up (decode) and tile (prefill) differently when the threads' shares start at an odd row
+        # decode takes rows eight at a time and the rest one by one, prefill tiles them: both differ with the split
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 

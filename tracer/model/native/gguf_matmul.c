@@ -231,9 +231,11 @@ static inline float hsum(__m256 v) {
    does too little arithmetic per byte to hide the wait for each line, so the kernels ask for the bytes
    PREFETCH_BYTES ahead of the ones they read: 1.2-1.3x the one-row streaming rate here (BENCHMARKS "native stored
    kernel"). Each thread reads one contiguous run of rows, so "ahead" is simply further along it; a prefetch past
-   the end of W is harmless (it never faults). */
+   the end of W is harmless (it never faults). 4 KB: with the matrices on 2 MiB pages (tracer/load/weight_arena.py)
+   a decode step ran a few % faster than with 2 KB, mostly in the Q8_0 LM head (BENCHMARKS "The i8dot kernel's
+   eight rows"); on 4 KiB pages the two measured the same. */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
+#define PREFETCH_BYTES 4096
 #endif
 static inline void prefetch(const uint8_t *p) { _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0); }
 
