@@ -9,7 +9,9 @@ these is one ctypes call and one pass:
   only): numpy's selection gives the same indices.
 - `SamplerPasses.softmax`: max + log(sum exp(x - max)) and the entropy, the weights exp(x - max) computed and summed
   in double. Not numpy's fp32 bits; within the bounds derived at SOFTMAX_WEIGHT_ERROR below.
-- `SamplerPasses.draw`: the inverse-CDF draw from those weights; `SamplerPasses.count_before`: counts and ranks
+- `SamplerPasses.top_softmax`: both of those over the same vector in one call (the raw logits, every token),
+  returning Python lists: under greedy the sampler then makes no numpy call at all.
+- `SamplerPasses.draw`: the inverse-CDF draw from those weights; `count_at_least` and `rank_of`: counts and ranks
   (comparisons only: exact).
 
 None of this builds or loads the library (native_kernel.loaded()): a process that has not loaded it gets None, and

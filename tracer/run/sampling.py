@@ -27,8 +27,8 @@ milliseconds when another process holds the other core. Logits on another device
 A decode step calls this once per token, right after the step has streamed ~100 MB of weights, so every array it
 touches is cold; its full-vocabulary passes are kept few. Two paths compute them:
 
-- native (the library tracer/model/native_top.py calls, when this process has loaded it: every stored-weights run
-  has, and the logits are contiguous fp32): one C pass per softmax gives its log-sum-exp and entropy (numpy needed
+- native (the library tracer/model/native_top.py calls, when this process has loaded it, as a run on the native
+  kernel has, and the logits are contiguous fp32): one C pass per softmax gives its log-sum-exp and entropy (numpy needed
   five), one the draw over the whole vocabulary, one each count or rank. What is exact: the token chosen under
   greedy (the argmax, ties to the lower id), the candidate table's tokens, ranks, logits and flags, every count
   (n_after_top_k/top_p/min_p, n_final, n_penalized), and a seeded draw: the same token as the numpy path unless the
