@@ -19,6 +19,7 @@ from llmtrace.tracer.hardware.product_timing import DenseKernel, product_shapes,
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_weights import all_kernels
+from llmtrace.tracer.model import native_kernel
 
 
 def timing(name: str, decode_ms: float, prefill_ms: float = 10.0, safe: bool = True) -> CandidateTiming:
@@ -244,8 +245,22 @@ def test_a_damaged_store_does_not_stop_a_load(tiny_q_gguf: Path) -> None:
     loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert loaded.kernels.picked == "blocks" and loaded.kernels.ran == "fp32" and "measuring again" in loaded.kernel_note
     names = [c.name for c in (kernel_pick.DenseKernel(d) for d in ("fp32", "fp16", "bf16"))] + list(all_kernels())
+    names.append(f"native sources {native_kernel.sources_digest()}")
     key = kernel_store.model_key(product_shapes(loaded.config), 2, ("Q8_0",), names)
     assert kernel_store.load_choice(kernel_pick.machine_key("cpu"), key) is not None
+
+
+def test_a_choice_measured_with_other_kernel_sources_is_measured_again(monkeypatch: pytest.MonkeyPatch,
+                                                                       tiny_q_gguf: Path) -> None:
+    calls = []
+    real = kernel_pick.time_kernels
+    monkeypatch.setattr(kernel_pick, "time_kernels", lambda *a, **k: calls.append(1) or real(*a, **k))
+    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    assert len(calls) == 1  # the second run read the saved choice
+    monkeypatch.setattr(native_kernel, "sources_digest", lambda: "0123456789ab")  # an upgraded llmtrace's C kernels
+    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    assert len(calls) == 2 and not again.kernels.from_store
 
 
 def test_an_fp32_checkpoint_stays_fp32_without_measuring(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:

@@ -42,6 +42,7 @@ from llmtrace.tracer.load.gguf_loader import matrix_infos
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
 from llmtrace.tracer.load.step_timing import time_native_steps
 from llmtrace.tracer.load.stored_weights import plan_spec
+from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import stored_kernels
 
 Progress = Callable[[str], None]
@@ -238,8 +239,10 @@ def lookup(resolved: ResolvedModel, device: torch.device, store_path: Path | Non
 
 
 def _model_key(resolved: ResolvedModel, formats: Sequence[str], offered: _Candidates) -> str:
-    return kernel_store.model_key(product_shapes(resolved.config), resolved.config.n_layers, formats,
-                                  [k.name for k in offered.kernels])
+    names = [k.name for k in offered.kernels]
+    if any(isinstance(k, StoredKernel) for k in offered.kernels):  # llmtrace's C kernels among them (native, i8dot)
+        names.append(f"native sources {native_kernel.sources_digest()}")  # their code changed: measure again
+    return kernel_store.model_key(product_shapes(resolved.config), resolved.config.n_layers, formats, names)
 
 
 def fp16_problem(model: Any, tokenizer: Any) -> str:

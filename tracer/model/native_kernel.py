@@ -267,6 +267,15 @@ def _cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {sorted(fields.items())}"
 
 
+def sources_digest() -> str:
+    """A short digest of the C sources' text: what a saved kernel choice was measured with (tracer/load/kernel_pick.py
+    keys its saved choices by it, so a changed kernel is measured again rather than judged by old timings)."""
+    h = hashlib.sha256()
+    for path in SOURCES:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _key(compiler: list[str], version: str) -> str:
     h = hashlib.sha256()
     parts = [path.read_bytes() for path in SOURCES]
