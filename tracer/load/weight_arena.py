@@ -5,7 +5,7 @@ the bundled model, ~120 products). Left as views of the memory-mapped file they 
 the stream needs its own TLB entry (a two-dimensional page walk under a virtual machine's nested paging) and the
 hardware prefetchers stop at each page boundary. Copied into 2 MiB pages they do not. Measured on an AVX2 EPYC VM
 (BENCHMARKS.md "Huge pages"): a C loop reading a step's 96 MB in the step's pattern 15.9 -> 17.8 GB/s median; the
-bundled model's decode step ~5-10 % faster. The copy costs one pass over the matrices at load.
+bundled model's decode step 4-7 % faster. The copy costs one pass over the matrices at load.
 
 `madvise(MADV_HUGEPAGE)` is advice: where transparent huge pages are off ("never") or the platform has no such call,
 the arena is plain anonymous memory and only the copy is paid. The matrices are placed one after another, each at a
