@@ -267,9 +267,11 @@ def _cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {sorted(fields.items())}"
 
 
+@functools.cache
 def sources_digest() -> str:
     """A short digest of the C sources' text: what a saved kernel choice was measured with (tracer/load/kernel_pick.py
-    keys its saved choices by it, so a changed kernel is measured again rather than judged by old timings)."""
+    keys its saved choices by it, so a changed kernel is measured again rather than judged by old timings). Read once
+    per process: every `run` of a GGUF looks its choice up."""
     h = hashlib.sha256()
     for path in SOURCES:
         h.update(path.read_bytes())

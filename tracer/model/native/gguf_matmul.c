@@ -227,6 +227,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* the sum of 8 int32 lanes (exact while it fits) */
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
 /* A one-row product streams W from memory once (a decode step reads ~100 MB, far more than the caches hold) and
    does too little arithmetic per byte to hide the wait for each line, so the kernels ask for the bytes
    PREFETCH_BYTES ahead of the ones they read: 1.2-1.3x the one-row streaming rate here (BENCHMARKS "native stored

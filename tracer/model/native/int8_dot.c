@@ -78,10 +78,7 @@ static void quantize_x(const float *x, int64_t k, XBlock *out) {
         __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[2], scale));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[3], scale));
         const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        __m128i st = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        st = _mm_add_epi32(st, _mm_shuffle_epi32(st, 0x4E));
-        st = _mm_add_epi32(st, _mm_shuffle_epi32(st, 0xB1));
-        sum = _mm_cvtsi128_si32(st);
+        sum = hsum_i32(total);
         /* packs interleave the 128-bit lanes: values 0-3 16-19 4-7 20-23 ... put back in order by the permute */
         i0 = _mm256_packs_epi32(i0, i1);
         i2 = _mm256_packs_epi32(i2, i3);
@@ -443,11 +440,8 @@ static inline __attribute__((always_inline)) float i8_q4_row(int type, const uin
         const uint8_t *blk = row + b * bytes;
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibble_bytes(blk + codes), xcodes(x + b)),
                                             _mm256_set1_epi16(1));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
         const float d = half_to_float(blk);
-        acc = fmaf(d * x[b].d, (float)_mm_cvtsi128_si32(t), acc);
+        acc = fmaf(d * x[b].d, (float)hsum_i32(p), acc);
         off = fmaf(type == Q4_1 ? half_to_float(blk + 2) : d * -8.0f, x[b].s, off);
     }
     return acc + off;
