@@ -571,17 +571,14 @@ class Transformer(ForwardWatched):
     def native_decode_reason(self) -> str:
         """"" when an untraced one-token step of one sequence runs as the native decode step now (one C call:
         FusedPlan.native), else why the fused path's torch ops or the stage modules run it: no cache set up, no
-        native step for this model (its reason), the step switched off, or the model not fusable (a hook, a
-        replaced module, an edit since setup_cache)."""
+        native step (FusedPlan.native_off_reason: none for this model, switched off, rope tables or KV rows replaced),
+        or the model not fusable (a hook, a replaced module, an edit since setup_cache)."""
         plan = self._fused_plan
         if plan is None:
             return "the KV cache is not set up"
-        if plan.native is None:
-            return f"no native decode step for this model: {plan.native_reason}"
-        if not self.use_native_step:
-            return "the native decode step is switched off (use_native_step)"
-        if plan.native.cos is not plan.cos:
-            return "the rope tables changed since setup_cache"
+        off = plan.native_off_reason(self.use_native_step)
+        if off:
+            return off
         if not self.fusable():
             return "the fused path does not run (fusable() is False: a hook, a replaced module or an edit)"
         return ""
