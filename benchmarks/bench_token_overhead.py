@@ -27,6 +27,9 @@ rounds interleaved, so before and after are measured side by side:
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_token_overhead --rounds 3 --baseline /work/main
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_token_overhead --only sampler --reference
+
+`--prompt-tokens N` runs the loop view on bench_vs_peers' prompt of N tokens instead (attention over a longer
+cache: bench_vs_peers measures decode after a 128-token prompt).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class _Timers:
 # ---- 1. the generation loop (inside one process: this tree's code or the baseline's) ------------------------------
 
 
-def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
+def measure_loop(rounds: int, weights: str | None, prompt_tokens: int | None) -> dict[str, Any]:
     import torch
 
     from llmtrace.tracer.load.loader import load_model
@@ -115,6 +118,11 @@ def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
     from llmtrace.tracer.trace.records import RunSettings
 
     loaded = load_model(None, weights=weights)
+    prompt = PROMPT
+    if prompt_tokens is not None:  # bench_vs_peers' prompt: attention over a longer KV cache
+        from benchmarks.bench_vs_peers import prompt_of
+
+        prompt, _ = prompt_of(loaded.tokenizer, prompt_tokens)
     timers = _Timers()
     timers.wrap(loaded.model, "decode_one", "model step")
     timers.wrap(TextStream, "add", "detokenize")
@@ -127,7 +135,7 @@ def measure_loop(rounds: int, weights: str | None) -> dict[str, Any]:
         for name, options in LOOP_RUNS.items():
             per_round: list[dict[str, float]] = []
             for _ in range(rounds + 1):  # the first is a warm-up
-                settings = RunSettings(model="", prompt=PROMPT, max_new_tokens=NEW_TOKENS, **options)
+                settings = RunSettings(model="", prompt=prompt, max_new_tokens=NEW_TOKENS, **options)
                 generation = Generation(loaded, settings)
                 timers.wrap(generation.sampler, "sample", "sampling")
                 timers.reset()
@@ -248,9 +256,11 @@ def measure_cli(python: str, traced: bool, weights: str | None) -> dict[str, flo
 # ---- driver ----------------------------------------------------------------------------------------------------
 
 
-def _child(tree: Path, rounds: int, weights: str | None) -> dict[str, Any]:
-    command = [str(tree / ".venv" / "bin" / "python"), str(HERE), "--child", "--rounds", str(rounds)]
+def _child(tree: Path, rounds: int, weights: str | None, prompt_tokens: int | None) -> dict[str, Any]:
+    command = [str(tree / ".venv" / "bin" / "python"), "-m", "benchmarks.bench_token_overhead", "--child",
+               "--rounds", str(rounds)]
     command += ["--weights", weights] if weights else []
+    command += ["--prompt-tokens", str(prompt_tokens)] if prompt_tokens else []
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=str(tree))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -274,10 +284,12 @@ def main() -> None:
     parser.add_argument("--only", choices=("loop", "sampler", "cli"), help="one view only (default: all)")
     parser.add_argument("--reference", action="store_true", help="sampler view: time the replaced computation too")
     parser.add_argument("--weights", help="as `run --weights` (default: the loader's measured choice)")
+    parser.add_argument("--prompt-tokens", type=int,
+                        help="loop view: a prompt of this many tokens, bench_vs_peers' (default: the short PROMPT)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_loop(args.rounds, args.weights)))
+        print(json.dumps(measure_loop(args.rounds, args.weights, args.prompt_tokens)))
         return
     import torch
 
@@ -290,7 +302,7 @@ def main() -> None:
         loops: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name, tree in trees.items():
-                loops[name].append(_child(tree, 1, args.weights))
+                loops[name].append(_child(tree, 1, args.weights, args.prompt_tokens))
         result["loop"] = {name: _medians(r) for name, r in loops.items()}
     if args.only in (None, "sampler"):
         result["sampler"] = measure_sampler(args.rounds, args.weights, args.reference)
