@@ -64,6 +64,11 @@ def run_command(
              "dtypes, measured on this machine for this model on first use (saved); stored: the fastest acceptable "
              "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (i8dot, native, int4pack, "
              "blocks) runs that kernel; Q4_1:i8dot,Q8_0:native a kernel per type.")] = None,
+    remeasure: Annotated[bool, typer.Option(
+        "--remeasure", help="Measure this machine's products for this model again (--dtype/--weights auto) and "
+                            "replace the saved choice: after a first run on a busy machine, a new CPU setting, or "
+                            "to check it. `llmtrace hardware --measure` measures the roofline's ceilings again.")
+    ] = False,
     device: Annotated[str, typer.Option(help="cpu, cuda or mps.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -186,6 +191,9 @@ def run_command(
         for path in files.values():
             if path is not None:
                 check_writable(path)  # before the model runs: a typo must not cost a whole generation
+        if remeasure and (dry_run or tp > 1):
+            raise BadArgumentError("--remeasure measures this machine for a real run on one device; drop --dry-run "
+                                   "and --tp (a --tp run's ranks read the choice `llmtrace run --remeasure` saves)")
         if batch_sweep is not None:
             from llmtrace.cli.cmd_run_sweep import check_sweep_options, run_batch_sweep_cli
 
@@ -196,7 +204,7 @@ def run_command(
             with stop_signals_interrupt() as received:
                 try:
                     run_batch_sweep_cli(console, settings, dtype, batch_sweep, file is not None, repeat,
-                                        json_path, stdout)
+                                        json_path, stdout, remeasure)
                 except KeyboardInterrupt:
                     return received.exit_code
             return 0
@@ -247,7 +255,7 @@ def run_command(
                 return code
             try:
                 trace = _run(console, settings, dtype, detail.value, save, roofline=not no_roofline, repeat=repeat,
-                             tp=tp)
+                             tp=tp, remeasure=remeasure)
                 for line in written:
                     console.print(f"[dim]{line}[/]")
             except KeyboardInterrupt:  # while loading (nothing to keep) or after `save` (the files are whole)
@@ -339,9 +347,9 @@ def available_cpus() -> int:
 
 def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, detail: str,
          save: Callable[[Trace, SummaryBlock, MeasuredVsBound | None], None], roofline: bool = True,
-         repeat: int = 1, tp: int = 1) -> Trace:
+         repeat: int = 1, tp: int = 1, remeasure: bool = False) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
-    before the ending is rendered."""
+    before the ending is rendered. `remeasure`: measure the kernel choice again whatever is saved."""
     from rich.live import Live
 
     from llmtrace.cli.render_attention import render_attention
@@ -370,6 +378,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     import torch
 
     from llmtrace.tracer.hardware.dtype_policy import dtype_of
+    from llmtrace.tracer.load.kernel_pick import Reuse
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run.batch_generate import BatchTokenized, generation_for
     from llmtrace.tracer.run.generate import Finished, PrefillDone, Tokenized, TokenStep
@@ -387,7 +396,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
             loaded = tp_dry.loaded
         else:
             loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run,
-                                weights=settings.weights or None,
+                                weights=settings.weights or None, reuse=Reuse.NONE if remeasure else Reuse.SETTLED,
                                 progress=lambda step: status.update(f"measuring this machine's products for this "
                                                                     f"model (first run only): {step} …"))
     for note in (loaded.cache_note, loaded.kernel_note):
@@ -537,7 +546,8 @@ def _roofline_for(console: Console, trace: Trace, report: RunReport, source: Any
         if os.environ.get("LLMTRACE_DEBUG") == "1":
             raise
         return None, f"roofline: skipped after an internal error ({type(exc).__name__}: {exc})"
-    if result.measured is not None and result.not_saved:  # a read-only or full home: this run still has its bound
+    if result.measured is not None and result.not_saved:  # a busy machine, a read-only or full home: this run still
+        #                                                     has its bound
         console.print(f"[yellow]warning:[/] roofline: measured this machine in "
                       f"{fmt.duration_s(result.measured.seconds)} ({', '.join(result.measured.dtypes)} GEMMs, copy); "
                       f"not saved: {result.not_saved}", soft_wrap=True)

@@ -37,8 +37,9 @@ def sweep_prompt_list(text: str, from_file: bool) -> tuple[str, ...]:
 
 
 def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches_text: str, from_file: bool,
-                        repeat: int, json_path: Path | None, json_stdout: Any) -> None:
-    """Parse, load the model, sweep (with progress), then render or write the record."""
+                        repeat: int, json_path: Path | None, json_stdout: Any, remeasure: bool = False) -> None:
+    """Parse, load the model, sweep (with progress), then render or write the record. `remeasure`: measure the
+    kernel choice again whatever is saved (`--remeasure`)."""
     from llmtrace.tracer.run.batch_sweep import parse_batches, sweep_prompts
 
     batches = parse_batches(batches_text)
@@ -52,6 +53,7 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
 
     from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
     from llmtrace.tracer.hardware.dtype_policy import dtype_of
+    from llmtrace.tracer.load.kernel_pick import Reuse
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.load.stored_weights import tensors_as_read
     from llmtrace.tracer.run.batch_sweep import sweep
@@ -63,7 +65,7 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
     what = settings.model or "the bundled SmolLM2-135M-Instruct"
     with console.status(f"loading {what} …") as status:
         loaded = load_model(source, dtype=dtype, device=settings.device, weights=settings.weights or None,
-                            progress=lambda step: status.update(f"measuring this machine's products for this model "
+                            reuse=Reuse.NONE if remeasure else Reuse.SETTLED, progress=lambda step: status.update(f"measuring this machine's products for this model "
                                                                 f"(first run only): {step} …"))
         compute = get_dtype(dtype_of(loaded.model.norm.weight.dtype).name, COMPUTE_DTYPES)
         status.update("this machine's roofline profile …")

@@ -33,10 +33,20 @@ def choice_line(choice: KernelChoice | None, dtype: str) -> str:
         what = f"ran {_form(ran, dtype)}" if ran is not None else f"dtype {dtype}"
         verdict = ("auto takes the same" if ran is not None and ran.name == choice.picked
                    else f"auto would take {auto_form}")
-        return f"kernels: {choice.overridden_by} (overrides auto): {what}; {verdict}: {choice.rule}"
+        return f"kernels: {choice.overridden_by} (overrides auto): {what}; {verdict}{_busy(choice)}: {choice.rule}"
     how = "saved measurement" if choice.from_store else (
         f"measured in {fmt.duration_s(choice.measured_seconds)}" if choice.candidates else "not measured")
-    return f"kernels: auto, {how}: {auto_form}, {choice.rule}"
+    return f"kernels: auto, {how}{_busy(choice)}: {auto_form}, {choice.rule}"
+
+
+def _busy(choice: KernelChoice) -> str:
+    """" while others took 48% of the CPUs (provisional: next run re-measures)" for a choice measured on a busy
+    machine (tracer/hardware/machine_load.py), "" otherwise."""
+    if not choice.provisional:
+        return ""
+    share = f"{choice.others_cpu:.0%}" if choice.others_cpu is not None else "much"
+    then = "next run re-measures" if not choice.from_store else "`run --remeasure` replaces it"
+    return f" while others took {share} of the CPUs (provisional: {then})"
 
 
 def alternatives_line(choice: KernelChoice | None) -> str:

@@ -79,8 +79,8 @@ def fixed_timings(kernels: Any, config: Any, device: str = "cpu", progress: Any 
 @pytest.fixture(autouse=True)
 def _fixed_kernel_choice(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """In-process tests never time products or steps (a speed-dependent --dtype auto would make their output vary)
-    and never read or write the user's saved choices: a fixed timer, no whole native steps, and a kernels.json of
-    their own. Tests of the timing and the store itself call them directly; subprocess tests set XDG_CONFIG_HOME and
+    and never read or write the user's saved choices: a fixed timer, no whole native steps, no machine-load reading,
+    and a kernels.json of their own. Tests of the timing and the store itself call them directly; subprocess tests set XDG_CONFIG_HOME and
     measure for real."""
     from llmtrace.tracer.hardware import kernel_store
     from llmtrace.tracer.load import kernel_pick
@@ -88,7 +88,25 @@ def _fixed_kernel_choice(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pyte
     path = tmp_path_factory.mktemp("kernels") / "kernels.json"
     monkeypatch.setattr(kernel_pick, "time_kernels", fixed_timings)
     monkeypatch.setattr(kernel_pick, "time_native_steps", lambda *args, **kwargs: {})
+    monkeypatch.setattr(kernel_pick, "read_sample", lambda: None)  # no load reading: others_cpu None, not busy
     monkeypatch.setattr(kernel_store, "kernels_path", lambda: path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _never_busy() -> Iterator[None]:
+    """Tests run beside other work (the suite's own subprocesses, other test runs): a real machine-load reading
+    would make a measurement provisional, or a quick roofline profile unsaved, at random. LLMTRACE_BUSY_SHARE=1 (set
+    in os.environ, so CLI subprocesses inherit it) says no measurement is busy; the tests of the busy path set their
+    own share and inject the readings (tracer/hardware/machine_load.py)."""
+    from llmtrace.tracer.hardware.machine_load import BUSY_SHARE_ENV
+
+    before = os.environ.get(BUSY_SHARE_ENV)
+    os.environ[BUSY_SHARE_ENV] = "1"
+    yield
+    if before is None:
+        os.environ.pop(BUSY_SHARE_ENV, None)
+    else:
+        os.environ[BUSY_SHARE_ENV] = before
 
 
 # ---- the native stored kernel (tracer/model/native_kernel.py) -------------------------------------------------------

@@ -206,10 +206,11 @@ def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.Monk
     assert len(calls) == 2  # a different machine measures again
 
 
-def test_a_choice_saved_by_the_older_timing_is_measured_again(monkeypatch: pytest.MonkeyPatch,
-                                                               tiny_q_gguf: Path) -> None:
-    """A version-2 kernels.json (decode costs summed per product, also for native-step candidates) holding this
-    very machine and model's choice is not served: one line, a fresh measurement, the file rewritten as version 3."""
+def test_a_choice_saved_without_a_load_check_is_measured_again(monkeypatch: pytest.MonkeyPatch,
+                                                                tiny_q_gguf: Path) -> None:
+    """A version-3 kernels.json (no reading of the machine's load: it may have been measured on a busy machine)
+    holding this very machine and model's choice is not served: one line, a fresh measurement, the file rewritten
+    as version 4."""
     calls: list[int] = []
 
     def counted(kernels, config, device="cpu", progress=None, steps=None):
@@ -220,15 +221,17 @@ def test_a_choice_saved_by_the_older_timing_is_measured_again(monkeypatch: pytes
     load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     path = kernel_store.kernels_path()
     data = json.loads(path.read_text())
-    assert data["version"] == kernel_store.STORE_VERSION == 3 and len(calls) == 1
+    assert data["version"] == kernel_store.STORE_VERSION == 4 and len(calls) == 1
     (entry,) = [e for models in data["machines"].values() for e in models.values()]
-    entry["picked"] = entry["dtype"] = "fp16"  # what the old timing had decided, under the same keys
-    path.write_text(json.dumps({**data, "version": 2}))
+    assert entry["others_cpu"] is None and entry["provisional"] is False  # fixed readings: none taken in-process
+    entry["picked"] = entry["dtype"] = "fp16"  # what the old measurement had decided, under the same keys
+    del entry["others_cpu"], entry["provisional"]
+    path.write_text(json.dumps({**data, "version": 3}))
     again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
     assert len(calls) == 2 and not again.kernels.from_store and again.kernels.picked == "blocks"
-    assert "saved by an older llmtrace (version 2, before native-step candidates were timed as whole decode " \
-           "steps); measuring again" in again.kernel_note
-    assert json.loads(path.read_text())["version"] == 3
+    assert "saved by an older llmtrace (version 3, before a measurement checked how busy the machine was); " \
+           "measuring again" in again.kernel_note
+    assert json.loads(path.read_text())["version"] == 4
 
 
 def test_an_explicit_dtype_is_recorded_as_an_override(tiny_q_gguf: Path) -> None:

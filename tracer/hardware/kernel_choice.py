@@ -201,6 +201,12 @@ class KernelChoice:
     overridden_by: str = ""  # "--dtype fp32", "--weights dense" when the user chose; then `picked` is auto's
     stored_dtype: str | None = None  # the checkpoint's own compute dtype (select's argument)
     ran: str = ""  # with overridden_by: the candidate the options left (the one that ran), "" when none matched
+    # The share of the CPUs' time other processes took while it was measured (tracer/hardware/machine_load.py);
+    # None: not read (no /proc/stat, nothing measured, an older trace)
+    others_cpu: float | None = None
+    # Measured on a busy machine (others_cpu over machine_load's BUSY_SHARE): saved, but a later run measures again
+    # rather than serve it (tracer/load/kernel_pick.py)
+    provisional: bool = False
 
     def timing(self, name: str) -> CandidateTiming | None:
         return next((c for c in self.candidates if c.name == name), None)
@@ -260,7 +266,7 @@ def without(choice: KernelChoice, name: str, reason: str) -> KernelChoice:
     """`choice` re-decided with candidate `name` marked unsafe for `reason` (an fp16 range check that failed)."""
     marked = [replace(c, safe=False, unsafe_reason=reason) if c.name == name else c for c in choice.candidates]
     again = select(marked, choice.stored_dtype, choice.measured_seconds)
-    return replace(again, from_store=choice.from_store)
+    return replace(again, from_store=choice.from_store, others_cpu=choice.others_cpu, provisional=choice.provisional)
 
 
 def unmeasured(dtype: str, rule: str, stored_dtype: str | None = None) -> KernelChoice:

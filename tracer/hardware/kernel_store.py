@@ -26,7 +26,11 @@ from llmtrace.tracer.hardware.store import config_dir
 # 3: a native-step candidate's decode_s is its whole C step, no longer the sum of its products (kernel_choice's rule,
 #    step 3): a choice made from the sums misranked such candidates, so an older file is read as out of date: one
 #    line, and a fresh measurement replaces it (never a stale choice served).
-STORE_VERSION = 3
+# 4: a choice carries the share of the CPUs other processes took while it was measured (`others_cpu`) and whether
+#    that made it `provisional` (tracer/hardware/machine_load.py): a later run measures again rather than serve a
+#    provisional one. A version-3 choice may have been measured on a busy machine with nothing to tell, so it is read
+#    as out of date (one line, and a fresh measurement replaces it).
+STORE_VERSION = 4
 _CHOICE_FIELDS = {f.name: f for f in fields(KernelChoice)}
 _TIMING_FIELDS = {f.name: f for f in fields(CandidateTiming)}
 
@@ -37,7 +41,7 @@ class StoreProblem(HardwareError):
 
 # The caller (load/kernel_pick.py) says what happens next: measuring again.
 STORE = StoreFormat("kernel store", STORE_VERSION, ("machines",), StoreProblem, HardwareError,
-                    older="before native-step candidates were timed as whole decode steps")
+                    older="before a measurement checked how busy the machine was")
 
 
 def kernels_path() -> Path:
@@ -56,8 +60,8 @@ def model_key(shapes: Iterable[Any], n_layers: int, stored_formats: Iterable[str
 
 
 def load_choice(machine: str, model: str, path: Path | None = None) -> KernelChoice | None:
-    """The saved choice for this machine and model shape, None when there is none; StoreProblem when the file or
-    the entry is damaged."""
+    """The saved choice for this machine and model shape (a provisional one too: the caller decides whether to serve
+    it), None when there is none; StoreProblem when the file or the entry is damaged."""
     path = path or kernels_path()
     data = read_store(path, STORE)
     entry = data["machines"].get(machine, {})
@@ -98,8 +102,10 @@ def _choice_from(raw: Any, where: str) -> KernelChoice:
             ok = value is None or isinstance(value, str)
         elif name == "measured_seconds":
             ok = _number(value)
-        elif name == "from_store":
+        elif name in ("from_store", "provisional"):
             ok = isinstance(value, bool)
+        elif name == "others_cpu":
+            ok = value is None or (_number(value) and value <= 1)
         else:
             ok = isinstance(value, str)
         if not ok:

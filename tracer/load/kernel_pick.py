@@ -11,7 +11,11 @@ stored kernel that runs all its matrices; a candidate short of the bits a float-
 untimed, one short of a block format's bits is probed -> one candidate and no probe: taken without measuring;
 otherwise the saved choice for this machine and model shape, or a measurement (the probes, then whole decode steps of
 the candidates that run as the native C step (tracer/load/step_timing.py), then the products, those candidates'
-decode products excepted; seconds, `progress` hears each candidate) that is then saved. A damaged store is one line
+decode products excepted; seconds, `progress` hears each candidate) that is then saved. While it measures, the
+machine's load is read (tracer/hardware/machine_load.py): a measurement during which other processes took more than
+BUSY_SHARE of the CPUs serves this run and is saved as `provisional`, which the next run measures again instead of
+serving (`Reuse`: `--remeasure` measures whatever is saved; tensor-parallel ranks serve even a provisional choice,
+the one their launcher just made, rather than all measuring at once on the same cores). A damaged store is one line
 (`note`) and a fresh measurement that replaces it; an unwritable one is one line and an unsaved choice. After the
 model is loaded in fp16, `fp16_problem` checks its range: no weight overflowed to inf, and a probe forward's residual
 stream stays below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next candidate (`without`).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,6 +36,7 @@ from llmtrace.tracer.checkpoint.resolve import GGUF, HF, ResolvedModel
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
+from llmtrace.tracer.hardware.machine_load import LoadWatch, Sampler, busy_share, is_busy, read_sample
 from llmtrace.tracer.hardware.product_timing import (
     DenseKernel,
     ProductKernel,
@@ -49,6 +55,14 @@ Progress = Callable[[str], None]
 Timer = Callable[..., tuple[tuple[CandidateTiming, ...], float]]  # product_timing.time_kernels' signature
 DENSE_DTYPES = ("fp32", "fp16", "bf16")
 PROBE_TEXT = "The capital of France is Paris. 1, 2, 3: def main():"  # words, digits, code: a few token kinds
+
+
+class Reuse(str, Enum):
+    """Which saved choice `pick` serves instead of measuring."""
+
+    SETTLED = "settled"  # one measured on a quiet machine; a provisional one is measured again (the default)
+    ANY = "any"  # a provisional one too (tensor-parallel ranks: their launcher measured a moment ago)
+    NONE = "none"  # none: measure again and replace it (`llmtrace run --remeasure`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +165,11 @@ def per_type_plan(offered: _Candidates, errors: dict[str, dict[str, float]]) -> 
 
 
 def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | None = None,
-         timer: Timer | None = None, store_path: Path | None = None) -> PickedKernels:
+         timer: Timer | None = None, store_path: Path | None = None, reuse: Reuse = Reuse.SETTLED,
+         sampler: Sampler | None = None) -> PickedKernels:
     """What `--dtype auto` / `--weights auto` mean for `resolved` on `device` (see the module docstring and
-    kernel_choice's rule). `timer`: product_timing.time_kernels, looked up at call time (tests inject another)."""
+    kernel_choice's rule). `timer`: product_timing.time_kernels, looked up at call time (tests inject another);
+    `sampler`: the machine-load reading (machine_load.read_sample, looked up at call time; tests inject readings)."""
     formats = matrix_formats(resolved)
     own = stored_dtype(formats)
     if device.type not in ("cpu", "cuda"):
@@ -170,11 +186,26 @@ def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
     model = _model_key(resolved, formats, offered)
     note = ""
     try:
-        saved = kernel_store.load_choice(machine, model, store_path)
+        saved = None if reuse is Reuse.NONE else kernel_store.load_choice(machine, model, store_path)
     except kernel_store.StoreProblem as exc:
         saved, note = None, f"kernel choices: {exc}; measuring again"
-    if saved is not None:
+    if saved is not None and (reuse is Reuse.ANY or not saved.provisional):
         return PickedKernels(replace(saved, from_store=True), note)
+    limit = busy_share()  # a bad LLMTRACE_BUSY_SHARE fails now, not after seconds of measuring
+    with LoadWatch(sampler or read_sample) as load:
+        choice = _measure(resolved, device, offered, formats, own, progress, timer)
+    choice = replace(choice, others_cpu=load.share, provisional=is_busy(load.share, limit))
+    try:
+        saved_to: str | None = str(kernel_store.save_choice(machine, model, choice, store_path))
+    except HardwareError as exc:
+        saved_to = None
+        note = "; ".join(n for n in (note, f"kernel choice not saved: {exc}") if n)
+    return PickedKernels(choice, note, saved_to)
+
+
+def _measure(resolved: ResolvedModel, device: torch.device, offered: _Candidates, formats: Sequence[str],
+             own: str | None, progress: Progress | None, timer: Timer | None) -> KernelChoice:
+    """The probes, the native steps and the products timed, and the rule's choice among them."""
     errors: dict[str, dict[str, float]] = {}
     if offered.probes:
         assert resolved.gguf_header is not None  # only block formats are probed
@@ -209,12 +240,7 @@ def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
     choice = rule.select(judged, own, seconds)
     if offered.refused:
         choice = replace(choice, rule=f"{choice.rule}; refused: {'; '.join(offered.refused)}")
-    try:
-        saved_to: str | None = str(kernel_store.save_choice(machine, model, choice, store_path))
-    except HardwareError as exc:
-        saved_to = None
-        note = "; ".join(n for n in (note, f"kernel choice not saved: {exc}") if n)
-    return PickedKernels(choice, note, saved_to)
+    return choice
 
 
 def needs_measurement(resolved: ResolvedModel, device: torch.device) -> bool:

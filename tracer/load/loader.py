@@ -102,6 +102,7 @@ def load_model(
     use_cache: bool = True,
     progress: Callable[[str], None] | None = None,
     weights: str | WeightsRequest | None = None,
+    reuse: kernel_pick.Reuse = kernel_pick.Reuse.SETTLED,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring; a string is classified by
     llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. AUTO measures
@@ -112,7 +113,8 @@ def load_model(
     measured choice between a GGUF's stored kernels and the dense dtypes (measured on first use even with an
     explicit `dtype`, which then fixes the activations' dtype), "stored" the fastest acceptable stored kernel,
     "dense" dequantizes, a kernel's name runs that kernel. Options that override auto are recorded in
-    `kernels.overridden_by`, with the candidate they left in `kernels.ran`."""
+    `kernels.overridden_by`, with the candidate they left in `kernels.ran`. `reuse`: which saved choice serves
+    instead of a measurement (kernel_pick.Reuse: NONE measures again and replaces it, `run --remeasure`)."""
     start = time.perf_counter()
     target = _check_device(device)
     request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
@@ -137,8 +139,9 @@ def load_model(
     measure = auto or (gguf and request.mode in (WEIGHTS_AUTO, STORED) and request.kernel is None)
     note = ""
     kernels: KernelChoice | None
+    measure = measure or (reuse is kernel_pick.Reuse.NONE and not random_init)  # options override what it saves
     if measure and (auto or kernel_pick.needs_measurement(resolved, target)):
-        picked = kernel_pick.pick(resolved, target, progress)
+        picked = kernel_pick.pick(resolved, target, progress, reuse=reuse)
         kernels, note = picked.choice, picked.note
     else:
         kernels = None if random_init else kernel_pick.lookup(resolved, target)
