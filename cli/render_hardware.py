@@ -10,6 +10,7 @@ from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.tables import report_table
+from llmtrace.tracer.hardware.machine_load import is_busy
 from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, HardwareProfile
 
 if TYPE_CHECKING:  # measure.py imports torch; listing the profiles must not
@@ -98,9 +99,10 @@ def render_measurement(console: Console, m: "MachineMeasurement", profile: Hardw
         f"{fmt.duration_s(c.best_seconds)} … {fmt.duration_s(max(c.seconds))}",
     )
     ridges = ", ".join(f"{d} {fmt.intensity(profile.ridge_point(d))}" for d in PEAK_DTYPES if profile.has_peak(d))
-    console.print(Group(
-        Text(f"Measured on {m.device_name}", style="bold"),
-        table,
-        Text(f"Ridge point: {ridges}. Memory: {fmt.gib(profile.memory_bytes)}.\n"
-             f"Saved as profile '{profile.name}' in {saved_to}; use it with --hardware {profile.name}."),
-    ))
+    lines = [Text(f"Measured on {m.device_name}", style="bold"), table,
+             Text(f"Ridge point: {ridges}. Memory: {fmt.gib(profile.memory_bytes)}.\n"
+                  f"Saved as profile '{profile.name}' in {saved_to}; use it with --hardware {profile.name}.")]
+    if is_busy(m.others_cpu):
+        lines.append(Text(f"Warning: other processes took {m.others_cpu:.0%} of the CPUs meanwhile, so these ceilings "
+                          "are likely low; measure again when the machine is quiet.", style="yellow"))
+    console.print(Group(*lines))

@@ -1,6 +1,6 @@
 """A measurement taken on a busy machine (tracer/hardware/machine_load.py) is not served to later runs: the reading
-itself, the kernel choice saved as provisional and measured again, and `run --remeasure`. The machine's load is
-injected (a Sampler, LLMTRACE_BUSY_SHARE), never made."""
+itself, the kernel choice saved as provisional and measured again, `run --remeasure`, and the roofline's quick
+profile left unsaved. The machine's load is injected (a Sampler, LLMTRACE_BUSY_SHARE), never made."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
 from llmtrace.cli.render_kernels import choice_line
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware import machine_load
 from llmtrace.tracer.hardware.machine_load import BUSY_SHARE_ENV, CpuSample, LoadWatch, others_share, read_sample
@@ -222,3 +223,52 @@ def test_run_help_names_remeasure() -> None:
     text = " ".join(result.output.split())
     assert result.exit_code == 0 and "--remeasure Measure this machine's products for this model again" in text
     assert "and replace the saved choice" in text
+
+
+# ---- the roofline's quick profile ------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def tiny_quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    from llmtrace.tracer.hardware import measure as hardware_measure
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setitem(hardware_measure.QUICK, "cpu",
+                        dict(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20))
+    return tmp_path / "llmtrace" / "hardware.json"
+
+
+def test_a_busy_quick_profile_serves_the_run_and_is_not_saved(tiny_quick: Path, default_share: None) -> None:
+    from llmtrace.tracer.run.roofline_check import this_machine_profile
+
+    busy = this_machine_profile("cpu", FP32, sampler=readings(0.48))
+    assert busy.measured is not None and busy.measured.measurement.others_cpu == pytest.approx(0.48)
+    assert busy.saved_to is None and not tiny_quick.exists()
+    assert busy.not_saved == "other processes took 48% of the CPUs meanwhile; the next run measures again"
+    assert busy.profile.fp32 is not None and busy.profile.fp32 > 0  # this run still has its bound
+    quiet = this_machine_profile("cpu", FP32, sampler=readings(0.02))
+    assert quiet.saved_to == str(tiny_quick) and quiet.not_saved == ""
+    saved = json.loads(tiny_quick.read_text())["measurements"]["this-machine"]
+    assert saved["others_cpu"] == pytest.approx(0.02)
+    assert this_machine_profile("cpu", FP32, sampler=readings(0.9)).measured is None  # served from the file
+
+
+def test_hardware_measure_saves_a_busy_measurement_and_warns(default_share: None) -> None:
+    from rich.console import Console
+
+    from llmtrace.cli.render_hardware import render_measurement
+    from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
+
+    busy = measure_machine(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20,
+                           sampler=readings(0.48))
+    assert busy.others_cpu == pytest.approx(0.48)
+    console = Console(record=True, width=100)
+    render_measurement(console, busy, profile_from_measurement(busy), "/tmp/hardware.json")
+    text = " ".join(console.export_text().split())
+    assert "Warning: other processes took 48% of the CPUs meanwhile, so these ceilings are likely low; measure " \
+           "again when the machine is quiet." in text
+    quiet = measure_machine(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20,
+                            sampler=readings(0.02))
+    console = Console(record=True, width=100)
+    render_measurement(console, quiet, profile_from_measurement(quiet), "/tmp/hardware.json")
+    assert "Warning" not in console.export_text()

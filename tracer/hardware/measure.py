@@ -10,7 +10,9 @@ result into a HardwareProfile (`profile_from_measurement`) and saves it as `this
   STREAM's copy does; a CPU's write-allocate read is not counted, so this is the bandwidth a streaming kernel sees).
 - A ceiling is what the machine can do, so each figure comes from the fastest of `repeats` timed runs after one
   warm-up run (on a shared machine the median mostly measures the neighbours); the median and every timing are
-  kept in the record.
+  kept in the record, with the share of the CPUs other processes took meanwhile (`others_cpu`,
+  tracer/hardware/machine_load.py): a best-of filters short spells of the neighbours, not a build that runs
+  throughout, so `run` does not save a quick measurement taken on a busy machine and `--measure` warns.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from llmtrace.tracer.core.dtypes import BF16, FP32, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.decode_ceilings import this_cpu_name
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
+from llmtrace.tracer.hardware.machine_load import LoadWatch, Sampler
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile
 
 Progress = Callable[[str], None]
@@ -64,6 +67,9 @@ class MachineMeasurement:
     memory_bytes: int
     gemms: tuple[GemmMeasurement, ...]
     copy: CopyMeasurement
+    # The share of the CPUs' time other processes took meanwhile (tracer/hardware/machine_load.py): over its
+    # BUSY_SHARE the ceilings are likely low. None: not read (no /proc/stat)
+    others_cpu: float | None = None
 
 
 def _sync(device: str) -> None:
@@ -144,8 +150,10 @@ def measure_copy(device: str = "cpu", buffer_bytes: int = 256 * 2**20, repeats: 
 
 def measure_machine(dtypes: tuple[DType, ...] = (FP32, BF16), device: str = "cpu", repeats: int = 5,
                     gemm_target_seconds: float = 0.05, gemm_max_n: int | None = None,
-                    copy_bytes: int | None = None, progress: Progress | None = None) -> MachineMeasurement:
-    """Measure GEMM FLOP/s for each of `dtypes` and copy bandwidth on `device` ("cpu" or "cuda")."""
+                    copy_bytes: int | None = None, progress: Progress | None = None,
+                    sampler: Sampler | None = None) -> MachineMeasurement:
+    """Measure GEMM FLOP/s for each of `dtypes` and copy bandwidth on `device` ("cpu" or "cuda"), and how busy
+    other processes kept the CPUs meanwhile (`sampler`: machine_load.read_sample; tests inject readings)."""
     if device not in ("cpu", "cuda"):
         raise BadArgumentError(f"unknown device {device!r}; use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -164,13 +172,14 @@ def measure_machine(dtypes: tuple[DType, ...] = (FP32, BF16), device: str = "cpu
         raise BadArgumentError(f"a copy buffer of {buffer / 2**20:,.0f} MiB needs twice that, more than half of the "
                                f"{memory / 2**30:,.1f} GiB {device} memory here; give a smaller --copy-mib")
     gemms = []
-    for dtype in dtypes:
+    with LoadWatch(sampler) as load:
+        for dtype in dtypes:
+            if progress:
+                progress(f"GEMM {dtype}")
+            gemms.append(measure_gemm(dtype, device, repeats, gemm_target_seconds, max_n))
         if progress:
-            progress(f"GEMM {dtype}")
-        gemms.append(measure_gemm(dtype, device, repeats, gemm_target_seconds, max_n))
-    if progress:
-        progress("copy bandwidth")
-    copy = measure_copy(device, buffer, repeats)
+            progress("copy bandwidth")
+        copy = measure_copy(device, buffer, repeats)
     return MachineMeasurement(
         device=device,
         device_name=_device_name(device),
@@ -179,6 +188,7 @@ def measure_machine(dtypes: tuple[DType, ...] = (FP32, BF16), device: str = "cpu
         memory_bytes=memory,
         gemms=tuple(gemms),
         copy=copy,
+        others_cpu=load.share,
     )
 
 
@@ -189,12 +199,13 @@ QUICK = {"cpu": dict(repeats=5, gemm_target_seconds=0.01, gemm_max_n=512, copy_b
          "cuda": dict(repeats=3, gemm_target_seconds=0.005, gemm_max_n=4096, copy_bytes=512 * 2**20)}
 
 
-def quick_measure_machine(dtypes: tuple[DType, ...], device: str = "cpu",
-                          progress: Progress | None = None) -> MachineMeasurement:
+def quick_measure_machine(dtypes: tuple[DType, ...], device: str = "cpu", progress: Progress | None = None,
+                          sampler: Sampler | None = None) -> MachineMeasurement:
     """measure_machine with QUICK's sizes for `device` ("cpu" or "cuda")."""
     if device not in QUICK:
         raise BadArgumentError(f"no quick measurement for device {device!r}; use cpu or cuda")
-    return measure_machine(dtypes=dtypes, device=device, progress=progress, **QUICK[device])  # type: ignore[arg-type]
+    return measure_machine(dtypes=dtypes, device=device, progress=progress, sampler=sampler,
+                           **QUICK[device])  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,11 +218,12 @@ class QuickMeasurement:
     seconds: float
 
 
-def quick_profile(dtypes: tuple[DType, ...], device: str = "cpu", progress: Progress | None = None) -> QuickMeasurement:
+def quick_profile(dtypes: tuple[DType, ...], device: str = "cpu", progress: Progress | None = None,
+                  sampler: Sampler | None = None) -> QuickMeasurement:
     """quick_measure_machine, as a 'this-machine' profile whose source says how it was measured. Like every
     measurement here, each ceiling is the fastest of the timed runs (see the module docstring)."""
     start = time.perf_counter()
-    result = quick_measure_machine(dtypes, device, progress)
+    result = quick_measure_machine(dtypes, device, progress, sampler)
     seconds = time.perf_counter() - start
     sizes = QUICK[device]
     profile = replace(

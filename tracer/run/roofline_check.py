@@ -3,7 +3,8 @@
 `llmtrace run` ends its summary with this: the run's measured prefill and decode (forward passes only) against
 llmtrace.tracer.roofline.compare's bound, in the dtype the run computed in. The ceilings come from the saved
 'this-machine' profile; when there is none yet, a quick measurement (well under 2 s; llmtrace.tracer.hardware.measure)
-makes and saves one, as `llmtrace hardware --measure` would, and the result says so.
+makes and saves one, as `llmtrace hardware --measure` would, and the result says so; one taken while other processes
+kept the machine busy serves this run and is not saved (tracer/hardware/machine_load.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP32, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import HardwareError, LlmtraceError
+from llmtrace.tracer.hardware.machine_load import Sampler, busy_share, is_busy
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile, get_profile
 from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details, save_measured_profile
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
@@ -46,9 +48,12 @@ class MachineProfile:
     not_saved: str = ""  # why that measurement could not be saved; it still serves
 
 
-def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], None] | None = None) -> MachineProfile:
-    """The saved 'this-machine' profile, or one measured now (quickly, fp32 and `dtype` GEMMs and a copy) and saved.
-    NoProfileForDevice when it cannot serve `device`; HardwareError for an unreadable store."""
+def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], None] | None = None,
+                         sampler: Sampler | None = None) -> MachineProfile:
+    """The saved 'this-machine' profile, or one measured now (quickly, fp32 and `dtype` GEMMs and a copy) and saved
+    unless other processes kept the machine busy meanwhile (tracer/hardware/machine_load.py: then it serves this run
+    only, `not_saved` says why, and the next run measures again). NoProfileForDevice when it cannot serve `device`;
+    HardwareError for an unreadable store. `sampler`: the machine-load reading (tests inject one)."""
     profiles = load_measured_profiles()
     if THIS_MACHINE in profiles:
         details = load_measurement_details(THIS_MACHINE) or {}
@@ -61,7 +66,13 @@ def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], No
                                  "`llmtrace roofline --hardware <your machine>`")
     from llmtrace.tracer.hardware.measure import quick_profile  # torch: only when measuring
 
-    measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress)
+    limit = busy_share()
+    measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress, sampler)
+    others = measured.measurement.others_cpu
+    if is_busy(others, limit):  # its ceilings are likely low: this run's bound, not the machine's for every later one
+        assert others is not None
+        return MachineProfile(measured.profile, measured, None,
+                              f"other processes took {others:.0%} of the CPUs meanwhile; the next run measures again")
     try:
         saved_to, not_saved = str(save_measured_profile(measured.profile, asdict(measured.measurement))), ""
     except HardwareError as exc:  # an unwritable config folder: this run still gets its bound
