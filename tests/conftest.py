@@ -135,8 +135,9 @@ def _native_kernel_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 @pytest.fixture(scope="session")
 def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
                    tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any], Path]:
-    """qtype (gguf.GGMLQuantizationType) -> the tiny LLaMA (dim 64, GQA, untied) written as a GGUF whose matrices gguf
-    quantized to qtype; each file written once per session."""
+    """(qtype, head=None) -> the tiny LLaMA (dim 64, GQA, untied) written as a GGUF whose matrices gguf quantized to
+    qtype (gguf.GGMLQuantizationType), the LM head to `head` when given (the bundled file mixes Q4_1 and a Q8_0 head);
+    each file written once per session."""
     from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
     from llmtrace.tracer.core.config import ModelConfig
@@ -147,10 +148,18 @@ def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
     state = load_hf_state_dict(folder, config)
     made: dict[Any, Path] = {}
 
-    def make(qtype: Any) -> Path:
-        if qtype not in made:
-            path = tmp_path_factory.mktemp(f"quantized-{qtype.name}") / "tiny.gguf"
-            made[qtype] = write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=qtype)
-        return made[qtype]
+    def make(qtype: Any, head: Any = None) -> Path:
+        if (qtype, head) not in made:
+            import gguf
+            import numpy as np
+
+            raw = {} if head is None else {
+                "output.weight": (gguf.quants.quantize(state["output.weight"].float().numpy().astype(np.float32), head),
+                                  head)}
+            name = qtype.name if head is None else f"{qtype.name}-{head.name}-head"
+            path = tmp_path_factory.mktemp(f"quantized-{name}") / "tiny.gguf"
+            made[qtype, head] = write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes),
+                                                matrix_type=qtype, raw_blocks=raw)
+        return made[qtype, head]
 
     return make

@@ -4,6 +4,7 @@ saved choices (round trip, invalidation, damage), the loader's use of them and t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from conftest import fixed_timings
 
-from llmtrace.tracer.core.dtypes import AUTO, FP16, FP32
+from llmtrace.tracer.core.dtypes import AUTO, FP16
 from llmtrace.tracer.core.presets import get_preset
 from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, precise_enough, select, without
@@ -169,19 +170,11 @@ def test_a_mistyped_timing_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.fixture()
-def tiny_q_gguf(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes, sp_vocab_size: int) -> Path:
+def tiny_q_gguf(tiny_quantized: Callable[..., Path]) -> Path:
     """A tiny GGUF whose matrices are Q8_0: fp32 and fp16 are safe for it, bf16 is not."""
     import gguf
-    from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
-    from llmtrace.tracer.model.transformer import random_weights
-
-    config = replace(get_preset("smollm2-135m"), n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                     vocab_size=sp_vocab_size, explicit_head_dim=None, tie_embeddings=False, max_seq_len=256)
-    state = random_weights(config, torch.float32, seed=0)
-    path = tmp_path_factory.mktemp("kq") / "tiny-q8.gguf"
-    return write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes),
-                           matrix_type=gguf.GGMLQuantizationType.Q8_0)
+    return tiny_quantized(gguf.GGMLQuantizationType.Q8_0)
 
 
 def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:

@@ -17,19 +17,16 @@ from conftest import fixed_timings
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
-from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import AUTO, FP16, FP32
 from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, constrained, judge, precision_bits, select
 from llmtrace.tracer.hardware.product_timing import product_shapes, time_kernel, time_kernels
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.gguf_loader import matrix_infos
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
 from llmtrace.tracer.load.stored_weights import all_kernels
 from llmtrace.tracer.model import native_kernel
-from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -250,18 +247,9 @@ def test_a_fake_timer_sees_stored_candidates(tiny: Callable[[Q], Path], monkeypa
 
 
 @pytest.fixture(scope="module")
-def tiny_mixed(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
-               tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_mixed(tiny_quantized: Callable[..., Path]) -> Path:
     """The tiny LLaMA as Q4_1 matrices with a Q8_0 LM head (as the bundled file mixes them)."""
-    import numpy as np
-
-    folder = make_tiny_llama("default")
-    config = ModelConfig.from_hf_json(folder)
-    state = load_hf_state_dict(folder, config)
-    head = gguf.quants.quantize(state["output.weight"].float().numpy().astype(np.float32), Q.Q8_0)
-    path = tmp_path_factory.mktemp("cand-mixed") / "tiny.gguf"
-    return write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=Q.Q4_1,
-                           raw_blocks={"output.weight": (head, Q.Q8_0)})
+    return tiny_quantized(Q.Q4_1, head=Q.Q8_0)
 
 
 def test_a_kernel_per_type_when_no_one_kernel_is_acceptable_for_all(tiny_mixed: Path,

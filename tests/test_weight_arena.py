@@ -14,12 +14,9 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
-from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, pack_matrices
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.weight_arena import ALIGN, HUGE_PAGE, WeightArena
 from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE
-from tests.tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -49,13 +46,8 @@ def test_place_refuses_what_does_not_fit() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_q8(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
-            tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = make_tiny_llama("default")
-    config = ModelConfig.from_hf_json(folder)
-    state = load_hf_state_dict(folder, config)
-    path = tmp_path_factory.mktemp("arena") / "tiny.gguf"
-    return write_tiny_gguf(path, config, state, sentencepiece_vocab(sp_model_bytes), matrix_type=Q.Q8_0)
+def tiny_q8(tiny_quantized: Callable[..., Path]) -> Path:
+    return tiny_quantized(Q.Q8_0)
 
 
 def _mapped_file(address: int) -> str:
