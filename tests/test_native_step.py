@@ -127,6 +127,59 @@ def test_native_step_on_other_block_types(qtype: Q) -> None:
     assert_same_steps(native_model(config, qtype), steps=4)
 
 
+LONG = dataclasses.replace(BASE, max_seq_len=256)  # caches past the attention's 64-position chunks (decode_step.c)
+
+
+def generate_threads(model: Transformer, threads: int, steps: int, prompt: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return generate(model, True, steps, prompt)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("variant", [
+    {"dim": 256, "n_heads": 4, "n_kv_heads": 2},  # D = 64: whole 32-lane pieces of the value rows
+    {"n_heads": 6, "n_kv_heads": 2, "explicit_head_dim": 16},  # GQA repeat 3 (the bundled SmolLM2's)
+    {"n_heads": 8, "n_kv_heads": 2, "explicit_head_dim": 12},  # D = 12: each row's last 8 lanes masked
+    {"n_heads": 8, "n_kv_heads": 1},  # repeat 8: the query heads of one KV head in two groups of 4
+    {"dim": 256, "n_heads": 4, "n_kv_heads": 2, "sliding_window": 100},  # first > 0: 100 keys, two chunks
+])
+def test_long_cache_attention(variant: dict[str, Any]) -> None:
+    """Past 64 cached positions the values' sums run in pieces that two threads share, and scores by position
+    ranges: the logits stay within the torch path's tolerance, and 1 thread's step is 2 threads' bit for bit."""
+    model = native_model(dataclasses.replace(LONG, **variant))
+    native_logits, native_kv = generate_threads(model, 2, steps=3, prompt=150)
+    torch_logits, torch_kv = generate(model, False, steps=3, prompt=150)
+    for got, want in zip(native_logits, torch_logits):
+        assert float((got - want).abs().max()) <= TOLERANCE * float(want.abs().max())
+        assert int(got.argmax()) == int(want.argmax())
+    assert float((native_kv - torch_kv).abs().max()) <= TOLERANCE * float(torch_kv.abs().max())
+    one_logits, one_kv = generate_threads(model, 1, steps=3, prompt=150)
+    assert all(torch.equal(a, b) for a, b in zip(one_logits, native_logits)) and torch.equal(one_kv, native_kv)
+
+
+def test_long_cache_attention_reads_every_key() -> None:
+    """At 150 cached positions every key counts (none skipped at a chunk or thread boundary): poisoning any one of
+    keys 63, 64, 75 (the two threads' boundary) or 149 changes the step."""
+    model = native_model(dataclasses.replace(LONG, dim=256, n_heads=4, n_kv_heads=2))
+    model.setup_cache(1, 160)
+    logits = model.prefill(torch.arange(150).view(1, -1) % 96)  # positions 0..149; the next token is at 150
+    token = logits.argmax(-1, keepdim=True)
+    state = model._kv_all.clone()
+    clean = model.decode_one(token)
+    for row in (0, 63, 64, 75, 149, 150):
+        for half in (0, 2):  # a K head, then a V head (the cache holds K heads then V heads)
+            model._kv_all.copy_(state)
+            model._kv_all[:, 0, half, row] = 1e3 if row < 150 else 0.0  # row 150: rewritten by the step, no change
+            model._pos = 150
+            for cache in model._kv_caches():
+                cache.set_length(150, 1)
+            changed = bool((model.decode_one(token) - clean).abs().max() > 1e-3)
+            assert changed == (row < 150), (row, half)
+
+
 def test_window_keys_outside_it_are_not_read() -> None:
     """Under a sliding window the step reads only the window's keys: poisoning an older cache row changes
     nothing, while poisoning one inside the window does."""

@@ -27,18 +27,18 @@
  * and the LM head (+ bias) into `logits`.
  * Sums run in another order than torch's (so results agree within fp32 summation error, not bit for bit).
  *
- * Threads. Products split their rows with `share` (byte-balanced) and add their own rows' bias; attention splits the
- * query heads; silu*up splits F. Norms, RoPE, the cache write and residual adds are a few thousand values: they run
- * on thread 0 while the others wait at the next barrier (waking them costs more than the work). One barrier per
- * dependency, none per op.
+ * Threads. Products split their rows with `share` (byte-balanced) and add their own rows' bias; attention splits
+ * positions, heads and (KV head, chunk) pieces (its section); silu*up splits F. Norms, RoPE, the cache write and
+ * residual adds are a few thousand values: they run on thread 0 while the others wait at the next barrier (waking
+ * them costs more than the work). One barrier per dependency, none per op.
  *
  * Tracing. With `stamps` not NULL, thread 0 reads CLOCK_MONOTONIC (what Python's time.perf_counter_ns reads on
  * Linux; native_step.py checks) at the step's start and after each stage of the fused path's order
  * (contract.fused_stages: the embedding; per layer attention norm, Q|K|V, RoPE, KV write, scores, softmax, values,
  * wo, residual, FFN norm, gate|up, silu*up, w2, residual; then final norm, LM head), after the barrier that ends a
- * parallel stage. Traced, attention meets at a
- * barrier after its scores and after its softmax too (so each stage's time is the slowest thread's); untraced, each
- * thread runs its heads' three stages back to back. With `stamps` NULL no clock is read.
+ * parallel stage. Attention's three stages each end at a barrier, traced or
+ * not (each splits its own work: the attention section), so each stage's time is the slowest thread's. With `stamps`
+ * NULL no clock is read.
  *
  * Staged (`staged` not 0: `llmtrace run --staged` on a model this step can run). The stages of the staged path
  * (contract.staged_stages, the stage modules of tracer/model/transformer.py) run apart, each its own phase ended by a
@@ -56,6 +56,13 @@
 #include <time.h>
 
 #define LLMT_STEP_ABI 4 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+
+/* the attention's (its section below) */
+#define ATTN_GROUP 4    /* query heads of one KV head processed together (Llama 3 repeats 4; more run in turns) */
+#define ATTN_CHUNK 64   /* positions per piece of the values' sums */
+#ifndef ATTN_PREFETCH
+#define ATTN_PREFETCH 2048 /* bytes ahead of the key and value rows read that are prefetched */
+#endif
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none). */
 typedef struct {
@@ -103,7 +110,9 @@ static int64_t widest_input(const StepPlan *p) {
    all waiting at a barrier for one thread to do it). */
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
-    return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq;
+    const int64_t chunks = (p->max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq +
+           chunks * p->heads * p->head_dim;
 }
 
 static int64_t thread_floats(const StepPlan *p) {
@@ -313,16 +322,160 @@ static void split(int64_t n, int t, int count, int64_t *first, int64_t *last) {
     *last = n * (t + 1) / count;
 }
 
-static void scores_of(const StepPlan *p, const float *q, const float *keys, int64_t seen, float *scores) {
-    const int64_t d = p->head_dim;
-    for (int64_t s = 0; s < seen; s++) scores[s] = dot(q, keys + s * d, d) * p->scale;
+/* ---- attention ---------------------------------------------------------------------------------------------
+ * Per query head: s = (q . k) * scale over the cached keys, p = softmax(s), o = sum_s p[s] v[s]. Query heads that
+ * share a KV head (GQA) run together, up to ATTN_GROUP at a time, so each key and value row is read once for all
+ * of them. Every value a head gets is the same function of its q and the cache whichever group, thread, split or
+ * stage order computes it (the staged step is bit for bit the fused one, 1 thread's step is 2 threads'):
+ * - a score sums q*k in 8 lanes (one fma per 8 of D, the last 8 masked) folded as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
+ *   four positions fold at once (hadd, hadd, the halves), each in its own lanes;
+ * - a value lane is, per chunk of ATTN_CHUNK positions (counted from the first key attended), an fma chain over the
+ *   chunk's positions in order from 0, and the chunks' sums are added in order.
+ * Split between threads evenly (`balanced_*`): scores by positions, softmax by heads, values by (KV head, chunk)
+ * pieces whose sums then meet; a barrier between the three.
+ * Measured (BENCHMARKS.md, "Native step attention"): on a 2-core Zen 4 with the cache in L2/L3 the three take
+ * 0.44 ms a step at 400 keys against 0.68 ms for one dot per position and head, each head apart (split 5/4 by
+ * query heads); streamed from DRAM, as the bundled model's decode step reads them, both take the same time. */
+
+#if LLMT_AVX2
+/* lanes [0, n) all ones, the rest zero (n in 0..8): maskload's mask for a row's last partial 8 */
+static inline __m256i lanes_below(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* the four 8-lane sums of a, b, c, e as (sum a, sum b, sum c, sum e), each folded in the same order */
+static inline __m128 fold4(__m256 a, __m256 b, __m256 c, __m256 e) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, e));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* scores of `n` query heads (rows of d at q + h*d) against keys [0, seen) (rows of d), head h's at
+   scores + h*stride; n a constant where it is inlined, so the accumulators stay in registers */
+static inline __attribute__((always_inline)) void scores_group(const float *q, int n, int64_t d, const float *keys,
+                                                               int64_t seen, float scale, float *scores,
+                                                               int64_t stride) {
+    const __m128 sc = _mm_set1_ps(scale);
+    const int64_t whole = d / 8 * 8;
+    const __m256i tail = lanes_below(d - whole);
+    for (int64_t s = 0; s < seen; s += 4) {
+        const int64_t m = seen - s < 4 ? seen - s : 4; /* positions this round; the rest reread row s, unstored */
+        const float *k0 = keys + s * d, *k1 = m > 1 ? k0 + d : k0, *k2 = m > 2 ? k0 + 2 * d : k0,
+                    *k3 = m > 3 ? k0 + 3 * d : k0;
+        for (int64_t b = 0; b < 4 * d; b += 16) _mm_prefetch((const char *)(k0 + b) + ATTN_PREFETCH, _MM_HINT_T0);
+        __m256 acc[ATTN_GROUP][4];
+        for (int h = 0; h < n; h++)
+            for (int j = 0; j < 4; j++) acc[h][j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const int part = i == whole;
+            const __m256 a0 = part ? _mm256_maskload_ps(k0 + i, tail) : _mm256_loadu_ps(k0 + i),
+                         a1 = part ? _mm256_maskload_ps(k1 + i, tail) : _mm256_loadu_ps(k1 + i),
+                         a2 = part ? _mm256_maskload_ps(k2 + i, tail) : _mm256_loadu_ps(k2 + i),
+                         a3 = part ? _mm256_maskload_ps(k3 + i, tail) : _mm256_loadu_ps(k3 + i);
+            for (int h = 0; h < n; h++) {
+                const __m256 x = part ? _mm256_maskload_ps(q + h * d + i, tail) : _mm256_loadu_ps(q + h * d + i);
+                acc[h][0] = _mm256_fmadd_ps(x, a0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(x, a1, acc[h][1]);
+                acc[h][2] = _mm256_fmadd_ps(x, a2, acc[h][2]);
+                acc[h][3] = _mm256_fmadd_ps(x, a3, acc[h][3]);
+            }
+        }
+        for (int h = 0; h < n; h++) {
+            const __m128 r = _mm_mul_ps(fold4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), sc);
+            if (m == 4) {
+                _mm_storeu_ps(scores + h * stride + s, r);
+            } else {
+                float out[4];
+                _mm_storeu_ps(out, r);
+                for (int64_t j = 0; j < m; j++) scores[h * stride + s + j] = out[j];
+            }
+        }
+    }
+}
+
+/* lanes [i, i + 8*v) of the values of `n` query heads (probabilities at probs + h*stride) over rows [0, seen) of
+   `values` into out + h*d, chunk by chunk (the header); v (1..4) and n constants where inlined; `tail`: the mask
+   of the 8 lanes when v is 1 */
+static inline __attribute__((always_inline)) void values_lanes(const float *probs, int64_t stride, int n, int64_t d,
+                                                               const float *values, int64_t seen, int64_t i, int v,
+                                                               __m256i tail, float *out) {
+    for (int64_t c = 0; c < seen; c += ATTN_CHUNK) {
+        const int64_t end = c + ATTN_CHUNK < seen ? c + ATTN_CHUNK : seen;
+        __m256 acc[ATTN_GROUP][4];
+        for (int h = 0; h < n; h++)
+            for (int j = 0; j < v; j++) acc[h][j] = _mm256_setzero_ps();
+        const float *row = values + c * d + i;
+        for (int64_t s = c; s < end; s++, row += d) {
+            for (int j = 0; j < v; j += 2) _mm_prefetch((const char *)(row + 8 * j) + ATTN_PREFETCH, _MM_HINT_T0);
+            __m256 r[4];
+            for (int j = 0; j < v; j++) r[j] = v == 1 ? _mm256_maskload_ps(row, tail) : _mm256_loadu_ps(row + 8 * j);
+            for (int h = 0; h < n; h++) {
+                const __m256 w = _mm256_broadcast_ss(probs + h * stride + s);
+                for (int j = 0; j < v; j++) acc[h][j] = _mm256_fmadd_ps(w, r[j], acc[h][j]);
+            }
+        }
+        for (int h = 0; h < n; h++)
+            for (int j = 0; j < v; j++) {
+                float *o = out + h * d + i + 8 * j;
+                if (v == 1) {
+                    const __m256 sum = c == 0 ? acc[h][0] : _mm256_add_ps(_mm256_maskload_ps(o, tail), acc[h][0]);
+                    _mm256_maskstore_ps(o, tail, sum);
+                } else {
+                    _mm256_storeu_ps(o, c == 0 ? acc[h][j] : _mm256_add_ps(_mm256_loadu_ps(o), acc[h][j]));
+                }
+            }
+    }
+}
+
+/* lanes [0, d) */
+static inline __attribute__((always_inline)) void values_group(const float *probs, int64_t stride, int n, int64_t d,
+                                                               const float *values, int64_t seen, float *out) {
+    const __m256i all = _mm256_set1_epi32(-1);
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) values_lanes(probs, stride, n, d, values, seen, i, 4, all, out);
+    for (; i < d; i += 8) values_lanes(probs, stride, n, d, values, seen, i, 1, lanes_below(d - i), out);
+}
+#else
+static inline float fold8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+static void scores_group(const float *q, int n, int64_t d, const float *keys, int64_t seen, float scale,
+                         float *scores, int64_t stride) {
+    for (int h = 0; h < n; h++)
+        for (int64_t s = 0; s < seen; s++) {
+            float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t i = 0; i < d; i++) l[i % 8] = fmaf(q[h * d + i], keys[s * d + i], l[i % 8]);
+            scores[h * stride + s] = fold8(l) * scale;
+        }
+}
+
+static void values_group(const float *probs, int64_t stride, int n, int64_t d, const float *values, int64_t seen,
+                         float *out) {
+    for (int h = 0; h < n; h++)
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t c = 0; c < seen; c += ATTN_CHUNK) {
+                float o = 0.0f;
+                for (int64_t s = c; s < seen && s < c + ATTN_CHUNK; s++)
+                    o = fmaf(probs[h * stride + s], values[s * d + i], o);
+                out[h * d + i] = c == 0 ? o : out[h * d + i] + o;
+            }
+}
+#endif
+
+/* max, e^(s - max), their total in 8 lanes, then each times 1/total */
 static void softmax(float *s, int64_t n) {
     float top = s[0];
-    for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;
-    float total = 0.0f;
     int64_t i = 0;
+#if LLMT_AVX2
+    if (n >= 8) {
+        __m256 most = _mm256_loadu_ps(s);
+        for (i = 8; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(s + i));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    }
+#endif
+    for (; i < n; i++) top = s[i] > top ? s[i] : top;
+    float total = 0.0f;
+    i = 0;
 #if LLMT_AVX2
     const __m256 shift = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
@@ -341,13 +494,83 @@ static void softmax(float *s, int64_t n) {
     for (i = 0; i < n; i++) s[i] *= inverse;
 }
 
-static void values_of(const StepPlan *p, const float *probs, const float *values, int64_t seen, float *out) {
-    const int64_t d = p->head_dim;
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t s = 0; s < seen; s++) {
-        const float w = probs[s];
-        const float *v = values + s * d;
-        for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+/* The query heads [lo, hi) in runs of at most ATTN_GROUP that share a KV head: *n heads from *hq, of KV head *g.
+   Returns 0 when none are left. */
+static inline int next_group(int64_t *hq, int64_t *n, int64_t *g, int64_t hi, int64_t rep) {
+    *hq += *n;
+    if (*hq >= hi) return 0;
+    *g = *hq / rep;
+    const int64_t end = (*g + 1) * rep < hi ? (*g + 1) * rep : hi;
+    *n = end - *hq < ATTN_GROUP ? end - *hq : ATTN_GROUP;
+    return 1;
+}
+
+#define FOR_GROUPS(hq, n, g, lo, hi, rep) for (int64_t hq = (lo), n = 0, g = 0; next_group(&hq, &n, &g, (hi), (rep));)
+
+/* `call(c)` for the run's n (1..ATTN_GROUP) with c a constant, so each size gets its own registers */
+#define BY_GROUP_SIZE(n, call)                                                                                       \
+    do {                                                                                                             \
+        switch (n) {                                                                                                 \
+        case 1: call(1); break;                                                                                      \
+        case 2: call(2); break;                                                                                      \
+        case 3: call(3); break;                                                                                      \
+        default: call(4); break;                                                                                     \
+        }                                                                                                            \
+    } while (0)
+
+/* scores of query heads [lo, hi) (q at qkv + hq*D) against `seen` keys from `first`, into scores + hq*S_max */
+static void attention_scores(const StepPlan *p, const float *qkv, const float *keys, int64_t first, int64_t seen,
+                             float *scores, int64_t lo, int64_t hi) {
+    const int64_t d = p->head_dim, rep = p->heads / p->kv_heads;
+    FOR_GROUPS(hq, n, g, lo, hi, rep) {
+        const float *k = keys + g * p->kv_head + first * d;
+#define SCORES(c) scores_group(qkv + hq * d, c, d, k, seen, p->scale, scores + hq * p->max_seq, p->max_seq)
+        BY_GROUP_SIZE(n, SCORES);
+#undef SCORES
+    }
+}
+
+static void attention_softmax(const StepPlan *p, float *scores, int64_t seen, int64_t lo, int64_t hi) {
+    for (int64_t hq = lo; hq < hi; hq++) softmax(scores + hq * p->max_seq, seen);
+}
+
+/* Thread t of `count`'s even shares. Scores: positions [seen*t/count, seen*(t+1)/count) of every head. */
+static void balanced_scores(const StepPlan *p, const float *qkv, const float *keys, int64_t first, int64_t seen,
+                            float *scores, int t, int count) {
+    const int64_t lo = seen * t / count, hi = seen * (t + 1) / count;
+    if (lo < hi) attention_scores(p, qkv, keys, first + lo, hi - lo, scores + lo, 0, p->heads);
+}
+
+/* Values: a run of the (KV head, chunk of ATTN_CHUNK positions) pieces, each for all its query heads, into
+   `pieces` (chunk c's sums of head h at pieces + (c*H + h)*D); at a barrier, each thread adds up its `split` of
+   the heads' chunks in order into `attended`. One chunk: straight into `attended`, no barrier. */
+static void balanced_values(const StepPlan *p, const float *scores, const float *values, int64_t first, int64_t seen,
+                            float *pieces, float *attended, int t, int count) {
+    const int64_t d = p->head_dim, heads = p->heads, rep = heads / p->kv_heads;
+    const int64_t chunks = (seen + ATTN_CHUNK - 1) / ATTN_CHUNK, units = p->kv_heads * chunks;
+    float *out = chunks == 1 ? attended : pieces;
+    for (int64_t u = units * t / count; u < units * (t + 1) / count; u++) {
+        const int64_t g = u / chunks, c = u % chunks, from = c * ATTN_CHUNK;
+        const int64_t rows = from + ATTN_CHUNK < seen ? ATTN_CHUNK : seen - from;
+        const float *v = values + g * p->kv_head + (first + from) * d;
+        FOR_GROUPS(hq, n, kv, g * rep, (g + 1) * rep, rep) {
+            (void)kv;
+#define VALUES(k) values_group(scores + hq * p->max_seq + from, p->max_seq, k, d, v, rows, out + (c * heads + hq) * d)
+            BY_GROUP_SIZE(n, VALUES);
+#undef VALUES
+        }
+    }
+    if (chunks == 1) return;
+    barrier();
+    int64_t lo, hi;
+    split(heads, t, count, &lo, &hi);
+    for (int64_t hq = lo; hq < hi; hq++) {
+        float *o = attended + hq * d;
+        memcpy(o, pieces + hq * d, sizeof(float) * (size_t)d);
+        for (int64_t c = 1; c < chunks; c++) {
+            const float *piece = pieces + (c * heads + hq) * d;
+            for (int64_t i = 0; i < d; i++) o[i] = o[i] + piece[i];
+        }
     }
 }
 
@@ -386,7 +609,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     int team = threads < 1 ? 1 : threads;
     if (llmt_step_scratch_floats(plan, team) > plan->scratch_floats) return STEP_SCRATCH;
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, d = plan->head_dim;
-    const int64_t ffn = plan->ffn_dim, rep = heads / kv_heads, seen = position + 1 - first;
+    const int64_t ffn = plan->ffn_dim, seen = position + 1 - first;
     const int64_t q_rows = heads * d, kv_rows = kv_heads * d; /* Q|K|V's row blocks */
     float *embedding = plan->scratch;               /* (dim,) the token's row */
     float *branch = embedding + dim;                /* (dim,) wo's or w2's output */
@@ -394,7 +617,9 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     float *attended = qkv + (heads + 2 * kv_heads) * d; /* (H*D,) */
     float *gate_up = attended + heads * d;          /* (2F,) */
     float *scores = gate_up + 2 * ffn;              /* (H, S_max) */
-    float *own = (float *)(((uintptr_t)(scores + heads * plan->max_seq) + 63) & ~(uintptr_t)63);
+    float *pieces = scores + heads * plan->max_seq; /* (S_max/ATTN_CHUNK, H, D) the values' sums per chunk */
+    float *own = (float *)(((uintptr_t)(pieces + (plan->max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK * heads * d) + 63) &
+                           ~(uintptr_t)63);
     const int traced = stamps != NULL;
     if (traced) stamps[0] = now_ns();
     embed(plan, token, embedding);
@@ -435,15 +660,11 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                         memcpy(keys + g * plan->kv_head + position * d, qkv + (heads + g) * d,
                                sizeof(float) * (size_t)d);
                 END_STAGE();
-                for (int64_t hq = head_first; hq < head_last; hq++)
-                    scores_of(plan, qkv + hq * d, keys + (hq / rep) * plan->kv_head + first * d, seen,
-                              scores + hq * plan->max_seq);
+                balanced_scores(plan, qkv, keys, first, seen, scores, t, count);
                 END_STAGE();
-                for (int64_t hq = head_first; hq < head_last; hq++) softmax(scores + hq * plan->max_seq, seen);
+                attention_softmax(plan, scores, seen, head_first, head_last);
                 END_STAGE();
-                for (int64_t hq = head_first; hq < head_last; hq++)
-                    values_of(plan, scores + hq * plan->max_seq, values + (hq / rep) * plan->kv_head + first * d,
-                              seen, attended + hq * d);
+                balanced_values(plan, scores, values, first, seen, pieces, attended, t, count);
                 END_STAGE();
                 product(layer->wo, attended, xs, layer->bo, branch, t, count);
                 END_STAGE();
@@ -476,26 +697,13 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 STAMP();
             }
             barrier();
-            if (traced) {
-                for (int64_t hq = head_first; hq < head_last; hq++)
-                    scores_of(plan, qkv + hq * d, keys + (hq / rep) * plan->kv_head + first * d, seen,
-                              scores + hq * plan->max_seq);
-                barrier();
-                if (t == 0) STAMP();
-                for (int64_t hq = head_first; hq < head_last; hq++) softmax(scores + hq * plan->max_seq, seen);
-                barrier();
-                if (t == 0) STAMP();
-                for (int64_t hq = head_first; hq < head_last; hq++)
-                    values_of(plan, scores + hq * plan->max_seq, values + (hq / rep) * plan->kv_head + first * d,
-                              seen, attended + hq * d);
-            } else {
-                for (int64_t hq = head_first; hq < head_last; hq++) {
-                    float *s = scores + hq * plan->max_seq;
-                    scores_of(plan, qkv + hq * d, keys + (hq / rep) * plan->kv_head + first * d, seen, s);
-                    softmax(s, seen);
-                    values_of(plan, s, values + (hq / rep) * plan->kv_head + first * d, seen, attended + hq * d);
-                }
-            }
+            balanced_scores(plan, qkv, keys, first, seen, scores, t, count);
+            barrier();
+            if (t == 0) STAMP();
+            attention_softmax(plan, scores, seen, head_first, head_last);
+            barrier();
+            if (t == 0) STAMP();
+            balanced_values(plan, scores, values, first, seen, pieces, attended, t, count);
             barrier();
             if (t == 0) STAMP();
             product(layer->wo, attended, xs, layer->bo, branch, t, count);
