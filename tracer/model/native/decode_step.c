@@ -333,9 +333,8 @@ static void split(int64_t n, int t, int count, int64_t *first, int64_t *last) {
  *   chunk's positions in order from 0, and the chunks' sums are added in order.
  * Split between threads evenly (`balanced_*`): scores by positions, softmax by heads, values by (KV head, chunk)
  * pieces whose sums then meet; a barrier between the three.
- * Measured (BENCHMARKS.md, "Native step attention"): on a 2-core Zen 4 with the cache in L2/L3 the three take
- * 0.44 ms a step at 400 keys against 0.68 ms for one dot per position and head, each head apart (split 5/4 by
- * query heads); streamed from DRAM, as the bundled model's decode step reads them, both take the same time. */
+ * Measured (BENCHMARKS.md, "Native step attention"): faster than one dot per position and head only while the cache
+ * is in L2/L3; streamed from DRAM, as the bundled model's decode step reads it, the bytes set the time. */
 
 #if LLMT_AVX2
 /* lanes [0, n) all ones, the rest zero (n in 0..8): maskload's mask for a row's last partial 8 */
