@@ -130,7 +130,9 @@ def test_native_step_on_other_block_types(qtype: Q) -> None:
 LONG = dataclasses.replace(BASE, max_seq_len=256)  # caches past the attention's 64-position chunks (decode_step.c)
 
 
-def generate_threads(model: Transformer, threads: int, steps: int, prompt: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def generate_threads(model: Transformer, threads: int, steps: int,
+                     prompt: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`generate` natively on `threads` threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
