@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.model.edit_watch import CountingDict
 from llmtrace.tracer.model.transformer import Transformer, TransformerBlock, build_random_model
 
@@ -263,6 +264,29 @@ def test_live_kv_bytes_are_every_cache_s_whatever_path_ran(window: int | None) -
     model.layers[1].attention.kv_cache.length = 2  # by hand, between steps: no longer what the formula assumes
     model.layers[0].ffn_norm.weight = nn.Parameter(torch.ones(CONFIG.dim))  # an edit: the sum is taken again
     assert model.kv_live_bytes == sum(cache.live_bytes for cache in model._kv_caches())
+
+
+@torch.no_grad()
+def test_step_checks_take_the_cache_size_from_the_plan_only_while_the_tree_is_unchanged() -> None:
+    """Transformer._cached_step reads the cache's size and batch from the plan's plain values: the same refusals as
+    the caches' own, and after a cache is replaced the caches themselves are asked again."""
+    model = build_random_model(CONFIG, seed=3)
+    model.setup_cache(2, 5)
+    assert model._fused_plan.max_seq == 5
+    model.prefill(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(BadArgumentError, match="batch size changed from 1 to 2 mid-sequence"):
+        model.decode_one(torch.tensor([[4], [5]]))
+    with pytest.raises(BadArgumentError, match=r"\(B, 1\)"):
+        model.decode_one(torch.tensor([4]))  # 1-D: refused, not an IndexError
+    model.decode_one(torch.tensor([[4]]))
+    model.decode_one(torch.tensor([[5]]))
+    with pytest.raises(BadArgumentError, match="5 cached \\+ 1 new tokens exceed the cache of 5 positions"):
+        model.decode_one(torch.tensor([[6]]))
+    assert model.pos == 5 and model.kv_live_bytes == sum(c.live_bytes for c in model._kv_caches())
+    model.layers[0].attention.kv_cache.kv = None  # a replaced buffer: the plan no longer describes the caches
+    model.reset_cache()
+    with pytest.raises(BadArgumentError, match="KV cache is not set up"):
+        model.prefill(torch.tensor([[1, 2, 3]]))
 
 
 def test_the_norm_weights_are_one_vector_whose_version_the_plan_reads() -> None:

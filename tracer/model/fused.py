@@ -231,6 +231,13 @@ class FusedPlan:
             and c.kv.shape == kv_all[i].shape for i, c in enumerate(self.caches))
         self.kv_rows = kv_all.select(1, 0) if shared and self.caches else None
         self.window = self.caches[0].window if self.caches else None
+        # The caches' size in plain values, for the checks before every step (Transformer._cached_step) and the
+        # step record's live bytes (`kv_live_bytes`): a cache module's attributes and tensor getters cost ~20-35 us
+        # each right after a step. They hold while the module tree is unchanged (`tree_unchanged`).
+        self.max_seq = self.caches[0].max_seq if self.caches else 0
+        kv = self.caches[0].kv if self.caches else None
+        self.position_bytes = 0 if kv is None else (
+            len(self.caches) * 2 * self.caches[0].n_kv_heads * self.caches[0].head_dim * kv.element_size())
         # Parameters must stay the same objects, unmodified in place (their version counters); buffers (the KV
         # caches, written every step) and modules the same objects. `valid` compares all of them (in C loops:
         # map/all); `unchanged`, before every step, only what the model's edit counter cannot see (edit_watch.py).
@@ -283,6 +290,15 @@ class FusedPlan:
     def tree_unchanged(self) -> bool:
         """Nothing in the model's module tree replaced, added or wrapped since it last matched the plan (`valid`)."""
         return self._edits.generation == self._matched
+
+    def kv_live_bytes(self) -> int:
+        """Bytes of K and V attention can still read, over every layer, when the layers' caches are one tensor's
+        slices (`kv_rows`) and the tree is unchanged: then every layer's cache holds the same positions and
+        sequences as the first's (a step writes all or, failing, none), so that is layers x its live bytes
+        (KVCache.live_bytes), from its plain values."""
+        cache = self.cache_dicts[0]
+        held = cache["length"] if self.window is None else min(cache["length"], self.window)
+        return self.position_bytes * cache["batch"] * held
 
     def unchanged(self, model: Any) -> bool:
         """`valid` in O(1) of the model's size while nothing in its module tree was replaced or wrapped since the

@@ -405,12 +405,12 @@ class Transformer(ForwardWatched):
         """Bytes of K and V attention can still read, over every layer. Between steps every layer's cache holds the
         same positions and sequences (a step writes all or, failing, none), so when every cache is a slice of one
         tensor (the same heads, head dim and dtype) and none was replaced since (the fused plan's edit counter),
-        that is layers x one cache's: one cache read instead of ~30 cold ones a step (~60 us)."""
-        caches = self._kv_caches()
+        that is layers x one cache's, from the plan's plain values (FusedPlan.kv_live_bytes): no cache module or
+        tensor touched, where ~30 cold cache reads took ~60 us a step and one still took ~30 us."""
         plan = self._fused_plan
-        if plan is not None and plan.kv_rows is not None and plan.tree_unchanged() and caches:
-            return len(caches) * caches[0].live_bytes
-        return sum(cache.live_bytes for cache in caches)
+        if plan is not None and plan.kv_rows is not None and plan.caches and plan.tree_unchanged():
+            return plan.kv_live_bytes()
+        return sum(cache.live_bytes for cache in self._kv_caches())
 
     def _ensure_rope(self, length: int) -> None:
         """Share one cos/sin table of at least `length` positions among every layer's RotaryEmbedding."""
@@ -459,24 +459,35 @@ class Transformer(ForwardWatched):
 
     def decode_one(self, tokens: torch.Tensor) -> torch.Tensor:
         """One new token per sequence, tokens (B, 1), at position `pos`; logits (B, V)."""
-        if tokens.shape[1] != 1:
-            raise BadArgumentError(f"decode_one takes tokens of shape (B, 1), got {tuple(tokens.shape)}")
-        return self._cached_step(tokens)
+        shape = tokens.shape
+        if len(shape) != 2 or shape[1] != 1:
+            raise BadArgumentError(f"decode_one takes tokens of shape (B, 1), got {tuple(shape)}")
+        return self._cached_step(tokens, shape)
 
-    def _cached_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        caches = self._kv_caches()
-        kv_cache = caches[0] if caches else None
-        if kv_cache is None or not kv_cache.is_allocated:
-            raise BadArgumentError("the KV cache is not set up; call setup_cache(max_batch, max_seq) first")
-        batch, new = tokens.shape
+    def _cached_step(self, tokens: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
+        """One cached step of tokens (B, T) (`shape`: theirs, when the caller read it). Everything it reads before
+        the step is cold (the last step streamed the weights): tens of us per nn.Module lookup or torch getter, so
+        while the fused plan still describes the module tree (its edit counter), the caches' size comes from the
+        plan's plain values instead of the caches' modules and tensors."""
+        plan = self._fused_plan
+        if plan is not None and plan.caches and plan.tree_unchanged():
+            # the caches the plan was made over: allocated by setup_cache, none replaced since
+            max_seq, cached_batch = plan.max_seq, plan.cache_dicts[0]["batch"]
+        else:
+            caches = self._kv_caches()
+            kv_cache = caches[0] if caches else None
+            if kv_cache is None or not kv_cache.is_allocated:
+                raise BadArgumentError("the KV cache is not set up; call setup_cache(max_batch, max_seq) first")
+            max_seq, cached_batch = kv_cache.max_seq, kv_cache.batch
+        batch, new = tokens.shape if shape is None else shape
         start = self._pos
-        if start + new > kv_cache.max_seq:
+        if start + new > max_seq:
             raise BadArgumentError(
-                f"{start} cached + {new} new tokens exceed the cache of {kv_cache.max_seq} positions; "
+                f"{start} cached + {new} new tokens exceed the cache of {max_seq} positions; "
                 "set up a longer cache or ask for fewer tokens"
             )
-        if start and batch != kv_cache.batch:
-            raise BadArgumentError(f"batch size changed from {kv_cache.batch} to {batch} mid-sequence; reset the cache")
+        if start and batch != cached_batch:
+            raise BadArgumentError(f"batch size changed from {cached_batch} to {batch} mid-sequence; reset the cache")
         staged = False  # the stage-by-stage path sets every layer's pad mask; only then is there one to clear
         try:
             fused = self.fusable()
@@ -509,14 +520,15 @@ class Transformer(ForwardWatched):
                         logits = self.logits(x)  # (B, V)
         except BaseException:
             # A failure (or Ctrl-C) mid-pass must not leave some layers' caches one step ahead of the others.
-            for cache in caches:
+            for cache in self._kv_caches():
                 cache.length = start
             raise
         finally:
             if staged:
                 for layer in self.layers:
                     layer.attention.scores.pad_mask = None
-        self._pos = start + new
+        # a plain attribute: written past nn.Module.__setattr__ (its parameter, buffer and module checks: ~35 us cold)
+        self.__dict__["_pos"] = start + new
         return logits
 
     def _pad_step(self, index: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
