@@ -176,6 +176,11 @@ class NativeStep:
         self.stamp_count = stamp_count(len(layers), staged=False)
         self.staged_stamp_count = stamp_count(len(layers), staged=True)
         self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
+        # Where the rope tables and the stamps live, read once like every other address the plan holds: a tensor's
+        # data_ptr() costs ~10 us right after a step has streamed the weights (FusedPlan.native_off_reason checks
+        # that the plan's tables are still these tensors before every step).
+        self._cos_address, self._sin_address = self.cos.data_ptr(), self.sin.data_ptr()
+        self._stamps_address = self._stamps.data_ptr()
         self._taken = 0  # readings the last traced step left
         self._threads = 0
         self._ensure_scratch(torch.get_num_threads())
@@ -233,8 +238,8 @@ class NativeStep:
         row = position * self.head_dim * 4  # bytes into the (S_max, 1, D) tables
         # Until this step succeeds there are no readings: the buffer holds the last step's, or part of this one's.
         self._taken = 0
-        status = self._step(self._address, token, self.cos.data_ptr() + row, self.sin.data_ptr() + row,
-                            position, first, logits.data_ptr(), self._stamps.data_ptr() if stamps else None, threads,
+        status = self._step(self._address, token, self._cos_address + row, self._sin_address + row,
+                            position, first, logits.data_ptr(), self._stamps_address if stamps else None, threads,
                             int(staged))
         if status:
             raise native_kernel.NativeKernelError(f"the native decode step failed: {_STATUS.get(status, status)}")
