@@ -30,7 +30,7 @@ from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
-from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, float32_numpy
+from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
@@ -128,6 +128,7 @@ class Generation:
         self.origin_ns = time.perf_counter_ns()
         param = self.model.norm.weight  # dense, in the compute dtype (stored matrices are meta placeholders)
         self.device = param.device
+        self._on_cpu = self.device.type == "cpu"  # read once: a torch.device's attribute costs ~10 us after a step
         self.dtype = param.dtype
         self._sync = device_synchronizer(self.device)
         # "auto" traces the path the model takes (the fused one, unless something else watches its modules);
@@ -385,7 +386,7 @@ class Generation:
         nested list and dispatches a copy, tens of microseconds right after a model step has evicted the caches
         (bench_token_overhead). A decode step's one id is written into the run's one (1, 1) tensor, made once: the
         model reads its ids during the step and keeps no reference to them."""
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             return torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
         if len(ids) != 1:
             return torch.from_numpy(np.array([ids], dtype=np.int64))  # (1, T); a fresh array: nothing aliases it
@@ -528,6 +529,8 @@ def _sampling_record(result: Any) -> SamplingRecord | None:
 
 def _active_filters(result: Any) -> tuple[str, ...]:
     """The sampling steps that changed anything, in the order they ran (SampleResult.active_steps)."""
+    if type(result) is SampleResult:  # the Sampler's own: a tuple of STEP_ORDER's names already
+        return result.active_steps
     return tuple(str(step) for step in getattr(result, "active_steps", ()))
 
 
