@@ -295,7 +295,10 @@ class Sampler:
         else:
             scaled = np.divide(penalised, np.float32(p.temperature), out=scratch.scaled) \
                 if p.temperature != 1 else penalised
-            scaled_max = float(scaled.max())
+            if penalised is raw:  # x -> x / T (T > 0) rounds monotonically: the max is the raw max's quotient, in fp32
+                scaled_max = float(np.float32(raw_max) / np.float32(p.temperature))
+            else:
+                scaled_max = float(scaled.max())
             tempered = native.softmax(scaled, scaled_max) if native is not None \
                 else _softmax(scaled, scaled_max, scratch)  # the raw one's scratch arrays: it is done with them
         scaled_lse = tempered.lse
