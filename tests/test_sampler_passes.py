@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_top import DRAW_BLOCK, SOFTMAX_WEIGHT_ERROR, SamplerPasses, sampler_passes
+from llmtrace.tracer.model.native_top import DRAW_BLOCK, MAX_COUNT, SOFTMAX_WEIGHT_ERROR, SamplerPasses, sampler_passes
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,28 @@ def test_counts_and_ranks_settle_ties_by_index(passes: SamplerPasses) -> None:
         assert passes.rank_of(x, index) == rank[index]
     for threshold in (-np.inf, -1.0, 0.0, 0.25, 100.0):
         assert passes.count_at_least(x, threshold) == int(np.count_nonzero(x >= threshold))
+
+
+TOP_P_CASES = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.5, top_p=0.99),
+               dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
+               dict(temperature=2.0, top_k=400, top_p=0.99)]
+
+
+def test_top_p_s_first_fetch_changes_no_figure(passes: SamplerPasses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under top-p with the C passes the sampler first fetches native top_values' most (MAX_COUNT) tokens, not
+    _PREFIX: the nucleus fetches 16x more while it reaches past them, so every figure (token, ranks, counts,
+    probabilities, entropies) is the one the longer first fetch gives, for nuclei of one token to thousands."""
+    from llmtrace.tracer.run import sampling
+
+    rng = np.random.default_rng(7)
+    rows = [(rng.normal(size=5000) * scale).astype(np.float32) for scale in (8.0, 3.0, 1.0, 0.2)]
+    nuclei = []
+    for case in TOP_P_CASES:
+        results = {}
+        for first in (MAX_COUNT, sampling._PREFIX):
+            monkeypatch.setattr(sampling, "MAX_COUNT", first)  # _PREFIX: past top_values' limit, numpy's selection
+            sampler = sampling.Sampler(sampling.SamplingParams(seed=3, **case))
+            results[first] = [sampler.sample(x, [1, 2, 3]) for x in rows for _ in range(3)]
+        assert results[sampling._PREFIX] == results[MAX_COUNT], case
+        nuclei += [r.n_after_top_p for r in results[MAX_COUNT]]
+    assert min(nuclei) == 1 and any(MAX_COUNT < n <= sampling._PREFIX for n in nuclei) and max(nuclei) > 1000
