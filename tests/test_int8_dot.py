@@ -125,13 +125,14 @@ def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
         assert torch.isnan(weight(x[1:])).all()  # the one-row kernel too
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_threads_and_uneven_splits_give_the_same_sums(qtype: Q, native: None) -> None:
     """Each output is one thread's sum in one order: 1 and 2 threads agree bit for bit, whatever the split."""
-    x = torch.randn(5, 576)
+    cols = 576 if gguf.GGML_QUANT_SIZES[qtype][0] == 32 else 1024
+    x = torch.randn(5, cols)
     for rows in (1, 3, 301):
-        raw = random_blocks(qtype, rows, 576, np.random.default_rng(rows))
-        weight = pack_gguf(raw, int(qtype), 576, I8DOT)
+        raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
+        weight = pack_gguf(raw, int(qtype), cols, I8DOT)
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -140,8 +141,34 @@ def test_threads_and_uneven_splits_give_the_same_sums(qtype: Q, native: None) ->
             two = (weight(x[:1]), weight(x))
         finally:
             torch.set_num_threads(before)
-        # decode takes rows eight at a time and the rest one by one, prefill tiles them: both differ with the split
+        # decode takes rows eight (Q4_0/Q4_1) or four (K-quants) at a time and the rest one by one, prefill tiles
+        # them (Q4_0/Q4_1): both differ with the split
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_k_quant_rows_taken_together_and_alone_give_the_same_bits(qtype: Q, native: None) -> None:
+    """The K-quants' decode takes a thread's rows four at a time (I8_K_ROWS, sharing x) and the rest one by one, and
+    prefill asks for the one-row kernel: a row's value must not depend on which. 13 rows (three groups of four, then
+    one alone; 1 and 2 threads) against each row as a matrix of its own (alone) and within a prefill: the same bits."""
+    cols, rows = 3 * 256, 13
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    weight = pack_gguf(raw, int(qtype), cols, I8DOT)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5)) * 2
+    alone = torch.cat([pack_gguf(raw[r : r + 1], int(qtype), cols, I8DOT)(x[:1]) for r in range(rows)], dim=1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            decode, prefill = weight(x[:1]), weight(x)
+            assert torch.equal(decode, alone), (decode - alone).abs().max()
+            assert torch.equal(prefill[:1], decode)
+    finally:
+        torch.set_num_threads(before)
+    _check(weight, raw, qtype, x[:1])
 
 
 def test_row_blocks_of_both_kernels_multiply_in_one_call(native: None) -> None:
@@ -218,3 +245,22 @@ def test_the_portable_build_computes_the_same_math(portable_build: None) -> None
         weight = pack_gguf(raw, int(qtype), cols, I8DOT)
         for tokens in (1, 2):
             _check(weight, raw, qtype, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))
+
+
+def test_the_build_without_vnni_gives_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    native: None) -> None:
+    """The K-quant kernels' integer dot products are one vpdpbusd with AVX-512 VNNI, maddubs + madd without: the same
+    integers, so the library built with -mno-avx512vnni gives every row the same bits (where the compiler takes it)."""
+    raws = {qtype: random_blocks(qtype, 9, 512, np.random.default_rng(int(qtype))) for qtype in K_QUANTS}
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
+    with_vnni = {qtype: pack_gguf(raw, int(qtype), 512, I8DOT)(x[:1]) for qtype, raw in raws.items()}
+    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
+    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-march=native", "-mno-avx512vnni", "-fopenmp"),))
+    native_kernel.reset()
+    try:
+        if not native_kernel.available():
+            pytest.skip(f"no -mno-avx512vnni build here: {native_kernel.unavailable_reason()}")
+        for qtype, raw in raws.items():
+            assert torch.equal(pack_gguf(raw, int(qtype), 512, I8DOT)(x[:1]), with_vnni[qtype]), qtype.name
+    finally:
+        native_kernel.reset()

@@ -460,75 +460,163 @@ static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const u
     for (int64_t r = first; r < last; r++) out[r] = i8_q32_row(type, w + r * stride, n_blocks, x);
 }
 
-/* Q4_K, Q5_K: per 32-value sub-block s, (d*sc_s) * sum(c*q) * d_x - (dmin*m_s) * s_x */
-static inline float i8_k45_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
-    const int64_t bytes = type == Q4_K ? 144 : 176;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float mins = 0.0f;
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = row + b * bytes;
-        for (int line = 0; line < bytes; line += 64) prefetch(blk + line);
-        const __m128 dd = _mm_cvtph_ps(load_u32(blk));
-        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
-        const uint8_t *qs = type == Q4_K ? blk + 16 : blk + 48;
-        const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        const XBlock *xb = x + 8 * b;
-        for (int p = 0; p < 4; p++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            if (type == Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p)), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
-            }
-            uint8_t sc0, m0, sc1, m1;
-            scale_min_k4(blk + 4, 2 * p, &sc0, &m0);
-            scale_min_k4(blk + 4, 2 * p + 1, &sc1, &m1);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps((d * (float)sc0) * xb[2 * p].d), dot_us(lo, xcodes(xb + 2 * p)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps((d * (float)sc1) * xb[2 * p + 1].d),
-                                   dot_us(hi, xcodes(xb + 2 * p + 1)), acc1);
-            mins += (dmin * (float)m0) * xb[2 * p].s + (dmin * (float)m1) * xb[2 * p + 1].s;
-        }
-    }
-    return hsum(_mm256_add_ps(acc0, acc1)) - mins;
+/* ---- K-quants (256-value super-blocks), one activation row: several rows of W at a time ---------------------- */
+
+/* src + per int32 lane the sum of 4 neighbouring products of unsigned bytes u and signed bytes s: one vpdpbusd
+   with AVX-512 VNNI, else maddubs + madd + add. The same integers either way while maddubs' int16 pair sums do not
+   saturate: here u <= 63 and |s| <= 127, 2 * 63 * 127 < 2^15. */
+static inline __m256i dot4_add(__m256i src, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(src, u, s);
+#else
+    return _mm256_add_epi32(src, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
 }
 
-/* Q6_K: per 16 values (d*sc) * sum(c*q) * d_x, c = 6 bits - 32 */
-static inline float i8_q6k_row(const uint8_t *row, int64_t n_blocks, const XBlock *x) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+/* x's scales d (lanes 0-7: blocks xb[at[j] / 10]) and s, gathered (XBlock: 10 floats) */
+static inline void x_scales(const XBlock *xb, __m256i at, __m256 *d, __m256 *s) {
+    *d = _mm256_i32gather_ps(&xb->d, at, 4);
+    *s = _mm256_i32gather_ps(&xb->s, at, 4);
+}
+
+/* byte i: 0x10 where bit j of byte i of qh is set (Q5_K's fifth bit of sub-block j) */
+static inline __attribute__((always_inline)) __m256i k5_bit(__m256i qh, int j) {
+    const __m256i bit = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j)));
+    return j < 4 ? _mm256_slli_epi16(bit, 4 - j) : _mm256_srli_epi16(bit, j - 4);
+}
+
+/* How many rows of W the K-quant kernels take at a time, sharing x's codes and scales. */
+#ifndef I8_K_ROWS
+#define I8_K_ROWS 4
+#endif
+
+/* Q4_K, Q5_K: `rows` rows of W (at w, w + stride, ...) times one activation row, into out[0..rows). Per row and
+   32-value sub-block j: acc[j & 1] += ((d*sc_j) * d_x) * sum(c*q) in 8 lanes of 4 products each; per super-block
+   mins += (dmin*m_j) * s_x + (dmin*m_j+1) * s_x for j = 0, 2, 4, 6; result hsum(acc0 + acc1) - mins. The scales and
+   mins of a super-block are unpacked (k4_scales) and multiplied in one vector each (the same fp32 products as one at a time:
+   one multiply per value, in the same order), so a row's value is bit for bit the same whatever `rows`, the
+   thread split or the build (AVX2 or AVX-512 VNNI): the integer sums are exact. Rows share x's loads and
+   scales; the prefetch runs I8_AHEAD ahead along the rows' run of memory (as i8_q4_rows8). */
+static inline __attribute__((always_inline)) void i8_k45_rows(int type, int rows, const uint8_t *w, int64_t stride,
+                                                              int64_t n_blocks, const XBlock *x, float *out) {
+    const int64_t bytes = type == Q4_K ? 144 : 176;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i at = _mm256_setr_epi32(0, 10, 20, 30, 40, 50, 60, 70);
+    __m256 acc0[I8_K_ROWS], acc1[I8_K_ROWS];
+    float mins[I8_K_ROWS];
+    for (int i = 0; i < rows; i++) {
+        acc0[i] = acc1[i] = _mm256_setzero_ps();
+        mins[i] = 0.0f;
+    }
     for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = row + b * 210;
-        for (int line = 0; line < 210; line += 64) prefetch(blk + line);
-        const __m128i d16 = _mm_cvtsi32_si128(blk[208] | (blk[209] << 8)); /* d ends the block: read no further */
-        const float d = _mm_cvtss_f32(_mm_cvtph_ps(d16));
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        for (int half = 0; half < 2; half++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)),
+        const int64_t from = b * bytes;
+        const uint8_t *ahead = w + I8_AHEAD + rows * from;
+        for (int line = 0; line < rows * bytes; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        const XBlock *xb = x + 8 * b;
+        __m256 xd, xs;
+        x_scales(xb, at, &xd, &xs);
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *blk = w + i * stride + from;
+            const __m128 dd = _mm_cvtph_ps(load_u32(blk));
+            uint64_t sc8, m8; /* the eight scales and mins as bytes (gguf_matmul.c's k4_scales), widened to fp32 */
+            k4_scales(blk + 4, &sc8, &m8);
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
+            const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
+            const __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_broadcastss_ps(dd), sc), xd);
+            const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m), xs);
+            const __m256 pairs = _mm256_add_ps(t, _mm256_permute_ps(t, 0xB1)); /* lane 2p: t_2p + t_2p+1 */
+            const uint8_t *qs = type == Q4_K ? blk + 16 : blk + 48;
+            const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                if (type == Q5_K) {
+                    lo = _mm256_or_si256(lo, k5_bit(qh, 2 * p));
+                    hi = _mm256_or_si256(hi, k5_bit(qh, 2 * p + 1));
+                }
+                const __m256 p0 = _mm256_cvtepi32_ps(dot4_add(zero, lo, xcodes(xb + 2 * p)));
+                const __m256 p1 = _mm256_cvtepi32_ps(dot4_add(zero, hi, xcodes(xb + 2 * p + 1)));
+                acc0[i] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(a, _mm256_set1_epi32(2 * p)), p0, acc0[i]);
+                acc1[i] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(a, _mm256_set1_epi32(2 * p + 1)), p1, acc1[i]);
+            }
+            const __m128 low = _mm256_castps256_ps128(pairs), high = _mm256_extractf128_ps(pairs, 1);
+            mins[i] += _mm_cvtss_f32(low);
+            mins[i] += _mm_cvtss_f32(_mm_movehl_ps(low, low));
+            mins[i] += _mm_cvtss_f32(high);
+            mins[i] += _mm_cvtss_f32(_mm_movehl_ps(high, high));
+        }
+    }
+    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc0[i], acc1[i])) - mins[i];
+}
+
+/* Q6_K: `rows` rows of W times one activation row. Per row, 16 values at a time, (d*sc) * d_x times the sum of
+   c*q with c = 6 bits - 32, summed per int32 lane as sum(u*q) - 32 * sum(q) (u the unsigned 6 bits: the same
+   integer; x's -32 * sum(q) per lane computed once for all the rows); the 16 scales converted and multiplied in two
+   vectors. Sub-block j of half h: lanes 0-3 (values 0-15) scale sc[8h+2j], lanes 4-7 sc[8h+2j+1]; even j into acc0,
+   odd into acc1; result hsum(acc0 + acc1), bit for bit the same whatever `rows` (see i8_k45_rows). */
+static inline __attribute__((always_inline)) void i8_q6k_rows(int rows, const uint8_t *w, int64_t stride,
+                                                              int64_t n_blocks, const XBlock *x, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+    const __m256i thirty_two = _mm256_set1_epi8(32);
+    const __m256i at = _mm256_setr_epi32(0, 0, 10, 10, 20, 20, 30, 30); /* lane pairs: one block of x each */
+    __m256 acc0[I8_K_ROWS], acc1[I8_K_ROWS];
+    for (int i = 0; i < rows; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const int64_t from = b * 210;
+        const uint8_t *ahead = w + I8_AHEAD + rows * from;
+        for (int line = 0; line < rows * 210; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        const XBlock *xb = x + 8 * b;
+        const __m256 xd[2] = {_mm256_i32gather_ps(&xb[0].d, at, 4), _mm256_i32gather_ps(&xb[4].d, at, 4)};
+        __m256i minus[8]; /* per lane -32 * (sum of x's 4 codes) */
+        for (int j = 0; j < 8; j++)
+            minus[j] = _mm256_sub_epi32(zero, dot4_add(zero, thirty_two, xcodes(xb + j)));
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *blk = w + i * stride + from;
+            const __m128i d16 = _mm_cvtsi32_si128(blk[208] | (blk[209] << 8)); /* d ends the block: read no further */
+            const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(d16));
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const __m256 a[2] = {
+                _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))), xd[0]),
+                _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))),
+                              xd[1]),
             };
-            for (int c = 0; c < 4; c++) {
-                const XBlock *xb = x + 8 * b + 4 * half + c;
-                const int g = 8 * half + 2 * c;
-                /* lanes 0-3 sum values 0-15 (scale sc[g]), lanes 4-7 values 16-31 (sc[g+1]) */
-                const __m256 scale = _mm256_set_m128(_mm_set1_ps((d * (float)sc[g + 1]) * xb->d),
-                                                     _mm_set1_ps((d * (float)sc[g]) * xb->d));
-                const __m256 p = dot_ss(_mm256_sub_epi8(q[c], thirty_two), xcodes(xb));
-                if (c & 1) acc1 = _mm256_fmadd_ps(scale, p, acc1);
-                else acc0 = _mm256_fmadd_ps(scale, p, acc0);
+            for (int half = 0; half < 2; half++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+                const __m256i u[4] = {
+                    _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)),
+                };
+                for (int c = 0; c < 4; c++) {
+                    const __m256 scale = _mm256_permutevar8x32_ps(
+                        a[half], _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1));
+                    const __m256 p = _mm256_cvtepi32_ps(dot4_add(minus[4 * half + c], u[c], xcodes(xb + 4 * half + c)));
+                    if (c & 1) acc1[i] = _mm256_fmadd_ps(scale, p, acc1[i]);
+                    else acc0[i] = _mm256_fmadd_ps(scale, p, acc0[i]);
+                }
             }
         }
     }
-    return hsum(_mm256_add_ps(acc0, acc1));
+    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc0[i], acc1[i]));
+}
+
+/* rows first..last of a Q4_K/Q5_K/Q6_K matrix times one activation row: I8_K_ROWS at a time, the rest one by one */
+static inline __attribute__((always_inline)) void i8_k_one_x(int type, const uint8_t *w, int64_t stride,
+                                                             int64_t first, int64_t last, int64_t n_blocks,
+                                                             const XBlock *x, float *out) {
+    int64_t r = first;
+    for (; r + I8_K_ROWS <= last; r += I8_K_ROWS) {
+        if (type == Q6_K) i8_q6k_rows(I8_K_ROWS, w + r * stride, stride, n_blocks, x, out + r);
+        else i8_k45_rows(type, I8_K_ROWS, w + r * stride, stride, n_blocks, x, out + r);
+    }
+    for (; r < last; r++) {
+        if (type == Q6_K) i8_q6k_rows(1, w + r * stride, stride, n_blocks, x, out + r);
+        else i8_k45_rows(type, 1, w + r * stride, stride, n_blocks, x, out + r);
+    }
 }
 
 #endif /* LLMT_AVX2 */
@@ -546,8 +634,14 @@ static inline float i8_row(int type, const uint8_t *row, int64_t n_blocks, int64
     case Q5_1:
     case Q8_0: return i8_q32_row(type, row, n_blocks, x);
     case Q4_K:
-    case Q5_K: return i8_k45_row(type, row, n_blocks, x);
-    case Q6_K: return i8_q6k_row(row, n_blocks, x);
+    case Q5_K:
+    case Q6_K: {
+        float y; /* the decode kernel's row, so prefill and decode give a row the same value */
+        if (type == Q4_K) i8_k_one_x(Q4_K, row, 0, 0, 1, n_blocks, x, &y);
+        else if (type == Q5_K) i8_k_one_x(Q5_K, row, 0, 0, 1, n_blocks, x, &y);
+        else i8_k_one_x(Q6_K, row, 0, 0, 1, n_blocks, x, &y);
+        return y;
+    }
     default: return 0.0f;
     }
 #else
@@ -570,6 +664,9 @@ static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, c
         case Q5_0: i8_q32_one_x(Q5_0, w, stride, first, last, n_blocks, x, out); return;
         case Q5_1: i8_q32_one_x(Q5_1, w, stride, first, last, n_blocks, x, out); return;
         case Q8_0: i8_q32_one_x(Q8_0, w, stride, first, last, n_blocks, x, out); return;
+        case Q4_K: i8_k_one_x(Q4_K, w, stride, first, last, n_blocks, x, out); return;
+        case Q5_K: i8_k_one_x(Q5_K, w, stride, first, last, n_blocks, x, out); return;
+        case Q6_K: i8_k_one_x(Q6_K, w, stride, first, last, n_blocks, x, out); return;
         default: break;
         }
     }
