@@ -1,5 +1,7 @@
 """The native kernels' one-row (decode) products side by side: a baseline build, the current one's exact kernel
-("native") and its int8-activation kernel ("i8dot", the same library, each matrix described with int8 activations).
+("native") and its int8-activation kernel ("i8dot", the same library, each matrix described with int8 activations); the baseline's too ("base i8"), built
+with the baseline's own int8_dot.c (a revision's, or the file beside a baseline file), so a change to either file
+is measured against it.
 
 Each build is tracer/model/native/gguf_matmul.c alone (or the baseline's text of it, from a git revision or a file)
 compiled with native_kernel's own flags into a temporary folder and called through ctypes as llmtrace calls it
@@ -60,11 +62,15 @@ class Build:
     """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes; `int8`: its matrices described
     for the i8dot kernel (ABI 5 on)."""
 
-    def __init__(self, label: str, source: str, folder: Path) -> None:
+    def __init__(self, label: str, source: str, folder: Path, int8_source: str | None = None) -> None:
         self.label = label
         self.int8 = False
+        folder = folder / label
+        folder.mkdir()
         path = folder / f"{label}.c"
         path.write_text(source)
+        if int8_source is not None:  # #include "int8_dot.c" looks beside the including file before -I
+            (folder / "int8_dot.c").write_text(int8_source)
         library = folder / f"{label}.so"
         compiler = os.environ.get("CC", "cc").split()
         flags = (*native_kernel.FLAG_SETS[0], *native_kernel.COMMON_FLAGS)
@@ -99,11 +105,13 @@ class Build:
         return described
 
 
-def baseline_source(spec: str) -> str:
-    """A file's text, else `git show SPEC:tracer/model/native/gguf_matmul.c`."""
+def baseline_source(spec: str, name: str = "gguf_matmul.c") -> str | None:
+    """A file's text (for int8_dot.c: the file of that name beside it, if any), else `git show
+    SPEC:tracer/model/native/NAME`."""
     if Path(spec).is_file():
-        return Path(spec).read_text()
-    return subprocess.run(["git", "-C", str(REPO), "show", f"{spec}:tracer/model/native/gguf_matmul.c"],
+        beside = Path(spec).with_name(name)
+        return Path(spec).read_text() if name == "gguf_matmul.c" else beside.read_text() if beside.is_file() else None
+    return subprocess.run(["git", "-C", str(REPO), "show", f"{spec}:tracer/model/native/{name}"],
                           check=True, capture_output=True, text=True).stdout
 
 
@@ -211,7 +219,9 @@ def main() -> None:
         builds = [Build("current", (native_kernel.NATIVE_SOURCES / "gguf_matmul.c").read_text(), Path(tmp))]
         builds.append(builds[0].with_int8("i8dot"))
         if args.baseline:
-            builds.insert(0, Build("baseline", baseline_source(args.baseline), Path(tmp)))
+            baseline = Build("baseline", baseline_source(args.baseline), Path(tmp),
+                             baseline_source(args.baseline, "int8_dot.c"))
+            builds[:0] = [baseline] + ([baseline.with_int8("base i8")] if baseline.abi >= 5 else [])
         labels = " | ".join(f"{b.label} med / best" for b in builds)
         layers = [[(layer_type, random_blocks(layer_type, n, k, rng), k) for n, k in shapes] for _ in range(n_layers)]
         head = (head_type, random_blocks(head_type, head_rows, width, rng), width)
