@@ -294,6 +294,40 @@ def test_a_compiler_that_fails_is_one_line(own_build: Path, monkeypatch: pytest.
     assert not list(own_build.glob("*.partial")) and not list(own_build.glob("*.so"))
 
 
+def test_an_error_in_the_vector_code_fails_the_build_rather_than_dropping_the_flags(
+        own_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A kernel that compiles only without -march=native (here: an #error under AVX2, as a broken AVX2 or AVX-512
+    path would) is refused with the compiler's error, not built quietly with plain -O3 and none of its vector code."""
+    probe = tmp_path / "probe.c"
+    probe.write_text("int main(void) {\n#ifdef __AVX2__\nreturn 0;\n#else\nreturn 1;\n#endif\n}\n")
+    built = subprocess.run(["cc", "-march=native", "-o", str(tmp_path / "probe"), str(probe)], check=False)
+    if built.returncode != 0 or subprocess.run([str(tmp_path / "probe")], check=False).returncode != 0:
+        pytest.skip("this machine's -march=native has no AVX2")
+    broken = tmp_path / "decode_step.c"
+    broken.write_text('#ifdef __AVX2__\n#error "the AVX2 path is broken"\n#endif\nint llmt_abi(void) { return 0; }\n')
+    monkeypatch.setattr(native_kernel, "SOURCE", broken)
+    monkeypatch.setattr(native_kernel, "SOURCES", (broken,))
+    assert not native_kernel.available()
+    reason = native_kernel.unavailable_reason()
+    assert "could not compile decode_step.c" in reason and "the AVX2 path is broken" in reason
+    assert "-march=native" in reason and "\n" not in reason
+    assert not list(own_build.glob("*.so")) and not list(own_build.glob("*.partial"))
+    assert not list(own_build.glob(".probe-*"))
+
+
+def test_the_build_takes_the_first_flag_set_the_compiler_accepts(own_build: Path, tmp_path: Path) -> None:
+    """A compiler that takes -march=native and OpenMP (gcc on Linux) builds with them: the library's pointer file
+    records the first flag set."""
+    unit = tmp_path / "unit.c"
+    unit.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+    if subprocess.run(["cc", *native_kernel.FLAG_SETS[0], "-fPIC", "-shared", "-o", str(tmp_path / "unit.so"),
+                       str(unit)], check=False, capture_output=True).returncode != 0:
+        pytest.skip("cc does not take -march=native -fopenmp here")
+    assert native_kernel.available(), native_kernel.unavailable_reason()
+    pointer = next(own_build.glob("gguf_matmul-*.txt"))
+    assert pointer.read_text().splitlines()[1] == " ".join(native_kernel.FLAG_SETS[0])
+
+
 # ---- end to end ------------------------------------------------------------------------------------------------
 
 

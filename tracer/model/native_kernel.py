@@ -10,7 +10,8 @@ per row block of a BlockMatrix, and the native decode step (native/decode_step.c
 Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it
 may be a command line such as "ccache gcc") compiles native/decode_step.c, which #includes gguf_matmul.c (one
 unity build, one library), with -O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's
-clang) it is built again without -fopenmp and runs on one thread; no torch or Python headers, so it takes about a
+clang: a trivial probe unit, compiled first, says which flags the compiler takes) it is built without -fopenmp and
+runs on one thread, but an error in the kernel's own code fails the build rather than dropping to fewer flags; no torch or Python headers, so it takes about a
 second. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build that way), else the cache
 folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that shapes the binary: both
 sources, the compiler's `--version`, the flags, the CPU (model and flags: -march=native) and the ABI numbers. A build is written
@@ -60,7 +61,8 @@ SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: nativ
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"
-# Tried in order: the first that compiles is used (OpenMP missing, then -march=native unknown to the compiler).
+# Tried in order on a probe (_flags_taken): the first the compiler takes is used (OpenMP missing, then -march=native
+# unknown to the compiler); the kernel is then compiled with that set only.
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 COMMON_FLAGS = ("-ffp-contract=off", "-fPIC", "-shared")
 LIBS = ("-lm",)  # after the source: linkers that drop libraries not yet needed (--as-needed) keep it
@@ -288,33 +290,67 @@ def _key(compiler: list[str], version: str) -> str:
     return h.hexdigest()[:20]
 
 
+# Compiled with each flag set in turn to find the first the compiler takes: a trivial unit that includes omp.h under
+# OpenMP, as the kernel does.
+_PROBE = """#ifdef _OPENMP
+#include <omp.h>
+int llmt_probe(void) { return omp_get_max_threads(); }
+#else
+int llmt_probe(void) { return 1; }
+#endif
+"""
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...], source: Path, out: str) -> str:
+    """Compile `source` into the shared library `out`; "" when it compiled, else the compiler's first line that says
+    "error" (gcc and clang end with the source line and a caret under it), or its last line."""
+    try:
+        done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", out, str(source), *LIBS], capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc) or type(exc).__name__
+    if done.returncode == 0:
+        return ""
+    lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [f"exit status {done.returncode}"])[0 if errors else -1]
+
+
+def _flags_taken(compiler: list[str], folder: Path) -> tuple[tuple[str, ...] | None, str]:
+    """The first of FLAG_SETS this compiler builds a trivial OpenMP-aware library with, or (None, its last error).
+    Chosen on a probe, not on the kernel itself: the kernel failing under -march=native (an error in its AVX2 or
+    AVX-512 code) must fail the build, not quietly fall back to a build without those paths."""
+    error = ""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".probe-") as tmp:
+        probe = Path(tmp) / "probe.c"
+        probe.write_text(_PROBE, encoding="ascii")
+        for flags in FLAG_SETS:
+            error = _compile(compiler, flags, probe, str(Path(tmp) / "probe.so"))
+            if not error:
+                return flags, ""
+    return None, error
+
+
 def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...] | None, str]:
     """Compile into `folder` under a temporary name, rename to its content name, point the key's pointer at it.
-    Returns (the flags that compiled, "") or (None, the compiler's last error line)."""
-    error = ""
-    for flags in FLAG_SETS:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".gguf_matmul-{key}.", suffix=".so.partial")
-        os.close(fd)
-        try:
-            try:
-                done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True,
-                                      text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-            except (OSError, subprocess.SubprocessError) as exc:
-                error = str(exc)
-                continue
-            if done.returncode != 0:
-                lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-                error = lines[-1].strip() if lines else f"exit status {done.returncode}"
-                continue
-            digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-            name = f"gguf_matmul-{key}-{digest}.so"
-            os.replace(tmp, folder / name)
-            write_atomic(folder / f"gguf_matmul-{key}.txt", f"{name}\n{' '.join(flags)}\n")
-            return flags, ""
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return None, error
+    Returns (the flags it compiled with, "") or (None, the compiler's error line)."""
+    flags, error = _flags_taken(compiler, folder)
+    if flags is None:
+        return None, error
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".gguf_matmul-{key}.", suffix=".so.partial")
+    os.close(fd)
+    try:
+        error = _compile(compiler, flags, SOURCE, tmp)
+        if error:
+            return None, f"{error} (flags {' '.join(flags)})"
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        name = f"gguf_matmul-{key}-{digest}.so"
+        os.replace(tmp, folder / name)
+        write_atomic(folder / f"gguf_matmul-{key}.txt", f"{name}\n{' '.join(flags)}\n")
+        return flags, ""
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
