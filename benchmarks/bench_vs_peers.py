@@ -21,7 +21,10 @@ Rounds interleave the engines (a shared machine's slow spells then hit all of th
 - llama.cpp: `Llama.eval` on the ids (one batch for the prefill), argmax of the last logits per decode step.
 - The bandwidth bound: the bytes the traced llmtrace decode step read (weights as they are read: stored bytes when
   stored, activations, KV; the trace's records) over this machine's best measured bandwidth (a 256 MiB STREAM copy and a 256 MiB read-only sum, the
-  faster of the two), and the same for llama.cpp with the GGUF's tensor bytes.
+  faster of the two), and the same for llama.cpp with the GGUF's tensor bytes. The bandwidth is measured after every
+  round (best of 3 each): on a shared VM it swings by up to 1.8x within minutes (35 and 62 GB/s in two runs ten
+  minutes apart) while the decode rate does not, so the ratio is given twice, against the run's best bandwidth (the
+  strict figure) and round by round against the bandwidth measured beside it (median).
 
 llama-cpp-python is a benchmark-only dependency (`pip install -e .[bench]`; it builds llama.cpp from source, about
 4 minutes on 2 cores); without it the llama.cpp rows say so and the rest still runs.
@@ -41,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmtrace.tracer.core.dtypes import AUTO, BF16, FP16, FP32, DType
+from llmtrace.tracer.core.dtypes import AUTO, FP32, DType
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64
@@ -264,11 +267,13 @@ def main() -> None:
     for run in cases.values():  # warm-up round: page faults, allocator growth, oneDNN/ggml set-up
         run()
     results: dict[str, list[Timing]] = {name: [] for name in cases}
+    per_round: list[dict[str, float]] = []  # the bandwidth after each round: this VM's swings by 1.8x within minutes
     for _ in range(args.rounds):
         for name, run in cases.items():
             results[name].append(run())
-    bandwidth = best_bandwidth()
-    report(args, loaded, default, ids, gguf, results, summaries, bandwidth, llama_note, skipped)
+        per_round.append(best_bandwidth(repeats=3))
+    bandwidth = {key: max(r[key] for r in per_round) for key in per_round[0]}
+    report(args, loaded, default, ids, gguf, results, summaries, bandwidth, llama_note, skipped, per_round)
 
 
 LLAMA = "llama.cpp (GGUF as stored)"
@@ -289,7 +294,8 @@ def parts_at(ids: list[int], reference: list[int]) -> str:
 
 
 def report(args: Any, loaded: Any, default: str, ids: list[int], gguf: Path, results: dict[str, list[Timing]],
-           summaries: dict[str, Any], bandwidth: dict[str, float], llama_note: str, skipped: list[str]) -> None:
+           summaries: dict[str, Any], bandwidth: dict[str, float], llama_note: str, skipped: list[str],
+           per_round: list[dict[str, float]]) -> None:
     rows = {name: {"prefill_tok_per_s": median([t[0] for t in timings]),
                    "decode_tok_per_s": median([t[1] for t in timings]),
                    "decode_rounds": [round(t[1], 1) for t in timings],
@@ -327,6 +333,11 @@ def report(args: Any, loaded: Any, default: str, ids: list[int], gguf: Path, res
           f" GB/s; the default reads {bytes_per_step / 1e6:.1f} MB per decode step ({weight_bytes_per_step / 1e6:.1f} MB "
           f"weights, as held): bound {bound_tps:.1f} tok/s; the GGUF's tensors are {gguf_bytes / 1e6:.1f} MB: bound "
           f"{best_bw / gguf_bytes:.1f} tok/s")
+    round_bw = [max(r.values()) for r in per_round]
+    paired = [t[1] / (bw / bytes_per_step) for t, bw in zip(results[f"{default} --no-trace"], round_bw)]
+    print(f"bandwidth after each round: {' '.join(f'{bw / 1e9:.1f}' for bw in round_bw)} GB/s (the bound above: the "
+          f"run's best); the default's decode over the bound of its own round: "
+          f"{' '.join(f'{r:.2f}' for r in paired)}, median {median(paired):.2f}")
     print("targets (issue 12, item 4), for the default run:")
     checks = []  # (label, value, limit, higher is better)
     if llama is not None:
@@ -334,8 +345,9 @@ def report(args: Any, loaded: Any, default: str, ids: list[int], gguf: Path, res
                        untraced["decode_tok_per_s"] / llama["decode_tok_per_s"], 1.0, True))
     checks.append((f"decode vs HF's fastest, {hf_best} (>= 1.5x)",
                    untraced["decode_tok_per_s"] / rows[hf_best]["decode_tok_per_s"], 1.5, True))
-    checks.append(("decode / bandwidth bound for the bytes read (>= 0.70)",
+    checks.append(("decode / bandwidth bound for the bytes read, the run's best bandwidth (>= 0.70)",
                    untraced["decode_tok_per_s"] / bound_tps, 0.7, True))
+    checks.append(("decode / bandwidth bound, each round's own bandwidth, median (>= 0.70)", median(paired), 0.7, True))
     if llama is not None:
         checks.append(("128-token prefill vs llama.cpp (>= 1.0x)",
                        untraced["prefill_tok_per_s"] / llama["prefill_tok_per_s"], 1.0, True))
@@ -351,7 +363,7 @@ def report(args: Any, loaded: Any, default: str, ids: list[int], gguf: Path, res
     if args.json:
         print(json.dumps({"rows": {n: {k: v for k, v in r.items() if k != "ids"} | {
                               "ids_vs_hf_fp32": parts_at(r["ids"], reference)} for n, r in rows.items()},
-                          "bandwidth": bandwidth, "bytes_per_decode_step": bytes_per_step,
+                          "bandwidth": bandwidth, "bandwidth_per_round": per_round, "bytes_per_decode_step": bytes_per_step,
                           "gguf_tensor_bytes": gguf_bytes, "load_average": load,
                           "targets": {label: value for label, value, _, _ in checks}}, indent=1))
 
