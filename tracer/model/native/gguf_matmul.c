@@ -501,9 +501,24 @@ static inline float q4k_row(const uint8_t *row, int64_t n_blocks, const float *x
     return hsum(_mm256_add_ps(acc0, acc1)) - hsum(mins);
 }
 
+/* Q6_K: half `half` of the block at blk as four 32-value chunks of unsigned 6-bit codes (0..63): low nibbles of
+   ql0, ql1, then high nibbles; bits 2c..2c+1 of qh are chunk c's top two bits (moved to bits 4-5 of each byte).
+   The exact kernel (q6k_row) and the int8 one (int8_dot.c) unpack the same way. */
+static inline void q6k_codes(const uint8_t *blk, int half, __m256i q[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+}
+
 /* Q6_K: per 16 values, (d*sc)*sum(x*(q-32)) (natural order) */
 static inline float q6k_row(const uint8_t *row, int64_t n_blocks, const float *x) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
+    const __m256i thirty_two = _mm256_set1_epi8(32);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = row + b * 210;
@@ -515,18 +530,8 @@ static inline float q6k_row(const uint8_t *row, int64_t n_blocks, const float *x
         _mm256_storeu_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
         _mm256_storeu_ps(ds + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
         for (int half = 0; half < 2; half++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-            /* the four 32-value chunks of this half: low nibbles of ql0, ql1, then high nibbles; bits 2c..2c+1
-               of qh are chunk c's top two bits (moved to bits 4-5 of each byte) */
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)),
-            };
+            __m256i q[4];
+            q6k_codes(blk, half, q);
             const float *xh = x + 256 * b + 128 * half;
             for (int c = 0; c < 4; c++) {
                 const __m256i qc = _mm256_sub_epi8(q[c], thirty_two);

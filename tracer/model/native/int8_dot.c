@@ -556,7 +556,7 @@ static inline __attribute__((always_inline)) void i8_k45_rows(int type, int rows
    odd into acc1; result hsum(acc0 + acc1), bit for bit the same whatever `rows` (see i8_k45_rows). */
 static inline __attribute__((always_inline)) void i8_q6k_rows(int rows, const uint8_t *w, int64_t stride,
                                                               int64_t n_blocks, const XBlock *x, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256();
     const __m256i thirty_two = _mm256_set1_epi8(32);
     const __m256i at = _mm256_setr_epi32(0, 0, 10, 10, 20, 20, 30, 30); /* lane pairs: one block of x each */
     __m256 acc0[I8_K_ROWS], acc1[I8_K_ROWS];
@@ -581,16 +581,8 @@ static inline __attribute__((always_inline)) void i8_q6k_rows(int rows, const ui
                               xd[1]),
             };
             for (int half = 0; half < 2; half++) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-                const __m256i u[4] = {
-                    _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)),
-                };
+                __m256i u[4];
+                q6k_codes(blk, half, u);
                 for (int c = 0; c < 4; c++) {
                     const __m256 scale = _mm256_permutevar8x32_ps(
                         a[half], _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1));
