@@ -396,7 +396,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
             loaded = tp_dry.loaded
         else:
             loaded = load_model(source, dtype=dtype, device=settings.device, dry_run=settings.dry_run,
-                                weights=settings.weights or None, reuse=Reuse.NONE if remeasure else Reuse.SETTLED,
+                                weights=settings.weights or None, reuse=Reuse.asked(remeasure),
                                 progress=lambda step: status.update(f"measuring this machine's products for this "
                                                                     f"model (first run only): {step} …"))
     for note in (loaded.cache_note, loaded.kernel_note):

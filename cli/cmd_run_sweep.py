@@ -65,7 +65,8 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
     what = settings.model or "the bundled SmolLM2-135M-Instruct"
     with console.status(f"loading {what} …") as status:
         loaded = load_model(source, dtype=dtype, device=settings.device, weights=settings.weights or None,
-                            reuse=Reuse.NONE if remeasure else Reuse.SETTLED, progress=lambda step: status.update(f"measuring this machine's products for this model "
+                            reuse=Reuse.asked(remeasure),
+                            progress=lambda step: status.update(f"measuring this machine's products for this model "
                                                                 f"(first run only): {step} …"))
         compute = get_dtype(dtype_of(loaded.model.norm.weight.dtype).name, COMPUTE_DTYPES)
         status.update("this machine's roofline profile …")

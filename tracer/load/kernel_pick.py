@@ -64,6 +64,11 @@ class Reuse(str, Enum):
     ANY = "any"  # a provisional one too (tensor-parallel ranks: their launcher measured a moment ago)
     NONE = "none"  # none: measure again and replace it (`llmtrace run --remeasure`)
 
+    @classmethod
+    def asked(cls, remeasure: bool) -> "Reuse":
+        """What `run` asks for: NONE with --remeasure, else SETTLED."""
+        return cls.NONE if remeasure else cls.SETTLED
+
 
 @dataclass(frozen=True, slots=True)
 class PickedKernels:

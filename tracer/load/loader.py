@@ -61,7 +61,6 @@ from llmtrace.tracer.load.stored_weights import (
     from_entry,
     kernel_plan,
     parse_weights,
-    plan_spec,
     to_entry,
     widest_kernel,
 )
@@ -136,10 +135,11 @@ def load_model(
         assert isinstance(compute, DType)
         return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, None), kernels=kernels)
     gguf = resolved.kind == GGUF and not random_init
-    measure = auto or (gguf and request.mode in (WEIGHTS_AUTO, STORED) and request.kernel is None)
+    # --remeasure measures even where options override the choice: they override what it saves, not whether
+    measure = auto or (gguf and request.mode in (WEIGHTS_AUTO, STORED) and request.kernel is None) \
+        or (reuse is kernel_pick.Reuse.NONE and not random_init)
     note = ""
     kernels: KernelChoice | None
-    measure = measure or (reuse is kernel_pick.Reuse.NONE and not random_init)  # options override what it saves
     if measure and (auto or kernel_pick.needs_measurement(resolved, target)):
         picked = kernel_pick.pick(resolved, target, progress, reuse=reuse)
         kernels, note = picked.choice, picked.note
