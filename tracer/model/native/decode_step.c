@@ -108,9 +108,12 @@ static int64_t widest_input(const StepPlan *p) {
    silu(gate)*up, its prepared activation row (x in three orders + its sums per 32 values) and the same row
    quantized for the i8dot parts (int8_dot.c's XBlocks: each thread quantizes the product's input itself, rather than
    all waiting at a barrier for one thread to do it). */
+/* how many chunks of ATTN_CHUNK positions n positions make (the last one partial) */
+static inline int64_t chunks_of(int64_t n) { return (n + ATTN_CHUNK - 1) / ATTN_CHUNK; }
+
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
-    const int64_t chunks = (p->max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    const int64_t chunks = chunks_of(p->max_seq);
     return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq +
            chunks * p->heads * p->head_dim;
 }
@@ -144,7 +147,7 @@ static inline void barrier(void) {
 #endif
 }
 
-/* the end of a stage of the staged step: every thread done with it, then thread 0's clock reading */
+/* the end of a stage: every thread done with it, then thread 0's clock reading (when the step is traced) */
 #define END_STAGE()                                                                                                  \
     do {                                                                                                             \
         barrier();                                                                                                   \
@@ -208,24 +211,6 @@ static void swiglu(const float *gate, const float *up, int64_t n, float *act) {
     }
 #endif
     for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
-static inline float dot(const float *a, const float *b, int64_t n) {
-#if LLMT_AVX2
-    int64_t i = 0;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    float s = hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-#else
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-#endif
 }
 
 /* The rows of part p within the matrix's rows [lo, hi) that thread t of `count` takes: `share`'s byte-balanced
@@ -392,37 +377,30 @@ static inline __attribute__((always_inline)) void scores_group(const float *q, i
 }
 
 /* lanes [i, i + 8*v) of the values of `n` query heads (probabilities at probs + h*stride) over rows [0, seen) of
-   `values` into out + h*d, chunk by chunk (the header); v (1..4) and n constants where inlined; `tail`: the mask
-   of the 8 lanes when v is 1 */
+   `values` into out + h*d: one chunk, seen <= ATTN_CHUNK (balanced_values cuts the positions into chunks); v (1..4)
+   and n constants where inlined; `tail`: the mask of the 8 lanes when v is 1 */
 static inline __attribute__((always_inline)) void values_lanes(const float *probs, int64_t stride, int n, int64_t d,
                                                                const float *values, int64_t seen, int64_t i, int v,
                                                                __m256i tail, float *out) {
-    for (int64_t c = 0; c < seen; c += ATTN_CHUNK) {
-        const int64_t end = c + ATTN_CHUNK < seen ? c + ATTN_CHUNK : seen;
-        __m256 acc[ATTN_GROUP][4];
-        for (int h = 0; h < n; h++)
-            for (int j = 0; j < v; j++) acc[h][j] = _mm256_setzero_ps();
-        const float *row = values + c * d + i;
-        for (int64_t s = c; s < end; s++, row += d) {
-            for (int j = 0; j < v; j += 2) _mm_prefetch((const char *)(row + 8 * j) + ATTN_PREFETCH, _MM_HINT_T0);
-            __m256 r[4];
-            for (int j = 0; j < v; j++) r[j] = v == 1 ? _mm256_maskload_ps(row, tail) : _mm256_loadu_ps(row + 8 * j);
-            for (int h = 0; h < n; h++) {
-                const __m256 w = _mm256_broadcast_ss(probs + h * stride + s);
-                for (int j = 0; j < v; j++) acc[h][j] = _mm256_fmadd_ps(w, r[j], acc[h][j]);
-            }
+    __m256 acc[ATTN_GROUP][4];
+    for (int h = 0; h < n; h++)
+        for (int j = 0; j < v; j++) acc[h][j] = _mm256_setzero_ps();
+    const float *row = values + i;
+    for (int64_t s = 0; s < seen; s++, row += d) {
+        for (int j = 0; j < v; j += 2) _mm_prefetch((const char *)(row + 8 * j) + ATTN_PREFETCH, _MM_HINT_T0);
+        __m256 r[4];
+        for (int j = 0; j < v; j++) r[j] = v == 1 ? _mm256_maskload_ps(row, tail) : _mm256_loadu_ps(row + 8 * j);
+        for (int h = 0; h < n; h++) {
+            const __m256 w = _mm256_broadcast_ss(probs + h * stride + s);
+            for (int j = 0; j < v; j++) acc[h][j] = _mm256_fmadd_ps(w, r[j], acc[h][j]);
         }
-        for (int h = 0; h < n; h++)
-            for (int j = 0; j < v; j++) {
-                float *o = out + h * d + i + 8 * j;
-                if (v == 1) {
-                    const __m256 sum = c == 0 ? acc[h][0] : _mm256_add_ps(_mm256_maskload_ps(o, tail), acc[h][0]);
-                    _mm256_maskstore_ps(o, tail, sum);
-                } else {
-                    _mm256_storeu_ps(o, c == 0 ? acc[h][j] : _mm256_add_ps(_mm256_loadu_ps(o), acc[h][j]));
-                }
-            }
     }
+    for (int h = 0; h < n; h++)
+        for (int j = 0; j < v; j++) {
+            float *o = out + h * d + i + 8 * j;
+            if (v == 1) _mm256_maskstore_ps(o, tail, acc[h][0]);
+            else _mm256_storeu_ps(o, acc[h][j]);
+        }
 }
 
 /* lanes [0, d) */
@@ -449,13 +427,11 @@ static void scores_group(const float *q, int n, int64_t d, const float *keys, in
 static void values_group(const float *probs, int64_t stride, int n, int64_t d, const float *values, int64_t seen,
                          float *out) {
     for (int h = 0; h < n; h++)
-        for (int64_t i = 0; i < d; i++)
-            for (int64_t c = 0; c < seen; c += ATTN_CHUNK) {
-                float o = 0.0f;
-                for (int64_t s = c; s < seen && s < c + ATTN_CHUNK; s++)
-                    o = fmaf(probs[h * stride + s], values[s * d + i], o);
-                out[h * d + i] = c == 0 ? o : out[h * d + i] + o;
-            }
+        for (int64_t i = 0; i < d; i++) {
+            float o = 0.0f;
+            for (int64_t s = 0; s < seen; s++) o = fmaf(probs[h * stride + s], values[s * d + i], o);
+            out[h * d + i] = o;
+        }
 }
 #endif
 
@@ -536,7 +512,8 @@ static void attention_softmax(const StepPlan *p, float *scores, int64_t seen, in
 /* Thread t of `count`'s even shares. Scores: positions [seen*t/count, seen*(t+1)/count) of every head. */
 static void balanced_scores(const StepPlan *p, const float *qkv, const float *keys, int64_t first, int64_t seen,
                             float *scores, int t, int count) {
-    const int64_t lo = seen * t / count, hi = seen * (t + 1) / count;
+    int64_t lo, hi;
+    split(seen, t, count, &lo, &hi);
     if (lo < hi) attention_scores(p, qkv, keys, first + lo, hi - lo, scores + lo, 0, p->heads);
 }
 
@@ -546,9 +523,11 @@ static void balanced_scores(const StepPlan *p, const float *qkv, const float *ke
 static void balanced_values(const StepPlan *p, const float *scores, const float *values, int64_t first, int64_t seen,
                             float *pieces, float *attended, int t, int count) {
     const int64_t d = p->head_dim, heads = p->heads, rep = heads / p->kv_heads;
-    const int64_t chunks = (seen + ATTN_CHUNK - 1) / ATTN_CHUNK, units = p->kv_heads * chunks;
+    const int64_t chunks = chunks_of(seen), units = p->kv_heads * chunks;
     float *out = chunks == 1 ? attended : pieces;
-    for (int64_t u = units * t / count; u < units * (t + 1) / count; u++) {
+    int64_t u_first, u_last;
+    split(units, t, count, &u_first, &u_last);
+    for (int64_t u = u_first; u < u_last; u++) {
         const int64_t g = u / chunks, c = u % chunks, from = c * ATTN_CHUNK;
         const int64_t rows = from + ATTN_CHUNK < seen ? ATTN_CHUNK : seen - from;
         const float *v = values + g * p->kv_head + (first + from) * d;
@@ -617,7 +596,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     float *gate_up = attended + heads * d;          /* (2F,) */
     float *scores = gate_up + 2 * ffn;              /* (H, S_max) */
     float *pieces = scores + heads * plan->max_seq; /* (S_max/ATTN_CHUNK, H, D) the values' sums per chunk */
-    float *own = (float *)(((uintptr_t)(pieces + (plan->max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK * heads * d) + 63) &
+    float *own = (float *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d) + 63) &
                            ~(uintptr_t)63);
     const int traced = stamps != NULL;
     if (traced) stamps[0] = now_ns();
@@ -697,14 +676,11 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             }
             barrier();
             balanced_scores(plan, qkv, keys, first, seen, scores, t, count);
-            barrier();
-            if (t == 0) STAMP();
+            END_STAGE();
             attention_softmax(plan, scores, seen, head_first, head_last);
-            barrier();
-            if (t == 0) STAMP();
+            END_STAGE();
             balanced_values(plan, scores, values, first, seen, pieces, attended, t, count);
-            barrier();
-            if (t == 0) STAMP();
+            END_STAGE();
             product(layer->wo, attended, xs, layer->bo, branch, t, count);
             barrier();
             if (t == 0) STAMP();
