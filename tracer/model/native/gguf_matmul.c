@@ -429,21 +429,26 @@ static inline __m256 dwords32_dot(__m256i nib, __m256i high, const float *xs) {
     return _mm256_add_ps(p0, p1);
 }
 
+/* A Q4_K/Q5_K super-block's header, for the exact kernels: its lines prefetched, ds[j] = d * sc_j, and
+   mins + (dmin * m_j) * sx[j] per lane (sx: x's sums over the block's eight 32-value sub-blocks) returned */
+static inline __m256 k_block_scales(const uint8_t *blk, int bytes, const float *sx, float ds[8], __m256 mins) {
+    for (int line = 0; line < bytes; line += 64) prefetch(blk + line);
+    const __m128 dd = _mm_cvtph_ps(load_u32(blk)); /* d, dmin */
+    uint64_t sc8, m8;
+    k4_scales(blk + 4, &sc8, &m8);
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_broadcastss_ps(dd),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m), _mm256_loadu_ps(sx), mins);
+}
+
 /* Q5_K: per sub-block s, (d*sc_s)*sum(x*q) - (dmin*m_s)*sum x, x in DWORDS32 order */
 static inline float q5k_row(const uint8_t *row, int64_t n_blocks, const float *xs, const float *sx) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = row + b * 176;
-        for (int line = 0; line < 176; line += 64) prefetch(blk + line);
-        const __m128 dd = _mm_cvtph_ps(load_u32(blk)); /* d, dmin */
-        uint64_t sc8, m8;
-        k4_scales(blk + 4, &sc8, &m8);
         float ds[8];
-        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_broadcastss_ps(dd),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)))));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
-        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m),
-                               _mm256_loadu_ps(sx + 8 * b), mins);
+        mins = k_block_scales(blk, 176, sx + 8 * b, ds, mins);
         const uint8_t *qs = blk + 48;
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
         const float *xb = xs + 256 * b;
@@ -480,16 +485,8 @@ static inline float q4k_row(const uint8_t *row, int64_t n_blocks, const float *x
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = row + b * 144;
-        for (int line = 0; line < 144; line += 64) prefetch(blk + line);
-        const __m128 dd = _mm_cvtph_ps(load_u32(blk)); /* d, dmin */
-        uint64_t sc8, m8;
-        k4_scales(blk + 4, &sc8, &m8);
         float ds[8];
-        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_broadcastss_ps(dd),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)))));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
-        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m),
-                               _mm256_loadu_ps(sx + 8 * b), mins);
+        mins = k_block_scales(blk, 144, sx + 8 * b, ds, mins);
         const float *xb = x + 256 * b;
         for (int p = 0; p < 4; p++) {
             __m256 s0, s1;
