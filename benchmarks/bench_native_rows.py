@@ -1,7 +1,9 @@
 """The native kernels' one-row (decode) products side by side: a baseline build, the current one's exact kernel
-("native") and its int8-activation kernel ("i8dot", the same library, each matrix described with int8 activations); the baseline's too ("base i8"), built
-with the baseline's own int8_dot.c (a revision's, or the file beside a baseline file), so a change to either file
-is measured against it.
+("native"), its int8-activation kernel ("i8dot", the same library, each matrix described with int8 activations) and
+the per-type plans "i8+nat" (the layers on i8dot, a Q8_0 head on native: Q4_1:i8dot,Q8_0:native) and "i8+i16"
+(the head on the int16-activation kernel instead: Q4_1:i8dot,Q8_0:i16dot); the baseline's i8dot too ("base i8"),
+built with the baseline's own int8_dot.c (a revision's, or the file beside a baseline file), so a change to either
+file is measured against it.
 
 Each build is tracer/model/native/gguf_matmul.c alone (or the baseline's text of it, from a git revision or a file)
 compiled with native_kernel's own flags into a temporary folder and called through ctypes as llmtrace calls it
@@ -22,8 +24,9 @@ With `--in-model ROUNDS`, also the bundled model itself (`--weights native`, 2 t
 per build and round, alternated (benchmarks/run_with_native_source.py builds the baseline): 128 `decode_one` steps
 after a 5-token prompt, each step's forward and the time inside its weight products (PackedWeight calls: the
 kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps; and the
-current build with the i8dot plan (`--weights Q4_1:i8dot,Q8_0:native`). The baseline's gguf_matmul.c is built with
-the current decode_step.c, so it must have the current ABI (5: the per-part int8 flag) for --in-model.
+current build with the i8dot plans (`--weights Q4_1:i8dot,Q8_0:native` and `Q4_1:i8dot,Q8_0:i16dot`). The
+baseline's gguf_matmul.c is built with the current decode_step.c, so it must have the current ABI (6: the per-part
+activation kind) for --in-model.
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main --in-model 4
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --layers Q4_K --head Q6_K --model llama2048
@@ -59,12 +62,13 @@ NAMES = ["wq|wk|wv", "wo", "w1|w3", "w2"]
 
 
 class Build:
-    """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes; `int8`: its matrices described
-    for the i8dot kernel (ABI 5 on)."""
+    """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes; `acts`: {ggml type: activation
+    kind} its matrices are described with (ABI 5: 1 is i8dot; ABI 6: 2 is i16dot, Q8_0 only); a type not there: 0,
+    exact."""
 
     def __init__(self, label: str, source: str, folder: Path, int8_source: str | None = None) -> None:
         self.label = label
-        self.int8 = False
+        self.acts: dict[int, int] = {}
         folder = folder / label
         folder.mkdir()
         path = folder / f"{label}.c"
@@ -88,16 +92,16 @@ class Build:
         handle.llmt_matrix_size.restype = ctypes.c_int64
         self.size = int(handle.llmt_matrix_size())
 
-    def with_int8(self, label: str) -> Build:
-        """The same library, its matrices described for the i8dot kernel."""
-        assert self.abi >= 5, "the i8dot kernel needs ABI 5"
+    def with_acts(self, label: str, acts: dict[int, int]) -> Build:
+        """The same library, its matrices described with activation kinds `acts` {ggml type: kind}."""
+        assert self.abi >= (6 if 2 in acts.values() else 5), f"activation kinds {acts} need a newer ABI"
         other = copy.copy(self)
-        other.label, other.int8 = label, True
+        other.label, other.acts = label, acts
         return other
 
     def matrix(self, qtype: Q, blocks: np.ndarray, k: int) -> ctypes.Array:
         described = ctypes.create_string_buffer(self.size)
-        int8 = [(ctypes.c_int * 1)(int(self.int8))] if self.abi >= 5 else []
+        int8 = [(ctypes.c_int * 1)(self.acts.get(int(qtype), 0))] if self.abi >= 5 else []
         status = self.describe(1, (ctypes.c_int * 1)(int(qtype)), (ctypes.c_void_p * 1)(blocks.ctypes.data),
                                (ctypes.c_int64 * 1)(blocks.shape[1]), (ctypes.c_int64 * 1)(blocks.shape[0]), k,
                                *int8, described)
@@ -184,12 +188,13 @@ def model_steps(weights: str = "native", steps: int = 128) -> dict[str, float]:
 
 def in_model(baseline: str, rounds: int) -> None:
     """Alternate child processes of the baseline build and the current one; print each round and the medians."""
-    results: dict[str, list[dict[str, float]]] = {"baseline": [], "current": [], "i8dot": []}
+    plans = {"i8+nat": "Q4_1:i8dot,Q8_0:native", "i8+i16": "Q4_1:i8dot,Q8_0:i16dot"}
+    results: dict[str, list[dict[str, float]]] = {"baseline": [], "current": [], **{label: [] for label in plans}}
     for round_ in range(rounds):
         for label in results:
             command = [sys.executable, "-m", "benchmarks.run_with_native_source", baseline] if label == "baseline" \
                 else [sys.executable]
-            weights = ["Q4_1:i8dot,Q8_0:native"] if label == "i8dot" else []
+            weights = [plans[label]] if label in plans else []
             done = subprocess.run([*command, "-m", "benchmarks.bench_native_rows", "--model-child", *weights],
                                   cwd=REPO, check=True, capture_output=True, text=True)
             results[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -217,11 +222,15 @@ def main() -> None:
     print("load average before:", os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         builds = [Build("current", (native_kernel.NATIVE_SOURCES / "gguf_matmul.c").read_text(), Path(tmp))]
-        builds.append(builds[0].with_int8("i8dot"))
+        int8 = {int(t): 1 for t in (layer_type, head_type)}
+        builds.append(builds[0].with_acts("i8dot", int8))
+        if head_type == Q.Q8_0 and layer_type != Q.Q8_0:
+            builds.append(builds[0].with_acts("i8+nat", {int(layer_type): 1}))
+            builds.append(builds[0].with_acts("i8+i16", {int(layer_type): 1, int(Q.Q8_0): 2}))
         if args.baseline:
             baseline = Build("baseline", baseline_source(args.baseline), Path(tmp),
                              baseline_source(args.baseline, "int8_dot.c"))
-            builds[:0] = [baseline] + ([baseline.with_int8("base i8")] if baseline.abi >= 5 else [])
+            builds[:0] = [baseline] + ([baseline.with_acts("base i8", int8)] if baseline.abi >= 5 else [])
         labels = " | ".join(f"{b.label} med / best" for b in builds)
         layers = [[(layer_type, random_blocks(layer_type, n, k, rng), k) for n, k in shapes] for _ in range(n_layers)]
         head = (head_type, random_blocks(head_type, head_rows, width, rng), width)

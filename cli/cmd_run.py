@@ -62,8 +62,8 @@ def run_command(
         "--weights", metavar="auto|stored|dense|KERNEL",
         help="How a GGUF's matrices are multiplied. auto: the fastest acceptable of the stored kernels and dense "
              "dtypes, measured on this machine for this model on first use (saved); stored: the fastest acceptable "
-             "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (i8dot, native, int4pack, "
-             "blocks) runs that kernel; Q4_1:i8dot,Q8_0:native a kernel per type.")] = None,
+             "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (i8dot, i16dot, native, "
+             "int4pack, blocks) runs that kernel; Q4_1:i8dot,Q8_0:i16dot a kernel per type.")] = None,
     remeasure: Annotated[bool, typer.Option(
         "--remeasure", help="Measure this machine's products for this model again (--dtype/--weights auto) and "
                             "replace the saved choice: after a first run on a busy machine, a new CPU setting, or "

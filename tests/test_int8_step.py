@@ -26,7 +26,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
-from llmtrace.tracer.model.weight_formats import I8DOT, NATIVE
+from llmtrace.tracer.model.weight_formats import I8DOT, I16DOT, NATIVE
 from test_native_step import generate, native_model
 
 Q = gguf.GGMLQuantizationType
@@ -143,9 +143,15 @@ def test_the_probe_admits_i8dot_for_q4_1_and_refuses_it_for_q8_0() -> None:
     assert resolved.gguf_header is not None
     offered = kernel_pick._candidates(resolved, torch.device("cpu"), kernel_pick.matrix_formats(resolved))
     assert rule.KERNEL_BITS.get(I8DOT) is None and set(offered.probes[I8DOT]) == {"Q4_1", "Q8_0"}
-    errors = probe_errors(resolved.gguf_header, resolved.config, {I8DOT: ("Q4_1", "Q8_0"), NATIVE: ("Q4_1", "Q8_0")})
+    errors = probe_errors(resolved.gguf_header, resolved.config,
+                          {I8DOT: ("Q4_1", "Q8_0"), I16DOT: ("Q8_0",), NATIVE: ("Q4_1", "Q8_0")})
     assert errors[I8DOT]["Q4_1"] <= rule.tolerance("Q4_1") == 2.0**-7
     assert errors[I8DOT]["Q8_0"] > rule.tolerance("Q8_0") == 2.0**-11
     ok, why = rule.judge(I8DOT, None, ["Q4_1", "Q8_0"], errors[I8DOT])
     assert not ok and "Q8_0 matrices need 11 significand bits" in why
-    assert kernel_pick.per_type_plan(offered, errors) == {"Q4_1": I8DOT, "Q8_0": NATIVE}
+    assert offered.probes[I16DOT] == ("Q8_0",)  # i16dot runs Q8_0 only: a per-type plan's kernel
+    assert errors[I16DOT]["Q8_0"] <= rule.tolerance("Q8_0")  # int16 activations keep the head's 11 bits
+    # each type's first acceptable kernel, then each type on its runner-up: the Q8_0 head on native is timed too
+    assert kernel_pick.per_type_plans(offered, errors) == [{"Q4_1": I8DOT, "Q8_0": I16DOT},
+                                                           {"Q4_1": NATIVE, "Q8_0": I16DOT},
+                                                           {"Q4_1": I8DOT, "Q8_0": NATIVE}]

@@ -121,4 +121,4 @@ def test_weights_option_on_the_command_line() -> None:
     bad = CliRunner().invoke(app, ["run", "capital", "--weights", "int3"])
     assert bad.exit_code == 2
     assert f"--weights must be one of auto, stored, dense, {', '.join(all_kernels())}" in bad.output
-    assert all_kernels() == (("i8dot", NATIVE) if native_kernel.available() else ()) + (INT4PACK, "blocks")
+    assert all_kernels() == (("i8dot", "i16dot", NATIVE) if native_kernel.available() else ()) + (INT4PACK, "blocks")

@@ -38,7 +38,7 @@ The rule, in order:
    REFERENCE_DECODE decode steps (`reference_s`). Prefill: its measured matrix-matrix product times. Decode
    (`decode_s`), timed as the candidate's decode step will run:
    - a stored candidate whose one-token step runs as the native C step (every matrix on the native library's
-     kernels: "native", "i8dot", a plan of both; tracer/model/native_step.py) is timed as WHOLE steps of its model as
+     kernels: "native", "i8dot", "i16dot", a plan of them; tracer/model/native_step.py) is timed as WHOLE steps of its model as
      `run` loads it (tracer/load/step_timing.py: steps at the first positions of an empty cache, the candidates
      alternated in rounds, the 0.2 quantile of up to 64 steps): its products, norms, RoPE, a few keys' attention
      and the embedding row in one C call, as it runs. A sum of its products called one by one from Python is not
@@ -87,8 +87,9 @@ GUARD_BITS = 3  # rounding a dequantized value adds at most 2^-3 of a quantizati
 # The significand bits a stored kernel's products keep: "int4pack" (torch's int4 kernel) runs in bf16 (activations,
 # scales and zeros rounded to bf16); "blocks" dequantizes exactly into the activations' dtype (EXACT: their bits).
 # A kernel not listed is judged by its probe alone (its precision is measured, not declared): "native" (exact, so its
-# probe measures fp32 rounding), and "i8dot", which rounds the activations to int8 per 32 values (~2^-7.5 relative
-# on a product: admitted for Q4 matrices, refused for Q5/Q6_K/Q8_0 ones on the probe's standard-normal rows).
+# probe measures fp32 rounding), "i8dot", which rounds the activations to int8 per 32 values (~2^-7.5 relative
+# on a product: admitted for Q4 matrices, refused for Q5/Q6_K/Q8_0 ones on the probe's standard-normal rows), and
+# "i16dot" (Q8_0 only), which rounds them to int16 (~2^-15.5 relative: admitted for Q8_0's 11 bits by its probe).
 EXACT = "exact"
 KERNEL_BITS: dict[str, int | str] = {"int4pack": COMPUTE_BITS["bf16"], "blocks": EXACT}
 

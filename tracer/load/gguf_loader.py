@@ -228,7 +228,7 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name
 
 
 def _arena_for(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan) -> WeightArena | None:
-    """An arena holding the matrices of `names` that a block kernel reads as stored (native, i8dot: the file's own
+    """An arena holding the matrices of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's own
     blocks), None when there are none (tracer/load/weight_arena.py says why they are copied)."""
     infos = [plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS]
     return WeightArena(sum(info.n_bytes for info in infos), len(infos)) if infos else None

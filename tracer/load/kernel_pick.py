@@ -154,19 +154,21 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
     return _Candidates(tuple(kernels), bits, probes, tuple(refused), type_kernels)
 
 
-def per_type_plan(offered: _Candidates, errors: dict[str, dict[str, float]]) -> dict[str, str] | None:
-    """A kernel per matrix type: for each type, the first stored kernel (weight_formats' order: fastest known
-    first) that is acceptable for it (kernel_choice.judge on that type alone). None when some type has none, or
-    when one kernel would run every type (that is a uniform candidate already)."""
-    plan = {}
+def per_type_plans(offered: _Candidates, errors: dict[str, dict[str, float]]) -> list[dict[str, str]]:
+    """Kernels per matrix type to time: first the plan of each type's first acceptable stored kernel (weight_formats'
+    order: fastest known first; kernel_choice.judge on that type alone), then, one type at a time, that type on its
+    runner-up (its next acceptable kernel), because "fastest known" is an order, not a measurement: a Q8_0 head on
+    i16dot and on native are both timed before either is taken. [] when some type has no acceptable kernel; a plan
+    whose one kernel runs every type is left out (that is a uniform candidate already)."""
+    acceptable = {}
     for type_name, names in offered.type_kernels.items():
-        ok = [k for k in names if rule.judge(k, offered.bits.get(k), [type_name], errors.get(k, {}))[0]]
-        if not ok:
-            return None
-        plan[type_name] = ok[0]
-    if not plan or len(set(plan.values())) == 1:
-        return None
-    return plan
+        acceptable[type_name] = [k for k in names if rule.judge(k, offered.bits.get(k), [type_name], errors.get(k, {}))[0]]
+        if not acceptable[type_name]:
+            return []
+    first = {t: ok[0] for t, ok in acceptable.items()}
+    plans = [first] + [{**first, t: ok[1]} for t, ok in acceptable.items() if len(ok) > 1]
+    distinct = {plan_spec(plan): plan for plan in plans if len(set(plan.values())) > 1}
+    return list(distinct.values())
 
 
 def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | None = None,
@@ -218,10 +220,11 @@ def _measure(resolved: ResolvedModel, device: torch.device, offered: _Candidates
             progress("accuracy probe of " + ", ".join(offered.probes))
         errors = probe_errors(resolved.gguf_header, resolved.config, offered.probes)
     kernels = list(offered.kernels)
-    plan = per_type_plan(offered, errors)
-    if plan is not None:  # e.g. int4pack for the Q4 matrices, an exact kernel for a Q8_0 one
+    # e.g. i8dot for the Q4 matrices, i16dot or an exact kernel for a Q8_0 one
+    plans = {plan_spec(plan): plan for plan in per_type_plans(offered, errors)}
+    for spec in plans:
         assert resolved.gguf_header is not None
-        kernels.append(StoredKernel(resolved.gguf_header, resolved.config, plan_spec(plan)))
+        kernels.append(StoredKernel(resolved.gguf_header, resolved.config, spec))
     steps: dict[str, float] = {}
     step_seconds = 0.0
     if resolved.gguf_header is not None and device.type == "cpu":  # the native step runs on the CPU
@@ -233,9 +236,9 @@ def _measure(resolved: ResolvedModel, device: torch.device, offered: _Candidates
     seconds += step_seconds
     judged = []
     for timing in timings:
-        if plan is not None and timing.name == plan_spec(plan):  # acceptable type by type, by construction
+        if timing.name in plans:  # acceptable type by type, by construction
             ok, why = True, ""
-            probed = [errors[k][t] for t, k in plan.items() if t in errors.get(k, {})]
+            probed = [errors[k][t] for t, k in plans[timing.name].items() if t in errors.get(k, {})]
             worst = max(probed) if probed else None
         else:
             ok, why = rule.judge(timing.name, offered.bits.get(timing.name), formats, errors.get(timing.name, {}))

@@ -25,18 +25,24 @@ import torch
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import I8DOT, NATIVE, PackedWeight, WeightFormat, stored_kernels
+from llmtrace.tracer.model.weight_formats import (
+    BLOCK_KERNELS,
+    I8DOT,
+    I16DOT,
+    STORED_KERNELS,
+    PackedWeight,
+    WeightFormat,
+    stored_kernels,
+)
 
 AUTO, STORED, DENSE = "auto", "stored", "dense"
 _META_KEY = "packed_weights"
 
 
 def all_kernels() -> tuple[str, ...]:
-    """Every stored kernel weight_formats knows, in its order of preference."""
-    names: list[str] = []
-    for ggml_type in GGML_TYPES:
-        names += [k for k in stored_kernels(ggml_type) if k not in names]
-    return tuple(names)
+    """Every stored kernel weight_formats knows (that some ggml type runs here), in its order of preference."""
+    names = {k for ggml_type in GGML_TYPES for k in stored_kernels(ggml_type)}
+    return tuple(k for k in STORED_KERNELS if k in names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +66,7 @@ def parse_weights(text: str | None) -> WeightsRequest:
         return WeightsRequest(text)
     if text in all_kernels():
         return WeightsRequest(STORED, text)
-    if text in (NATIVE, I8DOT):  # a kernel of weight_formats that cannot be built here: say why, not just "one of"
+    if text in BLOCK_KERNELS:  # a kernel of weight_formats that cannot be built here: say why, not just "one of"
         raise BadArgumentError(f"--weights {text}: {native_kernel.unavailable_reason()}; use --weights stored "
                                "(another stored kernel) or dense")
     try:
@@ -120,11 +126,11 @@ def tensors_as_read(source: object, choice: WeightsChoice) -> tuple[tuple[str, i
 
 
 def widest_kernel(packable_by_kernel: dict[str, int]) -> str:
-    """The kernel that runs the most matrices (all_kernels' order breaks ties, except that i8dot comes last: it
-    rounds the activations, and only a measurement, the accuracy probe, may admit it): --weights stored with
+    """The kernel that runs the most matrices (all_kernels' order breaks ties, except that i8dot and i16dot come last:
+    they round the activations, and only a measurement, the accuracy probe, may admit them): --weights stored with
     nothing measured."""
     order = all_kernels()
-    return max(order, key=lambda k: (packable_by_kernel.get(k, 0), k != I8DOT, -order.index(k)))
+    return max(order, key=lambda k: (packable_by_kernel.get(k, 0), k not in (I8DOT, I16DOT), -order.index(k)))
 
 
 def entry_variant(kernel: str, dtype: torch.dtype) -> str:

@@ -4,8 +4,9 @@ What it runs: x @ W.T with W in a GGUF's own block bytes (Q4_0, Q4_1, Q5_0, Q5_1
 block dequantized in registers to exactly gguf.quants.dequantize's values (the C file's header says how), and
 those exact values for embedding lookups. llmtrace.tracer.model.weight_formats wraps it as the kernel "native".
 The same library holds the "i8dot" kernel (native/int8_dot.c: the activations rounded to int8 per 32 values and
-integer dot products with the blocks' codes; not exact: admitted only by the kernel choice's accuracy probe), chosen
-per row block of a BlockMatrix, and the native decode step (native/decode_step.c, driven by tracer/model/native_step.py).
+integer dot products with the blocks' codes; not exact: admitted only by the kernel choice's accuracy probe) and the
+"i16dot" one (native/int16_dot.c: Q8_0 blocks times activations rounded to int16, likewise probed), chosen per row
+block of a BlockMatrix by its activation kind, and the native decode step (native/decode_step.c, driven by tracer/model/native_step.py).
 
 Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it
 may be a command line such as "ccache gcc") compiles native/decode_step.c, which #includes gguf_matmul.c (one
@@ -52,10 +53,11 @@ from llmtrace.tracer.core.cache_dirs import cache_root
 NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
 SOURCE = NATIVE_SOURCES / "decode_step.c"
-# everything the binary is made of (gguf_matmul.c #includes int8_dot.c, the "i8dot" kernel; decode_step.c #includes
-# top_values.c, the sampler's passes): the build key covers each
-SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "top_values.c")
-ABI = 5  # LLMT_ABI in gguf_matmul.c
+# everything the binary is made of (gguf_matmul.c #includes int8_dot.c and int16_dot.c, the "i8dot" and "i16dot"
+# kernels; decode_step.c #includes top_values.c, the sampler's passes): the build key covers each
+SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "int16_dot.c",
+           NATIVE_SOURCES / "top_values.c")
+ABI = 6  # LLMT_ABI in gguf_matmul.c
 STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
 SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: native_top.py)
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
@@ -69,6 +71,10 @@ LIBS = ("-lm",)  # after the source: linkers that drop libraries not yet needed 
 COMPILE_TIMEOUT_S = 120
 # ggml type codes the C file multiplies (ggml.h enum ggml_type)
 TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# How a row block's products take the activations (EXACT_X, INT8_X, INT16_X in gguf_matmul.c): exact fp32 ("native"),
+# rounded to int8 per 32 values ("i8dot") or to int16 ("i16dot", Q8_0 blocks only)
+EXACT_X, INT8_X, INT16_X = 0, 1, 2
+INT16_TYPES = (8,)  # the ggml types INT16_X takes
 _STATUS = {1: "unsupported ggml type", 2: "shapes that do not fit the blocks", 3: "out of memory"}
 _NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
 
@@ -143,10 +149,11 @@ class BlockMatrix:
     Q6_K). It holds the tensors (the kernel reads their memory in place) and the call's argument arrays, made once:
     a decode step makes ~120 calls, so each costs only what ctypes must."""
 
-    __slots__ = ("parts", "k", "rows", "int8", "_described", "_address", "_call")
+    __slots__ = ("parts", "k", "rows", "activations", "_described", "_address", "_call")
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int, int8: tuple[bool, ...] | None = None) -> None:
-        """`int8`: per part, whether its products run the i8dot kernel (activations rounded to int8); None: none."""
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int,
+                 activations: tuple[int, ...] | None = None) -> None:
+        """`activations`: per part, EXACT_X, INT8_X (the i8dot kernel) or INT16_X (i16dot); None: all exact."""
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"the native kernel multiplies 1 to {MAX_PARTS} row blocks at once, not {len(parts)}")
         for code, blocks in parts:
@@ -157,9 +164,12 @@ class BlockMatrix:
         self.parts = tuple(parts)
         self.k = int(k)
         self.rows = sum(blocks.shape[0] for _, blocks in parts)
-        self.int8 = tuple(bool(v) for v in int8) if int8 is not None else (False,) * len(parts)
-        if len(self.int8) != len(parts):
-            raise ValueError(f"{len(self.int8)} int8 flags for {len(parts)} row blocks")
+        self.activations = tuple(activations) if activations is not None else (EXACT_X,) * len(parts)
+        if len(self.activations) != len(parts):
+            raise ValueError(f"{len(self.activations)} activation kinds for {len(parts)} row blocks")
+        for (code, _), kind in zip(parts, self.activations):
+            if kind not in (EXACT_X, INT8_X, INT16_X) or (kind == INT16_X and code not in INT16_TYPES):
+                raise ValueError(f"no activation kind {kind} for {TYPES[code]} blocks")
         lib = library()
         count = len(parts)
         self._described = ctypes.create_string_buffer(lib.matrix_size)  # the C side's description, kept here
@@ -167,7 +177,7 @@ class BlockMatrix:
                               (ctypes.c_void_p * count)(*(blocks.data_ptr() for _, blocks in parts)),
                               (ctypes.c_int64 * count)(*(blocks.stride(0) for _, blocks in parts)),
                               (ctypes.c_int64 * count)(*(blocks.shape[0] for _, blocks in parts)), self.k,
-                              (ctypes.c_int * count)(*self.int8), self._described)
+                              (ctypes.c_int * count)(*self.activations), self._described)
         if status:
             kinds = "+".join(TYPES[code] for code, _ in parts)
             raise NativeKernelError(f"native kernel refused {kinds} ({self.rows} x {self.k}): "
@@ -399,7 +409,8 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
 def _self_test(lib: NativeLibrary) -> str:
     """Two Q8_0 rows (d = 1, q = j - 16 and 16 - j) times x = 1..32 for one and for two activation rows: integer
     sums, exact in fp32, through both code paths (the one-row kernel and the tiled one); then the i8dot kernel with
-    x = 127 - 8j (max |x| = 127, so x is its own int8 code and the sums are exact too). "" when right."""
+    x = 127 - 8j (max |x| = 127, so x is its own int8 code and the sums are exact too), and the i16dot one with
+    x = 32767 - 2048j (its own int16 code). "" when right."""
     block = bytearray()
     for sign in (1, -1):
         block += bytes([0x00, 0x3C])  # fp16 1.0
@@ -410,9 +421,11 @@ def _self_test(lib: NativeLibrary) -> str:
     described = ctypes.create_string_buffer(lib.matrix_size)
     x8 = (ctypes.c_float * 64)(*[float(127 - 8 * j) for j in range(32)] * 2)
     want8 = sum((j - 16) * (127 - 8 * j) for j in range(32))
-    for int8, inputs, expected in ((0, x, want), (1, x8, want8)):
+    x16 = (ctypes.c_float * 64)(*[float(32767 - 2048 * j) for j in range(32)] * 2)
+    want16 = sum((j - 16) * (32767 - 2048 * j) for j in range(32))
+    for kind, inputs, expected in ((EXACT_X, x, want), (INT8_X, x8, want8), (INT16_X, x16, want16)):
         status = lib.describe(1, (ctypes.c_int * 1)(8), (ctypes.c_void_p * 1)(ctypes.addressof(blocks)),
-                              (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, (ctypes.c_int * 1)(int8),
+                              (ctypes.c_int64 * 1)(34), (ctypes.c_int64 * 1)(2), 32, (ctypes.c_int * 1)(kind),
                               described)
         if status:
             return f"self-test failed (status {status} describing the matrix)"
@@ -420,7 +433,7 @@ def _self_test(lib: NativeLibrary) -> str:
             out = (ctypes.c_float * (2 * m))()
             status = lib.matmul(described, ctypes.addressof(inputs), m, ctypes.addressof(out), 1)
             if status or list(out) != [float(expected), float(-expected)] * m:
-                kernel = "i8dot" if int8 else "exact"
+                kernel = {EXACT_X: "exact", INT8_X: "i8dot", INT16_X: "i16dot"}[kind]
                 return f"self-test failed ({kernel}: status {status}, {list(out)} for {m} row(s))"
     values = (ctypes.c_float * 64)()
     status = lib.dequantize(8, ctypes.addressof(blocks), 34, 2, None, 2, 32, ctypes.addressof(values), 1)

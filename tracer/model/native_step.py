@@ -9,8 +9,8 @@ buffers allocated once; a step is then one ctypes call, with the threads woken o
 
 Eligibility (`NativeStep.build` returns None with a reason otherwise, and the torch fused path runs as before):
 every product of the step (each layer's packed Q|K|V, wo, gate|up, w2 and the LM head) is a PackedWeight of the
-native library's kernels ("native", exact, or "i8dot", int8 activations: each row block's description says which,
-so a step runs a per-type plan such as "Q4_1:i8dot,Q8_0:native" as it is); the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
+native library's kernels ("native", exact, "i8dot", int8 activations, or "i16dot", int16 ones: each row block's
+description says which, so a step runs a per-type plan such as "Q4_1:i8dot,Q8_0:i16dot" as it is); the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
 every layer has the same shapes and norm epsilon. The plan holds a reference to every tensor whose memory C reads.
 
 The token's embedding row is looked up in C too (the table held as stored, its row dequantized exactly as
@@ -189,7 +189,7 @@ class NativeStep:
     def build(cls, plan: Any) -> tuple[NativeStep | None, str]:
         """(the step, "") or (None, why not): the fused path then runs its torch ops."""
         if not all(isinstance(w, PackedWeight) and runs_blocks(w.format.kernel) for w in _products(plan)):
-            return None, "a product of the step is not held for the native library's kernels (native, i8dot)"
+            return None, "a product of the step is not held for the native library's kernels (native, i8dot, i16dot)"
         try:
             return cls(plan), ""
         except NotEligible as exc:
@@ -197,7 +197,7 @@ class NativeStep:
 
     def _matrix(self, weight: Any, shape: tuple[int, int], name: str) -> int:
         if not isinstance(weight, PackedWeight) or not runs_blocks(weight.format.kernel):
-            raise NotEligible(f"{name} is not held for the native library's kernels (native, i8dot)")
+            raise NotEligible(f"{name} is not held for the native library's kernels (native, i8dot, i16dot)")
         if weight.shape != shape:
             raise NotEligible(f"{name} is {weight.shape}, the step expects {shape}")
         return self._keep_matrix(weight)

@@ -29,8 +29,14 @@ Kernels (the `kernel` field; what runs the product):
   NOT exact: each activation moves by up to half its block's step, so a product's error is at most
   sum over blocks of (max|x|/254) * sum|w|. Its precision is not declared (kernel_choice.KERNEL_BITS): the kernel
   choice's accuracy probe admits it per matrix format, so a Q4 model's matrices may run it while a Q8_0 LM head,
-  which needs 11 significand bits, stays on "native" (a per-type plan "Q4_1:i8dot,Q8_0:native"). Listed before
-  "native" (fastest known first): a per-type plan takes, for each type, the first kernel the probe accepts.
+  which needs 11 significand bits, goes to "i16dot" or "native" (a per-type plan "Q4_1:i8dot,Q8_0:i16dot"). Listed
+  before "native" (fastest known first): a per-type plan takes, for each type, the first kernel the probe accepts.
+- "i16dot" (Q8_0 only): the same library's int16 kernel (native/int16_dot.c): the activations rounded to int16 per
+  32 values (scale max|x|/32767, round to nearest even), the blocks' int8 codes sign-extended to int16 and multiplied
+  with them into exact int32 sums (vpmaddwd), one fp32 multiply-add with the two scales per block: ~10 instructions
+  per 32 values where "native" takes ~18. NOT exact either, but 258x closer than i8dot: a product's error is at most
+  sum over blocks of (max|x|/65534) * sum|w|. It too declares no precision: the probe admits it per format (a Q8_0
+  matrix's 11 bits on the model's own matrices). Listed between "i8dot" and "native".
 - "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
   bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
   result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
@@ -58,14 +64,18 @@ GROUP = 32  # values per scale along K, for every block format here
 # ggml type codes (ggml.h enum ggml_type)
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
-NATIVE, I8DOT, INT4PACK, BLOCKS, DENSE = "native", "i8dot", "int4pack", "blocks", "dense"
+NATIVE, I8DOT, I16DOT, INT4PACK, BLOCKS, DENSE = "native", "i8dot", "i16dot", "int4pack", "blocks", "dense"
 # The native library's kernels: the file's block bytes held as they are (rows of "blocks"), multiplied in C.
-BLOCK_KERNELS = (I8DOT, NATIVE)
+BLOCK_KERNELS = (I8DOT, I16DOT, NATIVE)
+# Every stored kernel, fastest known first: stored_kernels lists a type's in this order
+STORED_KERNELS = (I8DOT, I16DOT, NATIVE, INT4PACK, BLOCKS)
+# How each of the native library's kernels takes the activations (a row block's description in C)
+_ACTIVATIONS = {NATIVE: native_kernel.EXACT_X, I8DOT: native_kernel.INT8_X, I16DOT: native_kernel.INT16_X}
 
 
 def runs_blocks(kernel: str) -> bool:
-    """Whether a format's kernel is the native library's over the file's blocks: "native", "i8dot", or row blocks
-    stacked from both ("i8dot+native": a Q4_K_M file's Q4_K rows on i8dot beside its Q6_K rows on native)."""
+    """Whether a format's kernel is the native library's over the file's blocks: "native", "i8dot", "i16dot", or row
+    blocks stacked from several ("i8dot+native": a Q4_K_M file's Q4_K rows on i8dot beside its Q6_K rows on native)."""
     return all(part in BLOCK_KERNELS for part in kernel.split("+"))
 
 
@@ -74,8 +84,8 @@ class WeightFormat:
     """How one weight matrix is held and which kernel multiplies it.
 
     name: "fp32", "fp16", "bf16" (dense) or "q4_0", "q4_1", "q4_k", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k" (as the
-    GGUF stores it); kernel: "dense", "native", "i8dot", "int4pack" or "blocks" ("i8dot+native" for row blocks
-    stacked from both); stored: the file's type name ("Q4_1",
+    GGUF stores it); kernel: "dense", "native", "i8dot", "i16dot", "int4pack" or "blocks" ("i8dot+native" for row
+    blocks stacked from several); stored: the file's type name ("Q4_1",
     "F16"...) or "" for a dense
     tensor not read from a GGUF; stored_bits: bits per value as stored (Q4_1 5.0, Q4_K 4.5, fp32 32).
     """
@@ -101,8 +111,11 @@ _TORCH_TYPES = (_Q4_0, _Q4_1, _Q4_K, _Q8_0)  # what "int4pack" and "blocks" run
 
 def stored_kernels(ggml_type: int) -> tuple[str, ...]:
     """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized.
-    "i8dot" and "native" are listed only when the library can be built here (asking builds it once: a second)."""
-    kernels = [I8DOT, NATIVE] if ggml_type in native_kernel.TYPES and native_kernel.available() else []
+    "i8dot", "i16dot" (Q8_0) and "native" are listed only when the library can be built here (asking builds it
+    once: a second)."""
+    kernels = []
+    if ggml_type in native_kernel.TYPES and native_kernel.available():
+        kernels = [I8DOT, I16DOT, NATIVE] if ggml_type in native_kernel.INT16_TYPES else [I8DOT, NATIVE]
     if ggml_type in _TORCH_TYPES:
         kernels += [INT4PACK, BLOCKS]
     return tuple(kernels)
@@ -125,11 +138,11 @@ class PackedWeight:
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
     """
 
-    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_int8", "_native")
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_activations", "_native")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
                  stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None,
-                 int8: tuple[bool, ...] | None = None) -> None:
+                 activations: tuple[int, ...] | None = None) -> None:
         self.format = fmt
         self.shape = (int(shape[0]), int(shape[1]))
         self.tensors = tensors
@@ -140,8 +153,9 @@ class PackedWeight:
             parts = ((_CODES[fmt.stored], tensors["blocks"]),) if "blocks" in tensors else tuple(
                 (_CODES[key.split(".")[2]], t) for key, t in sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1])))
         self._parts = parts or ()
-        # per row block: whether its products run i8dot (int8 activations) rather than the exact "native"
-        self._int8 = int8 if int8 is not None else (fmt.kernel == I8DOT,) * len(self._parts)
+        # per row block: how its products take the activations (native_kernel.EXACT_X, INT8_X, INT16_X: its kernel)
+        self._activations = activations if activations is not None else (
+            (_ACTIVATIONS.get(fmt.kernel, native_kernel.EXACT_X),) * len(self._parts))
         self._native: native_kernel.BlockMatrix | None = None
 
     @classmethod
@@ -206,11 +220,11 @@ class PackedWeight:
 
     def native_matrix(self) -> native_kernel.BlockMatrix:
         """The native kernel's description of this matrix (made once): what its products, and the native decode
-        step (tracer/model/native_step.py), pass to C; each row block says its kernel (i8dot or native)."""
+        step (tracer/model/native_step.py), pass to C; each row block says its kernel (i8dot, i16dot or native)."""
         if not runs_blocks(self.format.kernel):
             raise ValueError(f"{self.format.label} is not held for the native library's kernels")
         if self._native is None:
-            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1], self._int8)
+            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1], self._activations)
         return self._native
 
     def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -336,7 +350,7 @@ def dense_weight(weight: torch.Tensor, stored: str = "") -> PackedWeight:
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
     """Row blocks of one format stacked into one matrix (wq|wk|wv, w1|w3: one product instead of several). The
     native kernel's are not copied, and may mix formats (a Q4_K_M file's Q4_K wq, wk and Q6_K wv): it multiplies
-    every member's blocks in place in one call, each row block with its own kernel (i8dot or native)."""
+    every member's blocks in place in one call, each row block with its own kernel (i8dot, i16dot or native)."""
     first = weights[0]
     shape = (sum(w.shape[0] for w in weights), first.shape[1])
     stored = sum(w.stored_bytes for w in weights)
@@ -344,7 +358,7 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
         if any(not runs_blocks(w.format.kernel) or w.shape[1] != first.shape[1] for w in weights):
             raise ValueError("concat_rows needs native-library weights of one input width")
         parts = tuple(part for w in weights for part in w._parts)
-        int8 = tuple(flag for w in weights for flag in w._int8)
+        activations = tuple(kind for w in weights for kind in w._activations)
         formats = list(dict.fromkeys(w.format for w in weights))
         kernels = "+".join(dict.fromkeys(k for f in formats for k in f.kernel.split("+")))
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
@@ -352,7 +366,7 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
             stored * 8 / (shape[0] * shape[1]))
         tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {
             f"blocks.{i}.{GGML_TYPES[code][0]}": t for i, (code, t) in enumerate(parts)}
-        return PackedWeight(fmt, shape, tensors, stored, parts, int8)
+        return PackedWeight(fmt, shape, tensors, stored, parts, activations)
     if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows needs weights of one format and one input width")
     tensors = {key: torch.cat([w.tensors[key] for w in weights]) for key in first.tensors}

@@ -3,7 +3,8 @@
  *
  * Unity build: this file #includes gguf_matmul.c, so the one library native_kernel.py compiles holds both, and the
  * step reuses that file's row kernels as they are (prepare_x, x_order, dot_rows, int8_dot.c's quantize_x and
- * i8_dot_rows for the i8dot parts, the Matrix description and
+ * i8_dot_rows for the i8dot parts, int16_dot.c's quantize_x16 and i16_dot_rows for the i16dot ones, the Matrix
+ * description and
  * `share`'s byte-balanced split of a matrix's rows between threads). Compiled with the same flags
  * (-O3 -march=native -fopenmp -ffp-contract=off) and linked with -lm.
  *
@@ -106,8 +107,8 @@ static int64_t widest_input(const StepPlan *p) {
 /* Shared vectors (products' outputs, the attention's scores), then each thread's own: its copy of the residual
    stream x and of the norm's output h (every thread computes them, so no barrier waits for one thread's norm), its
    silu(gate)*up, its prepared activation row (x in three orders + its sums per 32 values) and the same row
-   quantized for the i8dot parts (int8_dot.c's XBlocks: each thread quantizes the product's input itself, rather than
-   all waiting at a barrier for one thread to do it). */
+   quantized for the i8dot parts (int8_dot.c's XBlocks) and the i16dot ones (int16_dot.c's X16Blocks): each thread
+   quantizes the product's input itself, rather than all waiting at a barrier for one thread to do it. */
 /* how many chunks of ATTN_CHUNK positions n positions make (the last one partial) */
 static inline int64_t chunks_of(int64_t n) { return (n + ATTN_CHUNK - 1) / ATTN_CHUNK; }
 
@@ -120,7 +121,8 @@ static int64_t shared_floats(const StepPlan *p) {
 
 static int64_t thread_floats(const StepPlan *p) {
     const int64_t k = widest_input(p);
-    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + k / 32 + k / 32 * (int64_t)(sizeof(XBlock) / sizeof(float));
+    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + k / 32 + k / 32 * (int64_t)(sizeof(XBlock) / sizeof(float)) +
+                           k / 32 * (int64_t)(sizeof(X16Block) / sizeof(float));
     return (floats + 15) / 16 * 16 + 16; /* whole cache lines, one apart: threads never share a line */
 }
 
@@ -236,7 +238,8 @@ static void share_rows(const Matrix *mat, int p, int64_t lo, int64_t hi, int t, 
 }
 
 /* This thread's rows of `mat` among rows [lo, hi) times x (k values): x prepared into the thread's own buffer
-   (quantized to int8 blocks for the i8dot parts, in the orders the exact kernels need for the others), then
+   (quantized to int8 blocks for the i8dot parts, int16 ones for the i16dot parts, in the orders the exact kernels
+   need for the others), then
    `share_rows`' rows, each part's rows plus their bias, written at their row of `out` (a row's value does not
    depend on the range or the thread that computes it: every row is one dot_rows call over the same prepared x). */
 static void product_rows(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int64_t lo,
@@ -245,8 +248,9 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
     const int64_t k = mat->k;
     float *sx = xs + 3 * k;
     XBlock *xq = (XBlock *)(sx + k / 32);
+    X16Block *x16 = (X16Block *)(xq + k / 32);
     int64_t first[MAX_PARTS], last[MAX_PARTS];
-    int made[3] = {0, 0, 0}, any = 0, quantized = 0;
+    int made[3] = {0, 0, 0}, any = 0, quantized = 0, quantized16 = 0;
     for (int p = 0; p < mat->parts; p++) {
         share_rows(mat, p, lo, hi, t, count, &first[p], &last[p]);
         any |= first[p] < last[p];
@@ -254,9 +258,14 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
     if (!any) return;
     for (int p = 0; p < mat->parts; p++) {
         if (first[p] >= last[p]) continue;
-        if (mat->int8[p]) {
+        if (mat->acts[p] == INT8_X) {
             if (!quantized) quantize_x(x, k, xq);
             quantized = 1;
+            continue;
+        }
+        if (mat->acts[p] == INT16_X) {
+            if (!quantized16) quantize_x16(x, k, x16);
+            quantized16 = 1;
             continue;
         }
         const int order = x_order(mat->types[p]);
@@ -268,8 +277,10 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
     for (int p = 0; p < mat->parts; p++) {
         if (first[p] >= last[p]) continue;
         float *o = out + mat->column[p];
-        if (mat->int8[p])
+        if (mat->acts[p] == INT8_X)
             i8_dot_rows(mat, p, first[p], last[p], xq, 1, o, 0);
+        else if (mat->acts[p] == INT16_X)
+            i16_dot_rows(mat, p, first[p], last[p], x16, 1, o, 0);
         else
             dot_rows(mat->types[p], mat->w[p], mat->strides[p], first[p], last[p], k / mat->block_values[p],
                      xs + x_order(mat->types[p]) * k, sx, o);

@@ -27,7 +27,8 @@
  * Rows of W are split between OpenMP threads (the count is an argument of every call).
  *
  * A part of W described with int8 activations runs the "i8dot" kernel instead (int8_dot.c, #included below): the
- * activation rows rounded to 8-bit integers per 32 values, integer dot products; not exact, see that file.
+ * activation rows rounded to 8-bit integers per 32 values, integer dot products; not exact, see that file. A Q8_0
+ * part described with int16 activations runs "i16dot" (int16_dot.c): the same with 16-bit integers.
  */
 
 #include <math.h>
@@ -47,10 +48,12 @@
 #define LLMT_AVX2 0
 #endif
 
-#define LLMT_ABI 5 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_ABI 6 /* bump when a signature below changes: native_kernel.py checks it */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };
+/* How a part's products take the activations: exact fp32, rounded to int8 (i8dot) or to int16 (i16dot, Q8_0 only) */
+enum { EXACT_X = 0, INT8_X = 1, INT16_X = 2 };
 
 /* Work below this many multiply-adds runs on the calling thread: waking a second one costs more. */
 #define PARALLEL_MIN_WORK (1 << 16)
@@ -653,8 +656,8 @@ typedef struct {
     const uint8_t *w[MAX_PARTS];
     int64_t strides[MAX_PARTS], rows[MAX_PARTS], row_bytes[MAX_PARTS], column[MAX_PARTS]; /* column: first output */
     int64_t block_values[MAX_PARTS], block_bytes[MAX_PARTS];
-    int int8[MAX_PARTS]; /* 1: this part's products round the activations to int8 (the i8dot kernel) */
-    int any_int8;
+    int acts[MAX_PARTS]; /* EXACT_X, INT8_X or INT16_X: how this part's products take the activations */
+    int any_int8, any_int16;
     int64_t k, total_rows, total_bytes;
 } Matrix;
 
@@ -662,15 +665,17 @@ typedef struct {
 int64_t llmt_matrix_size(void) { return (int64_t)sizeof(Matrix); }
 
 #include "int8_dot.c"
+#include "int16_dot.c"
 
 /* Checks and describes W once (the caller keeps `mat` and the blocks alive); every product then passes only `mat`,
-   so a call costs what a call must (a decode step makes ~120). int8: per part, 1 for the i8dot kernel (NULL: none). */
+   so a call costs what a call must (a decode step makes ~120). acts: per part, EXACT_X, INT8_X (i8dot) or INT16_X
+   (i16dot, Q8_0 parts only) (NULL: all exact). */
 int llmt_describe(int parts, const int *types, const uint8_t *const *w, const int64_t *strides, const int64_t *rows,
-                  int64_t k, const int *int8, Matrix *mat) {
+                  int64_t k, const int *acts, Matrix *mat) {
     if (parts < 1 || parts > MAX_PARTS || k <= 0) return BAD_SHAPE;
     mat->k = k;
     mat->parts = parts;
-    mat->any_int8 = 0;
+    mat->any_int8 = mat->any_int16 = 0;
     mat->total_rows = mat->total_bytes = 0;
     for (int p = 0; p < parts; p++) {
         int64_t block_values, block_bytes;
@@ -683,8 +688,11 @@ int llmt_describe(int parts, const int *types, const uint8_t *const *w, const in
         mat->row_bytes[p] = k / block_values * block_bytes;
         mat->block_values[p] = block_values;
         mat->block_bytes[p] = block_bytes;
-        mat->int8[p] = int8 != NULL && int8[p] != 0;
-        mat->any_int8 |= mat->int8[p];
+        mat->acts[p] = acts != NULL ? acts[p] : EXACT_X;
+        if (mat->acts[p] < EXACT_X || mat->acts[p] > INT16_X || (mat->acts[p] == INT16_X && types[p] != Q8_0))
+            return BAD_TYPE;
+        mat->any_int8 |= mat->acts[p] == INT8_X;
+        mat->any_int16 |= mat->acts[p] == INT16_X;
         mat->column[p] = mat->total_rows;
         mat->total_rows += rows[p];
         mat->total_bytes += rows[p] * mat->row_bytes[p];
@@ -727,13 +735,22 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
     const int team = thread_count(threads, (double)n * (double)k * (double)m);
     int status = OK;
     XBlock *xq = NULL; /* the activation rows quantized for the i8dot parts, once per call */
-    if (mat.any_int8) {
-        xq = malloc(sizeof(XBlock) * (size_t)(m * (k / 32)));
-        if (xq == NULL) return NO_MEMORY;
+    X16Block *x16 = NULL; /* and for the i16dot parts */
+    if (mat.any_int8) xq = malloc(sizeof(XBlock) * (size_t)(m * (k / 32)));
+    if (mat.any_int16) x16 = malloc(sizeof(X16Block) * (size_t)(m * (k / 32)));
+    if ((mat.any_int8 && xq == NULL) || (mat.any_int16 && x16 == NULL)) {
+        free(xq);
+        free(x16);
+        return NO_MEMORY;
+    }
+    if (mat.any_int8 || mat.any_int16) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(team) if (team > 1 && m > 1) schedule(static)
 #endif
-        for (int64_t i = 0; i < m; i++) quantize_x(x + i * k, k, xq + i * (k / 32));
+        for (int64_t i = 0; i < m; i++) {
+            if (xq != NULL) quantize_x(x + i * k, k, xq + i * (k / 32));
+            if (x16 != NULL) quantize_x16(x + i * k, k, x16 + i * (k / 32));
+        }
     }
 #if LLMT_AVX2
     if (m == 1) {
@@ -741,13 +758,14 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
         float *buffer = malloc(sizeof(float) * (size_t)(3 * k + k / 32));
         if (buffer == NULL) {
             free(xq);
+            free(x16);
             return NO_MEMORY;
         }
         float *sx = buffer + 3 * k;
         int made[3] = {0, 0, 0};
         for (int p = 0; p < parts; p++) {
             const int order = x_order(mat.types[p]);
-            if (!mat.int8[p] && !made[order]) {
+            if (mat.acts[p] == EXACT_X && !made[order]) {
                 prepare_x(mat.types[p], x, k, buffer + order * k, sx);
                 made[order] = 1;
             }
@@ -761,8 +779,10 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
             for (int p = 0; p < parts; p++) {
                 int64_t first, last;
                 share(&mat, p, t, count, &first, &last);
-                if (mat.int8[p])
+                if (mat.acts[p] == INT8_X)
                     i8_dot_rows(&mat, p, first, last, xq, 1, out + mat.column[p], n);
+                else if (mat.acts[p] == INT16_X)
+                    i16_dot_rows(&mat, p, first, last, x16, 1, out + mat.column[p], n);
                 else
                     dot_rows(mat.types[p], mat.w[p], mat.strides[p], first, last, k / mat.block_values[p],
                              buffer + x_order(mat.types[p]) * k, sx, out + mat.column[p]);
@@ -770,6 +790,7 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
         }
         free(buffer);
         free(xq);
+        free(x16);
         return OK;
     }
 #endif
@@ -791,8 +812,12 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
             for (int p = 0; p < parts; p++) {
                 int64_t first, last;
                 share(&mat, p, t, count, &first, &last);
-                if (mat.int8[p]) {
+                if (mat.acts[p] == INT8_X) {
                     i8_dot_rows(&mat, p, first, last, xq, m, out + mat.column[p], n);
+                    continue;
+                }
+                if (mat.acts[p] == INT16_X) {
+                    i16_dot_rows(&mat, p, first, last, x16, m, out + mat.column[p], n);
                     continue;
                 }
                 for (int64_t r = first; r < last; r += tile) {
@@ -807,6 +832,7 @@ int llmt_matmul(const Matrix *described, const float *x, int64_t m, float *out, 
         free(buffer);
     }
     free(xq);
+    free(x16);
     return status;
 }
 

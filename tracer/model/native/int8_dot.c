@@ -34,36 +34,41 @@ typedef struct {
     int8_t q[32];
 } XBlock;
 
+/* max |v[i]| over 32 values, and in *finite whether all 32 are finite (0: a NaN or an infinity among them); the
+   int16 activations (int16_dot.c) share it */
+static inline float block_amax(const float *v, int *finite) {
+#if LLMT_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i));
+        top = _mm256_max_ps(top, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* NaN or infinite */
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    *finite = _mm256_movemask_ps(bad) == 0;
+    return _mm_cvtss_f32(t);
+#else
+    float amax = 0.0f;
+    *finite = 1;
+    for (int i = 0; i < 32; i++) {
+        const float a = fabsf(v[i]);
+        if (!(a < INFINITY)) *finite = 0;
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+#endif
+}
+
 /* x (k values, k a multiple of 32) -> k / 32 blocks */
 static void quantize_x(const float *x, int64_t k, XBlock *out) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float *v = x + 32 * b;
         XBlock *o = out + b;
-        float amax;
         int finite;
-#if LLMT_AVX2
-        const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
-        __m256 vs[4], top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            vs[i] = _mm256_loadu_ps(v + 8 * i);
-            const __m256 a = _mm256_andnot_ps(sign, vs[i]);
-            top = _mm256_max_ps(top, a);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* NaN or infinite */
-        }
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        amax = _mm_cvtss_f32(t);
-        finite = _mm256_movemask_ps(bad) == 0;
-#else
-        amax = 0.0f;
-        finite = 1;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(v[i]);
-            if (!(a < INFINITY)) finite = 0;
-            amax = a > amax ? a : amax;
-        }
-#endif
+        const float amax = block_amax(v, &finite);
         if (!finite) {
             o->d = o->s = NAN;
             memset(o->q, 0, sizeof o->q);
@@ -73,10 +78,11 @@ static void quantize_x(const float *x, int64_t k, XBlock *out) {
         int sum = 0;
 #if LLMT_AVX2
         const __m256 scale = _mm256_set1_ps(id);
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[0], scale)); /* nearest, ties to even (default MXCSR) */
-        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[1], scale));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[2], scale));
-        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(vs[3], scale));
+        /* nearest, ties to even (default MXCSR) */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), scale));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), scale));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), scale));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), scale));
         const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
         sum = hsum_i32(total);
         /* packs interleave the 128-bit lanes: values 0-3 16-19 4-7 20-23 ... put back in order by the permute */

@@ -1,0 +1,226 @@
+"""The "i16dot" stored kernel (tracer/model/native/int16_dot.c): Q8_0 blocks times activations rounded to int16 per
+32 values.
+
+Two references, both independent of the C code (gguf's dequantizer gives the weights' values w):
+- the SAME math: x quantized here as the kernel describes it (per 32 values d = max|x|/32767, q = round-half-even(
+  x * (32767/max|x|)) in fp32), then sum over blocks of d * sum(w * q) in fp64. The kernel's integer sums are exact
+  and each block adds one fp32 multiply-add of (d_w * d_x) and the sum, so the fp32 rounding is within 2^-20 of
+  sum over blocks of d_x * sum|w * q| (2^-24 would be one rounding; 2^4 leaves room for ~20 rounded additions).
+- the exact product x @ w.T: the kernel's result differs by the rounding of x, at most d/2 per value, so
+  |y - x @ w.T| <= sum over blocks of d/2 * sum|w| (plus fp32 summation, 2^-20 of sum |x||w|): the docstring's bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from llmtrace.tracer.load.stored_weights import all_kernels, kernel_plan, parse_weights, plan_spec, widest_kernel
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import (
+    I8DOT,
+    I16DOT,
+    NATIVE,
+    concat_rows,
+    gguf_format,
+    pack_gguf,
+    runs_blocks,
+    stored_kernels,
+)
+from tests.tiny_gguf import random_blocks
+
+Q = gguf.GGMLQuantizationType
+SAME_MATH_TOLERANCE = 2**-20
+SUM_TOLERANCE = 2**-20
+
+
+@pytest.fixture
+def native() -> None:
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, K) fp32 -> (codes (rows, K) int, scales d (rows, K/32) fp32), as int16_dot.c's quantize_x16 (a block
+    whose max|x| is so small that 32767 / max|x| overflows fp32 rounded in double)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)  # (rows, K/32, 1)
+    d = amax / np.float32(32767)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inverse = np.where(amax != 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        codes = np.rint(blocks * inverse)  # fp32 product, then round half to even
+    tiny = np.broadcast_to(~np.isfinite(inverse), blocks.shape)  # 32767 / max|x| overflowed: in double
+    with np.errstate(divide="ignore", invalid="ignore"):  # the other blocks' quotients are not taken
+        codes[tiny] = np.rint(blocks.astype(np.float64) * 32767 / amax.astype(np.float64))[tiny]
+    assert np.abs(codes).max() <= 32767
+    return codes.reshape(x.shape).astype(np.int64), d[..., 0]
+
+
+def check(weight, raw: np.ndarray, x: torch.Tensor) -> np.ndarray:  # noqa: ANN001
+    """The kernel's product against both references (module docstring); returns |y - x @ w.T|."""
+    values = np.asarray(gguf_dequantize(raw, Q.Q8_0), dtype=np.float64)  # (N, K)
+    got = weight(x).double().numpy()
+    codes, d = quantize(x.numpy())
+    wb = values.reshape(values.shape[0], -1, 32)  # (N, K/32, 32)
+    qb = codes.reshape(codes.shape[0], -1, 32).astype(np.float64)  # (rows, K/32, 32)
+    same = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), wb, qb)
+    same_bound = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), np.abs(wb), np.abs(qb)) * SAME_MATH_TOLERANCE
+    assert (np.abs(got - same) <= same_bound).all(), float((np.abs(got - same) / same_bound).max())
+    xd = x.double().numpy()
+    exact = xd @ values.T
+    bound = 0.5 * d.astype(np.float64) @ np.abs(wb).sum(axis=2).T + np.abs(xd) @ np.abs(values).T * SUM_TOLERANCE
+    assert (np.abs(got - exact) <= bound).all(), float((np.abs(got - exact) / bound).max())
+    return np.abs(got - exact)
+
+
+def test_products_are_the_int16_math_and_within_the_rounding_bound(native: None) -> None:
+    rng = np.random.default_rng(16)
+    rows, cols = 37, 7 * 32  # 37 rows: four groups of eight, five alone; an odd split between two threads
+    raw = random_blocks(Q.Q8_0, rows, cols, rng)
+    weight = pack_gguf(raw, int(Q.Q8_0), cols, I16DOT)
+    assert weight.format.kernel == I16DOT and weight.format.label == "q8_0 (i16dot)" and runs_blocks(I16DOT)
+    assert weight.stored_bytes == raw.nbytes and np.shares_memory(weight.tensors["blocks"].numpy(), raw)
+    values = np.asarray(gguf_dequantize(raw, Q.Q8_0), dtype=np.float32)
+    assert np.array_equal(weight.dequantize().numpy(), values)  # only products round the activations
+    i8 = pack_gguf(raw, int(Q.Q8_0), cols, I8DOT)
+    for tokens in (1, 3, 17):  # one token (decode), a few, a prefill
+        x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)) * 3
+        x[0, :32] = 0.0  # an all-zero block: d = 0, no division by zero
+        x[-1, 64:96] *= 1e-36  # a block whose 32767 / max|x| overflows fp32: rounded in double
+        error = check(weight, raw, x)
+        # two orders of magnitude closer than i8dot (258x in the bound; measured ~250x in norm)
+        i8_error = np.abs(i8(x).double().numpy() - x.double().numpy() @ values.astype(np.float64).T)
+        assert np.linalg.norm(error) * 100 < np.linalg.norm(i8_error)
+
+
+def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
+    raw = random_blocks(Q.Q8_0, 11, 128, np.random.default_rng(1))
+    weight = pack_gguf(raw, int(Q.Q8_0), 128, I16DOT)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(2, 128)
+        x[1, 70] = bad
+        y = weight(x)
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+        assert torch.isnan(weight(x[1:])).all()  # the one-row kernel too
+
+
+def test_rows_together_alone_threads_and_prefill_give_the_same_bits(native: None) -> None:
+    """Decode takes a thread's rows eight at a time and the rest one by one; prefill takes each alone: a row's value
+    must depend on none of it. 45 rows (1 and 2 threads: different splits) against each row as its own matrix."""
+    rows, cols = 45, 576
+    raw = random_blocks(Q.Q8_0, rows, cols, np.random.default_rng(45))
+    weight = pack_gguf(raw, int(Q.Q8_0), cols, I16DOT)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5)) * 2
+    alone = torch.cat([pack_gguf(raw[r : r + 1], int(Q.Q8_0), cols, I16DOT)(x[:1]) for r in range(rows)], dim=1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            decode, prefill = weight(x[:1]), weight(x)
+            assert torch.equal(decode, alone), (decode - alone).abs().max()
+            assert torch.equal(prefill[:1], decode)
+            assert torch.equal(prefill[2:], weight(x[2:]))
+    finally:
+        torch.set_num_threads(before)
+    check(weight, raw, x)
+
+
+def test_row_blocks_of_three_kernels_multiply_in_one_call(native: None) -> None:
+    """Q4_1 rows on i8dot, Q8_0 rows on i16dot and on native stacked: each row block keeps its own kernel."""
+    rng = np.random.default_rng(7)
+    q41, q80 = random_blocks(Q.Q4_1, 20, 256, rng), random_blocks(Q.Q8_0, 12, 256, rng)
+    members = [pack_gguf(q41, int(Q.Q4_1), 256, I8DOT), pack_gguf(q80, int(Q.Q8_0), 256, I16DOT),
+               pack_gguf(q80, int(Q.Q8_0), 256, NATIVE)]
+    stacked = concat_rows(members)
+    assert stacked.format.kernel == "i8dot+i16dot+native" and runs_blocks(stacked.format.kernel)
+    x = torch.randn(2, 256)
+    got = stacked(x)
+    assert torch.equal(got, torch.cat([m(x) for m in members], dim=1))
+    assert not torch.equal(got[:, 20:32], got[:, 32:])  # int16 activations are not the exact kernel's
+
+
+def test_only_q8_0_takes_int16_activations(native: None) -> None:
+    raw = random_blocks(Q.Q4_1, 4, 64, np.random.default_rng(2))
+    with pytest.raises(ValueError, match="no activation kind"):
+        native_kernel.BlockMatrix([(int(Q.Q4_1), torch.from_numpy(raw))], 64, (native_kernel.INT16_X,))
+    with pytest.raises(ValueError, match="no 'i16dot' kernel"):
+        gguf_format(int(Q.Q4_1), I16DOT)
+    lib = native_kernel.library()  # the C side refuses it too (BAD_TYPE), whatever Python checks
+    described = ctypes.create_string_buffer(lib.matrix_size)
+    status = lib.describe(1, (ctypes.c_int * 1)(int(Q.Q4_1)), (ctypes.c_void_p * 1)(raw.ctypes.data),
+                          (ctypes.c_int64 * 1)(raw.shape[1]), (ctypes.c_int64 * 1)(4), 64,
+                          (ctypes.c_int * 1)(native_kernel.INT16_X), described)
+    assert status == 1
+
+
+def test_listed_for_q8_0_between_i8dot_and_native_and_never_taken_unmeasured(native: None) -> None:
+    assert stored_kernels(int(Q.Q8_0))[:3] == (I8DOT, I16DOT, NATIVE)
+    assert I16DOT not in stored_kernels(int(Q.Q4_1)) and I16DOT not in stored_kernels(int(Q.Q6_K))
+    assert all_kernels()[:3] == (I8DOT, I16DOT, NATIVE)
+    assert widest_kernel({I8DOT: 10, I16DOT: 10, NATIVE: 10}) == NATIVE
+    assert widest_kernel({I8DOT: 10, I16DOT: 3, NATIVE: 0}) == I8DOT
+    assert parse_weights(I16DOT).kernel == I16DOT
+    spec = "Q4_1:i8dot,Q8_0:i16dot"
+    assert parse_weights(spec).kernel == spec
+    assert kernel_plan(spec) == {"Q4_1": I8DOT, "Q8_0": I16DOT} and plan_spec(kernel_plan(spec)) == spec
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages through libc mprotect (Linux)")
+def test_no_byte_past_the_matrix_is_read(native: None) -> None:
+    """W ends where an unreadable page starts; one token and a few, 1 and 2 threads (the eight-row kernel's
+    prefetches run past the end: a prefetch never faults, a load would)."""
+    page = mmap.PAGESIZE
+    rows, cols = 13, 7 * 32
+    raw = random_blocks(Q.Q8_0, rows, cols, np.random.default_rng(11))
+    span = -(-raw.nbytes // page) * page
+    region = mmap.mmap(-1, span + page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert libc.mprotect(base + span, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
+    try:
+        at_end = np.frombuffer(region, dtype=np.uint8, count=raw.nbytes, offset=span - raw.nbytes)
+        at_end[:] = raw.reshape(-1)
+        weight = pack_gguf(at_end.reshape(raw.shape), int(Q.Q8_0), cols, I16DOT)
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for tokens in (1, 3):
+                    check(weight, raw, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))
+        finally:
+            torch.set_num_threads(before)
+        del weight, at_end
+    finally:
+        libc.mprotect(base + span, page, 3)
+
+
+@pytest.fixture
+def portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The library built without -march=native (no AVX2: the portable C loops), in a folder of the test's own."""
+    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
+    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-fopenmp"), ("-O3",)))
+    native_kernel.reset()
+    yield
+    native_kernel.reset()
+
+
+def test_the_portable_build_computes_the_same_math(portable_build: None) -> None:
+    if not native_kernel.available():
+        pytest.skip(f"no C build here: {native_kernel.unavailable_reason()}")
+    assert not native_kernel.library().avx2
+    raw = random_blocks(Q.Q8_0, 10, 7 * 32, np.random.default_rng(8))
+    weight = pack_gguf(raw, int(Q.Q8_0), 7 * 32, I16DOT)
+    for tokens in (1, 2):
+        check(weight, raw, torch.randn(tokens, 7 * 32, generator=torch.Generator().manual_seed(tokens)))

@@ -1,0 +1,161 @@
+/* llmtrace's "i16dot" stored kernel: y = x @ W.T with W in Q8_0 blocks and x rounded to 16-bit integers.
+ *
+ * #included by gguf_matmul.c after int8_dot.c (one unity build: it uses their helpers) and called from its entry
+ * points, and from decode_step.c, for the parts of a Matrix described with int16 activations (Q8_0 parts only).
+ *
+ * Why: a Q8_0 matrix needs 11 significand bits (tracer/hardware/kernel_choice.py); the i8dot kernel's int8
+ * activations keep ~7 and fail its probe, so a Q8_0 LM head ran on the exact kernel, which widens every int8 value to
+ * fp32 and multiplies it with an fp32 activation (~18 instructions per 32 values: below the memory's pace). Here
+ * the activation row is quantized once per product, per 32 values:
+ *     d = max|x| / 32767,  q = round-to-nearest-even(x * 32767 / max|x|)  (int16, |q| <= 32767)
+ * and each weight block's int8 codes c, sign-extended to int16, meet q in _mm256_madd_epi16 (vpmaddwd: pairs of
+ * int16 products summed into int32): per block an int32 sum, exact (|c| <= 128, |q| <= 32767: at most 2^27 in
+ * magnitude), and one fp32 multiply-add with d_w * d_x:
+ *     sum x*w  ~=  sum (d_x*q) * (d_w*c)  =  (d_w*d_x) * sum(c*q)
+ * Error bound: rounding moves each activation by at most d_x/2 = max|x|/65534 of its block, so
+ *     |y - y_exact| <= sum over blocks of (max|x_block| / 65534) * sum|w_block|   (plus fp32 summation)
+ * 258 times (32767/127) tighter than i8dot's. Like i8dot it declares no precision (kernel_choice.KERNEL_BITS): the
+ * accuracy probe measures it on the model's own matrices and admits it per format.
+ * A block of x holding a NaN or an infinity gets d = NaN, so the outputs it touches are NaN, never silently finite
+ * (as quantize_x does). A block whose max|x| is so small that 32767 / max|x| overflows fp32 is rounded in double.
+ *
+ * Float math per row, the same whichever path computes it (so a row's value is bit for bit the same whatever the
+ * thread split, the rows per pass or the integer instruction: the integer sums are exact): per block, in order,
+ * acc = fma(d_w * d_x, (float)sum(c*q), acc). Decode takes a thread's rows eight at a time (i16_q8_rows8: x's block
+ * loaded once for the eight, their sums folded into one vector, their scales converted in one), the rest one by one;
+ * prefill takes each row alone for every activation row while it sits in L1.
+ */
+
+/* One 32-value block of the int16 activations: scale, codes. */
+typedef struct {
+    float d;
+    int16_t q[32];
+} X16Block;
+
+/* x (k values, k a multiple of 32) -> k / 32 blocks */
+static void quantize_x16(const float *x, int64_t k, X16Block *out) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *v = x + 32 * b;
+        X16Block *o = out + b;
+        int finite;
+        const float amax = block_amax(v, &finite);
+        if (!finite) {
+            o->d = NAN;
+            memset(o->q, 0, sizeof o->q);
+            continue;
+        }
+        const float id = amax != 0.0f ? 32767.0f / amax : 0.0f;
+        o->d = amax / 32767.0f;
+        if (!(id < INFINITY)) { /* max|x| below 32767 / FLT_MAX: 32767 * v / max|x| <= 32767 exactly in double */
+            for (int i = 0; i < 32; i++) o->q[i] = (int16_t)nearbyint((double)v[i] * 32767.0 / (double)amax);
+            continue;
+        }
+#if LLMT_AVX2
+        const __m256 scale = _mm256_set1_ps(id);
+        for (int h = 0; h < 2; h++) { /* nearest, ties to even (default MXCSR); |v * id| <= 32767 */
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * h), scale));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * h + 8), scale));
+            /* packs interleaves the 128-bit lanes (values 0-3 8-11 4-7 12-15): the permute puts them in order */
+            const __m256i q = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256((__m256i *)(o->q + 16 * h), q);
+        }
+#else
+        for (int i = 0; i < 32; i++) o->q[i] = (int16_t)nearbyintf(v[i] * id); /* nearest, ties to even */
+#endif
+    }
+}
+
+#if LLMT_AVX2
+
+/* 8 int32 lanes: per lane the sum of 4 products of W's codes c (32 int8 at c) and x's codes (two halves of 16) */
+static inline __attribute__((always_inline)) __m256i i16_block_sums(const uint8_t *c, __m256i x_lo, __m256i x_hi) {
+    const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+    const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+    /* vpdpwssd (AVX-512 VNNI) in place of the second madd and the add measured no faster here (BENCHMARKS "Tenth
+       session: the i16dot kernel") */
+    return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
+}
+
+static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Eight rows of a Q8_0 matrix (at w, w + stride, ...) times one int16 activation row, into out[0..8): each block of
+   x loaded once for the eight; the rows' eight vectors of int32 lane sums folded into one vector of the eight rows'
+   block sums (six hadds, two lane permutes, one add) and the eight rows' scales converted, multiplied with d_x and
+   accumulated in one vector each, as i8_q4_rows8 does for Q4. Per row the float math is i16_q8_row's. */
+static inline __attribute__((always_inline)) void i16_q8_rows8(const uint8_t *w, int64_t stride, int64_t n_blocks,
+                                                               const X16Block *x, float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const int64_t from = b * 34;
+        const uint8_t *ahead = w + I8_AHEAD + 8 * from; /* the eight rows' run of memory, as i8_q4_rows8 fetches */
+        for (int line = 0; line < 8 * 34; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        const __m256i x_lo = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x[b].q + 16));
+        __m256i s[8];
+        for (int i = 0; i < 8; i++) s[i] = i16_block_sums(w + i * stride + from + 2, x_lo, x_hi);
+        /* per 128-bit lane: rows 0-3 (g0) and 4-7 (g1) summed over their low (resp. high) four int32 lanes */
+        const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
+                                               _mm256_permute2x128_si256(g0, g1, 0x31)); /* rows 0..7 in order */
+        const __m128i halves = _mm_setr_epi16(
+            (short)read_u16(w + from), (short)read_u16(w + stride + from), (short)read_u16(w + 2 * stride + from),
+            (short)read_u16(w + 3 * stride + from), (short)read_u16(w + 4 * stride + from),
+            (short)read_u16(w + 5 * stride + from), (short)read_u16(w + 6 * stride + from),
+            (short)read_u16(w + 7 * stride + from));
+        const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set1_ps(x[b].d));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+/* one row of a Q8_0 matrix times one int16 activation row: per block acc = fma(d_w * d_x, sum(c*q), acc) */
+static inline __attribute__((always_inline)) float i16_q8_row(const uint8_t *row, int64_t n_blocks,
+                                                              const X16Block *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row + b * 34;
+        const __m256i x_lo = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x[b].q + 16));
+        acc = fmaf(half_to_float(blk) * x[b].d, (float)hsum_i32(i16_block_sums(blk + 2, x_lo, x_hi)), acc);
+    }
+    return acc;
+}
+
+#else
+
+/* one row of a Q8_0 matrix times one int16 activation row, portable C: i16_q8_row's math */
+static float i16_q8_row_portable(const uint8_t *row, int64_t n_blocks, const X16Block *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row + b * 34;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) sum += (int32_t)(int8_t)blk[2 + j] * x[b].q[j];
+        acc = fmaf(half_to_float(blk) * x[b].d, (float)sum, acc);
+    }
+    return acc;
+}
+
+#endif /* LLMT_AVX2 */
+
+/* rows first..last of part p (Q8_0) times m int16 activation rows (k/32 blocks each, row i at x + i * (k/32)):
+   out[i * out_stride + r]; with several activation rows each row of W stays in L1 while all of them pass over it */
+static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const X16Block *x, int64_t m,
+                         float *out, int64_t out_stride) {
+    const int64_t n_blocks = mat->k / 32, stride = mat->strides[p];
+    const uint8_t *w = mat->w[p];
+#if LLMT_AVX2
+    if (m == 1) {
+        int64_t r = first;
+        for (; r + 8 <= last; r += 8) i16_q8_rows8(w + r * stride, stride, n_blocks, x, out + r);
+        for (; r < last; r++) out[r] = i16_q8_row(w + r * stride, n_blocks, x);
+        return;
+    }
+    for (int64_t r = first; r < last; r++)
+        for (int64_t i = 0; i < m; i++) out[i * out_stride + r] = i16_q8_row(w + r * stride, n_blocks, x + i * n_blocks);
+#else
+    for (int64_t r = first; r < last; r++)
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = i16_q8_row_portable(w + r * stride, n_blocks, x + i * n_blocks);
+#endif
+}
