@@ -6,7 +6,7 @@ drifts more between child processes on a shared machine than the change moves it
 
 One process loads the bundled model (default weights, 2 threads), prefills max(POSITIONS)+1 random tokens (seed 0)
 and holds this tree's native step plan. Each variant is `cur` (this tree's tracer/model/native) or a folder holding
-decode_step.c, gguf_matmul.c, int8_dot.c and top_values.c, built by a child process into FOLDER/build as
+decode_step.c, gguf_matmul.c, int8_dot.c, int16_dot.c and top_values.c, built by a child process into FOLDER/build as
 native_kernel builds (the step's ABI must match this tree's: the plan is this tree's structs). At each position
 every variant's llmt_decode_step is called ROUNDS times in turn (A B A B ...), untraced, writing the same K and V
 row; then as often traced, its readings giving the scores, softmax and values stages' times summed over the layers.
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-FILES = ("decode_step.c", "gguf_matmul.c", "int8_dot.c", "top_values.c")
+FILES = ("decode_step.c", "gguf_matmul.c", "int8_dot.c", "int16_dot.c", "top_values.c")
 
 
 def build(folder: Path) -> Path:

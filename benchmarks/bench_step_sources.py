@@ -6,8 +6,8 @@ streamed from DRAM, not a product in cache.
         "/tmp/variant@Q4_1:i8dot,Q8_0:native" "/work/wt-other|cur@native"
 
 Each variant is `[TREE|]SOURCES@WEIGHTS`: TREE a worktree whose .venv and code run it (default this one), SOURCES
-`cur` (the tree's own tracer/model/native) or a folder holding decode_step.c, gguf_matmul.c, int8_dot.c and
-top_values.c (built into SOURCES/build), WEIGHTS a `--weights` value. Every round runs each variant once, in its own
+`cur` (the tree's own tracer/model/native) or a folder holding decode_step.c, gguf_matmul.c, int8_dot.c,
+int16_dot.c (where its gguf_matmul.c #includes it) and top_values.c (built into SOURCES/build), WEIGHTS a `--weights` value. Every round runs each variant once, in its own
 child process: benchmarks.bench_native_rows.model_steps (128 `decode_one` steps after a 5-token prompt, 2 threads);
 printed per round and as medians over the rounds of each child's median and 10th-percentile step.
 """
@@ -32,8 +32,8 @@ def child(sources: str, weights: str) -> None:
         folder = Path(sources)
         os.environ[native_kernel.DIR_ENV] = str(folder / "build")
         native_kernel.SOURCE = folder / "decode_step.c"
-        native_kernel.SOURCES = (native_kernel.SOURCE, folder / "gguf_matmul.c", folder / "int8_dot.c",
-                                 folder / "top_values.c")
+        native_kernel.SOURCES = tuple(folder / source.name for source in native_kernel.SOURCES
+                                      if (folder / source.name).exists())
     from benchmarks.bench_native_rows import model_steps
 
     print(json.dumps(model_steps(weights, 128)))

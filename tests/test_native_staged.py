@@ -281,3 +281,17 @@ def test_int8_activation_products_stay_bit_for_bit() -> None:
     fused, fused_kv = run_fused(model)
     assert steps == STEPS
     assert all(torch.equal(a, b) for a, b in zip(staged, fused)) and torch.equal(staged_kv, fused_kv)
+
+
+def test_an_i16dot_head_stays_bit_for_bit() -> None:
+    """The Q8_0 LM head on i16dot (its input quantized to int16 blocks once per product) beside i8dot layers: the
+    staged step's logits and cache are the fused step's, bit for bit."""
+    from llmtrace.tracer.model.weight_formats import I8DOT, I16DOT
+
+    model = native_model(BASE, qtype=gguf.GGMLQuantizationType.Q4_1, kernel=I8DOT,
+                         head=(gguf.GGMLQuantizationType.Q8_0, I16DOT))
+    assert model.stored_weights()["output"].format.kernel == I16DOT
+    _, staged, staged_kv, steps = run_staged(model, native=True)
+    fused, fused_kv = run_fused(model)
+    assert steps == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(staged, fused)) and torch.equal(staged_kv, fused_kv)
