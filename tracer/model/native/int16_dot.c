@@ -23,7 +23,7 @@
  * thread split, the rows per pass or the integer instruction: the integer sums are exact): per block, in order,
  * acc = fma(d_w * d_x, (float)sum(c*q), acc). Decode takes a thread's rows eight at a time (i16_q8_rows8: x's block
  * loaded once for the eight, their sums folded into one vector, their scales converted in one), the rest one by one;
- * prefill takes each row alone for every activation row while it sits in L1.
+ * prefill takes tiles of 2 rows of W times 4 activation rows (i16_q8_tile: the 8 pairs folded the same way).
  */
 
 /* One 32-value block of the int16 activations: scale, codes. */
@@ -122,6 +122,62 @@ static inline __attribute__((always_inline)) float i16_q8_row(const uint8_t *row
     return acc;
 }
 
+/* Several activation rows (prefill): a tile of 2 rows of W times 4 activation rows, so each block's codes are widened
+   once for 4 rows of x and each block of x loaded once for 2 rows of W. The 8 (row, x row) pairs' block sums are
+   folded into one vector as i16_q8_rows8 folds eight rows' (lane 4j + i: row j, x row i), their scales d_w * d_x
+   multiplied in one vector (dT: the 4 x rows' d per block, interleaved, dT[4b + i]); per pair the float math is
+   i16_q8_row's. Rows beyond the matrix or x (a tile's padding) repeat the last one and are not written. */
+static inline __attribute__((always_inline)) void i16_q8_tile(const uint8_t *r0, const uint8_t *r1, int64_t n_blocks,
+                                                              const X16Block *const xr[4], const float *dT,
+                                                              float out[8]) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const int64_t from = b * 34;
+        __m256i s[8];
+        for (int j = 0; j < 2; j++) {
+            const uint8_t *c = (j ? r1 : r0) + from + 2;
+            const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+            const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+            for (int i = 0; i < 4; i++)
+                s[4 * j + i] = _mm256_add_epi32(
+                    _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)xr[i][b].q)),
+                    _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(xr[i][b].q + 16))));
+        }
+        const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
+                                               _mm256_permute2x128_si256(g0, g1, 0x31));
+        const short h0 = (short)read_u16(r0 + from), h1 = (short)read_u16(r1 + from);
+        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(h0, h0, h0, h0, h1, h1, h1, h1));
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ps((const __m128 *)(dT + 4 * b)));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+/* rows first..last of a Q8_0 part times m >= 2 int16 activation rows: tiles of 2 x 4; 0 when the scratch cannot be
+   had (the caller then takes each row alone) */
+static int i16_q8_many_x(const uint8_t *w, int64_t stride, int64_t first, int64_t last, int64_t n_blocks,
+                         const X16Block *x, int64_t m, float *out, int64_t out_stride) {
+    float *dT = malloc(sizeof(float) * (size_t)(4 * n_blocks));
+    if (dT == NULL) return 0;
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+        const X16Block *xr[4];
+        for (int i = 0; i < 4; i++) xr[i] = x + (i0 + i < m ? i0 + i : m - 1) * n_blocks;
+        for (int64_t b = 0; b < n_blocks; b++)
+            for (int i = 0; i < 4; i++) dT[4 * b + i] = xr[i][b].d;
+        for (int64_t r = first; r < last; r += 2) {
+            const int64_t r1 = r + 1 < last ? r + 1 : r;
+            float tile[8];
+            i16_q8_tile(w + r * stride, w + r1 * stride, n_blocks, xr, dT, tile);
+            for (int j = 0; j < (r + 1 < last ? 2 : 1); j++)
+                for (int i = 0; i < 4 && i0 + i < m; i++) out[(i0 + i) * out_stride + r + j] = tile[4 * j + i];
+        }
+    }
+    free(dT);
+    return 1;
+}
+
 #else
 
 /* one row of a Q8_0 matrix times one int16 activation row, portable C: i16_q8_row's math */
@@ -139,7 +195,7 @@ static float i16_q8_row_portable(const uint8_t *row, int64_t n_blocks, const X16
 #endif /* LLMT_AVX2 */
 
 /* rows first..last of part p (Q8_0) times m int16 activation rows (k/32 blocks each, row i at x + i * (k/32)):
-   out[i * out_stride + r]; with several activation rows each row of W stays in L1 while all of them pass over it */
+   out[i * out_stride + r] */
 static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const X16Block *x, int64_t m,
                          float *out, int64_t out_stride) {
     const int64_t n_blocks = mat->k / 32, stride = mat->strides[p];
@@ -151,6 +207,7 @@ static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, 
         for (; r < last; r++) out[r] = i16_q8_row(w + r * stride, n_blocks, x);
         return;
     }
+    if (i16_q8_many_x(w, stride, first, last, n_blocks, x, m, out, out_stride)) return;
     for (int64_t r = first; r < last; r++)
         for (int64_t i = 0; i < m; i++) out[i * out_stride + r] = i16_q8_row(w + r * stride, n_blocks, x + i * n_blocks);
 #else
