@@ -129,6 +129,18 @@ def _native_kernel_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     native_kernel.reset()
 
 
+@pytest.fixture
+def portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The library built without -march=native (no AVX2: the portable C loops), in a folder of the test's own."""
+    from llmtrace.tracer.model import native_kernel
+
+    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
+    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-fopenmp"), ("-O3",)))
+    native_kernel.reset()
+    yield
+    native_kernel.reset()
+
+
 # ---- tiny quantized GGUFs (stored weights, native kernel, stored candidates) ----------------------------------------
 
 

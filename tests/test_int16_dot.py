@@ -13,11 +13,7 @@ Two references, both independent of the C code (gguf's dequantizer gives the wei
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
 import sys
-from pathlib import Path
-from typing import Iterator
 
 import gguf
 import numpy as np
@@ -37,6 +33,7 @@ from llmtrace.tracer.model.weight_formats import (
     runs_blocks,
     stored_kernels,
 )
+from tests.guard_page import before_a_guard_page
 from tests.tiny_gguf import random_blocks
 
 Q = gguf.GGMLQuantizationType
@@ -180,19 +177,10 @@ def test_listed_for_q8_0_between_i8dot_and_native_and_never_taken_unmeasured(nat
 def test_no_byte_past_the_matrix_is_read(native: None) -> None:
     """W ends where an unreadable page starts; one token and a few, 1 and 2 threads (the eight-row kernel's
     prefetches run past the end: a prefetch never faults, a load would)."""
-    page = mmap.PAGESIZE
     rows, cols = 13, 7 * 32
     raw = random_blocks(Q.Q8_0, rows, cols, np.random.default_rng(11))
-    span = -(-raw.nbytes // page) * page
-    region = mmap.mmap(-1, span + page)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    assert libc.mprotect(base + span, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
-    try:
-        at_end = np.frombuffer(region, dtype=np.uint8, count=raw.nbytes, offset=span - raw.nbytes)
-        at_end[:] = raw.reshape(-1)
-        weight = pack_gguf(at_end.reshape(raw.shape), int(Q.Q8_0), cols, I16DOT)
+    with before_a_guard_page(raw) as at_end:
+        weight = pack_gguf(at_end, int(Q.Q8_0), cols, I16DOT)
         before = torch.get_num_threads()
         try:
             for threads in (1, 2):
@@ -202,18 +190,6 @@ def test_no_byte_past_the_matrix_is_read(native: None) -> None:
         finally:
             torch.set_num_threads(before)
         del weight, at_end
-    finally:
-        libc.mprotect(base + span, page, 3)
-
-
-@pytest.fixture
-def portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The library built without -march=native (no AVX2: the portable C loops), in a folder of the test's own."""
-    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
-    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-fopenmp"), ("-O3",)))
-    native_kernel.reset()
-    yield
-    native_kernel.reset()
 
 
 def test_the_portable_build_computes_the_same_math(portable_build: None) -> None:

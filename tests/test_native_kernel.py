@@ -8,9 +8,7 @@ and an exact sum); the kernel sums in fp32 in its own order, so it must agree wi
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import mmap
 import os
 import shutil
 import subprocess
@@ -40,6 +38,7 @@ from llmtrace.tracer.model.weight_formats import (
     runs_blocks,
     stored_kernels,
 )
+from tests.guard_page import before_a_guard_page
 from tests.tiny_gguf import llama_cpp_name, random_blocks, sentencepiece_vocab, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -164,19 +163,10 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     """W ends exactly where an unreadable page starts: the kernels widen bytes straight from memory and prefetch
     ahead of what they read, and none of that may load a byte past W (a load there would crash the process; a
     prefetch never faults). One token and a prefill, over rows that split unevenly between two threads."""
-    page = mmap.PAGESIZE
     rows, cols = 5, _columns(qtype)
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
-    span = -(-raw.nbytes // page) * page
-    region = mmap.mmap(-1, span + page)  # the blocks at the end of `span`, then the guard page
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    assert libc.mprotect(base + span, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
-    try:
-        at_end = np.frombuffer(region, dtype=np.uint8, count=raw.nbytes, offset=span - raw.nbytes)
-        at_end[:] = raw.reshape(-1)
-        weight = pack_gguf(at_end.reshape(raw.shape), int(qtype), cols, NATIVE)
+    with before_a_guard_page(raw) as at_end:
+        weight = pack_gguf(at_end, int(qtype), cols, NATIVE)
         assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)  # the kernel reads the guarded bytes
         reference = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64)
         before = torch.get_num_threads()
@@ -191,8 +181,6 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
         finally:
             torch.set_num_threads(before)
         del weight, at_end
-    finally:
-        libc.mprotect(base + span, page, 3)  # PROT_READ | PROT_WRITE, so the map can go
 
 
 def test_a_refused_call_is_an_error_not_a_crash(native: None) -> None:

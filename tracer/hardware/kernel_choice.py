@@ -12,7 +12,9 @@ The rule, in order:
    (llmtrace.tracer.model.weight_formats.stored_kernels: "int4pack", "blocks", and any kernel added there), with fp32
    activations (the rest of the model computes in fp32; the kernel reads the weights as the file stores them);
    and, when no one kernel is acceptable for every matrix type, a kernel PER TYPE ("Q4_1:int4pack,Q8_0:blocks":
-   for each type the first kernel in weight_formats' order that is acceptable for that type alone).
+   for each type the first kernel in weight_formats' order that is acceptable for that type alone; and that plan with
+   one type at a time on its next acceptable kernel, since an order is not a measurement: "Q4_1:i8dot,Q8_0:i16dot"
+   and "Q4_1:i8dot,Q8_0:native" are both timed; tracer/load/kernel_pick.py's per_type_plans).
 2. Accuracy: one rule for dense and stored candidates. A matrix stored as format F needs `required_bits(F)`
    significand bits: a float matrix its own bits (fp16 -> bf16 loses 3, so never; bf16 -> fp16 is exact in fp16's
    range); a block-quantized one (GGUF Q4_1, Q8_0...) its code bits + GUARD_BITS, so that rounding a dequantized

@@ -10,7 +10,7 @@
  *     d = max|x| / 32767,  q = round-to-nearest-even(x * 32767 / max|x|)  (int16, |q| <= 32767)
  * and each weight block's int8 codes c, sign-extended to int16, meet q in _mm256_madd_epi16 (vpmaddwd: pairs of
  * int16 products summed into int32): per block an int32 sum, exact (|c| <= 128, |q| <= 32767: at most 2^27 in
- * magnitude), and one fp32 multiply-add with d_w * d_x:
+ * magnitude), converted to fp32 (one rounding, 2^-24 relative) and one fp32 multiply-add with d_w * d_x:
  *     sum x*w  ~=  sum (d_x*q) * (d_w*c)  =  (d_w*d_x) * sum(c*q)
  * Error bound: rounding moves each activation by at most d_x/2 = max|x|/65534 of its block, so
  *     |y - y_exact| <= sum over blocks of (max|x_block| / 65534) * sum|w_block|   (plus fp32 summation)
