@@ -27,8 +27,9 @@ Q = gguf.GGMLQuantizationType
 CONFIG = ModelConfig(name="tiny-steps", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
                      max_seq_len=64)
 PLAN = "Q4_1:i8dot,Q8_0:native"
-NAMES = ["int4pack", "blocks", "native", "i8dot", PLAN, "Q4_1:int4pack,Q8_0:blocks"]
-STEPPED = {"native", "i8dot", PLAN}  # every kernel the native library's: the model's step is one C call
+PLAN16 = "Q4_1:i8dot,Q8_0:i16dot"
+NAMES = ["int4pack", "blocks", "native", "i8dot", PLAN, PLAN16, "Q4_1:int4pack,Q8_0:blocks"]
+STEPPED = {"native", "i8dot", PLAN, PLAN16}  # every kernel the native library's: the model's step is one C call
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +124,8 @@ def test_pick_uses_whole_steps_for_native_step_candidates_only(mixed: ResolvedMo
     stored = {c.name for c in choice.candidates if c.weights == rule.STORED}
     assert set(seen["names"]) == stored and "fp32" in names and "fp32" not in seen["names"]
     stepped = seen["steps"]
-    assert {"native", "i8dot"} <= set(stepped) and set(stepped) <= STEPPED  # the plan when i8dot passes its probe
+    # the plans when i8dot (and i16dot, for the Q8_0 matrices) pass their probes
+    assert {"native", "i8dot"} <= set(stepped) and set(stepped) <= STEPPED | {"Q4_1:native,Q8_0:i16dot"}
     assert set(stepped) == {n for n in stored if step_timing.native_library_plan(n)}
     for c in choice.candidates:
         if c.name in stepped:
