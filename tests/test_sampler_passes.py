@@ -5,12 +5,16 @@ them is tests/test_sampling_equality.py's."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.native_kernel import COMMON_FLAGS, FLAG_SETS, NATIVE_SOURCES
 from llmtrace.tracer.model.native_top import DRAW_BLOCK, MAX_COUNT, SOFTMAX_WEIGHT_ERROR, SamplerPasses, sampler_passes
 
 
@@ -125,3 +129,41 @@ def test_top_p_s_first_fetch_changes_no_figure(passes: SamplerPasses, monkeypatc
         assert results[sampling._PREFIX] == results[MAX_COUNT], case
         nuclei += [r.n_after_top_p for r in results[MAX_COUNT]]
     assert min(nuclei) == 1 and any(MAX_COUNT < n <= sampling._PREFIX for n in nuclei) and max(nuclei) > 1000
+
+
+def test_the_avx512_sums_have_the_avx2_sums_bits(tmp_path: Path) -> None:
+    """top_values.c's AVX-512 loop keeps the AVX2 loop's eight sums in one register's lanes, added in the same order:
+    built with and without AVX-512 (-mno-avx512f), the sums, block totals and counts are the same bits, on vectors
+    of every length class (whole 8-value groups, a tail, many blocks), with -inf entries and cuts."""
+    probe = tmp_path / "probe.c"
+    probe.write_text("#ifndef __AVX512F__\n#error no AVX-512\n#endif\nint f(void) { return 0; }\n")
+    flags = [flag for flag in FLAG_SETS[0] if flag != "-fopenmp"]
+    if subprocess.run(["cc", *flags, "-c", "-o", str(tmp_path / "probe.o"), str(probe)], check=False,
+                      capture_output=True).returncode != 0:
+        pytest.skip("cc -march=native has no AVX-512 here: both builds would be the AVX2 one")
+    unit = tmp_path / "unit.c"  # top_values.c as decode_step.c includes it, after gguf_matmul.c's headers
+    unit.write_text("#include <math.h>\n#include <stdint.h>\n#include <string.h>\n#include <immintrin.h>\n"
+                    f"#define LLMT_AVX2 1\n#include \"{NATIVE_SOURCES / 'top_values.c'}\"\n")
+    sums_of = {}
+    for name, extra in (("avx512", []), ("avx2", ["-mno-avx512f"])):
+        out = tmp_path / f"{name}.so"
+        subprocess.run(["cc", *flags, *extra, *COMMON_FLAGS, "-o", str(out), str(unit), "-lm"], check=True)
+        call = ctypes.CDLL(str(out)).llmt_softmax_sums
+        call.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
+                         ctypes.c_void_p]
+        call.restype = ctypes.c_int64
+        sums_of[name] = call
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        n = (49152, 8, 7, 256, 300, int(rng.integers(1, 3000)))[trial % 6]
+        x = (rng.standard_normal(n) * rng.uniform(0.1, 30)).astype(np.float32)
+        x[rng.integers(0, n, size=n // 10)] = -np.inf
+        x[0] = abs(x[0])  # a finite max
+        x_max = float(x.max())
+        cut = -math.inf if trial % 2 else float(np.float32(x_max - rng.uniform(0, 20)))
+        results = []
+        for call in sums_of.values():
+            sums, blocks = np.zeros(2), np.zeros(-(-n // DRAW_BLOCK))
+            kept = call(x.ctypes.data, n, x_max, cut, sums.ctypes.data, blocks.ctypes.data)
+            results.append((kept, sums.tobytes(), blocks.tobytes()))
+        assert results[0] == results[1], (trial, n)
