@@ -12,6 +12,7 @@ one-sum bound), and the greedy token must not change. Measured differences are ~
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import gguf
@@ -22,7 +23,7 @@ import torch
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_step import STAGES_AFTER_LAYERS, STAGES_PER_LAYER
+from llmtrace.tracer.model.native_step import STAGES_AFTER_LAYERS, STAGES_PER_LAYER, host_clock_matches
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE, pack_gguf
 from llmtrace.tracer.trace.fused_marks import FusedMarks, fused_stages
@@ -310,8 +311,13 @@ def test_a_failed_step_leaves_no_readings() -> None:
     model.setup_cache(1, 8)
     model.prefill(torch.arange(3, 8).view(1, -1))
     step = model._fused_plan.native
+    before = time.perf_counter_ns()
     step(4, 5, 0, stamps=True)
-    assert len(step.readings()) == step.stamp_count
+    readings = step.readings()
+    assert len(readings) == step.stamp_count and readings == step._stamps[: step.stamp_count].tolist()
+    assert readings == sorted(readings)
+    if host_clock_matches():  # the C stamps read perf_counter_ns's clock
+        assert before <= readings[0] and readings[-1] <= time.perf_counter_ns()
     with pytest.raises(native_kernel.NativeKernelError, match="token id outside the embedding table"):
         step(BASE.vocab_size, 6, 0, stamps=True)
     assert step.readings() == []

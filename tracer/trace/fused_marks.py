@@ -186,6 +186,7 @@ class FusedMarks:
                 "stage by stage (a forward hook, or use_fused = False) while a fused-path Tracer was attached; "
                 "trace it with mechanism='wrap' instead"
             )
-        seen = self.model.pos
-        batch = self.model.layers[0].attention.kv_cache.batch
-        return self.clock.resolve(marks), StepDims(batch, seen - self._pos_before, seen, any(self.model.pads))
+        model = self.model
+        seen = model.pos
+        # the model's list of caches (`batch`), not layers[0].attention.kv_cache: four nn.Module lookups, ~20 us cold
+        return self.clock.resolve(marks), StepDims(model.batch, seen - self._pos_before, seen, any(model.pads))
