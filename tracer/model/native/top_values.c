@@ -129,16 +129,26 @@ static inline double llmt_weight(float x, double max, float cut, double *shifted
 }
 
 #if LLMT_AVX2
-#define LLMT_C(j) _mm256_set1_pd(llmt_taylor[j])
+/* llmt_exp_le0's t (k in its low bits) and polynomial p for a vector s, in W-bit intrinsics (W: 256 or 512): one
+ * spelling for both widths, so every lane runs the scalar form's operations in its order. */
+#define LLMT_SET(W, v) _mm##W##_set1_pd(v)
+/* c_j + c_(j+1) r */
+#define LLMT_LINE(W, r, j) _mm##W##_fmadd_pd(r, LLMT_SET(W, llmt_taylor[j + 1]), LLMT_SET(W, llmt_taylor[j]))
+#define LLMT_EXP_PARTS(W, s, t, p)                                                                                     \
+    __m##W##d t = _mm##W##_fmadd_pd(s, LLMT_SET(W, llmt_log2e), LLMT_SET(W, llmt_shift));                              \
+    __m##W##d p;                                                                                                       \
+    {                                                                                                                  \
+        __m##W##d k_ = _mm##W##_sub_pd(t, LLMT_SET(W, llmt_shift));                                                    \
+        __m##W##d r_ = _mm##W##_fnmadd_pd(k_, LLMT_SET(W, llmt_ln2_lo),                                                \
+                                          _mm##W##_fnmadd_pd(k_, LLMT_SET(W, llmt_ln2_hi), s));                        \
+        __m##W##d r2_ = _mm##W##_mul_pd(r_, r_), r4_ = _mm##W##_mul_pd(r2_, r2_);                                      \
+        __m##W##d ab_ = _mm##W##_fmadd_pd(r2_, LLMT_LINE(W, r_, 2), LLMT_LINE(W, r_, 0));                              \
+        __m##W##d cd_ = _mm##W##_fmadd_pd(r2_, LLMT_LINE(W, r_, 6), LLMT_LINE(W, r_, 4));                              \
+        p = _mm##W##_fmadd_pd(r4_, _mm##W##_fmadd_pd(r4_, LLMT_SET(W, llmt_taylor[8]), cd_), ab_);                     \
+    }
+
 static inline __m256d llmt_exp_le0_4(__m256d s) {
-    __m256d shift = _mm256_set1_pd(llmt_shift);
-    __m256d t = _mm256_fmadd_pd(s, _mm256_set1_pd(llmt_log2e), shift);
-    __m256d k = _mm256_sub_pd(t, shift);
-    __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(llmt_ln2_lo), _mm256_fnmadd_pd(k, _mm256_set1_pd(llmt_ln2_hi), s));
-    __m256d r2 = _mm256_mul_pd(r, r), r4 = _mm256_mul_pd(r2, r2);
-    __m256d ab = _mm256_fmadd_pd(r2, _mm256_fmadd_pd(r, LLMT_C(3), LLMT_C(2)), _mm256_fmadd_pd(r, LLMT_C(1), LLMT_C(0)));
-    __m256d cd = _mm256_fmadd_pd(r2, _mm256_fmadd_pd(r, LLMT_C(7), LLMT_C(6)), _mm256_fmadd_pd(r, LLMT_C(5), LLMT_C(4)));
-    __m256d p = _mm256_fmadd_pd(r4, _mm256_fmadd_pd(r4, LLMT_C(8), cd), ab);
+    LLMT_EXP_PARTS(256, s, t, p)
     __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(1023)), 52);
     return _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
 }
@@ -155,21 +165,14 @@ static inline __m256d llmt_weight_4(__m128 x4, __m256d max, __m128 cut, __m256d 
 #endif
 
 #if LLMT_AVX2 && defined(__AVX512F__) && defined(__AVX512VL__)
-#define LLMT_C8(j) _mm512_set1_pd(llmt_taylor[j])
 /* Eight weights at once, lane for lane llmt_weight_4's operations on x8's halves (lanes 0-3 its first four floats,
- * 4-7 its last four): the same bits for each value. */
+ * 4-7 its last four): the same bits for each value; a masked lane is +0, as llmt_weight_4's and-ed one is. */
 static inline __m512d llmt_weight_8(__m256 x8, __m512d max, __m256 cut, __m512d *shifted) {
-    __m512d floor = _mm512_set1_pd(LLMT_EXP_MIN), shift = _mm512_set1_pd(llmt_shift);
+    __m512d floor = _mm512_set1_pd(LLMT_EXP_MIN);
     __m512d s = _mm512_max_pd(_mm512_sub_pd(_mm512_cvtps_pd(x8), max), floor);
     *shifted = s;
     __mmask8 keep = _mm256_cmp_ps_mask(x8, cut, _CMP_GE_OQ) & _mm512_cmp_pd_mask(s, floor, _CMP_GT_OQ);
-    __m512d t = _mm512_fmadd_pd(s, _mm512_set1_pd(llmt_log2e), shift);
-    __m512d k = _mm512_sub_pd(t, shift);
-    __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(llmt_ln2_lo), _mm512_fnmadd_pd(k, _mm512_set1_pd(llmt_ln2_hi), s));
-    __m512d r2 = _mm512_mul_pd(r, r), r4 = _mm512_mul_pd(r2, r2);
-    __m512d ab = _mm512_fmadd_pd(r2, _mm512_fmadd_pd(r, LLMT_C8(3), LLMT_C8(2)), _mm512_fmadd_pd(r, LLMT_C8(1), LLMT_C8(0)));
-    __m512d cd = _mm512_fmadd_pd(r2, _mm512_fmadd_pd(r, LLMT_C8(7), LLMT_C8(6)), _mm512_fmadd_pd(r, LLMT_C8(5), LLMT_C8(4)));
-    __m512d p = _mm512_fmadd_pd(r4, _mm512_fmadd_pd(r4, LLMT_C8(8), cd), ab);
+    LLMT_EXP_PARTS(512, s, t, p)
     __m512i bits = _mm512_slli_epi64(_mm512_add_epi64(_mm512_castpd_si512(t), _mm512_set1_epi64(1023)), 52);
     return _mm512_maskz_mul_pd(keep, p, _mm512_castsi512_pd(bits));
 }
