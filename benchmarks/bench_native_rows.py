@@ -91,6 +91,11 @@ class Build:
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         handle.llmt_matrix_size.restype = ctypes.c_int64
         self.size = int(handle.llmt_matrix_size())
+        # ABI 7 on: an i8dot Q4_0/Q4_1 matrix's decode products read its rows interleaved in eights, made as the
+        # loader makes them (native/int8_groups.c) and kept alive here with the description
+        self.interleave = getattr(handle, "llmt_interleave", None)
+        self.set_groups = getattr(handle, "llmt_set_groups", None)
+        self.kept: list[np.ndarray] = []
 
     def with_acts(self, label: str, acts: dict[int, int]) -> Build:
         """The same library, its matrices described with activation kinds `acts` {ggml type: kind}."""
@@ -106,6 +111,13 @@ class Build:
                                (ctypes.c_int64 * 1)(blocks.shape[1]), (ctypes.c_int64 * 1)(blocks.shape[0]), k,
                                *int8, described)
         assert status == 0, status
+        if self.acts.get(int(qtype)) == 1 and self.interleave is not None and qtype in (Q.Q4_0, Q.Q4_1):
+            groups = np.empty(blocks.shape[0] // 8 * 8 * blocks.shape[1], dtype=np.uint8)
+            assert self.interleave(int(qtype), ctypes.c_void_p(blocks.ctypes.data), ctypes.c_int64(blocks.shape[1]),
+                                   ctypes.c_int64(blocks.shape[0]), ctypes.c_int64(k),
+                                   ctypes.c_void_p(groups.ctypes.data)) == 0
+            assert self.set_groups(described, 0, ctypes.c_void_p(groups.ctypes.data)) == 0
+            self.kept.append(groups)
         return described
 
 

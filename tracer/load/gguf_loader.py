@@ -21,8 +21,9 @@ from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.load.weight_arena import WeightArena
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
-from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, PackedWeight, finite_scales, pack_gguf,
-                                                 stored_kernels)
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, I8DOT, PackedWeight, finite_scales, pack_gguf,
+                                                 reads_groups, stored_kernels)
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -237,16 +238,22 @@ def _arena_for(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel:
 def _packed(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str, info: GGUFTensorInfo,
             kernel: str, arena: WeightArena | None = None) -> PackedWeight:
     """One matrix packed for `kernel`; a block kernel's blocks copied into `arena` when given (else views of
-    `data`, the file's map)."""
+    `data`, the file's map), or for i8dot's Q4_0/Q4_1 their interleaved copy (the rows stay views)."""
     out_features, in_features = info.torch_shape
     _, block, block_bytes = GGML_TYPES[info.ggml_type]
     rows = np.asarray(_raw(header, data, info)).reshape(out_features, in_features // block * block_bytes)  # (N, B)
     heads = _rope_heads(header, config, name)
     if heads is not None:
         rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
-    if arena is not None and kernel in BLOCK_KERNELS:
+    groups = None
+    if arena is not None and kernel == I8DOT and reads_groups(info.ggml_type, native_kernel.INT8_X):
+        # the decode products read the arena's interleaved copy; everything else reads the rows as they are (the
+        # file's map, or the RoPE-ordered copy): the arena holds the bytes a decode step streams
+        groups = torch.from_numpy(arena.take(native_kernel.grouped_bytes(info.ggml_type, out_features, in_features)))
+        native_kernel.interleave(info.ggml_type, torch.from_numpy(np.ascontiguousarray(rows)), in_features, groups)
+    elif arena is not None and kernel in BLOCK_KERNELS:
         rows = arena.place(rows)
-    weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
+    weight = pack_gguf(rows, info.ggml_type, in_features, kernel, groups)
     if not finite_scales(weight):
         raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")
     return weight

@@ -51,11 +51,16 @@ class WeightArena:
 
     def place(self, rows: np.ndarray) -> np.ndarray:
         """A copy of `rows` (C-contiguous, any shape) in the arena: writable, sharing the arena's lifetime."""
-        start = self._next + (-self._next) % ALIGN
-        end = start + rows.nbytes
-        if end > self._bytes.shape[0]:
-            raise ValueError(f"weight arena full: {rows.nbytes} bytes do not fit after {start} of {self.capacity}")
-        view = self._bytes[start:end].view(rows.dtype).reshape(rows.shape)
+        view = self.take(rows.nbytes).view(rows.dtype).reshape(rows.shape)
         view[...] = rows
-        self._next = end
         return view
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The next `nbytes` of the arena (uint8, contents undefined) for the caller to fill: a matrix in another
+        layout than the file's (the i8dot kernel's interleaved rows)."""
+        start = self._next + (-self._next) % ALIGN
+        end = start + nbytes
+        if end > self._bytes.shape[0]:
+            raise ValueError(f"weight arena full: {nbytes} bytes do not fit after {start} of {self.capacity}")
+        self._next = end
+        return self._bytes[start:end]

@@ -54,10 +54,12 @@ NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
 SOURCE = NATIVE_SOURCES / "decode_step.c"
 # everything the binary is made of (gguf_matmul.c #includes int8_dot.c and int16_dot.c, the "i8dot" and "i16dot"
-# kernels; decode_step.c #includes top_values.c, the sampler's passes): the build key covers each
-SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "int16_dot.c",
+# kernels, and int8_dot.c int8_groups.c, i8dot's Q4 rows in eights; decode_step.c #includes top_values.c, the
+# sampler's passes): the build key covers each
+SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "int8_groups.c",
+           NATIVE_SOURCES / "int16_dot.c",
            NATIVE_SOURCES / "top_values.c")
-ABI = 6  # LLMT_ABI in gguf_matmul.c
+ABI = 7  # LLMT_ABI in gguf_matmul.c
 STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
 SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: native_top.py)
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
@@ -91,6 +93,8 @@ class NativeLibrary:
     matmul: ctypes._CFuncPtr
     dequantize: ctypes._CFuncPtr
     matrix_size: int  # bytes of the C side's description of a matrix
+    interleave: ctypes._CFuncPtr  # an i8dot Q4_0/Q4_1 matrix's rows in groups of eight (native/int8_groups.c)
+    set_groups: ctypes._CFuncPtr  # a described part's interleaved copy
     handle: ctypes.CDLL  # the library itself: native_step.py declares the decode step's entry points on it
 
     @property
@@ -149,11 +153,13 @@ class BlockMatrix:
     Q6_K). It holds the tensors (the kernel reads their memory in place) and the call's argument arrays, made once:
     a decode step makes ~120 calls, so each costs only what ctypes must."""
 
-    __slots__ = ("parts", "k", "rows", "activations", "_described", "_address", "_call")
+    __slots__ = ("parts", "k", "rows", "activations", "groups", "_described", "_address", "_call")
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int,
-                 activations: tuple[int, ...] | None = None) -> None:
-        """`activations`: per part, EXACT_X, INT8_X (the i8dot kernel) or INT16_X (i16dot); None: all exact."""
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int, activations: tuple[int, ...] | None = None,
+                 groups: tuple[torch.Tensor | None, ...] | None = None) -> None:
+        """`activations`: per part, EXACT_X, INT8_X (the i8dot kernel) or INT16_X (i16dot); None: all exact.
+        `groups`: per part, its rows interleaved by `interleave` (an i8dot Q4_0/Q4_1 part: its decode products read
+        them) or None; held here with the parts."""
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"the native kernel multiplies 1 to {MAX_PARTS} row blocks at once, not {len(parts)}")
         for code, blocks in parts:
@@ -182,6 +188,18 @@ class BlockMatrix:
             kinds = "+".join(TYPES[code] for code, _ in parts)
             raise NativeKernelError(f"native kernel refused {kinds} ({self.rows} x {self.k}): "
                                     f"{_STATUS.get(status, status)}")
+        self.groups = tuple(groups) if groups is not None else (None,) * count
+        for p, ((code, blocks), grouped) in enumerate(zip(parts, self.groups, strict=True)):
+            if grouped is None:
+                continue
+            if grouped.dtype != torch.uint8 or not grouped.is_contiguous() \
+                    or grouped.numel() != grouped_bytes(code, blocks.shape[0], self.k):
+                raise ValueError(f"not the interleaved rows of a {TYPES.get(code, code)} part "
+                                 f"{tuple(blocks.shape)}: {grouped.dtype} {tuple(grouped.shape)}")
+            status = lib.set_groups(self._described, p, grouped.data_ptr())
+            if status:
+                raise NativeKernelError(f"native kernel refused interleaved rows for a {TYPES[code]} part "
+                                        f"(activations {self.activations[p]}): {_STATUS.get(status, status)}")
         self._address = ctypes.addressof(self._described)
         self._call = lib.matmul
 
@@ -189,6 +207,34 @@ class BlockMatrix:
     def address(self) -> int:
         """Where the C side's description lives (valid while this object is)."""
         return self._address
+
+
+# The types whose i8dot decode product reads rows interleaved in groups of eight (native/int8_groups.c says why and
+# how), and their bytes per 32-value block: the interleaved copy holds the same bytes as the rows.
+GROUPED_TYPES = {2: 18, 3: 20}  # Q4_0, Q4_1
+
+
+def grouped_bytes(ggml_type: int, rows: int, k: int) -> int:
+    """Bytes of `interleave`'s copy of a (rows, k) matrix: its whole groups of eight rows (the rest stay in rows)."""
+    return rows // 8 * 8 * (k // 32) * GROUPED_TYPES[ggml_type]
+
+
+def interleave(ggml_type: int, blocks: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole groups of eight rows of `blocks` (a Q4_0/Q4_1 matrix, (rows, bytes per row) uint8) in the order the
+    i8dot decode kernel reads them, written into `out` (contiguous uint8 of grouped_bytes; a new tensor when None)."""
+    lib = library()
+    if ggml_type not in GROUPED_TYPES:
+        raise NativeKernelError(f"native interleave refused {TYPES.get(ggml_type, ggml_type)}: {_STATUS[1]}")
+    size = grouped_bytes(ggml_type, blocks.shape[0], k)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8)
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != size:
+        raise ValueError(f"interleaved rows need {size} contiguous bytes, not {out.dtype} {tuple(out.shape)}")
+    status = lib.interleave(ggml_type, blocks.data_ptr(), blocks.stride(0), blocks.shape[0], k, out.data_ptr())
+    if status:
+        raise NativeKernelError(f"native interleave refused {TYPES.get(ggml_type, ggml_type)} "
+                                f"{tuple(blocks.shape)}: {_STATUS.get(status, status)}")
+    return out
 
 
 def matmul(matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -400,8 +446,15 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
     dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     dequant.restype = ctypes.c_int
+    interleave = handle.llmt_interleave
+    interleave.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_void_p]
+    interleave.restype = ctypes.c_int
+    set_groups = handle.llmt_set_groups
+    set_groups.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    set_groups.restype = ctypes.c_int
     library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), describe, matmul,
-                            dequant, int(handle.llmt_matrix_size()), handle)
+                            dequant, int(handle.llmt_matrix_size()), interleave, set_groups, handle)
     why = _self_test(library)
     return (library, "") if not why else (None, why)
 

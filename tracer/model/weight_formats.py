@@ -73,6 +73,12 @@ STORED_KERNELS = (I8DOT, I16DOT, NATIVE, INT4PACK, BLOCKS)
 _ACTIVATIONS = {NATIVE: native_kernel.EXACT_X, I8DOT: native_kernel.INT8_X, I16DOT: native_kernel.INT16_X}
 
 
+def reads_groups(ggml_type: int, activations: int) -> bool:
+    """Whether a row block's decode products read its rows interleaved in eights: i8dot's (activations
+    native_kernel.INT8_X) Q4_0 and Q4_1 (native/int8_groups.c)."""
+    return activations == native_kernel.INT8_X and ggml_type in native_kernel.GROUPED_TYPES
+
+
 def runs_blocks(kernel: str) -> bool:
     """Whether a format's kernel is the native library's over the file's blocks: "native", "i8dot", "i16dot", or row
     blocks stacked from several ("i8dot+native": a Q4_K_M file's Q4_K rows on i8dot beside its Q6_K rows on native)."""
@@ -136,13 +142,18 @@ class PackedWeight:
                 from a GGUF, a copy-on-write view of the memory-mapped file, so loading copies nothing); row blocks
                 stacked by concat_rows keep each member's: {"blocks.0.Q4_K": ..., "blocks.1.Q6_K": ...}
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
+    An i8dot Q4_0/Q4_1 row block's decode products read a second copy of its rows, interleaved in groups of eight
+    (native_kernel.interleave; the loader places it in its huge-page arena, else it is made on the first product):
+    held beside `tensors`, which every other use reads (prefill, dequantize, rows, finite_scales, caches).
     """
 
-    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_activations", "_native")
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_activations", "_groups",
+                 "_native")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
                  stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None,
-                 activations: tuple[int, ...] | None = None) -> None:
+                 activations: tuple[int, ...] | None = None,
+                 groups: tuple[torch.Tensor | None, ...] | None = None) -> None:
         self.format = fmt
         self.shape = (int(shape[0]), int(shape[1]))
         self.tensors = tensors
@@ -156,6 +167,8 @@ class PackedWeight:
         # per row block: how its products take the activations (native_kernel.EXACT_X, INT8_X, INT16_X: its kernel)
         self._activations = activations if activations is not None else (
             (_ACTIVATIONS.get(fmt.kernel, native_kernel.EXACT_X),) * len(self._parts))
+        # per row block: its rows interleaved for the i8dot decode kernel, or None (native_matrix makes any it reads)
+        self._groups = groups if groups is not None else (None,) * len(self._parts)
         self._native: native_kernel.BlockMatrix | None = None
 
     @classmethod
@@ -190,9 +203,11 @@ class PackedWeight:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held in memory for it: the canonical tensors plus the kernel's layout once made."""
+        """Bytes held in memory for it: the canonical tensors plus the kernel's layout once made (the int4 kernel's,
+        the i8dot decode kernel's interleaved rows)."""
         prepared = sum(t.nbytes for t in self._prepared) if self._prepared is not None else 0
-        return sum(t.nbytes for t in self.tensors.values()) + prepared
+        grouped = sum(t.nbytes for t in self._groups if t is not None)
+        return sum(t.nbytes for t in self.tensors.values()) + prepared + grouped
 
     def __repr__(self) -> str:
         return f"PackedWeight({self.format.label}, shape={self.shape}, stored_bytes={self.stored_bytes:,})"
@@ -224,7 +239,11 @@ class PackedWeight:
         if not runs_blocks(self.format.kernel):
             raise ValueError(f"{self.format.label} is not held for the native library's kernels")
         if self._native is None:
-            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1], self._activations)
+            self._groups = tuple(
+                grouped if grouped is not None or not reads_groups(code, kind)
+                else native_kernel.interleave(code, blocks, self.shape[1])
+                for (code, blocks), kind, grouped in zip(self._parts, self._activations, self._groups, strict=True))
+            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1], self._activations, self._groups)
         return self._native
 
     def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -359,6 +378,7 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
             raise ValueError("concat_rows needs native-library weights of one input width")
         parts = tuple(part for w in weights for part in w._parts)
         activations = tuple(kind for w in weights for kind in w._activations)
+        groups = tuple(grouped for w in weights for grouped in w._groups)
         formats = list(dict.fromkeys(w.format for w in weights))
         kernels = "+".join(dict.fromkeys(k for f in formats for k in f.kernel.split("+")))
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
@@ -366,7 +386,7 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
             stored * 8 / (shape[0] * shape[1]))
         tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {
             f"blocks.{i}.{GGML_TYPES[code][0]}": t for i, (code, t) in enumerate(parts)}
-        return PackedWeight(fmt, shape, tensors, stored, parts, activations)
+        return PackedWeight(fmt, shape, tensors, stored, parts, activations, groups)
     if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows needs weights of one format and one input width")
     tensors = {key: torch.cat([w.tensors[key] for w in weights]) for key in first.tensors}
@@ -384,10 +404,13 @@ def gguf_format(ggml_type: int, kernel: str) -> WeightFormat:
     return WeightFormat(_BY_TYPE[ggml_type], kernel, type_name, _BITS[type_name])
 
 
-def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str) -> PackedWeight:
+def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str,
+              groups: torch.Tensor | None = None) -> PackedWeight:
     """A GGUF tensor's raw blocks -> PackedWeight. `rows` is uint8 (N, bytes per row), each row `row_len` values
     (the file's order: Q/K rows already put in the model's order by the caller). "native" keeps `rows` itself
-    (no copy when it is contiguous and writable, e.g. a copy-on-write map of the file; a read-only one is copied)."""
+    (no copy when it is contiguous and writable, e.g. a copy-on-write map of the file; a read-only one is copied).
+    `groups`: for i8dot Q4_0/Q4_1, `rows` already interleaved (native_kernel.interleave) where the caller wants them
+    held (else they are made on the first product)."""
     fmt = gguf_format(ggml_type, kernel)
     rows = np.ascontiguousarray(rows)
     n = rows.shape[0]
@@ -396,7 +419,8 @@ def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str) -> Pa
         raise ValueError(f"rows of {rows.shape[1]} bytes do not hold {row_len} values of {fmt.stored}")
     if kernel in BLOCK_KERNELS:
         blocks = rows if rows.flags.writeable else rows.copy()
-        return PackedWeight(fmt, (n, row_len), {"blocks": torch.from_numpy(blocks)}, rows.nbytes)
+        return PackedWeight(fmt, (n, row_len), {"blocks": torch.from_numpy(blocks)}, rows.nbytes,
+                            groups=None if groups is None else (groups,))
     blocks = rows.reshape(-1, block_bytes)  # (N * K/block, block_bytes)
     if ggml_type == _Q8_0:
         d = _fp16(blocks, 0, 1)  # (blocks, 1)

@@ -48,7 +48,7 @@
 #define LLMT_AVX2 0
 #endif
 
-#define LLMT_ABI 6 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_ABI 7 /* bump when a signature below changes: native_kernel.py checks it */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };
@@ -659,6 +659,7 @@ typedef struct {
     int acts[MAX_PARTS]; /* EXACT_X, INT8_X or INT16_X: how this part's products take the activations */
     int any_int8, any_int16;
     int64_t k, total_rows, total_bytes;
+    const uint8_t *groups[MAX_PARTS]; /* an i8dot Q4_0/Q4_1 part's rows interleaved in eights, or NULL (int8_groups.c) */
 } Matrix;
 
 /* Bytes the caller allocates for a Matrix (opaque to it). */
@@ -693,6 +694,7 @@ int llmt_describe(int parts, const int *types, const uint8_t *const *w, const in
             return BAD_TYPE;
         mat->any_int8 |= mat->acts[p] == INT8_X;
         mat->any_int16 |= mat->acts[p] == INT16_X;
+        mat->groups[p] = NULL; /* llmt_set_groups attaches one */
         mat->column[p] = mat->total_rows;
         mat->total_rows += rows[p];
         mat->total_bytes += rows[p] * mat->row_bytes[p];

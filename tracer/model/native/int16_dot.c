@@ -81,13 +81,14 @@ static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[
 /* Eight rows of a Q8_0 matrix (at w, w + stride, ...) times one int16 activation row, into out[0..8): each block of
    x loaded once for the eight; the rows' eight vectors of int32 lane sums folded into one vector of the eight rows'
    block sums (six hadds, two lane permutes, one add) and the eight rows' scales converted, multiplied with d_x and
-   accumulated in one vector each, as i8_q4_rows8 does for Q4. Per row the float math is i16_q8_row's. */
+   accumulated in one vector each (as the i8dot Q4 kernel did before its rows were interleaved, int8_groups.c). Per
+   row the float math is i16_q8_row's. */
 static inline __attribute__((always_inline)) void i16_q8_rows8(const uint8_t *w, int64_t stride, int64_t n_blocks,
                                                                const X16Block *x, float *out) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         const int64_t from = b * 34;
-        const uint8_t *ahead = w + I8_AHEAD + 8 * from; /* the eight rows' run of memory, as i8_q4_rows8 fetches */
+        const uint8_t *ahead = w + I8_AHEAD + 8 * from; /* the eight rows' run of memory */
         for (int line = 0; line < 8 * 34; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
         const __m256i x_lo = _mm256_loadu_si256((const __m256i *)x[b].q);
         const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x[b].q + 16));

@@ -375,69 +375,7 @@ static int i8_q32_many_x(int type, const uint8_t *w, int64_t stride, int64_t fir
     return 1;
 }
 
-/* Q4_0 and Q4_1 rows, one activation row: eight rows of W at a time, each block of x loaded once for the eight.
-   Per block, rows 2i and 2i+1 share one 256-bit vector (one row's 16 nibble bytes per 128-bit lane), so the low and
-   high nibbles of two rows meet x's values 0-15 and 16-31 in two maddubs; three hadds turn the four vectors of
-   partial sums into one int32 sum per row, and the eight rows' scales are converted, multiplied and accumulated
-   in one vector each: ~9 instructions a row's block where one row at a time takes ~20, so the products can stream
-   at the memory's pace. Lanes hold rows 0 2 4 6 1 3 5 7 (the hadd tree's order). Per row the float math is the
-   single row's (i8_q4_row): acc = fma(d_w * d_x, sum(c*q), acc), off = fma(b, s_x, off) block by block, result
-   acc + off; the integer sums are exact, so a row's value is bit for bit the same whichever way it ran. */
-/* How far ahead i8_q4_rows8 fetches. At ~3 cycles a row's block the eight-row kernel eats 2 KB in ~0.1 us, less
-   than a DRAM access takes: with PREFETCH_BYTES' distance the bundled model's decode step took 9.6 ms (p10), slower
-   than one row at a time (7.4); 4 KB ahead 7.1, 8 KB 6.3, 16 KB 6.4 (BENCHMARKS "The i8dot kernel's eight rows"). */
-#ifndef I8_AHEAD
-#define I8_AHEAD 8192
-#endif
-static inline __attribute__((always_inline)) void i8_q4_rows8(int type, const uint8_t *w, int64_t stride, int64_t r,
-                                                              int64_t n_blocks, const XBlock *x, float *out) {
-    const int64_t bytes = q32_bytes(type), codes = type == Q4_1 ? 4 : 2;
-    const uint8_t *row[8];
-    for (int i = 0; i < 8; i++) row[i] = w + (r + i) * stride;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low16 = _mm256_set1_epi32(0xFFFF);
-    __m256 acc = _mm256_setzero_ps(), off = acc;
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const int64_t at = b * bytes;
-        /* the eight rows are one run of 8 * stride bytes, read a block of each row at a time: fetch that run's bytes
-           I8_AHEAD further on, 8 blocks' worth per block (the eight rows of x's next block) */
-        const uint8_t *ahead = row[0] + I8_AHEAD + 8 * at;
-        _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-        _mm_prefetch((const char *)ahead + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)ahead + 128, _MM_HINT_T0);
-        const __m256i x_low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x[b].q));
-        const __m256i x_high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[b].q + 16)));
-        __m256i sums[4];
-        for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu2_m128i((const __m128i *)(row[2 * i + 1] + at + codes),
-                                                  (const __m128i *)(row[2 * i] + at + codes));
-            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            /* each int16 at most 2 * 15 * 127 per maddubs, so two added fit */
-            sums[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x_low),
-                                                         _mm256_maddubs_epi16(hi, x_high)), ones);
-        }
-        const __m256i total = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]),
-                                                _mm256_hadd_epi32(sums[2], sums[3]));
-        /* each row's first 4 bytes (d, and m for Q4_1), in lane order, then d's and m's fp16 bits side by side */
-        const __m256i head = _mm256_setr_epi32((int)read_u32(row[0] + at), (int)read_u32(row[2] + at),
-                                               (int)read_u32(row[4] + at), (int)read_u32(row[6] + at),
-                                               (int)read_u32(row[1] + at), (int)read_u32(row[3] + at),
-                                               (int)read_u32(row[5] + at), (int)read_u32(row[7] + at));
-        const __m256i halves = _mm256_permute4x64_epi64(
-            _mm256_packus_epi32(_mm256_and_si256(head, low16), _mm256_srli_epi32(head, 16)), 0xD8);
-        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x[b].d));
-        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc);
-        const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))
-                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        off = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[b].s), off);
-    }
-    float result[8];
-    _mm256_storeu_ps(result, _mm256_add_ps(acc, off));
-    static const int lane_row[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-    for (int i = 0; i < 8; i++) out[lane_row[i]] = result[i];
-}
-
-/* one Q4_0/Q4_1 row with i8_q4_rows8's per-row float math (a row of a range that is not a whole eight) */
+/* one Q4_0/Q4_1 row with i8_q4_group's per-row float math (int8_groups.c: a row outside a whole group of eight) */
 static inline __attribute__((always_inline)) float i8_q4_row(int type, const uint8_t *row, int64_t n_blocks,
                                                              const XBlock *x) {
     const int64_t bytes = q32_bytes(type), codes = type == Q4_1 ? 4 : 2;
@@ -453,16 +391,16 @@ static inline __attribute__((always_inline)) float i8_q4_row(int type, const uin
     return acc + off;
 }
 
-/* rows first..last of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix times one activation row */
+#endif /* LLMT_AVX2 */
+
+#include "int8_groups.c" /* Q4_0/Q4_1 rows interleaved in eights: their decode kernel and its entry points */
+
+#if LLMT_AVX2
+
+/* rows first..last of a Q5_0/Q5_1/Q8_0 matrix times one activation row */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
                                                                int64_t first, int64_t last, int64_t n_blocks,
                                                                const XBlock *x, float *out) {
-    if (type == Q4_0 || type == Q4_1) {
-        int64_t r = first;
-        for (; r + 8 <= last; r += 8) i8_q4_rows8(type, w, stride, r, n_blocks, x, out + r);
-        for (; r < last; r++) out[r] = i8_q4_row(type, w + r * stride, n_blocks, x);
-        return;
-    }
     for (int64_t r = first; r < last; r++) out[r] = i8_q32_row(type, w + r * stride, n_blocks, x);
 }
 
@@ -502,7 +440,7 @@ static inline __attribute__((always_inline)) __m256i k5_bit(__m256i qh, int j) {
    mins of a super-block are unpacked (k4_scales) and multiplied in one vector each (the same fp32 products as one at a time:
    one multiply per value, in the same order), so a row's value is bit for bit the same whatever `rows`, the
    thread split or the build (AVX2 or AVX-512 VNNI): the integer sums are exact. Rows share x's loads and
-   scales; the prefetch runs I8_AHEAD ahead along the rows' run of memory (as i8_q4_rows8). */
+   scales; the prefetch runs I8_AHEAD ahead along the rows' run of memory (as i8_q4_group). */
 static inline __attribute__((always_inline)) void i8_k45_rows(int type, int rows, const uint8_t *w, int64_t stride,
                                                               int64_t n_blocks, const XBlock *x, float *out) {
     const int64_t bytes = type == Q4_K ? 144 : 176;
@@ -657,8 +595,8 @@ static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, c
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
         switch (mat->types[p]) {
-        case Q4_0: i8_q32_one_x(Q4_0, w, stride, first, last, n_blocks, x, out); return;
-        case Q4_1: i8_q32_one_x(Q4_1, w, stride, first, last, n_blocks, x, out); return;
+        case Q4_0: i8_q4_rows(Q4_0, w, stride, mat->groups[p], first, last, n_blocks, x, out); return;
+        case Q4_1: i8_q4_rows(Q4_1, w, stride, mat->groups[p], first, last, n_blocks, x, out); return;
         case Q5_0: i8_q32_one_x(Q5_0, w, stride, first, last, n_blocks, x, out); return;
         case Q5_1: i8_q32_one_x(Q5_1, w, stride, first, last, n_blocks, x, out); return;
         case Q8_0: i8_q32_one_x(Q8_0, w, stride, first, last, n_blocks, x, out); return;

@@ -1,0 +1,85 @@
+"""The i8dot kernel's Q4_0/Q4_1 rows interleaved in groups of eight (tracer/model/native/int8_groups.c): the layout
+as that file documents it, built here in numpy, and every output row bit for bit what the kernel gives the row
+without the interleaved copy (each row alone, in the GGUF's own layout), whatever the row count, the thread count
+or where a part (so a thread's range) starts. The products' closeness to the exact ones is test_int8_dot.py's."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import I8DOT, concat_rows, pack_gguf
+from tests.tiny_gguf import random_blocks
+
+Q = gguf.GGMLQuantizationType
+GROUPED = [Q.Q4_0, Q.Q4_1]
+
+
+@pytest.fixture
+def native() -> None:
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+
+
+def documented_layout(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """Whole groups of eight rows: per group and 32-value block the eight fp16 d, (Q4_1) the eight fp16 m, then
+    4 x 32 code bytes, vector v holding bytes 4v..4v+3 of each row's 16 in row order."""
+    head = 4 if qtype == Q.Q4_1 else 2
+    rows, row_bytes = raw.shape
+    blocks = raw[: rows // 8 * 8].reshape(rows // 8, 8, row_bytes // (head + 16), head + 16)  # (g, row, b, bytes)
+    blocks = blocks.transpose(0, 2, 1, 3)  # (g, b, row, bytes)
+    scales = blocks[..., :head].reshape(*blocks.shape[:3], head // 2, 2).transpose(0, 1, 3, 2, 4)  # (g, b, field, row, 2)
+    codes = blocks[..., head:].reshape(*blocks.shape[:3], 4, 4).transpose(0, 1, 3, 2, 4)  # (g, b, v, row, 4)
+    g, b = blocks.shape[:2]
+    return np.concatenate([scales.reshape(g, b, head * 8), codes.reshape(g, b, 128)], axis=2).reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_the_interleaved_copy_is_the_documented_layout(qtype: Q, native: None) -> None:
+    for rows in (7, 8, 21):
+        raw = random_blocks(qtype, rows, 96, np.random.default_rng(rows))
+        grouped = native_kernel.interleave(int(qtype), torch.from_numpy(raw), 96).numpy()
+        assert grouped.nbytes == native_kernel.grouped_bytes(int(qtype), rows, 96) == rows // 8 * 8 * raw.shape[1]
+        assert np.array_equal(grouped, documented_layout(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_every_row_has_the_bits_it_has_without_the_interleaved_copy(qtype: Q, native: None) -> None:
+    """Rows that are not a multiple of eight, parts (so thread ranges) starting at any row, 1 and 2 threads: each
+    output equals the matrix described without its interleaved copy (every row by the one-row kernel)."""
+    cols = 576
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(int(qtype))) * 3
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 8, 13, 37, 301):
+            raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
+            plain = native_kernel.BlockMatrix([(int(qtype), torch.from_numpy(raw))], cols, (native_kernel.INT8_X,))
+            assert plain.groups == (None,)
+            weight = pack_gguf(raw, int(qtype), cols, I8DOT)
+            assert weight.native_matrix().groups[0] is not None
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                want = native_kernel.matmul(plain, x)
+                assert torch.equal(weight(x), want), (rows, threads)
+                for start in sorted({1, 3, rows // 2, rows - 1} - {0}):  # a second part from row `start`
+                    if start >= rows:
+                        continue
+                    split = concat_rows([pack_gguf(raw[:start], int(qtype), cols, I8DOT),
+                                         pack_gguf(raw[start:], int(qtype), cols, I8DOT)])
+                    assert torch.equal(split(x), want), (rows, threads, start)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_interleaved_rows_only_for_an_i8dot_q4_part(native: None) -> None:
+    raw = random_blocks(Q.Q4_1, 16, 64, np.random.default_rng(0))
+    grouped = native_kernel.interleave(int(Q.Q4_1), torch.from_numpy(raw), 64)
+    with pytest.raises(native_kernel.NativeKernelError, match="unsupported ggml type"):  # the exact kernel's part
+        native_kernel.BlockMatrix([(int(Q.Q4_1), torch.from_numpy(raw))], 64, (native_kernel.EXACT_X,), (grouped,))
+    with pytest.raises(ValueError, match="not the interleaved rows"):  # sized for other rows
+        native_kernel.BlockMatrix([(int(Q.Q4_1), torch.from_numpy(raw[:8]))], 64, (native_kernel.INT8_X,), (grouped,))
+    with pytest.raises(native_kernel.NativeKernelError, match="unsupported ggml type"):
+        native_kernel.interleave(int(Q.Q8_0), torch.from_numpy(raw), 64)
