@@ -66,15 +66,16 @@ class Build:
     kind} its matrices are described with (ABI 5: 1 is i8dot; ABI 6: 2 is i16dot, Q8_0 only); a type not there: 0,
     exact."""
 
-    def __init__(self, label: str, source: str, folder: Path, int8_source: str | None = None) -> None:
+    def __init__(self, label: str, source: str, folder: Path, beside: dict[str, str | None] | None = None) -> None:
         self.label = label
         self.acts: dict[int, int] = {}
         folder = folder / label
         folder.mkdir()
         path = folder / f"{label}.c"
         path.write_text(source)
-        if int8_source is not None:  # #include "int8_dot.c" looks beside the including file before -I
-            (folder / "int8_dot.c").write_text(int8_source)
+        for name, text in (beside or {}).items():  # #include "int8_dot.c" looks beside the including file before -I
+            if text is not None:
+                (folder / name).write_text(text)
         library = folder / f"{label}.so"
         compiler = os.environ.get("CC", "cc").split()
         flags = (*native_kernel.FLAG_SETS[0], *native_kernel.COMMON_FLAGS)
@@ -122,13 +123,16 @@ class Build:
 
 
 def baseline_source(spec: str, name: str = "gguf_matmul.c") -> str | None:
-    """A file's text (for int8_dot.c: the file of that name beside it, if any), else `git show
-    SPEC:tracer/model/native/NAME`."""
+    """A file's text (for int8_dot.c and int8_groups.c: the file of that name beside it), else `git show
+    SPEC:tracer/model/native/NAME`; None when there is no such file (a revision before int8_groups.c)."""
     if Path(spec).is_file():
         beside = Path(spec).with_name(name)
         return Path(spec).read_text() if name == "gguf_matmul.c" else beside.read_text() if beside.is_file() else None
-    return subprocess.run(["git", "-C", str(REPO), "show", f"{spec}:tracer/model/native/{name}"],
-                          check=True, capture_output=True, text=True).stdout
+    done = subprocess.run(["git", "-C", str(REPO), "show", f"{spec}:tracer/model/native/{name}"],
+                          capture_output=True, text=True)
+    if done.returncode and name == "gguf_matmul.c":
+        sys.exit(f"no baseline {spec}: {done.stderr.strip()}")
+    return done.stdout if done.returncode == 0 else None
 
 
 def timed(call) -> float:
@@ -241,7 +245,8 @@ def main() -> None:
             builds.append(builds[0].with_acts("i8+i16", {int(layer_type): 1, int(Q.Q8_0): 2}))
         if args.baseline:
             baseline = Build("baseline", baseline_source(args.baseline), Path(tmp),
-                             baseline_source(args.baseline, "int8_dot.c"))
+                             {name: baseline_source(args.baseline, name)
+                              for name in ("int8_dot.c", "int8_groups.c", "int16_dot.c")})
             builds[:0] = [baseline] + ([baseline.with_acts("base i8", int8)] if baseline.abi >= 5 else [])
         labels = " | ".join(f"{b.label} med / best" for b in builds)
         layers = [[(layer_type, random_blocks(layer_type, n, k, rng), k) for n, k in shapes] for _ in range(n_layers)]

@@ -6,10 +6,11 @@ drifts more between child processes on a shared machine than the change moves it
 
 One process loads the bundled model (default weights, 2 threads), prefills max(POSITIONS)+1 random tokens (seed 0)
 and holds this tree's native step plan. Each variant is `cur` (this tree's tracer/model/native) or a folder holding
-decode_step.c, gguf_matmul.c, int8_dot.c, int16_dot.c and top_values.c, built by a child process into FOLDER/build as
-native_kernel builds (the step's ABI must match this tree's: the plan is this tree's structs). At each position
-every variant's llmt_decode_step is called ROUNDS times in turn (A B A B ...), untraced, writing the same K and V
-row; then as often traced, its readings giving the scores, softmax and values stages' times summed over the layers.
+decode_step.c, gguf_matmul.c, int8_dot.c, top_values.c and those of int8_groups.c (ABI 7 on) and int16_dot.c (ABI 6
+on) it has, built by a child process into FOLDER/build as native_kernel builds (the step's ABI must match this
+tree's: the plan is this tree's structs; a build before ABI 7 reads an i8dot Q4 matrix's rows from the file's map,
+not the arena). At each position every variant's llmt_decode_step is called ROUNDS times in turn (A B A B ...),
+untraced, writing the same K and V row; then as often traced, its readings giving the scores, softmax and values stages' times summed over the layers.
 Printed per position and variant: the step's p10 and median (ms), the three stages' medians (ms), and the largest
 logit difference from the first variant.
 """
@@ -26,14 +27,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-FILES = ("decode_step.c", "gguf_matmul.c", "int8_dot.c", "int16_dot.c", "top_values.c")
+FILES = ("decode_step.c", "gguf_matmul.c", "int8_dot.c", "int8_groups.c", "int16_dot.c", "top_values.c")
 
 
 def build(folder: Path) -> Path:
     """The library native_kernel builds from `folder`'s sources, in folder/build (built by a child process)."""
     code = ("import os, sys; from pathlib import Path; from llmtrace.tracer.model import native_kernel as k; "
             "f = Path(sys.argv[1]); os.environ[k.DIR_ENV] = str(f / 'build'); k.SOURCE = f / 'decode_step.c'; "
-            f"k.SOURCES = tuple(f / n for n in {FILES!r}); print(k.library().path)")
+            f"k.SOURCES = tuple(f / n for n in {FILES!r} if (f / n).exists()); print(k.library().path)")
     done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, cwd=HERE)
     if done.returncode:
         sys.exit(f"{folder}: {done.stderr[-2000:]}")

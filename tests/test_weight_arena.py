@@ -16,7 +16,8 @@ from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, pack_matrices
 from llmtrace.tracer.load.weight_arena import ALIGN, HUGE_PAGE, WeightArena
-from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import I8DOT, INT4PACK, NATIVE, pack_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -93,3 +94,24 @@ def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:
     assert second.ctypes.data - first.ctypes.data < first.nbytes + ALIGN  # placed one after the other
     int4 = pack_matrices(header, config, ["layers.0.attention.wo.weight"], {"Q8_0": INT4PACK})
     assert "blocks" not in int4["layers.0.attention.wo.weight"].tensors  # type: ignore[union-attr]
+
+
+def test_i8dot_q4_matrices_hold_their_interleaved_rows_in_the_arena(tiny_quantized: Callable[..., Path]) -> None:
+    """An i8dot Q4_1 matrix: the arena holds its rows interleaved in eights (what its decode products stream), the
+    PackedWeight its rows as the file holds them (a view of the file's map: prefill, dequantize and rows read them),
+    both counted as resident; the products equal those of the same rows without the loader's copy."""
+    path = tiny_quantized(Q.Q4_1)
+    header = read_gguf_header(path)
+    config = config_from_gguf_header(header)
+    _, packed = load_gguf_stored(header, config, torch.float32, I8DOT)
+    weight = packed["layers.0.feed_forward.w2.weight"]
+    rows = weight.tensors["blocks"]
+    groups = weight.native_matrix().groups[0]
+    assert groups is not None and groups.numel() == weight.shape[0] // 8 * 8 * rows.shape[1]
+    assert weight.stored_bytes == rows.nbytes and weight.resident_bytes == rows.nbytes + groups.nbytes
+    assert groups.data_ptr() % ALIGN == 0
+    if sys.platform == "linux":
+        assert _mapped_file(groups.data_ptr()) == "" and _mapped_file(rows.data_ptr()) == str(path)
+    assert torch.equal(groups, native_kernel.interleave(int(Q.Q4_1), rows, weight.shape[1]))
+    x = torch.randn(1, weight.shape[1])
+    assert torch.equal(weight(x), pack_gguf(rows.numpy().copy(), int(Q.Q4_1), weight.shape[1], I8DOT)(x))
