@@ -31,7 +31,8 @@ def documented_layout(raw: np.ndarray, qtype: Q) -> np.ndarray:
     rows, row_bytes = raw.shape
     blocks = raw[: rows // 8 * 8].reshape(rows // 8, 8, row_bytes // (head + 16), head + 16)  # (g, row, b, bytes)
     blocks = blocks.transpose(0, 2, 1, 3)  # (g, b, row, bytes)
-    scales = blocks[..., :head].reshape(*blocks.shape[:3], head // 2, 2).transpose(0, 1, 3, 2, 4)  # (g, b, field, row, 2)
+    scales = blocks[..., :head].reshape(*blocks.shape[:3], head // 2, 2)  # (g, b, row, field, 2)
+    scales = scales.transpose(0, 1, 3, 2, 4)  # (g, b, field, row, 2)
     codes = blocks[..., head:].reshape(*blocks.shape[:3], 4, 4).transpose(0, 1, 3, 2, 4)  # (g, b, v, row, 4)
     g, b = blocks.shape[:2]
     return np.concatenate([scales.reshape(g, b, head * 8), codes.reshape(g, b, 128)], axis=2).reshape(-1)
