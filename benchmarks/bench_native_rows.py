@@ -1,7 +1,7 @@
 """The native kernels' one-row (decode) products side by side: a baseline build, the current one's exact kernel
 ("native"), its int8-activation kernel ("i8dot", the same library, each matrix described with int8 activations) and
-the per-type plans "i8+nat" (the layers on i8dot, a Q8_0 head on native: Q4_1:i8dot,Q8_0:native) and "i8+i16"
-(the head on the int16-activation kernel instead: Q4_1:i8dot,Q8_0:i16dot); the baseline's i8dot too ("base i8"),
+the per-type plans "i8+nat" (the layers on i8dot, a Q8_0 or Q6_K head on native: Q4_1:i8dot,Q8_0:native) and
+"i8+i16" (the head on the int16-activation kernel instead: Q4_1:i8dot,Q8_0:i16dot); the baseline's i8dot too ("base i8"),
 built with the baseline's own int8_dot.c (a revision's, or the file beside a baseline file), so a change to either
 file is measured against it.
 
@@ -240,9 +240,9 @@ def main() -> None:
         builds = [Build("current", (native_kernel.NATIVE_SOURCES / "gguf_matmul.c").read_text(), Path(tmp))]
         int8 = {int(t): 1 for t in (layer_type, head_type)}
         builds.append(builds[0].with_acts("i8dot", int8))
-        if head_type == Q.Q8_0 and layer_type != Q.Q8_0:
+        if head_type in (Q.Q8_0, Q.Q6_K) and layer_type != head_type:  # the types i16dot runs
             builds.append(builds[0].with_acts("i8+nat", {int(layer_type): 1}))
-            builds.append(builds[0].with_acts("i8+i16", {int(layer_type): 1, int(Q.Q8_0): 2}))
+            builds.append(builds[0].with_acts("i8+i16", {int(layer_type): 1, int(head_type): 2}))
         if args.baseline:
             baseline = Build("baseline", baseline_source(args.baseline), Path(tmp),
                              {name: baseline_source(args.baseline, name)

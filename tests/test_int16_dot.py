@@ -1,10 +1,11 @@
-"""The "i16dot" stored kernel (tracer/model/native/int16_dot.c): Q8_0 blocks times activations rounded to int16 per
-32 values.
+"""The "i16dot" stored kernel (tracer/model/native/int16_dot.c): Q8_0 and Q6_K blocks times activations rounded to
+int16 per 32 values.
 
 Two references, both independent of the C code (gguf's dequantizer gives the weights' values w):
 - the SAME math: x quantized here as the kernel describes it (per 32 values d = max|x|/32767, q = round-half-even(
   x * (32767/max|x|)) in fp32), then sum over blocks of d * sum(w * q) in fp64. The kernel's integer sums are exact
-  and each block adds one fp32 multiply-add of (d_w * d_x) and the sum, so the fp32 rounding is within 2^-20 of
+  and each block (Q6_K: each 16 values) adds one fp32 multiply-add of (d_w * d_x) and the sum, so the fp32 rounding
+  is within 2^-20 of
   sum over blocks of d_x * sum|w * q| (2^-24 would be one rounding; 2^4 leaves room for ~20 rounded additions).
 - the exact product x @ w.T: the kernel's result differs by the rounding of x, at most d/2 per value, so
   |y - x @ w.T| <= sum over blocks of d/2 * sum|w| (plus fp32 summation, 2^-20 of sum |x||w|): the docstring's bound.
@@ -39,6 +40,7 @@ from tests.tiny_gguf import random_blocks
 Q = gguf.GGMLQuantizationType
 SAME_MATH_TOLERANCE = 2**-20
 SUM_TOLERANCE = 2**-20
+TYPES = [Q.Q8_0, Q.Q6_K]
 
 
 @pytest.fixture
@@ -64,9 +66,13 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(x.shape).astype(np.int64), d[..., 0]
 
 
-def check(weight, raw: np.ndarray, x: torch.Tensor) -> np.ndarray:  # noqa: ANN001
+def _columns(qtype: Q) -> int:
+    return 7 * 32 if qtype == Q.Q8_0 else 2 * 256
+
+
+def check(weight, raw: np.ndarray, x: torch.Tensor, qtype: Q = Q.Q8_0) -> np.ndarray:  # noqa: ANN001
     """The kernel's product against both references (module docstring); returns |y - x @ w.T|."""
-    values = np.asarray(gguf_dequantize(raw, Q.Q8_0), dtype=np.float64)  # (N, K)
+    values = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64)  # (N, K)
     got = weight(x).double().numpy()
     codes, d = quantize(x.numpy())
     wb = values.reshape(values.shape[0], -1, 32)  # (N, K/32, 32)
@@ -81,45 +87,50 @@ def check(weight, raw: np.ndarray, x: torch.Tensor) -> np.ndarray:  # noqa: ANN0
     return np.abs(got - exact)
 
 
-def test_products_are_the_int16_math_and_within_the_rounding_bound(native: None) -> None:
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_products_are_the_int16_math_and_within_the_rounding_bound(qtype: Q, native: None) -> None:
     rng = np.random.default_rng(16)
-    rows, cols = 37, 7 * 32  # 37 rows: four groups of eight, five alone; an odd split between two threads
-    raw = random_blocks(Q.Q8_0, rows, cols, rng)
-    weight = pack_gguf(raw, int(Q.Q8_0), cols, I16DOT)
-    assert weight.format.kernel == I16DOT and weight.format.label == "q8_0 (i16dot)" and runs_blocks(I16DOT)
+    rows, cols = 37, _columns(qtype)  # 37 rows: groups of eight (Q8_0) or four (Q6_K), the rest alone; an odd split
+    raw = random_blocks(qtype, rows, cols, rng)
+    weight = pack_gguf(raw, int(qtype), cols, I16DOT)
+    assert weight.format.kernel == I16DOT and weight.format.label == f"{qtype.name.lower()} (i16dot)"
     assert weight.stored_bytes == raw.nbytes and np.shares_memory(weight.tensors["blocks"].numpy(), raw)
-    values = np.asarray(gguf_dequantize(raw, Q.Q8_0), dtype=np.float32)
+    values = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32)
     assert np.array_equal(weight.dequantize().numpy(), values)  # only products round the activations
-    i8 = pack_gguf(raw, int(Q.Q8_0), cols, I8DOT)
+    i8 = pack_gguf(raw, int(qtype), cols, I8DOT)
     for tokens in (1, 3, 17):  # one token (decode), a few, a prefill
         x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)) * 3
         x[0, :32] = 0.0  # an all-zero block: d = 0, no division by zero
         x[-1, 64:96] *= 1e-36  # a block whose 32767 / max|x| overflows fp32: rounded in double
-        error = check(weight, raw, x)
-        # two orders of magnitude closer than i8dot (258x in the bound; measured ~250x in norm)
+        error = check(weight, raw, x, qtype)
+        # two orders of magnitude closer than i8dot (258x in the bound)
         i8_error = np.abs(i8(x).double().numpy() - x.double().numpy() @ values.astype(np.float64).T)
         assert np.linalg.norm(error) * 100 < np.linalg.norm(i8_error)
 
 
-def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
-    raw = random_blocks(Q.Q8_0, 11, 128, np.random.default_rng(1))
-    weight = pack_gguf(raw, int(Q.Q8_0), 128, I16DOT)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_a_nan_or_infinite_activation_is_not_rounded_away(qtype: Q, native: None) -> None:
+    cols = _columns(qtype)
+    raw = random_blocks(qtype, 11, cols, np.random.default_rng(1))
+    weight = pack_gguf(raw, int(qtype), cols, I16DOT)
     for bad in (float("nan"), float("inf"), float("-inf")):
-        x = torch.randn(2, 128)
+        x = torch.randn(2, cols)
         x[1, 70] = bad
         y = weight(x)
         assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
         assert torch.isnan(weight(x[1:])).all()  # the one-row kernel too
 
 
-def test_rows_together_alone_threads_and_prefill_give_the_same_bits(native: None) -> None:
-    """Decode takes a thread's rows eight at a time and the rest one by one; prefill takes each alone: a row's value
-    must depend on none of it. 45 rows (1 and 2 threads: different splits) against each row as its own matrix."""
-    rows, cols = 45, 576
-    raw = random_blocks(Q.Q8_0, rows, cols, np.random.default_rng(45))
-    weight = pack_gguf(raw, int(Q.Q8_0), cols, I16DOT)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_rows_together_alone_threads_and_prefill_give_the_same_bits(qtype: Q, native: None) -> None:
+    """Decode takes a thread's rows eight (Q8_0) or four (Q6_K) at a time and the rest one by one; prefill takes
+    tiles of 2 x 4 (Q8_0) or each row alone (Q6_K): a row's value must depend on none of it. 45 rows (1 and 2
+    threads: different splits) against each row as its own matrix."""
+    rows, cols = 45, 576 if qtype == Q.Q8_0 else 3 * 256
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(45))
+    weight = pack_gguf(raw, int(qtype), cols, I16DOT)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5)) * 2
-    alone = torch.cat([pack_gguf(raw[r : r + 1], int(Q.Q8_0), cols, I16DOT)(x[:1]) for r in range(rows)], dim=1)
+    alone = torch.cat([pack_gguf(raw[r : r + 1], int(qtype), cols, I16DOT)(x[:1]) for r in range(rows)], dim=1)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -130,7 +141,7 @@ def test_rows_together_alone_threads_and_prefill_give_the_same_bits(native: None
             assert torch.equal(prefill[2:], weight(x[2:]))
     finally:
         torch.set_num_threads(before)
-    check(weight, raw, x)
+    check(weight, raw, x, qtype)
 
 
 def test_row_blocks_of_three_kernels_multiply_in_one_call(native: None) -> None:
@@ -147,7 +158,7 @@ def test_row_blocks_of_three_kernels_multiply_in_one_call(native: None) -> None:
     assert not torch.equal(got[:, 20:32], got[:, 32:])  # int16 activations are not the exact kernel's
 
 
-def test_only_q8_0_takes_int16_activations(native: None) -> None:
+def test_only_q8_0_and_q6_k_take_int16_activations(native: None) -> None:
     raw = random_blocks(Q.Q4_1, 4, 64, np.random.default_rng(2))
     with pytest.raises(ValueError, match="no activation kind"):
         native_kernel.BlockMatrix([(int(Q.Q4_1), torch.from_numpy(raw))], 64, (native_kernel.INT16_X,))
@@ -161,9 +172,9 @@ def test_only_q8_0_takes_int16_activations(native: None) -> None:
     assert status == 1
 
 
-def test_listed_for_q8_0_between_i8dot_and_native_and_never_taken_unmeasured(native: None) -> None:
-    assert stored_kernels(int(Q.Q8_0))[:3] == (I8DOT, I16DOT, NATIVE)
-    assert I16DOT not in stored_kernels(int(Q.Q4_1)) and I16DOT not in stored_kernels(int(Q.Q6_K))
+def test_listed_for_q8_0_and_q6_k_between_i8dot_and_native_and_never_taken_unmeasured(native: None) -> None:
+    assert stored_kernels(int(Q.Q8_0))[:3] == (I8DOT, I16DOT, NATIVE) == stored_kernels(int(Q.Q6_K))
+    assert I16DOT not in stored_kernels(int(Q.Q4_1)) and I16DOT not in stored_kernels(int(Q.Q4_K))
     assert all_kernels()[:3] == (I8DOT, I16DOT, NATIVE)
     assert widest_kernel({I8DOT: 10, I16DOT: 10, NATIVE: 10}) == NATIVE
     assert widest_kernel({I8DOT: 10, I16DOT: 3, NATIVE: 0}) == I8DOT
@@ -174,19 +185,21 @@ def test_listed_for_q8_0_between_i8dot_and_native_and_never_taken_unmeasured(nat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages through libc mprotect (Linux)")
-def test_no_byte_past_the_matrix_is_read(native: None) -> None:
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     """W ends where an unreadable page starts; one token and a few, 1 and 2 threads (the eight-row kernel's
     prefetches run past the end: a prefetch never faults, a load would)."""
-    rows, cols = 13, 7 * 32
-    raw = random_blocks(Q.Q8_0, rows, cols, np.random.default_rng(11))
+    rows, cols = 13, _columns(qtype)
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
     with before_a_guard_page(raw) as at_end:
-        weight = pack_gguf(at_end, int(Q.Q8_0), cols, I16DOT)
+        weight = pack_gguf(at_end, int(qtype), cols, I16DOT)
         before = torch.get_num_threads()
         try:
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 for tokens in (1, 3):
-                    check(weight, raw, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))
+                    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+                    check(weight, raw, x, qtype)
         finally:
             torch.set_num_threads(before)
         del weight, at_end
@@ -196,7 +209,9 @@ def test_the_portable_build_computes_the_same_math(portable_build: None) -> None
     if not native_kernel.available():
         pytest.skip(f"no C build here: {native_kernel.unavailable_reason()}")
     assert not native_kernel.library().avx2
-    raw = random_blocks(Q.Q8_0, 10, 7 * 32, np.random.default_rng(8))
-    weight = pack_gguf(raw, int(Q.Q8_0), 7 * 32, I16DOT)
-    for tokens in (1, 2):
-        check(weight, raw, torch.randn(tokens, 7 * 32, generator=torch.Generator().manual_seed(tokens)))
+    for qtype in TYPES:
+        raw = random_blocks(qtype, 10, _columns(qtype), np.random.default_rng(8))
+        weight = pack_gguf(raw, int(qtype), _columns(qtype), I16DOT)
+        for tokens in (1, 2):
+            check(weight, raw, torch.randn(tokens, _columns(qtype), generator=torch.Generator().manual_seed(tokens)),
+                  qtype)

@@ -94,9 +94,9 @@ def test_dense_weight_and_rebuilding_from_tensors() -> None:
 
 
 def test_types_without_a_stored_kernel() -> None:
-    native = (I8DOT, NATIVE) if native_kernel.available() else ()  # the native library's two kernels
+    native = (I8DOT, I16DOT, NATIVE) if native_kernel.available() else ()  # the native library's kernels
     assert stored_kernels(int(Q.Q6_K)) == native and stored_kernels(int(Q.F16)) == ()
-    q8_native = (I8DOT, I16DOT, NATIVE) if native_kernel.available() else ()  # i16dot: Q8_0 only
-    assert stored_kernels(int(Q.Q8_0)) == (*q8_native, INT4PACK, BLOCKS)
+    assert stored_kernels(int(Q.Q8_0)) == (*native, INT4PACK, BLOCKS)
+    assert I16DOT not in stored_kernels(int(Q.Q4_1))  # i16dot: Q8_0 and Q6_K only
     assert stored_kernels(int(Q.Q2_K)) == () and stored_kernels(int(Q.IQ4_XS)) == ()
     assert gguf.GGML_QUANT_SIZES[Q.Q4_K] == (256, 144)

@@ -91,7 +91,7 @@ GUARD_BITS = 3  # rounding a dequantized value adds at most 2^-3 of a quantizati
 # A kernel not listed is judged by its probe alone (its precision is measured, not declared): "native" (exact, so its
 # probe measures fp32 rounding), "i8dot", which rounds the activations to int8 per 32 values (~2^-7.5 relative
 # on a product: admitted for Q4 matrices, refused for Q5/Q6_K/Q8_0 ones on the probe's standard-normal rows), and
-# "i16dot" (Q8_0 only), which rounds them to int16 (~2^-15.5 relative: admitted for Q8_0's 11 bits by its probe).
+# "i16dot" (Q8_0, Q6_K), which rounds them to int16 (~2^-15.5 relative: admitted for Q8_0's 11 bits by its probe).
 EXACT = "exact"
 KERNEL_BITS: dict[str, int | str] = {"int4pack": COMPUTE_BITS["bf16"], "blocks": EXACT}
 

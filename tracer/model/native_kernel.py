@@ -5,7 +5,7 @@ block dequantized in registers to exactly gguf.quants.dequantize's values (the C
 those exact values for embedding lookups. llmtrace.tracer.model.weight_formats wraps it as the kernel "native".
 The same library holds the "i8dot" kernel (native/int8_dot.c: the activations rounded to int8 per 32 values and
 integer dot products with the blocks' codes; not exact: admitted only by the kernel choice's accuracy probe) and the
-"i16dot" one (native/int16_dot.c: Q8_0 blocks times activations rounded to int16, likewise probed), chosen per row
+"i16dot" one (native/int16_dot.c: Q8_0 and Q6_K blocks times activations rounded to int16, likewise probed), chosen per row
 block of a BlockMatrix by its activation kind, and the native decode step (native/decode_step.c, driven by tracer/model/native_step.py).
 
 Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it
@@ -74,9 +74,9 @@ COMPILE_TIMEOUT_S = 120
 # ggml type codes the C file multiplies (ggml.h enum ggml_type)
 TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # How a row block's products take the activations (EXACT_X, INT8_X, INT16_X in gguf_matmul.c): exact fp32 ("native"),
-# rounded to int8 per 32 values ("i8dot") or to int16 ("i16dot", Q8_0 blocks only)
+# rounded to int8 per 32 values ("i8dot") or to int16 ("i16dot", Q8_0 and Q6_K blocks only)
 EXACT_X, INT8_X, INT16_X = 0, 1, 2
-INT16_TYPES = (8,)  # the ggml types INT16_X takes
+INT16_TYPES = (8, 14)  # the ggml types INT16_X takes: Q8_0, Q6_K
 _STATUS = {1: "unsupported ggml type", 2: "shapes that do not fit the blocks", 3: "out of memory"}
 _NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
 

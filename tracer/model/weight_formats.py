@@ -31,12 +31,12 @@ Kernels (the `kernel` field; what runs the product):
   choice's accuracy probe admits it per matrix format, so a Q4 model's matrices may run it while a Q8_0 LM head,
   which needs 11 significand bits, goes to "i16dot" or "native" (a per-type plan "Q4_1:i8dot,Q8_0:i16dot"). Listed
   before "native" (fastest known first): a per-type plan takes, for each type, the first kernel the probe accepts.
-- "i16dot" (Q8_0 only): the same library's int16 kernel (native/int16_dot.c): the activations rounded to int16 per
-  32 values (scale max|x|/32767, round to nearest even), the blocks' int8 codes sign-extended to int16 and multiplied
-  with them into exact int32 sums (vpmaddwd), one fp32 multiply-add with the two scales per block: ~10 instructions
-  per 32 values where "native" takes ~18. NOT exact either, but 258x closer than i8dot: a product's error is at most
+- "i16dot" (Q8_0 and Q6_K): the same library's int16 kernel (native/int16_dot.c): the activations rounded to int16
+  per 32 values (scale max|x|/32767, round to nearest even), the blocks' codes (Q8_0's int8, Q6_K's 6 bits - 32)
+  widened to int16 and multiplied with them into exact int32 sums (vpmaddwd), one fp32 multiply-add with the scales
+  per block (per 16 values for Q6_K): ~10 instructions per 32 Q8_0 values where "native" takes ~18. NOT exact either, but 258x closer than i8dot: a product's error is at most
   sum over blocks of (max|x|/65534) * sum|w|. It too declares no precision: the probe admits it per format (a Q8_0
-  matrix's 11 bits on the model's own matrices). Listed between "i8dot" and "native".
+  matrix's 11 bits, a Q6_K one's 9, on the model's own matrices). Listed between "i8dot" and "native".
 - "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
   bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
   result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
@@ -117,8 +117,8 @@ _TORCH_TYPES = (_Q4_0, _Q4_1, _Q4_K, _Q8_0)  # what "int4pack" and "blocks" run
 
 def stored_kernels(ggml_type: int) -> tuple[str, ...]:
     """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized.
-    "i8dot", "i16dot" (Q8_0) and "native" are listed only when the library can be built here (asking builds it
-    once: a second)."""
+    "i8dot", "i16dot" (Q8_0, Q6_K) and "native" are listed only when the library can be built here (asking builds
+    it once: a second)."""
     kernels = []
     if ggml_type in native_kernel.TYPES and native_kernel.available():
         kernels = [I8DOT, I16DOT, NATIVE] if ggml_type in native_kernel.INT16_TYPES else [I8DOT, NATIVE]

@@ -28,7 +28,7 @@
  *
  * A part of W described with int8 activations runs the "i8dot" kernel instead (int8_dot.c, #included below): the
  * activation rows rounded to 8-bit integers per 32 values, integer dot products; not exact, see that file. A Q8_0
- * part described with int16 activations runs "i16dot" (int16_dot.c): the same with 16-bit integers.
+ * or Q6_K part described with int16 activations runs "i16dot" (int16_dot.c): the same with 16-bit integers.
  */
 
 #include <math.h>
@@ -52,7 +52,7 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };
-/* How a part's products take the activations: exact fp32, rounded to int8 (i8dot) or to int16 (i16dot, Q8_0 only) */
+/* How a part's products take the activations: exact fp32, rounded to int8 (i8dot) or to int16 (i16dot: Q8_0, Q6_K) */
 enum { EXACT_X = 0, INT8_X = 1, INT16_X = 2 };
 
 /* Work below this many multiply-adds runs on the calling thread: waking a second one costs more. */
@@ -670,7 +670,7 @@ int64_t llmt_matrix_size(void) { return (int64_t)sizeof(Matrix); }
 
 /* Checks and describes W once (the caller keeps `mat` and the blocks alive); every product then passes only `mat`,
    so a call costs what a call must (a decode step makes ~120). acts: per part, EXACT_X, INT8_X (i8dot) or INT16_X
-   (i16dot, Q8_0 parts only) (NULL: all exact). */
+   (i16dot: Q8_0 and Q6_K parts only) (NULL: all exact). */
 int llmt_describe(int parts, const int *types, const uint8_t *const *w, const int64_t *strides, const int64_t *rows,
                   int64_t k, const int *acts, Matrix *mat) {
     if (parts < 1 || parts > MAX_PARTS || k <= 0) return BAD_SHAPE;
@@ -690,7 +690,8 @@ int llmt_describe(int parts, const int *types, const uint8_t *const *w, const in
         mat->block_values[p] = block_values;
         mat->block_bytes[p] = block_bytes;
         mat->acts[p] = acts != NULL ? acts[p] : EXACT_X;
-        if (mat->acts[p] < EXACT_X || mat->acts[p] > INT16_X || (mat->acts[p] == INT16_X && types[p] != Q8_0))
+        if (mat->acts[p] < EXACT_X || mat->acts[p] > INT16_X ||
+            (mat->acts[p] == INT16_X && types[p] != Q8_0 && types[p] != Q6_K))
             return BAD_TYPE;
         mat->any_int8 |= mat->acts[p] == INT8_X;
         mat->any_int16 |= mat->acts[p] == INT16_X;

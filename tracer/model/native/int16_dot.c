@@ -1,7 +1,7 @@
-/* llmtrace's "i16dot" stored kernel: y = x @ W.T with W in Q8_0 blocks and x rounded to 16-bit integers.
+/* llmtrace's "i16dot" stored kernel: y = x @ W.T with W in Q8_0 or Q6_K blocks and x rounded to 16-bit integers.
  *
  * #included by gguf_matmul.c after int8_dot.c (one unity build: it uses their helpers) and called from its entry
- * points, and from decode_step.c, for the parts of a Matrix described with int16 activations (Q8_0 parts only).
+ * points, and from decode_step.c, for the parts of a Matrix described with int16 activations (Q8_0 and Q6_K parts).
  *
  * Why: a Q8_0 matrix needs 11 significand bits (tracer/hardware/kernel_choice.py); the i8dot kernel's int8
  * activations keep ~7 and fail its probe, so a Q8_0 LM head ran on the exact kernel, which widens every int8 value to
@@ -12,6 +12,8 @@
  * int16 products summed into int32): per block an int32 sum, exact (|c| <= 128, |q| <= 32767: at most 2^27 in
  * magnitude), converted to fp32 (one rounding, 2^-24 relative) and one fp32 multiply-add with d_w * d_x:
  *     sum x*w  ~=  sum (d_x*q) * (d_w*c)  =  (d_w*d_x) * sum(c*q)
+ * Q6_K the same per 16 values: codes u - 32 (u the 6 bits, as q6k_codes unpacks them) widened to int16, each
+ * sub-block's int32 sum times (d * sc) * d_x (i16_q6k_rows; a Q6_K matrix needs 9 bits, i8dot's probe fails it too).
  * Error bound: rounding moves each activation by at most d_x/2 = max|x|/65534 of its block, so
  *     |y - y_exact| <= sum over blocks of (max|x_block| / 65534) * sum|w_block|   (plus fp32 summation)
  * 258 times (32767/127) tighter than i8dot's. Like i8dot it declares no precision (kernel_choice.KERNEL_BITS): the
@@ -78,6 +80,14 @@ static inline __attribute__((always_inline)) __m256i i16_block_sums(const uint8_
 
 static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
+/* eight vectors of 8 int32 lanes -> one vector of their eight lane sums, in order (six hadds, two permutes, one add;
+   per 128-bit lane the hadds sum vectors 0-3 and 4-7 over their low, resp. high, four lanes) */
+static inline __attribute__((always_inline)) __m256i fold8(const __m256i s[8]) {
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
 /* Eight rows of a Q8_0 matrix (at w, w + stride, ...) times one int16 activation row, into out[0..8): each block of
    x loaded once for the eight; the rows' eight vectors of int32 lane sums folded into one vector of the eight rows'
    block sums (six hadds, two lane permutes, one add) and the eight rows' scales converted, multiplied with d_x and
@@ -94,11 +104,7 @@ static inline __attribute__((always_inline)) void i16_q8_rows8(const uint8_t *w,
         const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x[b].q + 16));
         __m256i s[8];
         for (int i = 0; i < 8; i++) s[i] = i16_block_sums(w + i * stride + from + 2, x_lo, x_hi);
-        /* per 128-bit lane: rows 0-3 (g0) and 4-7 (g1) summed over their low (resp. high) four int32 lanes */
-        const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
-                                               _mm256_permute2x128_si256(g0, g1, 0x31)); /* rows 0..7 in order */
+        const __m256i total = fold8(s); /* rows 0..7 in order */
         const __m128i halves = _mm_setr_epi16(
             (short)read_u16(w + from), (short)read_u16(w + stride + from), (short)read_u16(w + 2 * stride + from),
             (short)read_u16(w + 3 * stride + from), (short)read_u16(w + 4 * stride + from),
@@ -144,10 +150,7 @@ static inline __attribute__((always_inline)) void i16_q8_tile(const uint8_t *r0,
                     _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)xr[i][b].q)),
                     _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(xr[i][b].q + 16))));
         }
-        const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
-                                               _mm256_permute2x128_si256(g0, g1, 0x31));
+        const __m256i total = fold8(s);
         const short h0 = (short)read_u16(r0 + from), h1 = (short)read_u16(r1 + from);
         const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(h0, h0, h0, h0, h1, h1, h1, h1));
         const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ps((const __m128 *)(dT + 4 * b)));
@@ -179,7 +182,72 @@ static int i16_q8_many_x(const uint8_t *w, int64_t stride, int64_t first, int64_
     return 1;
 }
 
+/* How many Q6_K rows i16_q6k_rows takes at a time, sharing x's loads and scales. */
+#ifndef I16_K_ROWS
+#define I16_K_ROWS 4
+#endif
+
+/* Q6_K: `rows` (<= I16_K_ROWS) rows of W times one int16 activation row, into out[0..rows). Per row and super-block
+   half h (128 values, 8 sub-blocks of 16 with scales sc[8h..8h+7]): the 8 sub-blocks' sums of (u - 32) * q (int32,
+   exact: 16 products of at most 32 * 32767) folded into one vector (lane l: sub-block 8h + l), converted, times
+   (d * sc) * d_x in one vector, accumulated lane by lane into acc_h; result hsum(acc0 + acc1), bit for bit the same
+   whatever `rows`. Codes unpacked as the exact and int8 kernels do (q6k_codes); the prefetch as i8_q6k_rows'. */
+static inline __attribute__((always_inline)) void i16_q6k_rows(int rows, const uint8_t *w, int64_t stride,
+                                                               int64_t n_blocks, const X16Block *x, float *out) {
+    const __m256i thirty_two = _mm256_set1_epi16(32);
+    __m256 acc[2][I16_K_ROWS];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const int64_t from = b * 210;
+        const uint8_t *ahead = w + I8_AHEAD + rows * from;
+        for (int line = 0; line < rows * 210; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        const X16Block *xb = x + 8 * b;
+        const __m256 xd[2] = {_mm256_setr_ps(xb[0].d, xb[0].d, xb[1].d, xb[1].d, xb[2].d, xb[2].d, xb[3].d, xb[3].d),
+                              _mm256_setr_ps(xb[4].d, xb[4].d, xb[5].d, xb[5].d, xb[6].d, xb[6].d, xb[7].d, xb[7].d)};
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *blk = w + i * stride + from;
+            const __m256 d = _mm256_set1_ps(half_to_float(blk + 208));
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const __m256 a[2] = {
+                _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))), xd[0]),
+                _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))), xd[1]),
+            };
+            for (int half = 0; half < 2; half++) {
+                __m256i u[4], s[8];
+                q6k_codes(blk, half, u);
+                for (int c = 0; c < 4; c++) {
+                    const X16Block *xc = xb + 4 * half + c;
+                    const __m256i lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u[c])), thirty_two);
+                    const __m256i hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u[c], 1)), thirty_two);
+                    s[2 * c] = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xc->q));
+                    s[2 * c + 1] = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xc->q + 16)));
+                }
+                acc[half][i] = _mm256_fmadd_ps(a[half], _mm256_cvtepi32_ps(fold8(s)), acc[half][i]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
+}
+
 #else
+
+/* one row of a Q6_K matrix times one int16 activation row, portable C: per sub-block of 16 values
+   acc += ((d * sc) * d_x) * sum(c*q) (not the AVX2 build's lane order) */
+static float i16_q6k_row_portable(const uint8_t *row, int64_t n_blocks, const X16Block *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++)
+        for (int sub = 0; sub < 8; sub++) {
+            int c[32], lo = 0, hi = 0;
+            float a0, a1, off;
+            block_codes(Q6_K, row + b * 210, sub, c, &a0, &a1, &off);
+            const X16Block *xb = x + 8 * b + sub;
+            for (int l = 0; l < 16; l++) lo += c[l] * xb->q[l];
+            for (int l = 16; l < 32; l++) hi += c[l] * xb->q[l];
+            acc = fmaf(a0 * xb->d, (float)lo, acc);
+            acc = fmaf(a1 * xb->d, (float)hi, acc);
+        }
+    return acc;
+}
 
 /* one row of a Q8_0 matrix times one int16 activation row, portable C: i16_q8_row's math */
 static float i16_q8_row_portable(const uint8_t *row, int64_t n_blocks, const X16Block *x) {
@@ -199,9 +267,19 @@ static float i16_q8_row_portable(const uint8_t *row, int64_t n_blocks, const X16
    out[i * out_stride + r] */
 static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const X16Block *x, int64_t m,
                          float *out, int64_t out_stride) {
-    const int64_t n_blocks = mat->k / 32, stride = mat->strides[p];
+    const int64_t n_blocks = mat->k / mat->block_values[p], stride = mat->strides[p];
     const uint8_t *w = mat->w[p];
 #if LLMT_AVX2
+    if (mat->types[p] == Q6_K) {
+        int64_t r = first;
+        if (m == 1)
+            for (; r + I16_K_ROWS <= last; r += I16_K_ROWS)
+                i16_q6k_rows(I16_K_ROWS, w + r * stride, stride, n_blocks, x, out + r);
+        for (; r < last; r++)
+            for (int64_t i = 0; i < m; i++)
+                i16_q6k_rows(1, w + r * stride, stride, n_blocks, x + i * (mat->k / 32), out + i * out_stride + r);
+        return;
+    }
     if (m == 1) {
         int64_t r = first;
         for (; r + 8 <= last; r += 8) i16_q8_rows8(w + r * stride, stride, n_blocks, x, out + r);
@@ -213,7 +291,10 @@ static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, 
         for (int64_t i = 0; i < m; i++) out[i * out_stride + r] = i16_q8_row(w + r * stride, n_blocks, x + i * n_blocks);
 #else
     for (int64_t r = first; r < last; r++)
-        for (int64_t i = 0; i < m; i++)
-            out[i * out_stride + r] = i16_q8_row_portable(w + r * stride, n_blocks, x + i * n_blocks);
+        for (int64_t i = 0; i < m; i++) {
+            const X16Block *xi = x + i * (mat->k / 32);
+            out[i * out_stride + r] = mat->types[p] == Q6_K ? i16_q6k_row_portable(w + r * stride, n_blocks, xi)
+                                                            : i16_q8_row_portable(w + r * stride, n_blocks, xi);
+        }
 #endif
 }
