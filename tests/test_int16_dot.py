@@ -109,6 +109,26 @@ def test_products_are_the_int16_math_and_within_the_rounding_bound(qtype: Q, nat
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_the_probe_s_criterion_admits_it_where_it_refuses_i8dot(qtype: Q, native: None) -> None:
+    """kernel_choice's probe on random blocks: relative product error over 4 standard-normal rows against the fp64
+    product of the exact values, within 2^-required_bits (Q8_0 11, Q6_K 9) for i16dot (measured ~2e-5), over it for
+    i8dot (~5e-3)."""
+    from llmtrace.tracer.hardware import kernel_choice as rule
+
+    cols = _columns(qtype)
+    raw = random_blocks(qtype, 256, cols, np.random.default_rng(0))
+    exact = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64))
+    x = torch.randn(rule.PROBE_ROWS, cols, generator=torch.Generator().manual_seed(0))
+    reference = x.double() @ exact.T
+
+    def error(kernel: str) -> float:
+        return float((pack_gguf(raw, int(qtype), cols, kernel)(x).double() - reference).norm() / reference.norm())
+
+    assert error(I16DOT) <= rule.tolerance(qtype.name) / 16 and error(I8DOT) > rule.tolerance(qtype.name)
+    assert rule.judge(I16DOT, None, [qtype.name], {qtype.name: error(I16DOT)}) == (True, "")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_a_nan_or_infinite_activation_is_not_rounded_away(qtype: Q, native: None) -> None:
     cols = _columns(qtype)
     raw = random_blocks(qtype, 11, cols, np.random.default_rng(1))
