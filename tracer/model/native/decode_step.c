@@ -90,6 +90,8 @@ typedef struct {
     int64_t embedding_rows;
 } StepPlan;
 
+enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6 };
+
 int64_t llmt_step_abi(void) { return LLMT_STEP_ABI; }
 int64_t llmt_step_layer_size(void) { return (int64_t)sizeof(StepLayer); }
 int64_t llmt_step_plan_size(void) { return (int64_t)sizeof(StepPlan); }
@@ -130,6 +132,10 @@ int64_t llmt_step_scratch_floats(const StepPlan *p, int threads) {
     return shared_floats(p) + (threads < 1 ? 1 : threads) * thread_floats(p) + 16;
 }
 
+/* Everything below runs only in a build with the AVX2 row kernels (the step's products are them): without them
+   llmt_step_supported() says 0, llmt_decode_step returns STEP_UNSUPPORTED and Python runs the torch fused path. */
+#if LLMT_AVX2
+
 /* ---- the stages' pieces ------------------------------------------------------------------------------------ */
 
 static inline int64_t now_ns(void) {
@@ -159,8 +165,6 @@ static inline void barrier(void) {
 /* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py);
    the squares summed in 16 fp32 lanes, as torch's vectorised norm does (n is a multiple of 32 here) */
 static void rms_norm(const float *x, const float *w, int64_t n, float floor, float *out) {
-    float squares;
-#if LLMT_AVX2
     __m256 s0 = _mm256_setzero_ps(), s1 = s0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -168,17 +172,12 @@ static void rms_norm(const float *x, const float *w, int64_t n, float floor, flo
         s0 = _mm256_fmadd_ps(a, a, s0);
         s1 = _mm256_fmadd_ps(b, b, s1);
     }
-    squares = hsum(_mm256_add_ps(s0, s1));
+    float squares = hsum(_mm256_add_ps(s0, s1));
     for (; i < n; i++) squares += x[i] * x[i];
-#else
-    squares = 0.0f;
-    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
-#endif
     const float rms = hypotf(sqrtf(squares), floor) * (float)(1.0 / sqrt((double)n));
     for (int64_t i = 0; i < n; i++) out[i] = x[i] / rms * w[i];
 }
 
-#if LLMT_AVX2
 /* e^x in 8 lanes, within ~2 ulp of expf (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r,
    times 2^n); 0 below -87.3 (where expf's results are subnormal or 0), and x clamped at 88.37 (e^x ~ 2.4e38). */
 static inline __m256 exp8(__m256 x) {
@@ -199,19 +198,16 @@ static inline __m256 exp8(__m256 x) {
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }
-#endif
 
 /* act[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i] */
 static void swiglu(const float *gate, const float *up, int64_t n, float *act) {
     int64_t i = 0;
-#if LLMT_AVX2
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
         const __m256 e = exp8(_mm256_xor_ps(g, sign));
         _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
     }
-#endif
     for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
@@ -244,7 +240,6 @@ static void share_rows(const Matrix *mat, int p, int64_t lo, int64_t hi, int t, 
    depend on the range or the thread that computes it: every row is one dot_rows call over the same prepared x). */
 static void product_rows(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int64_t lo,
                          int64_t hi, int t, int count) {
-#if LLMT_AVX2
     const int64_t k = mat->k;
     float *sx = xs + 3 * k;
     XBlock *xq = (XBlock *)(sx + k / 32);
@@ -289,9 +284,6 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
             for (int64_t r = first[p]; r < last[p]; r++) o[r] += b[r];
         }
     }
-#else
-    (void)mat; (void)x; (void)xs; (void)bias; (void)out; (void)lo; (void)hi; (void)t; (void)count;
-#endif
 }
 
 /* This thread's rows of the whole of `mat` times x */
@@ -310,6 +302,14 @@ static void rope(float *x, int64_t heads, int64_t d, const float *cos, const flo
             v[i + half] = b * cos[i + half] + a * sin[i + half];
         }
     }
+}
+
+/* this token's K and V heads (after Q's in qkv) into the layer's cache rows at `position`: K heads then V heads,
+   as the cache holds them (keys: the layer's first K head) */
+static void write_kv(const StepPlan *p, const float *qkv, float *keys, int64_t position) {
+    const int64_t d = p->head_dim;
+    for (int64_t g = 0; g < 2 * p->kv_heads; g++)
+        memcpy(keys + g * p->kv_head + position * d, qkv + (p->heads + g) * d, sizeof(float) * (size_t)d);
 }
 
 /* The query heads [*first, *last) thread t of `count` attends (contiguous runs, sizes differing by at most one). */
@@ -332,7 +332,6 @@ static void split(int64_t n, int t, int count, int64_t *first, int64_t *last) {
  * Measured (BENCHMARKS.md, "Native step attention"): faster than one dot per position and head only while the cache
  * is in L2/L3; streamed from DRAM, as the bundled model's decode step reads it, the bytes set the time. */
 
-#if LLMT_AVX2
 /* lanes [0, n) all ones, the rest zero (n in 0..8): maskload's mask for a row's last partial 8 */
 static inline __m256i lanes_below(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -422,35 +421,11 @@ static inline __attribute__((always_inline)) void values_group(const float *prob
     for (; i + 32 <= d; i += 32) values_lanes(probs, stride, n, d, values, seen, i, 4, all, out);
     for (; i < d; i += 8) values_lanes(probs, stride, n, d, values, seen, i, 1, lanes_below(d - i), out);
 }
-#else
-static inline float fold8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
-
-static void scores_group(const float *q, int n, int64_t d, const float *keys, int64_t seen, float scale,
-                         float *scores, int64_t stride) {
-    for (int h = 0; h < n; h++)
-        for (int64_t s = 0; s < seen; s++) {
-            float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t i = 0; i < d; i++) l[i % 8] = fmaf(q[h * d + i], keys[s * d + i], l[i % 8]);
-            scores[h * stride + s] = fold8(l) * scale;
-        }
-}
-
-static void values_group(const float *probs, int64_t stride, int n, int64_t d, const float *values, int64_t seen,
-                         float *out) {
-    for (int h = 0; h < n; h++)
-        for (int64_t i = 0; i < d; i++) {
-            float o = 0.0f;
-            for (int64_t s = 0; s < seen; s++) o = fmaf(probs[h * stride + s], values[s * d + i], o);
-            out[h * d + i] = o;
-        }
-}
-#endif
 
 /* max, e^(s - max), their total in 8 lanes, then each times 1/total */
 static void softmax(float *s, int64_t n) {
     float top = s[0];
     int64_t i = 0;
-#if LLMT_AVX2
     if (n >= 8) {
         __m256 most = _mm256_loadu_ps(s);
         for (i = 8; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(s + i));
@@ -458,11 +433,8 @@ static void softmax(float *s, int64_t n) {
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     }
-#endif
     for (; i < n; i++) top = s[i] > top ? s[i] : top;
-    float total = 0.0f;
     i = 0;
-#if LLMT_AVX2
     const __m256 shift = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
@@ -470,8 +442,7 @@ static void softmax(float *s, int64_t n) {
         _mm256_storeu_ps(s + i, e);
         sum = _mm256_add_ps(sum, e);
     }
-    total = hsum(sum);
-#endif
+    float total = hsum(sum);
     for (; i < n; i++) {
         s[i] = expf(s[i] - top);
         total += s[i];
@@ -565,8 +536,6 @@ static void balanced_values(const StepPlan *p, const float *scores, const float 
 
 /* ---- the step ---------------------------------------------------------------------------------------------- */
 
-enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6 };
-
 /* x = row `token` of the embedding table: exactly dequantize_row's values (those of gguf.quants.dequantize, as
    native_kernel.dequantize gives them), or the dense row */
 static void embed(const StepPlan *plan, int64_t token, float *x) {
@@ -592,7 +561,6 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
    comment). Returns STEP_OK or a status. */
 int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
                      int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
-    if (!LLMT_AVX2) return STEP_UNSUPPORTED;
     if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
     if (token < 0 || token >= plan->embedding_rows) return STEP_BAD_TOKEN;
     int team = threads < 1 ? 1 : threads;
@@ -644,10 +612,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 END_STAGE();
                 if (t == 0) rope(qkv, heads + kv_heads, d, cos, sin);
                 END_STAGE();
-                if (t == 0)
-                    for (int64_t g = 0; g < 2 * kv_heads; g++)
-                        memcpy(keys + g * plan->kv_head + position * d, qkv + (heads + g) * d,
-                               sizeof(float) * (size_t)d);
+                if (t == 0) write_kv(plan, qkv, keys, position);
                 END_STAGE();
                 balanced_scores(plan, qkv, keys, first, seen, scores, t, count);
                 END_STAGE();
@@ -681,8 +646,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 STAMP();
                 rope(qkv, heads + kv_heads, d, cos, sin);
                 STAMP();
-                for (int64_t g = 0; g < 2 * kv_heads; g++) /* K heads then V heads, as the cache holds them */
-                    memcpy(keys + g * plan->kv_head + position * d, qkv + (heads + g) * d, sizeof(float) * (size_t)d);
+                write_kv(plan, qkv, keys, position);
                 STAMP();
             }
             barrier();
@@ -719,3 +683,12 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     }
     return STEP_OK;
 }
+
+#else /* !LLMT_AVX2 */
+int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
+                     int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
+    (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)first, (void)logits, (void)stamps;
+    (void)threads, (void)staged;
+    return STEP_UNSUPPORTED;
+}
+#endif /* LLMT_AVX2 */
