@@ -117,18 +117,17 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_with_a_partial_trace(tiny_llama_
 
 
 def test_ctrl_c_stops_every_rank_after_the_same_step(tiny_llama_dir: Path) -> None:
-    seen: list[str] = []
+    tokens = 200  # the launcher looks every 0.1 s and may see a later step first: room to stop well before the end
 
     def progress(what: str) -> None:  # the launcher's watch loop calls this: a Ctrl-C arriving there
-        seen.append(what)
-        if "decode step 2" in what:
+        if what.startswith("ranks in decode step"):  # the first it sees from step 1 on (it may skip some)
             raise KeyboardInterrupt
 
-    result = run_tensor_parallel(_settings(tiny_llama_dir, tokens=40), FP32, 2, threads=1, timeout_s=TIMEOUT_S,
+    result = run_tensor_parallel(_settings(tiny_llama_dir, tokens=tokens), FP32, 2, threads=1, timeout_s=TIMEOUT_S,
                                  progress=progress)
     trace = result.trace
     assert result.status == "ok" and trace.stop_reason == STOP_INTERRUPTED
-    assert 2 <= len(trace.decode_steps) < 39
+    assert 1 <= len(trace.decode_steps) < tokens - 1
     assert trace.tensor_parallel.exit_codes == (0, 0)
     assert len(trace.rank_stages[0].steps) == len(trace.steps)  # both ranks stopped after the same step
 
