@@ -25,8 +25,8 @@ per build and round, alternated (benchmarks/run_with_native_source.py builds the
 after a 5-token prompt, each step's forward and the time inside its weight products (PackedWeight calls: the
 kernel plus its ctypes call and output allocation); the 10th percentile and the median over the steps; and the
 current build with the i8dot plans (`--weights Q4_1:i8dot,Q8_0:native` and `Q4_1:i8dot,Q8_0:i16dot`). The
-baseline's gguf_matmul.c is built with the current decode_step.c, so it must have the current ABI (6: the per-part
-activation kind) for --in-model.
+baseline's gguf_matmul.c is built with the current decode_step.c, so it must have the current ABI (7: the per-part
+activation kind and interleaved groups) for --in-model.
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --baseline main --in-model 4
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_native_rows --layers Q4_K --head Q6_K --model llama2048
@@ -63,7 +63,7 @@ NAMES = ["wq|wk|wv", "wo", "w1|w3", "w2"]
 
 class Build:
     """One compiled source, loaded: llmt_describe and llmt_matmul through ctypes; `acts`: {ggml type: activation
-    kind} its matrices are described with (ABI 5: 1 is i8dot; ABI 6: 2 is i16dot, Q8_0 only); a type not there: 0,
+    kind} its matrices are described with (ABI 5: 1 is i8dot; ABI 6: 2 is i16dot, Q8_0 and Q6_K); a type not there: 0,
     exact."""
 
     def __init__(self, label: str, source: str, folder: Path, beside: dict[str, str | None] | None = None) -> None:

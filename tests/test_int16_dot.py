@@ -144,9 +144,10 @@ def test_a_nan_or_infinite_activation_is_not_rounded_away(qtype: Q, native: None
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_rows_together_alone_threads_and_prefill_give_the_same_bits(qtype: Q, native: None) -> None:
     """Decode takes a thread's rows eight (Q8_0) or four (Q6_K) at a time and the rest one by one; prefill takes
-    tiles of 2 x 4 (Q8_0) or each row alone (Q6_K): a row's value must depend on none of it. 45 rows (1 and 2
-    threads: different splits) against each row as its own matrix."""
-    rows, cols = 45, 576 if qtype == Q.Q8_0 else 3 * 256
+    tiles of 2 x 4 (Q8_0) or each row alone (Q6_K): a row's value must depend on none of it. 203 rows (1 and 2
+    threads: different splits; enough work that 2 threads do split it, gguf_matmul.c's PARALLEL_MIN_WORK) against
+    each row as its own matrix."""
+    rows, cols = 203, 576 if qtype == Q.Q8_0 else 3 * 256
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(45))
     weight = pack_gguf(raw, int(qtype), cols, I16DOT)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5)) * 2
@@ -209,7 +210,7 @@ def test_listed_for_q8_0_and_q6_k_between_i8dot_and_native_and_never_taken_unmea
 def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     """W ends where an unreadable page starts; one token and a few, 1 and 2 threads (the eight-row kernel's
     prefetches run past the end: a prefetch never faults, a load would)."""
-    rows, cols = 13, _columns(qtype)
+    rows, cols = 301, _columns(qtype)  # enough work that 2 threads split it (PARALLEL_MIN_WORK), 301 % 8 = 5
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
     with before_a_guard_page(raw) as at_end:
         weight = pack_gguf(at_end, int(qtype), cols, I16DOT)

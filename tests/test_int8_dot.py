@@ -195,7 +195,7 @@ def test_i8dot_is_listed_first_but_never_taken_unmeasured(native: None) -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     """As the exact kernel's test: W ends where an unreadable page starts; one token and a few, 1 and 2 threads."""
-    rows, cols = 5, _columns(qtype)
+    rows, cols = 301, _columns(qtype)  # enough work that 2 threads split it (PARALLEL_MIN_WORK), 301 % 8 = 5
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
     with before_a_guard_page(raw) as at_end:
         weight = pack_gguf(at_end, int(qtype), cols, I8DOT)

@@ -164,7 +164,7 @@ def test_the_probe_admits_i8dot_for_q4_1_and_refuses_it_for_q8_0() -> None:
     assert errors[I8DOT]["Q8_0"] > rule.tolerance("Q8_0") == 2.0**-11
     ok, why = rule.judge(I8DOT, None, ["Q4_1", "Q8_0"], errors[I8DOT])
     assert not ok and "Q8_0 matrices need 11 significand bits" in why
-    assert offered.probes[I16DOT] == ("Q8_0",)  # i16dot runs Q8_0 only: a per-type plan's kernel
+    assert offered.probes[I16DOT] == ("Q8_0",)  # of this file's types i16dot runs Q8_0 only: a per-type plan's kernel
     assert errors[I16DOT]["Q8_0"] <= rule.tolerance("Q8_0")  # int16 activations keep the head's 11 bits
     # each type's first acceptable kernel, then each type on its runner-up: the Q8_0 head on native is timed too
     plans = [plan_spec(plan) for plan in kernel_pick.per_type_plans(offered, errors)]

@@ -163,7 +163,7 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     """W ends exactly where an unreadable page starts: the kernels widen bytes straight from memory and prefetch
     ahead of what they read, and none of that may load a byte past W (a load there would crash the process; a
     prefetch never faults). One token and a prefill, over rows that split unevenly between two threads."""
-    rows, cols = 5, _columns(qtype)
+    rows, cols = 301, _columns(qtype)  # enough work that 2 threads split it (gguf_matmul.c PARALLEL_MIN_WORK)
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
     with before_a_guard_page(raw) as at_end:
         weight = pack_gguf(at_end, int(qtype), cols, NATIVE)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_kernel import COMMON_FLAGS, FLAG_SETS, NATIVE_SOURCES
+from llmtrace.tracer.model.native_kernel import CC_ENV, COMMON_FLAGS, FLAG_SETS, NATIVE_SOURCES
 from llmtrace.tracer.model.native_top import DRAW_BLOCK, MAX_COUNT, SOFTMAX_WEIGHT_ERROR, SamplerPasses, sampler_passes
 
 
@@ -138,7 +140,8 @@ def test_the_avx512_sums_have_the_avx2_sums_bits(tmp_path: Path) -> None:
     probe = tmp_path / "probe.c"
     probe.write_text("#ifndef __AVX512F__\n#error no AVX-512\n#endif\nint f(void) { return 0; }\n")
     flags = [flag for flag in FLAG_SETS[0] if flag != "-fopenmp"]
-    if subprocess.run(["cc", *flags, "-c", "-o", str(tmp_path / "probe.o"), str(probe)], check=False,
+    compiler = shlex.split(os.environ.get(CC_ENV, "") or "cc")  # the compiler native_kernel builds with
+    if subprocess.run([*compiler, *flags, "-c", "-o", str(tmp_path / "probe.o"), str(probe)], check=False,
                       capture_output=True).returncode != 0:
         pytest.skip("cc -march=native has no AVX-512 here: both builds would be the AVX2 one")
     unit = tmp_path / "unit.c"  # top_values.c as decode_step.c includes it, after gguf_matmul.c's headers
@@ -147,7 +150,7 @@ def test_the_avx512_sums_have_the_avx2_sums_bits(tmp_path: Path) -> None:
     sums_of = {}
     for name, extra in (("avx512", []), ("avx2", ["-mno-avx512f"])):
         out = tmp_path / f"{name}.so"
-        subprocess.run(["cc", *flags, *extra, *COMMON_FLAGS, "-o", str(out), str(unit), "-lm"], check=True)
+        subprocess.run([*compiler, *flags, *extra, *COMMON_FLAGS, "-o", str(out), str(unit), "-lm"], check=True)
         call = ctypes.CDLL(str(out)).llmt_softmax_sums
         call.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
                          ctypes.c_void_p]

@@ -127,7 +127,7 @@ def test_stored_kernels_are_timed_at_the_models_shapes_on_its_own_blocks(tiny: C
 
     resolved = resolve_model(str(tiny(Q.Q4_1)))
     header, config = resolved.gguf_header, resolved.config
-    # i8dot and native (where they build), int4pack, blocks: every kernel but i16dot, which runs Q8_0 only
+    # i8dot and native (where they build), int4pack, blocks: every kernel but i16dot, which runs Q8_0 and Q6_K only
     assert kernels_for(header, config) == tuple(k for k in all_kernels() if k != "i16dot")
     matrix_bytes = sum(info.n_bytes for info in matrix_infos(header, config).values() if info.name != "token_embd.weight")
     for name in kernels_for(header, config):

@@ -39,19 +39,20 @@ The rule, in order:
 3. Speed: each candidate's cost is the time of a reference generation, a REFERENCE_PROMPT-token prefill plus
    REFERENCE_DECODE decode steps (`reference_s`). Prefill: its measured matrix-matrix product times. Decode
    (`decode_s`), timed as the candidate's decode step will run:
-   - a stored candidate whose one-token step runs as the native C step (every matrix on the native library's
-     kernels: "native", "i8dot", "i16dot", a plan of them; tracer/model/native_step.py) is timed as WHOLE steps of its model as
+   - a stored candidate whose one-token step runs as the native C step (every matrix on the native library's kernels:
+     "native", "i8dot", "i16dot", a plan of them; tracer/model/native_step.py) is timed as WHOLE steps of its model as
      `run` loads it (tracer/load/step_timing.py: steps at the first positions of an empty cache, the candidates
-     alternated in rounds, the 0.2 quantile of up to 64 steps): its products, norms, RoPE, a few keys' attention
-     and the embedding row in one C call, as it runs. A sum of its products called one by one from Python is not
-     what that step does (a ctypes call and a thread wake-up per product, activations quantized per call): it
-     misranked the two such candidates of the bundled model;
+     alternated in rounds, the 0.2 quantile of up to 64 steps): its products, norms, RoPE, a few keys' attention and the
+     embedding row in one C call, as it runs. A sum of its products called one by one from Python is not what that step
+     does (a ctypes call and a thread wake-up per product, activations quantized per call): it misranked the two such
+     candidates of the bundled model;
    - every other candidate as the sum of its matrix-vector products (tracer/hardware/product_timing.py: the faster
      of torch.mv and mm for a dense dtype, the kernel itself for a stored one; each the best of a few passes): the
      step's other operations are not counted, which leans towards these candidates, never against them.
-   The fastest acceptable candidate wins, except that a checkpoint stored in fp16 or bf16 keeps its own dtype
-   unless another acceptable one is MARGIN faster ("measurably": beyond a quick measurement's noise). A checkpoint without stored weights
-   (random init) has every dense candidate acceptable. Refused candidates are timed too and listed with the reason.
+   The fastest acceptable candidate wins, except that a checkpoint stored in fp16 or bf16 keeps its own dtype unless
+   another acceptable one is MARGIN faster ("measurably": beyond a quick measurement's noise). A checkpoint without
+   stored weights (random init) has every dense candidate acceptable. Refused candidates are timed too and listed with
+   the reason.
 4. Overrides: `--dtype X` and `--weights dense|stored|<kernel>` restrict the candidates (`constrained`); the run
    records the option, what auto would have taken, and the candidate that ran.
 

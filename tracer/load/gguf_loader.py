@@ -1,8 +1,9 @@
 """Weights from a GGUF file: dequantized to fp32, renamed to Meta's names, Q/K rows put back in HF's RoPE layout.
 
-The descriptors come from `llmtrace.tracer.checkpoint.gguf_header` (pure Python, 0.1 s for the bundled file; `gguf.GGUFReader` spends
-seconds decoding every vocabulary string as a numpy array). The data section is a numpy memmap, so only the bytes of
-the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can.
+The descriptors come from `llmtrace.tracer.checkpoint.gguf_header` (pure Python, 0.1 s for the bundled file;
+`gguf.GGUFReader` spends seconds decoding every vocabulary string as a numpy array). The data section is a numpy memmap,
+so only the bytes of the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` decodes every type
+`gguf` can.
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name
 
 
 def _arena_for(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan) -> WeightArena | None:
-    """An arena holding the matrices of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's own
-    blocks), None when there are none (tracer/load/weight_arena.py says why they are copied)."""
+    """An arena holding the matrices of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's
+    own blocks), None when there are none (tracer/load/weight_arena.py says why they are copied)."""
     infos = [plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS]
     return WeightArena(sum(info.n_bytes for info in infos), len(infos)) if infos else None
 

@@ -162,7 +162,8 @@ def per_type_plans(offered: _Candidates, errors: dict[str, dict[str, float]]) ->
     whose one kernel runs every type is left out (that is a uniform candidate already)."""
     acceptable = {}
     for type_name, names in offered.type_kernels.items():
-        acceptable[type_name] = [k for k in names if rule.judge(k, offered.bits.get(k), [type_name], errors.get(k, {}))[0]]
+        acceptable[type_name] = [k for k in names
+                                 if rule.judge(k, offered.bits.get(k), [type_name], errors.get(k, {}))[0]]
         if not acceptable[type_name]:
             return []
     first = {t: ok[0] for t, ok in acceptable.items()}

@@ -2,10 +2,10 @@
 choice's decode cost (tracer/hardware/kernel_choice.py, step 3).
 
 Why whole steps: such a candidate's decode runs as ONE C call per token (tracer/model/native_step.py: every layer's
-products, norms, RoPE, attention and the LM head, the OpenMP threads woken once, an i8dot or i16dot product's activations
-quantized inside the step), while a sum of its products timed one by one from Python (tracer/hardware/
-product_timing.py) pays a ctypes call and a thread wake-up per product and quantizes differently. That sum misjudged
-the bundled model: 11.9 ms (Q4_1:i8dot,Q8_0:native) against 11.6 ms (native) while whole steps differed by ~15%,
+products, norms, RoPE, attention and the LM head, the OpenMP threads woken once, an i8dot or i16dot product's
+activations quantized inside the step), while a sum of its products timed one by one from Python (tracer/hardware/
+product_timing.py) pays a ctypes call and a thread wake-up per product and quantizes differently. That sum misjudged the
+bundled model: 11.9 ms (Q4_1:i8dot,Q8_0:native) against 11.6 ms (native) while whole steps differed by ~15%,
 and `--weights auto` took one or the other from run to run.
 
 What is timed (`time_native_steps`):

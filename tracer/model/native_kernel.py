@@ -3,22 +3,23 @@
 What it runs: x @ W.T with W in a GGUF's own block bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each
 block dequantized in registers to exactly gguf.quants.dequantize's values (the C file's header says how), and
 those exact values for embedding lookups. llmtrace.tracer.model.weight_formats wraps it as the kernel "native".
-The same library holds the "i8dot" kernel (native/int8_dot.c: the activations rounded to int8 per 32 values and
-integer dot products with the blocks' codes; not exact: admitted only by the kernel choice's accuracy probe) and the
-"i16dot" one (native/int16_dot.c: Q8_0 and Q6_K blocks times activations rounded to int16, likewise probed), chosen per row
-block of a BlockMatrix by its activation kind, and the native decode step (native/decode_step.c, driven by tracer/model/native_step.py).
+The same library holds the "i8dot" kernel (native/int8_dot.c: the activations rounded to int8 per 32 values and integer
+dot products with the blocks' codes; not exact: admitted only by the kernel choice's accuracy probe) and the "i16dot"
+one (native/int16_dot.c: Q8_0 and Q6_K blocks times activations rounded to int16, likewise probed), chosen per row block
+of a BlockMatrix by its activation kind, and the native decode step (native/decode_step.c, driven by
+tracer/model/native_step.py).
 
-Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it
-may be a command line such as "ccache gcc") compiles native/decode_step.c, which #includes gguf_matmul.c (one
-unity build, one library), with -O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's
-clang: a trivial probe unit, compiled first, says which flags the compiler takes) it is built without -fopenmp and
-runs on one thread, but an error in the kernel's own code fails the build rather than dropping to fewer flags; no torch or Python headers, so it takes about a
-second. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build that way), else the cache
-folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that shapes the binary: both
-sources, the compiler's `--version`, the flags, the CPU (model and flags: -march=native) and the ABI numbers. A build is written
-under a temporary name and renamed to a name that carries its own SHA-256 (`gguf_matmul-<key>-<sha>.so`); a small
-pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build. A loader hashes the file before
-dlopen-ing it: a damaged or truncated library is never loaded (a bad ELF can crash the process rather than fail)
+Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it may be
+a command line such as "ccache gcc") compiles native/decode_step.c, which #includes gguf_matmul.c (one unity build, one
+library), with -O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's clang: a trivial probe
+unit, compiled first, says which flags the compiler takes) it is built without -fopenmp and runs on one thread, but an
+error in the kernel's own code fails the build rather than dropping to fewer flags; no torch or Python headers, so it
+takes about a second. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build that way), else the
+cache folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that shapes the binary: both
+sources, the compiler's `--version`, the flags, the CPU (model and flags: -march=native) and the ABI numbers. A build is
+written under a temporary name and renamed to a name that carries its own SHA-256 (`gguf_matmul-<key>-<sha>.so`); a
+small pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build. A loader hashes the file
+before dlopen-ing it: a damaged or truncated library is never loaded (a bad ELF can crash the process rather than fail)
 but rebuilt, and two processes building at once each rename a whole file, so neither can serve a torn one. After
 loading, a self-test multiplies a small matrix whose exact product is known.
 

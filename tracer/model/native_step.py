@@ -7,11 +7,12 @@ builds, once per FusedPlan, the C step's plan: a description of every layer's ma
 BlockMatrix descriptions), norm weights, biases, the KV cache tensor and its strides, the scales, and scratch
 buffers allocated once; a step is then one ctypes call, with the threads woken once.
 
-Eligibility (`NativeStep.build` returns None with a reason otherwise, and the torch fused path runs as before):
-every product of the step (each layer's packed Q|K|V, wo, gate|up, w2 and the LM head) is a PackedWeight of the
-native library's kernels ("native", exact, "i8dot", int8 activations, or "i16dot", int16 ones: each row block's
-description says which, so a step runs a per-type plan such as "Q4_1:i8dot,Q8_0:i16dot" as it is); the model computes and caches in fp32 on the CPU; the library is built with its AVX2 row kernels;
-every layer has the same shapes and norm epsilon. The plan holds a reference to every tensor whose memory C reads.
+Eligibility (`NativeStep.build` returns None with a reason otherwise, and the torch fused path runs as before): every
+product of the step (each layer's packed Q|K|V, wo, gate|up, w2 and the LM head) is a PackedWeight of the native
+library's kernels ("native", exact, "i8dot", int8 activations, or "i16dot", int16 ones: each row block's description
+says which, so a step runs a per-type plan such as "Q4_1:i8dot,Q8_0:i16dot" as it is); the model computes and caches in
+fp32 on the CPU; the library is built with its AVX2 row kernels; every layer has the same shapes and norm epsilon. The
+plan holds a reference to every tensor whose memory C reads.
 
 The token's embedding row is looked up in C too (the table held as stored, its row dequantized exactly as
 native_kernel.dequantize does, or dense fp32), so the step is one call from the token id to the logits.
@@ -63,7 +64,8 @@ class _Plan(ctypes.Structure):
                 ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
                 ("head_bias", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("kv_layer", ctypes.c_int64),
                 ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64),
-                ("embedding", ctypes.c_void_p), ("embedding_dense", ctypes.c_void_p), ("embedding_rows", ctypes.c_int64)]
+                ("embedding", ctypes.c_void_p), ("embedding_dense", ctypes.c_void_p),
+                ("embedding_rows", ctypes.c_int64)]
 
 
 @functools.cache
@@ -155,7 +157,8 @@ class NativeStep:
             raise NotEligible("the KV cache is not fp32 rows of D values on the CPU")
         self.cos, self.sin = plan.cos, plan.sin  # (S_max, 1, D) each: the step reads the position's row
         for table in (self.cos, self.sin):
-            if table is None or table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
+            if table is None or table.dtype != torch.float32 or not table.is_contiguous() \
+                    or table.shape[-1] != head_dim:
                 raise NotEligible("rope tables not contiguous fp32")
         self._layers = (_Layer * len(layers))(*described)
         self._plan = _Plan(len(layers), dim, heads, kv_heads, head_dim, ffn, vocab, kv.shape[2], floor, first.scale,

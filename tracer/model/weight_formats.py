@@ -31,12 +31,13 @@ Kernels (the `kernel` field; what runs the product):
   choice's accuracy probe admits it per matrix format, so a Q4 model's matrices may run it while a Q8_0 LM head,
   which needs 11 significand bits, goes to "i16dot" or "native" (a per-type plan "Q4_1:i8dot,Q8_0:i16dot"). Listed
   before "native" (fastest known first): a per-type plan takes, for each type, the first kernel the probe accepts.
-- "i16dot" (Q8_0 and Q6_K): the same library's int16 kernel (native/int16_dot.c): the activations rounded to int16
-  per 32 values (scale max|x|/32767, round to nearest even), the blocks' codes (Q8_0's int8, Q6_K's 6 bits - 32)
-  widened to int16 and multiplied with them into exact int32 sums (vpmaddwd), one fp32 multiply-add with the scales
-  per block (per 16 values for Q6_K): ~10 instructions per 32 Q8_0 values where "native" takes ~18. NOT exact either, but 258x closer than i8dot: a product's error is at most
-  sum over blocks of (max|x|/65534) * sum|w|. It too declares no precision: the probe admits it per format (a Q8_0
-  matrix's 11 bits, a Q6_K one's 9, on the model's own matrices). Listed between "i8dot" and "native".
+- "i16dot" (Q8_0 and Q6_K): the same library's int16 kernel (native/int16_dot.c): the activations rounded to int16 per
+  32 values (scale max|x|/32767, round to nearest even), the blocks' codes (Q8_0's int8, Q6_K's 6 bits - 32) widened to
+  int16 and multiplied with them into exact int32 sums (vpmaddwd), one fp32 multiply-add with the scales per block (per
+  16 values for Q6_K): ~10 instructions per 32 Q8_0 values where "native" takes ~18. NOT exact either, but 258x closer
+  than i8dot: a product's error is at most sum over blocks of (max|x|/65534) * sum|w|. It too declares no precision: the
+  probe admits it per format (a Q8_0 matrix's 11 bits, a Q6_K one's 9, on the model's own matrices). Listed between
+  "i8dot" and "native".
 - "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
   bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
   result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
@@ -75,8 +76,10 @@ _ACTIVATIONS = {NATIVE: native_kernel.EXACT_X, I8DOT: native_kernel.INT8_X, I16D
 
 def reads_groups(ggml_type: int, activations: int) -> bool:
     """Whether a row block's decode products read its rows interleaved in eights: i8dot's (activations
-    native_kernel.INT8_X) Q4_0 and Q4_1 (native/int8_groups.c)."""
-    return activations == native_kernel.INT8_X and ggml_type in native_kernel.GROUPED_TYPES
+    native_kernel.INT8_X) Q4_0 and Q4_1 (native/int8_groups.c), in a library built with the AVX2 kernels (the
+    portable C loops read the rows as they are, so no copy is made for them)."""
+    return activations == native_kernel.INT8_X and ggml_type in native_kernel.GROUPED_TYPES \
+        and native_kernel.library().avx2
 
 
 def runs_blocks(kernel: str) -> bool:
@@ -161,8 +164,11 @@ class PackedWeight:
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
         # the native kernel's row blocks, (ggml type code, blocks) each, and its call's arguments once made
         if parts is None and runs_blocks(fmt.kernel):  # "blocks", or stacked row blocks "blocks.<i>.<type name>"
-            parts = ((_CODES[fmt.stored], tensors["blocks"]),) if "blocks" in tensors else tuple(
-                (_CODES[key.split(".")[2]], t) for key, t in sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1])))
+            if "blocks" in tensors:
+                parts = ((_CODES[fmt.stored], tensors["blocks"]),)
+            else:  # in the order of their index
+                stacked = sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1]))
+                parts = tuple((_CODES[key.split(".")[2]], t) for key, t in stacked)
         self._parts = parts or ()
         # per row block: how its products take the activations (native_kernel.EXACT_X, INT8_X, INT16_X: its kernel)
         self._activations = activations if activations is not None else (
@@ -382,8 +388,8 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
         formats = list(dict.fromkeys(w.format for w in weights))
         kernels = "+".join(dict.fromkeys(k for f in formats for k in f.kernel.split("+")))
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
-            "+".join(dict.fromkeys(f.name for f in formats)), kernels, "+".join(dict.fromkeys(f.stored for f in formats)),
-            stored * 8 / (shape[0] * shape[1]))
+            "+".join(dict.fromkeys(f.name for f in formats)), kernels,
+            "+".join(dict.fromkeys(f.stored for f in formats)), stored * 8 / (shape[0] * shape[1]))
         tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {
             f"blocks.{i}.{GGML_TYPES[code][0]}": t for i, (code, t) in enumerate(parts)}
         return PackedWeight(fmt, shape, tensors, stored, parts, activations, groups)

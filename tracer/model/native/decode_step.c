@@ -81,7 +81,7 @@ typedef struct {
     const float *final_norm;
     const Matrix *head;
     const float *head_bias;
-    float *kv;          /* (L, 2*Hkv, S_max, D) fp32: layer l's K head g at kv + l*kv_layer + g*kv_head, V heads after */
+    float *kv; /* (L, 2*Hkv, S_max, D) fp32: layer l's K head g at kv + l*kv_layer + g*kv_head, V heads after */
     int64_t kv_layer, kv_head; /* strides in floats; a position's row is D floats, contiguous */
     float *scratch;     /* llmt_step_scratch_floats(plan, threads) floats */
     int64_t scratch_floats;
@@ -123,8 +123,9 @@ static int64_t shared_floats(const StepPlan *p) {
 
 static int64_t thread_floats(const StepPlan *p) {
     const int64_t k = widest_input(p);
-    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + k / 32 + k / 32 * (int64_t)(sizeof(XBlock) / sizeof(float)) +
-                           k / 32 * (int64_t)(sizeof(X16Block) / sizeof(float));
+    const int64_t blocks = k / 32; /* x's sums, then its int8 and its int16 blocks */
+    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + blocks +
+                           blocks * (int64_t)((sizeof(XBlock) + sizeof(X16Block)) / sizeof(float));
     return (floats + 15) / 16 * 16 + 16; /* whole cache lines, one apart: threads never share a line */
 }
 

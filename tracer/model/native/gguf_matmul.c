@@ -528,7 +528,8 @@ static inline float q6k_row(const uint8_t *row, int64_t n_blocks, const float *x
         float ds[16];
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         _mm256_storeu_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-        _mm256_storeu_ps(ds + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
+        _mm256_storeu_ps(ds + 8,
+                         _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
         for (int half = 0; half < 2; half++) {
             __m256i q[4];
             q6k_codes(blk, half, q);
@@ -659,7 +660,8 @@ typedef struct {
     int acts[MAX_PARTS]; /* EXACT_X, INT8_X or INT16_X: how this part's products take the activations */
     int any_int8, any_int16;
     int64_t k, total_rows, total_bytes;
-    const uint8_t *groups[MAX_PARTS]; /* an i8dot Q4_0/Q4_1 part's rows interleaved in eights, or NULL (int8_groups.c) */
+    /* an i8dot Q4_0/Q4_1 part's rows interleaved in eights, or NULL (int8_groups.c) */
+    const uint8_t *groups[MAX_PARTS];
 } Matrix;
 
 /* Bytes the caller allocates for a Matrix (opaque to it). */

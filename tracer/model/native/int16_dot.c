@@ -91,8 +91,7 @@ static inline __attribute__((always_inline)) __m256i fold8(const __m256i s[8]) {
 /* Eight rows of a Q8_0 matrix (at w, w + stride, ...) times one int16 activation row, into out[0..8): each block of
    x loaded once for the eight; the rows' eight vectors of int32 lane sums folded into one vector of the eight rows'
    block sums (six hadds, two lane permutes, one add) and the eight rows' scales converted, multiplied with d_x and
-   accumulated in one vector each (as the i8dot Q4 kernel did before its rows were interleaved, int8_groups.c). Per
-   row the float math is i16_q8_row's. */
+   accumulated in one vector each. Per row the float math is i16_q8_row's. */
 static inline __attribute__((always_inline)) void i16_q8_rows8(const uint8_t *w, int64_t stride, int64_t n_blocks,
                                                                const X16Block *x, float *out) {
     __m256 acc = _mm256_setzero_ps();
@@ -217,8 +216,10 @@ static inline __attribute__((always_inline)) void i16_q6k_rows(int rows, const u
                 q6k_codes(blk, half, u);
                 for (int c = 0; c < 4; c++) {
                     const X16Block *xc = xb + 4 * half + c;
-                    const __m256i lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u[c])), thirty_two);
-                    const __m256i hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u[c], 1)), thirty_two);
+                    const __m256i lo =
+                        _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u[c])), thirty_two);
+                    const __m256i hi =
+                        _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u[c], 1)), thirty_two);
                     s[2 * c] = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xc->q));
                     s[2 * c + 1] = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xc->q + 16)));
                 }
@@ -263,7 +264,7 @@ static float i16_q8_row_portable(const uint8_t *row, int64_t n_blocks, const X16
 
 #endif /* LLMT_AVX2 */
 
-/* rows first..last of part p (Q8_0) times m int16 activation rows (k/32 blocks each, row i at x + i * (k/32)):
+/* rows first..last of part p (Q8_0 or Q6_K) times m int16 activation rows (k/32 blocks each, row i at x + i * (k/32)):
    out[i * out_stride + r] */
 static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const X16Block *x, int64_t m,
                          float *out, int64_t out_stride) {
@@ -288,7 +289,8 @@ static void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, 
     }
     if (i16_q8_many_x(w, stride, first, last, n_blocks, x, m, out, out_stride)) return;
     for (int64_t r = first; r < last; r++)
-        for (int64_t i = 0; i < m; i++) out[i * out_stride + r] = i16_q8_row(w + r * stride, n_blocks, x + i * n_blocks);
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = i16_q8_row(w + r * stride, n_blocks, x + i * n_blocks);
 #else
     for (int64_t r = first; r < last; r++)
         for (int64_t i = 0; i < m; i++) {
