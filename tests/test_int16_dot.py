@@ -36,6 +36,7 @@ from llmtrace.tracer.model.weight_formats import (
 )
 from tests.guard_page import before_a_guard_page
 from tests.tiny_gguf import random_blocks
+from tests.torch_threads import torch_threads
 
 Q = gguf.GGMLQuantizationType
 SAME_MATH_TOLERANCE = 2**-20
@@ -152,16 +153,11 @@ def test_rows_together_alone_threads_and_prefill_give_the_same_bits(qtype: Q, na
     weight = pack_gguf(raw, int(qtype), cols, I16DOT)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5)) * 2
     alone = torch.cat([pack_gguf(raw[r : r + 1], int(qtype), cols, I16DOT)(x[:1]) for r in range(rows)], dim=1)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            decode, prefill = weight(x[:1]), weight(x)
-            assert torch.equal(decode, alone), (decode - alone).abs().max()
-            assert torch.equal(prefill[:1], decode)
-            assert torch.equal(prefill[2:], weight(x[2:]))
-    finally:
-        torch.set_num_threads(before)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            decode, prefill, last = weight(x[:1]), weight(x), weight(x[2:])
+        assert torch.equal(decode, alone), (decode - alone).abs().max()
+        assert torch.equal(prefill[:1], decode) and torch.equal(prefill[2:], last)
     check(weight, raw, x, qtype)
 
 
@@ -214,15 +210,11 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
     with before_a_guard_page(raw) as at_end:
         weight = pack_gguf(at_end, int(qtype), cols, I16DOT)
-        before = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for tokens in (1, 3):
-                    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+        for threads in (1, 2):
+            for tokens in (1, 3):
+                x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+                with torch_threads(threads):
                     check(weight, raw, x, qtype)
-        finally:
-            torch.set_num_threads(before)
         del weight, at_end
 
 

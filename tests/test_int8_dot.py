@@ -36,6 +36,7 @@ from llmtrace.tracer.model.weight_formats import (
 )
 from tests.guard_page import before_a_guard_page
 from tests.tiny_gguf import random_blocks
+from tests.torch_threads import torch_threads
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -130,14 +131,10 @@ def test_threads_and_uneven_splits_give_the_same_sums(qtype: Q, native: None) ->
     for rows in (1, 3, 301):
         raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
         weight = pack_gguf(raw, int(qtype), cols, I8DOT)
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
+        with torch_threads(1):
             one = (weight(x[:1]), weight(x))
-            torch.set_num_threads(2)
+        with torch_threads(2):
             two = (weight(x[:1]), weight(x))
-        finally:
-            torch.set_num_threads(before)
         # decode takes rows eight (Q4_0/Q4_1) or four (K-quants) at a time and the rest one by one, prefill tiles
         # them (Q4_0/Q4_1): both differ with the split
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
@@ -156,15 +153,11 @@ def test_k_quant_rows_taken_together_and_alone_give_the_same_bits(qtype: Q, nati
     weight = pack_gguf(raw, int(qtype), cols, I8DOT)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5)) * 2
     alone = torch.cat([pack_gguf(raw[r : r + 1], int(qtype), cols, I8DOT)(x[:1]) for r in range(rows)], dim=1)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    for threads in (1, 2):
+        with torch_threads(threads):
             decode, prefill = weight(x[:1]), weight(x)
-            assert torch.equal(decode, alone), (decode - alone).abs().max()
-            assert torch.equal(prefill[:1], decode)
-    finally:
-        torch.set_num_threads(before)
+        assert torch.equal(decode, alone), (decode - alone).abs().max()
+        assert torch.equal(prefill[:1], decode)
     _check(weight, raw, qtype, x[:1])
 
 
@@ -200,14 +193,11 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     with before_a_guard_page(raw) as at_end:
         weight = pack_gguf(at_end, int(qtype), cols, I8DOT)
         assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)
-        before = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for tokens in (1, 3):
-                    _check(weight, raw, qtype, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))
-        finally:
-            torch.set_num_threads(before)
+        for threads in (1, 2):
+            for tokens in (1, 3):
+                x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+                with torch_threads(threads):
+                    _check(weight, raw, qtype, x)
         del weight, at_end
 
 

@@ -13,6 +13,7 @@ import torch
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import I8DOT, concat_rows, pack_gguf
 from tests.tiny_gguf import random_blocks
+from tests.torch_threads import torch_threads
 
 Q = gguf.GGMLQuantizationType
 GROUPED = [Q.Q4_0, Q.Q4_1]
@@ -53,16 +54,14 @@ def test_every_row_has_the_bits_it_has_without_the_interleaved_copy(qtype: Q, na
     output equals the matrix described without its interleaved copy (every row by the one-row kernel)."""
     cols = 576
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(int(qtype))) * 3
-    before = torch.get_num_threads()
-    try:
-        for rows in (1, 8, 13, 37, 301):
-            raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
-            plain = native_kernel.BlockMatrix([(int(qtype), torch.from_numpy(raw))], cols, (native_kernel.INT8_X,))
-            assert plain.groups == (None,)
-            weight = pack_gguf(raw, int(qtype), cols, I8DOT)
-            assert weight.native_matrix().groups[0] is not None
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
+    for rows in (1, 8, 13, 37, 301):
+        raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
+        plain = native_kernel.BlockMatrix([(int(qtype), torch.from_numpy(raw))], cols, (native_kernel.INT8_X,))
+        assert plain.groups == (None,)
+        weight = pack_gguf(raw, int(qtype), cols, I8DOT)
+        assert weight.native_matrix().groups[0] is not None
+        for threads in (1, 2):
+            with torch_threads(threads):
                 want = native_kernel.matmul(plain, x)
                 assert torch.equal(weight(x), want), (rows, threads)
                 for start in sorted({1, 3, rows // 2, rows - 1} - {0}):  # a second part from row `start`
@@ -71,8 +70,6 @@ def test_every_row_has_the_bits_it_has_without_the_interleaved_copy(qtype: Q, na
                     split = concat_rows([pack_gguf(raw[:start], int(qtype), cols, I8DOT),
                                          pack_gguf(raw[start:], int(qtype), cols, I8DOT)])
                     assert torch.equal(split(x), want), (rows, threads, start)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_interleaved_rows_only_for_an_i8dot_q4_part(native: None) -> None:

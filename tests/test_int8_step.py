@@ -30,6 +30,7 @@ from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import I8DOT, I16DOT, NATIVE
+from tests.torch_threads import torch_threads
 from test_native_step import generate, native_model
 
 Q = gguf.GGMLQuantizationType
@@ -63,9 +64,7 @@ def steps(model: Transformer, native: bool, count: int = 6, prompt: int = 5) -> 
                                                                      "mlp_bias": True}])
 @pytest.mark.parametrize("head_kernel", [I8DOT, I16DOT, NATIVE])
 def test_i8dot_step_matches_the_torch_fused_path(variant: dict, threads: int, head_kernel: str) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model = mixed_model(dataclasses.replace(BASE, **variant), I8DOT, head_kernel)
         kernels = {w.format.kernel for w in model.stored_weights().values()}
         assert kernels == {I8DOT, head_kernel}
@@ -73,21 +72,15 @@ def test_i8dot_step_matches_the_torch_fused_path(variant: dict, threads: int, he
             scale = float(want.abs().max())
             assert float((got - want).abs().max()) <= TINY_TOLERANCE * scale
             assert int(got.argmax()) == int(want.argmax())
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_an_uneven_split_of_i8dot_rows() -> None:
     """dim 96, ffn 160: products whose rows and bytes do not split evenly between two threads."""
     config = dataclasses.replace(BASE, dim=96, ffn_dim=160, n_heads=3, n_kv_heads=1)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         model = mixed_model(config, I8DOT, NATIVE, seed=3)
         for got, want in zip(steps(model, True, 4), steps(model, False, 4)):
             assert float((got - want).abs().max()) <= TINY_TOLERANCE * float(want.abs().max())
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from llmtrace.tracer.model.weight_formats import (
 )
 from tests.guard_page import before_a_guard_page
 from tests.tiny_gguf import llama_cpp_name, random_blocks, sentencepiece_vocab, write_tiny_gguf
+from tests.torch_threads import torch_threads
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -107,14 +108,10 @@ def test_results_do_not_depend_on_the_thread_count(native: None) -> None:
     raw = random_blocks(Q.Q4_1, 300, 576, np.random.default_rng(3))
     weight = pack_gguf(raw, int(Q.Q4_1), 576, NATIVE)
     x = torch.randn(5, 576)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = (weight(x[:1]), weight(x))
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = (weight(x[:1]), weight(x))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
@@ -169,17 +166,13 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
         weight = pack_gguf(at_end, int(qtype), cols, NATIVE)
         assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)  # the kernel reads the guarded bytes
         reference = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64)
-        before = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for tokens in (1, 3):
-                    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+        for threads in (1, 2):
+            for tokens in (1, 3):
+                x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+                with torch_threads(threads):
                     got = weight(x).double().numpy()
-                    bound = np.abs(x.double().numpy()) @ np.abs(reference).T * SUM_TOLERANCE
-                    assert (np.abs(got - x.double().numpy() @ reference.T) <= bound).all()
-        finally:
-            torch.set_num_threads(before)
+                bound = np.abs(x.double().numpy()) @ np.abs(reference).T * SUM_TOLERANCE
+                assert (np.abs(got - x.double().numpy() @ reference.T) <= bound).all()
         del weight, at_end
 
 

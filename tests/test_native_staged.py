@@ -38,6 +38,7 @@ from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.observe import Observer
 from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings, StageRecord
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
+from tests.torch_threads import torch_threads
 
 VARIANTS = {
     "gqa": {},  # 4 query heads over 2 KV heads, untied
@@ -120,14 +121,10 @@ def test_records_equal_the_wrapped_stage_modules_records(variant: Transformer) -
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_logits_and_cache_are_the_fused_native_steps_bit_for_bit(variant: Transformer, threads: int) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         _, staged, staged_kv, steps = run_staged(variant, native=True)
         fused, fused_kv = run_fused(variant)
         _, modules, modules_kv, _ = run_staged(variant, native=False, traced=False)
-    finally:
-        torch.set_num_threads(before)
     assert steps == STEPS
     assert all(torch.equal(a, b) for a, b in zip(staged, fused)) and torch.equal(staged_kv, fused_kv)
     for got, want in zip(staged, modules):

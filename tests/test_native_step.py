@@ -28,6 +28,7 @@ from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE, pack_gguf
 from llmtrace.tracer.trace.fused_marks import FusedMarks, fused_stages
 from tests.tiny_gguf import random_blocks
+from tests.torch_threads import torch_threads
 
 Q = gguf.GGMLQuantizationType
 QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
@@ -108,12 +109,8 @@ def assert_same_steps(model: Transformer, steps: int = 6) -> None:
     {"sliding_window": 4},  # a window smaller than the sequence: keys before it are never read
 ])
 def test_native_step_matches_the_torch_fused_path(variant: dict[str, Any], threads: int) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         assert_same_steps(native_model(dataclasses.replace(BASE, **variant)))
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_native_step_with_a_dense_embedding_table() -> None:
@@ -134,12 +131,8 @@ LONG = dataclasses.replace(BASE, max_seq_len=256)  # caches past the attention's
 def generate_threads(model: Transformer, threads: int, steps: int,
                      prompt: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`generate` natively on `threads` threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return generate(model, True, steps, prompt)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("variant", [
