@@ -76,6 +76,15 @@ static void quantize_x(const float *x, int64_t k, XBlock *out) {
         }
         const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
+        if (!(id < INFINITY)) { /* max|x| below 127 / FLT_MAX: 127 * v / max|x| <= 127 exactly in double */
+            for (int i = 0; i < 32; i++) {
+                o->q[i] = (int8_t)nearbyint((double)v[i] * 127.0 / (double)amax);
+                sum += o->q[i];
+            }
+            o->d = d;
+            o->s = d * (float)sum;
+            continue;
+        }
 #if LLMT_AVX2
         const __m256 scale = _mm256_set1_ps(id);
         /* nearest, ties to even (default MXCSR) */
