@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -22,7 +24,16 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from llmtrace.tracer.load.stored_weights import all_kernels, kernel_plan, parse_weights, plan_spec, widest_kernel
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.load.stored_weights import (
+    STORED,
+    all_kernels,
+    kernel_plan,
+    parse_weights,
+    plan_spec,
+    widest_kernel,
+)
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import (
     I8DOT,
@@ -199,6 +210,19 @@ def test_listed_for_q8_0_and_q6_k_between_i8dot_and_native_and_never_taken_unmea
     spec = "Q4_1:i8dot,Q8_0:i16dot"
     assert parse_weights(spec).kernel == spec
     assert kernel_plan(spec) == {"Q4_1": I8DOT, "Q8_0": I16DOT} and plan_spec(kernel_plan(spec)) == spec
+
+
+def test_weights_i16dot_on_a_q4_file_says_which_matrices_run_dequantized(
+        native: None, tiny_quantized: Callable[..., Path]) -> None:
+    """`--weights i16dot` on the bundled model's mix (Q4_1 layers, a Q8_0 head): the head runs as stored on i16dot,
+    the Q4_1 matrices, which it has no kernel for, dequantized, and the run's weights line says so."""
+    loaded = load_model(str(tiny_quantized(Q.Q4_1, head=Q.Q8_0)), FP32, weights=I16DOT, use_cache=False)
+    assert loaded.weights.mode == STORED
+    kernels = {name: w.format.kernel for name, w in loaded.model.stored_weights().items()}
+    assert kernels == {"output": I16DOT}  # the head (untied): as stored; every Q4_1 matrix dense
+    q4_1 = 2 * 7 + 1  # the tiny model's 2 layers of 7 Q4_1 matrices, and its Q4_1 embedding table
+    assert loaded.weights.reason == f"--weights i16dot; {q4_1} matrices of type Q4_1 have no i16dot kernel and " \
+                                    "run dequantized"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages through libc mprotect (Linux)")

@@ -184,7 +184,8 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
     if request.mode == DENSE:
         return WeightsChoice(DENSE, "--weights dense")
     if request.kernel is not None:
-        return WeightsChoice(STORED, f"--weights {request.kernel}", request.kernel)
+        return WeightsChoice(STORED, f"--weights {request.kernel}{_dequantized_note(resolved, request.kernel)}",
+                             request.kernel)
     how = "" if kernels is None else ("saved measurement" if kernels.from_store else "measured")
     if running is not None and running.weights == STORED:
         if request.mode == STORED:
@@ -196,10 +197,8 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
         assert header is not None
         counts = {k: len(stored_matrices(header, resolved.config, k)[0]) for k in all_kernels()}
         kernel = widest_kernel(counts)
-        _, rest = stored_matrices(header, resolved.config, kernel)
-        kinds = ", ".join(sorted(set(rest.values())))
-        extra = f"; {len(rest)} matrices of type {kinds} have no {kernel} kernel and run dequantized" if rest else ""
-        return WeightsChoice(STORED, f"--weights stored: {kernel}, not measured{extra}", kernel)
+        return WeightsChoice(STORED, f"--weights stored: {kernel}, not measured{_dequantized_note(resolved, kernel)}",
+                             kernel)
     if running is not None:
         return WeightsChoice(DENSE, f"auto: {running.name} dense is the fastest acceptable candidate ({how})")
     if target.type != "cpu":
@@ -211,6 +210,16 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
         return WeightsChoice(DENSE, f"auto: no stored kernel runs {', '.join(kinds)} matrices, so all are "
                                     "dequantized (--weights stored runs the others as stored)")
     return WeightsChoice(DENSE, "auto: nothing measured")
+
+
+def _dequantized_note(resolved: ResolvedModel, kernel: str) -> str:
+    """"; N matrices of type T have no K kernel and run dequantized" for a kernel spec that leaves some of the file's
+    matrices without a kernel (e.g. `--weights i16dot`, which runs Q8_0 and Q6_K, on a Q4_1 file), else ""."""
+    header = resolved.gguf_header
+    assert header is not None
+    _, rest = stored_matrices(header, resolved.config, kernel_plan(kernel))
+    kinds = ", ".join(sorted(set(rest.values())))
+    return f"; {len(rest)} matrices of type {kinds} have no {kernel} kernel and run dequantized" if rest else ""
 
 
 def _views_of_the_file(kernel: str) -> bool:
