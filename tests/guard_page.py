@@ -10,6 +10,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import numpy as np
+import torch
+
+from llmtrace.tracer.model.weight_formats import PackedWeight, pack_gguf
+from tests.torch_threads import torch_threads
 
 
 @contextmanager
@@ -29,3 +33,19 @@ def before_a_guard_page(raw: np.ndarray) -> Iterator[np.ndarray]:
         yield at_end.reshape(raw.shape)
     finally:
         libc.mprotect(base + span, page, 3)  # PROT_READ | PROT_WRITE
+
+
+def guarded_products(raw: np.ndarray, ggml_type: int, cols: int, kernel: str
+                     ) -> Iterator[tuple[PackedWeight, torch.Tensor]]:
+    """(W, x) for a kernel's no-byte-past-the-end tests: W = `raw` packed for `kernel` in place, ending where an
+    unreadable page starts (the kernel reads the guarded bytes themselves), x of one token and of three, each under
+    1 and then 2 torch threads, which stay set while the caller multiplies."""
+    with before_a_guard_page(raw) as at_end:
+        weight = pack_gguf(at_end, ggml_type, cols, kernel)
+        assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)
+        for threads in (1, 2):
+            for tokens in (1, 3):
+                x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+                with torch_threads(threads):
+                    yield weight, x
+        del weight, at_end

@@ -34,7 +34,7 @@ from llmtrace.tracer.model.weight_formats import (
     runs_blocks,
     stored_kernels,
 )
-from tests.guard_page import before_a_guard_page
+from tests.guard_page import guarded_products
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -190,15 +190,8 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     """As the exact kernel's test: W ends where an unreadable page starts; one token and a few, 1 and 2 threads."""
     rows, cols = 301, _columns(qtype)  # enough work that 2 threads split it (PARALLEL_MIN_WORK), 301 % 8 = 5
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
-    with before_a_guard_page(raw) as at_end:
-        weight = pack_gguf(at_end, int(qtype), cols, I8DOT)
-        assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)
-        for threads in (1, 2):
-            for tokens in (1, 3):
-                x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
-                with torch_threads(threads):
-                    _check(weight, raw, qtype, x)
-        del weight, at_end
+    for weight, x in guarded_products(raw, int(qtype), cols, I8DOT):
+        _check(weight, raw, qtype, x)
 
 
 def test_the_portable_build_computes_the_same_math(portable_build: None) -> None:

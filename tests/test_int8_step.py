@@ -145,7 +145,6 @@ def test_the_probe_admits_i8dot_for_q4_1_and_refuses_it_for_q8_0() -> None:
     from llmtrace.tracer.checkpoint.resolve import resolve_model
     from llmtrace.tracer.load import kernel_pick
     from llmtrace.tracer.load.stored_candidates import probe_errors
-    from llmtrace.tracer.load.stored_weights import plan_spec
 
     resolved = resolve_model(str(bundled_model_path()))
     assert resolved.gguf_header is not None
@@ -160,5 +159,5 @@ def test_the_probe_admits_i8dot_for_q4_1_and_refuses_it_for_q8_0() -> None:
     assert offered.probes[I16DOT] == ("Q8_0",)  # of this file's types i16dot runs Q8_0 only: a per-type plan's kernel
     assert errors[I16DOT]["Q8_0"] <= rule.tolerance("Q8_0")  # int16 activations keep the head's 11 bits
     # each type's first acceptable kernel, then each type on its runner-up: the Q8_0 head on native is timed too
-    plans = [plan_spec(plan) for plan in kernel_pick.per_type_plans(offered, errors)]
+    plans = list(kernel_pick.per_type_plans(offered, errors))  # their specs, in the order they are timed
     assert plans[0] == PLAN16 and sorted(plans[1:]) == [PLAN, "Q4_1:native,Q8_0:i16dot"]

@@ -38,7 +38,7 @@ from llmtrace.tracer.model.weight_formats import (
     runs_blocks,
     stored_kernels,
 )
-from tests.guard_page import before_a_guard_page
+from tests.guard_page import guarded_products
 from tests.tiny_gguf import llama_cpp_name, random_blocks, sentencepiece_vocab, write_tiny_gguf
 from tests.torch_threads import torch_threads
 
@@ -162,18 +162,11 @@ def test_no_byte_past_the_matrix_is_read(qtype: Q, native: None) -> None:
     prefetch never faults). One token and a prefill, over rows that split unevenly between two threads."""
     rows, cols = 301, _columns(qtype)  # enough work that 2 threads split it (gguf_matmul.c PARALLEL_MIN_WORK)
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(11))
-    with before_a_guard_page(raw) as at_end:
-        weight = pack_gguf(at_end, int(qtype), cols, NATIVE)
-        assert np.shares_memory(weight.tensors["blocks"].numpy(), at_end)  # the kernel reads the guarded bytes
-        reference = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64)
-        for threads in (1, 2):
-            for tokens in (1, 3):
-                x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
-                with torch_threads(threads):
-                    got = weight(x).double().numpy()
-                bound = np.abs(x.double().numpy()) @ np.abs(reference).T * SUM_TOLERANCE
-                assert (np.abs(got - x.double().numpy() @ reference.T) <= bound).all()
-        del weight, at_end
+    reference = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64)
+    for weight, x in guarded_products(raw, int(qtype), cols, NATIVE):
+        got = weight(x).double().numpy()
+        bound = np.abs(x.double().numpy()) @ np.abs(reference).T * SUM_TOLERANCE
+        assert (np.abs(got - x.double().numpy() @ reference.T) <= bound).all()
 
 
 def test_a_refused_call_is_an_error_not_a_crash(native: None) -> None:

@@ -154,22 +154,21 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
     return _Candidates(tuple(kernels), bits, probes, tuple(refused), type_kernels)
 
 
-def per_type_plans(offered: _Candidates, errors: dict[str, dict[str, float]]) -> list[dict[str, str]]:
+def per_type_plans(offered: _Candidates, errors: dict[str, dict[str, float]]) -> dict[str, dict[str, str]]:
     """Kernels per matrix type to time: first the plan of each type's first acceptable stored kernel (weight_formats'
     order: fastest known first; kernel_choice.judge on that type alone), then, one type at a time, that type on its
     runner-up (its next acceptable kernel), because "fastest known" is an order, not a measurement: a Q8_0 head on
-    i16dot and on native are both timed before either is taken. [] when some type has no acceptable kernel; a plan
-    whose one kernel runs every type is left out (that is a uniform candidate already)."""
+    i16dot and on native are both timed before either is taken. {plan_spec: plan}; {} when some type has no
+    acceptable kernel; a plan whose one kernel runs every type is left out (that is a uniform candidate already)."""
     acceptable = {}
     for type_name, names in offered.type_kernels.items():
         acceptable[type_name] = [k for k in names
                                  if rule.judge(k, offered.bits.get(k), [type_name], errors.get(k, {}))[0]]
         if not acceptable[type_name]:
-            return []
+            return {}
     first = {t: ok[0] for t, ok in acceptable.items()}
     plans = [first] + [{**first, t: ok[1]} for t, ok in acceptable.items() if len(ok) > 1]
-    distinct = {plan_spec(plan): plan for plan in plans if len(set(plan.values())) > 1}
-    return list(distinct.values())
+    return {plan_spec(plan): plan for plan in plans if len(set(plan.values())) > 1}
 
 
 def pick(resolved: ResolvedModel, device: torch.device, progress: Progress | None = None,
@@ -222,7 +221,7 @@ def _measure(resolved: ResolvedModel, device: torch.device, offered: _Candidates
         errors = probe_errors(resolved.gguf_header, resolved.config, offered.probes)
     kernels = list(offered.kernels)
     # e.g. i8dot for the Q4 matrices, i16dot or an exact kernel for a Q8_0 one
-    plans = {plan_spec(plan): plan for plan in per_type_plans(offered, errors)}
+    plans = per_type_plans(offered, errors)
     for spec in plans:
         assert resolved.gguf_header is not None
         kernels.append(StoredKernel(resolved.gguf_header, resolved.config, spec))

@@ -156,12 +156,15 @@ static inline void barrier(void) {
 #endif
 }
 
-/* the end of a stage: every thread done with it, then thread 0's clock reading (when the step is traced) */
-#define END_STAGE()                                                                                                  \
-    do {                                                                                                             \
-        barrier();                                                                                                   \
-        if (t == 0) STAMP();                                                                                         \
-    } while (0)
+/* the end of a stage: every thread done with it, then thread t == 0's clock reading at stamps[(*n_stamps)++] when
+   the step is traced (stamps not NULL) */
+static inline void end_stage(int t, int64_t *stamps, int64_t *n_stamps) {
+    barrier();
+    if (t == 0 && stamps != NULL) stamps[(*n_stamps)++] = now_ns();
+}
+
+/* end_stage with the step's own `t`, `stamps` and `n_stamps` */
+#define END_STAGE() end_stage(t, stamps, &n_stamps)
 
 /* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py);
    the squares summed in 16 fp32 lanes, as torch's vectorised norm does (n is a multiple of 32 here) */
@@ -535,6 +538,21 @@ static void balanced_values(const StepPlan *p, const float *scores, const float 
     }
 }
 
+/* The attention's three stages, the same code in the fused and the staged order: scores, softmax (thread t's
+   share of the heads), values, each ended by end_stage. */
+static void attend(const StepPlan *p, const float *qkv, const float *keys, const float *values, int64_t first,
+                   int64_t seen, float *scores, float *pieces, float *attended, int t, int count, int64_t *stamps,
+                   int64_t *n_stamps) {
+    int64_t head_first, head_last;
+    split(p->heads, t, count, &head_first, &head_last);
+    balanced_scores(p, qkv, keys, first, seen, scores, t, count);
+    end_stage(t, stamps, n_stamps);
+    attention_softmax(p, scores, seen, head_first, head_last);
+    end_stage(t, stamps, n_stamps);
+    balanced_values(p, scores, values, first, seen, pieces, attended, t, count);
+    end_stage(t, stamps, n_stamps);
+}
+
 /* ---- the step ---------------------------------------------------------------------------------------------- */
 
 /* x = row `token` of the embedding table: exactly dequantize_row's values (those of gguf.quants.dequantize, as
@@ -594,8 +612,6 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
         float *act = h + dim;                     /* (F,) silu(gate) * up */
         float *xs = act + ffn;                    /* the prepared activation row */
         int64_t n_stamps = 2;                     /* thread 0's, after the start and the embedding */
-        int64_t head_first, head_last;
-        split(heads, t, count, &head_first, &head_last);
         memcpy(x, embedding, sizeof(float) * (size_t)dim);
         for (int64_t l = 0; l < plan->layers; l++) {
             const StepLayer *layer = plan->layer + l;
@@ -615,12 +631,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 END_STAGE();
                 if (t == 0) write_kv(plan, qkv, keys, position);
                 END_STAGE();
-                balanced_scores(plan, qkv, keys, first, seen, scores, t, count);
-                END_STAGE();
-                attention_softmax(plan, scores, seen, head_first, head_last);
-                END_STAGE();
-                balanced_values(plan, scores, values, first, seen, pieces, attended, t, count);
-                END_STAGE();
+                attend(plan, qkv, keys, values, first, seen, scores, pieces, attended, t, count, stamps, &n_stamps);
                 product(layer->wo, attended, xs, layer->bo, branch, t, count);
                 END_STAGE();
                 for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
@@ -651,12 +662,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 STAMP();
             }
             barrier();
-            balanced_scores(plan, qkv, keys, first, seen, scores, t, count);
-            END_STAGE();
-            attention_softmax(plan, scores, seen, head_first, head_last);
-            END_STAGE();
-            balanced_values(plan, scores, values, first, seen, pieces, attended, t, count);
-            END_STAGE();
+            attend(plan, qkv, keys, values, first, seen, scores, pieces, attended, t, count, stamps, &n_stamps);
             product(layer->wo, attended, xs, layer->bo, branch, t, count);
             barrier();
             if (t == 0) STAMP();
