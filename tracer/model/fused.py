@@ -33,6 +33,7 @@ output products: addmm and mm + add_ measured equal).
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable
 
@@ -53,7 +54,7 @@ from llmtrace.tracer.model.functional import (
     softmax_fp32,
 )
 from llmtrace.tracer.model.edit_watch import unwatched_dicts, watch
-from llmtrace.tracer.model.native_step import NativeStep, host_clock_matches
+from llmtrace.tracer.model.native_step import GreedyRun, NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
 Mark = Callable[[], None]
@@ -291,13 +292,14 @@ class FusedPlan:
         """Nothing in the model's module tree replaced, added or wrapped since it last matched the plan (`valid`)."""
         return self._edits.generation == self._matched
 
-    def kv_live_bytes(self) -> int:
+    def kv_live_bytes(self, length: int | None = None) -> int:
         """Bytes of K and V attention can still read, over every layer, when the layers' caches are one tensor's
         slices (`kv_rows`) and the tree is unchanged: then every layer's cache holds the same positions and
         sequences as the first's (a step writes all or, failing, none), so that is layers x its live bytes
-        (KVCache.live_bytes), from its plain values."""
+        (KVCache.live_bytes), from its plain values; after `length` positions of its sequences, when given."""
         cache = self.cache_dicts[0]
-        held = cache["length"] if self.window is None else min(cache["length"], self.window)
+        length = cache["length"] if length is None else length
+        held = length if self.window is None else min(length, self.window)
         return self.position_bytes * cache["batch"] * held
 
     def unchanged(self, model: Any) -> bool:
@@ -389,6 +391,19 @@ class FusedPlan:
         if take is not None:
             take(step.readings())
         return logits
+
+    def native_greedy(self, token: int, start: int, steps: int, stop_token: int | None, table: int, stamps: bool,
+                      native: bool = True) -> GreedyRun | None:
+        """Up to `steps` greedy one-token steps of one sequence from `token` at position `start` as one C call
+        (NativeStep.run_greedy), when the native step can take them (`native_off_reason` finds nothing) and, with
+        `stamps`, C's clock is the host's; else None. The caches' lengths then count the steps done."""
+        if self.native_off_reason(native) or (stamps and not host_clock_matches()):
+            return None
+        run = self.native.run_greedy(token, start, self.window, steps, stop_token, table, stamps)
+        end = start + len(run.tokens)
+        for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes
+            cache["length"], cache["batch"] = end, 1
+        return replace(run, kv_live_bytes=tuple(self.kv_live_bytes(length) for length in range(start + 1, end + 1)))
 
     def staged_step(self, tokens: torch.Tensor, start: int,
                     take: Callable[[list[int]], None] | None) -> torch.Tensor:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ STAGED_STAGES_PER_LAYER = 17  # the staged path's (contract.staged_stages): Q, K
 STAGES_AFTER_LAYERS = 2  # final norm, LM head
 _STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch",
            6: "a token id outside the embedding table"}
+_NOT_FINITE = 7  # llmt_decode_greedy: a step's logits hold a NaN or no finite value
 
 
 class _Layer(ctypes.Structure):
@@ -74,8 +76,8 @@ def host_clock_matches() -> bool:
     return time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
 
-def _entry_points() -> tuple[Any, Any] | None:
-    """(llmt_decode_step, llmt_step_scratch_floats) of the current library (native_kernel.reset() may load another)
+def _entry_points() -> tuple[Any, Any, Any] | None:
+    """(llmt_decode_step, llmt_step_scratch_floats, llmt_decode_greedy) of the current library (native_kernel.reset() may load another)
     with their signatures declared, or None when there is no library, its step's structures differ from this
     module's, or it was built without the AVX2 row kernels."""
     if not native_kernel.available():
@@ -86,10 +88,10 @@ def _entry_points() -> tuple[Any, Any] | None:
     return _DECLARED[library.path]
 
 
-_DECLARED: dict[Any, tuple[Any, Any] | None] = {}  # by library file: made once per library loaded
+_DECLARED: dict[Any, tuple[Any, Any, Any] | None] = {}  # by library file: made once per library loaded
 
 
-def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any] | None:
+def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | None:
     handle = library.handle
     handle.llmt_step_layer_size.restype = handle.llmt_step_plan_size.restype = ctypes.c_int64
     if (handle.llmt_step_layer_size() != ctypes.sizeof(_Layer) or handle.llmt_step_plan_size() != ctypes.sizeof(_Plan)
@@ -104,7 +106,24 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any] | None:
     scratch = handle.llmt_step_scratch_floats
     scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     scratch.restype = ctypes.c_int64
-    return step, scratch
+    greedy = ctypes.PyDLL(str(library.path)).llmt_decode_greedy  # holding the GIL, as the step
+    greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *(ctypes.c_void_p,) * 2, *(ctypes.c_int64,) * 5,
+                       *(ctypes.c_void_p,) * 7, ctypes.c_int, ctypes.c_void_p]
+    greedy.restype = ctypes.c_int64
+    return step, scratch, greedy
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyRun:
+    """What the greedy steps of one `NativeStep.run_greedy` call chose, and when (CLOCK_MONOTONIC ns)."""
+
+    tokens: list[int]  # each step's choice
+    tables: list[tuple[list[int], list[float]]]  # each step's candidate ids and their logits, largest first
+    sums: list[tuple[float, float]]  # each step's softmax sums over the logits shifted by their max: total, weighted
+    clock: list[tuple[int, int, int]]  # each step's start, its logits' end, its choice's end
+    stamps: list[list[int]]  # each step's stage readings (NativeStep.readings' layout) when stamped, else empty
+    failure: str = ""  # "not finite": the step after the last one here made logits with a NaN or no finite value
+    kv_live_bytes: tuple[int, ...] = ()  # each step's live KV bytes after it (FusedPlan.native_greedy fills them in)
 
 
 class NotEligible(Exception):
@@ -119,7 +138,7 @@ class NativeStep:
         entry = _entry_points()
         if entry is None:
             raise NotEligible("the native library (with its AVX2 row kernels) is not available")
-        self._step, self._scratch_floats = entry
+        self._step, self._scratch_floats, self._greedy = entry
         layers = plan.layers
         if not layers or plan.kv_rows is None:
             raise NotEligible("no layers, or the layers' KV caches are not one tensor")
@@ -252,6 +271,45 @@ class NativeStep:
         if stamps:
             self._taken = self.staged_stamp_count if staged else self.stamp_count
         return logits
+
+    def run_greedy(self, token: int, position: int, window: int | None, steps: int, stop_token: int | None,
+                   table: int, stamps: bool = False) -> GreedyRun:
+        """Up to `steps` greedy decode steps in one C call (decode_step.c's llmt_decode_greedy): the first takes
+        `token` at `position`, each next one the token the last chose (the sampler's greedy choice, from the
+        sampler's own C pass over the logits: a table of `table` candidates and the softmax sums); the run stops
+        early after the step that chose `stop_token`. Each step attends the keys a window of `window` positions
+        (None: all) leaves it and writes its K and V. With `stamps`, each step's stage readings as `readings()`
+        would have them. A step that failed is not in the result: `failure` says why."""
+        threads = torch.get_num_threads()
+        if threads > self._threads:
+            self._ensure_scratch(threads)
+        chosen, top_ids = (ctypes.c_int64 * steps)(), (ctypes.c_int64 * (steps * table))()
+        top_logits, sums = (ctypes.c_float * (steps * table))(), (ctypes.c_double * (2 * steps))()
+        clock = (ctypes.c_int64 * (3 * steps))()
+        per_step = self.stamp_count
+        readings = (ctypes.c_int64 * (steps * per_step))() if stamps else None
+        status = ctypes.c_int(0)
+        logits = torch.empty(self.vocab, dtype=torch.float32)  # the last step's, read by nobody but a failure
+        self._taken = 0  # the single-step buffer no longer holds the last step's readings
+        done = self._greedy(self._address, token, self._cos_address, self._sin_address, position, window or 0,
+                            steps, -1 if stop_token is None else stop_token, table, logits.data_ptr(), chosen,
+                            top_ids, top_logits, sums, clock, readings, threads, ctypes.byref(status))
+        failure = ""
+        if status.value == _NOT_FINITE:
+            failure = "not finite"
+        elif status.value:
+            raise native_kernel.NativeKernelError(f"the native decode step failed: "
+                                                  f"{_STATUS.get(status.value, status.value)}")
+        ids, values, flat_clock = top_ids[: done * table], top_logits[: done * table], clock[: 3 * done]
+        flat_stamps = readings[: done * per_step] if readings is not None else []
+        return GreedyRun(
+            tokens=chosen[:done],
+            tables=[(ids[i * table : (i + 1) * table], values[i * table : (i + 1) * table]) for i in range(done)],
+            sums=[(sums[2 * i], sums[2 * i + 1]) for i in range(done)],
+            clock=[tuple(flat_clock[3 * i : 3 * i + 3]) for i in range(done)],
+            stamps=[flat_stamps[i * per_step : (i + 1) * per_step] for i in range(done)] if stamps else [],
+            failure=failure,
+        )
 
     def readings(self) -> list[int]:
         """The last step's clock readings (ns, CLOCK_MONOTONIC): its start, then one after each stage; none after a

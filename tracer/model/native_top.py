@@ -158,6 +158,13 @@ class SamplerPasses:
         return int(self._count(_address(x), x.shape[0], float(x[index]), index)) + 1
 
 
+def top_pass_sums(x_max: float, total: float, weighted: float, n: int) -> SoftmaxSums:
+    """The SoftmaxSums `SamplerPasses.top_softmax(x, .., for_draw=False)` returns, from what its C pass wrote: the
+    max, the two sums (total, then the weighted one) over all `n` values of x; for passes run inside C
+    (native_step.py's run_greedy)."""
+    return _summed(x_max, -math.inf, total, weighted, n, None)
+
+
 def _summed(x_max: float, cut: float, total: float, weighted: float, kept: int,
             blocks: ctypes.Array | None) -> SoftmaxSums:
     log_total = math.log(total)

@@ -27,12 +27,15 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
+from llmtrace.tracer.model.native_step import GreedyRun
+from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
 from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
+from llmtrace.tracer.trace.fused_marks import StepDims
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
 from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheRun, NoCacheStep, SamplingLesson
 from llmtrace.tracer.trace.lens import logit_lens
@@ -115,7 +118,10 @@ Event = Tokenized | PrefillDone | TokenStep | NoCacheProgress | Finished
 class Generation:
     """One traced generation of `settings.prompt` on `loaded`; iterate `events()` once."""
 
-    def __init__(self, loaded: LoadedModelLike, settings: RunSettings, sampler: Any = None) -> None:
+    def __init__(self, loaded: LoadedModelLike, settings: RunSettings, sampler: Any = None,
+                 run_ahead: bool = True) -> None:
+        """`run_ahead=False`: every decode step its own call, as the steps that cannot run ahead
+        (`_run_ahead_table`); for comparisons, the records are the same."""
         if settings.max_new_tokens < 1:
             raise BadArgumentError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
         self.loaded = loaded
@@ -154,6 +160,7 @@ class Generation:
         self._stop_reason = STOP_INTERRUPTED
         self._events: Iterator[Event] | None = None
         self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)
+        self._run_ahead = run_ahead
 
     def events(self) -> Iterator[Event]:
         if self._events is not None:
@@ -261,16 +268,61 @@ class Generation:
     def _generate(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         eos = getattr(self.tokenizer, "eos_id", None)
         token = yield from self._prefill(ids, rope, limit)
+        table = self._run_ahead_table()
+        ahead = FIRST_RUN_AHEAD
         while token != eos and len(self._generated) < limit:
-            step = self._step(DECODE, len(self._steps), [token])
-            token = step.token_id
-            yield TokenStep(step, len(self._generated), limit)
+            run = self.model.decode_greedy(token, min(ahead, limit - len(self._generated)), eos, table,
+                                           self.settings.trace) if table else None
+            if run is None:
+                step = self._step(DECODE, len(self._steps), [token])
+                token = step.token_id
+                yield TokenStep(step, len(self._generated), limit)
+                continue
+            for step in self._run_records(run):
+                token = step.token_id
+                yield TokenStep(step, len(self._generated), limit)
+            if run.failure:
+                raise self._not_finite(DECODE, len(self._steps))
+            ahead = _steps_ahead(run)
         if token == eos:
             self._stop_reason = STOP_EOS
         elif limit < self.settings.max_new_tokens:
             self._stop_reason = STOP_CONTEXT_FULL
         else:
             self._stop_reason = STOP_MAX_NEW_TOKENS
+
+    def _run_ahead_table(self) -> int:
+        """The candidate table's size when greedy decode steps may run several to a C call (Transformer.decode_greedy:
+        the sampler's own C pass chooses each next token there, so the tokens and records are the ones a step at a
+        time gives); 0 when they run a step at a time: switched off, a sampler that needs more than that pass (any
+        draw, a repetition penalty), --lens or --attention (their hooks read each step), --staged, another device,
+        or a tracer that cannot take the steps' C clock readings."""
+        if not self._run_ahead or self._observer is not None or self.settings.staged or not self._on_cpu:
+            return 0
+        vocab = self.config.vocab_size
+        greedy = getattr(self.sampler, "greedy_from_table", None)
+        if greedy is None or not greedy(vocab) or not hasattr(self.model, "decode_greedy") \
+                or not self._tracer.takes_stamped_steps():
+            return 0
+        return self.sampler.table_size(vocab)
+
+    def _run_records(self, run: GreedyRun) -> Iterator[StepRecord]:
+        """The records of the steps one C call ran (Transformer.decode_greedy), in order, each made as it is
+        yielded: its sample result from the sampler (`greedy_of_pass`, what `sample` gives for those logits), its
+        times from C's clock readings (the forward, then the sampler's pass) and the detokenizing here."""
+        vocab = self.config.vocab_size
+        stamped = self.settings.trace
+        for i, token in enumerate(run.tokens):
+            ids, logits = run.tables[i]
+            total, weighted = run.sums[i]
+            result = self.sampler.greedy_of_pass(vocab, ids, logits, top_pass_sums(logits[0], total, weighted, vocab))
+            start, forward_end, sample_end = run.clock[i]
+            index = len(self._steps)
+            context_length = int(self.model.pos) - len(run.tokens) + i + 1
+            if stamped:
+                self._tracer.stamped_step(DECODE, index, run.stamps[i], StepDims(1, 1, context_length))
+            yield self._record(DECODE, index, 1, context_length, run.kv_live_bytes[i], result, start, forward_end,
+                               sample_end)
 
     def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         step = self._step(PREFILL, 0, ids)
@@ -340,23 +392,38 @@ class Generation:
             sync()
         forward_end = time.perf_counter_ns()
         self._tracer.end_step()
-        if self.dry_run:
-            token_id, probability, greedy, filters, candidates, sampling = -1, 0.0, True, (), (), None
-            sample_end = text_end = forward_end
-            piece, text = "", ""
-        else:
+        result = None
+        sample_end = forward_end
+        if not self.dry_run:
             previous = self._prompt_ids_and_generated()
             try:  # the sampler's one pass over the logits is the finiteness check (no torch pass of its own)
                 result = self.sampler.sample(float32_numpy(logits)[0], previous)  # (V,), a view when it can be
             except NonFiniteLogitsError:
-                raise CheckpointError(
-                    f"the model's logits at {phase} step {index} are not finite (NaN, +inf or all -inf); its weights "
-                    "or config hold invalid values (NaN weights, a zero RoPE base, a negative norm epsilon)") from None
-            token_id = int(result.token_id)
+                raise self._not_finite(phase, index) from None
             sample_end = time.perf_counter_ns()
+        record = self._record(phase, index, len(ids), int(self.model.pos), int(self.model.kv_live_bytes), result,
+                              start, forward_end, sample_end)
+        if self._observer is not None:
+            self._observe(record)
+        if phase == PREFILL and not self.dry_run and self.settings.temperatures:
+            # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
+            self._lesson = sampling_lesson(logits[0], previous, self.settings, self._piece)
+        return record
+
+    def _record(self, phase: str, index: int, inputs: int, context_length: int, kv_live_bytes: int,
+                result: SampleResult | None, start: int, forward_end: int, sample_end: int) -> StepRecord:
+        """The step's record (kept in the run's steps) once its token is chosen (`result`; None in a dry run):
+        the text it adds is detokenized here, its time the step's last part, after `sample_end`."""
+        if result is None:
+            token_id, probability, greedy, filters, candidates, sampling = -1, 0.0, True, (), (), None
+            text_end = sample_end
+            piece, text = "", ""
+        else:
+            token_id = int(result.token_id)
             self._generated.append(token_id)
+            detokenize_start = time.perf_counter_ns()
             text = self._new_text(token_id)
-            text_end = time.perf_counter_ns()
+            text_end = sample_end + time.perf_counter_ns() - detokenize_start
             piece = self._piece(token_id)
             probability = float(result.probability)
             greedy = self.settings.temperature == 0
@@ -364,22 +431,23 @@ class Generation:
             candidates = tuple(self._candidate(c) for c in result.candidates)
             sampling = _sampling_record(result)
         record = StepRecord(
-            phase=phase, step=index, input_tokens=len(ids), context_length=int(self.model.pos),
+            phase=phase, step=index, input_tokens=inputs, context_length=context_length,
             token_id=token_id, piece=piece, text=text, probability=probability, greedy=greedy, filters=filters,
             candidates=candidates, sampling=sampling,
             kv_allocated_bytes=(int(self.model.kv_allocated_bytes) if self._kv_allocated is None
                                 else self._kv_allocated),
-            kv_live_bytes=int(self.model.kv_live_bytes),
+            kv_live_bytes=kv_live_bytes,
             start_ns=start - self.origin_ns, forward_ns=forward_end - start, sample_ns=sample_end - forward_end,
             detokenize_ns=text_end - sample_end, duration_ns=text_end - start,
         )
         self._steps.append(record)
-        if self._observer is not None:
-            self._observe(record)
-        if phase == PREFILL and not self.dry_run and self.settings.temperatures:
-            # after the step's clocks stopped: the lesson is instrumentation, not part of the run's sampling time
-            self._lesson = sampling_lesson(logits[0], previous, self.settings, self._piece)
         return record
+
+    @staticmethod
+    def _not_finite(phase: str, index: int) -> CheckpointError:
+        return CheckpointError(
+            f"the model's logits at {phase} step {index} are not finite (NaN, +inf or all -inf); its weights "
+            "or config hold invalid values (NaN weights, a zero RoPE base, a negative norm epsilon)")
 
     def _token_tensor(self, ids: list[int]) -> torch.Tensor:
         """The ids as a (1, T) int64 tensor on the model's device. On the CPU through numpy: torch.tensor() parses a
@@ -474,6 +542,19 @@ class Generation:
             return None
         prompt_len = len(self._tokenization.ids) if self._tokenization is not None else 0
         return no_cache_run(self._no_cache_steps, len(self._steps), self.config, self._dtypes(), prompt_len)
+
+
+FIRST_RUN_AHEAD = 4  # greedy decode steps in the first C call; then as many as take about RUN_AHEAD_NS
+RUN_AHEAD_NS = 50_000_000  # a C call's steps: the longest a live view waits for its next tokens, or Ctrl-C for effect
+MOST_RUN_AHEAD = 64
+
+
+def _steps_ahead(run: GreedyRun) -> int:
+    """How many greedy steps the next C call may run: as many as took about RUN_AHEAD_NS in the last one."""
+    if not run.clock:
+        return FIRST_RUN_AHEAD
+    per_step = max((run.clock[-1][2] - run.clock[0][0]) // len(run.clock), 1)
+    return max(1, min(MOST_RUN_AHEAD, RUN_AHEAD_NS // per_step))
 
 
 def generate(loaded: LoadedModelLike, settings: RunSettings) -> Trace:

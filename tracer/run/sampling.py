@@ -227,12 +227,12 @@ class Sampler:
         raw = _logits_as_numpy(logits)
         vocab = raw.size
         native = self._native_passes(raw)
-        table = min(self._n_candidates, vocab)
+        table = self.table_size(vocab)
         raw_softmax: _Softmax | SoftmaxSums
         top: tuple[list[int], list[float]] | None = None  # greedy, raw logits: the C pass's table, ids and logits
         if native is not None:
             # one call: the top values (the candidate table under greedy, else just the max) and the raw softmax
-            greedy_table = p.greedy and p.repetition_penalty == 1 and table <= MAX_COUNT
+            greedy_table = self.greedy_from_table(vocab)
             found = native.top_softmax(raw, table if greedy_table else 1, for_draw=not p.greedy)
             if found is None:  # a NaN or no finite max: numpy's max says which
                 raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max "
@@ -257,24 +257,51 @@ class Sampler:
         common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=n_penalized,
                       entropy_raw_bits=raw_entropy / _LN2)
         if p.greedy:
-            return self._greedy(raw, raw_softmax.lse, penalised, common, top)
+            if top is not None:
+                return self._greedy_of_table(vocab, top[0], top[1], raw_softmax.lse, common)
+            return self._greedy(raw, raw_softmax.lse, penalised, common)
         return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch, native)
 
-    def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict,
-                top: tuple[list[int], list[float]] | None) -> SampleResult:
+    def table_size(self, vocab: int) -> int:
+        """How many candidates a step's table lists for a vocabulary of `vocab`."""
+        return min(self._n_candidates, vocab)
+
+    def greedy_from_table(self, vocab: int) -> bool:
+        """Whether this sampler's choice and records follow from the C pass's table and softmax of the raw logits
+        alone (`greedy_of_pass`): greedy, no repetition penalty, a table the pass can select."""
+        p = self._params
+        return p.greedy and p.repetition_penalty == 1 and self.table_size(vocab) <= MAX_COUNT
+
+    def greedy_of_pass(self, vocab: int, top_ids: list[int], top_logits: list[float],
+                       raw_softmax: SoftmaxSums) -> SampleResult:
+        """What `sample` returns under `greedy_from_table()` for logits whose C pass (SamplerPasses.top_softmax,
+        count `table_size(vocab)`) found `top_ids`, `top_logits` and `raw_softmax`: for steps whose pass ran in C
+        right after the step (NativeStep.run_greedy)."""
+        common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=0,
+                      entropy_raw_bits=raw_softmax.entropy_nats / _LN2)
+        return self._greedy_of_table(vocab, top_ids, top_logits, raw_softmax.lse, common)
+
+    def _greedy_of_table(self, vocab: int, id_list: list[int], logit_list: list[float], raw_lse: float,
+                         common: dict) -> SampleResult:
+        """The greedy result from the C pass's table of the raw logits (no penalty): exp within its tolerance.
+        Python lists, not numpy arrays of ten: after a decode step each numpy call costs microseconds, cold."""
+        prob_raw = [math.exp(logit - raw_lse) for logit in logit_list]
+        return self._greedy_result(vocab, id_list, logit_list, logit_list, prob_raw, common)
+
+    def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> SampleResult:
+        """The greedy result computed in numpy (numpy's exp: the reference's bits)."""
         vocab = penalised.size
-        # Python lists, not numpy arrays of ten: after a decode step each numpy call costs microseconds, cold
-        if top is not None:  # the C pass's table of the raw logits (no penalty): exp within its tolerance
-            id_list, logit_list = top
-            penalised_list = logit_list
-            prob_raw = [math.exp(logit - raw_lse) for logit in logit_list]
-        else:  # numpy's exp, the reference's bits
-            ids = _top_sorted(penalised, min(self._n_candidates, vocab))
-            id_list = ids.tolist()
-            logits = raw[ids]
-            prob_raw = np.exp(logits.astype(np.float64) - raw_lse).tolist()
-            logit_list = logits.tolist()
-            penalised_list = logit_list if penalised is raw else penalised[ids].tolist()
+        ids = _top_sorted(penalised, min(self._n_candidates, vocab))
+        id_list = ids.tolist()
+        logits = raw[ids]
+        prob_raw = np.exp(logits.astype(np.float64) - raw_lse).tolist()
+        logit_list = logits.tolist()
+        penalised_list = logit_list if penalised is raw else penalised[ids].tolist()
+        return self._greedy_result(vocab, id_list, logit_list, penalised_list, prob_raw, common)
+
+    @staticmethod
+    def _greedy_result(vocab: int, id_list: list[int], logit_list: list[float], penalised_list: list[float],
+                       prob_raw: list[float], common: dict) -> SampleResult:
         chosen = id_list[0]  # ties sort lower ids first, so this is argmax's first maximum, like HF
         # the T -> 0 limit: the argmax has probability 1 before and after every filter, which keep everything
         candidates = tuple(Candidate(token, rank, logit, logit_penalized, p_raw, float(rank == 1), True, True, True,

@@ -26,7 +26,7 @@ from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
 from llmtrace.tracer.trace.records import StageRecord
-from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for, reads_host_clock
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
 
 MECHANISMS = ("auto", "fused", "wrap", "hooks")
@@ -310,6 +310,25 @@ class Tracer:
                 events = [(e[0], next(times), next(times), e[3]) for e in events]
             self._steps.append((self._phase, self._step, events, [], None))
         self._events.clear()
+
+    def takes_stamped_steps(self) -> bool:
+        """Whether steps the model runs and stamps on its own, several in one call (Transformer.decode_greedy), can
+        be traced as they ran (`stamped_step`): tracing is off, or it follows the fused path's stages on the plain
+        host clock, the clock the native step stamps in C."""
+        if not self.enabled:
+            return True
+        marks = self._marks
+        return marks is not None and not marks.staged and reads_host_clock(self.clock)
+
+    def stamped_step(self, phase: str, step: int, readings: list[int], dims: StepDims) -> None:
+        """Record a step that ran apart from begin_step/end_step and left its fused stages' clock readings
+        (NativeStep.readings' layout) on `dims`; nothing when tracing is off."""
+        marks = self._marks
+        if not self.enabled or marks is None:
+            return
+        if len(readings) != marks.expected:
+            raise RuntimeError(f"a stamped step left {len(readings)} clock readings, {marks.expected} expected")
+        self._steps.append((phase, step, [], readings, dims))
 
     def records(self) -> tuple[StageRecord, ...]:
         """Every stage record so far, in call order."""

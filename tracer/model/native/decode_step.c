@@ -57,6 +57,7 @@
 #include <time.h>
 
 #define LLMT_STEP_ABI 4 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+#define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER) */
 
 /* the attention's (its section below) */
 #define ATTN_GROUP 4    /* query heads of one KV head processed together (Llama 3 repeats 4; more run in turns) */
@@ -90,7 +91,7 @@ typedef struct {
     int64_t embedding_rows;
 } StepPlan;
 
-enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6 };
+enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6, STEP_NOT_FINITE = 7 };
 
 int64_t llmt_step_abi(void) { return LLMT_STEP_ABI; }
 int64_t llmt_step_layer_size(void) { return (int64_t)sizeof(StepLayer); }
@@ -691,11 +692,67 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     return STEP_OK;
 }
 
+/* Greedy decode steps back to back in one call (native_step.py's NativeStep.run_greedy): from `token` at `position`,
+   each step is llmt_decode_step and then llmt_top_softmax over its logits, the sampler's own C pass for a greedy
+   token (native_top.py), so the next token is the sampler's choice: the largest logit's, ties to the lower id. Why:
+   between two steps called from Python a decode token spends ~0.3-0.5 ms in Python (sampling, records, the
+   generator), every line of it cold after the step streamed the weights; here the next step starts at once.
+   cos, sin: the rope tables (S_max, D); window: the sliding window (0: none), for the keys each step attends.
+   Stops after `steps` steps or after the step that chose `stop_token`. Step i writes chosen[i], its table
+   top_ids, top_values [i * top_count ..] and softmax sums [2 * i ..] as llmt_top_softmax does, clock [3 * i ..]:
+   its start, its logits' end and its choice's end (CLOCK_MONOTONIC ns), and when `stamps` is not NULL its stage
+   stamps at stamps + i * (14 * layers + 4), as llmt_decode_step's. `logits` (vocab,) holds the last step's.
+   Returns the steps completed; *status: STEP_OK, the status of the step that failed (its KV rows unwritten but for
+   STEP_NOT_FINITE: logits with a NaN or no finite value, no token chosen from them). */
+int64_t llmt_decode_greedy(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
+                           int64_t window, int64_t steps, int64_t stop_token, int64_t top_count, float *logits,
+                           int64_t *chosen, int64_t *top_ids, float *top_values, double *sums, int64_t *clock,
+                           int64_t *stamps, int threads, int *status) {
+    const int64_t per_step = FUSED_STAMPS_PER_LAYER * plan->layers + 4;
+    *status = STEP_OK;
+    if (top_count < 1 || top_count > LLMT_TOP_MAX || window < 0) {
+        *status = STEP_BAD_SHAPE;
+        return 0;
+    }
+    for (int64_t i = 0; i < steps; i++) {
+        const int64_t at = position + i;
+        const int64_t first = window > 0 && at + 1 > window ? at + 1 - window : 0; /* first_attended_position */
+        int64_t *times = clock + 3 * i;
+        times[0] = now_ns();
+        *status = llmt_decode_step(plan, token, cos + at * plan->head_dim, sin + at * plan->head_dim, at, first,
+                                   logits, stamps == NULL ? NULL : stamps + i * per_step, threads, 0);
+        times[1] = now_ns();
+        if (*status != STEP_OK) return i;
+        int64_t *ids = top_ids + i * top_count;
+        float *values = top_values + i * top_count;
+        if (llmt_top_softmax(logits, plan->vocab, top_count, ids, values, sums + 2 * i, NULL) < 1 ||
+            !isfinite(values[0])) {
+            *status = STEP_NOT_FINITE;
+            return i;
+        }
+        token = chosen[i] = ids[0];
+        times[2] = now_ns();
+        if (token == stop_token) return i + 1;
+    }
+    return steps;
+}
+
 #else /* !LLMT_AVX2 */
 int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
                      int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
     (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)first, (void)logits, (void)stamps;
     (void)threads, (void)staged;
     return STEP_UNSUPPORTED;
+}
+
+int64_t llmt_decode_greedy(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
+                           int64_t window, int64_t steps, int64_t stop_token, int64_t top_count, float *logits,
+                           int64_t *chosen, int64_t *top_ids, float *top_values, double *sums, int64_t *clock,
+                           int64_t *stamps, int threads, int *status) {
+    (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)window, (void)steps, (void)stop_token;
+    (void)top_count, (void)logits, (void)chosen, (void)top_ids, (void)top_values, (void)sums, (void)clock;
+    (void)stamps, (void)threads;
+    *status = STEP_UNSUPPORTED;
+    return 0;
 }
 #endif /* LLMT_AVX2 */
