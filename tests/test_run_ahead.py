@@ -1,0 +1,231 @@
+"""Greedy decode steps run ahead in C (decode_step.c's llmt_decode_greedy, NativeStep.run_greedy,
+Transformer.decode_greedy, Generation's run-ahead): several steps to a call, each next token chosen by the sampler's
+own C pass over the step's logits.
+
+The independent reference is the step-at-a-time path the run-ahead replaces: `decode_one` (the same C step, one call
+each) with the Sampler choosing from its logits in Python. Run ahead, the tokens, the KV cache, every StepRecord and
+every stage record must be the same values (bit for bit: the same C code on the same inputs); only the times differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from llmtrace.tracer.core.errors import CheckpointError
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.native_step import GreedyRun
+from llmtrace.tracer.model.native_top import top_pass_sums
+from llmtrace.tracer.run import generate as generate_module
+from llmtrace.tracer.run.generate import Generation, _steps_ahead
+from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+from llmtrace.tracer.trace.records import DECODE, RunSettings
+from tests.test_native_step import BASE, native_model
+from tests.torch_threads import torch_threads
+
+TIMES = ("start_ns", "forward_ns", "sample_ns", "detokenize_ns", "duration_ns")
+
+
+@pytest.fixture(autouse=True)
+def native() -> None:
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+
+
+def untimed(record: Any) -> Any:
+    return dataclasses.replace(record, **{name: 0 for name in TIMES if hasattr(record, name)})
+
+
+def prefilled(model: Any, prompt: int = 5, room: int = 16) -> int:
+    """Prefill `prompt` tokens into a cache of prompt + room positions; the greedy first token."""
+    model.setup_cache(1, prompt + room)
+    logits = model.prefill(torch.arange(3, 3 + prompt).view(1, -1) % model.config.vocab_size)
+    return int(logits.argmax())
+
+
+def one_by_one(model: Any, token: int, steps: int) -> tuple[list[int], list[Any]]:
+    """`steps` decode_one calls, each next token the Sampler's greedy choice: the tokens and sample results."""
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    tokens, results = [], []
+    for _ in range(steps):
+        logits = model.decode_one(torch.tensor([[token]]))
+        result = sampler.sample(logits[0].numpy())
+        token = result.token_id
+        tokens.append(token)
+        results.append(result)
+    return tokens, results
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", [{}, {"sliding_window": 3}, {"tie_embeddings": True}])
+def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[str, Any], threads: int) -> None:
+    """Seven steps in one call: the same tokens, the same KV cache bit for bit, the same position, and each step's
+    candidate table and softmax sums give the sample result the Sampler computes from that step's logits (a window
+    of 3 positions: the run attends the window each step moves to)."""
+    config = dataclasses.replace(BASE, **variant)
+    model = native_model(config, seed=3)
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    with torch_threads(threads):
+        first = prefilled(model)
+        want_tokens, want_results = one_by_one(model, first, 7)
+        want_kv, want_pos = model._kv_all.clone(), model.pos
+        first = prefilled(model)
+        run = model.decode_greedy(first, 7, None, sampler.table_size(config.vocab_size))
+    assert run is not None and run.failure == ""
+    assert run.tokens == want_tokens and model.pos == want_pos
+    assert torch.equal(model._kv_all, want_kv)
+    for (ids, logits), (total, weighted), want in zip(run.tables, run.sums, want_results):
+        got = sampler.greedy_of_pass(config.vocab_size, ids, logits,
+                                     top_pass_sums(logits[0], total, weighted, config.vocab_size))
+        assert got == want
+    held = [min(length, config.sliding_window or length) for length in range(6, 13)]
+    assert list(run.kv_live_bytes) == [model._fused_plan.position_bytes * h for h in held]
+
+
+def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
+    """The stop token ends the run right after the step that chose it, and the cache counts only those steps; the
+    next call carries on from there as the step-at-a-time path does."""
+    model = native_model(BASE, seed=2)  # eight different greedy tokens
+    first = prefilled(model)
+    want, _ = one_by_one(model, first, 8)
+    stop = want[2]
+    assert stop not in want[:2]
+    first = prefilled(model)
+    run = model.decode_greedy(first, 8, stop, 10)
+    assert run is not None and run.tokens == want[:3] and model.pos == 5 + 3
+    rest = model.decode_greedy(run.tokens[-1], 5, None, 10)
+    assert rest is not None and rest.tokens == want[3:]
+
+
+def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
+    """Each step's start, logits' end and choice's end are in order and the next step starts after the last one's
+    choice; stamped, each step's stage readings lie within its forward."""
+    model = native_model(BASE)
+    first = prefilled(model)
+    run = model.decode_greedy(first, 5, None, 10, stamps=True)
+    assert run is not None and len(run.stamps) == 5
+    for (start, forward_end, sample_end), stamps in zip(run.clock, run.stamps):
+        assert start <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= forward_end <= sample_end
+    ends = [c[2] for c in run.clock]
+    assert all(end <= nxt[0] for end, nxt in zip(ends, run.clock[1:]))
+
+
+def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
+    """A step whose logits hold NaN (its token's embedding row is NaN) chooses nothing: the run holds the steps
+    before it and says why, and the cache does not count it."""
+    model = native_model(BASE, dense_embedding=True)
+    first = prefilled(model)
+    chosen, _ = one_by_one(model, first, 2)
+    with torch.no_grad():
+        model.tok_embeddings.weight[chosen[1]] = float("nan")  # the third step's input
+    model.setup_cache(1, 21)  # an in-place edit voids the plan until the next setup_cache
+    model.prefill(torch.arange(3, 8).view(1, -1))
+    run = model.decode_greedy(first, 6, None, 10)
+    assert run is not None and run.tokens == chosen and run.failure == "not finite" and model.pos == 5 + 2
+
+
+def test_models_the_native_step_cannot_run_get_none() -> None:
+    """No native step (a dense model), a batch, or too few positions left: None, and nothing written."""
+    from llmtrace.tracer.model.transformer import Transformer
+
+    dense = Transformer(BASE).eval()
+    prefilled(dense)
+    assert dense.decode_greedy(1, 4, None, 10) is None and dense.pos == 5
+    model = native_model(BASE)
+    first = prefilled(model, room=3)
+    assert model.decode_greedy(first, 4, None, 10) is None and model.pos == 5
+    assert model.decode_greedy(first, 3, None, 10) is not None and model.pos == 8
+
+
+def test_steps_ahead_take_about_fifty_milliseconds() -> None:
+    def run(per_step_ns: int, steps: int = 4) -> GreedyRun:
+        clock = [(i * per_step_ns, i * per_step_ns + per_step_ns - 10, (i + 1) * per_step_ns) for i in range(steps)]
+        return GreedyRun(tokens=[1] * steps, tables=[], sums=[], clock=clock, stamps=[])
+
+    assert _steps_ahead(run(2_500_000)) == 20
+    assert _steps_ahead(run(100_000_000)) == 1
+    assert _steps_ahead(run(100_000)) == generate_module.MOST_RUN_AHEAD
+
+
+# ---- the generation loop on the bundled model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled() -> Any:
+    from llmtrace.tracer.load.loader import load_model
+
+    return load_model(None)
+
+
+def generation(loaded: Any, run_ahead: bool, **settings: Any) -> Any:
+    options = dict(model="", prompt="The capital of France is", max_new_tokens=48) | settings
+    made = Generation(loaded, RunSettings(**options), run_ahead=run_ahead)
+    try:
+        return made.run()
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled model, greedy to EOS (31 tokens, inside a call of ~20 steps): the same tokens, text, stop
+    reason, step records and stage records, times apart; the run-ahead path made several steps a call."""
+    calls = []
+    decode_greedy = type(bundled.model).decode_greedy
+
+    def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
+        run = decode_greedy(model, *args, **kwargs)
+        calls.append(len(run.tokens))
+        return run
+
+    monkeypatch.setattr(type(bundled.model), "decode_greedy", counted)
+    ahead = generation(bundled, True, trace=trace, prompt="The sky is", chat=True)
+    assert calls and max(calls) > 1 and sum(calls) == len(ahead.steps) - 1
+    calls.clear()
+    step_by_step = generation(bundled, False, trace=trace, prompt="The sky is", chat=True)
+    assert calls == []
+    assert ahead.stop_reason == step_by_step.stop_reason == "eos"
+    assert ahead.generated_ids == step_by_step.generated_ids and ahead.generated_text == step_by_step.generated_text
+    assert [untimed(s) for s in ahead.steps] == [untimed(s) for s in step_by_step.steps]
+    assert [untimed(s) for s in ahead.stages] == [untimed(s) for s in step_by_step.stages]
+    assert len(ahead.stages) == (len(ahead.steps) * 423 if trace else 0)
+    for step in ahead.steps:
+        assert step.duration_ns == step.forward_ns + step.sample_ns + step.detokenize_ns and step.forward_ns > 0
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, seed=1), dict(repetition_penalty=1.2), dict(lens=True),
+                                      dict(staged=True)])
+def test_runs_that_need_each_step_run_a_step_at_a_time(bundled: Any, settings: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draw, a repetition penalty, the logit lens's hooks, --staged: no run ahead."""
+    calls = []
+    monkeypatch.setattr(type(bundled.model), "decode_greedy", lambda *a, **k: calls.append(1))
+    trace = generation(bundled, True, max_new_tokens=4, **settings)
+    assert calls == [] and len(trace.steps) == 4
+
+
+def test_ctrl_c_between_steps_of_a_call_keeps_the_steps_recorded(bundled: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the records of a call's steps are made: the run ends "interrupted" with the steps recorded
+    before it, their stage records, and no stage record of the step it interrupted."""
+    added = itertools.count()
+    text_stream_add = generate_module.TextStream.add
+
+    def interrupted(stream: Any, token: int) -> str:
+        if next(added) == 6:
+            raise KeyboardInterrupt
+        return text_stream_add(stream, token)
+
+    monkeypatch.setattr(generate_module.TextStream, "add", interrupted)
+    trace = generation(bundled, True, trace=True)
+    assert trace.stop_reason == "interrupted"
+    assert [s.step for s in trace.steps] == list(range(6))
+    assert {s.step for s in trace.stages} == set(range(6))
+    decode = [s for s in trace.steps if s.phase == DECODE]
+    assert np.all(np.diff([s.start_ns for s in decode]) > 0)
