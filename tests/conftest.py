@@ -130,15 +130,12 @@ def _native_kernel_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 
 
 @pytest.fixture
-def portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def portable_build(tmp_path: Path) -> Iterator[None]:
     """The library built without -march=native (no AVX2: the portable C loops), in a folder of the test's own."""
-    from llmtrace.tracer.model import native_kernel
+    from tests.native_builds import PORTABLE_FLAGS, built_with
 
-    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
-    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-fopenmp"), ("-O3",)))
-    native_kernel.reset()
-    yield
-    native_kernel.reset()
+    with built_with(PORTABLE_FLAGS, tmp_path / "native"):
+        yield
 
 
 # ---- tiny quantized GGUFs (stored weights, native kernel, stored candidates) ----------------------------------------

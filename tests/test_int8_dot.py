@@ -35,6 +35,7 @@ from llmtrace.tracer.model.weight_formats import (
     stored_kernels,
 )
 from tests.guard_page import guarded_products
+from tests.native_builds import built_with
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -206,20 +207,14 @@ def test_the_portable_build_computes_the_same_math(portable_build: None) -> None
             _check(weight, raw, qtype, torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)))
 
 
-def test_the_build_without_vnni_gives_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    native: None) -> None:
+def test_the_build_without_vnni_gives_the_same_bits(tmp_path: Path, native: None) -> None:
     """The K-quant kernels' integer dot products are one vpdpbusd with AVX-512 VNNI, maddubs + madd without: the same
     integers, so the library built with -mno-avx512vnni gives every row the same bits (where the compiler takes it)."""
     raws = {qtype: random_blocks(qtype, 9, 512, np.random.default_rng(int(qtype))) for qtype in K_QUANTS}
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
     with_vnni = {qtype: pack_gguf(raw, int(qtype), 512, I8DOT)(x[:1]) for qtype, raw in raws.items()}
-    monkeypatch.setenv(native_kernel.DIR_ENV, str(tmp_path / "native"))
-    monkeypatch.setattr(native_kernel, "FLAG_SETS", (("-O3", "-march=native", "-mno-avx512vnni", "-fopenmp"),))
-    native_kernel.reset()
-    try:
+    with built_with((("-O3", "-march=native", "-mno-avx512vnni", "-fopenmp"),), tmp_path / "native"):
         if not native_kernel.available():
             pytest.skip(f"no -mno-avx512vnni build here: {native_kernel.unavailable_reason()}")
         for qtype, raw in raws.items():
             assert torch.equal(pack_gguf(raw, int(qtype), 512, I8DOT)(x[:1]), with_vnni[qtype]), qtype.name
-    finally:
-        native_kernel.reset()
