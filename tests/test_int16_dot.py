@@ -46,6 +46,7 @@ from llmtrace.tracer.model.weight_formats import (
     stored_kernels,
 )
 from tests.guard_page import guarded_products
+from tests.native_builds import PORTABLE_FLAGS, built_with
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -246,3 +247,34 @@ def test_the_portable_build_computes_the_same_math(portable_build: None) -> None
         for tokens in (1, 2):
             check(weight, raw, torch.randn(tokens, _columns(qtype), generator=torch.Generator().manual_seed(tokens)),
                   qtype)
+
+
+def test_the_portable_build_gives_the_avx2_build_s_bits(tmp_path: Path, native: None) -> None:
+    """int16_dot.c's portable loops add the same fp32 terms in the same order as its AVX2 kernels (the integer sums
+    are exact, so only the float order can differ): built both ways, every product is the same bits. Random shapes
+    (decode rows in fours or eights and alone, prefill tiles, a few columns to many) and activations whose blocks
+    span 1e-4..1e4, with all-zero blocks and blocks whose 32767 / max|x| overflows fp32, so a sum in another order
+    would round differently somewhere."""
+    if not native_kernel.library().avx2:
+        pytest.skip("the session's build is the portable one: nothing to compare it with")
+    rng = np.random.default_rng(1616)
+    cases = []
+    for trial in range(80):
+        qtype = TYPES[trial % 2]
+        cols = int(rng.integers(1, 7)) * 256 if qtype == Q.Q6_K else int(rng.integers(1, 41)) * 32
+        rows, tokens = int(rng.integers(1, 40)), int(rng.integers(1, 6))
+        x = rng.standard_normal((tokens, cols // 32, 32)) * np.exp(rng.uniform(-9, 9, (tokens, cols // 32, 1)))
+        x[rng.random((tokens, cols // 32)) < 0.05] = 0.0
+        x[rng.random((tokens, cols // 32)) < 0.05] *= 1e-40
+        cases.append((qtype, random_blocks(qtype, rows, cols, rng), torch.from_numpy(x.reshape(tokens, cols)).float()))
+
+    def products() -> list[torch.Tensor]:
+        return [pack_gguf(raw, int(qtype), x.shape[1], I16DOT)(x) for qtype, raw, x in cases]
+
+    avx2 = products()
+    with built_with(PORTABLE_FLAGS, tmp_path / "native"):
+        assert not native_kernel.library().avx2
+        portable = products()
+    for (qtype, raw, x), a, p in zip(cases, avx2, portable, strict=True):
+        assert torch.equal(a, p), (qtype.name, raw.shape, tuple(x.shape), float((a - p).abs().max()))
+    assert all(torch.isfinite(a).all() for a in avx2)  # every case compared numbers, not NaN against NaN

@@ -22,7 +22,8 @@
  * (as quantize_x does). A block whose max|x| is so small that 32767 / max|x| overflows fp32 is rounded in double.
  *
  * Float math per row, the same whichever path computes it (so a row's value is bit for bit the same whatever the
- * thread split, the rows per pass or the integer instruction: the integer sums are exact): per block, in order,
+ * thread split, the rows per pass, the integer instruction or the build, AVX2 or portable C: the integer sums are
+ * exact): per block, in order,
  * acc = fma(d_w * d_x, (float)sum(c*q), acc). Decode takes a thread's rows eight at a time (i16_q8_rows8: x's block
  * loaded once for the eight, their sums folded into one vector, their scales converted in one), the rest one by one;
  * prefill takes tiles of 2 rows of W times 4 activation rows (i16_q8_tile: the 8 pairs folded the same way).
@@ -232,22 +233,26 @@ static inline __attribute__((always_inline)) void i16_q6k_rows(int rows, const u
 
 #else
 
-/* one row of a Q6_K matrix times one int16 activation row, portable C: per sub-block of 16 values
-   acc += ((d * sc) * d_x) * sum(c*q) (not the AVX2 build's lane order) */
+/* one row of a Q6_K matrix times one int16 activation row, portable C: i16_q6k_rows' float math, term for term, so
+   both builds give a product the same bits. Its 16 lanes (two vectors of 8, one per super-block half) are acc[16]:
+   sub-block j (16 values) of every super-block goes to acc[j] as fma((d * sc_j) * d_x, sum(c*q), acc[j]); the
+   result is hsum(acc[0..8) + acc[8..16)) with hsum's pairing ((0+4) + (2+6)) + ((1+5) + (3+7)). */
 static float i16_q6k_row_portable(const uint8_t *row, int64_t n_blocks, const X16Block *x) {
-    float acc = 0.0f;
+    float acc[16] = {0.0f};
     for (int64_t b = 0; b < n_blocks; b++)
-        for (int sub = 0; sub < 8; sub++) {
+        for (int sub = 0; sub < 8; sub++) { /* 32 values: sub-blocks 2 sub and 2 sub + 1 */
             int c[32], lo = 0, hi = 0;
             float a0, a1, off;
-            block_codes(Q6_K, row + b * 210, sub, c, &a0, &a1, &off);
+            block_codes(Q6_K, row + b * 210, sub, c, &a0, &a1, &off); /* a0, a1: d * sc, as the AVX2 kernel forms */
             const X16Block *xb = x + 8 * b + sub;
             for (int l = 0; l < 16; l++) lo += c[l] * xb->q[l];
             for (int l = 16; l < 32; l++) hi += c[l] * xb->q[l];
-            acc = fmaf(a0 * xb->d, (float)lo, acc);
-            acc = fmaf(a1 * xb->d, (float)hi, acc);
+            acc[2 * sub] = fmaf(a0 * xb->d, (float)lo, acc[2 * sub]);
+            acc[2 * sub + 1] = fmaf(a1 * xb->d, (float)hi, acc[2 * sub + 1]);
         }
-    return acc;
+    float v[8];
+    for (int l = 0; l < 8; l++) v[l] = acc[l] + acc[8 + l];
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
 /* one row of a Q8_0 matrix times one int16 activation row, portable C: i16_q8_row's math */
