@@ -45,6 +45,7 @@ from llmtrace.tracer.model.weight_formats import (
     runs_blocks,
     stored_kernels,
 )
+from tests.activation_codes import round_activations
 from tests.guard_page import guarded_products
 from tests.native_builds import PORTABLE_FLAGS, built_with
 from tests.tiny_gguf import random_blocks
@@ -62,23 +63,6 @@ def native() -> None:
         pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, K) fp32 -> (codes (rows, K) int, scales d (rows, K/32) fp32), as int16_dot.c's quantize_x16 (a block
-    whose max|x| is so small that 32767 / max|x| overflows fp32 rounded in double)."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)  # (rows, K/32, 1)
-    d = amax / np.float32(32767)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inverse = np.where(amax != 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        codes = np.rint(blocks * inverse)  # fp32 product, then round half to even
-    tiny = np.broadcast_to(~np.isfinite(inverse), blocks.shape)  # 32767 / max|x| overflowed: in double
-    with np.errstate(divide="ignore", invalid="ignore"):  # the other blocks' quotients are not taken
-        codes[tiny] = np.rint(blocks.astype(np.float64) * 32767 / amax.astype(np.float64))[tiny]
-    assert np.abs(codes).max() <= 32767
-    return codes.reshape(x.shape).astype(np.int64), d[..., 0]
-
-
 def _columns(qtype: Q) -> int:
     return 7 * 32 if qtype == Q.Q8_0 else 2 * 256
 
@@ -87,7 +71,7 @@ def check(weight, raw: np.ndarray, x: torch.Tensor, qtype: Q = Q.Q8_0) -> np.nda
     """The kernel's product against both references (module docstring); returns |y - x @ w.T|."""
     values = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float64)  # (N, K)
     got = weight(x).double().numpy()
-    codes, d = quantize(x.numpy())
+    codes, d = round_activations(x.numpy(), 32767)
     wb = values.reshape(values.shape[0], -1, 32)  # (N, K/32, 32)
     qb = codes.reshape(codes.shape[0], -1, 32).astype(np.float64)  # (rows, K/32, 32)
     same = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), wb, qb)

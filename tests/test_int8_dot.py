@@ -15,6 +15,7 @@ Two references, both independent of the C code's decoding (gguf's dequantizer gi
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import gguf
@@ -34,8 +35,9 @@ from llmtrace.tracer.model.weight_formats import (
     runs_blocks,
     stored_kernels,
 )
+from tests.activation_codes import round_activations
 from tests.guard_page import guarded_products
-from tests.native_builds import built_with
+from tests.native_builds import PORTABLE_FLAGS, built_with
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -56,21 +58,9 @@ def _columns(qtype: Q) -> int:
     return 7 * 32 if block == 32 else 2 * 256
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, K) fp32 -> (codes (rows, K) int, scales d (rows, K/32) fp32), as int8_dot.c's quantize_x."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)  # (rows, K/32, 1)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    codes = np.rint(blocks * inverse)  # fp32 product, then round half to even
-    assert np.abs(codes).max() <= 127
-    return codes.reshape(x.shape).astype(np.int64), d[..., 0]
-
-
 def same_math(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the kernel's product in fp64, the fp32-rounding bound of each output) for x (rows, K) and values w (N, K)."""
-    codes, d = quantize(x)
+    codes, d = round_activations(x, 127)
     wb = w.astype(np.float64).reshape(w.shape[0], -1, 32)  # (N, K/32, 32)
     qb = codes.reshape(codes.shape[0], -1, 32).astype(np.float64)  # (rows, K/32, 32)
     product = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), wb, qb)
@@ -80,10 +70,13 @@ def same_math(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rounding_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """sum over blocks of d/2 * sum|w|, plus fp32 summation: how far the kernel may be from x @ w.T."""
-    _, d = quantize(x)
+    """sum over blocks of d/2 * sum|w|, plus fp32 summation: how far the kernel may be from x @ w.T. d is max|x| / 127
+    rounded to fp32, which counts where d is subnormal (max|x| below 127 * 2^-126): |x - d*q| <= max|x|/254 +
+    127 * |d - max|x|/127| <= d/2 + 64 ulp(d) (where d is normal, 64 ulp is 2^-17 of d/2)."""
+    _, d = round_activations(x, 127)
+    step = 0.5 * d.astype(np.float64) + 64 * np.spacing(d).astype(np.float64)  # (rows, K/32)
     absw = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 32).sum(axis=2)  # (N, K/32)
-    return 0.5 * d.astype(np.float64) @ absw.T + np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T * SUM_TOLERANCE
+    return step @ absw.T + np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T * SUM_TOLERANCE
 
 
 def _check(weight, raw: np.ndarray, qtype: Q, x: torch.Tensor) -> None:  # noqa: ANN001
@@ -111,6 +104,32 @@ def test_products_are_the_int8_math_and_within_the_rounding_bound(qtype: Q, nati
         x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)) * 3
         x[0, :32] = 0.0  # an all-zero block: d = 0, no division by zero
         _check(weight, raw, qtype, x)
+
+
+def test_a_block_whose_127_over_max_overflows_keeps_its_codes(tmp_path: Path, native: None) -> None:
+    """A block whose max|x| is below 127 / FLT_MAX (~3.7e-37) has 127 / max|x| overflow fp32: quantize_x rounds its
+    codes in double (before, every code of such a block became -128, or 0 in the portable loops, so a row of them came
+    out with the wrong size and sign). Rows of only such blocks, max|x| from 3e-37 down to subnormal 2e-40, times Q8_0
+    blocks whose scales (2^14..65504) keep d_w * d_x a normal fp32 number, on both builds: each product is the int8
+    math, within the rounding bound of x @ w.T, and within 2^-6 of it in norm, as an ordinary row is (~5e-3)."""
+    rng = np.random.default_rng(37)
+    rows, cols = 13, 7 * 32
+    raw = random_blocks(Q.Q8_0, rows, cols, rng)
+    blocks = raw.reshape(rows, -1, 34)  # a Q8_0 block: fp16 scale, 32 int8 codes
+    blocks[:, :, :2] = rng.uniform(2**14, 65504, blocks.shape[:2]).astype("<f2")[..., None].view(np.uint8)
+    scale = np.exp(rng.uniform(np.log(2e-40), np.log(3e-37), (3, cols // 32, 1)))  # each block's own size
+    x = torch.from_numpy((rng.uniform(-1, 1, (3, cols // 32, 32)) * scale).reshape(3, cols)).float()
+    assert (x.abs().amax(dim=1) < 127 / np.finfo(np.float32).max).all()
+    values = np.asarray(gguf_dequantize(raw, Q.Q8_0), dtype=np.float64)
+    exact = x.double().numpy() @ values.T
+    for build in (nullcontext(), built_with(PORTABLE_FLAGS, tmp_path / "portable")):
+        with build:
+            weight = pack_gguf(raw, int(Q.Q8_0), cols, I8DOT)
+            for tokens in (1, 3):  # one token (decode), a few (prefill tiles)
+                _check(weight, raw, Q.Q8_0, x[:tokens])
+                got = weight(x[:tokens]).double().numpy()
+                # the int8 rounding's ~5e-3 of an ordinary row (kernel_choice's probe), not the -128s' ~1 or more
+                assert np.linalg.norm(got - exact[:tokens]) <= 2**-6 * np.linalg.norm(exact[:tokens])
 
 
 def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
