@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-FILES = ("decode_step.c", "gguf_matmul.c", "int8_dot.c", "int8_groups.c", "int16_dot.c", "top_values.c")
 
 
 def build(folder: Path) -> Path:
     """The library native_kernel builds from `folder`'s sources, in folder/build (built by a child process)."""
-    code = ("import os, sys; from pathlib import Path; from llmtrace.tracer.model import native_kernel as k; "
-            "f = Path(sys.argv[1]); os.environ[k.DIR_ENV] = str(f / 'build'); k.SOURCE = f / 'decode_step.c'; "
-            f"k.SOURCES = tuple(f / n for n in {FILES!r} if (f / n).exists()); print(k.library().path)")
+    code = ("import sys; from pathlib import Path; from llmtrace.tracer.model import native_kernel as k; "
+            "from benchmarks.run_with_native_source import use_sources; "
+            "f = Path(sys.argv[1]); use_sources(f, f / 'build'); print(k.library().path)")
     done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, cwd=HERE)
     if done.returncode:
         sys.exit(f"{folder}: {done.stderr[-2000:]}")

@@ -27,14 +27,10 @@ HERE = Path(__file__).resolve().parent.parent
 
 def child(sources: str, weights: str) -> None:
     sys.path.insert(0, str(Path.cwd()))
-    from llmtrace.tracer.model import native_kernel
-
     if sources != "cur":
-        folder = Path(sources)
-        os.environ[native_kernel.DIR_ENV] = str(folder / "build")
-        native_kernel.SOURCE = folder / "decode_step.c"
-        native_kernel.SOURCES = tuple(folder / source.name for source in native_kernel.SOURCES
-                                      if (folder / source.name).exists())
+        from benchmarks.run_with_native_source import use_sources
+
+        use_sources(Path(sources), Path(sources) / "build")
     from benchmarks.bench_native_rows import model_steps
 
     print(json.dumps(model_steps(weights, 128)))

@@ -1,11 +1,14 @@
-"""`llmtrace ...` with the native kernel built from another gguf_matmul.c: a baseline for end-to-end comparisons.
+"""`llmtrace ...` with the native kernel built from another tree's C sources: a baseline for end-to-end comparisons.
 
     .venv/bin/python -m benchmarks.run_with_native_source OLD.c run capital --weights native --no-trace --summary-json
     .venv/bin/python -m benchmarks.run_with_native_source main -m benchmarks.bench_decode_step --child --weights native
 
-OLD.c is a file, or a git revision whose tracer/model/native/gguf_matmul.c is taken. The build goes in its own
-folder ($LLMTRACE_NATIVE_DIR when set, else one in the temporary directory named by the source's hash, reused by
-later runs), so the current source's build is left alone.
+SPEC is a git revision, whose tracer/model/native/*.c are taken (its whole source set: decode_step.c and every file
+it #includes), or a file taken as gguf_matmul.c with the other sources beside it (bench_native_rows.baseline_source: an
+edited copy of a tree's native/ folder); a file of today's set the spec lacks is today's. The sources and their build
+go in a folder of their own ($LLMTRACE_NATIVE_DIR when set, else one in the temporary directory named by the sources'
+hash, reused by later runs), so the current source's build is left alone. native_kernel loads the build only if its
+ABI numbers are today's: a revision from before a change of them is refused, with that reason.
 """
 
 from __future__ import annotations
@@ -13,26 +16,52 @@ from __future__ import annotations
 import hashlib
 import os
 import runpy
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_native_rows import baseline_source  # noqa: E402
+from benchmarks.bench_native_rows import REPO, baseline_source  # noqa: E402
 from llmtrace.tracer.model import native_kernel  # noqa: E402
+
+NATIVE = "tracer/model/native"
+
+
+def tree_sources(spec: str) -> dict[str, str]:
+    """{file name: text} of the C files a build of SPEC is made of: today's set of names and a revision's every
+    tracer/model/native/*.c, each SPEC's text where it has one, else today's."""
+    names = {path.name for path in native_kernel.SOURCES}
+    if not Path(spec).is_file():
+        listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", spec, f"{NATIVE}/"],
+                                capture_output=True, text=True)
+        if listed.returncode:
+            sys.exit(f"no source tree {spec}: {listed.stderr.strip()}")
+        names |= {Path(line).name for line in listed.stdout.splitlines() if line.endswith(".c")}
+    texts = {name: baseline_source(spec, name) for name in sorted(names)}
+    return {name: text if text is not None else (native_kernel.NATIVE_SOURCES / name).read_text()
+            for name, text in texts.items()}
+
+
+def use_sources(folder: Path, build: Path) -> None:
+    """native_kernel compiles `folder`'s decode_step.c (which #includes the rest from there), keys the build by every
+    .c file in `folder` and keeps it in `build`: called before anything loads the library."""
+    os.environ[native_kernel.DIR_ENV] = str(build)
+    native_kernel.SOURCE = folder / native_kernel.SOURCE.name
+    native_kernel.SOURCES = tuple(sorted(folder.glob("*.c")))
+    native_kernel.reset()
+    native_kernel.sources_digest.cache_clear()  # saved kernel choices are keyed by the sources' digest
 
 
 def main() -> None:
     spec, rest = sys.argv[1], sys.argv[2:]
-    text = baseline_source(spec)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    sources = tree_sources(spec)
+    digest = hashlib.sha256(repr(sorted(sources.items())).encode()).hexdigest()[:16]
     folder = Path(os.environ.get(native_kernel.DIR_ENV) or Path(tempfile.gettempdir()) / f"llmtrace-native-{digest}")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "gguf_matmul.c").write_text(text)  # included by decode_step.c: the baseline must have today's ABI
-    (folder / "decode_step.c").write_text(native_kernel.SOURCE.read_text())
-    os.environ[native_kernel.DIR_ENV] = str(folder)
-    native_kernel.SOURCE = folder / "decode_step.c"  # read when the kernel is built and keyed
-    native_kernel.SOURCES = (native_kernel.SOURCE, folder / "gguf_matmul.c")
+    for name, text in sources.items():
+        (folder / name).write_text(text)
+    use_sources(folder, folder)
     if rest[:1] == ["-m"]:  # another module's main, e.g. a benchmark's in-process measurement
         sys.argv = [rest[1], *rest[2:]]
         runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
