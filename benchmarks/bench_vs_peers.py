@@ -9,8 +9,11 @@ text is tokenized by llmtrace, and those ids are fed to HF and llama.cpp) and th
 Rounds interleave the engines (a shared machine's slow spells then hit all of them); medians are reported.
 
 - llmtrace: `load_model(None, AUTO)` and `Generation` with `run`'s default settings (its warm-up pass included, as
-  `run` does), only the prompt and `max_new_tokens` set; the figures are the trace summary's (prefill: prompt
-  tokens / prefill forward time; decode: steps / their wall time, sampling included), so they are what `run` prints.
+  `run` does), only the prompt and `max_new_tokens` set. Prefill: prompt tokens / the prefill's forward time (the
+  trace's, what `run` prints). Decode: decode steps / the wall time from the PrefillDone event to the last TokenStep
+  event, so everything between the steps counts (records, the generator), as the peers' loops count theirs. The
+  untraced default also runs with `run_ahead=False` (every decode step its own C call, as before greedy steps ran
+  ahead in C), for the run-ahead's effect side by side.
   The explicit rows load `weights=<kernel>` / `weights="dense"` with `--dtype auto`; a stored kernel whose measured
   products (kernels.json, the same measurement) are over `--skip-slower` times the default's is not run (the
   exact "blocks" reference kernel is ~30x slower), and the report says so with its measured product time.
@@ -81,22 +84,30 @@ def prompt_of(tokenizer: Any, tokens: int) -> tuple[str, list[int]]:
 # ---- llmtrace -------------------------------------------------------------------------------------------------
 
 
-def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens: int) -> tuple[Timing, Any]:
+def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens: int,
+                  run_ahead: bool = True) -> tuple[Timing, Any]:
     """One `run` with default settings (warm-up included); (prefill tok/s, decode tok/s, ids) and its summary."""
-    from llmtrace.tracer.run.generate import Generation
+    from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, TokenStep
     from llmtrace.tracer.trace.records import RunSettings
     from llmtrace.tracer.trace.summary import run_summary
 
     settings = RunSettings(model="", prompt=text, max_new_tokens=new_tokens, dtype="auto", trace=trace, staged=staged)
-    generation = Generation(loaded, settings)
+    generation = Generation(loaded, settings, run_ahead=run_ahead)
+    prefilled = last = steps = 0
     try:
-        result = generation.run()
+        for event in generation.events():
+            if isinstance(event, PrefillDone):
+                prefilled = time.perf_counter_ns()
+            elif isinstance(event, TokenStep):
+                last, steps = time.perf_counter_ns(), steps + 1
+            elif isinstance(event, Finished):
+                result = event.trace
     finally:
         generation.close()
     summary = run_summary(result)
     pre = summary.prefill
     ids = [s.token_id for s in result.steps]
-    return (pre.tokens_in / (pre.forward_ns / 1e9), summary.decode_tokens_per_second, ids), summary
+    return (pre.tokens_in / (pre.forward_ns / 1e9), steps / ((last - prefilled) / 1e9), ids), summary
 
 
 # ---- HF transformers ------------------------------------------------------------------------------------------
@@ -224,14 +235,15 @@ def main() -> None:
     summaries: dict[str, Any] = {}
     skipped: list[str] = []
 
-    def ours(model: Any, name: str, trace: bool, staged: bool) -> Callable[[], Timing]:
+    def ours(model: Any, name: str, trace: bool, staged: bool, run_ahead: bool = True) -> Callable[[], Timing]:
         def run() -> Timing:
-            timing, summaries[name] = time_llmtrace(model, text, trace, staged, new)
+            timing, summaries[name] = time_llmtrace(model, text, trace, staged, new, run_ahead)
             return timing
         return run
 
     default = f"llmtrace default [{describe(loaded)}]"
     cases[f"{default} --no-trace"] = ours(loaded, "untraced", False, False)
+    cases[f"{default} --no-trace, a step a call"] = ours(loaded, "untraced, a step a call", False, False, False)
     cases[f"{default} traced"] = ours(loaded, "traced", True, False)
     cases[f"{default} --staged traced"] = ours(loaded, "staged", True, True)
     choice = loaded.kernels

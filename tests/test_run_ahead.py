@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -24,7 +27,8 @@ from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
 from llmtrace.tracer.run.sampling import Sampler, SamplingParams
-from llmtrace.tracer.trace.records import DECODE, RunSettings
+from llmtrace.tracer.trace.records import DECODE, RunAhead, RunSettings
+from llmtrace.tracer.trace.run_trace import Trace, load_schema
 from tests.test_native_step import BASE, native_model
 from tests.torch_threads import torch_threads
 
@@ -187,6 +191,7 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
     monkeypatch.setattr(type(bundled.model), "decode_greedy", counted)
     ahead = generation(bundled, True, trace=trace, prompt="The sky is", chat=True)
     assert calls and max(calls) > 1 and sum(calls) == len(ahead.steps) - 1
+    calls_ahead = list(calls)
     calls.clear()
     step_by_step = generation(bundled, False, trace=trace, prompt="The sky is", chat=True)
     assert calls == []
@@ -197,6 +202,28 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
     assert len(ahead.stages) == (len(ahead.steps) * 423 if trace else 0)
     for step in ahead.steps:
         assert step.duration_ns == step.forward_ns + step.sample_ns + step.detokenize_ns and step.forward_ns > 0
+    assert ahead.run_ahead == RunAhead(len(calls_ahead), sum(calls_ahead), max(calls_ahead))
+    assert step_by_step.run_ahead is None and "run_ahead" not in json.loads(step_by_step.to_json())
+    data = json.loads(ahead.to_json())
+    jsonschema.validate(data, load_schema())
+    assert Trace.from_json(ahead.to_json()).run_ahead == ahead.run_ahead
+
+
+def test_show_says_the_steps_ran_ahead(bundled: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llmtrace show` of a run-ahead trace says so under the decode stages, within 80 columns."""
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    trace = generation(bundled, True, trace=True, prompt="The sky is", chat=True)
+    path = tmp_path / "trace.json"
+    path.write_text(trace.to_json(), encoding="utf-8")
+    monkeypatch.setenv("COLUMNS", "80")
+    result = CliRunner().invoke(app, ["show", str(path)])
+    assert result.exit_code == 0, result.output
+    note = f"the {trace.run_ahead.steps} decode steps ran ahead in C, {trace.run_ahead.calls} calls"
+    assert note in " ".join(result.output.split())
+    assert max(len(line) for line in result.output.splitlines()) <= 80
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=0.7, seed=1), dict(repetition_penalty=1.2), dict(lens=True),

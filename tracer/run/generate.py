@@ -47,6 +47,7 @@ from llmtrace.tracer.trace.records import (
     EnvironmentInfo,
     ModelInfo,
     RopeRecord,
+    RunAhead,
     RunSettings,
     SamplingRecord,
     StagedDecode,
@@ -161,6 +162,7 @@ class Generation:
         self._events: Iterator[Event] | None = None
         self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)
         self._run_ahead = run_ahead
+        self._run_ahead_calls: list[int] = []  # the decode steps each C call ran, when they ran ahead
 
     def events(self) -> Iterator[Event]:
         if self._events is not None:
@@ -278,6 +280,7 @@ class Generation:
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)
                 continue
+            self._run_ahead_calls.append(len(run.tokens))
             for step in self._run_records(run):
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)
@@ -534,8 +537,13 @@ class Generation:
             attention=tuple(self._attention),
             kernels=getattr(self.loaded, "kernels", None),
             staged_decode=self._staged_decode,
+            run_ahead=self._run_ahead_record(),
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
+
+    def _run_ahead_record(self) -> RunAhead | None:
+        calls = [steps for steps in self._run_ahead_calls if steps]  # a call that failed at its first step ran none
+        return RunAhead(len(calls), sum(calls), max(calls)) if calls else None
 
     def _no_cache_record(self) -> NoCacheRun | None:
         if not self._no_cache_steps:

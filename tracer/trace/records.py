@@ -259,6 +259,19 @@ class RunSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RunAhead:
+    """How a greedy run's decode steps ran several to a C call (tracer/run/generate.py, Transformer.decode_greedy):
+    the step, then the sampler's own C pass over its logits choosing the next token, back to back; each call's step
+    records were made after it, the same as a step at a time makes them. Their times are C's clock readings (the
+    forward, then the sampler's pass) and the detokenizing, made after the call; the Python between calls is in no
+    step's time."""
+
+    calls: int  # C calls that ran decode steps
+    steps: int  # decode steps they ran
+    most_steps: int  # the most one call ran (as many as took about 50 ms, after a first call of 4)
+
+
+@dataclass(frozen=True, slots=True)
 class StagedDecode:
     """How a `--staged` run ran its one-token steps: as the native decode step with the staged stages apart, each
     its own phase timed in C (tracer/model/native_step.py), or through the stage modules, each wrapped (and why)."""

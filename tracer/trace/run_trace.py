@@ -41,6 +41,7 @@ from llmtrace.tracer.trace.records import (
     RowToken,
     RunSettings,
     SamplingRecord,
+    RunAhead,
     StagedDecode,
     StageRecord,
     StepRecord,
@@ -109,6 +110,9 @@ class Trace:
     # --staged: whether its one-token steps ran as the native step's stages apart (timed in C) or through the stage
     # modules, and why; None without --staged (and in traces written before it existed).
     staged_decode: StagedDecode | None = None
+    # A greedy run whose decode steps ran several to a C call: how many calls and steps; None when every decode step
+    # was its own call (and in traces written before it existed).
+    run_ahead: RunAhead | None = None
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class Trace:
                 collectives=tuple(read_collective(c) for c in _list(data.get("collectives", []))),
                 rank_stages=tuple(_rank_stages(r) for r in _list(data.get("rank_stages", []))),
                 staged_decode=_optional(lambda d: _build(StagedDecode, d), data.get("staged_decode")),
+                run_ahead=_optional(lambda d: _build(RunAhead, d), data.get("run_ahead")),
             ))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -235,7 +240,7 @@ R = TypeVar("R")
 _STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
 _BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
 _BATCH_SETTINGS = ("batch", "batch_prompts")
-_OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode"})
+_OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode", "run_ahead"})
 _OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages"})
 _SHAPE_FIELDS = ("input_shapes", "output_shapes")
 
@@ -265,7 +270,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
                 LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
-                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, StagedDecode,
+                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, StagedDecode, RunAhead,
                 CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
 }
 
