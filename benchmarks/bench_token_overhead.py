@@ -10,9 +10,10 @@ weights choice), or `--weights SPEC`. Views (medians per decode token, microseco
    (`Generation._candidate`, ten a step), the tracer's step bracket (`Tracer.begin_step`/`end_step`); "rest" is
    the remainder (the step record, the KV sizes, the token tensor, the generator's own work). With the native
    decode step, "outside the C call" is the wall minus its one ctypes call (the Python of decode_one included).
-   Three runs:
-   greedy untraced (`run --no-trace`), greedy traced (the default `run`), and sampled untraced (temperature 0.7,
-   top-p 0.9, seed 1).
+   Three runs, each decode step its own call (`Generation(run_ahead=False)`: greedy steps otherwise run ahead in C,
+   several to a call, with no Python between them to take apart): greedy untraced (`run --no-trace`), greedy traced
+   (the default `run`), and sampled untraced (temperature 0.7, top-p 0.9, seed 1); then the greedy two as `run`
+   runs them, ahead in C, their wall per token (first to last TokenStep, mean) beside the others'.
 2. sampler: `Sampler.sample` alone on the logits a greedy run produced (recorded once, replayed), per
    configuration; with `--reference`, the computation it replaced (tests/sampling_reference.py) interleaved in
    the same process, and a check that both chose the same tokens at the same ranks (with the native library loaded
@@ -35,6 +36,7 @@ cache: bench_vs_peers measures decode after a 128-token prompt).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -54,6 +56,14 @@ LOOP_RUNS = {
     "greedy --no-trace": dict(trace=False),
     "greedy traced": dict(trace=True),
     "t=0.7 top-p 0.9 --no-trace": dict(trace=False, temperature=0.7, top_p=0.9, seed=1),
+}
+# Greedy runs' decode steps run ahead in C, several to a call (Generation's run-ahead), so their TokenStep events
+# come in bursts and no Python runs between two steps of a call: the views above run a step a call
+# (run_ahead=False) to take the Python between steps apart, and these rows give the run-ahead's wall per token
+# (the mean over the run: first to last TokenStep) beside them.
+RUN_AHEAD_RUNS = {
+    "greedy --no-trace, run ahead": dict(trace=False),
+    "greedy traced, run ahead": dict(trace=True),
 }
 SAMPLER_CASES = {
     "greedy": dict(),
@@ -131,12 +141,14 @@ def measure_loop(rounds: int, weights: str | None, prompt_tokens: int | None) ->
     timers.wrap(Tracer, "end_step", "tracer step bracket")
     parts = ("model step", "sampling", "detokenize", "candidate records", "tracer step bracket")
     result: dict[str, Any] = {"weights": loaded.weight_format, "threads": torch.get_num_threads()}
+    # a step a call where greedy steps could run ahead (a baseline tree from before has no such option)
+    step_a_call = {"run_ahead": False} if "run_ahead" in inspect.signature(Generation).parameters else {}
     try:
         for name, options in LOOP_RUNS.items():
             per_round: list[dict[str, float]] = []
             for _ in range(rounds + 1):  # the first is a warm-up
                 settings = RunSettings(model="", prompt=prompt, max_new_tokens=NEW_TOKENS, **options)
-                generation = Generation(loaded, settings)
+                generation = Generation(loaded, settings, **step_a_call)
                 timers.wrap(generation.sampler, "sample", "sampling")
                 timers.reset()
                 events: list[int] = []  # when each TokenStep reached the consumer
@@ -163,6 +175,19 @@ def measure_loop(rounds: int, weights: str | None, prompt_tokens: int | None) ->
             result[name] = {key: statistics.median(r[key] for r in per_round[1:]) for key in per_round[1]}
     finally:
         timers.remove()
+    if step_a_call:  # a tree whose greedy steps can run ahead
+        for name, options in RUN_AHEAD_RUNS.items():
+            walls = []
+            for _ in range(rounds + 1):
+                settings = RunSettings(model="", prompt=prompt, max_new_tokens=NEW_TOKENS, **options)
+                generation = Generation(loaded, settings)
+                events = []
+                try:
+                    events = [time.perf_counter_ns() for e in generation.events() if isinstance(e, TokenStep)]
+                finally:
+                    generation.close()
+                walls.append((events[-1] - events[0]) / (len(events) - 1) / 1e3)
+            result[name] = {"tokens": len(events) - 1, "wall": statistics.median(walls[1:])}
     return result
 
 
