@@ -552,7 +552,7 @@ class Generation:
         return no_cache_run(self._no_cache_steps, len(self._steps), self.config, self._dtypes(), prompt_len)
 
 
-FIRST_RUN_AHEAD = 4  # greedy decode steps in the first C call; then as many as take about RUN_AHEAD_NS
+FIRST_RUN_AHEAD = 1  # the first C call: one step, whose time sets how many the next calls run (RUN_AHEAD_NS)
 RUN_AHEAD_NS = 50_000_000  # a C call's steps: the longest a live view waits for its next tokens, or Ctrl-C for effect
 MOST_RUN_AHEAD = 64
 

@@ -268,7 +268,7 @@ class RunAhead:
 
     calls: int  # C calls that ran decode steps
     steps: int  # decode steps they ran
-    most_steps: int  # the most one call ran (as many as took about 50 ms, after a first call of 4)
+    most_steps: int  # the most one call ran (as many as took about 50 ms, after a first call of one step)
 
 
 @dataclass(frozen=True, slots=True)
