@@ -83,7 +83,7 @@ def _run_ahead_note(run_ahead: RunAhead | None) -> str:
         return ""
     return (f"\ngreedy: the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
             f"{run_ahead.most_steps}, each step's token chosen there by the sampler's pass; a step's time is C's "
-            "(forward, choice) and its detokenizing.")
+            "(forward, choice); the detokenizing after each call is in none.")
 
 
 def _staged_note(staged: StagedDecode | None) -> str:

@@ -312,7 +312,8 @@ class Generation:
     def _run_records(self, run: GreedyRun) -> Iterator[StepRecord]:
         """The records of the steps one C call ran (Transformer.decode_greedy), in order, each made as it is
         yielded: its sample result from the sampler (`greedy_of_pass`, what `sample` gives for those logits), its
-        times from C's clock readings (the forward, then the sampler's pass) and the detokenizing here."""
+        times C's clock readings (the forward, then the sampler's pass): the steps ran back to back, so each span
+        ends where the next begins, and the detokenizing done here after the call, like the records, is in none."""
         vocab = self.config.vocab_size
         stamped = self.settings.trace
         for i, token in enumerate(run.tokens):
@@ -325,7 +326,7 @@ class Generation:
             if stamped:
                 self._tracer.stamped_step(DECODE, index, run.stamps[i], StepDims(1, 1, context_length))
             yield self._record(DECODE, index, 1, context_length, run.kv_live_bytes[i], result, start, forward_end,
-                               sample_end)
+                               sample_end, detokenize_in_step=False)
 
     def _prefill(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         step = self._step(PREFILL, 0, ids)
@@ -414,9 +415,12 @@ class Generation:
         return record
 
     def _record(self, phase: str, index: int, inputs: int, context_length: int, kv_live_bytes: int,
-                result: SampleResult | None, start: int, forward_end: int, sample_end: int) -> StepRecord:
+                result: SampleResult | None, start: int, forward_end: int, sample_end: int,
+                detokenize_in_step: bool = True) -> StepRecord:
         """The step's record (kept in the run's steps) once its token is chosen (`result`; None in a dry run):
-        the text it adds is detokenized here, its time the step's last part, after `sample_end`."""
+        the text it adds is detokenized here, its time the step's last part, after `sample_end`; not timed when
+        `detokenize_in_step` is False (a step run ahead in C, whose successors ran before this: its span ends with
+        its choice, and the next step's starts there)."""
         if result is None:
             token_id, probability, greedy, filters, candidates, sampling = -1, 0.0, True, (), (), None
             text_end = sample_end
@@ -426,7 +430,7 @@ class Generation:
             self._generated.append(token_id)
             detokenize_start = time.perf_counter_ns()
             text = self._new_text(token_id)
-            text_end = sample_end + time.perf_counter_ns() - detokenize_start
+            text_end = sample_end + (time.perf_counter_ns() - detokenize_start if detokenize_in_step else 0)
             piece = self._piece(token_id)
             probability = float(result.probability)
             greedy = self.settings.temperature == 0

@@ -263,8 +263,8 @@ class RunAhead:
     """How a greedy run's decode steps ran several to a C call (tracer/run/generate.py, Transformer.decode_greedy):
     the step, then the sampler's own C pass over its logits choosing the next token, back to back; each call's step
     records were made after it, the same as a step at a time makes them. Their times are C's clock readings (the
-    forward, then the sampler's pass) and the detokenizing, made after the call; the Python between calls is in no
-    step's time."""
+    forward, then the sampler's pass: detokenize_ns is 0), so each step's span ends where the next one's begins; the
+    Python after each call (detokenizing, records) is in no step's time."""
 
     calls: int  # C calls that ran decode steps
     steps: int  # decode steps they ran
