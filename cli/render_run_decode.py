@@ -15,15 +15,13 @@ from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import PANEL_FRAME, section
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.contract import role_label
-from llmtrace.tracer.trace.records import MATMUL_KINDS, RunAhead, StagedDecode
+from llmtrace.tracer.trace.records import MATMUL_KINDS, StagedDecode
 from llmtrace.tracer.trace.summary import DecodeByStage
 
 
-def render_decode_stages(console: Console, d: DecodeByStage | None, staged: StagedDecode | None = None,
-                         run_ahead: RunAhead | None = None) -> None:
+def render_decode_stages(console: Console, d: DecodeByStage | None, staged: StagedDecode | None = None) -> None:
     """`d`: tracer.trace.summary.decode_by_stage's record; nothing when the run traced no decode step. `staged`:
-    how a --staged run ran its decode steps (Trace.staged_decode), `run_ahead`: how many to a C call
-    (Trace.run_ahead), said under the table."""
+    how a --staged run ran its decode steps (Trace.staged_decode), said under the table."""
     if d is None:
         return
     whole = _table(d, time=True, traffic=True)
@@ -40,7 +38,7 @@ def render_decode_stages(console: Console, d: DecodeByStage | None, staged: Stag
         f"at {streamed}; the other stages move little and cost their launch overhead.\n"
         f"stages add up to {fmt.duration_ns(d.stages_ns_per_step)} of the {fmt.duration_ns(d.forward_ns_per_step)} "
         f"forward per step (the rest: Python between them)."
-        + _staged_note(staged) + _run_ahead_note(run_ahead)
+        + _staged_note(staged)
     )
     console.print(section(f"7 · Decode by stage  where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
                           Group(*tables, Text(note, style="dim"))))
@@ -76,14 +74,6 @@ def _table(d: DecodeByStage, time: bool, traffic: bool) -> Table:
 
 def _of_all(d: DecodeByStage) -> str:
     return f" (the {d.steps} of {d.all_steps} whose stages --trace-steps kept)" if d.steps != d.all_steps else ""
-
-
-def _run_ahead_note(run_ahead: RunAhead | None) -> str:
-    if run_ahead is None:
-        return ""
-    return (f"\ngreedy: the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
-            f"{run_ahead.most_steps}, each step's token chosen there by the sampler's pass; a step's time is C's "
-            "(forward, choice); the detokenizing after each call is in none.")
 
 
 def _staged_note(staged: StagedDecode | None) -> str:

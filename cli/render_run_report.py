@@ -86,7 +86,7 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
         render_dry_run_summary(console, report.dry_run, trace.settings.model or trace.config.name)
         return
     if detail != "summary":
-        render_decode_stages(console, report.decode_stages, trace.staged_decode, trace.run_ahead)
+        render_decode_stages(console, report.decode_stages, trace.staged_decode)
     if trace.batch is not None:
         render_batch_summary(console, trace.batch)
     render_summary(console, trace, report.summary, roofline, roofline_note)

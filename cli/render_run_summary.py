@@ -11,6 +11,7 @@ from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_kernels import alternatives_line, choice_line, dtype_name
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
+from llmtrace.tracer.trace.records import RunAhead
 from llmtrace.tracer.trace.run_trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
 from llmtrace.tracer.trace.summary import RunSummary
 
@@ -74,6 +75,8 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
                                                             alternatives_line(trace.kernels)) if line)
     if not traced:
         lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
+    if trace.run_ahead is not None:
+        lines.append(f"[dim]{run_ahead_line(trace.run_ahead)}[/]")
     stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)
     lines.append(f"stopped: {stop} · {summary.generated_tokens} tokens generated")
     if trace.batch is not None:  # each sequence's text is in the Sequences table above
@@ -87,6 +90,13 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if cut:
         text.append(" …(an incomplete UTF-8 character)", style="dim")
     console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
+
+
+def run_ahead_line(run_ahead: RunAhead) -> str:
+    """How a greedy run's decode steps ran several to a C call (Trace.run_ahead), and what their times hold."""
+    return (f"greedy: the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
+            f"{run_ahead.most_steps}, each next token chosen there by the sampler's pass; a step's time is C's "
+            "(forward, choice), the Python after each call (records, detokenizing) in none")
 
 
 def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:

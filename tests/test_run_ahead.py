@@ -81,7 +81,7 @@ def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[s
         first = prefilled(model)
         run = model.decode_greedy(first, 7, None, sampler.table_size(config.vocab_size))
     assert run is not None and run.failure == ""
-    assert run.tokens == want_tokens and model.pos == want_pos
+    assert list(run.tokens) == want_tokens and model.pos == want_pos
     assert torch.equal(model._kv_all, want_kv)
     for (ids, logits), (total, weighted), want in zip(run.tables, run.sums, want_results):
         got = sampler.greedy_of_pass(config.vocab_size, ids, logits,
@@ -101,9 +101,9 @@ def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
     assert stop not in want[:2]
     first = prefilled(model)
     run = model.decode_greedy(first, 8, stop, 10)
-    assert run is not None and run.tokens == want[:3] and model.pos == 5 + 3
+    assert run is not None and list(run.tokens) == want[:3] and model.pos == 5 + 3
     rest = model.decode_greedy(run.tokens[-1], 5, None, 10)
-    assert rest is not None and rest.tokens == want[3:]
+    assert rest is not None and list(rest.tokens) == want[3:]
 
 
 def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
@@ -130,7 +130,7 @@ def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
     model.setup_cache(1, 21)  # an in-place edit voids the plan until the next setup_cache
     model.prefill(torch.arange(3, 8).view(1, -1))
     run = model.decode_greedy(first, 6, None, 10)
-    assert run is not None and run.tokens == chosen and run.failure == "not finite" and model.pos == 5 + 2
+    assert run is not None and list(run.tokens) == chosen and run.failure == "not finite" and model.pos == 5 + 2
 
 
 def test_models_the_native_step_cannot_run_get_none() -> None:
@@ -149,7 +149,7 @@ def test_models_the_native_step_cannot_run_get_none() -> None:
 def test_steps_ahead_take_about_fifty_milliseconds() -> None:
     def run(per_step_ns: int, steps: int = 4) -> GreedyRun:
         clock = [(i * per_step_ns, i * per_step_ns + per_step_ns - 10, (i + 1) * per_step_ns) for i in range(steps)]
-        return GreedyRun(tokens=[1] * steps, tables=[], sums=[], clock=clock, stamps=[])
+        return GreedyRun(tokens=(1,) * steps, tables=(), sums=(), clock=tuple(clock), stamps=())
 
     assert _steps_ahead(run(2_500_000)) == 20
     assert _steps_ahead(run(100_000_000)) == 1
@@ -211,13 +211,15 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
     assert Trace.from_json(ahead.to_json()).run_ahead == ahead.run_ahead
 
 
-def test_show_says_the_steps_ran_ahead(bundled: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`llmtrace show` of a run-ahead trace says so under the decode stages, within 80 columns."""
+@pytest.mark.parametrize("trace_it", [True, False])
+def test_show_says_the_steps_ran_ahead(bundled: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       trace_it: bool) -> None:
+    """`llmtrace show` of a run-ahead trace, traced or not, says so in its summary, within 80 columns."""
     from typer.testing import CliRunner
 
     from llmtrace.cli.app import app
 
-    trace = generation(bundled, True, trace=True, prompt="The sky is", chat=True)
+    trace = generation(bundled, True, trace=trace_it, prompt="The sky is", chat=True)
     path = tmp_path / "trace.json"
     path.write_text(trace.to_json(), encoding="utf-8")
     monkeypatch.setenv("COLUMNS", "80")
@@ -239,6 +241,25 @@ def test_runs_that_need_each_step_run_a_step_at_a_time(bundled: Any, settings: d
     assert calls == [] and len(trace.steps) == 4
 
 
+def test_a_sampler_that_samples_its_own_way_runs_a_step_at_a_time(bundled: Any) -> None:
+    """A Sampler subclass whose `sample` does something else is asked for every token (it inherits the checks
+    that would let a plain Sampler's greedy steps run in C)."""
+    asked = []
+
+    class Counting(Sampler):
+        def sample(self, logits: Any, previous_ids: Any = ()) -> Any:
+            asked.append(1)
+            return super().sample(logits, previous_ids)
+
+    settings = RunSettings(model="", prompt="The capital of France is", max_new_tokens=8)
+    made = Generation(bundled, settings, sampler=Counting(SamplingParams(temperature=0.0)))
+    try:
+        trace = made.run()
+    finally:
+        made.close()
+    assert len(asked) == len(trace.steps) == 8 and trace.run_ahead is None
+
+
 def test_ctrl_c_between_steps_of_a_call_keeps_the_steps_recorded(bundled: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the records of a call's steps are made: the run ends "interrupted" with the steps recorded
@@ -255,6 +276,7 @@ def test_ctrl_c_between_steps_of_a_call_keeps_the_steps_recorded(bundled: Any,
     trace = generation(bundled, True, trace=True)
     assert trace.stop_reason == "interrupted"
     assert [s.step for s in trace.steps] == list(range(6))
+    assert trace.run_ahead is not None and trace.run_ahead.steps == 5  # recorded, not run: the call ran more
     assert {s.step for s in trace.stages} == set(range(6))
     decode = [s for s in trace.steps if s.phase == DECODE]
     assert np.all(np.diff([s.start_ns for s in decode]) > 0)

@@ -395,9 +395,10 @@ class FusedPlan:
     def native_greedy(self, token: int, start: int, steps: int, stop_token: int | None, table: int, stamps: bool,
                       native: bool = True) -> GreedyRun | None:
         """Up to `steps` greedy one-token steps of one sequence from `token` at position `start` as one C call
-        (NativeStep.run_greedy), when the native step can take them (`native_off_reason` finds nothing) and, with
-        `stamps`, C's clock is the host's; else None. The caches' lengths then count the steps done."""
-        if self.native_off_reason(native) or (stamps and not host_clock_matches()):
+        (NativeStep.run_greedy), when the native step can take them (`native_off_reason` finds nothing) and C's clock
+        is the host's (the steps' times are its readings, traced or not); else None. The caches' lengths then count
+        the steps done."""
+        if self.native_off_reason(native) or not host_clock_matches():
             return None
         run = self.native.run_greedy(token, start, self.window, steps, stop_token, table, stamps)
         end = start + len(run.tokens)

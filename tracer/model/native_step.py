@@ -77,9 +77,9 @@ def host_clock_matches() -> bool:
 
 
 def _entry_points() -> tuple[Any, Any, Any] | None:
-    """(llmt_decode_step, llmt_step_scratch_floats, llmt_decode_greedy) of the current library (native_kernel.reset() may load another)
-    with their signatures declared, or None when there is no library, its step's structures differ from this
-    module's, or it was built without the AVX2 row kernels."""
+    """(llmt_decode_step, llmt_step_scratch_floats, llmt_decode_greedy) of the current library
+    (native_kernel.reset() may load another) with their signatures declared, or None when there is no library, its
+    step's structures differ from this module's, or it was built without the AVX2 row kernels."""
     if not native_kernel.available():
         return None
     library = native_kernel.library()
@@ -97,16 +97,17 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | Non
     if (handle.llmt_step_layer_size() != ctypes.sizeof(_Layer) or handle.llmt_step_plan_size() != ctypes.sizeof(_Plan)
             or not handle.llmt_step_supported()):
         return None
-    # Called holding the GIL (a PyDLL function): the step's threads are as many as the cores torch uses, and a Python
+    # Called holding the GIL (PyDLL functions): the step's threads are as many as the cores torch uses, and a Python
     # thread running meanwhile (a live view's refresh) would take one of them and stall every barrier of the step.
-    step = ctypes.PyDLL(str(library.path)).llmt_decode_step
+    holding_the_gil = ctypes.PyDLL(str(library.path))
+    step = holding_the_gil.llmt_decode_step
     step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     step.restype = ctypes.c_int
     scratch = handle.llmt_step_scratch_floats
     scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     scratch.restype = ctypes.c_int64
-    greedy = ctypes.PyDLL(str(library.path)).llmt_decode_greedy  # holding the GIL, as the step
+    greedy = holding_the_gil.llmt_decode_greedy
     greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *(ctypes.c_void_p,) * 2, *(ctypes.c_int64,) * 5,
                        *(ctypes.c_void_p,) * 7, ctypes.c_int, ctypes.c_void_p]
     greedy.restype = ctypes.c_int64
@@ -117,11 +118,11 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | Non
 class GreedyRun:
     """What the greedy steps of one `NativeStep.run_greedy` call chose, and when (CLOCK_MONOTONIC ns)."""
 
-    tokens: list[int]  # each step's choice
-    tables: list[tuple[list[int], list[float]]]  # each step's candidate ids and their logits, largest first
-    sums: list[tuple[float, float]]  # each step's softmax sums over the logits shifted by their max: total, weighted
-    clock: list[tuple[int, int, int]]  # each step's start, its logits' end, its choice's end
-    stamps: list[list[int]]  # each step's stage readings (NativeStep.readings' layout) when stamped, else empty
+    tokens: tuple[int, ...]  # each step's choice
+    tables: tuple[tuple[list[int], list[float]], ...]  # each step's candidate ids and their logits, largest first
+    sums: tuple[tuple[float, float], ...]  # each step's softmax sums (logits shifted by their max): total, weighted
+    clock: tuple[tuple[int, int, int], ...]  # each step's start, its logits' end, its choice's end
+    stamps: tuple[list[int], ...]  # each step's stage readings (NativeStep.readings' layout) when stamped, else empty
     failure: str = ""  # "not finite": the step after the last one here made logits with a NaN or no finite value
     kv_live_bytes: tuple[int, ...] = ()  # each step's live KV bytes after it (FusedPlan.native_greedy fills them in)
 
@@ -303,11 +304,11 @@ class NativeStep:
         ids, values, flat_clock = top_ids[: done * table], top_logits[: done * table], clock[: 3 * done]
         flat_stamps = readings[: done * per_step] if readings is not None else []
         return GreedyRun(
-            tokens=chosen[:done],
-            tables=[(ids[i * table : (i + 1) * table], values[i * table : (i + 1) * table]) for i in range(done)],
-            sums=[(sums[2 * i], sums[2 * i + 1]) for i in range(done)],
-            clock=[tuple(flat_clock[3 * i : 3 * i + 3]) for i in range(done)],
-            stamps=[flat_stamps[i * per_step : (i + 1) * per_step] for i in range(done)] if stamps else [],
+            tokens=tuple(chosen[:done]),
+            tables=tuple((ids[i * table : (i + 1) * table], values[i * table : (i + 1) * table]) for i in range(done)),
+            sums=tuple((sums[2 * i], sums[2 * i + 1]) for i in range(done)),
+            clock=tuple(tuple(flat_clock[3 * i : 3 * i + 3]) for i in range(done)),
+            stamps=tuple(flat_stamps[i * per_step : (i + 1) * per_step] for i in range(done)) if stamps else (),
             failure=failure,
         )
 

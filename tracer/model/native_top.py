@@ -130,6 +130,8 @@ class SamplerPasses:
         top = values[:]
         if not math.isfinite(top[0]):
             return None
+        if blocks is None:
+            return ids[:], top, top_pass_sums(top[0], sums[0], sums[1], n)
         return ids[:], top, _summed(top[0], -math.inf, sums[0], sums[1], n, blocks)
 
     def softmax(self, x: np.ndarray, x_max: float, cut: float = -math.inf) -> SoftmaxSums:

@@ -32,7 +32,7 @@ from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
-from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, float32_numpy
+from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, Sampler, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.fused_marks import StepDims
@@ -276,12 +276,14 @@ class Generation:
             run = self.model.decode_greedy(token, min(ahead, limit - len(self._generated)), eos, table,
                                            self.settings.trace) if table else None
             if run is None:
+                table = 0  # nothing that could change that happens during a run: a step a call from here on
                 step = self._step(DECODE, len(self._steps), [token])
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)
                 continue
-            self._run_ahead_calls.append(len(run.tokens))
+            self._run_ahead_calls.append(0)
             for step in self._run_records(run):
+                self._run_ahead_calls[-1] += 1  # the steps recorded (Ctrl-C may come between two records)
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)
             if run.failure:
@@ -303,8 +305,10 @@ class Generation:
         if not self._run_ahead or self._observer is not None or self.settings.staged or not self._on_cpu:
             return 0
         vocab = self.config.vocab_size
-        greedy = getattr(self.sampler, "greedy_from_table", None)
-        if greedy is None or not greedy(vocab) or not hasattr(self.model, "decode_greedy") \
+        # a sampler of another kind, or one whose `sample` does something else (a subclass), never runs in C
+        if getattr(type(self.sampler), "sample", None) is not Sampler.sample:
+            return 0
+        if not self.sampler.greedy_from_table(vocab) or not hasattr(self.model, "decode_greedy") \
                 or not self._tracer.takes_stamped_steps():
             return 0
         return self.sampler.table_size(vocab)
@@ -546,7 +550,7 @@ class Generation:
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 
     def _run_ahead_record(self) -> RunAhead | None:
-        calls = [steps for steps in self._run_ahead_calls if steps]  # a call that failed at its first step ran none
+        calls = [steps for steps in self._run_ahead_calls if steps]  # a call that failed or was cut at its first
         return RunAhead(len(calls), sum(calls), max(calls)) if calls else None
 
     def _no_cache_record(self) -> NoCacheRun | None:
@@ -558,7 +562,7 @@ class Generation:
 
 FIRST_RUN_AHEAD = 1  # the first C call: one step, whose time sets how many the next calls run (RUN_AHEAD_NS)
 RUN_AHEAD_NS = 50_000_000  # a C call's steps: the longest a live view waits for its next tokens, or Ctrl-C for effect
-MOST_RUN_AHEAD = 64
+MOST_RUN_AHEAD = 64  # past a few tens of steps a call, the Python between calls is already under 1% of the time
 
 
 def _steps_ahead(run: GreedyRun) -> int:

@@ -710,7 +710,7 @@ int64_t llmt_decode_greedy(const StepPlan *plan, int64_t token, const float *cos
                            int64_t *stamps, int threads, int *status) {
     const int64_t per_step = FUSED_STAMPS_PER_LAYER * plan->layers + 4;
     *status = STEP_OK;
-    if (top_count < 1 || top_count > LLMT_TOP_MAX || window < 0) {
+    if (top_count < 1 || top_count > LLMT_TOP_MAX || top_count > plan->vocab || window < 0 || steps < 0) {
         *status = STEP_BAD_SHAPE;
         return 0;
     }
@@ -725,8 +725,8 @@ int64_t llmt_decode_greedy(const StepPlan *plan, int64_t token, const float *cos
         if (*status != STEP_OK) return i;
         int64_t *ids = top_ids + i * top_count;
         float *values = top_values + i * top_count;
-        if (llmt_top_softmax(logits, plan->vocab, top_count, ids, values, sums + 2 * i, NULL) < 1 ||
-            !isfinite(values[0])) {
+        if (llmt_top_softmax(logits, plan->vocab, top_count, ids, values, sums + 2 * i, NULL) != top_count ||
+            !isfinite(values[0])) { /* -1: a NaN */
             *status = STEP_NOT_FINITE;
             return i;
         }
