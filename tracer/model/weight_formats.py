@@ -38,12 +38,18 @@ Kernels (the `kernel` field; what runs the product):
   than i8dot: a product's error is at most sum over blocks of (max|x|/65534) * sum|w|. It too declares no precision: the
   probe admits it per format (a Q8_0 matrix's 11 bits, a Q6_K one's 9, on the model's own matrices). Listed between
   "i8dot" and "native".
-- "int4pack": torch.ops.aten._weight_int4pack_mm_for_cpu over _convert_weight_to_int4pack_for_cpu's layout, run in
-  bf16 (its fast dtype on CPU: the scales and zeros are rounded to bf16, the activations cast to bf16 and the
-  result cast back). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
+- "int4pack": torch's int4 weight-only kernel, run in bf16 (the scales and zeros are rounded to bf16, the activations
+  cast to bf16 and the result cast back): on the CPU _weight_int4pack_mm_for_cpu over
+  _convert_weight_to_int4pack_for_cpu's layout, on CUDA _weight_int4pack_mm over _convert_weight_to_int4pack's
+  (INT4_OPS: the two differ only in how the codes are handed to the repacking op; the scale/zero table above holds
+  for both). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
 - "blocks": the blocks dequantized to x's dtype right before the product, in row tiles that stay in cache, so
   memory traffic is the stored bytes (plus the tile, which stays in L2).
 - "dense": torch.mv / F.linear over a dense tensor.
+
+Devices: the native library's kernels run on the CPU only (C over host memory); the torch kernels ("int4pack",
+"blocks", "dense") on the CPU and CUDA (TORCH_KERNEL_DEVICES), the same code on both but for INT4_OPS' one entry
+per device. `PackedWeight.to(device)` moves a torch kernel's weight (its int4 layout is made on first use there).
 
 `pack_gguf(rows, ggml_type, kernel)` turns a GGUF tensor's raw blocks (N rows of K values each) into a
 PackedWeight; `stored_kernels(ggml_type)` says which kernels can run a ggml type as stored (empty: dequantize it).
@@ -52,11 +58,13 @@ PackedWeight; `stored_kernels(ggml_type)` says which kernels can run a ggml type
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.model import native_kernel
 
@@ -118,16 +126,115 @@ _CODES = {name: code for code, (name, _, _) in GGML_TYPES.items()}  # "Q4_1" -> 
 _TORCH_TYPES = (_Q4_0, _Q4_1, _Q4_K, _Q8_0)  # what "int4pack" and "blocks" run
 
 
-def stored_kernels(ggml_type: int) -> tuple[str, ...]:
-    """The kernels that multiply a ggml type as stored, fastest-known first; () when it must be dequantized.
-    "i8dot", "i16dot" (Q8_0, Q6_K) and "native" are listed only when the library can be built here (asking builds
-    it once: a second)."""
+# Where each kernel runs: llmtrace's C library reads host memory; torch's kernels wherever the project runs torch
+# (the CPU and CUDA: the devices --device offers that a measurement times, tracer/load/kernel_pick.py)
+TORCH_KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def runs_on(kernel: str, device_type: str) -> bool:
+    """Whether `kernel` (one kernel's name) multiplies on a device of `device_type` ("cpu", "cuda", ...)."""
+    return device_type == "cpu" if kernel in BLOCK_KERNELS else device_type in TORCH_KERNEL_DEVICES
+
+
+def device_refusal(kernels: Iterable[str], device_type: str) -> str:
+    """"" when every kernel named runs on `device_type`, else one line naming the first that does not and what to
+    use instead (the loader's refusal of a --weights plan, and PackedWeight.to's)."""
+    for kernel in kernels:
+        if runs_on(kernel, device_type):
+            continue
+        if kernel in BLOCK_KERNELS:
+            return (f"the {kernel} kernel is llmtrace's C library, which runs on the CPU only; on {device_type} use "
+                    "--weights int4pack, blocks or dense")
+        return f"the {kernel} kernel runs on {' and '.join(TORCH_KERNEL_DEVICES)} only; on {device_type} use " \
+               "--weights dense"
+    return ""
+
+
+def stored_kernels(ggml_type: int, device_type: str = "cpu") -> tuple[str, ...]:
+    """The kernels that multiply a ggml type as stored on a `device_type` device, fastest-known first; () when it
+    must be dequantized. "i8dot", "i16dot" (Q8_0, Q6_K) and "native" are listed only on the CPU and when the library
+    can be built here (asking builds it once: a second)."""
     kernels = []
-    if ggml_type in native_kernel.TYPES and native_kernel.available():
+    if ggml_type in native_kernel.TYPES and device_type == "cpu" and native_kernel.available():
         kernels = [I8DOT, I16DOT, NATIVE] if ggml_type in native_kernel.INT16_TYPES else [I8DOT, NATIVE]
-    if ggml_type in _TORCH_TYPES:
+    if ggml_type in _TORCH_TYPES and device_type in TORCH_KERNEL_DEVICES:
         kernels += [INT4PACK, BLOCKS]
     return tuple(kernels)
+
+
+# ---- torch's int4 kernel, per device ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Ops:
+    """torch's int4 weight-only kernel on one device type. Both devices' kernels compute
+    sum over k of x[m, k] * ((q[n, k] - 8) * scale + zero), scale and zero per 32 values along K, from
+    scales_and_zeros (K/32, N', 2) bf16 and bf16 activations (M, K) -> (M, N'); they differ in how the (N, K) codes
+    q (0..15) are handed to the repacking op (`codes`), in how many rows the packing rounds N to (`row_multiple`: the
+    result's columns past N are sliced off) and in the repacking op's tiling argument (`inner_k_tiles`, from K)."""
+
+    codes: Callable[[torch.Tensor], torch.Tensor]  # (N', K) int32 codes -> the repacking op's input
+    convert: Callable[[torch.Tensor, int], torch.Tensor]  # (that input, inner_k_tiles) -> the kernel's layout
+    mm: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]  # (x, layout, 32, scales and zeros)
+    row_multiple: int
+    inner_k_tiles: Callable[[int], int]  # K -> the tiling argument
+
+
+def _high_nibble_first(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes -> (N, K/2) uint8, byte j = codes[2j] << 4 | codes[2j+1]: what the CUDA repacking op reads
+    (int4mm.cu's matrix_to_m16n8k16_Bint4_layout takes byte j's high nibble as value 2j; PyTorch's test_linalg
+    _group_quantize_tensor packs `out[::, ::2] << 4 | out[::, 1::2]` for every device but the CPU)."""
+    return (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+
+
+def _cuda_inner_k_tiles(k: int) -> int:
+    """The widest tiling the CUDA op takes for K: it accepts 2, 4 or 8 k-tiles of 16 per packed word group and needs
+    K a multiple of that times 16 (int4mm.cu: `isEvenDivisor(in.size(1) * 2, innerKTiles * kKTileSize)`); 8 makes
+    the kernel's loads 16 bytes wide. K is always a multiple of 32 here (GROUP), so 2 always fits."""
+    return next(tiles for tiles in (8, 4, 2) if k % (tiles * 16) == 0)
+
+
+# The two ops per device (PyTorch aten/src/ATen/native/cuda/int4mm.cu, torch/_meta_registrations.py, checked against
+# torch 2.13's meta functions): CPU: _convert_weight_to_int4pack_for_cpu(int32 (N, K), 1) -> uint8 (N, K/2), and
+# _weight_int4pack_mm_for_cpu -> (M, N). CUDA: _convert_weight_to_int4pack(uint8 (N, K/2), t) -> int32
+# (N/8, K/(16t), 32, t/2), and _weight_int4pack_mm(x bf16 (M, K) contiguous, that, 32, scales_and_zeros bf16
+# (K/32, 8*ceil(N/8), 2)) -> bf16 (M, 8*ceil(N/8)); its kernel dequantizes (bf16(q) - 8) * scale + zero with bf16
+# fma (the "int4 value in [-8, 7]" of BLayout_TC_int4), and is built for sm_80 and later only.
+INT4_OPS = {
+    "cpu": Int4Ops(codes=lambda codes: codes, convert=lambda codes, tiles: torch.ops.aten.
+                   _convert_weight_to_int4pack_for_cpu(codes, tiles),
+                   mm=lambda x, packed, group, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
+                   row_multiple=16, inner_k_tiles=lambda k: 1),
+    "cuda": Int4Ops(codes=_high_nibble_first, convert=lambda codes, tiles: torch.ops.aten.
+                    _convert_weight_to_int4pack(codes, tiles),
+                    mm=lambda x, packed, group, sz: torch.ops.aten._weight_int4pack_mm(x, packed, group, sz),
+                    row_multiple=8, inner_k_tiles=_cuda_inner_k_tiles),
+}
+
+
+def int4_ops(device: torch.device) -> Int4Ops:
+    """The int4 kernel's ops for tensors on `device`; HardwareError on a device llmtrace does not run it on."""
+    ops = INT4_OPS.get(device.type)
+    if ops is None:
+        raise HardwareError(device_refusal([INT4PACK], device.type))
+    return ops
+
+
+def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ops: Int4Ops
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) int32 codes 0..15 and (N, K/32) fp32 scales and zeros -> (the kernel's layout, scales_and_zeros
+    (K/32, N', 2) bf16), N' = N rounded up to ops.row_multiple with zero rows (the kernels take no ragged N)."""
+    pad = -codes.shape[0] % ops.row_multiple
+    packed = ops.convert(ops.codes(F.pad(codes, (0, 0, 0, pad))).contiguous(), ops.inner_k_tiles(codes.shape[1]))
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/32, N, 2)
+    return packed, F.pad(scales_zeros, (0, 0, 0, pad)).to(torch.bfloat16).contiguous()
+
+
+def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int, ops: Int4Ops
+                 ) -> torch.Tensor:
+    """x (M, K) bf16 -> x @ W.T (M, rows) bf16 through the kernel (its padding rows sliced off)."""
+    out = ops.mm(x.contiguous(), packed, GROUP, scales_zeros)  # (M, N')
+    return out[:, :rows] if out.shape[1] != rows else out
 
 
 # ---- the weight ------------------------------------------------------------------------------------------------
@@ -208,6 +315,11 @@ class PackedWeight:
         return next(iter(self.tensors.values())).device
 
     @property
+    def device(self) -> torch.device:
+        """Where its tensors are (all on one device)."""
+        return next(iter(self.tensors.values())).device
+
+    @property
     def resident_bytes(self) -> int:
         """Bytes held in memory for it: the canonical tensors plus the kernel's layout once made (the int4 kernel's,
         the i8dot decode kernel's interleaved rows)."""
@@ -217,6 +329,19 @@ class PackedWeight:
 
     def __repr__(self) -> str:
         return f"PackedWeight({self.format.label}, shape={self.shape}, stored_bytes={self.stored_bytes:,})"
+
+    def to(self, device: str | torch.device) -> PackedWeight:
+        """This weight on `device`: a new PackedWeight of its tensors moved there (the int4 kernel's layout is made
+        on its first product there: the layouts differ by device). The native library's kernels stay on the CPU
+        (this weight itself); HardwareError for any other device, naming the kernel."""
+        target = torch.device(device)
+        refusal = device_refusal(self.format.kernel.split("+"), target.type)
+        if refusal:
+            raise HardwareError(refusal)
+        if runs_blocks(self.format.kernel):
+            return self
+        return PackedWeight(self.format, self.shape, {k: t.to(target) for k, t in self.tensors.items()},
+                            self.stored_bytes)
 
     # ---- the product -----------------------------------------------------------------------------------------
 
@@ -259,18 +384,15 @@ class PackedWeight:
         xb = x.to(torch.bfloat16)
         if self.format.name == "q8_0":
             xb = torch.cat([xb, xb], dim=1)  # (M, 2K): the high plane's columns, then the low plane's
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros)  # (M, N rounded up to 16)
-        if out.shape[1] != self.shape[0]:
-            out = out[:, : self.shape[0]]
+        out = int4_product(xb, packed, scales_zeros, self.shape[0], int4_ops(xb.device))  # (M, N)
         return out.to(x.dtype) if x.dtype != torch.bfloat16 else out.contiguous()
 
     def _prepare(self):  # noqa: ANN202 - the kernel's tensors
-        """The int4 kernel's layout, made once: codes (N', K') repacked by torch, scales and zeros (K'/32, N', 2) in
-        bf16; N' is N rounded up to 16 (zero rows, sliced off the result). Q8_0 becomes two 4-bit planes side by
-        side along K (K' = 2K): u = q + 128 = 16*hi + lo, and d*q = (hi - 8)*16d + ((lo - 8)*d + 8d)."""
+        """The int4 kernel's layout for the device the tensors are on, made once (int4_layout). Q8_0 becomes two
+        4-bit planes side by side along K (K' = 2K): u = q + 128 = 16*hi + lo, and d*q = (hi - 8)*16d + ((lo - 8)*d
+        + 8d)."""
         if self._prepared is not None:
             return self._prepared
-        pad = -self.shape[0] % 16
         if self.format.name == "q8_0":
             u = self.tensors["int8"].to(torch.int32) + 128  # (N, K), 0..255
             codes = torch.cat([u >> 4, u & 0x0F], dim=1)  # (N, 2K)
@@ -280,9 +402,7 @@ class PackedWeight:
         else:
             codes = unpack_nibbles(self.tensors["nibbles"]).to(torch.int32)  # (N, K), 0..15
             scale, zero = self.tensors["scale"], self.tensors["zero"]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(codes, (0, 0, 0, pad)), 1)
-        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # (K'/32, N, 2)
-        self._prepared = (packed, F.pad(scales_zeros, (0, 0, 0, pad)).to(torch.bfloat16).contiguous())
+        self._prepared = int4_layout(codes, scale, zero, int4_ops(codes.device))
         return self._prepared
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
