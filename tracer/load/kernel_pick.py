@@ -6,19 +6,21 @@ tracer/hardware/kernel_store.py's; the stored kernels' adapter and the accuracy 
 tracer/load/stored_candidates.py's. This module knows the checkpoint (which formats its matrices are stored in, so
 which candidates are acceptable) and the loaded model (fp16's range checks), so it sits in the load layer.
 
-Flow (`pick`): the matrices' stored formats -> the candidates: each dense dtype, and for a GGUF on the CPU each
-stored kernel that runs all its matrices; a candidate short of the bits a float-stored matrix needs is refused
-untimed, one short of a block format's bits is probed -> one candidate and no probe: taken without measuring;
-otherwise the saved choice for this machine and model shape, or a measurement (the probes, then whole decode steps of
-the candidates that run as the native C step (tracer/load/step_timing.py), then the products, those candidates'
-decode products excepted; seconds, `progress` hears each candidate) that is then saved. While it measures, the
-machine's load is read (tracer/hardware/machine_load.py): a measurement during which other processes took more than
-BUSY_SHARE of the CPUs serves this run and is saved as `provisional`, which the next run measures again instead of
-serving (`Reuse`: `--remeasure` measures whatever is saved; tensor-parallel ranks serve even a provisional choice,
-the one their launcher just made, rather than all measuring at once on the same cores). A damaged store is one line
-(`note`) and a fresh measurement that replaces it; an unwritable one is one line and an unsaved choice. After the
-model is loaded in fp16, `fp16_problem` checks its range: no weight overflowed to inf, and a probe forward's residual
-stream stays below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the next candidate (`without`).
+Flow (`pick`): the matrices' stored formats -> the candidates: each dense dtype, and for a GGUF each stored kernel
+that runs all its matrices on the device (weight_formats.stored_kernels: on CUDA torch's, int4pack and blocks; the C
+library's on the CPU only), timed and probed on the device; a candidate short of the bits a float-stored matrix
+needs is refused untimed, one short of a block format's bits is probed -> one candidate and no probe: taken without
+measuring; otherwise the saved choice for this machine and model shape, or a measurement (the probes, then whole
+decode steps of the candidates that run as the native C step (tracer/load/step_timing.py), then the products, those
+candidates' decode products excepted; seconds, `progress` hears each candidate) that is then saved. While it
+measures, the machine's load is read (tracer/hardware/machine_load.py): a measurement during which other processes
+took more than BUSY_SHARE of the CPUs serves this run and is saved as `provisional`, which the next run measures
+again instead of serving (`Reuse`: `--remeasure` measures whatever is saved; tensor-parallel ranks serve even a
+provisional choice, the one their launcher just made, rather than all measuring at once on the same cores). A
+damaged store is one line (`note`) and a fresh measurement that replaces it; an unwritable one is one line and an
+unsaved choice. After the model is loaded in fp16, `fp16_problem` checks its range: no weight overflowed to inf, and
+a probe forward's residual stream stays below kernel_choice.FP16_ACTIVATION_LIMIT; the loader otherwise takes the
+next candidate (`without`).
 """
 
 from __future__ import annotations
@@ -126,10 +128,10 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
     offered: list[tuple[ProductKernel, int | None]] = [
         (DenseKernel(dtype), rule.precision_bits(rule.DENSE, dtype)) for dtype in dense_dtypes(device)]
     header = resolved.gguf_header
-    if resolved.kind == GGUF and header is not None and device.type == "cpu":  # stored kernels run on the CPU
+    if resolved.kind == GGUF and header is not None:  # the stored kernels that run on this kind of device
         offered += [(StoredKernel(header, resolved.config, k),
                      rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k))
-                    for k in kernels_for(header, resolved.config)]
+                    for k in kernels_for(header, resolved.config, device.type)]
     for kernel, kept in offered:
         short = rule.short_of_bits(kept, formats)
         unprobeable = [f for f in short if not rule.probed(f)]
@@ -142,9 +144,9 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
         if short:
             probes[kernel.name] = short
     type_kernels: dict[str, tuple[str, ...]] = {}
-    if resolved.kind == GGUF and header is not None and device.type == "cpu":
+    if resolved.kind == GGUF and header is not None:
         for info in matrix_infos(header, resolved.config).values():
-            type_kernels[info.type_name] = stored_kernels(info.ggml_type)
+            type_kernels[info.type_name] = stored_kernels(info.ggml_type, device.type)
         for type_name, names in type_kernels.items():  # kernels that run only some types are probed for a plan
             for k in names:
                 kept = rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k)
@@ -218,7 +220,7 @@ def _measure(resolved: ResolvedModel, device: torch.device, offered: _Candidates
         assert resolved.gguf_header is not None  # only block formats are probed
         if progress:
             progress("accuracy probe of " + ", ".join(offered.probes))
-        errors = probe_errors(resolved.gguf_header, resolved.config, offered.probes)
+        errors = probe_errors(resolved.gguf_header, resolved.config, offered.probes, str(device))
     kernels = list(offered.kernels)
     # e.g. i8dot for the Q4 matrices, i16dot or an exact kernel for a Q8_0 one
     plans = per_type_plans(offered, errors)

@@ -66,7 +66,8 @@ from llmtrace.tracer.load.stored_weights import (
 )
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
-from llmtrace.tracer.model.weight_formats import runs_blocks
+from llmtrace.tracer.model.weight_formats import (TORCH_KERNEL_DEVICES, PackedWeight, device_refusal, runs_blocks,
+                                                 runs_on)
 
 # The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
 # measured on this machine: llmtrace.tracer.load.kernel_pick), which load_model also accepts.
@@ -115,8 +116,8 @@ def load_model(
     `kernels.overridden_by`, with the candidate they left in `kernels.ran`. `reuse`: which saved choice serves
     instead of a measurement (kernel_pick.Reuse: NONE measures again and replaces it, `run --remeasure`)."""
     start = time.perf_counter()
-    target = _check_device(device)
     request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
+    target = _check_device(device, request)
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
@@ -195,17 +196,21 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
     if request.mode == STORED:  # nothing measured runs every matrix: the kernel that runs the most
         header = resolved.gguf_header
         assert header is not None
-        counts = {k: len(stored_matrices(header, resolved.config, k)[0]) for k in all_kernels()}
+        counts = {k: len(stored_matrices(header, resolved.config, k)[0]) for k in _kernels_on(target)}
+        if not counts:
+            raise HardwareError(f"--weights stored runs on {' and '.join(TORCH_KERNEL_DEVICES)} only; use --weights "
+                                f"dense on {target.type}")
         kernel = widest_kernel(counts)
         return WeightsChoice(STORED, f"--weights stored: {kernel}, not measured{_dequantized_note(resolved, kernel)}",
                              kernel)
     if running is not None:
         return WeightsChoice(DENSE, f"auto: {running.name} dense is the fastest acceptable candidate ({how})")
-    if target.type != "cpu":
-        return WeightsChoice(DENSE, f"stored kernels run on the CPU only; dequantized on {target.type}")
+    if not _kernels_on(target):
+        return WeightsChoice(DENSE, f"stored kernels run on {' and '.join(TORCH_KERNEL_DEVICES)} only; dequantized "
+                                    f"on {target.type}")
     header = resolved.gguf_header
     assert header is not None
-    kinds = sorted({t.type_name for t in header.tensors if len(t.shape) == 2} - set(_kernel_types(resolved)))
+    kinds = sorted({t.type_name for t in header.tensors if len(t.shape) == 2} - set(_kernel_types(resolved, target)))
     if kinds:
         return WeightsChoice(DENSE, f"auto: no stored kernel runs {', '.join(kinds)} matrices, so all are "
                                     "dequantized (--weights stored runs the others as stored)")
@@ -229,12 +234,17 @@ def _views_of_the_file(kernel: str) -> bool:
     return all(runs_blocks(k) for k in ([plan] if isinstance(plan, str) else plan.values()))
 
 
-def _kernel_types(resolved: ResolvedModel) -> set[str]:
-    """The file's matrix types some stored kernel runs."""
+def _kernels_on(target: torch.device) -> tuple[str, ...]:
+    """The stored kernels that run on `target`'s kind of device, in all_kernels' order."""
+    return tuple(k for k in all_kernels() if runs_on(k, target.type))
+
+
+def _kernel_types(resolved: ResolvedModel, target: torch.device) -> set[str]:
+    """The file's matrix types some stored kernel runs on `target`."""
     header = resolved.gguf_header
     assert header is not None
     out: set[str] = set()
-    for kernel in all_kernels():
+    for kernel in _kernels_on(target):
         out |= set(stored_matrices(header, resolved.config, kernel)[0].values())
     return out
 
@@ -264,18 +274,17 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
                        f"safetensors {stored} -> {compute.name}", weights=choice)
     assert kind == GGUF
     if choice.mode == STORED:
-        if target.type != "cpu":
-            raise HardwareError(f"--weights stored runs on the CPU only so far; use --weights dense on {target.type}")
-        return _load_gguf_stored(start, resolved, compute, use_cache, choice)
+        return _load_gguf_stored(start, resolved, compute, target, use_cache, choice)
     return _load_gguf(start, resolved, compute, target, use_cache, choice)
 
 
-def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use_cache: bool,
+def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, device: torch.device, use_cache: bool,
                       choice: WeightsChoice) -> LoadedModel:
-    """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats). Converted packings
-    (int4pack, blocks) are cached like dense weights: the entry holds the packed tensors (safetensors, described in
-    JSON metadata; never unpickled). The native kernel's are not: its weights ARE the file's blocks, views of the
-    memory-mapped file, so an entry would only be a second copy of the file, no faster to map."""
+    """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats), packed (or read from the
+    cache) on the CPU, then moved to `device`. Converted packings (int4pack, blocks) are cached like dense weights:
+    the entry holds the packed tensors (safetensors, described in JSON metadata; never unpickled). The native
+    kernel's are not: its weights ARE the file's blocks, views of the memory-mapped file, so an entry would only be
+    a second copy of the file, no faster to map."""
     header, config = resolved.gguf_header, resolved.config
     assert header is not None
     path, values = Path(header.path), torch_dtype(compute)
@@ -291,7 +300,7 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         except OSError:
             key = None
     if key is None:
-        model = stored_model(config, *load_gguf_stored(header, config, values, kernel_plan(kernel)))
+        model = stored_model(config, *_moved(*load_gguf_stored(header, config, values, kernel_plan(kernel)), device))
         return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
     notes = []
     with weights_cache.creating(key, variant):
@@ -299,16 +308,24 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, use
         notes.append(cached.note)
         if cached.state is not None:
             try:
-                model = stored_model(config, *from_entry(cached.state, cached.metadata))
+                model = stored_model(config, *_moved(*from_entry(cached.state, cached.metadata), device))
                 return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True, weights=choice)
             except (CheckpointError, ValueError):
                 weights_cache.cache_path(key, variant).unlink(missing_ok=True)
                 notes.append("weights cache: the entry did not fit this model; converting again")
         dense, packed = load_gguf_stored(header, config, values, kernel_plan(kernel))
         weights_cache.store(key, variant, *to_entry(dense, packed))
-    model = stored_model(config, dense, packed)
+    model = stored_model(config, *_moved(dense, packed, device))
     return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),
                    weights=choice)
+
+
+def _moved(dense: dict[str, torch.Tensor], packed: dict[str, PackedWeight], device: torch.device
+           ) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+    """load_gguf_stored's pair on `device` (it packs on the CPU, and a cache entry is CPU tensors)."""
+    if device.type == "cpu":
+        return dense, packed
+    return {name: t.to(device) for name, t in dense.items()}, {name: w.to(device) for name, w in packed.items()}
 
 
 def _load_gguf(start: float, resolved: ResolvedModel, compute: DType, device: torch.device,
@@ -387,17 +404,24 @@ def _name_of(stored: torch.dtype) -> str:
         return str(stored)
 
 
-def _check_device(device: str) -> torch.device:
+def _check_device(device: str, request: WeightsRequest) -> torch.device:
+    """`device` parsed and checked: a kind llmtrace runs on, whose kernels can run the `--weights` plan (before
+    whether this machine has one: a plan that cannot run there is wrong on any machine), present here."""
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise BadArgumentError(f"unknown device {device!r}; use cpu, cuda or mps") from exc
+    if target.type not in ("cpu", "cuda", "mps"):
+        raise BadArgumentError(f"device {device!r} is not supported; use cpu, cuda or mps")
+    if request.kernel is not None:
+        plan = kernel_plan(request.kernel)
+        refusal = device_refusal([plan] if isinstance(plan, str) else plan.values(), target.type)
+        if refusal:
+            raise HardwareError(f"--weights {request.kernel}: {refusal}")
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HardwareError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
     if target.type == "mps" and not torch.backends.mps.is_available():
         raise HardwareError(f"device {device!r} asked for, but MPS is not available here; use --device cpu")
-    if target.type not in ("cpu", "cuda", "mps"):
-        raise BadArgumentError(f"device {device!r} is not supported; use cpu, cuda or mps")
     return target
 
 

@@ -33,12 +33,13 @@ PROBE_MATRICES = 2  # matrices of each format a probe multiplies (the LM head is
 PROBE_SEED = 0
 
 
-def kernels_for(header: GGUFHeader, config: ModelConfig) -> tuple[str, ...]:
-    """The stored kernels that run every matrix of the file as stored, in stored_kernels' order."""
+def kernels_for(header: GGUFHeader, config: ModelConfig, device_type: str = "cpu") -> tuple[str, ...]:
+    """The stored kernels that run every matrix of the file as stored on a `device_type` device, in stored_kernels'
+    order."""
     infos = matrix_infos(header, config)
     if not infos:
         return ()
-    each = [stored_kernels(info.ggml_type) for info in infos.values()]
+    each = [stored_kernels(info.ggml_type, device_type) for info in infos.values()]
     return tuple(k for k in each[0] if all(k in kernels for kernels in each[1:]))
 
 
@@ -87,6 +88,7 @@ class StoredKernel:
         if shape.role in self._handed:  # the first request of a role gets the sample itself, later ones copies
             members = [_copy(w) for w in members]
         self._handed.add(shape.role)
+        members = [w.to(device) for w in members]  # packed on the CPU; the products run where they are timed
         weight = _combined(members)
         for w in weight if isinstance(weight, tuple) else (weight,):
             _make_layout(w)
@@ -111,7 +113,7 @@ class StoredKernel:
 def _make_layout(weight: PackedWeight) -> None:
     """Build the kernel's own layout now (int4pack repacks on first use), so the set-up is not timed as a product:
     a first pass that slow would otherwise be taken as the figure itself (product_timing._best's SLOW_WARMUP)."""
-    weight(torch.zeros(1, weight.in_features))
+    weight(torch.zeros(1, weight.in_features, device=weight.device))
 
 
 def _combined(members: list[PackedWeight]) -> PackedWeight | tuple[PackedWeight, ...]:
@@ -134,11 +136,12 @@ def _copy(weight: PackedWeight) -> PackedWeight:
 ProductFn = Callable[[str, torch.Tensor], torch.Tensor]  # (matrix name, x fp32 (R, K)) -> (R, N)
 
 
-def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequence[str]]
+def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequence[str]], device: str = "cpu"
                  ) -> dict[str, dict[str, float]]:
     """{candidate: {format: relative product error}} for `wanted` {candidate: formats to probe}; a candidate is a
     dense dtype name ("bf16") or a stored kernel's name. The error of a format is the worst over its probed
-    matrices (see the module docstring and kernel_choice's rule)."""
+    matrices (see the module docstring and kernel_choice's rule). The candidates' products run on `device` (a
+    kernel's rounding is its device's: CUDA's int4 kernel dequantizes in bf16), the fp64 reference on the CPU."""
     infos = matrix_infos(header, config)
     by_format: dict[str, list[str]] = {}
     for name, info in infos.items():
@@ -160,10 +163,12 @@ def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequ
             if candidate in rule.COMPUTE_BITS:  # a dense dtype: values and activations rounded to it
                 values = torch.float32 if candidate == "fp32" else getattr(torch, _TORCH[candidate])
                 product: ProductFn = (  # type: ignore[misc]
-                    lambda n, x, v=values: (x.to(v) @ exact[n].to(v).t()).double())  # type: ignore[union-attr]
+                    lambda n, x, v=values: (x.to(device, v)
+                                            @ exact[n].to(device, v).t()).cpu().double())  # type: ignore[union-attr]
             else:
                 packed = pack_matrices(header, config, names, candidate)
-                product = lambda n, x, p=packed: p[n](x).double()  # type: ignore[misc, operator]
+                product = lambda n, x, p=packed: (  # type: ignore[misc]
+                    p[n].to(device)(x.to(device)).cpu().double())  # type: ignore[union-attr]
             worst = 0.0
             for n in names:
                 err = float(torch.linalg.vector_norm(product(n, rows[n].float()) - reference[n])
