@@ -143,6 +143,7 @@ def test_cuda_candidates_are_the_dense_dtypes_and_torchs_stored_kernels(
 
     monkeypatch.setattr(kernel_pick, "machine_key", lambda device: f"{device}|a test GPU")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
     resolved = resolve_model(str(tiny_quantized(Q.Q4_0)), vocabulary=True)
     picked = kernel_pick.pick(resolved, torch.device("cuda"), timer=timer, store_path=tmp_path / "kernels.json")
     assert timed == [(("fp32", "fp16", "bf16", INT4PACK, BLOCKS), "cuda")]
@@ -150,6 +151,19 @@ def test_cuda_candidates_are_the_dense_dtypes_and_torchs_stored_kernels(
     on_cpu = kernel_pick.pick(resolved, torch.device("cpu"), timer=timer, store_path=tmp_path / "cpu.json")
     assert set(timed[1][0]) - set(timed[0][0]) == ({"i8dot", NATIVE} if native_kernel.available() else set())
     assert on_cpu.choice.picked == INT4PACK
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (7, 5))  # older than torch's int4 kernel
+    older = kernel_pick.pick(resolved, torch.device("cuda"), timer=timer, store_path=tmp_path / "older.json")
+    assert timed[2] == (("fp32", "fp16", "bf16", BLOCKS), "cuda") and older.choice.picked == BLOCKS
+
+
+def test_int4pack_is_refused_on_a_gpu_older_than_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (7, 5))
+    with pytest.raises(HardwareError) as exc:
+        load_model(None, FP32, device="cuda", weights="Q4_1:int4pack,Q8_0:blocks")
+    assert str(exc.value) == ("--weights Q4_1:int4pack,Q8_0:blocks: the int4pack kernel needs a GPU of compute "
+                              "capability 8.0 or later (PyTorch builds it for those only), this one is 7.5; use "
+                              "--weights blocks or dense")
 
 
 # ---- on a GPU -------------------------------------------------------------------------------------------------------

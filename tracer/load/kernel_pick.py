@@ -51,7 +51,7 @@ from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, pr
 from llmtrace.tracer.load.step_timing import time_native_steps
 from llmtrace.tracer.load.stored_weights import plan_spec
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import stored_kernels
+from llmtrace.tracer.model.weight_formats import runs_here, stored_kernels
 
 Progress = Callable[[str], None]
 Timer = Callable[..., tuple[tuple[CandidateTiming, ...], float]]  # product_timing.time_kernels' signature
@@ -128,10 +128,10 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
     offered: list[tuple[ProductKernel, int | None]] = [
         (DenseKernel(dtype), rule.precision_bits(rule.DENSE, dtype)) for dtype in dense_dtypes(device)]
     header = resolved.gguf_header
-    if resolved.kind == GGUF and header is not None:  # the stored kernels that run on this kind of device
+    if resolved.kind == GGUF and header is not None:  # the stored kernels that run on this device
         offered += [(StoredKernel(header, resolved.config, k),
                      rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k))
-                    for k in kernels_for(header, resolved.config, device.type)]
+                    for k in _runnable(kernels_for(header, resolved.config, device.type), device)]
     for kernel, kept in offered:
         short = rule.short_of_bits(kept, formats)
         unprobeable = [f for f in short if not rule.probed(f)]
@@ -146,7 +146,7 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
     type_kernels: dict[str, tuple[str, ...]] = {}
     if resolved.kind == GGUF and header is not None:
         for info in matrix_infos(header, resolved.config).values():
-            type_kernels[info.type_name] = stored_kernels(info.ggml_type, device.type)
+            type_kernels[info.type_name] = _runnable(stored_kernels(info.ggml_type, device.type), device)
         for type_name, names in type_kernels.items():  # kernels that run only some types are probed for a plan
             for k in names:
                 kept = rule.precision_bits(rule.STORED, rule.STORED_ACTIVATIONS, k)
@@ -154,6 +154,11 @@ def _candidates(resolved: ResolvedModel, device: torch.device, formats: Sequence
                     probes[k] = (*probes.get(k, ()), type_name)
                 bits.setdefault(k, kept)
     return _Candidates(tuple(kernels), bits, probes, tuple(refused), type_kernels)
+
+
+def _runnable(kernels: Sequence[str], device: torch.device) -> tuple[str, ...]:
+    """`kernels` less any this very device cannot run (int4pack on a GPU older than torch's int4 kernel)."""
+    return tuple(k for k in kernels if runs_here(k, device))
 
 
 def per_type_plans(offered: _Candidates, errors: dict[str, dict[str, float]]) -> dict[str, dict[str, str]]:

@@ -66,8 +66,8 @@ from llmtrace.tracer.load.stored_weights import (
 )
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
-from llmtrace.tracer.model.weight_formats import (TORCH_KERNEL_DEVICES, PackedWeight, device_refusal, runs_blocks,
-                                                 runs_on)
+from llmtrace.tracer.model.weight_formats import (INT4PACK, TORCH_KERNEL_DEVICES, PackedWeight, device_refusal,
+                                                 int4_refusal, runs_blocks, runs_here)
 
 # The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
 # measured on this machine: llmtrace.tracer.load.kernel_pick), which load_model also accepts.
@@ -235,8 +235,8 @@ def _views_of_the_file(kernel: str) -> bool:
 
 
 def _kernels_on(target: torch.device) -> tuple[str, ...]:
-    """The stored kernels that run on `target`'s kind of device, in all_kernels' order."""
-    return tuple(k for k in all_kernels() if runs_on(k, target.type))
+    """The stored kernels that run on `target`, in all_kernels' order."""
+    return tuple(k for k in all_kernels() if runs_here(k, target))
 
 
 def _kernel_types(resolved: ResolvedModel, target: torch.device) -> set[str]:
@@ -406,22 +406,26 @@ def _name_of(stored: torch.dtype) -> str:
 
 def _check_device(device: str, request: WeightsRequest) -> torch.device:
     """`device` parsed and checked: a kind llmtrace runs on, whose kernels can run the `--weights` plan (before
-    whether this machine has one: a plan that cannot run there is wrong on any machine), present here."""
+    whether this machine has one: a plan that cannot run there is wrong on any machine), present here, and able to
+    run the plan's int4pack (a GPU older than torch's int4 kernel is not)."""
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise BadArgumentError(f"unknown device {device!r}; use cpu, cuda or mps") from exc
     if target.type not in ("cpu", "cuda", "mps"):
         raise BadArgumentError(f"device {device!r} is not supported; use cpu, cuda or mps")
-    if request.kernel is not None:
-        plan = kernel_plan(request.kernel)
-        refusal = device_refusal([plan] if isinstance(plan, str) else plan.values(), target.type)
-        if refusal:
-            raise HardwareError(f"--weights {request.kernel}: {refusal}")
+    plan = kernel_plan(request.kernel) if request.kernel is not None else {}
+    kernels = [plan] if isinstance(plan, str) else list(plan.values())
+    refusal = device_refusal(kernels, target.type)
+    if refusal:
+        raise HardwareError(f"--weights {request.kernel}: {refusal}")
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HardwareError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
     if target.type == "mps" and not torch.backends.mps.is_available():
         raise HardwareError(f"device {device!r} asked for, but MPS is not available here; use --device cpu")
+    refusal = int4_refusal(target) if INT4PACK in kernels else ""
+    if refusal:
+        raise HardwareError(f"--weights {request.kernel}: {refusal}")
     return target
 
 

@@ -212,12 +212,29 @@ INT4_OPS = {
 }
 
 
+def int4_refusal(device: torch.device) -> str:
+    """"" when torch's int4 kernel runs on `device`, else why not, in one line: a device without INT4_OPS, or a GPU
+    older than the kernel (int4mm.cu compiles it for __CUDA_ARCH__ >= 800 only, and fails at run time below)."""
+    if device.type not in INT4_OPS:
+        return device_refusal([INT4PACK], device.type)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"the int4pack kernel needs a GPU of compute capability 8.0 or later (PyTorch builds it for those "
+                f"only), this one is {major}.{minor}; use --weights blocks or dense")
+    return ""
+
+
+def runs_here(kernel: str, device: torch.device) -> bool:
+    """Whether `kernel` multiplies on this very device: runs_on its kind, and int4pack only on a GPU new enough."""
+    return runs_on(kernel, device.type) and (kernel != INT4PACK or not int4_refusal(device))
+
+
 def int4_ops(device: torch.device) -> Int4Ops:
-    """The int4 kernel's ops for tensors on `device`; HardwareError on a device llmtrace does not run it on."""
-    ops = INT4_OPS.get(device.type)
-    if ops is None:
-        raise HardwareError(device_refusal([INT4PACK], device.type))
-    return ops
+    """The int4 kernel's ops for tensors on `device`; HardwareError where it does not run (int4_refusal)."""
+    refusal = int4_refusal(device)
+    if refusal:
+        raise HardwareError(refusal)
+    return INT4_OPS[device.type]
 
 
 def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ops: Int4Ops
