@@ -18,7 +18,9 @@ import pytest
 import torch
 from conftest import fixed_timings
 from gguf.quants import dequantize as gguf_dequantize
+from typer.testing import CliRunner
 
+from llmtrace.cli.app import app
 from llmtrace.tracer.checkpoint.bundled import bundled_model_path
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.resolve import resolve_model
@@ -118,6 +120,15 @@ def test_a_plan_of_the_native_librarys_kernels_is_refused_on_cuda(weights: str, 
     assert "\n" not in message
     assert message == (f"--weights {weights}: the {named} kernel is llmtrace's C library, which runs on the CPU "
                        "only; on cuda use --weights int4pack, blocks or dense")
+
+
+def test_the_refusal_on_the_command_line_is_one_line_and_exit_2() -> None:
+    if not native_kernel.available():
+        pytest.skip(native_kernel.unavailable_reason())
+    result = CliRunner().invoke(app, ["run", "capital", "--device", "cuda", "--weights", "native"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "llmtrace: error: --weights native: the native kernel is llmtrace's C library, which runs on the CPU " \
+           "only; on cuda use --weights int4pack, blocks or dense\n" in result.output
 
 
 def test_stored_weights_are_refused_on_a_device_without_torch_kernels() -> None:
