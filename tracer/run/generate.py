@@ -162,7 +162,7 @@ class Generation:
         self._events: Iterator[Event] | None = None
         self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)
         self._run_ahead = run_ahead
-        self._run_ahead_calls: list[int] = []  # the decode steps each C call ran, when they ran ahead
+        self._run_ahead_calls: list[int] = []  # the decode steps recorded of each C call, when they ran ahead
 
     def events(self) -> Iterator[Event]:
         if self._events is not None:
@@ -276,7 +276,7 @@ class Generation:
             run = self.model.decode_greedy(token, min(ahead, limit - len(self._generated)), eos, table,
                                            self.settings.trace) if table else None
             if run is None:
-                table = 0  # nothing that could change that happens during a run: a step a call from here on
+                table = 0  # what said no (no native step, a hook) stays for the run: a step a call from here on
                 step = self._step(DECODE, len(self._steps), [token])
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)

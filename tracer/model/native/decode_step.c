@@ -91,7 +91,9 @@ typedef struct {
     int64_t embedding_rows;
 } StepPlan;
 
-enum { STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6, STEP_NOT_FINITE = 7 };
+enum {
+    STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6, STEP_NOT_FINITE = 7
+};
 
 int64_t llmt_step_abi(void) { return LLMT_STEP_ABI; }
 int64_t llmt_step_layer_size(void) { return (int64_t)sizeof(StepLayer); }
