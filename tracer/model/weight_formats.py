@@ -329,10 +329,6 @@ class PackedWeight:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.tensors.values())).device
-
-    @property
-    def device(self) -> torch.device:
         """Where its tensors are (all on one device)."""
         return next(iter(self.tensors.values())).device
 
