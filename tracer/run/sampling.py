@@ -274,7 +274,7 @@ class Sampler:
 
     def greedy_of_pass(self, vocab: int, top_ids: list[int], top_logits: list[float],
                        raw_softmax: SoftmaxSums) -> SampleResult:
-        """What `sample` returns under `greedy_from_table()` for logits whose C pass (SamplerPasses.top_softmax,
+        """What `sample` returns under `greedy_from_table(vocab)` for logits whose C pass (SamplerPasses.top_softmax,
         count `table_size(vocab)`) found `top_ids`, `top_logits` and `raw_softmax`: for steps whose pass ran in C
         right after the step (NativeStep.run_greedy)."""
         common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=0,
@@ -291,7 +291,7 @@ class Sampler:
     def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> SampleResult:
         """The greedy result computed in numpy (numpy's exp: the reference's bits)."""
         vocab = penalised.size
-        ids = _top_sorted(penalised, min(self._n_candidates, vocab))
+        ids = _top_sorted(penalised, self.table_size(vocab))
         id_list = ids.tolist()
         logits = raw[ids]
         prob_raw = np.exp(logits.astype(np.float64) - raw_lse).tolist()
