@@ -74,8 +74,16 @@ def test_pads_change_no_logit_whatever_their_ids(fused: bool) -> None:
     assert torch.equal(_greedy_logits(model, other, pads, steps=3), first)
 
 
-def test_keep_rows_drops_a_sequence_and_leaves_the_others_as_they_were() -> None:
-    model = build_random_model(GQA, seed=3)
+@pytest.mark.parametrize("held", ["dense", "stored"])
+def test_keep_rows_drops_a_sequence_and_leaves_the_others_as_they_were(held: str) -> None:
+    """Dense, and with every matrix (the embedding table too) held as stored, whose module weights are meta
+    placeholders: the kept rows' next logits are the ones the whole batch gives them."""
+    if held == "stored":
+        from tests.test_native_step import native_model
+
+        model = native_model(replace(GQA, name="gqa-stored"), seed=3)
+    else:
+        model = build_random_model(GQA, seed=3)
     model.use_fused = False
     tokens, pads = _left_padded([[5, 9, 13], [7, 3, 11, 21, 40], [8, 30]])
     model.setup_cache(3, 12)

@@ -384,7 +384,9 @@ class Transformer(ForwardWatched):
             raise BadArgumentError(f"keep_rows takes ascending row indices below the batch of {self.batch}, got {rows}")
         if len(rows) == self.batch:
             return
-        index = torch.tensor(rows, dtype=torch.long, device=self.tok_embeddings.weight.device)  # (B',)
+        # on the caches' device: the dense final norm's (a table held as stored leaves a meta placeholder, and a
+        # meta index made index_select return uninitialised rows without a word)
+        index = torch.tensor(rows, dtype=torch.long, device=self.norm.weight.device)  # (B',)
         for cache in self._kv_caches():
             cache.keep_rows(index)
         if self._pad is not None:
