@@ -10,6 +10,7 @@ from typing import Callable
 import gguf
 import numpy as np
 import pytest
+import torch
 from tiny_gguf import (
     BLOCK_LAYOUTS,
     block_dtype,
@@ -30,6 +31,7 @@ from llmtrace.tracer.load.gguf_dequant import dequantize
 from llmtrace.tracer.load.gguf_loader import load_gguf_weights
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model import native_kernel
 
 Q = gguf.GGMLQuantizationType
 # Every type gguf 0.19 can dequantize, beyond the plain floats.
@@ -124,6 +126,36 @@ def test_q4_k_m_mix_runs(kquant_source: tuple[ModelConfig, dict, dict], tmp_path
                                       "--dtype", "fp32", "--no-roofline", "--detail", "summary"])
     assert result.exit_code == 0, result.output
     assert "2 tokens generated" in result.output
+
+
+@pytest.mark.parametrize("weights", ["int4pack", "blocks", "stored", "Q4_K:int4pack,Q6_K:native,Q8_0:native"])
+def test_q4_k_m_mix_under_a_kernel_that_skips_a_type(kquant_source: tuple[ModelConfig, dict, dict], tmp_path: Path,
+                                                     weights: str) -> None:
+    """int4pack and blocks run Q4_K but not Q6_K, which a Q4_K_M file stores V and the FFN's down matrix in: one
+    product (Q|K|V) cannot mix a stored and a dense matrix, nor int4pack's Q4_K with native's Q6_K, so Q and K are
+    dequantized with V (each crashed setup_cache with a traceback before); gate|up, both Q4_K, stay stored. The
+    weights line says so; the logits are the dense model's within the kernels' rounding, the greedy token too."""
+    def type_of(name: str) -> Q:
+        return next((q for part, q in Q4_K_M.items() if f".{part}." in f".{name}"), Q.Q4_K)
+
+    path, _ = _write_blocks(tmp_path / "q4_k_m.gguf", kquant_source, type_of)
+    if weights == "Q4_K:int4pack,Q6_K:native,Q8_0:native" and not native_kernel.available():
+        pytest.skip("the native kernel is not available here")
+    loaded = load_model(str(path), use_cache=False, weights=weights)
+    dense = load_model(str(path), use_cache=False, weights="dense")
+    stored = loaded.model.stored_weights()
+    assert ("layers.0.attention.wq" in stored) == (weights == "stored")
+    assert "layers.0.feed_forward.w1" in stored and "layers.0.feed_forward.w3" in stored
+    with_partners = {"int4pack": "2 of type Q4_K", "blocks": "2 of type Q4_K", "stored": None,
+                     "Q4_K:int4pack,Q6_K:native,Q8_0:native": "3 of type Q4_K, Q6_K"}[weights]  # V's Q6_K too
+    if with_partners is not None:
+        assert f"; {with_partners} run dequantized too: they share one product (Q|K|V" in loaded.weights.reason
+    ids = torch.tensor([[1, 5, 9, 13]])
+    for model in (loaded.model, dense.model):
+        model.setup_cache(1, 8)
+    got, want = loaded.model.prefill(ids), dense.model.prefill(ids)
+    assert float((got - want).abs().max()) <= 2**-5 * float(want.abs().max())  # int4pack's bf16 at worst
+    assert int(got.argmax()) == int(want.argmax())
 
 
 def test_a_type_gguf_cannot_decode_is_one_line_with_advice(kquant_source: tuple[ModelConfig, dict, dict],

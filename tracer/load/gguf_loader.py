@@ -131,18 +131,50 @@ def kernel_of(plan: KernelPlan, info: GGUFTensorInfo) -> str | None:
     return kernel if kernel is not None and kernel in stored_kernels(info.ggml_type) else None
 
 
+# The matrices the fused path multiplies as one product (tracer/model/fused.py: Q|K|V, gate|up), one PackedWeight of
+# their rows (weight_formats.concat_rows): that takes the C library's kernels in any mix, or one torch kernel on one
+# format, and no dense matrix, so a group its kernels cannot join is dequantized whole.
+_FUSED_GROUPS = (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3"))
+
+
+def _fused_partners(name: str) -> tuple[str, ...]:
+    """The Meta names multiplied in one product with `name` ("layers.3.attention.wk.weight" -> its layer's wq, wv),
+    none for a matrix multiplied alone."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[0] != "layers":
+        return ()
+    role = f"{parts[2]}.{parts[3]}"
+    group = next((g for g in _FUSED_GROUPS if role in g), ())
+    return tuple(f"layers.{parts[1]}.{other}.weight" for other in group if other != role)
+
+
 def stored_matrices(header: GGUFHeader, config: ModelConfig, kernel: KernelPlan
                     ) -> tuple[dict[str, str], dict[str, str]]:
-    """Which of the file's matrices `kernel` (one kernel, or one per ggml type) runs as stored, and which it cannot:
-    ({Meta name: ggml type name} with a kernel, {Meta name: ggml type name} without one). The 1-D tensors (norms,
-    biases) are never packed."""
-    plan = _plan(header, config)
-    packable, dense = {}, {}
-    for name, info in plan.items():
+    """Which of the file's matrices `kernel` (one kernel, or one per ggml type) runs as stored, and which are
+    dequantized: ({Meta name: ggml type name} held as stored, {Meta name: ggml type name} dequantized). The 1-D
+    tensors (norms, biases) are never packed."""
+    packable, no_kernel, partners = matrix_split(header, config, kernel)
+    return packable, {**no_kernel, **partners}
+
+
+def matrix_split(header: GGUFHeader, config: ModelConfig, kernel: KernelPlan
+                 ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """The file's matrices ({Meta name: ggml type name} each) `kernel` runs as stored; those whose type it has no
+    kernel for; and those it could run but that share one product with a matrix their kernel cannot join
+    (_FUSED_GROUPS: e.g. a Q4_K_M file under int4pack, whose Q and K are Q4_K and V Q6_K, which int4pack does not
+    run, or under "Q4_K:int4pack,Q6_K:native": Q|K|V is dequantized whole)."""
+    packable, no_kernel, kernels = {}, {}, {}
+    for name, info in _plan(header, config).items():
         if len(info.shape) < 2:
             continue
-        (packable if kernel_of(kernel, info) is not None else dense)[name] = info.type_name
-    return packable, dense
+        kernels[name] = kernel_of(kernel, info)
+        (packable if kernels[name] is not None else no_kernel)[name] = info.type_name
+    partners = {}
+    for name, type_name in packable.items():
+        held = {(kernels.get(n), packable.get(n)) for n in (name, *_fused_partners(name)) if n in kernels}
+        if not (all(k in BLOCK_KERNELS for k, _ in held) or len(held) == 1):
+            partners[name] = type_name
+    return {n: t for n, t in packable.items() if n not in partners}, no_kernel, partners
 
 
 def matrix_infos(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:

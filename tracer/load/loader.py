@@ -45,6 +45,7 @@ from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import (
     load_gguf_stored,
     load_gguf_weights,
+    matrix_split,
     quantization_summary,
     stored_matrices,
     stored_model,
@@ -222,9 +223,16 @@ def _dequantized_note(resolved: ResolvedModel, kernel: str) -> str:
     matrices without a kernel (e.g. `--weights i16dot`, which runs Q8_0 and Q6_K, on a Q4_1 file), else ""."""
     header = resolved.gguf_header
     assert header is not None
-    _, rest = stored_matrices(header, resolved.config, kernel_plan(kernel))
-    kinds = ", ".join(sorted(set(rest.values())))
-    return f"; {len(rest)} matrices of type {kinds} have no {kernel} kernel and run dequantized" if rest else ""
+    _, no_kernel, partners = matrix_split(header, resolved.config, kernel_plan(kernel))
+    note = ""
+    if no_kernel:
+        kinds = ", ".join(sorted(set(no_kernel.values())))
+        note += f"; {len(no_kernel)} matrices of type {kinds} have no {kernel} kernel and run dequantized"
+    if partners:
+        kinds = ", ".join(sorted(set(partners.values())))
+        note += (f"; {len(partners)} of type {kinds} run dequantized too: they share one product (Q|K|V, gate|up) "
+                 "with a matrix their kernel cannot be multiplied with")
+    return note
 
 
 def _views_of_the_file(kernel: str) -> bool:
