@@ -63,15 +63,28 @@ def test_cuda_codes_hold_the_even_column_in_the_high_nibble() -> None:
                                                      (8, 32, 2), (9, 96, 2)])
 def test_cuda_layout_fits_the_kernels_checks(rows: int, cols: int, tiles: int) -> None:
     """On meta tensors (torch's meta function of _convert_weight_to_int4pack: no GPU needed): N padded to a multiple
-    of 8, the widest k-tiling that divides K, and the shapes _weight_int4pack_mm's checks in int4mm.cu ask for:
+    of 16 (NVIDIA's kernel needs 8, ROCm's repack writes 16-row tiles), the widest k-tiling that divides K, and the shapes _weight_int4pack_mm's checks in int4mm.cu ask for:
     B.size(1) == K / (tiles * 16), scales_and_zeros (K/32, 8 * B.size(0), 2)."""
     meta = {"device": "meta"}
     codes = torch.empty(rows, cols, dtype=torch.int32, **meta)
     scale, zero = torch.empty(rows, cols // 32, **meta), torch.empty(rows, cols // 32, **meta)
-    packed, scales_zeros = int4_layout(codes, scale, zero, INT4_OPS["cuda"])
-    padded = -(-rows // 8) * 8
+    packed, scales_zeros = int4_layout(lambda start, stop: codes[start:stop], rows, scale, zero, INT4_OPS["cuda"])
+    padded = -(-rows // 16) * 16
     assert packed.dtype == torch.int32 and packed.shape == (padded // 8, cols // (tiles * 16), 32, tiles // 2)
     assert scales_zeros.dtype == torch.bfloat16 and scales_zeros.shape == (cols // 32, 8 * packed.shape[0], 2)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_codes_widened_a_few_rows_at_a_time_give_the_same_layout(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4_layout widens the codes to int32 in row chunks (a GPU's memory): chunks of one row and of all rows give
+    the same layout, so the same products, bit for bit (on the CPU's ops; the CUDA ones take the same chunks)."""
+    from llmtrace.tracer.model import weight_formats
+
+    raw = random_blocks(qtype, 37, 256, np.random.default_rng(5))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
+    whole = pack_gguf(raw, int(qtype), 256, INT4PACK)(x)
+    monkeypatch.setattr(weight_formats, "_CODE_VALUES", 1)  # one row a chunk
+    assert torch.equal(pack_gguf(raw, int(qtype), 256, INT4PACK)(x), whole)
 
 
 # ---- PackedWeight.to ------------------------------------------------------------------------------------------------
@@ -102,6 +115,12 @@ def test_the_native_librarys_weights_stay_on_the_cpu() -> None:
                               "--weights int4pack, blocks or dense")
     with pytest.raises(HardwareError, match="int4pack kernel runs on cpu and cuda only; on mps use --weights dense"):
         pack_gguf(random_blocks(Q.Q8_0, 8, 64, np.random.default_rng(4)), int(Q.Q8_0), 64, INT4PACK).to("mps")
+    with pytest.raises(HardwareError) as exc:  # only what runs there is offered instead
+        weight.to("mps")
+    assert str(exc.value) == ("the native kernel is llmtrace's C library, which runs on the CPU only; on mps use "
+                              "--weights dense")
+    dense = dense_weight(torch.randn(4, 32))
+    assert dense.to("meta").device == torch.device("meta")  # dense runs wherever torch does
 
 
 # ---- the loader -----------------------------------------------------------------------------------------------------

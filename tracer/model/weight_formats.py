@@ -132,21 +132,24 @@ TORCH_KERNEL_DEVICES = ("cpu", "cuda")
 
 
 def runs_on(kernel: str, device_type: str) -> bool:
-    """Whether `kernel` (one kernel's name) multiplies on a device of `device_type` ("cpu", "cuda", ...)."""
+    """Whether `kernel` (one kernel's name) multiplies on a device of `device_type` ("cpu", "cuda", ...): a dense
+    product on any device torch runs."""
+    if kernel == DENSE:
+        return True
     return device_type == "cpu" if kernel in BLOCK_KERNELS else device_type in TORCH_KERNEL_DEVICES
 
 
 def device_refusal(kernels: Iterable[str], device_type: str) -> str:
     """"" when every kernel named runs on `device_type`, else one line naming the first that does not and what to
-    use instead (the loader's refusal of a --weights plan, and PackedWeight.to's)."""
+    use instead there (the loader's refusal of a --weights plan, and PackedWeight.to's)."""
     for kernel in kernels:
         if runs_on(kernel, device_type):
             continue
-        if kernel in BLOCK_KERNELS:
-            return (f"the {kernel} kernel is llmtrace's C library, which runs on the CPU only; on {device_type} use "
-                    "--weights int4pack, blocks or dense")
-        return f"the {kernel} kernel runs on {' and '.join(TORCH_KERNEL_DEVICES)} only; on {device_type} use " \
-               "--weights dense"
+        usable = [k for k in (INT4PACK, BLOCKS, DENSE) if runs_on(k, device_type)]
+        instead = f"{', '.join(usable[:-1])} or {usable[-1]}" if len(usable) > 1 else usable[0]
+        what = ("is llmtrace's C library, which runs on the CPU only" if kernel in BLOCK_KERNELS
+                else f"runs on {' and '.join(TORCH_KERNEL_DEVICES)} only")
+        return f"the {kernel} kernel {what}; on {device_type} use --weights {instead}"
     return ""
 
 
@@ -208,7 +211,7 @@ INT4_OPS = {
     "cuda": Int4Ops(codes=_high_nibble_first, convert=lambda codes, tiles: torch.ops.aten.
                     _convert_weight_to_int4pack(codes, tiles),
                     mm=lambda x, packed, group, sz: torch.ops.aten._weight_int4pack_mm(x, packed, group, sz),
-                    row_multiple=8, inner_k_tiles=_cuda_inner_k_tiles),
+                    row_multiple=16, inner_k_tiles=_cuda_inner_k_tiles),  # 8 on NVIDIA; ROCm's repack tiles 16
 }
 
 
@@ -237,14 +240,22 @@ def int4_ops(device: torch.device) -> Int4Ops:
     return INT4_OPS[device.type]
 
 
-def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ops: Int4Ops
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) int32 codes 0..15 and (N, K/32) fp32 scales and zeros -> (the kernel's layout, scales_and_zeros
-    (K/32, N', 2) bf16), N' = N rounded up to ops.row_multiple with zero rows (the kernels take no ragged N)."""
-    pad = -codes.shape[0] % ops.row_multiple
-    packed = ops.convert(ops.codes(F.pad(codes, (0, 0, 0, pad))).contiguous(), ops.inner_k_tiles(codes.shape[1]))
+def int4_layout(codes_of: Callable[[int, int], torch.Tensor], rows: int, scale: torch.Tensor, zero: torch.Tensor,
+                ops: Int4Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """The N = `rows` rows' codes (codes_of(start, stop): int32 (stop - start, K), 0..15) and (N, K/32) fp32 scales
+    and zeros -> (the kernel's layout, scales_and_zeros (K/32, N', 2) bf16), N' = N rounded up to ops.row_multiple
+    with zero rows (the kernels take no ragged N). The codes are widened to int32 a few MB of rows at a time: for an
+    LM head of 128k rows whole they would take GBs of a GPU's memory just to be packed into half a byte each."""
+    k = scale.shape[1] * GROUP
+    step = max(1, _CODE_VALUES // k)
+    handed = torch.cat([ops.codes(codes_of(start, min(rows, start + step))) for start in range(0, rows, step)])
+    pad = -rows % ops.row_multiple
+    packed = ops.convert(F.pad(handed, (0, 0, 0, pad)).contiguous(), ops.inner_k_tiles(k))
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/32, N, 2)
     return packed, F.pad(scales_zeros, (0, 0, 0, pad)).to(torch.bfloat16).contiguous()
+
+
+_CODE_VALUES = 1 << 22  # codes widened to int32 at once by int4_layout: 16 MB
 
 
 def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int, ops: Int4Ops
@@ -397,7 +408,8 @@ class PackedWeight:
         xb = x.to(torch.bfloat16)
         if self.format.name == "q8_0":
             xb = torch.cat([xb, xb], dim=1)  # (M, 2K): the high plane's columns, then the low plane's
-        out = int4_product(xb, packed, scales_zeros, self.shape[0], int4_ops(xb.device))  # (M, N)
+        # the ops of the device the layout was made for (_prepare checked it then: no capability query a product)
+        out = int4_product(xb, packed, scales_zeros, self.shape[0], INT4_OPS[packed.device.type])  # (M, N)
         return out.to(x.dtype) if x.dtype != torch.bfloat16 else out.contiguous()
 
     def _prepare(self):  # noqa: ANN202 - the kernel's tensors
@@ -407,20 +419,28 @@ class PackedWeight:
         if self._prepared is not None:
             return self._prepared
         if self.format.name == "q8_0":
-            u = self.tensors["int8"].to(torch.int32) + 128  # (N, K), 0..255
-            codes = torch.cat([u >> 4, u & 0x0F], dim=1)  # (N, 2K)
+            q = self.tensors["int8"]  # (N, K)
+
+            def codes_of(start: int, stop: int) -> torch.Tensor:  # (rows, 2K): the high planes, then the low
+                u = q[start:stop].to(torch.int32) + 128  # 0..255
+                return torch.cat([u >> 4, u & 0x0F], dim=1)
+
             d = self.tensors["scale"]  # (N, K/32)
             scale = torch.cat([16.0 * d, d], dim=1)
             zero = torch.cat([torch.zeros_like(d), 8.0 * d], dim=1)
         else:
-            codes = unpack_nibbles(self.tensors["nibbles"]).to(torch.int32)  # (N, K), 0..15
+            nibbles = self.tensors["nibbles"]  # (N, K/2)
+
+            def codes_of(start: int, stop: int) -> torch.Tensor:  # (rows, K), 0..15
+                return unpack_nibbles(nibbles[start:stop]).to(torch.int32)
+
             scale, zero = self.tensors["scale"], self.tensors["zero"]
-        self._prepared = int4_layout(codes, scale, zero, int4_ops(codes.device))
+        self._prepared = int4_layout(codes_of, self.shape[0], scale, zero, int4_ops(scale.device))
         return self._prepared
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.shape[0]
-        tile = max(1, _TILE_VALUES // self.shape[1])
+        tile = max(1, (_TILE_VALUES if x.device.type == "cpu" else _DEVICE_TILE_VALUES) // self.shape[1])
         if tile >= rows:
             return F.linear(x, self.dequantize(x.dtype))
         out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
@@ -475,6 +495,9 @@ class PackedWeight:
 
 # Rows per tile of the "blocks" kernel: this many values of fp32 (1 MiB) stay in L2 between dequantize and product.
 _TILE_VALUES = 1 << 18
+# On a GPU each tile is a few kernel launches: tiles of 16M values (32 MB in bf16) keep their count to a few per
+# matrix, the temporary far below a card's memory.
+_DEVICE_TILE_VALUES = 1 << 24
 
 
 def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
