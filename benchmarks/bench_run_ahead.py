@@ -8,6 +8,7 @@ slow spells move whole rounds, so besides the medians the ratios are taken round
 apart) and their median given.
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_run_ahead --rounds 10
+    /work/tools/quiet .venv/bin/python -m benchmarks.bench_run_ahead --rounds 10 --temperature 0.7
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="draw at this temperature (seed 1) instead of greedy: both ways run the same draws")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,11 +52,12 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in WAYS}
     for _ in range(args.rounds + 1):  # the first round warms up
         for name, (traced, run_ahead) in WAYS.items():
-            timing, _ = time_llmtrace(loaded, text, traced, False, args.decode_tokens, run_ahead)
+            timing, _ = time_llmtrace(loaded, text, traced, False, args.decode_tokens, run_ahead, args.temperature)
             rates[name].append(timing[1])
     rates = {name: values[1:] for name, values in rates.items()}
-    print(f"model: {loaded.source} ({loaded.weight_format}); {PROMPT_TOKENS}-token prompt, {args.decode_tokens} greedy "
-          f"tokens, {args.threads} threads, {args.rounds} rounds")
+    how = f"drawn at T={args.temperature:g}, seed 1" if args.temperature > 0 else "greedy"
+    print(f"model: {loaded.source} ({loaded.weight_format}); {PROMPT_TOKENS}-token prompt, {args.decode_tokens} tokens "
+          f"{how}, {args.threads} threads, {args.rounds} rounds")
     print("| way | decode tok/s, median | rounds |\n|---|---:|---|")
     for name, values in rates.items():
         print(f"| {name} | {statistics.median(values):.1f} | {' '.join(f'{v:.0f}' for v in values)} |")

@@ -85,13 +85,15 @@ def prompt_of(tokenizer: Any, tokens: int) -> tuple[str, list[int]]:
 
 
 def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens: int,
-                  run_ahead: bool = True) -> tuple[Timing, Any]:
-    """One `run` with default settings (warm-up included); (prefill tok/s, decode tok/s, ids) and its summary."""
+                  run_ahead: bool = True, temperature: float = 0.0) -> tuple[Timing, Any]:
+    """One `run` with default settings (warm-up included; `temperature` > 0: drawn with seed 1); (prefill tok/s,
+    decode tok/s, ids) and its summary."""
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, TokenStep
     from llmtrace.tracer.trace.records import RunSettings
     from llmtrace.tracer.trace.summary import run_summary
 
-    settings = RunSettings(model="", prompt=text, max_new_tokens=new_tokens, dtype="auto", trace=trace, staged=staged)
+    settings = RunSettings(model="", prompt=text, max_new_tokens=new_tokens, dtype="auto", trace=trace, staged=staged,
+                           temperature=temperature, seed=1 if temperature > 0 else None)
     generation = Generation(loaded, settings, run_ahead=run_ahead)
     prefilled = last = steps = 0
     try:

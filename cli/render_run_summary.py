@@ -93,9 +93,9 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
 
 
 def run_ahead_line(run_ahead: RunAhead) -> str:
-    """How a greedy run's decode steps ran several to a C call (Trace.run_ahead), and what their times hold."""
-    return (f"greedy: the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
-            f"{run_ahead.most_steps}, each next token chosen there by the sampler's pass; a step's time is C's "
+    """How a run's decode steps ran several to a C call (Trace.run_ahead), and what their times hold."""
+    return (f"the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
+            f"{run_ahead.most_steps}, each next token chosen there by the sampler's passes; a step's time is C's "
             "(forward, choice), the Python after each call (records, detokenizing) in none")
 
 

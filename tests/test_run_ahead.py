@@ -1,6 +1,6 @@
-"""Greedy decode steps run ahead in C (decode_step.c's llmt_decode_greedy, NativeStep.run_greedy,
-Transformer.decode_greedy, Generation's run-ahead): several steps to a call, each next token chosen by the sampler's
-own C pass over the step's logits.
+"""Decode steps run ahead in C (decode_step.c's llmt_decode_ahead, NativeStep.run_ahead, Transformer.decode_ahead,
+Generation's run-ahead): several steps to a call, each next token chosen by the sampler's own C passes over the
+step's logits, greedy or drawn at a temperature with the sampler's uniforms.
 
 The independent reference is the step-at-a-time path the run-ahead replaces: `decode_one` (the same C step, one call
 each) with the Sampler choosing from its logits in Python. Run ahead, the tokens, the KV cache, every StepRecord and
@@ -22,7 +22,7 @@ import torch
 
 from llmtrace.tracer.core.errors import CheckpointError
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_step import GreedyRun
+from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
@@ -79,7 +79,7 @@ def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[s
         want_tokens, want_results = one_by_one(model, first, 7)
         want_kv, want_pos = model._kv_all.clone(), model.pos
         first = prefilled(model)
-        run = model.decode_greedy(first, 7, None, sampler.table_size(config.vocab_size))
+        run = model.decode_ahead(first, 7, None, sampler.table_size(config.vocab_size))
     assert run is not None and run.failure == ""
     assert list(run.tokens) == want_tokens and model.pos == want_pos
     assert torch.equal(model._kv_all, want_kv)
@@ -91,6 +91,36 @@ def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[s
     assert list(run.kv_live_bytes) == [model._fused_plan.position_bytes * h for h in held]
 
 
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_steps_drawn_ahead_are_the_samplers_draws_bit_for_bit(temperature: float) -> None:
+    """Eight steps drawn in one call with a Sampler's uniforms: the tokens a Sampler of the same seed draws a step at
+    a time, the same KV cache, and each step's sample result, rebuilt from what C found (`drawn_of_pass`), equal to
+    the one `sample` computed from that step's logits (candidates, ranks, probabilities, entropies)."""
+    model = native_model(BASE, seed=7)
+    params = SamplingParams(temperature=temperature, seed=11)
+    reference, sampler = Sampler(params), Sampler(params)
+    vocab = BASE.vocab_size
+    assert sampler.draws_from_passes(vocab) and not sampler.greedy_from_table(vocab)
+    first = prefilled(model)
+    want_tokens, want_results = [], []
+    token = first
+    for _ in range(8):
+        result = reference.sample(model.decode_one(torch.tensor([[token]]))[0].numpy())
+        token = result.token_id
+        want_tokens.append(token)
+        want_results.append(result)
+    want_kv = model._kv_all.clone()
+    prefilled(model)
+    run = model.decode_ahead(first, 8, None, sampler.table_size(vocab), temperature, sampler.uniforms)
+    assert run is not None and list(run.tokens) == want_tokens and torch.equal(model._kv_all, want_kv)
+    assert len(set(want_tokens)) > 1  # drawn, not one repeated argmax
+    for i, want in enumerate(want_results):
+        ids, logits = run.tables[i]
+        got = sampler.drawn_of_pass(vocab, ids, logits, run.scaled_tables[i], run.tokens[i], run.ranks[i],
+                                    run.chosen_logits[i], run.raw_max[i], run.sums[i], run.scaled_sums[i])
+        assert got == want
+
+
 def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
     """The stop token ends the run right after the step that chose it, and the cache counts only those steps; the
     next call carries on from there as the step-at-a-time path does."""
@@ -100,9 +130,9 @@ def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
     stop = want[2]
     assert stop not in want[:2]
     first = prefilled(model)
-    run = model.decode_greedy(first, 8, stop, 10)
+    run = model.decode_ahead(first, 8, stop, 10)
     assert run is not None and list(run.tokens) == want[:3] and model.pos == 5 + 3
-    rest = model.decode_greedy(run.tokens[-1], 5, None, 10)
+    rest = model.decode_ahead(run.tokens[-1], 5, None, 10)
     assert rest is not None and list(rest.tokens) == want[3:]
 
 
@@ -111,7 +141,7 @@ def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
     choice; stamped, each step's stage readings lie within its forward."""
     model = native_model(BASE)
     first = prefilled(model)
-    run = model.decode_greedy(first, 5, None, 10, stamps=True)
+    run = model.decode_ahead(first, 5, None, 10, stamps=True)
     assert run is not None and len(run.stamps) == 5
     for (start, forward_end, sample_end), stamps in zip(run.clock, run.stamps):
         assert start <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= forward_end <= sample_end
@@ -129,7 +159,7 @@ def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
         model.tok_embeddings.weight[chosen[1]] = float("nan")  # the third step's input
     model.setup_cache(1, 21)  # an in-place edit voids the plan until the next setup_cache
     model.prefill(torch.arange(3, 8).view(1, -1))
-    run = model.decode_greedy(first, 6, None, 10)
+    run = model.decode_ahead(first, 6, None, 10)
     assert run is not None and list(run.tokens) == chosen and run.failure == "not finite" and model.pos == 5 + 2
 
 
@@ -139,17 +169,18 @@ def test_models_the_native_step_cannot_run_get_none() -> None:
 
     dense = Transformer(BASE).eval()
     prefilled(dense)
-    assert dense.decode_greedy(1, 4, None, 10) is None and dense.pos == 5
+    assert dense.decode_ahead(1, 4, None, 10) is None and dense.pos == 5
     model = native_model(BASE)
     first = prefilled(model, room=3)
-    assert model.decode_greedy(first, 4, None, 10) is None and model.pos == 5
-    assert model.decode_greedy(first, 3, None, 10) is not None and model.pos == 8
+    assert model.decode_ahead(first, 4, None, 10) is None and model.pos == 5
+    assert model.decode_ahead(first, 3, None, 10) is not None and model.pos == 8
 
 
 def test_steps_ahead_take_about_fifty_milliseconds() -> None:
-    def run(per_step_ns: int, steps: int = 4) -> GreedyRun:
+    def run(per_step_ns: int, steps: int = 4) -> AheadRun:
         clock = [(i * per_step_ns, i * per_step_ns + per_step_ns - 10, (i + 1) * per_step_ns) for i in range(steps)]
-        return GreedyRun(tokens=(1,) * steps, tables=(), sums=(), clock=tuple(clock), stamps=())
+        return AheadRun(tokens=(1,) * steps, ranks=(1,) * steps, tables=(), raw_max=(), sums=(), clock=tuple(clock),
+                        stamps=())
 
     assert _steps_ahead(run(2_500_000)) == 20
     assert _steps_ahead(run(100_000_000)) == 1
@@ -175,27 +206,34 @@ def generation(loaded: Any, run_ahead: bool, **settings: Any) -> Any:
         made.close()
 
 
+SAMPLED = dict(prompt="The capital of France is", max_new_tokens=48, temperature=0.7, seed=5)
+
+
 @pytest.mark.parametrize("trace", [False, True])
-def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool,
+@pytest.mark.parametrize("run", ["greedy to EOS", "drawn at T=0.7", "drawn at T=1"])
+def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool, run: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bundled model, greedy to EOS (31 tokens, inside a call of ~20 steps): the same tokens, text, stop
-    reason, step records and stage records, times apart; the run-ahead path made several steps a call."""
+    """The bundled model, greedy to EOS (31 tokens, inside a call of ~20 steps), or drawn at a temperature (the
+    sampler's uniforms handed to C in order; 47 decode steps): the same tokens, text, stop reason, step records and
+    stage records, times apart; the run-ahead path made several steps a call."""
+    settings = {"greedy to EOS": dict(prompt="The sky is", chat=True), "drawn at T=0.7": SAMPLED,
+                "drawn at T=1": SAMPLED | dict(temperature=1.0)}[run]
     calls = []
-    decode_greedy = type(bundled.model).decode_greedy
+    decode_ahead = type(bundled.model).decode_ahead
 
     def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
-        run = decode_greedy(model, *args, **kwargs)
+        run = decode_ahead(model, *args, **kwargs)
         calls.append(len(run.tokens))
         return run
 
-    monkeypatch.setattr(type(bundled.model), "decode_greedy", counted)
-    ahead = generation(bundled, True, trace=trace, prompt="The sky is", chat=True)
+    monkeypatch.setattr(type(bundled.model), "decode_ahead", counted)
+    ahead = generation(bundled, True, trace=trace, **settings)
     assert calls and max(calls) > 1 and sum(calls) == len(ahead.steps) - 1
     calls_ahead = list(calls)
     calls.clear()
-    step_by_step = generation(bundled, False, trace=trace, prompt="The sky is", chat=True)
+    step_by_step = generation(bundled, False, trace=trace, **settings)
     assert calls == []
-    assert ahead.stop_reason == step_by_step.stop_reason == "eos"
+    assert ahead.stop_reason == step_by_step.stop_reason == ("eos" if run == "greedy to EOS" else "max_new_tokens")
     assert ahead.generated_ids == step_by_step.generated_ids and ahead.generated_text == step_by_step.generated_text
     assert [untimed(s) for s in ahead.steps] == [untimed(s) for s in step_by_step.steps]
     assert [untimed(s) for s in ahead.stages] == [untimed(s) for s in step_by_step.stages]
@@ -230,13 +268,15 @@ def test_show_says_the_steps_ran_ahead(bundled: Any, tmp_path: Path, monkeypatch
     assert max(len(line) for line in result.output.splitlines()) <= 80
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=0.7, seed=1), dict(repetition_penalty=1.2), dict(lens=True),
-                                      dict(staged=True)])
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=0.7, top_k=5, seed=1),
+                                      dict(temperature=0.7, min_p=0.1, seed=1), dict(repetition_penalty=1.2),
+                                      dict(lens=True), dict(staged=True)])
 def test_runs_that_need_each_step_run_a_step_at_a_time(bundled: Any, settings: dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A draw, a repetition penalty, the logit lens's hooks, --staged: no run ahead."""
+    """A draw over a kept prefix (top-p, top-k, min-p: summed in numpy), a repetition penalty, the logit lens's
+    hooks, --staged: no run ahead."""
     calls = []
-    monkeypatch.setattr(type(bundled.model), "decode_greedy", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(type(bundled.model), "decode_ahead", lambda *a, **k: calls.append(1))
     trace = generation(bundled, True, max_new_tokens=4, **settings)
     assert calls == [] and len(trace.steps) == 4
 

@@ -163,7 +163,7 @@ class SamplerPasses:
 def top_pass_sums(x_max: float, total: float, weighted: float, n: int) -> SoftmaxSums:
     """The SoftmaxSums `SamplerPasses.top_softmax(x, .., for_draw=False)` returns, from what its C pass wrote: the
     max, the two sums (total, then the weighted one) over all `n` values of x; for passes run inside C
-    (native_step.py's run_greedy)."""
+    (native_step.py's run_ahead)."""
     return _summed(x_max, -math.inf, total, weighted, n, None)
 
 

@@ -27,7 +27,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
-from llmtrace.tracer.model.native_step import GreedyRun
+from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
@@ -273,8 +273,9 @@ class Generation:
         table = self._run_ahead_table()
         ahead = FIRST_RUN_AHEAD
         while token != eos and len(self._generated) < limit:
-            run = self.model.decode_greedy(token, min(ahead, limit - len(self._generated)), eos, table,
-                                           self.settings.trace) if table else None
+            run = self.model.decode_ahead(token, min(ahead, limit - len(self._generated)), eos, table,
+                                          self.sampler.temperature, self.sampler.uniforms,
+                                          self.settings.trace) if table else None
             if run is None:
                 table = 0  # what said no (no native step, a hook) stays for the run: a step a call from here on
                 step = self._step(DECODE, len(self._steps), [token])
@@ -297,33 +298,40 @@ class Generation:
             self._stop_reason = STOP_MAX_NEW_TOKENS
 
     def _run_ahead_table(self) -> int:
-        """The candidate table's size when greedy decode steps may run several to a C call (Transformer.decode_greedy:
-        the sampler's own C pass chooses each next token there, so the tokens and records are the ones a step at a
-        time gives); 0 when they run a step at a time: switched off, a sampler that needs more than that pass (any
-        draw, a repetition penalty), --lens or --attention (their hooks read each step), --staged, another device,
-        or a tracer that cannot take the steps' C clock readings."""
+        """The candidate table's size when decode steps may run several to a C call (Transformer.decode_ahead: the
+        sampler's own C passes choose each next token there, greedy or drawn with its uniforms, so the tokens and
+        records are the ones a step at a time gives); 0 when they run a step at a time: switched off, a sampler that
+        needs more than those passes (top-k, top-p, min-p, a repetition penalty), --lens or --attention (their hooks
+        read each step), --staged, another device, or a tracer that cannot take the steps' C clock readings."""
         if not self._run_ahead or self._observer is not None or self.settings.staged or not self._on_cpu:
             return 0
         vocab = self.config.vocab_size
         # a sampler of another kind, or one whose `sample` does something else (a subclass), never runs in C
         if getattr(type(self.sampler), "sample", None) is not Sampler.sample:
             return 0
-        if not self.sampler.greedy_from_table(vocab) or not hasattr(self.model, "decode_greedy") \
-                or not self._tracer.takes_stamped_steps():
+        if not (self.sampler.greedy_from_table(vocab) or self.sampler.draws_from_passes(vocab)) \
+                or not hasattr(self.model, "decode_ahead") or not self._tracer.takes_stamped_steps():
             return 0
         return self.sampler.table_size(vocab)
 
-    def _run_records(self, run: GreedyRun) -> Iterator[StepRecord]:
-        """The records of the steps one C call ran (Transformer.decode_greedy), in order, each made as it is
-        yielded: its sample result from the sampler (`greedy_of_pass`, what `sample` gives for those logits), its
+    def _run_records(self, run: AheadRun) -> Iterator[StepRecord]:
+        """The records of the steps one C call ran (Transformer.decode_ahead), in order, each made as it is
+        yielded: its sample result from the sampler (`greedy_of_pass` or `drawn_of_pass`, what `sample` gives for
+        those logits), its
         times C's clock readings (the forward, then the sampler's pass): the steps ran back to back, so each span
         ends where the next begins, and the detokenizing done here after the call, like the records, is in none."""
         vocab = self.config.vocab_size
         stamped = self.settings.trace
+        sampled = bool(run.scaled_sums)
         for i, token in enumerate(run.tokens):
             ids, logits = run.tables[i]
-            total, weighted = run.sums[i]
-            result = self.sampler.greedy_of_pass(vocab, ids, logits, top_pass_sums(logits[0], total, weighted, vocab))
+            if sampled:
+                result = self.sampler.drawn_of_pass(vocab, ids, logits, run.scaled_tables[i], token, run.ranks[i],
+                                                    run.chosen_logits[i], run.raw_max[i], run.sums[i],
+                                                    run.scaled_sums[i])
+            else:
+                result = self.sampler.greedy_of_pass(vocab, ids, logits, top_pass_sums(run.raw_max[i], *run.sums[i],
+                                                                                          vocab))
             start, forward_end, sample_end = run.clock[i]
             index = len(self._steps)
             context_length = int(self.model.pos) - len(run.tokens) + i + 1
@@ -565,8 +573,8 @@ RUN_AHEAD_NS = 50_000_000  # a C call's steps: the longest a live view waits for
 MOST_RUN_AHEAD = 64  # past a few tens of steps a call, the Python between calls is already under 1% of the time
 
 
-def _steps_ahead(run: GreedyRun) -> int:
-    """How many greedy steps the next C call may run: as many as took about RUN_AHEAD_NS in the last one."""
+def _steps_ahead(run: AheadRun) -> int:
+    """How many steps the next C call may run: as many as took about RUN_AHEAD_NS in the last one."""
     if not run.clock:
         return FIRST_RUN_AHEAD
     per_step = max((run.clock[-1][2] - run.clock[0][0]) // len(run.clock), 1)

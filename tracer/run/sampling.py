@@ -61,7 +61,8 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.model.native_top import MAX_COUNT, SamplerPasses, SoftmaxSums, sampler_passes, top_values
+from llmtrace.tracer.model.native_top import (MAX_COUNT, SamplerPasses, SoftmaxSums, sampler_passes,
+                                              top_pass_sums, top_values)
 
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
@@ -219,6 +220,11 @@ class Sampler:
     def seed(self) -> int:
         return self._seed
 
+    @property
+    def temperature(self) -> float:
+        """The temperature its draws divide the logits by; 0: greedy."""
+        return self._params.temperature
+
     def sample(self, logits: torch.Tensor | np.ndarray,
                previous_ids: Sequence[int] | torch.Tensor = ()) -> SampleResult:
         """Pick the next token from `logits` (shape (vocab,): a tensor, or a float32 numpy array); `previous_ids` are
@@ -276,7 +282,7 @@ class Sampler:
                        raw_softmax: SoftmaxSums) -> SampleResult:
         """What `sample` returns under `greedy_from_table(vocab)` for logits whose C pass (SamplerPasses.top_softmax,
         count `table_size(vocab)`) found `top_ids`, `top_logits` and `raw_softmax`: for steps whose pass ran in C
-        right after the step (NativeStep.run_greedy)."""
+        right after the step (NativeStep.run_ahead)."""
         common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=0,
                       entropy_raw_bits=raw_softmax.entropy_nats / _LN2)
         return self._greedy_of_table(vocab, top_ids, top_logits, raw_softmax.lse, common)
@@ -395,19 +401,45 @@ class Sampler:
         ids, ranks = order[: self._n_candidates], np.arange(1, min(self._n_candidates, order.size) + 1)
         if rank > self._n_candidates:
             ids, ranks = np.append(ids, chosen), np.append(ranks, rank)
-        s = scaled[ids]
-        # every kept set is a prefix of the sorted order, so a rank says which filters kept a token
-        kept_k, kept_p, kept_m = ranks <= n_after_top_k, ranks <= n_after_top_p, ranks <= n_final
-        prob_raw = np.exp(raw[ids].astype(np.float64) - raw_lse)
-        prob_tempered = np.exp(s.astype(np.float64) - scaled_lse)
-        prob_final = np.where(kept_m, np.exp(s.astype(np.float64) - final_lse), 0.0)
-        candidates = _candidates(ids, ranks, raw, penalised, prob_raw, prob_tempered, kept_k, kept_p, kept_m,
-                                 prob_final, chosen)
-        chosen_row = next(c for c in candidates if c.chosen)
-        return SampleResult(token_id=chosen, probability=chosen_row.prob_final, probability_raw=chosen_row.prob_raw,
-                            rank=rank, candidates=candidates, n_after_top_k=n_after_top_k,
-                            n_after_top_p=n_after_top_p, n_after_min_p=n_final, n_final=n_final,
-                            top_p_mass=top_p_mass, entropy_final_bits=final_entropy / _LN2, **common)
+        return _drawn_result(ids, ranks, raw[ids], penalised[ids], scaled[ids], (raw_lse, scaled_lse, final_lse),
+                             chosen, rank, (n_after_top_k, n_after_top_p, n_final), top_p_mass, final_entropy, common)
+
+    def draws_from_passes(self, vocab: int) -> bool:
+        """Whether this sampler's draw and records follow from C passes alone (`drawn_of_pass`): a temperature and
+        nothing else (no top-k, top-p, min-p or penalty: their kept prefixes are summed in numpy), a table the
+        passes can select."""
+        p = self._params
+        return (not p.greedy and p.repetition_penalty == 1 and p.top_k == 0 and p.top_p == 1 and p.min_p == 0
+                and self.table_size(vocab) <= MAX_COUNT)
+
+    def uniforms(self, count: int) -> list[float]:
+        """The next `count` draws of this sampler's generator, in the order `sample` would use them."""
+        return [self._next_uniform() for _ in range(count)]
+
+    def drawn_of_pass(self, vocab: int, top_ids: list[int], top_logits: list[float], scaled_logits: list[float],
+                      chosen: int, rank: int, chosen_logits: tuple[float, float], raw_max: float,
+                      raw_sums: tuple[float, float], scaled_sums: tuple[float, float]) -> SampleResult:
+        """What `sample` returns under `draws_from_passes(vocab)` for logits whose C passes (NativeStep.run_ahead,
+        as `sample`'s: the raw softmax, the logits / T, their softmax, table, draw and rank) found these: the table's
+        ids (`table_size(vocab)`, largest scaled logit first) with their logits and scaled logits, the chosen id,
+        its rank, logit and scaled logit, the largest logit and the two softmaxes' sums."""
+        p = self._params
+        raw_softmax = top_pass_sums(raw_max, *raw_sums, vocab)
+        if p.temperature == 1:
+            tempered = raw_softmax  # `sample`'s: the model's own distribution
+        else:
+            scaled_max = float(np.float32(raw_max) / np.float32(p.temperature))  # `_draw`'s, in fp32
+            tempered = top_pass_sums(scaled_max, *scaled_sums, vocab)
+        ids, ranks = np.array(top_ids, dtype=np.int64), np.arange(1, len(top_ids) + 1)
+        raw_at, scaled_at = np.array(top_logits, dtype=np.float32), np.array(scaled_logits, dtype=np.float32)
+        if rank > self._n_candidates:
+            ids, ranks = np.append(ids, chosen), np.append(ranks, rank)
+            raw_at = np.append(raw_at, np.float32(chosen_logits[0]))
+            scaled_at = np.append(scaled_at, np.float32(chosen_logits[1]))
+        common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=0,
+                      entropy_raw_bits=raw_softmax.entropy_nats / _LN2)
+        return _drawn_result(ids, ranks, raw_at, raw_at, scaled_at, (raw_softmax.lse, tempered.lse, tempered.lse),
+                             chosen, rank, (vocab, vocab, vocab), 1.0, tempered.entropy_nats, common)
 
 
 class _Scratch:
@@ -610,12 +642,28 @@ def _rank_of(x: np.ndarray, index: int) -> int:
     return int(np.count_nonzero(x > value)) + int(np.count_nonzero(x[:index] == value)) + 1
 
 
-def _candidates(ids: np.ndarray, ranks: np.ndarray, raw: np.ndarray, penalised: np.ndarray, prob_raw: np.ndarray,
-                prob_tempered: np.ndarray, kept_k: np.ndarray, kept_p: np.ndarray, kept_m: np.ndarray,
-                prob_final: np.ndarray, chosen: int) -> tuple[Candidate, ...]:
-    columns = zip(ids.tolist(), ranks.tolist(), raw[ids].tolist(), penalised[ids].tolist(), prob_raw.tolist(),
+def _drawn_result(ids: np.ndarray, ranks: np.ndarray, raw_at: np.ndarray, penalised_at: np.ndarray,
+                  scaled_at: np.ndarray, lses: tuple[float, float, float], chosen: int, rank: int,
+                  kept_counts: tuple[int, int, int], top_p_mass: float, final_entropy: float,
+                  common: dict) -> SampleResult:
+    """A drawn token's SampleResult from its candidate table: the ids (the chosen one appended when it ranked past
+    the table), their ranks, their raw, penalised and scaled logits (fp32), the raw, tempered and final log-sum-exps,
+    and the counts top-k, top-p and min-p left."""
+    raw_lse, scaled_lse, final_lse = lses
+    n_after_top_k, n_after_top_p, n_final = kept_counts
+    # every kept set is a prefix of the sorted order, so a rank says which filters kept a token
+    kept_k, kept_p, kept_m = ranks <= n_after_top_k, ranks <= n_after_top_p, ranks <= n_final
+    prob_raw = np.exp(raw_at.astype(np.float64) - raw_lse)
+    prob_tempered = np.exp(scaled_at.astype(np.float64) - scaled_lse)
+    prob_final = np.where(kept_m, np.exp(scaled_at.astype(np.float64) - final_lse), 0.0)
+    columns = zip(ids.tolist(), ranks.tolist(), raw_at.tolist(), penalised_at.tolist(), prob_raw.tolist(),
                   prob_tempered.tolist(), kept_k.tolist(), kept_p.tolist(), kept_m.tolist(), prob_final.tolist())
-    return tuple(Candidate(*row, row[0] == chosen) for row in columns)  # positional: the field order above
+    candidates = tuple(Candidate(*row, row[0] == chosen) for row in columns)  # positional: the field order above
+    chosen_row = next(c for c in candidates if c.chosen)
+    return SampleResult(token_id=chosen, probability=chosen_row.prob_final, probability_raw=chosen_row.prob_raw,
+                        rank=rank, candidates=candidates, n_after_top_k=n_after_top_k, n_after_top_p=n_after_top_p,
+                        n_after_min_p=n_final, n_final=n_final, top_p_mass=top_p_mass,
+                        entropy_final_bits=final_entropy / _LN2, **common)
 
 
 def _is_int(value: object) -> bool:

@@ -260,8 +260,9 @@ class RunSettings:
 
 @dataclass(frozen=True, slots=True)
 class RunAhead:
-    """How a greedy run's decode steps ran several to a C call (tracer/run/generate.py, Transformer.decode_greedy):
-    the step, then the sampler's own C pass over its logits choosing the next token, back to back; each call's step
+    """How a run's decode steps ran several to a C call (tracer/run/generate.py, Transformer.decode_ahead): the
+    step, then the sampler's own C passes over its logits choosing the next token (greedy, or drawn at a temperature
+    with the sampler's uniforms), back to back; each call's step
     records were made after it, the same as a step at a time makes them. Their times are C's clock readings (the
     forward, then the sampler's pass: detokenize_ns is 0), so each step's span ends where the next one's begins; the
     Python after each call (detokenizing, records) is in no step's time."""
