@@ -227,6 +227,9 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
         return run
 
     monkeypatch.setattr(type(bundled.model), "decode_ahead", counted)
+    # calls of as many steps as take 50 ms: on a loaded machine (a step over 50 ms) that is one; the test's calls
+    # must run several whatever the machine's pace
+    monkeypatch.setattr(generate_module, "RUN_AHEAD_NS", 60_000_000_000)
     ahead = generation(bundled, True, trace=trace, **settings)
     assert calls and max(calls) > 1 and sum(calls) == len(ahead.steps) - 1
     calls_ahead = list(calls)
