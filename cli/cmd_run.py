@@ -47,7 +47,7 @@ def run_command(
         help="A .gguf file or HF model folder (default: the bundled SmolLM2-135M-Instruct); a preset name with "
              "--dry-run.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens (or at EOS).")] = 32,
-    temperature: Annotated[float, typer.Option(help="0 = greedy (argmax); > 0 samples.")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (argmax); from 1e-06 up samples.")] = 0.0,
     top_k: Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (needs --temperature > 0).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus: keep the fewest tokens whose probability sums to "
                                                         "p (needs --temperature > 0).")] = None,

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from llmtrace.tracer.core.errors import CheckpointError
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
-from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+from llmtrace.tracer.run.sampling import MIN_TEMPERATURE, Sampler, SamplingParams
 from llmtrace.tracer.trace.records import DECODE, RunAhead, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
 from tests.test_native_step import BASE, native_model
@@ -119,6 +119,18 @@ def test_steps_drawn_ahead_are_the_samplers_draws_bit_for_bit(temperature: float
         got = sampler.drawn_of_pass(vocab, ids, logits, run.scaled_tables[i], run.tokens[i], run.ranks[i],
                                     run.chosen_logits[i], run.raw_max[i], run.sums[i], run.scaled_sums[i])
         assert got == want
+
+
+def test_which_samplers_draw_ahead_and_the_least_temperature() -> None:
+    """A temperature alone draws ahead while the table (10) is shorter than the vocabulary (else `_draw` takes the
+    sorted prefix, in numpy); any filter or penalty does not; a temperature below MIN_TEMPERATURE is one line."""
+    sampler = Sampler(SamplingParams(temperature=0.7, seed=1))
+    assert sampler.draws_from_passes(11) and not sampler.draws_from_passes(10) and not sampler.draws_from_passes(5)
+    for filtered in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(repetition_penalty=1.1)):
+        assert not Sampler(SamplingParams(temperature=0.7, **filtered)).draws_from_passes(1000)
+    assert Sampler(SamplingParams(temperature=MIN_TEMPERATURE)).draws_from_passes(1000)
+    with pytest.raises(BadArgumentError, match="temperature must be 0 .greedy. or at least 1e-06"):
+        SamplingParams(temperature=1e-7)
 
 
 def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
@@ -301,6 +313,28 @@ def test_a_sampler_that_samples_its_own_way_runs_a_step_at_a_time(bundled: Any) 
     finally:
         made.close()
     assert len(asked) == len(trace.steps) == 8 and trace.run_ahead is None
+
+
+def test_a_sampler_used_again_draws_as_after_a_step_at_a_time(bundled: Any) -> None:
+    """Two drawn runs through one Sampler, the first ending at EOS inside a call: the call's uniforms for the steps
+    after EOS go back to the sampler, so the second run draws what it draws after a first run a step at a time."""
+    def two_runs(run_ahead: bool) -> list[Any]:
+        sampler = Sampler(SamplingParams(temperature=0.7, seed=0))
+        traces = []
+        for _ in range(2):
+            settings = RunSettings(model="", prompt="The sky is", chat=True, max_new_tokens=48, temperature=0.7, seed=0)
+            made = Generation(bundled, settings, sampler=sampler, run_ahead=run_ahead)
+            try:
+                traces.append(made.run())
+            finally:
+                made.close()
+        return traces
+
+    ahead, step_by_step = two_runs(True), two_runs(False)
+    assert ahead[0].stop_reason == "eos" and ahead[0].run_ahead is not None  # ended inside a call
+    for got, want in zip(ahead, step_by_step):
+        assert got.generated_ids == want.generated_ids
+        assert [untimed(s) for s in got.steps] == [untimed(s) for s in want.steps]
 
 
 def test_ctrl_c_between_steps_of_a_call_keeps_the_steps_recorded(bundled: Any,

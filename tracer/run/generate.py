@@ -273,9 +273,7 @@ class Generation:
         table = self._run_ahead_table()
         ahead = FIRST_RUN_AHEAD
         while token != eos and len(self._generated) < limit:
-            run = self.model.decode_ahead(token, min(ahead, limit - len(self._generated)), eos, table,
-                                          self.sampler.temperature, self.sampler.uniforms,
-                                          self.settings.trace) if table else None
+            run = self._decode_ahead(token, min(ahead, limit - len(self._generated)), eos, table) if table else None
             if run is None:
                 table = 0  # what said no (no native step, a hook) stays for the run: a step a call from here on
                 step = self._step(DECODE, len(self._steps), [token])
@@ -313,6 +311,21 @@ class Generation:
                 or not hasattr(self.model, "decode_ahead") or not self._tracer.takes_stamped_steps():
             return 0
         return self.sampler.table_size(vocab)
+
+    def _decode_ahead(self, token: int, steps: int, eos: int | None, table: int) -> AheadRun | None:
+        """Transformer.decode_ahead of up to `steps` steps from `token`, drawn with the sampler's uniforms when it
+        draws; those of steps the call did not run (after EOS or a failure) go back to the sampler, which then holds
+        the draws a step at a time would have left it."""
+        drawn: list[float] = []  # taken only once the call runs
+
+        def draws(count: int) -> list[float]:
+            drawn.extend(self.sampler.uniforms(count))
+            return drawn
+
+        run = self.model.decode_ahead(token, steps, eos, table, self.sampler.temperature, draws, self.settings.trace)
+        if run is not None:
+            self.sampler.unread(drawn[len(run.tokens):])
+        return run
 
     def _run_records(self, run: AheadRun) -> Iterator[StepRecord]:
         """The records of the steps one C call ran (Transformer.decode_ahead), in order, each made as it is

@@ -67,6 +67,9 @@ from llmtrace.tracer.model.native_top import (MAX_COUNT, SamplerPasses, SoftmaxS
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
 _PREFIX = 256
+# The least temperature a draw takes: logits of a few hundred divided by it stay far inside fp32 (3.4e38), and it is
+# already the argmax's draw for any two logits apart by more than 1e-4 (their weights differ by e^100).
+MIN_TEMPERATURE = 1e-6
 # Weights per block of the two-level inverse-CDF draw over the whole vocabulary (_draw_index).
 _DRAW_BLOCK = 256
 _LN2 = math.log(2.0)
@@ -95,6 +98,10 @@ class SamplingParams:
         _check_real("temperature", self.temperature)
         if not self.temperature >= 0:
             raise BadArgumentError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T in fp32 overflow, or T itself rounds to 0 there
+            raise BadArgumentError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                                   f"{self.temperature:g}: below, the logits divided by it overflow fp32; use 0 for "
+                                   "the most likely token")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise BadArgumentError(f"top_k must be a whole number >= 0 (0 turns it off), got {self.top_k!r}")
         _check_real("top_p", self.top_p)
@@ -409,12 +416,18 @@ class Sampler:
         nothing else (no top-k, top-p, min-p or penalty: their kept prefixes are summed in numpy), a table the
         passes can select."""
         p = self._params
+        # with a table as long as the vocabulary `_draw` draws from the sorted prefix in numpy instead
         return (not p.greedy and p.repetition_penalty == 1 and p.top_k == 0 and p.top_p == 1 and p.min_p == 0
-                and self.table_size(vocab) <= MAX_COUNT)
+                and self.table_size(vocab) <= MAX_COUNT and self._n_candidates < vocab)
 
     def uniforms(self, count: int) -> list[float]:
         """The next `count` draws of this sampler's generator, in the order `sample` would use them."""
         return [self._next_uniform() for _ in range(count)]
+
+    def unread(self, values: list[float]) -> None:
+        """Give back draws `uniforms` handed out and nothing used (steps a C call did not run), first first: the
+        next `sample` or `uniforms` takes them again, as if they had never been drawn."""
+        self._uniforms.extend(reversed(values))
 
     def drawn_of_pass(self, vocab: int, top_ids: list[int], top_logits: list[float], scaled_logits: list[float],
                       chosen: int, rank: int, chosen_logits: tuple[float, float], raw_max: float,
