@@ -136,17 +136,19 @@ int64_t llmt_step_scratch_floats(const StepPlan *p, int threads) {
     return shared_floats(p) + (threads < 1 ? 1 : threads) * thread_floats(p) + 16;
 }
 
-/* Everything below runs only in a build with the AVX2 row kernels (the step's products are them): without them
-   llmt_step_supported() says 0, llmt_decode_step returns STEP_UNSUPPORTED and Python runs the torch fused path. */
-#if LLMT_AVX2
-
-/* ---- the stages' pieces ------------------------------------------------------------------------------------ */
-
+/* CLOCK_MONOTONIC in ns: what time.perf_counter_ns reads on Linux */
 static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
+
+/* Everything below up to llmt_decode_ahead runs only in a build with the AVX2 row kernels (the step's products are
+   them): without them llmt_step_supported() says 0, llmt_decode_step returns STEP_UNSUPPORTED and Python runs the
+   torch fused path. */
+#if LLMT_AVX2
+
+/* ---- the stages' pieces ------------------------------------------------------------------------------------ */
 
 #define STAMP()                                                                                                      \
     do {                                                                                                             \
@@ -694,6 +696,15 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     return STEP_OK;
 }
 
+#else /* !LLMT_AVX2 */
+int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
+                     int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
+    (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)first, (void)logits, (void)stamps;
+    (void)threads, (void)staged;
+    return STEP_UNSUPPORTED;
+}
+#endif /* LLMT_AVX2 */
+
 /* Decode steps back to back in one call (native_step.py's NativeStep.run_ahead), each next token chosen in C by the
    sampler's own C passes over the step's logits (native_top.py), so it is the token the sampler would choose. Why:
    between two steps called from Python a decode token spends ~0.3-0.7 ms in Python (sampling, records, the
@@ -712,7 +723,8 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
    logits' end and its choice's end (CLOCK_MONOTONIC ns); when `stamps` is not NULL its stage stamps at
    stamps + i * (14 * layers + 4), as llmt_decode_step's. `logits` (vocab,) holds the last step's.
    Returns the steps completed; *status: STEP_OK, the status of the step that failed (its KV rows unwritten but for
-   STEP_NOT_FINITE: logits with a NaN or no finite value, or nothing of nonzero weight to draw, no token chosen). */
+   STEP_NOT_FINITE: logits with a NaN or no finite value, or nothing of nonzero weight to draw, no token chosen).
+   In every build: without the AVX2 row kernels the first step answers STEP_UNSUPPORTED. */
 int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
                           int64_t window, int64_t steps, int64_t stop_token, int64_t top_count, float temperature,
                           const double *uniforms, float *logits, int64_t *chosen, int64_t *ranks, int64_t *top_ids,
@@ -812,26 +824,3 @@ int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos,
     }
     return done;
 }
-
-#else /* !LLMT_AVX2 */
-int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
-    (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)first, (void)logits, (void)stamps;
-    (void)threads, (void)staged;
-    return STEP_UNSUPPORTED;
-}
-
-int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                          int64_t window, int64_t steps, int64_t stop_token, int64_t top_count, float temperature,
-                          const double *uniforms, float *logits, int64_t *chosen, int64_t *ranks, int64_t *top_ids,
-                          float *top_values, float *scaled_values, float *chosen_values, float *raw_max,
-                          double *sums, double *scaled_sums, int64_t *clock, int64_t *stamps, int threads,
-                          int *status) {
-    (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)window, (void)steps, (void)stop_token;
-    (void)top_count, (void)temperature, (void)uniforms, (void)logits, (void)chosen, (void)ranks, (void)top_ids;
-    (void)top_values, (void)scaled_values, (void)chosen_values, (void)raw_max, (void)sums, (void)scaled_sums;
-    (void)clock, (void)stamps, (void)threads;
-    *status = STEP_UNSUPPORTED;
-    return 0;
-}
-#endif /* LLMT_AVX2 */
