@@ -204,14 +204,11 @@ def _cuda_inner_k_tiles(k: int) -> int:
 # (K/32, 8*ceil(N/8), 2)) -> bf16 (M, 8*ceil(N/8)); its kernel dequantizes (bf16(q) - 8) * scale + zero with bf16
 # fma (the "int4 value in [-8, 7]" of BLayout_TC_int4), and is built for sm_80 and later only.
 INT4_OPS = {
-    "cpu": Int4Ops(codes=lambda codes: codes, convert=lambda codes, tiles: torch.ops.aten.
-                   _convert_weight_to_int4pack_for_cpu(codes, tiles),
-                   mm=lambda x, packed, group, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
-                   row_multiple=16, inner_k_tiles=lambda k: 1),
-    "cuda": Int4Ops(codes=_high_nibble_first, convert=lambda codes, tiles: torch.ops.aten.
-                    _convert_weight_to_int4pack(codes, tiles),
-                    mm=lambda x, packed, group, sz: torch.ops.aten._weight_int4pack_mm(x, packed, group, sz),
-                    row_multiple=16, inner_k_tiles=_cuda_inner_k_tiles),  # 8 on NVIDIA; ROCm's repack tiles 16
+    "cpu": Int4Ops(codes=lambda codes: codes, convert=torch.ops.aten._convert_weight_to_int4pack_for_cpu,
+                   mm=torch.ops.aten._weight_int4pack_mm_for_cpu, row_multiple=16, inner_k_tiles=lambda k: 1),
+    "cuda": Int4Ops(codes=_high_nibble_first, convert=torch.ops.aten._convert_weight_to_int4pack,
+                    mm=torch.ops.aten._weight_int4pack_mm, row_multiple=16,  # 8 on NVIDIA; ROCm's repack tiles 16
+                    inner_k_tiles=_cuda_inner_k_tiles),
 }
 
 

@@ -307,8 +307,8 @@ class Generation:
         # a sampler of another kind, or one whose `sample` does something else (a subclass), never runs in C
         if getattr(type(self.sampler), "sample", None) is not Sampler.sample:
             return 0
-        if not (self.sampler.greedy_from_table(vocab) or self.sampler.draws_from_passes(vocab)) \
-                or not hasattr(self.model, "decode_ahead") or not self._tracer.takes_stamped_steps():
+        if not self.sampler.chooses_by_passes(vocab) or not hasattr(self.model, "decode_ahead") \
+                or not self._tracer.takes_stamped_steps():
             return 0
         return self.sampler.table_size(vocab)
 
@@ -330,9 +330,9 @@ class Generation:
     def _run_records(self, run: AheadRun) -> Iterator[StepRecord]:
         """The records of the steps one C call ran (Transformer.decode_ahead), in order, each made as it is
         yielded: its sample result from the sampler (`greedy_of_pass` or `drawn_of_pass`, what `sample` gives for
-        those logits), its
-        times C's clock readings (the forward, then the sampler's pass): the steps ran back to back, so each span
-        ends where the next begins, and the detokenizing done here after the call, like the records, is in none."""
+        those logits), its times C's clock readings (the forward, then the sampler's passes): the steps ran back to
+        back, so each span ends where the next begins, and the detokenizing done here after the call, like the
+        records, is in none."""
         vocab = self.config.vocab_size
         stamped = self.settings.trace
         sampled = bool(run.scaled_sums)

@@ -267,13 +267,22 @@ class Sampler:
                                                                scratch.penalised)
         else:
             penalised, n_penalized = raw, 0
-        common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=n_penalized,
-                      entropy_raw_bits=raw_entropy / _LN2)
+        common = self._common(vocab, n_penalized, raw_entropy)
         if p.greedy:
             if top is not None:
                 return self._greedy_of_table(vocab, top[0], top[1], raw_softmax.lse, common)
             return self._greedy(raw, raw_softmax.lse, penalised, common)
         return self._draw(raw, raw_max, raw_softmax, raw_entropy, penalised, common, scratch, native)
+
+    def _common(self, vocab: int, n_penalized: int, raw_entropy_nats: float) -> dict:
+        """The SampleResult fields every way of choosing fills the same way."""
+        return dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=n_penalized,
+                    entropy_raw_bits=raw_entropy_nats / _LN2)
+
+    def chooses_by_passes(self, vocab: int) -> bool:
+        """Whether every token this sampler chooses follows from the C passes alone, greedy (`greedy_from_table`)
+        or drawn (`draws_from_passes`): then a C loop can choose it as `sample` would (NativeStep.run_ahead)."""
+        return self.greedy_from_table(vocab) or self.draws_from_passes(vocab)
 
     def table_size(self, vocab: int) -> int:
         """How many candidates a step's table lists for a vocabulary of `vocab`."""
@@ -290,9 +299,8 @@ class Sampler:
         """What `sample` returns under `greedy_from_table(vocab)` for logits whose C pass (SamplerPasses.top_softmax,
         count `table_size(vocab)`) found `top_ids`, `top_logits` and `raw_softmax`: for steps whose pass ran in C
         right after the step (NativeStep.run_ahead)."""
-        common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=0,
-                      entropy_raw_bits=raw_softmax.entropy_nats / _LN2)
-        return self._greedy_of_table(vocab, top_ids, top_logits, raw_softmax.lse, common)
+        return self._greedy_of_table(vocab, top_ids, top_logits, raw_softmax.lse,
+                                     self._common(vocab, 0, raw_softmax.entropy_nats))
 
     def _greedy_of_table(self, vocab: int, id_list: list[int], logit_list: list[float], raw_lse: float,
                          common: dict) -> SampleResult:
@@ -449,10 +457,9 @@ class Sampler:
             ids, ranks = np.append(ids, chosen), np.append(ranks, rank)
             raw_at = np.append(raw_at, np.float32(chosen_logits[0]))
             scaled_at = np.append(scaled_at, np.float32(chosen_logits[1]))
-        common = dict(active_steps=self._active_steps, vocab_size=vocab, n_penalized=0,
-                      entropy_raw_bits=raw_softmax.entropy_nats / _LN2)
         return _drawn_result(ids, ranks, raw_at, raw_at, scaled_at, (raw_softmax.lse, tempered.lse, tempered.lse),
-                             chosen, rank, (vocab, vocab, vocab), 1.0, tempered.entropy_nats, common)
+                             chosen, rank, (vocab, vocab, vocab), 1.0, tempered.entropy_nats,
+                             self._common(vocab, 0, raw_softmax.entropy_nats))
 
 
 class _Scratch:
