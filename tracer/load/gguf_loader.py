@@ -16,7 +16,7 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import dims, expected_shapes, gguf_to_ours, tensor_of
+from llmtrace.tracer.core.contract import PACKS, dims, expected_shapes, gguf_to_ours, tensor_of
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
@@ -131,10 +131,10 @@ def kernel_of(plan: KernelPlan, info: GGUFTensorInfo) -> str | None:
     return kernel if kernel is not None and kernel in stored_kernels(info.ggml_type) else None
 
 
-# The matrices the fused path multiplies as one product (tracer/model/fused.py: Q|K|V, gate|up), one PackedWeight of
-# their rows (weight_formats.concat_rows): that takes the C library's kernels in any mix, or one torch kernel on one
-# format, and no dense matrix, so a group its kernels cannot join is dequantized whole.
-_FUSED_GROUPS = (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3"))
+# The matrices the fused path multiplies as one product (contract.PACKS: Q|K|V, gate|up), one PackedWeight of their
+# rows (weight_formats.concat_rows): that takes the C library's kernels in any mix, or one torch kernel on one format,
+# and no dense matrix, so a group its kernels cannot join is dequantized whole.
+_FUSED_GROUPS = tuple(pack.members for pack in PACKS)
 
 
 def _fused_partners(name: str) -> tuple[str, ...]:

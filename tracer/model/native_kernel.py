@@ -50,6 +50,7 @@ import torch
 
 from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.cache_dirs import cache_root
+from llmtrace.tracer.core.ggml_types import GGML_TYPES
 
 NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
@@ -211,13 +212,14 @@ class BlockMatrix:
 
 
 # The types whose i8dot decode product reads rows interleaved in groups of eight (native/int8_groups.c says why and
-# how), and their bytes per 32-value block: the interleaved copy holds the same bytes as the rows.
-GROUPED_TYPES = {2: 18, 3: 20}  # Q4_0, Q4_1
+# how): the interleaved copy holds the same bytes as the rows.
+GROUPED_TYPES = (2, 3)  # Q4_0, Q4_1
 
 
 def grouped_bytes(ggml_type: int, rows: int, k: int) -> int:
     """Bytes of `interleave`'s copy of a (rows, k) matrix: its whole groups of eight rows (the rest stay in rows)."""
-    return rows // 8 * 8 * (k // 32) * GROUPED_TYPES[ggml_type]
+    _, block_values, block_bytes = GGML_TYPES[ggml_type]
+    return rows // 8 * 8 * (k // block_values) * block_bytes
 
 
 def interleave(ggml_type: int, blocks: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -539,9 +539,9 @@ class Transformer(ForwardWatched):
         (FusedPlan.native_ahead: each step's next token is the sampler's choice made in C, greedy at `temperature`
         0, else drawn at that temperature with the uniforms `draws(steps)` gives once the call runs; its candidate
         table of `table` ids and softmax sums in the run; it stops after the step that chose `stop_token`), with
-        each step's stage readings when `stamps`. None
-        when the native step cannot take them (the caller then runs `decode_one` a step at a time): the fused path
-        not usable, a padded or batched cache, or too few positions left for `steps`."""
+        each step's stage readings when `stamps`. None when the native step cannot take them (the caller then runs
+        `decode_one` a step at a time): the fused path not usable, a padded or batched cache, or too few positions
+        left for `steps`."""
         plan = self._fused_plan
         start = self._pos
         if plan is None or not plan.caches or self._pad is not None or not plan.tree_unchanged() \

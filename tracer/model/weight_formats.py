@@ -217,8 +217,8 @@ def int4_refusal(device: torch.device) -> str:
     older than the kernel (int4mm.cu compiles it for __CUDA_ARCH__ >= 800 only, and fails at run time below)."""
     if device.type not in INT4_OPS:
         return device_refusal([INT4PACK], device.type)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        major, minor = torch.cuda.get_device_capability(device)
+    major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)
+    if (major, minor) < (8, 0):
         return (f"the int4pack kernel needs a GPU of compute capability 8.0 or later (PyTorch builds it for those "
                 f"only), this one is {major}.{minor}; use --weights blocks or dense")
     return ""
