@@ -172,3 +172,27 @@ def tiny_quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
         return made[qtype, head]
 
     return make
+
+
+# ---- the machine's name and the terminal's width ------------------------------------------------------------------
+
+CPU_NAME_ENV = "LLMTRACE_TEST_CPU_NAME"
+
+
+@pytest.fixture(autouse=True)
+def _this_machine(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Not the terminal's width (COLUMNS, LINES of the shell that started pytest: a test that renders sets its own).
+    `LLMTRACE_TEST_CPU_NAME="Intel(R) Xeon(R) Platinum 8480+ Processor" pytest` runs every in-process test as if
+    the CPU had that name (tracer/hardware/decode_ceilings.CPUINFO is the one place the name is read): no test may
+    depend on the name of the machine it runs on (a long one wraps the run's and show's headers)."""
+    for variable in ("COLUMNS", "LINES"):  # the terminal the tests were started from: each test sets its own width
+        monkeypatch.delenv(variable, raising=False)
+    name = os.environ.get(CPU_NAME_ENV)
+    if not name:
+        return
+    from llmtrace.tracer.hardware import decode_ceilings
+
+    path = tmp_path_factory.mktemp("cpuinfo") / "cpuinfo"
+    path.write_text(f"processor\t: 0\nmodel name\t: {name}\nflags\t\t: fpu\n\nprocessor\t: 1\nmodel name\t: {name}\n",
+                    encoding="utf-8")
+    monkeypatch.setattr(decode_ceilings, "CPUINFO", str(path))

@@ -108,10 +108,15 @@ def ceilings_path() -> Path:
     return config_dir() / "decode_kernels.json"
 
 
+# Where the CPU's name is read (tests point it at a file of their own, tests/conftest.py: one reader for every
+# place that shows or keys on the name, so that no test depends on the machine it runs on).
+CPUINFO = "/proc/cpuinfo"
+
+
 def this_cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo ("" when there is none to read), without torch."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()

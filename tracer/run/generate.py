@@ -26,6 +26,7 @@ from llmtrace.tracer.analytic.estimate import Dtypes
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.core.version import llmtrace_version
+from llmtrace.tracer.hardware.decode_ceilings import this_cpu_name
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
@@ -669,24 +670,13 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment_info(device: torch.device, dtype: torch.dtype) -> EnvironmentInfo:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "meta":
         name = "meta (shapes only)"
     else:
-        name = _cpu_name()
+        name = this_cpu_name() or platform.processor() or platform.machine()
     return EnvironmentInfo(
         llmtrace_version=llmtrace_version(),
         torch_version=torch.__version__,
