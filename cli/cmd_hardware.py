@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated
@@ -15,7 +14,6 @@ from llmtrace.cli.options import JsonOption
 
 if TYPE_CHECKING:
     from llmtrace.tracer.core.dtypes import DType
-    from llmtrace.tracer.hardware.profiles import HardwareProfile
 
 # Library and rich imports live inside the command bodies: importing llmtrace.cli.app (every command) stays cheap.
 
@@ -35,14 +33,6 @@ def _parse_dtypes(text: str) -> tuple[DType, ...]:
     if not names:
         raise BadArgumentError("--dtypes is empty; give a comma-separated list such as fp32,bf16")
     return tuple(get_dtype(name, MEASURABLE_DTYPES, refusal="cannot measure") for name in names)
-
-
-def _profile_json(p: "HardwareProfile") -> dict:
-    from llmtrace.tracer.hardware.profiles import PEAK_DTYPES
-
-    data = asdict(p)
-    data["ridge_point"] = {d: p.ridge_point(d) for d in PEAK_DTYPES if p.has_peak(d)}
-    return data
 
 
 @app.command("hardware")
@@ -80,7 +70,10 @@ def hardware(
         measured = load_measured_profiles()
         profiles = all_profiles(measured)
         if json_out:
-            print(json.dumps({"profiles": [_profile_json(p) for p in profiles], "store": str(store_path())}, indent=2))
+            from llmtrace.cli.json_output import print_json
+            from llmtrace.tracer.hardware.listing import hardware_listing
+
+            print_json(hardware_listing(profiles, str(store_path())))
             return
         render_profiles(stdout_console(), profiles, str(store_path()), has_measured=bool(measured))
 
@@ -97,7 +90,14 @@ def _measure(device: str, dtypes: tuple[DType, ...], repeats: int, max_n: int, c
     if max_n < 0 or copy_mib < 0:
         raise BadArgumentError("--max-n and --copy-mib must be >= 0 (0 = the default size)")
     # torch only here: listing profiles and every analytical command stay torch-free.
-    from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
+    from llmtrace.tracer.hardware.listing import ProfileRow
+    from llmtrace.tracer.hardware.measure import (
+        MEASURE_SCHEMA,
+        MeasureReport,
+        busy_note,
+        measure_machine,
+        profile_from_measurement,
+    )
 
     err = stdout_console(stderr=True)
     with err.status("measuring…") as status:
@@ -110,10 +110,12 @@ def _measure(device: str, dtypes: tuple[DType, ...], repeats: int, max_n: int, c
             progress=lambda what: status.update(f"measuring {what}…"),
         )
     profile = profile_from_measurement(result, THIS_MACHINE)
-    details = asdict(result)
-    saved = save_measured_profile(profile, details)
+    # a measurement of a busy machine is not kept: saved, it would judge every later run (roofline, run's summary)
+    not_saved = busy_note(result)
+    saved = None if not_saved else str(save_measured_profile(profile, asdict(result)))
     if json_out:
-        print(json.dumps({"profile": _profile_json(profile), "measurement": details, "saved_to": str(saved)},
-                         indent=2))
+        from llmtrace.cli.json_output import print_json
+
+        print_json(MeasureReport(MEASURE_SCHEMA, ProfileRow.of(profile), result, saved, not_saved))
         return
-    render_measurement(stdout_console(), result, profile, str(saved))
+    render_measurement(stdout_console(), result, profile, saved, not_saved)

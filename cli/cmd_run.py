@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the run's own modules are imported when it runs: `llmtrace 
     from llmtrace.tracer.roofline.compare import MeasuredVsBound
     from llmtrace.tracer.trace.records import RunSettings
     from llmtrace.tracer.trace.report import RunReport
+    from llmtrace.tracer.trace.repeat_summary import RepeatSummary
     from llmtrace.tracer.trace.run_trace import Trace
     from llmtrace.tracer.trace.summary_block import SummaryBlock
 
@@ -215,23 +216,33 @@ def run_command(
                                    "--lens, --attention, --no-kv-cache and --html (they look at one device's model)")
         written: list[str] = []
 
-        def save(trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None) -> None:
+        def save(trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None,
+                 repeated: RepeatSummary | None = None, again: bool = False) -> None:
             """Write the outputs as soon as the run has its trace and summary, before the ending is rendered: nothing
             after it (rendering to a closed pipe, --repeat, a signal) can lose them. Stop signals wait for the
-            writes."""
+            writes. `again`: after --repeat's runs, the JSON once more with their spreads (`repeated`; stdout, which
+            takes one document, gets the JSON only then)."""
             with deferred_interrupts(received):
-                if json_path is not None:
+                if json_path is not None and ((json_to_stdout or repeated is not None) if again
+                                              else not (repeat > 1 and json_to_stdout)):
+                    text = trace.to_json(indent=1, summary=block, repeat=repeated)
                     if json_to_stdout:
-                        stdout.write(trace.to_json(indent=1, summary=block) + "\n")
+                        stdout.write(text + "\n")
                         stdout.flush()
                     else:
-                        write_output(json_path, trace.to_json(indent=1, summary=block))
-                        written.append(f"trace written to {json_path} (JSON; schema tracer/trace/trace_schema.json)")
+                        write_output(json_path, text)
+                        if not again:
+                            written.append(f"trace written to {json_path} (JSON; schema "
+                                           "tracer/trace/trace_schema.json)")
+                if again:
+                    return
                 if chrome_trace is not None:
                     write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
                     written.append(f"Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)")
                 if summary_json:
-                    stdout.write(json.dumps(asdict(block), ensure_ascii=False) + "\n")
+                    from llmtrace.cli.json_output import json_text
+
+                    stdout.write(json_text(block, indent=None) + "\n")
                     stdout.flush()
                 if html is not None:
                     from llmtrace.cli.render_html import html_report
@@ -346,10 +357,10 @@ def available_cpus() -> int:
 
 
 def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, detail: str,
-         save: Callable[[Trace, SummaryBlock, MeasuredVsBound | None], None], roofline: bool = True,
+         save: Callable[..., None], roofline: bool = True,
          repeat: int = 1, tp: int = 1, remeasure: bool = False) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
-    before the ending is rendered. `remeasure`: measure the kernel choice again whatever is saved."""
+    before the ending is rendered, and with --repeat once more after the repeats with their spreads. `remeasure`: measure the kernel choice again whatever is saved."""
     from rich.live import Live
 
     from llmtrace.cli.render_attention import render_attention
@@ -488,7 +499,8 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
             comparison, note = _roofline_for(console, trace, report, source, loaded)
         except KeyboardInterrupt:  # stopped while measuring: the run itself is kept
             note = "roofline: skipped (interrupted)"
-    save(trace, summary_block(trace, comparison, report.summary), comparison)
+    block = summary_block(trace, comparison, report.summary)
+    save(trace, block, comparison)
     if tp_dry is not None:  # one rank's pass: the one-device estimate check does not apply, the per-device one does
         from llmtrace.cli.render_tp import render_tp_dry_run
         from llmtrace.tracer.trace.tp_summary import tp_dry_run_passes
@@ -496,12 +508,13 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
         render_tp_dry_run(console, tp_dry_run_passes(trace), tp)
         return trace
     render_ending(console, trace, detail, report, comparison, note)
-    if repeat > 1 and trace.stop_reason != STOP_INTERRUPTED:
-        _repeat(console, loaded, trace, repeat)
+    if repeat > 1:
+        repeated = _repeat(console, loaded, trace, repeat) if trace.stop_reason != STOP_INTERRUPTED else None
+        save(trace, block, comparison, repeated, again=True)
     return trace
 
 
-def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None:
+def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> RepeatSummary | None:
     """K - 1 more runs of the same generation (same seed, so the same tokens; no second warm-up), then the
     medians and spreads of all K (llmtrace.tracer.trace.repeat_summary)."""
     from dataclasses import replace
@@ -524,8 +537,11 @@ def _repeat(console: Console, loaded: object, first: Trace, repeat: int) -> None
                     generation.close()
     except KeyboardInterrupt:
         console.print(f"[dim]--repeat interrupted after {len(traces)} runs[/]")
-    if len(traces) > 1:
-        render_repeat(console, repeat_summary(traces))
+    if len(traces) == 1:
+        return None
+    summary = repeat_summary(traces)
+    render_repeat(console, summary)
+    return summary
 
 
 def _roofline_for(console: Console, trace: Trace, report: RunReport, source: Any = None,

@@ -3,8 +3,6 @@ render its record or write it as JSON (schema: tracer/run/batch_sweep_schema.jso
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -80,7 +78,9 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
                        steps=settings.max_new_tokens - 1, repeats=repeat, stored=stored,
                        progress=lambda what_: status.update(f"batch sweep: {what_} …"))
     if json_path is not None:
-        text = json.dumps(asdict(result), indent=1, ensure_ascii=False) + "\n"
+        from llmtrace.cli.json_output import json_text
+
+        text = json_text(result, indent=1) + "\n"
         if str(json_path) == "-":
             json_stdout.write(text)
             json_stdout.flush()

@@ -1,4 +1,4 @@
-"""--json output: a record's `asdict()`, on stdout alone."""
+"""--json output: a record's `asdict()`, on stdout alone, its "schema" field first (tracer/core/json_schemas.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,17 @@ from dataclasses import asdict
 from typing import Any
 
 
+def json_document(record: Any) -> dict[str, Any]:
+    """`asdict(record)` (or a dict as it is) with its "schema" field moved first, where a reader looks."""
+    data = asdict(record) if not isinstance(record, dict) else record
+    if "schema" in data:
+        data = {"schema": data["schema"], **{k: v for k, v in data.items() if k != "schema"}}
+    return data
+
+
+def json_text(record: Any, indent: int | None = 2) -> str:
+    return json.dumps(json_document(record), indent=indent, ensure_ascii=False)
+
+
 def print_json(record: Any) -> None:
-    json.dump(asdict(record), sys.stdout, indent=2, ensure_ascii=False)
-    sys.stdout.write("\n")
+    sys.stdout.write(json_text(record) + "\n")

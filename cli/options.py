@@ -74,4 +74,5 @@ ModelOption = Annotated[
                       "Only headers are read, never weights."),
 ]
 BatchOption = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences processed together.")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout (schema in README.md).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout: one JSON object whose "
+                                          "\"schema\" field names its schema (README, \"`--json` schemas\").")]

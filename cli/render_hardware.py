@@ -77,7 +77,9 @@ def render_profiles(console: Console, profiles: list[HardwareProfile], store: st
     ))
 
 
-def render_measurement(console: Console, m: "MachineMeasurement", profile: HardwareProfile, saved_to: str) -> None:
+def render_measurement(console: Console, m: "MachineMeasurement", profile: HardwareProfile, saved_to: str | None,
+                       not_saved: str = "") -> None:
+    """`not_saved`: why the measurement was not saved (a busy machine), when it was not."""
     table = report_table()
     table.add_column("ceiling")
     table.add_column("how")
@@ -99,10 +101,11 @@ def render_measurement(console: Console, m: "MachineMeasurement", profile: Hardw
         f"{fmt.duration_s(c.best_seconds)} … {fmt.duration_s(max(c.seconds))}",
     )
     ridges = ", ".join(f"{d} {fmt.intensity(profile.ridge_point(d))}" for d in PEAK_DTYPES if profile.has_peak(d))
+    kept = (f"Saved as profile '{profile.name}' in {saved_to}; use it with --hardware {profile.name}."
+            if saved_to is not None else f"Not saved: {not_saved}.")
     lines = [Text(f"Measured on {m.device_name}", style="bold"), table,
-             Text(f"Ridge point: {ridges}. Memory: {fmt.gib(profile.memory_bytes)}.\n"
-                  f"Saved as profile '{profile.name}' in {saved_to}; use it with --hardware {profile.name}.")]
-    if is_busy(m.others_cpu):
+             Text(f"Ridge point: {ridges}. Memory: {fmt.gib(profile.memory_bytes)}.\n{kept}")]
+    if saved_to is not None and is_busy(m.others_cpu):  # kept by LLMTRACE_BUSY_SHARE: say what it may be worth
         lines.append(Text(f"Warning: other processes took {m.others_cpu:.0%} of the CPUs meanwhile, so these ceilings "
                           "are likely low; measure again when the machine is quiet.", style="yellow"))
     console.print(Group(*lines))

@@ -30,11 +30,13 @@ from llmtrace.tracer.core.dtypes import BF16, FP32, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.decode_ceilings import this_cpu_name
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
-from llmtrace.tracer.hardware.machine_load import LoadWatch, Sampler
+from llmtrace.tracer.hardware.listing import ProfileRow
+from llmtrace.tracer.hardware.machine_load import LoadWatch, Sampler, is_busy
 from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile
 
 Progress = Callable[[str], None]
 MAX_REPEATS = 1000
+MEASURE_SCHEMA = "llmtrace.hardware-measure/1"  # `hardware --measure --json` (hardware_measure_schema.json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,3 +257,23 @@ def profile_from_measurement(m: MachineMeasurement, name: str = THIS_MACHINE) ->
         source=f"llmtrace hardware --measure (torch {m.torch_version}, best of {len(m.copy.seconds)} runs)",
         measured=True,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureReport:
+    """`llmtrace hardware --measure`: the profile the measurement gives, the measurement, and where it was saved."""
+
+    schema: str  # MEASURE_SCHEMA
+    profile: ProfileRow
+    measurement: MachineMeasurement
+    saved_to: str | None  # None: not saved (not_saved says why)
+    not_saved: str  # "" when saved
+
+
+def busy_note(m: MachineMeasurement) -> str:
+    """Why a measurement is not kept as this machine's ceilings ("" when it is): others kept the CPUs busy
+    meanwhile (tracer/hardware/machine_load.py), so its ceilings would judge every later run too low."""
+    if not is_busy(m.others_cpu):
+        return ""
+    return (f"other processes took {m.others_cpu:.0%} of the CPUs meanwhile, so these ceilings are likely low; "
+            "measure again when the machine is quiet (LLMTRACE_BUSY_SHARE=1 keeps a measurement whatever the load)")

@@ -40,12 +40,13 @@ from llmtrace.tracer.analytic.tensor_parallel import (
     tp_sizes,
 )
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import BF16, COMPUTE_DTYPES, DTYPES, FP8, FP16, DType
+from llmtrace.tracer.core.dtypes import BF16, COMPUTE_DTYPES, DTYPES, FP8, FP16, FP32, DType, activation_dtype_for
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.profiles import HardwareProfile
 from llmtrace.tracer.roofline.kernel_decode import KernelDecode, ceilings_label
 
 COMPUTE, MEMORY = "compute", "memory"
+ROOFLINE_SCHEMA = "llmtrace.roofline/1"  # `roofline --json` (tracer/roofline/roofline_schema.json)
 MAX_TABLE_BATCH = 4096
 
 
@@ -198,26 +199,37 @@ class RooflineReport:
     # the decode predicted from them: llmtrace.tracer.roofline.measured_decode)
     decode_ceilings: str = ""
     kernel_decode: KernelDecode | None = None
+    schema: str = ROOFLINE_SCHEMA  # `--json` writes it first
 
 
 # ---- ceilings -------------------------------------------------------------------------------------------------
 
 
+def activations_for(weights: DType, hardware: HardwareProfile) -> DType:
+    """The activations' dtype (and the KV cache's by default) of a model with `weights` on `hardware`: the
+    weights' own for fp32/bf16/fp16; for a quantized format, fp32 on a measured profile (this machine, where
+    llmtrace's own model runs: it multiplies weights held as stored with fp32 activations, as `run` does) and
+    fp16 on a datasheet profile (what inference engines keep around block formats)."""
+    if weights in COMPUTE_DTYPES:
+        return weights
+    return FP32 if hardware.measured else activation_dtype_for(weights)
+
+
 def compute_dtype_for(weights: DType, hardware: HardwareProfile) -> tuple[str, str]:
-    """The dtype whose peak bounds the matmuls, and why.
+    """The dtype whose peak bounds the matmuls, and why: the one rule of `roofline` and `run`'s summary.
 
     fp32/bf16/fp16 weights compute in their own dtype (fp32 without tf32, PyTorch's default). fp8 uses fp8 tensor
-    cores where the hardware has them. int8 and int4 are llama.cpp-style block formats: kernels dequantize the
-    weights and multiply in the 16-bit activation dtype. fp16 and bf16 stand in for each other (same rate on every
-    profile) when a profile lacks one.
+    cores where the hardware has them. int8, int4 and a GGUF's block formats are dequantized by the kernel and
+    multiplied in the activations' dtype (activations_for: fp16 on a GPU profile, fp32 on this machine). fp16 and
+    bf16 stand in for each other (same rate on every profile) when a profile lacks one.
     """
     if weights in COMPUTE_DTYPES:
         wanted, note = weights.name, ""
     elif weights is FP8 and hardware.has_peak(FP8.name):
         wanted, note = FP8.name, ""
     else:
-        wanted = FP16.name
-        note = f"{weights.name} weights are dequantized in the kernel and multiplied in fp16"
+        wanted = activations_for(weights, hardware).name
+        note = f"{weights.name} weights are dequantized in the kernel and multiplied in {wanted}"
     if not hardware.has_peak(wanted) and wanted in (FP16.name, BF16.name):
         other = BF16.name if wanted == FP16.name else FP16.name
         if hardware.has_peak(other):
@@ -485,7 +497,9 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     estimate.check_count("--prompt-len", prompt_len)
     estimate.check_count("--new-tokens", new_tokens)
     weights = dtype
-    dtypes = estimate.Dtypes.for_weights(weights, kv_dtype, stored)  # stored: a GGUF's tensors at their own sizes
+    activations = activations_for(weights, hardware)
+    # stored: a GGUF's tensors at their own sizes
+    dtypes = estimate.Dtypes(weights=weights, kv=kv_dtype or activations, activations=activations, stored=stored)
     check_tp(config, tp, hardware)
     kernels_from = "option" if kernels is not None else "default"
     kernels = parse_kernels(kernels) if kernels is not None else default_kernels(hardware)

@@ -43,6 +43,7 @@ Progress = Callable[[str], None]
 MAX_BATCH = 4096
 GOAL_RATIO = 1.5  # issue 14: measured within 1.5x of the prediction at every batch
 GOAL_CROSSOVER = 2.0  # and the crossover within 2x
+BATCH_SWEEP_SCHEMA = "llmtrace.batch-sweep/1"  # `run --batch-sweep --json` (batch_sweep_schema.json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class BatchSweep:
     goal_met: bool  # worst_ratio <= GOAL_RATIO and the crossovers within GOAL_CROSSOVER of each other
     ceilings_saved_to: str  # where the ceilings were saved ("" when they could not be)
     note: str  # why they were not saved, or ""
+    schema: str = BATCH_SWEEP_SCHEMA  # `--json` writes it first
 
 
 def parse_batches(text: str, option: str = "--batch-sweep") -> tuple[int, ...]:

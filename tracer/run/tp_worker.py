@@ -15,7 +15,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -171,6 +171,8 @@ def run_rank(job: RankJob, device: str, gate: Gate) -> RankOutcome:
     if generation is None:
         return RankOutcome(job.rank, 0, None, (), link, error)
     trace = generation.trace()
+    # every stage record names its rank, the base rank's too (the merged trace keeps those as its own stages)
+    trace = replace(trace, stages=tuple(replace(s, rank=job.rank) for s in trace.stages))
     records = collective_records(comm.events, job.rank, job.tp, generation.origin_ns, trace.steps)
     return RankOutcome(job.rank, generation.origin_ns, trace, records, link, error)
 

@@ -16,6 +16,7 @@ from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.summary import StageTotals, role_rows, stage_totals
 
 PHASE_ROLE = ""  # the role of a phase's whole-forward row
+DIFF_SCHEMA = "llmtrace.diff/1"  # `diff --json` (tracer/trace/diff_schema.json)
 
 # Settings worth naming when they differ (the prompt, sampling and how the run was traced all change the numbers).
 _SETTINGS = ("prompt", "chat", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
@@ -83,6 +84,7 @@ class TraceDiff:
     environment_differences: tuple[FieldDifference, ...]
     rows: tuple[DiffRow, ...]  # per phase: the phase row, then its roles (A's order, then roles only B has)
     divergence: Divergence
+    schema: str = DIFF_SCHEMA  # `--json` writes it first
 
 
 def diff_traces(a: Trace, b: Trace) -> TraceDiff:

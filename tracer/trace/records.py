@@ -75,6 +75,9 @@ class StageRecord(ByteTraffic):
     # weight_bytes_read counts it as held (a stored GGUF matrix: its bytes in the file). "" for parameter-free
     # stages and traces written before it was recorded.
     weight_format: str = ""
+    # The rank that ran it in a tensor-parallel run (run --tp N: every rank's records carry theirs, the trace's own
+    # stages too); None on one device, and then absent from the JSON.
+    rank: int | None = None
 
     @property
     def flops(self) -> int:

@@ -1,8 +1,10 @@
 """Several runs of one generation summarised as medians and spreads, as llama-bench's `-r` reports them.
 
 One run's times are one sample of a noisy machine; `llmtrace run --repeat K` runs the same generation K times and
-this module turns the K traces into a median with its fastest and slowest sample for the time to first token, the
-decode time per token and each stage role's time per step. Pure functions of the records (no torch).
+this module turns the K traces into the median, min, max and standard deviation (the sample's, n - 1, as
+llama-bench's `stddev`) of the time to first token, the prefill and decode tokens/s, the decode time per token and
+each stage role's time per step. `--json` writes the record as the trace's "repeat" block. Pure functions of the
+records (no torch).
 """
 
 from __future__ import annotations
@@ -16,23 +18,37 @@ from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.summary import role_rows, run_summary
 
 
+SECONDS, TOKENS_PER_SECOND = "s", "tok/s"
+
+
 @dataclass(frozen=True, slots=True)
 class Spread:
-    """One figure over the repeats, in seconds."""
+    """One figure over the repeats."""
 
+    unit: str  # SECONDS (a time: the fastest is the min) or TOKENS_PER_SECOND (a rate: the fastest is the max)
     median: float
-    fastest: float
-    slowest: float
+    min: float
+    max: float
+    stddev: float  # the sample standard deviation (n - 1); 0 for one run
     samples: tuple[float, ...]  # in run order
 
     @classmethod
-    def of(cls, samples: Sequence[float]) -> "Spread":
-        return cls(statistics.median(samples), min(samples), max(samples), tuple(samples))
+    def of(cls, samples: Sequence[float], unit: str = SECONDS) -> "Spread":
+        stddev = statistics.stdev(samples) if len(samples) > 1 else 0.0
+        return cls(unit, statistics.median(samples), min(samples), max(samples), stddev, tuple(samples))
+
+    @property
+    def fastest(self) -> float:
+        return self.max if self.unit == TOKENS_PER_SECOND else self.min
+
+    @property
+    def slowest(self) -> float:
+        return self.min if self.unit == TOKENS_PER_SECOND else self.max
 
     @property
     def relative_spread(self) -> float:
-        """(slowest - fastest) / median: how much the machine moved the figure."""
-        return (self.slowest - self.fastest) / self.median if self.median else 0.0
+        """(max - min) / median: how much the machine moved the figure."""
+        return (self.max - self.min) / self.median if self.median else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +67,8 @@ class RepeatSummary:
     prefill_forward: Spread  # the prefill forward pass alone
     decode_per_token: Spread  # decode step wall time (forward + sampling + detokenization) per token
     decode_forward_per_token: Spread  # the decode forward passes alone, per token
+    prefill_tokens_per_second: Spread  # prompt tokens / prefill forward time (the summary's figure, per run)
+    decode_tokens_per_second: Spread  # decode tokens / the decode steps' wall time (the summary's figure, per run)
     stages: tuple[StageSpread, ...]  # empty when tracing was off
 
 
@@ -86,5 +104,8 @@ def repeat_summary(traces: Sequence[Trace]) -> RepeatSummary:
         prefill_forward=Spread.of([s.prefill.forward_ns / 1e9 for s in summaries]),
         decode_per_token=Spread.of([per_token(s.decode.step_ns) for s in summaries]),
         decode_forward_per_token=Spread.of([per_token(s.decode.forward_ns) for s in summaries]),
+        prefill_tokens_per_second=Spread.of([s.prefill.forward_tokens_per_second for s in summaries],
+                                            TOKENS_PER_SECOND),
+        decode_tokens_per_second=Spread.of([s.decode_tokens_per_second for s in summaries], TOKENS_PER_SECOND),
         stages=tuple(stages),
     )

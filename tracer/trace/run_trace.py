@@ -141,12 +141,16 @@ class Trace:
 
     # ---- JSON -----------------------------------------------------------------------------------------
 
-    def to_dict(self, summary: Any = None) -> dict[str, Any]:
+    def to_dict(self, summary: Any = None, repeat: Any = None) -> dict[str, Any]:
         """`summary`: the run's SummaryBlock (tracer/trace/summary_block.py), written as the optional "summary"
-        block; from_dict skips it (every figure in it follows from the records and the roofline comparison)."""
+        block; from_dict skips it (every figure in it follows from the records and the roofline comparison).
+        `repeat`: `run --repeat K`'s RepeatSummary over this run and the K - 1 after it (tracer/trace/
+        repeat_summary.py), the optional "repeat" block; from_dict skips it too (the other runs are not kept)."""
         out: dict[str, Any] = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION}
         if summary is not None:
             out["summary"] = _plain(summary)  # first: the headline, before the records it sums
+        if repeat is not None:
+            out["repeat"] = _plain(repeat)
         for f in fields(self):
             value = getattr(self, f.name)
             if (f.name in _OMITTED_WHEN_EMPTY and not value) or (f.name in _OMITTED_WHEN_NONE and value is None):
@@ -160,11 +164,11 @@ class Trace:
                 out["settings"].pop(name, None)
         return out
 
-    def to_json(self, indent: int | None = None, summary: Any = None) -> str:
+    def to_json(self, indent: int | None = None, summary: Any = None, repeat: Any = None) -> str:
         """The trace as JSON. With `indent`, the stage records (423 per step on the default model: hundreds of
         thousands in a long run) are written one compact line each, through json's C encoder, which indented
         output cannot use; everything else is indented."""
-        data = self.to_dict(summary)
+        data = self.to_dict(summary, repeat)
         if indent is None:
             return json.dumps(data, ensure_ascii=False)
         stages = data["stages"]
@@ -250,6 +254,8 @@ def _stage_dict(stage: StageRecord) -> dict[str, Any]:
     out = {name: getattr(stage, name) for name in _STAGE_FIELDS}
     for name in _SHAPE_FIELDS:
         out[name] = [list(shape) for shape in out[name]]
+    if out["rank"] is None:  # one device: no rank, and the record reads as before --tp existed
+        del out["rank"]
     return out
 
 

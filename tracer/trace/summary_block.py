@@ -14,6 +14,9 @@ from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.summary import RunSummary, run_summary
 
+# `run --summary-json`'s line (tracer/trace/summary_schema.json: the trace schema's SummaryBlock, "schema" required)
+SUMMARY_SCHEMA = "llmtrace.run-summary/1"
+
 
 @dataclass(frozen=True, slots=True)
 class RooflineVerdict:
@@ -59,6 +62,7 @@ class SummaryBlock:
     peak_device_bytes: int | None  # cuda only
     roofline: RooflineVerdict | None  # None: not compared (dry run, --no-roofline, no profile for the dtype)
     sequences: int = 1  # run --batch N: N (prompt and generated tokens are then all sequences' together)
+    schema: str = SUMMARY_SCHEMA  # `--summary-json` writes it first
 
 
 def summary_block(trace: Trace, comparison: MeasuredVsBound | None = None,
