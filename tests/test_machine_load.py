@@ -238,14 +238,17 @@ def tiny_quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path / "llmtrace" / "hardware.json"
 
 
-def test_a_busy_quick_profile_serves_the_run_and_is_not_saved(tiny_quick: Path, default_share: None) -> None:
-    from llmtrace.tracer.run.roofline_check import this_machine_profile
+def test_a_busy_quick_profile_judges_nothing_and_is_not_saved(tiny_quick: Path, default_share: None) -> None:
+    """Issue 28: a run judged by ceilings measured on a busy machine reached "129% of the bound"; such a measurement
+    now gives no bound at all (it used to serve the run that made it), and the note says how to measure."""
+    from llmtrace.tracer.run.roofline_check import NoProfileForDevice, this_machine_profile
 
-    busy = this_machine_profile("cpu", FP32, sampler=readings(0.48))
-    assert busy.measured is not None and busy.measured.measurement.others_cpu == pytest.approx(0.48)
-    assert busy.saved_to is None and not tiny_quick.exists()
-    assert busy.not_saved == "other processes took 48% of the CPUs meanwhile; the next run measures again"
-    assert busy.profile.fp32 is not None and busy.profile.fp32 > 0  # this run still has its bound
+    with pytest.raises(NoProfileForDevice) as busy:
+        this_machine_profile("cpu", FP32, sampler=readings(0.48))
+    assert str(busy.value) == ("no saved profile, and other processes took 48% of the CPUs while this run measured "
+                               "the machine, so no bound to judge it by; run `llmtrace hardware --measure` when the "
+                               "machine is quiet")
+    assert not tiny_quick.exists()
     quiet = this_machine_profile("cpu", FP32, sampler=readings(0.02))
     assert quiet.saved_to == str(tiny_quick) and quiet.not_saved == ""
     saved = json.loads(tiny_quick.read_text())["measurements"]["this-machine"]
@@ -253,22 +256,46 @@ def test_a_busy_quick_profile_serves_the_run_and_is_not_saved(tiny_quick: Path, 
     assert this_machine_profile("cpu", FP32, sampler=readings(0.9)).measured is None  # served from the file
 
 
-def test_hardware_measure_saves_a_busy_measurement_and_warns(default_share: None) -> None:
+def test_hardware_measure_does_not_save_a_busy_measurement(default_share: None, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28: saved, a busy measurement would judge every later run (roofline, run's summary); it is shown, not
+    saved (it used to be saved with a warning), and a saved one from before that is refused as a judge."""
     from rich.console import Console
 
     from llmtrace.cli.render_hardware import render_measurement
-    from llmtrace.tracer.hardware.measure import measure_machine, profile_from_measurement
+    from llmtrace.tracer.hardware import measure as hardware_measure
+    from llmtrace.tracer.hardware.measure import busy_note, measure_machine, profile_from_measurement
+    from llmtrace.tracer.hardware.store import save_measured_profile
 
     busy = measure_machine(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20,
                            sampler=readings(0.48))
     assert busy.others_cpu == pytest.approx(0.48)
+    note = busy_note(busy)
+    assert note.startswith("other processes took 48% of the CPUs meanwhile, so these ceilings are likely low")
     console = Console(record=True, width=100)
-    render_measurement(console, busy, profile_from_measurement(busy), "/tmp/hardware.json")
+    render_measurement(console, busy, profile_from_measurement(busy), None, note)
     text = " ".join(console.export_text().split())
-    assert "Warning: other processes took 48% of the CPUs meanwhile, so these ceilings are likely low; measure " \
-           "again when the machine is quiet." in text
+    assert f"Not saved: {note}." in text and "Saved as" not in text
     quiet = measure_machine(repeats=1, gemm_target_seconds=0.0, gemm_max_n=128, copy_bytes=2**20,
                             sampler=readings(0.02))
+    assert busy_note(quiet) == ""
     console = Console(record=True, width=100)
     render_measurement(console, quiet, profile_from_measurement(quiet), "/tmp/hardware.json")
-    assert "Warning" not in console.export_text()
+    text = console.export_text()
+    assert "Warning" not in text and "Saved as profile 'this-machine'" in text
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # the CLI: not saved, one line why
+    real = hardware_measure.measure_machine
+    monkeypatch.setattr(hardware_measure, "measure_machine",
+                        lambda **kwargs: real(**{**kwargs, "sampler": readings(0.48)}))
+    result = runner.invoke(app, ["hardware", "--measure", "--dtypes", "fp32", "--repeats", "1", "--max-n", "128",
+                                 "--copy-mib", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["saved_to"] is None and document["not_saved"] == note
+    assert not (tmp_path / "llmtrace" / "hardware.json").exists()
+    save_measured_profile(profile_from_measurement(busy), {"device": "cpu", "others_cpu": 0.48})  # an older save
+    refused = runner.invoke(app, ["roofline", "--hardware", "this-machine", "--model", "llama-7b"])
+    assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "the saved 'this-machine' profile was measured while other processes took 48% of the CPUs" in \
+        refused.stderr

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
-from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, HardwareProfile, get_profile
+from llmtrace.tracer.hardware.machine_load import is_busy
+from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, THIS_MACHINE, HardwareProfile, get_profile, normalize_name
 
 STORE_VERSION = 1
 _FIELDS = {f.name for f in fields(HardwareProfile)}
@@ -101,6 +102,35 @@ def save_measured_profile(profile: HardwareProfile, details: Mapping[str, Any], 
     return write_store(path, data, STORE, "the profile")
 
 
+class UnusableProfile(HardwareError):
+    """The saved 'this-machine' profile cannot judge a run here (another device, a busy machine)."""
+
+
+def saved_this_machine(device: str | None = None, path: Path | None = None) -> HardwareProfile | None:
+    """The saved 'this-machine' profile, the one `roofline --hardware this-machine` and `run`'s summary both judge
+    by; None when nothing is saved. UnusableProfile when it cannot judge: measured on another device than `device`,
+    or while other processes kept the CPUs busy (its ceilings are then likely low, and a run judged by them would
+    reach more than 100% of its bound; tracer/hardware/machine_load.py)."""
+    profiles = load_measured_profiles(path)
+    if THIS_MACHINE not in profiles:
+        return None
+    details = load_measurement_details(THIS_MACHINE, path) or {}
+    if device is not None and details.get("device", device) != device:
+        raise UnusableProfile(f"'this-machine' was measured on {details['device']}, this run used {device}; "
+                            f"run `llmtrace hardware --measure --device {device}`")
+    others = details.get("others_cpu")
+    if isinstance(others, (int, float)) and is_busy(float(others)):
+        raise UnusableProfile(f"the saved 'this-machine' profile was measured while other processes took {others:.0%} "
+                            "of the CPUs, so its ceilings are likely low; run `llmtrace hardware --measure` when the "
+                            "machine is quiet")
+    return profiles[THIS_MACHINE]
+
+
 def resolve_hardware(name: str, path: Path | None = None) -> HardwareProfile:
-    """A datasheet profile or a measured one saved in the config folder (`this-machine`), by name."""
+    """A datasheet profile or a measured one saved in the config folder (`this-machine`: saved_this_machine), by
+    name."""
+    if normalize_name(name) == THIS_MACHINE:
+        saved = saved_this_machine(path=path)
+        if saved is not None:
+            return saved
     return get_profile(name, load_measured_profiles(path))

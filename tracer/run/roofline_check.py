@@ -2,9 +2,12 @@
 
 `llmtrace run` ends its summary with this: the run's measured prefill and decode (forward passes only) against
 llmtrace.tracer.roofline.compare's bound, in the dtype the run computed in. The ceilings come from the saved
-'this-machine' profile; when there is none yet, a quick measurement (well under 2 s; llmtrace.tracer.hardware.measure)
-makes and saves one, as `llmtrace hardware --measure` would, and the result says so; one taken while other processes
-kept the machine busy serves this run and is not saved (tracer/hardware/machine_load.py).
+'this-machine' profile, the one `llmtrace roofline --hardware this-machine` uses (store.saved_this_machine), with the
+same dtype rule (analysis.compute_dtype_for), so both give one verdict. When none is saved yet, a quick measurement
+(well under 2 s; llmtrace.tracer.hardware.measure) makes and saves one, as `llmtrace hardware --measure` would, and
+the result says so. A measurement taken while other processes kept the machine busy judges nothing: its ceilings are
+likely low (a run once reached "129% of the bound" by one); it is not saved and the run has no bound, with a note
+saying how to measure (tracer/hardware/machine_load.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from typing import TYPE_CHECKING, Callable
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP32, TF32, DType, get_dtype
 from llmtrace.tracer.core.errors import HardwareError, LlmtraceError
 from llmtrace.tracer.hardware.machine_load import Sampler, busy_share, is_busy
-from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, THIS_MACHINE, HardwareProfile, get_profile
-from llmtrace.tracer.hardware.store import load_measured_profiles, load_measurement_details, save_measured_profile
+from llmtrace.tracer.hardware.profiles import MEASURABLE_DTYPES, HardwareProfile
+from llmtrace.tracer.hardware.store import UnusableProfile, save_measured_profile, saved_this_machine
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.summary import RunSummary
@@ -35,7 +38,8 @@ class RunRoofline:
 
 
 class NoProfileForDevice(HardwareError):
-    """'this-machine' cannot serve the run's device (measured on another, or a device nothing measures)."""
+    """'this-machine' cannot judge the run: measured on another device, on a busy machine, or a device nothing
+    measures."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +54,17 @@ class MachineProfile:
 
 def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], None] | None = None,
                          sampler: Sampler | None = None) -> MachineProfile:
-    """The saved 'this-machine' profile, or one measured now (quickly, fp32 and `dtype` GEMMs and a copy) and saved
-    unless other processes kept the machine busy meanwhile (tracer/hardware/machine_load.py: then it serves this run
-    only, `not_saved` says why, and the next run measures again). NoProfileForDevice when it cannot serve `device`;
+    """The saved 'this-machine' profile, or one measured now (quickly, fp32 and `dtype` GEMMs and a copy) and saved.
+    NoProfileForDevice when there is none to judge by: the saved one was measured on another device or on a busy
+    machine, `device` is one nothing measures, or other processes kept the machine busy during the measurement
+    made now (tracer/hardware/machine_load.py: it is neither saved nor used, and the next run measures again);
     HardwareError for an unreadable store. `sampler`: the machine-load reading (tests inject one)."""
-    profiles = load_measured_profiles()
-    if THIS_MACHINE in profiles:
-        details = load_measurement_details(THIS_MACHINE) or {}
-        if details.get("device", device) != device:
-            raise NoProfileForDevice(f"'this-machine' was measured on {details['device']}, this run used {device}; "
-                                f"run `llmtrace hardware --measure --device {device}`")
-        return MachineProfile(get_profile(THIS_MACHINE, profiles), None, None)
+    try:
+        saved = saved_this_machine(device)
+    except UnusableProfile as exc:
+        raise NoProfileForDevice(str(exc)) from exc
+    if saved is not None:
+        return MachineProfile(saved, None, None)
     if device not in ("cpu", "cuda"):
         raise NoProfileForDevice(f"no measurement for {device}; compare with "
                                  "`llmtrace roofline --hardware <your machine>`")
@@ -69,10 +73,11 @@ def this_machine_profile(device: str, dtype: DType, progress: Callable[[str], No
     limit = busy_share()
     measured = quick_profile((FP32,) if dtype is FP32 else (FP32, dtype), device, progress, sampler)
     others = measured.measurement.others_cpu
-    if is_busy(others, limit):  # its ceilings are likely low: this run's bound, not the machine's for every later one
+    if is_busy(others, limit):  # its ceilings are likely low: a bound that judges a run too fast, so none at all
         assert others is not None
-        return MachineProfile(measured.profile, measured, None,
-                              f"other processes took {others:.0%} of the CPUs meanwhile; the next run measures again")
+        raise NoProfileForDevice(f"no saved profile, and other processes took {others:.0%} of the CPUs while this "
+                                 "run measured the machine, so no bound to judge it by; run `llmtrace hardware "
+                                 "--measure` when the machine is quiet")
     try:
         saved_to, not_saved = str(save_measured_profile(measured.profile, asdict(measured.measurement))), ""
     except HardwareError as exc:  # an unwritable config folder: this run still gets its bound
