@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
@@ -360,7 +359,8 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
          save: Callable[..., None], roofline: bool = True,
          repeat: int = 1, tp: int = 1, remeasure: bool = False) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
-    before the ending is rendered, and with --repeat once more after the repeats with their spreads. `remeasure`: measure the kernel choice again whatever is saved."""
+    before the ending is rendered, and with --repeat once more after the repeats with their spreads. `remeasure`:
+    measure the kernel choice again whatever is saved."""
     from rich.live import Live
 
     from llmtrace.cli.render_attention import render_attention

@@ -38,8 +38,8 @@ def _records() -> dict[str, tuple[type, str, str]]:
 
     return {
         "llmtrace.flops/2": (FlopsReport, "llmtrace flops --json", "FLOPs, bytes and parameters of a model's prefill, "
-                             "decode step and generation (llmtrace.tracer.analytic.flops_report.FlopsReport as asdict); "
-                             "FLOP and byte figures are integers (FLOPs, never MACs), ratios floats."),
+                             "decode step and generation (llmtrace.tracer.analytic.flops_report.FlopsReport as "
+                             "asdict); FLOP and byte figures are integers (FLOPs, never MACs), ratios floats."),
         "llmtrace.kvmem/1": (KVMemReport, "llmtrace kvmem --json", "The KV cache's size by formula, over context "
                              "lengths and against a memory budget (llmtrace.tracer.analytic.kvmem.KVMemReport as "
                              "asdict); bytes are integers."),

@@ -3,8 +3,9 @@ shipped with the package that describes it. Pure Python.
 
 An id is `llmtrace.<output>/<version>`; within a version fields are only ever added (README, "`--json` schemas").
 The trace names its schema as `"schema": "llmtrace.trace", "schema_version": N` (tracer/trace/run_trace.py: its
-reader refuses another version), so its id here is the name alone. `run --summary-json`'s schema refers to the trace schema's SummaryBlock (a `$ref` by the
-trace schema's `$id`): load both into one registry to resolve it (`registry()`).
+reader refuses another version), so its id here is the name alone. `run --summary-json`'s schema refers to the
+trace schema's SummaryBlock (a `$ref` by the trace schema's `$id`): load both into one registry to resolve it
+(`registry()`).
 """
 
 from __future__ import annotations
