@@ -53,6 +53,10 @@ def test_sdist_and_wheel_carry_the_package_data(dist: dict[str, Path]) -> None:
         assert f"sample_prompts/{name}" in in_sdist and f"llmtrace/sample_prompts/{name}" in in_wheel
     assert "tracer/trace/trace_schema.json" in in_sdist
     assert "llmtrace/tracer/trace/trace_schema.json" in in_wheel and "llmtrace/__main__.py" in in_wheel
+    from llmtrace.tracer.core.json_schemas import SCHEMA_FILES
+
+    for file in SCHEMA_FILES.values():  # every --json output's schema
+        assert f"tracer/{file}" in in_sdist and f"llmtrace/tracer/{file}" in in_wheel, file
     for source in ("gguf_matmul.c", "decode_step.c", "int8_dot.c", "top_values.c"):  # the native library's sources
         assert f"tracer/model/native/{source}" in in_sdist and f"llmtrace/tracer/model/native/{source}" in in_wheel
     assert not any(n.startswith(("tracer/", "cli/", "tests/")) for n in in_wheel)  # no generic top-level names
