@@ -378,7 +378,8 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
     from llmtrace.cli.render_run_live import DecodeView, RedrawPacer
     from llmtrace.cli.render_run_report import render_ending
     from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
-    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
+    from llmtrace.cli.console import warn
+    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model, model_name
     from llmtrace.tracer.trace.report import run_report
     from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED
     from llmtrace.tracer.trace.summary_block import summary_block
@@ -397,7 +398,7 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    what = settings.model or "the bundled SmolLM2-135M-Instruct"
+    what = model_name(source)
     tp_dry = None  # --dry-run --tp N: rank 0's shard on the meta device (tracer/run/tp_dry_run.py)
     with console.status(f"loading {what} …") as status:
         if tp > 1:
@@ -412,13 +413,13 @@ def _run(console: Console, settings: RunSettings, dtype: DType | AutoDtype, deta
                                                                     f"model (first run only): {step} …"))
     for note in (loaded.cache_note, loaded.kernel_note):
         if note:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-    if loaded.weights.reason and not settings.dry_run:
-        console.print(f"[dim]weights {loaded.weights.label}: {loaded.weights.reason}[/]", soft_wrap=True)
+            warn(note, "note")
+    weights = loaded.weights
+    weights_note = (f"weights {weights.label}: {weights.reason}"
+                    if weights.reason and weights.news and not settings.dry_run else "")
     param = loaded.model.norm.weight  # dense in the compute dtype (a stored matrix's parameter is a placeholder)
-    render_header(console, loaded.config, loaded.source, loaded.weight_format, loaded.load_seconds,
-                  str(param.device), torch.get_num_threads(), str(param.dtype).removeprefix("torch."),
-                  settings.dry_run)
+    render_header(console, loaded.config, loaded.weight_format, loaded.load_seconds, str(param.device),
+                  torch.get_num_threads(), str(param.dtype).removeprefix("torch."), settings.dry_run, weights_note)
     render_kernel_choice(console, loaded.kernels, dtype_of(param.dtype).name)
     generation = generation_for(loaded, settings)
     batched = bool(settings.batch_prompts)
@@ -549,6 +550,7 @@ def _roofline_for(console: Console, trace: Trace, report: RunReport, source: Any
     """The run against this machine's roofline (llmtrace.tracer.run.roofline_check), or why there is none; says so
     when a first run measured this machine for it. A run that read its weights as stored is bounded by those bytes."""
     from llmtrace.cli import formatting as fmt
+    from llmtrace.cli.console import warn
     from llmtrace.tracer.load.stored_weights import tensors_as_read
     from llmtrace.tracer.run.roofline_check import run_roofline
 
@@ -564,9 +566,8 @@ def _roofline_for(console: Console, trace: Trace, report: RunReport, source: Any
         return None, f"roofline: skipped after an internal error ({type(exc).__name__}: {exc})"
     if result.measured is not None and result.not_saved:  # a busy machine, a read-only or full home: this run still
         #                                                     has its bound
-        console.print(f"[yellow]warning:[/] roofline: measured this machine in "
-                      f"{fmt.duration_s(result.measured.seconds)} ({', '.join(result.measured.dtypes)} GEMMs, copy); "
-                      f"not saved: {result.not_saved}", soft_wrap=True)
+        warn(f"roofline: measured this machine in {fmt.duration_s(result.measured.seconds)} "
+             f"({', '.join(result.measured.dtypes)} GEMMs, copy); not saved: {result.not_saved}")
     if result.measured is not None and result.saved_to is not None:
         home = str(Path.home())
         shown = "~" + result.saved_to[len(home):] if result.saved_to.startswith(home + os.sep) else result.saved_to

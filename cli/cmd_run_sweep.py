@@ -43,11 +43,12 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
     batches = parse_batches(batches_text)
     prompts = sweep_prompts(sweep_prompt_list(settings.prompt, from_file), batches, from_file)
 
-    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
+    from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model, model_name
 
     source = classify_model(settings.model) if settings.model else bundled_source()
 
     import torch
+    from rich.markup import escape
 
     from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
     from llmtrace.tracer.hardware.dtype_policy import dtype_of
@@ -60,7 +61,7 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    what = settings.model or "the bundled SmolLM2-135M-Instruct"
+    what = model_name(source)
     with console.status(f"loading {what} …") as status:
         loaded = load_model(source, dtype=dtype, device=settings.device, weights=settings.weights or None,
                             reuse=Reuse.asked(remeasure),
@@ -70,8 +71,8 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
         status.update("this machine's roofline profile …")
         machine = this_machine_profile(settings.device.split(":")[0], compute,
                                        lambda what_: status.update(f"measuring this machine: {what_} …"))
-    console.print(f"[dim]{what}: {loaded.weight_format}, weights {loaded.weights.mode}, {compute} activations, "
-                  f"{torch.get_num_threads()} threads; batches {', '.join(map(str, batches))}[/]", soft_wrap=True)
+    console.print(f"[dim]{escape(what)}: {escape(loaded.weight_format)}, weights {loaded.weights.mode}, {compute} "
+                  f"activations, {torch.get_num_threads()} threads; batches {', '.join(map(str, batches))}[/]")
     stored = tensors_as_read(source, loaded.weights)
     with console.status("batch sweep …") as status:
         result = sweep(loaded, machine.profile, prompts, batches, partial(measure_decode_ceilings, repeats=3),

@@ -53,7 +53,9 @@ def run_tensor_parallel_cli(console: Console, settings: RunSettings, dtype: Any,
         settings = replace(settings, seed=random.SystemRandom().randrange(2**31), seed_drawn=True)
     threads, note = threads_per_rank(settings, tp, cpus)
     if note:
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        from llmtrace.cli.console import warn
+
+        warn(note, "note")
     if torchrun_world() is not None:
         result = run_under_torchrun(settings, dtype, tp, threads, timeout_s)
         if result is None:  # a rank other than 0: rank 0 renders and saves

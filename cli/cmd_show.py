@@ -35,6 +35,8 @@ def show(
     """Render a saved trace again: the same sections as `llmtrace run`, no model, no torch."""
     # Imported here, not at the top: `llmtrace --help` imports every command module, and these (the trace records
     # and the renderers) would double its start-up (BENCHMARKS.md, "Analytical commands").
+    from rich.markup import escape
+
     from llmtrace.cli.console import stdout_console
     from llmtrace.cli.output_files import check_outputs, check_writable, write_output
     from llmtrace.cli.render_run_report import render_ending, render_journey
@@ -51,8 +53,8 @@ def show(
                 check_writable(output)
         trace = read_trace(path)
         env = trace.environment
-        console.print(f"[dim]{path}: recorded by llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
-                      f"{env.device_name}[/]")
+        console.print(f"[dim]{escape(str(path))}: llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
+                      f"{escape(env.device_name)}[/]")
         render_journey(console, trace, detail.value)
         render_ending(console, trace, detail.value, run_report(trace), None,
                       "roofline: left out of a saved trace (it may come from another machine); see "

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.segment import Segment
+from rich.text import Text
 
 # Wide enough for the formula columns when stdout is a pipe or a file and COLUMNS is not set (rich would otherwise
 # assume 80).
@@ -27,6 +28,16 @@ def stdout_console(stderr: bool = False, file: TextIO | None = None) -> Console:
     milliseconds and would colour digits. Control characters in what is printed are shown, not obeyed
     (SafeConsole)."""
     return SafeConsole(stderr=stderr, file=file, width=console_width(), highlight=False, emoji=False)
+
+
+def warn(message: str, label: str = "warning") -> None:
+    """A warning or a note (`label`) on stderr, as compilers and pip print theirs: stdout keeps the report (or the
+    JSON), and a reader of a piped report does not get them mixed in. Wrapped at the terminal's width (80 columns
+    when stderr is not a terminal and COLUMNS is not set), never one long line; control characters shown."""
+    console = SafeConsole(stderr=True, highlight=False, emoji=False)
+    text = Text(f"{label}: ", style="yellow")
+    text.append(message)
+    console.print(text)
 
 
 # C0 and C1 control characters but tab and newline: ESC starts a terminal escape sequence (retitle, clear, move the

@@ -10,12 +10,13 @@ import math
 from typing import Sequence
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_kernels import alternatives_line, choice_line
+from llmtrace.cli.render_kernels import alternatives_line, choice_line, dtype_name
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import short_label
@@ -43,16 +44,26 @@ def section(title: str, body: object, subtitle: str | None = None) -> Panel:
     return Panel(body, title=f"[bold]{title}[/]", title_align="left", subtitle=subtitle, subtitle_align="right")
 
 
-def render_header(console: Console, config: ModelConfig, source: str, weight_format: str, load_seconds: float,
-                  device: str, threads: int, dtype: str, dry_run: bool) -> None:
-    head = "shapes only (meta device)" if dry_run else f"loaded in {fmt.duration_s(load_seconds)}"
-    tied = "tied to the embedding" if config.tie_embeddings else "separate matrix"
+def render_header(console: Console, config: ModelConfig, weight_format: str, load_seconds: float, device: str,
+                  threads: int, dtype: str, dry_run: bool, weights_note: str = "") -> None:
+    """Two lines, before the kernels line: the model (its name as every view writes it, and its shape) and how it
+    was loaded. The shape's other figures (head dim, vocabulary, a tied head) are in sections 2, 3 and 5, the
+    checkpoint's path in the trace (`model.source`). `weights_note`: why the weights are held as they are, when
+    that says more than the kernels line (a matrix type the named kernel cannot run)."""
     window = f" · sliding window {config.sliding_window:,}" if config.sliding_window is not None else ""
-    console.print(
-        f"[bold]{config.name}[/]  {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
-        f"({config.n_kv_heads} KV) · head dim {config.head_dim} · FFN {config.ffn_dim} · vocab {config.vocab_size:,} "
-        f"· LM head {tied}{window}\n[dim]{source}\n{weight_format} · {head} · {device} · {threads} threads · {dtype}[/]"
-    )
+    model = (f"[bold]{escape(config.name)}[/] · {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
+             f"({config.n_kv_heads} KV) · FFN {config.ffn_dim}{window}")
+    if dry_run:  # the loader's format says "dry run (meta device) fp32" already
+        how = escape(weight_format)
+    else:
+        short = dtype_name(dtype)
+        shown = "" if short in weight_format else f" · {short}"
+        how = (f"{escape(weight_format)}{shown} · {device} · {threads} thread{'s' if threads != 1 else ''} · "
+               f"loaded in {fmt.duration_s(load_seconds)}")
+    lines = [model, f"[dim]{how}[/]"]
+    if weights_note:
+        lines.append(f"[dim]{escape(weights_note)}[/]")
+    console.print("\n".join(lines))
 
 
 def render_kernel_choice(console: Console, choice: KernelChoice | None, dtype: str) -> None:
@@ -115,12 +126,9 @@ def render_embedding(console: Console, config: ModelConfig, stages: Sequence[Sta
         console.print(section("2 · Embedding", Text("not traced (--no-trace)")))
         return
     rows = embed.input_shapes[0]
-    stored = embed.weight_format not in ("", "fp32", "fp16", "bf16")  # held as the GGUF stores it: "q8_0 (int4pack)"
-    table_bytes = (embed.weight_bytes_read * config.vocab_size // math.prod(rows) if stored
-                   else embedding_table_bytes(config, embed.dtype))
+    held, table_bytes = embedding_table(config, embed)
     lines = [
-        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} "
-        f"{embed.weight_format + ' as stored' if stored else embed.dtype}"
+        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} {held}"
         + (f" = {fmt.nbytes(table_bytes)}" if table_bytes is not None else ""),
         f"ids {fmt.shape(rows)} → one row each → output [bold]{fmt.shape(embed.output_shapes[0])}[/]",
         f"bytes read: {fmt.nbytes(embed.weight_bytes_read)} (only the {math.prod(rows)} rows looked up), "
@@ -128,6 +136,15 @@ def render_embedding(console: Console, config: ModelConfig, stages: Sequence[Sta
         + ("" if dry_run else f" · {fmt.duration_ns(embed.duration_ns)}"),
     ]
     console.print(section("2 · Embedding  ids → vectors", Text.from_markup("\n".join(lines))))
+
+
+def embedding_table(config: ModelConfig, embed: StageRecord) -> tuple[str, int | None]:
+    """How the embedding table is held ("q8_0 (native) as stored", "float32") and its bytes (None: unknown)."""
+    stored = embed.weight_format not in ("", "fp32", "fp16", "bf16")  # held as the GGUF stores it: "q8_0 (int4pack)"
+    if stored:
+        return f"{embed.weight_format} as stored", embed.weight_bytes_read * config.vocab_size // math.prod(
+            embed.input_shapes[0])
+    return embed.dtype, embedding_table_bytes(config, embed.dtype)
 
 
 # ---- 3 positions ------------------------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     """Header and sections 1-6 of a finished trace, from its records."""
     config, env, settings = trace.config, trace.environment, trace.settings
     dry_run = settings.dry_run
-    render_header(console, config, trace.model.source, trace.model.weight_format, trace.model.load_seconds,
-                  env.device, env.threads, env.dtype, dry_run)
+    render_header(console, config, trace.model.weight_format, trace.model.load_seconds, env.device, env.threads,
+                  env.dtype, dry_run)
     render_kernel_choice(console, trace.kernels, dtype_name(env.dtype))
     prefill = trace.prefill_step
     batch = trace.batch

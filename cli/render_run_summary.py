@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_kernels import alternatives_line, choice_line, dtype_name
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.records import RunAhead
@@ -70,9 +68,6 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
         lines.append(f"[dim]{roofline_line(roofline)}[/]")
     if roofline is None and roofline_note:
         lines.append(f"[dim]{roofline_note}[/]")
-    if trace.kernels is not None:
-        lines.extend(f"[dim]{escape(line)}[/]" for line in (choice_line(trace.kernels, dtype_name(trace.environment.dtype)),
-                                                            alternatives_line(trace.kernels)) if line)
     if not traced:
         lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
     if trace.run_ahead is not None:
@@ -82,10 +77,15 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if trace.batch is not None:  # each sequence's text is in the Sequences table above
         console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)))))
         return
-    text = Text("\n")
-    text.append(trace.settings.prompt, style="dim")
     generated = trace.generated_text
     cut = generated.endswith("\ufffd")  # stopped inside a multi-byte character (Ctrl-C or the token limit)
+    if settings.chat:  # a reply, not a continuation: the two apart, as a chat shows them
+        text = Text("\nprompt: ", style="dim")
+        text.append(settings.prompt)
+        text.append("\nreply:  ", style="dim")
+    else:  # the model continued the prompt: one text, the continuation highlighted
+        text = Text("\n")
+        text.append(settings.prompt, style="dim")
     text.append(generated.rstrip("\ufffd"), style="bold green")
     if cut:
         text.append(" …(an incomplete UTF-8 character)", style="dim")
@@ -95,8 +95,8 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
 def run_ahead_line(run_ahead: RunAhead) -> str:
     """How a run's decode steps ran several to a C call (Trace.run_ahead), and what their times hold."""
     return (f"the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
-            f"{run_ahead.most_steps}, each next token chosen there by the sampler's passes; a step's time is C's "
-            "(forward, choice), the Python after each call (records, detokenizing) in none")
+            f"{run_ahead.most_steps} steps; a step's time is its forward and choice, without the Python after each "
+            "call")
 
 
 def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:

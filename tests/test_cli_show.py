@@ -48,7 +48,7 @@ def test_show_renders_the_sections_run_printed(saved: tuple[str, Path]) -> None:
         assert "4/4 tokens" in text and "Q|K|V proj" in text
     assert _between(shown, "8 · Summary", "KV cache:") == _between(live, "8 · Summary", "KV cache:")
     assert "5b · Sampling lesson" in shown
-    assert "recorded by llmtrace" in shown and "roofline: left out of a saved trace" in shown
+    assert f"{path}: llmtrace " in shown and "roofline: left out of a saved trace" in shown
 
 
 def test_show_writes_a_chrome_trace(saved: tuple[str, Path], tmp_path: Path) -> None:

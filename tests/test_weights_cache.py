@@ -182,8 +182,9 @@ def test_a_run_names_the_damaged_entry_in_one_line(write: Callable[..., Path], t
     result = CliRunner().invoke(app, ["run", "sky", "--model", str(path), "--dtype", "fp32", "--max-new-tokens",
                                       "1", "--no-roofline"])
     assert result.exit_code == 0, result.output
-    notes = [line for line in result.output.splitlines() if line.startswith("note: weights cache:")]
-    assert len(notes) == 1 and "fail their checksum" in notes[0] and "converting again" in notes[0]
+    notes = " ".join(result.stderr.split()).split("note: ")[1:]  # on stderr, wrapped at the terminal's width
+    assert len(notes) == 1 and notes[0].startswith("weights cache:") and "fail their checksum" in notes[0]
+    assert "converting again" in notes[0] and "note:" not in result.stdout
 
 
 def test_the_memo_is_plain_json_naming_the_file(write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:

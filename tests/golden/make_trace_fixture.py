@@ -1,4 +1,5 @@
-"""Write tests/golden/tiny_trace.json and tiny_dry_run.json: the fixed traces `llmtrace show`'s golden files render.
+"""Write tests/golden/tiny_trace.json, tiny_dry_run.json, tiny_batch_trace.json and tiny_journey_trace.json (sampled,
+with the logit lens and attention): the fixed traces `llmtrace show`'s golden files render.
 
 A real generation of the tiny test model (tests/tiny_llama.py: 2 layers, dim 64, SentencePiece trained on
 sample_prompts/), greedy, whose every clock reading is then replaced by a fixed, made-up timing (and the machine by a
@@ -33,7 +34,7 @@ MODEL_NAME = "tiny-llama (test fixture)"
 BATCH_PROMPTS = ("The sky is blue because", "Hi", "Once upon a time there was a small dog")
 
 
-def generate(folder: Path, dry_run: bool = False, batch: bool = False) -> dict:
+def generate(folder: Path, dry_run: bool = False, batch: bool = False, journey: bool = False) -> dict:
     import sentencepiece as spm
 
     from llmtrace.tracer.core.dtypes import FP32
@@ -53,6 +54,9 @@ def generate(folder: Path, dry_run: bool = False, batch: bool = False) -> dict:
                            staged=False)
     if batch:  # three prompts of different lengths: left pads, each sequence its own tokens
         settings = replace(settings, batch=len(BATCH_PROMPTS), batch_prompts=BATCH_PROMPTS, temperatures=())
+    if journey:  # the deeper views: sampled with filters, the logit lens, attention
+        settings = replace(settings, temperature=0.8, top_k=40, top_p=0.9, seed=1, lens=True, attention=True,
+                           max_new_tokens=3)
     generation = generation_for(loaded, settings)
     trace = None
     try:
@@ -97,14 +101,18 @@ def fix_timings(data: dict) -> dict:
     data["wall_ns"] = clock
     data["peak_rss_bytes"] = 300_000_000
     data["peak_device_bytes"] = None
+    for record in (*data.get("lens", ()), *data.get("attention", ())):
+        record["instrument_ns"] = 50_000
     return data
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        for name, dry_run, batch in (("tiny_trace.json", False, False), ("tiny_dry_run.json", True, False),
-                                     ("tiny_batch_trace.json", False, True)):
-            data = fix_timings(generate(Path(tmp) / "tiny", dry_run, batch))
+        for name, dry_run, batch, journey in (("tiny_trace.json", False, False, False),
+                                              ("tiny_dry_run.json", True, False, False),
+                                              ("tiny_batch_trace.json", False, True, False),
+                                              ("tiny_journey_trace.json", False, False, True)):
+            data = fix_timings(generate(Path(tmp) / "tiny", dry_run, batch, journey))
             out = HERE / name
             out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             print(f"wrote {out} ({out.stat().st_size:,} bytes)")

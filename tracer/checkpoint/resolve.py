@@ -17,6 +17,7 @@ another way).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -184,8 +185,34 @@ def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
     meta = dict(header.metadata)
     meta["_llmtrace.tied"] = "output.weight" not in names
     meta.update((f"_llmtrace.{flag}", on) for flag, on in gguf_tensor_flags(names).items())
-    name = str(meta.get("general.name") or Path(header.path).stem)
-    return ModelConfig.from_gguf_metadata(meta, name=name, source=header.path)
+    return ModelConfig.from_gguf_metadata(meta, name=gguf_model_name(header.path), source=header.path)
+
+
+# llama.cpp's file names end in the quantization ("SmolLM2-135M-Instruct.Q4_1.gguf", "x-Q4_K_M.gguf"): the header's
+# weights line says that part already.
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[0-9A-Z_]*|T?Q\d_\d|BF16|F16|F32|MXFP4|NVFP4)$", re.I)
+
+
+def gguf_model_name(path: str | Path) -> str:
+    """What to call a GGUF's model: its file name without `.gguf` and the quantization suffix. Not the file's
+    `general.name` ("Smollm2 135M 8k Lc100K Mix1 Ep2"): the user named the file, and every view uses one name."""
+    stem = Path(path).name.removesuffix(".gguf")
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+def model_name(source: ModelSource) -> str:
+    """The model's name in every view and in the loading spinner: a Hub id as given, a preset's name, a GGUF's file
+    name (gguf_model_name), an HF folder's name (as ModelConfig.from_hf_json names it)."""
+    if source.name is not None:
+        return source.name
+    if source.kind == PRESET:
+        return source.preset.name
+    if source.kind == GGUF and source.path is not None:
+        return gguf_model_name(source.path)
+    if source.config_path is not None:
+        file = source.config_path
+        return file.parent.name if file.name == "config.json" else file.stem
+    return source.spec
 
 
 def _safetensors_weights(folder: Path) -> WeightsSummary | None:

@@ -184,16 +184,16 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
             return WeightsChoice(DENSE, "not a GGUF: the checkpoint's tensors are dense already")
         return WeightsChoice(DENSE, "not a GGUF" if resolved.kind != PRESET else "random weights")
     if request.mode == DENSE:
-        return WeightsChoice(DENSE, "--weights dense")
+        return WeightsChoice(DENSE, "--weights dense", news=False)
     if request.kernel is not None:
-        return WeightsChoice(STORED, f"--weights {request.kernel}{_dequantized_note(resolved, request.kernel)}",
-                             request.kernel)
+        note = _dequantized_note(resolved, request.kernel)
+        return WeightsChoice(STORED, f"--weights {request.kernel}{note}", request.kernel, news=bool(note))
     how = "" if kernels is None else ("saved measurement" if kernels.from_store else "measured")
     if running is not None and running.weights == STORED:
         if request.mode == STORED:
             return WeightsChoice(STORED, f"--weights stored: the fastest acceptable stored kernel ({how})",
-                                 running.name)
-        return WeightsChoice(STORED, f"auto: the fastest acceptable candidate ({how})", running.name)
+                                 running.name, news=False)
+        return WeightsChoice(STORED, f"auto: the fastest acceptable candidate ({how})", running.name, news=False)
     if request.mode == STORED:  # nothing measured runs every matrix: the kernel that runs the most
         header = resolved.gguf_header
         assert header is not None
@@ -205,7 +205,8 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
         return WeightsChoice(STORED, f"--weights stored: {kernel}, not measured{_dequantized_note(resolved, kernel)}",
                              kernel)
     if running is not None:
-        return WeightsChoice(DENSE, f"auto: {running.name} dense is the fastest acceptable candidate ({how})")
+        return WeightsChoice(DENSE, f"auto: {running.name} dense is the fastest acceptable candidate ({how})",
+                             news=False)
     if not _kernels_on(target):
         return WeightsChoice(DENSE, f"stored kernels run on {' and '.join(TORCH_KERNEL_DEVICES)} only; dequantized "
                                     f"on {target.type}")

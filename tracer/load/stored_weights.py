@@ -107,6 +107,9 @@ class WeightsChoice:
     mode: str
     reason: str
     kernel: str = ""
+    # False when `reason` only restates what the header says anyway (auto's measured pick is the kernels line; an
+    # option is what the user typed): `run` then leaves the line out.
+    news: bool = True
 
     @property
     def label(self) -> str:
