@@ -200,7 +200,7 @@ class ModelConfig:
         """Build from GGUF key/value metadata (`llama.*` or `qwen2.*` keys), as read by
         `llmtrace.tracer.checkpoint.gguf_header`."""
         arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:  # a hostile file's array is no key
             raise UnsupportedModelError(
                 f"{source}: GGUF architecture {arch!r} is not supported; llmtrace reads {', '.join(GGUF_ARCHITECTURES)}"
             )
@@ -324,10 +324,19 @@ def _check_rope_scaling(name: str, scaling: RopeScaling) -> None:
                           f"{scaling.original_max_position!r}")
 
 
-# GGUF architectures read: llama (LLaMA, Mistral and other LLaMA-shaped files) and qwen2 (LLaMA plus Q/K/V biases,
-# its Q/K rows in HF's order). Their metadata keys differ only in the prefix.
-GGUF_ARCHITECTURES = ("llama", "qwen2")
-_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+# The architectures llmtrace reads, with what each brings beyond plain LLaMA: the one registry the readers check and
+# README's table of what loads is generated from (benchmarks/readme_facts.py). GGUF architectures' metadata keys
+# differ only in the prefix; qwen2 files keep their Q/K rows in HF's order.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LLaMA, Mistral and other LLaMA-shaped files",
+    "qwen2": "Qwen2: biases on Q, K and V",
+}
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
+    "MistralForCausalLM": "sliding window honoured",
+    "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
+}
+_HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
 _MISTRAL_DEFAULT_WINDOW = 4096
 
