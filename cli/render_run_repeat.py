@@ -9,6 +9,7 @@ from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
+from llmtrace.tracer.core.contract import role_label
 from llmtrace.tracer.trace.repeat_summary import RepeatSummary, Spread, StageSpread
 
 MAX_STAGE_ROWS = 12
@@ -44,7 +45,7 @@ def render_repeat(console: Console, r: RepeatSummary) -> None:
 
         ranked = sorted(r.stages, key=lambda s: -spread(s).median)
         for s in ranked[:MAX_STAGE_ROWS]:
-            stages.add_row(s.role, *_cells(spread(s)))
+            stages.add_row(role_label(s.role), *_cells(spread(s)))
         if len(ranked) > MAX_STAGE_ROWS:
             stages.add_row(f"… {len(ranked) - MAX_STAGE_ROWS} more", "", "", "", "")
         body.append(stages)

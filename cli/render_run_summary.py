@@ -94,9 +94,9 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
 
 def run_ahead_line(run_ahead: RunAhead) -> str:
     """How a run's decode steps ran several to a C call (Trace.run_ahead), and what their times hold."""
-    return (f"the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of up to "
-            f"{run_ahead.most_steps} steps; a step's time is its forward and choice, without the Python after each "
-            "call")
+    most = f"up to {run_ahead.most_steps} steps" if run_ahead.most_steps > 1 else "one step"
+    return (f"the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of {most}; a step's time "
+            "is its forward and choice, without the Python after each call")
 
 
 def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:

@@ -364,7 +364,7 @@ def test_repeat_with_batch_reports_medians_per_stage_and_writes_the_trace(
                   "--repeat", "3", "--json", str(trace_path), "--no-roofline")
     assert result.exit_code == 0, result.output
     assert "Repeated 3 times" in result.output and "decode per token" in result.output
-    assert "attention.wqkv" in result.output  # the per-stage medians
+    assert "Q|K|V proj" in result.output  # the per-stage medians, under the labels every view uses
     data = json.loads(trace_path.read_text(encoding="utf-8"))
     jsonschema.validate(data, load_schema())
     assert Trace.from_dict(data).settings.batch == 2

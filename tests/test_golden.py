@@ -84,3 +84,38 @@ def test_no_line_wider_than_the_terminal(case: str, width: int) -> None:
 def test_golden_output_has_no_escape_codes() -> None:
     for golden in GOLDEN.glob("*.txt"):
         assert "\x1b" not in golden.read_text(encoding="utf-8"), golden.name
+
+
+def _scaled(trace: dict, factor: float) -> dict:
+    """The fixture's run with every clock reading `factor` times as long: a repeat of it on a noisy machine."""
+    scaled = {**trace, "stages": [{**s, "duration_ns": round(s["duration_ns"] * factor)} for s in trace["stages"]],
+              "steps": [{**s, **{k: round(s[k] * factor) for k in ("forward_ns", "duration_ns")}}
+                        for s in trace["steps"]],
+              "tokenization": {**trace["tokenization"],
+                               "duration_ns": round(trace["tokenization"]["duration_ns"] * factor)}}
+    return scaled
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_repeat_view_matches_golden(width: int) -> None:
+    """`run --repeat 3`'s view: medians and spreads of three runs of the fixture's generation."""
+    import io
+    import json
+
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    from llmtrace.cli.render_run_repeat import render_repeat
+    from llmtrace.tracer.trace.repeat_summary import repeat_summary
+    from llmtrace.tracer.trace.run_trace import Trace
+
+    raw = json.loads((GOLDEN / "tiny_trace.json").read_text(encoding="utf-8"))
+    traces = [Trace.from_json(json.dumps(_scaled(raw, f))) for f in (1.0, 1.25, 0.9)]
+    out = io.StringIO()
+    render_repeat(Console(file=out, width=width, color_system=None, force_terminal=False), repeat_summary(traces))
+    text = out.getvalue()
+    golden = GOLDEN / f"repeat-{width}.txt"
+    if UPDATE:
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8")
+    assert all(cell_len(line) <= width for line in text.splitlines())

@@ -54,9 +54,9 @@ def generate(folder: Path, dry_run: bool = False, batch: bool = False, journey: 
                            staged=False)
     if batch:  # three prompts of different lengths: left pads, each sequence its own tokens
         settings = replace(settings, batch=len(BATCH_PROMPTS), batch_prompts=BATCH_PROMPTS, temperatures=())
-    if journey:  # the deeper views: sampled with filters, the logit lens, attention
+    if journey:  # the deeper views: sampled with filters, the logit lens, attention, the run without a KV cache
         settings = replace(settings, temperature=0.8, top_k=40, top_p=0.9, seed=1, lens=True, attention=True,
-                           max_new_tokens=3)
+                           no_kv_cache=True, max_new_tokens=3)
     generation = generation_for(loaded, settings)
     trace = None
     try:
@@ -103,6 +103,16 @@ def fix_timings(data: dict) -> dict:
     data["peak_device_bytes"] = None
     for record in (*data.get("lens", ()), *data.get("attention", ())):
         record["instrument_ns"] = 50_000
+    replay = data.get("no_kv_cache")
+    if replay:  # a recomputed step: the cached prefill's time, a decode step's × half the positions it runs again
+        forwards = {step["step"]: step["forward_ns"] for step in data["steps"]}
+        for step in replay["steps"]:
+            step["cached_forward_ns"] = forwards[step["step"]]
+            step["forward_ns"] = step["cached_forward_ns"] * (1 if step["step"] == 0 else step["positions"] // 2)
+            step["time_ratio"] = step["forward_ns"] / step["cached_forward_ns"]
+        replay["forward_ns"] = sum(step["forward_ns"] for step in replay["steps"])
+        replay["cached_forward_ns"] = sum(step["cached_forward_ns"] for step in replay["steps"])
+        replay["time_ratio"] = replay["forward_ns"] / replay["cached_forward_ns"]
     return data
 
 
