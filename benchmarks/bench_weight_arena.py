@@ -1,6 +1,7 @@
-"""The weight arena (tracer/load/weight_arena.py) against the file's own pages, in one process: the bundled model
-loaded twice under the same `--weights`, once with its block-kernel matrices as views of the memory-mapped GGUF
-(4 KiB pages; the arena switched off) and once copied into the huge-page-advised arena; then decode steps of the
+"""The weight arena (tracer/load/weight_arena.py) against plain pages, in one process: the bundled model loaded twice
+under the same `--weights`, once with its block-kernel matrices where they were read (one private buffer each, as
+gguf_source's pread leaves them: no huge-page advice; before issue 27 these were views of the memory-mapped GGUF,
+the file's 4 KiB pages; the arena switched off) and once in the huge-page-advised arena; then decode steps of the
 two alternated (`decode_one`, the native C step, 2 threads), so a slow spell of a shared machine hits both. Each
 step streams the whole model (~100 MB) from DRAM, so neither copy is helped by the other's cache. Reports each
 load's time, and the decode steps' median, 10th and 90th percentiles; and whether the arena got huge pages
@@ -40,14 +41,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("load average before:", os.getloadavg())
-    arena_for = gguf_loader._arena_for
+    arena_slots = gguf_loader._arena_slots
     loaded, load_s = {}, {}
-    for name in ("file pages", "arena"):
-        gguf_loader._arena_for = arena_for if name == "arena" else (lambda *a, **k: None)
+    for name in ("plain pages", "arena"):
+        gguf_loader._arena_slots = arena_slots if name == "arena" else (lambda *a, **k: {})
         start = time.perf_counter()
         loaded[name] = load_model(None, weights=args.weights)
         load_s[name] = time.perf_counter() - start
-    gguf_loader._arena_for = arena_for
+    gguf_loader._arena_slots = arena_slots
     tokenizer = loaded["arena"].tokenizer
     ids = torch.tensor([list(tokenizer.encode("The capital of France is"))])  # (1, T)
     token = ids[:, -1:]
@@ -68,8 +69,8 @@ def main() -> None:
     for name, values in ns.items():
         p10, p50, p90 = (float(np.percentile(values, p)) / 1e6 for p in (10, 50, 90))
         print(f"  {name:10} load {load_s[name]:.2f} s   decode_one median {p50:.2f} ms  p10 {p10:.2f}  p90 {p90:.2f}")
-    ratio = np.median(ns["file pages"]) / np.median(ns["arena"])
-    print(f"  file pages / arena (medians): {ratio:.3f}x")
+    ratio = np.median(ns["plain pages"]) / np.median(ns["arena"])
+    print(f"  plain pages / arena (medians): {ratio:.3f}x")
     print("load average after:", os.getloadavg())
 
 

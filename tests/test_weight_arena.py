@@ -98,7 +98,8 @@ def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:
 
 def test_i8dot_q4_matrices_hold_their_interleaved_rows_in_the_arena(tiny_quantized: Callable[..., Path]) -> None:
     """An i8dot Q4_1 matrix: the arena holds its rows interleaved in eights (what its decode products stream), the
-    PackedWeight its rows as the file holds them (a view of the file's map: prefill, dequantize and rows read them),
+    PackedWeight its rows as the file holds them (read into the process's own memory, never a view of a map of the
+    file, which a truncation of the file would turn into SIGBUS: issue 27; prefill, dequantize and rows read them),
     both counted as resident; the products equal those of the same rows without the loader's copy."""
     path = tiny_quantized(Q.Q4_1)
     header = read_gguf_header(path)
@@ -111,7 +112,7 @@ def test_i8dot_q4_matrices_hold_their_interleaved_rows_in_the_arena(tiny_quantiz
     assert weight.stored_bytes == rows.nbytes and weight.resident_bytes == rows.nbytes + groups.nbytes
     assert groups.data_ptr() % ALIGN == 0
     if sys.platform == "linux":
-        assert _mapped_file(groups.data_ptr()) == "" and _mapped_file(rows.data_ptr()) == str(path)
+        assert _mapped_file(groups.data_ptr()) == "" and _mapped_file(rows.data_ptr()) in ("", "[heap]")
     assert torch.equal(groups, native_kernel.interleave(int(Q.Q4_1), rows, weight.shape[1]))
     x = torch.randn(1, weight.shape[1])
     assert torch.equal(weight(x), pack_gguf(rows.numpy().copy(), int(Q.Q4_1), weight.shape[1], I8DOT)(x))

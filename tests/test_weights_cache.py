@@ -129,7 +129,7 @@ def test_a_damaged_entry_is_detected_dropped_and_converted_again(how: str, write
     assert third.from_cache and third.cache_note == "" and torch.equal(_logits(third), _logits(first))
 
 
-def test_an_entry_records_its_source_digest_and_tensor_checksum(write: Callable[..., Path]) -> None:
+def test_an_entry_records_its_source_digest_and_entry_checksum(write: Callable[..., Path]) -> None:
     from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
 
     path = write()
@@ -137,7 +137,8 @@ def test_an_entry_records_its_source_digest_and_tensor_checksum(write: Callable[
     entry = cache_path(path, torch.float32)
     header = read_safetensors_header(entry)
     assert header.metadata["source_xxh3_128"] == weights_cache.hash_file(path)
-    assert header.metadata["tensors_xxh3_128"] == weights_cache.tensor_checksum(entry, header.data_start)
+    # issue 27: the checksum covers the whole entry, its header too (read with the field as its placeholder)
+    assert header.metadata["entry_xxh3_128"] == weights_cache.entry_checksum(entry)
     assert header.metadata["source"] == str(path.resolve())
 
 

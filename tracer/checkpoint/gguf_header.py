@@ -8,12 +8,14 @@ No numpy or torch, so `llmtrace flops --model file.gguf` stays instant.
 from __future__ import annotations
 
 import math
-import mmap
+import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from llmtrace.tracer.core.errors import FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
@@ -73,6 +75,12 @@ class GGUFHeader:
     tensors: tuple[GGUFTensorInfo, ...]
     data_offset: int  # absolute file offset of the tensor data section
     file_size: int
+    # The file the header was read from, as fstat saw it through the descriptor it was read with: (st_dev, st_ino,
+    # st_size, st_mtime_ns, st_ctime_ns), and XXH3-128 of its bytes [0, data_offset). A load opens the file again and
+    # checks both (tracer/load/gguf_source.py): a file replaced or rewritten since is refused, never converted with
+    # this header. Empty for a header not read from a file.
+    identity: tuple[int, ...] = ()
+    header_xxh3: str = ""
 
 
 class _Cursor:
@@ -83,6 +91,8 @@ class _Cursor:
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
+            if n >= 0 and self.pos + n <= getattr(self.buf, "known", 0):
+                raise _ShortPrefix(f"{self.path}: header continues past byte {self.size}")
             raise FileFormatError(
                 f"{self.path}: GGUF header is truncated at byte {self.pos} (file is {self.size} bytes); "
                 "re-download or re-convert the file"
@@ -155,32 +165,91 @@ def _read_value(cur: _Cursor, vtype: int, decode_arrays: bool, depth: int = 0) -
     raise FileFormatError(f"{cur.path}: GGUF metadata value has unknown type {vtype}; file is corrupt")
 
 
+# The first read of a header; a header longer than this (a vocabulary of millions of pieces) is read again whole in
+# reads 4x longer. The bundled model's header is 1.8 MB, a 128k-vocabulary Llama 3's ~9 MB.
+_FIRST_READ = 4 << 20
+_MAX_HEADER = 1 << 30  # what a header may take: far above any real one, never the whole of a multi-GB file
+
+
+class _ShortPrefix(FileFormatError):
+    """The parser needs bytes past the prefix read so far (not past the end of the file): read more."""
+
+
 def read_gguf_header(path: str | Path, decode_arrays: bool = False) -> GGUFHeader:
-    """Parse metadata and tensor descriptors. With decode_arrays=False, arrays (the vocabulary) are only skipped."""
+    """Parse metadata and tensor descriptors. With decode_arrays=False, arrays (the vocabulary) are only skipped.
+
+    The bytes are read with pread through one descriptor, never memory-mapped: a file truncated by another program
+    while it is parsed is a short read (a FileFormatError saying it is truncated), where a map of it would kill the
+    process with SIGBUS. The descriptor's fstat gives the size and the identity the load checks again."""
     path = Path(path)
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
             # open() of a FIFO blocks until a writer comes: forever, for a mistyped --model
             raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); pass a .gguf file")
-        with open(path, "rb") as fh:
-            file_size = path.stat().st_size
+        # O_NONBLOCK: a FIFO swapped in after the stat above does not block the open either
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); pass a .gguf file")
+            file_size = st.st_size
             if file_size == 0:
                 raise FileFormatError(f"{path}: file is empty; not a GGUF file")
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
+            want = min(file_size, _FIRST_READ)
+            while True:
+                buf = _pread_all(fd, want)
+                # a prefix of the whole read is known to go on to file_size; a short read (the file shrank) not
+                known = file_size if len(buf) == want < file_size else len(buf)
                 try:
-                    return _parse(view, str(path), file_size, decode_arrays)
-                finally:
-                    # An error's traceback keeps the parser's frames (and this view) alive; a live view makes
-                    # mmap's close raise BufferError, which would hide the FileFormatError.
-                    view.release()
+                    header = _parse(_Prefix(buf, known), str(path), file_size, decode_arrays)
+                    break
+                except _ShortPrefix:
+                    if want >= _MAX_HEADER:
+                        raise FileFormatError(f"{path}: GGUF header runs past {_MAX_HEADER >> 20} MiB; the file is "
+                                              "corrupt") from None
+                    want = min(file_size, want * 4, _MAX_HEADER)
+            if len(buf) < header.data_offset:
+                buf = _pread_all(fd, header.data_offset)
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            return replace(header, identity=identity,
+                           header_xxh3=xxhash.xxh3_128_hexdigest(bytes(buf[:header.data_offset])))
+        finally:
+            os.close(fd)
     except FileNotFoundError as exc:
         raise FileFormatError(f"{path}: no such file; check the path") from exc
     except IsADirectoryError as exc:
         raise FileFormatError(f"{path}: is a folder, not a GGUF file") from exc
     except PermissionError as exc:
         raise FileFormatError(f"{path}: permission denied; check the file's permissions") from exc
+    except OSError as exc:
+        raise FileFormatError(f"{path}: cannot read ({exc.strerror or exc}); check the file") from exc
+
+
+class _Prefix(bytes):
+    """The first bytes of the file, and how far the file is known to go on (`known`): the cursor asks for more
+    rather than calling the file truncated when what it needs lies within that."""
+
+    known: int
+
+    def __new__(cls, data: bytes, known: int) -> "_Prefix":
+        obj = super().__new__(cls, data)
+        obj.known = known
+        return obj
+
+
+def _pread_all(fd: int, n: int) -> bytes:
+    """The file's first `n` bytes, fewer only where the file ends sooner (a short pread is retried)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def _parse(buf: memoryview, path: str, file_size: int, decode_arrays: bool) -> GGUFHeader:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrace.tracer.core.atomic_file import write_atomic
+from llmtrace.tracer.core.bounded_read import NotARegularFile, TooLarge, read_bounded
 from llmtrace.tracer.core.errors import LlmtraceError
 from llmtrace.tracer.core.json_input import parse_json
 
@@ -40,12 +41,23 @@ class StoreFormat:
         return {"version": self.version, **{section: {} for section in self.sections}}
 
 
+# A store holds a few records per machine and model (kernels.json ~2 KB an entry); one this large is not one llmtrace
+# wrote, and reading it whole would only cost memory.
+MAX_STORE_BYTES = 16 << 20
+
+
 def read_store(path: Path, fmt: StoreFormat) -> dict[str, Any]:
-    """The file's object, its version and sections checked; `fmt.empty()` when there is no file (or no folder)."""
+    """The file's object, its version and sections checked; `fmt.empty()` when there is no file (or no folder).
+
+    A FIFO, a device (or a symlink to one) or a file over MAX_STORE_BYTES is the store's `problem`, found without
+    blocking or reading past the cap (tracer/core/bounded_read.py): its callers note it and measure again, as for
+    any damaged store, and saving replaces it with a file."""
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, MAX_STORE_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return fmt.empty()
+    except (NotARegularFile, TooLarge) as exc:
+        raise _problem(fmt, path, f"cannot be read: {str(exc).removeprefix(f'{path} ')}") from None
     except OSError as exc:
         raise _problem(fmt, path, f"cannot read ({exc.strerror or exc}); check its permissions") from None
     data = parse_json(raw, str(path), fmt.problem, fmt.fix)

@@ -1,13 +1,15 @@
 """Weights from a GGUF file: dequantized to fp32, renamed to Meta's names, Q/K rows put back in HF's RoPE layout.
 
 The descriptors come from `llmtrace.tracer.checkpoint.gguf_header` (pure Python, 0.1 s for the bundled file;
-`gguf.GGUFReader` spends seconds decoding every vocabulary string as a numpy array). The data section is a numpy memmap,
-so only the bytes of the tensor being converted are paged in; `llmtrace.tracer.load.gguf_dequant` decodes every type
-`gguf` can.
+`gguf.GGUFReader` spends seconds decoding every vocabulary string as a numpy array). Each tensor's bytes are read
+through one descriptor (llmtrace.tracer.load.gguf_source: pread into private memory, never a map a truncated file
+would turn into SIGBUS), in the file's order, so a pass can hash the whole file as it reads it;
+`llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -20,6 +22,7 @@ from llmtrace.tracer.core.contract import PACKS, dims, expected_shapes, gguf_to_
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
+from llmtrace.tracer.load.gguf_source import GGUFSource, Reader
 from llmtrace.tracer.load.weight_arena import WeightArena
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
 from llmtrace.tracer.model import native_kernel
@@ -108,18 +111,14 @@ def _first(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _map_tensor_data(header: GGUFHeader) -> np.ndarray:
-    """The file's bytes, memory-mapped copy-on-write (the file is never written; the arrays are writable, so the
-    native kernel's tensors can be views of the map: torch refuses read-only memory without a warning);
-    FileFormatError if it cannot be mapped or changed size since the header was read (the offsets would point at
-    other bytes)."""
-    try:
-        data = np.memmap(header.path, dtype=np.uint8, mode="c")
-    except (OSError, ValueError) as exc:
-        raise FileFormatError(f"{header.path}: cannot map the tensor data ({exc}); check the file") from exc
-    if data.shape[0] != header.file_size:
-        raise FileFormatError(f"{header.path}: file changed size while loading; try again")
-    return data
+def _reader(stack: ExitStack, header: GGUFHeader, reader: Reader | None) -> Reader:
+    """`reader`, or the file opened (and checked against `header`) for as long as `stack` lasts."""
+    return reader if reader is not None else stack.enter_context(GGUFSource(header))
+
+
+def _file_order(plan: Mapping[str, GGUFTensorInfo]) -> list[tuple[str, GGUFTensorInfo]]:
+    """The plan's tensors in the order their bytes lie in the file (a pass reading them so hashes the whole file)."""
+    return sorted(plan.items(), key=lambda item: item[1].offset)
 
 
 KernelPlan = str | Mapping[str, str]  # one kernel for every matrix, or {ggml type name: kernel}
@@ -182,28 +181,29 @@ def matrix_infos(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTenso
     return {name: info for name, info in _plan(header, config).items() if len(info.shape) >= 2}
 
 
-def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype,
-                     kernel: KernelPlan) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype, kernel: KernelPlan,
+                     reader: Reader | None = None) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
     """The file's matrices as stored, for `kernel` (llmtrace.tracer.model.weight_formats), and the rest dense.
 
     Returns (dense state dict in `dtype`: norms, biases and any matrix whose type `kernel` cannot run, which is
     dequantized as load_gguf_weights does; {Meta name: PackedWeight} for the others, Q/K rows in HF's order).
+    `reader`: what the bytes are read through (a gguf_source.TensorReads pass hashes them); by default the file.
     """
     plan = _plan(header, config)
     packable, _ = stored_matrices(header, config, kernel)
-    data = _map_tensor_data(header)
-    arena = _arena_for(plan, packable, kernel)
+    slots = _arena_slots(plan, packable, kernel)
     dense: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
-    for name, info in plan.items():
-        if name not in packable:
-            tensor = _dequantized(header, config, data, name, info)
-            dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
-            continue
-        packed[name] = _packed(header, config, data, name, info, kernel_of(kernel, info),  # type: ignore[arg-type]
-                               arena)
-    del data
-    return dense, packed
+    with ExitStack() as stack:
+        reads = _reader(stack, header, reader)
+        for name, info in _file_order(plan):
+            if name not in packable:
+                tensor = _dequantized(header, config, reads, name, info)
+                dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
+                continue
+            packed[name] = _packed(header, config, reads, name, info, kernel_of(kernel, info),  # type: ignore[arg-type]
+                                   slots.get(name))
+    return {n: dense[n] for n in plan if n in dense}, {n: packed[n] for n in plan if n in packed}
 
 
 def stored_model(config: ModelConfig, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedWeight]
@@ -223,21 +223,19 @@ def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], ker
     `kernel`, or with kernel None dequantized exactly to fp32 tensors; Q/K rows in HF's order as the model holds
     them. Only these tensors' bytes are read."""
     plan = _plan(header, config)
-    data = _map_tensor_data(header)
-    arena = None if kernel is None else _arena_for(plan, names, kernel)  # the memory a run reads them from
+    slots = {} if kernel is None else _arena_slots(plan, names, kernel)  # the memory a run reads them from
     out: dict[str, PackedWeight | torch.Tensor] = {}
-    for name in names:
-        info = plan[name]
-        out[name] = (_dequantized(header, config, data, name, info) if kernel is None
-                     else _packed(header, config, data, name, info, kernel_of(kernel, info),  # type: ignore[arg-type]
-                                  arena))
-    del data
+    with GGUFSource(header) as source:
+        for name in names:
+            info = plan[name]
+            out[name] = (_dequantized(header, config, source, name, info) if kernel is None
+                         else _packed(header, config, source, name, info, kernel_of(kernel, info),  # type: ignore[arg-type]
+                                      slots.get(name)))
     return out
 
 
-def _raw(header: GGUFHeader, data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
-    start = header.data_offset + info.offset
-    return data[start:start + info.n_bytes]
+def _raw(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, out: np.ndarray | None = None) -> np.ndarray:
+    return reads.read(header.data_offset + info.offset, info.n_bytes, out)
 
 
 def _rope_heads(header: GGUFHeader, config: ModelConfig, name: str) -> int | None:
@@ -248,9 +246,9 @@ def _rope_heads(header: GGUFHeader, config: ModelConfig, name: str) -> int | Non
     return dims(config)[rope_heads]
 
 
-def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str,
+def _dequantized(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str,
                  info: GGUFTensorInfo) -> torch.Tensor:
-    values = dequantize(_raw(header, data, info), info.ggml_type, info.shape[0], info.name)
+    values = dequantize(_raw(header, reads, info), info.ggml_type, info.shape[0], info.name)
     if not np.isfinite(values).all():
         raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is "
                               "corrupt")
@@ -261,62 +259,75 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name
     return torch.from_numpy(matrix)
 
 
-def _arena_for(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan) -> WeightArena | None:
-    """An arena holding the matrices of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's
-    own blocks), None when there are none (tracer/load/weight_arena.py says why they are copied)."""
-    infos = [plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS]
-    return WeightArena(sum(info.n_bytes for info in infos), len(infos)) if infos else None
+def _groups_held(kernel: str, info: GGUFTensorInfo) -> bool:
+    """Whether a run reads this matrix's decode products from i8dot's interleaved copy (Q4_0, Q4_1 under i8dot)."""
+    return kernel == I8DOT and reads_groups(info.ggml_type, native_kernel.INT8_X)
 
 
-def _packed(header: GGUFHeader, config: ModelConfig, data: np.ndarray, name: str, info: GGUFTensorInfo,
-            kernel: str, arena: WeightArena | None = None) -> PackedWeight:
-    """One matrix packed for `kernel`; a block kernel's blocks copied into `arena` when given (else views of
-    `data`, the file's map), or for i8dot's Q4_0/Q4_1 their interleaved copy (the rows stay views)."""
+def _arena_slots(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan
+                 ) -> dict[str, np.ndarray]:
+    """Each matrix of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's own blocks),
+    given its room in one WeightArena (tracer/load/weight_arena.py says why they are copied): its blocks, or for
+    i8dot's Q4_0/Q4_1 their interleaved copy. Taken in the order of `names`, the model's: the arena's layout does not
+    depend on the order the file is read in."""
+    infos = {name: plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS}
+    if not infos:
+        return {}
+    arena = WeightArena(sum(info.n_bytes for info in infos.values()), len(infos))
+    slots = {}
+    for name, info in infos.items():
+        out_features, in_features = info.torch_shape
+        slots[name] = arena.take(native_kernel.grouped_bytes(info.ggml_type, out_features, in_features)
+                                 if _groups_held(kernel_of(kernel, info), info)  # type: ignore[arg-type]
+                                 else info.n_bytes)
+    return slots
+
+
+def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, info: GGUFTensorInfo,
+            kernel: str, slot: np.ndarray | None = None) -> PackedWeight:
+    """One matrix packed for `kernel`; a block kernel's blocks read into their `slot` of the weight arena when
+    given (_arena_slots), or for i8dot's Q4_0/Q4_1 their interleaved copy made there (the rows stay in the memory
+    they were read into)."""
     out_features, in_features = info.torch_shape
     _, block, block_bytes = GGML_TYPES[info.ggml_type]
-    rows = np.asarray(_raw(header, data, info)).reshape(out_features, in_features // block * block_bytes)  # (N, B)
     heads = _rope_heads(header, config, name)
-    if heads is not None:
-        rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
     groups = None
-    if arena is not None and kernel == I8DOT and reads_groups(info.ggml_type, native_kernel.INT8_X):
-        # the decode products read the arena's interleaved copy; everything else reads the rows as they are (the
-        # file's map, or the RoPE-ordered copy): the arena holds the bytes a decode step streams
-        groups = torch.from_numpy(arena.take(native_kernel.grouped_bytes(info.ggml_type, out_features, in_features)))
-        native_kernel.interleave(info.ggml_type, torch.from_numpy(np.ascontiguousarray(rows)), in_features, groups)
-    elif arena is not None and kernel in BLOCK_KERNELS:
-        rows = arena.place(rows)
+    if slot is not None and not _groups_held(kernel, info) and heads is None:
+        rows = _raw(header, reads, info, slot).reshape(out_features, in_features // block * block_bytes)  # (N, B)
+    else:
+        rows = _raw(header, reads, info).reshape(out_features, in_features // block * block_bytes)  # (N, B)
+        if heads is not None:
+            rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
+        if slot is not None and _groups_held(kernel, info):
+            # the decode products read the arena's interleaved copy; everything else reads the rows as they are
+            groups = torch.from_numpy(slot)
+            native_kernel.interleave(info.ggml_type, torch.from_numpy(np.ascontiguousarray(rows)), in_features,
+                                     groups)
+        elif slot is not None:
+            placed = slot.view(rows.dtype).reshape(rows.shape)
+            placed[...] = rows
+            rows = placed
     weight = pack_gguf(rows, info.ggml_type, in_features, kernel, groups)
     if not finite_scales(weight):
         raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")
     return weight
 
 
-def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype = torch.float32) -> GGUFWeights:
+def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                      reader: Reader | None = None) -> GGUFWeights:
     """Read, dequantize and rename every tensor of a LLaMA GGUF file; Q/K in HF's rotate_half layout.
 
     `header` and `config` are the file's, parsed once by the caller (llmtrace.tracer.checkpoint.resolve.resolve_model
     gives both). Values are decoded in fp32 and each tensor is cast to `dtype` as soon as it is decoded, so the peak
-    memory is the result plus one fp32 tensor.
+    memory is the result plus one fp32 tensor and one tensor's bytes. `reader`: what the bytes are read through, in
+    the file's order (a gguf_source.TensorReads pass hashes them); by default the file, opened here.
     """
     plan = _plan(header, config)
-    data = _map_tensor_data(header)
     state: dict[str, torch.Tensor] = {}
-    heads = dims(config)
-    # llama.cpp's converter interleaves Q/K rows for the 'llama' architecture's RoPE only (LlamaModel.permute);
-    # 'qwen2' files keep HF's rotate_half order (llama.cpp runs them with NEOX-style RoPE).
-    interleaved = header.metadata.get("general.architecture") == "llama"
-    for name, info in plan.items():
-        start = header.data_offset + info.offset
-        values = dequantize(data[start:start + info.n_bytes], info.ggml_type, info.shape[0], info.name)
-        if not np.isfinite(values).all():
-            raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is "
-                              "corrupt")
-        matrix = values.reshape(info.torch_shape)
-        rope_heads = tensor_of(name).rope_heads  # "H" for wq, "Hkv" for wk (weights and biases), else None
-        if rope_heads is not None and interleaved:
-            matrix = unpermute_rope_rows(matrix, heads[rope_heads])
-        tensor = torch.from_numpy(matrix)
-        state[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
-    del data
-    return GGUFWeights(config=config, state_dict=state, quantization=quantization_summary(header), header=header)
+    with ExitStack() as stack:
+        reads = _reader(stack, header, reader)
+        for name, info in _file_order(plan):
+            tensor = _dequantized(header, config, reads, name, info)
+            state[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
+    return GGUFWeights(config=config, state_dict={name: state[name] for name in plan},
+                       quantization=quantization_summary(header), header=header)

@@ -38,7 +38,7 @@ from llmtrace.tracer.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
-from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError, LlmtraceError
 from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, constrained, unmeasured, without
 from llmtrace.tracer.load import kernel_pick, weights_cache
@@ -50,6 +50,7 @@ from llmtrace.tracer.load.gguf_loader import (
     stored_matrices,
     stored_model,
 )
+from llmtrace.tracer.load.gguf_source import GGUFSource
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.stored_weights import (
     AUTO as WEIGHTS_AUTO,
@@ -292,8 +293,8 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, dev
     """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats), packed (or read from the
     cache) on the CPU, then moved to `device`. Converted packings (int4pack, blocks) are cached like dense weights:
     the entry holds the packed tensors (safetensors, described in JSON metadata; never unpickled). The native
-    kernel's are not: its weights ARE the file's blocks, views of the memory-mapped file, so an entry would only be
-    a second copy of the file, no faster to map."""
+    kernel's are not: its weights ARE the file's blocks (copied as they are into the weight arena), so an entry
+    would only be a second copy of the file, no faster to read."""
     header, config = resolved.gguf_header, resolved.config
     assert header is not None
     path, values = Path(header.path), torch_dtype(compute)
@@ -302,31 +303,51 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, dev
     fmt = f"GGUF {quantization_summary(header)} as stored ({kernel}) · {compute.name} activations"
     variant = entry_variant(kernel, values)
 
-    key: weights_cache.SourceKey | None = None
-    if use_cache and not _views_of_the_file(kernel):
-        try:
-            key = weights_cache.source_key(path)
-        except OSError:
-            key = None
-    if key is None:
-        model = stored_model(config, *_moved(*load_gguf_stored(header, config, values, kernel_plan(kernel)), device))
-        return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
-    notes = []
-    with weights_cache.creating(key, variant):
-        cached = weights_cache.load_cached(key, variant)
-        notes.append(cached.note)
-        if cached.state is not None:
-            try:
-                model = stored_model(config, *_moved(*from_entry(cached.state, cached.metadata), device))
-                return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True, weights=choice)
-            except (CheckpointError, ValueError):
-                weights_cache.cache_path(key, variant).unlink(missing_ok=True)
-                notes.append("weights cache: the entry did not fit this model; converting again")
-        dense, packed = load_gguf_stored(header, config, values, kernel_plan(kernel))
-        weights_cache.store(key, variant, *to_entry(dense, packed))
+    plan = kernel_plan(kernel)
+    # One descriptor for the header's file, the bytes packed and the cache key (tracer/load/gguf_source.py)
+    with GGUFSource(header) as source:
+        key = _source_key(source) if use_cache and not _views_of_the_file(kernel) else None
+        if key is None:
+            dense, packed = load_gguf_stored(header, config, values, plan, source)
+            source.check_unchanged()  # rewritten in place while read: what was packed may mix two versions
+            model = stored_model(config, *_moved(dense, packed, device))
+            return _finish(start, resolved, model, tokenizer, str(path), fmt, weights=choice)
+        notes = [key.note]
+        with weights_cache.creating(key, variant):
+            cached = weights_cache.load_cached(key, variant)
+            notes.append(cached.note)
+            if cached.state is not None:
+                try:
+                    model = stored_model(config, *_moved(*from_entry(cached.state, cached.metadata), device))
+                    return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True,
+                                   weights=choice)
+                except torch.OutOfMemoryError:
+                    raise  # the device is full: the entry is sound, converting again would not fit either
+                except _ENTRY_FAILURES as exc:  # an entry that passed its checksum yet does not load: convert again
+                    notes.append(weights_cache.dropped(weights_cache.cache_path(key, variant),
+                                                       f"did not fit this model ({type(exc).__name__})").note)
+            reads = source.reads()
+            dense, packed = load_gguf_stored(header, config, values, plan, reads)
+            if reads.confirm(key.digest):  # stored under the digest of the bytes packed, or not at all
+                weights_cache.store(key, variant, *to_entry(dense, packed))
     model = stored_model(config, *_moved(dense, packed, device))
     return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),
                    weights=choice)
+
+
+# What assembling a model from a cache entry raises when the entry does not fit it (a foreign or damaged entry)
+_ENTRY_FAILURES = (LlmtraceError, ValueError, RuntimeError, TypeError, KeyError, IndexError)
+
+
+def _source_key(source: GGUFSource) -> weights_cache.SourceKey | None:
+    """The cache key of the opened file, hashed through its descriptor (None when the cache cannot be used); the
+    file unchanged meanwhile (else FileFormatError: what was hashed may not be what will be read)."""
+    try:
+        key = weights_cache.source_key(source)
+    except OSError:
+        return None
+    source.check_unchanged()
+    return key
 
 
 def _moved(dense: dict[str, torch.Tensor], packed: dict[str, PackedWeight], device: torch.device
@@ -346,32 +367,32 @@ def _load_gguf(start: float, resolved: ResolvedModel, compute: DType, device: to
     tokenizer = tokenizer_from_gguf(header)
     fmt = f"GGUF {quantization_summary(header)} -> {compute.name}"
 
-    def convert() -> dict[str, torch.Tensor]:
-        return load_gguf_weights(header, config, values).state_dict
-
-    if not use_cache:
-        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt,
-                       weights=choice)
-    try:
-        key: weights_cache.SourceKey | None = weights_cache.source_key(path)
-    except OSError:
-        key = None  # unreadable for hashing: the conversion will say why
-    if key is None:
-        return _finish(start, resolved, _assemble(config, convert(), device), tokenizer, str(path), fmt,
-                       weights=choice)
-    notes = []
-    with weights_cache.creating(key, values):  # a second first load waits here, then maps this one's entry
-        cached = weights_cache.load_cached(key, values)
-        notes.append(cached.note)
-        if cached.state is not None:
-            try:
-                model = _assemble(config, cached.state, device)
-                return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True, weights=choice)
-            except CheckpointError:
-                weights_cache.cache_path(key, values).unlink(missing_ok=True)  # a foreign entry: convert again
-                notes.append("weights cache: the entry did not fit this model; converting again")
-        state = convert()
-        weights_cache.store(key, values, state)
+    # One descriptor for the header's file, the bytes converted and the cache key (tracer/load/gguf_source.py)
+    with GGUFSource(header) as source:
+        key = _source_key(source) if use_cache else None
+        if key is None:
+            state = load_gguf_weights(header, config, values, source).state_dict
+            source.check_unchanged()  # rewritten in place while read: what was converted may mix two versions
+            return _finish(start, resolved, _assemble(config, state, device), tokenizer, str(path), fmt,
+                           weights=choice)
+        notes = [key.note]
+        with weights_cache.creating(key, values):  # a second first load waits here, then maps this one's entry
+            cached = weights_cache.load_cached(key, values)
+            notes.append(cached.note)
+            if cached.state is not None:
+                try:
+                    model = _assemble(config, cached.state, device)
+                    return _finish(start, resolved, model, tokenizer, str(path), fmt, from_cache=True,
+                                   weights=choice)
+                except torch.OutOfMemoryError:
+                    raise  # the device is full: the entry is sound, converting again would not fit either
+                except _ENTRY_FAILURES as exc:  # an entry that passed its checksum yet does not load: convert again
+                    notes.append(weights_cache.dropped(weights_cache.cache_path(key, values),
+                                                       f"did not fit this model ({type(exc).__name__})").note)
+            reads = source.reads()
+            state = load_gguf_weights(header, config, values, reads).state_dict
+            if reads.confirm(key.digest):  # stored under the digest of the bytes converted, or not at all
+                weights_cache.store(key, values, state)
     model = _assemble(config, state, device)
     return _finish(start, resolved, model, tokenizer, str(path), fmt, cache_note="; ".join(n for n in notes if n),
                    weights=choice)

@@ -18,10 +18,17 @@ bytes. File systems stamp times from a coarse clock (ext4: one tick, ~4 ms), so 
 the hash could keep the identity; as git does for its "racily clean" index entries, a digest is only remembered
 when the file's last change is at least RACY_SECONDS older than the hash, otherwise the next load hashes again.
 The file is stat'ed before hashing and again before the entry is stored: a file changed meanwhile gets no entry.
+A load passes its opened source (tracer/load/gguf_source.py): the identity is its descriptor's, the hash is read
+through it, and the entry is stored only when the conversion's own pass hashed to the same digest. A memo is read
+without following a symlink, without blocking on a FIFO and up to a cap (tracer/core/bounded_read.py); one that is
+not a small regular file is ignored, with a note, and the source hashed again.
 
-Never damaged weights. Each entry's header records XXH3-128 of its tensor bytes (everything after the header), and
-every load checks it before the tensors are used: zeroed pages, a NaN written into a weight, a torn copy all fail
-the check, and the entry is removed and converted again (CachedWeights.note says so in one line). XXH3 is not a
+Never damaged weights. Each entry's header records XXH3-128 of the whole entry (its header too, read with this
+value as the placeholder it was written over), and every load checks it before the tensors are used: zeroed pages,
+a NaN written into a weight, a torn copy, a header whose offsets, shapes or dtypes were changed all fail the check,
+and the entry is removed and converted again (CachedWeights.note says so in one line); so is an entry that passes
+it but then fails to load or to fit the model. The check reads the entry with read(), not through a map: an entry
+truncated under it is a short read, not SIGBUS. XXH3 is not a
 cryptographic hash: it guards against accidents, not against someone who can already write the cache folder. It
 is the fastest well-kept checksum here (the `xxhash` package; BENCHMARKS.md "Weights cache checks" measures it
 against hashlib's sha256 and blake2b, zlib's crc32 and the load it guards).
@@ -39,12 +46,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import stat
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -55,17 +61,23 @@ from safetensors.torch import load_file, save_file
 
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
 from llmtrace.tracer.core.atomic_file import write_atomic
+from llmtrace.tracer.core.bounded_read import NotARegularFile, TooLarge, read_bounded
 from llmtrace.tracer.core.cache_dirs import cache_root
 from llmtrace.tracer.core.errors import LlmtraceError
+from llmtrace.tracer.load.gguf_source import OpenedFile
 
-CACHE_FORMAT = "2"  # bump when the conversion (names, Q/K order, dequantization) or the entry layout changes
+# bump when the conversion (names, Q/K order, dequantization) or the entry layout changes; 3: the checksum covers the
+# entry's header
+CACHE_FORMAT = "3"
 MAX_GB_ENV = "LLMTRACE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
 RACY_SECONDS = 2.0  # a digest is remembered only for a file unchanged this long before it was hashed
 PARTIAL_SUFFIX = ".partial"
 _CHUNK = 16 * 2**20
-_CHECKSUM_KEY = "tensors_xxh3_128"  # in each entry's __metadata__
+_CHECKSUM_KEY = "entry_xxh3_128"  # in each entry's __metadata__
+_MEMO_MAX = 64 << 10  # a memo is ~300 bytes
 _PLACEHOLDER = "0" * 32  # the width of an XXH3-128 hex digest: written first, replaced in place
+_MAX_HEADER = 100 << 20  # safetensors' own cap on a header
 _OWN_KEYS = frozenset({"source", "format", "source_xxh3_128", _CHECKSUM_KEY})  # metadata the cache itself writes
 
 
@@ -83,6 +95,7 @@ class SourceKey:
     path: Path  # absolute
     digest: str  # XXH3-128 of the whole file, hex
     identity: tuple[int, ...]  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)
+    note: str = field(default="", compare=False)  # one line when the memo was not a file to trust
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
@@ -97,36 +110,56 @@ def _memo_path(path: Path) -> Path:
     return weights_dir() / "sources" / f"{_path_digest(path)}.json"
 
 
-def hash_file(path: Path) -> str:
-    """XXH3-128 of the file's bytes, streamed in 16 MiB chunks (hex)."""
+def hash_file(source: Path | OpenedFile) -> str:
+    """XXH3-128 of the file's bytes (hex): an OpenedFile's read through its descriptor, a path's streamed in 16 MiB
+    chunks."""
+    if isinstance(source, OpenedFile):
+        return source.hash_file()
     h = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
+    with open(source, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
 
 
-def source_key(source: str | Path) -> SourceKey:
-    """The content key of `source`: the remembered digest while its identity is unchanged, else a fresh hash."""
-    path = Path(source).resolve()
-    identity = _identity(path.stat())
+def source_key(source: str | Path | OpenedFile) -> SourceKey:
+    """The content key of `source`: the remembered digest while its identity is unchanged, else a fresh hash. An
+    OpenedFile (a load's GGUFSource) is hashed through its descriptor, with the identity it was opened with; a
+    path is opened here (OSError when it cannot be)."""
+    if not isinstance(source, OpenedFile):
+        try:
+            with OpenedFile(source) as opened:
+                return source_key(opened)
+        except LlmtraceError as exc:
+            raise OSError(str(exc)) from None
+    path = source.path.resolve()
+    identity = source.identity
     memo = _memo_path(path)
-    try:
-        known = json.loads(memo.read_text(encoding="utf-8"))
-        if known.get("identity") == list(identity) and isinstance(known.get("digest"), str):
-            return SourceKey(path, known["digest"], identity)
-    except (OSError, ValueError, RecursionError, AttributeError):
-        pass  # none yet, or unreadable: hash
+    known, note = _read_memo(memo)
+    if known is not None and known.get("identity") == list(identity) and isinstance(known.get("digest"), str):
+        return SourceKey(path, known["digest"], identity, note)
     started_ns = time.time_ns()
-    digest = hash_file(path)
-    after = _identity(path.stat())
-    if after == identity and started_ns - max(identity[3], identity[4]) >= RACY_SECONDS * 1e9:
+    digest = hash_file(source)
+    if source.now() == identity and started_ns - max(identity[3], identity[4]) >= RACY_SECONDS * 1e9:
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(memo, json.dumps({"path": str(path), "identity": list(identity), "digest": digest}))
         except OSError:
             pass  # a read-only cache: hash again next time
-    return SourceKey(path, digest, identity)
+    return SourceKey(path, digest, identity, note)
+
+
+def _read_memo(memo: Path) -> tuple[dict | None, str]:
+    """The memo's object (None when there is none or it is unreadable: hash), and a note when what lies at its
+    path is not a small regular file (a FIFO would block a plain open, /dev/zero would fill memory): written over
+    once the source is hashed."""
+    try:
+        known = json.loads(read_bounded(memo, _MEMO_MAX, follow_links=False))
+    except (NotARegularFile, TooLarge) as exc:
+        return None, f"weights cache: {exc}; ignored, the source hashed again"
+    except (OSError, ValueError, RecursionError):
+        return None, ""  # none yet, or unreadable: hash
+    return (known if isinstance(known, dict) else None), ""
 
 
 # What an entry holds: a dtype (the dequantized tensors in it) or a variant name ("stored-int4pack-float32": the
@@ -158,21 +191,38 @@ class CachedWeights:
     metadata: dict[str, str] | None = None
 
 
-def tensor_checksum(path: Path, data_start: int) -> str:
-    """XXH3-128 of the entry's tensor bytes (the file after its header), read through a memory map."""
+def entry_checksum(path: Path) -> str:
+    """XXH3-128 of the entry at `path`, all of it, its checksum field read as the placeholder store() wrote before
+    it was known (so the header is covered too); OSError when the file holds no such field exactly once. Read with
+    read(), never a map: a file truncated under the read is a short one here, where a map would raise SIGBUS."""
     h = xxhash.xxh3_128()
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        raw = fh.read(n) if 0 <= n <= _MAX_HEADER else b""
+        if len(raw) != n or n < 0:
+            raise OSError(f"{path}: torn header")
+        start = raw.find(f'"{_CHECKSUM_KEY}":"'.encode())
+        end = start + len(_CHECKSUM_KEY) + 4 + len(_PLACEHOLDER) + 1  # past the value's closing quote
+        if start < 0 or raw.count(f'"{_CHECKSUM_KEY}":'.encode()) != 1 or raw[end - 1:end] != b'"':
+            raise OSError(f"{path}: no checksum field in the header")
+        h.update(prefix)
+        h.update(raw[:start])
+        h.update(f'"{_CHECKSUM_KEY}":"{_PLACEHOLDER}"'.encode())
+        h.update(raw[end:])
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
         try:
-            for begin in range(data_start, len(mm), 64 * _CHUNK):
-                h.update(view[begin:begin + 64 * _CHUNK])
+            while k := fh.readinto(buf):
+                h.update(view[:k])
         finally:
             view.release()
     return h.hexdigest()
 
 
 def load_cached(source: str | Path | SourceKey, dtype: Variant) -> CachedWeights:
-    """The cached state dict, memory-mapped, after its checksum is verified; a damaged entry is removed."""
+    """The cached state dict, memory-mapped, after its checksum is verified; an entry that fails the check, or that
+    cannot be loaded once it passes, is removed (the note says why): the caller converts again."""
     try:
         key = source if isinstance(source, SourceKey) else source_key(source)
     except OSError:
@@ -182,19 +232,27 @@ def load_cached(source: str | Path | SourceKey, dtype: Variant) -> CachedWeights
         return CachedWeights(None)
     why = _damage(path, key)
     if why:
-        path.unlink(missing_ok=True)
-        return CachedWeights(None, f"weights cache: {path.name} was damaged ({why}); converting again")
+        return dropped(path, f"was damaged ({why})")
     try:
         state = load_file(path)
         extra = read_safetensors_header(path).metadata
-    except (SafetensorError, OSError, ValueError, RuntimeError, LlmtraceError) as exc:
-        path.unlink(missing_ok=True)
-        return CachedWeights(None, f"weights cache: {path.name} was unreadable ({exc}); converting again")
+    except Exception as exc:  # noqa: BLE001 - whatever a checked entry still raises, the cure is to convert again
+        return dropped(path, f"was unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    if isinstance(dtype, torch.dtype):
+        wrong = sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.dtype != dtype})
+        if wrong:
+            return dropped(path, f"holds {', '.join(wrong)} tensors, not {str(dtype).removeprefix('torch.')}")
     try:
         os.utime(path)  # used now: the last to be evicted
     except OSError:
         pass  # a read-only cache still serves
     return CachedWeights(state, metadata={k: v for k, v in extra.items() if k not in _OWN_KEYS})
+
+
+def dropped(path: Path, why: str) -> CachedWeights:
+    """Remove the entry at `path`; the lookup's answer: convert again, and a note saying why."""
+    path.unlink(missing_ok=True)
+    return CachedWeights(None, f"weights cache: {path.name} {why}; converting again")
 
 
 def _damage(path: Path, key: SourceKey) -> str:
@@ -207,11 +265,11 @@ def _damage(path: Path, key: SourceKey) -> str:
     if meta.get("format") != CACHE_FORMAT or meta.get("source_xxh3_128") != key.digest:
         return "it was written for other source bytes or by another llmtrace"
     try:
-        actual = tensor_checksum(path, header.data_start)
+        actual = entry_checksum(path)
     except (OSError, ValueError):
-        return "its tensor bytes cannot be read"
+        return "its bytes cannot be read or its header has no checksum"
     if actual != meta.get(_CHECKSUM_KEY):
-        return "its tensor bytes fail their checksum"
+        return "its bytes fail their checksum"
     return ""
 
 
@@ -227,7 +285,13 @@ def creating(source: str | Path | SourceKey, dtype: Variant) -> Iterator[None]:
         key = source if isinstance(source, SourceKey) else source_key(source)
         lock_path = _entry_path(key, dtype).with_suffix(".lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(lock_path, "a+b")
+        # no symlink followed, no FIFO waited on (opening one to write blocks until a reader comes)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o666)
+        handle = os.fdopen(fd, "r+b")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            handle.close()
+            raise OSError(f"{lock_path} is not a regular file")
     except OSError:
         yield
         return
@@ -263,7 +327,7 @@ def store(source: str | Path | SourceKey, dtype: Variant, state_dict: dict[str, 
             own = {"source": str(key.path), "format": CACHE_FORMAT, "source_xxh3_128": key.digest,
                    _CHECKSUM_KEY: _PLACEHOLDER}
             save_file(tensors, partial, metadata={**(metadata or {}), **own})
-            _write_checksum(partial, tensor_checksum(partial, read_safetensors_header(partial).data_start))
+            _write_checksum(partial, entry_checksum(partial))
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
@@ -276,7 +340,8 @@ def store(source: str | Path | SourceKey, dtype: Variant, state_dict: dict[str, 
 
 def _write_checksum(partial: Path, checksum: str) -> None:
     """Put `checksum` in place of the placeholder in `partial`'s header. save_file cannot checksum bytes it has
-    not written yet; replacing a fixed-width value in place keeps the header's length, so it is one write."""
+    not written yet; replacing a fixed-width value in place keeps the header's length, so it is one write, and
+    entry_checksum reads the value back as the placeholder it replaced."""
     with open(partial, "r+b") as fh:
         n = int.from_bytes(fh.read(8), "little")
         raw = fh.read(n)
@@ -291,10 +356,11 @@ def _write_checksum(partial: Path, checksum: str) -> None:
 
 
 def _remove_superseded(key: SourceKey, keep: Path) -> None:
-    """Entries this source path had for older contents (any dtype's digest other than the current one)."""
+    """Entries this source path had for older contents (any dtype's digest other than the current one), or in an
+    older entry format (their names end in another CACHE_FORMAT: never looked up again)."""
     stem = key.path.stem
     for old in keep.parent.glob(f"{stem}-*.safetensors"):
-        if old == keep or key.digest[:32] in old.name:
+        if old == keep or (key.digest[:32] in old.name and old.name.endswith(f"-{CACHE_FORMAT}.safetensors")):
             continue
         try:
             source = read_safetensors_header(old).metadata.get("source")
