@@ -117,5 +117,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, row_len: int, tensor: str = "ten
     _, block, block_bytes = GGML_TYPES[ggml_type]
     rows = raw.reshape(-1, row_len // block * block_bytes)  # (rows, bytes per row): gguf decodes 16 rows at a time
     values = np.asarray(gguf_dequantize(rows, qtype), dtype=np.float32).reshape(-1)
-    # F32 comes back as a view of the read-only memmap, which must not back a torch tensor: copy it.
-    return values.copy() if not values.flags.writeable or np.may_share_memory(values, raw) else values
+    # F32 comes back as a view of `raw`. The loader's are private buffers read for this tensor alone
+    # (tracer/load/gguf_source.py), which the values may keep; a read-only map of a file (a benchmark's, a test's)
+    # must not back a torch tensor: copy that one.
+    return values if values.flags.writeable else values.copy()
