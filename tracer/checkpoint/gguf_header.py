@@ -211,8 +211,8 @@ def read_gguf_header(path: str | Path, decode_arrays: bool = False) -> GGUFHeade
                         raise FileFormatError(f"{path}: GGUF header runs past {_MAX_HEADER >> 20} MiB; the file is "
                                               "corrupt") from None
                     want = min(file_size, want * 4, _MAX_HEADER)
-            if len(buf) < header.data_offset:
-                buf = _pread_all(fd, header.data_offset)
+            if len(buf) < header.data_offset:  # the padding up to the data (never past the end of the file)
+                buf = _pread_all(fd, min(header.data_offset, file_size))
             identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             return replace(header, identity=identity,
                            header_xxh3=xxhash.xxh3_128_hexdigest(bytes(buf[:header.data_offset])))

@@ -128,8 +128,9 @@ class GGUFSource(OpenedFile):
         try:
             if header.identity and self.identity != header.identity:
                 raise changed(self.path)
-            if header.header_xxh3 and xxhash.xxh3_128_hexdigest(self.read(0, header.data_offset)) != \
-                    header.header_xxh3:
+            # the bytes the header was parsed from (a corrupt file's data_offset may lie past its end)
+            head = self.read(0, min(header.data_offset, self.size))
+            if header.header_xxh3 and xxhash.xxh3_128_hexdigest(head) != header.header_xxh3:
                 raise changed(self.path)
         except BaseException:
             self.close()
