@@ -30,7 +30,7 @@ def main() -> None:
     from llmtrace.tracer.core.dtypes import FP32
     from llmtrace.tracer.hardware.measure import measure_machine
     from llmtrace.tracer.load.loader import load_model
-    from llmtrace.tracer.run.batch_sweep import parse_batches
+    from llmtrace.tracer.run.batch_spec import parse_batches
 
     torch.set_num_threads(args.threads)
     batches = parse_batches(args.batches, "--batches")

@@ -20,7 +20,8 @@ from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model.transformer import build_random_model
-from llmtrace.tracer.run.batch_generate import BatchGeneration, check_batch_settings
+from llmtrace.tracer.run.batch_generate import BatchGeneration
+from llmtrace.tracer.run.batch_spec import check_batch_settings
 from llmtrace.tracer.run.generate import generate
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, RunSettings

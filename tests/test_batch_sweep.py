@@ -252,7 +252,8 @@ def test_sweep_records_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: Path,
 
 
 def test_parse_batches_and_prompts() -> None:
-    from llmtrace.tracer.run.batch_sweep import parse_batches, sweep_prompts
+    from llmtrace.tracer.run.batch_spec import parse_batches
+    from llmtrace.tracer.run.batch_sweep import sweep_prompts
 
     assert parse_batches("1,2,4, 8") == (1, 2, 4, 8)
     for bad in ("", " ", "1,,2", "1,x", "4,2", "0,1", "1,1", "1.5", "5000"):

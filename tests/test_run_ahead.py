@@ -26,7 +26,8 @@ from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
-from llmtrace.tracer.run.sampling import MIN_TEMPERATURE, Sampler, SamplingParams
+from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+from llmtrace.tracer.run.sampling_params import MIN_TEMPERATURE
 from llmtrace.tracer.trace.records import DECODE, RunAhead, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
 from tests.test_native_step import BASE, native_model

@@ -246,7 +246,7 @@ def test_invalid_parameters_raise_one_clear_line(params: dict, named: str) -> No
     with pytest.raises(BadArgumentError) as caught:
         SamplingParams(**params)
     message = str(caught.value)
-    assert "\n" not in message and message.startswith(named)
+    assert "\n" not in message and message.startswith("--" + named.replace("_", "-"))  # the option, as typed
 
 
 def test_greedy_with_a_filter_says_to_give_a_temperature() -> None:

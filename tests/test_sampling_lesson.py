@@ -15,7 +15,8 @@ from llmtrace.cli.app import app
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.run.generate import generate
-from llmtrace.tracer.run.sampling_lesson import check_temperatures, sampling_lesson
+from llmtrace.tracer.run.sampling_lesson import sampling_lesson
+from llmtrace.tracer.run.sampling_params import check_temperatures
 from llmtrace.tracer.trace.journey_records import FILTERS_FROM_RUN, FILTERS_ILLUSTRATIVE
 from llmtrace.tracer.trace.records import RunSettings
 

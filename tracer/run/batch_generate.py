@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
+from llmtrace.tracer.run.batch_spec import check_batch_settings
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.generate import (
     Finished,
@@ -59,19 +60,6 @@ from llmtrace.tracer.trace.run_trace import (
 class BatchTokenized:
     records: tuple[TokenizationRecord, ...]  # one per sequence
     pads: tuple[int, ...]  # left pads of each in the batched prefill
-
-
-def check_batch_settings(settings: RunSettings) -> None:
-    """What --batch cannot be combined with, and a prompt list that does not match N (BadArgumentError)."""
-    n = settings.batch
-    if n < 1:
-        raise BadArgumentError(f"--batch must be at least 1, got {n}")
-    if len(settings.batch_prompts) != n:
-        raise BadArgumentError(f"--batch {n} needs {n} prompts, got {len(settings.batch_prompts)}")
-    for flag, on in (("--dry-run", settings.dry_run), ("--no-kv-cache", settings.no_kv_cache),
-                     ("--lens", settings.lens), ("--attention", settings.attention)):
-        if on:
-            raise BadArgumentError(f"--batch does not combine with {flag} (it follows one sequence); drop one of them")
 
 
 class BatchGeneration(Generation):

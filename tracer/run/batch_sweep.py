@@ -40,7 +40,6 @@ from llmtrace.tracer.run.batch_generate import BatchGeneration
 from llmtrace.tracer.trace.records import DECODE, RunSettings
 
 Progress = Callable[[str], None]
-MAX_BATCH = 4096
 GOAL_RATIO = 1.5  # issue 14: measured within 1.5x of the prediction at every batch
 GOAL_CROSSOVER = 2.0  # and the crossover within 2x
 BATCH_SWEEP_SCHEMA = "llmtrace.batch-sweep/1"  # `run --batch-sweep --json` (batch_sweep_schema.json)
@@ -94,22 +93,6 @@ class BatchSweep:
     ceilings_saved_to: str  # where the ceilings were saved ("" when they could not be)
     note: str  # why they were not saved, or ""
     schema: str = BATCH_SWEEP_SCHEMA  # `--json` writes it first
-
-
-def parse_batches(text: str, option: str = "--batch-sweep") -> tuple[int, ...]:
-    """'1,2,4,8' -> (1, 2, 4, 8); a one-line BadArgumentError for anything else."""
-    parts = [part.strip() for part in text.split(",")]
-    if not text.strip() or not all(parts):
-        raise BadArgumentError(f"{option} takes batch sizes separated by commas, e.g. 1,2,4,8; got {text!r}")
-    try:
-        batches = tuple(int(part) for part in parts)
-    except ValueError:
-        raise BadArgumentError(f"{option} takes whole numbers separated by commas, e.g. 1,2,4,8; got {text!r}") \
-            from None
-    if min(batches) < 1 or max(batches) > MAX_BATCH or list(batches) != sorted(set(batches)):
-        raise BadArgumentError(f"{option} takes increasing batch sizes from 1 to {MAX_BATCH}, e.g. 1,2,4,8; "
-                               f"got {text!r}")
-    return batches
 
 
 def sweep_prompts(prompts: Sequence[str], batches: Sequence[int], from_file: bool) -> tuple[str, ...]:

@@ -63,85 +63,19 @@ import torch
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.model.native_top import (MAX_COUNT, SamplerPasses, SoftmaxSums, sampler_passes,
                                               top_pass_sums, top_values)
+from llmtrace.tracer.run.sampling_params import SamplingParams, is_int
 
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).
 _PREFIX = 256
-# The least temperature a draw takes: logits of a few hundred divided by it stay far inside fp32 (3.4e38), and it is
-# already the argmax's draw for any two logits apart by more than 1e-4 (their weights differ by e^100).
-MIN_TEMPERATURE = 1e-6
 # Weights per block of the two-level inverse-CDF draw over the whole vocabulary (_draw_index).
 _DRAW_BLOCK = 256
 _LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
 
-STEP_ORDER = ("repetition_penalty", "temperature", "greedy", "top_k", "top_p", "min_p")
-
-
 class NonFiniteLogitsError(ValueError):
     """The logits hold a NaN or +inf, or nothing above -inf: there is no distribution to sample. The generation loop
     relies on this check (one numpy max over the vector it reads anyway) instead of testing the logits itself."""
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick the next token. Neutral values switch a step off (HF's conventions)."""
-
-    temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(logits / T)
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off; in (0, 1]
-    min_p: float = 0.0  # 0 = off; in [0, 1)
-    repetition_penalty: float = 1.0  # 1 = off; > 0 (> 1 discourages repeats)
-    seed: int | None = None  # None = a fresh random seed, reported by Sampler.seed
-
-    def __post_init__(self) -> None:
-        _check_real("temperature", self.temperature)
-        if not self.temperature >= 0:
-            raise BadArgumentError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T in fp32 overflow, or T itself rounds to 0 there
-            raise BadArgumentError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
-                                   f"{self.temperature:g}: below, the logits divided by it overflow fp32; use 0 for "
-                                   "the most likely token")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise BadArgumentError(f"top_k must be a whole number >= 0 (0 turns it off), got {self.top_k!r}")
-        _check_real("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise BadArgumentError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
-        _check_real("min_p", self.min_p)
-        if not 0 <= self.min_p < 1:
-            raise BadArgumentError(f"min_p must be in [0, 1) (0 turns it off), got {self.min_p}")
-        _check_real("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0:
-            raise BadArgumentError(
-                f"repetition_penalty must be > 0 (1 turns it off, 1.1-1.3 is typical), got {self.repetition_penalty}"
-            )
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise BadArgumentError(f"seed must be a whole number in [0, 2**64), got {self.seed!r}")
-        if self.greedy:
-            ignored = [name for name, on in (("top_k", self.top_k > 0), ("top_p", self.top_p < 1),
-                                             ("min_p", self.min_p > 0)) if on]
-            if ignored:
-                raise BadArgumentError(
-                    f"{', '.join(ignored)} has no effect when temperature is 0 (greedy); "
-                    "give a temperature > 0 (e.g. 0.7) to sample"
-                )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def active_steps(self) -> tuple[str, ...]:
-        """The steps that change anything, in the order they run."""
-        on = {
-            "repetition_penalty": self.repetition_penalty != 1,
-            "temperature": not self.greedy and self.temperature != 1,
-            "greedy": self.greedy,
-            "top_k": self.top_k > 0,
-            "top_p": self.top_p < 1,
-            "min_p": self.min_p > 0,
-        }
-        return tuple(step for step in STEP_ORDER if on[step])
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +124,7 @@ class Sampler:
     """Picks tokens under fixed SamplingParams; owns the random generator, so one seed gives one token sequence."""
 
     def __init__(self, params: SamplingParams, *, n_candidates: int = 10) -> None:
-        if not _is_int(n_candidates) or n_candidates < 1:
+        if not is_int(n_candidates) or n_candidates < 1:
             raise BadArgumentError(f"n_candidates must be a whole number >= 1, got {n_candidates!r}")
         self._params = params
         self._active_steps = params.active_steps  # a property that builds its tuple: once, not per token
@@ -684,13 +618,3 @@ def _drawn_result(ids: np.ndarray, ranks: np.ndarray, raw_at: np.ndarray, penali
                         rank=rank, candidates=candidates, n_after_top_k=n_after_top_k, n_after_top_p=n_after_top_p,
                         n_after_min_p=n_final, n_final=n_final, top_p_mass=top_p_mass,
                         entropy_final_bits=final_entropy / _LN2, **common)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _check_real(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value):
-        raise BadArgumentError(f"{name} must be a finite number, got {value!r}")

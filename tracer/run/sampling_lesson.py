@@ -9,14 +9,13 @@ Sampler has its own seed and never touches the run's random sequence. The filter
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 
-from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.run.sampling import Sampler, SamplingParams
+from llmtrace.tracer.run.sampling_params import check_temperatures
 from llmtrace.tracer.trace.journey_records import (
     FILTERS_FROM_RUN,
     FILTERS_ILLUSTRATIVE,
@@ -29,20 +28,7 @@ from llmtrace.tracer.trace.journey_records import (
 )
 from llmtrace.tracer.trace.records import RunSettings
 
-MAX_TEMPERATURES = 6  # columns beyond this no longer fit 80 columns side by side
 LESSON_TOKENS = 8
-
-
-def check_temperatures(temperatures: Sequence[float]) -> tuple[float, ...]:
-    """The lesson's temperatures as a tuple, or BadArgumentError naming the bad one."""
-    values = tuple(float(t) for t in temperatures)
-    if len(values) > MAX_TEMPERATURES:
-        raise BadArgumentError(f"--temperatures takes at most {MAX_TEMPERATURES} values, got {len(values)}")
-    for t in values:
-        if not math.isfinite(t) or t <= 0:
-            raise BadArgumentError(f"--temperatures values must be finite and > 0 (greedy is the T -> 0 limit), "
-                                   f"got {t:g}")
-    return values
 
 
 def lesson_filters(settings: RunSettings) -> tuple[int, float, float, str]:
