@@ -13,7 +13,7 @@ weights as the loader's measured choice holds them), or with `--weights SPEC` as
 2. loop: whole greedy generations through `Generation(trace=False)` (what `run --no-trace` runs): per step the
    forward, sampling and detokenization (the StepRecord's clocks), and the gap between one step's end and the
    next one's start (the loop's own work: records, events).
-3. cli: `llmtrace run PROMPT --max-new-tokens 48 --no-trace --no-roofline --summary-json --json FILE` as a
+3. cli: `llmtrace run PROMPT --max-new-tokens 48 --no-trace --no-roofline --summary-json --json-file FILE` as a
    subprocess: the summary's decode tokens/s, and the decode wall per token from the trace file (first decode
    step's start to the last one's end, over the steps between), with the console on a pipe and on a pseudo-terminal
    (where rich's live view redraws as the steps come); traced as `run` traces by default (pipe); and `--staged`
@@ -180,7 +180,7 @@ def measure_cli(python: str, view: str, weights: str | None, tokens: int = CLI_T
         trace_file = Path(folder) / "trace.json"
         mode = {"staged": ["--staged"], "traced": []}.get(view, ["--no-trace"])
         command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(tokens), *mode,
-                   "--no-roofline", "--summary-json", "--json", str(trace_file)]
+                   "--no-roofline", "--summary-json", "--json-file", str(trace_file)]
         command += ["--weights", weights] if weights else []
         env = dict(os.environ, COLUMNS="100", LINES="40")
         if view == "pty":

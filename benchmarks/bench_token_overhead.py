@@ -19,7 +19,7 @@ weights choice), or `--weights SPEC`. Views (medians per decode token, microseco
    the same process, and a check that both chose the same tokens at the same ranks (with the native library loaded
    the probabilities and entropies agree within sampling.py's stated tolerance, not bit for bit:
    tests/test_sampling_equality.py checks those).
-3. cli: `llmtrace run PROMPT --max-new-tokens 64 --no-roofline --summary-json --json FILE` as a subprocess,
+3. cli: `llmtrace run PROMPT --max-new-tokens 64 --no-roofline --summary-json --json-file FILE` as a subprocess,
    `--no-trace` and traced, the console on a pipe: from the trace file, per decode step, sampling + detokenizing
    (inside the step's clock) and the gap to the next step's start (records, the event, the CLI's handling of it).
 
@@ -261,7 +261,7 @@ def measure_cli(python: str, traced: bool, weights: str | None) -> dict[str, flo
     with tempfile.TemporaryDirectory() as folder:
         trace_file = Path(folder) / "trace.json"
         command = [python, "-m", "llmtrace", "run", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--no-roofline",
-                   "--summary-json", "--json", str(trace_file)] + ([] if traced else ["--no-trace"])
+                   "--summary-json", "--json-file", str(trace_file)] + ([] if traced else ["--no-trace"])
         command += ["--weights", weights] if weights else []
         done = subprocess.run(command, capture_output=True, text=True, check=True,
                               env=dict(os.environ, COLUMNS="100", LINES="40"))

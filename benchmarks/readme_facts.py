@@ -25,9 +25,9 @@ LENS_TRACE = REPO / "tests" / "data" / "readme_lens.trace.json.gz"
 # How the committed traces are recorded (`python -m benchmarks.readme_examples --record`): the run the README walks
 # through, and a run of the 'capital' sample prompt with the logit lens and attention.
 RUN_COMMAND = ["run", "今天天气真", "--max-new-tokens", "32", "--trace-steps", "first,last", "--no-roofline",
-               "--json", str(RUN_TRACE.relative_to(REPO))]
+               "--json-file", str(RUN_TRACE.relative_to(REPO))]
 LENS_COMMAND = ["run", "capital", "--lens", "--attention", "--max-new-tokens", "1", "--temperatures", "",
-                "--no-roofline", "--json", str(LENS_TRACE.relative_to(REPO))]
+                "--no-roofline", "--json-file", str(LENS_TRACE.relative_to(REPO))]
 
 
 @functools.cache

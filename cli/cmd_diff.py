@@ -8,11 +8,12 @@ from typing import Annotated
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import JsonOption
 
 
-@app.command("diff", epilog=(
+@app.command("diff", cls=command_class(), epilog=(
     "Example: llmtrace run capital --json a.json; llmtrace run capital --staged --json b.json; "
     "llmtrace diff a.json b.json"))
 def diff_command(

@@ -5,6 +5,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import (
     DEFAULT_MODEL,
@@ -17,18 +18,22 @@ from llmtrace.cli.options import (
 )
 from llmtrace.tracer.core.dtypes import DType
 
+# The old spelling, still read: -n is --max-new-tokens in every command, as in `run` (HF generate's max_new_tokens)
+RENAMED = {"--new-tokens": "--max-new-tokens"}
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_NEW_TOKENS = 128
 
 
-@app.command("flops")
+@app.command("flops", cls=command_class(RENAMED))
 def flops(
     model: ModelOption = DEFAULT_MODEL,
     prompt_len: Annotated[Optional[int], typer.Option(
         "--prompt-len", "-p", min=1, show_default=str(DEFAULT_PROMPT_LEN), help="Prompt length P in tokens.")] = None,
     prompt: Annotated[Optional[str], typer.Option(
-        "--prompt", help="Prompt text; its length is counted with the model's own tokenizer (folder or .gguf).")] = None,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens N to generate.")] = DEFAULT_NEW_TOKENS,
+        "--prompt", metavar="<text>", help="Prompt text; its length is counted with the model's own tokenizer (folder or .gguf).")] = None,
+    new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", min=1, help="Tokens N to generate (a run may stop sooner, at EOS; here all N "
+                                              "count).")] = DEFAULT_NEW_TOKENS,
     context: Annotated[Optional[int], typer.Option(
         "--context", "-L", min=0, show_default="P",
         help="Positions L already cached for the single decode step shown.")] = None,
@@ -49,7 +54,7 @@ def flops(
     \b
     Examples:
       llmtrace flops                           # llama-7b, P=128, N=128
-      llmtrace flops --model llama3-8b --prompt-len 2000 --new-tokens 500
+      llmtrace flops --model llama3-8b --prompt-len 2000 --max-new-tokens 500
       llmtrace flops --model path/to/model.gguf --prompt "The sky is blue"
       llmtrace flops --model llama2-70b --dtype int4 --batch 8 --json
       llmtrace flops -m llama3-8b -p 8192 --kernels eager  # as llmtrace runs it

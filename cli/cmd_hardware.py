@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import JsonOption
 
@@ -35,12 +36,12 @@ def _parse_dtypes(text: str) -> tuple[DType, ...]:
     return tuple(get_dtype(name, MEASURABLE_DTYPES, refusal="cannot measure") for name in names)
 
 
-@app.command("hardware")
+@app.command("hardware", cls=command_class())
 def hardware(
     measure: Annotated[bool, typer.Option("--measure", help="Measure this machine's GEMM FLOP/s and memory "
                                           "bandwidth with torch and save them as the profile 'this-machine'.")] = False,
     device: Annotated[DeviceChoice, typer.Option(help="With --measure: the device to measure.")] = DeviceChoice.cpu,
-    dtypes: Annotated[str, typer.Option(help="With --measure: GEMM dtypes to measure, comma-separated "
+    dtypes: Annotated[str, typer.Option(metavar="<d,d,...>", help="With --measure: GEMM dtypes to measure, comma-separated "
                                         "(fp32, bf16, fp16; tf32 on cuda).")] = "fp32,bf16",
     repeats: Annotated[int, typer.Option(help="With --measure: timed runs per figure (the fastest sets the ceiling).")] = 5,
     max_n: Annotated[int, typer.Option("--max-n", help="With --measure: largest GEMM size n to try "

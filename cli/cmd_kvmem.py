@@ -5,12 +5,13 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, JsonOption, ModelOption, dtype_option
 from llmtrace.tracer.core.dtypes import FP16, DType
 
 
-@app.command("kvmem")
+@app.command("kvmem", cls=command_class())
 def kvmem(
     seq: Annotated[Optional[int], typer.Option(
         "--seq", "-s", min=1, show_default="the model's max context",
@@ -19,7 +20,7 @@ def kvmem(
     dtype: Annotated[DType, dtype_option("--dtype", help="KV-cache dtype.")] = FP16,
     batch: BatchOption = 1,
     budget: Annotated[Optional[str], typer.Option(
-        "--budget", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,
+        "--budget", metavar="<size>", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,
     weights_dtype: Annotated[Optional[DType], dtype_option(
         "--weights-dtype", show_default="the checkpoint's (a GGUF's main type, e.g. q4_1), else fp16",
         help="With --budget: dtype of the weights that share the memory.")] = None,

@@ -3,12 +3,13 @@
 from typing import Annotated
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import JsonOption, dtype_option
 from llmtrace.tracer.core.dtypes import FP16, DType
 
 
-@app.command("models")
+@app.command("models", cls=command_class())
 def models(
     dtype: Annotated[DType, dtype_option("--dtype", help="Dtype of the weight and KV-cache columns.")] = FP16,
     json_out: JsonOption = False,

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import (
     DEFAULT_MODEL,
@@ -19,18 +20,21 @@ from llmtrace.cli.options import (
 )
 from llmtrace.tracer.core.dtypes import DType
 
+# The old spelling, still read: -n is --max-new-tokens in every command, as in `run` (HF generate's max_new_tokens)
+RENAMED = {"--new-tokens": "--max-new-tokens"}
 DEFAULT_HARDWARE = "a100-80gb"  # the seed article's GPU
 
 
-@app.command("roofline")
+@app.command("roofline", cls=command_class(RENAMED))
 def roofline(
     model: ModelOption = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option(
-        "--hardware", "-H", metavar="NAME",
+        "--hardware", "-H", metavar="<name>",
         help="A profile from `llmtrace hardware` (a100-80gb, h100-sxm, rtx-4090, m3-max, ...) or this-machine "
              "after `llmtrace hardware --measure`.")] = DEFAULT_HARDWARE,
     prompt_len: Annotated[int, typer.Option("--prompt-len", "-p", min=1, help="Prompt tokens per sequence.")] = 512,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", min=1, help="Tokens to generate per sequence.")] = 128,
+    new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", min=1, help="Tokens to generate per sequence.")] = 128,
     batch: BatchOption = 1,
     dtype: Annotated[Optional[DType], dtype_option(
         "--dtype", show_default="the checkpoint's (a GGUF's main type, e.g. q4_1), else fp16",

@@ -1,30 +1,12 @@
-"""`llmtrace run --batch-sweep 1,2,4,…`: parse, load, call the sweep engine (llmtrace.tracer.run.batch_sweep) and
+"""`llmtrace run --batch-sweep 1,2,4,…`: load, call the sweep engine (llmtrace.tracer.run.batch_sweep) and
 render its record or write it as JSON (schema: tracer/run/batch_sweep_schema.json)."""
 
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.trace.records import RunSettings
-
-# run options a sweep does not combine with: it times bare greedy batched decode steps
-_EXCLUSIVE = ("--batch", "--dry-run", "--tp", "--lens", "--attention", "--no-kv-cache", "--html", "--chrome-trace",
-              "--summary-json", "--staged")
-
-
-def check_sweep_options(given: dict[str, bool], settings: RunSettings) -> None:
-    """One line naming the first option --batch-sweep cannot take, or sampling it does not do."""
-    for flag in _EXCLUSIVE:
-        if given.get(flag):
-            raise BadArgumentError(f"--batch-sweep times batched decode steps on its own; drop {flag}")
-    if settings.temperature > 0:
-        raise BadArgumentError("--batch-sweep decodes greedily (every batch the same work); drop --temperature")
-    if settings.max_new_tokens < 3:
-        raise BadArgumentError(f"--batch-sweep times --max-new-tokens - 1 decode steps per generation and needs at "
-                               f"least 2; got --max-new-tokens {settings.max_new_tokens}")
 
 
 def sweep_prompt_list(text: str, from_file: bool) -> tuple[str, ...]:
@@ -34,13 +16,13 @@ def sweep_prompt_list(text: str, from_file: bool) -> tuple[str, ...]:
     return tuple(line for line in text.splitlines() if line.strip())
 
 
-def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches_text: str, from_file: bool,
-                        repeat: int, json_path: Path | None, json_stdout: Any, remeasure: bool = False) -> None:
-    """Parse, load the model, sweep (with progress), then render or write the record. `remeasure`: measure the
-    kernel choice again whatever is saved (`--remeasure`)."""
-    from llmtrace.tracer.run.batch_sweep import parse_batches, sweep_prompts
+def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches: tuple[int, ...], from_file: bool,
+                        repeat: int, outputs: Any, remeasure: bool = False) -> None:
+    """Load the model, sweep (with progress), then write the record (cli/run_outputs.py) and render it. `batches`:
+    --batch-sweep parsed (cli/run_args.py checked it and what it combines with); `remeasure`: measure the kernel
+    choice again whatever is saved (`--remeasure`)."""
+    from llmtrace.tracer.run.batch_sweep import sweep_prompts
 
-    batches = parse_batches(batches_text)
     prompts = sweep_prompts(sweep_prompt_list(settings.prompt, from_file), batches, from_file)
 
     from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model, model_name
@@ -78,18 +60,10 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
         result = sweep(loaded, machine.profile, prompts, batches, partial(measure_decode_ceilings, repeats=3),
                        steps=settings.max_new_tokens - 1, repeats=repeat, stored=stored,
                        progress=lambda what_: status.update(f"batch sweep: {what_} …"))
-    if json_path is not None:
-        from llmtrace.cli.json_output import json_text
+    from llmtrace.cli.json_output import json_text
 
-        text = json_text(result, indent=1) + "\n"
-        if str(json_path) == "-":
-            json_stdout.write(text)
-            json_stdout.flush()
-        else:
-            from llmtrace.cli.output_files import write_output
-
-            write_output(json_path, text)
-            console.print(f"[dim]sweep written to {json_path} (JSON; schema tracer/run/batch_sweep_schema.json)[/]")
+    outputs.save_record(json_text(result, indent=1), "sweep", "tracer/run/batch_sweep_schema.json")
+    outputs.say_written(console)
     from llmtrace.cli.render_batch_sweep import render_batch_sweep
 
     render_batch_sweep(console, result)

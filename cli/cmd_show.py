@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import Detail, DetailOption
 
@@ -21,15 +22,15 @@ if TYPE_CHECKING:
     from llmtrace.tracer.trace.run_trace import Trace
 
 
-@app.command("show", epilog="\b\nExample:\n  llmtrace run 今天天气真 --json run.json\n  llmtrace show run.json --detail ops")
+@app.command("show", cls=command_class(), epilog="\b\nExample:\n  llmtrace run 今天天气真 --json-file run.json\n  llmtrace show run.json --detail ops")
 def show(
     path: Annotated[Path, typer.Argument(metavar="TRACE.json", help="A trace written by `llmtrace run --json` "
                                                                     "(.json or .json.gz; '-' reads standard input).")],
     detail: DetailOption = Detail.layers,
     chrome_trace: Annotated[Optional[Path], typer.Option(
-        "--chrome-trace", metavar="PATH", help="Also write it as a Chrome/Perfetto trace.")] = None,
+        "--chrome-trace", metavar="<path>", help="Also write it as a Chrome/Perfetto trace.")] = None,
     html: Annotated[Optional[Path], typer.Option(
-        "--html", metavar="PATH", help="Also write a self-contained HTML report (inline SVG figures; needs the "
+        "--html", metavar="<path>", help="Also write a self-contained HTML report (inline SVG figures; needs the "
                                        "html extra: matplotlib).")] = None,
 ) -> None:
     """Render a saved trace again: the same sections as `llmtrace run`, no model, no torch."""

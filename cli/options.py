@@ -69,7 +69,7 @@ DEFAULT_MODEL = "llama-7b"  # the seed article's model
 
 ModelOption = Annotated[
     str,
-    typer.Option("--model", "-m", metavar="PRESET|PATH",
+    typer.Option("--model", "-m", metavar="<preset|path>",
                  help="A preset (see `llmtrace models`), an HF model folder or config.json, or a .gguf file. "
                       "Only headers are read, never weights."),
 ]

@@ -80,9 +80,9 @@ def render_kernel_choice(console: Console, choice: KernelChoice | None, dtype: s
 
 def render_tokenization(console: Console, record: TokenizationRecord | None, prompt_tokens: int,
                         tokens_given: bool = False) -> None:
-    """`tokens_given`: a dry run's prompt length came from --prompt-tokens, not from the prompt's characters."""
+    """`tokens_given`: a dry run's prompt length came from --prompt-len, not from the prompt's characters."""
     if record is None:
-        why = "as --prompt-tokens says" if tokens_given else "one per character of the prompt; set --prompt-tokens"
+        why = "as --prompt-len says" if tokens_given else "one per character of the prompt; set --prompt-len"
         console.print(section("1 · Tokenization", Text(
             f"no tokenizer in a dry run of a preset: assuming {prompt_tokens} prompt tokens ({why})")))
         return

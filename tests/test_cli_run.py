@@ -140,7 +140,7 @@ def test_dry_run_of_llama_7b() -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["sky", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["sky", "--top-k", "5"], "has no effect when temperature is 0"),
+    (["sky", "--top-k", "5"], "--top-k has no effect when --temperature is 0"),
     (["sky", "--model", "./no/such/folder"], "no such file or folder"),
     (["sky", "--model", "llama-7b"], "has no weights"),
     ([], "no prompt"),
@@ -268,11 +268,11 @@ def test_dry_run_follows_dtype() -> None:
 
 
 def test_dry_run_says_where_its_prompt_length_came_from() -> None:
-    given = _run("--model", "llama-7b", "--dry-run", "--prompt-tokens", "9")
+    given = _run("--model", "llama-7b", "--dry-run", "--prompt-len", "9")
     assert given.exit_code == 0, given.output
-    assert "assuming 9 prompt tokens (as --prompt-tokens says)" in given.output
+    assert "assuming 9 prompt tokens (as --prompt-len says)" in given.output
     counted = _run("x" * 7, "--model", "llama-7b", "--dry-run")
-    assert "assuming 7 prompt tokens (one per character of the prompt; set --prompt-tokens)" in counted.output
+    assert "assuming 7 prompt tokens (one per character of the prompt; set --prompt-len)" in counted.output
 
 
 def test_repeat_reports_medians_and_spreads_over_identical_runs(tiny_llama_dir: Path) -> None:

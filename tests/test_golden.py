@@ -26,7 +26,8 @@ UPDATE = os.environ.get("LLMTRACE_UPDATE_GOLDEN") == "1"
 WIDTHS = (80, 120)
 CASES: dict[str, list[str]] = {
     "flops": ["flops"],
-    "flops-llama3-macs": ["flops", "--model", "llama3-8b", "--prompt-len", "2000", "--new-tokens", "500", "--macs"],
+    "flops-llama3-macs": ["flops", "--model", "llama3-8b", "--prompt-len", "2000", "--max-new-tokens", "500",
+                          "--macs"],
     "kvmem": ["kvmem", "--model", "llama3-8b", "--seq", "2000", "--budget", "24GiB"],
     "models": ["models"],
     "roofline": ["roofline"],
@@ -40,6 +41,7 @@ CASES: dict[str, list[str]] = {
     # sampled with top-k and top-p, with the logit lens and attention (sections 5c and 5d)
     "show-journey": ["show", "tiny_journey_trace.json"],
     "diff": ["diff", "tiny_trace.json", "tiny_journey_trace.json"],
+    "run-help": ["run", "--help"],  # the options in their groups (cli/run_options.py)
 }
 
 

@@ -136,10 +136,10 @@ def test_a_failure_in_the_optional_roofline_keeps_the_run(tiny_llama_dir: Path, 
 
 def test_two_outputs_to_one_path_are_refused_before_the_run(tiny_llama_dir: Path, tmp_path: Path) -> None:
     same = tmp_path / "x.json"
-    result = runner.invoke(app, ["run", "sky", "--model", str(tiny_llama_dir), "--json", str(same),
+    result = runner.invoke(app, ["run", "sky", "--model", str(tiny_llama_dir), "--json-file", str(same),
                                  "--chrome-trace", str(tmp_path / "." / "x.json")])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
-    assert "would overwrite --json too" in result.stderr and "1 · Tokenization" not in result.output
+    assert "would overwrite --json-file too" in result.stderr and "1 · Tokenization" not in result.output
 
 
 def test_show_never_overwrites_the_trace_it_shows(tmp_path: Path) -> None:
@@ -153,7 +153,8 @@ def test_show_never_overwrites_the_trace_it_shows(tmp_path: Path) -> None:
 def test_run_never_overwrites_its_prompt_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("sky")
-    result = runner.invoke(app, ["run", "--file", str(prompt), "--model", str(tiny_llama_dir), "--json", str(prompt)])
+    result = runner.invoke(app, ["run", "--file", str(prompt), "--model", str(tiny_llama_dir), "--json-file",
+                                 str(prompt)])
     assert result.exit_code == 2 and "would overwrite the input it reads" in result.stderr
     assert prompt.read_text() == "sky"
 

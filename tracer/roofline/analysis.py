@@ -416,7 +416,7 @@ def _check_fits(config: ModelConfig, fit: MemoryFit, hardware: HardwareProfile, 
             hints.append("--kernels fused (attention scores never in memory)")
         if fit.max_batch:
             hints.append(f"--batch {fit.max_batch}")
-        hints.append("a shorter --prompt-len/--new-tokens")
+        hints.append("a shorter --prompt-len/--max-new-tokens")
         if dtypes.kv.bits_per_value > 8.5:
             hints.append("--kv-dtype int8")
     per = " per device" if tp > 1 else ""
@@ -495,7 +495,7 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     """
     estimate.check_count("--batch", batch)
     estimate.check_count("--prompt-len", prompt_len)
-    estimate.check_count("--new-tokens", new_tokens)
+    estimate.check_count("--max-new-tokens", new_tokens)
     weights = dtype
     activations = activations_for(weights, hardware)
     # stored: a GGUF's tensors at their own sizes
