@@ -161,11 +161,11 @@ def measure_machine(dtypes: tuple[DType, ...] = (FP32, BF16), device: str = "cpu
     if device == "cuda" and not torch.cuda.is_available():
         raise HardwareError("--device cuda: torch sees no CUDA device here; measure with --device cpu")
     if repeats < 1:
-        raise BadArgumentError(f"repeats must be >= 1, got {repeats}")
+        raise BadArgumentError(f"--repeats must be at least 1, got {repeats}")
     if not dtypes:
-        raise BadArgumentError("give at least one dtype to measure")
+        raise BadArgumentError("--dtypes is empty; give at least one dtype to measure, e.g. fp32,bf16")
     if repeats > MAX_REPEATS:
-        raise BadArgumentError(f"repeats must be at most {MAX_REPEATS} (the fastest of a few runs sets a ceiling), "
+        raise BadArgumentError(f"--repeats must be at most {MAX_REPEATS} (the fastest of a few runs sets a ceiling), "
                                f"got {repeats}")
     max_n = gemm_max_n or (16384 if device == "cuda" else 4096)
     buffer = copy_bytes or (2 * 2**30 if device == "cuda" else 256 * 2**20)
