@@ -110,6 +110,10 @@ def example_commands(text: str) -> list[str]:
     return [m["command"] for m in _BLOCK.finditer(text)]
 
 
+def example_outputs(text: str) -> list[str]:
+    return [m["output"] for m in _BLOCK.finditer(text)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)

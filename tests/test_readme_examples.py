@@ -29,6 +29,17 @@ def test_readme_examples_and_facts_are_current() -> None:
                          "(or .venv/bin/python -m benchmarks.readme_examples --write)")
 
 
+def test_every_example_fits_80_columns() -> None:
+    """README shows each view as a user's 80-column terminal does."""
+    from rich.cells import cell_len
+
+    from benchmarks.readme_examples import EXAMPLE_COLUMNS, example_outputs
+
+    assert EXAMPLE_COLUMNS == 80
+    wide = [line for output in example_outputs(TEXT) for line in output.splitlines() if cell_len(line) > 80]
+    assert wide == [], wide[:3]
+
+
 def test_every_fact_is_used_and_known() -> None:
     used = fact_names(TEXT)
     assert set(used) == set(FACTS), (set(FACTS) - set(used), set(used) - set(FACTS))
