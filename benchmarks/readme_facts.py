@@ -270,6 +270,38 @@ def table_loads() -> str:
     return "\n".join(rows) + "\n"
 
 
+def table_elementwise() -> str:
+    """The elementwise estimate's constants (tracer/analytic/flop_formulas.py), each formula as written here checked
+    against the function that counts it, at sizes where no two terms could stand in for each other."""
+    from llmtrace.tracer.analytic import flop_formulas as f
+
+    rows, d, heads, kv_heads, head_dim, ffn, batch, q, kv = 7, 11, 5, 3, 13, 17, 2, 19, 23
+    k = (f.RMSNORM_FLOPS_PER_ELEMENT, f.RMSNORM_FLOPS_PER_ROW, f.ROPE_FLOPS_PER_ELEMENT,
+         f.SCORE_SCALE_FLOPS_PER_ELEMENT, f.SOFTMAX_FLOPS_PER_ELEMENT, f.SWIGLU_FLOPS_PER_ELEMENT,
+         f.RESIDUAL_FLOPS_PER_ELEMENT)
+    _checked(f.rmsnorm_flops(rows, d) == rows * (k[0] * d + k[1]), "RMSNorm's count")
+    _checked(f.rope_flops(rows, heads, kv_heads, head_dim) == k[2] * rows * (heads + kv_heads) * head_dim, "RoPE's")
+    _checked(f.score_scale_flops(batch, heads, q, kv) == k[3] * batch * heads * q * kv, "the scaling's")
+    _checked(f.softmax_flops(batch, heads, q, kv) == k[4] * batch * heads * q * kv, "softmax's")
+    _checked(f.swiglu_activation_flops(rows, ffn) == k[5] * rows * ffn, "SwiGLU's")
+    _checked(f.residual_flops(rows, d) == k[6] * rows * d, "the residual add's")
+
+    def times(n: int, rest: str) -> str:
+        return rest if n == 1 else f"{n}·{rest}"
+
+    table = [
+        "| stage | FLOPs | per element |",
+        "|---|---|---|",
+        f"| RMSNorm | rows·({k[0]}d + {k[1]}) | square, sum, × rsqrt, × weight; per row: mean, + eps, rsqrt |",
+        f"| RoPE | {times(k[2], 'rows·(H + Hkv)·D')} | x·cos + rotate_half(x)·sin |",
+        f"| score scaling | {times(k[3], 'B·H·T·S')} | ÷ √D (the causal mask is a select: 0) |",
+        f"| softmax | {times(k[4], 'B·H·T·S')} | max, subtract, exp, sum, divide |",
+        f"| SwiGLU activation | {times(k[5], 'rows·F')} | sigmoid (4), × gate, × up |",
+        f"| residual add | {times(k[6], 'rows·d')} | one add |",
+    ]
+    return "\n".join(table) + "\n"
+
+
 # ---- analytical figures --------------------------------------------------------------------------------------------
 
 
@@ -406,6 +438,7 @@ FACTS: dict[str, Callable[[], str]] = {
     "attention.sinks": attention_sinks,
     "attention.focused": attention_focused,
     "table.loads": table_loads,
+    "table.elementwise": table_elementwise,
     # README's answer to "why 150 tokens/s": llama-7b on the A100 80GB, as its roofline example
     "roof.decode_flops": _roof(lambda r: _fmt().flops(r.first_decode.flops)),
     "roof.decode_kv_len": _roof(lambda r: str(r.first_decode.kv_len)),
