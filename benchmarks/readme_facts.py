@@ -67,6 +67,12 @@ def run_kernels() -> str:
     return f"{choice.dtype} dense"
 
 
+def run_recorded_on() -> str:
+    """Where the run was recorded."""
+    env = _run().environment
+    return f"{env.device_name}, {env.threads} threads"
+
+
 def run_chars() -> str:
     return str(len(_run().tokenization.model_text))
 
@@ -418,6 +424,7 @@ SAME_ENVIRONMENT: dict[str, Callable[[str], bool]] = {"table.loads": same_gguf}
 
 FACTS: dict[str, Callable[[], str]] = {
     "run.kernels": run_kernels,
+    "run.recorded_on": run_recorded_on,
     "run.chars": run_chars,
     "run.utf8": run_utf8,
     "run.tokens": run_tokens,
