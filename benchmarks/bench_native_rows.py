@@ -79,9 +79,15 @@ class Build:
         library = folder / f"{label}.so"
         compiler = os.environ.get("CC", "cc").split()
         flags = (*native_kernel.FLAG_SETS[0], *native_kernel.COMMON_FLAGS)
-        # -I: gguf_matmul.c #includes int8_dot.c from the source folder
-        subprocess.run([*compiler, *flags, "-I", str(native_kernel.NATIVE_SOURCES), "-o", str(library), str(path),
-                        *native_kernel.LIBS], check=True)
+        # -I: the source's #includes (kernels.h, or before the units were separate int8_dot.c) from the source folder;
+        # a source that is one unit of several (it includes kernels.h) is linked with the other units, each the
+        # one given beside it, else today's
+        units = [path]
+        if '#include "kernels.h"' in source:
+            units += [folder / other.name if (folder / other.name).is_file() else other
+                      for other in sorted(native_kernel.NATIVE_SOURCES.glob("*.c")) if other.name != "gguf_matmul.c"]
+        subprocess.run([*compiler, *flags, "-I", str(native_kernel.NATIVE_SOURCES), "-o", str(library),
+                        *map(str, units), *native_kernel.LIBS], check=True)
         handle = ctypes.CDLL(str(library))
         self.abi = int(handle.llmt_abi())
         self.describe = handle.llmt_describe

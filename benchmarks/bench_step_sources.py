@@ -6,8 +6,8 @@ streamed from DRAM, not a product in cache.
         "/tmp/variant@Q4_1:i8dot,Q8_0:native" "/work/wt-other|cur@native"
 
 Each variant is `[TREE|]SOURCES@WEIGHTS`: TREE a worktree whose .venv and code run it (default this one), SOURCES
-`cur` (the tree's own tracer/model/native) or a folder holding decode_step.c, gguf_matmul.c, int8_dot.c,
-int8_groups.c and int16_dot.c (where its sources #include them) and top_values.c (built into SOURCES/build), WEIGHTS
+`cur` (the tree's own tracer/model/native) or a folder holding a tree's native sources, every .c and .h (built into
+SOURCES/build), WEIGHTS
 a `--weights` value. Every round runs each variant once, in its own child process:
 benchmarks.bench_native_rows.model_steps (128 `decode_one` steps after a 5-token prompt, 2 threads);
 printed per round and as medians over the rounds of each child's median and 10th-percentile step.

@@ -3,8 +3,8 @@
     .venv/bin/python -m benchmarks.run_with_native_source OLD.c run capital --weights native --no-trace --summary-json
     .venv/bin/python -m benchmarks.run_with_native_source main -m benchmarks.bench_decode_step --child --weights native
 
-SPEC is a git revision, whose tracer/model/native/*.c are taken (its whole source set: decode_step.c and every file
-it #includes), or a file taken as gguf_matmul.c with the other sources beside it (bench_native_rows.baseline_source: an
+SPEC is a git revision, whose tracer/model/native/*.c and *.h are taken (its whole source set: every unit, or before
+the units were separate, decode_step.c and every file it #includes), or a file taken as gguf_matmul.c with the other sources beside it (bench_native_rows.baseline_source: an
 edited copy of a tree's native/ folder); a file of today's set the spec lacks is today's. The sources and their build
 go in a folder of their own ($LLMTRACE_NATIVE_DIR when set, else one in the temporary directory named by the sources'
 hash, reused by later runs), so the current source's build is left alone. native_kernel loads the build only if its
@@ -29,26 +29,31 @@ NATIVE = "tracer/model/native"
 
 
 def tree_sources(spec: str) -> dict[str, str]:
-    """{file name: text} of the C files a build of SPEC is made of: today's set of names and a revision's every
-    tracer/model/native/*.c, each SPEC's text where it has one, else today's."""
+    """{file name: text} of the C files a build of SPEC is made of: a revision's every tracer/model/native/*.c and *.h
+    (a revision's set alone: today's units would not build with an older tree's), else (a file as gguf_matmul.c)
+    today's set, each SPEC's text where it has one, else today's."""
     names = {path.name for path in native_kernel.SOURCES}
     if not Path(spec).is_file():
+        names = set()
         listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", spec, f"{NATIVE}/"],
                                 capture_output=True, text=True)
         if listed.returncode:
             sys.exit(f"no source tree {spec}: {listed.stderr.strip()}")
-        names |= {Path(line).name for line in listed.stdout.splitlines() if line.endswith(".c")}
+        names |= {Path(line).name for line in listed.stdout.splitlines() if line.endswith((".c", ".h"))}
     texts = {name: baseline_source(spec, name) for name in sorted(names)}
     return {name: text if text is not None else (native_kernel.NATIVE_SOURCES / name).read_text()
             for name, text in texts.items()}
 
 
 def use_sources(folder: Path, build: Path) -> None:
-    """native_kernel compiles `folder`'s decode_step.c (which #includes the rest from there), keys the build by every
-    .c file in `folder` and keeps it in `build`: called before anything loads the library."""
+    """native_kernel compiles `folder`'s units, keys the build by every .c and .h file in `folder` and keeps it in
+    `build`: called before anything loads the library. A tree from before the units were separate (decode_step.c
+    #included the rest) compiles decode_step.c alone."""
     os.environ[native_kernel.DIR_ENV] = str(build)
-    native_kernel.SOURCE = folder / native_kernel.SOURCE.name
-    native_kernel.SOURCES = tuple(sorted(folder.glob("*.c")))
+    sources = sorted(folder.glob("*.[ch]"))
+    if not (folder / "kernels.h").exists():  # the unity build: decode_step.c is the one unit (the folder's name
+        sources = [folder / "decode_step.c"]  # is the digest of every file it #includes)
+    native_kernel.SOURCES = tuple(sources)
     native_kernel.reset()
     native_kernel.sources_digest.cache_clear()  # saved kernel choices are keyed by the sources' digest
 

@@ -57,7 +57,8 @@ def test_sdist_and_wheel_carry_the_package_data(dist: dict[str, Path]) -> None:
 
     for file in SCHEMA_FILES.values():  # every --json output's schema
         assert f"tracer/{file}" in in_sdist and f"llmtrace/tracer/{file}" in in_wheel, file
-    for source in ("gguf_matmul.c", "decode_step.c", "int8_dot.c", "top_values.c"):  # the native library's sources
+    # the native library's sources: its units and their headers
+    for source in ("gguf_matmul.c", "decode_step.c", "int8_dot.c", "top_values.c", "blocks.h", "kernels.h"):
         assert f"tracer/model/native/{source}" in in_sdist and f"llmtrace/tracer/model/native/{source}" in in_wheel
     assert not any(n.startswith(("tracer/", "cli/", "tests/")) for n in in_wheel)  # no generic top-level names
     assert "License-Expression: Apache-2.0" in metadata
@@ -89,7 +90,7 @@ def test_wheel_runs_alone_outside_the_checkout(dist: dict[str, Path], tmp_path: 
     # the native kernel compiles from the wheel's own copy of its source, into a folder of its own
     env["LLMTRACE_NATIVE_DIR"] = str(tmp_path / "native")
     built = _check(python, "-c", "from llmtrace.tracer.model import native_kernel as n; print(n.available()); "
-                   "print(n.unavailable_reason()); print(n.SOURCE)", cwd=tmp_path, env=env).splitlines()
+                   "print(n.unavailable_reason()); print(n.SOURCES[0])", cwd=tmp_path, env=env).splitlines()
     assert built[2].startswith(str(purelib)), built
     if built[0] != "True":  # a machine without a C compiler: the one-line reason, not a failure
         assert built[1].startswith("no C compiler"), built

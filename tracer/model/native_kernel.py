@@ -10,13 +10,14 @@ of a BlockMatrix by its activation kind, and the native decode step (native/deco
 tracer/model/native_step.py).
 
 Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it may be
-a command line such as "ccache gcc") compiles native/decode_step.c, which #includes gguf_matmul.c (one unity build, one
-library), with -O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's clang: a trivial probe
-unit, compiled first, says which flags the compiler takes) it is built without -fopenmp and runs on one thread, but an
-error in the kernel's own code fails the build rather than dropping to fewer flags; no torch or Python headers, so it
-takes about a second. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build that way), else the
-cache folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that shapes the binary: both
-sources, the compiler's `--version`, the flags, the CPU (model and flags: -march=native) and the ABI numbers. A build is
+a command line such as "ccache gcc") compiles every native/*.c (separate units sharing native/blocks.h and kernels.h)
+and links them into one library, with -O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's
+clang: a trivial probe unit, compiled first, says which flags the compiler takes) it is built without -fopenmp and runs
+on one thread, but an error in the kernel's own code fails the build rather than dropping to fewer flags; no torch or
+Python headers, so it takes a few seconds. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build
+that way), else the cache folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that
+shapes the binary: every source and header, the compiler's `--version`, the flags, the CPU (model and flags:
+-march=native) and the ABI numbers. A build is
 written under a temporary name and renamed to a name that carries its own SHA-256 (`gguf_matmul-<key>-<sha>.so`); a
 small pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build. A loader hashes the file
 before dlopen-ing it: a damaged or truncated library is never loaded (a bad ELF can crash the process rather than fail)
@@ -53,14 +54,9 @@ from llmtrace.tracer.core.cache_dirs import cache_root
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 
 NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
-# The one file compiled: decode_step.c #includes gguf_matmul.c (a unity build), so both are one library.
-SOURCE = NATIVE_SOURCES / "decode_step.c"
-# everything the binary is made of (gguf_matmul.c #includes int8_dot.c and int16_dot.c, the "i8dot" and "i16dot"
-# kernels, and int8_dot.c int8_groups.c, i8dot's Q4 rows in eights; decode_step.c #includes top_values.c, the
-# sampler's passes): the build key covers each
-SOURCES = (SOURCE, NATIVE_SOURCES / "gguf_matmul.c", NATIVE_SOURCES / "int8_dot.c", NATIVE_SOURCES / "int8_groups.c",
-           NATIVE_SOURCES / "int16_dot.c",
-           NATIVE_SOURCES / "top_values.c")
+# everything the binary is made of (native/kernels.h lists the units): its .c files are compiled and linked into the
+# one library, and the build key covers them and the headers they include
+SOURCES = tuple(sorted(NATIVE_SOURCES.glob("*.[ch]")))
 ABI = 7  # LLMT_ABI in gguf_matmul.c
 STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
 SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: native_top.py)
@@ -296,7 +292,7 @@ def _outcome() -> _Outcome:
     except OSError as exc:
         return _Outcome(None, f"cannot write the compiled kernel to {folder}: {exc.strerror or exc}")
     if flags is None:
-        return _Outcome(None, f"`{' '.join(compiler)}` could not compile {SOURCE.name}: {error}")
+        return _Outcome(None, f"`{' '.join(compiler)}` could not compile the native library: {error}")
     library, why = _load_current(folder, key)
     if library is None:
         return _Outcome(None, f"the compiled kernel does not work: {why}")
@@ -360,12 +356,13 @@ int llmt_probe(void) { return 1; }
 """
 
 
-def _compile(compiler: list[str], flags: tuple[str, ...], source: Path, out: str) -> str:
-    """Compile `source` into the shared library `out`; "" when it compiled, else the compiler's first line that says
-    "error" (gcc and clang end with the source line and a caret under it), or its last line."""
+def _compile(compiler: list[str], flags: tuple[str, ...], units: list[Path], out: str) -> str:
+    """Compile `units` (.c files) and link them into the shared library `out`; "" when it compiled, else the
+    compiler's first line that says "error" (gcc and clang end with the source line and a caret under it), or its
+    last line."""
     try:
-        done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", out, str(source), *LIBS], capture_output=True,
-                              text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", out, *map(str, units), *LIBS],
+                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         return str(exc) or type(exc).__name__
     if done.returncode == 0:
@@ -384,7 +381,7 @@ def _flags_taken(compiler: list[str], folder: Path) -> tuple[tuple[str, ...] | N
         probe = Path(tmp) / "probe.c"
         probe.write_text(_PROBE, encoding="ascii")
         for flags in FLAG_SETS:
-            error = _compile(compiler, flags, probe, str(Path(tmp) / "probe.so"))
+            error = _compile(compiler, flags, [probe], str(Path(tmp) / "probe.so"))
             if not error:
                 return flags, ""
     return None, error
@@ -399,7 +396,7 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".gguf_matmul-{key}.", suffix=".so.partial")
     os.close(fd)
     try:
-        error = _compile(compiler, flags, SOURCE, tmp)
+        error = _compile(compiler, flags, [path for path in SOURCES if path.suffix == ".c"], tmp)
         if error:
             return None, f"{error} (flags {' '.join(flags)})"
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()

@@ -1,12 +1,11 @@
 /* llmtrace's native decode step: one token of one sequence through every layer, the final norm and the LM head,
  * in one call and one OpenMP parallel region.
  *
- * Unity build: this file #includes gguf_matmul.c, so the one library native_kernel.py compiles holds both, and the
- * step reuses that file's row kernels as they are (prepare_x, x_order, dot_rows, int8_dot.c's quantize_x and
- * i8_dot_rows for the i8dot parts, int16_dot.c's quantize_x16 and i16_dot_rows for the i16dot ones, the Matrix
- * description and
- * `share`'s byte-balanced split of a matrix's rows between threads). Compiled with the same flags
- * (-O3 -march=native -fopenmp -ffp-contract=off) and linked with -lm.
+ * One unit of the native library (kernels.h): the step reuses the products' row kernels as they are (gguf_matmul.c's
+ * prepare_x, x_order, dot_rows, int8_dot.c's quantize_x and i8_dot_rows for the i8dot parts, int16_dot.c's
+ * quantize_x16 and i16_dot_rows for the i16dot ones, the Matrix description and a byte-balanced split of a matrix's
+ * rows between threads as llmt_matmul's). Compiled with the same flags (-O3 -march=native -fopenmp
+ * -ffp-contract=off) and linked with -lm.
  *
  * Why: a decode step of a small model on a CPU is ~120 weight-streaming products and ~1,000 small tensor ops. Called
  * one by one from Python each product costs a ctypes call, an output allocation and a wake-up of the other OpenMP
@@ -45,15 +44,15 @@
  * (contract.staged_stages, the stage modules of tracer/model/transformer.py) run apart, each its own phase ended by a
  * barrier and thread 0's stamp: per layer attention norm, Q, K, V (three products, each over its own row block of
  * the packed Q|K|V matrix), RoPE, KV write, scores, softmax, values, wo, residual, FFN norm, gate, up (each over
- * its rows of gate|up), silu*up, w2, residual; the final norm ends at a barrier too. Every row of every product is
- * the same dot_rows call on the same prepared input as in the fused order, and every other stage the same code, so
- * the logits and the KV cache are bit for bit the fused step's; only the waits between stages are added.
+ * its rows of gate|up), silu*up, w2, residual; the final norm ends at a barrier too. It is the same loop as the
+ * fused order's (llmt_decode_step's one layer loop): a staged step only cuts the two packed products at their row
+ * blocks and waits at every stage's end (end_stage). Every row of every product is the same dot_rows call on the same
+ * prepared input either way, and every other stage the same code, so the logits and the KV cache are bit for bit the
+ * fused step's.
  */
 
-#include "gguf_matmul.c"
-#include "top_values.c" /* the sampler's selection (native_top.py) */
+#include "kernels.h"
 
-#include <math.h>
 #include <time.h>
 
 #define LLMT_STEP_ABI 4 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
@@ -150,26 +149,26 @@ static inline int64_t now_ns(void) {
 
 /* ---- the stages' pieces ------------------------------------------------------------------------------------ */
 
-#define STAMP()                                                                                                      \
-    do {                                                                                                             \
-        if (stamps != NULL) stamps[n_stamps++] = now_ns();                                                           \
-    } while (0)
-
 static inline void barrier(void) {
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
 }
 
-/* the end of a stage: every thread done with it, then thread t == 0's clock reading at stamps[(*n_stamps)++] when
-   the step is traced (stamps not NULL) */
-static inline void end_stage(int t, int64_t *stamps, int64_t *n_stamps) {
-    barrier();
-    if (t == 0 && stamps != NULL) stamps[(*n_stamps)++] = now_ns();
-}
+/* Where a stage ends, traced or not, fused or staged. A stage's stamp is thread 0's clock reading at
+   stamps[(*n_stamps)++] (when the step is traced: stamps not NULL). `wait`: every thread must be done with it before
+   anyone goes on (a product, whose rows each thread writes), so a barrier comes first; a stage thread 0 runs alone
+   or every thread runs whole (a norm, RoPE, a residual) ends without one, except in a staged step, whose every
+   stage ends at a barrier. */
+typedef struct {
+    int t, staged;
+    int64_t *stamps, n_stamps;
+} Stages;
 
-/* end_stage with the step's own `t`, `stamps` and `n_stamps` */
-#define END_STAGE() end_stage(t, stamps, &n_stamps)
+static inline void end_stage(Stages *s, int wait) {
+    if (wait || s->staged) barrier();
+    if (s->t == 0 && s->stamps != NULL) s->stamps[s->n_stamps++] = now_ns();
+}
 
 /* out = x / sqrt(mean(x^2) + eps) * w, the mean's root as hypot(||x||, sqrt(dim*eps)) / sqrt(dim) (functional.py);
    the squares summed in 16 fp32 lanes, as torch's vectorised norm does (n is a multiple of 32 here) */
@@ -293,11 +292,6 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
             for (int64_t r = first[p]; r < last[p]; r++) o[r] += b[r];
         }
     }
-}
-
-/* This thread's rows of the whole of `mat` times x */
-static void product(const Matrix *mat, const float *x, float *xs, const float *bias, float *out, int t, int count) {
-    product_rows(mat, x, xs, bias, out, 0, mat->total_rows, t, count);
 }
 
 /* RoPE on `heads` heads of D values in place: x*cos + roll(x, D/2)*sin (sin signed), as rope.py's tables mean it */
@@ -543,19 +537,17 @@ static void balanced_values(const StepPlan *p, const float *scores, const float 
     }
 }
 
-/* The attention's three stages, the same code in the fused and the staged order: scores, softmax (thread t's
-   share of the heads), values, each ended by end_stage. */
+/* The attention's three stages: scores, softmax (thread t's share of the heads), values, each ended at a barrier. */
 static void attend(const StepPlan *p, const float *qkv, const float *keys, const float *values, int64_t first,
-                   int64_t seen, float *scores, float *pieces, float *attended, int t, int count, int64_t *stamps,
-                   int64_t *n_stamps) {
+                   int64_t seen, float *scores, float *pieces, float *attended, int t, int count, Stages *stages) {
     int64_t head_first, head_last;
     split(p->heads, t, count, &head_first, &head_last);
     balanced_scores(p, qkv, keys, first, seen, scores, t, count);
-    end_stage(t, stamps, n_stamps);
+    end_stage(stages, 1);
     attention_softmax(p, scores, seen, head_first, head_last);
-    end_stage(t, stamps, n_stamps);
+    end_stage(stages, 1);
     balanced_values(p, scores, values, first, seen, pieces, attended, t, count);
-    end_stage(t, stamps, n_stamps);
+    end_stage(stages, 1);
 }
 
 /* ---- the step ---------------------------------------------------------------------------------------------- */
@@ -571,8 +563,7 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
     for (int p = 0; p < m->parts; p++) {
         const int64_t row = token - m->column[p];
         if (row >= 0 && row < m->rows[p]) {
-            dequantize_row(m->types[p], m->w[p] + row * m->strides[p], m->k / m->block_values[p],
-                           m->block_values[p], m->block_bytes[p], x);
+            dequantize_row(m->types[p], m->w[p] + row * m->strides[p], m->k / m->block_values[p], x);
             return;
         }
     }
@@ -616,82 +607,50 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
         float *h = x + dim;                       /* (dim,) a norm's output */
         float *act = h + dim;                     /* (F,) silu(gate) * up */
         float *xs = act + ffn;                    /* the prepared activation row */
-        int64_t n_stamps = 2;                     /* thread 0's, after the start and the embedding */
         memcpy(x, embedding, sizeof(float) * (size_t)dim);
+        Stages stages = {t, staged, stamps, 2}; /* thread 0's stamps: after the start and the embedding */
+        /* a staged step's packed products over their row blocks apart (Q, K, V; gate, up), a fused step's whole */
+        int64_t qkv_cut[4] = {0, q_rows, q_rows + kv_rows, q_rows + 2 * kv_rows}, ffn_cut[3] = {0, ffn, 2 * ffn};
+        const int qkv_blocks = staged ? 3 : 1, ffn_blocks = staged ? 2 : 1;
+        qkv_cut[qkv_blocks] = qkv_cut[3];
+        ffn_cut[ffn_blocks] = ffn_cut[2];
         for (int64_t l = 0; l < plan->layers; l++) {
             const StepLayer *layer = plan->layer + l;
             float *keys = plan->kv + l * plan->kv_layer;       /* K head g at keys + g*kv_head */
             float *values = keys + kv_heads * plan->kv_head; /* V head g at values + g*kv_head */
-            if (staged) { /* contract.staged_stages' 17 layer stages, each ended by a barrier and thread 0's stamp */
-                rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
-                END_STAGE();
-                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, 0, q_rows, t, count); /* Q's rows */
-                END_STAGE();
-                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, q_rows, q_rows + kv_rows, t, count); /* K's */
-                END_STAGE();
-                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, q_rows + kv_rows, q_rows + 2 * kv_rows, t,
-                             count); /* V's */
-                END_STAGE();
-                if (t == 0) rope(qkv, heads + kv_heads, d, cos, sin);
-                END_STAGE();
-                if (t == 0) write_kv(plan, qkv, keys, position);
-                END_STAGE();
-                attend(plan, qkv, keys, values, first, seen, scores, pieces, attended, t, count, stamps, &n_stamps);
-                product(layer->wo, attended, xs, layer->bo, branch, t, count);
-                END_STAGE();
-                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-                END_STAGE();
-                rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
-                END_STAGE();
-                product_rows(layer->w13, h, xs, layer->b13, gate_up, 0, ffn, t, count); /* gate's rows */
-                END_STAGE();
-                product_rows(layer->w13, h, xs, layer->b13, gate_up, ffn, 2 * ffn, t, count); /* up's rows */
-                END_STAGE();
-                swiglu(gate_up, gate_up + ffn, ffn, act);
-                END_STAGE();
-                product(layer->w2, act, xs, layer->b2, branch, t, count);
-                END_STAGE();
-                for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-                END_STAGE();
-                continue;
-            }
             rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
-            if (t == 0) STAMP();
-            product(layer->wqkv, h, xs, layer->bqkv, qkv, t, count);
-            barrier();
-            if (t == 0) {
-                STAMP();
-                rope(qkv, heads + kv_heads, d, cos, sin);
-                STAMP();
-                write_kv(plan, qkv, keys, position);
-                STAMP();
+            end_stage(&stages, 0);
+            for (int b = 0; b < qkv_blocks; b++) {
+                product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, qkv_cut[b], qkv_cut[b + 1], t, count);
+                end_stage(&stages, 1);
             }
-            barrier();
-            attend(plan, qkv, keys, values, first, seen, scores, pieces, attended, t, count, stamps, &n_stamps);
-            product(layer->wo, attended, xs, layer->bo, branch, t, count);
-            barrier();
-            if (t == 0) STAMP();
+            if (t == 0) rope(qkv, heads + kv_heads, d, cos, sin);
+            end_stage(&stages, 0);
+            if (t == 0) write_kv(plan, qkv, keys, position);
+            end_stage(&stages, 0);
+            if (!staged) barrier(); /* the scores read the cache row thread 0 wrote */
+            attend(plan, qkv, keys, values, first, seen, scores, pieces, attended, t, count, &stages);
+            product_rows(layer->wo, attended, xs, layer->bo, branch, 0, layer->wo->total_rows, t, count);
+            end_stage(&stages, 1);
             for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-            if (t == 0) STAMP();
+            end_stage(&stages, 0);
             rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
-            if (t == 0) STAMP();
-            product(layer->w13, h, xs, layer->b13, gate_up, t, count);
-            barrier();
-            if (t == 0) STAMP();
+            end_stage(&stages, 0);
+            for (int b = 0; b < ffn_blocks; b++) {
+                product_rows(layer->w13, h, xs, layer->b13, gate_up, ffn_cut[b], ffn_cut[b + 1], t, count);
+                end_stage(&stages, 1);
+            }
             swiglu(gate_up, gate_up + ffn, ffn, act); /* every thread all of it: w2's rows each need all of act */
-            if (t == 0) STAMP();
-            product(layer->w2, act, xs, layer->b2, branch, t, count);
-            barrier();
-            if (t == 0) STAMP();
+            end_stage(&stages, 0);
+            product_rows(layer->w2, act, xs, layer->b2, branch, 0, layer->w2->total_rows, t, count);
+            end_stage(&stages, 1);
             for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-            if (t == 0) STAMP();
+            end_stage(&stages, 0);
         }
         rms_norm(x, plan->final_norm, dim, plan->norm_floor, h);
-        if (staged) barrier();
-        if (t == 0) STAMP();
-        product(plan->head, h, xs, plan->head_bias, logits, t, count);
-        barrier();
-        if (t == 0) STAMP();
+        end_stage(&stages, 0);
+        product_rows(plan->head, h, xs, plan->head_bias, logits, 0, plan->head->total_rows, t, count);
+        end_stage(&stages, 1);
     }
     return STEP_OK;
 }

@@ -1,6 +1,6 @@
 /* llmtrace's "i8dot" stored kernel: y = x @ W.T with W in a GGUF's own blocks and x rounded to 8-bit integers.
  *
- * #included by gguf_matmul.c (one unity build; it uses that file's block helpers) and called from its entry points
+ * One unit of the native library (kernels.h), called from gguf_matmul.c's entry points and decode_step.c's products
  * for the parts of a Matrix described with int8 activations.
  *
  * Why: the exact kernel widens every 4-bit value to fp32 and multiplies it with an fp32 activation: about 8 cycles
@@ -25,45 +25,17 @@
  * choice's accuracy probe measures it on the model's own matrices (tracer/hardware/kernel_choice.py).
  * A block of x holding a NaN or an infinity gets d = s = NaN, so the outputs it touches are NaN, never silently
  * finite. One activation row: each row of W read once; several rows: each row of W, while in L1, times every
- * quantized activation row. The portable C path computes the same sums without AVX2.
+ * quantized activation row.
+ * The scalar reference (i8_row_reference, what a build without AVX2 runs) computes the same integer sums, exact, and
+ * adds the same fp32 terms (a*d) * sum(c*q) and b * s in another order, so a vector kernel agrees with it within fp32
+ * summation error of those terms (the test's bound); quantize_x gives quantize_x_reference's codes bit for bit (the
+ * same fp32 product, the same rounding to nearest even).
  */
 
-/* One 32-value block of the quantized activations: scale, scale * sum of codes, codes. */
-typedef struct {
-    float d, s;
-    int8_t q[32];
-} XBlock;
+#include "kernels.h"
 
-/* max |v[i]| over 32 values, and in *finite whether all 32 are finite (0: a NaN or an infinity among them); the
-   int16 activations (int16_dot.c) share it */
-static inline float block_amax(const float *v, int *finite) {
-#if LLMT_AVX2
-    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
-    __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i));
-        top = _mm256_max_ps(top, a);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* NaN or infinite */
-    }
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    *finite = _mm256_movemask_ps(bad) == 0;
-    return _mm_cvtss_f32(t);
-#else
-    float amax = 0.0f;
-    *finite = 1;
-    for (int i = 0; i < 32; i++) {
-        const float a = fabsf(v[i]);
-        if (!(a < INFINITY)) *finite = 0;
-        amax = a > amax ? a : amax;
-    }
-    return amax;
-#endif
-}
-
-/* x (k values, k a multiple of 32) -> k / 32 blocks */
-static void quantize_x(const float *x, int64_t k, XBlock *out) {
+/* x (k values, k a multiple of 32) -> k / 32 blocks, in scalar C */
+void quantize_x_reference(const float *x, int64_t k, XBlock *out) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float *v = x + 32 * b;
         XBlock *o = out + b;
@@ -75,17 +47,33 @@ static void quantize_x(const float *x, int64_t k, XBlock *out) {
             continue;
         }
         const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        const int tiny = !(id < INFINITY); /* max|x| below 127 / FLT_MAX: 127 * v / max|x| <= 127 exactly in double */
         int sum = 0;
-        if (!(id < INFINITY)) { /* max|x| below 127 / FLT_MAX: 127 * v / max|x| <= 127 exactly in double */
-            for (int i = 0; i < 32; i++) {
-                o->q[i] = (int8_t)nearbyint((double)v[i] * 127.0 / (double)amax);
-                sum += o->q[i];
-            }
-            o->d = d;
-            o->s = d * (float)sum;
+        for (int i = 0; i < 32; i++) {
+            /* the default rounding mode: nearest, ties to even */
+            const int q = tiny ? (int)nearbyint((double)v[i] * 127.0 / (double)amax) : (int)nearbyintf(v[i] * id);
+            o->q[i] = (int8_t)q;
+            sum += q;
+        }
+        o->d = d;
+        o->s = d * (float)sum;
+    }
+}
+
+/* the same, eight values at a time (a block holding a NaN or an infinity, or so small that 127 / max|x|
+   overflows, goes to the reference) */
+void quantize_x(const float *x, int64_t k, XBlock *out) {
+#if LLMT_AVX2
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *v = x + 32 * b;
+        XBlock *o = out + b;
+        int finite;
+        const float amax = block_amax(v, &finite);
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        if (!finite || !(id < INFINITY)) {
+            quantize_x_reference(v, 32, o);
             continue;
         }
-#if LLMT_AVX2
         const __m256 scale = _mm256_set1_ps(id);
         /* nearest, ties to even (default MXCSR) */
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), scale));
@@ -93,102 +81,32 @@ static void quantize_x(const float *x, int64_t k, XBlock *out) {
         __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), scale));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), scale));
         const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        sum = hsum_i32(total);
+        const int sum = hsum_i32(total);
         /* packs interleave the 128-bit lanes: values 0-3 16-19 4-7 20-23 ... put back in order by the permute */
         i0 = _mm256_packs_epi32(i0, i1);
         i2 = _mm256_packs_epi32(i2, i3);
         i0 = _mm256_packs_epi16(i0, i2);
         i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)o->q, i0);
-#else
-        for (int i = 0; i < 32; i++) {
-            const int q = (int)nearbyintf(v[i] * id); /* the default rounding mode: nearest, ties to even */
-            o->q[i] = (int8_t)q;
-            sum += q;
-        }
-#endif
         o->d = d;
         o->s = d * (float)sum;
     }
+#else
+    quantize_x_reference(x, k, out);
+#endif
 }
 
-/* ---- portable C (builds without AVX2): a block's codes and scales, then integer sums ------------------------ */
+/* ---- the scalar reference: a block's codes and scales (block_codes), then integer sums ------------------ */
 
-#if !LLMT_AVX2
-
-/* Sub-block `sub` (32 values) of the block at b: codes c, the scales a0 (values 0-15) and a1 (16-31), offset off */
-static void block_codes(int type, const uint8_t *b, int sub, int c[32], float *a0, float *a1, float *off) {
-    switch (type) {
-    case Q4_0:
-    case Q4_1: {
-        const int has_min = type == Q4_1;
-        const float d = half_to_float(b);
-        const uint8_t *qs = b + 2 + 2 * has_min;
-        for (int j = 0; j < 16; j++) {
-            c[j] = qs[j] & 0x0F;
-            c[j + 16] = qs[j] >> 4;
-        }
-        *a0 = *a1 = d;
-        *off = has_min ? half_to_float(b + 2) : -8.0f * d;
-        return;
-    }
-    case Q5_0:
-    case Q5_1: {
-        const int has_min = type == Q5_1;
-        const float d = half_to_float(b);
-        const uint32_t qh = read_u32(b + 2 + 2 * has_min);
-        const uint8_t *qs = b + 6 + 2 * has_min;
-        for (int j = 0; j < 16; j++) {
-            c[j] = (qs[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
-            c[j + 16] = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
-        }
-        *a0 = *a1 = d;
-        *off = has_min ? half_to_float(b + 2) : -16.0f * d;
-        return;
-    }
-    case Q8_0: {
-        for (int j = 0; j < 32; j++) c[j] = (int8_t)b[2 + j];
-        *a0 = *a1 = half_to_float(b);
-        *off = 0.0f;
-        return;
-    }
-    case Q4_K:
-    case Q5_K: {
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
-        uint8_t sc, m;
-        scale_min_k4(b + 4, sub, &sc, &m);
-        const uint8_t *qs = (type == Q4_K ? b + 16 : b + 48) + 32 * (sub / 2);
-        for (int l = 0; l < 32; l++) {
-            c[l] = (qs[l] >> (4 * (sub & 1))) & 0x0F;
-            if (type == Q5_K) c[l] |= ((b[16 + l] >> sub) & 1) << 4;
-        }
-        *a0 = *a1 = d * (float)sc;
-        *off = -(dmin * (float)m);
-        return;
-    }
-    case Q6_K: {
-        const float d = half_to_float(b + 208);
-        const int half = sub / 4, chunk = sub % 4;
-        const uint8_t *ql = b + 64 * half + (chunk & 1) * 32, *qh = b + 128 + 32 * half;
-        const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * chunk;
-        for (int l = 0; l < 32; l++) {
-            const int low = chunk < 2 ? ql[l] & 0x0F : ql[l] >> 4;
-            c[l] = (low | (((qh[l] >> (2 * chunk)) & 3) << 4)) - 32;
-        }
-        *a0 = d * (float)sc[0];
-        *a1 = d * (float)sc[1];
-        *off = 0.0f;
-        return;
-    }
-    default:
-        return;
-    }
-}
-
-static float i8_row_portable(int type, const uint8_t *row, int64_t n_blocks, int64_t block_values, int64_t block_bytes,
-                             const XBlock *x) {
+/* one row of W (n_blocks blocks of `type`) times one quantized activation row. *magnitude: the sum of the sizes of
+   the fp32 terms added, |(a*d) * sum(c*q)| at its finest (per value) and |b * s|, the scale of the bound a vector
+   kernel is held to. */
+float i8_row_reference(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x, double *magnitude) {
+    int64_t block_values = 32, block_bytes = 0;
+    block_shape(type, &block_values, &block_bytes);
     const int subs = (int)(block_values / 32);
     float acc = 0.0f;
+    double size = 0.0;
     for (int64_t b = 0; b < n_blocks; b++) {
         for (int s = 0; s < subs; s++) {
             int c[32] = {0};
@@ -199,11 +117,13 @@ static float i8_row_portable(int type, const uint8_t *row, int64_t n_blocks, int
             for (int l = 0; l < 16; l++) lo += c[l] * xb->q[l];
             for (int l = 16; l < 32; l++) hi += c[l] * xb->q[l];
             acc += (a0 * xb->d) * (float)lo + (a1 * xb->d) * (float)hi + off * xb->s;
+            for (int l = 0; l < 32; l++) size += fabs((double)(l < 16 ? a0 : a1) * xb->d) * abs(c[l] * xb->q[l]);
+            size += fabs((double)off * xb->s);
         }
     }
+    if (magnitude != NULL) *magnitude = size;
     return acc;
 }
-#endif /* !LLMT_AVX2 */
 
 /* ---- AVX2 --------------------------------------------------------------------------------------------------- */
 
@@ -236,46 +156,47 @@ static inline __m256i fifth_bits32(uint32_t bits) {
 
 static inline __m256i xcodes(const XBlock *x) { return _mm256_loadu_si256((const __m256i *)x->q); }
 
-/* one block of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0: (d_w * d_x) * sum(c*q) into acc, offset * s_x into off */
-static inline __attribute__((always_inline)) void i8_q32_block(int type, const uint8_t *blk, const XBlock *x, __m256 *acc, __m128 *off) {
-    const __m128 dm = _mm_cvtph_ps(load_u32(blk)); /* d, and m for Q4_1/Q5_1 (Q4_0's next bytes: unused) */
-    __m256 p;
-    __m128 offset; /* lane 0: the block's offset b (w = d*c + b) */
+static inline __attribute__((always_inline)) int64_t q32_bytes(int type) {
     switch (type) {
-    case Q4_0:
-        p = dot_us(nibble_bytes(blk + 2), xcodes(x));
-        offset = _mm_mul_ss(dm, _mm_set_ss(-8.0f));
-        break;
-    case Q4_1:
-        p = dot_us(nibble_bytes(blk + 4), xcodes(x));
-        offset = _mm_movehdup_ps(dm);
-        break;
-    case Q5_0:
-        p = dot_us(_mm256_or_si256(nibble_bytes(blk + 6), fifth_bits32(read_u32(blk + 2))), xcodes(x));
-        offset = _mm_mul_ss(dm, _mm_set_ss(-16.0f));
-        break;
-    case Q5_1:
-        p = dot_us(_mm256_or_si256(nibble_bytes(blk + 8), fifth_bits32(read_u32(blk + 4))), xcodes(x));
-        offset = _mm_movehdup_ps(dm);
-        break;
-    default: /* Q8_0 */
-        p = dot_ss(_mm256_loadu_si256((const __m256i *)(blk + 2)), xcodes(x));
-        offset = _mm_setzero_ps();
-        break;
+    case Q4_1: return sizeof(block_q4_1);
+    case Q5_0: return sizeof(block_q5_0);
+    case Q5_1: return sizeof(block_q5_1);
+    case Q8_0: return sizeof(block_q8_0);
+    default: return sizeof(block_q4_0);
     }
+}
+
+/* one block of Q4_0..Q8_0 (at blk, of `type`) as codes (32 bytes: unsigned, or signed for Q8_0), d_w and the
+   offset b (lane 0 each; w = d*c + b) */
+static inline __attribute__((always_inline)) __m256i q32_codes(int type, const void *blk, __m128 *d, __m128 *off) {
+    const __m128 dm = halves2(blk); /* d, and m for Q4_1/Q5_1 (the next bytes otherwise: unused) */
+    *d = dm;
+    switch (type) {
+    case Q4_0: *off = _mm_mul_ss(dm, _mm_set_ss(-8.0f)); return nibble_bytes(((const block_q4_0 *)blk)->qs);
+    case Q4_1: *off = _mm_movehdup_ps(dm); return nibble_bytes(((const block_q4_1 *)blk)->qs);
+    case Q5_0: {
+        const block_q5_0 *b = blk;
+        *off = _mm_mul_ss(dm, _mm_set_ss(-16.0f));
+        return _mm256_or_si256(nibble_bytes(b->qs), fifth_bits32(read_u32(b->qh)));
+    }
+    case Q5_1: {
+        const block_q5_1 *b = blk;
+        *off = _mm_movehdup_ps(dm);
+        return _mm256_or_si256(nibble_bytes(b->qs), fifth_bits32(read_u32(b->qh)));
+    }
+    default: *off = _mm_setzero_ps(); return _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)blk)->qs);
+    }
+}
+
+/* one block of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0: (d_w * d_x) * sum(c*q) into acc, offset * s_x into off */
+static inline __attribute__((always_inline)) void i8_q32_block(int type, const void *blk, const XBlock *x,
+                                                               __m256 *acc, __m128 *off) {
+    __m128 dm, offset;
+    const __m256i c = q32_codes(type, blk, &dm, &offset);
+    const __m256 p = type == Q8_0 ? dot_ss(c, xcodes(x)) : dot_us(c, xcodes(x));
     const __m128 ds = _mm_load_ss(&x->d), ss = _mm_load_ss(&x->s);
     *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_mul_ss(dm, ds)), p, *acc);
     if (type != Q8_0) *off = _mm_fmadd_ss(offset, ss, *off);
-}
-
-static inline __attribute__((always_inline)) int64_t q32_bytes(int type) {
-    switch (type) {
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    default: return 18;
-    }
 }
 
 /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one scale (and offset) per 32 values; one row of W. Its even and odd blocks go to
@@ -297,23 +218,6 @@ static inline __attribute__((always_inline)) float i8_q32_row(int type, const ui
     }
     if (b < n_blocks) i8_q32_block(type, row + b * bytes, x + b, &acc0, &off0);
     return hsum(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(off0, off1));
-}
-
-/* one block of Q4_0..Q8_0 as codes (32 bytes: unsigned, or signed for Q8_0), d_w and the offset b (lane 0 each) */
-static inline __attribute__((always_inline)) __m256i q32_codes(int type, const uint8_t *blk, __m128 *d, __m128 *off) {
-    const __m128 dm = _mm_cvtph_ps(load_u32(blk));
-    *d = dm;
-    switch (type) {
-    case Q4_0: *off = _mm_mul_ss(dm, _mm_set_ss(-8.0f)); return nibble_bytes(blk + 2);
-    case Q4_1: *off = _mm_movehdup_ps(dm); return nibble_bytes(blk + 4);
-    case Q5_0:
-        *off = _mm_mul_ss(dm, _mm_set_ss(-16.0f));
-        return _mm256_or_si256(nibble_bytes(blk + 6), fifth_bits32(read_u32(blk + 2)));
-    case Q5_1:
-        *off = _mm_movehdup_ps(dm);
-        return _mm256_or_si256(nibble_bytes(blk + 8), fifth_bits32(read_u32(blk + 4)));
-    default: *off = _mm_setzero_ps(); return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    }
 }
 
 /* Several activation rows (prefill): a tile of 2 rows of W times 4 quantized rows of x, so each block's codes are
@@ -384,27 +288,68 @@ static int i8_q32_many_x(int type, const uint8_t *w, int64_t stride, int64_t fir
     return 1;
 }
 
-/* one Q4_0/Q4_1 row with i8_q4_group's per-row float math (int8_groups.c: a row outside a whole group of eight) */
+/* one Q4_0/Q4_1 row with i8_q4_group's per-row float math (a row outside a whole group of eight) */
 static inline __attribute__((always_inline)) float i8_q4_row(int type, const uint8_t *row, int64_t n_blocks,
                                                              const XBlock *x) {
-    const int64_t bytes = q32_bytes(type), codes = type == Q4_1 ? 4 : 2;
     float acc = 0.0f, off = 0.0f;
     for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = row + b * bytes;
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibble_bytes(blk + codes), xcodes(x + b)),
-                                            _mm256_set1_epi16(1));
-        const float d = half_to_float(blk);
+        const block_q4_0 *b0 = (const block_q4_0 *)row + b;
+        const block_q4_1 *b1 = (const block_q4_1 *)row + b;
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(nibble_bytes(type == Q4_1 ? b1->qs : b0->qs), xcodes(x + b)), _mm256_set1_epi16(1));
+        const float d = half_to_float(type == Q4_1 ? b1->d : b0->d);
         acc = fmaf(d * x[b].d, (float)hsum_i32(p), acc);
-        off = fmaf(type == Q4_1 ? half_to_float(blk + 2) : d * -8.0f, x[b].s, off);
+        off = fmaf(type == Q4_1 ? half_to_float(b1->m) : d * -8.0f, x[b].s, off);
     }
     return acc + off;
 }
 
-#endif /* LLMT_AVX2 */
+/* ---- Q4_0/Q4_1 rows interleaved in groups of eight (int8_groups.c: the layout and why) ---------------------- */
 
-#include "int8_groups.c" /* Q4_0/Q4_1 rows interleaved in eights: their decode kernel and its entry points */
+/* one group of eight rows (its interleaved blocks at g) times one activation row, into out[0..8) */
+static inline __attribute__((always_inline)) void i8_q4_group(int type, const uint8_t *g, int64_t n_blocks,
+                                                              const XBlock *x, float *out) {
+    /* a group's block: the eight rows' d (and m), then 4 x 32 code bytes */
+    const int64_t bytes = 8 * q32_bytes(type), codes = type == Q4_1 ? 32 : 16;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps(), off = acc;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = g + b * bytes;
+        _mm_prefetch((const char *)blk + I8_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + I8_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + I8_AHEAD + 128, _MM_HINT_T0);
+        /* each int16 at most 2 * 15 * 127 per maddubs, eight added 30480: no saturation */
+        __m256i sum = _mm256_setzero_si256();
+        for (int v = 0; v < 4; v++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + codes + 32 * v));
+            const __m256i xl = _mm256_set1_epi32((int)read_u32((const uint8_t *)x[b].q + 4 * v));
+            const __m256i xh = _mm256_set1_epi32((int)read_u32((const uint8_t *)x[b].q + 16 + 4 * v));
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(c, low4), xl));
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4), xh));
+        }
+        const __m256i total = _mm256_madd_epi16(sum, ones);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), _mm256_cvtepi32_ps(total), acc);
+        const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        off = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[b].s), off);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
+}
 
-#if LLMT_AVX2
+/* rows first..last of a Q4_0/Q4_1 part times one activation row: the whole groups inside the range from the
+   interleaved copy (when there is one), the rows before the first and after the last whole group one by one */
+static inline __attribute__((always_inline)) void i8_q4_rows(int type, const uint8_t *w, int64_t stride,
+                                                             const uint8_t *groups, int64_t first, int64_t last,
+                                                             int64_t n_blocks, const XBlock *x, float *out) {
+    int64_t r = first;
+    if (groups != NULL) {
+        const int64_t row_bytes = n_blocks * q32_bytes(type);
+        for (; r < last && r % 8; r++) out[r] = i8_q4_row(type, w + r * stride, n_blocks, x);
+        for (; r + 8 <= last; r += 8) i8_q4_group(type, groups + r * row_bytes, n_blocks, x, out + r);
+    }
+    for (; r < last; r++) out[r] = i8_q4_row(type, w + r * stride, n_blocks, x);
+}
 
 /* rows first..last of a Q5_0/Q5_1/Q8_0 matrix times one activation row */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
@@ -452,7 +397,7 @@ static inline __attribute__((always_inline)) __m256i k5_bit(__m256i qh, int j) {
    scales; the prefetch runs I8_AHEAD ahead along the rows' run of memory (as i8_q4_group). */
 static inline __attribute__((always_inline)) void i8_k45_rows(int type, int rows, const uint8_t *w, int64_t stride,
                                                               int64_t n_blocks, const XBlock *x, float *out) {
-    const int64_t bytes = type == Q4_K ? 144 : 176;
+    const int64_t bytes = type == Q4_K ? sizeof(block_q4_K) : sizeof(block_q5_K);
     const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     const __m256i at = _mm256_setr_epi32(0, 10, 20, 30, 40, 50, 60, 70);
     __m256 acc0[I8_K_ROWS], acc1[I8_K_ROWS];
@@ -469,17 +414,18 @@ static inline __attribute__((always_inline)) void i8_k45_rows(int type, int rows
         __m256 xd, xs;
         x_scales(xb, at, &xd, &xs);
         for (int i = 0; i < rows; i++) {
-            const uint8_t *blk = w + i * stride + from;
-            const __m128 dd = _mm_cvtph_ps(load_u32(blk));
-            uint64_t sc8, m8; /* the eight scales and mins as bytes (gguf_matmul.c's k4_scales), widened to fp32 */
-            k4_scales(blk + 4, &sc8, &m8);
+            const block_q4_K *k4 = (const block_q4_K *)(w + i * stride + from); /* Q5_K: the same header */
+            const block_q5_K *k5 = (const block_q5_K *)k4;
+            const __m128 dd = halves2(k4); /* d, dmin */
+            uint64_t sc8, m8; /* the eight scales and mins as bytes (blocks.h's k4_scales), widened to fp32 */
+            k4_scales(k4->scales, &sc8, &m8);
             const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
             const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)));
             const __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_broadcastss_ps(dd), sc), xd);
             const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), m), xs);
             const __m256 pairs = _mm256_add_ps(t, _mm256_permute_ps(t, 0xB1)); /* lane 2p: t_2p + t_2p+1 */
-            const uint8_t *qs = type == Q4_K ? blk + 16 : blk + 48;
-            const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
+            const uint8_t *qs = type == Q4_K ? k4->qs : k5->qs;
+            const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)k5->qh) : zero;
             for (int p = 0; p < 4; p++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
                 __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -515,19 +461,19 @@ static inline __attribute__((always_inline)) void i8_q6k_rows(int rows, const ui
     __m256 acc0[I8_K_ROWS], acc1[I8_K_ROWS];
     for (int i = 0; i < rows; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
-        const int64_t from = b * 210;
+        const int64_t from = b * (int64_t)sizeof(block_q6_K);
         const uint8_t *ahead = w + I8_AHEAD + rows * from;
-        for (int line = 0; line < rows * 210; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        for (int line = 0; line < rows * (int)sizeof(block_q6_K); line += 64)
+            _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
         const XBlock *xb = x + 8 * b;
         const __m256 xd[2] = {_mm256_i32gather_ps(&xb[0].d, at, 4), _mm256_i32gather_ps(&xb[4].d, at, 4)};
         __m256i minus[8]; /* per lane -32 * (sum of x's 4 codes) */
         for (int j = 0; j < 8; j++)
             minus[j] = _mm256_sub_epi32(zero, dot4_add(zero, thirty_two, xcodes(xb + j)));
         for (int i = 0; i < rows; i++) {
-            const uint8_t *blk = w + i * stride + from;
-            const __m128i d16 = _mm_cvtsi32_si128(blk[208] | (blk[209] << 8)); /* d ends the block: read no further */
-            const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(d16));
-            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const block_q6_K *blk = (const block_q6_K *)(w + i * stride + from);
+            const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(blk->d))); /* read no further */
+            const __m128i sc = _mm_loadu_si128((const __m128i *)blk->scales);
             const __m256 a[2] = {
                 _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))), xd[0]),
                 _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))),
@@ -567,11 +513,8 @@ static inline __attribute__((always_inline)) void i8_k_one_x(int type, const uin
 #endif /* LLMT_AVX2 */
 
 /* one row of W (n_blocks blocks of `type`) times one quantized activation row */
-static inline float i8_row(int type, const uint8_t *row, int64_t n_blocks, int64_t block_values, int64_t block_bytes,
-                           const XBlock *x) {
+static inline float i8_row(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x) {
 #if LLMT_AVX2
-    (void)block_values;
-    (void)block_bytes;
     switch (type) {
     case Q4_0:
     case Q4_1:
@@ -590,14 +533,14 @@ static inline float i8_row(int type, const uint8_t *row, int64_t n_blocks, int64
     default: return 0.0f;
     }
 #else
-    return i8_row_portable(type, row, n_blocks, block_values, block_bytes, x);
+    return i8_row_reference(type, row, n_blocks, x, NULL);
 #endif
 }
 
 /* rows first..last of part p times m quantized activation rows (k/32 blocks each, row i at x + i * (k/32)):
    out[i * out_stride + r]; each row of W stays in L1 while every activation row passes over it */
-static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XBlock *x, int64_t m,
-                        float *out, int64_t out_stride) {
+void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XBlock *x, int64_t m, float *out,
+                 int64_t out_stride) {
     const int64_t xblocks = mat->k / 32, n_blocks = mat->k / mat->block_values[p];
 #if LLMT_AVX2
     if (m == 1) { /* decode: one loop per type */
@@ -631,7 +574,6 @@ static void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, c
     for (int64_t r = first; r < last; r++) {
         const uint8_t *row = mat->w[p] + r * mat->strides[p];
         for (int64_t i = 0; i < m; i++)
-            out[i * out_stride + r] = i8_row(mat->types[p], row, n_blocks, mat->block_values[p], mat->block_bytes[p],
-                                             x + i * xblocks);
+            out[i * out_stride + r] = i8_row(mat->types[p], row, n_blocks, x + i * xblocks);
     }
 }

@@ -8,12 +8,11 @@
  * logits into cache for the numpy passes that follow.
  *
  * Exact by construction (comparisons only, no arithmetic on the values): tests/test_sampling_equality.py holds it to
- * the numpy selection and to the sampler's reference figures. Included by decode_step.c (one library).
+ * the numpy selection and to the sampler's reference figures. One unit of the native library (kernels.h: its
+ * entry points are declared there for decode_step.c's llmt_decode_ahead, with LLMT_TOP_MAX and LLMT_DRAW_BLOCK).
  */
 
-#include <stdint.h>
-
-#define LLMT_TOP_MAX 64 /* the most values one call selects: native_top.py asks for no more */
+#include "kernels.h"
 
 /* Insert v (at index i) into the sorted best-so-far (values descending, indices ascending among equals): after every
  * kept value >= v, since those are larger or came first. With `count` held, v replaces the last (v > it). */
@@ -75,7 +74,6 @@ int64_t llmt_top_values(const float *x, int64_t n, int64_t count, int64_t *ids) 
  * turns into the tolerances sampling.py states; numpy's fp32 passes are only within ~1e-6 of the true values. */
 
 #define LLMT_SAMPLER_ABI 1 /* bump when a signature below changes: native_kernel.py checks it */
-#define LLMT_DRAW_BLOCK 256 /* values per block of the two-level draw (native_top.DRAW_BLOCK) */
 #define LLMT_EXP_MIN (-708.0) /* below it 2^k leaves double's normal range: the weight is taken as 0 */
 
 int llmt_sampler_abi(void) { return LLMT_SAMPLER_ABI; }
