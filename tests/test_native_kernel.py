@@ -288,6 +288,27 @@ def test_an_error_in_the_vector_code_fails_the_build_rather_than_dropping_the_fl
     assert not list(own_build.glob(".probe-*"))
 
 
+def test_the_build_key_covers_every_source_and_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library is every native/*.c compiled and linked (no .c includes another) with the headers they include:
+    a change to any one of them, a header included, is another build."""
+    names = {path.name for path in native_kernel.SOURCES}
+    assert {"decode_step.c", "gguf_matmul.c", "int8_dot.c", "int16_dot.c", "blocks.h", "kernels.h"} <= names
+    assert not any('#include "' + other + '"' in path.read_text() for path in native_kernel.SOURCES
+                   for other in names if other.endswith(".c"))
+    copies = []
+    for path in native_kernel.SOURCES:
+        shutil.copy(path, tmp_path / path.name)
+        copies.append(tmp_path / path.name)
+    monkeypatch.setattr(native_kernel, "SOURCES", tuple(copies))
+    key = native_kernel._key(["cc"], "cc 1.0")
+    for copy in copies:
+        text = copy.read_text()
+        copy.write_text(text + "\n")
+        assert native_kernel._key(["cc"], "cc 1.0") != key, copy.name
+        copy.write_text(text)
+    assert native_kernel._key(["cc"], "cc 1.0") == key
+
+
 def test_the_build_takes_the_first_flag_set_the_compiler_accepts(own_build: Path, tmp_path: Path) -> None:
     """A compiler that takes -march=native and OpenMP (gcc on Linux) builds with them: the library's pointer file
     records the first flag set."""

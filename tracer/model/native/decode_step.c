@@ -156,7 +156,7 @@ static inline void barrier(void) {
 }
 
 /* Where a stage ends, traced or not, fused or staged. A stage's stamp is thread 0's clock reading at
-   stamps[(*n_stamps)++] (when the step is traced: stamps not NULL). `wait`: every thread must be done with it before
+   stamps[n_stamps++] (when the step is traced: stamps not NULL). `wait`: every thread must be done with it before
    anyone goes on (a product, whose rows each thread writes), so a barrier comes first; a stage thread 0 runs alone
    or every thread runs whole (a norm, RoPE, a residual) ends without one, except in a staged step, whose every
    stage ends at a barrier. */

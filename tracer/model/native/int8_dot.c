@@ -309,28 +309,28 @@ static inline __attribute__((always_inline)) float i8_q4_row(int type, const uin
 /* one group of eight rows (its interleaved blocks at g) times one activation row, into out[0..8) */
 static inline __attribute__((always_inline)) void i8_q4_group(int type, const uint8_t *g, int64_t n_blocks,
                                                               const XBlock *x, float *out) {
-    /* a group's block: the eight rows' d (and m), then 4 x 32 code bytes */
-    const int64_t bytes = 8 * q32_bytes(type), codes = type == Q4_1 ? 32 : 16;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps(), off = acc;
     for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = g + b * bytes;
+        const group_q4_0 *g0 = (const group_q4_0 *)g + b;
+        const group_q4_1 *g1 = (const group_q4_1 *)g + b;
+        const uint8_t *blk = type == Q4_1 ? (const uint8_t *)g1 : (const uint8_t *)g0;
         _mm_prefetch((const char *)blk + I8_AHEAD, _MM_HINT_T0);
         _mm_prefetch((const char *)blk + I8_AHEAD + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)blk + I8_AHEAD + 128, _MM_HINT_T0);
         /* each int16 at most 2 * 15 * 127 per maddubs, eight added 30480: no saturation */
         __m256i sum = _mm256_setzero_si256();
         for (int v = 0; v < 4; v++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + codes + 32 * v));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(type == Q4_1 ? g1->qs[v] : g0->qs[v]));
             const __m256i xl = _mm256_set1_epi32((int)read_u32((const uint8_t *)x[b].q + 4 * v));
             const __m256i xh = _mm256_set1_epi32((int)read_u32((const uint8_t *)x[b].q + 16 + 4 * v));
             sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(c, low4), xl));
             sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4), xh));
         }
         const __m256i total = _mm256_madd_epi16(sum, ones);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(type == Q4_1 ? g1->d : g0->d)));
         acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), _mm256_cvtepi32_ps(total), acc);
-        const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+        const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1->m))
                                            : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         off = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[b].s), off);
     }

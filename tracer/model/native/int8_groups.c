@@ -9,7 +9,8 @@
  * load the matrix is copied once into the order the kernel reads, so a group's block is whole vectors:
  *
  *   group g = rows 8g..8g+7 (only whole groups: a matrix's last rows % 8 stay in its rows), at
- *   groups + 8g * row_bytes, its blocks one after another, block b (8 * 18 or 8 * 20 bytes, as stored):
+ *   groups + 8g * row_bytes, its blocks one after another, block b a group_q4_0 or group_q4_1 (kernels.h:
+ *   8 * 18 or 8 * 20 bytes, as stored):
  *     d[0..7]      the eight rows' fp16 d, row order            (one vcvtph2ps)
  *     m[0..7]      Q4_1: the eight rows' fp16 m, row order      (one vcvtph2ps)
  *     codes        4 x 32 bytes: vector v holds, for row j = 0..7, bytes 4v..4v+3 of row j's 16 code bytes
@@ -32,20 +33,25 @@ static int grouped_type(int type) { return type == Q4_0 || type == Q4_1; }
 int llmt_interleave(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t k, uint8_t *out) {
     if (!grouped_type(type)) return BAD_TYPE;
     const int64_t bytes = type == Q4_1 ? sizeof(block_q4_1) : sizeof(block_q4_0);
-    const int halves = type == Q4_1 ? 2 : 1; /* d (and m) */
     if (rows < 0 || k <= 0 || k % 32 || stride < k / 32 * bytes) return BAD_SHAPE;
     const int64_t n_blocks = k / 32;
     for (int64_t g = 0; g < rows / 8; g++) {
         for (int64_t b = 0; b < n_blocks; b++) {
-            uint8_t *o = out + (g * n_blocks + b) * 8 * bytes;
+            group_q4_0 *g0 = (group_q4_0 *)out + g * n_blocks + b;
+            group_q4_1 *g1 = (group_q4_1 *)out + g * n_blocks + b;
             for (int j = 0; j < 8; j++) {
-                const uint8_t *blk = w + (8 * g + j) * stride + b * bytes;
-                const block_q4_0 *b0 = (const block_q4_0 *)blk;
-                const block_q4_1 *b1 = (const block_q4_1 *)blk;
-                const ggml_half head[2] = {b0->d, type == Q4_1 ? b1->m : 0};
-                const uint8_t *qs = type == Q4_1 ? b1->qs : b0->qs;
-                for (int h = 0; h < halves; h++) memcpy(o + 16 * h + 2 * j, &head[h], 2);
-                for (int v = 0; v < 4; v++) memcpy(o + 16 * halves + 32 * v + 4 * j, qs + 4 * v, 4);
+                const block_q4_0 *b0 = (const block_q4_0 *)(w + (8 * g + j) * stride) + b;
+                const block_q4_1 *b1 = (const block_q4_1 *)(w + (8 * g + j) * stride) + b;
+                for (int v = 0; v < 4; v++) {
+                    if (type == Q4_1) memcpy(&g1->qs[v][4 * j], b1->qs + 4 * v, 4);
+                    else memcpy(&g0->qs[v][4 * j], b0->qs + 4 * v, 4);
+                }
+                if (type == Q4_1) {
+                    g1->d[j] = b1->d;
+                    g1->m[j] = b1->m;
+                } else {
+                    g0->d[j] = b0->d;
+                }
             }
         }
     }

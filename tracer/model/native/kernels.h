@@ -47,6 +47,13 @@ typedef struct {
     const uint8_t *groups[MAX_PARTS];
 } Matrix;
 
+/* Block b of eight Q4_0 (Q4_1) rows interleaved for i8dot's decode product (int8_groups.c says why): the eight rows'
+   d (and m) in row order, then 4 x 32 code bytes, vector v holding bytes 4v..4v+3 of each row's 16 in row order. */
+typedef struct { ggml_half d[8]; uint8_t qs[4][32]; } group_q4_0;
+typedef struct { ggml_half d[8], m[8]; uint8_t qs[4][32]; } group_q4_1;
+_Static_assert(sizeof(group_q4_0) == 8 * sizeof(block_q4_0), "a group holds its eight rows' bytes");
+_Static_assert(sizeof(group_q4_1) == 8 * sizeof(block_q4_1), "a group holds its eight rows' bytes");
+
 /* One 32-value block of the int8 activations (int8_dot.c): scale, scale * sum of codes, codes. */
 typedef struct {
     float d, s;
