@@ -7,7 +7,7 @@ whole entry. Cases, each in a fresh process (imports excluded; `load_model` alon
 - dense fp32, cold: the conversion and the store (the weights cache cleared before);
 - dense fp32, cached: a hit (the checksum pass over the entry);
 - stored as the file holds it (`--weights native`, and `i8dot`): read into the weight arena, never cached;
-with the process's peak RSS (ru_maxrss) beside each. Rounds alternate the two trees case by case.
+Rounds alternate the two trees case by case.
 
 The bigger model is a random GGUF written once (Q8_0, dim 2048, ffn 5632, 8 layers: ~440 MB, 1.7 GB in fp32).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 import torch
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load.loader import load_model
@@ -41,8 +41,7 @@ path, weights = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 loaded = load_model(path, dtype=FP32, weights=weights)
 t1 = time.perf_counter()
-print(json.dumps({"load": t1 - t0, "from_cache": loaded.from_cache,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"load": t1 - t0, "from_cache": loaded.from_cache}))
 """
 
 
@@ -109,14 +108,13 @@ def main() -> None:
     print("load average after:", os.getloadavg())
     print(f"{args.rounds} rounds, medians; load_model alone, page cache warm")
     print()
-    print("| model | case | before (s) | after (s) | after / before | peak RSS before (MB) | after (MB) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| model | case | before (s) | after (s) | after / before |")
+    print("|---|---|---:|---:|---:|")
     for model in models:
         for case in ("dense fp32, cold", "dense fp32, cached", "stored native", "stored i8dot"):
             before, after = rows[model, case, "before"], rows[model, case, "after"]
             b, a = (statistics.median(r["load"] for r in x) for x in (before, after))
-            rb, ra = (statistics.median(r["rss_mb"] for r in x) for x in (before, after))
-            print(f"| {model} | {case} | {b:.3f} | {a:.3f} | {a / b:.2f}x | {rb:.0f} | {ra:.0f} |")
+            print(f"| {model} | {case} | {b:.3f} | {a:.3f} | {a / b:.2f}x |")
     print()
     print("raw:", json.dumps({" / ".join(k): [round(r["load"], 3) for r in v] for k, v in rows.items()}))
 
