@@ -39,7 +39,8 @@ def _parse_dtypes(text: str) -> tuple[DType, ...]:
 @app.command("hardware", cls=command_class())
 def hardware(
     measure: Annotated[bool, typer.Option("--measure", help="Measure this machine's GEMM FLOP/s and memory "
-                                          "bandwidth with torch and save them as the profile 'this-machine'.")] = False,
+                                          "bandwidth with torch and save them as the profile 'this-machine' (not "
+                                          "when other processes kept the CPUs busy meanwhile).")] = False,
     device: Annotated[DeviceChoice, typer.Option(help="With --measure: the device to measure.")] = DeviceChoice.cpu,
     dtypes: Annotated[str, typer.Option(metavar="<d,d,...>", help="With --measure: GEMM dtypes to measure, comma-separated "
                                         "(fp32, bf16, fp16; tf32 on cuda).")] = "fp32,bf16",
