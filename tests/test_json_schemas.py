@@ -211,3 +211,19 @@ def test_help_texts_point_to_readme_sections_that_exist() -> None:
             pointers.append(quoted.group(1))
             assert quoted.group(1) in sections, f"`{command} --help` names no README section {quoted.group(1)!r}"
     assert "`--json` schemas" in pointers
+
+
+def test_roofline_json_with_kernels_measured_at_decode_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The roofline's optional part, `kernel_decode` (this machine's saved decode ceilings), against the schema."""
+    from test_batch_sweep import MACHINE, SMOL, ceilings_for
+
+    from llmtrace.tracer.hardware.decode_ceilings import save_ceilings, this_cpu_name
+    from llmtrace.tracer.hardware.store import save_measured_profile
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    save_measured_profile(MACHINE, {"device": "cpu", "others_cpu": 0.0})
+    save_ceilings(ceilings_for(SMOL, device=this_cpu_name()))
+    document = _json(["roofline", "--model", "smollm2-135m", "--hardware", "this-machine", "--dtype", "fp32", "-p",
+                      "20", "-n", "8", "--batch", "2", "--json"])
+    assert document["decode_ceilings"] == "measured kernels at decode shapes"
+    assert document["kernel_decode"]["first_step"]["batch"] == 2 and document["kernel_decode"]["table"]
