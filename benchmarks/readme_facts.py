@@ -56,10 +56,12 @@ def _lens() -> Any:
 
 
 def run_kernels() -> str:
-    """What auto chose for the run: its candidate, and how it holds the weights."""
+    """The run's kernels: its stored kernels, or its dense dtype (a trace recorded before the default kernel table
+    reads as no choice: it ran dense in its dtype)."""
     choice = _run().kernels
     if choice is None:
-        return f"{_run().environment.dtype} (no kernel choice recorded)"
+        names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        return f"{names.get(_run().environment.dtype, _run().environment.dtype)} dense"
     from llmtrace.tracer.hardware.kernel_choice import STORED
 
     if choice.weights == STORED:

@@ -60,6 +60,7 @@ COMMAND_MODULES: dict[str, str] = {
     "models": "llmtrace.cli.cmd_models",
     "roofline": "llmtrace.cli.cmd_roofline",
     "hardware": "llmtrace.cli.cmd_hardware",
+    "tune": "llmtrace.cli.cmd_tune",
 }
 _loading = False  # True while command modules import: they get the bare app, not a recursive load
 

@@ -43,7 +43,7 @@ def run_command(
     model: o.Model = None,
     dtype: o.DtypeOption = AUTO,
     weights: o.Weights = None,
-    remeasure: o.Remeasure = False,
+    tune: o.Tune = False,
     device: o.Device = "cpu",
     dry_run: o.DryRun = False,
     max_new_tokens: o.MaxNewTokens = 32,

@@ -17,10 +17,9 @@ def sweep_prompt_list(text: str, from_file: bool) -> tuple[str, ...]:
 
 
 def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches: tuple[int, ...], from_file: bool,
-                        repeat: int, outputs: Any, remeasure: bool = False) -> None:
+                        repeat: int, outputs: Any) -> None:
     """Load the model, sweep (with progress), then write the record (cli/run_outputs.py) and render it. `batches`:
-    --batch-sweep parsed (cli/run_args.py checked it and what it combines with); `remeasure`: measure the kernel
-    choice again whatever is saved (`--remeasure`)."""
+    --batch-sweep parsed (cli/run_args.py checked it and what it combines with)."""
     from llmtrace.tracer.run.batch_sweep import sweep_prompts
 
     prompts = sweep_prompts(sweep_prompt_list(settings.prompt, from_file), batches, from_file)
@@ -34,7 +33,6 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
 
     from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
     from llmtrace.tracer.hardware.dtype_policy import dtype_of
-    from llmtrace.tracer.load.kernel_pick import Reuse
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.load.stored_weights import tensors_as_read
     from llmtrace.tracer.run.batch_sweep import sweep
@@ -45,10 +43,7 @@ def run_batch_sweep_cli(console: Any, settings: RunSettings, dtype: Any, batches
         torch.set_num_threads(settings.threads)
     what = model_name(source)
     with console.status(f"loading {what} …") as status:
-        loaded = load_model(source, dtype=dtype, device=settings.device, weights=settings.weights or None,
-                            reuse=Reuse.asked(remeasure),
-                            progress=lambda step: status.update(f"measuring this machine's products for this model "
-                                                                f"(first run only): {step} …"))
+        loaded = load_model(source, dtype=dtype, device=settings.device, weights=settings.weights or None)
         compute = get_dtype(dtype_of(loaded.model.norm.weight.dtype).name, COMPUTE_DTYPES)
         status.update("this machine's roofline profile …")
         machine = this_machine_profile(settings.device.split(":")[0], compute,

@@ -60,10 +60,12 @@ class Detail(str, Enum):
     summary = "summary"
     layers = "layers"
     ops = "ops"
+    kernels = "kernels"  # the layers view, with the kernels' details under the header
 
 
 DetailOption = Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every "
-                                                   "stage of every layer.")]
+                                                   "stage of every layer; kernels: layers, with each matrix type's "
+                                                   "kernel, its numerics and why.")]
 
 DEFAULT_MODEL = "llama-7b"  # the seed article's model
 

@@ -18,8 +18,8 @@ FOCUSED_HEADS = 6
 PIECE_WIDTH = 5
 
 
-def render_attention(console: Console, first: AttentionStep | None) -> None:
-    """The first token's predicted position (later steps are in the JSON)."""
+def render_attention(console: Console, first: AttentionStep | None, numerics: str = "") -> None:
+    """The first token's predicted position (later steps are in the JSON); `numerics`: which the products ran."""
     if first is None:
         return
     positions = list(range(first.positions))
@@ -46,7 +46,7 @@ def render_attention(console: Console, first: AttentionStep | None) -> None:
         f"instrumentation: {fmt.duration_ns(first.instrument_ns)}, not in the stages' time).",
         f"{len(sink)} of {len(first.heads)} heads put most weight on position 0 (the first token: an attention "
         "sink); the most focused of the others (lowest entropy):", *(f"  {line}" for line in focused),
-    ]
+    ] + ([escape(numerics)] if numerics else [])
     console.print(section("5d · Attention  where the predicted position looks",
                           Group(table, Text.from_markup("\n".join(notes)))))
 

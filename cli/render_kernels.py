@@ -1,8 +1,7 @@
-"""How the run's kernels (compute dtype, stored or dense weights) were chosen, in a line or two: the run view's
-header and the summary print these.
+"""The run's kernels in one short line (what multiplied each matrix type, its numerics, where the choice came from),
+and the details `--detail kernels` adds: the rule's line, type by type, and tune's figures.
 
-The choice and its timings are the engine's (tracer/hardware/kernel_choice.py's KernelChoice, saved in the trace);
-this only words them.
+The choice is the engine's (tracer/hardware/kernel_choice.py's KernelChoice, saved in the trace); this only words it.
 """
 
 from __future__ import annotations
@@ -10,7 +9,10 @@ from __future__ import annotations
 from llmtrace.cli import formatting as fmt
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.hardware.kernel_choice import STORED, CandidateTiming, KernelChoice
+from llmtrace.tracer.hardware.kernel_choice import DEFAULT, DENSE, STORED, TUNED, KernelChoice
+from llmtrace.tracer.hardware.kernel_defaults import EXACT, SHORT_NUMERICS
+
+WIDTH = 80  # the line fits an 80-column terminal
 
 
 def dtype_name(torch_name: str) -> str:
@@ -21,51 +23,53 @@ def dtype_name(torch_name: str) -> str:
         return torch_name
 
 
-def choice_line(choice: KernelChoice | None, dtype: str) -> str:
-    """One line: what ran (`dtype`, the run's compute dtype, and the candidate) and why: auto's measured pick and
-    its rule, or the options that overrode it and what auto would take."""
+def numerics_word(choice: KernelChoice) -> str:
+    """The run's numerics in a word or two: "exact", "int8 act. + exact"."""
+    kinds = list(dict.fromkeys(b.numerics for b in choice.by_type)) or [choice.numerics]
+    return " + ".join(SHORT_NUMERICS.get(k, k) for k in kinds)
+
+
+def kernel_line(choice: KernelChoice | None, dtype: str) -> str:
+    """One line of at most WIDTH columns: "kernels Q4_1 i8dot (int8 act.), Q8_0 native (exact) · default,
+    AVX-512 VNNI"; "" when no choice was recorded (an older trace)."""
     if choice is None:
-        return f"dtype {dtype}: as asked (no measurement of this machine for this model saved)"
-    picked = choice.timing(choice.picked)
-    auto_form = _form(picked) if picked is not None else f"{choice.picked} {choice.weights}"
-    if choice.overridden_by:
-        ran = choice.running
-        what = f"ran {_form(ran, dtype)}" if ran is not None else f"dtype {dtype}"
-        verdict = ("auto takes the same" if ran is not None and ran.name == choice.picked
-                   else f"auto would take {auto_form}")
-        return f"kernels: {choice.overridden_by} (overrides auto): {what}; {verdict}{_busy(choice)}: {choice.rule}"
-    how = "saved measurement" if choice.from_store else (
-        f"measured in {fmt.duration_s(choice.measured_seconds)}" if choice.candidates else "not measured")
-    return f"kernels: auto, {how}{_busy(choice)}: {auto_form}, {choice.rule}"
-
-
-def _busy(choice: KernelChoice) -> str:
-    """" while others took 48% of the CPUs (provisional: next run re-measures)" for a choice measured on a busy
-    machine (tracer/hardware/machine_load.py), "" otherwise."""
-    if not choice.provisional:
         return ""
-    share = f"{choice.others_cpu:.0%}" if choice.others_cpu is not None else "much"
-    then = "next run re-measures" if not choice.from_store else "`run --remeasure` replaces it"
-    return f" while others took {share} of the CPUs (provisional: {then})"
+    source = {DEFAULT: f"default, {choice.instruction_set}",
+              TUNED: f"tuned in {fmt.duration_s(choice.measured_seconds)}",
+              "measured": "measured (an older llmtrace)"}.get(choice.source, choice.rule)
+    if choice.weights == STORED and not choice.by_type:  # an older trace: the kernels it named, no numerics
+        what = choice.picked
+    elif choice.weights == DENSE or not choice.by_type:
+        what = f"{dtype} dense, {choice.decode_kernel}" + (f" ({numerics_word(choice)})" if choice.numerics else "")
+    else:
+        what = ", ".join(f"{b.type} {b.kernel} ({SHORT_NUMERICS.get(b.numerics, b.numerics)})"
+                         for b in choice.by_type)
+    line = f"kernels {what} · {source}"
+    if len(line) > WIDTH and choice.weights == STORED:
+        line = f"kernels {choice.picked} ({numerics_word(choice)}) · {source}"
+    return line if len(line) <= WIDTH else line[:WIDTH - 1] + "…"
 
 
-def alternatives_line(choice: KernelChoice | None) -> str:
-    """The measured candidates, fastest acceptable first: a decode step (whole native C steps for a candidate that
-    runs as one, else its products: kernel_choice's rule, step 3) and 128-token prefill products, refused ones
-    marked (with the probed error where a probe judged them); "" when nothing was measured."""
-    if choice is None or not choice.candidates:
+def numerics_note(choice: KernelChoice | None) -> str:
+    """For views that teach (lens, attention, the sampling lesson): "numerics: exact" or "numerics: int8
+    activations (llama.cpp-style) on Q4_1; exact on Q8_0 (--weights native: exact)"."""
+    if choice is None or not choice.numerics:
         return ""
-    parts = []
-    for c in choice.candidates:
-        kernel = "" if c.weights == STORED else f" {c.decode_kernel}"
-        probe = f", probe error {c.product_error:.1e}" if c.product_error is not None else ""
-        mark = f" (refused{probe})" if not c.safe else (f" (probe error {c.product_error:.1e})" if probe else "")
-        parts.append(f"{c.name}{kernel} {fmt.duration_s(c.decode_s)} · {fmt.duration_s(c.prefill_s)}{mark}")
-    return "measured (decode step · 128-token prefill products): " + ", ".join(parts)
+    if choice.numerics == EXACT:
+        return "numerics: exact (the file's values, fp32 products)"
+    return f"numerics: {choice.numerics} (--weights native: exact)"
 
 
-def _form(c: CandidateTiming, dtype: str | None = None) -> str:
-    """"int4pack (stored, fp32 activations)", "fp16 dense (mv)"."""
-    if c.weights == STORED:
-        return f"{c.name} (stored, {dtype or c.dtype} activations)"
-    return f"{dtype or c.dtype} dense ({c.decode_kernel})"
+def detail_lines(choice: KernelChoice | None) -> list[str]:
+    """`--detail kernels`: why, each matrix type's kernel and numerics, and tune's figures when it measured."""
+    if choice is None:
+        return []
+    lines = [f"kernels: {choice.rule}", f"compute dtype {choice.dtype}; numerics: {choice.numerics}"]
+    lines += [f"  {b.type:<6} {b.kernel:<9} {b.numerics}" for b in choice.by_type]
+    if choice.candidates:
+        lines.append("tuned (decode step · 128-token prefill products):")
+        for c in choice.candidates:
+            probe = f", probe error {c.product_error:.1e}" if c.product_error is not None else ""
+            mark = f" refused: {c.unsafe_reason}" if not c.safe else probe
+            lines.append(f"  {c.name} {fmt.duration_s(c.decode_s)} · {fmt.duration_s(c.prefill_s)}{mark}")
+    return lines

@@ -15,8 +15,8 @@ from llmtrace.tracer.trace.journey_records import LensLayer, LensStep, LensToken
 PIECE_WIDTH = 10
 
 
-def render_lens(console: Console, first: LensStep | None) -> None:
-    """The first token's lens (later steps are in the JSON)."""
+def render_lens(console: Console, first: LensStep | None, numerics: str = "") -> None:
+    """The first token's lens (later steps are in the JSON); `numerics`: which the products ran (render_kernels)."""
     if first is None:
         return
     chosen = escape(fmt.piece(first.piece))
@@ -41,7 +41,7 @@ def render_lens(console: Console, first: LensStep | None) -> None:
     notes = [f"[bold]{headline}[/]",
              "each row: the residual stream at the predicted position after that layer, through the final RMSNorm "
              "and the LM head, as if the model stopped there (instrumentation: not in the stages' FLOPs or time; "
-             f"{fmt.duration_ns(first.instrument_ns)} for this step)."]
+             f"{fmt.duration_ns(first.instrument_ns)} for this step)."] + ([escape(numerics)] if numerics else [])
     console.print(section(f"5c · Logit lens  what each layer would predict at position {first.position}",
                           Group(table, Text.from_markup("\n".join(notes)))))
 

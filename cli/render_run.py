@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_kernels import alternatives_line, choice_line, dtype_name
+from llmtrace.cli.render_kernels import detail_lines, dtype_name, kernel_line
 from llmtrace.cli.tables import natural_width
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import short_label
@@ -66,12 +66,12 @@ def render_header(console: Console, config: ModelConfig, weight_format: str, loa
     console.print("\n".join(lines))
 
 
-def render_kernel_choice(console: Console, choice: KernelChoice | None, dtype: str) -> None:
-    """How the dtype was chosen and what was measured (cli/render_kernels.py), under the header; nothing when no
-    choice was recorded (an explicit --dtype on a machine that never measured this model, or an older trace)."""
+def render_kernel_choice(console: Console, choice: KernelChoice | None, dtype: str, detail: str = "") -> None:
+    """The kernels in one short line under the header (cli/render_kernels.py), and with `--detail kernels` the
+    details; nothing when no choice was recorded (an older trace)."""
     if choice is None:
         return
-    lines = [choice_line(choice, dtype), alternatives_line(choice)]
+    lines = [kernel_line(choice, dtype)] + (detail_lines(choice) if detail == "kernels" else [])
     console.print(Text("\n".join(line for line in lines if line), style="dim"))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from llmtrace.cli.render_attention import render_attention
-from llmtrace.cli.render_kernels import dtype_name
+from llmtrace.cli.render_kernels import dtype_name, numerics_note
 from llmtrace.cli.render_lens import render_lens
 from llmtrace.cli.render_no_cache import render_no_cache
 from llmtrace.cli.render_run import (
@@ -41,7 +41,7 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     dry_run = settings.dry_run
     render_header(console, config, trace.model.weight_format, trace.model.load_seconds, env.device, env.threads,
                   env.dtype, dry_run)
-    render_kernel_choice(console, trace.kernels, dtype_name(env.dtype))
+    render_kernel_choice(console, trace.kernels, dtype_name(env.dtype), detail)
     prefill = trace.prefill_step
     batch = trace.batch
     if batch is not None:
@@ -59,9 +59,10 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
         render_batch_first_tokens(console, prefill)
     else:
         render_lm_head(console, stages, prefill, settings, config, dry_run)
-    render_sampling_lesson(console, trace.sampling_lesson, prefill, settings)
-    render_lens(console, trace.lens[0] if trace.lens else None)
-    render_attention(console, trace.attention[0] if trace.attention else None)
+    numerics = numerics_note(trace.kernels)
+    render_sampling_lesson(console, trace.sampling_lesson, prefill, settings, numerics)
+    render_lens(console, trace.lens[0] if trace.lens else None, numerics)
+    render_attention(console, trace.attention[0] if trace.attention else None, numerics)
     if dry_run:
         return
     if batch is not None:

@@ -15,7 +15,8 @@ from llmtrace.tracer.trace.records import RunSettings, StepRecord
 
 
 def render_sampling_lesson(console: Console, lesson: SamplingLesson | None, step: StepRecord,
-                           settings: RunSettings) -> None:
+                           settings: RunSettings, numerics: str = "") -> None:
+    """`numerics`: which numerics the logits come from (render_kernels.numerics_note)."""
     if lesson is None or not lesson.columns:
         return
     temperatures = ", ".join(f"{c.temperature:g}" for c in lesson.columns)
@@ -49,7 +50,7 @@ def render_sampling_lesson(console: Console, lesson: SamplingLesson | None, step
              f"the distribution toward the top token, high T flattens it. Filters at every T: {source}; ✗ = "
              "filtered out, so it could not be drawn at that T. Top-k keeps the same count at every T; top-p and "
              "min-p follow the shape.",
-             _drawn(step, settings)]
+             _drawn(step, settings)] + ([escape(numerics)] if numerics else [])
     console.print(section(f"5b · Sampling lesson  the same logits at T = {temperatures}",
                           Group(table, Text.from_markup("\n".join(notes)))))
 

@@ -42,7 +42,7 @@ class ModelArgs:
     model: Optional[str]
     dtype: Any  # DType | AutoDtype, parsed by the option (cli/options.py)
     weights: Optional[str]
-    remeasure: bool
+    tune: bool
     device: str
     dry_run: bool
 
@@ -250,9 +250,8 @@ COMBINATIONS: tuple[tuple[Callable[[RunArgs], bool], Any], ...] = (
      "--no-kv-cache, --lens and --attention look at a real generation; drop --dry-run"),
     (lambda a: a.model.dry_run and a.views.no_trace, "--dry-run shows traced shapes and FLOPs; drop --no-trace"),
     (lambda a: a.model.dry_run and a.outputs.html is not None, "--html reports a real generation; drop --dry-run"),
-    (lambda a: a.model.remeasure and (a.model.dry_run or a.parallel.tp > 1),
-     "--remeasure measures this machine for a real run on one device; drop --dry-run and --tp (a --tp run's ranks "
-     "read the choice `llmtrace run --remeasure` saves)"),
+    (lambda a: a.model.tune and (a.model.dry_run or a.parallel.tp > 1 or bool(a.model.weights)),
+     "--tune times this machine for a real run on one device with its own pick; drop --dry-run, --tp and --weights"),
     (lambda a: _sweeping(a) and bool(_sweep_conflict(a)),
      lambda a: f"--batch-sweep times batched decode steps on its own; drop {_sweep_conflict(a)}"),
     (lambda a: _sweeping(a) and a.sampling.temperature > 0,

@@ -36,6 +36,13 @@ def _run_checked(args: RunArgs) -> int:
     batch = args.input.batch
     settings = args.settings(given.text, batch_prompts(given.text, batch, args.input.file) if batch else ())
     outputs = RunOutputs(args.outputs, stdout, args.performance.repeat)
+    if args.model.tune:  # time this machine's kernels first (llmtrace tune), then run with the pick
+        from dataclasses import replace
+
+        from llmtrace.cli.cmd_tune import tune_with_progress
+
+        tune_with_progress(console, settings.model or None, settings.device, settings.threads)
+        settings = replace(settings, weights="tuned")
     if args.performance.batch_sweep is not None:
         return _sweep(console, args, settings, outputs)
     if args.parallel.tp > 1 and not args.model.dry_run:
@@ -61,8 +68,7 @@ def _sweep(console: Any, args: RunArgs, settings: Any, outputs: Any) -> int:
     with stop_signals_interrupt() as received:
         try:
             run_batch_sweep_cli(console, settings, args.dtype, args.performance.batch_sweep or (),
-                                args.input.file is not None, args.performance.repeat, outputs,
-                                args.model.remeasure)
+                                args.input.file is not None, args.performance.repeat, outputs)
         except KeyboardInterrupt:
             return received.exit_code
     return 0

@@ -31,7 +31,7 @@ def run_live(console: Console, args: RunArgs, settings: RunSettings, save: Save)
     # Classified before torch is imported: a wrong --model fails in a blink, with the error every command gives.
     source = classify_model(settings.model) if settings.model else bundled_source()
     loaded, tp_dry = _load(console, args, settings, source)
-    _show_header(console, loaded, settings)
+    _show_header(console, loaded, settings, args.views.detail.value)
 
     from llmtrace.tracer.run.batch_generate import generation_for
 
@@ -53,7 +53,6 @@ def _load(console: Console, args: RunArgs, settings: RunSettings, source: Any) -
     """(the loaded model, the --dry-run --tp N shard builder or None), with a status line while loading."""
     import torch
 
-    from llmtrace.tracer.load.kernel_pick import Reuse
     from llmtrace.tracer.load.loader import load_model
 
     if settings.threads is not None:
@@ -68,13 +67,11 @@ def _load(console: Console, args: RunArgs, settings: RunSettings, source: Any) -
             tp_dry = TensorParallelDryRun(settings.model or None, args.dtype, args.parallel.tp)
             return tp_dry.loaded, tp_dry
         loaded = load_model(source, dtype=args.dtype, device=settings.device, dry_run=settings.dry_run,
-                            weights=settings.weights or None, reuse=Reuse.asked(args.model.remeasure),
-                            progress=lambda step: status.update(f"measuring this machine's products for this "
-                                                                f"model (first run only): {step} …"))
+                            weights=settings.weights or None)
     return loaded, None
 
 
-def _show_header(console: Console, loaded: Any, settings: RunSettings) -> None:
+def _show_header(console: Console, loaded: Any, settings: RunSettings, detail: str) -> None:
     import torch
 
     from llmtrace.cli.console import warn
@@ -90,7 +87,7 @@ def _show_header(console: Console, loaded: Any, settings: RunSettings) -> None:
     param = loaded.model.norm.weight  # dense in the compute dtype (a stored matrix's parameter is a placeholder)
     render_header(console, loaded.config, loaded.weight_format, loaded.load_seconds, str(param.device),
                   torch.get_num_threads(), str(param.dtype).removeprefix("torch."), settings.dry_run, weights_note)
-    render_kernel_choice(console, loaded.kernels, dtype_of(param.dtype).name)
+    render_kernel_choice(console, loaded.kernels, dtype_of(param.dtype).name, detail)
 
 
 def _finish(console: Console, args: RunArgs, trace: Trace, model: tuple[Any, Any] | None, save: Save) -> None:

@@ -51,19 +51,18 @@ Model = Annotated[Optional[str], typer.Option(
          "--dry-run.")]
 DtypeOption = Annotated[Any, compute_dtype_option(  # DType | AutoDtype: typer declares no unions
     "--dtype", rich_help_panel=MODEL,
-    help="Compute dtype; auto = the fastest numerically safe one, measured on this machine for this model's "
-         "products on first use (seconds; saved) and never fewer significand bits than the checkpoint's.")]
+    help="Compute dtype; auto = the default table's (README \"Default kernels\"): fp32 for a GGUF, a float "
+         "checkpoint's own dtype.")]
 Weights = Annotated[Optional[str], typer.Option(
-    "--weights", metavar="<auto|stored|dense|kernel>", rich_help_panel=MODEL,
-    help="How a GGUF's matrices are multiplied. auto: the fastest acceptable of the stored kernels and dense "
-         "dtypes, measured on this machine for this model on first use (saved); stored: the fastest acceptable "
-         "stored kernel; dense: dequantize every matrix to --dtype; a kernel's name (i8dot, i16dot, native, "
-         "int4pack, blocks) runs that kernel; Q4_1:i8dot,Q8_0:i16dot a kernel per type.")]
-Remeasure = Annotated[bool, typer.Option(
-    "--remeasure", rich_help_panel=MODEL,
-    help="Measure this machine's products for this model again (--dtype/--weights auto) and replace the saved "
-         "choice: after a first run on a busy machine, a new CPU setting, or to check it. `llmtrace hardware "
-         "--measure` measures the roofline's ceilings again.")]
+    "--weights", metavar="<auto|tuned|stored|dense|kernel>", rich_help_panel=MODEL,
+    help="How a GGUF's matrices are multiplied. auto: the default table for this CPU (README \"Default kernels\"; "
+         "nothing measured); tuned: `llmtrace tune`'s saved pick; stored: the table's stored kernels; dense: "
+         "dequantize every matrix to --dtype; a kernel's name (i8dot, i16dot, native, int4pack, blocks) runs that "
+         "kernel; Q4_1:i8dot,Q8_0:i16dot a kernel per type.")]
+Tune = Annotated[bool, typer.Option(
+    "--tune", rich_help_panel=MODEL,
+    help="First time this model's products on this machine (`llmtrace tune`: seconds, saved), then run with the "
+         "pick (--weights tuned).")]
 Device = Annotated[str, typer.Option(
     "--device", metavar="<cpu|cuda|mps>", rich_help_panel=MODEL,
     help="Where the model runs (cuda:1: the second GPU).")]

@@ -74,6 +74,7 @@ class JourneyStream:
         from llmtrace.cli.render_lens import render_lens
         from llmtrace.cli.render_run import render_embedding, render_layers, render_lm_head, render_positions
         from llmtrace.cli.render_run_batch import render_batch_first_tokens
+        from llmtrace.cli.render_kernels import numerics_note
         from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 
         console, config, settings, dry = self.console, self.loaded.config, self.settings, self.settings.dry_run
@@ -84,9 +85,10 @@ class JourneyStream:
             render_batch_first_tokens(console, event.step)
         else:
             render_lm_head(console, event.stages, event.step, settings, config, dry)
-        render_sampling_lesson(console, event.lesson, event.step, settings)
-        render_lens(console, event.lens)
-        render_attention(console, event.attention)
+        numerics = numerics_note(self.loaded.kernels)
+        render_sampling_lesson(console, event.lesson, event.step, settings, numerics)
+        render_lens(console, event.lens, numerics)
+        render_attention(console, event.attention, numerics)
         self._start_live(event)
 
     def _start_live(self, event: Any) -> None:

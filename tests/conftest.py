@@ -52,21 +52,22 @@ def tiny_llama_dir(make_tiny_llama: Callable[..., Path]) -> Path:
     return make_tiny_llama("default")
 
 
-# ---- --dtype auto's measurement (kernel choice) ---------------------------------------------------------------------
+# ---- `llmtrace tune` (kernel choice) ---------------------------------------------------------------------------
 
 
-def fixed_timings(kernels: Any, config: Any, device: str = "cpu", progress: Any = None,
-                  steps: Any = None) -> tuple[tuple[Any, ...], float]:
+def fixed_timings(kernels: Any, config: Any, device: str = "cpu", progress: Any = None
+                  ) -> tuple[tuple[Any, ...], float]:
     """product_timing.time_kernels' stand-in: fixed times with the stored kernels fastest (int4pack, then blocks, then
-    any other), then fp32, fp16, bf16, so `--dtype auto` / `--weights auto` are the same on every machine (tests
-    assert no speed); the weights' bytes are the real ones. `steps` (native-step candidates' whole steps) is
-    ignored: the autouse fixture below measures none."""
+    any other), then fp32, fp16, bf16, so tune's pick is the same on every machine (tests assert no speed); the
+    weights' bytes are the real ones."""
     from llmtrace.tracer.hardware.kernel_choice import CandidateTiming
     from llmtrace.tracer.hardware.product_timing import product_shapes
 
     rank = {"int4pack": 0.5, "blocks": 0.7, "fp32": 1.0, "fp16": 2.0, "bf16": 3.0}
     timings = []
     for kernel in kernels:
+        if progress:
+            progress(f"{kernel.name} products")
         per_value = {"fp32": 4, "fp16": 2, "bf16": 2}.get(kernel.dtype, 1)
         values = sum(s.rows * s.cols * (config.n_layers if s.per_layer else 1) for s in product_shapes(config))
         stored = kernel.weights == "stored"
@@ -78,16 +79,14 @@ def fixed_timings(kernels: Any, config: Any, device: str = "cpu", progress: Any 
 
 @pytest.fixture(autouse=True)
 def _fixed_kernel_choice(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """In-process tests never time products or steps (a speed-dependent --dtype auto would make their output vary)
-    and never read or write the user's saved choices: a fixed timer, no whole native steps, no machine-load reading,
-    and a kernels.json of their own. Tests of the timing and the store itself call them directly; subprocess tests set XDG_CONFIG_HOME and
-    measure for real."""
+    """In-process tests never time products (a speed-dependent tune would make their output vary) and never read or
+    write the user's saved picks: a fixed timer, no machine-load reading, and a kernels.json of their own. Tests of
+    the timing and the store itself call them directly."""
     from llmtrace.tracer.hardware import kernel_store
     from llmtrace.tracer.load import kernel_pick
 
     path = tmp_path_factory.mktemp("kernels") / "kernels.json"
     monkeypatch.setattr(kernel_pick, "time_kernels", fixed_timings)
-    monkeypatch.setattr(kernel_pick, "time_native_steps", lambda *args, **kwargs: {})
     monkeypatch.setattr(kernel_pick, "read_sample", lambda: None)  # no load reading: others_cpu None, not busy
     monkeypatch.setattr(kernel_store, "kernels_path", lambda: path)
 

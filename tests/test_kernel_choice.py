@@ -1,5 +1,6 @@
-"""`--dtype auto` by measurement: the safety rule, the selection with injected timings (no timed assertions), the
-saved choices (round trip, invalidation, damage), the loader's use of them and the fp16 range checks."""
+"""The kernels a run uses: the default table (nothing measured, the same every run), the accuracy rule, `llmtrace tune`
+with injected timings (no timed assertions), its saved picks (round trip, keys, damage) and `--weights tuned`, which
+judges a saved pick again (issue 27 item 5), and the fp16 range checks."""
 
 from __future__ import annotations
 
@@ -13,19 +14,23 @@ import torch
 from conftest import fixed_timings
 
 from llmtrace.tracer.core.dtypes import AUTO, FP16
+from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.presets import get_preset
-from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
-from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, precise_enough, select, without
+from llmtrace.tracer.hardware import kernel_choice as rule, kernel_defaults as table, kernel_store
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, precise_enough, ranked, select
 from llmtrace.tracer.hardware.product_timing import DenseKernel, product_shapes, time_kernel
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.loader import load_model
-from llmtrace.tracer.load.stored_weights import all_kernels
 from llmtrace.tracer.model import native_kernel
 
 
 def timing(name: str, decode_ms: float, prefill_ms: float = 10.0, safe: bool = True) -> CandidateTiming:
     return CandidateTiming(name, name, rule.DENSE, "mv", decode_ms / 1e3, prefill_ms / 1e3, 1000, safe,
                            "" if safe else "test")
+
+
+def no_timing(*args: object, **kwargs: object) -> None:
+    pytest.fail("a load measured products")
 
 
 # ---- the safety rule -------------------------------------------------------------------------------------------
@@ -63,14 +68,13 @@ def test_the_rule_bounds_the_added_rounding_by_an_eighth_of_a_quantization_step(
     assert (q8.half().float() - q8).abs().max() <= d / 8
 
 
-# ---- selection with injected timings --------------------------------------------------------------------------
+# ---- tune's pick with injected timings -------------------------------------------------------------------------
 
 
 def test_the_fastest_safe_candidate_wins_and_unsafe_ones_never_do() -> None:
-    choice = select([timing("fp32", 20), timing("fp16", 10), timing("bf16", 5, safe=False)])
-    assert choice.picked == "fp16" and choice.dtype == "fp16"
-    assert [c.name for c in choice.candidates] == ["fp16", "fp32", "bf16"]  # safe fastest first, unsafe last
-    assert "1.99x ahead of fp32" in choice.rule and "bf16: test" in choice.rule
+    candidates = [timing("fp32", 20), timing("fp16", 10), timing("bf16", 5, safe=False)]
+    assert select(candidates).name == "fp16"
+    assert [c.name for c in ranked(candidates)] == ["fp16", "fp32", "bf16"]  # safe fastest first, unsafe last
 
 
 def test_candidates_are_ranked_by_a_reference_generation_not_by_decode_alone() -> None:
@@ -78,34 +82,13 @@ def test_candidates_are_ranked_by_a_reference_generation_not_by_decode_alone() -
     fast_decode = timing("bf16", 10, prefill_ms=1300)
     fast_prefill = timing("fp32", 11, prefill_ms=100)
     assert fast_decode.reference_s == pytest.approx(1.3 + 128 * 0.010)
-    assert select([fast_decode, fast_prefill]).picked == "fp32"
-    assert select([replace(fast_decode, prefill_s=0.2), fast_prefill]).picked == "bf16"
-
-
-def test_a_half_precision_checkpoint_keeps_its_dtype_unless_another_is_measurably_faster() -> None:
-    own = timing("bf16", 10)
-    slightly = timing("fp16", 10 / 1.05)
-    clearly = timing("fp16", 10 / 1.5)
-    kept = select([own, slightly, timing("fp32", 30)], stored_dtype="bf16")
-    assert kept.picked == "bf16" and "own bf16" in kept.rule and "1.05x" in kept.rule
-    assert select([own, clearly], stored_dtype="bf16").picked == "fp16"
-    # the margin is for fp16/bf16 checkpoints only: quantized weights take the fastest
-    assert select([own, slightly]).picked == "fp16"
-
-
-def test_without_re_decides_when_a_range_check_refuses_fp16() -> None:
-    choice = select([timing("fp32", 20), timing("fp16", 10)])
-    again = without(choice, "fp16", "overflows")
-    assert again.picked == "fp32"
-    assert again.timing("fp16").safe is False and again.timing("fp16").unsafe_reason == "overflows"
+    assert select([fast_decode, fast_prefill]).name == "fp32"
+    assert select([replace(fast_decode, prefill_s=0.2), fast_prefill]).name == "bf16"
 
 
 def test_no_safe_candidate_is_a_programming_error() -> None:
     with pytest.raises(ValueError):
         select([timing("fp16", 1, safe=False)])
-
-
-# ---- the timing itself (its structure: no speed is asserted) ------------------------------------------------------
 
 
 def test_time_kernel_times_the_models_own_shapes() -> None:
@@ -125,48 +108,50 @@ def test_time_kernel_times_the_models_own_shapes() -> None:
     assert seen == ["fp32 products"]
 
 
-# ---- the store -------------------------------------------------------------------------------------------------
+# ---- the default table --------------------------------------------------------------------------------------------
 
 
-def test_store_round_trip_and_keys(tmp_path: Path) -> None:
-    path = tmp_path / "kernels.json"
-    choice = select([timing("fp32", 20), timing("fp16", 10)], measured_seconds=1.5)
-    kernel_store.save_choice("machine-a", "model-x", choice, path)
-    kernel_store.save_choice("machine-a", "model-y", without(choice, "fp16", "x"), path)
-    assert kernel_store.load_choice("machine-a", "model-x", path) == choice
-    assert kernel_store.load_choice("machine-a", "model-y", path).picked == "fp32"  # the other entry kept
-    assert kernel_store.load_choice("machine-b", "model-x", path) is None  # another CPU/torch/threads: measure
-    assert kernel_store.load_choice("machine-a", "model-z", path) is None  # another model shape: measure
-
-
-@pytest.mark.parametrize("content", [
-    b"\x00\xff not json",
-    b'{"version": 99, "machines": {}}',
-    b'{"version": 1, "machines": {"machine-a": []}}',
-    b'{"version": 1, "machines": {"machine-a": {"model-x": {"picked": "fp16"}}}}',
+@pytest.mark.parametrize(("device", "library", "avx2", "flags", "row"), [
+    ("cpu", True, True, {"avx2", "avx512f", "avx512bw", "avx512_vnni"}, table.AVX512_VNNI),
+    ("cpu", True, True, {"avx2", "fma", "f16c"}, table.AVX2),
+    ("cpu", True, False, set(), table.PORTABLE),
+    ("cpu", False, False, {"avx2"}, table.NO_COMPILER),
+    ("cuda", False, False, set(), table.CUDA),
+    ("mps", True, True, set(), table.OTHER),
 ])
-def test_a_damaged_store_is_one_line_then_a_fresh_measurement(tmp_path: Path, content: bytes) -> None:
-    path = tmp_path / "kernels.json"
-    path.write_bytes(content)
-    with pytest.raises(kernel_store.StoreProblem) as raised:
-        kernel_store.load_choice("machine-a", "model-x", path)
-    assert str(path) in str(raised.value) and "\n" not in str(raised.value)
-    choice = select([timing("fp32", 20)])
-    kernel_store.save_choice("machine-a", "model-x", choice, path)  # replaces the damaged file
-    assert kernel_store.load_choice("machine-a", "model-x", path) == choice
+def test_the_row_of_a_machine(device: str, library: bool, avx2: bool, flags: set[str], row: str) -> None:
+    assert table.instruction_set(device, library, avx2, flags) == row
 
 
-def test_a_mistyped_timing_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "kernels.json"
-    kernel_store.save_choice("m", "x", select([timing("fp32", 20), timing("fp16", 10)]), path)
-    data = json.loads(path.read_text())
-    data["machines"]["m"]["x"]["candidates"][0]["decode_s"] = "fast"
-    path.write_text(json.dumps(data))
-    with pytest.raises(kernel_store.StoreProblem, match="decode_s"):
-        kernel_store.load_choice("m", "x", path)
+def test_the_table_in_the_docs_is_the_codes() -> None:
+    """BENCHMARKS.md and README.md print table_markdown() verbatim, so neither can drift from what runs."""
+    root = Path(__file__).resolve().parent.parent
+    rendered = table.table_markdown()
+    for doc in ("BENCHMARKS.md", "README.md"):
+        assert rendered in (root / doc).read_text(encoding="utf-8"), doc
+    assert table.row_for(table.AVX2).kernels == {"Q4_0": "i8dot", "Q4_1": "i8dot", "Q4_K": "i8dot", "Q5_0": "native",
+                                                 "Q5_1": "native", "Q5_K": "native", "Q6_K": "native",
+                                                 "Q8_0": "native"}
+    assert table.row_for(table.NO_COMPILER).kernels["Q4_K"] == "int4pack"
+    assert table.row_for(table.NO_COMPILER).kernels["Q8_0"] == table.DENSE
 
 
-# ---- the loader ------------------------------------------------------------------------------------------------
+def test_the_accuracy_rule_admits_what_the_table_runs(tiny_quantized: Callable[..., Path]) -> None:
+    """Every kernel the table names for a type passes the rule a tuned pick meets, on a file of that type (the
+    probe where the kernel's bits do not settle it)."""
+    import gguf
+
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    for qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0):
+        resolved = resolve_model(str(tiny_quantized(qtype)), vocabulary=True)
+        for row in table.TABLE:
+            plan = table.default_plan(row.instruction_set, [qtype.name])
+            if not plan or (row.instruction_set == table.CUDA):
+                continue
+            choice = kernel_pick.stored_choice(",".join(f"{t}:{k}" for t, k in plan.items()), "fp32", rule.DEFAULT,
+                                               "", row.instruction_set, [qtype.name])
+            assert kernel_pick._rejudged(resolved, torch.device("cpu"), choice, [qtype.name]) == "", (row, plan)
 
 
 @pytest.fixture()
@@ -177,98 +162,157 @@ def tiny_q_gguf(tiny_quantized: Callable[..., Path]) -> Path:
     return tiny_quantized(gguf.GGMLQuantizationType.Q8_0)
 
 
-def test_auto_measures_once_then_reads_the_saved_choice(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
-    calls: list[tuple[str, ...]] = []
-
-    def fp16_fastest(kernels, config, device="cpu", progress=None, steps=None):
-        calls.append(tuple(k.name for k in kernels))
-        timings, seconds = fixed_timings(kernels, config)
-        return tuple(replace(t, decode_s=t.decode_s / 10) if t.name == "fp16" else t for t in timings), seconds
-
-    monkeypatch.setattr(kernel_pick, "time_kernels", fp16_fastest)
-    first = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    # bf16 and int4pack keep 8 bits, short of Q8_0's 11: probed, refused, and timed all the same (an option may force them)
-    assert calls == [("fp32", "fp16", "bf16", *all_kernels())]  # all_kernels: native first where it builds
-    assert first.kernels.picked == "fp16" and not first.kernels.from_store
-    assert next(first.model.parameters()).dtype == torch.float16
-    assert "bf16: Q8_0 matrices need 11" in first.kernels.rule
-    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    assert len(calls) == 1 and again.kernels.from_store and again.kernels.picked == "fp16"
-    monkeypatch.setattr(kernel_pick, "machine_key", lambda device: "another CPU")
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    assert len(calls) == 2  # a different machine measures again
+def test_a_load_never_measures(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path, tiny_llama_dir: Path) -> None:
+    """The default, an explicit kernel, stored, dense and an explicit dtype: the table or the option, no timing."""
+    monkeypatch.setattr(kernel_pick, "time_kernels", no_timing)
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    isa = kernel_pick.instruction_set(torch.device("cpu"))
+    assert loaded.kernels.source == rule.DEFAULT and loaded.kernels.instruction_set == isa
+    if isa in (table.AVX512_VNNI, table.AVX2, table.PORTABLE):
+        assert loaded.kernels.picked == "Q8_0:native" and loaded.weights.kernel == "Q8_0:native"
+        assert loaded.kernels.numerics == "exact" and loaded.weights.reason == f"the default for {isa}"
+    for weights in ("native", "stored", "dense", "blocks"):
+        forced = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights=weights)
+        assert forced.kernels.source == rule.OPTION and f"--weights {weights}" in forced.kernels.rule
+    assert load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense").kernels.dtype == "fp16"
+    dense = load_model(str(tiny_llama_dir), dtype=AUTO)
+    assert dense.kernels.picked == "fp32" and dense.kernels.source == rule.DEFAULT
+    assert "the checkpoint's own fp32" in dense.kernels.rule and next(dense.model.parameters()).dtype == torch.float32
 
 
-def test_a_choice_saved_without_a_load_check_is_measured_again(monkeypatch: pytest.MonkeyPatch,
-                                                                tiny_q_gguf: Path) -> None:
-    """A version-3 kernels.json (no reading of the machine's load: it may have been measured on a busy machine)
-    holding this very machine and model's choice is not served: one line, a fresh measurement, the file rewritten
-    as version 4."""
-    calls: list[int] = []
+def test_the_default_names_its_numerics_type_by_type(tiny_quantized: Callable[..., Path]) -> None:
+    import gguf
 
-    def counted(kernels, config, device="cpu", progress=None, steps=None):
-        calls.append(1)
-        return fixed_timings(kernels, config)
+    path = tiny_quantized(gguf.GGMLQuantizationType.Q4_1, head=gguf.GGMLQuantizationType.Q8_0)
+    loaded = load_model(str(path), dtype=AUTO, use_cache=False)
+    if kernel_pick.instruction_set(torch.device("cpu")) in (table.AVX512_VNNI, table.AVX2):
+        assert loaded.kernels.picked == "Q4_1:i8dot,Q8_0:native"
+        assert loaded.kernels.numerics == "int8 activations (llama.cpp-style) on Q4_1; exact on Q8_0"
+        assert [(b.type, b.kernel) for b in loaded.kernels.by_type] == [("Q4_1", "i8dot"), ("Q8_0", "native")]
+    exact = load_model(str(path), dtype=AUTO, use_cache=False, weights="native")
+    assert exact.kernels.numerics == "exact"
 
-    monkeypatch.setattr(kernel_pick, "time_kernels", counted)
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    path = kernel_store.kernels_path()
+
+# ---- the store and --weights tuned --------------------------------------------------------------------------------
+
+
+def test_tune_saves_a_pick_that_only_weights_tuned_uses(tiny_q_gguf: Path) -> None:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    with pytest.raises(BadArgumentError, match="no tuned kernels are saved for this model on this machine; run "):
+        load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
+    seen: list[tuple[int, int, str]] = []
+    tuned = kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"),
+                             lambda done, total, what: seen.append((done, total, what)))
+    assert tuned.choice.picked == "blocks" and tuned.choice.source == rule.TUNED  # fixed timings: blocks fastest
+    assert tuned.saved_to == str(kernel_store.kernels_path()) and tuned.choice.candidates
+    assert seen[-1][0] == seen[-1][1] and all(done <= total for done, total, _ in seen)  # counts for the bar
+    assert "blocks products" in {what for _, _, what in seen}
+    default = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
+    assert default.kernels.source == rule.DEFAULT  # a saved pick is not used unasked
+    used = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
+    assert used.kernels == tuned.choice and used.weights.kernel == "blocks" and used.kernel_note == ""
+
+
+def _saved_entry(path: Path) -> dict:
     data = json.loads(path.read_text())
-    assert data["version"] == kernel_store.STORE_VERSION == 4 and len(calls) == 1
     (entry,) = [e for models in data["machines"].values() for e in models.values()]
-    assert entry["others_cpu"] is None and entry["provisional"] is False  # fixed readings: none taken in-process
-    entry["picked"] = entry["dtype"] = "fp16"  # what the old measurement had decided, under the same keys
-    del entry["others_cpu"], entry["provisional"]
-    path.write_text(json.dumps({**data, "version": 3}))
-    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    assert len(calls) == 2 and not again.kernels.from_store and again.kernels.picked == "blocks"
-    assert "saved by an older llmtrace (version 3, before a measurement checked how busy the machine was); " \
-           "measuring again" in again.kernel_note
-    assert json.loads(path.read_text())["version"] == 4
+    return data, entry
 
 
-def test_an_explicit_dtype_is_recorded_as_an_override(tiny_q_gguf: Path) -> None:
-    assert load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense").kernels is None  # nothing measured yet
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")  # measures (fixed timings: blocks fastest)
-    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense")
-    assert next(forced.model.parameters()).dtype == torch.float16
-    assert forced.kernels.overridden_by == "--dtype fp16 --weights dense" and forced.kernels.picked == "blocks"
-    assert forced.kernels.ran == "fp16" and forced.weights.mode == "dense"
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda e: e.update(picked="warp9", decode_kernel="warp9"), "no stored kernel 'warp9' in this llmtrace"),
+    (lambda e: e.update(dtype="fp8"), "unknown compute dtype 'fp8'"),
+    (lambda e: e.update(weights="sideways"), "unknown weights form 'sideways'"),
+    (lambda e: e.update(picked="Q8_0:i8dot", decode_kernel="Q8_0:i8dot"),  # with every "safe" flag flipped on
+     "Q8_0 matrices need 11 significand bits, i8dot declares none; probed product error"),
+    (lambda e: e.update(weights="dense", picked="bf16", dtype="bf16", decode_kernel="mv"),
+     "Q8_0 matrices need 11 significand bits, bf16 keeps 8; probed product error"),
+])
+def test_a_saved_pick_is_judged_again_and_a_bad_one_is_one_note(tiny_q_gguf: Path, edit: Callable[[dict], None],
+                                                                 why: str) -> None:
+    """Issue 27 item 5: whatever a kernels.json names is judged by the rule a fresh pick meets; anything wrong is one
+    note naming the file's pick, and the defaults run (never exit 1, never a blame on an option not given)."""
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"))
+    path = kernel_store.kernels_path()
+    data, entry = _saved_entry(path)
+    edit(entry)
+    for c in entry["candidates"]:
+        c["safe"], c["unsafe_reason"] = True, ""
+    path.write_text(json.dumps(data))
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
+    assert loaded.kernels.source == rule.DEFAULT
+    assert why in loaded.kernel_note and "ignored, running the defaults" in loaded.kernel_note
+    assert "\n" not in loaded.kernel_note and "--dtype" not in loaded.kernel_note
 
 
-def test_a_damaged_store_does_not_stop_a_load(tiny_q_gguf: Path) -> None:
+@pytest.mark.parametrize("content", [
+    b"\x00\xff not json",
+    b'{"version": 99, "machines": {}}',
+    b'{"version": 5, "machines": {"machine-a": []}}',
+    b'{"version": 5, "machines": {"machine-a": {"model-x": {"picked": "fp16"}}}}',
+])
+def test_a_damaged_store_is_one_line(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "kernels.json"
+    path.write_bytes(content)
+    with pytest.raises(kernel_store.StoreProblem) as raised:
+        kernel_store.load_choice("machine-a", "model-x", path)
+    assert str(path) in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_damaged_or_older_store_runs_the_defaults_with_a_note(tiny_q_gguf: Path) -> None:
     kernel_store.kernels_path().write_text("{ torn")
-    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    assert loaded.kernels.picked == "blocks" and loaded.kernels.ran == "fp32" and "measuring again" in loaded.kernel_note
-    names = [c.name for c in (kernel_pick.DenseKernel(d) for d in ("fp32", "fp16", "bf16"))] + list(all_kernels())
-    names.append(f"native sources {native_kernel.sources_digest()}")
-    key = kernel_store.model_key(product_shapes(loaded.config), 2, ("Q8_0",), names)
-    assert kernel_store.load_choice(kernel_pick.machine_key("cpu"), key) is not None
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
+    assert loaded.kernels.source == rule.DEFAULT and "kernels.json: not valid JSON" in loaded.kernel_note
+    kernel_store.kernels_path().write_text('{"version": 4, "machines": {}}')
+    older = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
+    assert "saved by an older llmtrace (version 4, by a run's own measurement, before `llmtrace tune`)" \
+        in older.kernel_note
 
 
-def test_a_choice_measured_with_other_kernel_sources_is_measured_again(monkeypatch: pytest.MonkeyPatch,
-                                                                       tiny_q_gguf: Path) -> None:
-    calls = []
-    real = kernel_pick.time_kernels
-    monkeypatch.setattr(kernel_pick, "time_kernels", lambda *a, **k: calls.append(1) or real(*a, **k))
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    assert len(calls) == 1  # the second run read the saved choice
+def test_store_round_trip_and_keys(tmp_path: Path, tiny_q_gguf: Path) -> None:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    path = tmp_path / "kernels.json"
+    tuned = kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"), store_path=path)
+    kernel_store.save_choice("machine-a", "model-y", replace(tuned.choice, picked="fp32"), path)
+    machine = kernel_pick.machine_key("cpu")
+    (model,) = json.loads(path.read_text())["machines"][machine]
+    assert kernel_store.load_choice(machine, model, path) == tuned.choice
+    assert kernel_store.load_choice("machine-a", "model-y", path).picked == "fp32"  # the other entry kept
+    assert kernel_store.load_choice("machine-b", model, path) is None  # another CPU/torch/threads
+
+
+def test_a_mistyped_timing_is_refused(tmp_path: Path, tiny_q_gguf: Path) -> None:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    path = tmp_path / "kernels.json"
+    kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"), store_path=path)
+    data, entry = _saved_entry(path)
+    entry["candidates"][0]["decode_s"] = "fast"
+    path.write_text(json.dumps(data))
+    with pytest.raises(kernel_store.StoreProblem, match="decode_s"):
+        kernel_store.load_choice(kernel_pick.machine_key("cpu"), next(iter(next(iter(data["machines"].values())))),
+                                 path)
+
+
+def test_a_pick_tuned_with_other_kernel_sources_is_not_served(monkeypatch: pytest.MonkeyPatch,
+                                                              tiny_q_gguf: Path) -> None:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"))
+    assert load_model(str(tiny_q_gguf), use_cache=False, weights="tuned").kernels.source == rule.TUNED
     monkeypatch.setattr(native_kernel, "sources_digest", lambda: "0123456789ab")  # an upgraded llmtrace's C kernels
-    again = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
-    assert len(calls) == 2 and not again.kernels.from_store
-
-
-def test_an_fp32_checkpoint_stays_fp32_without_measuring(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
-    monkeypatch.setattr(kernel_pick, "time_kernels", lambda *a, **k: pytest.fail("nothing to measure"))
-    loaded = load_model(str(tiny_llama_dir), dtype=AUTO)
-    assert next(loaded.model.parameters()).dtype == torch.float32
-    assert loaded.kernels.picked == "fp32" and not loaded.kernels.candidates
-    assert "only acceptable candidate" in loaded.kernels.rule and "F32 matrices need 24" in loaded.kernels.rule
+    with pytest.raises(BadArgumentError, match="no tuned kernels"):
+        load_model(str(tiny_q_gguf), use_cache=False, weights="tuned")
 
 
 def test_fp16_is_refused_when_the_residual_stream_would_overflow(monkeypatch: pytest.MonkeyPatch,
                                                                   tiny_q_gguf: Path) -> None:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
     loaded = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense")
     assert kernel_pick.fp16_problem(loaded.model, loaded.tokenizer) == ""
     with torch.no_grad():
@@ -278,15 +322,16 @@ def test_fp16_is_refused_when_the_residual_stream_would_overflow(monkeypatch: py
         loaded.model.layers[0].feed_forward.w2.weight.fill_(float("inf"))
     assert "overflows fp16" in kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
 
-    def fp16_fastest(kernels, config, device="cpu", progress=None, steps=None):
+    def fp16_fastest(kernels, config, device="cpu", progress=None):
         timings, seconds = fixed_timings(kernels, config)
-        return tuple(replace(t, decode_s=t.decode_s / 10) if t.name == "fp16" else t for t in timings), seconds
+        return tuple(replace(t, decode_s=t.decode_s / 100) if t.name == "fp16" else t for t in timings), seconds
 
     monkeypatch.setattr(kernel_pick, "time_kernels", fp16_fastest)
+    kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"))
     monkeypatch.setattr(kernel_pick, "fp16_problem", lambda model, tokenizer: "a probe's residual stream reaches 9e4")
-    fallback = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    fallback = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
     assert next(fallback.model.parameters()).dtype == torch.float32
-    assert fallback.kernels.ran == "fp32" and "fp16 not used" in fallback.kernel_note
+    assert fallback.kernels.dtype == "fp32" and "fp16 not used" in fallback.kernel_note
 
 
 def test_the_trace_keeps_the_choice(tiny_q_gguf: Path) -> None:
@@ -296,23 +341,35 @@ def test_the_trace_keeps_the_choice(tiny_q_gguf: Path) -> None:
     from llmtrace.tracer.trace.records import RunSettings
     from llmtrace.tracer.trace.run_trace import Trace, load_schema
 
-    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
     trace = generate(loaded, RunSettings(model=str(tiny_q_gguf), prompt="sky", max_new_tokens=2, dtype="auto"))
-    assert trace.kernels == loaded.kernels and trace.kernels.candidates
+    assert trace.kernels == loaded.kernels and trace.kernels.by_type
     data = json.loads(trace.to_json())
     jsonschema.validate(data, load_schema())
+    assert data["kernels"]["numerics"] == loaded.kernels.numerics
     assert Trace.from_json(trace.to_json()).kernels == trace.kernels
+    old = {"picked": "fp32", "dtype": "fp32", "weights": "dense", "decode_kernel": "mv", "rule": "r", "candidates": [],
+           "measured_seconds": 0.0, "from_store": False, "overridden_by": "", "stored_dtype": None}
+    data["kernels"] = old  # an older trace's measured choice: valid by the schema, read as what ran
+    jsonschema.validate(data, load_schema())
+    older = Trace.from_json(json.dumps(data)).kernels
+    assert (older.picked, older.source, older.weights) == ("fp32", "measured", "dense")
+    jsonschema.validate(json.loads(Trace.from_json(json.dumps(data)).to_json()), load_schema())
 
 
-def test_the_measured_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
+def test_a_tuned_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
     """decode_kernel "mm" sends the fused path's one-token products through mm (torch.mv never runs), with the same
-    logits as "mv"; the loader sets it from the measured choice."""
-    def mm_faster(kernels, config, device="cpu", progress=None, steps=None):
-        timings, seconds = fixed_timings(kernels, config)
-        return tuple(replace(t, decode_kernel="mm") for t in timings), seconds
+    logits as "mv"; the loader sets it from a tuned dense pick."""
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
 
-    monkeypatch.setattr(kernel_pick, "time_kernels", mm_faster)
-    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="dense")
+    def dense_mm_fastest(kernels, config, device="cpu", progress=None):
+        timings, seconds = fixed_timings(kernels, config)
+        return tuple(replace(t, decode_kernel="mm", decode_s=t.decode_s / 100) if t.name == "fp32" else t
+                     for t in timings), seconds
+
+    monkeypatch.setattr(kernel_pick, "time_kernels", dense_mm_fastest)
+    kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"))
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
     model = loaded.model
     assert model.decode_kernel == "mm"
     ids = torch.tensor([[3, 4, 5]])
@@ -328,5 +385,3 @@ def test_the_measured_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.Mon
         monkeypatch.setattr(torch, "mv", real_mv)
         assert bool(calls) is (kernel == "mv")
     torch.testing.assert_close(logits["mm"], logits["mv"], rtol=1e-5, atol=1e-5)
-    forced = load_model(str(tiny_q_gguf), dtype=FP16, use_cache=False, weights="dense")  # the saved measurement timed fp16 too
-    assert forced.model.decode_kernel == "mm"

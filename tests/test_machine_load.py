@@ -1,6 +1,6 @@
-"""A measurement taken on a busy machine (tracer/hardware/machine_load.py) is not served to later runs: the reading
-itself, the kernel choice saved as provisional and measured again, `run --remeasure`, and the roofline's quick
-profile left unsaved. The machine's load is injected (a Sampler, LLMTRACE_BUSY_SHARE), never made."""
+"""A measurement taken on a busy machine (tracer/hardware/machine_load.py) is said or not served to later runs: the
+reading itself, tune's note, and the roofline's quick profile left unsaved. The machine's load is injected (a
+Sampler, LLMTRACE_BUSY_SHARE), never made."""
 
 from __future__ import annotations
 
@@ -15,13 +15,11 @@ from conftest import fixed_timings
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
-from llmtrace.cli.render_kernels import choice_line
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.hardware import machine_load
 from llmtrace.tracer.hardware.machine_load import BUSY_SHARE_ENV, CpuSample, LoadWatch, others_share, read_sample
 from llmtrace.tracer.load import kernel_pick
-from llmtrace.tracer.load.kernel_pick import Reuse
 
 runner = CliRunner()
 
@@ -94,7 +92,7 @@ def test_load_watch_reads_before_and_after() -> None:
     assert watch.share == pytest.approx(0.48)
 
 
-# ---- the kernel choice -----------------------------------------------------------------------------------------
+# ---- tune ------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture()
@@ -104,125 +102,35 @@ def q8_gguf(tiny_quantized: Any) -> Path:
     return tiny_quantized(gguf.GGMLQuantizationType.Q8_0)
 
 
-def _pick(path: Path, store: Path, share: float | None, counted: list[int],
-          reuse: Reuse = Reuse.SETTLED) -> kernel_pick.PickedKernels:
+def test_tune_on_a_busy_machine_saves_its_pick_with_a_note(q8_gguf: Path, tmp_path: Path,
+                                                           default_share: None) -> None:
+    """tune is asked for by the user, who reads its note: a busy measurement is saved (the user may tune again),
+    with the share it was taken under; a quiet or unknown one without a note."""
     import torch
 
     from llmtrace.tracer.checkpoint.resolve import resolve_model
 
-    def timer(*args: Any, **kwargs: Any) -> Any:
-        counted.append(1)
-        return fixed_timings(*args, **kwargs)
-
-    sampler = (lambda: None) if share is None else readings(share)
-    return kernel_pick.pick(resolve_model(str(path), vocabulary=True), torch.device("cpu"), timer=timer,
-                            store_path=store, reuse=reuse, sampler=sampler)
-
-
-def test_a_busy_measurement_is_saved_provisional_and_measured_again(q8_gguf: Path, tmp_path: Path,
-                                                                    default_share: None) -> None:
-    store, calls = tmp_path / "kernels.json", []
-    busy = _pick(q8_gguf, store, 0.48, calls)  # a build on both cores: others took 48%
-    assert busy.choice.provisional and busy.choice.others_cpu == pytest.approx(0.48)
-    assert busy.saved_to == str(store)
-    (entry,) = [e for m in json.loads(store.read_text())["machines"].values() for e in m.values()]
-    assert entry["provisional"] is True and entry["others_cpu"] == pytest.approx(0.48)
-    again = _pick(q8_gguf, store, 0.02, calls)  # not served: measured again, on a quiet machine this time
-    assert len(calls) == 2 and not again.choice.from_store
-    assert not again.choice.provisional and again.choice.others_cpu == pytest.approx(0.02)
-    served = _pick(q8_gguf, store, 0.02, calls)  # the quiet one replaced it and is served
-    assert len(calls) == 2 and served.choice.from_store and not served.choice.provisional
+    resolved = resolve_model(str(q8_gguf), vocabulary=True)
+    store = tmp_path / "kernels.json"
+    busy = kernel_pick.tune(resolved, torch.device("cpu"), timer=fixed_timings, store_path=store,
+                            sampler=readings(0.48))
+    assert busy.choice.others_cpu == pytest.approx(0.48) and busy.saved_to == str(store)
+    assert busy.note == ("other processes took 48% of the CPUs while tune measured: the figures may be off; tune "
+                         "again on a quieter machine")
+    quiet = kernel_pick.tune(resolved, torch.device("cpu"), timer=fixed_timings, store_path=store,
+                             sampler=readings(0.02))
+    assert quiet.note == "" and quiet.choice.others_cpu == pytest.approx(0.02)
+    unknown = kernel_pick.tune(resolved, torch.device("cpu"), timer=fixed_timings, store_path=store,
+                               sampler=lambda: None)
+    assert unknown.note == "" and unknown.choice.others_cpu is None
 
 
-def test_tensor_parallel_ranks_serve_a_provisional_choice(q8_gguf: Path, tmp_path: Path,
-                                                         default_share: None) -> None:
-    store, calls = tmp_path / "kernels.json", []
-    _pick(q8_gguf, store, 0.48, calls)
-    rank = _pick(q8_gguf, store, 0.9, calls, reuse=Reuse.ANY)
-    assert len(calls) == 1 and rank.choice.from_store and rank.choice.provisional
-
-
-def test_remeasure_replaces_a_quiet_choice(q8_gguf: Path, tmp_path: Path, default_share: None) -> None:
-    store, calls = tmp_path / "kernels.json", []
-    _pick(q8_gguf, store, 0.01, calls)
-    assert _pick(q8_gguf, store, 0.01, calls).choice.from_store and len(calls) == 1
-    fresh = _pick(q8_gguf, store, 0.03, calls, reuse=Reuse.NONE)
-    assert len(calls) == 2 and not fresh.choice.from_store and fresh.choice.others_cpu == pytest.approx(0.03)
-    assert _saved(q8_gguf, store).others_cpu == pytest.approx(0.03)  # replaced
-
-
-def test_an_unknown_load_is_not_busy(q8_gguf: Path, tmp_path: Path, default_share: None) -> None:
-    """No /proc/stat (another OS): the measurement is taken as it is, saved and served."""
-    store, calls = tmp_path / "kernels.json", []
-    first = _pick(q8_gguf, store, None, calls)
-    assert first.choice.others_cpu is None and not first.choice.provisional
-    assert _pick(q8_gguf, store, None, calls).choice.from_store and len(calls) == 1
-
-
-def _saved(path: Path, store: Path) -> Any:
-    import torch
-
-    from llmtrace.tracer.checkpoint.resolve import resolve_model
-
-    return kernel_pick.lookup(resolve_model(str(path), vocabulary=True), torch.device("cpu"), store)
-
-
-def test_the_kernels_line_says_a_choice_is_provisional(q8_gguf: Path, tmp_path: Path, default_share: None) -> None:
-    from dataclasses import replace
-
-    choice = _pick(q8_gguf, tmp_path / "kernels.json", 0.48, []).choice
-    line = choice_line(choice, choice.dtype).replace(f"{choice.measured_seconds * 1e3:.1f} ms", "T")
-    assert line.startswith("kernels: auto, measured in T while others took 48% of the CPUs (provisional: next run "
-                           "re-measures): blocks (stored, fp32 activations), fastest of ")
-    served = choice_line(replace(choice, from_store=True), choice.dtype)
-    assert served.startswith("kernels: auto, saved measurement while others took 48% of the CPUs (provisional: "
-                             "`run --remeasure` replaces it): ")
-    quiet = choice_line(replace(choice, provisional=False, others_cpu=0.02), choice.dtype)
-    assert quiet.replace(f"{choice.measured_seconds * 1e3:.1f} ms", "T").startswith("kernels: auto, measured in T: "
-                                                                                     "blocks")
-
-
-# ---- `llmtrace run`: the seam through the CLI ----------------------------------------------------------------------
-
-
-def test_run_measures_again_after_a_busy_first_run_and_on_remeasure(q8_gguf: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch,
-                                                                   default_share: None) -> None:
-    calls: list[int] = []
-
-    def timer(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return fixed_timings(*args, **kwargs)
-
-    monkeypatch.setattr(kernel_pick, "time_kernels", timer)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    args = ["run", "sky", "--model", str(q8_gguf), "--max-new-tokens", "2", "--no-roofline"]
-
-    def run(*extra: str) -> str:
-        result = runner.invoke(app, [*args, *extra])
-        assert result.exit_code == 0, result.output
-        return re.sub(r"measured in [0-9.]+ ms", "measured in T", " ".join(result.output.split()))
-
-    monkeypatch.setattr(kernel_pick, "read_sample", readings(0.48))
-    assert "measured in T while others took 48% of the CPUs (provisional: next run re-measures)" in run()
-    monkeypatch.setattr(kernel_pick, "read_sample", readings(0.02))
-    out = run()  # not served: measured again, quietly
-    assert len(calls) == 2 and "kernels: auto, measured in T: " in out and "provisional" not in out
-    assert "kernels: auto, saved measurement: " in run() and len(calls) == 2
-    assert "kernels: auto, measured in T: " in run("--remeasure") and len(calls) == 3
-
-
-def test_remeasure_refuses_a_dry_run() -> None:
-    result = runner.invoke(app, ["run", "--model", "llama-7b", "--dry-run", "--remeasure"])
-    assert result.exit_code == 2
-    assert "--remeasure measures this machine for a real run on one device; drop --dry-run" in result.output
-
-
-def test_run_help_names_remeasure() -> None:
-    result = runner.invoke(app, ["run", "--help"])
-    text = " ".join(result.output.split())
-    assert result.exit_code == 0 and "--remeasure Measure this machine's products for this model again" in text
-    assert "and replace the saved choice" in text
+def test_run_help_names_tune_and_no_remeasure() -> None:
+    result = runner.invoke(app, ["run", "--help"], terminal_width=200)
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", result.output).split())
+    assert "--tune" in text and "--remeasure" not in text
+    tune = runner.invoke(app, ["tune", "--help"], terminal_width=200)
+    assert tune.exit_code == 0 and "--weights tuned" in " ".join(tune.output.split())
 
 
 # ---- the roofline's quick profile ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Stored kernels as measured candidates (issue 12 item 2): one accuracy rule for dense and stored candidates (with
+"""Stored kernels as tune's candidates (issue 12 item 2): one accuracy rule for dense and stored candidates (with
 injected probe errors, and the real probe on tiny GGUFs), the stored kernels timed through PackedWeight at the
-model's shapes, `--weights auto|stored|dense|<kernel>` with `--dtype` as recorded overrides, an old kernels.json,
-and the trace/JSON record. No timed assertions: the fixed timer of conftest ranks the candidates."""
+model's shapes, `--weights auto|stored|dense|<kernel>` with `--dtype` as recorded options, and the run's kernel line,
+`--detail kernels` and the JSON record. No timed assertions: the fixed timer of conftest ranks the candidates."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from llmtrace.cli.app import app
 from llmtrace.tracer.core.dtypes import AUTO, FP16, FP32
 from llmtrace.tracer.hardware import kernel_choice as rule, kernel_store
-from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, constrained, judge, precision_bits, select
+from llmtrace.tracer.hardware.kernel_defaults import default_phrase
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, judge, precision_bits, ranked, select
 from llmtrace.tracer.hardware.product_timing import product_shapes, time_kernel, time_kernels
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.gguf_loader import matrix_infos
@@ -86,22 +87,10 @@ def test_the_tolerance_is_the_unit_roundoff_of_the_bits_a_format_needs() -> None
 
 
 def test_a_stored_kernel_wins_when_fastest_and_acceptable() -> None:
-    choice = select([dense("fp32", 10), dense("fp16", 6), stored("int4pack", 3, safe=False, error=3e-3),
-                     stored("blocks", 5)])
-    assert (choice.picked, choice.weights, choice.decode_kernel) == ("blocks", rule.STORED, "blocks")
-    assert "refused: int4pack: probe" in choice.rule and choice.candidates[-1].name == "int4pack"
-
-
-def test_options_constrain_the_candidates_and_are_recorded() -> None:
-    choice = select([dense("fp32", 10), dense("fp16", 6), stored("int4pack", 3, safe=False), stored("blocks", 5)])
-    assert constrained(choice, "--weights dense", weights=rule.DENSE).ran == "fp16"
-    assert constrained(choice, "--weights stored", weights=rule.STORED).ran == "blocks"  # acceptable first
-    forced = constrained(choice, "--weights int4pack", weights=rule.STORED, kernel="int4pack")
-    assert (forced.ran, forced.picked, forced.overridden_by) == ("int4pack", "blocks", "--weights int4pack")
-    assert forced.running is not None and forced.running.name == "int4pack"
-    assert constrained(choice, "--dtype fp32 --weights dense", dtype="fp32", weights=rule.DENSE).ran == "fp32"
-    assert constrained(choice, "--dtype fp32", dtype="fp32").ran == "blocks"  # stored runs fp32 activations too
-    assert constrained(choice, "--dtype bf16 --weights dense", dtype="bf16", weights=rule.DENSE).ran == ""
+    candidates = [dense("fp32", 10), dense("fp16", 6), stored("int4pack", 3, safe=False, error=3e-3), stored("blocks", 5)]
+    best = select(candidates)
+    assert (best.name, best.weights, best.decode_kernel) == ("blocks", rule.STORED, "blocks")
+    assert ranked(candidates)[-1].name == "int4pack"
 
 
 # ---- the probe and the timing on real tiny GGUFs ------------------------------------------------------------------
@@ -144,106 +133,115 @@ def test_stored_kernels_are_timed_at_the_models_shapes_on_its_own_blocks(tiny: C
     assert kernel._members is None  # released: no packed copy stays beside the model
 
 
-# ---- the loader and the options -----------------------------------------------------------------------------------
+# ---- tune, the loader and the options ----------------------------------------------------------------------------
 
 
-def test_auto_takes_the_fastest_acceptable_stored_kernel(tiny: Callable[[Q], Path]) -> None:
-    q4 = load_model(str(tiny(Q.Q4_1)), AUTO, use_cache=False)  # int4pack acceptable and (fixed timings) fastest
-    assert (q4.weights.mode, q4.weights.kernel, q4.kernels.picked) == ("stored", "int4pack", "int4pack")
-    assert "as stored (int4pack)" in q4.weight_format and q4.kernels.timing("int4pack").product_error is None
-    q8 = load_model(str(tiny(Q.Q8_0)), AUTO, use_cache=False)  # int4pack refused by its probe: the exact blocks
-    assert (q8.weights.mode, q8.weights.kernel, q8.kernels.picked) == ("stored", "blocks", "blocks")
-    int4 = q8.kernels.timing("int4pack")
+def _tune(path: Path) -> kernel_pick.Tuned:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    return kernel_pick.tune(resolve_model(str(path), vocabulary=True), torch.device("cpu"))
+
+
+def test_tune_takes_the_fastest_acceptable_stored_kernel(tiny: Callable[[Q], Path]) -> None:
+    q4 = _tune(tiny(Q.Q4_1)).choice  # int4pack acceptable and (fixed timings) fastest
+    assert (q4.picked, q4.weights) == ("int4pack", "stored") and q4.timing("int4pack").product_error is None
+    loaded = load_model(str(tiny(Q.Q4_1)), AUTO, use_cache=False, weights="tuned")
+    assert loaded.weights.kernel == "int4pack" and "as stored (int4pack)" in loaded.weight_format
+    q8 = _tune(tiny(Q.Q8_0)).choice  # int4pack refused by its probe: the exact blocks
+    assert q8.picked == "blocks"
+    int4 = q8.timing("int4pack")
     assert not int4.safe and "probed product error" in int4.unsafe_reason and int4.product_error > 2.0 ** -11
-    assert "bf16: Q8_0 matrices need 11 significand bits, bf16 keeps 8; probed" in q8.kernels.rule
+    assert not q8.timing("bf16").safe and "bf16 keeps 8; probed" in q8.timing("bf16").unsafe_reason
 
 
-def test_an_explicit_dtype_still_measures_the_weights_choice_and_records_it(tiny: Callable[[Q], Path]) -> None:
+def test_an_explicit_dtype_runs_the_default_kernels_with_its_activations(tiny: Callable[[Q], Path]) -> None:
+    default = load_model(str(tiny(Q.Q4_1)), AUTO, use_cache=False)
     loaded = load_model(str(tiny(Q.Q4_1)), FP16, use_cache=False)
-    assert loaded.kernels.overridden_by == "--dtype fp16" and loaded.kernels.ran == "int4pack"
-    assert loaded.weights.kernel == "int4pack" and "fp16 activations" in loaded.weight_format
-    again = load_model(str(tiny(Q.Q4_1)), FP32, use_cache=False, weights="dense")  # read back, not measured
-    assert again.kernels.from_store and again.kernels.ran == "fp32" and again.weights.mode == "dense"
+    assert loaded.kernels.source == rule.OPTION and loaded.kernels.rule.startswith("--dtype fp16 with the default")
+    assert loaded.weights.kernel == default.weights.kernel and "fp16 activations" in loaded.weight_format
+    same = load_model(str(tiny(Q.Q4_1)), FP32, use_cache=False)  # the default's own dtype: the default itself
+    assert same.kernels == default.kernels
 
 
-@pytest.mark.parametrize(("weights", "mode", "kernel", "ran"), [
-    ("stored", "stored", "blocks", "blocks"),
-    ("int4pack", "stored", "int4pack", "int4pack"),
-    ("dense", "dense", "", "fp32"),
+@pytest.mark.parametrize(("weights", "mode", "kernel"), [
+    ("int4pack", "stored", "int4pack"),
+    ("blocks", "stored", "blocks"),
+    ("dense", "dense", ""),
 ])
-def test_weights_overrides(tiny: Callable[[Q], Path], weights: str, mode: str, kernel: str, ran: str) -> None:
+def test_weights_options(tiny: Callable[[Q], Path], weights: str, mode: str, kernel: str) -> None:
     loaded = load_model(str(tiny(Q.Q8_0)), AUTO, use_cache=False, weights=weights)
     assert (loaded.weights.mode, loaded.weights.kernel) == (mode, kernel)
-    assert loaded.kernels.overridden_by == f"--weights {weights}" and loaded.kernels.ran == ran
-    assert loaded.kernels.picked == "blocks"
+    assert loaded.kernels.source == rule.OPTION and loaded.kernels.rule == f"--weights {weights}"
+    assert loaded.kernels.picked == (kernel or "fp32")
 
 
-def test_an_old_kernel_store_is_measured_again_with_one_note(tiny: Callable[[Q], Path]) -> None:
-    path = kernel_store.kernels_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"version": 1, "machines": {"m": {"k": {}}}}))
-    loaded = load_model(str(tiny(Q.Q4_0)), AUTO, use_cache=False)
-    assert "older llmtrace (version 1" in loaded.kernel_note and "measuring again" in loaded.kernel_note
-    assert json.loads(path.read_text())["version"] == kernel_store.STORE_VERSION
-    assert loaded.kernels.picked == "int4pack"
+def test_weights_stored_runs_the_tables_stored_kernels(tiny: Callable[[Q], Path]) -> None:
+    default = load_model(str(tiny(Q.Q8_0)), AUTO, use_cache=False)
+    stored_ = load_model(str(tiny(Q.Q8_0)), AUTO, use_cache=False, weights="stored")
+    if default.kernels.weights == rule.STORED:
+        assert stored_.weights.kernel == default.weights.kernel
+    assert stored_.weights.mode == "stored"
 
 
-def test_a_store_entry_with_an_unknown_ran_is_refused(tmp_path: Path) -> None:
-    choice = select([dense("fp32", 10), stored("blocks", 5)])
+def test_a_store_entry_with_a_mistyped_error_is_refused(tmp_path: Path, tiny: Callable[[Q], Path]) -> None:
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
     path = tmp_path / "kernels.json"
-    kernel_store.save_choice("m", "x", choice, path)
+    kernel_pick.tune(resolve_model(str(tiny(Q.Q8_0)), vocabulary=True), torch.device("cpu"), store_path=path)
     data = json.loads(path.read_text())
-    data["machines"]["m"]["x"]["ran"] = "int2"
-    path.write_text(json.dumps(data))
-    with pytest.raises(kernel_store.StoreProblem, match="ran"):
-        kernel_store.load_choice("m", "x", path)
-    data["machines"]["m"]["x"].update(ran="", candidates=[dict(data["machines"]["m"]["x"]["candidates"][0],
-                                                              product_error="big")])
+    (machine, models), = data["machines"].items()
+    (model, entry), = models.items()
+    entry["candidates"][0]["product_error"] = "big"
     path.write_text(json.dumps(data))
     with pytest.raises(kernel_store.StoreProblem, match="product_error"):
-        kernel_store.load_choice("m", "x", path)
+        kernel_store.load_choice(machine, model, path)
 
 
-def test_the_run_header_and_the_trace_show_every_candidate(tiny: Callable[[Q], Path], tmp_path: Path) -> None:
+def test_the_run_header_names_the_kernels_in_one_line_and_the_details_on_request(tiny: Callable[[Q], Path],
+                                                                                tmp_path: Path) -> None:
     import jsonschema
 
     from llmtrace.tracer.trace.run_trace import Trace, load_schema
 
     out = tmp_path / "t.json"
-    result = CliRunner().invoke(app, ["run", "sky", "-m", str(tiny(Q.Q8_0)), "--max-new-tokens", "2", "--no-roofline",
-                                      "--temperatures", "", "--json", str(out)], terminal_width=80)
+    args = ["run", "sky", "-m", str(tiny(Q.Q8_0)), "--max-new-tokens", "2", "--no-roofline", "--temperatures", ""]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)], terminal_width=80)
     assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "weights stored" not in text  # auto's pick is the kernels line's to say, once
-    assert "kernels: auto, measured in" in text and "blocks (stored, fp32 activations), fastest of" in text
-    assert "int4pack: Q8_0 matrices need 11 significand bits, int4pack keeps 8; probed product error" in text
-    assert "int4pack" in text and "(refused, probe error" in text
+    isa = kernel_pick.instruction_set(torch.device("cpu"))
+    assert "weights stored" not in result.output  # the default is the kernels line's to say, once
+    (line,) = [l for l in result.output.splitlines() if l.startswith("kernels ")]
+    assert len(line) <= 80 and line.endswith(f"· default, {isa}")
+    if isa in ("AVX-512 VNNI", "AVX2"):
+        assert line == f"kernels Q8_0 native (exact) · default, {isa}"
+    assert "  Q8_0" not in result.output  # the details only under --detail kernels
     data = json.loads(out.read_text())
     jsonschema.validate(data, load_schema())
-    names = [c["name"] for c in data["kernels"]["candidates"]]
-    assert set(names) == {"fp32", "fp16", "bf16", *all_kernels()}
-    assert Trace.from_json(out.read_text()).kernels.timing("int4pack").product_error > 2.0 ** -11
-    forced = CliRunner().invoke(app, ["run", "sky", "-m", str(tiny(Q.Q8_0)), "--max-new-tokens", "1", "--no-trace",
-                                      "--no-roofline", "--temperatures", "", "--weights", "int4pack"], terminal_width=80)
-    text = " ".join(forced.output.split())
-    assert "kernels: --weights int4pack (overrides auto): ran int4pack (stored, fp32 activations); auto would take " \
-           "blocks (stored, fp32 activations)" in text
+    assert data["kernels"]["source"] == "default" and data["kernels"]["by_type"][0]["type"] == "Q8_0"
+    assert Trace.from_json(out.read_text()).kernels.numerics == data["kernels"]["numerics"]
+    detail = CliRunner().invoke(app, [*args, "--detail", "kernels", "--no-trace"], terminal_width=80)
+    assert detail.exit_code == 0, detail.output
+    assert f"kernels: {default_phrase(isa)} (BENCHMARKS.md \"Default kernels\")" in detail.output
+    assert any(l.startswith("  Q8_0 ") for l in detail.output.splitlines())
+    forced = CliRunner().invoke(app, [*args, "--no-trace", "--weights", "int4pack"], terminal_width=80)
+    assert "kernels Q8_0 int4pack (bf16) · --weights int4pack" in forced.output
 
 
-def test_a_fake_timer_sees_stored_candidates(tiny: Callable[[Q], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tune_offers_stored_candidates_beside_dense_ones(tiny: Callable[[Q], Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The stored candidates reach the timer as ProductKernels beside the dense ones; dense fastest -> dense."""
     seen = []
 
-    def dense_fastest(kernels, config, device="cpu", progress=None, steps=None):
+    def dense_fastest(kernels, config, device="cpu", progress=None):
         seen.extend((k.name, k.weights) for k in kernels)
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_s=t.decode_s * 10) if t.weights == "stored" else t for t in timings), seconds
 
     monkeypatch.setattr(kernel_pick, "time_kernels", dense_fastest)
-    loaded = load_model(str(tiny(Q.Q4_0)), AUTO, use_cache=False)
+    _tune(tiny(Q.Q4_0))
     assert ("int4pack", "stored") in seen and ("blocks", "stored") in seen and ("fp32", "dense") in seen
+    loaded = load_model(str(tiny(Q.Q4_0)), AUTO, use_cache=False, weights="tuned")
     assert loaded.weights.mode == "dense" and loaded.kernels.picked == "fp32"
-    assert "auto: fp32 dense is the fastest acceptable candidate" in loaded.weights.reason
+    assert loaded.weights.reason == "tuned (llmtrace tune): dequantized"
     assert next(loaded.model.parameters()).dtype == torch.float32 and FP32.name == "fp32" and FP16.name == "fp16"
 
 
@@ -257,23 +255,24 @@ def test_a_kernel_per_type_when_no_one_kernel_is_acceptable_for_all(tiny_mixed: 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_1 + a Q8_0 head: int4pack is refused (the head), blocks is exact; the plan int4pack for Q4_1 and blocks
     for Q8_0 is a candidate of its own, acceptable type by type, and runs when fastest."""
-    def plan_fastest(kernels, config, device="cpu", progress=None, steps=None):
+    def plan_fastest(kernels, config, device="cpu", progress=None):
         timings, seconds = fixed_timings(kernels, config)
         return tuple(replace(t, decode_s=t.decode_s / 100) if ":" in t.name else t for t in timings), seconds
 
     monkeypatch.setattr(kernel_pick, "time_kernels", plan_fastest)
     monkeypatch.setattr(native_kernel, "available", lambda: False)  # exact for every type, it would run them all
-    loaded = load_model(str(tiny_mixed), AUTO, use_cache=False)
+    tuned = _tune(tiny_mixed).choice
     spec = "Q4_1:int4pack,Q8_0:blocks"
-    assert loaded.kernels.picked == spec and loaded.weights.kernel == spec and loaded.kernels.timing(spec).safe
-    assert not loaded.kernels.timing("int4pack").safe
+    assert tuned.picked == spec and tuned.timing(spec).safe and not tuned.timing("int4pack").safe
+    loaded = load_model(str(tiny_mixed), AUTO, use_cache=False, weights="tuned")
+    assert loaded.weights.kernel == spec
     formats = {name: w.format.label for name, w in loaded.model.stored_weights().items()}
     assert formats["output"] == "q8_0 (blocks)" and formats["layers.0.attention.wq"] == "q4_1 (int4pack)"
     again = load_model(str(tiny_mixed), AUTO, weights=spec)  # the spec as an option, cached under its own entry
     ids = torch.tensor([[1, 40, 41, 42]])
-    dense = load_model(str(tiny_mixed), FP32, weights="dense").model
-    for model in (loaded.model, again.model, dense):
+    dense_ = load_model(str(tiny_mixed), FP32, weights="dense").model
+    for model in (loaded.model, again.model, dense_):
         model.setup_cache(1, 8)
-    logits = [m.prefill(ids) for m in (loaded.model, again.model, dense)]
+    logits = [m.prefill(ids) for m in (loaded.model, again.model, dense_)]
     torch.testing.assert_close(logits[0], logits[1])
     assert (logits[0] - logits[2]).abs().max() <= 0.04 * logits[2].abs().max()

@@ -157,7 +157,7 @@ def test_stored_weights_are_refused_on_a_device_without_torch_kernels() -> None:
                              "dense"
 
 
-# ---- the kernel choice's candidates on CUDA -------------------------------------------------------------------------
+# ---- tune's candidates on CUDA -------------------------------------------------------------------------
 
 
 def test_cuda_candidates_are_the_dense_dtypes_and_torchs_stored_kernels(
@@ -167,7 +167,7 @@ def test_cuda_candidates_are_the_dense_dtypes_and_torchs_stored_kernels(
     offers on the CPU."""
     timed: list[tuple[tuple[str, ...], str]] = []
 
-    def timer(kernels: Any, config: Any, device: str = "cpu", progress: Any = None, steps: Any = None) -> Any:
+    def timer(kernels: Any, config: Any, device: str = "cpu", progress: Any = None) -> Any:
         timed.append((tuple(k.name for k in kernels), device))
         return fixed_timings(kernels, config)
 
@@ -175,14 +175,14 @@ def test_cuda_candidates_are_the_dense_dtypes_and_torchs_stored_kernels(
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
     resolved = resolve_model(str(tiny_quantized(Q.Q4_0)), vocabulary=True)
-    picked = kernel_pick.pick(resolved, torch.device("cuda"), timer=timer, store_path=tmp_path / "kernels.json")
+    picked = kernel_pick.tune(resolved, torch.device("cuda"), timer=timer, store_path=tmp_path / "kernels.json")
     assert timed == [(("fp32", "fp16", "bf16", INT4PACK, BLOCKS), "cuda")]
     assert picked.choice.picked == INT4PACK and picked.choice.weights == STORED  # fixed timings: int4pack fastest
-    on_cpu = kernel_pick.pick(resolved, torch.device("cpu"), timer=timer, store_path=tmp_path / "cpu.json")
+    on_cpu = kernel_pick.tune(resolved, torch.device("cpu"), timer=timer, store_path=tmp_path / "cpu.json")
     assert set(timed[1][0]) - set(timed[0][0]) == ({"i8dot", NATIVE} if native_kernel.available() else set())
     assert on_cpu.choice.picked == INT4PACK
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (7, 5))  # older than torch's int4 kernel
-    older = kernel_pick.pick(resolved, torch.device("cuda"), timer=timer, store_path=tmp_path / "older.json")
+    older = kernel_pick.tune(resolved, torch.device("cuda"), timer=timer, store_path=tmp_path / "older.json")
     assert timed[2] == (("fp32", "fp16", "bf16", BLOCKS), "cuda") and older.choice.picked == BLOCKS
 
 
@@ -234,7 +234,8 @@ def test_the_bundled_model_as_stored_on_cuda_answers_paris() -> None:
 
 
 @gpu
-def test_auto_on_cuda_measures_int4pack() -> None:
-    loaded = load_model(None, AUTO, device="cuda")  # the fixed timer (conftest); the probes run on the GPU
-    assert loaded.kernels is not None
-    assert INT4PACK in {t.name for t in loaded.kernels.candidates}
+def test_the_default_on_cuda_runs_int4pack_for_q4_matrices() -> None:
+    """The default table's CUDA row: Q4_1 on torch's int4 kernel, the Q8_0 head dequantized; nothing measured."""
+    loaded = load_model(None, AUTO, device="cuda")
+    assert loaded.kernels.source == "default" and loaded.kernels.instruction_set == "CUDA"
+    assert loaded.kernels.picked == "Q4_1:int4pack" and not loaded.kernels.candidates

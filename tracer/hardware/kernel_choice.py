@@ -1,20 +1,16 @@
-"""Which way to run a model's products on this machine: the rule that turns measured timings into a choice.
+"""The accuracy rule every way of running a model's products is judged by, and the record of what a run used.
 
-`--dtype auto` and `--weights auto` are decided here from measurements (tracer/hardware/product_timing.py times the
-model's own products at the model's own shapes), not from CPU flags: on one AVX-512-BF16 CPU fp16 matrix-vector
-products streamed at ~50 GB/s and bf16 ones at ~17 GB/s, on an AMX CPU bf16 won, on an AVX2 one bf16 is several
-times slower than fp32, and torch's int4 kernel is a bf16 kernel that beats every dense dtype on some shapes and not
-on others. Which is fastest is a property of the machine.
+What runs by default is a fixed table per instruction set (tracer/hardware/kernel_defaults.py), never a timing taken
+at run time. `llmtrace tune` (tracer/load/kernel_pick.py) times the candidates on this machine at the model's own
+shapes and saves its pick, which a run uses only under `--weights tuned`; a saved pick is judged again by the same
+rule before it is used.
 
-The rule, in order:
-1. Candidates. Each dense compute dtype (fp32, fp16, bf16: every matrix converted to it, activations in it) and, for
-   a GGUF, each stored-precision kernel that runs every one of its matrices as stored
-   (llmtrace.tracer.model.weight_formats.stored_kernels: "int4pack", "blocks", and any kernel added there), with fp32
-   activations (the rest of the model computes in fp32; the kernel reads the weights as the file stores them);
-   and, when no one kernel is acceptable for every matrix type, a kernel PER TYPE ("Q4_1:int4pack,Q8_0:blocks":
-   for each type the first kernel in weight_formats' order that is acceptable for that type alone; and that plan with
-   one type at a time on its next acceptable kernel, since an order is not a measurement: "Q4_1:i8dot,Q8_0:i16dot"
-   and "Q4_1:i8dot,Q8_0:native" are both timed; tracer/load/kernel_pick.py's per_type_plans).
+The rule:
+1. Candidates (tune). Each dense compute dtype (fp32, fp16, bf16: every matrix converted to it, activations in it)
+   and, for a GGUF, each stored-precision kernel that runs every one of its matrices as stored
+   (llmtrace.tracer.model.weight_formats.stored_kernels), with fp32 activations; and, when no one kernel is acceptable
+   for every matrix type, a kernel PER TYPE ("Q4_1:i8dot,Q8_0:native": for each type the first acceptable kernel in
+   weight_formats' order, and that plan with one type at a time on its next acceptable kernel).
 2. Accuracy: one rule for dense and stored candidates. A matrix stored as format F needs `required_bits(F)`
    significand bits: a float matrix its own bits (fp16 -> bf16 loses 3, so never; bf16 -> fp16 is exact in fp16's
    range); a block-quantized one (GGUF Q4_1, Q8_0...) its code bits + GUARD_BITS, so that rounding a dequantized
@@ -28,33 +24,11 @@ The rule, in order:
      F is block-quantized and the PROBED product error on the model's own F matrices is at most 2^-required_bits(F):
      err = ||y - y_exact||_2 / ||y_exact||_2 over the outputs of PROBE_ROWS seeded standard-normal activation rows
      multiplied by those matrices (y: the candidate's product; y_exact: the same rows times the file's exactly
-     dequantized values, in fp64). 2^-b is the unit roundoff of a b-bit significand, so a candidate passes when its
-     products are as close to the exact ones as rounding to the bits the format needs would leave them.
-   The probe runs once per machine and model (its error is saved with the timings) and only where the bits do not
-   already settle it; a float-stored matrix is never probed (its values are the checkpoint; fewer bits change them).
-   So int4pack is acceptable for Q4 models and refused for a Q8_0 matrix unless its probe passes; exact kernels always
-   pass; dense bf16 for Q8_0 is probed the same way. fp16 has a second condition, range, checked on the loaded model
-   (tracer/load/kernel_pick.py): no weight beyond fp16's largest value and the residual stream of a probe forward
-   below FP16_ACTIVATION_LIMIT, else the next candidate is taken.
-3. Speed: each candidate's cost is the time of a reference generation, a REFERENCE_PROMPT-token prefill plus
-   REFERENCE_DECODE decode steps (`reference_s`). Prefill: its measured matrix-matrix product times. Decode
-   (`decode_s`), timed as the candidate's decode step will run:
-   - a stored candidate whose one-token step runs as the native C step (every matrix on the native library's kernels:
-     "native", "i8dot", "i16dot", a plan of them; tracer/model/native_step.py) is timed as WHOLE steps of its model as
-     `run` loads it (tracer/load/step_timing.py: steps at the first positions of an empty cache, the candidates
-     alternated in rounds, the 0.2 quantile of up to 64 steps): its products, norms, RoPE, a few keys' attention and the
-     embedding row in one C call, as it runs. A sum of its products called one by one from Python is not what that step
-     does (a ctypes call and a thread wake-up per product, activations quantized per call): it misranked the two such
-     candidates of the bundled model;
-   - every other candidate as the sum of its matrix-vector products (tracer/hardware/product_timing.py: the faster
-     of torch.mv and mm for a dense dtype, the kernel itself for a stored one; each the best of a few passes): the
-     step's other operations are not counted, which leans towards these candidates, never against them.
-   The fastest acceptable candidate wins, except that a checkpoint stored in fp16 or bf16 keeps its own dtype unless
-   another acceptable one is MARGIN faster ("measurably": beyond a quick measurement's noise). A checkpoint without
-   stored weights (random init) has every dense candidate acceptable. Refused candidates are timed too and listed with
-   the reason.
-4. Overrides: `--dtype X` and `--weights dense|stored|<kernel>` restrict the candidates (`constrained`); the run
-   records the option, what auto would have taken, and the candidate that ran.
+     dequantized values, in fp64). 2^-b is the unit roundoff of a b-bit significand.
+   fp16 has a second condition, range, checked on the loaded model (tracer/load/kernel_pick.py's fp16_problem).
+3. Speed (tune): each candidate's cost is the time of a reference generation's products, a REFERENCE_PROMPT-token
+   prefill plus REFERENCE_DECODE decode steps (`reference_s`), timed one layer and the LM head at a time
+   (tracer/hardware/product_timing.py). The fastest acceptable candidate is tune's pick.
 
 Pure Python (no torch): the timings and probe errors come in as records, so the rule is tested with injected ones.
 """
@@ -62,13 +36,12 @@ Pure Python (no torch): the timings and probe errors come in as records, so the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 # The reference generation a candidate's cost is the time of: a typical prompt's prefill and as many decode steps.
 REFERENCE_PROMPT = 128
 REFERENCE_DECODE = 128
-MARGIN = 1.10  # another dtype must be 10% faster to replace a checkpoint's own fp16 or bf16
 FP16_ACTIVATION_LIMIT = 4096.0  # 65504 / 16: room for prompts that push the residual stream further than the probe
 PROBE_ROWS = 4  # activation rows a probe multiplies each matrix by
 
@@ -190,102 +163,48 @@ class CandidateTiming:
         return 1.0 / self.decode_s if self.decode_s > 0 else float("inf")
 
 
+
+DEFAULT, TUNED, OPTION = "default", "tuned", "option"  # where a run's kernels came from
+
+
+@dataclass(frozen=True, slots=True)
+class TypeKernel:
+    """How one stored type's matrices ran: "Q4_1" on "i8dot", "int8 activations (llama.cpp-style)"."""
+
+    type: str  # the file's type name (Q4_1, Q8_0, F32...)
+    kernel: str  # a stored kernel, or "dense" (dequantized into the compute dtype)
+    numerics: str  # what its products compute (kernel_defaults.NUMERICS)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
-    """What `--dtype auto` and `--weights auto` resolved to, and why."""
+    """What a run multiplied its matrices with, where that came from, and what its products compute."""
 
-    picked: str  # a candidate name: what auto takes (with overridden_by: would take)
-    dtype: str  # its compute dtype
+    picked: str  # a dense dtype ("fp32") or a stored kernel spec ("Q4_1:i8dot,Q8_0:native")
+    dtype: str  # the compute (activation) dtype
     weights: str  # DENSE or STORED
-    decode_kernel: str  # "mv"/"mm" for dense, the stored kernel for stored
-    rule: str  # one line: why this one
-    candidates: tuple[CandidateTiming, ...]  # every candidate measured, fastest first (refused ones included)
-    measured_seconds: float  # how long the measurement took (0 when read back)
-    from_store: bool = False  # read back from the saved choices for this machine and model shape
-    overridden_by: str = ""  # "--dtype fp32", "--weights dense" when the user chose; then `picked` is auto's
-    stored_dtype: str | None = None  # the checkpoint's own compute dtype (select's argument)
-    ran: str = ""  # with overridden_by: the candidate the options left (the one that ran), "" when none matched
-    # The share of the CPUs' time other processes took while it was measured (tracer/hardware/machine_load.py);
-    # None: not read (no /proc/stat, nothing measured, an older trace)
-    others_cpu: float | None = None
-    # Measured on a busy machine (others_cpu over machine_load's BUSY_SHARE): saved, but a later run measures again
-    # rather than serve it (tracer/load/kernel_pick.py)
-    provisional: bool = False
+    decode_kernel: str  # "mv"/"mm" for dense; the stored kernel spec otherwise
+    source: str  # DEFAULT (the table), TUNED (`llmtrace tune`'s saved pick), OPTION (--dtype / --weights)
+    rule: str  # one line: why these
+    numerics: str  # "exact", or per type: "int8 activations (llama.cpp-style) on Q4_1; exact on Q8_0"
+    instruction_set: str = ""  # the default table's row (kernel_defaults.py)
+    by_type: tuple[TypeKernel, ...] = ()  # the file's matrix types, each's kernel and numerics
+    candidates: tuple[CandidateTiming, ...] = ()  # tune's timings, fastest acceptable first (a tuned pick)
+    measured_seconds: float = 0.0  # how long tune measured
+    others_cpu: float | None = None  # the share of the CPUs other processes took while tune measured
 
     def timing(self, name: str) -> CandidateTiming | None:
         return next((c for c in self.candidates if c.name == name), None)
 
-    @property
-    def running(self) -> CandidateTiming | None:
-        """The candidate the run used: `ran` under an override, else `picked` (None when nothing was measured)."""
-        return self.timing(self.ran if self.overridden_by else self.picked)
 
-
-def select(candidates: Iterable[CandidateTiming], stored_dtype: str | None = None,
-           measured_seconds: float = 0.0) -> KernelChoice:
-    """The choice among measured `candidates` by the rule of the module docstring. `stored_dtype`: the compute
-    dtype the checkpoint is stored in (fp16/bf16/fp32 HF weights), None for quantized or random weights."""
-    ranked = tuple(sorted(candidates, key=lambda c: (not c.safe, c.reference_s, c.name)))
-    safe = [c for c in ranked if c.safe]
+def select(candidates: Iterable[CandidateTiming]) -> CandidateTiming:
+    """Tune's pick among measured `candidates`: the fastest acceptable one (ties by name)."""
+    safe = sorted((c for c in candidates if c.safe), key=lambda c: (c.reference_s, c.name))
     if not safe:
         raise ValueError("no acceptable candidate was measured")  # the caller always offers fp32 dense
-    fastest = safe[0]
-    own = next((c for c in safe if c.weights == DENSE and c.dtype == stored_dtype), None)
-    if own is not None and stored_dtype in ("fp16", "bf16") and own is not fastest:
-        if fastest.reference_s * MARGIN > own.reference_s:
-            gain = own.reference_s / fastest.reference_s
-            return _choice(own, ranked, measured_seconds,
-                           f"the checkpoint's own {stored_dtype}: {fastest.name} is only {gain:.2f}x faster "
-                           f"(needs {MARGIN:.2f}x)", stored_dtype)
-    if len(safe) == 1:
-        rule = f"the only acceptable candidate ({_unsafe_summary(ranked)})"
-    else:
-        runner_up = safe[1]
-        rule = (f"fastest of {len(safe)} acceptable candidates ({runner_up.reference_s / fastest.reference_s:.2f}x "
-                f"ahead of {runner_up.name})")
-        unsafe = [c for c in ranked if not c.safe]
-        if unsafe:
-            rule += f"; refused: {_unsafe_summary(ranked)}"
-    return _choice(fastest, ranked, measured_seconds, rule, stored_dtype)
+    return safe[0]
 
 
-def constrained(choice: KernelChoice, flags: str, dtype: str | None = None, weights: str | None = None,
-                kernel: str | None = None) -> KernelChoice:
-    """`choice` under the user's options (`flags`, e.g. "--dtype fp16 --weights stored"): `ran` is the fastest
-    measured candidate they allow (acceptable ones first: an option may also force a refused one), "" when none
-    does; `picked` stays what auto takes. `dtype` fixes a dense candidate's dtype (a stored candidate then runs its
-    activations in it); `weights` DENSE or STORED; `kernel` one stored kernel."""
-    def allowed(c: CandidateTiming) -> bool:
-        if weights is not None and c.weights != weights:
-            return False
-        if kernel is not None and (c.weights != STORED or c.decode_kernel != kernel):
-            return False
-        return dtype is None or c.weights == STORED or c.dtype == dtype
-
-    matching = sorted((c for c in choice.candidates if allowed(c)), key=lambda c: (not c.safe, c.reference_s))
-    return replace(choice, overridden_by=flags, ran=matching[0].name if matching else "")
-
-
-def without(choice: KernelChoice, name: str, reason: str) -> KernelChoice:
-    """`choice` re-decided with candidate `name` marked unsafe for `reason` (an fp16 range check that failed)."""
-    marked = [replace(c, safe=False, unsafe_reason=reason) if c.name == name else c for c in choice.candidates]
-    again = select(marked, choice.stored_dtype, choice.measured_seconds)
-    return replace(again, from_store=choice.from_store, others_cpu=choice.others_cpu, provisional=choice.provisional)
-
-
-def unmeasured(dtype: str, rule: str, stored_dtype: str | None = None) -> KernelChoice:
-    """A choice with nothing to measure (one acceptable candidate, or a device without timings): dense `dtype`."""
-    return KernelChoice(picked=dtype, dtype=dtype, weights=DENSE, decode_kernel="mv", rule=rule, candidates=(),
-                        measured_seconds=0.0, stored_dtype=stored_dtype)
-
-
-def _choice(picked: CandidateTiming, ranked: tuple[CandidateTiming, ...], seconds: float, rule: str,
-            stored_dtype: str | None) -> KernelChoice:
-    return KernelChoice(picked=picked.name, dtype=picked.dtype, weights=picked.weights,
-                        decode_kernel=picked.decode_kernel, rule=rule, candidates=ranked, measured_seconds=seconds,
-                        stored_dtype=stored_dtype)
-
-
-def _unsafe_summary(ranked: tuple[CandidateTiming, ...]) -> str:
-    unsafe = [f"{c.name}: {c.unsafe_reason}" for c in ranked if not c.safe]
-    return "; ".join(unsafe) if unsafe else "no other candidate"
+def ranked(candidates: Iterable[CandidateTiming]) -> tuple[CandidateTiming, ...]:
+    """Acceptable ones first, each group fastest first."""
+    return tuple(sorted(candidates, key=lambda c: (not c.safe, c.reference_s, c.name)))

@@ -1,13 +1,15 @@
-"""Saved kernel choices: `kernels.json` next to hardware.json (tracer/hardware/store.py's config folder).
+"""Saved kernel picks: `kernels.json` next to hardware.json (tracer/hardware/store.py's config folder), written by
+`llmtrace tune` and read for `run --weights tuned` only.
 
 One entry per machine (product_timing.machine_key: device, its model, torch, CPU kernels, threads) and model shape
 (`model_key`: the product shapes, the layer count and the matrices' stored formats), so a different CPU, torch,
-thread count or model shape measures again, and the same ones do not.
+thread count or model shape has no saved pick.
 
 The file comes from outside (hand edits, another version, a torn copy): whatever fails to read back as the records
 it should hold (bad JSON, a wrong version, a missing or mistyped field) is a `StoreProblem` the caller turns into
-one line and a fresh measurement, which then replaces the damaged file; never a traceback. The file itself is read
-and saved (atomically) by tracer/core/json_store.py. Pure Python, no torch.
+one line and the default kernels; never a traceback. What reads back well-formed is still judged again by the
+accuracy rule before it runs (tracer/load/kernel_pick.py's saved_choice). The file itself is read and saved
+(atomically) by tracer/core/json_store.py. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -19,29 +21,24 @@ from typing import Any, Iterable
 
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
-from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, TypeKernel
 from llmtrace.tracer.hardware.store import config_dir
 
-# 2: stored kernels are candidates (CandidateTiming.product_error, KernelChoice.ran).
-# 3: a native-step candidate's decode_s is its whole C step, no longer the sum of its products (kernel_choice's rule,
-#    step 3): a choice made from the sums misranked such candidates, so an older file is read as out of date: one
-#    line, and a fresh measurement replaces it (never a stale choice served).
-# 4: a choice carries the share of the CPUs other processes took while it was measured (`others_cpu`) and whether
-#    that made it `provisional` (tracer/hardware/machine_load.py): a later run measures again rather than serve a
-#    provisional one. A version-3 choice may have been measured on a busy machine with nothing to tell, so it is read
-#    as out of date (one line, and a fresh measurement replaces it).
-STORE_VERSION = 4
+# 5: written by `llmtrace tune` only (a run no longer measures); the record names its source and numerics. An older
+#    file (a run's own measurement) is read as out of date: one line, the default kernels.
+STORE_VERSION = 5
 _CHOICE_FIELDS = {f.name: f for f in fields(KernelChoice)}
 _TIMING_FIELDS = {f.name: f for f in fields(CandidateTiming)}
+_TYPE_FIELDS = {f.name for f in fields(TypeKernel)}
 
 
 class StoreProblem(HardwareError):
     """The saved choices could not be read back; the message names the file and what was wrong."""
 
 
-# The caller (load/kernel_pick.py) says what happens next: measuring again.
+# The caller (load/kernel_pick.py) says what happens next: the default kernels.
 STORE = StoreFormat("kernel store", STORE_VERSION, ("machines",), StoreProblem, HardwareError,
-                    older="before a measurement checked how busy the machine was")
+                    older="by a run's own measurement, before `llmtrace tune`")
 
 
 def kernels_path() -> Path:
@@ -60,8 +57,8 @@ def model_key(shapes: Iterable[Any], n_layers: int, stored_formats: Iterable[str
 
 
 def load_choice(machine: str, model: str, path: Path | None = None) -> KernelChoice | None:
-    """The saved choice for this machine and model shape (a provisional one too: the caller decides whether to serve
-    it), None when there is none; StoreProblem when the file or the entry is damaged."""
+    """The saved pick for this machine and model shape, None when there is none; StoreProblem when the file or the
+    entry is damaged."""
     path = path or kernels_path()
     data = read_store(path, STORE)
     entry = data["machines"].get(machine, {})
@@ -85,7 +82,6 @@ def save_choice(machine: str, model: str, choice: KernelChoice, path: Path | Non
     if not isinstance(machines.get(machine), dict):
         machines[machine] = {}
     record = asdict(choice)
-    record.update(from_store=False, overridden_by="", ran="")
     machines[machine][model] = record
     return write_store(path, data, STORE, "the kernel choice")
 
@@ -93,28 +89,26 @@ def save_choice(machine: str, model: str, choice: KernelChoice, path: Path | Non
 def _choice_from(raw: Any, where: str) -> KernelChoice:
     if not isinstance(raw, dict) or set(raw) != set(_CHOICE_FIELDS):
         raise StoreProblem(f"{where} is malformed (not an object with the choice's fields)")
-    if not isinstance(raw["candidates"], list):
-        raise StoreProblem(f"{where}: 'candidates' is not a list")
+    if not isinstance(raw["candidates"], list) or not isinstance(raw["by_type"], list):
+        raise StoreProblem(f"{where}: 'candidates' or 'by_type' is not a list")
     candidates = tuple(_timing_from(c, where) for c in raw["candidates"])
-    values = {k: v for k, v in raw.items() if k != "candidates"}
+    by_type = []
+    for item in raw["by_type"]:
+        if not isinstance(item, dict) or set(item) != _TYPE_FIELDS or not all(isinstance(v, str)
+                                                                            for v in item.values()):
+            raise StoreProblem(f"{where}: an entry of 'by_type' is malformed")
+        by_type.append(TypeKernel(**item))
+    values = {k: v for k, v in raw.items() if k not in ("candidates", "by_type")}
     for name, value in values.items():
-        if name == "stored_dtype":
-            ok = value is None or isinstance(value, str)
-        elif name == "measured_seconds":
+        if name == "measured_seconds":
             ok = _number(value)
-        elif name in ("from_store", "provisional"):
-            ok = isinstance(value, bool)
         elif name == "others_cpu":
             ok = value is None or (_number(value) and value <= 1)
         else:
             ok = isinstance(value, str)
         if not ok:
             raise StoreProblem(f"{where}: field {name!r} has a wrong value ({value!r})")
-    if values["ran"] and values["ran"] not in {c.name for c in candidates}:
-        raise StoreProblem(f"{where}: the candidate that ran ({values['ran']!r}) is not among those measured")
-    if candidates and values["picked"] not in {c.name for c in candidates}:
-        raise StoreProblem(f"{where}: the picked candidate {values['picked']!r} is not among those measured")
-    return KernelChoice(candidates=candidates, **values)
+    return KernelChoice(candidates=candidates, by_type=tuple(by_type), **values)
 
 
 def _timing_from(raw: Any, where: str) -> CandidateTiming:

@@ -1,7 +1,7 @@
 """Whether a measurement was taken on a busy machine: the share of the CPUs' time other processes took meanwhile.
 
-A measurement (the kernel choice's timings, tracer/load/kernel_pick.py; the roofline's ceilings,
-tracer/hardware/measure.py) is saved and served to every later run, so one taken while something else ran (a
+A measurement (`llmtrace tune`'s timings, tracer/load/kernel_pick.py; the roofline's ceilings,
+tracer/hardware/measure.py) is saved and served to later runs, so one taken while something else ran (a
 compiler build on both cores of a fresh machine: every candidate timed 2-8x slow, the wrong one chosen, the ceilings
 low) would be served as if it were the machine's. Its timings cannot tell: a best-of or a low quantile filters short
 spells of the neighbours, not a build that runs throughout.
@@ -14,8 +14,8 @@ What is read (Linux; elsewhere nothing is, and a measurement is taken as it is):
   native kernel's first build), from os.times.
 OTHERS' SHARE = (busy ticks - this process's ticks) / whole ticks over the interval: 0 on a quiet machine however
 busy the measurement kept the CPUs itself, ~0.5 when a build shares two cores with it. Above BUSY_SHARE the
-measurement is "busy": the caller uses it for the run that made it and does not keep it as the machine's (a kernel
-choice is saved as provisional, a quick roofline profile is not saved), so the next run measures again.
+measurement is "busy": the caller says so (tune saves its pick with a note to tune again on a quieter machine; a
+quick roofline profile serves the run that made it and is not saved, so the next run measures again).
 
 BUSY_SHARE can be set with LLMTRACE_BUSY_SHARE (a number from 0 to 1; 1: never busy, for a machine that is always
 shared, where measuring again every run costs more than a choice made under load), read before a measurement.

@@ -1,13 +1,13 @@
-"""Time a model's own matrix products on this machine, once per way of running them (tracer/hardware/kernel_choice.py
-decides with the result).
+"""Time a model's own matrix products on this machine, once per way of running them: `llmtrace tune`
+(tracer/load/kernel_pick.py; tracer/hardware/kernel_choice.py's rule decides with the result).
 
 What is timed is what a step of the fused path multiplies, at the model's shapes (contract.fused_stages: Q|K|V and
 gate|up packed, the LM head):
 - decode: one matrix-vector product per matrix of every layer, then the LM head's; dense candidates are timed
   through torch.mv and through mm (x (1, in) @ Wᵀ), which differ by 2x for some dtypes on some CPUs, and keep the
-  faster. Not for a candidate whose decode runs as the native C step: the caller times its whole steps
-  (tracer/load/step_timing.py) and passes them in (`steps`), since one call per product from Python is not what
-  that step does;
+  faster. A candidate whose decode runs as the native C step (one C call a token) is timed the same way, a call
+  per product: that leans against it by a ctypes call and a thread wake-up per product (tune's figures are for
+  ranking kernels, not a prediction of `run`'s step);
 - prefill: REFERENCE_PROMPT rows through each matrix of one layer (matrix-matrix), times the layer count, and the
   LM head's matrix-vector product (the fused path applies it to the last position only).
 Weights are random (timing does not depend on their values) and, for decode, spread over enough layers to stream
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -117,13 +117,10 @@ def _best(run: Callable[[], object], device: str, budget: float) -> float:
 
 
 def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu", budget: float = BUDGET_SECONDS,
-                progress: Progress | None = None, seed: int = 0, beat: float | None = None,
-                step_s: float | None = None) -> CandidateTiming:
+                progress: Progress | None = None, seed: int = 0, beat: float | None = None) -> CandidateTiming:
     """Decode and prefill product times of `kernel` at `config`'s shapes (see the module docstring). `beat`: the
     fastest decode step measured so far; a kernel whose decode products with one layer in cache already take
-    SLOW_FACTOR times that is not streamed (its figure is that lower bound: it cannot win). `step_s`: its decode
-    step measured whole by the caller (a native-step candidate); that is its decode figure, and only the LM head's
-    product (the prefill's last row) and the prefill are timed here."""
+    SLOW_FACTOR times that is not streamed (its figure is that lower bound: it cannot win)."""
     shapes = product_shapes(config)
     layer_shapes = [s for s in shapes if s.per_layer]
     step_shapes = [s for s in shapes if not s.per_layer]
@@ -149,7 +146,7 @@ def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu",
             kernel.matvec(variant, weight, vectors[shape.cols])
 
     decode_times = {}
-    for variant in (kernel.decode_variants if step_s is None else ()):
+    for variant in kernel.decode_variants:
         def layers_pass(variant: str = variant, only_first: bool = False) -> None:
             for weights in [first] if only_first else layers:
                 for shape, weight in zip(layer_shapes, weights):
@@ -166,12 +163,8 @@ def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu",
                                 for _ in range(copies - 1)]
         per_layer = _best(layers_pass, device, budget / 2) / copies
         decode_times[variant] = (per_layer * config.n_layers + head_s, head_s)
-    if step_s is None:
-        variant = min(decode_times, key=lambda v: decode_times[v][0])
-        decode_s, head_s = decode_times[variant]
-    else:  # measured whole by the caller; the head's product is still the prefill's last row
-        variant, decode_s = kernel.decode_variants[0], step_s
-        head_s = _best(partial(head_pass, variant), device, budget / 4)
+    variant = min(decode_times, key=lambda v: decode_times[v][0])
+    decode_s, head_s = decode_times[variant]
 
     def prefill_layer() -> None:
         for shape, weight in zip(layer_shapes, first):
@@ -184,18 +177,13 @@ def time_kernel(kernel: ProductKernel, config: ModelConfig, device: str = "cpu",
 
 
 def time_kernels(kernels: Sequence[ProductKernel], config: ModelConfig, device: str = "cpu",
-                 progress: Progress | None = None, steps: Mapping[str, float] | None = None,
-                 ) -> tuple[tuple[CandidateTiming, ...], float]:
-    """Every kernel timed in turn (its weights freed before the next); and the seconds it all took. `steps`:
-    {candidate: its decode step measured whole} for the candidates whose steps the caller timed (native-step
-    candidates: tracer/load/step_timing.py); their decode products are not timed."""
+                 progress: Progress | None = None) -> tuple[tuple[CandidateTiming, ...], float]:
+    """Every kernel timed in turn (its weights freed before the next); and the seconds it all took."""
     start = time.perf_counter()
-    steps = steps or {}
     timings: list[CandidateTiming] = []
     for kernel in kernels:
-        beat = min([t.decode_s for t in timings] + list(steps.values()), default=None)
-        timings.append(time_kernel(kernel, config, device, progress=progress, beat=beat,
-                                   step_s=steps.get(kernel.name)))
+        beat = min([t.decode_s for t in timings], default=None)
+        timings.append(time_kernel(kernel, config, device, progress=progress, beat=beat))
         release = getattr(kernel, "release", None)
         if release is not None:
             release()

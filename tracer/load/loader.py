@@ -20,7 +20,6 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,7 +39,9 @@ from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError, LlmtraceError
 from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
-from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, constrained, unmeasured, without
+from llmtrace.tracer.hardware import kernel_choice
+from llmtrace.tracer.hardware.kernel_choice import KernelChoice
+from llmtrace.tracer.hardware.kernel_defaults import NO_COMPILER, default_phrase
 from llmtrace.tracer.load import kernel_pick, weights_cache
 from llmtrace.tracer.load.gguf_loader import (
     load_gguf_stored,
@@ -56,6 +57,7 @@ from llmtrace.tracer.load.stored_weights import (
     AUTO as WEIGHTS_AUTO,
     DENSE,
     STORED,
+    TUNED,
     WeightsChoice,
     WeightsRequest,
     all_kernels,
@@ -66,14 +68,17 @@ from llmtrace.tracer.load.stored_weights import (
     to_entry,
     widest_kernel,
 )
+from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
 from llmtrace.tracer.model.weight_formats import (INT4PACK, TORCH_KERNEL_DEVICES, PackedWeight, device_refusal,
                                                  int4_refusal, runs_blocks, runs_here)
 
-# The library's default is fp32, the reference numerics; the CLI passes AUTO (the fastest numerically safe dtype,
-# measured on this machine: llmtrace.tracer.load.kernel_pick), which load_model also accepts.
+# The library's default is fp32, the reference numerics; the CLI passes AUTO (the default table's dtype for the
+# checkpoint: tracer/hardware/kernel_defaults.py), which load_model also accepts.
 DEFAULT_DTYPE = FP32
+# What running without llmtrace's C kernels costs, said when they cannot be built (BENCHMARKS.md "Default kernels")
+NO_COMPILER_COST = "several times slower (the bundled model: 6-10x)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +91,10 @@ class LoadedModel:
     weight_format: str  # e.g. "GGUF Q4_1+Q8_0 -> fp32", "safetensors bf16 -> fp32", "random init (seed 0) fp32"
     from_cache: bool = False  # GGUF weights read from the converted-weights cache
     cache_note: str = ""  # one line when a damaged cache entry was dropped and converted again
-    # What --dtype auto resolved to and the measured alternatives (tracer/hardware/kernel_choice.py); with an explicit
-    # dtype, the saved measurement for this machine and model when there is one (overridden_by says so), else None.
+    # The kernels that ran, where they came from (the default table, `llmtrace tune`'s saved pick, options) and their
+    # numerics (tracer/hardware/kernel_choice.py's KernelChoice)
     kernels: KernelChoice | None = None
-    kernel_note: str = ""  # one line: a damaged kernel store replaced, a choice not saved, fp16 refused
+    kernel_note: str = ""  # one line: no C compiler, a tuned pick ignored, fp16 refused
     weights: WeightsChoice = WeightsChoice(DENSE, "")  # stored or dense, and why (llmtrace.tracer.load.stored_weights)
 
 
@@ -102,21 +107,16 @@ def load_model(
     random_init: bool = False,
     seed: int = 0,
     use_cache: bool = True,
-    progress: Callable[[str], None] | None = None,
     weights: str | WeightsRequest | None = None,
-    reuse: kernel_pick.Reuse = kernel_pick.Reuse.SETTLED,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring; a string is classified by
-    llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. AUTO measures
-    this machine's products for the model's shapes on first use (llmtrace.tracer.load.kernel_pick; `progress`
-    hears what is being measured) and records the choice in `kernels`.
+    llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. Nothing is
+    measured: AUTO is the default table's dtype (tracer/hardware/kernel_defaults.py), recorded in `kernels`.
 
-    `weights`: `--weights` as typed (llmtrace.tracer.load.stored_weights.parse_weights): None/"auto" takes the
-    measured choice between a GGUF's stored kernels and the dense dtypes (measured on first use even with an
-    explicit `dtype`, which then fixes the activations' dtype), "stored" the fastest acceptable stored kernel,
-    "dense" dequantizes, a kernel's name runs that kernel. Options that override auto are recorded in
-    `kernels.overridden_by`, with the candidate they left in `kernels.ran`. `reuse`: which saved choice serves
-    instead of a measurement (kernel_pick.Reuse: NONE measures again and replaces it, `run --remeasure`)."""
+    `weights`: `--weights` as typed (llmtrace.tracer.load.stored_weights.parse_weights): None/"auto" runs the default
+    table's kernels for this machine (an explicit `dtype` then fixes the activations' dtype), "tuned" `llmtrace
+    tune`'s saved pick (judged again; one that fails is a note and the defaults), "stored" the table's stored kernels,
+    "dense" dequantizes, a kernel's name runs that kernel. `kernels.source` says which."""
     start = time.perf_counter()
     request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
     target = _check_device(device, request)
@@ -129,95 +129,92 @@ def load_model(
             ".gguf file or an HF model folder as --model"
         )
     auto = isinstance(dtype, AutoDtype)
-    if dry_run:  # shapes only: a saved choice when there is one, never a measurement
-        saved = kernel_pick.lookup(resolved, target)
-        kernels = saved or (unmeasured("fp32", "dry run: not measured") if auto else None)
-        compute = get_dtype(kernels.dtype, COMPUTE_DTYPES) if auto and kernels is not None else dtype
-        if not auto and kernels is not None:
-            kernels = replace(constrained(kernels, f"--dtype {dtype.name}", dtype=dtype.name), from_store=True)
-        assert isinstance(compute, DType)
-        return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, None), kernels=kernels)
     gguf = resolved.kind == GGUF and not random_init
-    # --remeasure measures even where options override the choice: they override what it saves, not whether
-    measure = auto or (gguf and request.mode in (WEIGHTS_AUTO, STORED) and request.kernel is None) \
-        or (reuse is kernel_pick.Reuse.NONE and not random_init)
-    note = ""
-    kernels: KernelChoice | None
-    if measure and (auto or kernel_pick.needs_measurement(resolved, target)):
-        picked = kernel_pick.pick(resolved, target, progress, reuse=reuse)
-        kernels, note = picked.choice, picked.note
-    else:
-        kernels = None if random_init else kernel_pick.lookup(resolved, target)
-        if kernels is not None:
-            kernels = replace(kernels, from_store=True)
-    flags = " ".join(f for f in ("" if auto else f"--dtype {dtype.name}", request.flag) if f)
-    if flags and kernels is not None:
-        kernels = constrained(kernels, flags, dtype=None if auto else dtype.name,
-                              weights=None if request.mode == WEIGHTS_AUTO else request.mode, kernel=request.kernel)
-    while True:
-        running = kernels.running if kernels is not None else None
-        compute = dtype if not auto else get_dtype(running.dtype if running else kernels.dtype, COMPUTE_DTYPES)
-        assert isinstance(compute, DType)
-        decided = _weights_choice(resolved, target, request, kernels, running, gguf)
-        loaded = _load(start, resolved, compute, target, False, random_init, seed, use_cache, decided)
-        if not (auto and compute.name == FP16.name and decided.mode == DENSE and kernels is not None):
-            break
+    kernels, note = _kernels_for(resolved, target, request, None if isinstance(dtype, AutoDtype) else dtype.name,
+                                 gguf, random_init, dry_run)
+    compute = get_dtype(kernels.dtype, COMPUTE_DTYPES)
+    assert isinstance(compute, DType)
+    if dry_run:  # shapes only
+        return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, None), kernels=kernels,
+                       kernel_note=note)
+    decided = _weights_choice(resolved, target, request, kernels, gguf)
+    loaded = _load(start, resolved, compute, target, False, random_init, seed, use_cache, decided)
+    if auto and compute.name == FP16.name and decided.mode == DENSE:
         problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
-        if not problem:
-            break
-        # the next acceptable candidate (never fp16 again: `without` marks it refused), under the same options
-        kernels = without(kernels, FP16.name, problem)
-        if flags:
-            kernels = constrained(kernels, flags, weights=None if request.mode == WEIGHTS_AUTO else request.mode)
-        note = "; ".join(n for n in (note, f"fp16 not used: {problem}") if n)
-    if running is not None and running.weights == DENSE and running.decode_kernel in MATVEC_KERNELS:
-        loaded.model.decode_kernel = running.decode_kernel  # the measured faster one-token kernel: mv or mm
-    elif running is None and kernels is not None and kernels.decode_kernel in MATVEC_KERNELS and auto:
+        if problem:  # the checkpoint's own fp16 overflows: the exact fp32 instead
+            kernels = replace(kernel_pick.option_choice(resolved, FP32.name, None, kernels.rule, kernels.instruction_set),
+                              source=kernels.source)
+            loaded = _load(start, resolved, FP32, target, False, random_init, seed, use_cache, decided)
+            note = "; ".join(n for n in (note, f"fp16 not used: {problem}; fp32 instead") if n)
+    if kernels.weights == DENSE and kernels.decode_kernel in MATVEC_KERNELS:
         loaded.model.decode_kernel = kernels.decode_kernel
     return replace(loaded, kernels=kernels, kernel_note=note)
 
 
-def _weights_choice(resolved: ResolvedModel, target: torch.device, request: WeightsRequest,
-                    kernels: KernelChoice | None, running: CandidateTiming | None, gguf: bool) -> WeightsChoice:
-    """Stored or dense, which kernel, and why, from the options and the kernel choice."""
+def _kernels_for(resolved: ResolvedModel, target: torch.device, request: WeightsRequest, dtype: str | None,
+                 gguf: bool, random_init: bool, dry_run: bool) -> tuple[KernelChoice, str]:
+    """The kernels to run and a note: the default table's, `--weights tuned`'s saved pick, or what the options
+    name; never a measurement."""
+    isa = kernel_pick.instruction_set(target, build=gguf and not dry_run)
+    flags = " ".join(f for f in (f"--dtype {dtype}" if dtype else "", request.flag) if f)
+    if random_init or resolved.kind == PRESET:
+        chosen = kernel_pick.option_choice(resolved, dtype or FP32.name, None, flags or "random weights: fp32", isa)
+        return (chosen if flags else replace(chosen, source=kernel_choice.DEFAULT)), ""
+    note = ""
+    if request.mode == TUNED:
+        saved, note, existed = kernel_pick.saved_choice(resolved, target)
+        if saved is not None:
+            if dtype is not None and dtype != saved.dtype:
+                saved = kernel_pick.option_choice(resolved, dtype, saved.picked if saved.weights == STORED else None,
+                                                  f"--weights tuned ({saved.picked}) {flags}", saved.instruction_set)
+            return saved, note
+        if not existed:
+            raise BadArgumentError("--weights tuned: no tuned kernels are saved for this model on this machine; run "
+                                   "`llmtrace tune` with the same --model first (or `llmtrace run --tune`)")
+    default = kernel_pick.default_choice(resolved, target, build=gguf and not dry_run)
+    if gguf and target.type == "cpu" and isa == NO_COMPILER and request.mode in (WEIGHTS_AUTO, STORED, TUNED):
+        note = "; ".join(n for n in (note, f"{native_kernel.unavailable_reason()}: llmtrace's C kernels are off, so "
+                                           "Q4 matrices run on torch's int4 kernel and the rest dequantized; decode "
+                                           f"is {NO_COMPILER_COST}") if n)
+    if request.mode in (WEIGHTS_AUTO, TUNED):
+        if dtype is None or dtype == default.dtype:
+            return default, note
+        spec = default.picked if default.weights == STORED else None
+        return kernel_pick.option_choice(resolved, dtype, spec, f"{flags} with {default.rule}", isa), note
+    if request.mode == DENSE or not gguf:
+        own = kernel_pick.stored_dtype(kernel_pick.matrix_formats(resolved)) if not gguf else None
+        return kernel_pick.option_choice(resolved, dtype or own or FP32.name, None, flags, isa), note
+    if request.kernel is not None:
+        return kernel_pick.option_choice(resolved, dtype or FP32.name, request.kernel, flags, isa), note
+    # --weights stored: the table's stored kernels, or where it dequantizes, the kernel that runs the most matrices
+    if default.weights == STORED:
+        return kernel_pick.option_choice(resolved, dtype or FP32.name, default.picked, flags, isa), note
+    header = resolved.gguf_header
+    assert header is not None
+    counts = {k: len(stored_matrices(header, resolved.config, k)[0]) for k in _kernels_on(target)}
+    if not counts:
+        raise HardwareError(f"--weights stored runs on {' and '.join(TORCH_KERNEL_DEVICES)} only; use --weights "
+                            f"dense on {target.type}")
+    return kernel_pick.option_choice(resolved, dtype or FP32.name, widest_kernel(counts), flags, isa), note
+
+
+def _weights_choice(resolved: ResolvedModel, target: torch.device, request: WeightsRequest, kernels: KernelChoice,
+                    gguf: bool) -> WeightsChoice:
+    """Stored or dense, which kernel, and why, from the options and the kernels chosen."""
     if not gguf:
         if request.mode == STORED:
             return WeightsChoice(DENSE, "not a GGUF: the checkpoint's tensors are dense already")
         return WeightsChoice(DENSE, "not a GGUF" if resolved.kind != PRESET else "random weights")
-    if request.mode == DENSE:
-        return WeightsChoice(DENSE, "--weights dense", news=False)
-    if request.kernel is not None:
-        note = _dequantized_note(resolved, request.kernel)
-        return WeightsChoice(STORED, f"--weights {request.kernel}{note}", request.kernel, news=bool(note))
-    how = "" if kernels is None else ("saved measurement" if kernels.from_store else "measured")
-    if running is not None and running.weights == STORED:
-        if request.mode == STORED:
-            return WeightsChoice(STORED, f"--weights stored: the fastest acceptable stored kernel ({how})",
-                                 running.name, news=False)
-        return WeightsChoice(STORED, f"auto: the fastest acceptable candidate ({how})", running.name, news=False)
-    if request.mode == STORED:  # nothing measured runs every matrix: the kernel that runs the most
-        header = resolved.gguf_header
-        assert header is not None
-        counts = {k: len(stored_matrices(header, resolved.config, k)[0]) for k in _kernels_on(target)}
-        if not counts:
-            raise HardwareError(f"--weights stored runs on {' and '.join(TORCH_KERNEL_DEVICES)} only; use --weights "
-                                f"dense on {target.type}")
-        kernel = widest_kernel(counts)
-        return WeightsChoice(STORED, f"--weights stored: {kernel}, not measured{_dequantized_note(resolved, kernel)}",
-                             kernel)
-    if running is not None:
-        return WeightsChoice(DENSE, f"auto: {running.name} dense is the fastest acceptable candidate ({how})",
-                             news=False)
-    if not _kernels_on(target):
-        return WeightsChoice(DENSE, f"stored kernels run on {' and '.join(TORCH_KERNEL_DEVICES)} only; dequantized "
-                                    f"on {target.type}")
-    header = resolved.gguf_header
-    assert header is not None
-    kinds = sorted({t.type_name for t in header.tensors if len(t.shape) == 2} - set(_kernel_types(resolved, target)))
-    if kinds:
-        return WeightsChoice(DENSE, f"auto: no stored kernel runs {', '.join(kinds)} matrices, so all are "
-                                    "dequantized (--weights stored runs the others as stored)")
-    return WeightsChoice(DENSE, "auto: nothing measured")
+    why = {kernel_choice.DEFAULT: default_phrase(kernels.instruction_set),
+           kernel_choice.TUNED: "tuned (llmtrace tune)"}.get(kernels.source, request.flag or kernels.rule)
+    if kernels.weights == DENSE:
+        types = ", ".join(b.type for b in kernels.by_type)
+        return WeightsChoice(DENSE, why + (f": {types} matrices dequantized" if kernels.source != kernel_choice.OPTION
+                                           else ""), news=False)
+    # an option's kernel that leaves matrices dequantized says so (news: the kernel line does not); the table's and
+    # tune's name every type's kernel in the kernel line
+    note = _dequantized_note(resolved, kernels.picked) if kernels.source == kernel_choice.OPTION else ""
+    return WeightsChoice(STORED, why + note, kernels.picked, news=bool(note))
 
 
 def _dequantized_note(resolved: ResolvedModel, kernel: str) -> str:
@@ -247,16 +244,6 @@ def _views_of_the_file(kernel: str) -> bool:
 def _kernels_on(target: torch.device) -> tuple[str, ...]:
     """The stored kernels that run on `target`, in all_kernels' order."""
     return tuple(k for k in all_kernels() if runs_here(k, target))
-
-
-def _kernel_types(resolved: ResolvedModel, target: torch.device) -> set[str]:
-    """The file's matrix types some stored kernel runs on `target`."""
-    header = resolved.gguf_header
-    assert header is not None
-    out: set[str] = set()
-    for kernel in _kernels_on(target):
-        out |= set(stored_matrices(header, resolved.config, kernel)[0].values())
-    return out
 
 
 def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.device, dry_run: bool,

@@ -1,13 +1,12 @@
 """A GGUF's weights as stored: what `--weights` asks for, which matrices run packed, and their cache entry layout.
 
-`--weights` (parsed once, `parse_weights`): "auto" (the default) takes the kernel choice's measured pick
-(llmtrace.tracer.load.kernel_pick: every stored kernel that runs all the file's matrices is timed beside each dense
-dtype and judged by one accuracy rule, tracer/hardware/kernel_choice.py); "stored" the fastest acceptable stored
-kernel measured; "dense" dequantizes every matrix to the compute dtype (the path llmtrace always had); a kernel's
-name ("int4pack", "blocks", any kernel llmtrace.tracer.model.weight_formats lists) runs that kernel, unmeasured, and
-"Q4_1:int4pack,Q8_0:blocks" a kernel per ggml type (what auto measures when no one kernel is acceptable for all).
-A kernel multiplies every matrix whose ggml type it runs and the rest are dequantized; auto only ever picks kernels
-that run all of them (a mixed model, part dense, would be neither the file's bytes nor the dense baseline).
+`--weights` (parsed once, `parse_weights`): "auto" (the default) runs the default table's kernels for this machine's
+instruction set (tracer/hardware/kernel_defaults.py; nothing measured); "tuned" `llmtrace tune`'s saved pick for this
+machine and model (tracer/load/kernel_pick.py), judged again before it runs; "stored" the table's stored kernels
+(or, where the table dequantizes, the kernel that runs the most matrices); "dense" dequantizes every matrix to the
+compute dtype; a kernel's name ("int4pack", "blocks", any kernel llmtrace.tracer.model.weight_formats lists) runs that
+kernel, and "Q4_1:int4pack,Q8_0:blocks" a kernel per ggml type. A kernel multiplies every matrix whose ggml type it
+runs and the rest are dequantized. Nothing here measures.
 
 A cache entry (llmtrace.tracer.load.weights_cache) holds the dense tensors under their names and each packed
 matrix's tensors under "<name>#<part>" ("layers.0.attention.wq.weight#nibbles"); the entry's metadata key
@@ -35,7 +34,7 @@ from llmtrace.tracer.model.weight_formats import (
     stored_kernels,
 )
 
-AUTO, STORED, DENSE = "auto", "stored", "dense"
+AUTO, STORED, DENSE, TUNED = "auto", "stored", "dense", "tuned"
 _META_KEY = "packed_weights"
 
 
@@ -62,7 +61,7 @@ def parse_weights(text: str | None) -> WeightsRequest:
     """`--weights` text (None or "" = auto) -> WeightsRequest; BadArgumentError naming the choices otherwise."""
     if text in (None, "", AUTO):
         return WeightsRequest()
-    if text in (STORED, DENSE):
+    if text in (STORED, DENSE, TUNED):
         return WeightsRequest(text)
     if text in all_kernels():
         return WeightsRequest(STORED, text)
@@ -75,7 +74,7 @@ def parse_weights(text: str | None) -> WeightsRequest:
         plan = None
     if isinstance(plan, dict):
         return WeightsRequest(STORED, text)
-    raise BadArgumentError(f"--weights must be one of {', '.join((AUTO, STORED, DENSE, *all_kernels()))}, or a "
+    raise BadArgumentError(f"--weights must be one of {', '.join((AUTO, TUNED, STORED, DENSE, *all_kernels()))}, or a "
                            f"kernel per type (Q4_1:int4pack,Q8_0:blocks), got {text!r}")
 
 
@@ -130,8 +129,8 @@ def tensors_as_read(source: object, choice: WeightsChoice) -> tuple[tuple[str, i
 
 def widest_kernel(packable_by_kernel: dict[str, int]) -> str:
     """The kernel that runs the most matrices (all_kernels' order breaks ties, except that i8dot and i16dot come last:
-    they round the activations, and only a measurement, the accuracy probe, may admit them): --weights stored with
-    nothing measured."""
+    they round the activations, and only the accuracy probe may admit them): --weights stored where the default
+    table dequantizes."""
     order = all_kernels()
     return max(order, key=lambda k: (packable_by_kernel.get(k, 0), k not in (I8DOT, I16DOT), -order.index(k)))
 

@@ -15,7 +15,6 @@ import torch
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import BF16, AutoDtype, DType
-from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.loader import LoadedModel, load_model
 from llmtrace.tracer.model.tensor_parallel import Collectives, build_meta_shard, shard_config, vocab_slice
 
@@ -76,10 +75,7 @@ def load_shard(spec: object, dtype: DType | AutoDtype, device: str, rank: int, t
     if isinstance(dtype, AutoDtype) and torch.device(device).type == "cuda":
         dtype = BF16  # the whole model is loaded on the CPU, whose measured pick says nothing of the rank's GPU
     # dense: the ranks slice plain tensors (a matrix held as stored cannot be split by rows or columns)
-    # reuse ANY: the launcher measured --dtype auto a moment ago (a provisional choice too): the ranks must not all
-    # measure at once on the same cores
-    whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run, weights="dense",
-                       reuse=kernel_pick.Reuse.ANY)  # moved to `device` later
+    whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run, weights="dense")  # moved to `device` later
     config = whole.config
     shard_config(config, tp)
     values = next(whole.model.parameters()).dtype

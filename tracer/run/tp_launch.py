@@ -105,7 +105,6 @@ def run_tensor_parallel(settings: Any, dtype: Any, tp: int, threads: int = 1, ti
 
     `threads`: torch CPU threads per rank (N ranks x threads should not exceed the CPUs). `fault` is for tests
     ("die:<rank>:<step>" or "hang:<rank>:<step>", tracer/run/tp_worker.py)."""
-    _measure_auto_dtype_once(settings, dtype, progress)
     context = multiprocessing.get_context("spawn")
     gate = StopGate(tp, context)
     with tempfile.TemporaryDirectory(prefix="llmtrace-tp-") as folder:
@@ -135,24 +134,6 @@ def run_tensor_parallel(settings: Any, dtype: Any, tp: int, threads: int = 1, ti
     setup = TensorParallelRun(tp=tp, backend=backend_for(settings.device), launcher="spawn", threads_per_rank=threads,
                               timeout_s=timeout_s, link=link, status=status, exit_codes=codes)
     return TensorParallelResult(merge_rank_traces(traces, setup), status)
-
-
-def _measure_auto_dtype_once(settings: Any, dtype: Any, progress: Callable[[str], None] | None) -> None:
-    """--dtype auto on a CPU is a measurement saved per machine and model (tracer/load/kernel_pick.py): make it here,
-    once, so that the ranks find it saved instead of all measuring at the same time on the same cores."""
-    from llmtrace.tracer.core.dtypes import AutoDtype
-
-    if not isinstance(dtype, AutoDtype) or settings.device.startswith("cuda"):
-        return
-    import torch
-
-    from llmtrace.tracer.checkpoint.resolve import bundled_source, resolve_model
-    from llmtrace.tracer.load import kernel_pick
-
-    resolved = resolve_model(bundled_source() if not settings.model else settings.model, vocabulary=True)
-    kernel_pick.pick(resolved, torch.device("cpu"),
-                     None if progress is None else (lambda what: progress(f"measuring this machine's products "
-                                                                          f"(first run only): {what}")))
 
 
 class TensorParallelFailed(LlmtraceError):

@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError
 from llmtrace.tracer.core.json_input import parse_json
-from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice
+from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, TypeKernel
 from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
 from llmtrace.tracer.trace.journey_records import (
     AttentionStep,
@@ -100,8 +100,8 @@ class Trace:
     # --batch N: every sequence's prompt, tokens and end (tracer/trace/batch_records.py). The top-level tokenization
     # and generated_ids/generated_text are then the first sequence's, so a reader that knows no batch still reads a run.
     batch: BatchRun | None = None
-    # How the compute dtype was chosen (tracer/hardware/kernel_choice.py): --dtype auto's measured choice and the
-    # alternatives, or with an explicit --dtype the saved measurement (overridden_by); None: nothing measured.
+    # The kernels that ran, where they came from (the default table, tune's pick, options) and their numerics
+    # (tracer/hardware/kernel_choice.py); None in an older trace.
     kernels: KernelChoice | None = None
     # --tp N (tracer/trace/tp_records.py): the set-up, every collective of every rank, the other ranks' records.
     tensor_parallel: TensorParallelRun | None = None
@@ -276,7 +276,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
     for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
                 LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
-                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, StagedDecode, RunAhead,
+                RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, TypeKernel, StagedDecode, RunAhead,
                 CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
 }
 
@@ -460,7 +460,15 @@ def _attention_step(d: dict[str, Any]) -> AttentionStep:
 
 
 def _kernels(d: dict[str, Any]) -> KernelChoice:
-    return _build(KernelChoice, {**d, "candidates": tuple(_build(CandidateTiming, c) for c in _list(d["candidates"]))})
+    """The run's kernels. An older trace's measured choice (no `source`) reads as what ran, source "measured"."""
+    if isinstance(d, dict) and "source" not in d and "from_store" in d:
+        ran = d.get("ran") if d.get("overridden_by") else d.get("picked")
+        ran = ran if isinstance(ran, str) and ran else str(d.get("picked", ""))
+        return KernelChoice(picked=ran, dtype=str(d.get("dtype", "")), weights=str(d.get("weights", "")),
+                            decode_kernel=ran if d.get("weights") == "stored" else str(d.get("decode_kernel", "")),
+                            source="measured", rule=str(d.get("rule", "")), numerics="")
+    return _build(KernelChoice, {**d, "candidates": tuple(_build(CandidateTiming, c) for c in _list(d["candidates"])),
+                                 "by_type": tuple(_build(TypeKernel, t) for t in _list(d.get("by_type", [])))})
 
 
 def read_collective(d: dict[str, Any]) -> CollectiveRecord:
