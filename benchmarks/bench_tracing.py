@@ -256,7 +256,7 @@ def main() -> None:
     args = parser.parse_args()
     from llmtrace.tracer.core.dtypes import get_compute_dtype
 
-    loaded = load_model(None, dtype=get_compute_dtype(args.dtype))  # auto: measured (tracer/load/kernel_pick.py)
+    loaded = load_model(None, dtype=get_compute_dtype(args.dtype))  # auto: the default table (kernel_defaults.py)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     result: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                               "model": loaded.config.name, "rounds": args.rounds, "dtype": dtype}

@@ -14,9 +14,8 @@ Rounds interleave the engines (a shared machine's slow spells then hit all of th
   event, so everything between the steps counts (records, the generator), as the peers' loops count theirs. The
   untraced default also runs with `run_ahead=False` (every decode step its own C call, as before greedy steps ran
   ahead in C), for the run-ahead's effect side by side.
-  The explicit rows load `weights=<kernel>` / `weights="dense"` with `--dtype auto`; a stored kernel whose measured
-  products (kernels.json, the same measurement) are over `--skip-slower` times the default's is not run (the
-  exact "blocks" reference kernel is ~30x slower), and the report says so with its measured product time.
+  The explicit rows load `weights=<kernel>` / `weights="dense"` with `--dtype auto` for each of EXTRA_WEIGHTS the
+  default does not already run (the exact "blocks" reference kernel, ~30x slower, is not among them).
 - Greedy ids: every row's are compared with HF fp32's (the dense fp32 reference). A kernel that rounds to bf16
   (int4pack) may part from them after some tokens: the report says at which token each row parts, never fails.
 - HF transformers: LlamaForCausalLM with llmtrace's dequantized weights cast to each dtype; a forward loop with a
@@ -51,6 +50,7 @@ from llmtrace.tracer.core.dtypes import AUTO, FP32, DType
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64
+EXTRA_WEIGHTS = ("native", "i8dot", "int4pack", "dense")  # --weights rows beside the default (README "Default kernels")
 SOURCE_TEXT = ("story", "sky", "code", "capital")  # sample prompts, concatenated until the prompt is long enough
 
 Timing = tuple[float, float, list[int]]  # (prefill tokens/s, decode tokens/s, greedy ids)
@@ -210,21 +210,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
     parser.add_argument("--hf-dtypes", default="fp32,fp16,bf16", help="HF transformers' dtypes (fp32 is the ids' "
                                                                         "reference and always runs)")
-    parser.add_argument("--skip-slower", type=float, default=4.0,
-                        help="skip an explicit --weights row whose measured decode products are over this many times "
-                             "the default's")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
-    parser.add_argument("--keep-store", action="store_true",
-                        help="use the saved kernel choices (default: measure afresh in a temporary config folder, so "
-                             "`auto` is decided under the same conditions as the timings)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not args.keep_store:
-        import os
-        import tempfile
-
-        os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="bench-vs-peers-")
-
     from llmtrace.tracer.checkpoint.bundled import bundled_model_path
     from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
     from llmtrace.tracer.load.loader import load_model
@@ -235,7 +223,6 @@ def main() -> None:
     gguf = bundled_model_path()
     cases: dict[str, Callable[[], Timing]] = {}
     summaries: dict[str, Any] = {}
-    skipped: list[str] = []
 
     def ours(model: Any, name: str, trace: bool, staged: bool, run_ahead: bool = True) -> Callable[[], Timing]:
         def run() -> Timing:
@@ -248,19 +235,9 @@ def main() -> None:
     cases[f"{default} --no-trace, a step a call"] = ours(loaded, "untraced, a step a call", False, False, False)
     cases[f"{default} traced"] = ours(loaded, "traced", True, False)
     cases[f"{default} --staged traced"] = ours(loaded, "staged", True, True)
-    choice = loaded.kernels
-    running = choice.running if choice is not None else None
-    candidates = choice.candidates if choice is not None else ()
-    dense = next((c for c in candidates if c.weights == "dense" and c.safe), None)  # what --weights dense runs
-    for flag in [c.name for c in candidates if c.weights == "stored"] + ["dense"]:
+    for flag in EXTRA_WEIGHTS:
         if flag in (loaded.weights.kernel, loaded.weights.mode):
             continue  # the default rows run it
-        measured = dense if flag == "dense" else choice.timing(flag)
-        if running is not None and measured is not None and measured.decode_s > args.skip_slower * running.decode_s:
-            skipped.append(f"--weights {flag}: measured decode products {measured.decode_s * 1e3:.0f} ms, "
-                           f"{measured.decode_s / running.decode_s:.0f}x the default's (--skip-slower "
-                           f"{args.skip_slower:g})")
-            continue
         other = load_model(None, dtype=AUTO, weights=flag)
         cases[f"llmtrace --weights {flag} [{describe(other)}] --no-trace"] = ours(other, flag, False, False)
     hf_dtypes = tuple(get_dtype(d, COMPUTE_DTYPES) for d in args.hf_dtypes.split(","))
@@ -287,7 +264,7 @@ def main() -> None:
             results[name].append(run())
         per_round.append(best_bandwidth(repeats=3))
     bandwidth = {key: max(r[key] for r in per_round) for key in per_round[0]}
-    report(args, loaded, default, ids, gguf, results, summaries, bandwidth, llama_note, skipped, per_round)
+    report(args, loaded, default, ids, gguf, results, summaries, bandwidth, llama_note, per_round)
 
 
 LLAMA = "llama.cpp (GGUF as stored)"
@@ -308,7 +285,7 @@ def parts_at(ids: list[int], reference: list[int]) -> str:
 
 
 def report(args: Any, loaded: Any, default: str, ids: list[int], gguf: Path, results: dict[str, list[Timing]],
-           summaries: dict[str, Any], bandwidth: dict[str, float], llama_note: str, skipped: list[str],
+           summaries: dict[str, Any], bandwidth: dict[str, float], llama_note: str,
            per_round: list[dict[str, float]]) -> None:
     rows = {name: {"prefill_tok_per_s": median([t[0] for t in timings]),
                    "decode_tok_per_s": median([t[1] for t in timings]),
@@ -331,11 +308,7 @@ def report(args: Any, loaded: Any, default: str, ids: list[int], gguf: Path, res
           f"tokens, {args.rounds} rounds, medians; {llama_note}")
     kernels = getattr(loaded, "kernels", None)
     if kernels is not None:
-        print(f"auto: {kernels.picked} ({kernels.rule}); measured in {kernels.measured_seconds:.1f} s: " + ", ".join(
-            f"{c.name} {c.weights}{'' if c.safe else ' (refused)'} decode {c.decode_s * 1e3:.1f} ms, prefill "
-            f"{c.prefill_s * 1e3:.0f} ms" for c in kernels.candidates))
-    for line in skipped:
-        print(f"not run: {line}")
+        print(f"default kernels: {kernels.picked} ({kernels.rule}); numerics: {kernels.numerics}")
     reference = rows["HF transformers fp32"]["ids"]
     width = max(len(n) for n in rows)
     print(f"| {'engine':{width}} | prefill tok/s | decode tok/s | decode rounds | greedy ids vs HF fp32 |")

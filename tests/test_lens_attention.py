@@ -119,12 +119,15 @@ def test_json_round_trip_schema_and_show(trace: Trace, tmp_path: Path) -> None:
 
 def test_bundled_paris_takes_shape_in_the_last_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    # the exact kernel: the lens's figures are the file's values' (the default's int8 activations move them a little,
+    # and its view says so: issue 31)
     result = runner.invoke(app, ["run", "capital", "--max-new-tokens", "1", "--lens", "--no-roofline",
-                                 "--temperatures", "", "--threads", "1"])
+                                 "--temperatures", "", "--threads", "1", "--weights", "native"])
     assert result.exit_code == 0, result.output
     lens = result.output[result.output.index("5c · Logit lens"):result.output.index("6 · Decode")]
     assert "·Paris first becomes the top token after layer 29 of 30" in lens
     assert "L29    ·Paris 77%" in lens and "◀ first top" in lens
+    assert "numerics: exact (the file's values, fp32 products)" in lens
 
 
 def test_bad_attention_steps_are_one_line(tiny_llama_dir: Path) -> None:

@@ -1,4 +1,5 @@
-"""A GGUF's stored-precision kernels as measured candidates for the kernel choice (tracer/hardware/kernel_choice.py).
+"""A GGUF's stored-precision kernels as `llmtrace tune`'s candidates (tracer/load/kernel_pick.py; the rule:
+tracer/hardware/kernel_choice.py).
 
 - `kernels_for`: the stored kernels that run EVERY matrix of the file as stored (weight_formats.stored_kernels of
   each matrix's ggml type, in that function's order); a kernel that runs only some would leave a mixed model, part
