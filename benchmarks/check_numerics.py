@@ -98,8 +98,8 @@ def main() -> int:
     print(f"{path}: {len(ids)} teacher-forced tokens, {args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
     print(f"default  {default_line}")
     print(f"exact    {exact_line}")
-    rows = [("default vs llama.cpp", agreement(default, reference)), ("exact vs llama.cpp", agreement(exact, reference)),
-            ("default vs exact", agreement(default, exact))]
+    rows = [("default vs llama.cpp", agreement(default, reference)),
+            ("exact vs llama.cpp", agreement(exact, reference)), ("default vs exact", agreement(default, exact))]
     for name, share in rows:
         print(f"{name:<22} {share:7.2%} greedy top-1 agreement")
     met = rows[0][1] >= TARGET

@@ -53,7 +53,8 @@ def tune_with_progress(console: Console, model: str | None, device: str, threads
     except (RuntimeError, TypeError) as exc:
         raise BadArgumentError(f"unknown device {device!r}; use cpu or cuda") from exc
     resolved = resolve_model(source, vocabulary=True)
-    columns = (TextColumn("tune"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+    columns = (TextColumn("tune"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("", total=None)
 

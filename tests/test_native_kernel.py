@@ -250,7 +250,8 @@ def test_without_a_compiler_the_other_kernels_run(own_build: Path, monkeypatch: 
     with pytest.raises(BadArgumentError, match="--weights native: no C compiler"):
         parse_weights(NATIVE)
     loaded = load_model(str(tiny_quantized(Q.Q4_1)), FP32, weights=STORED, use_cache=False)
-    assert loaded.weights.mode == STORED and "as stored (int4pack)" in loaded.weight_format
+    # --weights stored: the default table's row without a compiler (int4pack for Q4 types)
+    assert loaded.weights.mode == STORED and "as stored (Q4_1:int4pack)" in loaded.weight_format
     loaded.model.setup_cache(1, 8)
     assert torch.isfinite(loaded.model.prefill(torch.tensor([[1, 40, 41]]))).all()
     assert not own_build.exists() or not list(own_build.glob("*.so"))

@@ -207,7 +207,7 @@ def test_steps_ahead_take_about_fifty_milliseconds() -> None:
 def bundled() -> Any:
     from llmtrace.tracer.load.loader import load_model
 
-    return load_model(None)
+    return load_model(None, weights="Q4_1:i8dot,Q8_0:i16dot")  # the runs below end as they assert (EOS, 48 tokens)
 
 
 def generation(loaded: Any, run_ahead: bool, **settings: Any) -> Any:

@@ -87,7 +87,8 @@ def test_the_tolerance_is_the_unit_roundoff_of_the_bits_a_format_needs() -> None
 
 
 def test_a_stored_kernel_wins_when_fastest_and_acceptable() -> None:
-    candidates = [dense("fp32", 10), dense("fp16", 6), stored("int4pack", 3, safe=False, error=3e-3), stored("blocks", 5)]
+    candidates = [dense("fp32", 10), dense("fp16", 6), stored("int4pack", 3, safe=False, error=3e-3),
+                  stored("blocks", 5)]
     best = select(candidates)
     assert (best.name, best.weights, best.decode_kernel) == ("blocks", rule.STORED, "blocks")
     assert ranked(candidates)[-1].name == "int4pack"
@@ -241,7 +242,7 @@ def test_tune_offers_stored_candidates_beside_dense_ones(tiny: Callable[[Q], Pat
     assert ("int4pack", "stored") in seen and ("blocks", "stored") in seen and ("fp32", "dense") in seen
     loaded = load_model(str(tiny(Q.Q4_0)), AUTO, use_cache=False, weights="tuned")
     assert loaded.weights.mode == "dense" and loaded.kernels.picked == "fp32"
-    assert loaded.weights.reason == "tuned (llmtrace tune): dequantized"
+    assert loaded.weights.reason == "tuned (llmtrace tune): Q4_0 matrices dequantized"
     assert next(loaded.model.parameters()).dtype == torch.float32 and FP32.name == "fp32" and FP16.name == "fp16"
 
 

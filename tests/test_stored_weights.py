@@ -120,5 +120,5 @@ def test_weights_option_on_the_command_line() -> None:
     assert "as stored" not in result.output and "Q4_1+Q8_0 -> fp32" in result.output  # what was asked: no note
     bad = CliRunner().invoke(app, ["run", "capital", "--weights", "int3"])
     assert bad.exit_code == 2
-    assert f"--weights must be one of auto, stored, dense, {', '.join(all_kernels())}" in bad.output
+    assert f"--weights must be one of auto, tuned, stored, dense, {', '.join(all_kernels())}" in bad.output
     assert all_kernels() == (("i8dot", "i16dot", NATIVE) if native_kernel.available() else ()) + (INT4PACK, "blocks")

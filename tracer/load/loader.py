@@ -78,7 +78,7 @@ from llmtrace.tracer.model.weight_formats import (INT4PACK, TORCH_KERNEL_DEVICES
 # checkpoint: tracer/hardware/kernel_defaults.py), which load_model also accepts.
 DEFAULT_DTYPE = FP32
 # What running without llmtrace's C kernels costs, said when they cannot be built (BENCHMARKS.md "Default kernels")
-NO_COMPILER_COST = "several times slower (the bundled model: 6-10x)"
+NO_COMPILER_COST = "several times slower (3-10x on the bundled model)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +142,8 @@ def load_model(
     if auto and compute.name == FP16.name and decided.mode == DENSE:
         problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
         if problem:  # the checkpoint's own fp16 overflows: the exact fp32 instead
-            kernels = replace(kernel_pick.option_choice(resolved, FP32.name, None, kernels.rule, kernels.instruction_set),
-                              source=kernels.source)
+            fp32 = kernel_pick.option_choice(resolved, FP32.name, None, kernels.rule, kernels.instruction_set)
+            kernels = replace(fp32, source=kernels.source)
             loaded = _load(start, resolved, FP32, target, False, random_init, seed, use_cache, decided)
             note = "; ".join(n for n in (note, f"fp16 not used: {problem}; fp32 instead") if n)
     if kernels.weights == DENSE and kernels.decode_kernel in MATVEC_KERNELS:
