@@ -77,7 +77,7 @@ REFUSED = [
     (["sky", "--batch-sweep", "1,2", "--staged"], "--batch-sweep times batched decode steps on its own; drop --staged"),
     (["sky", "--batch-sweep", "1,2", "--temperature", "1"], "--batch-sweep decodes greedily"),
     (["sky", "--tp", "2", "--lens"], "--tp runs one sequence's generation over its ranks"),
-    (["sky", "--remeasure", "--tp", "2"], "--remeasure measures this machine for a real run on one device"),
+    (["sky", "--tune", "--tp", "2"], "--tune times this machine for a real run on one device"),
     (["sky", "--batch", "2", "--lens"], "--batch does not combine with --lens"),
     (["sky", "--json-file", "/no/such/folder/t.json"], "cannot write /no/such/folder/t.json: no folder"),
 ]
