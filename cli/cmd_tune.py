@@ -17,11 +17,11 @@ from llmtrace.cli.errors import run_guarded
                             "  llmtrace run capital --weights tuned")
 def tune_command(
     model: Annotated[Optional[str], typer.Option(
-        "--model", "-m", metavar="PATH",
+        "--model", "-m", metavar="<path>",
         help="A .gguf file or HF model folder (default: the bundled SmolLM2-135M-Instruct).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (the saved pick is for this count).")
-                       ] = None,
+    device: Annotated[str, typer.Option(metavar="<cpu|cuda>", help="Where the products run.")] = "cpu",
+    threads: Annotated[Optional[int], typer.Option(
+        metavar="<n>", help="torch CPU threads (the saved pick is for this count).")] = None,
 ) -> None:
     """Time this model's kernels on this machine (seconds; one layer's products and the LM head, each candidate)
     and save the fastest acceptable for `run --weights tuned`."""
