@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         ctx = getattr(exc, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         message = " ".join(exc.format_message().split())
-        print(f"llmtrace: error: {message}{hint}", file=sys.stderr)
+        from llmtrace.cli.console import visible_controls  # the message may quote an argument
+
+        print(f"llmtrace: error: {visible_controls(message)}{hint}", file=sys.stderr)
         result = exc.exit_code
     except typer.Abort:
         print("llmtrace: aborted", file=sys.stderr)
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug, not bad input: one line unless debugging
         if debug:
             raise
-        print(f"llmtrace: internal error: {type(exc).__name__}: {exc}; rerun with LLMTRACE_DEBUG=1 for the traceback",
-              file=sys.stderr)
+        from llmtrace.cli.console import visible_controls
+
+        print(f"llmtrace: internal error: {type(exc).__name__}: {visible_controls(str(exc))}; rerun with "
+              "LLMTRACE_DEBUG=1 for the traceback", file=sys.stderr)
         result = 1
     sys.exit(result if isinstance(result, int) else 0)
