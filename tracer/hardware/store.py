@@ -19,6 +19,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from llmtrace.tracer.core.cache_dirs import private_folder
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
 from llmtrace.tracer.hardware.machine_load import is_busy
@@ -29,9 +30,11 @@ _FIELDS = {f.name for f in fields(HardwareProfile)}
 
 
 def config_dir() -> Path:
+    """$XDG_CONFIG_HOME/llmtrace (or ~/.config/llmtrace); UntrustedPathError when another user could write it (the
+    saved choices there pick the kernels a run executes: tracer/core/cache_dirs.py)."""
     base = os.environ.get("XDG_CONFIG_HOME")
     root = Path(base).expanduser() if base else Path.home() / ".config"
-    return root / "llmtrace"
+    return private_folder(root / "llmtrace", "config folder", "XDG_CONFIG_HOME")
 
 
 def store_path() -> Path:

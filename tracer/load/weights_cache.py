@@ -62,7 +62,7 @@ from safetensors.torch import load_file, save_file
 from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_header
 from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.bounded_read import NotARegularFile, TooLarge, read_bounded
-from llmtrace.tracer.core.cache_dirs import cache_root
+from llmtrace.tracer.core.cache_dirs import CACHE_ENV, cache_root, private_folder
 from llmtrace.tracer.core.errors import LlmtraceError
 from llmtrace.tracer.load.gguf_source import OpenedFile
 
@@ -82,7 +82,10 @@ _OWN_KEYS = frozenset({"source", "format", "source_xxh3_128", _CHECKSUM_KEY})  #
 
 
 def weights_dir() -> Path:
-    return cache_root() / "weights"
+    """The cache folder's weights/, once trusted (UntrustedPathError when another user could write it or the cache
+    folder: tracer/core/cache_dirs.py); not created here."""
+    private_folder(cache_root(), "cache folder", CACHE_ENV)
+    return private_folder(cache_root() / "weights", "weights cache folder", CACHE_ENV)
 
 
 # ---- what the source is ------------------------------------------------------------------------------------------

@@ -19,10 +19,15 @@ that way), else the cache folder's `native/` (llmtrace.tracer.core.cache_dirs), 
 shapes the binary: every source and header, the compiler's `--version`, the flags, the CPU (model and flags:
 -march=native) and the ABI numbers. A build is
 written under a temporary name and renamed to a name that carries its own SHA-256 (`gguf_matmul-<key>-<sha>.so`); a
-small pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build. A loader hashes the file
-before dlopen-ing it: a damaged or truncated library is never loaded (a bad ELF can crash the process rather than fail)
-but rebuilt, and two processes building at once each rename a whole file, so neither can serve a torn one. After
-loading, a self-test multiplies a small matrix whose exact product is known.
+small pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build: it is the record, in a file
+the user owns, of the hash of what a build of these sources made. A loader hashes the library through a descriptor,
+compares the pointer's hash, and checks that the file it dlopened is that one: a damaged or truncated library is never loaded (a
+bad ELF can crash the process rather than fail) but rebuilt. dlopen runs a library's constructors before any check
+of ours, so nothing another user could have written is ever loaded: the folder must be the user's own and private
+(tracer/core/cache_dirs.py; else one line, UntrustedPathError), and so must the pointer and the library (owned by
+the user, not writable by group or others). Builds take the folder's lock (flock) one at a time; the build that
+holds it first removes what killed builds left (`.partial` files, probe folders), and two processes that start
+at once build once. After loading, a self-test multiplies a small matrix whose exact product is known.
 
 When it cannot be built (no compiler, a failed compile, a failed self-test) `available()` is False and
 `unavailable_reason()` says why in one line; the other stored kernels ("int4pack", "blocks") remain. The outcome
@@ -35,22 +40,26 @@ against each other). Each call passes torch.get_num_threads() as its thread coun
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from llmtrace.tracer.core.atomic_file import write_atomic
-from llmtrace.tracer.core.cache_dirs import cache_root
+from llmtrace.tracer.core.cache_dirs import CACHE_ENV, cache_root, check_owned_file, private_folder
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 
 NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
@@ -77,6 +86,13 @@ EXACT_X, INT8_X, INT16_X = 0, 1, 2
 INT16_TYPES = (8, 14)  # the ggml types INT16_X takes: Q8_0, Q6_K
 _STATUS = {1: "unsupported ggml type", 2: "shapes that do not fit the blocks", 3: "out of memory"}
 _NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
+LOCK_NAME = ".build.lock"  # held (flock) while a process builds: one build at a time per folder
+# What a build leaves while it runs: the library under a temporary name, and the flag probe's folder. Found under
+# the lock, they are a killed build's (SIGKILL, a power cut): removed.
+PARTIAL_GLOBS = (".gguf_matmul-*.so.partial", ".probe-*")
+MAX_LIBRARY_BYTES = 256 << 20  # a library file larger than this is not a build of these sources (a few MB)
+MAX_POINTER_BYTES = 4096
+_REMOVED = "the kernel folder {folder} was removed during the build; run again"
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,10 +285,19 @@ def dequantize(ggml_type: int, blocks: torch.Tensor, k: int, ids: torch.Tensor |
 
 
 def native_dir() -> Path:
-    """Where builds live: $LLMTRACE_NATIVE_DIR, else the cache folder's native/."""
+    """Where builds live: $LLMTRACE_NATIVE_DIR, else the cache folder's native/ (neither checked nor created)."""
     if os.environ.get(DIR_ENV):
         return Path(os.environ[DIR_ENV]).expanduser()
     return cache_root() / "native"
+
+
+def _private_native_dir() -> Path:
+    """native_dir(), created if need be, once it is trusted (tracer/core/cache_dirs.py): code from it is dlopened,
+    so a folder another user can write is UntrustedPathError, never used. OSError when it cannot be created."""
+    if os.environ.get(DIR_ENV):
+        return private_folder(native_dir(), "kernel folder", DIR_ENV, create=True)
+    private_folder(cache_root(), "cache folder", CACHE_ENV, create=True)
+    return private_folder(native_dir(), "kernel folder", CACHE_ENV, create=True)
 
 
 @functools.cache
@@ -283,20 +308,58 @@ def _outcome() -> _Outcome:
         return _Outcome(None, f"no C compiler: `{' '.join(compiler)}` does not run (set ${CC_ENV} to one)")
     key = _key(compiler, version)
     folder = native_dir()
+    try:
+        folder = _private_native_dir()
+    except OSError as exc:
+        return _Outcome(None, f"cannot write the compiled kernel to {folder}: {exc.strerror or exc}")
     library, why = _load_current(folder, key)
     if library is not None:
         return _Outcome(library, "")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        flags, error = _build(compiler, folder, key)
+        with _building(folder):
+            library, why = _load_current(folder, key)  # built by another process while this one waited
+            if library is not None:
+                return _Outcome(library, "")
+            flags, error = _build(compiler, folder, key)
     except OSError as exc:
+        if not folder.is_dir():
+            return _Outcome(None, _REMOVED.format(folder=folder))
         return _Outcome(None, f"cannot write the compiled kernel to {folder}: {exc.strerror or exc}")
     if flags is None:
+        if not folder.is_dir():  # the linker's "cannot open output file" would blame the compiler
+            return _Outcome(None, _REMOVED.format(folder=folder))
         return _Outcome(None, f"`{' '.join(compiler)}` could not compile the native library: {error}")
     library, why = _load_current(folder, key)
     if library is None:
         return _Outcome(None, f"the compiled kernel does not work: {why}")
     return _Outcome(library, "")
+
+
+@contextlib.contextmanager
+def _building(folder: Path) -> Iterator[None]:
+    """Hold the folder's build lock for the block (waiting for another process's build to end), first removing what
+    killed builds left: under the lock no other build is running, so every partial file is a dead one's."""
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        remove_partials(folder)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def remove_partials(folder: Path) -> list[Path]:
+    """Remove the temporary files and probe folders of builds that did not finish; the paths removed. Call only
+    while holding the build lock."""
+    removed = []
+    for pattern in PARTIAL_GLOBS:
+        for path in folder.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def _compiler_version(compiler: list[str]) -> str | None:
@@ -399,10 +462,13 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
         error = _compile(compiler, flags, [path for path in SOURCES if path.suffix == ".c"], tmp)
         if error:
             return None, f"{error} (flags {' '.join(flags)})"
+        os.chmod(tmp, 0o755)  # never group- or other-writable, whatever the umask (a loader refuses such a file)
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         name = f"gguf_matmul-{key}-{digest}.so"
         os.replace(tmp, folder / name)
-        write_atomic(folder / f"gguf_matmul-{key}.txt", f"{name}\n{' '.join(flags)}\n")
+        pointer = folder / f"gguf_matmul-{key}.txt"
+        write_atomic(pointer, f"{name}\n{' '.join(flags)}\n")
+        os.chmod(pointer, 0o644)
         return flags, ""
     finally:
         if os.path.exists(tmp):
@@ -410,29 +476,50 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
 
 
 def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
-    """The library the key's pointer names, if it is whole (its SHA-256 is in its name), loads, has this ABI and
-    passes the self-test; else (None, why)."""
+    """The library the key's pointer names, if it is whole, loads, has this ABI and passes the self-test; else
+    (None, why). The pointer is the record of what a build of this user made from these sources: the library's name
+    and SHA-256. Both files must be the user's own and not writable by group or others (UntrustedPathError: never
+    loaded, since dlopen runs constructors before any check of ours), and the library's bytes are hashed through
+    the descriptor checked, which stays open (its inode cannot be reused) until the loaded file is compared with it."""
+    pointer = folder / f"gguf_matmul-{key}.txt"
     try:
-        name, flag_line = (folder / f"gguf_matmul-{key}.txt").read_text(encoding="utf-8").splitlines()[:2]
+        text = _read_owned(pointer, "the kernel record", MAX_POINTER_BYTES)
+        name, flag_line = text.decode("utf-8").splitlines()[:2]
     except (OSError, ValueError, UnicodeDecodeError):
         return None, "not built yet"
     if not _NAME.fullmatch(name):
         return None, "damaged pointer file"
     path = folder / name
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None, "library file missing"
-    if hashlib.sha256(data).hexdigest() != name[-67:-3]:
-        return None, "library file damaged"
     try:
-        handle = ctypes.CDLL(str(path))
-        if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI \
-                or handle.llmt_sampler_abi() != SAMPLER_ABI:
-            return None, "library of another ABI"
-        features = handle.llmt_features()
-    except (OSError, AttributeError) as exc:
-        return None, f"library does not load ({exc})"
+        st = check_owned_file(fd, path, "the compiled kernel")
+        if st.st_size > MAX_LIBRARY_BYTES:
+            return None, "library file damaged"
+        h = hashlib.sha256()
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+        if h.hexdigest() != name[-67:-3]:
+            return None, "library file damaged"
+        try:
+            # by its path, not /proc/self/fd/N: glibc hands back an already loaded library of the same name, and
+            # descriptor numbers are reused. The folder is the user's alone, so the file cannot change hands
+            # between the hash and the load; the identity check below sees a swap by the user's own processes.
+            handle = ctypes.CDLL(str(path))
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return None, "library file replaced while loading"
+            if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI \
+                    or handle.llmt_sampler_abi() != SAMPLER_ABI:
+                return None, "library of another ABI"
+            features = handle.llmt_features()
+        except (OSError, AttributeError) as exc:
+            return None, f"library does not load ({exc})"
+    finally:
+        os.close(fd)
     describe = handle.llmt_describe
     describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
                          ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
@@ -457,6 +544,17 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
                             dequant, int(handle.llmt_matrix_size()), interleave, set_groups, handle)
     why = _self_test(library)
     return (library, "") if not why else (None, why)
+
+
+def _read_owned(path: Path, what: str, limit: int) -> bytes:
+    """A small file's bytes once it is a regular file of the user's own that no one else can write (OSError when it
+    is absent or a symlink, UntrustedPathError when someone else could have written it); at most `limit` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        check_owned_file(fd, path, what)
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def _self_test(lib: NativeLibrary) -> str:
