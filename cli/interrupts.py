@@ -24,6 +24,13 @@ class Received:
         self.signum: int | None = None
 
     @property
+    def name(self) -> str:
+        """What stopped the run, for the summary: "Ctrl-C" (SIGINT), "SIGTERM", "SIGHUP"; "" when none came."""
+        if self.signum is None:
+            return ""
+        return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+
+    @property
     def exit_code(self) -> int:
         """128 + the signal's number, as a shell reports a process the signal ended (130 for Ctrl-C)."""
         return 128 + (self.signum or signal.SIGINT)

@@ -80,7 +80,7 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
 
 
 def render_ending(console: Console, trace: Trace, detail: str, report: RunReport,
-                  roofline: MeasuredVsBound | None, roofline_note: str) -> None:
+                  roofline: MeasuredVsBound | None, roofline_note: str, stopped_by: str = "") -> None:
     """After the decode stream: where a decode step's time went (unless --detail summary) and the summary; for a
     dry run, the traced figures beside the analytical estimate."""
     if report.dry_run is not None:
@@ -90,6 +90,6 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
         render_decode_stages(console, report.decode_stages, trace.staged_decode)
     if trace.batch is not None:
         render_batch_summary(console, trace.batch)
-    render_summary(console, trace, report.summary, roofline, roofline_note)
+    render_summary(console, trace, report.summary, roofline, roofline_note, stopped_by)
     render_no_cache(console, trace.no_kv_cache)
 

@@ -17,12 +17,14 @@ _STOP_TEXT = {
     STOP_EOS: "the model emitted its end-of-sequence token",
     STOP_MAX_NEW_TOKENS: "--max-new-tokens reached",
     STOP_CONTEXT_FULL: "the model's context is full",
-    STOP_INTERRUPTED: "interrupted (Ctrl-C): everything traced so far is shown",
+    STOP_INTERRUPTED: "interrupted: everything traced so far is shown",
 }
 
 
 def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline: MeasuredVsBound | None,
-                   roofline_note: str) -> None:
+                   roofline_note: str, stopped_by: str = "") -> None:
+    """`stopped_by`: the signal that interrupted this process's run ("Ctrl-C", "SIGTERM"; cli/interrupts.py), named
+    after "interrupted"; "" when not known (a saved trace shown again)."""
     table = Table(show_edge=False, pad_edge=False, box=None, show_header=True)
     table.add_column("")
     table.add_column("prefill", justify="right")
@@ -73,6 +75,8 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if trace.run_ahead is not None:
         lines.append(f"[dim]{run_ahead_line(trace.run_ahead)}[/]")
     stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)
+    if trace.stop_reason == STOP_INTERRUPTED and stopped_by:
+        stop = stop.replace("interrupted", f"interrupted ({stopped_by})", 1)
     lines.append(f"stopped: {stop} · {summary.generated_tokens} tokens generated")
     if trace.batch is not None:  # each sequence's text is in the Sequences table above
         console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)))))
