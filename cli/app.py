@@ -126,7 +126,30 @@ def main(argv: list[str] | None = None) -> None:
             raise
         from llmtrace.cli.console import visible_controls
 
-        print(f"llmtrace: internal error: {type(exc).__name__}: {visible_controls(str(exc))}; rerun with "
-              "LLMTRACE_DEBUG=1 for the traceback", file=sys.stderr)
-        result = 1
+        if _out_of_memory(exc):  # the machine's limit, not a bug: one line naming what to do, as bad input gets
+            print(f"llmtrace: error: out of memory ({_said(exc) or 'an allocation failed'}); free memory, raise the "
+                  "limit (ulimit -v, the container's memory) or use a smaller model", file=sys.stderr)
+            result = 2
+        else:
+            print(f"llmtrace: internal error: {type(exc).__name__}: {visible_controls(str(exc))}; rerun with "
+                  "LLMTRACE_DEBUG=1 for the traceback", file=sys.stderr)
+            result = 1
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, an OSError of ENOMEM (mmap of a file past `ulimit -v`, a failed allocation in C), or torch's
+    allocator failing."""
+    import errno
+
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+        return True
+    # torch: "DefaultCPUAllocator: can't allocate memory", and its OutOfMemoryError (a RuntimeError) on a GPU
+    return isinstance(exc, RuntimeError) and (type(exc).__name__ == "OutOfMemoryError"
+                                              or "can't allocate memory" in str(exc))
+
+
+def _said(exc: BaseException) -> str:
+    from llmtrace.cli.console import visible_controls
+
+    return visible_controls(" ".join(str(exc).split()))[:160]

@@ -15,10 +15,12 @@ EXIT_USAGE = 2
 
 
 def fail(message: str) -> "typer.Exit":
-    """Print one line to stderr and return the Exit to raise (exit code 2)."""
+    """Print one line to stderr and return the Exit to raise (exit code 2). A message that quotes outside text over
+    several lines (a chat template's Jinja error) is joined into one."""
     from llmtrace.cli.console import visible_controls  # a message may quote a model's metadata
 
-    print(f"llmtrace: error: {visible_controls(message)}", file=sys.stderr)
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"llmtrace: error: {visible_controls(line)}", file=sys.stderr)
     return typer.Exit(code=EXIT_USAGE)
 
 

@@ -56,6 +56,7 @@ def resolve_prompt(argument: str | None, file: Path | None, literal: bool, defau
         names = ", ".join(sample_prompt_names())
         raise BadArgumentError(f"no prompt; give one, e.g. llmtrace run \"今天天气真\", '-' to read standard input, "
                                f"--file, or a sample name ({names})")
+    _check_utf8(argument, "the prompt argument")
     if literal:
         return Prompt(argument, "")
     if argument == STDIN:
@@ -67,14 +68,36 @@ def resolve_prompt(argument: str | None, file: Path | None, literal: bool, defau
     return Prompt(argument, "")
 
 
+def _check_utf8(text: str, what: str) -> None:
+    """BadArgumentError when `text` holds bytes that were not UTF-8: Python decodes the command line (and a text
+    stream) with surrogateescape, each such byte a lone surrogate U+DC80-DCFF."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
+        shown = f"byte 0x{byte:02x}" if byte is not None else f"U+{ord(text[exc.start]):04X}"
+        raise BadArgumentError(f"{what} is not UTF-8 text ({shown} at character {exc.start}); give UTF-8 text "
+                               "(check the terminal's locale: LANG=C.UTF-8)") from None
+
+
 def _read_stdin() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise BadArgumentError("'-' reads the prompt from standard input, but nothing is piped in; "
                                "e.g. echo \"The sky is\" | llmtrace run -")
-    try:
+    # The bytes, decoded here: Python's stdin decodes with the locale's encoding and surrogateescape, so an invalid
+    # byte would arrive as a lone surrogate (U+DC80-DCFF) and fail later, unencodable, far from its cause.
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is not None:
+        raw = stream.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadArgumentError(f"standard input is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                                   f"{exc.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode's universal newlines did
+    else:
         text = sys.stdin.read()
-    except UnicodeDecodeError as exc:
-        raise BadArgumentError(f"standard input is not UTF-8 text ({exc})") from exc
+        _check_utf8(text, "standard input")
     text = text.rstrip("\n")
     if not text:
         raise BadArgumentError("standard input was empty; pipe the prompt in, e.g. echo \"The sky is\" | llmtrace run -")

@@ -276,7 +276,7 @@ def _parse(buf: memoryview, path: str, file_size: int, decode_arrays: bool) -> G
             raise FileFormatError(f"{path}: tensor {name!r} claims {n_dims} dimensions; file is corrupt")
         shape = tuple(cur.unpack("Q") for _ in range(n_dims))
         tensors.append(GGUFTensorInfo(name, shape, cur.unpack("I"), cur.unpack("Q")))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
+    alignment = _alignment(metadata, path)
     data_offset = (cur.pos + alignment - 1) // alignment * alignment
     known_up_to = max(GGML_TYPES)
     for info in tensors:
@@ -292,8 +292,41 @@ def _parse(buf: memoryview, path: str, file_size: int, decode_arrays: bool) -> G
                 f"{path}: tensor {info.name!r} has rows of {info.shape[0]} values, not whole {name} blocks of "
                 f"{block}; the file is corrupt"
             )
+        if info.offset % alignment:
+            raise FileFormatError(f"{path}: tensor {info.name!r} starts at data offset {info.offset}, not a multiple "
+                                  f"of the file's alignment {alignment}; the file is corrupt")
         if data_offset + info.offset + info.n_bytes > file_size:
             raise FileFormatError(
                 f"{path}: tensor {info.name!r} ends past the end of the file ({file_size} bytes); the file is truncated"
             )
+    _check_layout(tensors, alignment, path)
     return GGUFHeader(path, version, metadata, tuple(tensors), data_offset, file_size)
+
+
+def _alignment(metadata: dict[str, Any], path: str) -> int:
+    """general.alignment: a positive power of two (gguf.md; llama.cpp refuses anything else), DEFAULT_ALIGNMENT when
+    absent. A string, float, array or boolean there is a corrupt file, not a number to coerce."""
+    value = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
+        shown = repr(value)[:40] if isinstance(value, (int, float, str)) else "an array"  # the only other kind
+        raise FileFormatError(f"{path}: general.alignment is {shown}, not a power of two; the file is corrupt")
+    return value
+
+
+def _check_layout(tensors: list[GGUFTensorInfo], alignment: int, path: str) -> None:
+    """Each tensor's bytes are its own, and as many as its type and shape say. GGUF writers (llama.cpp's gguf.c,
+    gguf-py) put the tensors one after another, each padded to the alignment: two ranges that overlap would give two
+    tensors the same bytes, and a gap of a whole alignment or more before the next tensor means the declared type
+    reads fewer bytes than were written (a norm of F32 values declared Q8_0 reads 34 bytes per 32 values of the 128
+    written: garbage weights, silently). The last tensor is not checked this way: data may follow it."""
+    ordered = sorted(tensors, key=lambda info: info.offset)
+    for this, after in zip(ordered, ordered[1:]):
+        end = this.offset + this.n_bytes
+        if after.offset < end:
+            raise FileFormatError(f"{path}: tensors {this.name!r} (bytes {this.offset}-{end} of the data) and "
+                                  f"{after.name!r} (from {after.offset}) overlap; the file is corrupt")
+        if after.offset - end >= alignment:
+            raise FileFormatError(
+                f"{path}: tensor {this.name!r} is declared {this.type_name} {list(this.shape)} ({this.n_bytes} bytes) "
+                f"but {after.offset - this.offset} bytes lie before the next tensor; its type does not match its data "
+                "(the file is corrupt)")

@@ -86,7 +86,8 @@ class Tokenizer(ABC):
                 **extra,
             )
         except Exception as exc:  # jinja2 raises TemplateError, TypeError, UndefinedError... from template code
-            raise ConfigError(f"the chat template failed to render: {exc}") from exc
+            why = " ".join(str(exc).split()) or type(exc).__name__  # Jinja's messages run over several lines
+            raise ConfigError(f"the chat template failed to render ({why}); run without --chat") from exc
 
 
 @lru_cache(maxsize=8)
@@ -128,7 +129,8 @@ def _compile_template(source: str) -> Any:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ConfigError(f"the chat template is not valid Jinja ({exc}); pass the prompt as plain text") from exc
+        why = " ".join(str(exc).split())
+        raise ConfigError(f"the chat template is not valid Jinja ({why}); run without --chat") from exc
 
 
 # ---- SentencePiece -----------------------------------------------------------------------------------------------

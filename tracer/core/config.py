@@ -90,6 +90,9 @@ class ModelConfig:
             raise ConfigError(
                 f"config {self.name!r}: dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); give head_dim"
             )
+        if self.head_dim % 2:  # LLaMA and Qwen2 alike: every head is rotated whole
+            raise ConfigError(f"config {self.name!r}: head_dim is {self.head_dim}, odd; RoPE turns a head's values in "
+                              "pairs, so it must be even (the file is corrupt or not a LLaMA-family model)")
 
     @property
     def head_dim(self) -> int:
@@ -237,6 +240,10 @@ class ModelConfig:
                  len(tokens) if isinstance(tokens, (list, tuple)) or hasattr(tokens, "count") else 0)
         if vocab <= 0:
             raise ConfigError(f"{source}: GGUF metadata gives no vocabulary size")
+        listed = len(tokens) if isinstance(tokens, (list, tuple)) or hasattr(tokens, "count") else None
+        if listed is not None and listed < vocab:  # an id past the list has no text: decoding it would fail mid-run
+            raise ConfigError(f"{source}: the GGUF's token list (tokenizer.ggml.tokens) has {listed:,} entries but its "
+                              f"vocabulary is {vocab:,} ({key('vocab_size')}); the file is corrupt")
         key_length = meta.get(key("attention.key_length"))
         dim = whole(key("embedding_length"), need("embedding_length"))
         head_dim = whole(key("attention.key_length"), key_length) if key_length else None

@@ -68,6 +68,13 @@ from llmtrace.tracer.trace.run_trace import (
 from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
 
 
+
+def check_prompt_fits(config: ModelConfig, prompt_len: int) -> None:
+    """BadArgumentError when a prompt of `prompt_len` tokens leaves no position to generate into."""
+    if prompt_len >= config.max_seq_len:
+        raise BadArgumentError(f"the prompt is {prompt_len} tokens but {config.name} holds {config.max_seq_len} "
+                               "positions; shorten the prompt")
+
 class LoadedModelLike(Protocol):
     """What the loop needs of llmtrace.tracer.load.loader.LoadedModel."""
 
@@ -401,13 +408,8 @@ class Generation:
         return ids
 
     def _new_token_limit(self, prompt_len: int) -> int:
-        context = self.config.max_seq_len
-        if prompt_len >= context:
-            raise BadArgumentError(
-                f"the prompt is {prompt_len} tokens but {self.config.name} holds {context} positions; "
-                "shorten the prompt"
-            )
-        return new_token_limit(self.settings.max_new_tokens, context, prompt_len)
+        check_prompt_fits(self.config, prompt_len)
+        return new_token_limit(self.settings.max_new_tokens, self.config.max_seq_len, prompt_len)
 
     def _step(self, phase: str, index: int, ids: list[int]) -> StepRecord:
         """One forward (prefill or decode_one), the sample from its logits, the text it adds."""
