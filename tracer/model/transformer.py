@@ -46,7 +46,7 @@ from llmtrace.tracer.core.contract import expected_shapes, has_bias, tensor_of
 from llmtrace.tracer.core.dtypes import FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
-from llmtrace.tracer.hardware.memory import available_memory_bytes
+from llmtrace.tracer.hardware.memory import available_memory_bytes, check_prefill_fits
 from llmtrace.tracer.model.edit_watch import EDIT_COUNTER, ForwardWatched, watch
 from llmtrace.tracer.model.functional import (
     attention_scores,
@@ -435,6 +435,7 @@ class Transformer(ForwardWatched):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cache-free forward over all positions from 0: tokens (B, T) -> logits (B, T, V). Leaves the cache alone."""
         new = tokens.shape[1]
+        self._check_attention_fits(tokens.shape[0], new, new)
         self._ensure_rope(new)
         input_pos = self._positions[:new]  # (T,)
         x = self.embed(tokens)  # (B, T, dim)
@@ -455,9 +456,16 @@ class Transformer(ForwardWatched):
                 raise BadArgumentError(f"pad needs one count in [0, {tokens.shape[1]}) per row, got {list(pad)}")
             if self._pos:
                 raise BadArgumentError("pads are set by the first prefill of a sequence; reset the cache first")
+        self._check_attention_fits(tokens.shape[0], tokens.shape[1], self._pos + tokens.shape[1])
         self._pad = (torch.tensor(pad, dtype=torch.long, device=tokens.device)  # (B,)
                      if pad is not None and any(pad) else None)
         return self._cached_step(tokens)
+
+    def _check_attention_fits(self, batch: int, new: int, seen: int) -> None:
+        """A step of many tokens holds (B, H, T, S) attention scores: refused in one line before the first layer
+        when they cannot fit in this machine's memory (tracer/hardware/memory.py); the meta device holds nothing."""
+        if new > 1 and self.norm.weight.device.type == "cpu":
+            check_prefill_fits(self.config.n_heads, batch, new, seen)
 
     def decode_one(self, tokens: torch.Tensor) -> torch.Tensor:
         """One new token per sequence, tokens (B, 1), at position `pos`; logits (B, V)."""
