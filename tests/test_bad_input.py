@@ -7,7 +7,9 @@ impossible --prompt-tokens refused before anything is printed."""
 from __future__ import annotations
 
 import errno
+import io
 import mmap
+import os
 import struct
 import subprocess
 import sys
@@ -220,7 +222,7 @@ def test_a_token_list_shorter_than_the_vocabulary_is_one_line_from_run(make_tiny
 
 def _cli(args: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([sys.executable, "-m", "llmtrace", *args], cwd=REPO, input=stdin, capture_output=True,
-                          timeout=300, env={**__import__("os").environ, "LC_ALL": "C.UTF-8"})
+                          timeout=300, env={**os.environ, "LC_ALL": "C.UTF-8"})
 
 
 def test_invalid_utf8_on_standard_input_is_one_line() -> None:
@@ -241,7 +243,7 @@ def test_crlf_on_standard_input_still_reads_as_lines() -> None:
     from llmtrace.cli import prompt_input
 
     class Stdin:
-        buffer = __import__("io").BytesIO("今天\r\n天气\r".encode())
+        buffer = io.BytesIO("今天\r\n天气\r".encode())
 
         def isatty(self) -> bool:
             return False
@@ -261,7 +263,7 @@ def test_any_bytes_on_standard_input_are_a_prompt_or_one_line(raw: bytes) -> Non
     from llmtrace.tracer.core.errors import BadArgumentError
 
     class Stdin:
-        buffer = __import__("io").BytesIO(raw)
+        buffer = io.BytesIO(raw)
 
         def isatty(self) -> bool:
             return False
@@ -308,8 +310,10 @@ def test_enomem_under_a_real_address_space_limit_is_one_line(tmp_path: Path) -> 
         fh.truncate(4 << 30)
     code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
             "from llmtrace.cli.app import main\nmain(['flops', '--model', sys.argv[1]])\n")
+    # without a preloaded sanitizer (make sanitize): ASan's shadow memory cannot be reserved under such a limit
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
     _one_line_exit_2(done.returncode, done.stderr, "out of memory")
 
 
