@@ -54,7 +54,7 @@ def _run_checked(args: RunArgs) -> int:
     with stop_signals_interrupt() as received:
         outputs.received = received
         try:
-            trace = run_live(console, args, settings, outputs.save)
+            trace = run_live(console, args, settings, outputs.save, received)
             outputs.say_written(console)
         except KeyboardInterrupt:  # while loading (nothing to keep) or after `save` (the files are whole)
             return received.exit_code

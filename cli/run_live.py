@@ -22,15 +22,20 @@ if TYPE_CHECKING:
 Save = Callable[..., None]  # RunOutputs.save: (trace, summary block, comparison[, repeated, again])
 
 
-def run_live(console: Console, args: RunArgs, settings: RunSettings, save: Save) -> Trace:
+def run_live(console: Console, args: RunArgs, settings: RunSettings, save: Save, received: Any = None) -> Trace:
     """The run, rendered as it goes; `save` gets its trace, summary block and roofline comparison (None: none)
-    before the ending is rendered, and with --repeat once more after the repeats, with their spreads."""
+    before the ending is rendered, and with --repeat once more after the repeats, with their spreads. `received`:
+    the stop-signal gate (cli/interrupts.py Received), whose signal the summary names."""
     from llmtrace.cli.run_stream import JourneyStream
     from llmtrace.tracer.checkpoint.resolve import bundled_source, classify_model
 
     # Classified before torch is imported: a wrong --model fails in a blink, with the error every command gives.
     source = classify_model(settings.model) if settings.model else bundled_source()
     loaded, tp_dry = _load(console, args, settings, source)
+    if settings.dry_run and settings.prompt_tokens is not None and loaded.tokenizer is None:
+        from llmtrace.tracer.run.generate import check_prompt_fits
+
+        check_prompt_fits(loaded.config, settings.prompt_tokens)  # before the header: nothing printed, then refused
     _show_header(console, loaded, settings, args.views.detail.value)
 
     from llmtrace.tracer.run.batch_generate import generation_for
@@ -45,7 +50,7 @@ def run_live(console: Console, args: RunArgs, settings: RunSettings, save: Save)
         _finish(console, args, trace, None, save)
         render_tp_dry_run(console, tp_dry_run_passes(trace), args.parallel.tp)
         return trace
-    _finish(console, args, trace, (source, loaded), save)
+    _finish(console, args, trace, (source, loaded), save, received.name if received is not None else "")
     return trace
 
 
@@ -90,9 +95,11 @@ def _show_header(console: Console, loaded: Any, settings: RunSettings, detail: s
     render_kernel_choice(console, loaded.kernels, dtype_of(param.dtype).name, detail)
 
 
-def _finish(console: Console, args: RunArgs, trace: Trace, model: tuple[Any, Any] | None, save: Save) -> None:
+def _finish(console: Console, args: RunArgs, trace: Trace, model: tuple[Any, Any] | None, save: Save,
+            stopped_by: str = "") -> None:
     """The roofline comparison (a real run on one device: `model` is its (source, loaded)), the outputs saved, then
-    the ending and the --repeat runs; a --tp dry run (`model` None) only saves."""
+    the ending and the --repeat runs; a --tp dry run (`model` None) only saves. `stopped_by`: the stop signal's
+    name, "" when none came."""
     from llmtrace.cli.render_run_report import render_ending
     from llmtrace.tracer.trace.report import run_report
     from llmtrace.tracer.trace.run_trace import STOP_INTERRUPTED
@@ -109,7 +116,7 @@ def _finish(console: Console, args: RunArgs, trace: Trace, model: tuple[Any, Any
     save(trace, block, comparison)
     if model is None:
         return
-    render_ending(console, trace, args.views.detail.value, report, comparison, note)
+    render_ending(console, trace, args.views.detail.value, report, comparison, note, stopped_by)
     if args.performance.repeat > 1:  # the JSON again, with the runs' spreads
         repeated = (_repeat(console, model[1], trace, args.performance.repeat)
                     if trace.stop_reason != STOP_INTERRUPTED else None)

@@ -12,6 +12,20 @@ if TYPE_CHECKING:
     from llmtrace.tracer.trace.run_trace import Trace
 
 
+PREFILL_NOTE_BYTES = 1e9  # a prefill whose attention takes this much is said before it runs
+
+
+def say_prefill_memory(console: Console, n_heads: int, tokens: int) -> None:
+    """Before a long prompt's prefill: what its attention scores will take (the model refuses it when that does not
+    fit: tracer/hardware/memory.py), so a run that grows by gigabytes says why beforehand."""
+    from llmtrace.tracer.hardware.memory import prefill_attention_bytes
+
+    need = prefill_attention_bytes(n_heads, 1, tokens, tokens)
+    if need >= PREFILL_NOTE_BYTES:
+        console.print(f"[dim]prefill of {tokens:,} tokens: its attention scores take {need / 1e9:,.1f} GB at their "
+                      f"peak ({n_heads} heads × {tokens:,} × {tokens:,} positions, one layer at a time)[/]")
+
+
 class JourneyStream:
     """Renders one generation's events (tracer/run/generate.py) in order; `run` drives it to the trace."""
 
@@ -59,6 +73,8 @@ class JourneyStream:
             self.tokenization = event.record
             render_tokenization(self.console, event.record, event.prompt_tokens,
                                 self.settings.prompt_tokens is not None)
+            if not self.settings.dry_run:
+                say_prefill_memory(self.console, self.loaded.config.n_heads, len(event.record.ids))
         elif isinstance(event, PrefillDone):
             self._prefill(event)
         elif isinstance(event, TokenStep):

@@ -81,9 +81,9 @@ def test_run_refuses_it_in_one_line(tiny_llama_dir: Path, monkeypatch: pytest.Mo
 
 def test_run_says_what_a_large_prefill_will_take(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model's scores are small: the note's threshold lowered to show the line as a large prompt gets."""
-    from llmtrace.cli import cmd_run
+    from llmtrace.cli import run_stream
 
-    monkeypatch.setattr(cmd_run, "PREFILL_NOTE_BYTES", 1)
+    monkeypatch.setattr(run_stream, "PREFILL_NOTE_BYTES", 1)
     result = runner.invoke(app, ["run", "sky", "--literal", "--model", str(tiny_llama_dir), "--max-new-tokens", "1",
                                  "--no-roofline"])
     assert result.exit_code == 0, result.output
