@@ -243,10 +243,10 @@ def test_the_kernel_folder_removed_during_the_build_is_said_so(tmp_path: Path,
     monkeypatch.setenv(native_kernel.DIR_ENV, str(folder))
     real_compile = native_kernel._compile
 
-    def compile_after_removal(compiler: list[str], flags: tuple[str, ...], source: Path, out: str) -> str:
-        if source == native_kernel.SOURCE:
+    def compile_after_removal(compiler: list[str], flags: tuple[str, ...], units: list[Path], out: str) -> str:
+        if not out.endswith("probe.so"):  # the library's own compile, after the flag probe
             shutil.rmtree(folder)  # `rm -rf native/` from another terminal, mid-build
-        return real_compile(compiler, flags, source, out)
+        return real_compile(compiler, flags, units, out)
 
     monkeypatch.setattr(native_kernel, "_compile", compile_after_removal)
     native_kernel.reset()
