@@ -1,4 +1,15 @@
-"""Option types shared by the commands: `Annotated` aliases and `str` Enums, so each is declared once."""
+"""Option types shared by the commands: `Annotated` aliases and `str` Enums, so each is declared once.
+
+The conventions every command follows (tests/test_run_options.py checks the first for all of them):
+- placeholders `<lowercase>` as typer writes `<int>`: `<path>`, `<preset|path>`, `<t,t,...>`; never PATH or
+  `<int range>` (cli/command.py writes a range as `<int>`);
+- the same option, the same name: `-n/--max-new-tokens` (Hugging Face's max_new_tokens, llama.cpp's -n) and
+  `-p/--prompt-len` in run, flops and roofline; `-m/--model`, `-b/--batch` where they apply;
+- `--json` is a flag that prints the command's record on stdout and nothing else; a file is `--json-file PATH`;
+- a renamed option keeps its old spelling, read but not shown (cli/command.py's `command_class(renamed)`), so
+  scripts do not break; every command is declared with `cls=command_class(...)`, which also lists options by
+  their `rich_help_panel` group in the plain help.
+"""
 
 from __future__ import annotations
 
