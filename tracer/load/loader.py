@@ -43,6 +43,8 @@ from llmtrace.tracer.hardware import kernel_choice
 from llmtrace.tracer.hardware.kernel_choice import KernelChoice
 from llmtrace.tracer.hardware.kernel_defaults import NO_COMPILER, default_phrase
 from llmtrace.tracer.load import kernel_pick, weights_cache
+from llmtrace.tracer.load.dry_weights import hold_as_stored
+from llmtrace.tracer.load.memory_fit import check_fits
 from llmtrace.tracer.load.gguf_loader import (
     load_gguf_stored,
     load_gguf_weights,
@@ -134,10 +136,13 @@ def load_model(
                                  gguf, random_init, dry_run)
     compute = get_dtype(kernels.dtype, COMPUTE_DTYPES)
     assert isinstance(compute, DType)
-    if dry_run:  # shapes only
-        return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, None), kernels=kernels,
-                       kernel_note=note)
+    # the weights' form the run takes (a dry run counts the bytes of the matrices it holds as stored)
     decided = _weights_choice(resolved, target, request, kernels, gguf)
+    if dry_run:  # shapes only
+        return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, decided),
+                       kernels=kernels, kernel_note=note)
+    if target.type == "cpu" and not random_init:  # refused in one line before a byte is read
+        check_fits(resolved, decided, compute, _display_name(resolved, decided, compute))
     loaded = _load(start, resolved, compute, target, False, random_init, seed, use_cache, decided)
     if auto and compute.name == FP16.name and decided.mode == DENSE:
         problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
@@ -217,6 +222,14 @@ def _weights_choice(resolved: ResolvedModel, target: torch.device, request: Weig
     return WeightsChoice(STORED, why + note, kernels.picked, news=bool(note))
 
 
+def _display_name(resolved: ResolvedModel, choice: WeightsChoice, compute: DType) -> str:
+    """"llama-7b.Q4_0.gguf under --weights i16dot (fp32)": what a memory refusal names."""
+    name = Path(resolved.path).name if resolved.path is not None else resolved.config.name
+    how = f"as stored ({choice.kernel})" if choice.mode == STORED else \
+        f"dequantized to {compute.name}" if resolved.kind == GGUF else f"in {compute.name}"
+    return f"{name} {how}"
+
+
 def _dequantized_note(resolved: ResolvedModel, kernel: str) -> str:
     """"; N matrices of type T have no K kernel and run dequantized" for a kernel spec that leaves some of the file's
     matrices without a kernel (e.g. `--weights i16dot`, which runs Q8_0 and Q6_K, on a Q4_1 file), else ""."""
@@ -256,7 +269,13 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
         where = resolved.path if resolved.path is not None else f"preset {config.name}"
         if dry_run:
             model = build_meta_model(config).to(values)  # meta: a dtype change costs nothing
-            return _finish(start, resolved, model, tokenizer, where, f"dry run (meta device) {compute.name}")
+            weights = decided or WeightsChoice(DENSE, "")
+            fmt = f"dry run (meta device) {compute.name}"
+            if weights.mode == STORED and weights.kernel is not None and resolved.gguf_header is not None:
+                hold_as_stored(model, resolved.gguf_header, kernel_plan(weights.kernel))
+                fmt = f"dry run (meta device) · GGUF {quantization_summary(resolved.gguf_header)} as stored " \
+                      f"({weights.kernel}) · {compute.name} activations"
+            return _finish(start, resolved, model, tokenizer, where, fmt, weights=weights)
         model = _assemble(config, random_state_dict(config, compute, seed), target)
         return _finish(start, resolved, model, tokenizer, where, f"random init (seed {seed}) {compute.name}",
                        weights=decided or WeightsChoice(DENSE, ""))

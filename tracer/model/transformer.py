@@ -76,6 +76,9 @@ class Linear(ForwardWatched, nn.Linear):
     weight directly must take `packed` when set, as functional.project does)."""
 
     packed: PackedWeight | None = None
+    # On a dry run's meta model: (bytes, format label) of the matrix as `run` would hold it (a GGUF's stored bytes
+    # under the kernel the run picks: tracer/load/dry_weights.py), which the trace's byte counts take; else None.
+    held_as: tuple[int, str] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight if self.packed is None else self.packed, self.bias)
@@ -87,6 +90,7 @@ class Embedding(ForwardWatched, nn.Embedding):
 
     packed: PackedWeight | None = None
     compute_dtype: torch.dtype = torch.float32
+    held_as: tuple[int, str] | None = None  # as Linear.held_as
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

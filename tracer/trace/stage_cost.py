@@ -41,6 +41,10 @@ def _held(module: Any) -> tuple[int, float, str]:
     packed = getattr(module, "packed", None)
     if packed is not None:
         return packed.stored_bytes, packed.stored_bytes / packed.shape[0], packed.format.label
+    held_as = getattr(module, "held_as", None)
+    if held_as is not None:  # a dry run's meta matrix: as the run it stands for would hold it
+        nbytes, label = held_as
+        return nbytes, nbytes / module.weight.shape[0], label
     weight = module.weight
     name = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(str(weight.dtype).removeprefix("torch."),
                                                                       str(weight.dtype).removeprefix("torch."))
