@@ -8,7 +8,7 @@ from llmtrace.cli.app import app
 from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
 from llmtrace.cli.options import DEFAULT_MODEL, BatchOption, JsonOption, ModelOption, dtype_option
-from llmtrace.tracer.core.dtypes import FP16, DType
+from llmtrace.tracer.core.dtypes import DType
 
 
 @app.command("kvmem", cls=command_class())
@@ -17,7 +17,9 @@ def kvmem(
         "--seq", "-s", min=1, show_default="the model's max context",
         help="Positions per sequence (prompt + generated tokens).")] = None,
     model: ModelOption = DEFAULT_MODEL,
-    dtype: Annotated[DType, dtype_option("--dtype", help="KV-cache dtype.")] = FP16,
+    dtype: Annotated[Optional[DType], dtype_option(
+        "--dtype", show_default="the cache `run` allocates: fp32 for a GGUF, a float checkpoint's own, fp16 for a "
+        "preset", help="KV-cache dtype.")] = None,
     batch: BatchOption = 1,
     budget: Annotated[Optional[str], typer.Option(
         "--budget", metavar="<size>", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,
@@ -37,7 +39,7 @@ def kvmem(
 
     def body() -> None:
         from llmtrace.tracer.analytic.flops_report import default_weights_dtype, weights_as_stored
-        from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes
+        from llmtrace.tracer.analytic.kvmem import kvmem_report, parse_bytes, run_cache_dtype
         from llmtrace.tracer.checkpoint.resolve import resolve_model
 
         resolved = resolve_model(model)
@@ -45,8 +47,9 @@ def kvmem(
         weights, weights_from = ((weights_dtype, "option") if weights_dtype is not None
                                  else default_weights_dtype(resolved))
         stored = weights_as_stored(resolved) if weights_from == "file" else ()
+        cache, note = (dtype, "") if dtype is not None else run_cache_dtype(resolved.weights)
         report = kvmem_report(
-            config, seq if seq is not None else config.max_seq_len, dtype, batch,
+            config, seq if seq is not None else config.max_seq_len, cache, batch, dtype_note=note,
             budget_bytes=parse_bytes(budget) if budget is not None else None, weights_dtype=weights,
             stored_weight_bytes=sum(n_bytes for _, n_bytes, _ in stored) if stored else None,
         )

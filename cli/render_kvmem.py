@@ -16,6 +16,7 @@ def render_kvmem(console: Console, r: KVMemReport) -> None:
         f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {fmt.count(s.seq)} positions per sequence"
         + (f" (sliding window: it holds the last {fmt.count(s.cached_positions)})" if s.cached_positions != s.seq
            else ""),
+        *([f"  [dim]{r.dtype_note}; --dtype for another[/]"] if r.dtype_note else []),
         f"  {r.formula}",
         f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer; {fmt.count(s.bytes_per_token)} B "
         f"= {fmt.bytes_both(s.bytes_per_token)} over {s.n_layers} layers (one sequence).",

@@ -171,11 +171,15 @@ def test_flops_json_batch_and_dtype() -> None:
 
 
 def test_kvmem_json() -> None:
-    data = _json(["kvmem", "--seq", "2000", "--json"])
+    data = _json(["kvmem", "--seq", "2000", "--dtype", "fp16", "--json"])
     jsonschema.validate(data, KVMEM_SCHEMA)
     assert data["size"]["bytes_per_token"] == 524_288
     assert data["size"]["total_bytes"] == 1_048_576_000
-    data = _json(["kvmem", "--seq", "4096", "-m", "llama2-70b", "--batch", "8", "--budget", "80GB", "--json"])
+    # without --dtype: the cache `run --dry-run` allocates for a preset, fp32 (was fp16 before issue 31)
+    default = _json(["kvmem", "--seq", "2000", "--json"])
+    assert (default["size"]["dtype"], default["size"]["total_bytes"]) == ("fp32", 2 * 1_048_576_000)
+    data = _json(["kvmem", "--seq", "4096", "-m", "llama2-70b", "--batch", "8", "--budget", "80GB", "--dtype", "fp16",
+                  "--json"])
     jsonschema.validate(data, KVMEM_SCHEMA)
     assert data["size"]["total_bytes"] == 2 * 80 * 8 * 128 * 2 * 4096 * 8
     assert data["without_gqa"]["total_bytes"] == 8 * data["size"]["total_bytes"]
@@ -212,11 +216,11 @@ def test_flops_macs() -> None:
 
 
 def test_kvmem_table() -> None:
-    out = runner.invoke(app, ["kvmem", "--seq", "2000"]).stdout
+    out = runner.invoke(app, ["kvmem", "--seq", "2000", "--dtype", "fp16"]).stdout
     assert "524,288 B = 524.3 kB (512.0 KiB)" in out
     assert "Total: 1.049 GB (0.9766 GiB)" in out
     assert "← --seq" in out and "model max" in out
-    out = runner.invoke(app, ["kvmem", "--seq", "2000", "-m", "llama3-8b", "--budget", "24GiB"]).stdout
+    out = runner.invoke(app, ["kvmem", "--seq", "2000", "-m", "llama3-8b", "--budget", "24GiB", "--dtype", "fp16"]).stdout
     assert "Without GQA (32 KV heads instead of 8)" in out and "4.00× more" in out
     assert "196,608 positions per sequence of KV cache alone" in out  # 24 GiB / 128 KiB
 

@@ -13,8 +13,9 @@ import re
 from dataclasses import dataclass
 
 from llmtrace.tracer.analytic.params import weight_bytes
+from llmtrace.tracer.checkpoint.weights_summary import WeightsSummary
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import DType
+from llmtrace.tracer.core.dtypes import BF16, FP16, FP32, DType
 from llmtrace.tracer.core.errors import BadArgumentError
 
 
@@ -67,6 +68,7 @@ class KVMemReport:
     gqa_saving: float  # without_gqa.total_bytes / size.total_bytes
     table: tuple[ContextRow, ...]
     budget: BudgetFit | None
+    dtype_note: str = ""  # why the cache has this dtype when no --dtype chose it (run_cache_dtype), else ""
 
 
 def _positive(name: str, value: int) -> int:
@@ -135,11 +137,30 @@ def _positions_within(config: ModelConfig, cacheable: int) -> int:
     return max(cacheable, config.max_seq_len) if window is not None and cacheable >= window else cacheable
 
 
+# A float checkpoint's stored dtype -> the dtype `run` computes it in, and so allocates its cache in.
+_FLOAT_CACHE = {"F32": FP32, "BF16": BF16, "F16": FP16}
+
+
+def run_cache_dtype(weights: WeightsSummary | None) -> tuple[DType, str]:
+    """The KV-cache dtype `llmtrace run` allocates for a checkpoint, and one line saying why. The cache holds K and
+    V in the activations' dtype: a GGUF's are fp32 (its stored kernels take fp32 activations and its dequantized
+    matrices are fp32), a float checkpoint's its own dtype (bf16, fp16 or fp32), a preset's (shapes only: `run
+    --dry-run`) fp32."""
+    if weights is None:
+        return FP32, "fp32, as `run --dry-run` allocates it for a preset"
+    if weights.format == "gguf":
+        return FP32, "fp32, as `run` allocates it for a GGUF"
+    dtype = _FLOAT_CACHE.get(weights.main_dtype, FP32)
+    return dtype, f"{dtype.name}, as `run` allocates it for a {weights.main_dtype} checkpoint"
+
+
 def kvmem_report(
     config: ModelConfig, seq: int, dtype: DType, batch: int = 1,
     budget_bytes: int | None = None, weights_dtype: DType | None = None, stored_weight_bytes: int | None = None,
+    dtype_note: str = "",
 ) -> KVMemReport:
-    """stored_weight_bytes: a GGUF's weights as stored (each tensor its own type), which the budget then takes."""
+    """stored_weight_bytes: a GGUF's weights as stored (each tensor its own type), which the budget then takes.
+    dtype_note: why `dtype` (run_cache_dtype's line), shown under the headline."""
     size = kv_cache_size(config, seq, dtype, batch)
     mha = kv_cache_size(config, seq, dtype, batch, n_kv_heads=config.n_heads)
     positions = f"{seq} positions" if size.cached_positions == seq else \
@@ -156,7 +177,7 @@ def kvmem_report(
                             stored_weight_bytes)
     return KVMemReport(
         schema=KVMEM_SCHEMA, model=config.name, max_seq_len=config.max_seq_len, formula=formula, size=size, without_gqa=mha,
-        gqa_saving=mha.total_bytes / size.total_bytes, table=table, budget=budget,
+        gqa_saving=mha.total_bytes / size.total_bytes, table=table, budget=budget, dtype_note=dtype_note,
     )
 
 
