@@ -232,3 +232,38 @@ def test_a_model_that_cannot_fit_is_one_line_before_loading(tiny_quantized: Call
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--weights stored holds the file's" in lines[0], result.stderr
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing was converted and cached
+
+
+def test_an_hf_folder_is_held_once_in_its_own_dtype(make_tiny_llama: Callable[..., Path], tmp_path: Path) -> None:
+    """A bf16 folder run in bf16: Q|K|V and gate|up are one bf16 tensor per layer, written at load in the members'
+    order, which the fused plan uses as it is (no copy of its own after a run); every other matrix is still a view
+    of the mapped file; so the model holds the checkpoint's bytes once: the packed copies, and the mapped rest. In
+    fp32 nothing is bf16 any more. Same logits as the tensors loaded plainly."""
+    folder = _bf16_copy(make_tiny_llama("default"), tmp_path)
+    path = str(folder / "model.safetensors")
+    loaded = load_model(str(folder), BF16)
+    layer = loaded.model.layers[0]
+    before = layer.attention.wq.weight.data_ptr()
+    generate(loaded, SETTINGS)
+    qkv = [layer.attention.wq.weight, layer.attention.wk.weight, layer.attention.wv.weight]
+    assert qkv[0].data_ptr() == before  # the fused plan did not copy them
+    assert qkv[1].data_ptr() == qkv[0].data_ptr() + qkv[0].nbytes and all(w.dtype == torch.bfloat16 for w in qkv)
+    mapped = _file_ranges(path)
+    assert any(low <= layer.attention.wo.weight.data_ptr() < high for low, high in mapped)
+    packed = sum(w.nbytes for block in loaded.model.layers for w in (
+        block.attention.wq.weight, block.attention.wk.weight, block.attention.wv.weight,
+        block.feed_forward.w1.weight, block.feed_forward.w3.weight))
+    norms = sum(p.nbytes for n, p in loaded.model.named_parameters() if "norm" in n)  # packed by the fused plan
+    assert _held_bytes(loaded.model, path) == packed + norms
+    fp32 = load_model(str(folder), FP32).model
+    assert all(p.dtype == torch.float32 for p in fp32.parameters())
+    from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+    from llmtrace.tracer.model.transformer import build_meta_model
+
+    config = loaded.config
+    plain = build_meta_model(config)  # the mapped tensors as they are, the fused plan packing them itself
+    plain.load_weights(load_hf_state_dict(folder, config))
+    tokens = torch.tensor([[1, 5, 9, 14]])
+    plain.setup_cache(1, 8)
+    loaded.model.setup_cache(1, 8)
+    assert torch.equal(plain.prefill(tokens), loaded.model.prefill(tokens))

@@ -25,10 +25,11 @@ from llmtrace.tracer.checkpoint.safetensors_header import (
     read_safetensors_index,
 )
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
+from llmtrace.tracer.core.contract import PACKS, expected_shapes, hf_to_ours, ours_to_hf
 from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
+from llmtrace.tracer.load import mapped_pages
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = INDEX_NAME
@@ -94,11 +95,12 @@ def _plan(
     return {name: found[name] for name in expected}
 
 
-def _mapped_bytes(path: Path) -> torch.Tensor:
-    """The whole file as a uint8 tensor over a private (copy-on-write) memory map: pages load on first touch."""
+def _mapped_bytes(path: Path) -> tuple[torch.Tensor, mmap.mmap]:
+    """The whole file as a uint8 tensor over a private (copy-on-write) memory map (pages load on first touch), and
+    the map (for giving pages back: tracer/load/mapped_pages.py)."""
     with path.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return torch.frombuffer(mapped, dtype=torch.uint8)  # keeps `mapped` alive as long as any view exists
+    return torch.frombuffer(mapped, dtype=torch.uint8), mapped  # the tensor keeps `mapped` alive
 
 
 def _tensor_view(file_bytes: torch.Tensor, header: SafetensorsFile, entry: SafetensorsTensor) -> torch.Tensor:
@@ -121,6 +123,17 @@ def load_hf_state_dict(
     With dtype None and device cpu, every tensor is a view of a memory-mapped file (no copy). Asking for another
     dtype or device converts each tensor once. Tied models get no `output.weight` (the model ties it).
     """
+    target = torch_dtype(dtype) if dtype is not None else None
+    state: dict[str, torch.Tensor] = {}
+    for name, (tensor, _, _, _) in _views(folder, config).items():
+        if (target is not None and tensor.dtype != target) or torch.device(device) != tensor.device:
+            tensor = tensor.to(device=device, dtype=target or tensor.dtype)
+        state[name] = tensor
+    return state
+
+
+def _views(folder: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, mmap.mmap, int, int]]:
+    """{our name: (view of the mapped file, the map, the tensor's offset in the file, its bytes)}, checked."""
     folder = Path(folder).expanduser()
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such folder; pass an HF model folder (config.json + model.safetensors)")
@@ -128,17 +141,48 @@ def load_hf_state_dict(
         raise CheckpointError(f"{folder}: not a folder; pass an HF model folder (config.json + model.safetensors)")
     if not (folder / "config.json").exists():
         raise ConfigError(f"{folder}: no config.json; pass an HF LLaMA model folder")
-    target = torch_dtype(dtype) if dtype is not None else None
     plan = _plan(config, _shard_headers(folder), folder)
-    files: dict[str, torch.Tensor] = {}
-    state: dict[str, torch.Tensor] = {}
+    files: dict[str, tuple[torch.Tensor, mmap.mmap]] = {}
+    out = {}
     for hf_name, (header, entry) in plan.items():
         if header.path not in files:
             files[header.path] = _mapped_bytes(Path(header.path))
-        tensor = _tensor_view(files[header.path], header, entry)
-        if (target is not None and tensor.dtype != target) or torch.device(device) != tensor.device:
-            tensor = tensor.to(device=device, dtype=target or tensor.dtype)
-        state[hf_to_ours(hf_name)] = tensor
+        data, mapped = files[header.path]
+        out[hf_to_ours(hf_name)] = (_tensor_view(data, header, entry), mapped, header.data_start + entry.begin,
+                                    entry.end - entry.begin)
+    return out
+
+
+def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> dict[str, torch.Tensor]:
+    """load_hf_state_dict's tensors in `dtype` on the CPU, held as a run holds them, so that the checkpoint's bytes
+    are resident once: the matrices the fused path multiplies as one product (contract.PACKS: Q|K|V, gate|up) are
+    written, converted where `dtype` differs, into one tensor per layer and pack, rows in the members' order (the
+    model's fused plan then finds them consecutive and makes no copy of its own: tracer/model/fused.py _packed);
+    every other tensor stays a view of the mapped file when it is in `dtype`, else is converted. The map's pages of
+    every tensor copied out are given back (tracer/load/mapped_pages.py). So a bf16 7B folder run in bf16 holds its
+    13.5 GB once (9 GB of Q|K|V and gate|up copies + 4.5 GB mapped), never an fp32 copy, and a conversion holds the
+    converted tensors only."""
+    target = torch_dtype(dtype)
+    views = _views(folder, config)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(config.n_layers):
+        for pack in PACKS:
+            names = [f"layers.{layer}.{member}.weight" for member in pack.members]
+            first = views[names[0]][0]
+            packed = torch.empty((sum(views[n][0].shape[0] for n in names), first.shape[1]), dtype=target)
+            row = 0
+            for name in names:
+                tensor, mapped, start, nbytes = views.pop(name)
+                packed[row:row + tensor.shape[0]].copy_(tensor)
+                mapped_pages.release(mapped, start, nbytes)
+                state[name] = packed[row:row + tensor.shape[0]]
+                row += tensor.shape[0]
+    for name, (tensor, mapped, start, nbytes) in views.items():
+        if tensor.dtype == target:
+            state[name] = tensor
+        else:
+            state[name] = tensor.to(target)
+            mapped_pages.release(mapped, start, nbytes)
     return state
 
 

@@ -38,7 +38,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError, LlmtraceError
-from llmtrace.tracer.hardware.dtype_policy import dtype_of, torch_dtype
+from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware import kernel_choice
 from llmtrace.tracer.hardware.kernel_choice import KernelChoice
 from llmtrace.tracer.hardware.kernel_defaults import NO_COMPILER, default_phrase
@@ -54,7 +54,7 @@ from llmtrace.tracer.load.gguf_loader import (
     stored_model,
 )
 from llmtrace.tracer.load.gguf_source import GGUFSource
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.hf_loader import load_hf_for_run, load_hf_state_dict
 from llmtrace.tracer.load.stored_weights import (
     AUTO as WEIGHTS_AUTO,
     DENSE,
@@ -282,9 +282,12 @@ def _load(start: float, resolved: ResolvedModel, compute: DType, target: torch.d
     choice = decided or WeightsChoice(DENSE, "")
     if kind == HF:
         folder = resolved.source.path
-        mapped = load_hf_state_dict(folder, config)  # views of the memory-mapped files, in the stored dtype
-        stored = "+".join(sorted({_name_of(t.dtype) for t in mapped.values()}))
-        state = {name: tensor.to(values) for name, tensor in mapped.items()}  # no copy when already that dtype
+        stored = "+".join(sorted({_FILE_DTYPES.get(share.dtype, share.dtype.lower())
+                                  for share in (resolved.weights.by_dtype if resolved.weights else ())}))
+        if target.type == "cpu":  # the checkpoint's bytes resident once (Q|K|V, gate|up packed as the run uses them)
+            state = load_hf_for_run(folder, config, compute)
+        else:
+            state = {name: t.to(values) for name, t in load_hf_state_dict(folder, config).items()}
         model = _assemble(config, state, target)
         return _finish(start, resolved, model, _tokenizer(resolved), str(folder),
                        f"safetensors {stored} -> {compute.name}", weights=choice)
@@ -432,12 +435,8 @@ def _tokenizer(resolved: ResolvedModel) -> Tokenizer | None:
     return None
 
 
-def _name_of(stored: torch.dtype) -> str:
-    """fp32/bf16/fp16 for the formats llmtrace computes in, else torch's own name."""
-    try:
-        return dtype_of(stored).name
-    except BadArgumentError:
-        return str(stored)
+# A safetensors header's dtype names for the formats llmtrace computes in -> llmtrace's names.
+_FILE_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 
 
 def _check_device(device: str, request: WeightsRequest) -> torch.device:
