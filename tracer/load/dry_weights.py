@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.load.gguf_loader import KernelPlan, kernel_of, matrix_infos, stored_matrices
+from llmtrace.tracer.load.gguf_loader import KernelPlan, held_kernel, kernel_of, matrix_infos, stored_matrices
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import gguf_format
 
@@ -25,7 +25,7 @@ def held_as_stored(header: GGUFHeader, config: ModelConfig, plan: KernelPlan) ->
         info = infos[name]
         kernel = kernel_of(plan, info)
         assert kernel is not None  # stored_matrices keeps only matrices with a kernel
-        out[name] = (info.n_bytes, gguf_format(info.ggml_type, kernel).label)
+        out[name] = (info.n_bytes, gguf_format(info.ggml_type, held_kernel(name, config, kernel)).label)
     return out
 
 

@@ -3,10 +3,10 @@ weight is read, so a request that cannot fit is one line (what it needs, what th
 that grows until the kernel's OOM killer ends it (a 7B GGUF dequantized to fp32 needs ~27 GB).
 
 What a run holds, per matrix (the working set a decode step reads, or memory nothing else can reclaim):
-- as stored under the C library's kernels (native, i8dot, i16dot): the file's blocks, copied once into the weight
-  arena (tracer/load/weight_arena.py); i8dot's Q4_0/Q4_1 rows are interleaved into the arena instead, and their
-  prefill reads the file's rows through the map (file pages the kernel can reclaim: not counted), except Q's and
-  K's, whose rows are reordered for RoPE into a copy;
+- as stored under the C library's kernels (native, i8dot, i16dot): the file's blocks, read into the weight arena
+  (tracer/load/weight_arena.py); i8dot's Q4_0/Q4_1 matrices are interleaved into the arena instead (what every
+  product reads) with their rows held beside, read into memory (for lookups, dequantization and the rows outside
+  whole groups of eight): twice their bytes; an untied embedding, only looked up, is held once, outside the arena;
 - as stored under torch's kernels (int4pack, blocks): their tensors (weight_formats' layout: codes, fp32 scales and
   zeros), and for int4pack the kernel's own layout made on the first product (4-bit codes + bf16 scales and zeros);
 - dequantized or converted (a GGUF matrix without a kernel, `--weights dense`, an HF tensor in another dtype): its
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from llmtrace.tracer.checkpoint.resolve import GGUF, HF, ResolvedModel
-from llmtrace.tracer.core.contract import PACKS, expected_shapes, tensor_of
+from llmtrace.tracer.core.contract import PACKS, expected_shapes
 from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.hardware.memory import available_memory_bytes
@@ -72,10 +72,6 @@ def weights_held(resolved: ResolvedModel, choice: WeightsChoice, compute: DType)
         plan = kernel_plan(choice.kernel) if choice.mode == STORED and choice.kernel is not None else {}
         packable = stored_matrices(header, config, plan)[0] if plan else {}
         infos = matrix_infos(header, config)
-        llama = header.metadata.get("general.architecture") == "llama"
-
-        def reordered(name: str) -> bool:  # Q and K rows that llama.cpp interleaved for its RoPE (gguf_loader)
-            return llama and tensor_of(name).rope_heads is not None
         stored = converted = 0
         for name, shape in shapes.items():
             values = math.prod(shape)
@@ -85,8 +81,8 @@ def weights_held(resolved: ResolvedModel, choice: WeightsChoice, compute: DType)
                 multiplied = name != "tok_embeddings.weight" or config.tie_embeddings  # else only rows looked up
                 stored += info.n_bytes if kernel in BLOCK_KERNELS else \
                     _torch_kernel_bytes(info.type_name, kernel or "", shape, multiplied, _role(name) in _FUSED)
-                if kernel == I8DOT and reads_groups(info.ggml_type, native_kernel.INT8_X) and reordered(name):
-                    stored += info.n_bytes  # its rows in RoPE's order, copied beside the interleaved ones
+                if kernel == I8DOT and multiplied and reads_groups(info.ggml_type, native_kernel.INT8_X):
+                    stored += info.n_bytes  # its rows, held beside the interleaved copy
             else:
                 converted += int(values * per_value)
         both = stored and converted > 1e8  # norms alone are not worth a mention

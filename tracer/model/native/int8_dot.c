@@ -351,6 +351,28 @@ static inline __attribute__((always_inline)) void i8_q4_rows(int type, const uin
     for (; r < last; r++) out[r] = i8_q4_row(type, w + r * stride, n_blocks, x);
 }
 
+/* rows first..last of a Q4_0/Q4_1 part times m activation rows (prefill) when the part has its interleaved copy:
+   group by group, every activation row passes over the group's blocks while they sit in L1 (8 rows x k/32 blocks:
+   18 KB at k = 4096), so the matrix is read once per product, from the copy the decode step reads. The 2 x 4 tiles
+   over the rows (i8_q32_many_x) read the whole matrix again for every four activation rows; and the rows of whole
+   groups are not read at all. Each value is i8_q4_group's (or i8_q4_row's outside whole groups): bit for bit the
+   decode product's. */
+static void i8_q4_groups_many_x(int type, const uint8_t *w, int64_t stride, const uint8_t *groups, int64_t first,
+                                int64_t last, int64_t n_blocks, const XBlock *x, int64_t xblocks, int64_t m,
+                                float *out, int64_t out_stride) {
+    const int64_t row_bytes = n_blocks * q32_bytes(type);
+    int64_t r = first;
+    for (; r < last && r % 8; r++)
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = i8_q4_row(type, w + r * stride, n_blocks, x + i * xblocks);
+    for (; r + 8 <= last; r += 8)
+        for (int64_t i = 0; i < m; i++)
+            i8_q4_group(type, groups + r * row_bytes, n_blocks, x + i * xblocks, out + i * out_stride + r);
+    for (; r < last; r++)
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = i8_q4_row(type, w + r * stride, n_blocks, x + i * xblocks);
+}
+
 /* rows first..last of a Q5_0/Q5_1/Q8_0 matrix times one activation row */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
                                                                int64_t first, int64_t last, int64_t n_blocks,
@@ -561,6 +583,11 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
     if (m > 1) { /* prefill: 2 x 4 tiles (falls through to the row loop below only if the scratch cannot be had) */
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
+        if (mat->groups[p] != NULL) { /* Q4_0/Q4_1 with their interleaved copy: group by group (int8_groups.c) */
+            i8_q4_groups_many_x(mat->types[p], w, stride, mat->groups[p], first, last, n_blocks, x, xblocks, m, out,
+                                out_stride);
+            return;
+        }
         switch (mat->types[p]) {
         case Q4_0: if (i8_q32_many_x(Q4_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
         case Q4_1: if (i8_q32_many_x(Q4_1, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
