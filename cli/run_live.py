@@ -55,24 +55,26 @@ def run_live(console: Console, args: RunArgs, settings: RunSettings, save: Save,
 
 
 def _load(console: Console, args: RunArgs, settings: RunSettings, source: Any) -> tuple[Any, Any]:
-    """(the loaded model, the --dry-run --tp N shard builder or None), with a status line while loading."""
-    import torch
-
-    from llmtrace.tracer.load.loader import load_model
-
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
+    """(the loaded model, the --dry-run --tp N shard builder or None), with a status line while loading: said
+    before torch is imported (a second or more), then the weights' bar in bytes (cli/render_run_progress.py)."""
+    from llmtrace.cli.render_run_progress import LoadingBar
     from llmtrace.tracer.checkpoint.resolve import model_name
 
     what = model_name(source)
-    with console.status(f"loading {what} …") as status:
+    with console.status(f"loading {what} …", refresh_per_second=4) as status:
+        import torch
+
+        from llmtrace.tracer.load.loader import load_model
+
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
         if args.parallel.tp > 1:  # rank 0's shard on the meta device (tracer/run/tp_dry_run.py)
             from llmtrace.tracer.run.tp_dry_run import TensorParallelDryRun
 
             tp_dry = TensorParallelDryRun(settings.model or None, args.dtype, args.parallel.tp)
             return tp_dry.loaded, tp_dry
         loaded = load_model(source, dtype=args.dtype, device=settings.device, dry_run=settings.dry_run,
-                            weights=settings.weights or None)
+                            weights=settings.weights or None, loading=LoadingBar(status, what))
     return loaded, None
 
 

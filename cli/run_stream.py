@@ -75,7 +75,16 @@ class JourneyStream:
                                 self.settings.prompt_tokens is not None)
             if not self.settings.dry_run:
                 say_prefill_memory(self.console, self.loaded.config.n_heads, len(event.record.ids))
+                from llmtrace.cli.render_run_progress import prefill_line
+
+                # seconds at 7B: said until the first panel
+                self.status = self.console.status(prefill_line(event.prompt_tokens, self.loaded.config.n_layers,
+                                                               self.settings.warmup), refresh_per_second=4)
+                self.status.start()
         elif isinstance(event, PrefillDone):
+            if self.status is not None:
+                self.status.stop()
+                self.status = None
             self._prefill(event)
         elif isinstance(event, TokenStep):
             if self.view is not None and self.live is not None:

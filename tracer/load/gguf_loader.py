@@ -21,6 +21,7 @@ from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import PACKS, dims, expected_shapes, gguf_to_ours, tensor_of
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
+from llmtrace.tracer.load import load_progress
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
 from llmtrace.tracer.load.gguf_source import GGUFSource, Reader
 from llmtrace.tracer.load.weight_arena import WeightArena
@@ -200,10 +201,11 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
             if name not in packable:
                 tensor = _dequantized(header, config, reads, name, info)
                 dense[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
-                continue
-            packed[name] = _packed(header, config, reads, name, info,
-                                   held_kernel(name, config, kernel_of(kernel, info)),  # type: ignore[arg-type]
-                                   slots.get(name))
+            else:
+                packed[name] = _packed(header, config, reads, name, info,
+                                       held_kernel(name, config, kernel_of(kernel, info)),  # type: ignore[arg-type]
+                                       slots.get(name))
+            load_progress.advance(info.n_bytes)
     return {n: dense[n] for n in plan if n in dense}, {n: packed[n] for n in plan if n in packed}
 
 
@@ -344,5 +346,6 @@ def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtyp
         for name, info in _file_order(plan):
             tensor = _dequantized(header, config, reads, name, info)
             state[name] = tensor if dtype == torch.float32 else tensor.to(dtype)
+            load_progress.advance(info.n_bytes)
     return GGUFWeights(config=config, state_dict={name: state[name] for name in plan},
                        quantization=quantization_summary(header), header=header)

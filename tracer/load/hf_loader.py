@@ -29,7 +29,7 @@ from llmtrace.tracer.core.contract import PACKS, expected_shapes, hf_to_ours, ou
 from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
-from llmtrace.tracer.load import mapped_pages
+from llmtrace.tracer.load import load_progress, mapped_pages
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = INDEX_NAME
@@ -175,6 +175,7 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
                 tensor, mapped, start, nbytes = views.pop(name)
                 packed[row:row + tensor.shape[0]].copy_(tensor)
                 mapped_pages.release(mapped, start, nbytes)
+                load_progress.advance(nbytes)
                 state[name] = packed[row:row + tensor.shape[0]]
                 row += tensor.shape[0]
     for name, (tensor, mapped, start, nbytes) in views.items():
@@ -183,6 +184,7 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
         else:
             state[name] = tensor.to(target)
             mapped_pages.release(mapped, start, nbytes)
+        load_progress.advance(nbytes)
     return state
 
 

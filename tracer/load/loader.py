@@ -42,7 +42,7 @@ from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware import kernel_choice
 from llmtrace.tracer.hardware.kernel_choice import KernelChoice
 from llmtrace.tracer.hardware.kernel_defaults import NO_COMPILER, default_phrase
-from llmtrace.tracer.load import kernel_pick, weights_cache
+from llmtrace.tracer.load import kernel_pick, load_progress, weights_cache
 from llmtrace.tracer.load.dry_weights import hold_as_stored
 from llmtrace.tracer.load.memory_fit import check_fits
 from llmtrace.tracer.load.gguf_loader import (
@@ -110,6 +110,7 @@ def load_model(
     seed: int = 0,
     use_cache: bool = True,
     weights: str | WeightsRequest | None = None,
+    loading: load_progress.Callback | None = None,
 ) -> LoadedModel:
     """Load the model `spec` names (see the module docstring; a string is classified by
     llmtrace.tracer.checkpoint.resolve.classify_model, as every command does) in `dtype` on `device`. Nothing is
@@ -118,7 +119,9 @@ def load_model(
     `weights`: `--weights` as typed (llmtrace.tracer.load.stored_weights.parse_weights): None/"auto" runs the default
     table's kernels for this machine (an explicit `dtype` then fixes the activations' dtype), "tuned" `llmtrace
     tune`'s saved pick (judged again; one that fails is a note and the defaults), "stored" the table's stored kernels,
-    "dense" dequantizes, a kernel's name runs that kernel. `kernels.source` says which."""
+    "dense" dequantizes, a kernel's name runs that kernel. `kernels.source` says which. `loading` hears the
+    weights' progress as (bytes done, bytes of the checkpoint's tensors) while they load
+    (tracer/load/load_progress.py)."""
     start = time.perf_counter()
     request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
     target = _check_device(device, request)
@@ -143,7 +146,8 @@ def load_model(
                        kernels=kernels, kernel_note=note)
     if target.type == "cpu" and not random_init:  # refused in one line before a byte is read
         check_fits(resolved, decided, compute, _display_name(resolved, decided, compute))
-    loaded = _load(start, resolved, compute, target, False, random_init, seed, use_cache, decided)
+    with load_progress.reporting(loading, resolved.weights.total_bytes if resolved.weights is not None else 0):
+        loaded = _load(start, resolved, compute, target, False, random_init, seed, use_cache, decided)
     if auto and compute.name == FP16.name and decided.mode == DENSE:
         problem = kernel_pick.fp16_problem(loaded.model, loaded.tokenizer)
         if problem:  # the checkpoint's own fp16 overflows: the exact fp32 instead
