@@ -59,22 +59,22 @@ def _prompts(tokenizer: Any) -> dict[int, tuple[str, list[int]]]:
     return {n: prompt_of(tokenizer, n) for n in (128, 512)}
 
 
-def child_llmtrace(path: str, threads: int, decode_tokens: int, weights: str | None) -> dict[str, Any]:
+def child_llmtrace(path: str, threads: int, decode_tokens: int, weights: str | None, dtype: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    from llmtrace.tracer.core.dtypes import AUTO
+    from llmtrace.tracer.core.dtypes import get_compute_dtype
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run.generate import Generation, PrefillDone, TokenStep
     from llmtrace.tracer.trace.records import RunSettings
 
     start = time.perf_counter()
-    loaded = load_model(path, dtype=AUTO, weights=weights)
+    loaded = load_model(path, dtype=get_compute_dtype(dtype), weights=weights)
     load_s = time.perf_counter() - start
     prompts = _prompts(loaded.tokenizer)
 
     def generate(text: str, new_tokens: int) -> dict[str, float]:
-        settings = RunSettings(model=path, prompt=text, max_new_tokens=new_tokens, dtype="auto")
+        settings = RunSettings(model=path, prompt=text, max_new_tokens=new_tokens, dtype=dtype)
         began = time.perf_counter_ns()
         generation = Generation(loaded, settings)
         first = last = prefill_ns = tokens_in = 0
@@ -185,7 +185,7 @@ def _child(kind: str, *args: str) -> tuple[dict[str, Any] | None, int, str]:
     return json.loads(lines[-1]), rss, ""
 
 
-def first_runs(path: Path, threads: int, weights: str | None) -> dict[str, Any]:
+def first_runs(path: Path, threads: int, weights: str | None, dtype: str) -> dict[str, Any]:
     """`llmtrace run` as a user types it: in a fresh cache and config folder, then again in the same folders."""
     with tempfile.TemporaryDirectory(prefix="bench_scale_home_") as home:
         env = {**os.environ, "XDG_CACHE_HOME": f"{home}/cache", "XDG_CONFIG_HOME": f"{home}/config",
@@ -196,6 +196,8 @@ def first_runs(path: Path, threads: int, weights: str | None) -> dict[str, Any]:
                 str(FIRST_RUN_TOKENS), "--threads", str(threads), "--no-roofline"]
         if weights:
             argv += ["--weights", weights]
+        if dtype != "auto":
+            argv += ["--dtype", dtype]
         out = {}
         for label in ("first", "later"):
             wall, rss, _, err = _run(argv, env)
@@ -219,24 +221,34 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     tensor_bytes = sum(t.n_bytes for t in header.tensors)
     common = [str(path), str(args.threads), str(args.decode_tokens)]
     result: dict[str, Any] = {"file": path.name, "file_bytes": file_bytes, "tensor_bytes": tensor_bytes}
-    ours, rss, err = _child("llmtrace", *common, args.weights or "")
+    ours, rss, err = _child("llmtrace", *common, args.weights or "", args.dtype)
+    print(f"  llmtrace: {_line(ours, rss, err)}", flush=True)
     result["llmtrace"] = {**(ours or {"error": err}), "peak_rss": rss}
     if args.llama_cpp:
         ids_file = Path(tempfile.mkstemp(suffix=".json")[1])
         ids_file.write_text(json.dumps(_ids_of(path, args)))
         theirs, rss, err = _child("llama_cpp", *common, str(ids_file))
         result["llama.cpp"] = {**(theirs or {"error": err}), "peak_rss": rss}
+        print(f"  llama.cpp: {_line(theirs, rss, err)}", flush=True)
         ids_file.unlink()
     positions = 512 + 1  # the engine child's largest cache
     result["budget"] = {"measure": file_bytes + kv_cache_bytes(config, positions, FP32) + BUDGET_SLACK,
                         "first_run": file_bytes + kv_cache_bytes(config, 8 + FIRST_RUN_TOKENS, FP32) + BUDGET_SLACK}
     if args.first_run:
-        result["first_run"] = first_runs(path, args.threads, args.weights)
+        result["first_run"] = first_runs(path, args.threads, args.weights, args.dtype)
+        print(f"  first runs: {result['first_run']}", flush=True)
         if args.llama_cpp:
             wall, rss, _, err = _run([_python(), "-m", "benchmarks.bench_scale", "--child", "llama_cpp_first",
                                       str(path), str(args.threads)])
             result["first_run"]["llama.cpp"] = {"wall_s": wall, "peak_rss": rss, "error": err}
     return result
+
+
+def _line(result: dict[str, Any] | None, rss: int, err: str) -> str:
+    if result is None:
+        return f"failed ({err}), peak {rss / 1e9:.2f} GB"
+    keys = ("load_s", "ttft_s", "prefill128_tok_s", "prefill512_tok_s", "decode_tok_s")
+    return ", ".join(f"{k} {result[k]:.2f}" for k in keys if k in result) + f", peak {rss / 1e9:.2f} GB"
 
 
 def _ids_of(path: Path, args: argparse.Namespace) -> dict[str, list[int]]:
@@ -260,7 +272,7 @@ def _cpu_name() -> str:
 
 def report(results: list[dict[str, Any]], bandwidth: float, args: argparse.Namespace) -> str:
     lines = [f"bench_scale · {_cpu_name()} · {os.cpu_count()} CPUs · {args.threads} threads · best bandwidth "
-             f"{bandwidth / 1e9:.1f} GB/s · weights {args.weights or 'run default'}"]
+             f"{bandwidth / 1e9:.1f} GB/s · weights {args.weights or 'run default'} · dtype {args.dtype}"]
     head = (f"{'file':<26} {'engine':<9} {'load s':>7} {'TTFT s':>7} {'pp128':>7} {'pp512':>7} {'tg':>6} "
             f"{'peak GB':>8} {'budget':>7}")
     lines += [head, "-" * len(head)]
@@ -308,13 +320,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--weights", default=None, help="llmtrace's --weights (default: run's default)")
+    parser.add_argument("--dtype", default="auto", help="llmtrace's --dtype (default: run's default, auto)")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     parser.add_argument("--no-first-run", dest="first_run", action="store_false")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if args.child == "llmtrace":
-        path, threads, decode, weights = args.rest
-        print(json.dumps(child_llmtrace(path, int(threads), int(decode), weights or None)))
+        path, threads, decode, weights, dtype = args.rest
+        print(json.dumps(child_llmtrace(path, int(threads), int(decode), weights or None, dtype)))
         return
     if args.child == "llama_cpp":
         path, threads, decode, ids_file = args.rest
@@ -344,6 +357,9 @@ def main() -> None:
         path = ensure(args.dir, shape, mix)
         print(f"measuring {path.name} ...", flush=True)
         results.append(measure(path, args))
+        if args.json:  # what is measured so far, should a later model fail or the run be stopped
+            args.json.write_text(json.dumps({"cpu": _cpu_name(), "threads": args.threads, "weights": args.weights,
+                                             "partial": True, "results": results}, indent=1))
     bandwidths.append(max(best_bandwidth().values()))
     text = report(results, max(bandwidths), args)
     print(text)

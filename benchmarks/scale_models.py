@@ -142,7 +142,12 @@ def ensure(folder: Path, shape_name: str, mix: str, seed: int = 0, say=print) ->
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    shape = SHAPES[shape_name]
+    return write(path, SHAPES[shape_name], mix, seed, say)
+
+
+def write(path: Path, shape: Shape, mix: str, seed: int = 0, say=print) -> Path:
+    """A random-weight GGUF of `shape` in `mix` at `path` (written to path.part, then renamed)."""
+    shape_name = shape.name
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     import gguf
     from tiny_gguf import random_blocks
