@@ -79,17 +79,22 @@ def child_llmtrace(path: str, threads: int, decode_tokens: int, weights: str | N
         generation = Generation(loaded, settings)
         first = last = prefill_ns = tokens_in = 0
         steps = 0
+        stages: dict[str, float] = {}
         try:
             for event in generation.events():
                 if isinstance(event, PrefillDone):
                     first = time.perf_counter_ns()
                     prefill_ns, tokens_in = event.step.forward_ns, event.step.input_tokens
+                    for stage in event.stages:  # where the prefill's time went, by stage summed over the layers
+                        role = stage.stage.split(".", 2)[-1] if stage.layer is not None else stage.stage
+                        stages[role] = stages.get(role, 0.0) + stage.duration_ns / 1e9
                 elif isinstance(event, TokenStep):
                     last, steps = time.perf_counter_ns(), steps + 1
         finally:
             generation.close()
         return {"ttft_s": (first - began) / 1e9, "prefill_tok_s": tokens_in / (prefill_ns / 1e9),
-                "prompt_tokens": tokens_in,
+                "prompt_tokens": tokens_in, "prefill_s": prefill_ns / 1e9,
+                "prefill_stages_s": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
                 "decode_tok_s": steps / ((last - first) / 1e9) if steps else float("nan")}
 
     short = generate(SHORT_PROMPT, 1)
@@ -97,6 +102,7 @@ def child_llmtrace(path: str, threads: int, decode_tokens: int, weights: str | N
     p512 = generate(prompts[512][0], 1)
     return {"load_s": load_s, "ttft_s": short["ttft_s"], "ttft_tokens": short["prompt_tokens"],
             "prefill128_tok_s": p128["prefill_tok_s"], "prompt128_tokens": p128["prompt_tokens"],
+            "prefill128_stages_s": p128["prefill_stages_s"], "prefill512_stages_s": p512["prefill_stages_s"],
             "decode_tok_s": p128["decode_tok_s"], "prefill512_tok_s": p512["prefill_tok_s"],
             "prompt512_tokens": p512["prompt_tokens"], "weights": loaded.weights.kernel or loaded.weights.mode,
             "format": loaded.weight_format, "kv_dtype": str(loaded.model.norm.weight.dtype).removeprefix("torch.")}
@@ -298,6 +304,9 @@ def report(results: list[dict[str, Any]], bandwidth: float, args: argparse.Names
                           f"{ours['prefill512_tok_s'] / theirs['prefill512_tok_s']:.2f}x, load "
                           f"{ours['load_s'] / theirs['load_s']:.2f}x"]
             lines.append("  " + "; ".join(ratio) + f" ({ours.get('weights')}, kv {ours.get('kv_dtype')})")
+            top = list(ours.get("prefill128_stages_s", {}).items())[:6]
+            lines.append("  prefill 128 by stage (s, summed over layers): "
+                         + ", ".join(f"{name} {seconds:.2f}" for name, seconds in top))
         first = r.get("first_run")
         if first:
             parts = [f"{k} {v['wall_s']:.1f} s / {_gib(v['peak_rss'])} GB" + (f" ({v['error']})" if v["error"] else "")
