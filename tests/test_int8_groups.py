@@ -72,6 +72,33 @@ def test_every_row_has_the_bits_it_has_without_the_interleaved_copy(qtype: Q, na
                     assert torch.equal(split(x), want), (rows, threads, start)
 
 
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_a_prefill_reads_the_interleaved_copy_and_gives_each_token_its_decode_bits(qtype: Q, native: None) -> None:
+    """Several tokens at once (prefill) read the interleaved copy too (issue 31: so the file's rows are not held
+    beside it): each token's outputs are its one-token product's bits, 1 and 2 threads; and once the copy is made,
+    overwriting the rows of the whole groups changes nothing (they are not read), the rows after them still are."""
+    cols = 576
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(7)) * 3
+    for rows in (8, 13, 301):
+        raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
+        weight = pack_gguf(raw, int(qtype), cols, I8DOT)
+        assert weight.native_matrix().groups[0] is not None
+        for threads in (1, 2):
+            with torch_threads(threads):
+                prefill = weight(x)
+                decode = torch.cat([weight(x[i:i + 1]) for i in range(x.shape[0])])
+            assert torch.equal(prefill, decode), (rows, threads)
+        # One thread: a thread's share of the rows that starts inside a group of eight takes that group's rows
+        # before its first whole group from the rows (a few rows per thread: their pages fault back in).
+        whole = rows // 8 * 8
+        with torch_threads(1):
+            raw[:whole] = 0  # the rows the copy holds (pack_gguf kept `raw` itself: a writable array)
+            assert torch.equal(weight(x)[:, :whole], prefill[:, :whole])
+            if whole < rows:  # the control: rows that are read do change the product when overwritten
+                raw[whole:] = 0
+                assert not torch.equal(weight(x)[:, whole:], prefill[:, whole:])
+
+
 def test_interleaved_rows_only_for_an_i8dot_q4_part(native: None) -> None:
     raw = random_blocks(Q.Q4_1, 16, 64, np.random.default_rng(0))
     grouped = native_kernel.interleave(int(Q.Q4_1), torch.from_numpy(raw), 64)

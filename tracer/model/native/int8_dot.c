@@ -588,6 +588,16 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
                                 out_stride);
             return;
         }
+        if (mat->types[p] == Q4_K || mat->types[p] == Q5_K || mat->types[p] == Q6_K) {
+            /* K-quants: eight rows at a time through the decode kernel, every activation row passing over them while
+               they sit in L1 (the row loop below took one row per pass over the activations); each row's value is
+               the decode kernel's, as that loop's i8_row gives it */
+            for (int64_t r = first; r < last; r += 8) {
+                const int64_t stop = r + 8 < last ? r + 8 : last;
+                for (int64_t i = 0; i < m; i++) i8_dot_rows(mat, p, r, stop, x + i * xblocks, 1, out + i * out_stride, 0);
+            }
+            return;
+        }
         switch (mat->types[p]) {
         case Q4_0: if (i8_q32_many_x(Q4_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
         case Q4_1: if (i8_q32_many_x(Q4_1, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
