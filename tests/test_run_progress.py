@@ -56,7 +56,7 @@ def test_a_run_on_a_terminal_says_loading_then_the_bar_then_prefill_before_its_f
     out = subprocess.run(["script", "-q", "-e", "-c", shlex.join(command), "/dev/null"], capture_output=True,
                          cwd=tmp_path, timeout=600, env=_env(tmp_path)).stdout.decode("utf-8", "replace")
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
-    loading = text.find("loading the bundled SmolLM2-135M-Instruct …")
+    loading = text.find("loading SmolLM2-135M-Instruct …")
     bytes_bar = text.find("0.10 / 0.10 GB")
     prefill = text.find("prefill: ")
     embedding = text.find("Embedding")
