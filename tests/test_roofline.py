@@ -211,7 +211,7 @@ def test_tp_without_an_interconnect() -> None:
     (dict(batch=0), "--batch must be an integer >= 1, got 0"),
     (dict(batch=-3), "--batch must be an integer >= 1, got -3"),
     (dict(prompt_len=0), "--prompt-len must be"),
-    (dict(new_tokens=0), "--new-tokens must be"),
+    (dict(new_tokens=0), "--max-new-tokens must be"),
     (dict(tp=0), "--tp must be an integer >= 1"),
 ])
 def test_bad_arguments(kwargs: dict, message: str) -> None:
