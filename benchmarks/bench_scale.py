@@ -262,7 +262,7 @@ def _ids_of(path: Path, args: argparse.Namespace) -> dict[str, list[int]]:
     from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
     from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 
-    prompts = _prompts(tokenizer_from_gguf(read_gguf_header(path)))
+    prompts = _prompts(tokenizer_from_gguf(read_gguf_header(path, decode_arrays=True)))
     return {str(n): ids for n, (_, ids) in prompts.items()}
 
 
