@@ -34,7 +34,7 @@ def kernel_line(choice: KernelChoice | None, dtype: str) -> str:
     AVX-512 VNNI"; "" when no choice was recorded (an older trace)."""
     if choice is None:
         return ""
-    source = {DEFAULT: f"default, {choice.instruction_set}",
+    source = {DEFAULT: ", ".join(filter(None, ("default", choice.instruction_set))),
               TUNED: f"tuned in {fmt.duration_s(choice.measured_seconds)}",
               "measured": "measured (an older llmtrace)"}.get(choice.source, choice.rule)
     if choice.weights == STORED and not choice.by_type:  # an older trace: the kernels it named, no numerics

@@ -39,12 +39,13 @@ def test_the_summary_says_the_kernels_only_in_the_header(tmp_path: Path) -> None
     """A trace with a kernel choice: the header's kernels line is not repeated in the summary."""
     doc = json.loads((GOLDEN / "tiny_trace.json").read_text(encoding="utf-8"))
     doc["kernels"] = {"picked": "fp32", "dtype": "fp32", "weights": "dense", "decode_kernel": "mv",
-                      "rule": "the fastest acceptable candidate", "candidates": [], "measured_seconds": 0.0}
+                      "source": "default", "numerics": "exact", "rule": "the fastest acceptable candidate", "candidates": [], "measured_seconds": 0.0}
     path = tmp_path / "t.json"
     path.write_text(json.dumps(doc), encoding="utf-8")
     text = _show(path)
-    summary = text[text.index("8 · Summary"):]
-    assert "kernels:" in text[:text.index("╭")] and "kernels:" not in summary
+    header, summary = text[:text.index("╭")], text[text.index("8 · Summary"):]
+    assert "kernels fp32 dense, mv (exact) · default\n" in header
+    assert not any(line.lstrip("│ ").startswith("kernels") for line in summary.splitlines())
 
 
 def test_a_chat_shows_prompt_and_reply_apart(tmp_path: Path) -> None:

@@ -202,7 +202,7 @@ def test_cli_kvmem_and_flops_show_the_window() -> None:
 
     from llmtrace.cli.app import app
 
-    result = CliRunner().invoke(app, ["kvmem", "--model", "mistral-7b", "--seq", "32768", "--json"])
+    result = CliRunner().invoke(app, ["kvmem", "--model", "mistral-7b", "--seq", "32768", "--dtype", "fp16", "--json"])
     data = json.loads(result.stdout)
     assert data["size"]["total_bytes"] == 536_870_912 and data["size"]["cached_positions"] == 4096
     text = CliRunner().invoke(app, ["kvmem", "--model", "mistral-7b", "--seq", "32768"], terminal_width=200).output
