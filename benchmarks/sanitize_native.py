@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -135,7 +136,9 @@ def asan(tests: tuple[str, ...]) -> tuple[bool, str]:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                                "benchmarks.sanitize_native", *(f"--deselect={node}" for node in ASAN_SKIP), *tests],
                               cwd=REPO, env=env, capture_output=True, text=True)
-    summary = (done.stdout.strip().splitlines() or [""])[-1]
+    # pytest's counts line ("1 failed, 400 passed in 9.1s"); its last line is a progress row when all pass quietly
+    counts = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    summary = (counts or done.stdout.strip().splitlines() or [""])[-1].strip("= ")
     report = "ERROR: AddressSanitizer" in done.stdout + done.stderr or done.returncode == ASAN_EXIT
     if report:
         first = next(line for line in (done.stdout + done.stderr).splitlines() if "AddressSanitizer" in line)
