@@ -23,7 +23,7 @@ from llmtrace.tracer.hardware.kernel_defaults import default_phrase
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, judge, precision_bits, ranked, select
 from llmtrace.tracer.hardware.product_timing import product_shapes, time_kernel, time_kernels
 from llmtrace.tracer.load import kernel_pick
-from llmtrace.tracer.load.gguf_loader import matrix_infos
+from llmtrace.tracer.load.gguf_loader import matrix_infos, pack_matrices
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.load.stored_candidates import StoredKernel, kernels_for, probe_errors
 from llmtrace.tracer.load.stored_weights import all_kernels
@@ -277,3 +277,19 @@ def test_a_kernel_per_type_when_no_one_kernel_is_acceptable_for_all(tiny_mixed: 
     logits = [m.prefill(ids) for m in (loaded.model, again.model, dense_)]
     torch.testing.assert_close(logits[0], logits[1])
     assert (logits[0] - logits[2]).abs().max() <= 0.04 * logits[2].abs().max()
+
+
+def test_the_probe_reads_a_matrix_first_rows_exactly_as_the_whole_dequantized() -> None:
+    """tune's accuracy probe compares a matrix's first rows (a 7B head whole would be 0.5 GB in fp32, 1 GB in
+    fp64): reading only those rows' bytes gives exactly the rows of the whole dequantized matrix, in the model's
+    order, for a plain matrix and for llama.cpp's interleaved Q rows."""
+    from llmtrace.tracer.checkpoint.bundled import bundled_model_path
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+    from llmtrace.tracer.load.gguf_loader import exact_rows
+
+    resolved = resolve_model(str(bundled_model_path()))
+    header, config = resolved.gguf_header, resolved.config
+    for name in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w3.weight"):
+        whole = pack_matrices(header, config, [name], None)[name]
+        got = exact_rows(header, config, name, 100)
+        assert got.shape == (100, whole.shape[1]) and torch.equal(got, whole[:100])

@@ -251,6 +251,20 @@ def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], ker
     return out
 
 
+def exact_rows(header: GGUFHeader, config: ModelConfig, name: str, rows: int) -> torch.Tensor:
+    """Matrix `name`'s first `rows` rows in the model's (HF's) order, dequantized exactly to fp32: tune's accuracy
+    probe, which need not hold a 7B LM head whole (0.5 GB in fp32). Only those rows' bytes are read, unless llama.cpp
+    interleaved the tensor's Q/K rows (then the whole tensor, at most a dim x dim matrix, is read and reordered)."""
+    info = _plan(header, config)[name]
+    with GGUFSource(header) as source:
+        if _rope_heads(header, config, name) is not None or rows >= info.torch_shape[0]:
+            return _dequantized(header, config, source, name, info)[:rows].clone()
+        row_bytes = info.n_bytes // info.torch_shape[0]
+        raw = source.read(header.data_offset + info.offset, rows * row_bytes)
+    values = dequantize(raw, info.ggml_type, info.shape[0], info.name)
+    return torch.from_numpy(values.reshape(rows, info.torch_shape[1]))
+
+
 def _raw(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     return reads.read(header.data_offset + info.offset, info.n_bytes, out)
 

@@ -12,7 +12,8 @@ tracer/hardware/kernel_choice.py).
   call the model makes. `release()` drops every packed copy once timed: nothing stays resident beside the model.
 - `probe_errors`: the accuracy probe of kernel_choice's rule: each candidate short of the bits a block format needs
   multiplies PROBE_ROWS seeded standard-normal rows by the model's own matrices of that format (the first
-  PROBE_MATRICES of it in the file's order), against the same rows times the exactly dequantized values in fp64.
+  PROBE_MATRICES of it in the file's order; of each, its first PROBE_OUTPUTS output rows), against the same rows
+  times the exactly dequantized values in fp64.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.hardware.product_timing import ProductShape
-from llmtrace.tracer.load.gguf_loader import matrix_infos, pack_matrices
+from llmtrace.tracer.load.gguf_loader import exact_rows, matrix_infos, pack_matrices
 from llmtrace.tracer.load.stored_weights import kernel_plan
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows, stored_kernels
 
 PROBE_MATRICES = 2  # matrices of each format a probe multiplies (the LM head is often the only Q8_0 one)
+PROBE_OUTPUTS = 4096  # each probed matrix's first output rows compared (a 7B head's 32,000 in fp64 would be 1 GB)
 PROBE_SEED = 0
 
 
@@ -154,10 +156,10 @@ def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequ
         names = by_format.get(fmt, [])[:PROBE_MATRICES]
         if not names:
             continue
-        exact = pack_matrices(header, config, names, None)  # fp32, exactly the file's values
+        exact = {n: exact_rows(header, config, n, PROBE_OUTPUTS) for n in names}  # fp32, the file's values
         rows = {n: torch.randn(rule.PROBE_ROWS, exact[n].shape[1], generator=generator, dtype=torch.float64)
                 for n in names}
-        reference = {n: rows[n] @ exact[n].double().t() for n in names}  # type: ignore[union-attr]
+        reference = {n: rows[n] @ exact[n].double().t() for n in names}
         for candidate, probed_formats in wanted.items():
             if fmt not in probed_formats:
                 continue
@@ -168,8 +170,8 @@ def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequ
                                             @ exact[n].to(device, v).t()).cpu().double())  # type: ignore[union-attr]
             else:
                 packed = pack_matrices(header, config, names, candidate)
-                product = lambda n, x, p=packed: (  # type: ignore[misc]
-                    p[n].to(device)(x.to(device)).cpu().double())  # type: ignore[union-attr]
+                product = lambda n, x, p=packed: (  # type: ignore[misc]  # the probed outputs of all
+                    p[n].to(device)(x.to(device))[:, :PROBE_OUTPUTS].cpu().double())  # type: ignore[union-attr]
             worst = 0.0
             for n in names:
                 err = float(torch.linalg.vector_norm(product(n, rows[n].float()) - reference[n])
@@ -180,3 +182,4 @@ def probe_errors(header: GGUFHeader, config: ModelConfig, wanted: dict[str, Sequ
 
 
 _TORCH = {"fp16": "float16", "bf16": "bfloat16"}
+
