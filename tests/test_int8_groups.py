@@ -5,13 +5,17 @@ or where a part (so a thread's range) starts. The products' closeness to the exa
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import I8DOT, concat_rows, pack_gguf
+from llmtrace.tracer.model.transformer import Transformer
+from llmtrace.tracer.model.weight_formats import I8DOT, concat_rows, finite_scales, pack_gguf
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -108,3 +112,94 @@ def test_interleaved_rows_only_for_an_i8dot_q4_part(native: None) -> None:
         native_kernel.BlockMatrix([(int(Q.Q4_1), torch.from_numpy(raw[:8]))], 64, (native_kernel.INT8_X,), (grouped,))
     with pytest.raises(native_kernel.NativeKernelError, match="unsupported ggml type"):
         native_kernel.interleave(int(Q.Q8_0), torch.from_numpy(raw), 64)
+
+
+def held_in_place(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
+    """`raw`'s rows as the loader holds an i8dot Q4_0/Q4_1 matrix: its whole groups interleaved in place (the
+    documented layout), the rows after them as stored."""
+    whole = raw.shape[0] // 8 * 8
+    return np.concatenate([documented_layout(raw, qtype), raw[whole:].reshape(-1)]).reshape(raw.shape)
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_a_matrix_held_in_place_is_read_only_through_its_groups(qtype: Q, native: None) -> None:
+    """A matrix held once, interleaved in place (issue 31: no rows beside the copy), gives every output the bits
+    of the plain rows: one token and five, 1 and 2 threads (whose ranges start inside groups), parts starting at
+    any row (their prefill: that of the same parts held as rows); its values (dequantize, a range, row lookups in and after the whole groups) are the plain rows', and
+    the C reference product reads its rows through their groups too. Nothing else is held."""
+    cols = 576
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(11)) * 3
+    reference = native_kernel.library().handle.llmt_matmul_reference
+    reference.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    for rows in (8, 13, 37, 301):
+        raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
+        plain = pack_gguf(raw, int(qtype), cols, I8DOT)
+        weight = pack_gguf(held_in_place(raw, qtype, cols), int(qtype), cols, I8DOT, interleaved=True)
+        assert set(weight.tensors) == {"groups"} and weight.resident_bytes == weight.stored_bytes == raw.nbytes
+        assert finite_scales(weight)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                for tokens in (x[:1], x):
+                    assert torch.equal(weight(tokens), plain(tokens)), (rows, threads, tokens.shape[0])
+                for start in sorted({1, 3, 9, rows // 2, rows - 1} - {0}):
+                    if start >= rows:
+                        continue
+                    split = concat_rows([
+                        pack_gguf(held_in_place(raw[:start], qtype, cols), int(qtype), cols, I8DOT, interleaved=True),
+                        pack_gguf(held_in_place(raw[start:], qtype, cols), int(qtype), cols, I8DOT, interleaved=True)])
+                    assert set(split.tensors) == {f"groups.0.{qtype.name}", f"groups.1.{qtype.name}"}
+                    apart = concat_rows([pack_gguf(raw[:start].copy(), int(qtype), cols, I8DOT),
+                                         pack_gguf(raw[start:].copy(), int(qtype), cols, I8DOT)])
+                    assert torch.equal(split(x[:1]), plain(x[:1])), (rows, start)
+                    assert torch.equal(split(x), apart(x)), (rows, start)  # the parts' prefill as without
+                    assert torch.equal(split.dequantize(), plain.dequantize())
+        assert torch.equal(weight.dequantize(), plain.dequantize())
+        assert torch.equal(weight.dequantize(start=rows // 3, stop=rows), plain.dequantize(start=rows // 3, stop=rows))
+        ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+        assert torch.equal(weight.rows(ids, torch.float32), plain.rows(ids, torch.float32))
+        matrix, plain_matrix = weight.native_matrix(), plain.native_matrix()
+        got, want = (torch.empty(2, rows) for _ in range(2))
+        assert reference(matrix.address, x.data_ptr(), 2, got.data_ptr(), None) == 0
+        assert reference(plain_matrix.address, x.data_ptr(), 2, want.data_ptr(), None) == 0
+        assert torch.equal(got, want)
+
+
+def test_a_matrix_held_in_place_has_its_scales_checked_in_its_groups(native: None) -> None:
+    """finite_scales finds a NaN scale in an interleaved group and in a row after the whole groups."""
+    raw = random_blocks(Q.Q4_1, 13, 64, np.random.default_rng(3))
+    for row, field in ((2, 0), (5, 2), (12, 0)):  # d of row 2, m of row 5 (in groups), d of row 12 (after them)
+        bad = raw.copy()
+        bad[row, field:field + 2] = np.array([np.nan], dtype="<f2").view(np.uint8)
+        weight = pack_gguf(held_in_place(bad, Q.Q4_1, 64), int(Q.Q4_1), 64, I8DOT, interleaved=True)
+        assert not finite_scales(weight), (row, field)
+    with pytest.raises(ValueError, match="not read interleaved"):
+        pack_gguf(raw, int(Q.Q4_1), 64, "native", interleaved=True)
+
+
+def test_a_tied_embedding_held_in_place_is_looked_up_through_its_groups(native: None) -> None:
+    """A tied Q4_0 embedding / LM head on i8dot (Llama 3.2 1B's Q4_0 file) held in place: the native decode step's
+    lookup (decode_step.c's embed) and the torch path's (PackedWeight.rows) gather each row from its group, so the
+    two paths agree as they do on rows held as stored (test_native_step's tolerance), and a lookup, in the whole
+    groups or after them, is gguf's dequantized row."""
+    from tests.test_native_step import BASE, assert_same_steps
+
+    config = dataclasses.replace(BASE, vocab_size=101, tie_embeddings=True)  # 12 whole groups, then 5 rows
+    torch.manual_seed(0)
+    state = {name: t.detach().clone() for name, t in Transformer(config).state_dict().items()}
+    packed, raws = {}, {}
+    for name, tensor in list(state.items()):
+        if tensor.dim() == 2:
+            raws[name] = gguf.quants.quantize(tensor.numpy().astype(np.float32), Q.Q4_0)
+            packed[name] = pack_gguf(held_in_place(raws[name], Q.Q4_0, tensor.shape[1]), int(Q.Q4_0),
+                                     tensor.shape[1], I8DOT, interleaved=True)
+            del state[name]
+    model = Transformer(config)
+    model.load_stored(state, packed)
+    model.eval()
+    for threads in (1, 2):
+        with torch_threads(threads):
+            assert_same_steps(model)
+    table = packed["tok_embeddings.weight"]
+    ids = torch.tensor([0, 100, 97, 8, 95, 96])
+    want = gguf.quants.dequantize(raws["tok_embeddings.weight"], Q.Q4_0)[ids.numpy()]
+    assert torch.equal(table.rows(ids, torch.float32), torch.from_numpy(want))

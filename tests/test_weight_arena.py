@@ -100,23 +100,33 @@ def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:
     assert "blocks" not in int4["layers.0.attention.wo.weight"].tensors  # type: ignore[union-attr]
 
 
-def test_i8dot_q4_matrices_hold_their_interleaved_rows_in_the_arena(tiny_quantized: Callable[..., Path]) -> None:
-    """An i8dot Q4_1 matrix: the arena holds its rows interleaved in eights (what its decode products stream), the
-    PackedWeight its rows as the file holds them (read into the process's own memory, never a view of a map of the
-    file, which a truncation of the file would turn into SIGBUS: issue 27; prefill, dequantize and rows read them),
-    both counted as resident; the products equal those of the same rows without the loader's copy."""
+def test_i8dot_q4_matrices_are_held_once_interleaved_in_the_arena(tiny_quantized: Callable[..., Path]) -> None:
+    """An i8dot Q4_1 matrix is held once (issue 31: its rows beside their interleaved copy held a 7B Q4_0 model
+    twice): its bytes in the arena, every whole group of eight rows interleaved in place (what its products read),
+    in the model's row order (Q/K rows unpermuted as they are placed), never in a map of the file (a truncation would
+    be SIGBUS: issue 27); resident bytes = stored bytes. Products (one token and several), dequantization and row
+    lookups equal those of the file's rows in the model's order, packed plainly."""
     path = tiny_quantized(Q.Q4_1)
     header = read_gguf_header(path)
     config = config_from_gguf_header(header)
     _, packed = load_gguf_stored(header, config, torch.float32, I8DOT)
-    weight = packed["layers.0.feed_forward.w2.weight"]
-    rows = weight.tensors["blocks"]
-    groups = weight.native_matrix().groups[0]
-    assert groups is not None and groups.numel() == weight.shape[0] // 8 * 8 * rows.shape[1]
-    assert weight.stored_bytes == rows.nbytes and weight.resident_bytes == rows.nbytes + groups.nbytes
-    assert groups.data_ptr() % ALIGN == 0
-    if sys.platform == "linux":
-        assert _mapped_file(groups.data_ptr()) == "" and _mapped_file(rows.data_ptr()) in ("", "[heap]")
-    assert torch.equal(groups, native_kernel.interleave(int(Q.Q4_1), rows, weight.shape[1]))
-    x = torch.randn(1, weight.shape[1])
-    assert torch.equal(weight(x), pack_gguf(rows.numpy().copy(), int(Q.Q4_1), weight.shape[1], I8DOT)(x))
+    reference = load_gguf_stored(header, config, torch.float32, NATIVE)[1]  # the rows as stored, model order
+    for name in ("layers.0.feed_forward.w2.weight", "layers.0.attention.wq.weight", "layers.1.attention.wk.weight"):
+        weight = packed[name]
+        assert set(weight.tensors) == {"groups"}, name
+        held = weight.tensors["groups"]
+        rows = reference[name].tensors["blocks"]
+        assert weight.stored_bytes == held.nbytes == rows.nbytes and weight.resident_bytes == weight.stored_bytes
+        assert weight.native_matrix().groups[0].data_ptr() == held.data_ptr() and held.data_ptr() % ALIGN == 0
+        if sys.platform == "linux":
+            assert _mapped_file(held.data_ptr()) == ""
+        whole = weight.shape[0] // 8 * 8
+        assert torch.equal(held.view(-1)[:whole * held.shape[1]],
+                           native_kernel.interleave(int(Q.Q4_1), rows, weight.shape[1]))
+        assert torch.equal(held[whole:], rows[whole:])
+        plain = pack_gguf(rows.numpy().copy(), int(Q.Q4_1), weight.shape[1], I8DOT)
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        assert torch.equal(weight(x), plain(x)) and torch.equal(weight(x[:1]), plain(x[:1]))
+        assert torch.equal(weight.dequantize(), reference[name].dequantize())
+        ids = torch.tensor([0, weight.shape[0] - 1, 9, 3])
+        assert torch.equal(weight.rows(ids, torch.float32), reference[name].rows(ids, torch.float32))

@@ -28,7 +28,7 @@ from llmtrace.tracer.load.weight_arena import WeightArena
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, I8DOT, NATIVE, PackedWeight, finite_scales,
-                                                 pack_gguf, reads_groups, stored_kernels)
+                                                 pack_gguf, reads_groups, rows_scales_finite, stored_kernels)
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -298,50 +298,103 @@ def _groups_held(kernel: str, info: GGUFTensorInfo) -> bool:
 def _arena_slots(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan
                  ) -> dict[str, np.ndarray]:
     """Each matrix of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's own blocks),
-    given its room in one WeightArena (tracer/load/weight_arena.py says why they are copied): its blocks, or for
-    i8dot's Q4_0/Q4_1 their interleaved copy. Taken in the order of `names`, the model's: the arena's layout does not
-    depend on the order the file is read in."""
+    given its room in one WeightArena (tracer/load/weight_arena.py says why they are copied): its bytes, as the file
+    stores them or for i8dot's Q4_0/Q4_1 interleaved in place (the same size). Taken in the order of `names`, the
+    model's: the arena's layout does not depend on the order the file is read in."""
     infos = {name: plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS}
     if not infos:
         return {}
     arena = WeightArena(sum(info.n_bytes for info in infos.values()), len(infos))
-    slots = {}
-    for name, info in infos.items():
-        out_features, in_features = info.torch_shape
-        slots[name] = arena.take(native_kernel.grouped_bytes(info.ggml_type, out_features, in_features)
-                                 if _groups_held(kernel_of(kernel, info), info)  # type: ignore[arg-type]
-                                 else info.n_bytes)
-    return slots
+    return {name: arena.take(info.n_bytes) for name, info in infos.items()}
+
+
+# The bytes read at a time into a scratch buffer that stays in the cache while its rows are checked, put in the
+# model's row order and (i8dot's Q4_0/Q4_1) interleaved into the arena: one pass over each matrix, one copy of it.
+_PIECE_BYTES = 1 << 19
 
 
 def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, info: GGUFTensorInfo,
             kernel: str, slot: np.ndarray | None = None) -> PackedWeight:
     """One matrix packed for `kernel`; a block kernel's blocks read into their `slot` of the weight arena when
-    given (_arena_slots), or for i8dot's Q4_0/Q4_1 their interleaved copy made there (the rows stay in the memory
-    they were read into)."""
+    given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds."""
     out_features, in_features = info.torch_shape
     _, block, block_bytes = GGML_TYPES[info.ggml_type]
+    row_bytes = in_features // block * block_bytes
     heads = _rope_heads(header, config, name)
-    groups = None
-    if slot is not None and not _groups_held(kernel, info) and heads is None:
-        rows = _raw(header, reads, info, slot).reshape(out_features, in_features // block * block_bytes)  # (N, B)
-    else:
-        rows = _raw(header, reads, info).reshape(out_features, in_features // block * block_bytes)  # (N, B)
-        if heads is not None:
-            rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
-        if slot is not None and _groups_held(kernel, info):
-            # the decode products read the arena's interleaved copy; everything else reads the rows as they are
-            groups = torch.from_numpy(slot)
-            native_kernel.interleave(info.ggml_type, torch.from_numpy(np.ascontiguousarray(rows)), in_features,
-                                     groups)
-        elif slot is not None:
-            placed = slot.view(rows.dtype).reshape(rows.shape)
-            placed[...] = rows
-            rows = placed
-    weight = pack_gguf(rows, info.ggml_type, in_features, kernel, groups)
+    if slot is not None:
+        held = slot.reshape(out_features, row_bytes)
+        interleaved = _groups_held(kernel, info)
+        if not _read_held(header, reads, info, heads, held, interleaved):
+            raise _nan_scales(header, info)
+        return pack_gguf(held, info.ggml_type, in_features, kernel, interleaved=interleaved)
+    rows = _raw(header, reads, info).reshape(out_features, row_bytes)  # (N, B)
+    if heads is not None:
+        rows = unpermute_rope_rows(rows, heads)  # whole rows move: the blocks stay intact
+    weight = pack_gguf(rows, info.ggml_type, in_features, kernel)
     if not finite_scales(weight):
-        raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")
+        raise _nan_scales(header, info)
     return weight
+
+
+def _nan_scales(header: GGUFHeader, info: GGUFTensorInfo) -> FileFormatError:
+    return FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")
+
+
+def _read_held(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, heads: int | None, held: np.ndarray,
+               interleaved: bool) -> bool:
+    """Read a matrix's rows into `held` ((rows, bytes per row) uint8, its room in the arena) piece by piece, in the
+    model's row order (Q/K rows unpermuted: llama.cpp's rows 2i and 2i+1 of a head are HF's rows i and D/2 + i),
+    `interleaved`: each whole group of eight rows in native_kernel.interleave's order, the rows after the last
+    as stored. Whether every fp16 scale and min read is finite (checked on each piece while it is in the cache)."""
+    rows, row_bytes = held.shape
+    code = info.ggml_type
+    unit = rows // heads if heads is not None else 8  # a head's rows move together; groups are eight rows
+    if heads is not None and (rows % heads or unit % (16 if interleaved else 2)):
+        # a head whose halves are not whole groups (no LLaMA's): the rows unpermuted first, then placed
+        rows_read = unpermute_rope_rows(_raw(header, reads, info).reshape(rows, row_bytes), heads)
+        _place(code, rows_read, held, info.torch_shape[1], interleaved)
+        return rows_scales_finite(code, rows_read)
+    if heads is None and not interleaved:  # the rows as stored: straight into the arena, checked there
+        finite = True
+        per = max(1, _PIECE_BYTES // row_bytes)
+        for first in range(0, rows, per):
+            piece = held[first:first + per]
+            _raw_range(header, reads, info, first * row_bytes, piece)
+            finite = finite and rows_scales_finite(code, piece)
+        return finite
+    per = max(1, _PIECE_BYTES // (unit * row_bytes)) * unit
+    scratch = np.empty((min(per, rows), row_bytes), dtype=np.uint8)
+    finite = True
+    for first in range(0, rows, per):
+        piece = scratch[:min(per, rows - first)]
+        _raw_range(header, reads, info, first * row_bytes, piece)
+        finite = finite and rows_scales_finite(code, piece)
+        if heads is None:
+            _place(code, piece, held[first:first + piece.shape[0]], info.torch_shape[1], interleaved)
+            continue
+        half = unit // 2
+        for head in range(0, piece.shape[0], unit):
+            for h in (0, 1):  # HF's first half of the head is llama.cpp's even rows, its second the odd ones
+                at = first + head + h * half
+                _place(code, piece[head + h:head + unit:2], held[at:at + half], info.torch_shape[1], interleaved)
+    return finite
+
+
+def _place(code: int, rows: np.ndarray, out: np.ndarray, k: int, interleaved: bool) -> None:
+    """`rows` (any row stride) into `out` (contiguous rows of the same width): interleaved in groups of eight where
+    `interleaved` (its rows' whole groups; out's first row must start a group of the matrix), else as they are."""
+    if not interleaved:
+        out[...] = rows
+        return
+    whole = rows.shape[0] // 8 * 8
+    if whole:
+        native_kernel.interleave(code, torch.from_numpy(rows[:whole]), k, torch.from_numpy(out[:whole].reshape(-1)))
+    out[whole:] = rows[whole:]
+
+
+def _raw_range(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, start: int, out: np.ndarray) -> None:
+    """Bytes start.. of a tensor's data into `out` (contiguous uint8 rows)."""
+    reads.read(header.data_offset + info.offset + start, out.nbytes, out)
 
 
 def load_gguf_weights(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype = torch.float32,

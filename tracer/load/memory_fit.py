@@ -4,9 +4,9 @@ that grows until the kernel's OOM killer ends it (a 7B GGUF dequantized to fp32 
 
 What a run holds, per matrix (the working set a decode step reads, or memory nothing else can reclaim):
 - as stored under the C library's kernels (native, i8dot, i16dot): the file's blocks, read into the weight arena
-  (tracer/load/weight_arena.py); i8dot's Q4_0/Q4_1 matrices are interleaved into the arena instead (what every
-  product reads) with their rows held beside, read into memory (for lookups, dequantization and the rows outside
-  whole groups of eight): twice their bytes; an untied embedding, only looked up, is held once, outside the arena;
+  (tracer/load/weight_arena.py), once; i8dot's Q4_0/Q4_1 matrices are interleaved in place there (what every
+  product reads; lookups and dequantization gather rows from their groups); an untied embedding, only looked up, is
+  held once, outside the arena;
 - as stored under torch's kernels (int4pack, blocks): their tensors (weight_formats' layout: codes, fp32 scales and
   zeros), and for int4pack the kernel's own layout made on the first product (4-bit codes + bf16 scales and zeros);
 - dequantized or converted (a GGUF matrix without a kernel, `--weights dense`, an HF tensor in another dtype): its
@@ -30,8 +30,7 @@ from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.hardware.memory import available_memory_bytes
 from llmtrace.tracer.load.gguf_loader import kernel_of, matrix_infos, stored_matrices
 from llmtrace.tracer.load.stored_weights import STORED, WeightsChoice, kernel_plan
-from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import BLOCK_KERNELS, I8DOT, INT4_OPS, INT4PACK, reads_groups
+from llmtrace.tracer.model.weight_formats import BLOCK_KERNELS, INT4_OPS, INT4PACK
 
 # A run may take this share of MemAvailable for its weights: the rest is the interpreter, torch, activations and
 # the KV cache (checked on its own when allocated), and what other processes need meanwhile.
@@ -81,8 +80,6 @@ def weights_held(resolved: ResolvedModel, choice: WeightsChoice, compute: DType)
                 multiplied = name != "tok_embeddings.weight" or config.tie_embeddings  # else only rows looked up
                 stored += info.n_bytes if kernel in BLOCK_KERNELS else \
                     _torch_kernel_bytes(info.type_name, kernel or "", shape, multiplied, _role(name) in _FUSED)
-                if kernel == I8DOT and multiplied and reads_groups(info.ggml_type, native_kernel.INT8_X):
-                    stored += info.n_bytes  # its rows, held beside the interleaved copy
             else:
                 converted += int(values * per_value)
         both = stored and converted > 1e8  # norms alone are not worth a mention

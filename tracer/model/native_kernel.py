@@ -66,7 +66,7 @@ NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # everything the binary is made of (native/kernels.h lists the units): its .c files are compiled and linked into the
 # one library, and the build key covers them and the headers they include
 SOURCES = tuple(sorted(NATIVE_SOURCES.glob("*.[ch]")))
-ABI = 7  # LLMT_ABI in gguf_matmul.c
+ABI = 8  # LLMT_ABI in gguf_matmul.c
 STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
 SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: native_top.py)
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
@@ -109,6 +109,7 @@ class NativeLibrary:
     matrix_size: int  # bytes of the C side's description of a matrix
     interleave: ctypes._CFuncPtr  # an i8dot Q4_0/Q4_1 matrix's rows in groups of eight (native/int8_groups.c)
     set_groups: ctypes._CFuncPtr  # a described part's interleaved copy
+    group_rows: ctypes._CFuncPtr  # rows as stored of a matrix held interleaved in place
     handle: ctypes.CDLL  # the library itself: native_step.py declares the decode step's entry points on it
 
     @property
@@ -249,6 +250,23 @@ def interleave(ggml_type: int, blocks: torch.Tensor, k: int, out: torch.Tensor |
     if status:
         raise NativeKernelError(f"native interleave refused {TYPES.get(ggml_type, ggml_type)} "
                                 f"{tuple(blocks.shape)}: {_STATUS.get(status, status)}")
+    return out
+
+
+def group_rows(ggml_type: int, held: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (1-D int64) as the file stores them, (len(ids), bytes per row) uint8, of a Q4_0/Q4_1 matrix held
+    interleaved in place: `held` (rows, bytes per row) contiguous uint8, its whole groups of eight in `interleave`'s
+    order and the rows after them as stored (native/int8_groups.c, "Held in place")."""
+    lib = library()
+    ids = ids.to(torch.int64).contiguous()
+    if not held.is_contiguous() or held.dtype != torch.uint8 or held.dim() != 2:
+        raise ValueError(f"not a matrix held in place: {held.dtype} {tuple(held.shape)}")
+    out = torch.empty(ids.shape[0], held.shape[1], dtype=torch.uint8)
+    status = lib.group_rows(ggml_type, held.data_ptr(), held.shape[0], k, ids.data_ptr(), ids.shape[0],
+                            out.data_ptr())
+    if status:
+        raise NativeKernelError(f"native group_rows refused {TYPES.get(ggml_type, ggml_type)} "
+                                f"{tuple(held.shape)}: {_STATUS.get(status, status)} (row ids out of range?)")
     return out
 
 
@@ -540,8 +558,12 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
     set_groups = handle.llmt_set_groups
     set_groups.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     set_groups.restype = ctypes.c_int
+    group_rows = handle.llmt_group_rows
+    group_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p]
+    group_rows.restype = ctypes.c_int
     library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), describe, matmul,
-                            dequant, int(handle.llmt_matrix_size()), interleave, set_groups, handle)
+                            dequant, int(handle.llmt_matrix_size()), interleave, set_groups, group_rows, handle)
     why = _self_test(library)
     return (library, "") if not why else (None, why)
 

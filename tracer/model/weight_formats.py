@@ -273,17 +273,22 @@ class PackedWeight:
       4-bit:    {"nibbles": (N, K/2) uint8, byte j of a row holds k = 2j (low) and 2j+1 (high),
                  "scale": (N, K/32) fp32, "zero": (N, K/32) fp32}
       q8_0:     {"int8": (N, K) int8, "scale": (N, K/32) fp32}
-      native:   {"blocks": (N, bytes per row) uint8}: the file's own blocks of each row, unconverted (when loaded
-                from a GGUF, a copy-on-write view of the memory-mapped file, so loading copies nothing); row blocks
-                stacked by concat_rows keep each member's: {"blocks.0.Q4_K": ..., "blocks.1.Q6_K": ...}
+      native:   {"blocks": (N, bytes per row) uint8}: the file's own blocks of each row, unconverted (loaded from a
+                GGUF: read into the weight arena); row blocks stacked by concat_rows keep each member's:
+                {"blocks.0.Q4_K": ..., "blocks.1.Q6_K": ...}
+      i8dot Q4_0/Q4_1 held in place: {"groups": (N, bytes per row) uint8}, the same bytes with every whole group of
+                eight rows interleaved (native/int8_groups.c's order, what its products read) and the rows after the
+                last whole group as stored; stacked: "groups.<i>.<type name>"
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
-    An i8dot Q4_0/Q4_1 row block's decode products read a second copy of its rows, interleaved in groups of eight
-    (native_kernel.interleave; the loader places it in its huge-page arena, else it is made on the first product):
-    held beside `tensors`, which every other use reads (prefill, dequantize, rows, finite_scales, caches).
+    An i8dot Q4_0/Q4_1 row block's products read its rows interleaved in groups of eight (native_kernel.interleave).
+    The loader holds such a matrix once, in that order ("groups": issue 31, the rows beside their copy held a 7B
+    Q4_0 model twice); what needs its rows as stored (dequantize, rows, finite_scales) gathers them from their
+    groups (native_kernel.group_rows). A "blocks" one (pack_gguf's rows, as tests and tools make them) gets its
+    interleaved copy on its first product, held beside the rows.
     """
 
     __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_activations", "_groups",
-                 "_native")
+                 "_in_place", "_native")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
                  stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None,
@@ -295,18 +300,29 @@ class PackedWeight:
         self.stored_bytes = int(stored_bytes)
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
         # the native kernel's row blocks, (ggml type code, blocks) each, and its call's arguments once made
-        if parts is None and runs_blocks(fmt.kernel):  # "blocks", or stacked row blocks "blocks.<i>.<type name>"
-            if "blocks" in tensors:
-                parts = ((_CODES[fmt.stored], tensors["blocks"]),)
+        # per row block: whether it is held interleaved in place ("groups" rather than "blocks")
+        in_place: tuple[bool, ...] = ()
+        if runs_blocks(fmt.kernel):  # "blocks"/"groups", or stacked "blocks.<i>.<type name>"/"groups.<i>.<type name>"
+            if len(tensors) == 1 and next(iter(tensors)) in ("blocks", "groups"):
+                key, t = next(iter(tensors.items()))
+                keyed = ((key, _CODES[fmt.stored], t),)
             else:  # in the order of their index
                 stacked = sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1]))
-                parts = tuple((_CODES[key.split(".")[2]], t) for key, t in stacked)
+                keyed = tuple((key.split(".")[0], _CODES[key.split(".")[2]], t) for key, t in stacked)
+            in_place = tuple(key == "groups" for key, _, _ in keyed)
+            if parts is None:
+                parts = tuple((code, t) for _, code, t in keyed)
         self._parts = parts or ()
+        self._in_place = in_place or (False,) * len(self._parts)
         # per row block: how its products take the activations (native_kernel.EXACT_X, INT8_X, INT16_X: its kernel)
         self._activations = activations if activations is not None else (
             (_ACTIVATIONS.get(fmt.kernel, native_kernel.EXACT_X),) * len(self._parts))
-        # per row block: its rows interleaved for the i8dot decode kernel, or None (native_matrix makes any it reads)
-        self._groups = groups if groups is not None else (None,) * len(self._parts)
+        # per row block: its rows interleaved for the i8dot decode kernel, or None (native_matrix makes any it reads);
+        # a block held in place is its own (its whole groups' bytes)
+        groups = groups if groups is not None else (None,) * len(self._parts)
+        self._groups = tuple(
+            blocks.view(-1)[:native_kernel.grouped_bytes(code, blocks.shape[0], self.shape[1])] if held else grouped
+            for (code, blocks), held, grouped in zip(self._parts, self._in_place, groups, strict=True))
         self._native: native_kernel.BlockMatrix | None = None
 
     @classmethod
@@ -345,7 +361,7 @@ class PackedWeight:
         """Bytes held in memory for it: the canonical tensors plus the kernel's layout once made (the int4 kernel's,
         the i8dot decode kernel's interleaved rows)."""
         prepared = sum(t.nbytes for t in self._prepared) if self._prepared is not None else 0
-        grouped = sum(t.nbytes for t in self._groups if t is not None)
+        grouped = sum(t.nbytes for t, held in zip(self._groups, self._in_place) if t is not None and not held)
         return sum(t.nbytes for t in self.tensors.values()) + prepared + grouped
 
     def __repr__(self) -> str:
@@ -456,10 +472,12 @@ class PackedWeight:
             return self.tensors["weight"][start:stop].to(dtype)
         if runs_blocks(kernel):  # the exact values, whichever kernel multiplies them
             pieces, first = [], 0
-            for code, blocks in self._parts:  # each row block's rows that fall in start..stop
+            for (code, blocks), held in zip(self._parts, self._in_place):  # each row block's rows in start..stop
                 lo, hi = max(start - first, 0), min(stop - first, blocks.shape[0])
                 if lo < hi:
-                    pieces.append(native_kernel.dequantize(code, blocks[lo:hi], self.shape[1]))
+                    rows = native_kernel.group_rows(code, blocks, self.shape[1], torch.arange(lo, hi)) if held \
+                        else blocks[lo:hi]
+                    pieces.append(native_kernel.dequantize(code, rows, self.shape[1]))
                 first += blocks.shape[0]
             values = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.shape[1])
             return values if dtype == torch.float32 else values.to(dtype)
@@ -479,7 +497,11 @@ class PackedWeight:
             return F.embedding(ids, self.tensors["weight"]).to(dtype)
         flat = ids.reshape(-1)
         if runs_blocks(self.format.kernel):  # exact rows (an embedding lookup rounds nothing)
-            if len(self._parts) == 1:
+            if len(self._parts) == 1 and self._in_place[0]:  # the rows gathered from their groups, then decoded
+                code, blocks = self._parts[0]
+                values = native_kernel.dequantize(code, native_kernel.group_rows(code, blocks, self.shape[1], flat),
+                                                  self.shape[1])
+            elif len(self._parts) == 1:
                 code, blocks = self._parts[0]
                 values = native_kernel.dequantize(code, blocks, self.shape[1], flat)  # (ids, K)
             else:
@@ -504,8 +526,12 @@ def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[
     if runs_blocks(fmt.kernel):
         if fmt.stored not in _CODES:
             raise ValueError(f"{fmt.name}: row blocks of several formats are not rebuilt from tensors")
-        _, block, block_bytes = GGML_TYPES[_CODES[fmt.stored]]
-        return {"blocks": ((n, k // block * block_bytes), torch.uint8)}
+        code = _CODES[fmt.stored]
+        _, block, block_bytes = GGML_TYPES[code]
+        # i8dot's Q4_0/Q4_1 as the loader holds them (interleaved in place), where this library reads that order
+        key = "groups" if fmt.kernel == I8DOT and code in native_kernel.GROUPED_TYPES and native_kernel.available() \
+            and reads_groups(code, native_kernel.INT8_X) else "blocks"
+        return {key: ((n, k // block * block_bytes), torch.uint8)}
     if fmt.name == "q8_0":
         return {"int8": ((n, k), torch.int8), "scale": ((n, k // GROUP), torch.float32)}
     return {"nibbles": ((n, k // 2), torch.uint8), "scale": ((n, k // GROUP), torch.float32),
@@ -543,8 +569,10 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
             "+".join(dict.fromkeys(f.name for f in formats)), kernels,
             "+".join(dict.fromkeys(f.stored for f in formats)), stored * 8 / (shape[0] * shape[1]))
-        tensors = {"blocks": parts[0][1]} if len(parts) == 1 else {
-            f"blocks.{i}.{GGML_TYPES[code][0]}": t for i, (code, t) in enumerate(parts)}
+        in_place = tuple(held for w in weights for held in w._in_place)
+        tensors = {"groups" if in_place[0] else "blocks": parts[0][1]} if len(parts) == 1 else {
+            f"{'groups' if held else 'blocks'}.{i}.{GGML_TYPES[code][0]}": t
+            for i, ((code, t), held) in enumerate(zip(parts, in_place))}
         return PackedWeight(fmt, shape, tensors, stored, parts, activations, groups)
     if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows needs weights of one format and one input width")
@@ -564,22 +592,25 @@ def gguf_format(ggml_type: int, kernel: str) -> WeightFormat:
 
 
 def pack_gguf(rows: np.ndarray, ggml_type: int, row_len: int, kernel: str,
-              groups: torch.Tensor | None = None) -> PackedWeight:
+              groups: torch.Tensor | None = None, interleaved: bool = False) -> PackedWeight:
     """A GGUF tensor's raw blocks -> PackedWeight. `rows` is uint8 (N, bytes per row), each row `row_len` values
     (the file's order: Q/K rows already put in the model's order by the caller). "native" keeps `rows` itself
     (no copy when it is contiguous and writable, e.g. a copy-on-write map of the file; a read-only one is copied).
     `groups`: for i8dot Q4_0/Q4_1, `rows` already interleaved (native_kernel.interleave) where the caller wants them
-    held (else they are made on the first product)."""
+    held (else they are made on the first product). `interleaved`: `rows` is such a matrix held in place (its whole
+    groups interleaved, the rows after them as stored: PackedWeight's "groups"), its only copy."""
     fmt = gguf_format(ggml_type, kernel)
     rows = np.ascontiguousarray(rows)
     n = rows.shape[0]
     _, block, block_bytes = GGML_TYPES[ggml_type]
     if row_len % block or rows.shape[1] != row_len // block * block_bytes:
         raise ValueError(f"rows of {rows.shape[1]} bytes do not hold {row_len} values of {fmt.stored}")
+    if interleaved and not (kernel == I8DOT and reads_groups(ggml_type, native_kernel.INT8_X)):
+        raise ValueError(f"{fmt.stored} under {kernel} is not read interleaved here")
     if kernel in BLOCK_KERNELS:
         blocks = rows if rows.flags.writeable else rows.copy()
-        return PackedWeight(fmt, (n, row_len), {"blocks": torch.from_numpy(blocks)}, rows.nbytes,
-                            groups=None if groups is None else (groups,))
+        return PackedWeight(fmt, (n, row_len), {"groups" if interleaved else "blocks": torch.from_numpy(blocks)},
+                            rows.nbytes, groups=None if groups is None else (groups,))
     blocks = rows.reshape(-1, block_bytes)  # (N * K/block, block_bytes)
     if ggml_type == _Q8_0:
         d = _fp16(blocks, 0, 1)  # (blocks, 1)
@@ -623,9 +654,28 @@ def finite_scales(weight: PackedWeight) -> bool:
     if not runs_blocks(weight.format.kernel):
         return all(bool(torch.isfinite(t).all()) for t in weight.tensors.values() if t.is_floating_point())
     code = _CODES[weight.format.stored]
+    if "groups" in weight.tensors:
+        return grouped_scales_finite(code, weight.tensors["groups"].numpy())
+    return rows_scales_finite(code, weight.tensors["blocks"].numpy())
+
+
+def rows_scales_finite(code: int, rows: np.ndarray) -> bool:
+    """Whether every fp16 scale and min of `rows` (uint8, whole blocks of ggml type `code` as stored) is finite."""
     _, _, block_bytes = GGML_TYPES[code]
-    blocks = weight.tensors["blocks"].numpy().reshape(-1, block_bytes)  # (blocks, bytes per block)
+    blocks = rows.reshape(-1, block_bytes)  # (blocks, bytes per block)
     return all(bool(np.isfinite(blocks[:, at:at + 2].view("<f2")).all()) for at in _FP16_FIELDS[code])
+
+
+def grouped_scales_finite(code: int, held: np.ndarray) -> bool:
+    """rows_scales_finite of a Q4_0/Q4_1 matrix held in place ((rows, bytes per row) uint8): each interleaved block
+    of eight rows starts with their eight fp16 d (Q4_1: then their eight m), the rows after the whole groups are
+    as stored."""
+    rows = held.shape[0]
+    whole = rows // 8 * 8
+    _, _, block_bytes = GGML_TYPES[code]
+    fields = 16 * len(_FP16_FIELDS[code])  # bytes of fp16 fields at the start of a group's block
+    groups = held[:whole].reshape(-1, 8 * block_bytes)
+    return bool(np.isfinite(groups[:, :fields].view("<f2")).all()) and rows_scales_finite(code, held[whole:])
 
 
 def _fp16(blocks: np.ndarray, start: int, count: int) -> np.ndarray:

@@ -562,8 +562,11 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
     }
     for (int p = 0; p < m->parts; p++) {
         const int64_t row = token - m->column[p];
-        if (row >= 0 && row < m->rows[p]) {
-            dequantize_row(m->types[p], m->w[p] + row * m->strides[p], m->k / m->block_values[p], x);
+        if (row >= 0 && row < m->rows[p]) { /* a tied Q4_0/Q4_1 table on i8dot is held interleaved: part_row */
+            uint8_t *scratch = m->groups[p] != NULL ? malloc((size_t)m->row_bytes[p]) : NULL;
+            if (m->groups[p] != NULL && scratch == NULL) return; /* no memory for one row: x stays as it was */
+            dequantize_row(m->types[p], part_row(m, p, row, scratch), m->k / m->block_values[p], x);
+            free(scratch);
             return;
         }
     }

@@ -22,7 +22,7 @@
 
 #include "kernels.h"
 
-#define LLMT_ABI 7 /* bump when a signature below changes: native_kernel.py checks it */
+#define LLMT_ABI 8 /* bump when a signature below changes: native_kernel.py checks it */
 
 /* Work below this many multiply-adds runs on the calling thread: waking a second one costs more. */
 #define PARALLEL_MIN_WORK (1 << 16)
@@ -757,8 +757,15 @@ int llmt_matmul_reference(const Matrix *mat, const float *x, int64_t m, float *o
         quantize_x16_reference(xi, k, x16);
         for (int p = 0; p < mat->parts; p++) {
             const int64_t n_blocks = k / mat->block_values[p];
+            uint8_t *scratch = mat->groups[p] != NULL ? malloc((size_t)mat->row_bytes[p]) : NULL;
+            if (mat->groups[p] != NULL && scratch == NULL) {
+                free(values);
+                free(xq);
+                free(x16);
+                return NO_MEMORY;
+            }
             for (int64_t r = 0; r < mat->rows[p]; r++) {
-                const uint8_t *row = mat->w[p] + r * mat->strides[p];
+                const uint8_t *row = part_row(mat, p, r, scratch); /* as stored, wherever the part holds it */
                 const int64_t at = i * n + mat->column[p] + r;
                 double size = 0.0;
                 if (mat->acts[p] == INT8_X) out[at] = i8_row_reference(mat->types[p], row, n_blocks, xq, &size);
@@ -766,6 +773,7 @@ int llmt_matmul_reference(const Matrix *mat, const float *x, int64_t m, float *o
                 else out[at] = exact_row_reference(mat->types[p], row, n_blocks, xi, values, &size);
                 if (magnitude != NULL) magnitude[at] = size;
             }
+            free(scratch);
         }
     }
     free(values);

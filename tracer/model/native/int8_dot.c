@@ -337,16 +337,32 @@ static inline __attribute__((always_inline)) void i8_q4_group(int type, const ui
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
 }
 
+/* The rows of a Q4_0/Q4_1 part with its interleaved copy: whole groups are read from the copy only, never from
+   the part's rows (the loader holds such a matrix once, interleaved in place: int8_groups.c), and the rows after the
+   last whole group (`whole` = rows / 8 * 8) from the rows. A thread's run that starts or ends inside a group computes
+   that group whole and keeps its own rows' values, which are i8_q4_row's bit for bit. */
+
 /* rows first..last of a Q4_0/Q4_1 part times one activation row: the whole groups inside the range from the
    interleaved copy (when there is one), the rows before the first and after the last whole group one by one */
 static inline __attribute__((always_inline)) void i8_q4_rows(int type, const uint8_t *w, int64_t stride,
                                                              const uint8_t *groups, int64_t first, int64_t last,
-                                                             int64_t n_blocks, const XBlock *x, float *out) {
+                                                             int64_t whole, int64_t n_blocks, const XBlock *x,
+                                                             float *out) {
     int64_t r = first;
     if (groups != NULL) {
         const int64_t row_bytes = n_blocks * q32_bytes(type);
-        for (; r < last && r % 8; r++) out[r] = i8_q4_row(type, w + r * stride, n_blocks, x);
+        float y[8];
+        if (r < last && r % 8 && r < whole) { /* a group this run shares with the run before */
+            const int64_t g = r - r % 8;
+            i8_q4_group(type, groups + g * row_bytes, n_blocks, x, y);
+            for (; r < last && r % 8; r++) out[r] = y[r - g];
+        }
         for (; r + 8 <= last; r += 8) i8_q4_group(type, groups + r * row_bytes, n_blocks, x, out + r);
+        if (r < last && r < whole) { /* a group this run shares with the run after */
+            const int64_t g = r;
+            i8_q4_group(type, groups + g * row_bytes, n_blocks, x, y);
+            for (; r < last; r++) out[r] = y[r - g];
+        }
     }
     for (; r < last; r++) out[r] = i8_q4_row(type, w + r * stride, n_blocks, x);
 }
@@ -354,23 +370,25 @@ static inline __attribute__((always_inline)) void i8_q4_rows(int type, const uin
 /* rows first..last of a Q4_0/Q4_1 part times m activation rows (prefill) when the part has its interleaved copy:
    group by group, every activation row passes over the group's blocks while they sit in L1 (8 rows x k/32 blocks:
    18 KB at k = 4096), so the matrix is read once per product, from the copy the decode step reads. The 2 x 4 tiles
-   over the rows (i8_q32_many_x) read the whole matrix again for every four activation rows; and the rows of whole
-   groups are not read at all. Each value is i8_q4_group's (or i8_q4_row's outside whole groups): bit for bit the
-   decode product's. */
+   over the rows (i8_q32_many_x) read the whole matrix again for every four activation rows. Each value is
+   i8_q4_rows' for its activation row: bit for bit the decode product's. */
 static void i8_q4_groups_many_x(int type, const uint8_t *w, int64_t stride, const uint8_t *groups, int64_t first,
-                                int64_t last, int64_t n_blocks, const XBlock *x, int64_t xblocks, int64_t m,
-                                float *out, int64_t out_stride) {
+                                int64_t last, int64_t whole, int64_t n_blocks, const XBlock *x, int64_t xblocks,
+                                int64_t m, float *out, int64_t out_stride) {
     const int64_t row_bytes = n_blocks * q32_bytes(type);
     int64_t r = first;
-    for (; r < last && r % 8; r++)
+    if (r < last && r % 8) { /* up to the first whole group (or the end of a run inside one group) */
+        const int64_t stop = r + (8 - r % 8) < last ? r + (8 - r % 8) : last;
         for (int64_t i = 0; i < m; i++)
-            out[i * out_stride + r] = i8_q4_row(type, w + r * stride, n_blocks, x + i * xblocks);
+            i8_q4_rows(type, w, stride, groups, r, stop, whole, n_blocks, x + i * xblocks, out + i * out_stride);
+        r = stop;
+    }
     for (; r + 8 <= last; r += 8)
         for (int64_t i = 0; i < m; i++)
             i8_q4_group(type, groups + r * row_bytes, n_blocks, x + i * xblocks, out + i * out_stride + r);
-    for (; r < last; r++)
+    if (r < last)
         for (int64_t i = 0; i < m; i++)
-            out[i * out_stride + r] = i8_q4_row(type, w + r * stride, n_blocks, x + i * xblocks);
+            i8_q4_rows(type, w, stride, groups, r, last, whole, n_blocks, x + i * xblocks, out + i * out_stride);
 }
 
 /* rows first..last of a Q5_0/Q5_1/Q8_0 matrix times one activation row */
@@ -565,12 +583,13 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
                  int64_t out_stride) {
     const int64_t xblocks = mat->k / 32, n_blocks = mat->k / mat->block_values[p];
 #if LLMT_AVX2
+    const int64_t whole = mat->rows[p] / 8 * 8; /* the rows in whole groups of eight (an interleaved part's) */
     if (m == 1) { /* decode: one loop per type */
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
         switch (mat->types[p]) {
-        case Q4_0: i8_q4_rows(Q4_0, w, stride, mat->groups[p], first, last, n_blocks, x, out); return;
-        case Q4_1: i8_q4_rows(Q4_1, w, stride, mat->groups[p], first, last, n_blocks, x, out); return;
+        case Q4_0: i8_q4_rows(Q4_0, w, stride, mat->groups[p], first, last, whole, n_blocks, x, out); return;
+        case Q4_1: i8_q4_rows(Q4_1, w, stride, mat->groups[p], first, last, whole, n_blocks, x, out); return;
         case Q5_0: i8_q32_one_x(Q5_0, w, stride, first, last, n_blocks, x, out); return;
         case Q5_1: i8_q32_one_x(Q5_1, w, stride, first, last, n_blocks, x, out); return;
         case Q8_0: i8_q32_one_x(Q8_0, w, stride, first, last, n_blocks, x, out); return;
@@ -584,8 +603,8 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
         if (mat->groups[p] != NULL) { /* Q4_0/Q4_1 with their interleaved copy: group by group (int8_groups.c) */
-            i8_q4_groups_many_x(mat->types[p], w, stride, mat->groups[p], first, last, n_blocks, x, xblocks, m, out,
-                                out_stride);
+            i8_q4_groups_many_x(mat->types[p], w, stride, mat->groups[p], first, last, whole, n_blocks, x, xblocks,
+                                m, out, out_stride);
             return;
         }
         if (mat->types[p] == Q4_K || mat->types[p] == Q5_K || mat->types[p] == Q6_K) {

@@ -22,6 +22,13 @@
  * acc = fma(d_w * d_x, sum(c*q), acc), off = fma(b, s_x, off) block by block, result acc + off, and the integer sums
  * are exact, so every row's value is bit for bit the same whether its group, i8_q4_row, a thread split or no
  * interleaved copy at all computed it.
+ *
+ * Held in place. The loader keeps no other copy of such a matrix (issue 31: the rows beside their copy held a 7B
+ * Q4_0 model twice): its buffer of rows x row_bytes holds the whole groups interleaved, then the rows after the last
+ * whole group as stored, at their own offsets (row r at r * row_bytes), and the part is described with w = groups =
+ * that buffer. So nothing reads a row of a whole group at w + r * stride: the kernels read the groups (int8_dot.c's
+ * i8_q4_rows computes a group a thread shares with its neighbour whole), and whatever needs a row as stored (an
+ * embedding lookup, the reference products, dequantization) gathers it from its group (part_row, llmt_group_rows).
  */
 
 #include "kernels.h"
@@ -64,5 +71,48 @@ int llmt_set_groups(Matrix *mat, int p, const uint8_t *groups) {
     if (p < 0 || p >= mat->parts) return BAD_SHAPE;
     if (groups != NULL && !(mat->acts[p] == INT8_X && grouped_type(mat->types[p]))) return BAD_TYPE;
     mat->groups[p] = groups;
+    return OK;
+}
+
+/* Row r of a whole group (r < rows / 8 * 8) of an interleaved Q4_0/Q4_1 matrix at `groups`, gathered into out
+   (row_bytes bytes): the bytes the file holds for it. */
+static void group_row(int type, const uint8_t *groups, int64_t r, int64_t n_blocks, uint8_t *out) {
+    const int64_t g = r / 8, j = r % 8;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (type == Q4_1) {
+            const group_q4_1 *g1 = (const group_q4_1 *)groups + g * n_blocks + b;
+            block_q4_1 *b1 = (block_q4_1 *)out + b;
+            b1->d = g1->d[j];
+            b1->m = g1->m[j];
+            for (int v = 0; v < 4; v++) memcpy(b1->qs + 4 * v, &g1->qs[v][4 * j], 4);
+        } else {
+            const group_q4_0 *g0 = (const group_q4_0 *)groups + g * n_blocks + b;
+            block_q4_0 *b0 = (block_q4_0 *)out + b;
+            b0->d = g0->d[j];
+            for (int v = 0; v < 4; v++) memcpy(b0->qs + 4 * v, &g0->qs[v][4 * j], 4);
+        }
+    }
+}
+
+/* Row r of part p as the file stores it: at w + r * stride, or for a row of a whole group of a part with its
+   interleaved copy, gathered from the copy into `scratch` (row_bytes[p] bytes): a part held in place has no other. */
+const uint8_t *part_row(const Matrix *mat, int p, int64_t r, uint8_t *scratch) {
+    if (mat->groups[p] == NULL || r >= mat->rows[p] / 8 * 8) return mat->w[p] + r * mat->strides[p];
+    group_row(mat->types[p], mat->groups[p], r, mat->k / 32, scratch);
+    return scratch;
+}
+
+/* Rows ids[0..n) of a (rows x k) Q4_0/Q4_1 matrix held in place (its whole groups interleaved at w, the rows after
+   them as stored: see the top of this file) into out (n x row_bytes), as the file stores them. */
+int llmt_group_rows(int type, const uint8_t *w, int64_t rows, int64_t k, const int64_t *ids, int64_t n, uint8_t *out) {
+    if (!grouped_type(type)) return BAD_TYPE;
+    if (rows < 0 || k <= 0 || k % 32 || n < 0) return BAD_SHAPE;
+    const int64_t n_blocks = k / 32, row_bytes = n_blocks * (type == Q4_1 ? sizeof(block_q4_1) : sizeof(block_q4_0));
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return BAD_SHAPE;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < rows / 8 * 8) group_row(type, w, ids[i], n_blocks, out + i * row_bytes);
+        else memcpy(out + i * row_bytes, w + ids[i] * row_bytes, (size_t)row_bytes);
+    }
     return OK;
 }

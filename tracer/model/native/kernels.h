@@ -183,6 +183,10 @@ LLMT_INTERNAL void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t 
 LLMT_INTERNAL float i8_row_reference(int type, const uint8_t *row, int64_t n_blocks, const XBlock *x,
                                      double *magnitude);
 
+/* int8_groups.c: row r of part p as the file stores it (gathered into scratch, row_bytes[p] bytes, when the part's
+   whole groups are interleaved) */
+LLMT_INTERNAL const uint8_t *part_row(const Matrix *mat, int p, int64_t r, uint8_t *scratch);
+
 /* int16_dot.c: the same with int16 activations (Q8_0 and Q6_K parts) */
 LLMT_INTERNAL void quantize_x16(const float *x, int64_t k, X16Block *out);
 LLMT_INTERNAL void quantize_x16_reference(const float *x, int64_t k, X16Block *out);
