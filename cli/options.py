@@ -71,12 +71,13 @@ class Detail(str, Enum):
     summary = "summary"
     layers = "layers"
     ops = "ops"
-    kernels = "kernels"  # the layers view, with the kernels' details under the header
+    kernels = "kernels"  # the layers view, with the kernels' details under the header and the route's in the summary
 
 
 DetailOption = Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every "
                                                    "stage of every layer; kernels: layers, with each matrix type's "
-                                                   "kernel, its numerics and why.")]
+                                                   "kernel, its numerics and why, and why each backend not "
+                                                   "taken was not.")]
 
 DEFAULT_MODEL = "llama-7b"  # the seed article's model
 

@@ -90,6 +90,6 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
         render_decode_stages(console, report.decode_stages, trace.staged_decode)
     if trace.batch is not None:
         render_batch_summary(console, trace.batch)
-    render_summary(console, trace, report.summary, roofline, roofline_note, stopped_by)
+    render_summary(console, trace, report.summary, roofline, roofline_note, stopped_by, detail)
     render_no_cache(console, trace.no_kv_cache)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
-from llmtrace.tracer.trace.records import RunAhead
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED, Route, RunAhead
 from llmtrace.tracer.trace.run_trace import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_NEW_TOKENS, Trace
 from llmtrace.tracer.trace.summary import RunSummary
 
@@ -22,9 +23,10 @@ _STOP_TEXT = {
 
 
 def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline: MeasuredVsBound | None,
-                   roofline_note: str, stopped_by: str = "") -> None:
+                   roofline_note: str, stopped_by: str = "", detail: str = "") -> None:
     """`stopped_by`: the signal that interrupted this process's run ("Ctrl-C", "SIGTERM"; cli/interrupts.py), named
-    after "interrupted"; "" when not known (a saved trace shown again)."""
+    after "interrupted"; "" when not known (a saved trace shown again). `detail` "kernels": why each backend not
+    taken was not (route_lines)."""
     table = Table(show_edge=False, pad_edge=False, box=None, show_header=True)
     table.add_column("")
     table.add_column("prefill", justify="right")
@@ -74,6 +76,7 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
         lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
     if trace.run_ahead is not None:
         lines.append(f"[dim]{run_ahead_line(trace.run_ahead)}[/]")
+    lines += [f"[dim]{escape(line)}[/]" for line in route_lines(trace.route, detail == "kernels")]
     stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)
     if trace.stop_reason == STOP_INTERRUPTED and stopped_by:
         stop = stop.replace("interrupted", f"interrupted ({stopped_by})", 1)
@@ -101,6 +104,24 @@ def run_ahead_line(run_ahead: RunAhead) -> str:
     most = f"up to {run_ahead.most_steps} steps" if run_ahead.most_steps > 1 else "one step"
     return (f"the {run_ahead.steps} decode steps ran ahead in C, {run_ahead.calls} calls of {most}; a step's time "
             "is its forward and choice, without the Python after each call")
+
+
+_BACKEND_WORDS = {NATIVE: "the C step", PACKED: "packed torch", MODULES: "the stage modules"}
+
+
+def route_lines(route: Route | None, why: bool = False) -> list[str]:
+    """The backends that ran the steps (Trace.route) in one line, and with `why` each backend not taken and why,
+    and why each C call ran one step; nothing for a trace without a route (--tp, an older trace)."""
+    if route is None:
+        return []
+    decode = _BACKEND_WORDS.get(route.decode, route.decode)
+    calls = (", several steps a call" if route.ahead else ", a step a call") if route.decode == NATIVE else ""
+    lines = [f"route: decode on {decode}{calls} · prefill on {_BACKEND_WORDS.get(route.prefill, route.prefill)}"]
+    if why:
+        lines += [f"  not {_BACKEND_WORDS.get(r.backend, r.backend)}: {r.reason}" for r in route.not_taken]
+        if route.ahead_reason:
+            lines.append(f"  a step a call: {route.ahead_reason}")
+    return lines
 
 
 def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:

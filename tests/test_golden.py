@@ -38,6 +38,8 @@ CASES: dict[str, list[str]] = {
     "show-dry-run": ["show", "tiny_dry_run.json"],
     "show-batch": ["show", "tiny_batch_trace.json"],  # run --batch 3: prompts of three lengths
     "show-summary": ["show", "tiny_trace.json", "--detail", "summary"],
+    # the layers view, with why each backend not taken was not (the route, under the summary)
+    "show-kernels": ["show", "tiny_trace.json", "--detail", "kernels"],
     # sampled with top-k and top-p, with the logit lens and attention (sections 5c and 5d)
     "show-journey": ["show", "tiny_journey_trace.json"],
     "diff": ["diff", "tiny_trace.json", "tiny_journey_trace.json"],

@@ -51,9 +51,10 @@ def test_schema_lists_every_record_field(trace: Trace) -> None:
     schema = load_schema()
     data = json.loads(trace.to_json())
     # the instrumentation keys came later and may be absent from older traces: listed, not required
-    # kernels: optional (absent in older traces), written by every run since the default kernel table
-    assert set(schema["required"]) | INSTRUMENTATION_KEYS | {"kernels"} == set(data)
-    assert "kernels" in schema["properties"]
+    # kernels, route: optional (absent in older traces), written by every run since the default kernel table and
+    # since select() chose the route (tracer/run/select.py)
+    assert set(schema["required"]) | INSTRUMENTATION_KEYS | {"kernels", "route"} == set(data)
+    assert "kernels" in schema["properties"] and "route" in schema["properties"]
     assert INSTRUMENTATION_KEYS <= set(schema["properties"])
     lesson = data["sampling_lesson"]
     assert set(schema["$defs"]["SamplingLesson"]["required"]) == set(lesson)

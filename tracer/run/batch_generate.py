@@ -36,14 +36,15 @@ from llmtrace.tracer.run.generate import (
     _active_filters,
     _rope_record,
     sampling_params,
+    staged_record,
 )
+from llmtrace.tracer.run.select import Request, select
 from llmtrace.tracer.trace.batch_records import FINISHED_ROWS, PADDING, BatchRun, SequenceRecord
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
     RowToken,
     RunSettings,
-    StagedDecode,
     StepRecord,
     TokenizationRecord,
 )
@@ -102,8 +103,6 @@ class BatchGeneration(Generation):
         fused = getattr(self.model, "use_fused", None)
         if self.settings.staged and fused is not None:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
-        if self.settings.staged:  # the native staged step runs one sequence: a batch's steps run the stage modules
-            self._staged_decode = StagedDecode(f"a batch of {len(ids)} sequences (the native decode step runs one)")
         try:
             self.model.setup_cache(len(ids), longest + limit)
             self._kv_per_position = int(self.model.kv_bytes_per_position)
@@ -119,6 +118,10 @@ class BatchGeneration(Generation):
                     self._sync()
             self._rope = rope = _rope_record(self.config, longest)
             with self._tracer:
+                request = Request(batch=len(ids), staged=self.settings.staged, tracer=self._tracer,
+                                  sampler=self._samplers[0], on_cpu=self._on_cpu)
+                self._selection = select(self.model, request)
+                self._staged_decode = staged_record(self.settings, self._selection.route)
                 self._active = list(range(len(ids)))
                 step = self._batch_step(PREFILL, 0, tokens, pad)
                 yield PrefillDone(step, self._tracer.records(), rope, limit)

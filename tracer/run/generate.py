@@ -33,8 +33,9 @@ from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
-from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, Sampler, float32_numpy
+from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
+from llmtrace.tracer.run.select import Request, Selection, select
 from llmtrace.tracer.trace.attention_view import attention_step
 from llmtrace.tracer.trace.fused_marks import StepDims
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
@@ -47,7 +48,9 @@ from llmtrace.tracer.trace.records import (
     CandidateRecord,
     EnvironmentInfo,
     ModelInfo,
+    NATIVE,
     RopeRecord,
+    Route,
     RunAhead,
     RunSettings,
     SamplingRecord,
@@ -171,6 +174,7 @@ class Generation:
         self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)
         self._run_ahead = run_ahead
         self._run_ahead_calls: list[int] = []  # the decode steps recorded of each C call, when they ran ahead
+        self._selection = Selection(None)  # the backend of the run's steps (`_select`, once everything is attached)
 
     def events(self) -> Iterator[Event]:
         if self._events is not None:
@@ -215,7 +219,8 @@ class Generation:
                     self._observer.take()  # the warm-up's rows are not a step's
             rope = self._rope = _rope_record(self.config, len(ids))
             with self._tracer:
-                self._staged_decode = self._staged_path()
+                self._selection = self._select()
+                self._staged_decode = staged_record(self.settings, self._selection.route)
                 if self.dry_run:
                     yield from self._dry_run(ids, rope, limit)
                 else:
@@ -237,14 +242,12 @@ class Generation:
                 self._observer.remove()
         yield Finished(self.trace())
 
-    def _staged_path(self) -> StagedDecode | None:
-        """--staged: whether the one-token steps run as the native step's stages apart, timed in C, or through the
-        stage modules, and why (asked with the observers and the tracer attached, as the steps will run)."""
-        if not self.settings.staged:
-            return None
-        why = getattr(self.model, "staged_native_reason", None)
-        reason = why() if why is not None else "this model has no native decode step"
-        return StagedDecode(reason)
+    def _select(self) -> Selection:
+        """The backend of this run's steps (tracer/run/select.py), asked with the observers and the tracer attached,
+        as the steps will run."""
+        request = Request(batch=1, staged=self.settings.staged, observed=self._observer is not None,
+                          tracer=self._tracer, sampler=self.sampler, run_ahead=self._run_ahead, on_cpu=self._on_cpu)
+        return select(self.model, request)
 
     def _replay_without_cache(self, ids: list[int]) -> Iterator[NoCacheProgress]:
         """The generated tokens again without a KV cache (tracer/run/no_cache.py), traced the same way."""
@@ -278,7 +281,7 @@ class Generation:
     def _generate(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         eos = getattr(self.tokenizer, "eos_id", None)
         token = yield from self._prefill(ids, rope, limit)
-        table = self._run_ahead_table()
+        table = self._selection.table  # 0: every decode step its own call (the route's ahead_reason says why)
         ahead = FIRST_RUN_AHEAD
         while token != eos and len(self._generated) < limit:
             run = self._decode_ahead(token, min(ahead, limit - len(self._generated)), eos, table) if table else None
@@ -302,23 +305,6 @@ class Generation:
             self._stop_reason = STOP_CONTEXT_FULL
         else:
             self._stop_reason = STOP_MAX_NEW_TOKENS
-
-    def _run_ahead_table(self) -> int:
-        """The candidate table's size when decode steps may run several to a C call (Transformer.decode_ahead: the
-        sampler's own C passes choose each next token there, greedy or drawn with its uniforms, so the tokens and
-        records are the ones a step at a time gives); 0 when they run a step at a time: switched off, a sampler that
-        needs more than those passes (top-k, top-p, min-p, a repetition penalty), --lens or --attention (their hooks
-        read each step), --staged, another device, or a tracer that cannot take the steps' C clock readings."""
-        if not self._run_ahead or self._observer is not None or self.settings.staged or not self._on_cpu:
-            return 0
-        vocab = self.config.vocab_size
-        # a sampler of another kind, or one whose `sample` does something else (a subclass), never runs in C
-        if getattr(type(self.sampler), "sample", None) is not Sampler.sample:
-            return 0
-        if not self.sampler.chooses_by_passes(vocab) or not hasattr(self.model, "decode_ahead") \
-                or not self._tracer.takes_stamped_steps():
-            return 0
-        return self.sampler.table_size(vocab)
 
     def _decode_ahead(self, token: int, steps: int, eos: int | None, table: int) -> AheadRun | None:
         """Transformer.decode_ahead of up to `steps` steps from `token`, drawn with the sampler's uniforms when it
@@ -570,6 +556,7 @@ class Generation:
             kernels=getattr(self.loaded, "kernels", None),
             staged_decode=self._staged_decode,
             run_ahead=self._run_ahead_record(),
+            route=self._selection.route,
         )
         return prune_steps(trace, StepSelection.parse(self.settings.trace_steps))
 
@@ -632,6 +619,14 @@ def _with_seed_used(settings: RunSettings, sampler: Any) -> RunSettings:
     if settings.seed is not None or settings.temperature == 0 or drawn is None:
         return settings  # greedy needs no seed: it is deterministic
     return replace(settings, seed=int(drawn), seed_drawn=True)
+
+
+def staged_record(settings: RunSettings, route: Route) -> StagedDecode | None:
+    """--staged: whether its one-token steps ran as the native step's stages apart, timed in C, or through the stage
+    modules, and why (the route's reason the native backend was not taken)."""
+    if not settings.staged:
+        return None
+    return StagedDecode(next((r.reason for r in route.not_taken if r.backend == NATIVE), ""))
 
 
 def _sampling_record(result: Any) -> SamplingRecord | None:

@@ -289,6 +289,36 @@ class StagedDecode:
         object.__setattr__(self, "native", not self.reason)
 
 
+# The backends a step can run on (tracer/run/select.py): the C decode step, the packed torch path, the stage modules.
+NATIVE = "native"
+PACKED = "packed"
+MODULES = "modules"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteNotTaken:
+    backend: str  # NATIVE, PACKED or MODULES
+    reason: str  # why it did not run the decode steps
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Which backend ran a run's steps and why each other one did not (tracer/run/select.py, chosen once the run's
+    observers and tracer were attached). Run-ahead is the native backend running several steps a call."""
+
+    prefill: str  # PACKED or MODULES (the native step takes one token)
+    decode: str  # NATIVE, PACKED or MODULES
+    # why each native call runs one step ("" when it runs several: run-ahead, or when decode is not native)
+    ahead_reason: str
+    not_taken: tuple[RouteNotTaken, ...]
+    # the native backend runs several steps a call: made from `decode` and `ahead_reason` (init=False), so they
+    # cannot disagree; a field still, so the trace's JSON holds it (schema)
+    ahead: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ahead", self.decode == NATIVE and not self.ahead_reason)
+
+
 @dataclass(frozen=True, slots=True)
 class EnvironmentInfo:
     """Where the run happened."""

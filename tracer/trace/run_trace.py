@@ -41,6 +41,8 @@ from llmtrace.tracer.trace.records import (
     RowToken,
     RunSettings,
     SamplingRecord,
+    Route,
+    RouteNotTaken,
     RunAhead,
     StagedDecode,
     StageRecord,
@@ -113,6 +115,9 @@ class Trace:
     # A greedy run whose decode steps ran several to a C call: how many calls and steps; None when every decode step
     # was its own call (and in traces written before it existed).
     run_ahead: RunAhead | None = None
+    # The backend of the decode steps and the prefill, and why each other one did not run them (tracer/run/select.py);
+    # None in a --tp run (its ranks step the stage modules) and in traces written before it existed.
+    route: Route | None = None
 
     # ---- views ----------------------------------------------------------------------------------------
 
@@ -216,6 +221,7 @@ class Trace:
                 rank_stages=tuple(_rank_stages(r) for r in _list(data.get("rank_stages", []))),
                 staged_decode=_optional(lambda d: _build(StagedDecode, d), data.get("staged_decode")),
                 run_ahead=_optional(lambda d: _build(RunAhead, d), data.get("run_ahead")),
+                route=_optional(_route, data.get("route")),
             ))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FileFormatError(f"trace JSON does not match the schema ({type(exc).__name__}: {exc})") from exc
@@ -244,7 +250,7 @@ R = TypeVar("R")
 _STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
 _BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
 _BATCH_SETTINGS = ("batch", "batch_prompts")
-_OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode", "run_ahead"})
+_OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode", "run_ahead", "route"})
 _OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages"})
 _SHAPE_FIELDS = ("input_shapes", "output_shapes")
 
@@ -277,6 +283,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
                 StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
                 LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
                 RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, TypeKernel, StagedDecode, RunAhead,
+                Route, RouteNotTaken,
                 CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
 }
 
@@ -469,6 +476,10 @@ def _kernels(d: dict[str, Any]) -> KernelChoice:
                             source="measured", rule=str(d.get("rule", "")), numerics="")
     return _build(KernelChoice, {**d, "candidates": tuple(_build(CandidateTiming, c) for c in _list(d["candidates"])),
                                  "by_type": tuple(_build(TypeKernel, t) for t in _list(d.get("by_type", [])))})
+
+
+def _route(d: dict[str, Any]) -> Route:
+    return _build(Route, {**d, "not_taken": tuple(_build(RouteNotTaken, r) for r in _list(d["not_taken"]))})
 
 
 def read_collective(d: dict[str, Any]) -> CollectiveRecord:
