@@ -1,4 +1,4 @@
-"""Decode steps run ahead in C (decode_step.c's llmt_decode_ahead, NativeStep.run_ahead, Transformer.decode_ahead,
+"""Decode steps run ahead in C (decode_step.c's llmt_decode_ahead, NativeStep.run_ahead, NativeBackend.ahead,
 Generation's run-ahead): several steps to a call, each next token chosen by the sampler's own C passes over the
 step's logits, greedy or drawn at a temperature with the sampler's uniforms.
 
@@ -26,6 +26,7 @@ from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
+from llmtrace.tracer.run.native_backend import NativeBackend
 from llmtrace.tracer.run.sampling import Sampler, SamplingParams
 from llmtrace.tracer.run.sampling_params import MIN_TEMPERATURE
 from llmtrace.tracer.trace.records import DECODE, RunAhead, RunSettings
@@ -80,7 +81,7 @@ def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[s
         want_tokens, want_results = one_by_one(model, first, 7)
         want_kv, want_pos = model._kv_all.clone(), model.pos
         first = prefilled(model)
-        run = model.decode_ahead(first, 7, None, sampler.table_size(config.vocab_size))
+        run = NativeBackend(model).ahead(first, 7, None, sampler.table_size(config.vocab_size))
     assert run is not None and run.failure == ""
     assert list(run.tokens) == want_tokens and model.pos == want_pos
     assert torch.equal(model._kv_all, want_kv)
@@ -112,7 +113,7 @@ def test_steps_drawn_ahead_are_the_samplers_draws_bit_for_bit(temperature: float
         want_results.append(result)
     want_kv = model._kv_all.clone()
     prefilled(model)
-    run = model.decode_ahead(first, 8, None, sampler.table_size(vocab), temperature, sampler.uniforms)
+    run = NativeBackend(model).ahead(first, 8, None, sampler.table_size(vocab), temperature, sampler.uniforms)
     assert run is not None and list(run.tokens) == want_tokens and torch.equal(model._kv_all, want_kv)
     assert len(set(want_tokens)) > 1  # drawn, not one repeated argmax
     for i, want in enumerate(want_results):
@@ -143,9 +144,9 @@ def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
     stop = want[2]
     assert stop not in want[:2]
     first = prefilled(model)
-    run = model.decode_ahead(first, 8, stop, 10)
+    run = NativeBackend(model).ahead(first, 8, stop, 10)
     assert run is not None and list(run.tokens) == want[:3] and model.pos == 5 + 3
-    rest = model.decode_ahead(run.tokens[-1], 5, None, 10)
+    rest = NativeBackend(model).ahead(run.tokens[-1], 5, None, 10)
     assert rest is not None and list(rest.tokens) == want[3:]
 
 
@@ -154,7 +155,7 @@ def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
     choice; stamped, each step's stage readings lie within its forward."""
     model = native_model(BASE)
     first = prefilled(model)
-    run = model.decode_ahead(first, 5, None, 10, stamps=True)
+    run = NativeBackend(model).ahead(first, 5, None, 10, stamps=True)
     assert run is not None and len(run.stamps) == 5
     for (start, forward_end, sample_end), stamps in zip(run.clock, run.stamps):
         assert start <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= forward_end <= sample_end
@@ -172,7 +173,7 @@ def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
         model.tok_embeddings.weight[chosen[1]] = float("nan")  # the third step's input
     model.setup_cache(1, 21)  # an in-place edit voids the plan until the next setup_cache
     model.prefill(torch.arange(3, 8).view(1, -1))
-    run = model.decode_ahead(first, 6, None, 10)
+    run = NativeBackend(model).ahead(first, 6, None, 10)
     assert run is not None and list(run.tokens) == chosen and run.failure == "not finite" and model.pos == 5 + 2
 
 
@@ -182,11 +183,11 @@ def test_models_the_native_step_cannot_run_get_none() -> None:
 
     dense = Transformer(BASE).eval()
     prefilled(dense)
-    assert dense.decode_ahead(1, 4, None, 10) is None and dense.pos == 5
+    assert NativeBackend(dense).ahead(1, 4, None, 10) is None and dense.pos == 5
     model = native_model(BASE)
     first = prefilled(model, room=3)
-    assert model.decode_ahead(first, 4, None, 10) is None and model.pos == 5
-    assert model.decode_ahead(first, 3, None, 10) is not None and model.pos == 8
+    assert NativeBackend(model).ahead(first, 4, None, 10) is None and model.pos == 5
+    assert NativeBackend(model).ahead(first, 3, None, 10) is not None and model.pos == 8
 
 
 def test_steps_ahead_take_about_fifty_milliseconds() -> None:
@@ -232,14 +233,14 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
     settings = {"greedy to EOS": dict(prompt="What is 2+2?", chat=True), "drawn at T=0.7": SAMPLED,
                 "drawn at T=1": SAMPLED | dict(temperature=1.0)}[run]
     calls = []
-    decode_ahead = type(bundled.model).decode_ahead
+    ahead = NativeBackend.ahead
 
-    def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
-        run = decode_ahead(model, *args, **kwargs)
+    def counted(backend: NativeBackend, *args: Any, **kwargs: Any) -> Any:
+        run = ahead(backend, *args, **kwargs)
         calls.append(len(run.tokens))
         return run
 
-    monkeypatch.setattr(type(bundled.model), "decode_ahead", counted)
+    monkeypatch.setattr(NativeBackend, "ahead", counted)
     # calls of as many steps as take 50 ms: on a loaded machine (a step over 50 ms) that is one; the test's calls
     # must run several whatever the machine's pace
     monkeypatch.setattr(generate_module, "RUN_AHEAD_NS", 60_000_000_000)
@@ -292,7 +293,7 @@ def test_runs_that_need_each_step_run_a_step_at_a_time(bundled: Any, settings: d
     """A draw over a kept prefix (top-p, top-k, min-p: summed in numpy), a repetition penalty, the logit lens's
     hooks, --staged: no run ahead."""
     calls = []
-    monkeypatch.setattr(type(bundled.model), "decode_ahead", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(NativeBackend, "ahead", lambda *a, **k: calls.append(1))
     trace = generation(bundled, True, max_new_tokens=4, **settings)
     assert calls == [] and len(trace.steps) == 4
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,7 @@ from llmtrace.tracer.model.functional import (
 )
 from llmtrace.tracer.model.fused import TAKE_STAMPS, FusedPlan, Mark, no_mark, watched
 from llmtrace.tracer.model.kv_cache import KVCache
-from llmtrace.tracer.model.native_step import AheadRun, host_clock_matches
+from llmtrace.tracer.model.native_step import host_clock_matches
 from llmtrace.tracer.model.rope import RotaryEmbedding, rope_tables
 from llmtrace.tracer.model.weight_formats import PackedWeight
 
@@ -533,9 +533,7 @@ class Transformer(ForwardWatched):
                         x = x[:, -1, :]  # (B, dim): the last position only
                         logits = self.logits(x)  # (B, V)
         except BaseException:
-            # A failure (or Ctrl-C) mid-pass must not leave some layers' caches one step ahead of the others.
-            for cache in self._kv_caches():
-                cache.length = start
+            self.rewind(start)  # a failure (or Ctrl-C) mid-pass: no layer's cache one step ahead of the others
             raise
         finally:
             if staged:
@@ -545,30 +543,16 @@ class Transformer(ForwardWatched):
         self.__dict__["_pos"] = start + new
         return logits
 
-    def decode_ahead(self, token: int, steps: int, stop_token: int | None, table: int, temperature: float = 0.0,
-                     draws: Callable[[int], list[float]] | None = None, stamps: bool = False) -> AheadRun | None:
-        """Up to `steps` decode steps of one sequence from `token` at `pos`, in one call of the native step
-        (FusedPlan.native_ahead: each step's next token is the sampler's choice made in C, greedy at `temperature`
-        0, else drawn at that temperature with the uniforms `draws(steps)` gives once the call runs; its candidate
-        table of `table` ids and softmax sums in the run; it stops after the step that chose `stop_token`), with
-        each step's stage readings when `stamps`. None when the native step cannot take them (the caller then runs
-        `decode_one` a step at a time): the fused path not usable, a padded or batched cache, or too few positions
-        left for `steps`."""
-        plan = self._fused_plan
-        start = self._pos
-        if plan is None or not plan.caches or self._pad is not None or not plan.tree_unchanged() \
-                or start + steps > plan.max_seq or (start and plan.cache_dicts[0]["batch"] != 1) or not self.fusable():
-            return None
-        try:
-            run = plan.native_ahead(token, start, steps, stop_token, table, temperature, draws, stamps,
-                                    self.use_native_step)
-        except BaseException:
-            for cache in self._kv_caches():  # as _cached_step: no layer left ahead of the others
-                cache.length = start
-            raise
-        if run is not None:
-            self.__dict__["_pos"] = start + len(run.tokens)  # past nn.Module.__setattr__, as _cached_step
-        return run
+    def rewind(self, start: int) -> None:
+        """Every layer's cache back to `start` positions: a step that failed (or a Ctrl-C) mid-pass leaves no layer
+        ahead of the others."""
+        for cache in self._kv_caches():
+            cache.length = start
+
+    def advance(self, end: int) -> None:
+        """`pos` becomes `end`: the positions a backend that writes the caches itself filled (the native step running
+        several steps a call: tracer/run/native_backend.py)."""
+        self.__dict__["_pos"] = end  # a plain attribute: past nn.Module.__setattr__, as _cached_step writes it
 
     def _pad_step(self, index: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a step over the cache indices `index` (T,) of left-padded rows: each row's positions (B, T), counted

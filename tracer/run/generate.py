@@ -32,6 +32,7 @@ from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
+from llmtrace.tracer.run.native_backend import NativeBackend
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
 from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
@@ -175,6 +176,7 @@ class Generation:
         self._run_ahead = run_ahead
         self._run_ahead_calls: list[int] = []  # the decode steps recorded of each C call, when they ran ahead
         self._selection = Selection(None)  # the backend of the run's steps (`_select`, once everything is attached)
+        self._native: NativeBackend | None = None  # the native backend running ahead, when the route takes it
 
     def events(self) -> Iterator[Event]:
         if self._events is not None:
@@ -220,6 +222,7 @@ class Generation:
             rope = self._rope = _rope_record(self.config, len(ids))
             with self._tracer:
                 self._selection = self._select()
+                self._native = NativeBackend(self.model)
                 self._staged_decode = staged_record(self.settings, self._selection.route)
                 if self.dry_run:
                     yield from self._dry_run(ids, rope, limit)
@@ -307,7 +310,7 @@ class Generation:
             self._stop_reason = STOP_MAX_NEW_TOKENS
 
     def _decode_ahead(self, token: int, steps: int, eos: int | None, table: int) -> AheadRun | None:
-        """Transformer.decode_ahead of up to `steps` steps from `token`, drawn with the sampler's uniforms when it
+        """The native backend's run of up to `steps` steps from `token`, drawn with the sampler's uniforms when it
         draws; those of steps the call did not run (after EOS or a failure) go back to the sampler, which then holds
         the draws a step at a time would have left it."""
         drawn: list[float] = []  # taken only once the call runs
@@ -316,13 +319,13 @@ class Generation:
             drawn.extend(self.sampler.uniforms(count))
             return drawn
 
-        run = self.model.decode_ahead(token, steps, eos, table, self.sampler.temperature, draws, self.settings.trace)
+        run = self._native.ahead(token, steps, eos, table, self.sampler.temperature, draws, self.settings.trace)
         if run is not None:
             self.sampler.unread(drawn[len(run.tokens):])
         return run
 
     def _run_records(self, run: AheadRun) -> Iterator[StepRecord]:
-        """The records of the steps one C call ran (Transformer.decode_ahead), in order, each made as it is
+        """The records of the steps one C call ran (NativeBackend.ahead), in order, each made as it is
         yielded: its sample result from the sampler (`greedy_of_pass` or `drawn_of_pass`, what `sample` gives for
         those logits), its times C's clock readings (the forward, then the sampler's passes): the steps ran back to
         back, so each span ends where the next begins, and the detokenizing done here after the call, like the

@@ -312,7 +312,7 @@ class Tracer:
         self._events.clear()
 
     def takes_stamped_steps(self) -> bool:
-        """Whether steps the model runs and stamps on its own, several in one call (Transformer.decode_ahead), can
+        """Whether steps the model runs and stamps on its own, several in one call (NativeBackend.ahead), can
         be traced as they ran (`stamped_step`): tracing is off, or it follows the fused path's stages on the plain
         host clock, the clock the native step stamps in C."""
         if not self.enabled:

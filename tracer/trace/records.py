@@ -263,7 +263,7 @@ class RunSettings:
 
 @dataclass(frozen=True, slots=True)
 class RunAhead:
-    """How a run's decode steps ran several to a C call (tracer/run/generate.py, Transformer.decode_ahead): the
+    """How a run's decode steps ran several to a C call (tracer/run/generate.py, NativeBackend.ahead): the
     step, then the sampler's own C passes over its logits choosing the next token (greedy, or drawn at a temperature
     with the sampler's uniforms), back to back; each call's step
     records were made after it, the same as a step at a time makes them. Their times are C's clock readings (the
