@@ -215,9 +215,9 @@ def test_warm_up_runs_one_untraced_pass_on_the_traced_path_first(loaded: LoadedM
     calls: list[tuple[str, int, bool]] = []  # (which, tokens, fused allowed)
     real_prefill, real_decode = model.prefill, model.decode_one
 
-    def prefill(tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(tokens: torch.Tensor, pad: list[int] | None = None) -> torch.Tensor:
         calls.append(("prefill", tokens.shape[1], model.fusable()))
-        return real_prefill(tokens)
+        return real_prefill(tokens, pad)
 
     def decode_one(tokens: torch.Tensor) -> torch.Tensor:
         calls.append(("decode", tokens.shape[1], model.fusable()))

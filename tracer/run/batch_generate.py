@@ -24,25 +24,23 @@ from typing import Any, Iterator
 
 import torch
 
-from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
+from llmtrace.tracer.core.errors import CheckpointError
 from llmtrace.tracer.run.batch_spec import check_batch_settings
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.generate import (
-    Finished,
     Generation,
     LoadedModelLike,
     PrefillDone,
     TokenStep,
     _active_filters,
-    _rope_record,
     sampling_params,
-    staged_record,
 )
-from llmtrace.tracer.run.select import Request, select
+from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.batch_records import FINISHED_ROWS, PADDING, BatchRun, SequenceRecord
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
+    RopeRecord,
     RowToken,
     RunSettings,
     StepRecord,
@@ -85,10 +83,13 @@ class BatchGeneration(Generation):
         self._kv_per_position = 0
         self._kv_pad_bytes = 0
 
-    def _run(self) -> Iterator[Any]:
-        prompts = self.settings.batch_prompts
+    # ---- Generation's loop (`_run`), a batch's way ----------------------------------------------------------
+
+    def _prompt(self) -> Iterator[Any]:
+        """Every prompt checked before any hook is attached, left-padded to the longest: the (N, T) tokens and each
+        row's pads (None when no row has any), and the most tokens a sequence may generate."""
         ids = []
-        for prompt in prompts:  # every prompt is checked before any hook is attached
+        for prompt in self.settings.batch_prompts:
             ids.append(self._tokenize(prompt))
             self._records.append(self._tokenization)
         self._tokenization = self._records[0]
@@ -98,47 +99,49 @@ class BatchGeneration(Generation):
         pad_id = 0  # never attended, so any id in the vocabulary serves
         tokens = torch.tensor([[pad_id] * p + i for p, i in zip(self._pads, ids)], dtype=torch.long,
                               device=self.device)  # (N, T)
-        pad = list(self._pads) if any(self._pads) else None
         yield BatchTokenized(tuple(self._records), self._pads)
-        fused = getattr(self.model, "use_fused", None)
-        if self.settings.staged and fused is not None:
-            self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
+        return (tokens, list(self._pads) if any(self._pads) else None), limit
+
+    def _set_up_cache(self, prompt: tuple[torch.Tensor, list[int] | None], limit: int) -> None:
+        tokens, _ = prompt
+        self.model.setup_cache(tokens.shape[0], tokens.shape[1] + limit)
+        self._kv_per_position = int(self.model.kv_bytes_per_position)
+        self._kv_pad_bytes = sum(self._pads) * self._kv_per_position
+
+    @staticmethod
+    def _prompt_length(prompt: tuple[torch.Tensor, list[int] | None]) -> int:
+        return prompt[0].shape[1]
+
+    def _warm_up(self, prompt: tuple[torch.Tensor, list[int] | None]) -> None:
+        tokens, pad = prompt
         try:
-            self.model.setup_cache(len(ids), longest + limit)
-            self._kv_per_position = int(self.model.kv_bytes_per_position)
-            self._kv_pad_bytes = sum(self._pads) * self._kv_per_position
-            if self.settings.warmup:
-                try:
-                    with torch.no_grad():
-                        self.model.prefill(tokens, pad)
-                        self.model.decode_one(tokens[:, -1:])  # (N, 1)
-                finally:
-                    self.model.reset_cache()
-                if self._sync is not None:
-                    self._sync()
-            self._rope = rope = _rope_record(self.config, longest)
-            with self._tracer:
-                request = Request(batch=len(ids), staged=self.settings.staged, tracer=self._tracer,
-                                  sampler=self._samplers[0], on_cpu=self._on_cpu)
-                self._selection = select(self.model, request)
-                self._staged_decode = staged_record(self.settings, self._selection.route)
-                self._active = list(range(len(ids)))
-                step = self._batch_step(PREFILL, 0, tokens, pad)
-                yield PrefillDone(step, self._tracer.records(), rope, limit)
-                index = 1
-                while self._active:
-                    last = torch.tensor([[self._outputs[q][-1]] for q in self._active], dtype=torch.long,
-                                        device=self.device)  # (B', 1): each row's own last token
-                    step = self._batch_step(DECODE, index, last, None)
-                    yield TokenStep(step, sum(len(o) for o in self._outputs), limit * len(ids))
-                    index += 1
-            self._stop_reason = self._last_reason()
-        except KeyboardInterrupt:
-            self._stop_reason = STOP_INTERRUPTED
+            with torch.no_grad():
+                self.model.prefill(tokens, pad)
+                self.model.decode_one(tokens[:, -1:])  # (N, 1)
         finally:
-            if fused is not None:
-                self.model.use_fused = fused
-        yield Finished(self.trace())
+            self.model.reset_cache()
+        if self._sync is not None:
+            self._sync()
+
+    def _request(self) -> Request:
+        return Request(batch=len(self._records), staged=self.settings.staged, tracer=self._tracer,
+                       sampler=self._samplers[0], on_cpu=self._on_cpu)
+
+    def _steps_of(self, prompt: tuple[torch.Tensor, list[int] | None], rope: RopeRecord,
+                  limit: int) -> Iterator[Any]:
+        """The batched prefill, then a step of every active row until the last sequence finishes."""
+        tokens, pad = prompt
+        self._active = list(range(tokens.shape[0]))
+        step = self._batch_step(PREFILL, 0, tokens, pad)
+        yield PrefillDone(step, self._tracer.records(), rope, limit)
+        index = 1
+        while self._active:
+            last = torch.tensor([[self._outputs[q][-1]] for q in self._active], dtype=torch.long,
+                                device=self.device)  # (B', 1): each row's own last token
+            step = self._batch_step(DECODE, index, last, None)
+            yield TokenStep(step, sum(len(o) for o in self._outputs), limit * tokens.shape[0])
+            index += 1
+        self._stop_reason = self._last_reason()
 
     def _last_reason(self) -> str:
         """The batch ran until its last sequence finished: that one's reason (ties: the most common)."""
@@ -148,17 +151,8 @@ class BatchGeneration(Generation):
 
     def _batch_step(self, phase: str, index: int, tokens: torch.Tensor, pad: list[int] | None) -> StepRecord:
         """One forward of every active row, each row's sample and text, then the finished rows leave the batch."""
-        sync = self._sync
         rows_in = len(self._active)
-        self._tracer.begin_step(phase, index)
-        if sync is not None:
-            sync()
-        start = time.perf_counter_ns()
-        logits = self.model.prefill(tokens, pad) if phase == PREFILL else self.model.decode_one(tokens)  # (B', V)
-        if sync is not None:
-            sync()
-        forward_end = time.perf_counter_ns()
-        self._tracer.end_step()
+        logits, start, forward_end = self._forward(phase, index, tokens, pad)  # (B', V)
         if not bool(torch.isfinite(logits).any(dim=-1).all()) or bool(torch.isnan(logits).any()):
             raise CheckpointError(
                 f"the model's logits at {phase} step {index} are not finite (NaN or all -inf); its weights or "

@@ -175,7 +175,7 @@ class Generation:
         self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)
         self._run_ahead = run_ahead
         self._run_ahead_calls: list[int] = []  # the decode steps recorded of each C call, when they ran ahead
-        self._selection = Selection(None)  # the backend of the run's steps (`_select`, once everything is attached)
+        self._selection = Selection(None)  # the backend of the run's steps (`select`, once everything is attached)
         self._native: NativeBackend | None = None  # the native backend running ahead, when the route takes it
 
     def events(self) -> Iterator[Event]:
@@ -200,40 +200,36 @@ class Generation:
             self._observer.remove()
 
     def _run(self) -> Iterator[Event]:
+        """The loop of a run, one sequence or a batch (BatchGeneration: its own prompt, cache, warm-up and steps):
+        the prompt, the cache, the warm-up, then the steps on the backend `select` chose, traced."""
         # Tokenization and context checks come first: a bad prompt fails before any hook is attached.
-        ids = self._tokenize()
-        limit = self._new_token_limit(len(ids))
-        yield Tokenized(self._tokenization, len(ids))
+        prompt, limit = yield from self._prompt()
         fused = getattr(self.model, "use_fused", None)
         staged_native = getattr(self.model, "staged_native", None)
         if self.settings.staged and fused is not None:
             self.model.use_fused = False  # stage by stage, warm-up and all, traced or not
-            if staged_native is not None:  # one-token steps as the native step's stages apart, where it can
-                self.model.staged_native = True
+            if staged_native is not None and self.settings.batch == 1:  # one-token steps of one sequence as the
+                self.model.staged_native = True  # native step's stages apart, where it can
         try:
-            self.model.setup_cache(1, len(ids) + limit)
-            self._kv_allocated = int(self.model.kv_allocated_bytes)  # fixed until the next setup_cache
+            self._set_up_cache(prompt, limit)
             if self._observer is not None:
                 self._observer.attach()  # before the warm-up and the tracer: the path they take is the observed one
             if self.settings.warmup and not self.dry_run:
-                self._warm_up(ids)
+                self._warm_up(prompt)
                 if self._observer is not None:
                     self._observer.take()  # the warm-up's rows are not a step's
-            rope = self._rope = _rope_record(self.config, len(ids))
+            rope = self._rope = _rope_record(self.config, self._prompt_length(prompt))
             with self._tracer:
-                self._selection = self._select()
+                self._selection = select(self.model, self._request())
                 self._native = NativeBackend(self.model)
                 self._staged_decode = staged_record(self.settings, self._selection.route)
-                if self.dry_run:
-                    yield from self._dry_run(ids, rope, limit)
-                else:
-                    yield from self._generate(ids, rope, limit)
+                yield from self._steps_of(prompt, rope, limit)
         except KeyboardInterrupt:
             self._stop_reason = STOP_INTERRUPTED
         else:
             if self.settings.no_kv_cache and not self.dry_run and self._steps:
                 try:
-                    yield from self._replay_without_cache(ids)
+                    yield from self._replay_without_cache(prompt)
                 except KeyboardInterrupt:
                     pass  # the generation itself finished; the replay keeps the steps it completed
         finally:
@@ -245,12 +241,31 @@ class Generation:
                 self._observer.remove()
         yield Finished(self.trace())
 
-    def _select(self) -> Selection:
-        """The backend of this run's steps (tracer/run/select.py), asked with the observers and the tracer attached,
+    # ---- the parts a batch does its own way (BatchGeneration) ------------------------------------------------
+
+    def _prompt(self) -> Iterator[Event]:
+        """The prompt's ids (the Tokenized event first) and the most tokens the run may generate."""
+        ids = self._tokenize()
+        limit = self._new_token_limit(len(ids))
+        yield Tokenized(self._tokenization, len(ids))
+        return ids, limit
+
+    def _set_up_cache(self, ids: list[int], limit: int) -> None:
+        self.model.setup_cache(1, len(ids) + limit)
+        self._kv_allocated = int(self.model.kv_allocated_bytes)  # fixed until the next setup_cache
+
+    @staticmethod
+    def _prompt_length(ids: list[int]) -> int:
+        return len(ids)
+
+    def _request(self) -> Request:
+        """What the run asks of the backend (tracer/run/select.py), asked with the observers and the tracer attached,
         as the steps will run."""
-        request = Request(batch=1, staged=self.settings.staged, observed=self._observer is not None,
-                          tracer=self._tracer, sampler=self.sampler, run_ahead=self._run_ahead, on_cpu=self._on_cpu)
-        return select(self.model, request)
+        return Request(batch=1, staged=self.settings.staged, observed=self._observer is not None,
+                       tracer=self._tracer, sampler=self.sampler, run_ahead=self._run_ahead, on_cpu=self._on_cpu)
+
+    def _steps_of(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
+        return self._dry_run(ids, rope, limit) if self.dry_run else self._generate(ids, rope, limit)
 
     def _replay_without_cache(self, ids: list[int]) -> Iterator[NoCacheProgress]:
         """The generated tokens again without a KV cache (tracer/run/no_cache.py), traced the same way."""
@@ -400,19 +415,24 @@ class Generation:
         check_prompt_fits(self.config, prompt_len)
         return new_token_limit(self.settings.max_new_tokens, self.config.max_seq_len, prompt_len)
 
-    def _step(self, phase: str, index: int, ids: list[int]) -> StepRecord:
-        """One forward (prefill or decode_one), the sample from its logits, the text it adds."""
-        tokens = self._token_tensor(ids)  # (1, T)
+    def _forward(self, phase: str, index: int, tokens: torch.Tensor,
+                 pad: list[int] | None = None) -> tuple[torch.Tensor, int, int]:
+        """One traced forward of tokens (B, T), prefill or decode_one: the logits (B, V), its start and end."""
         sync = self._sync
         self._tracer.begin_step(phase, index)
         if sync is not None:
             sync()
         start = time.perf_counter_ns()
-        logits = self.model.prefill(tokens) if phase == PREFILL else self.model.decode_one(tokens)  # (1, V)
+        logits = self.model.prefill(tokens, pad) if phase == PREFILL else self.model.decode_one(tokens)  # (B, V)
         if sync is not None:
             sync()
         forward_end = time.perf_counter_ns()
         self._tracer.end_step()
+        return logits, start, forward_end
+
+    def _step(self, phase: str, index: int, ids: list[int]) -> StepRecord:
+        """One forward (prefill or decode_one), the sample from its logits, the text it adds."""
+        logits, start, forward_end = self._forward(phase, index, self._token_tensor(ids))  # (1, V)
         result = None
         sample_end = forward_end
         if not self.dry_run:
