@@ -33,8 +33,10 @@ from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.native_backend import NativeBackend
+from llmtrace.tracer.run.prompt_ids import prompt_ids
+from llmtrace.tracer.run.token_pieces import TokenPieces
 from llmtrace.tracer.run.no_cache import NoCacheProgress, no_cache_run, replay_without_cache
-from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, float32_numpy
+from llmtrace.tracer.run.sampling import NonFiniteLogitsError, SampleResult, float32_numpy
 from llmtrace.tracer.run.sampling_lesson import sampling_lesson
 from llmtrace.tracer.run.select import Request, Selection, select
 from llmtrace.tracer.trace.attention_view import attention_step
@@ -46,7 +48,6 @@ from llmtrace.tracer.trace.observe import Observer
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
-    CandidateRecord,
     EnvironmentInfo,
     ModelInfo,
     NATIVE,
@@ -158,7 +159,8 @@ class Generation:
         self._rope: RopeRecord | None = None
         self._generated: list[int] = []
         self._stream: TextStream | None = None  # made on the first generated token (dry runs have no tokenizer)
-        self._pieces: dict[int, str] = {}  # display pieces looked up so far (_piece)
+        self._pieces = TokenPieces(self.tokenizer)  # display pieces and candidate records
+        self._piece = self._pieces.piece  # a token's display piece, looked up once a run
         self._decode_ids: np.ndarray | None = None  # a decode step's input id on the CPU (_token_tensor) ...
         self._decode_tensor: torch.Tensor | None = None  # ... and the (1, 1) tensor over it
         self._kv_allocated: int | None = None  # the cache's allocated bytes, read once it is set up
@@ -382,33 +384,10 @@ class Generation:
     def _tokenize(self, prompt: str | None = None) -> list[int]:
         """The ids of `prompt` (default: the run's), recorded as this run's TokenizationRecord."""
         prompt = self.settings.prompt if prompt is None else prompt
-        if self.tokenizer is None:
-            if not self.dry_run:
-                raise BadArgumentError("this model has no tokenizer; pass a model folder or .gguf with one")
-            count = self.settings.prompt_tokens or max(1, len(prompt))
-            self._new_token_limit(count)  # refuses a length past the context before a list of it is made
-            return [0] * count
-        start = time.perf_counter_ns()
-        text = prompt
-        if self.settings.chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise BadArgumentError("this model has no chat template; run without --chat")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = list(self.tokenizer.encode(text))
-        pieces = tuple(self.tokenizer.piece(i) for i in ids)
-        end = time.perf_counter_ns()
-        if not ids:
-            raise BadArgumentError("the prompt is empty after tokenization; give some text")
-        outside = [i for i in ids if not 0 <= i < self.config.vocab_size]
-        if outside:
-            raise CheckpointError(
-                f"the tokenizer gave token id {outside[0]}, outside the model's vocabulary of "
-                f"{self.config.vocab_size}; the tokenizer (its bos/eos ids) does not belong to these weights")
-        self._tokenization = TokenizationRecord(
-            text=prompt, model_text=text, pieces=pieces, ids=tuple(ids),
-            add_bos=bool(ids and ids[0] == getattr(self.tokenizer, "bos_id", None)),
-            start_ns=start - self.origin_ns, duration_ns=end - start,
-        )
+        ids, record = prompt_ids(self.tokenizer, self.config, self.settings, prompt, self.origin_ns,
+                                 self._new_token_limit)
+        if record is not None:
+            self._tokenization = record
         return ids
 
     def _new_token_limit(self, prompt_len: int) -> int:
@@ -472,7 +451,7 @@ class Generation:
             probability = float(result.probability)
             greedy = self.settings.temperature == 0
             filters = _active_filters(result)
-            candidates = tuple(self._candidate(c) for c in result.candidates)
+            candidates = tuple(map(self._pieces.candidate, result.candidates))
             sampling = _sampling_record(result)
         record = StepRecord(
             phase=phase, step=index, input_tokens=inputs, context_length=context_length,
@@ -528,25 +507,6 @@ class Generation:
         if self._stream is None:
             self._stream = TextStream(self.tokenizer, getattr(self.tokenizer, "eos_id", None))
         return self._stream.add(token_id)
-
-    def _piece(self, token_id: int) -> str:
-        """The token's display piece, looked up once a run: a step's record shows its token and ten candidates, and
-        the tokenizer rebuilds a byte-level piece from its bytes on every call (~8 us each)."""
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._pieces[token_id] = self.tokenizer.piece(token_id)
-        return piece
-
-    def _candidate(self, c: Any) -> CandidateRecord:
-        if type(c) is Candidate:  # the Sampler's own: plain Python values already (a step makes ten of these)
-            return CandidateRecord(c.token_id, self._piece(c.token_id), c.logit, c.logit_penalized, c.prob_raw,
-                                   c.prob_tempered, c.kept_top_k, c.kept_top_p, c.kept_min_p, c.prob_final)
-        return CandidateRecord(
-            token_id=int(c.token_id), piece=self._piece(int(c.token_id)), logit=float(c.logit),
-            logit_penalized=float(getattr(c, "logit_penalized", c.logit)),
-            prob_raw=float(c.prob_raw), prob_tempered=float(c.prob_tempered), kept_top_k=bool(c.kept_top_k),
-            kept_top_p=bool(c.kept_top_p), kept_min_p=bool(c.kept_min_p), prob_final=float(c.prob_final),
-        )
 
     # ---- the result -----------------------------------------------------------------------------------------
 
