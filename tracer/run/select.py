@@ -78,9 +78,12 @@ def _packed_reason(model: Any, request: Request) -> str:
 
 def _native_reason(model: Any, request: Request, packed_off: str) -> str:
     """"" when an untraced or C-stamped one-token step runs as the native decode step, else why not."""
-    if request.batch != 1:
-        return f"a batch of {request.batch} sequences (the native decode step runs one)"
     why = getattr(model, "native_decode_reason", None)
+    if request.batch != 1:
+        # a row left alone once the others finished (unpadded) runs as one sequence: on the C step, when there is one
+        alone = why is not None and not packed_off and not why()
+        return (f"a batch of {request.batch} sequences (the native decode step runs one"
+                + ("; it may step a last row left alone)" if alone else ")"))
     if why is None:
         return "this model has no native decode step"
     if packed_off:  # the native step stands in for the packed path: what stops that stops it
