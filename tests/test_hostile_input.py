@@ -284,7 +284,7 @@ def _show(doc: Any, tmp_path: Path) -> Any:
 
 def test_a_stage_without_shapes_is_refused_on_reading(saved_trace: dict[str, Any], tmp_path: Path) -> None:
     for key in ("input_shapes", "output_shapes"):
-        result = _show(_replace(saved_trace, ("stages", 3, key), []), tmp_path)
+        result = _show(_replace(saved_trace, ("stage_work", 3, key), []), tmp_path)
         _one_line_exit_2(result, "at least one shape", "does not match the schema")
 
 

@@ -234,8 +234,9 @@ def test_run_traces_a_windowed_model(staged: bool, mistral_folder: Path, tmp_pat
     assert "sliding window 8" in result.output
     trace = json.loads(out.read_text())
     assert trace["config"]["sliding_window"] == WINDOW
-    scores = [r for r in trace["stages"] if r["phase"] == "decode" and r["stage"].endswith("attention.scores")
-              and r["step"] == 19]
+    work = trace["stage_work"]  # the stage rows index it: [work, step, layer, start_ns, duration_ns]
+    scores = [work[w] for w, step, *_ in trace["stages"] if work[w]["phase"] == "decode"
+              and work[w]["stage"].endswith("attention.scores") and step == 19]
     assert scores and all(r["kv_bytes_read"] == 2 * WINDOW * 16 * 4 for r in scores)  # Hkv 2, D 16, fp32
 
 

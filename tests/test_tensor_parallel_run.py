@@ -80,9 +80,11 @@ def test_the_trace_json_validates_and_reads_back(tp2_trace: Trace) -> None:
     assert Trace.from_json(tp2_trace.to_json()) == tp2_trace
     # every stage record names its rank, the base rank's own too (issue 28: they read null, so per-rank shares
     # came out as {null: 0.5, 1: 0.5})
-    ranks = [s["rank"] for s in data["stages"]] + [s["rank"] for r in data["rank_stages"] for s in r["stages"]]
+    work = data["stage_work"]  # the stage rows index it: [work, step, layer, start_ns, duration_ns]
+    ranks = [work[row[0]]["rank"] for row in data["stages"]] + [
+        work[row[0]]["rank"] for r in data["rank_stages"] for row in r["stages"]]
     assert sorted(set(ranks)) == [0, 1] and ranks.count(0) == ranks.count(1) == len(data["stages"])
-    assert all(s["rank"] == r["rank"] for r in data["rank_stages"] for s in r["stages"])
+    assert all(work[row[0]]["rank"] == r["rank"] for r in data["rank_stages"] for row in r["stages"])
 
 
 def test_chrome_trace_has_a_track_per_rank_with_its_all_reduces(tp2_trace: Trace) -> None:

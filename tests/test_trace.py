@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -38,12 +39,12 @@ def test_json_validates_against_the_schema(trace: Trace) -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     jsonschema.validate(json.loads(trace.to_json()), schema)
     broken = json.loads(trace.to_json())
-    broken["stages"][0]["kind"] = "teleport"
+    broken["stage_work"][0]["kind"] = "teleport"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
 
 
-LATER_FIELDS = {"StageRecord": {"weight_format"}}
+LATER_FIELDS = {"StageWork": {"weight_format"}}
 
 
 def test_schema_lists_every_record_field(trace: Trace) -> None:
@@ -60,7 +61,7 @@ def test_schema_lists_every_record_field(trace: Trace) -> None:
     assert set(schema["$defs"]["SamplingLesson"]["required"]) == set(lesson)
     assert set(schema["$defs"]["LessonColumn"]["required"]) == set(lesson["columns"][0])
     assert set(schema["$defs"]["LessonToken"]["required"]) == set(lesson["tokens"][0])
-    for key, definition in (("stages", "StageRecord"), ("steps", "StepRecord")):
+    for key, definition in (("stage_work", "StageWork"), ("steps", "StepRecord")):
         # fields added later are written always but not required, so older traces still validate
         assert set(schema["$defs"][definition]["required"]) | LATER_FIELDS.get(definition, set()) == set(data[key][0])
         assert LATER_FIELDS.get(definition, set()) <= set(schema["$defs"][definition]["properties"])
@@ -87,8 +88,10 @@ def test_traces_written_before_the_newer_settings_still_load(trace: Trace) -> No
 def test_indented_json_is_the_same_document_with_one_line_per_stage(trace: Trace) -> None:
     text = trace.to_json(indent=1)
     assert json.loads(text) == json.loads(trace.to_json()) == trace.to_dict()
-    stage_lines = [line for line in text.splitlines() if line.lstrip().startswith('{"phase": ')]
-    assert len(stage_lines) == len(trace.stages) > 100
+    work_lines = [line for line in text.splitlines() if line.lstrip().startswith('{"phase": ')]
+    assert len(work_lines) == len(json.loads(text)["stage_work"]) > 10
+    row_lines = [line for line in text.splitlines() if re.fullmatch(r" {2}\[\d+, \d+, (\d+|null), \d+, \d+\],?", line)]
+    assert len(row_lines) == len(trace.stages) > 100
     assert Trace.from_json(text) == trace
 
 

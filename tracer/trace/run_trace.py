@@ -1,7 +1,8 @@
 """A traced run as one value: its records, settings, model config, environment and generated text.
 
 `Trace.to_json()` writes the schema in tracer/trace/trace_schema.json (every record is `asdict()` of a frozen
-dataclass, tuples as lists; stage records one line each); `Trace.from_json()` reads it back into equal records.
+dataclass, tuples as lists, but the stage records: a table, tracer/trace/stage_table.py, one line a row);
+`Trace.from_json()` reads it back into equal records, and reads version 1's whole stage records too.
 The Chrome / Perfetto view of a Trace is tracer/trace/chrome.py's `chrome_trace(trace)`, which reads a Trace
 (never the other way round: a Trace knows nothing of its views).
 """
@@ -50,6 +51,7 @@ from llmtrace.tracer.trace.records import (
     StepTotals,
     TokenizationRecord,
 )
+from llmtrace.tracer.trace.stage_table import StageTable, read_rows
 from llmtrace.tracer.trace.tp_records import (
     CollectiveRecord,
     LinkMeasurement,
@@ -59,7 +61,9 @@ from llmtrace.tracer.trace.tp_records import (
 )
 
 SCHEMA_NAME = "llmtrace.trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1: each stage record written whole (before the stage table of tracer/trace/stage_table.py); still read
+READABLE_VERSIONS = (1, 2)
 SCHEMA_PATH = Path(__file__).with_name("trace_schema.json")
 
 # Why the generation stopped.
@@ -156,11 +160,19 @@ class Trace:
             out["summary"] = _plain(summary)  # first: the headline, before the records it sums
         if repeat is not None:
             out["repeat"] = _plain(repeat)
+        table = StageTable()
         for f in fields(self):
             value = getattr(self, f.name)
             if (f.name in _OMITTED_WHEN_EMPTY and not value) or (f.name in _OMITTED_WHEN_NONE and value is None):
                 continue  # optional (schema): absent reads as before
-            out[f.name] = [_stage_dict(s) for s in value] if f.name == "stages" else _plain(value)
+            if f.name == "stages":
+                out["stage_work"] = table.work  # filled by these rows and the other ranks' below
+                out["stages"] = table.rows(value)
+            elif f.name == "rank_stages":
+                out[f.name] = [{"rank": r.rank, "steps": _plain(r.steps), "stages": table.rows(r.stages)}
+                               for r in value]
+            else:
+                out[f.name] = _plain(value)
         if self.batch is None:  # a one-sequence run's steps and settings read exactly as before --batch existed
             for step in out["steps"]:
                 for name in _BATCH_STEP_FIELDS:
@@ -170,29 +182,42 @@ class Trace:
         return out
 
     def to_json(self, indent: int | None = None, summary: Any = None, repeat: Any = None) -> str:
-        """The trace as JSON. With `indent`, the stage records (423 per step on the default model: hundreds of
-        thousands in a long run) are written one compact line each, through json's C encoder, which indented
-        output cannot use; everything else is indented."""
+        """The trace as JSON. With `indent`, the stage rows and work entries (423 rows per step on the default
+        model: hundreds of thousands in a long run) are written one compact line each, through json's C encoder,
+        which indented output cannot use; everything else is indented."""
         data = self.to_dict(summary, repeat)
         if indent is None:
             return json.dumps(data, ensure_ascii=False)
-        stages = data["stages"]
-        placeholder = data["stages"] = f"stages-{uuid.uuid4().hex}"  # unique: no prompt or text can hold it
+        lists: dict[str, tuple[list[Any], int]] = {}  # placeholder: (items, depth), written one line an item
+
+        def one_line_each(holder: dict[str, Any], key: str, depth: int) -> None:
+            placeholder = f"list-{uuid.uuid4().hex}"  # unique: no prompt or text can hold it
+            lists[placeholder] = (holder[key], depth)
+            holder[key] = placeholder
+
+        one_line_each(data, "stage_work", 1)
+        one_line_each(data, "stages", 1)
+        for rank in data.get("rank_stages", ()):
+            one_line_each(rank, "stages", 3)
         text = json.dumps(data, ensure_ascii=False, indent=indent)
-        pad = " " * indent
-        lines = ",\n".join(f"{pad * 2}{json.dumps(s, ensure_ascii=False)}" for s in stages)
-        return text.replace(f'"{placeholder}"', f"[\n{lines}\n{pad}]" if stages else "[]", 1)
+        for placeholder, (items, depth) in lists.items():
+            pad = " " * indent * depth
+            lines = ",\n".join(f"{pad}{' ' * indent}{json.dumps(i, ensure_ascii=False)}" for i in items)
+            text = text.replace(f'"{placeholder}"', f"[\n{lines}\n{pad}]" if items else "[]", 1)
+        return text
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Trace":
         if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME:
             raise FileFormatError(f"not an llmtrace trace (missing \"schema\": \"{SCHEMA_NAME}\")")
-        if data.get("schema_version") != SCHEMA_VERSION:
+        version = data.get("schema_version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise FileFormatError(
-                f"trace schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; "
-                "re-record it with this llmtrace"
+                f"trace schema version {version!r} is not one this llmtrace reads "
+                f"({', '.join(map(str, READABLE_VERSIONS))}); re-record it with this llmtrace"
             )
         try:
+            stages = _stage_reader(data, version)
             return _check_rows(cls(
                 settings=_settings(data["settings"]),
                 config=_config(data["config"]),
@@ -200,7 +225,7 @@ class Trace:
                 model=_build(ModelInfo, data["model"]),
                 tokenization=_optional(_tokenization, data["tokenization"]),
                 rope=_optional(_rope, data["rope"]),
-                stages=tuple(_stage(s) for s in _list(data["stages"])),
+                stages=stages(data["stages"]),
                 steps=tuple(_step(s) for s in _list(data["steps"])),
                 generated_ids=_typed(tuple, data["generated_ids"], "generated_ids", _TUPLES["tuple[int, ...]"]),
                 generated_text=_typed(str, data["generated_text"], "generated_text", _SCALARS["str"]),
@@ -218,7 +243,7 @@ class Trace:
                 kernels=_optional(_kernels, data.get("kernels")),
                 tensor_parallel=_optional(_tensor_parallel, data.get("tensor_parallel")),
                 collectives=tuple(read_collective(c) for c in _list(data.get("collectives", []))),
-                rank_stages=tuple(_rank_stages(r) for r in _list(data.get("rank_stages", []))),
+                rank_stages=tuple(_rank_stages(r, stages) for r in _list(data.get("rank_stages", []))),
                 staged_decode=_optional(lambda d: _build(StagedDecode, d), data.get("staged_decode")),
                 run_ahead=_optional(lambda d: _build(RunAhead, d), data.get("run_ahead")),
                 route=_optional(_route, data.get("route")),
@@ -247,22 +272,10 @@ def load_schema() -> dict[str, Any]:
 R = TypeVar("R")
 
 
-_STAGE_FIELDS = tuple(f.name for f in fields(StageRecord))
 _BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
 _BATCH_SETTINGS = ("batch", "batch_prompts")
 _OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode", "run_ahead", "route"})
 _OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages"})
-_SHAPE_FIELDS = ("input_shapes", "output_shapes")
-
-
-def _stage_dict(stage: StageRecord) -> dict[str, Any]:
-    """asdict() of one stage record, without its recursive copying (this runs once per stage call)."""
-    out = {name: getattr(stage, name) for name in _STAGE_FIELDS}
-    for name in _SHAPE_FIELDS:
-        out[name] = [list(shape) for shape in out[name]]
-    if out["rank"] is None:  # one device: no rank, and the record reads as before --tp existed
-        del out["rank"]
-    return out
 
 
 def _plain(value: Any) -> Any:
@@ -497,9 +510,21 @@ def _tensor_parallel(d: dict[str, Any]) -> TensorParallelRun:
                                       "link": None if link is None else read_link(link)})
 
 
-def _rank_stages(d: dict[str, Any]) -> RankStages:
+def _stage_reader(data: dict[str, Any], version: int) -> Callable[[Any], tuple[StageRecord, ...]]:
+    """How this version's `stages` lists read: whole records (1) or rows of the stage table (2)."""
+    if version == 1:
+        return lambda raw: tuple(_stage(s) for s in _list(raw))
+    work = data["stage_work"]
+    if not isinstance(work, list):
+        raise TypeError(f"stage_work must be a list, got {type(work).__name__}")
+    return lambda raw: read_rows(raw, work, _stage)
+
+
+def _rank_stages(d: dict[str, Any], stages: Callable[[Any], tuple[StageRecord, ...]]) -> RankStages:
+    if not isinstance(d, dict):
+        raise TypeError(f"RankStages must be a JSON object, got {type(d).__name__}")
     return _build(RankStages, {**d, "steps": tuple(_build(RankStep, s) for s in _list(d["steps"])),
-                               "stages": tuple(_stage(s) for s in _list(d["stages"]))})
+                               "stages": stages(d["stages"])})
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:
