@@ -6,7 +6,9 @@ sample_prompts/), greedy, whose every clock reading is then replaced by a fixed,
 fixed description), so that the rendered output is the same on every machine and every run. The shapes, FLOPs,
 bytes, tokens and probabilities are the real ones.
 
-Run once, when the trace schema or the tiny model changes (then regenerate the goldens, see test_golden.py):
+The committed fixtures are trace schema version 1 (whole stage records), which keeps the reader of version 1
+tested; this script writes the current version. Run once, when the trace schema or the tiny model changes (then
+regenerate the goldens, see test_golden.py, and keep a version-1 trace among the tests):
 
     .venv/bin/python tests/golden/make_trace_fixture.py
 """
@@ -85,12 +87,13 @@ def fix_timings(data: dict) -> dict:
     clock = 1_000_000  # set-up (cache, warm-up) before the prefill
     for step in data["steps"]:
         step["start_ns"] = clock
-        stages = [s for s in data["stages"] if s["phase"] == step["phase"] and s["step"] == step["step"]]
+        work = data["stage_work"]  # a row: [work, step, layer, start_ns, duration_ns]
+        stages = [s for s in data["stages"] if work[s[0]]["phase"] == step["phase"] and s[1] == step["step"]]
         t = clock
         for k, stage in enumerate(stages):
-            stage["start_ns"] = t
-            stage["duration_ns"] = 1_000 * (1 + k % 5) * (step["input_tokens"] if step["phase"] == "prefill" else 1)
-            t += stage["duration_ns"]
+            stage[3] = t
+            stage[4] = 1_000 * (1 + k % 5) * (step["input_tokens"] if step["phase"] == "prefill" else 1)
+            t += stage[4]
         step["forward_ns"] = t - clock + 20_000
         step["sample_ns"] = 30_000
         step["detokenize_ns"] = 4_000
