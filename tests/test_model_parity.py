@@ -395,28 +395,23 @@ def test_fused_path_rounds_like_the_stage_by_stage_path_in_half_precision(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", ["gqa-tied", "mqa-untied", "head-dim-24", "biased"])
 @torch.no_grad()
-def test_the_one_token_step_equals_the_general_fused_step_bit_for_bit(
-        make_tiny_llama: Callable[..., Path], variant: str, dtype: torch.dtype,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step of one sequence takes FusedPlan._decode_one (every layer's cache views made at once, the layers'
-    one-token method); the general fused step runs the same products and elementwise ops, so logits and every cache
-    entry agree bit for bit, in every dtype (and so does the stage-by-stage path, which the general one matches)."""
-    from llmtrace.tracer.model.fused import FusedPlan
-
+def test_the_step_on_shared_cache_views_equals_the_step_on_each_layers_cache_bit_for_bit(
+        make_tiny_llama: Callable[..., Path], variant: str, dtype: torch.dtype) -> None:
+    """A fused step takes every layer's cache rows from the one tensor all layers' caches share (FusedPlan.kv_all: a
+    few views for all layers, as the deleted one-token copy of the layer did); without it, from each layer's cache.
+    The same products and elementwise ops run either way, so logits and every cache entry agree bit for bit, in every
+    dtype, for the prefill and the one-token steps alike (both run the one FusedLayer.forward)."""
     model = ours_from_folder(make_tiny_llama(variant, seed=len(variant), **VARIANTS[variant])).to(dtype)
     ids = tokens(model.config.vocab_size, 1, 9, seed=5)
-    taken = []
-    one_token = FusedPlan._decode_one
-    monkeypatch.setattr(FusedPlan, "_decode_one", lambda plan, *a: taken.append(1) or one_token(plan, *a))
     runs = []
-    for general in (False, True):
+    for per_layer in (False, True):
         model.setup_cache(1, 16)
-        if general:
-            model._fused_plan.kv_rows = None  # no shared cache views: the general step
+        assert model._fused_plan.kv_all is not None
+        if per_layer:
+            model._fused_plan.kv_all = None  # no shared cache views: each layer's cache sliced on its own
         logits = [model.prefill(ids)]
         for _ in range(5):
             logits.append(model.decode_one(logits[-1].argmax(-1, keepdim=True)))
         runs.append((torch.stack(logits), model._kv_all[:, :, :, :14].clone()))
-    assert len(taken) == 5  # the first run's decode steps, not the general run's
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert model.layers[-1].attention.kv_cache.length == 14 and model.kv_live_bytes == runs[0][1][:, 0].nbytes

@@ -1,5 +1,7 @@
-"""Stateless numerics shared by the model's stage modules and its fused path: both call these, so both round the
-same way (the way HF transformers' eager LlamaForCausalLM does)."""
+"""The layer's math, written once: the stage modules (tracer/model/transformer.py: the model and its hook points)
+and the packed path (tracer/model/fused.py: the same stages on Q|K|V and gate|up packed, no hooks) both call these,
+so both round the same way (the way HF transformers' eager LlamaForCausalLM does). Shapes as in transformer.py's
+legend; G = B*Hkv groups of R query heads sharing a KV head."""
 
 from __future__ import annotations
 
@@ -66,19 +68,50 @@ def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Te
     return F.linear(x, weight, bias)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE: x (..., D) rotated by the angles whose cos and signed sin (rope.rope_tables: the first half negated)
+    broadcast against it, as x * cos + roll(x, D/2) * sin (HF's rotate_half in three ops); into `out` when given
+    (the packed path rotates q and k together, in place)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin, out=out)
+
+
 def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, one_query: bool) -> torch.Tensor:
     """q (G, R*T, D) · k (G, S, D)ᵀ, times `scale` after the product -> (G, R*T, S) in q's dtype (G = B*Hkv groups
     of R query heads sharing a KV head). For one query token in half precision the product runs in fp32 and is
     rounded once, after the scaling: a half-precision bmm this small takes oneDNN's slow path on CPU (~3x fp32)."""
-    return attention_scores_t(q, k.transpose(1, 2), scale, one_query)
-
-
-def attention_scores_t(q: torch.Tensor, k_t: torch.Tensor, scale: float, one_query: bool) -> torch.Tensor:
-    """attention_scores with the keys already transposed: k_t (G, D, S) (the fused path's one-token step makes
-    every layer's in one op)."""
+    k_t = k.transpose(1, 2)  # (G, D, S)
     if one_query and q.dtype != torch.float32:
         return torch.bmm(q.float(), k_t.float()).mul_(scale).to(q.dtype)  # (G, R, S)
     return torch.bmm(q, k_t).mul_(scale)  # (G, R*T, S)
+
+
+def grouped_scores(q: torch.Tensor, k_all: torch.Tensor, scale: float,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, T, D) · k_all (B, Hkv, S, D) -> scores (B, H, T, S), scaled, -inf where `mask` (broadcast to
+    (B, H, T, S): causal_mask's (T, S), a pad mask's (B, 1, T, S)) is True. GQA without copying K: the R query heads
+    of each KV head are the rows of one product (attention_scores)."""
+    batch, heads, new, head_dim = q.shape
+    kv_heads, seen = k_all.shape[1], k_all.shape[2]
+    groups = batch * kv_heads
+    q_grouped = q.reshape(groups, heads // kv_heads * new, head_dim)  # (B*Hkv, R*T, D)
+    scores = attention_scores(q_grouped, k_all.reshape(groups, seen, head_dim), scale, new == 1)  # (B*Hkv, R*T, S)
+    return masked(scores.view(batch, heads, new, seen), mask)  # (B, H, T, S)
+
+
+def masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """scores (B, H, T, S) with -inf, in place, where `mask` is True (exp(-inf) = 0: a hidden key adds nothing)."""
+    return scores if mask is None else scores.masked_fill_(mask, float("-inf"))
+
+
+def grouped_values(probs: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+    """probs (B, H, T, S) · v_all (B, Hkv, S, D) -> (B, H, T, D): the attention-weighted sum of values, the R query
+    heads of each KV head as the rows of one product (attention_values)."""
+    batch, heads, new, seen = probs.shape
+    kv_heads, head_dim = v_all.shape[1], v_all.shape[3]
+    groups = batch * kv_heads
+    probs_grouped = probs.reshape(groups, heads // kv_heads * new, seen)  # (B*Hkv, R*T, S)
+    out = attention_values(probs_grouped, v_all.reshape(groups, seen, head_dim), new == 1)  # (B*Hkv, R*T, D)
+    return out.view(batch, heads, new, head_dim)  # (B, H, T, D)
 
 
 def attention_values(probs: torch.Tensor, v: torch.Tensor, one_query: bool) -> torch.Tensor:
@@ -99,8 +132,24 @@ def causal_mask(new: int, seen: int, device: torch.device, window: int | None = 
     return hidden
 
 
+def step_mask(new: int, seen: int, device: torch.device, window: int | None = None,
+              pad_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """What a step of `new` tokens hides from its queries among the `seen` keys: causal_mask (T, S) when there is more
+    than one new token, or'd with `pad_mask` (B, 1, T, S: left pads hidden from real queries) when given; None when
+    nothing is hidden (one new token, no pads)."""
+    mask = causal_mask(new, seen, device, window) if new > 1 else None  # (T, S)
+    if pad_mask is not None:
+        mask = pad_mask if mask is None else pad_mask | mask  # (B, 1, T, S)
+    return mask
+
+
 def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over the last axis computed in fp32, returned in the scores' dtype."""
     if scores.dtype == torch.float32:
         return torch.softmax(scores, dim=-1)
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, elementwise: the SwiGLU FFN's activation (the product is taken into silu's new tensor)."""
+    return F.silu(gate).mul_(up)

@@ -1,13 +1,14 @@
-"""The model's fused path: the same math as the stage modules, rounded the same way, in fewer tensor operations.
+"""The model's fused (packed) path: the stage modules' layer on packed weights, without hooks.
 
 Decode on a CPU is a stream of small operations between weight-streaming matrix-vector products, and each small
 operation after a product that has flushed the caches costs several microseconds; per-token time is mostly
-their count. So when nothing watches the stage modules, `Transformer.prefill`/`decode_one` run this instead:
-- wq|wk|wv and w1|w3 (and their biases) are packed as row blocks of one tensor each (the parameters become views
+their count. So when nothing watches the stage modules, `Transformer.prefill`/`decode_one` run this instead. The
+math is the stage modules' own (tracer/model/functional.py: both call it); this path differs only in
+- wq|wk|wv and w1|w3 (and their biases) packed as row blocks of one tensor each (the parameters become views
   of it: no extra memory), so Q, K, V come from one product and gate, up from another;
-- q and k are rotated together, in place;
-- K and V reach the cache in one copy (the cache keeps them in one buffer);
-- no nn.Module calls: the stage modules' numerics (tracer/model/functional.py) are called directly.
+- q and k rotated together, in place, and K and V reaching the cache in one copy (the cache keeps them in one
+  buffer; every layer's cache views for a step made at once, from the one tensor all layers' caches share);
+- no nn.Module calls, so no hooks.
 Every rounding is the stage modules' (which are HF transformers' eager LlamaAttention's): RMSNorm normalised in
 fp32, rounded, then times the weight; scores scaled after the product and rounded; softmax in fp32, rounded; one
 query token's attention products in fp32 (half-precision bmm this small is slow on CPU). In bf16 the two paths
@@ -17,11 +18,11 @@ read; `valid()` notices a reload, a `.to()`, a replaced layer or an in-place wei
 O(1) of the model's size before every step (the model's edit counter: tracer/model/edit_watch.py).
 
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
-fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Both go through
-the one `FusedLayer.forward`. When every product of such a step is held for the native kernel and the model runs
-in fp32 on the CPU, the step is one C call instead (tracer/model/native_step.py: the same
-stages in the same order, all layers in one OpenMP region); a traced step then takes the readings C stamps after
-each stage (a mark's TAKE_STAMPS), and a mark that cannot take them gets the torch ops and their mark() calls.
+fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Prefill,
+decode and batches go through the one `FusedLayer.forward`. When every product of a one-token step is held for
+the native kernel and the model runs in fp32 on the CPU, the step is one C call instead (tracer/model/native_step.py:
+the same stages in the same order, all layers in one OpenMP region); a traced step then takes the readings C stamps
+after each stage (a mark's TAKE_STAMPS), and a mark that cannot take them gets the torch ops and their mark() calls.
 
 The path is instrumented from inside: it calls `mark()` after each of its stages (the order of
 llmtrace.tracer.core.contract.fused_stages: its stages with Q|K|V and gate|up packed), which costs one no-op call
@@ -45,13 +46,15 @@ from llmtrace.tracer.core.config import first_attended_position
 from llmtrace.tracer.model.functional import (
     MATVEC_KERNELS,
     attention_scores,
-    attention_scores_t,
     attention_values,
-    causal_mask,
+    masked,
     project,
     rms_norm,
     rms_norm_floor,
+    rotate,
     softmax_fp32,
+    step_mask,
+    swiglu,
 )
 from llmtrace.tracer.model.edit_watch import unwatched_dicts, watch
 from llmtrace.tracer.model.native_step import AheadRun, NativeStep, host_clock_matches
@@ -95,7 +98,6 @@ class FusedLayer:
         attn, ffn = layer.attention, layer.feed_forward
         self.cache = attn.kv_cache
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.rep = self.heads // self.kv_heads
         self.scale = attn.scores.scale
         self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
         self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
@@ -105,42 +107,43 @@ class FusedLayer:
         self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
         self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
         self.ffn_dim = self.w2.shape[1]
-        # The one-token step's views of its Q|K|V vector ((H+2Hkv)*D,): (size, stride, offset) for as_strided.
-        d = self.head_dim
-        self.qk_view = ((self.heads + self.kv_heads, d), (d, 1), 0)  # q and k heads, rotated together
-        self.kv_view = ((2 * self.kv_heads, d), (d, 1), self.heads * d)  # K and V heads
-        self.q_view = ((self.kv_heads, self.rep, d), (self.rep * d, d, 1), 0)  # q heads by the KV head they share
 
-    def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, mark: Mark = no_mark) -> torch.Tensor:
-        """x (B*T, dim), or (dim,) for one token of one sequence; cos, sin (T, 1, D), or (B, T, 1, D) when each row
-        has its own positions (a left-padded batch); mask (T, S), or (B, 1, T, S) with pads, or None (one new token
-        and no pads). `mark()` after each layer stage of contract.fused_stages."""
-        heads, kv_heads, head_dim, ffn_dim = self.heads, self.kv_heads, self.head_dim, self.ffn_dim
+    def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                write: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mark: Mark = no_mark) -> torch.Tensor:
+        """The stage modules' block (TransformerBlock, Attention, FeedForward) on packed weights, through the same
+        functions: x (B*T, dim), or (dim,) for one token of one sequence (matrix-vector products); cos, sin (T, 1, D),
+        or (B, T, 1, D) when each row has its own positions (a left-padded batch); mask as functional.step_mask
+        gives it; `write` (B, 2*Hkv, T, D), this layer's cache at the new positions, `keys` and `values` (B, Hkv, S, D),
+        the positions attention reads (the new ones included, once written): views FusedPlan made for every layer
+        at once. Softmax runs on the grouped scores (B*Hkv, R*T, S), the same rows as the stage's (B, H, T, S).
+        `mark()` after each layer stage of contract.fused_stages."""
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = x.shape[:-1]  # (B*T,) or () for one token
         new = (x.shape[0] if rows else 1) // batch
-        groups = batch * kv_heads
         h = self.attention_norm(x)  # (B*T, dim)
         mark()
-        qkv = self.product(h, self.wqkv, self.bqkv).view(batch, new, heads + 2 * kv_heads, head_dim)  # (B, T, H+2Hkv, D)
+        qkv = self.product(h, self.wqkv, self.bqkv).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D)
         mark()
-        qk = qkv[:, :, : heads + kv_heads]  # (B, T, H+Hkv, D), a view
-        torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), sin, out=qk)  # RoPE on q and k, in place
+        qk = qkv.narrow(2, 0, heads + kv_heads)  # (B, T, H+Hkv, D), a view
+        rotate(qk, cos, sin, out=qk)  # RoPE on q and k together, in place
         mark()
-        live = self.cache.append(qkv[:, :, heads:])  # (B, 2*Hkv, S, D): K heads then V heads
+        write.copy_(qkv.narrow(2, heads, 2 * kv_heads).transpose(1, 2))  # (B, 2*Hkv, T, D): K heads, V heads
         mark()
-        seen = live.shape[2]
-        q = qkv[:, :, :heads].transpose(1, 2).reshape(groups, self.rep * new, head_dim)  # (B*Hkv, R*T, D)
-        k_all = live[:, :kv_heads].reshape(groups, seen, head_dim)  # (B*Hkv, S, D)
-        scores = attention_scores(q, k_all, self.scale, new == 1)  # (B*Hkv, R*T, S)
+        groups = batch * kv_heads
+        q = qkv.narrow(2, 0, heads)  # (B, T, H, D)
+        if new > 1:  # (one new token: (B, 1, H, D) is already in (B, H, 1, D)'s order)
+            q = q.transpose(1, 2)  # (B, H, T, D)
+        q = q.reshape(groups, -1, head_dim)  # (B*Hkv, R*T, D): the R query heads of a KV head as one product's rows
+        scores = attention_scores(q, keys.reshape(groups, -1, head_dim), self.scale, new == 1)  # (B*Hkv, R*T, S)
         if mask is not None:
-            scores.view(batch, heads, new, seen).masked_fill_(mask, float("-inf"))
+            masked(scores.view(batch, heads, new, -1), mask)
         mark()
         probs = softmax_fp32(scores)  # (B*Hkv, R*T, S)
         mark()
-        v_all = live[:, kv_heads:].reshape(groups, seen, head_dim)  # (B*Hkv, S, D)
-        out = attention_values(probs, v_all, new == 1)  # (B*Hkv, R*T, D)
-        out = out.view(batch, heads, new, head_dim).transpose(1, 2).reshape(*rows, heads * head_dim)  # (B*T, H*D)
+        out = attention_values(probs, values.reshape(groups, -1, head_dim), new == 1)  # (B*Hkv, R*T, D)
+        if new > 1:
+            out = out.view(batch, heads, new, head_dim).transpose(1, 2)  # (B, T, H, D)
+        out = out.reshape(*rows, heads * head_dim)  # (B*T, H*D)
         mark()
         attended = self.product(out, self.wo, self.bo)  # wo(attention): (B*T, dim)
         mark()
@@ -150,50 +153,9 @@ class FusedLayer:
         mark()
         gate_up = self.product(h, self.w13, self.b13)  # (B*T, 2F): gate | up
         mark()
-        act = F.silu(gate_up[..., :ffn_dim]).mul_(gate_up[..., ffn_dim:])  # silu(gate) * up: (B*T, F)
+        act = swiglu(gate_up.narrow(-1, 0, self.ffn_dim), gate_up.narrow(-1, self.ffn_dim, self.ffn_dim))  # (B*T, F)
         mark()
         down = self.product(act, self.w2, self.b2)  # (B*T, dim)
-        mark()
-        x = down.add_(x)
-        mark()
-        return x
-
-    def decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor,
-                   keys_t: torch.Tensor, values: torch.Tensor, mark: Mark = no_mark) -> torch.Tensor:
-        """`forward` for one token of one sequence, in fewer ops: x (dim,); cos, sin (1, D) of its position; `write`
-        (2*Hkv, D), this layer's cache row at that position; keys_t (Hkv, D, S) and values (Hkv, S, D), the live
-        cache (the new position included, once written): views FusedPlan made for every layer at once. The same
-        ops on the same values as `forward` (so the same bits), minus its reshapes and per-layer cache views."""
-        h = self.attention_norm(x)  # (dim,)
-        mark()
-        qkv = self.product(h, self.wqkv, self.bqkv)  # ((H+2Hkv)*D,)
-        mark()
-        offset = qkv.storage_offset()
-        size, stride, start = self.qk_view
-        qk = qkv.as_strided(size, stride, offset + start)  # (H+Hkv, D)
-        torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin, out=qk)  # RoPE on q and k, in place
-        mark()
-        size, stride, start = self.kv_view
-        write.copy_(qkv.as_strided(size, stride, offset + start))  # (2*Hkv, D): K heads, V heads
-        mark()
-        size, stride, start = self.q_view
-        scores = attention_scores_t(qkv.as_strided(size, stride, offset + start), keys_t, self.scale, True)
-        mark()  # scores (Hkv, R, S)
-        probs = softmax_fp32(scores)  # (Hkv, R, S)
-        mark()
-        out = attention_values(probs, values, True).view(-1)  # (Hkv, R, D) -> (H*D,)
-        mark()
-        attended = self.product(out, self.wo, self.bo)  # (dim,)
-        mark()
-        x = attended.add_(x)
-        mark()
-        h = self.ffn_norm(x)
-        mark()
-        gate_up = self.product(h, self.w13, self.b13)  # (2F,): gate | up
-        mark()
-        act = F.silu(gate_up[: self.ffn_dim]).mul_(gate_up[self.ffn_dim :])  # (F,)
-        mark()
-        down = self.product(act, self.w2, self.b2)  # (dim,)
         mark()
         x = down.add_(x)
         mark()
@@ -230,7 +192,8 @@ class FusedPlan:
         shared = kv_all is not None and len(self.caches) == kv_all.shape[0] and all(
             c.kv is not None and c.kv.data_ptr() == kv_all[i].data_ptr() and c.kv.stride() == kv_all[i].stride()
             and c.kv.shape == kv_all[i].shape for i, c in enumerate(self.caches))
-        self.kv_rows = kv_all.select(1, 0) if shared and self.caches else None
+        self.kv_all = kv_all if shared and self.caches else None  # (L, B_max, 2*Hkv, S_max, D)
+        self.kv_rows = None if self.kv_all is None else kv_all.select(1, 0)  # (L, 2*Hkv, S_max, D)
         self.window = self.caches[0].window if self.caches else None
         # The caches' size in plain values, for the checks before every step (Transformer._cached_step) and the
         # step record's live bytes (`kv_live_bytes`): a cache module's attributes and tensor getters cost ~20-35 us
@@ -323,17 +286,16 @@ class FusedPlan:
         batch, new = tokens.shape
         if batch == 1 and new == 1 and positions is None and pad_mask is None and self.kv_rows is not None:
             logits = self.native_decode(tokens, start, mark, native)
-            return self._decode_one(tokens, start, mark) if logits is None else logits
+            if logits is not None:
+                return logits
+        end = start + new
         if positions is None:
-            cos = self.cos[start : start + new]  # (T, 1, D)
-            sin = self.sin[start : start + new]  # (T, 1, D)
+            cos, sin = self.cos[start:end], self.sin[start:end]  # (T, 1, D) each
         else:
             cos, sin = self.cos[positions], self.sin[positions]  # (B, T, 1, D): each row its own positions
-        window = self.layers[0].cache.window
-        seen = start + new - first_attended_position(start + new, new, window)  # keys the caches' slices hold
-        mask = causal_mask(new, seen, tokens.device, window) if new > 1 else None  # (T, S)
-        if pad_mask is not None:
-            mask = pad_mask if mask is None else pad_mask | mask  # (B, 1, T, S)
+        first = first_attended_position(end, new, self.window)  # the oldest position the new queries attend
+        mask = step_mask(new, end - first, tokens.device, self.window, pad_mask)  # (T, S), (B, 1, T, S) or None
+        writes, keys, values = self._cache_views(batch, start, new, first)
         mark()
         if isinstance(self.embedding, PackedWeight):  # held as stored: only the looked-up rows are dequantized
             x = self.embedding.rows(tokens.reshape(-1), self.dtype)  # (B*T, dim)
@@ -342,13 +304,32 @@ class FusedPlan:
         mark()
         if batch * new == 1:
             x = x[0]  # (dim,): one token runs vectors through matrix-vector products
-        for layer in self.layers:
-            x = layer.forward(x, batch, cos, sin, mask, mark)
+        for layer, write, k, v in zip(self.layers, writes, keys, values):
+            x = layer.forward(x, batch, cos, sin, mask, write, k, v, mark)
+        for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes (a step that fails
+            cache["length"], cache["batch"] = end, batch  # before here leaves them as they were)
         h = self.final_norm(x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last position
         mark()
         logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
         mark()
         return logits
+
+    def _cache_views(self, batch: int, start: int, new: int, first: int) -> tuple[list[torch.Tensor], ...]:
+        """Every layer's KV cache rows for a step of `new` tokens of `batch` sequences at `start`: where they are
+        written (B, 2*Hkv, T, D), and the keys and values attention reads, positions first..start+new-1, (B, Hkv, S,
+        D) each. From the one cache tensor all layers share (Transformer.setup_cache) in a few views, not ~6 a layer."""
+        end = start + new
+        kv_heads = self.layers[0].kv_heads
+        if self.kv_all is not None:
+            whole = self.kv_all  # (L, B_max, 2*Hkv, S_max, D)
+            rows = whole if batch == whole.shape[1] else whole.narrow(1, 0, batch)  # (L, B, 2*Hkv, S_max, D)
+            live = rows.narrow(3, first, end - first)  # (L, B, 2*Hkv, S, D)
+            return (rows.narrow(3, start, new).unbind(0), live.narrow(2, 0, kv_heads).unbind(0),
+                    live.narrow(2, kv_heads, kv_heads).unbind(0))
+        buffers = [cache.kv.narrow(0, 0, batch) for cache in self.caches]  # L x (B, 2*Hkv, S_max, D)
+        lives = [b.narrow(2, first, end - first) for b in buffers]  # L x (B, 2*Hkv, S, D)
+        return ([b.narrow(2, start, new) for b in buffers], [live.narrow(1, 0, kv_heads) for live in lives],
+                [live.narrow(1, kv_heads, kv_heads) for live in lives])
 
     def native_off_reason(self, use_native_step: bool = True) -> str:
         """"" when a one-token step of one sequence may run as the native decode step: the plan has one (else
@@ -368,7 +349,7 @@ class FusedPlan:
 
     def native_decode(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark,
                       native: bool = True) -> torch.Tensor | None:
-        """`_decode_one` of tokens (1, 1) at position `start` as one C call (tracer/model/native_step.py), from the
+        """`step` of tokens (1, 1) at position `start` as one C call (tracer/model/native_step.py), from the
         token id to the logits (1, V), when the native step can take it (`native_off_reason` finds nothing), and
         either untraced or traced by a mark that takes the readings C stamps (the step's start, then one after
         each stage); else None (`native=False`: always None). Runs no autograd op: no torch.no_grad() needed."""
@@ -381,7 +362,7 @@ class FusedPlan:
 
     def _decode_native(self, tokens: torch.Tensor, start: int, take: Callable[[list[int]], None] | None,
                        staged: bool = False) -> torch.Tensor:
-        """`_decode_one` as one C call; when traced, `take` receives the readings C stamped (the step's start, then
+        """A one-token `step` as one C call; when traced, `take` receives the readings C stamped (the step's start, then
         one after each stage). `staged`: the staged path's stages apart (`staged_step`)."""
         end = start + 1
         step = self.native
@@ -416,35 +397,6 @@ class FusedPlan:
         and cache as the fused step, bit for bit. `take`, when given, receives the step's start and the clock
         reading after each staged stage. Needs `native` (the caller checks)."""
         return self._decode_native(tokens, start, take, staged=True)
-
-    def _decode_one(self, tokens: torch.Tensor, start: int, mark: Mark) -> torch.Tensor:
-        """`step` for one token (1, 1) of one sequence at position `start`: every layer's cache row at that position
-        and live keys and values come from a handful of views of the one cache tensor, made once for all layers,
-        instead of ~6 per layer; the layers run FusedLayer.decode_one. The same stages, marks and values."""
-        end = start + 1
-        first = first_attended_position(end, 1, self.window)
-        heads = self.layers[0].kv_heads
-        rows = self.kv_rows  # (L, 2*Hkv, S_max, D)
-        writes = rows.select(2, start).unbind(0)  # L x (2*Hkv, D)
-        live = rows.narrow(2, first, end - first)  # (L, 2*Hkv, S, D)
-        keys_t = live.narrow(1, 0, heads).transpose(2, 3).unbind(0)  # L x (Hkv, D, S)
-        values = live.narrow(1, heads, heads).unbind(0)  # L x (Hkv, S, D)
-        cos, sin = self.cos[start], self.sin[start]  # (1, D) each
-        mark()
-        if isinstance(self.embedding, PackedWeight):  # held as stored: only the looked-up row is dequantized
-            x = self.embedding.rows(tokens.view(1), self.dtype)[0]  # (dim,)
-        else:
-            x = F.embedding(tokens.view(1), self.embedding)[0]  # (dim,)
-        mark()
-        for layer, write, k_t, v in zip(self.layers, writes, keys_t, values):
-            x = layer.decode_one(x, cos, sin, write, k_t, v, mark)
-        for cache in self.caches:  # (a step that fails before here leaves them as they were: Transformer resets)
-            cache.set_length(end, 1)
-        h = self.final_norm(x)  # (dim,)
-        mark()
-        logits = self.product(h, self.output, self.output_bias).view(1, -1)  # (1, V)
-        mark()
-        return logits
 
 
 def watched(modules: list[nn.Module]) -> bool:

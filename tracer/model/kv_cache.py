@@ -92,9 +92,9 @@ class KVCache(ForwardWatched):
         return live[:, :hkv], live[:, hkv:]  # (B, Hkv, S, D) each
 
     def set_length(self, length: int, batch: int) -> None:
-        """Positions written and sequences held, after a write that did not go through `forward`/`append` (the
-        fused path's one-token step writes every layer's position itself). Plain ints set in the instance dict:
-        nn.Module.__setattr__ costs ~2 us, 60 times a step."""
+        """Positions written and sequences held, after a write that did not go through `forward` (the fused path
+        writes every layer's positions through views of the one tensor all layers share). Plain ints set in the
+        instance dict: nn.Module.__setattr__ costs ~2 us, 60 times a step."""
         self.__dict__["length"], self.__dict__["batch"] = length, batch
 
     def keep_rows(self, index: torch.Tensor) -> None:
@@ -103,17 +103,6 @@ class KVCache(ForwardWatched):
         live = self.kv[: self.batch, :, : self.length]  # (B, 2*Hkv, S, D)
         self.kv[: index.shape[0], :, : self.length] = live.index_select(0, index)  # (B', 2*Hkv, S, D)
         self.batch = int(index.shape[0])
-
-    def append(self, kv_new: torch.Tensor) -> torch.Tensor:
-        """The fused path's write: kv_new (B, T, 2*Hkv, D), K heads then V heads, appended in one copy; returns the
-        live slice (B, 2*Hkv, S, D), from the oldest position the new queries attend."""
-        batch, new = kv_new.shape[0], kv_new.shape[1]
-        start, end = self.length, self.length + new
-        buffer = self.kv if batch == self.kv.shape[0] else self.kv[:batch]  # (B, 2*Hkv, S_max, D)
-        buffer.narrow(2, start, new).copy_(kv_new.transpose(1, 2))  # (B, T, 2Hkv, D) -> (B, 2Hkv, T, D)
-        self.length, self.batch = end, batch
-        first = first_attended_position(end, new, self.window)
-        return buffer.narrow(2, first, end - first)  # (B, 2*Hkv, S, D)
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window is not None else ""

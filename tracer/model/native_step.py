@@ -1,6 +1,6 @@
 """The native decode step: one token of one sequence through every layer in one C call (native/decode_step.c).
 
-The fused path's one-token step (tracer/model/fused.py, FusedPlan._decode_one) on weights held as the GGUF stores
+The fused path's one-token step (tracer/model/fused.py, FusedPlan.step) on weights held as the GGUF stores
 them makes ~120 native products and ~1,000 small torch ops per token; on a small model their per-call costs (ctypes,
 output allocations, waking the OpenMP threads, torch dispatch) take longer than streaming the weights. This module
 builds, once per FusedPlan, the C step's plan: a description of every layer's matrices (the PackedWeights'

@@ -14,6 +14,7 @@ import torch
 
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.model.edit_watch import ForwardWatched
+from llmtrace.tracer.model.functional import rotate
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -84,10 +85,7 @@ class RotaryEmbedding(ForwardWatched):
         else:
             cos = self.cos[input_pos]  # (T, 1, D): broadcasts over batch and heads
             sin = self.sin[input_pos]  # (T, 1, D)
-        half = self.head_dim // 2
-        q_rot = torch.addcmul(q * cos, q.roll(half, dims=-1), sin)  # (B, T, H, D)
-        k_rot = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)  # (B, T, Hkv, D)
-        return q_rot, k_rot
+        return rotate(q, cos, sin), rotate(k, cos, sin)  # (B, T, H, D), (B, T, Hkv, D)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}"

@@ -37,7 +37,6 @@ from itertools import repeat
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -49,13 +48,14 @@ from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.memory import available_memory_bytes, check_prefill_fits
 from llmtrace.tracer.model.edit_watch import EDIT_COUNTER, ForwardWatched, watch
 from llmtrace.tracer.model.functional import (
-    attention_scores,
-    attention_values,
-    causal_mask,
+    grouped_scores,
+    grouped_values,
     project,
     rms_norm,
     rms_norm_floor,
     softmax_fp32,
+    step_mask,
+    swiglu,
 )
 from llmtrace.tracer.model.fused import TAKE_STAMPS, FusedPlan, Mark, no_mark, watched
 from llmtrace.tracer.model.kv_cache import KVCache
@@ -127,7 +127,6 @@ class AttentionScores(ForwardWatched):
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.n_rep = n_heads // n_kv_heads
         self.scale = head_dim**-0.5
         self.window = window  # sliding window: keys older than W positions are masked too
         # (B, 1, T, S) bool, True where a real query must not see a left-pad key; set by the model for the step of a
@@ -136,18 +135,9 @@ class AttentionScores(ForwardWatched):
         self.pad_mask: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
-        batch, _, new, _ = q.shape
-        seen = k_all.shape[2]
-        groups = batch * self.n_kv_heads
-        q_grouped = q.reshape(groups, self.n_rep * new, self.head_dim)  # (B*Hkv, R*T, D)
-        k_grouped = k_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
-        scores = attention_scores(q_grouped, k_grouped, self.scale, new == 1)  # (B*Hkv, R*T, S)
-        scores = scores.view(batch, self.n_heads, new, seen)  # (B, H, T, S)
-        if new > 1:
-            scores.masked_fill_(causal_mask(new, seen, q.device, self.window), float("-inf"))
-        if self.pad_mask is not None:
-            scores.masked_fill_(self.pad_mask, float("-inf"))  # exp(-inf) = 0: a pad adds nothing to any sum
-        return scores
+        new, seen = q.shape[2], k_all.shape[2]
+        mask = step_mask(new, seen, q.device, self.window, self.pad_mask)  # (T, S), (B, 1, T, S) or None
+        return grouped_scores(q, k_all, self.scale, mask)  # (B, H, T, S)
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}"
@@ -163,18 +153,8 @@ class Softmax(ForwardWatched):
 class AttentionValues(ForwardWatched):
     """probs (B, H, T, S) · v_all (B, Hkv, S, D) -> (B, H, T, D): the attention-weighted sum of values."""
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.n_rep = n_heads // n_kv_heads
-
     def forward(self, probs: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-        batch, _, new, seen = probs.shape
-        groups = batch * self.n_kv_heads
-        probs_grouped = probs.reshape(groups, self.n_rep * new, seen)  # (B*Hkv, R*T, S)
-        v_grouped = v_all.reshape(groups, seen, self.head_dim)  # (B*Hkv, S, D)
-        out = attention_values(probs_grouped, v_grouped, new == 1)  # (B*Hkv, R*T, D)
-        return out.view(batch, self.n_heads, new, self.head_dim)  # (B, H, T, D)
+        return grouped_values(probs, v_all)  # (B, H, T, D)
 
 
 class Attention(ForwardWatched):
@@ -188,7 +168,7 @@ class Attention(ForwardWatched):
         self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, config.sliding_window)
         self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, config.sliding_window)
         self.softmax = Softmax()
-        self.pv = AttentionValues(config.n_heads, config.n_kv_heads, config.head_dim)
+        self.pv = AttentionValues()
         self.wo = Linear(config.q_dim, config.dim, bias=has_bias("attention.wo", config))
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
@@ -212,7 +192,7 @@ class SwiGLUActivation(ForwardWatched):
     """silu(gate) * up, elementwise over (B, T, F)."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate).mul_(up)
+        return swiglu(gate, up)
 
 
 class FeedForward(ForwardWatched):
