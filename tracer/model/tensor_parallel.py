@@ -16,8 +16,8 @@ rank's shapes and count this rank's FLOPs and bytes:
                          when N does not divide V the last slice is padded with zero rows, whose logits are dropped
     norms, residuals     replicated: every rank computes them on the whole hidden vector
 
-So each forward makes two all-reduces per layer (after wo and after w2), one after the embedding and one all-gather
-after the LM head. The collectives go through a `Collectives` object (the
+So each forward makes two all-reduces per layer (after wo and after w2: the stage modules' own TransformerBlock,
+given the group's all-reduce), one after the embedding and one all-gather after the LM head. The collectives go through a `Collectives` object (the
 trace layer's tracer/trace/collectives.py times and records each one); this module only says where they happen.
 The fused fast path (tracer/model/fused.py) has no tensor-parallel variant: a sharded model always runs stage by stage.
 """
@@ -107,21 +107,6 @@ class VocabParallelEmbedding(ForwardWatched, nn.Embedding):
         return f"rows {self.start}..{self.start + self.real_rows - 1}, dim={self.embedding_dim}"
 
 
-class TensorParallelBlock(TransformerBlock):
-    """A pre-norm block whose attention and FFN outputs are partial sums: each is all-reduced before its residual."""
-
-    def __init__(self, config: ModelConfig, layer: int, comm: Collectives) -> None:
-        super().__init__(config)
-        self.layer_index = layer
-        self.comm = comm
-
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
-        partial = self.attention(self.attention_norm(x), input_pos, use_cache)  # (B, T, dim), this rank's heads
-        h = self.attn_residual(x, self.comm.all_reduce(partial, self.layer_index, "attention.wo"))
-        partial = self.feed_forward(self.ffn_norm(h))  # (B, T, dim), this rank's FFN columns
-        return self.ffn_residual(h, self.comm.all_reduce(partial, self.layer_index, "feed_forward.w2"))
-
-
 class TensorParallelTransformer(Transformer):
     """Rank `rank` of `tp`: a Transformer of `shard_config(config, tp)` whose blocks, embedding and LM head exchange
     through `comm`. Build on the meta device and load `shard_state_dict` (tracer/load/tensor_parallel.py)."""
@@ -132,7 +117,7 @@ class TensorParallelTransformer(Transformer):
         self.full_config = config
         self.tp, self.rank, self.comm = tp, rank, comm
         self.use_fused = False  # no sharded fused path: every step runs stage by stage
-        self.layers = nn.ModuleList(TensorParallelBlock(local, i, comm) for i in range(local.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(local, i, comm.all_reduce) for i in range(local.n_layers))
         self.tok_embeddings = VocabParallelEmbedding(local.vocab_size, local.dim, rank * local.vocab_size,
                                                      config.vocab_size)
         if local.tie_embeddings:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -217,10 +217,20 @@ class Residual(ForwardWatched):
         return x + delta
 
 
-class TransformerBlock(ForwardWatched):
-    """Pre-norm block: h = x + attention(norm(x)); out = h + ffn(norm(h))."""
+def whole(x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
+    """A block's all-reduce on one rank: the row-split products' outputs are already the whole sums."""
+    return x
 
-    def __init__(self, config: ModelConfig) -> None:
+
+class TransformerBlock(ForwardWatched):
+    """Pre-norm block: h = x + attention(norm(x)); out = h + ffn(norm(h)).
+
+    Tensor parallelism (tracer/model/tensor_parallel.py) builds this block from a shard's config, with `all_reduce`
+    its process group's sum: then wo and w2 multiply this rank's heads' and FFN columns' rows, and their partial
+    outputs are summed over the ranks before each residual. `layer` names the block to the collective."""
+
+    def __init__(self, config: ModelConfig, layer: int | None = None,
+                 all_reduce: Callable[[torch.Tensor, int | None, str], torch.Tensor] = whole) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
@@ -228,10 +238,13 @@ class TransformerBlock(ForwardWatched):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
         self.ffn_residual = Residual()
+        self.layer_index, self.all_reduce = layer, all_reduce
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
-        h = self.attn_residual(x, self.attention(self.attention_norm(x), input_pos, use_cache))
-        return self.ffn_residual(h, self.feed_forward(self.ffn_norm(h)))
+        attended = self.attention(self.attention_norm(x), input_pos, use_cache)  # (B, T, dim)
+        h = self.attn_residual(x, self.all_reduce(attended, self.layer_index, "attention.wo"))
+        down = self.feed_forward(self.ffn_norm(h))  # (B, T, dim)
+        return self.ffn_residual(h, self.all_reduce(down, self.layer_index, "feed_forward.w2"))
 
 
 class Transformer(ForwardWatched):
@@ -249,7 +262,7 @@ class Transformer(ForwardWatched):
             # nn.Embedding's own init, skipped on meta, where normal_ imports torch._dynamo (2 s of load time)
             nn.init.normal_(embedding)
         self.tok_embeddings = Embedding(config.vocab_size, config.dim, _weight=embedding)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size, bias=has_bias("output", config))
         if config.tie_embeddings:
