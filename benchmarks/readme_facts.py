@@ -177,17 +177,19 @@ def lens_first_top() -> str:
 
 
 def attention_sinks() -> str:
+    from llmtrace.tracer.trace.attention_focus import sink_heads
+
     first = _lens().attention[0]
-    return f"{sum(1 for h in first.heads if h.top_positions[0] == 0)} of {len(first.heads)}"
+    return f"{len(sink_heads(first))} of {len(first.heads)}"
 
 
 def attention_focused() -> str:
-    """The most focused head that does not look at position 0, as section 5d ranks them."""
+    """The most focused head that does not look at position 0, as section 5d and the HTML report rank them."""
     from llmtrace.cli import formatting as fmt
+    from llmtrace.tracer.trace.attention_focus import focused_heads
 
     first = _lens().attention[0]
-    elsewhere = [h for h in first.heads if h.top_positions[0] != 0] or list(first.heads)
-    h = min(elsewhere, key=lambda h: (h.entropy_bits, h.layer, h.head))
+    h = focused_heads(first, 1)[0]
     piece = fmt.piece(first.pieces[h.top_positions[0]]).replace("·", " ")
     return f'layer {h.layer} head {h.head}, {100 * h.top_weights[0]:.0f}% on "{piece}"'
 

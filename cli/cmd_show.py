@@ -57,16 +57,16 @@ def show(
         console.print(f"[dim]{escape(str(path))}: llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
                       f"{escape(env.device_name)}[/]")
         render_journey(console, trace, detail.value)
-        render_ending(console, trace, detail.value, run_report(trace), None,
-                      "roofline: left out of a saved trace (it may come from another machine); see "
-                      f"`llmtrace roofline --model <model> --hardware <machine>`")
+        no_roofline = ("roofline: left out of a saved trace (it may come from another machine); see "
+                       "`llmtrace roofline --model <model> --hardware <machine>`")
+        render_ending(console, trace, detail.value, run_report(trace), None, no_roofline)
         if chrome_trace is not None:
             write_output(chrome_trace, json.dumps(chrome_trace_doc(trace), ensure_ascii=False))
             console.print(f"[dim]Chrome trace written to {chrome_trace} (open in ui.perfetto.dev)[/]")
         if html is not None:
             from llmtrace.cli.render_html import html_report
 
-            write_output(html, html_report(trace))
+            write_output(html, html_report(trace, None, no_roofline))
             console.print(f"[dim]HTML report written to {html} (self-contained: open it in any browser)[/]")
         return 0
 

@@ -1,4 +1,5 @@
-"""The HTML report's figures, drawn by matplotlib as inline SVG (text as paths: the page needs no font or network).
+"""The HTML report's figures, drawn by matplotlib as inline SVG (text as paths: the page needs no font or network),
+and the colour maps of its heat maps (tables, so that every cell can say its value on hover).
 
 matplotlib's object API only (Figure, no pyplot): no global figure state, nothing left open. Each figure gets its own
 `svg.hashsalt`, so the ids inside several inline SVGs of one page never collide.
@@ -12,11 +13,12 @@ import warnings
 from typing import Sequence
 
 import matplotlib
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-from llmtrace.tracer.trace.journey_records import AttentionStep, NoCacheRun
+from llmtrace.tracer.trace.journey_records import NoCacheRun
 from llmtrace.tracer.trace.records import StepRecord
-from llmtrace.tracer.trace.report_data import LayerStageGrid, RooflinePoint
+from llmtrace.tracer.trace.report_data import RooflinePoint
 
 
 def _svg(fig: Figure, salt: str) -> str:
@@ -42,16 +44,11 @@ def _figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), dpi=96, layout="constrained")
 
 
-def heat_map(grid: LayerStageGrid, labels: Sequence[str]) -> str:
-    fig = _figure(9, max(3.0, 0.22 * len(grid.layers) + 1.5))
-    ax = fig.add_subplot()
-    ms = [[v / 1e6 for v in row] for row in grid.ns]
-    image = ax.imshow(ms, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(len(grid.layers)), [f"L{layer}" for layer in grid.layers], fontsize=7)
-    ax.set_title(f"{grid.phase}: time per layer × stage (ms{', mean of %d steps' % grid.steps if grid.steps > 1 else ''})")
-    fig.colorbar(image, ax=ax, label="ms")
-    return _svg(fig, f"heat-{grid.phase}")
+def palette(name: str, levels: int) -> tuple[str, ...]:
+    """`levels` colours of matplotlib's colour map `name` ("viridis", "magma"), lowest first, as #rrggbb: the HTML
+    heat maps are tables whose cells take one of them (a value's level: its share of the scale's top)."""
+    cmap = matplotlib.colormaps[name]
+    return tuple(to_hex(cmap((i + 0.5) / levels)) for i in range(levels))
 
 
 def roofline(points: Sequence[RooflinePoint], peak_flops: float | None, bandwidth: float | None,
@@ -97,17 +94,6 @@ def decode_times(steps: Sequence[StepRecord]) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return _svg(fig, "decode")
-
-
-def attention_strip(step: AttentionStep, pieces: Sequence[str]) -> str:
-    fig = _figure(max(4.0, 0.45 * step.positions + 2), max(3.0, 0.2 * len(step.mean_weights) + 1.5))
-    ax = fig.add_subplot()
-    image = ax.imshow(step.mean_weights, aspect="auto", cmap="magma", vmin=0, vmax=1, interpolation="nearest")
-    ax.set_xticks(range(step.positions), pieces, rotation=60, ha="right", fontsize=8)
-    ax.set_yticks(range(len(step.mean_weights)), [f"L{i}" for i in range(len(step.mean_weights))], fontsize=7)
-    ax.set_title(f"Attention of position {step.position} (heads averaged)")
-    fig.colorbar(image, ax=ax, label="weight")
-    return _svg(fig, f"attention-{step.step}")
 
 
 def no_cache_ratios(run: NoCacheRun) -> str:

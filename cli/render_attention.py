@@ -10,11 +10,11 @@ from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
+from llmtrace.tracer.trace.attention_focus import focused_heads, sink_heads
 from llmtrace.tracer.trace.journey_records import AttentionStep
 
 SHADES = ((0.6, "███"), (0.35, "▓▓▓"), (0.15, "▒▒▒"), (0.05, "░░░"), (0.0, " · "))
 HEAD_POSITIONS, TAIL_POSITIONS = 2, 11  # a long prompt shows its first and last positions
-FOCUSED_HEADS = 6
 PIECE_WIDTH = 5
 
 
@@ -32,9 +32,8 @@ def render_attention(console: Console, first: AttentionStep | None, numerics: st
                          no_wrap=True)
     for layer, row in enumerate(first.mean_weights):
         table.add_row(f"L{layer}", *("" if p < 0 else _shade(row[p]) for p in positions))
-    sink = [h for h in first.heads if h.top_positions[0] == 0]
-    elsewhere = [h for h in first.heads if h.top_positions[0] != 0] or list(first.heads)
-    heads = sorted(elsewhere, key=lambda h: (h.entropy_bits, h.layer, h.head))[:FOCUSED_HEADS]
+    sink = sink_heads(first)
+    heads = focused_heads(first)
     focused = [
         f"L{h.layer} head {h.head}: {h.entropy_bits:.2f} bits, "
         f"{100 * h.top_weights[0]:.0f}% on {escape(fmt.piece(first.pieces[h.top_positions[0]]))!s} "

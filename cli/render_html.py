@@ -1,9 +1,15 @@
 """`run --html` / `show --html`: one self-contained HTML page of a trace, to look at rather than read.
 
-Inline SVG figures from matplotlib (llmtrace.cli.html_figures), inline CSS, no script, no font, nothing fetched: the
-file opens offline and can be mailed. Sections: the token stream with probabilities, time per layer x stage as a
-heat map (prefill and decode), the roofline with the measured points, decode time per step, and, when the run
-recorded them, the attention strip, the logit lens, the sampling lesson and the no-KV-cache comparison.
+Inline CSS, inline SVG figures from matplotlib (llmtrace.cli.html_figures), heat maps as tables whose cells say
+their value on hover, and one small inline script: the token selector of the logit lens and attention
+(llmtrace.cli.html_journey). No font, no library, nothing fetched: the file opens offline and can be mailed; with
+JavaScript off it shows the first generated token's lens and attention.
+
+The page, in order: the header (the model as the terminal's header names it, its weights, kernels and load time),
+the contents, the token stream, the summary (section 8's figures), where a decode step's time goes (section 7),
+time per layer x stage, the roofline, decode time per step, the sampling lesson, then for every generated token
+the logit lens and the attention, and the no-KV-cache comparison. Every figure comes from the trace's records
+through the functions the terminal uses (llmtrace.cli.html_tables).
 """
 
 from __future__ import annotations
@@ -11,94 +17,184 @@ from __future__ import annotations
 from html import escape
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli import html_journey, html_tables
+from llmtrace.cli.render_kernels import detail_lines, dtype_name, kernel_line, numerics_note
 from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
-from llmtrace.tracer.trace.journey_records import LensStep, SamplingLesson
 from llmtrace.tracer.trace.records import DECODE, PREFILL
+from llmtrace.tracer.trace.report import run_report
 from llmtrace.tracer.trace.report_data import layer_stage_grid, roofline_points
 from llmtrace.tracer.trace.run_trace import Trace
-from llmtrace.tracer.trace.summary import run_summary
 
 _CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ccc; padding-bottom: .2em; }
-.meta { color: #555; font-size: .9em; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.4em; margin-bottom: .2em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ccc;
+  padding-bottom: .2em; margin-top: 1.6em; }
+.meta { color: #555; font-size: .9em; margin: .15em 0; } details { font-size: .85em; color: #555; }
+details pre { margin: .3em 0; }
+nav ol { columns: 2; font-size: .9em; } nav a { color: #0b5cad; }
 .stream span { display: inline-block; margin: 1px; padding: 1px 3px; border-radius: 3px; font-family: monospace;
-               white-space: pre; }
-.stream .prompt { background: #e8e8e8; color: #555; }
+  white-space: pre; }
+.stream .prompt { background: #e8e8e8; color: #555; } .stream [data-token] { cursor: pointer; }
 table { border-collapse: collapse; font-size: .85em; } td, th { padding: 2px 6px; text-align: right; }
-th { background: #f0f0f0; } td.l, th.l { text-align: left; } .chosen { font-weight: bold; }
-.note { color: #555; font-size: .85em; } svg { max-width: 100%; height: auto; }
+th { background: #f0f0f0; } td.l, th.l { text-align: left; } .chosen { font-weight: bold; text-decoration: underline; }
+tr.dim td { color: #777; } tr.top td { color: #1a7f37; font-weight: bold; }
+td.barcell { width: 130px; text-align: left; } .bar { display: inline-block; height: .8em; background: #3b82c4; }
+.note, .caption { color: #555; font-size: .85em; } svg { max-width: 100%; height: auto; }
+.text .prompt { color: #777; } .text .reply { color: #1a7f37; font-weight: bold; white-space: pre-wrap; }
+.heatwrap { overflow-x: auto; } table.heat td { width: 14px; min-width: 14px; height: 12px; padding: 0;
+  border: 1px solid #fff; } table.heat th { font-size: .8em; font-weight: normal; padding: 0 4px; }
+table.heat th.col { vertical-align: bottom; padding: 2px 0; }
+table.heat th.col span { writing-mode: vertical-rl; transform: rotate(180deg); white-space: pre; }
+table.heat td:hover { outline: 2px solid #000; } table.heat.time td { width: 24px; height: 16px; }
+p.line { margin: .2em 0; }
+.picker { position: sticky; top: 0; background: #fff; padding: .4em 0; border-bottom: 1px solid #ccc; z-index: 1; }
+.picker select { font-family: monospace; } ul.heads { font-family: monospace; font-size: .85em; }
 """
 
 
-def html_report(trace: Trace, roofline: MeasuredVsBound | None = None) -> str:
-    """The page for `trace`; `roofline` adds this machine's ceilings to the roofline (a live run only)."""
-    summary = run_summary(trace)
-    cfg, env = trace.config, trace.environment
-    title = f"llmtrace · {cfg.name} · {trace.settings.prompt[:60]}"
-    parts = [f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
-             f"<style>{_CSS}</style></head><body>",
-             f"<h1>{escape(cfg.name)}: one token's journey</h1>",
-             f"<p class=\"meta\">{cfg.n_layers} layers · dim {cfg.dim} · {cfg.n_heads} heads ({cfg.n_kv_heads} KV) · "
-             f"vocab {cfg.vocab_size:,} · {escape(env.device_name)} · {env.threads} threads · {escape(env.dtype)} · "
-             f"llmtrace {escape(env.llmtrace_version)} · torch {escape(env.torch_version)}</p>",
-             _section("tokens", "Token stream", _token_stream(trace),
-                      "prompt in grey; each generated token coloured by the model's probability for it "
-                      "(green: sure, red: unlikely); hover for the figures."),
-             _section("summary", "Summary", _summary_table(trace))]
-    figures = []
+def html_report(trace: Trace, roofline: MeasuredVsBound | None = None, roofline_note: str = "") -> str:
+    """The page for `trace`; `roofline` is the run's comparison with this machine's ceilings (a live run), or
+    `roofline_note` says why there is none."""
     try:
         from llmtrace.cli import html_figures as figs
     except ImportError as exc:  # matplotlib is the `html` extra
         raise BadArgumentError(f"the HTML report draws its figures with matplotlib ({exc}); install it with "
                                "pip install 'llmtrace[html]'") from exc
-    for phase in (PREFILL, DECODE):
-        grid = layer_stage_grid(trace, phase)
-        if grid is not None:
-            figures.append(figs.heat_map(grid, [_label(r) for r in grid.roles]))
-    if figures:
-        parts.append(_section("heat", "Time per layer × stage", "".join(figures),
-                              "each cell: that stage's own time in that layer (decode: mean per step)."))
+    report = run_report(trace)
+    summary = report.summary
+    cfg = trace.config
+    sections: list[tuple[str, str, str]] = [  # (anchor, title, body)
+        ("tokens", "Token stream", _token_stream(trace) + _note(
+            "prompt in grey; each generated token coloured by the model's probability for it (green: sure, red: "
+            "unlikely); hover for the figures, click one for its lens and attention.")),
+        ("summary", "Summary", html_tables.summary_table(trace, summary, roofline, roofline_note)),
+    ]
+    if report.decode_stages is not None:
+        d = report.decode_stages
+        sections.append(("stages", f"Decode by stage: where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
+                         html_tables.decode_stage_table(d) + _staged_note(trace)))
+    maps = [html_tables.time_heat_map(grid, [_label(r) for r in grid.roles])
+            for grid in (layer_stage_grid(trace, PREFILL), layer_stage_grid(trace, DECODE)) if grid is not None]
+    if maps:
+        sections.append(("heat", "Time per layer × stage", "".join(maps) + _note(
+            "each cell: that stage's own time in that layer (decode: the mean over the traced steps); hover a cell "
+            "for its time.")))
     points = roofline_points(trace)
     if points:
         ceiling = (roofline.peak_flops, roofline.memory_bandwidth, roofline.hardware) if roofline else (None, None, "")
-        parts.append(_section("roofline", "Roofline", figs.roofline(points, *ceiling),
-                              "measured FLOP/s against FLOPs per byte of weights and KV moved; "
-                              + (f"ceilings: {escape(roofline.hardware)} ({escape(roofline.compute_dtype)} peak)"
-                                 if roofline else "a saved trace shows the points only (it may come from another "
-                                                  "machine)")))
+        sections.append(("roofline", "Roofline", figs.roofline(points, *ceiling) + _note(
+            "measured FLOP/s against FLOPs per byte of weights and KV moved; "
+            + (f"ceilings: {escape(roofline.hardware)} ({escape(roofline.compute_dtype)} peak)" if roofline
+               else "no ceilings: " + escape(roofline_note or "this run was not compared with a machine")))))
     if trace.decode_steps:
-        parts.append(_section("decode", "Decode time per step", figs.decode_times(trace.decode_steps),
-                              f"mean forward {fmt.duration_ns(summary.decode.forward_ns / max(summary.decode.steps, 1))} "
-                              f"per step over {summary.decode.steps} steps."))
-    if trace.attention:
-        first = trace.attention[0]
-        parts.append(_section("attention", "Attention", figs.attention_strip(first, [fmt.piece(p) for p in
-                                                                                    first.pieces]),
-                              "where the first token's predicted position looks, every layer's heads averaged "
-                              "(the staged model's softmax output)."))
-    if trace.lens:
-        parts.append(_section("lens", "Logit lens", _lens_table(trace.lens[0]),
-                              "the residual stream after each layer through the final norm and the LM head."))
+        sections.append(("decode", "Decode time per step", figs.decode_times(trace.decode_steps) + _note(
+            f"mean forward {fmt.duration_ns(summary.decode.forward_ns / max(summary.decode.steps, 1))} per step "
+            f"over {summary.decode.steps} steps.")))
     if trace.sampling_lesson is not None:
-        parts.append(_section("sampling", "Sampling lesson", _lesson_table(trace.sampling_lesson),
-                              "the first token's logits at several temperatures; struck out: filtered out."))
+        sections.append(("sampling", "Sampling lesson", html_tables.lesson_table(trace.sampling_lesson) + _note(
+            "the first token's logits at several temperatures; struck out: filtered out.")))
+    steps = html_journey.journey_steps(trace)
+    numerics = escape(numerics_note(trace.kernels))
+    journey = []
+    if steps:
+        first = steps[0]
+        if trace.lens:
+            journey.append(("lens", "Logit lens", "<div id=\"lens-view\">" + html_journey.lens_html(first["lens"])
+                            + "</div>" + _note(numerics)))
+        if trace.attention:
+            journey.append(("attention", "Attention", "<div id=\"attention-view\">"
+                            + html_journey.attention_html(first["attention"]) + "</div>" + _note(
+                                "the predicted position's attention weights over every cached position (the staged "
+                                "model's softmax output); hover a cell for its weight. " + numerics)))
     if trace.no_kv_cache is not None:
         run = trace.no_kv_cache
-        parts.append(_section("no-cache", "Without a KV cache", figs.no_cache_ratios(run),
-                              f"whole run: {run.time_ratio or 0:.1f}× the time, {run.flops_ratio or 0:.1f}× the "
-                              f"FLOPs (estimate {run.analytic_generation_ratio:.1f}×); a {run.horizon_tokens}-token "
-                              f"generation: {run.horizon_generation_ratio:.0f}× (its last step "
-                              f"{run.horizon_step_ratio:.0f}×)."))
+        after = [("no-cache", "Without a KV cache", figs.no_cache_ratios(run) + _note(
+            f"whole run: {run.time_ratio or 0:.1f}× the time, {run.flops_ratio or 0:.1f}× the FLOPs (estimate "
+            f"{run.analytic_generation_ratio:.1f}×); a {run.horizon_tokens}-token generation: "
+            f"{run.horizon_generation_ratio:.0f}× (its last step {run.horizon_step_ratio:.0f}×)."))]
+    else:
+        after = []
+    contents = sections + journey + after
+    title = f"llmtrace · {cfg.name} · {trace.settings.prompt[:60]}"
+    parts = [f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{escape(title)}</title>"
+             f"<style>{_CSS}{_palettes(figs)}</style></head><body>",
+             _header(trace), _toc(contents)]
+    parts += [_section(*s) for s in sections]
+    if journey:
+        parts.append("<div class=\"journey\">" + html_journey.picker(steps)
+                     + "".join(_section(*s) for s in journey) + "</div>")
+        parts.append(html_journey.journey_data(steps) + html_journey.script())
+    parts += [_section(*s) for s in after]
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
 
-def _section(anchor: str, title: str, body: str, note: str = "") -> str:
-    note_html = f"<p class=\"note\">{note}</p>" if note else ""
-    return f"<section id=\"{anchor}\"><h2>{escape(title)}</h2>{body}{note_html}</section>"
+def _header(trace: Trace) -> str:
+    """The terminal's header lines (cli/render_run.py's render_header, render_kernel_choice), the environment, and
+    the kernel details that `--detail kernels` prints."""
+    cfg, env = trace.config, trace.environment
+    window = f" · sliding window {cfg.sliding_window:,}" if cfg.sliding_window is not None else ""
+    shape = (f"{cfg.n_layers} layers · dim {cfg.dim} · {cfg.n_heads} heads ({cfg.n_kv_heads} KV) · "
+             f"FFN {cfg.ffn_dim}{window}")
+    weight_format = trace.model.weight_format
+    if trace.settings.dry_run:
+        how = weight_format
+    else:
+        short = dtype_name(env.dtype)
+        shown = "" if short in weight_format else f" · {short}"
+        how = (f"{weight_format}{shown} · {env.device} · {env.threads} thread{'s' if env.threads != 1 else ''} · "
+               f"loaded in {fmt.duration_s(trace.model.load_seconds)}")
+    lines = [f"<h1 id=\"top\">{escape(cfg.name)}</h1>",
+             f"<p class=\"meta\" id=\"model\"><b>{escape(cfg.name)}</b> · {escape(shape)}</p>",
+             f"<p class=\"meta\" id=\"weights\">{escape(how)}</p>"]
+    kernels = kernel_line(trace.kernels, dtype_name(env.dtype))
+    if kernels:
+        lines.append(f"<p class=\"meta\" id=\"kernels\">{escape(kernels)}</p>")
+    numerics = numerics_note(trace.kernels)
+    if numerics:
+        lines.append(f"<p class=\"meta\" id=\"numerics\">{escape(numerics)}</p>")
+    details = detail_lines(trace.kernels)
+    if details:
+        lines.append(f"<details><summary>kernel details (--detail kernels)</summary>"
+                     f"<pre>{escape(chr(10).join(details))}</pre></details>")
+    lines.append(f"<p class=\"meta\">{escape(env.device_name)} · llmtrace {escape(env.llmtrace_version)} · "
+                 f"torch {escape(env.torch_version)} · prompt {escape(repr(trace.settings.prompt))}</p>")
+    return "<header>" + "".join(lines) + "</header>"
+
+
+def _toc(contents: list[tuple[str, str, str]]) -> str:
+    items = "".join(f"<li><a href=\"#{anchor}\">{escape(title)}</a></li>" for anchor, title, _ in contents)
+    return f"<nav id=\"contents\"><h2>Contents</h2><ol>{items}</ol></nav>"
+
+
+def _palettes(figs: object) -> str:
+    """The heat maps' colours: .v0 .. (viridis, times) and .m0 .. (magma, attention weights)."""
+    rules = []
+    for cls, name in (("v", "viridis"), ("m", "magma")):
+        colours = figs.palette(name, html_tables.LEVELS)  # type: ignore[attr-defined]
+        rules += [f".{cls}{i}{{background:{c}}}" for i, c in enumerate(colours)]
+    return "\n" + "".join(rules) + "\n"
+
+
+def _section(anchor: str, title: str, body: str) -> str:
+    return f"<section id=\"{anchor}\"><h2>{escape(title)}</h2>{body}</section>"
+
+
+def _note(text: str) -> str:
+    return f"<p class=\"note\">{text}</p>" if text else ""
+
+
+def _staged_note(trace: Trace) -> str:
+    staged = trace.staged_decode
+    if staged is None:
+        return ""
+    if staged.native:
+        return _note("--staged: each decode step ran the native step's stages apart in C, every stage its own phase "
+                     "ended by a barrier and timed there; the prefill ran the stage modules.")
+    return _note(escape(f"--staged: the decode steps ran the stage modules, each wrapped ({staged.reason})."))
 
 
 def _label(role: str) -> str:
@@ -115,57 +211,13 @@ def _token_stream(trace: Trace) -> str:
     if trace.tokenization is not None:
         spans += [f"<span class=\"prompt\" title=\"prompt token {i}\">{escape(fmt.piece(p))}</span>"
                   for i, p in enumerate(trace.tokenization.pieces)]
+    journey = {s.step for s in trace.lens} | {a.step for a in trace.attention}
     for step in trace.steps:
         p = step.sampling.probability_raw if step.sampling is not None else step.probability
         hue = round(120 * p)  # 0 red .. 120 green
-        tip = (f"step {step.step} ({step.phase}) · id {step.token_id} · p model {100 * p:.1f}% · "
-               f"forward {fmt.duration_ns(step.forward_ns)}")
-        spans.append(f"<span style=\"background: hsl({hue}, 70%, 82%)\" title=\"{escape(tip)}\">"
+        tip = (f"token {step.step + 1} · step {step.step} ({step.phase}) · id {step.token_id} · p model "
+               f"{100 * p:.1f}% · forward {fmt.duration_ns(step.forward_ns)}")
+        link = f" data-token=\"{step.step + 1}\"" if step.step in journey else ""
+        spans.append(f"<span style=\"background: hsl({hue}, 70%, 82%)\" title=\"{escape(tip)}\"{link}>"
                      f"{escape(fmt.piece(step.piece))}</span>")
     return f"<div class=\"stream\">{''.join(spans)}</div>"
-
-
-def _summary_table(trace: Trace) -> str:
-    s = run_summary(trace)
-    rows = [("prompt tokens", str(s.prompt_tokens)), ("generated tokens", str(s.generated_tokens)),
-            ("time to first token", fmt.duration_ns(s.ttft_ns)),
-            ("decode", f"{s.decode_tokens_per_second:.1f} tokens/s" if s.decode.steps else "-"),
-            ("prefill FLOPs", fmt.flops(s.prefill.totals.flops)),
-            ("decode FLOPs / step", fmt.flops(s.decode.totals.flops / s.decode.steps) if s.decode.steps else "-"),
-            ("KV cache", f"{fmt.nbytes(s.kv_live_bytes)} live of {fmt.nbytes(s.kv_allocated_bytes)}"),
-            ("text", escape(trace.generated_text))]
-    body = "".join(f"<tr><th class=\"l\">{k}</th><td class=\"l\">{v}</td></tr>" for k, v in rows)
-    return f"<table>{body}</table>"
-
-
-def _lens_table(lens: LensStep) -> str:
-    head = "<tr><th class=\"l\">after</th><th class=\"l\">top 1</th><th class=\"l\">top 2</th>" \
-           f"<th class=\"l\">top 3</th><th>{escape(fmt.piece(lens.piece))} rank</th><th>p</th></tr>"
-    rows = []
-    for layer in lens.layers:
-        name = "embed" if layer.layer is None else f"L{layer.layer}"
-        tops = "".join(f"<td class=\"l{' chosen' if t.token_id == lens.token_id else ''}\">"
-                       f"{escape(fmt.piece(t.piece))} {100 * t.probability:.0f}%</td>" for t in layer.top)
-        shade = f"hsl(120, 60%, {100 - 25 * layer.chosen_probability:.0f}%)"
-        mark = " ◀ first top" if layer.layer is not None and layer.layer == lens.first_top_layer else ""
-        rows.append(f"<tr><td class=\"l\">{name}</td>{tops}<td>{layer.chosen_rank:,}</td>"
-                    f"<td style=\"background: {shade}\">{100 * layer.chosen_probability:.1f}%{mark}</td></tr>")
-    return f"<table>{head}{''.join(rows)}</table>"
-
-
-def _lesson_table(lesson: SamplingLesson) -> str:
-    head = "<tr><th class=\"l\">token</th><th>logit</th>" + "".join(
-        f"<th>T={c.temperature:g}</th>" for c in lesson.columns) + "</tr>"
-    rows = []
-    for i, token in enumerate(lesson.tokens):
-        cells = "".join((f"<td>{100 * c.probabilities[i]:.1f}%</td>" if c.final_probabilities[i] > 0
-                         else f"<td><s>{100 * c.probabilities[i]:.1f}%</s></td>") for c in lesson.columns)
-        rows.append(f"<tr><td class=\"l\">{escape(fmt.piece(token.piece))}</td><td>{token.logit:.2f}</td>{cells}</tr>")
-    rows.append("<tr><th class=\"l\">entropy, bits</th><td></td>" + "".join(
-        f"<td>{c.entropy_bits:.2f}</td>" for c in lesson.columns) + "</tr>")
-    for name, on, field in (("top-k", lesson.top_k > 0, "n_after_top_k"), ("top-p", lesson.top_p < 1, "n_after_top_p"),
-                            ("min-p", lesson.min_p > 0, "n_after_min_p")):
-        if on:
-            rows.append(f"<tr><th class=\"l\">after {name}</th><td></td>" + "".join(
-                f"<td>{getattr(c, field):,}</td>" for c in lesson.columns) + "</tr>")
-    return f"<table>{head}{''.join(rows)}</table>"

@@ -77,7 +77,7 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if trace.run_ahead is not None:
         lines.append(f"[dim]{run_ahead_line(trace.run_ahead)}[/]")
     lines += [f"[dim]{escape(line)}[/]" for line in route_lines(trace.route, detail == "kernels")]
-    stop = _STOP_TEXT.get(trace.stop_reason, trace.stop_reason)
+    stop = stop_text(trace.stop_reason)
     if trace.stop_reason == STOP_INTERRUPTED and stopped_by:
         stop = stop.replace("interrupted", f"interrupted ({stopped_by})", 1)
     lines.append(f"stopped: {stop} · {summary.generated_tokens} tokens generated")
@@ -97,6 +97,11 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if cut:
         text.append(" …(an incomplete UTF-8 character)", style="dim")
     console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
+
+
+def stop_text(reason: str) -> str:
+    """Why the run stopped, in the user's words (a reason llmtrace does not know: as recorded)."""
+    return _STOP_TEXT.get(reason, reason)
 
 
 def run_ahead_line(run_ahead: RunAhead) -> str:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from llmtrace.tracer.trace.run_trace import Trace
     from llmtrace.tracer.trace.summary_block import SummaryBlock
 
-Save = Callable[..., None]  # RunOutputs.save: (trace, summary block, comparison[, repeated, again])
+Save = Callable[..., None]  # RunOutputs.save: (trace, summary block, comparison[, repeated, again, roofline_note])
 
 
 def run_live(console: Console, args: RunArgs, settings: RunSettings, save: Save, received: Any = None) -> Trace:
@@ -115,7 +115,7 @@ def _finish(console: Console, args: RunArgs, trace: Trace, model: tuple[Any, Any
         except KeyboardInterrupt:  # stopped while measuring: the run itself is kept
             note = "roofline: skipped (interrupted)"
     block = summary_block(trace, comparison, report.summary)
-    save(trace, block, comparison)
+    save(trace, block, comparison, roofline_note=note)
     if model is None:
         return
     render_ending(console, trace, args.views.detail.value, report, comparison, note, stopped_by)

@@ -32,14 +32,15 @@ class RunOutputs:
         self.written: list[str] = []
 
     def save(self, trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None,
-             repeated: RepeatSummary | None = None, again: bool = False) -> None:
-        """`again`: after --repeat's runs, the trace once more with their spreads (`repeated`)."""
+             repeated: RepeatSummary | None = None, again: bool = False, roofline_note: str = "") -> None:
+        """`again`: after --repeat's runs, the trace once more with their spreads (`repeated`); `roofline_note`:
+        why there is no comparison (the summary's line, which the HTML report repeats)."""
         from llmtrace.cli.interrupts import deferred_interrupts
 
         with deferred_interrupts(self.received) if self.received is not None else nullcontext():
             self._write_trace(trace, block, repeated, again)
             if not again:
-                self._write_others(trace, block, comparison)
+                self._write_others(trace, block, comparison, roofline_note)
 
     def _write_trace(self, trace: Trace, block: SummaryBlock, repeated: RepeatSummary | None, again: bool) -> None:
         from llmtrace.cli.output_files import write_output
@@ -52,7 +53,8 @@ class RunOutputs:
             if not again:
                 self.written.append(f"trace written to {o.json_file} (JSON; schema {TRACE_SCHEMA})")
 
-    def _write_others(self, trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None) -> None:
+    def _write_others(self, trace: Trace, block: SummaryBlock, comparison: MeasuredVsBound | None,
+                      roofline_note: str) -> None:
         from llmtrace.cli.output_files import write_output
 
         o = self.options
@@ -68,7 +70,7 @@ class RunOutputs:
         if o.html is not None:
             from llmtrace.cli.render_html import html_report
 
-            write_output(o.html, html_report(trace, comparison))
+            write_output(o.html, html_report(trace, comparison, roofline_note))
             self.written.append(f"HTML report written to {o.html} (self-contained: open it in any browser)")
 
     def save_record(self, text: str, what: str, schema: str) -> None:

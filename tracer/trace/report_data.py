@@ -15,10 +15,10 @@ from llmtrace.tracer.trace.summary import phase_summary
 
 @dataclass(frozen=True, slots=True)
 class LayerStageGrid:
-    """Time per layer x stage role in one phase: the mean over its steps of each stage's own time."""
+    """Time per layer x stage role in one phase: the mean over its traced steps of each stage's own time."""
 
     phase: str
-    steps: int
+    steps: int  # the traced steps averaged over
     roles: tuple[str, ...]  # in a layer's order
     layers: tuple[int, ...]
     ns: tuple[tuple[float, ...], ...]  # [layer][role]; 0 where the role did not run in that layer
@@ -35,8 +35,9 @@ class RooflinePoint:
 
 
 def layer_stage_grid(trace: Trace, phase: str) -> LayerStageGrid | None:
-    """None when the phase has no traced stage inside a layer (--no-trace, or no decode step)."""
-    steps = sum(1 for s in trace.steps if s.phase == phase)
+    """None when the phase has no traced stage inside a layer (--no-trace, or no decode step). The mean is over the
+    steps whose stage records the trace kept (--trace-steps may keep some only), as decode_by_stage's is."""
+    steps = len(trace.traced_steps(phase))
     stages = [s for s in trace.stages if s.phase == phase and s.layer is not None]
     if not steps or not stages:
         return None
