@@ -15,6 +15,7 @@ through the functions the terminal uses (llmtrace.cli.html_tables).
 from __future__ import annotations
 
 from html import escape
+from typing import Callable
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli import html_journey, html_tables
@@ -120,7 +121,7 @@ def html_report(trace: Trace, roofline: MeasuredVsBound | None = None, roofline_
     title = f"llmtrace · {cfg.name} · {trace.settings.prompt[:60]}"
     parts = [f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
              f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{escape(title)}</title>"
-             f"<style>{_CSS}{_palettes(figs)}</style></head><body>",
+             f"<style>{_CSS}{_palettes(figs.palette)}</style></head><body>",
              _header(trace), _toc(contents)]
     parts += [_section(*s) for s in sections]
     if journey:
@@ -170,12 +171,12 @@ def _toc(contents: list[tuple[str, str, str]]) -> str:
     return f"<nav id=\"contents\"><h2>Contents</h2><ol>{items}</ol></nav>"
 
 
-def _palettes(figs: object) -> str:
-    """The heat maps' colours: .v0 .. (viridis, times) and .m0 .. (magma, attention weights)."""
+def _palettes(palette: Callable[[str, int], tuple[str, ...]]) -> str:
+    """The heat maps' colours (`palette`: html_figures.palette): .v0 .. (viridis, times) and .m0 .. (magma,
+    attention weights)."""
     rules = []
     for cls, name in (("v", "viridis"), ("m", "magma")):
-        colours = figs.palette(name, html_tables.LEVELS)  # type: ignore[attr-defined]
-        rules += [f".{cls}{i}{{background:{c}}}" for i, c in enumerate(colours)]
+        rules += [f".{cls}{i}{{background:{c}}}" for i, c in enumerate(palette(name, html_tables.LEVELS))]
     return "\n" + "".join(rules) + "\n"
 
 
