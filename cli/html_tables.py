@@ -12,7 +12,7 @@ from html import escape
 from typing import Sequence
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run_summary import roofline_line, run_ahead_line, stop_text
+from llmtrace.cli.render_run_summary import roofline_line, route_lines, run_ahead_line, stop_text
 from llmtrace.tracer.core.contract import role_label
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.journey_records import SamplingLesson
@@ -82,9 +82,15 @@ def summary_table(trace: Trace, summary: RunSummary, roofline: MeasuredVsBound |
         notes.append("tracing was off (--no-trace): times only, no per-stage FLOPs or bytes")
     if trace.run_ahead is not None:
         notes.append(run_ahead_line(trace.run_ahead))
+    route, *why = route_lines(trace.route, True) or [""]
+    if route:
+        notes.append(route)
     stop = f"stopped: {stop_text(trace.stop_reason)} · {summary.generated_tokens} tokens generated"
     paragraphs = ([f"<p class=\"line\">{escape(line)}</p>" for line in lines]
                   + [f"<p class=\"note line\">{escape(n)}</p>" for n in notes])
+    if why:  # what `--detail kernels` adds under the route: the backends not taken, and why
+        paragraphs.append(f"<details><summary>why this route</summary><pre>{escape(chr(10).join(why))}</pre>"
+                          "</details>")
     paragraphs.append(f"<p class=\"line\">{escape(stop)}</p>")
     generated = trace.generated_text
     cut = generated.endswith("\ufffd")  # stopped inside a multi-byte character (Ctrl-C or the token limit)

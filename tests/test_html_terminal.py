@@ -23,7 +23,7 @@ from llmtrace.cli.render_html import html_report
 from llmtrace.cli.render_kernels import dtype_name
 from llmtrace.cli.render_run import render_header, render_kernel_choice
 from llmtrace.cli.render_run_decode import render_decode_stages
-from llmtrace.cli.render_run_summary import render_summary
+from llmtrace.cli.render_run_summary import render_summary, route_lines
 from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.roofline.compare import MeasuredVsBound, compare_with_measured
@@ -134,6 +134,9 @@ def test_summary_is_the_terminals_section_8_with_the_roofline(trace: Trace, roof
     lines = _text(page)
     assert f"roofline (eager kernels): h100-sxm {roofline.compute_dtype} peak" in lines
     assert f"stopped: --max-new-tokens reached · {len(trace.steps)} tokens generated" in lines
+    route = route_lines(trace.route)  # the backends that ran the steps, in the terminal's words
+    assert len(route) == 1 and route[0].startswith("route: decode on ") and route[0] in console.export_text()
+    assert route[0] in lines
 
 
 def test_a_run_without_a_bound_says_why(trace: Trace) -> None:
