@@ -6,9 +6,9 @@ drifts more between child processes on a shared machine than the change moves it
 
 One process loads the bundled model (default weights, 2 threads), prefills max(POSITIONS)+1 random tokens (seed 0)
 and holds this tree's native step plan. Each variant is `cur` (this tree's tracer/model/native) or a folder holding
-decode_step.c, gguf_matmul.c, int8_dot.c, top_values.c and those of int8_groups.c (ABI 7 on) and int16_dot.c (ABI 6
-on) it has, built by a child process into FOLDER/build as native_kernel builds (the step's ABI must match this
-tree's: the plan is this tree's structs; a build before ABI 7 reads an i8dot Q4 matrix's rows from the file's map,
+decode_step.c, gguf_matmul.c, int8_dot.c (top_values.c too before step ABI 5) and those of int8_groups.c (ABI 7 on)
+and int16_dot.c (ABI 6 on) it has, built by a child process into FOLDER/build as native_kernel builds (the step's
+ABI must match this tree's: the plan is this tree's structs; a build before ABI 7 reads an i8dot Q4 matrix's rows from the file's map,
 not the arena). At each position every variant's llmt_decode_step is called ROUNDS times in turn (A B A B ...),
 untraced, writing the same K and V row; then as often traced, its readings giving the scores, softmax and values stages' times summed over the layers.
 Printed per position and variant: the step's p10 and median (ms), the three stages' medians (ms), and the largest

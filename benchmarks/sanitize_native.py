@@ -44,7 +44,7 @@ VALGRIND_EXIT = 99
 # the tests that reach the C code, and those that feed it hostile files
 ASAN_TESTS = ("tests/test_native_kernel.py", "tests/test_native_step.py", "tests/test_native_staged.py",
               "tests/test_int8_dot.py", "tests/test_int8_groups.py", "tests/test_int16_dot.py",
-              "tests/test_int8_step.py", "tests/test_sampler_passes.py", "tests/test_run_ahead.py",
+              "tests/test_int8_step.py", "tests/test_run_ahead.py",
               "tests/test_stored_weights.py", "tests/test_readers_fuzz.py", "tests/test_hostile_input.py",
               "tests/test_bad_input.py")
 

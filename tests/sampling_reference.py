@@ -1,8 +1,11 @@
 """The sampler as it was before its per-token work was cut (main dc68e94, tracer/run/sampling.py), frozen as the
-reference the fast one must equal: every figure of every SampleResult, bit for bit (tests/test_sampling_equality.py).
+reference the package's one must equal: every figure of every SampleResult, bit for bit
+(tests/test_sampling_equality.py).
 
-Only the arithmetic is copied; the parameters and records are the live module's, so a result of each compares with
-`==`. Do not "improve" this file: its worth is that it is the old computation.
+It shares no code with the package (it imports nothing from llmtrace): it takes the parameters as a plain dict
+(`dataclasses.asdict(SamplingParams(...))`) and returns each result as the dict `dataclasses.asdict(SampleResult)`
+gives, so the test compares the two with `==`. Do not "improve" this file: its worth is that it is the old
+computation, written apart from the one it checks.
 """
 
 from __future__ import annotations
@@ -13,18 +16,40 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from llmtrace.tracer.run.sampling import Candidate, NonFiniteLogitsError, SampleResult, SamplingParams
-
 _PREFIX = 256
 _LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
+_STEP_ORDER = ("repetition_penalty", "temperature", "greedy", "top_k", "top_p", "min_p")
+_CANDIDATE_FIELDS = ("token_id", "rank", "logit", "logit_penalized", "prob_raw", "prob_tempered", "kept_top_k",
+                     "kept_top_p", "kept_min_p", "prob_final", "chosen")
+
+
+class ReferenceNonFiniteError(ValueError):
+    """The logits hold a NaN or +inf, or nothing above -inf."""
+
+
+class _Params:
+    """The sampling parameters read from a plain dict (SamplingParams' field names)."""
+
+    def __init__(self, params: dict) -> None:
+        self.temperature = float(params["temperature"])
+        self.top_k = int(params["top_k"])
+        self.top_p = float(params["top_p"])
+        self.min_p = float(params["min_p"])
+        self.repetition_penalty = float(params["repetition_penalty"])
+        self.seed = params["seed"]
+        self.greedy = self.temperature == 0
+        on = {"repetition_penalty": self.repetition_penalty != 1,
+              "temperature": not self.greedy and self.temperature != 1, "greedy": self.greedy,
+              "top_k": self.top_k > 0, "top_p": self.top_p < 1, "min_p": self.min_p > 0}
+        self.active_steps = tuple(step for step in _STEP_ORDER if on[step])
 
 
 class ReferenceSampler:
-    """Picks tokens under fixed SamplingParams; owns the random generator, so one seed gives one token sequence."""
+    """Picks tokens under fixed sampling parameters; owns the random generator, so one seed gives one token sequence."""
 
-    def __init__(self, params: SamplingParams, *, n_candidates: int = 10) -> None:
-        self._params = params
+    def __init__(self, params: dict, *, n_candidates: int = 10) -> None:
+        self._params = params = _Params(params)
         self._n_candidates = n_candidates
         self._generator = torch.Generator(device="cpu")
         self._uniforms: list[float] = []
@@ -44,14 +69,14 @@ class ReferenceSampler:
     def seed(self) -> int:
         return self._seed
 
-    def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor = ()) -> SampleResult:
+    def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor = ()) -> dict:
         """Pick the next token from `logits` (shape (vocab,)); `previous_ids` are the tokens the penalty sees."""
         p = self._params
         raw = _logits_as_numpy(logits)
         vocab = raw.size
         raw_max = float(raw.max())  # NaN propagates through max, so this also catches NaN
         if not math.isfinite(raw_max):
-            raise NonFiniteLogitsError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
+            raise ReferenceNonFiniteError(f"logits must be finite with at least one value > -inf, got max {raw_max}")
         raw_lse, raw_entropy, _ = _softmax_stats(raw, raw_max)
         if p.repetition_penalty != 1:
             penalised, n_penalized = _apply_repetition_penalty(raw, previous_ids, p.repetition_penalty)
@@ -63,7 +88,7 @@ class ReferenceSampler:
             return self._greedy(raw, raw_lse, penalised, common)
         return self._draw(raw, raw_max, raw_lse, penalised, common)
 
-    def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> SampleResult:
+    def _greedy(self, raw: np.ndarray, raw_lse: float, penalised: np.ndarray, common: dict) -> dict:
         ids = _top_sorted(penalised, min(self._n_candidates, penalised.size))
         chosen = int(ids[0])  # ties sort lower ids first, so this is argmax's first maximum, like HF
         vocab = penalised.size
@@ -72,12 +97,12 @@ class ReferenceSampler:
         everything = np.ones(ids.size, dtype=bool)
         candidates = _candidates(ids, np.arange(1, ids.size + 1), raw, penalised, prob_raw, one_hot,
                                  everything, everything, everything, one_hot, chosen)
-        return SampleResult(token_id=chosen, probability=1.0, probability_raw=float(prob_raw[0]), rank=1,
-                            candidates=candidates, n_after_top_k=vocab, n_after_top_p=vocab, n_after_min_p=vocab,
-                            n_final=1, top_p_mass=1.0, entropy_final_bits=0.0, **common)
+        return dict(token_id=chosen, probability=1.0, probability_raw=float(prob_raw[0]), rank=1,
+                    candidates=candidates, n_after_top_k=vocab, n_after_top_p=vocab, n_after_min_p=vocab,
+                    n_final=1, top_p_mass=1.0, entropy_final_bits=0.0, **common)
 
     def _draw(self, raw: np.ndarray, raw_max: float, raw_lse: float, penalised: np.ndarray,
-              common: dict) -> SampleResult:
+              common: dict) -> dict:
         p = self._params
         vocab = penalised.size
         if p.temperature == 1 and penalised is raw:
@@ -139,11 +164,11 @@ class ReferenceSampler:
         prob_final = np.where(kept_m, np.exp(s.astype(np.float64) - final_lse), 0.0)
         candidates = _candidates(ids, ranks, raw, penalised, prob_raw, prob_tempered, kept_k, kept_p, kept_m,
                                  prob_final, chosen)
-        chosen_row = next(c for c in candidates if c.chosen)
-        return SampleResult(token_id=chosen, probability=chosen_row.prob_final, probability_raw=chosen_row.prob_raw,
-                            rank=rank, candidates=candidates, n_after_top_k=n_after_top_k,
-                            n_after_top_p=n_after_top_p, n_after_min_p=n_final, n_final=n_final,
-                            top_p_mass=top_p_mass, entropy_final_bits=final_entropy / _LN2, **common)
+        chosen_row = next(c for c in candidates if c["chosen"])
+        return dict(token_id=chosen, probability=chosen_row["prob_final"], probability_raw=chosen_row["prob_raw"],
+                    rank=rank, candidates=candidates, n_after_top_k=n_after_top_k, n_after_top_p=n_after_top_p,
+                    n_after_min_p=n_final, n_final=n_final, top_p_mass=top_p_mass,
+                    entropy_final_bits=final_entropy / _LN2, **common)
 
 
 def _logits_as_numpy(logits: torch.Tensor) -> np.ndarray:
@@ -288,7 +313,7 @@ def _rank_of(x: np.ndarray, index: int) -> int:
 
 def _candidates(ids: np.ndarray, ranks: np.ndarray, raw: np.ndarray, penalised: np.ndarray, prob_raw: np.ndarray,
                 prob_tempered: np.ndarray, kept_k: np.ndarray, kept_p: np.ndarray, kept_m: np.ndarray,
-                prob_final: np.ndarray, chosen: int) -> tuple[Candidate, ...]:
+                prob_final: np.ndarray, chosen: int) -> tuple[dict, ...]:
     columns = zip(ids.tolist(), ranks.tolist(), raw[ids].tolist(), penalised[ids].tolist(), prob_raw.tolist(),
                   prob_tempered.tolist(), kept_k.tolist(), kept_p.tolist(), kept_m.tolist(), prob_final.tolist())
-    return tuple(Candidate(*row, row[0] == chosen) for row in columns)  # positional: the field order above
+    return tuple(dict(zip(_CANDIDATE_FIELDS, (*row, row[0] == chosen))) for row in columns)

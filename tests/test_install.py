@@ -58,7 +58,7 @@ def test_sdist_and_wheel_carry_the_package_data(dist: dict[str, Path]) -> None:
     for file in SCHEMA_FILES.values():  # every --json output's schema
         assert f"tracer/{file}" in in_sdist and f"llmtrace/tracer/{file}" in in_wheel, file
     # the native library's sources: its units and their headers
-    for source in ("gguf_matmul.c", "decode_step.c", "int8_dot.c", "top_values.c", "blocks.h", "kernels.h"):
+    for source in ("gguf_matmul.c", "decode_step.c", "int8_dot.c", "blocks.h", "kernels.h"):
         assert f"tracer/model/native/{source}" in in_sdist and f"llmtrace/tracer/model/native/{source}" in in_wheel
     assert not any(n.startswith(("tracer/", "cli/", "tests/")) for n in in_wheel)  # no generic top-level names
     assert "License-Expression: Apache-2.0" in metadata

@@ -1,10 +1,11 @@
 """Decode steps run ahead in C (decode_step.c's llmt_decode_ahead, NativeStep.run_ahead, NativeBackend.ahead,
-Generation's run-ahead): several steps to a call, each next token chosen by the sampler's own C passes over the
-step's logits, greedy or drawn at a temperature with the sampler's uniforms.
+Generation's run-ahead): several steps to a call, each next token chosen by the run's sampler (tracer/run/sampling.py),
+called from C with the step's logits.
 
 The independent reference is the step-at-a-time path the run-ahead replaces: `decode_one` (the same C step, one call
 each) with the Sampler choosing from its logits in Python. Run ahead, the tokens, the KV cache, every StepRecord and
-every stage record must be the same values (bit for bit: the same C code on the same inputs); only the times differ.
+every stage record must be the same values (bit for bit: the same C step and the same sampler on the same inputs);
+only the times differ.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ import torch
 from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.native_step import AheadRun
-from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
 from llmtrace.tracer.run.native_backend import NativeBackend
-from llmtrace.tracer.run.sampling import Sampler, SamplingParams
-from llmtrace.tracer.run.sampling_params import MIN_TEMPERATURE
+from llmtrace.tracer.run.sampling import NonFiniteLogitsError, SampleResult, Sampler, SamplingParams
 from llmtrace.tracer.trace.records import DECODE, RunAhead, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
 from tests.test_native_step import BASE, native_model
@@ -54,14 +53,34 @@ def prefilled(model: Any, prompt: int = 5, room: int = 16) -> int:
     return int(logits.argmax())
 
 
-def one_by_one(model: Any, token: int, steps: int) -> tuple[list[int], list[Any]]:
-    """`steps` decode_one calls, each next token the Sampler's greedy choice: the tokens and sample results."""
-    sampler = Sampler(SamplingParams(temperature=0.0))
+def chooser(sampler: Sampler, previous: list[int] | None = None) -> tuple[Any, list[SampleResult]]:
+    """A `choose` for decode_ahead that asks `sampler` (its penalty seeing `previous` and every token chosen since),
+    and the list its results go into."""
+    results: list[SampleResult] = []
+    seen = list(previous or [])
+
+    def choose(logits: np.ndarray) -> int:
+        result = sampler.sample(logits, seen)
+        results.append(result)
+        seen.append(result.token_id)
+        return result.token_id
+
+    return choose, results
+
+
+def greedy() -> Any:
+    return chooser(Sampler(SamplingParams(temperature=0.0)))[0]
+
+
+def one_by_one(model: Any, token: int, steps: int, params: SamplingParams = SamplingParams(),
+               previous: list[int] | None = None) -> tuple[list[int], list[SampleResult]]:
+    """`steps` decode_one calls, each next token a Sampler's choice from its logits: the tokens and sample results."""
+    sampler, seen = Sampler(params), list(previous or [])
     tokens, results = [], []
     for _ in range(steps):
-        logits = model.decode_one(torch.tensor([[token]]))
-        result = sampler.sample(logits[0].numpy())
+        result = sampler.sample(model.decode_one(torch.tensor([[token]]))[0].numpy(), seen)
         token = result.token_id
+        seen.append(token)
         tokens.append(token)
         results.append(result)
     return tokens, results
@@ -70,67 +89,48 @@ def one_by_one(model: Any, token: int, steps: int) -> tuple[list[int], list[Any]
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("variant", [{}, {"sliding_window": 3}, {"tie_embeddings": True}])
 def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[str, Any], threads: int) -> None:
-    """Seven steps in one call: the same tokens, the same KV cache bit for bit, the same position, and each step's
-    candidate table and softmax sums give the sample result the Sampler computes from that step's logits (a window
-    of 3 positions: the run attends the window each step moves to)."""
+    """Seven greedy steps in one call: the same tokens, the same KV cache bit for bit, the same position, and each
+    step's sample result the one the Sampler computes from that step's logits a step at a time (a window of 3
+    positions: the run attends the window each step moves to)."""
     config = dataclasses.replace(BASE, **variant)
     model = native_model(config, seed=3)
-    sampler = Sampler(SamplingParams(temperature=0.0))
     with torch_threads(threads):
         first = prefilled(model)
         want_tokens, want_results = one_by_one(model, first, 7)
         want_kv, want_pos = model._kv_all.clone(), model.pos
         first = prefilled(model)
-        run = NativeBackend(model).ahead(first, 7, None, sampler.table_size(config.vocab_size))
-    assert run is not None and run.failure == ""
+        choose, results = chooser(Sampler(SamplingParams(temperature=0.0)))
+        run = NativeBackend(model).ahead(first, 7, None, choose)
+    assert run is not None and run.failure is None
     assert list(run.tokens) == want_tokens and model.pos == want_pos
     assert torch.equal(model._kv_all, want_kv)
-    for (ids, logits), (total, weighted), want in zip(run.tables, run.sums, want_results):
-        got = sampler.greedy_of_pass(config.vocab_size, ids, logits,
-                                     top_pass_sums(logits[0], total, weighted, config.vocab_size))
-        assert got == want
+    assert results == want_results
     held = [min(length, config.sliding_window or length) for length in range(6, 13)]
     assert list(run.kv_live_bytes) == [model._fused_plan.position_bytes * h for h in held]
 
 
-@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
-def test_steps_drawn_ahead_are_the_samplers_draws_bit_for_bit(temperature: float) -> None:
-    """Eight steps drawn in one call with a Sampler's uniforms: the tokens a Sampler of the same seed draws a step at
-    a time, the same KV cache, and each step's sample result, rebuilt from what C found (`drawn_of_pass`), equal to
-    the one `sample` computed from that step's logits (candidates, ranks, probabilities, entropies)."""
+@pytest.mark.parametrize("params", [dict(temperature=0.6), dict(temperature=1.0), dict(temperature=1.7),
+                                    dict(temperature=0.7, top_p=0.9), dict(temperature=0.9, top_k=5, min_p=0.05),
+                                    dict(temperature=1.0, repetition_penalty=1.3)])
+def test_steps_drawn_ahead_are_the_samplers_draws_bit_for_bit(params: dict[str, Any]) -> None:
+    """Eight steps drawn in one call by a Sampler: the tokens a Sampler of the same seed draws a step at a time, the
+    same KV cache, and each step's sample result equal to the one `sample` computed from that step's logits
+    (candidates, ranks, probabilities, entropies), filters and a penalty (which sees the prompt too) included."""
     model = native_model(BASE, seed=7)
-    params = SamplingParams(temperature=temperature, seed=11)
-    reference, sampler = Sampler(params), Sampler(params)
-    vocab = BASE.vocab_size
-    assert sampler.draws_from_passes(vocab) and not sampler.greedy_from_table(vocab)
+    sampling = SamplingParams(seed=11, **params)
+    prompt = list(range(3, 8))
     first = prefilled(model)
-    want_tokens, want_results = [], []
-    token = first
-    for _ in range(8):
-        result = reference.sample(model.decode_one(torch.tensor([[token]]))[0].numpy())
-        token = result.token_id
-        want_tokens.append(token)
-        want_results.append(result)
+    want_tokens, want_results = one_by_one(model, first, 8, sampling, prompt + [first])
     want_kv = model._kv_all.clone()
     prefilled(model)
-    run = NativeBackend(model).ahead(first, 8, None, sampler.table_size(vocab), temperature, sampler.uniforms)
+    choose, results = chooser(Sampler(sampling), prompt + [first])
+    run = NativeBackend(model).ahead(first, 8, None, choose)
     assert run is not None and list(run.tokens) == want_tokens and torch.equal(model._kv_all, want_kv)
     assert len(set(want_tokens)) > 1  # drawn, not one repeated argmax
-    for i, want in enumerate(want_results):
-        ids, logits = run.tables[i]
-        got = sampler.drawn_of_pass(vocab, ids, logits, run.scaled_tables[i], run.tokens[i], run.ranks[i],
-                                    run.chosen_logits[i], run.raw_max[i], run.sums[i], run.scaled_sums[i])
-        assert got == want
+    assert results == want_results
 
 
-def test_which_samplers_draw_ahead_and_the_least_temperature() -> None:
-    """A temperature alone draws ahead while the table (10) is shorter than the vocabulary (else `_draw` takes the
-    sorted prefix, in numpy); any filter or penalty does not; a temperature below MIN_TEMPERATURE is one line."""
-    sampler = Sampler(SamplingParams(temperature=0.7, seed=1))
-    assert sampler.draws_from_passes(11) and not sampler.draws_from_passes(10) and not sampler.draws_from_passes(5)
-    for filtered in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(repetition_penalty=1.1)):
-        assert not Sampler(SamplingParams(temperature=0.7, **filtered)).draws_from_passes(1000)
-    assert Sampler(SamplingParams(temperature=MIN_TEMPERATURE)).draws_from_passes(1000)
+def test_the_least_temperature_is_one_line() -> None:
     with pytest.raises(BadArgumentError, match="temperature must be 0 .greedy. or at least 1e-06"):
         SamplingParams(temperature=1e-7)
 
@@ -144,9 +144,9 @@ def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
     stop = want[2]
     assert stop not in want[:2]
     first = prefilled(model)
-    run = NativeBackend(model).ahead(first, 8, stop, 10)
+    run = NativeBackend(model).ahead(first, 8, stop, greedy())
     assert run is not None and list(run.tokens) == want[:3] and model.pos == 5 + 3
-    rest = NativeBackend(model).ahead(run.tokens[-1], 5, None, 10)
+    rest = NativeBackend(model).ahead(run.tokens[-1], 5, None, greedy())
     assert rest is not None and list(rest.tokens) == want[3:]
 
 
@@ -155,7 +155,7 @@ def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
     choice; stamped, each step's stage readings lie within its forward."""
     model = native_model(BASE)
     first = prefilled(model)
-    run = NativeBackend(model).ahead(first, 5, None, 10, stamps=True)
+    run = NativeBackend(model).ahead(first, 5, None, greedy(), stamps=True)
     assert run is not None and len(run.stamps) == 5
     for (start, forward_end, sample_end), stamps in zip(run.clock, run.stamps):
         assert start <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= forward_end <= sample_end
@@ -164,8 +164,8 @@ def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
 
 
 def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
-    """A step whose logits hold NaN (its token's embedding row is NaN) chooses nothing: the run holds the steps
-    before it and says why, and the cache does not count it."""
+    """A step whose logits hold NaN (its token's embedding row is NaN) chooses nothing: the sampler's error is the
+    run's failure, the run holds the steps before it, and the cache does not count it."""
     model = native_model(BASE, dense_embedding=True)
     first = prefilled(model)
     chosen, _ = one_by_one(model, first, 2)
@@ -173,8 +173,31 @@ def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
         model.tok_embeddings.weight[chosen[1]] = float("nan")  # the third step's input
     model.setup_cache(1, 21)  # an in-place edit voids the plan until the next setup_cache
     model.prefill(torch.arange(3, 8).view(1, -1))
-    run = NativeBackend(model).ahead(first, 6, None, 10)
-    assert run is not None and list(run.tokens) == chosen and run.failure == "not finite" and model.pos == 5 + 2
+    run = NativeBackend(model).ahead(first, 6, None, greedy())
+    assert run is not None and list(run.tokens) == chosen and model.pos == 5 + 2
+    assert isinstance(run.failure, NonFiniteLogitsError)
+
+
+def test_what_the_chooser_raises_ends_the_call_and_is_handed_back() -> None:
+    """Ctrl-C (or any error) inside the chooser: C stops after that step's forward, and the exception comes back
+    with the steps chosen before it; a token outside the vocabulary is refused."""
+    model = native_model(BASE)
+    first = prefilled(model)
+    want, _ = one_by_one(model, first, 2)
+    prefilled(model)
+    answers = iter(want)
+
+    def choose(logits: np.ndarray) -> int:
+        token = next(answers, None)
+        if token is None:
+            raise KeyboardInterrupt
+        return token
+
+    run = NativeBackend(model).ahead(first, 6, None, choose)
+    assert run is not None and list(run.tokens) == want and isinstance(run.failure, KeyboardInterrupt)
+    assert model.pos == 5 + 2
+    with pytest.raises(native_kernel.NativeKernelError, match="outside the vocabulary"):
+        NativeBackend(model).ahead(want[-1], 2, None, lambda logits: BASE.vocab_size)
 
 
 def test_models_the_native_step_cannot_run_get_none() -> None:
@@ -183,18 +206,17 @@ def test_models_the_native_step_cannot_run_get_none() -> None:
 
     dense = Transformer(BASE).eval()
     prefilled(dense)
-    assert NativeBackend(dense).ahead(1, 4, None, 10) is None and dense.pos == 5
+    assert NativeBackend(dense).ahead(1, 4, None, greedy()) is None and dense.pos == 5
     model = native_model(BASE)
     first = prefilled(model, room=3)
-    assert NativeBackend(model).ahead(first, 4, None, 10) is None and model.pos == 5
-    assert NativeBackend(model).ahead(first, 3, None, 10) is not None and model.pos == 8
+    assert NativeBackend(model).ahead(first, 4, None, greedy()) is None and model.pos == 5
+    assert NativeBackend(model).ahead(first, 3, None, greedy()) is not None and model.pos == 8
 
 
 def test_steps_ahead_take_about_fifty_milliseconds() -> None:
     def run(per_step_ns: int, steps: int = 4) -> AheadRun:
         clock = [(i * per_step_ns, i * per_step_ns + per_step_ns - 10, (i + 1) * per_step_ns) for i in range(steps)]
-        return AheadRun(tokens=(1,) * steps, ranks=(1,) * steps, tables=(), raw_max=(), sums=(), clock=tuple(clock),
-                        stamps=())
+        return AheadRun(tokens=(1,) * steps, clock=tuple(clock), stamps=())
 
     assert _steps_ahead(run(2_500_000)) == 20
     assert _steps_ahead(run(100_000_000)) == 1
@@ -223,15 +245,20 @@ def generation(loaded: Any, run_ahead: bool, **settings: Any) -> Any:
 SAMPLED = dict(prompt="The capital of France is", max_new_tokens=48, temperature=0.7, seed=5)
 
 
+RUNS = {"greedy to EOS": dict(prompt="What is 2+2?", chat=True), "drawn at T=0.7": SAMPLED,
+        "drawn at T=1": SAMPLED | dict(temperature=1.0), "top-p and a penalty": SAMPLED | dict(top_p=0.9,
+                                                                                              repetition_penalty=1.2),
+        "top-k and min-p": SAMPLED | dict(top_k=20, min_p=0.05)}
+
+
 @pytest.mark.parametrize("trace", [False, True])
-@pytest.mark.parametrize("run", ["greedy to EOS", "drawn at T=0.7", "drawn at T=1"])
+@pytest.mark.parametrize("run", list(RUNS))
 def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool, run: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bundled model, greedy to EOS (12 tokens, EOS inside a call), or drawn at a temperature (the
-    sampler's uniforms handed to C in order; 47 decode steps): the same tokens, text, stop reason, step records and
-    stage records, times apart; the run-ahead path made several steps a call."""
-    settings = {"greedy to EOS": dict(prompt="What is 2+2?", chat=True), "drawn at T=0.7": SAMPLED,
-                "drawn at T=1": SAMPLED | dict(temperature=1.0)}[run]
+    """The bundled model, greedy to EOS (12 tokens, EOS inside a call), or drawn at a temperature, with filters and
+    a penalty or without (47 decode steps): the same tokens, text, stop reason, step records and stage records,
+    times apart; the run-ahead path made several steps a call."""
+    settings = RUNS[run]
     calls = []
     ahead = NativeBackend.ahead
 
@@ -250,7 +277,9 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
     calls.clear()
     step_by_step = generation(bundled, False, trace=trace, **settings)
     assert calls == []
-    assert ahead.stop_reason == step_by_step.stop_reason == ("eos" if run == "greedy to EOS" else "max_new_tokens")
+    assert ahead.stop_reason == step_by_step.stop_reason
+    if run in ("greedy to EOS", "drawn at T=0.7", "drawn at T=1"):
+        assert ahead.stop_reason == ("eos" if run == "greedy to EOS" else "max_new_tokens")
     assert ahead.generated_ids == step_by_step.generated_ids and ahead.generated_text == step_by_step.generated_text
     assert [untimed(s) for s in ahead.steps] == [untimed(s) for s in step_by_step.steps]
     assert [untimed(s) for s in ahead.stages] == [untimed(s) for s in step_by_step.stages]
@@ -285,22 +314,19 @@ def test_show_says_the_steps_ran_ahead(bundled: Any, tmp_path: Path, monkeypatch
     assert max(len(line) for line in result.output.splitlines()) <= 80
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=0.7, top_k=5, seed=1),
-                                      dict(temperature=0.7, min_p=0.1, seed=1), dict(repetition_penalty=1.2),
-                                      dict(lens=True), dict(staged=True)])
+@pytest.mark.parametrize("settings", [dict(lens=True), dict(staged=True)])
 def test_runs_that_need_each_step_run_a_step_at_a_time(bundled: Any, settings: dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A draw over a kept prefix (top-p, top-k, min-p: summed in numpy), a repetition penalty, the logit lens's
-    hooks, --staged: no run ahead."""
+    """The logit lens's hooks and --staged read each step: no run ahead."""
     calls = []
     monkeypatch.setattr(NativeBackend, "ahead", lambda *a, **k: calls.append(1))
     trace = generation(bundled, True, max_new_tokens=4, **settings)
     assert calls == [] and len(trace.steps) == 4
 
 
-def test_a_sampler_that_samples_its_own_way_runs_a_step_at_a_time(bundled: Any) -> None:
-    """A Sampler subclass whose `sample` does something else is asked for every token (it inherits the checks
-    that would let a plain Sampler's greedy steps run in C)."""
+def test_a_sampler_of_its_own_runs_ahead_asked_for_every_token(bundled: Any) -> None:
+    """A Sampler subclass whose `sample` does something else is what C calls for every token (C chooses nothing
+    itself), and its tokens are those it gives a step at a time."""
     asked = []
 
     class Counting(Sampler):
@@ -308,18 +334,22 @@ def test_a_sampler_that_samples_its_own_way_runs_a_step_at_a_time(bundled: Any) 
             asked.append(1)
             return super().sample(logits, previous_ids)
 
-    settings = RunSettings(model="", prompt="The capital of France is", max_new_tokens=8)
-    made = Generation(bundled, settings, sampler=Counting(SamplingParams(temperature=0.0)))
-    try:
-        trace = made.run()
-    finally:
-        made.close()
-    assert len(asked) == len(trace.steps) == 8 and trace.run_ahead is None
+    def run(run_ahead: bool) -> Any:
+        settings = RunSettings(model="", prompt="The capital of France is", max_new_tokens=8)
+        made = Generation(bundled, settings, sampler=Counting(SamplingParams(temperature=0.0)), run_ahead=run_ahead)
+        try:
+            return made.run()
+        finally:
+            made.close()
+
+    ahead = run(True)
+    assert len(asked) == len(ahead.steps) == 8 and ahead.run_ahead is not None
+    assert ahead.generated_ids == run(False).generated_ids
 
 
 def test_a_sampler_used_again_draws_as_after_a_step_at_a_time(bundled: Any) -> None:
-    """Two drawn runs through one Sampler, the first ending at EOS inside a call: the call's uniforms for the steps
-    after EOS go back to the sampler, so the second run draws what it draws after a first run a step at a time."""
+    """Two drawn runs through one Sampler, the first ending at EOS inside a call: the sampler drew for the steps
+    that ran and no more, so the second run draws what it draws after a first run a step at a time."""
     def two_runs(run_ahead: bool) -> list[Any]:
         sampler = Sampler(SamplingParams(temperature=0.7, seed=2))
         traces = []

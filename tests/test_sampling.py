@@ -396,16 +396,16 @@ def test_greedy_matches_torch_on_a_49152_vocabulary() -> None:
 
 
 def test_partial_selection_is_exact_when_its_sample_misleads_it() -> None:
-    from llmtrace.tracer.run.sampling import _top_sorted
+    from llmtrace.tracer.run.distribution import top_sorted
 
     # every 16th value holds the largest ones: the sampled threshold lets too few through, so it must fall back
     x = torch.zeros(49152)
     x[::16] = torch.arange(1.0, 3073.0)
-    assert _top_sorted(x.numpy(), 10).tolist() == torch.topk(x, 10).indices.tolist()
+    assert top_sorted(x.numpy(), 10).tolist() == torch.topk(x, 10).indices.tolist()
     # a sample that sees only ties: many values pass, and the tied ones come out lower index first
     y = torch.zeros(49152)
     y[[5, 40000, 77]] = torch.tensor([3.0, 2.0, 2.0])
-    assert _top_sorted(y.numpy(), 6).tolist() == [5, 77, 40000, 0, 1, 2]
+    assert top_sorted(y.numpy(), 6).tolist() == [5, 77, 40000, 0, 1, 2]
 
 
 # ---- top-p on tied distributions: a count, as HF's TopPLogitsWarper keeps it ---------------------------------------

@@ -65,11 +65,11 @@ def test_default_run_takes_the_native_backend_ahead(tiny_quantized: Callable[...
     _check_json(trace)
 
 
-def test_sampler_filters_keep_the_native_backend_a_step_a_call(tiny_quantized: Callable[..., Path]) -> None:
+def test_sampler_filters_run_ahead_too(tiny_quantized: Callable[..., Path]) -> None:
+    """C calls the run's sampler for each next token, so a filtered draw runs ahead as greedy does."""
     trace = _run(str(tiny_quantized(Q8_0)), temperature=0.8, top_k=5, seed=3)
-    assert (trace.route.decode, trace.route.ahead) == (NATIVE, False)
-    assert trace.route.ahead_reason == "top-k, top-p, min-p or a repetition penalty need more than C's passes"
-    assert trace.run_ahead is None  # every decode step its own call, as the route says
+    assert (trace.route.decode, trace.route.ahead, trace.route.ahead_reason) == (NATIVE, True, "")
+    assert trace.run_ahead is not None and trace.run_ahead.steps == len(trace.decode_steps)
 
 
 def test_dense_model_takes_the_packed_backend(tiny_llama_dir: Path) -> None:

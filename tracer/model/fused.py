@@ -57,7 +57,7 @@ from llmtrace.tracer.model.functional import (
     swiglu,
 )
 from llmtrace.tracer.model.edit_watch import unwatched_dicts, watch
-from llmtrace.tracer.model.native_step import AheadRun, NativeStep, host_clock_matches
+from llmtrace.tracer.model.native_step import AheadRun, Chooser, NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
 Mark = Callable[[], None]
@@ -373,18 +373,15 @@ class FusedPlan:
             take(step.readings())
         return logits
 
-    def native_ahead(self, token: int, start: int, steps: int, stop_token: int | None, table: int,
-                     temperature: float, draws: Callable[[int], list[float]] | None, stamps: bool,
-                     native: bool = True) -> AheadRun | None:
+    def native_ahead(self, token: int, start: int, steps: int, stop_token: int | None,
+                     choose: Chooser, stamps: bool, native: bool = True) -> AheadRun | None:
         """Up to `steps` one-token steps of one sequence from `token` at position `start` as one C call
-        (NativeStep.run_ahead: each next token chosen in C, greedy at `temperature` 0, else drawn with the uniforms
-        `draws(steps)` gives, asked only once the call runs), when the native step can take them (`native_off_reason`
-        finds nothing) and C's clock is the host's (the steps' times are its readings, traced or not); else None. The
-        caches' lengths then count the steps done."""
+        (NativeStep.run_ahead: each next token `choose(logits)`'s, called from C after each step), when the native
+        step can take them (`native_off_reason` finds nothing) and C's clock is the host's (the steps' times are its
+        readings, traced or not); else None. The caches' lengths then count the steps done."""
         if self.native_off_reason(native) or not host_clock_matches():
             return None
-        uniforms = draws(steps) if temperature > 0 and draws is not None else None
-        run = self.native.run_ahead(token, start, self.window, steps, stop_token, table, temperature, uniforms, stamps)
+        run = self.native.run_ahead(token, start, self.window, steps, stop_token, choose, stamps)
         end = start + len(run.tokens)
         for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes
             cache["length"], cache["batch"] = end, 1

@@ -67,8 +67,7 @@ NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # one library, and the build key covers them and the headers they include
 SOURCES = tuple(sorted(NATIVE_SOURCES.glob("*.[ch]")))
 ABI = 8  # LLMT_ABI in gguf_matmul.c
-STEP_ABI = 4  # LLMT_STEP_ABI in decode_step.c
-SAMPLER_ABI = 1  # LLMT_SAMPLER_ABI in top_values.c (the sampler's passes: native_top.py)
+STEP_ABI = 5  # LLMT_STEP_ABI in decode_step.c
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"
@@ -420,7 +419,7 @@ def _key(compiler: list[str], version: str) -> str:
     h = hashlib.sha256()
     parts = [path.read_bytes() for path in SOURCES]
     for part in (*parts, " ".join(compiler).encode(), version.encode(), repr((FLAG_SETS, COMMON_FLAGS, LIBS)).encode(),
-                 _cpu().encode(), f"{ABI} {STEP_ABI} {SAMPLER_ABI}".encode()):
+                 _cpu().encode(), f"{ABI} {STEP_ABI}".encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()[:20]
@@ -530,8 +529,7 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
             now = os.stat(path)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return None, "library file replaced while loading"
-            if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI \
-                    or handle.llmt_sampler_abi() != SAMPLER_ABI:
+            if handle.llmt_abi() != ABI or handle.llmt_step_abi() != STEP_ABI:
                 return None, "library of another ABI"
             features = handle.llmt_features()
         except (OSError, AttributeError) as exc:

@@ -34,8 +34,9 @@ import ctypes
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from llmtrace.tracer.model import native_kernel
@@ -47,7 +48,10 @@ STAGED_STAGES_PER_LAYER = 17  # the staged path's (contract.staged_stages): Q, K
 STAGES_AFTER_LAYERS = 2  # final norm, LM head
 _STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch",
            6: "a token id outside the embedding table"}
-_NOT_FINITE = 7  # llmt_decode_ahead: a step's logits hold a NaN or no finite value, or nothing to draw
+_NOT_CHOSEN = 7  # llmt_decode_ahead: the chooser answered no token (it raised: run_ahead hands its exception on)
+# llmt_decode_ahead's chooser: called with a step's index once its logits are written, it answers the next token
+_CHOOSE = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)
+Chooser = Callable[[np.ndarray], int]  # the next token from a step's logits (vocab,): the run's sampler
 
 
 class _Layer(ctypes.Structure):
@@ -108,8 +112,8 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | Non
     scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     scratch.restype = ctypes.c_int64
     ahead = holding_the_gil.llmt_decode_ahead
-    ahead.argtypes = [ctypes.c_void_p, ctypes.c_int64, *(ctypes.c_void_p,) * 2, *(ctypes.c_int64,) * 5,
-                      ctypes.c_float, *(ctypes.c_void_p,) * 13, ctypes.c_int, ctypes.c_void_p]
+    ahead.argtypes = [ctypes.c_void_p, ctypes.c_int64, *(ctypes.c_void_p,) * 2, *(ctypes.c_int64,) * 4, _CHOOSE,
+                      *(ctypes.c_void_p,) * 4, ctypes.c_int, ctypes.c_void_p]
     ahead.restype = ctypes.c_int64
     return step, scratch, ahead
 
@@ -119,18 +123,9 @@ class AheadRun:
     """What the steps of one `NativeStep.run_ahead` call chose, and when (CLOCK_MONOTONIC ns); per step, in order."""
 
     tokens: tuple[int, ...]  # its choice
-    ranks: tuple[int, ...]  # its choice's rank among the (scaled) logits, largest first (1 under greedy)
-    tables: tuple[tuple[list[int], list[float]], ...]  # its candidate ids (largest scaled logit first), their logits
-    raw_max: tuple[float, ...]  # its largest logit
-    sums: tuple[tuple[float, float], ...]  # its softmax sums of the logits shifted by their max: total, weighted
     clock: tuple[tuple[int, int, int], ...]  # its start, its logits' end, its choice's end
     stamps: tuple[list[int], ...]  # its stage readings (NativeStep.readings' layout) when stamped, else empty
-    # sampling only (empty under greedy): the scaled logits (logits / T) at the table's ids, the logit and the scaled
-    # logit at the chosen id, and the softmax sums of the scaled logits
-    scaled_tables: tuple[list[float], ...] = ()
-    chosen_logits: tuple[tuple[float, float], ...] = ()
-    scaled_sums: tuple[tuple[float, float], ...] = ()
-    failure: str = ""  # "not finite": the step after the last one here made logits with a NaN or no finite value
+    failure: BaseException | None = None  # what the chooser raised on the logits of the step after the last one here
     kv_live_bytes: tuple[int, ...] = ()  # its live KV bytes after it (FusedPlan.native_ahead fills them in)
 
 
@@ -281,61 +276,46 @@ class NativeStep:
         return logits
 
     def run_ahead(self, token: int, position: int, window: int | None, steps: int, stop_token: int | None,
-                  table: int, temperature: float = 0.0, uniforms: list[float] | None = None,
-                  stamps: bool = False) -> AheadRun:
+                  choose: Chooser, stamps: bool = False) -> AheadRun:
         """Up to `steps` decode steps in one C call (decode_step.c's llmt_decode_ahead): the first takes `token` at
-        `position`, each next one the token the last chose by the sampler's own C passes over its logits: greedy
-        (`temperature` 0), or drawn from softmax(logits / temperature) with uniforms[i] (the sampler's draws, in
-        order); a table of `table` candidates and the softmax sums beside it. The run stops early after the step
-        that chose `stop_token`. Each step attends the keys a window of `window` positions (None: all) leaves it and
-        writes its K and V. With `stamps`, each step's stage readings as `readings()` would have them. A step that
-        failed is not in the result: `failure` says why."""
+        `position`, each next one `choose(logits)`'s answer for the step before, called from C as soon as that
+        step's logits (vocab,) are written (a view C overwrites at the next step: the caller's sampler reads it and
+        keeps nothing of it). The run stops early after the step that chose `stop_token`, or after a step whose
+        `choose` raised: `failure` holds the exception, that step is not in the result (its K and V written, not
+        counted). Each step attends the keys a window of `window` positions (None: all) leaves it and writes its K
+        and V. With `stamps`, each step's stage readings as `readings()` would have them."""
         threads = torch.get_num_threads()
         if threads > self._threads:
             self._ensure_scratch(threads)
-        sampling = temperature > 0
-        if sampling and (uniforms is None or len(uniforms) < steps):
-            raise ValueError(f"sampling {steps} steps ahead takes {steps} uniforms")
-        chosen, ranks = (ctypes.c_int64 * steps)(), (ctypes.c_int64 * steps)()
-        top_ids, top_logits = (ctypes.c_int64 * (steps * table))(), (ctypes.c_float * (steps * table))()
-        scaled_logits = (ctypes.c_float * (steps * table))() if sampling else None
-        chosen_logits = (ctypes.c_float * (2 * steps))() if sampling else None
-        raw_max, sums = (ctypes.c_float * steps)(), (ctypes.c_double * (2 * steps))()
-        scaled_sums = (ctypes.c_double * (2 * steps))() if sampling else None
-        draws = (ctypes.c_double * steps)(*uniforms[:steps]) if sampling else None
-        clock = (ctypes.c_int64 * (3 * steps))()
+        chosen, clock = (ctypes.c_int64 * steps)(), (ctypes.c_int64 * (3 * steps))()
         per_step = self.stamp_count
         readings = (ctypes.c_int64 * (steps * per_step))() if stamps else None
         status = ctypes.c_int(0)
-        logits = torch.empty(self.vocab, dtype=torch.float32)  # the last step's, read by nobody but a failure
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        view, raised = logits.numpy(), []
+
+        def chooser(_step: int) -> int:
+            try:
+                return int(choose(view))
+            except BaseException as exc:  # Ctrl-C too: C stops, and the steps done are still the caller's
+                raised.append(exc)
+                return -1
+
         self._taken = 0  # the single-step buffer no longer holds the last step's readings
         done = self._ahead(self._address, token, self._cos_address, self._sin_address, position, window or 0, steps,
-                           -1 if stop_token is None else stop_token, table, temperature, draws, logits.data_ptr(),
-                           chosen, ranks, top_ids, top_logits, scaled_logits, chosen_logits, raw_max, sums,
-                           scaled_sums, clock, readings, threads, ctypes.byref(status))
-        failure = ""
-        if status.value == _NOT_FINITE:
-            failure = "not finite"
-        elif status.value:
+                           -1 if stop_token is None else stop_token, _CHOOSE(chooser), logits.data_ptr(), chosen,
+                           clock, readings, threads, ctypes.byref(status))
+        if status.value and status.value != _NOT_CHOSEN:
             raise native_kernel.NativeKernelError(f"the native decode step failed: "
                                                   f"{_STATUS.get(status.value, status.value)}")
-        ids, values, flat_clock = top_ids[: done * table], top_logits[: done * table], clock[: 3 * done]
-        flat_stamps = readings[: done * per_step] if readings is not None else []
-        scaled = scaled_logits[: done * table] if scaled_logits is not None else []
+        if status.value == _NOT_CHOSEN and not raised:
+            raise native_kernel.NativeKernelError("the chooser answered a token outside the vocabulary")
+        flat_clock, flat_stamps = clock[: 3 * done], readings[: done * per_step] if readings is not None else []
         return AheadRun(
             tokens=tuple(chosen[:done]),
-            ranks=tuple(ranks[:done]),
-            tables=tuple((ids[i * table : (i + 1) * table], values[i * table : (i + 1) * table]) for i in range(done)),
-            raw_max=tuple(raw_max[:done]),
-            sums=tuple((sums[2 * i], sums[2 * i + 1]) for i in range(done)),
             clock=tuple(tuple(flat_clock[3 * i : 3 * i + 3]) for i in range(done)),
             stamps=tuple(flat_stamps[i * per_step : (i + 1) * per_step] for i in range(done)) if stamps else (),
-            scaled_tables=tuple(scaled[i * table : (i + 1) * table] for i in range(done)),
-            chosen_logits=tuple((chosen_logits[2 * i], chosen_logits[2 * i + 1]) for i in range(done))
-            if chosen_logits is not None else (),
-            scaled_sums=tuple((scaled_sums[2 * i], scaled_sums[2 * i + 1]) for i in range(done))
-            if scaled_sums is not None else (),
-            failure=failure,
+            failure=raised[0] if raised else None,
         )
 
     def readings(self) -> list[int]:

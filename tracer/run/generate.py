@@ -29,7 +29,6 @@ from llmtrace.tracer.core.version import llmtrace_version
 from llmtrace.tracer.hardware.decode_ceilings import this_cpu_name
 from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.model.native_step import AheadRun
-from llmtrace.tracer.model.native_top import top_pass_sums
 from llmtrace.tracer.model.rope import rope_inv_freq
 from llmtrace.tracer.run.detokenize import TextStream
 from llmtrace.tracer.run.native_backend import NativeBackend
@@ -135,7 +134,7 @@ class Generation:
     def __init__(self, loaded: LoadedModelLike, settings: RunSettings, sampler: Any = None,
                  run_ahead: bool = True) -> None:
         """`run_ahead=False`: every decode step its own call, as the steps that cannot run ahead
-        (`_run_ahead_table`); for comparisons, the records are the same."""
+        (`select`'s route says why); for comparisons, the records are the same."""
         if settings.max_new_tokens < 1:
             raise BadArgumentError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
         self.loaded = loaded
@@ -301,23 +300,25 @@ class Generation:
     def _generate(self, ids: list[int], rope: RopeRecord, limit: int) -> Iterator[Event]:
         eos = getattr(self.tokenizer, "eos_id", None)
         token = yield from self._prefill(ids, rope, limit)
-        table = self._selection.table  # 0: every decode step its own call (the route's ahead_reason says why)
-        ahead = FIRST_RUN_AHEAD
+        ahead = FIRST_RUN_AHEAD if self._selection.ahead else 0  # 0: a step a call (the route's ahead_reason)
         while token != eos and len(self._generated) < limit:
-            run = self._decode_ahead(token, min(ahead, limit - len(self._generated)), eos, table) if table else None
-            if run is None:
-                table = 0  # what said no (no native step, a hook) stays for the run: a step a call from here on
+            ran = self._decode_ahead(token, min(ahead, limit - len(self._generated)), eos) if ahead else None
+            if ran is None:
+                ahead = 0  # what said no (no native step, a hook) stays for the run: a step a call from here on
                 step = self._step(DECODE, len(self._steps), [token])
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)
                 continue
+            run, results = ran
             self._run_ahead_calls.append(0)
-            for step in self._run_records(run):
+            for step in self._run_records(run, results):
                 self._run_ahead_calls[-1] += 1  # the steps recorded (Ctrl-C may come between two records)
                 token = step.token_id
                 yield TokenStep(step, len(self._generated), limit)
-            if run.failure:
+            if isinstance(run.failure, NonFiniteLogitsError):
                 raise self._not_finite(DECODE, len(self._steps))
+            if run.failure is not None:
+                raise run.failure
             ahead = _steps_ahead(run)
         if token == eos:
             self._stop_reason = STOP_EOS
@@ -326,39 +327,29 @@ class Generation:
         else:
             self._stop_reason = STOP_MAX_NEW_TOKENS
 
-    def _decode_ahead(self, token: int, steps: int, eos: int | None, table: int) -> AheadRun | None:
-        """The native backend's run of up to `steps` steps from `token`, drawn with the sampler's uniforms when it
-        draws; those of steps the call did not run (after EOS or a failure) go back to the sampler, which then holds
-        the draws a step at a time would have left it."""
-        drawn: list[float] = []  # taken only once the call runs
+    def _decode_ahead(self, token: int, steps: int, eos: int | None) -> tuple[AheadRun, list[SampleResult]] | None:
+        """The native backend's run of up to `steps` steps from `token`, the sampler choosing each next token from
+        the step's logits as `_step` has it choose (the prompt and every token so far for its penalty); the run and
+        the sampler's results, in order (one more than the run's steps when the sampler raised on the last)."""
+        results: list[SampleResult] = []
+        previous = self._prompt_ids_and_generated()
 
-        def draws(count: int) -> list[float]:
-            drawn.extend(self.sampler.uniforms(count))
-            return drawn
+        def choose(logits: np.ndarray) -> int:
+            result = self.sampler.sample(logits, previous)
+            results.append(result)
+            previous.append(int(result.token_id))
+            return int(result.token_id)
 
-        run = self._native.ahead(token, steps, eos, table, self.sampler.temperature, draws, self.settings.trace)
-        if run is not None:
-            self.sampler.unread(drawn[len(run.tokens):])
-        return run
+        run = self._native.ahead(token, steps, eos, choose, self.settings.trace)
+        return None if run is None else (run, results)
 
-    def _run_records(self, run: AheadRun) -> Iterator[StepRecord]:
-        """The records of the steps one C call ran (NativeBackend.ahead), in order, each made as it is
-        yielded: its sample result from the sampler (`greedy_of_pass` or `drawn_of_pass`, what `sample` gives for
-        those logits), its times C's clock readings (the forward, then the sampler's passes): the steps ran back to
-        back, so each span ends where the next begins, and the detokenizing done here after the call, like the
-        records, is in none."""
-        vocab = self.config.vocab_size
+    def _run_records(self, run: AheadRun, results: list[SampleResult]) -> Iterator[StepRecord]:
+        """The records of the steps one C call ran (NativeBackend.ahead), in order, each made as it is yielded from
+        the sampler's result for that step; its times C's clock readings (the forward, then the sampler called from
+        C): the steps ran back to back, so each span ends where the next begins, and the detokenizing done here
+        after the call, like the records, is in none."""
         stamped = self.settings.trace
-        sampled = bool(run.scaled_sums)
-        for i, token in enumerate(run.tokens):
-            ids, logits = run.tables[i]
-            if sampled:
-                result = self.sampler.drawn_of_pass(vocab, ids, logits, run.scaled_tables[i], token, run.ranks[i],
-                                                    run.chosen_logits[i], run.raw_max[i], run.sums[i],
-                                                    run.scaled_sums[i])
-            else:
-                result = self.sampler.greedy_of_pass(vocab, ids, logits, top_pass_sums(run.raw_max[i], *run.sums[i],
-                                                                                          vocab))
+        for i, result in enumerate(results[: len(run.tokens)]):
             start, forward_end, sample_end = run.clock[i]
             index = len(self._steps)
             context_length = int(self.model.pos) - len(run.tokens) + i + 1

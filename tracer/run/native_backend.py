@@ -1,5 +1,5 @@
 """The native backend running ahead: several decode steps of one sequence in one call of the C step, each next token
-chosen in C by the sampler's own passes (greedy, or drawn with the sampler's uniforms), stamped when traced.
+the run's sampler's choice, called from C with the step's logits, stamped when traced.
 
 The model only holds the weights and the caches: which tokens follow, and what is recorded of them, is asked here
 and composed by the generation loop (tracer/run/generate.py) with the sampler (tracer/run/sampling.py) and the
@@ -8,9 +8,9 @@ tracer (tracer/trace/hooks.py). `select` (tracer/run/select.py) decides when a r
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from llmtrace.tracer.model.native_step import AheadRun
+from llmtrace.tracer.model.native_step import AheadRun, Chooser
 
 
 class NativeBackend:
@@ -19,14 +19,14 @@ class NativeBackend:
     def __init__(self, model: Any) -> None:
         self.model = model
 
-    def ahead(self, token: int, steps: int, stop_token: int | None, table: int, temperature: float = 0.0,
-              draws: Callable[[int], list[float]] | None = None, stamps: bool = False) -> AheadRun | None:
+    def ahead(self, token: int, steps: int, stop_token: int | None, choose: Chooser,
+              stamps: bool = False) -> AheadRun | None:
         """Up to `steps` decode steps from `token` at the model's `pos`, in one call (FusedPlan.native_ahead: each
-        step's next token is the sampler's choice made in C, greedy at `temperature` 0, else drawn at that
-        temperature with the uniforms `draws(steps)` gives once the call runs; its candidate table of `table` ids
-        and softmax sums in the run; it stops after the step that chose `stop_token`), with each step's stage
-        readings when `stamps`. None when the native step cannot take them (the caller then runs a step at a time):
-        the packed path not usable, a padded or batched cache, or too few positions left for `steps`."""
+        step's next token is `choose(logits)`'s answer, the run's sampler called from C with that step's logits; it
+        stops after the step that chose `stop_token`, or after one whose `choose` raised: AheadRun.failure), with
+        each step's stage readings when `stamps`. None when the native step cannot take them (the caller then runs a
+        step at a time): the packed path not usable, a padded or batched cache, or too few positions left for
+        `steps`."""
         model = self.model
         plan = model._fused_plan
         start = model.pos
@@ -34,8 +34,7 @@ class NativeBackend:
                 or start + steps > plan.max_seq or (start and plan.cache_dicts[0]["batch"] != 1) or not model.fusable():
             return None
         try:
-            run = plan.native_ahead(token, start, steps, stop_token, table, temperature, draws, stamps,
-                                    model.use_native_step)
+            run = plan.native_ahead(token, start, steps, stop_token, choose, stamps, model.use_native_step)
         except BaseException:
             model.rewind(start)  # as a step at a time: no layer left ahead of the others
             raise

@@ -2,8 +2,8 @@
 
 Three backends run a step, all with the stage modules' math (tracer/core/contract.py's stages, in its order):
 - "native": the C decode step (tracer/model/native_step.py), one token of one sequence a call; several steps a call
-  when the sampler's choice can be made in C too (run-ahead: the same backend running more than one step). Under
-  --staged it runs the stages of contract.staged_stages apart, each timed in C.
+  when nothing reads each step (run-ahead: the same backend running more than one step, C calling the run's sampler
+  for each next token). Under --staged it runs the stages of contract.staged_stages apart, each timed in C.
 - "packed": the packed torch path (tracer/model/fused.py's FusedPlan.step): Q|K|V and gate|up one product each.
 - "modules": the stage modules themselves, each a hook point (what --staged, --lens, --attention and
   FlopCounterMode watch).
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmtrace.tracer.model.native_step import host_clock_matches
-from llmtrace.tracer.run.sampling import Sampler
 from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED, Route, RouteNotTaken
 
 
@@ -36,11 +35,10 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """`select`'s answer: the route (the trace's record) and, when the native backend runs ahead, the size of the
-    sampler's candidate table each of its steps fills in C."""
+    """`select`'s answer: the route (the trace's record) and whether the native backend runs several steps a call."""
 
     route: Route
-    table: int = 0
+    ahead: bool = False
 
 
 def select(model: Any, request: Request) -> Selection:
@@ -55,12 +53,12 @@ def select(model: Any, request: Request) -> Selection:
         native_off = _native_reason(model, request, packed_off)
         decode = NATIVE if not native_off else PACKED if not packed_off else MODULES
         modules_off = "" if decode == MODULES else "nothing watches them: fewer ops run the same math"
-    table, ahead_off = _run_ahead(model, request) if decode == NATIVE else (0, "")
+    ahead, ahead_off = _run_ahead(model, request) if decode == NATIVE else (False, "")
     if decode == NATIVE and not packed_off:
         packed_off = "the native step runs a one-token step as one C call"
     reasons = {NATIVE: native_off, PACKED: packed_off, MODULES: modules_off}
     not_taken = tuple(RouteNotTaken(name, why) for name, why in reasons.items() if name != decode and why)
-    return Selection(Route(prefill, decode, ahead_off, not_taken), table)
+    return Selection(Route(prefill, decode, ahead_off, not_taken), ahead)
 
 
 def _packed_reason(model: Any, request: Request) -> str:
@@ -105,27 +103,23 @@ def _staged_native_reason(model: Any, request: Request) -> str:
     return why() if why is not None else "this model has no native decode step"
 
 
-def _run_ahead(model: Any, request: Request) -> tuple[int, str]:
-    """(candidate table size, "") when the native backend may run several steps a call, the sampler choosing each
-    next token in C (greedy, or drawn with its uniforms: the tokens and records a step at a time gives); else (0,
-    why each call runs one step)."""
-    sampler, vocab = request.sampler, model.config.vocab_size
+def _run_ahead(model: Any, request: Request) -> tuple[bool, str]:
+    """(True, "") when the native backend may run several steps a call, C calling the run's sampler with each step's
+    logits for the next token (the tokens and records a step at a time gives); else (False, why each call runs one
+    step)."""
     if not request.run_ahead:
-        return 0, "switched off (run_ahead=False)"
+        return False, "switched off (run_ahead=False)"
     if request.staged:
-        return 0, "--staged stamps each step's stages apart"
+        return False, "--staged stamps each step's stages apart"
     if request.observed:
-        return 0, "--lens or --attention read every step"
+        return False, "--lens or --attention read every step"
     if not request.on_cpu:
-        return 0, "the native step runs on the CPU"
-    # a sampler of another kind, or one whose `sample` does something else (a subclass), never runs in C
-    if sampler is None or getattr(type(sampler), "sample", None) is not Sampler.sample:
-        return 0, "the next token is chosen by a sampler C cannot stand in for"
-    if not sampler.chooses_by_passes(vocab):
-        return 0, "top-k, top-p, min-p or a repetition penalty need more than C's passes"
+        return False, "the native step runs on the CPU"
+    if request.sampler is None:
+        return False, "a dry run chooses no tokens"
     tracer = request.tracer
     if tracer is not None and not tracer.takes_stamped_steps():
-        return 0, "the tracer cannot take the steps' C clock readings"
+        return False, "the tracer cannot take the steps' C clock readings"
     if not host_clock_matches():
-        return 0, "the host clock is not CLOCK_MONOTONIC, the one the C step stamps with"
-    return sampler.table_size(vocab), ""
+        return False, "the host clock is not CLOCK_MONOTONIC, the one the C step stamps with"
+    return True, ""

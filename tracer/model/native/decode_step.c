@@ -55,7 +55,7 @@
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 4 /* bump with StepLayer/StepPlan below: native_step.py mirrors them */
+#define LLMT_STEP_ABI 5 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
 #define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER) */
 
 /* the attention's (its section below) */
@@ -91,7 +91,7 @@ typedef struct {
 } StepPlan;
 
 enum {
-    STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6, STEP_NOT_FINITE = 7
+    STEP_OK = 0, STEP_BAD_SHAPE = 2, STEP_UNSUPPORTED = 4, STEP_SCRATCH = 5, STEP_BAD_TOKEN = 6, STEP_NOT_CHOSEN = 7
 };
 
 int64_t llmt_step_abi(void) { return LLMT_STEP_ABI; }
@@ -667,122 +667,46 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
 }
 #endif /* LLMT_AVX2 */
 
-/* Decode steps back to back in one call (native_step.py's NativeStep.run_ahead), each next token chosen in C by the
-   sampler's own C passes over the step's logits (native_top.py), so it is the token the sampler would choose. Why:
-   between two steps called from Python a decode token spends ~0.3-0.7 ms in Python (sampling, records, the
-   generator), every line of it cold after the step streamed the weights; here the next step starts at once.
-   temperature 0: greedy, sampling.py's Sampler._greedy_of_table: llmt_top_softmax(logits, top_count) (its table
-   and raw softmax sums), the largest logit's id, ties to the lower. temperature T > 0 with uniforms[i] (the
-   sampler's draws, in order): Sampler._draw with no filter and no penalty: the raw pass llmt_top_softmax(logits, 1,
-   blocks), then (T != 1) scaled = logits / T in fp32 and llmt_softmax_sums over it shifted by raw max / T, the
-   table llmt_top_values(scaled, top_count), the token llmt_softmax_draw(scaled, .., uniforms[i] * total) and its
-   rank llmt_count_before + 1; with T = 1 scaled is the logits themselves.
+/* Decode steps back to back in one call (native_step.py's NativeStep.run_ahead), each next token chosen by
+   `choose(i)`, called after step i wrote its logits: the caller's sampler (tracer/run/sampling.py, the one every
+   run uses) reading them from `logits`. Why: between two steps called from Python a decode token spends ~0.3 ms in
+   Python besides its sampling (the loop, the step's call, the records), every line of it cold after the step
+   streamed the weights; here only the choice runs between two steps, and the records are made after the call.
    cos, sin: the rope tables (S_max, D); window: the sliding window (0: none), for the keys each step attends.
-   Stops after `steps` steps or after the step that chose `stop_token`. Step i writes chosen[i], ranks[i], its table
-   top_ids and the logits at them top_values [i * top_count ..], the raw softmax sums [2 * i ..] and raw_max[i]; when
-   sampling also scaled_values [i * top_count ..] (the scaled logits at the table's ids), chosen_values [2 * i ..]
-   (the logit and the scaled logit at the chosen id) and scaled_sums [2 * i ..]; clock [3 * i ..]: its start, its
-   logits' end and its choice's end (CLOCK_MONOTONIC ns); when `stamps` is not NULL its stage stamps at
-   stamps + i * (14 * layers + 4), as llmt_decode_step's. `logits` (vocab,) holds the last step's.
-   Returns the steps completed; *status: STEP_OK, the status of the step that failed (its KV rows unwritten but for
-   STEP_NOT_FINITE: logits with a NaN or no finite value, or nothing of nonzero weight to draw, no token chosen).
+   Stops after `steps` steps or after the step that chose `stop_token`. Step i writes chosen[i]; clock [3 * i ..]:
+   its start, its logits' end and its choice's end (CLOCK_MONOTONIC ns); when `stamps` is not NULL its stage stamps
+   at stamps + i * (14 * layers + 4), as llmt_decode_step's. `logits` (vocab,) holds the last step's.
+   Returns the steps completed; *status: STEP_OK, or the status of the step that failed (its KV rows unwritten but
+   for STEP_NOT_CHOSEN: `choose` answered no token in [0, vocab): the caller's sampler refused the logits).
    In every build: without the AVX2 row kernels the first step answers STEP_UNSUPPORTED. */
+typedef int64_t (*llmt_choose_fn)(int64_t step); /* the next token after step `step`, or -1: none */
+
 int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                          int64_t window, int64_t steps, int64_t stop_token, int64_t top_count, float temperature,
-                          const double *uniforms, float *logits, int64_t *chosen, int64_t *ranks, int64_t *top_ids,
-                          float *top_values, float *scaled_values, float *chosen_values, float *raw_max,
-                          double *sums, double *scaled_sums, int64_t *clock, int64_t *stamps, int threads,
-                          int *status) {
-    const int64_t per_step = FUSED_STAMPS_PER_LAYER * plan->layers + 4, vocab = plan->vocab;
-    const int sampling = temperature > 0;
+                          int64_t window, int64_t steps, int64_t stop_token, llmt_choose_fn choose, float *logits,
+                          int64_t *chosen, int64_t *clock, int64_t *stamps, int threads, int *status) {
+    const int64_t per_step = FUSED_STAMPS_PER_LAYER * plan->layers + 4;
     *status = STEP_OK;
-    if (top_count < 1 || top_count > LLMT_TOP_MAX || top_count > vocab || window < 0 || steps < 0 ||
-        !(temperature >= 0) || (sampling && uniforms == NULL)) {
+    if (window < 0 || steps < 0 || choose == NULL) {
         *status = STEP_BAD_SHAPE;
         return 0;
     }
-    float *scaled = NULL;
-    double *blocks = NULL;
-    if (sampling) {
-        scaled = temperature != 1.0f ? malloc(sizeof(float) * (size_t)vocab) : logits;
-        blocks = malloc(sizeof(double) * (size_t)((vocab + LLMT_DRAW_BLOCK - 1) / LLMT_DRAW_BLOCK));
-        if (scaled == NULL || blocks == NULL) {
-            if (scaled != logits) free(scaled);
-            free(blocks);
-            *status = STEP_SCRATCH;
-            return 0;
-        }
-    }
-    int64_t done = steps;
     for (int64_t i = 0; i < steps; i++) {
         const int64_t at = position + i;
         const int64_t first = window > 0 && at + 1 > window ? at + 1 - window : 0; /* first_attended_position */
-        int64_t *times = clock + 3 * i, *ids = top_ids + i * top_count;
-        float *values = top_values + i * top_count;
+        int64_t *times = clock + 3 * i;
         times[0] = now_ns();
         *status = llmt_decode_step(plan, token, cos + at * plan->head_dim, sin + at * plan->head_dim, at, first,
                                    logits, stamps == NULL ? NULL : stamps + i * per_step, threads, 0);
         times[1] = now_ns();
-        if (*status != STEP_OK) {
-            done = i;
-            break;
-        }
-        if (!sampling) {
-            if (llmt_top_softmax(logits, vocab, top_count, ids, values, sums + 2 * i, NULL) != top_count ||
-                !isfinite(values[0])) { /* -1: a NaN */
-                *status = STEP_NOT_FINITE;
-                done = i;
-                break;
-            }
-            raw_max[i] = values[0];
-            token = ids[0];
-            ranks[i] = 1;
-        } else {
-            int64_t top;
-            float max;
-            if (llmt_top_softmax(logits, vocab, 1, &top, &max, sums + 2 * i, temperature == 1.0f ? blocks : NULL) != 1
-                || !isfinite(max)) {
-                *status = STEP_NOT_FINITE;
-                done = i;
-                break;
-            }
-            raw_max[i] = max;
-            float scaled_max = max;
-            double *tempered = sums + 2 * i;
-            if (temperature != 1.0f) { /* np.divide(raw, np.float32(T)): one correctly rounded fp32 division each */
-                for (int64_t v = 0; v < vocab; v++) scaled[v] = logits[v] / temperature;
-                scaled_max = max / temperature;
-                llmt_softmax_sums(scaled, vocab, scaled_max, -INFINITY, scaled_sums + 2 * i, blocks);
-                tempered = scaled_sums + 2 * i;
-            } else {
-                scaled_sums[2 * i] = tempered[0];
-                scaled_sums[2 * i + 1] = tempered[1];
-            }
-            llmt_top_values(scaled, vocab, top_count, ids);
-            token = llmt_softmax_draw(scaled, vocab, scaled_max, -INFINITY, blocks, uniforms[i] * tempered[0]);
-            if (token < 0) {
-                *status = STEP_NOT_FINITE;
-                done = i;
-                break;
-            }
-            for (int64_t j = 0; j < top_count; j++) {
-                values[j] = logits[ids[j]];
-                scaled_values[i * top_count + j] = scaled[ids[j]];
-            }
-            chosen_values[2 * i] = logits[token];
-            chosen_values[2 * i + 1] = scaled[token];
-            ranks[i] = llmt_count_before(scaled, vocab, scaled[token], token) + 1;
+        if (*status != STEP_OK) return i;
+        token = choose(i);
+        if (token < 0 || token >= plan->vocab) {
+            *status = STEP_NOT_CHOSEN;
+            return i;
         }
         chosen[i] = token;
         times[2] = now_ns();
-        if (token == stop_token) {
-            done = i + 1;
-            break;
-        }
+        if (token == stop_token) return i + 1;
     }
-    if (sampling) {
-        if (scaled != logits) free(scaled);
-        free(blocks);
-    }
-    return done;
+    return steps;
 }

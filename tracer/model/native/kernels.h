@@ -6,8 +6,7 @@
  *   int8_dot.c     the "i8dot" kernel (activations rounded to int8)
  *   int8_groups.c  i8dot's Q4_0/Q4_1 rows interleaved in eights (the layout and its entry points)
  *   int16_dot.c    the "i16dot" kernel (activations rounded to int16; Q8_0 and Q6_K)
- *   decode_step.c  one decode step in one call, and decode steps back to back with the sampler's passes
- *   top_values.c   the sampler's passes
+ *   decode_step.c  one decode step in one call, and decode steps back to back, the caller choosing each token
  * Every kernel has a plain scalar reference beside its vector code (the *_reference functions), always compiled:
  * a build without AVX2 runs them, and llmt_matmul_reference runs them in any build, so tests hold each vector
  * kernel to its reference on every build.
@@ -194,15 +193,5 @@ LLMT_INTERNAL void i16_dot_rows(const Matrix *mat, int p, int64_t first, int64_t
                                 int64_t m, float *out, int64_t out_stride);
 LLMT_INTERNAL float i16_row_reference(int type, const uint8_t *row, int64_t n_blocks, const X16Block *x,
                                       double *magnitude);
-
-/* top_values.c: the sampler's passes, which llmt_decode_ahead repeats after each step */
-#define LLMT_TOP_MAX 64     /* the most values one call selects: native_top.py asks for no more */
-#define LLMT_DRAW_BLOCK 256 /* values per block of the two-level draw (native_top.DRAW_BLOCK) */
-int64_t llmt_top_values(const float *x, int64_t n, int64_t count, int64_t *ids);
-int64_t llmt_softmax_sums(const float *x, int64_t n, float max, float cut, double *sums, double *blocks);
-int64_t llmt_softmax_draw(const float *x, int64_t n, float max, float cut, const double *blocks, double target);
-int64_t llmt_count_before(const float *x, int64_t n, float v, int64_t index);
-int64_t llmt_top_softmax(const float *x, int64_t n, int64_t count, int64_t *ids, float *values, double *sums,
-                         double *blocks);
 
 #endif /* LLMT_KERNELS_H */
