@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,15 @@ def test_non_finite_logits_are_refused(bad: float) -> None:
                 Sampler(SamplingParams(seed=1, **case)).sample(broken)
             with pytest.raises(ReferenceNonFiniteError):
                 ReferenceSampler(dataclasses.asdict(SamplingParams(seed=1, **case))).sample(broken)
+
+
+def test_the_reference_shares_no_code_with_the_package() -> None:
+    """The reference is independent: it imports nothing of llmtrace's (tests/sampling_reference.py)."""
+    import ast
+
+    import sampling_reference
+
+    tree = ast.parse(Path(sampling_reference.__file__).read_text(encoding="utf-8"))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported == {"__future__", "math", "typing", "numpy", "torch"}

@@ -258,7 +258,9 @@ class Sampler:
                 final_entropy = whole.entropy_nats(scratch.products)
             final_lse = whole.lse
             chosen = draw_index(whole.weights, u, scratch.padded)
-            rank = rank_of(x.scaled, chosen)
+            # the sorted prefix is the ranking's (ties lower id first): a token in it has its place there
+            listed = np.flatnonzero(kept.order == chosen)
+            rank = int(listed[0]) + 1 if listed.size else rank_of(x.scaled, chosen)
         ids, ranks = kept.order[: self._n_candidates], np.arange(1, min(self._n_candidates, kept.order.size) + 1)
         if rank > self._n_candidates:
             ids, ranks = np.append(ids, chosen), np.append(ranks, rank)
