@@ -39,7 +39,6 @@ __attribute__((constructor)) static void planted(void) {
 }
 int llmt_abi(void) { return -1; }
 int llmt_step_abi(void) { return -1; }
-int llmt_sampler_abi(void) { return -1; }
 int llmt_features(void) { return 0; }
 """
 
