@@ -130,3 +130,26 @@ def test_i8dot_q4_matrices_are_held_once_interleaved_in_the_arena(tiny_quantized
         assert torch.equal(weight.dequantize(), reference[name].dequantize())
         ids = torch.tensor([0, weight.shape[0] - 1, 9, 3])
         assert torch.equal(weight.rows(ids, torch.float32), reference[name].rows(ids, torch.float32))
+
+
+def test_a_cached_plan_keeps_i8dot_matrices_interleaved_in_place(tiny_quantized: Callable[..., Path],
+                                                                 tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that mixes i8dot with a torch kernel is cached (its int4pack tensors are converted): the i8dot Q4_0
+    matrices go into the entry as they are held ("groups", interleaved in place) and come back as such, so a load
+    from the entry gives the converting load's logits bit for bit."""
+    from llmtrace.tracer.core.dtypes import FP32
+    from llmtrace.tracer.load.loader import load_model
+
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tiny_quantized(Q.Q4_0, Q.Q8_0))
+    tokens = torch.tensor([[1, 5, 9, 14, 3]])
+    logits = []
+    for expect_cached in (False, True):
+        loaded = load_model(path, FP32, weights="Q4_0:i8dot,Q8_0:int4pack")
+        assert loaded.from_cache == expect_cached
+        wq = loaded.model.layers[0].attention.wq.packed
+        assert set(wq.tensors) == {"groups"} and wq.format.kernel == I8DOT
+        loaded.model.setup_cache(1, 8)
+        logits.append(loaded.model.prefill(tokens))
+    assert torch.equal(logits[0], logits[1])

@@ -14,9 +14,9 @@ the check and the touch). A pread of a shrunk file is merely short, which is one
 copy of each tensor's bytes into memory the process owns. Converted tensors (dequantized, packed for torch's
 kernels) were copied out of the map anyway and the copy of the source lives only while its tensor is converted (at
 most one tensor: ~0.3 GB for a 128k-vocabulary Q6_K embedding); the native kernels' blocks were copied into the
-weight arena already (tracer/load/weight_arena.py), so only i8dot's Q4_0/Q4_1 rows, which a run used to read from
-the map, are now held in anonymous memory: their size once more, which also means a file truncated during a run
-no longer kills it at its next prefill. pread from the page cache runs at memcpy speed, as the map's page faults
+weight arena already (tracer/load/weight_arena.py), and are now read straight into it, piece by piece through one
+scratch buffer (i8dot's Q4_0/Q4_1 interleaved in place there: gguf_loader._read_held), so nothing of the file is
+held twice and a file truncated during a run cannot kill it at its next product. pread from the page cache runs at memcpy speed, as the map's page faults
 did (BENCHMARKS.md "Weights cache checks" times a first load before and after).
 
 The key from what was read. `reads()` hashes the whole file in order as the tensors are read (gaps between them,
