@@ -15,8 +15,9 @@ from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run_summary import roofline_line, route_lines, run_ahead_line, stop_text
 from llmtrace.tracer.core.contract import role_label
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
+from llmtrace.tracer.trace.dry_run import DryRunCheck
 from llmtrace.tracer.trace.journey_records import SamplingLesson
-from llmtrace.tracer.trace.records import MATMUL_KINDS
+from llmtrace.tracer.trace.records import MATMUL_KINDS, PREFILL
 from llmtrace.tracer.trace.report_data import LayerStageGrid
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.summary import DecodeByStage, RunSummary
@@ -107,6 +108,28 @@ def summary_table(trace: Trace, summary: RunSummary, roofline: MeasuredVsBound |
     else:  # the model continued the prompt: one text, the continuation highlighted
         text = f"<p class=\"text\"><span class=\"prompt\">{escape(settings.prompt)}</span>{reply}</p>"
     return table + "".join(paragraphs) + text
+
+
+def dry_run_table(check: DryRunCheck, model: str) -> str:
+    """A meta-device run instead of the summary, as the terminal shows it (cli/render_run_dry.py): the traced FLOPs
+    beside the analytical estimate; no time, since nothing was computed. `model`: for `llmtrace roofline --model`."""
+    head = "<th class=\"l\">pass</th>" + "".join(f"<th>{name}</th>" for name in (
+        "traced FLOPs", "estimate.py FLOPs", "", "matmul share", "weights read", "KV read + written"))
+    rows = "".join(
+        f"<tr><td class=\"l\">{f'prefill T={p.new_tokens}' if p.phase == PREFILL else f'decode S={p.context_length}'}"
+        f"</td><td>{fmt.flops(p.traced_flops)}</td><td>{fmt.flops(p.estimated_flops)}</td>"
+        f"<td class=\"l\">{'= equal' if p.equal else '≠ differs'}</td><td>{fmt.share(p.matmul_flops, p.traced_flops)}"
+        f"</td><td>{fmt.nbytes(p.weight_bytes_read)}</td><td>{fmt.nbytes(p.kv_bytes_moved)}</td></tr>"
+        for p in check.passes)
+    exact = ", ".join(("prefill " if p.phase == PREFILL else "decode step ") + fmt.count(p.traced_flops)
+                      for p in check.passes)
+    kv = fmt.nbytes(check.kv_live_bytes_after_prefill) if check.kv_live_bytes_after_prefill is not None else "-"
+    lines = [f"{check.n_layers} layers, each turning {' / '.join(fmt.shape(s) for s in check.layer_output_shapes)} "
+             "into the same shape (the residual stream); nothing was computed: the model lives on the meta device.",
+             f"exact FLOPs: {exact}", f"KV cache after the prefill: {kv} in {check.dtype}"]
+    return (f"<table class=\"dry\"><tr>{head}</tr>{rows}</table>"
+            + "".join(f"<p class=\"line\">{escape(line)}</p>" for line in lines)
+            + f"<p class=\"note line\">for times on real hardware: llmtrace roofline --model {escape(model)}</p>")
 
 
 def _percent(value: float) -> str:

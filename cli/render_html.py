@@ -70,26 +70,31 @@ def html_report(trace: Trace, roofline: MeasuredVsBound | None = None, roofline_
         ("tokens", "Token stream", _token_stream(trace) + _note(
             "prompt in grey; each generated token coloured by the model's probability for it (green: sure, red: "
             "unlikely); hover for the figures, click one for its lens and attention.")),
-        ("summary", "Summary", html_tables.summary_table(trace, summary, roofline, roofline_note)),
     ]
+    dry = report.dry_run
+    if dry is not None:  # nothing was computed: the FLOPs against the estimate, and no time anywhere
+        sections.append(("summary", "Dry run: FLOPs traced on the meta device vs the analytical estimate",
+                         html_tables.dry_run_table(dry, trace.settings.model or cfg.name)))
+    else:
+        sections.append(("summary", "Summary", html_tables.summary_table(trace, summary, roofline, roofline_note)))
     if report.decode_stages is not None:
         d = report.decode_stages
         sections.append(("stages", f"Decode by stage: where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
                          html_tables.decode_stage_table(d) + _staged_note(trace)))
-    maps = [html_tables.time_heat_map(grid, [_label(r) for r in grid.roles])
-            for grid in (layer_stage_grid(trace, PREFILL), layer_stage_grid(trace, DECODE)) if grid is not None]
+    grids = () if dry is not None else (layer_stage_grid(trace, PREFILL), layer_stage_grid(trace, DECODE))
+    maps = [html_tables.time_heat_map(grid, [_label(r) for r in grid.roles]) for grid in grids if grid is not None]
     if maps:
         sections.append(("heat", "Time per layer × stage", "".join(maps) + _note(
             "each cell: that stage's own time in that layer (decode: the mean over the traced steps); hover a cell "
             "for its time.")))
-    points = roofline_points(trace)
+    points = roofline_points(trace) if dry is None else ()
     if points:
         ceiling = (roofline.peak_flops, roofline.memory_bandwidth, roofline.hardware) if roofline else (None, None, "")
         sections.append(("roofline", "Roofline", figs.roofline(points, *ceiling) + _note(
             "measured FLOP/s against FLOPs per byte of weights and KV moved; "
             + (f"ceilings: {escape(roofline.hardware)} ({escape(roofline.compute_dtype)} peak)" if roofline
                else "no ceilings: " + escape(roofline_note or "this run was not compared with a machine")))))
-    if trace.decode_steps:
+    if trace.decode_steps and dry is None:
         sections.append(("decode", "Decode time per step", figs.decode_times(trace.decode_steps) + _note(
             f"mean forward {fmt.duration_ns(summary.decode.forward_ns / max(summary.decode.steps, 1))} per step "
             f"over {summary.decode.steps} steps.")))

@@ -18,11 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli.cmd_show import read_trace
 from llmtrace.cli.render_attention import render_attention
 from llmtrace.cli.render_html import html_report
 from llmtrace.cli.render_kernels import dtype_name
 from llmtrace.cli.render_run import render_header, render_kernel_choice
 from llmtrace.cli.render_run_decode import render_decode_stages
+from llmtrace.cli.render_run_dry import render_dry_run_summary
 from llmtrace.cli.render_run_summary import render_summary, route_lines
 from llmtrace.tracer.hardware.profiles import get_profile
 from llmtrace.tracer.load.loader import load_model
@@ -33,6 +35,7 @@ from llmtrace.tracer.trace.report import run_report
 from llmtrace.tracer.trace.run_trace import Trace
 
 pytest.importorskip("matplotlib", reason="the HTML report needs the html extra: pip install -e '.[html]'")
+GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 class Capture(Console):
@@ -185,3 +188,21 @@ def test_attention_sinks_and_focused_heads_are_the_terminals(trace: Trace, page:
     assert first.weights is not None
     on_sink = sum(1 for layer in first.weights for head in layer if max(range(len(head)), key=head.__getitem__) == 0)
     assert sinks.group(1) == f"{on_sink} of {len(first.heads)}"
+
+
+def test_a_dry_run_shows_the_terminals_flops_check_and_no_time() -> None:
+    """A meta-device trace (`show --html` of one; `run` refuses --html with --dry-run): the traced FLOPs beside the
+    estimate, as the terminal shows them, and none of the sections that need a time."""
+    trace = read_trace(GOLDEN / "tiny_dry_run.json")
+    page = html_report(trace)
+    assert re.findall(r'<section id="([^"]+)">', page) == ["tokens", "summary"]
+    console = Capture()
+    check = run_report(trace).dry_run
+    assert check is not None
+    render_dry_run_summary(console, check, trace.settings.model)
+    panel = next(p for p in console.printed if isinstance(p, Panel))
+    terminal = _cells(panel.renderable.renderables[0])  # type: ignore[attr-defined]
+    shown = _html_rows(_html_table(page, "dry"))
+    assert shown[1:] == terminal
+    assert [row[1] for row in shown[1:]] == [fmt.flops(p.traced_flops) for p in check.passes]
+    assert all(row[3] == "= equal" for row in shown[1:])
