@@ -226,8 +226,7 @@ def held_kernel(name: str, config: ModelConfig, kernel: str) -> str:
 def stored_model(config: ModelConfig, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedWeight]
                  ) -> Transformer:
     """The model of load_gguf_stored's pair (dense tensors, matrices as stored): a meta shell that adopts them
-    (Transformer.load_stored), for inference only. What `run` loads, and what the kernel choice times whole decode
-    steps of (tracer/load/step_timing.py)."""
+    (Transformer.load_stored), for inference only: what `run` loads."""
     model = build_meta_model(config)
     model.load_stored(dense, packed)
     model.requires_grad_(False)
