@@ -74,10 +74,9 @@ class Detail(str, Enum):
     kernels = "kernels"  # the layers view, with the kernels' details under the header and the route's in the summary
 
 
-DetailOption = Annotated[Detail, typer.Option(help="summary: totals only; layers: one row per layer; ops: every "
-                                                   "stage of every layer; kernels: layers, with each matrix type's "
-                                                   "kernel, its numerics and why, and why each backend not "
-                                                   "taken was not.")]
+DETAIL_HELP = ("summary: totals only; layers: one row per layer; ops: every stage of every layer; kernels: layers, "
+               "with each matrix type's kernel, its numerics and why, and why each backend not taken was not.")
+DetailOption = Annotated[Detail, typer.Option(help=DETAIL_HELP)]
 
 DEFAULT_MODEL = "llama-7b"  # the seed article's model
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmtrace.cli.options import Detail, compute_dtype_option
+from llmtrace.cli.options import DETAIL_HELP, Detail, compute_dtype_option
 
 INPUT = "Input"
 MODEL = "Model and precision"
@@ -95,7 +95,7 @@ Seed = Annotated[Optional[int], typer.Option(
 # ---- views ---------------------------------------------------------------------------------------------------------
 DetailChoice = Annotated[Detail, typer.Option(
     "--detail", rich_help_panel=VIEWS,
-    help="summary: totals only; layers: one row per layer; ops: every stage of every layer.")]
+    help=DETAIL_HELP)]
 Staged = Annotated[bool, typer.Option(
     "--staged", rich_help_panel=VIEWS,
     help="Run and trace stage by stage: the 17 stages of a layer apart, Q, K, V, gate and up as separate products. "
