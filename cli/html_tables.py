@@ -12,7 +12,7 @@ from html import escape
 from typing import Sequence
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run_summary import roofline_line, route_lines, run_ahead_line, stop_text
+from llmtrace.cli.render_run_summary import memory_lines, roofline_line, route_lines, run_ahead_line, stop_text
 from llmtrace.tracer.core.contract import role_label
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.dry_run import DryRunCheck
@@ -58,22 +58,8 @@ def summary_table(trace: Trace, summary: RunSummary, roofline: MeasuredVsBound |
                   else "-")]
     body = "".join(f"<tr><th class=\"l\">{name}</th><td>{a}</td><td>{b}</td></tr>" for name, a, b in rows)
     table = f"<table class=\"summary\"><tr><th></th><th>prefill</th><th>decode</th></tr>{body}</table>"
-    last = trace.steps[-1] if trace.steps else None
-    batch_rows = f"{last.batch} rows × " if last is not None and trace.batch is not None else ""
-    cfg = trace.config
-    lines = [f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
-             f"allocated ({batch_rows}{last.context_length if last else 0} positions × {cfg.n_layers} layers × "
-             f"2 (K,V) × {cfg.n_kv_heads} KV heads × {cfg.head_dim} × {trace.environment.dtype})"]
-    memory = f"peak RSS {fmt.nbytes(summary.peak_rss_bytes)}"
-    if summary.peak_device_bytes is not None:
-        memory += f" · peak device memory {fmt.nbytes(summary.peak_device_bytes)}"
-    lines.append(memory)
+    lines = memory_lines(trace, summary)
     settings = trace.settings
-    if settings.seed is not None and settings.temperature > 0:
-        lines.append(f"seed {settings.seed} (drawn: replay this run with --seed {settings.seed})"
-                     if settings.seed_drawn else f"seed {settings.seed}")
-        if trace.batch is not None:
-            lines[-1] += f"; sequence i samples with seed {settings.seed} + i"
     notes = []
     if roofline is not None:
         notes.append(roofline_line(roofline))

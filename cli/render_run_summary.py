@@ -52,22 +52,8 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
                       fmt.intensity(dec.arithmetic_intensity) if decoded else "-")
     if roofline is not None:
         _roofline_rows(table, roofline)
-    last = trace.steps[-1] if trace.steps else None
-    rows = f"{last.batch} rows × " if last is not None and trace.batch is not None else ""
-    kv_line = (f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
-               f"allocated ({rows}{last.context_length if last else 0} positions × "
-               f"{trace.config.n_layers} layers × 2 (K,V) × {trace.config.n_kv_heads} KV heads × "
-               f"{trace.config.head_dim} × {trace.environment.dtype})")
-    memory = f"peak RSS {fmt.nbytes(summary.peak_rss_bytes)}"
-    if summary.peak_device_bytes is not None:
-        memory += f" · peak device memory {fmt.nbytes(summary.peak_device_bytes)}"
-    lines = [kv_line, memory]
+    lines = memory_lines(trace, summary)
     settings = trace.settings
-    if settings.seed is not None and settings.temperature > 0:
-        lines.append(f"seed {settings.seed} (drawn: replay this run with --seed {settings.seed})"
-                     if settings.seed_drawn else f"seed {settings.seed}")
-        if trace.batch is not None:
-            lines[-1] += f"; sequence i samples with seed {settings.seed} + i"
     if roofline is not None:
         lines.append(f"[dim]{roofline_line(roofline)}[/]")
     if roofline is None and roofline_note:
@@ -97,6 +83,28 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     if cut:
         text.append(" …(an incomplete UTF-8 character)", style="dim")
     console.print(section("8 · Summary", Group(table, Text.from_markup("\n".join(lines)), text)))
+
+
+def memory_lines(trace: Trace, summary: RunSummary) -> list[str]:
+    """The summary's plain lines under its table: the KV cache live of allocated with its formula, peak memory,
+    and the seed of a drawn run (the terminal and the HTML report print the same ones)."""
+    last = trace.steps[-1] if trace.steps else None
+    rows = f"{last.batch} rows × " if last is not None and trace.batch is not None else ""
+    lines = [f"KV cache: {fmt.nbytes(summary.kv_live_bytes)} live of {fmt.nbytes(summary.kv_allocated_bytes)} "
+             f"allocated ({rows}{last.context_length if last else 0} positions × "
+             f"{trace.config.n_layers} layers × 2 (K,V) × {trace.config.n_kv_heads} KV heads × "
+             f"{trace.config.head_dim} × {trace.environment.dtype})"]
+    memory = f"peak RSS {fmt.nbytes(summary.peak_rss_bytes)}"
+    if summary.peak_device_bytes is not None:
+        memory += f" · peak device memory {fmt.nbytes(summary.peak_device_bytes)}"
+    lines.append(memory)
+    settings = trace.settings
+    if settings.seed is not None and settings.temperature > 0:
+        lines.append(f"seed {settings.seed} (drawn: replay this run with --seed {settings.seed})"
+                     if settings.seed_drawn else f"seed {settings.seed}")
+        if trace.batch is not None:
+            lines[-1] += f"; sequence i samples with seed {settings.seed} + i"
+    return lines
 
 
 def stop_text(reason: str) -> str:
