@@ -1,11 +1,11 @@
-"""The package's sampler against an independent computation of the same figures (tests/sampling_reference.py: the
-sampler as it was before its per-token work was cut, sharing no code with the package), call after call on one
-Sampler, on logits built to reach every path: ties (grids, bf16), -inf entries, a vocabulary of one, small ones, the
-bundled model's 49152 and one that no block size divides, flat distributions that grow the top-p prefix, peaked ones,
-repetition penalties, huge magnitudes, zero maxima of both signs.
+"""The package's sampler against its definition written plainly (tests/sampling_reference.py: a full stable sort,
+float64 softmaxes, sharing no code with the package and not a copy of it), call after call on one Sampler, on logits
+built to reach every path: ties (grids, bf16), -inf entries, a vocabulary of one, small ones, the bundled model's
+49152 and one that no block size divides, flat distributions that grow the top-p prefix, peaked ones, repetition
+penalties, huge magnitudes, zero maxima of both signs.
 
-Every figure of every SampleResult equals the reference's bit for bit: the token, its probabilities, ranks, counts
-after each filter, entropies, the candidate table.
+The token, its rank, the counts after each filter and the candidate table (ids, ranks, logits, kept flags) are equal;
+probabilities and entropies agree to 1e-6 relative (the package sums a whole-vocabulary draw's weights in float32).
 """
 
 from __future__ import annotations
@@ -59,20 +59,37 @@ def logits_family(vocab: int, generator: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
+_APPROX = ("probability", "probability_raw", "top_p_mass", "entropy_raw_bits", "entropy_final_bits")
+_APPROX_ROW = ("prob_raw", "prob_tempered", "prob_final")
+
+
+def assert_agrees(new: dict, ref: dict, context: object) -> None:
+    """Every exact figure equal; every probability within 1e-6 relative (1e-12 absolute), every entropy within 1e-6
+    bits (a float32 sum of weights moves a near-certain distribution's entropy by ~1e-7 bits)."""
+    def close(key: str, a: float, b: float) -> bool:
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6 if key.startswith("entropy") else 1e-12)
+
+    assert {k: v for k, v in new.items() if k not in _APPROX + ("candidates",)} == \
+        {k: v for k, v in ref.items() if k not in _APPROX + ("candidates",)}, context
+    assert all(close(k, new[k], ref[k]) for k in _APPROX), (context, {k: (new[k], ref[k]) for k in _APPROX})
+    assert len(new["candidates"]) == len(ref["candidates"]), context
+    for mine, theirs in zip(new["candidates"], ref["candidates"]):
+        assert {k: v for k, v in mine.items() if k not in _APPROX_ROW} == \
+            {k: v for k, v in theirs.items() if k not in _APPROX_ROW}, context
+        assert all(close(k, mine[k], theirs[k]) for k in _APPROX_ROW), (context, mine, theirs)
+
+
 def assert_same_calls(params: SamplingParams, calls: list[tuple[torch.Tensor, list[int]]],
                       n_candidates: int = 10) -> None:
     package = Sampler(params, n_candidates=n_candidates)
     reference = ReferenceSampler(dataclasses.asdict(params), n_candidates=n_candidates)
     for logits, previous in calls:
-        new, old = dataclasses.asdict(package.sample(logits, previous)), reference.sample(logits, previous)
-        assert new == old, (params, logits.shape)
-        # == compares floats by value: 0.0 == -0.0 and nothing else; check the signs too
-        assert [math.copysign(1, c["prob_final"]) for c in new["candidates"]] == \
-            [math.copysign(1, c["prob_final"]) for c in old["candidates"]]
+        assert_agrees(dataclasses.asdict(package.sample(logits, previous)), reference.sample(logits, previous),
+                      (params, logits.shape))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: ",".join(f"{k}={v}" for k, v in case.items()) or "greedy")
-def test_every_figure_equals_the_reference_computation(case: dict) -> None:
+def test_every_figure_agrees_with_the_plain_definition(case: dict) -> None:
     generator = torch.Generator().manual_seed(len(str(case)))
     calls = []
     for vocab in (1, 7, 1000, 49152, 50021):  # 50021: prime, no block divides it
@@ -98,7 +115,7 @@ def test_a_seeded_run_of_decode_steps_draws_the_same_tokens() -> None:
         assert_same_calls(SamplingParams(seed=3, **case), calls)
 
 
-def test_a_candidate_table_as_large_as_the_vocabulary_equals_the_reference() -> None:
+def test_a_candidate_table_as_large_as_the_vocabulary_agrees() -> None:
     generator = torch.Generator().manual_seed(9)
     logits = torch.round(torch.randn(2000, generator=generator) * 6) / 3
     for case in CASES:
@@ -119,7 +136,8 @@ def test_non_finite_logits_are_refused(bad: float) -> None:
 
 
 def test_the_reference_shares_no_code_with_the_package() -> None:
-    """The reference is independent: it imports nothing of llmtrace's (tests/sampling_reference.py)."""
+    """The reference is independent: it imports nothing of llmtrace's (tests/sampling_reference.py), and is no copy
+    of the package's array work (none of its helpers' names appear in it)."""
     import ast
 
     import sampling_reference
@@ -128,3 +146,5 @@ def test_the_reference_shares_no_code_with_the_package() -> None:
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert imported == {"__future__", "math", "typing", "numpy", "torch"}
+    text = Path(sampling_reference.__file__).read_text(encoding="utf-8")
+    assert not any(name in text for name in ("top_sorted", "nucleus", "draw_index", "first_above", "argpartition"))
