@@ -21,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,9 @@ def child(model: str, runs: int, decode_tokens: int, temperature: float, threads
 
     torch.set_num_threads(threads)
     from llmtrace.tracer.load.loader import load_model
-    from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, TokenStep
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's benchmarks, the tree's llmtrace
+    from benchmarks.bench_vs_peers import timed_generation
+    from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.trace.records import RunSettings
 
     loaded = load_model(model or None)
@@ -41,20 +42,9 @@ def child(model: str, runs: int, decode_tokens: int, temperature: float, threads
     def once(t: float) -> tuple[float, list[int], list[int], Any]:
         settings = RunSettings(model=model, prompt=PROMPT, max_new_tokens=decode_tokens, dtype="auto", trace=False,
                                temperature=t, seed=1 if t > 0 else None)
-        generation = Generation(loaded, settings)
-        first = last = steps = 0
-        try:
-            for event in generation.events():
-                if isinstance(event, PrefillDone):
-                    first = time.perf_counter_ns()
-                elif isinstance(event, TokenStep):
-                    last, steps = time.perf_counter_ns(), steps + 1
-                elif isinstance(event, Finished):
-                    trace = event.trace
-        finally:
-            generation.close()
+        rate, trace = timed_generation(loaded, settings)
         decode = [s for s in trace.steps if s.phase == "decode"]
-        return (steps / ((last - first) / 1e9), [s.forward_ns for s in decode], [s.sample_ns for s in decode],
+        return (rate, [s.forward_ns for s in decode], [s.sample_ns for s in decode],
                 [s.token_id for s in trace.steps])
 
     out: dict[str, Any] = {"source": loaded.source, "format": loaded.weight_format}

@@ -84,16 +84,11 @@ def prompt_of(tokenizer: Any, tokens: int) -> tuple[str, list[int]]:
 # ---- llmtrace -------------------------------------------------------------------------------------------------
 
 
-def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens: int,
-                  run_ahead: bool = True, temperature: float = 0.0) -> tuple[Timing, Any]:
-    """One `run` with default settings (warm-up included; `temperature` > 0: drawn with seed 1); (prefill tok/s,
-    decode tok/s, ids) and its summary."""
+def timed_generation(loaded: Any, settings: Any, run_ahead: bool = True) -> tuple[float, Any]:
+    """One Generation of `settings` on `loaded`, run to the end: (decode tok/s from the first token after prefill to
+    the last, by the wall clock) and its trace."""
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, TokenStep
-    from llmtrace.tracer.trace.records import RunSettings
-    from llmtrace.tracer.trace.summary import run_summary
 
-    settings = RunSettings(model="", prompt=text, max_new_tokens=new_tokens, dtype="auto", trace=trace, staged=staged,
-                           temperature=temperature, seed=1 if temperature > 0 else None)
     generation = Generation(loaded, settings, run_ahead=run_ahead)
     prefilled = last = steps = 0
     try:
@@ -106,10 +101,23 @@ def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens:
                 result = event.trace
     finally:
         generation.close()
+    return steps / ((last - prefilled) / 1e9), result
+
+
+def time_llmtrace(loaded: Any, text: str, trace: bool, staged: bool, new_tokens: int,
+                  run_ahead: bool = True, temperature: float = 0.0) -> tuple[Timing, Any]:
+    """One `run` with default settings (warm-up included; `temperature` > 0: drawn with seed 1); (prefill tok/s,
+    decode tok/s, ids) and its summary."""
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.summary import run_summary
+
+    settings = RunSettings(model="", prompt=text, max_new_tokens=new_tokens, dtype="auto", trace=trace, staged=staged,
+                           temperature=temperature, seed=1 if temperature > 0 else None)
+    decode_rate, result = timed_generation(loaded, settings, run_ahead)
     summary = run_summary(result)
     pre = summary.prefill
     ids = [s.token_id for s in result.steps]
-    return (pre.tokens_in / (pre.forward_ns / 1e9), steps / ((last - prefilled) / 1e9), ids), summary
+    return (pre.tokens_in / (pre.forward_ns / 1e9), decode_rate, ids), summary
 
 
 # ---- HF transformers ------------------------------------------------------------------------------------------
