@@ -12,7 +12,7 @@ from html import escape
 from typing import Sequence
 
 from llmtrace.cli import formatting as fmt
-from llmtrace.cli.render_run_summary import memory_lines, roofline_line, route_lines, run_ahead_line, stop_text
+from llmtrace.cli.render_run_summary import memory_lines, route_lines, stop_text, summary_notes, summary_rows
 from llmtrace.tracer.core.contract import role_label
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.dry_run import DryRunCheck
@@ -28,50 +28,15 @@ LEVELS = 32  # colours of a heat map's scale (html_figures.palette); a cell's va
 def summary_table(trace: Trace, summary: RunSummary, roofline: MeasuredVsBound | None, roofline_note: str) -> str:
     """The terminal's summary: prefill and decode side by side, then the KV cache, memory, roofline and stop
     lines, then the text."""
-    pre, dec = summary.prefill, summary.decode
-    traced, decoded = bool(trace.stages), bool(dec.steps)
-    per = "step" if trace.batch is not None else "token"  # a batched step gives a token to every row
-    rows = [("tokens in", f"{pre.tokens_in}", f"{dec.tokens_in} ({dec.steps} steps)"),
-            ("time", f"TTFT {fmt.duration_ns(summary.ttft_ns)}",
-             f"{fmt.duration_ns(dec.step_ns_mean)} / {per}" if decoded else "-"),
-            ("speed", fmt.tokens_per_s(pre.forward_tokens_per_second) if pre.forward_ns else "-",
-             f"<b>{fmt.tokens_per_s(summary.decode_tokens_per_second)}</b>" if decoded else "-")]
-    if traced:
-        rows += [("FLOPs", fmt.flops(pre.totals.flops), f"{fmt.flops(dec.flops_per_step)} / step" if decoded else "-"),
-                 ("achieved", fmt.flops_per_s(pre.flops_per_second),
-                  fmt.flops_per_s(dec.flops_per_second) if decoded else "-"),
-                 ("bytes read", fmt.nbytes(pre.totals.bytes_read),
-                  f"{fmt.nbytes(dec.bytes_read_per_step)} / step" if decoded else "-"),
-                 ("weights + KV moved", fmt.bytes_per_s(pre.min_bytes_per_second),
-                  fmt.bytes_per_s(dec.min_bytes_per_second) if decoded else "-"),
-                 ("arithmetic intensity", fmt.intensity(pre.arithmetic_intensity),
-                  fmt.intensity(dec.arithmetic_intensity) if decoded else "-")]
-    if roofline is not None:
-        decoding = roofline.predicted_decode_tokens_per_s is not None
-        rows += [("roofline bound", f"{roofline.prefill_bound}-bound",
-                  f"{roofline.decode_bound}-bound" if decoding else "-"),
-                 ("roofline prediction", f"TTFT {fmt.duration_s(roofline.predicted_ttft_s)}",
-                  fmt.tokens_per_s(roofline.predicted_decode_tokens_per_s)
-                  if roofline.predicted_decode_tokens_per_s else "-"),
-                 ("run reached", _percent(roofline.ttft_percent_of_bound),
-                  _percent(roofline.decode_percent_of_bound) if roofline.decode_percent_of_bound is not None
-                  else "-")]
-    body = "".join(f"<tr><th class=\"l\">{name}</th><td>{a}</td><td>{b}</td></tr>" for name, a, b in rows)
+    cells = lambda row: "".join(f"<td><b>{escape(c.text)}</b>{escape(c.after)}</td>" if c.strong  # noqa: E731
+                                else f"<td>{escape(c.text)}</td>" for c in row)
+    body = "".join(f"<tr><th class=\"l\">{escape(name)}</th>{cells(row)}</tr>"
+                   for name, *row in summary_rows(trace, summary, roofline))
     table = f"<table class=\"summary\"><tr><th></th><th>prefill</th><th>decode</th></tr>{body}</table>"
     lines = memory_lines(trace, summary)
     settings = trace.settings
-    notes = []
-    if roofline is not None:
-        notes.append(roofline_line(roofline))
-    elif roofline_note:
-        notes.append(roofline_note)
-    if not traced:
-        notes.append("tracing was off (--no-trace): times only, no per-stage FLOPs or bytes")
-    if trace.run_ahead is not None:
-        notes.append(run_ahead_line(trace.run_ahead))
-    route, *why = route_lines(trace.route, True) or [""]
-    if route:
-        notes.append(route)
+    route, *why = route_lines(trace.route, True) or [""]  # --detail kernels's lines go under a <details>
+    notes = summary_notes(trace, roofline, roofline_note) + ([route] if route else [])
     stop = f"stopped: {stop_text(trace.stop_reason)} · {summary.generated_tokens} tokens generated"
     paragraphs = ([f"<p class=\"line\">{escape(line)}</p>" for line in lines]
                   + [f"<p class=\"note line\">{escape(n)}</p>" for n in notes])
@@ -116,10 +81,6 @@ def dry_run_table(check: DryRunCheck, model: str) -> str:
     return (f"<table class=\"dry\"><tr>{head}</tr>{rows}</table>"
             + "".join(f"<p class=\"line\">{escape(line)}</p>" for line in lines)
             + f"<p class=\"note line\">for times on real hardware: llmtrace roofline --model {escape(model)}</p>")
-
-
-def _percent(value: float) -> str:
-    return f"<b>{fmt.figures(value)}%</b> of the bound"
 
 
 def decode_stage_table(d: DecodeByStage) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
@@ -22,6 +24,53 @@ _STOP_TEXT = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One figure of the summary table; `strong` ones are the headline (decode speed, how close to the bound), with
+    plain words `after` them."""
+
+    text: str
+    strong: bool = False
+    after: str = ""
+
+
+def summary_rows(trace: Trace, summary: RunSummary, roofline: MeasuredVsBound | None) -> list[tuple[str, Cell, Cell]]:
+    """The summary table's rows, (name, prefill, decode), for the terminal and the HTML report alike."""
+    pre, dec = summary.prefill, summary.decode
+    decoded = bool(dec.steps)
+
+    def both(name: str, prefill: str, decode: str, strong: bool = False) -> tuple[str, Cell, Cell]:
+        return name, Cell(prefill), Cell(decode if decoded else "-", strong and decoded)
+
+    per = "step" if trace.batch is not None else "token"  # a batched step gives a token to every row
+    rows = [both("tokens in", f"{pre.tokens_in}", f"{dec.tokens_in} ({dec.steps} steps)"),
+            both("time", f"TTFT {fmt.duration_ns(summary.ttft_ns)}", f"{fmt.duration_ns(dec.step_ns_mean)} / {per}"),
+            both("speed", fmt.tokens_per_s(pre.forward_tokens_per_second) if pre.forward_ns else "-",
+                 fmt.tokens_per_s(summary.decode_tokens_per_second), strong=True)]
+    if trace.stages:
+        rows += [both("FLOPs", fmt.flops(pre.totals.flops), f"{fmt.flops(dec.flops_per_step)} / step"),
+                 both("achieved", fmt.flops_per_s(pre.flops_per_second), fmt.flops_per_s(dec.flops_per_second)),
+                 both("bytes read", fmt.nbytes(pre.totals.bytes_read), f"{fmt.nbytes(dec.bytes_read_per_step)} / step"),
+                 both("weights + KV moved", fmt.bytes_per_s(pre.min_bytes_per_second),
+                      fmt.bytes_per_s(dec.min_bytes_per_second)),
+                 both("arithmetic intensity", fmt.intensity(pre.arithmetic_intensity),
+                      fmt.intensity(dec.arithmetic_intensity))]
+    if roofline is not None:
+        rows += _roofline_rows(roofline)
+    return rows
+
+
+def summary_notes(trace: Trace, roofline: MeasuredVsBound | None, roofline_note: str) -> list[str]:
+    """The plain lines under the summary table between the memory lines and the route (route_lines): the roofline's
+    ceilings (or why there are none), tracing off, run-ahead."""
+    notes = [roofline_line(roofline)] if roofline is not None else [roofline_note] if roofline_note else []
+    if not trace.stages:
+        notes.append("tracing was off (--no-trace): times only, no per-stage FLOPs or bytes")
+    if trace.run_ahead is not None:
+        notes.append(run_ahead_line(trace.run_ahead))
+    return notes
+
+
 def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline: MeasuredVsBound | None,
                    roofline_note: str, stopped_by: str = "", detail: str = "") -> None:
     """`stopped_by`: the signal that interrupted this process's run ("Ctrl-C", "SIGTERM"; cli/interrupts.py), named
@@ -31,38 +80,11 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
     table.add_column("")
     table.add_column("prefill", justify="right")
     table.add_column("decode", justify="right")
-    pre, dec = summary.prefill, summary.decode
-    traced = bool(trace.stages)
-    decoded = bool(dec.steps)
-    table.add_row("tokens in", f"{pre.tokens_in}", f"{dec.tokens_in} ({dec.steps} steps)")
-    per = "step" if trace.batch is not None else "token"  # a batched step gives a token to every row
-    table.add_row("time", f"TTFT {fmt.duration_ns(summary.ttft_ns)}",
-                  f"{fmt.duration_ns(dec.step_ns_mean)} / {per}" if decoded else "-")
-    table.add_row("speed", fmt.tokens_per_s(pre.forward_tokens_per_second) if pre.forward_ns else "-",
-                  f"[bold]{fmt.tokens_per_s(summary.decode_tokens_per_second)}[/]" if decoded else "-")
-    if traced:
-        table.add_row("FLOPs", fmt.flops(pre.totals.flops), f"{fmt.flops(dec.flops_per_step)} / step" if decoded else "-")
-        table.add_row("achieved", fmt.flops_per_s(pre.flops_per_second),
-                      fmt.flops_per_s(dec.flops_per_second) if decoded else "-")
-        table.add_row("bytes read", fmt.nbytes(pre.totals.bytes_read),
-                      f"{fmt.nbytes(dec.bytes_read_per_step)} / step" if decoded else "-")
-        table.add_row("weights + KV moved", fmt.bytes_per_s(pre.min_bytes_per_second),
-                      fmt.bytes_per_s(dec.min_bytes_per_second) if decoded else "-")
-        table.add_row("arithmetic intensity", fmt.intensity(pre.arithmetic_intensity),
-                      fmt.intensity(dec.arithmetic_intensity) if decoded else "-")
-    if roofline is not None:
-        _roofline_rows(table, roofline)
+    for name, *cells in summary_rows(trace, summary, roofline):
+        table.add_row(name, *(f"[bold]{c.text}[/]{c.after}" if c.strong else c.text for c in cells))
     lines = memory_lines(trace, summary)
-    settings = trace.settings
-    if roofline is not None:
-        lines.append(f"[dim]{roofline_line(roofline)}[/]")
-    if roofline is None and roofline_note:
-        lines.append(f"[dim]{roofline_note}[/]")
-    if not traced:
-        lines.append("[dim]tracing was off (--no-trace): times only, no per-stage FLOPs or bytes[/]")
-    if trace.run_ahead is not None:
-        lines.append(f"[dim]{run_ahead_line(trace.run_ahead)}[/]")
-    lines += [f"[dim]{escape(line)}[/]" for line in route_lines(trace.route, detail == "kernels")]
+    notes = summary_notes(trace, roofline, roofline_note) + route_lines(trace.route, detail == "kernels")
+    lines += [f"[dim]{escape(line)}[/]" for line in notes]
     stop = stop_text(trace.stop_reason)
     if trace.stop_reason == STOP_INTERRUPTED and stopped_by:
         stop = stop.replace("interrupted", f"interrupted ({stopped_by})", 1)
@@ -72,13 +94,13 @@ def render_summary(console: Console, trace: Trace, summary: RunSummary, roofline
         return
     generated = trace.generated_text
     cut = generated.endswith("\ufffd")  # stopped inside a multi-byte character (Ctrl-C or the token limit)
-    if settings.chat:  # a reply, not a continuation: the two apart, as a chat shows them
+    if trace.settings.chat:  # a reply, not a continuation: the two apart, as a chat shows them
         text = Text("\nprompt: ", style="dim")
-        text.append(settings.prompt)
+        text.append(trace.settings.prompt)
         text.append("\nreply:  ", style="dim")
     else:  # the model continued the prompt: one text, the continuation highlighted
         text = Text("\n")
-        text.append(settings.prompt, style="dim")
+        text.append(trace.settings.prompt, style="dim")
     text.append(generated.rstrip("\ufffd"), style="bold green")
     if cut:
         text.append(" …(an incomplete UTF-8 character)", style="dim")
@@ -137,14 +159,16 @@ def route_lines(route: Route | None, why: bool = False) -> list[str]:
     return lines
 
 
-def _roofline_rows(table: Table, cmp: MeasuredVsBound) -> None:
+def _roofline_rows(cmp: MeasuredVsBound) -> list[tuple[str, Cell, Cell]]:
     """The bound for this machine (llmtrace.tracer.roofline.compare), and how close the measured forward passes came."""
     decoding = cmp.predicted_decode_tokens_per_s is not None
-    table.add_row("roofline bound", f"{cmp.prefill_bound}-bound", f"{cmp.decode_bound}-bound" if decoding else "-")
-    table.add_row("roofline prediction", f"TTFT {fmt.duration_s(cmp.predicted_ttft_s)}",
-                  fmt.tokens_per_s(cmp.predicted_decode_tokens_per_s) if cmp.predicted_decode_tokens_per_s else "-")
-    table.add_row("run reached", _percent(cmp.ttft_percent_of_bound),
-                  _percent(cmp.decode_percent_of_bound) if cmp.decode_percent_of_bound is not None else "-")
+    reached = cmp.decode_percent_of_bound
+    return [("roofline bound", Cell(f"{cmp.prefill_bound}-bound"),
+             Cell(f"{cmp.decode_bound}-bound" if decoding else "-")),
+            ("roofline prediction", Cell(f"TTFT {fmt.duration_s(cmp.predicted_ttft_s)}"),
+             Cell(fmt.tokens_per_s(cmp.predicted_decode_tokens_per_s) if cmp.predicted_decode_tokens_per_s else "-")),
+            ("run reached", _percent(cmp.ttft_percent_of_bound),
+             _percent(reached) if reached is not None else Cell("-"))]
 
 
 def roofline_line(cmp: MeasuredVsBound) -> str:
@@ -156,6 +180,6 @@ def roofline_line(cmp: MeasuredVsBound) -> str:
             "(forward passes only; 100% = at the bound)")
 
 
-def _percent(value: float) -> str:
+def _percent(value: float) -> Cell:
     """How close the run came to the bound (100% = at the roofline)."""
-    return f"[bold]{fmt.figures(value)}%[/] of the bound"
+    return Cell(f"{fmt.figures(value)}%", strong=True, after=" of the bound")
