@@ -15,7 +15,7 @@ through the functions the terminal uses (llmtrace.cli.html_tables).
 from __future__ import annotations
 
 from html import escape
-from typing import Callable
+from typing import Any, Callable
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli import html_journey, html_tables
@@ -24,7 +24,7 @@ from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.roofline.compare import MeasuredVsBound
 from llmtrace.tracer.trace.records import DECODE, PREFILL
-from llmtrace.tracer.trace.report import run_report
+from llmtrace.tracer.trace.report import RunReport, run_report
 from llmtrace.tracer.trace.report_data import layer_stage_grid, roofline_points
 from llmtrace.tracer.trace.run_trace import Trace
 
@@ -55,6 +55,9 @@ p.line { margin: .2em 0; }
 """
 
 
+Section = tuple[str, str, str]  # (anchor, title, body)
+
+
 def html_report(trace: Trace, roofline: MeasuredVsBound | None = None, roofline_note: str = "") -> str:
     """The page for `trace`; `roofline` is the run's comparison with this machine's ceilings (a live run), or
     `roofline_note` says why there is none."""
@@ -63,18 +66,38 @@ def html_report(trace: Trace, roofline: MeasuredVsBound | None = None, roofline_
     except ImportError as exc:  # matplotlib is the `html` extra
         raise BadArgumentError(f"the HTML report draws its figures with matplotlib ({exc}); install it with "
                                "pip install 'llmtrace[html]'") from exc
-    report = run_report(trace)
-    summary = report.summary
-    cfg = trace.config
-    sections: list[tuple[str, str, str]] = [  # (anchor, title, body)
+    sections = _run_sections(trace, run_report(trace), roofline, roofline_note, figs)
+    steps = html_journey.journey_steps(trace)
+    journey = _journey_sections(trace, steps)
+    after = _no_cache_section(trace, figs)
+    title = f"llmtrace · {trace.config.name} · {trace.settings.prompt[:60]}"
+    parts = [f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{escape(title)}</title>"
+             f"<style>{_CSS}{_palettes(figs.palette)}</style></head><body>",
+             _header(trace), _toc(sections + journey + after)]
+    parts += [_section(*s) for s in sections]
+    if journey:
+        parts.append("<div class=\"journey\">" + html_journey.picker(steps)
+                     + "".join(_section(*s) for s in journey) + "</div>")
+        parts.append(html_journey.journey_data(steps) + html_journey.script())
+    parts += [_section(*s) for s in after]
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def _run_sections(trace: Trace, report: RunReport, roofline: MeasuredVsBound | None, roofline_note: str,
+                  figs: Any) -> list[Section]:
+    """The token stream, the summary (or the dry run's check), decode by stage, the heat maps, the roofline, the
+    decode times and the sampling lesson: each when the trace has it."""
+    summary, dry = report.summary, report.dry_run
+    sections: list[Section] = [
         ("tokens", "Token stream", _token_stream(trace) + _note(
             "prompt in grey; each generated token coloured by the model's probability for it (green: sure, red: "
             "unlikely); hover for the figures, click one for its lens and attention.")),
     ]
-    dry = report.dry_run
     if dry is not None:  # nothing was computed: the FLOPs against the estimate, and no time anywhere
         sections.append(("summary", "Dry run: FLOPs traced on the meta device vs the analytical estimate",
-                         html_tables.dry_run_table(dry, trace.settings.model or cfg.name)))
+                         html_tables.dry_run_table(dry, trace.settings.model or trace.config.name)))
     else:
         sections.append(("summary", "Summary", html_tables.summary_table(trace, summary, roofline, roofline_note)))
     if report.decode_stages is not None:
@@ -101,41 +124,34 @@ def html_report(trace: Trace, roofline: MeasuredVsBound | None = None, roofline_
     if trace.sampling_lesson is not None:
         sections.append(("sampling", "Sampling lesson", html_tables.lesson_table(trace.sampling_lesson) + _note(
             "the first token's logits at several temperatures; struck out: filtered out.")))
-    steps = html_journey.journey_steps(trace)
-    numerics = escape(numerics_note(trace.kernels))
+    return sections
+
+
+def _journey_sections(trace: Trace, steps: list) -> list[Section]:
+    """The logit lens and attention of the first journey step (the token selector swaps in the others')."""
+    if not steps:
+        return []
+    first, numerics = steps[0], escape(numerics_note(trace.kernels))
     journey = []
-    if steps:
-        first = steps[0]
-        if trace.lens:
-            journey.append(("lens", "Logit lens", "<div id=\"lens-view\">" + html_journey.lens_html(first["lens"])
-                            + "</div>" + _note(numerics)))
-        if trace.attention:
-            journey.append(("attention", "Attention", "<div id=\"attention-view\">"
-                            + html_journey.attention_html(first["attention"]) + "</div>" + _note(
-                                "the predicted position's attention weights over every cached position (the staged "
-                                "model's softmax output); hover a cell for its weight. " + numerics)))
-    if trace.no_kv_cache is not None:
-        run = trace.no_kv_cache
-        after = [("no-cache", "Without a KV cache", figs.no_cache_ratios(run) + _note(
-            f"whole run: {run.time_ratio or 0:.1f}× the time, {run.flops_ratio or 0:.1f}× the FLOPs (estimate "
-            f"{run.analytic_generation_ratio:.1f}×); a {run.horizon_tokens}-token generation: "
-            f"{run.horizon_generation_ratio:.0f}× (its last step {run.horizon_step_ratio:.0f}×)."))]
-    else:
-        after = []
-    contents = sections + journey + after
-    title = f"llmtrace · {cfg.name} · {trace.settings.prompt[:60]}"
-    parts = [f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{escape(title)}</title>"
-             f"<style>{_CSS}{_palettes(figs.palette)}</style></head><body>",
-             _header(trace), _toc(contents)]
-    parts += [_section(*s) for s in sections]
-    if journey:
-        parts.append("<div class=\"journey\">" + html_journey.picker(steps)
-                     + "".join(_section(*s) for s in journey) + "</div>")
-        parts.append(html_journey.journey_data(steps) + html_journey.script())
-    parts += [_section(*s) for s in after]
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+    if trace.lens:
+        journey.append(("lens", "Logit lens", "<div id=\"lens-view\">" + html_journey.lens_html(first["lens"])
+                        + "</div>" + _note(numerics)))
+    if trace.attention:
+        journey.append(("attention", "Attention", "<div id=\"attention-view\">"
+                        + html_journey.attention_html(first["attention"]) + "</div>" + _note(
+                            "the predicted position's attention weights over every cached position (the staged "
+                            "model's softmax output); hover a cell for its weight. " + numerics)))
+    return journey
+
+
+def _no_cache_section(trace: Trace, figs: Any) -> list[Section]:
+    run = trace.no_kv_cache
+    if run is None:
+        return []
+    return [("no-cache", "Without a KV cache", figs.no_cache_ratios(run) + _note(
+        f"whole run: {run.time_ratio or 0:.1f}× the time, {run.flops_ratio or 0:.1f}× the FLOPs (estimate "
+        f"{run.analytic_generation_ratio:.1f}×); a {run.horizon_tokens}-token generation: "
+        f"{run.horizon_generation_ratio:.0f}× (its last step {run.horizon_step_ratio:.0f}×)."))]
 
 
 def _header(trace: Trace) -> str:
