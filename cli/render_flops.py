@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli.render_moe import experts_line, reads_table, reads_title
 from llmtrace.cli.tables import report_table
 from llmtrace.tracer.analytic.estimate import ELEMENTWISE, MATMUL, PhaseEstimate, Totals
 from llmtrace.tracer.analytic.flops_report import FlopsReport
@@ -35,6 +36,8 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         "Weights: " + " · ".join(f"{k} {fmt.nbytes(v)}" for k, v in r.weight_bytes.items())
         + " (int8/int4 include one fp16 scale per 32 values)",
     ]
+    if r.moe is not None:
+        lines.insert(3, experts_line(p, r.moe))
     if r.checkpoint is not None:
         c = r.checkpoint
         parts = ", ".join(f"{s.dtype} {fmt.count(s.params)}" for s in c.by_dtype)
@@ -65,6 +68,7 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
                          f"{r.decode.kv_len} positions), batch {r.batch}"),
         _phase_table(r.decode, macs, formulas_apart),
         Text.from_markup(_phase_notes(r.decode.totals, macs, prefill=False, kernels=r.kernels)),
+        *((Text.from_markup(reads_title(r.moe)), reads_table(r.moe)) if r.moe is not None else ()),
         Text.from_markup(f"\n[bold]Whole generation[/]: prefill of {g.prompt_len} + {g.decode_steps} decode steps "
                          f"(L={g.prompt_len}..{g.final_kv_len - 1}), summed step by step, batch {g.batch}"),
         _generation_table(r, macs),
@@ -163,7 +167,7 @@ def _generation_notes(r: FlopsReport) -> str:
         f"(prefill {fmt.intensity(g.prefill_totals.arithmetic_intensity)}, "
         f"decode steps {fmt.intensity(g.decode_totals.arithmetic_intensity)}).",
         "",
-        f"Rule of thumb 2 × parameters = {fmt.flops(r.two_x_params)} per token. Counted: this decode step "
+        f"Rule of thumb 2 × {'active ' if r.moe is not None else ''}parameters = {fmt.flops(r.two_x_params)} per token. Counted: this decode step "
         f"{fmt.flops(r.decode_step_flops_per_token)} per token ({fmt.times(r.decode_vs_rule, fmt.EXACT)}), the whole "
         f"generation {fmt.flops(r.generation_flops_per_token)} per token fed "
         f"({fmt.times(r.generation_vs_rule, fmt.EXACT)}). The gap: the embedding is a lookup (0 FLOPs), the LM head "

@@ -23,15 +23,21 @@ def render_models(console: Console, r: ModelsReport) -> None:
     else:
         parts = [Text.from_markup(title), _table(r, dimensions=True, sizes=False),
                  Text.from_markup(f"\n[bold]Sizes[/] in {r.dtype}"), _table(r, dimensions=False, sizes=True)]
+    moe = [m for m in r.models if m.n_experts > 1]
+    if moe:
+        parts.append(Text("\nMixtures of experts (FFN E×F: E experts of F each; active: the parameters a token's "
+                          "pass uses): " + ", ".join(f"{m.name} top-{m.experts_per_token} of {m.n_experts}"
+                                                     for m in moe) + "."))
     console.print(Group(*parts, Text("\nUse a name with --model, or give a model folder, config.json or .gguf file "
                                       "instead.")))
 
 
 def _table(r: ModelsReport, dimensions: bool, sizes: bool) -> Table:
-    table = report_table(gap=1 if dimensions and sizes else 2)  # thirteen columns in 120
+    table = report_table(gap=1 if dimensions else 2)  # fourteen columns in 120, ten in 80
     table.add_column("name", no_wrap=True)
     if sizes:
         table.add_column("params", justify="right", no_wrap=True)
+        table.add_column("active", justify="right", no_wrap=True)  # a mixture of experts' per token, else blank
     if dimensions:
         for header, _ in _DIMENSIONS:  # stacked headers ("KV" over "heads") when the sizes have their own table
             table.add_column(header if sizes else header.replace(" ", "\n"), justify="right", no_wrap=True)
@@ -49,9 +55,11 @@ def _table(r: ModelsReport, dimensions: bool, sizes: bool) -> Table:
 def _cells(m: ModelRow, dimensions: bool, sizes: bool) -> list[str]:
     cells = [m.name]
     if sizes:
-        cells.append(fmt.si(m.params, ""))
+        cells += [fmt.si(m.params, ""), fmt.si(m.active_params, "") if m.active_params != m.params else ""]
     if dimensions:
         cells += [str(getattr(m, field)) for _, field in _DIMENSIONS]
+        if m.n_experts > 1:  # the FFN cell: E experts of F
+            cells[-1] = f"{m.n_experts}×{m.ffn_dim}"
         cells += [fmt.count(m.vocab_size), fmt.count(m.max_seq_len), "yes" if m.tie_embeddings else ""]
     if sizes:
         cells += [fmt.number_in(m.weight_bytes, "G", fmt.EXACT), f"{fmt.figures(m.kv_bytes_per_token / 2**10, fmt.EXACT)} KiB"]

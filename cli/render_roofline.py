@@ -29,7 +29,9 @@ def header(report: RooflineReport) -> Text:
     text.append(f"{report.model}", style="bold")
     whose = {"checkpoint": " (the checkpoint's)", "file": " (the file's, each tensor at its stored size)"}.get(
         report.weights_dtype_from, "")
-    text.append(f" ({fmt.si(report.parameters, '')} parameters; weights {report.weights_dtype}{whose}, "
+    active = (f", {fmt.si(report.active_parameters, '')} active" if report.active_parameters != report.parameters
+              else "")
+    text.append(f" ({fmt.si(report.parameters, '')} parameters{active}; weights {report.weights_dtype}{whose}, "
                 f"KV cache {report.kv_dtype}, activations {report.activation_dtype}) on ")
     text.append(where, style="bold")
     text.append(f"\nceilings per device: {fmt.flops_per_s(m.peak_flops)} ({m.compute_dtype}), "
@@ -149,6 +151,13 @@ def _versus_ridge(intensity_vs_ridge: float) -> str:
 
 
 def crossover_line(report: RooflineReport) -> str:
+    if report.moe is not None:  # the weights read grow with the batch: no one crossover
+        moe = report.moe
+        at = ", ".join(f"{fmt.figures(r.expected_experts)} at batch {r.batch}" for r in moe.reads)
+        return (f"Batching a mixture of experts (decode at S={fmt.count(report.table_kv_len)}): a step reads the "
+                f"experts its batch touches, E·(1 − (1 − k/E)^B) of E = {moe.n_experts} a layer if routing is "
+                f"uniform ({at}), so the weights read grow with the batch until every expert is read; the table "
+                "below costs each batch with its own.")
     c = report.crossover
     head = (
         f"Batching (decode at S={fmt.count(c.kv_len)}): each sequence adds {fmt.flops(c.per_sequence_flops)} per "

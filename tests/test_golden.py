@@ -28,6 +28,10 @@ CASES: dict[str, list[str]] = {
     "flops": ["flops"],
     "flops-llama3-macs": ["flops", "--model", "llama3-8b", "--prompt-len", "2000", "--max-new-tokens", "500",
                           "--macs"],
+    # a mixture of experts: active parameters, the router's rows, the experts a decode step reads by batch size
+    "flops-mixtral": ["flops", "--model", "mixtral-8x7b", "--prompt-len", "64", "--max-new-tokens", "16", "--batch",
+                      "4"],
+    "roofline-mixtral": ["roofline", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--tp", "2", "--batch", "8"],
     "kvmem": ["kvmem", "--model", "llama3-8b", "--seq", "2000", "--budget", "24GiB"],
     "models": ["models"],
     "roofline": ["roofline"],

@@ -20,7 +20,10 @@ class ModelRow(ModelDims):
     """A preset's key dimensions (ModelDims), then its size in the chosen dtype."""
 
     params: int
-    weight_bytes: int  # all weights in the chosen dtype
+    active_params: int  # those one token's pass multiplies by: params, or fewer in a mixture of experts
+    n_experts: int  # E experts a layer (1: a dense FFN)
+    experts_per_token: int  # k of them a token is routed to (1: a dense FFN)
+    weight_bytes: int  # all weights in the chosen dtype (every expert's)
     kv_bytes_per_token: int  # one position, all layers, one sequence, in the chosen dtype
 
 
@@ -32,11 +35,11 @@ class ModelsReport:
 
 
 def models_report(dtype: DType) -> ModelsReport:
-    rows = tuple(
-        ModelRow.of(
-            c, params=count_params(c).total, weight_bytes=weight_bytes(c, dtype),
-            kv_bytes_per_token=kv_bytes_per_token(c, dtype),
-        )
-        for c in PRESETS.values()
-    )
-    return ModelsReport(schema=MODELS_SCHEMA, dtype=dtype.name, models=rows)
+    rows = []
+    for c in PRESETS.values():
+        p = count_params(c)
+        rows.append(ModelRow.of(
+            c, params=p.total, active_params=p.active, n_experts=p.n_experts, experts_per_token=p.experts_per_token,
+            weight_bytes=weight_bytes(c, dtype), kv_bytes_per_token=kv_bytes_per_token(c, dtype),
+        ))
+    return ModelsReport(schema=MODELS_SCHEMA, dtype=dtype.name, models=tuple(rows))

@@ -16,6 +16,11 @@ gathered rows), the KV cache read once per KV head (K in QKᵀ, V in PV) and wri
 activations read and written between kernels in the activation dtype (eager: once per operation; fused: once per
 matmul and attention kernel). `min_bytes` (weights + KV) is what a pass must move whatever the kernels.
 
+A mixture of experts (config.moe: E experts, k per token) adds the router (logits d -> E, then softmax, top-k and
+the renormalisation its model does) and the weighted sum of the k expert outputs; each expert product runs on the
+k·B·T token rows routed to it (FLOPs and activations k times a dense FFN of the same F), and reads the experts the
+pass's B·T tokens touch, E·(1 - (1 - k/E)^(B·T)) of them expected under uniform routing (tracer/analytic/moe.py).
+
 Arithmetic intensity, one meaning across llmtrace (`flops`, `roofline`, `run`): FLOPs executed / bytes moved by the
 kernels executing them (`total_bytes`, activations included), the x axis of the roofline. `weights_kv_intensity`
 (FLOPs / min_bytes) is the highest intensity any kernel fusion could reach for the pass.
@@ -28,6 +33,7 @@ from typing import Callable
 
 from llmtrace.tracer.analytic import flop_formulas as ff
 from llmtrace.tracer.analytic.kernels import Kernels
+from llmtrace.tracer.analytic.moe import MoeSummary, batches_shown, expected_distinct_experts, moe_summary
 from llmtrace.tracer.analytic.params import norm_dtype_for
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
@@ -356,11 +362,11 @@ def _fused_traffic(row: _Row, cfg: ModelConfig, rows: int, a: float) -> _Row:
 def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
     """The components whose cost does not depend on how many positions are cached."""
     rows = _eager_context_free_rows(cfg, batch, t, dt)
-    if kernels is Kernels.EAGER:
-        return rows
-    a = dt.activations.bytes_per_value
-    return [_fused_traffic(row, cfg, batch * t if row.per_layer else batch, a) if row.name in _FUSED_ACTIVATIONS
-            else row for row in rows]
+    if kernels is Kernels.FUSED:
+        a = dt.activations.bytes_per_value
+        rows = [_fused_traffic(row, cfg, batch * t if row.per_layer else batch, a) if row.name in _FUSED_ACTIVATIONS
+                else row for row in rows]
+    return rows if cfg.moe is None else _routed_rows(cfg, rows, batch * t, dt)
 
 
 def _stored_name(tensor: str, cfg: ModelConfig) -> str:
@@ -437,6 +443,66 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         elif kind not in _CORE_KINDS:
             raise ValueError(f"no estimate for stage kind {kind!r}")
     return rows
+
+
+# The components a mixture of experts adds around its experts, which every tensor-parallel device runs in full (the
+# router is replicated, as vLLM's ReplicatedLinear gate; each device sums its experts' partial outputs before the
+# all-reduce).
+ROUTER, ROUTE, COMBINE = "feed_forward.router", "feed_forward.route", "feed_forward.combine"
+MOE_REPLICATED = frozenset((ROUTER, ROUTE, COMBINE))
+
+
+def expert_components(cfg: ModelConfig) -> frozenset[str]:
+    """The components that run once per chosen expert: the FFN's products, their biases and silu(gate)·up."""
+    names = {s.role for s in contract.staged_stages(cfg) if s.kind == "swiglu"}
+    for spec in contract.staged_stages(cfg):
+        for tensor in contract.stage_tensors(spec, cfg):
+            if tensor.group == "ffn":
+                names.add(f"{spec.role}.bias" if tensor.name.endswith(".bias") else spec.role)
+    return frozenset(names)
+
+
+def _routed_rows(cfg: ModelConfig, rows: list[_Row], tokens: int, dt: Dtypes) -> list[_Row]:
+    """The dense FFN's rows turned into a mixture of experts': every expert row k times the work (each token runs
+    k experts) reading the distinct experts expected for `tokens` tokens, the router after the FFN norm, the
+    weighted sum after the last expert row."""
+    assert cfg.moe is not None
+    e, k, d = cfg.moe.n_experts, cfg.moe.experts_per_token, cfg.dim
+    read = expected_distinct_experts(e, k, tokens)
+    experts = expert_components(cfg)
+    a = dt.activations.bytes_per_value
+    logits = ff.linear_flops(tokens, d, e)
+    route = ff.route_flops(tokens, e, k, cfg.moe.router_norm == "renormalised")
+    combine = ff.expert_combine_flops(tokens, d, k)
+    renorm = " + 2·k" if cfg.moe.router_norm == "renormalised" else ""
+    router = [
+        _Row(ROUTER, "router logits", MATMUL, True, lambda: f"2·BT·d·E = 2·{tokens}·{d}·{e}",
+             Cost(logits, logits, dt.weights.matrix_bytes(e, d), 0, 0, int(tokens * d * a), int(tokens * e * a))),
+        _Row(ROUTE, f"softmax, top-{k}", ELEMENTWISE, True,
+             lambda: f"BT·(5·E + k·E{renorm}) = {tokens}·(5·{e} + {k}·{e}{renorm.replace('k', str(k))})",
+             Cost(route, route, 0, 0, 0, int(tokens * e * a), int(tokens * 2 * k * a))),
+    ]
+    weighted = _Row(COMBINE, f"weighted sum of {k}", ELEMENTWISE, True,
+                    lambda: f"BT·d·(2k-1) = {tokens}·{d}·{2 * k - 1}",
+                    Cost(combine, combine, 0, 0, 0, int(tokens * k * d * a), int(tokens * d * a)))
+
+    def per_expert(row: _Row) -> _Row:
+        c, formula = row.cost, row.formula
+        symbols, _, numbers = formula().partition(" = ")
+        return _Row(row.name, f"{row.label} ×{k} experts", row.kind, row.per_layer,
+                    lambda: f"{symbols}·k = {numbers}·{k}",
+                    Cost(c.flops * k, c.useful_flops * k, round(c.weight_bytes * read), c.kv_read_bytes,
+                         c.kv_write_bytes, c.act_read_bytes * k, c.act_write_bytes * k))
+
+    out: list[_Row] = []
+    last_expert = max(i for i, row in enumerate(rows) if row.name in experts)
+    for i, row in enumerate(rows):
+        out.append(per_expert(row) if row.name in experts else row)
+        if row.name == "ffn_norm":
+            out.extend(router)
+        if i == last_expert:
+            out.append(weighted)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,3 +648,19 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
         exceeds_max_seq_len=final_kv_len > cfg.max_seq_len, components=components, prefill_totals=pre.totals,
         decode_totals=decode_totals, totals=totals,
     )
+
+
+def moe_reads(cfg: ModelConfig, context: int, dtypes: Dtypes, batch: int, kernels: Kernels = Kernels.EAGER,
+              step: PhaseEstimate | None = None) -> MoeSummary | None:
+    """A mixture of experts' decode step at `context` costed at each batch size the views show (moe.batches_shown):
+    its weight bytes and the expert products' part of them. None for a dense model. `step`: the step at `batch`,
+    already costed by the caller."""
+    if cfg.moe is None:
+        return None
+    experts = expert_components(cfg)
+    steps = {}
+    for b in batches_shown(batch):
+        at = step if step is not None and b == batch else decode_step(cfg, context, dtypes, b, kernels)
+        steps[b] = (at.totals.weight_bytes,
+                    sum(c.weight_bytes * c.instances for c in at.components if c.name in experts))
+    return moe_summary(cfg, dtypes.weights, steps)

@@ -10,7 +10,8 @@ Conventions (shared by the analytical estimate and the run tracer, so both give 
 - Embedding lookup is a gather: 0 FLOPs.
 
 Symbols: B batch, T new tokens (queries), S cached positions (keys, including the new ones), H query heads,
-Hkv KV heads, D head dim, d model dim, F FFN dim, V vocabulary.
+Hkv KV heads, D head dim, d model dim, F FFN dim (each expert's in a mixture of experts), V vocabulary,
+E experts per layer, k experts each token is routed to.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ SCORE_SCALE_FLOPS_PER_ELEMENT = 1  # scores / sqrt(D); the causal mask is a sele
 SWIGLU_FLOPS_PER_ELEMENT = 6  # sigmoid(g) = 1/(1+exp(-g)) is 4, g*sigmoid(g) is 1, *up is 1
 RESIDUAL_FLOPS_PER_ELEMENT = 1  # x + delta
 BIAS_FLOPS_PER_ELEMENT = 1  # y + b
+TOPK_FLOPS_PER_PICK_PER_EXPERT = 1  # top-k of E logits as k passes of a max: one compare per logit per pass
+RENORM_FLOPS_PER_PICK = 2  # the k kept weights summed, then each divided by the sum
 
 
 def linear_flops(tokens: int, in_dim: int, out_dim: int) -> int:
@@ -104,6 +107,20 @@ def rope_flops(tokens: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int
 def swiglu_activation_flops(tokens: int, ffn_dim: int) -> int:
     """silu(gate) * up on `tokens` rows: 6 * tokens * F (sigmoid 4, times gate 1, times up 1)."""
     return SWIGLU_FLOPS_PER_ELEMENT * tokens * ffn_dim
+
+
+def route_flops(tokens: int, n_experts: int, top_k: int, renormalised: bool) -> int:
+    """A router's choice from its E logits on `tokens` rows: softmax over E (5·E), top-k as k passes of a max
+    (k·E compares), and where the model renormalises the k kept weights to sum 1 (Mixtral, Qwen3-MoE) a sum and k
+    divides (2·k): tokens * (5·E + k·E [+ 2·k]). The router's logits are a linear d -> E (`linear_flops`)."""
+    per_token = SOFTMAX_FLOPS_PER_ELEMENT * n_experts + TOPK_FLOPS_PER_PICK_PER_EXPERT * top_k * n_experts
+    return tokens * (per_token + (RENORM_FLOPS_PER_PICK * top_k if renormalised else 0))
+
+
+def expert_combine_flops(tokens: int, dim: int, top_k: int) -> int:
+    """The k chosen experts' outputs summed, each times its router weight: tokens * d * (2·k - 1) (k multiplies,
+    k - 1 adds per element)."""
+    return tokens * dim * (2 * top_k - 1)
 
 
 def residual_flops(tokens: int, dim: int) -> int:

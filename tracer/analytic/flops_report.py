@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, parse_kernels
 from llmtrace.tracer.analytic.model_dims import ModelDims
+from llmtrace.tracer.analytic.moe import MoeSummary
 from llmtrace.tracer.analytic.params import ParamCount, count_params, weight_bytes_by_dtype
 from llmtrace.tracer.checkpoint.resolve import ResolvedModel
 from llmtrace.tracer.core.dtypes import FP16, DType
@@ -52,7 +53,10 @@ class FlopsReport:
     prefill: estimate.PhaseEstimate
     decode: estimate.PhaseEstimate
     generation: estimate.GenerationEstimate
-    # The "2 x parameters FLOPs per token" rule of thumb against the exact count (per sequence of the batch).
+    # A mixture of experts' routing: the experts a decode step reads at several batch sizes; None for a dense FFN.
+    moe: MoeSummary | None
+    # The "2 x parameters FLOPs per token" rule of thumb against the exact count (per sequence of the batch), with
+    # the active parameters of a mixture of experts (those a token's pass multiplies by).
     two_x_params: int
     decode_step_flops_per_token: float  # the decode step shown, divided by the batch
     decode_vs_rule: float  # decode_step_flops_per_token / two_x_params
@@ -93,7 +97,7 @@ def flops_report(
     step = estimate.decode_step(cfg, context, dtypes, batch, kernels)
     gen = estimate.generation(cfg, prompt_len, new_tokens, dtypes, batch, prefill_estimate=pre, kernels=kernels)
     params = count_params(cfg)
-    two_x = 2 * params.total
+    two_x = 2 * params.active
     step_per_token = step.totals.total_flops / batch
     gen_per_token = gen.totals.total_flops / (batch * (prompt_len + new_tokens - 1))
     return FlopsReport(
@@ -103,6 +107,7 @@ def flops_report(
         activation_dtype=dtypes.activations.name, kernels=kernels.value, kernels_description=DESCRIPTIONS[kernels],
         batch=batch, prompt_len=prompt_len, prompt_tokenizer=prompt_tokenizer, new_tokens=new_tokens,
         decode_context=context, prefill=pre, decode=step, generation=gen,
+        moe=estimate.moe_reads(cfg, context, dtypes, batch, kernels, step),
         two_x_params=two_x, decode_step_flops_per_token=step_per_token, decode_vs_rule=step_per_token / two_x,
         generation_flops_per_token=gen_per_token, generation_vs_rule=gen_per_token / two_x,
     )

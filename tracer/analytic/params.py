@@ -4,6 +4,10 @@ The tensors are the contract's (tracer/core/contract.py, Meta's names): tok_embe
 attention_norm (d), wq (H*D x d), wk and wv (Hkv*D x d) with their biases (H*D, Hkv*D) when the config has
 them, wo (d x H*D) and its bias (d) likewise, ffn_norm (d), w1 and w3 (F x d), w2 (d x F); final norm (d);
 output (V x d), which is the embedding matrix itself when the model ties them, and is then counted once.
+
+A mixture of experts (config.moe: E experts, k per token) holds E copies of w1, w2, w3 (each F the expert's size)
+and a router (E x d) per layer; a token's pass uses k of the copies, so its active parameters are the total less
+(E - k) experts a layer. Mixtral-8x7B's published 46.7 B total, 12.9 B active come out of this (tests).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from llmtrace.tracer.core.dtypes import DTYPES, FP32, DType
 class ParamCount:
     embedding: int  # V * d
     attention_per_layer: int  # wq + wk + wv + wo (and their biases, where the config has them)
-    ffn_per_layer: int  # w1 + w2 + w3
+    ffn_per_layer: int  # w1 + w2 + w3, of every expert, and the router (d x E) of a mixture of experts
     norms_per_layer: int  # attention_norm + ffn_norm
     per_layer: int
     layers: int  # per_layer * n_layers
@@ -31,6 +35,11 @@ class ParamCount:
     tied: bool
     total: int
     non_embedding: int  # total minus the embedding table (the LM head stays when it is a separate matrix)
+    n_experts: int  # E, 1 for a dense FFN
+    experts_per_token: int  # k, 1 for a dense FFN
+    expert_per_layer: int  # one expert's w1 + w2 + w3 (the whole FFN when dense)
+    router_per_layer: int  # d x E, 0 for a dense FFN
+    active: int  # what one token's forward pass multiplies by: total less (E - k) experts in every layer
 
 
 def _tensors(config: ModelConfig) -> list[tuple[contract.TensorSpec, tuple[int, ...], int]]:
@@ -39,17 +48,32 @@ def _tensors(config: ModelConfig) -> list[tuple[contract.TensorSpec, tuple[int, 
             for spec in contract.staged_stages(config) for t in contract.stage_tensors(spec, config)]
 
 
+def experts(config: ModelConfig) -> tuple[int, int]:
+    """(E, k): experts per layer and per token; (1, 1) for a dense FFN."""
+    return (1, 1) if config.moe is None else (config.moe.n_experts, config.moe.experts_per_token)
+
+
+def router_shape(config: ModelConfig) -> tuple[int, int] | None:
+    """The router's matrix (E x d, as HF's `gate` and llama.cpp's ffn_gate_inp hold it), None for a dense FFN."""
+    return None if config.moe is None else (config.moe.n_experts, config.dim)
+
+
 def count_params(config: ModelConfig) -> ParamCount:
     groups = {"embedding": 0, "attention": 0, "ffn": 0, "norm": 0, "final_norm": 0, "lm_head": 0}
-    for tensor, shape, _ in _tensors(config):  # layer groups per layer, the others once
+    for tensor, shape, _ in _tensors(config):  # layer groups per layer, the others once; the FFN one expert's
         groups[tensor.group] += math.prod(shape)
-    per_layer = groups["attention"] + groups["ffn"] + groups["norm"]
+    n_experts, top_k = experts(config)
+    router = math.prod(router_shape(config) or (0,))
+    ffn = n_experts * groups["ffn"] + router
+    per_layer = groups["attention"] + ffn + groups["norm"]
     layers = per_layer * config.n_layers
     total = groups["embedding"] + layers + groups["final_norm"] + groups["lm_head"]
     return ParamCount(
-        embedding=groups["embedding"], attention_per_layer=groups["attention"], ffn_per_layer=groups["ffn"],
+        embedding=groups["embedding"], attention_per_layer=groups["attention"], ffn_per_layer=ffn,
         norms_per_layer=groups["norm"], per_layer=per_layer, layers=layers, final_norm=groups["final_norm"],
         lm_head=groups["lm_head"], tied=config.tie_embeddings, total=total, non_embedding=total - groups["embedding"],
+        n_experts=n_experts, experts_per_token=top_k, expert_per_layer=groups["ffn"], router_per_layer=router,
+        active=total - (n_experts - top_k) * groups["ffn"] * config.n_layers,
     )
 
 
@@ -58,11 +82,21 @@ def norm_dtype_for(weights: DType) -> DType:
     return FP32 if weights.is_quantized else weights
 
 
+def _copies(tensor: contract.TensorSpec, config: ModelConfig) -> int:
+    """How many of a declared tensor each layer holds: E of an FFN tensor in a mixture of experts, else one."""
+    return experts(config)[0] if tensor.group == "ffn" else 1
+
+
 def weight_bytes(config: ModelConfig, dtype: DType) -> int:
-    """Bytes of all weights with every matrix in `dtype` (block scales included) and vectors (norms, biases) per
-    norm_dtype_for."""
-    matrices = sum(count * dtype.matrix_bytes(*shape) for _, shape, count in _tensors(config) if len(shape) == 2)
-    vector_values = sum(count * shape[0] for _, shape, count in _tensors(config) if len(shape) == 1)
+    """Bytes of all weights with every matrix in `dtype` (block scales included; every expert's and the router's)
+    and vectors (norms, biases) per norm_dtype_for."""
+    tensors = _tensors(config)
+    matrices = sum(count * _copies(t, config) * dtype.matrix_bytes(*shape) for t, shape, count in tensors
+                   if len(shape) == 2)
+    router = router_shape(config)
+    if router is not None:
+        matrices += config.n_layers * dtype.matrix_bytes(*router)
+    vector_values = sum(count * _copies(t, config) * shape[0] for t, shape, count in tensors if len(shape) == 1)
     return matrices + norm_dtype_for(dtype).matrix_bytes(1, vector_values)
 
 

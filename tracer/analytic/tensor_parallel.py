@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrace.tracer.analytic.estimate import ComponentCost, PhaseEstimate
+from llmtrace.tracer.analytic.estimate import MOE_REPLICATED, ComponentCost, PhaseEstimate
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
@@ -91,9 +91,10 @@ def _split(value: int, tp: int) -> int:
 
 
 def replicated_components() -> frozenset[str]:
-    """Components every device runs in full: the contract's replicated stages (norms, residual adds); the rest
-    (projections and their biases, attention, the embedding and the LM head) split over the devices."""
-    return frozenset(s.role for s in contract.staged_stages() if s.replicated)
+    """Components every device runs in full: the contract's replicated stages (norms, residual adds) and a mixture
+    of experts' router and weighted sum; the rest (projections and their biases, attention, every expert's columns,
+    as vLLM splits each expert by default, the embedding and the LM head) split over the devices."""
+    return frozenset(s.role for s in contract.staged_stages() if s.replicated) | MOE_REPLICATED
 
 
 def _component_share(c: ComponentCost, tp: int, replicated: frozenset[str]) -> DeviceCost:

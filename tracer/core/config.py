@@ -23,6 +23,35 @@ class RopeScaling:
     original_max_position: int
 
 
+# How a router turns its E logits into the k weights it mixes (the FLOPs differ, the experts chosen do not):
+# softmax over all E then the top k renormalised to sum 1 (Mixtral, whose top-k-then-softmax is the same;
+# Qwen3-MoE with norm_topk_prob), or softmax over all E with the top k kept as they are (OLMoE).
+ROUTER_NORMS = ("renormalised", "softmax")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts FFN in every layer: E experts, each a SwiGLU of the config's ffn_dim, and a router
+    (a d x E linear) that sends each token to k of them and sums their outputs weighted."""
+
+    n_experts: int  # E
+    experts_per_token: int  # k
+    router_norm: str  # one of ROUTER_NORMS
+
+    def check(self, name: str) -> None:
+        for field_name in ("n_experts", "experts_per_token"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= _MAX_EXPERTS:
+                raise ConfigError(f"config {name!r}: {field_name} must be an integer from 1 to {_MAX_EXPERTS:,}, "
+                                  f"got {value!r}")
+        if self.experts_per_token > self.n_experts:
+            raise ConfigError(f"config {name!r}: {self.experts_per_token} experts per token of only "
+                              f"{self.n_experts}; k cannot exceed E")
+        if self.router_norm not in ROUTER_NORMS:
+            raise ConfigError(f"config {name!r}: router_norm must be one of {', '.join(ROUTER_NORMS)}, got "
+                              f"{self.router_norm!r}")
+
+
 def first_attended_position(end: int, new: int, window: int | None) -> int:
     """The oldest position any of `new` queries (at positions end-new .. end-1) attends: 0 under full causal
     attention; with a sliding window W, the first query's oldest key, end - new - W + 1 (transformers' mask keeps
@@ -54,6 +83,9 @@ class ModelConfig:
     qkv_bias: bool = False  # Q, K and V projections add a bias (HF attention_bias; Qwen2)
     wo_bias: bool = False  # the attention output projection adds a bias (HF attention_bias)
     mlp_bias: bool = False  # the FFN's gate, up and down projections add biases (HF mlp_bias)
+    # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's). Presets only so far: the
+    # analytical commands cost it, the loaders and the model code refuse it (tracer/load/loader.py).
+    moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
         for field_name, limit in _INT_LIMITS.items():
@@ -79,6 +111,8 @@ class ModelConfig:
                               f"{self.tie_embeddings!r}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.name, self.rope_scaling)
+        if self.moe is not None:
+            self.moe.check(self.name)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"config {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -288,6 +322,7 @@ class ModelConfig:
 # keeps torch from being asked for a tensor of 2^60 elements.
 _INT_LIMITS = {"vocab_size": 2**31 - 1, "dim": 2**20, "n_layers": 2**14, "n_heads": 2**14, "n_kv_heads": 2**14,
                "ffn_dim": 2**24, "max_seq_len": 2**30}
+_MAX_EXPERTS = 2**16  # DeepSeek-V3 has 256 routed experts a layer
 _WHY_POSITIVE = {"norm_eps": "RMSNorm divides by sqrt(mean(x²) + eps)",
                  "rope_theta": "RoPE's base; 0 gives NaN angles and NaN logits"}
 

@@ -1,8 +1,13 @@
-"""Named configurations of well-known LLaMA-family models, each with the file it was copied from."""
+"""Named configurations of well-known LLaMA-family models, each with the file it was copied from.
+
+The mixture-of-experts presets are for the analytical commands (flops, kvmem, roofline, models); `run` refuses
+them until the model code has a router. Their QK-norm weights (Qwen3-MoE: a D-wide RMSNorm on q and on k per layer,
+OLMoE: H·D and Hkv·D wide) are not in the config, so not counted: 12,288 of Qwen3-30B-A3B's 30.5 B parameters,
+65,536 of OLMoE's 6.9 B, and their FLOPs (~4 per value normed) are missing likewise."""
 
 from __future__ import annotations
 
-from llmtrace.tracer.core.config import ModelConfig, RopeScaling
+from llmtrace.tracer.core.config import ModelConfig, MoeSpec, RopeScaling
 from llmtrace.tracer.core.errors import UnknownPresetError
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
@@ -44,6 +49,17 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
                 tie_embeddings=True),
     ModelConfig("smollm2-1.7b", 49152, 2048, 24, 32, 32, 8192, norm_eps=1e-5, rope_theta=130000.0, max_seq_len=8192,
                 tie_embeddings=True),
+    # Mixture of experts: every layer's FFN is E SwiGLU experts of ffn_dim, k per token.
+    # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1/config.json): num_local_experts 8, num_experts_per_tok 2, no window.
+    ModelConfig("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
+                moe=MoeSpec(8, 2, "renormalised")),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B/config.json): num_experts 128, num_experts_per_tok 8, moe_intermediate_size
+    # 768 (its intermediate_size 6144 is for dense layers, of which it has none: mlp_only_layers []), norm_topk_prob.
+    ModelConfig("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 768, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                explicit_head_dim=128, moe=MoeSpec(128, 8, "renormalised")),
+    # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924/config.json): num_experts 64, num_experts_per_tok 8, norm_topk_prob false.
+    ModelConfig("olmoe-1b-7b", 50304, 2048, 16, 16, 16, 1024, norm_eps=1e-5, max_seq_len=4096,
+                moe=MoeSpec(64, 8, "softmax")),
 )
 
 PRESETS: dict[str, ModelConfig] = {cfg.name: cfg for cfg in _PRESET_LIST}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.kernels import DESCRIPTIONS, Kernels, default_kernels, parse_kernels
 from llmtrace.tracer.analytic.kvmem import kv_cache_bytes
+from llmtrace.tracer.analytic.moe import MoeSummary
 from llmtrace.tracer.analytic.params import count_params, norm_dtype_for, weight_bytes
 from llmtrace.tracer.analytic.tensor_parallel import (
     ALLREDUCES_PER_LAYER,
@@ -177,6 +178,7 @@ class RooflineReport:
     kernels_from: str  # "option" (--kernels) or "default" (fused for a GPU profile, eager for this-machine)
     kernels_description: str
     parameters: int
+    active_parameters: int  # those one token's pass uses (a mixture of experts' k of E); `parameters` when dense
     weights_dtype: str
     kv_dtype: str
     activation_dtype: str
@@ -190,6 +192,10 @@ class RooflineReport:
     crossover: Crossover
     table_kv_len: int  # context of the batch table's decode step
     batch_table: tuple[BatchRow, ...]
+    # A mixture of experts: the experts the batch table's decode step reads at several batch sizes (whole model, not
+    # per device); None for a dense model. Its weights grow with the batch, which `crossover` (from batch 1 and 2)
+    # counts as per-sequence bytes.
+    moe: MoeSummary | None
     notes: tuple[str, ...]
     # where weights_dtype came from: "option" (--dtype), "checkpoint" (the file's main type, e.g. a GGUF's q4_1)
     # or "default" (fp16)
@@ -563,12 +569,14 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
         notes.append(f"{hardware.name} ceilings are measured ({hardware.source}).")
     if tp > 1:
         notes.append("All-reduce time assumes no overlap with compute and ignores per-call latency.")
+    params = count_params(config)
     return RooflineReport(
         model=config.name, kernels=kernels.value, kernels_from=kernels_from, kernels_description=DESCRIPTIONS[kernels],
-        parameters=count_params(config).total, weights_dtype=weights.name,
+        parameters=params.total, active_parameters=params.active, weights_dtype=weights.name,
         kv_dtype=dtypes.kv.name, activation_dtype=dtypes.activations.name, machine=machine,
         tensor_parallel=tensor_parallel, memory=fit, prefill=prefill, first_decode=first, last_decode=last,
         generation=generation, crossover=crossover, table_kv_len=table_cached + 1, batch_table=table,
+        moe=estimate.moe_reads(config, table_cached, dtypes, batch, kernels),
         notes=tuple(notes), weights_dtype_from=weights_from,
         decode_ceilings=ceilings_label(hardware.measured, kernels_found=False),
     )

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from llmtrace.tracer.core.config import ModelConfig, RopeScaling
+from llmtrace.tracer.core.config import ModelConfig, MoeSpec, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError
 from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, TypeKernel
@@ -292,9 +292,9 @@ def _plain(value: Any) -> Any:
 # The field names of every record class a trace holds (a constant: read back once per stage record).
 _FIELD_NAMES: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in fields(cls))
-    for cls in (RunSettings, ModelConfig, RopeScaling, EnvironmentInfo, ModelInfo, TokenizationRecord, RopeRecord,
-                StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson, LessonToken,
-                LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
+    for cls in (RunSettings, ModelConfig, RopeScaling, MoeSpec, EnvironmentInfo, ModelInfo, TokenizationRecord,
+                RopeRecord, StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson,
+                LessonToken, LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
                 RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, TypeKernel, StagedDecode, RunAhead,
                 Route, RouteNotTaken,
                 CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
@@ -528,5 +528,6 @@ def _rank_stages(d: dict[str, Any], stages: Callable[[Any], tuple[StageRecord, .
 
 
 def _config(d: dict[str, Any]) -> ModelConfig:
-    scaling = d.get("rope_scaling")
-    return _build(ModelConfig, {**d, "rope_scaling": None if scaling is None else _build(RopeScaling, scaling)})
+    scaling, moe = d.get("rope_scaling"), d.get("moe")
+    return _build(ModelConfig, {**d, "rope_scaling": None if scaling is None else _build(RopeScaling, scaling),
+                                "moe": None if moe is None else _build(MoeSpec, moe)})
