@@ -196,10 +196,9 @@ def attention_focused() -> str:
 
 # ---- what loads: the readers' registries, each claim tried on the readers ----------------------------------------
 
-# Architectures README names as refused: each is tried on the config readers, which must refuse it.
-REFUSED_HF = {"Gemma2ForCausalLM": "gemma2", "PhiForCausalLM": "phi", "MixtralForCausalLM": "mixtral",
-              "Qwen3ForCausalLM": "qwen3"}
-REFUSED_GGUF = ("gemma", "phi3", "qwen3")
+# Architectures in no registry, refused by the readers' generic line (which lists what loads): each is tried.
+UNKNOWN_HF = {"GPT2LMHeadModel": "gpt2", "FalconForCausalLM": "falcon"}
+UNKNOWN_GGUF = ("gpt2", "falcon")
 
 
 def _hf_config(arch: str, model_type: str = "", **extra: Any) -> dict[str, Any]:
@@ -207,14 +206,15 @@ def _hf_config(arch: str, model_type: str = "", **extra: Any) -> dict[str, Any]:
             "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, **extra}
 
 
-def _refused(read: Callable[[], object]) -> bool:
+def _refusal(read: Callable[[], object]) -> str | None:
+    """The one-line message `read` refuses with, None if it reads."""
     from llmtrace.tracer.core.errors import UnsupportedModelError
 
     try:
         read()
-    except UnsupportedModelError:
-        return True
-    return False
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return None
 
 
 def _checked(claim: bool, what: str) -> None:
@@ -244,6 +244,7 @@ def _gguf_types() -> tuple[list[str], list[str], str]:
 def table_loads() -> str:
     from llmtrace.tracer.checkpoint.gguf_tokenizer import SUPPORTED_PRE
     from llmtrace.tracer.core.config import GGUF_ARCHITECTURES, HF_ARCHITECTURES, ModelConfig
+    from llmtrace.tracer.core.refusals import REFUSALS
 
     for arch in HF_ARCHITECTURES:
         config = ModelConfig.from_hf_dict(_hf_config(arch))
@@ -252,22 +253,42 @@ def table_loads() -> str:
     _checked(biased.qkv_bias and biased.wo_bias and biased.mlp_bias, "LLaMA's attention_bias and mlp_bias load")
     qwen = ModelConfig.from_hf_dict(_hf_config("Qwen2ForCausalLM", "qwen2"))
     _checked(qwen.qkv_bias and not qwen.wo_bias, "Qwen2 has biases on Q, K and V")
-    for arch, model_type in REFUSED_HF.items():
-        _checked(_refused(lambda: ModelConfig.from_hf_dict(_hf_config(arch, model_type))), f"{arch} is refused")
-    for arch in REFUSED_GGUF:
-        _checked(_refused(lambda: ModelConfig.from_gguf_metadata({"general.architecture": arch}, "m", "m.gguf")),
-                 f"GGUF {arch!r} is refused")
+    for refusal in REFUSALS:  # every name of a refused family is refused, in one line naming what is missing
+        for arch in refusal.hf:
+            line = _refusal(lambda: ModelConfig.from_hf_dict(_hf_config(arch)))
+            _checked(line is not None and "\n" not in line and refusal.missing in line, f"{arch} is refused")
+        for model_type in refusal.model_types:
+            line = _refusal(lambda: ModelConfig.from_hf_dict({**_hf_config(""), "architectures": [],
+                                                              "model_type": model_type}))
+            _checked(line is not None and refusal.missing in line, f"model type {model_type!r} is refused")
+        for arch in refusal.gguf:
+            line = _refusal(lambda: ModelConfig.from_gguf_metadata({"general.architecture": arch}, "m", "m.gguf"))
+            _checked(line is not None and refusal.missing in line, f"GGUF {arch!r} is refused")
+    for arch, model_type in UNKNOWN_HF.items():
+        _checked(_refusal(lambda: ModelConfig.from_hf_dict(_hf_config(arch, model_type))) is not None,
+                 f"{arch} is refused")
+    for arch in UNKNOWN_GGUF:
+        _checked(_refusal(lambda: ModelConfig.from_gguf_metadata({"general.architecture": arch}, "m", "m.gguf"))
+                 is not None, f"GGUF {arch!r} is refused")
+    mixtral = _refusal(lambda: ModelConfig.from_gguf_metadata(
+        {"general.architecture": "llama", "llama.expert_count": 8}, "m", "m.gguf"))
+    _checked(mixtral is not None and "experts" in mixtral, "a GGUF 'llama' file with experts is refused")
     read, refused, gguf_version = _gguf_types()
     hf = ", ".join(f"`{a}` ({what})" for a, what in HF_ARCHITECTURES.items())
     gguf = ", ".join(f"`{a}` ({what})" for a, what in GGUF_ARCHITECTURES.items())
-    others = ", ".join(a.removesuffix("ForCausalLM") for a in REFUSED_HF)
     rows = [
         "| | reads | refuses, and why |",
         "|---|---|---|",
-        f"| HF architectures | {hf} | any other (e.g. {others}): layer math (other norms, experts, QK-norm) the "
-        "model code does not have; rope scaling other than `llama3` |",
-        f"| GGUF architectures | {gguf} | any other `general.architecture` "
-        f"({', '.join(f'`{a}`' for a in REFUSED_GGUF)}...) |",
+        f"| HF architectures | {hf} | the families below, each naming what it needs; any other (e.g. "
+        f"{', '.join(UNKNOWN_HF)}): one line listing what loads; rope scaling other than `llama3` |",
+        f"| GGUF architectures | {gguf} | the families below; a `llama` file with expert tensors (`llama.expert_count`, "
+        f"Mixtral's); any other `general.architecture` (e.g. {', '.join(f'`{a}`' for a in UNKNOWN_GGUF)}) |",
+    ]
+    for r in REFUSALS:
+        names = ", ".join(f"`{a}`" for a in r.hf) + (f"; GGUF {', '.join(f'`{a}`' for a in r.gguf)}" if r.gguf else "")
+        instead = f" ({r.instead})" if r.instead else ""
+        rows.append(f"| {r.family} | no | {names}: needs {r.missing}{instead} |")
+    rows += [
         f"| GGUF tensor types | every type the installed gguf ({gguf_version}) dequantizes: {', '.join(read)} | "
         f"{', '.join(refused)} (llama.cpp's intermediate formats, integer and F64 tensors, types this gguf cannot "
         "decode): the message says to use another quantization of the model or its HF folder |",

@@ -143,7 +143,8 @@ def test_mixture_of_experts_gguf_is_named(tiny_source: tuple[ModelConfig, dict, 
     path = write_tiny_gguf(tmp_path / "moe.gguf", config, state, vocab, extra_metadata={"llama.expert_count": 8})
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(str(path))
-    assert "mixture-of-experts model (8 experts per layer)" in _one_line(exc)
+    assert "a mixture of experts (8 experts per layer, llama.expert_count) is not read: it needs a router and " \
+           "experts in place of the dense FFN" in _one_line(exc)
 
 
 def test_unsupported_tokenizer_type(write: Callable[..., Path]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from llmtrace.tracer.core.errors import ConfigError, UnsupportedModelError
+from llmtrace.tracer.core.refusals import MIXTURE_OF_EXPERTS, gguf_refusal, hf_refusal, refusal_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,9 @@ class ModelConfig:
             raise ConfigError(f"{source}: 'architectures' must be a list of names, got {_short(archs)}")
         if not isinstance(model_type, str):
             raise ConfigError(f"{source}: 'model_type' must be a name, got {_short(model_type)}")
+        refused = hf_refusal(archs, model_type)
+        if refused is not None:
+            raise UnsupportedModelError(refusal_line(source, *refused))
         supported_types = {"llama", "mistral", "qwen2", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
@@ -237,6 +241,9 @@ class ModelConfig:
         """Build from GGUF key/value metadata (`llama.*` or `qwen2.*` keys), as read by
         `llmtrace.tracer.checkpoint.gguf_header`."""
         arch = meta.get("general.architecture")
+        refused = gguf_refusal(arch) if isinstance(arch, str) else None
+        if refused is not None:
+            raise UnsupportedModelError(refusal_line(source, f"GGUF architecture {arch!r}", refused))
         if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:  # a hostile file's array is no key
             raise UnsupportedModelError(
                 f"{source}: GGUF architecture {arch!r} is not supported; llmtrace reads {', '.join(GGUF_ARCHITECTURES)}"
@@ -247,10 +254,9 @@ class ModelConfig:
 
         experts = meta.get(key("expert_count"))
         if experts:  # Mixtral-style files keep arch 'llama' and add expert tensors (ffn_*_exps, ffn_gate_inp)
-            raise UnsupportedModelError(
-                f"{source}: a mixture-of-experts model ({experts} experts per layer) is not supported; llmtrace "
-                "models dense LLaMA-family FFNs only"
-            )
+            raise UnsupportedModelError(refusal_line(
+                source, f"a mixture of experts ({_short(experts)} experts per layer, {key('expert_count')})",
+                MIXTURE_OF_EXPERTS))
 
         def need(name: str) -> Any:
             full = key(name)
