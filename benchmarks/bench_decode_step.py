@@ -57,7 +57,9 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.model import functional
     from llmtrace.tracer.model.weight_formats import PackedWeight
+    from llmtrace.tracer.run.backends import backend_for
     from llmtrace.tracer.run.generate import Generation, TokenStep
+    from llmtrace.tracer.run.select import Request
     from llmtrace.tracer.trace.records import RunSettings
 
     loaded = load_model(None, weights=weights)
@@ -65,30 +67,28 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
     ids = torch.tensor([list(loaded.tokenizer.encode(PROMPT))])  # (1, T)
     token = ids[:, -1:]  # (1, 1)
 
-    def decode_steps(n: int) -> None:
+    def prefilled(n: int, native: bool = True) -> Any:
+        """The run's backend (the torch fused path with `native` False) after a prefill, room for `n` steps."""
         model.setup_cache(1, ids.shape[1] + n + 1)
-        model.prefill(ids)
-        for _ in range(n):
-            model.decode_one(token)
+        run = backend_for(model, Request(backend=None if native else "packed"))
+        run.prefill(ids)
+        return run
 
-    decode_steps(4)  # warm-up: first-call kernel set-up
-    model.setup_cache(1, ids.shape[1] + steps + 1)
-    plan = model._fused_plan
-    native = getattr(plan, "native", None) is not None  # the native decode step runs this model's one-token steps
+    run = prefilled(4)  # warm-up: first-call kernel set-up
+    for _ in range(4):
+        run.decode(token)
+    native = getattr(run.plan, "native", None) is not None  # the native decode step runs this model's one-token steps
     forward: list[int] = []
     forward_torch: list[int] = []  # the torch fused path on the same weights (the native step switched off)
     for _ in range(2):  # blocks alternated, so a drift of the machine falls on both
         for use_native, times in ((True, forward), (False, forward_torch)):
             if not native and not use_native:
                 continue
-            model.use_native_step = use_native
-            model.setup_cache(1, ids.shape[1] + steps // 2 + 1)
-            model.prefill(ids)
+            run = prefilled(steps // 2, use_native)
             for _ in range(steps // 2):
                 start = time.perf_counter_ns()
-                model.decode_one(token)
+                run.decode(token)
                 times.append(time.perf_counter_ns() - start)
-    model.use_native_step = True
 
     products: list[int] = []
     calls = [0]
@@ -104,28 +104,23 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
         return run
 
     # Every weight product of a decode step: a matrix held as stored (PackedWeight.__call__) or a dense one through
-    # the matrix-vector kernels the fused plan binds when it is built (setup_cache, below, rebuilds it).
+    # the matrix-vector kernels the fused plan binds when it is built (a run's backend, below, builds it).
     # The native step's products run inside its one C call: they are timed as the torch fused path calls them.
     original_call, original_kernels = PackedWeight.__call__, dict(functional.MATVEC_KERNELS)
     PackedWeight.__call__ = timed(original_call)  # type: ignore[method-assign]
     functional.MATVEC_KERNELS.update({name: timed(kernel) for name, kernel in original_kernels.items()})
-    model.use_native_step = False
     try:
-        model.setup_cache(1, ids.shape[1] + steps + 1)
-        model.prefill(ids)
+        run = prefilled(steps, native=False)
         for _ in range(steps):
             spent[0] = calls[0] = 0
-            model.decode_one(token)
+            run.decode(token)
             products.append(spent[0])
     finally:
         PackedWeight.__call__ = original_call  # type: ignore[method-assign]
         functional.MATVEC_KERNELS.update(original_kernels)
-        model.use_native_step = True
 
-    ops = _ops_per_step(model, ids, token)
-    model.use_native_step = False
-    ops_torch = _ops_per_step(model, ids, token)
-    model.use_native_step = True
+    ops = _ops_per_step(prefilled(3), token)
+    ops_torch = _ops_per_step(prefilled(3, native=False), token)
 
     settings = RunSettings(model="", prompt=PROMPT, max_new_tokens=steps + 1, trace=False, weights=weights or "")
     generation = Generation(loaded, settings)
@@ -154,17 +149,16 @@ def measure_step(steps: int, weights: str | None) -> dict[str, Any]:
     }
 
 
-def _ops_per_step(model: Any, ids: Any, token: Any) -> dict[str, int]:
-    """The top-level torch ops one decode_one dispatches, by name (torch.profiler; one step after a warm one)."""
+def _ops_per_step(run: Any, token: Any) -> dict[str, int]:
+    """The top-level torch ops one decode step of the prefilled backend `run` dispatches, by name (torch.profiler;
+    one step after a warm one)."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
 
-    model.setup_cache(1, ids.shape[1] + 3)
-    model.prefill(ids)
-    model.decode_one(token)
+    run.decode(token)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model.decode_one(token)
+        run.decode(token)
     counts = Counter(e.name for e in prof.events() if e.cpu_parent is None)
     return dict(counts.most_common())
 

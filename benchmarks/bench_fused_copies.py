@@ -97,7 +97,7 @@ class TwoCopyPlan(fused.FusedPlan):
         for layer in self.layers:
             x = one_token_layer(layer, x, cos, sin, start, mark)
         for layer in self.layers:
-            layer.cache.__dict__["length"], layer.cache.__dict__["batch"] = start + 1, 1
+            self.fill.length, self.fill.batch = start + 1, 1
         h = self.final_norm(x)
         mark()
         logits = matvec(self.output, h, self.output_bias).view(1, -1)
@@ -118,13 +118,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         model.prefill(prompt)
         plans = {"A two copies (before)": fused_before(Path(folder)).FusedPlan(model),
-                 "B one copy": model._fused_plan, "C one copy + one-token copy": TwoCopyPlan(model)}
-        caches = [layer.attention.kv_cache for layer in model.layers]
+                 "B one copy": fused.FusedPlan(model), "C one copy + one-token copy": TwoCopyPlan(model)}
         token = torch.tensor([[42]])
 
         def once(plan: object) -> tuple[int, torch.Tensor]:
-            for cache in caches:  # every step writes position CONTEXT again
-                cache.__dict__["length"], cache.__dict__["batch"] = CONTEXT, 1
+            model.fill.length, model.fill.batch = CONTEXT, 1  # every step writes position CONTEXT again
             start = time.perf_counter_ns()
             logits = plan.step(token, CONTEXT)
             return time.perf_counter_ns() - start, logits

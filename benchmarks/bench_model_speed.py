@@ -78,18 +78,20 @@ def hf_model(ours: Transformer) -> Any:
 
 def time_ours(model: Transformer, prompt: torch.Tensor, fused: bool) -> tuple[float, float, list[int]]:
     """(prefill s, decode s per token, greedy ids) for one generation."""
-    model.use_fused = fused
+    from llmtrace.tracer.run.backends import backend_for
+    from llmtrace.tracer.run.select import Request
+
     model.setup_cache(1, PROMPT_TOKENS + DECODE_TOKENS + 1)
+    run = backend_for(model, Request(backend=None if fused else "modules"))
     start = time.perf_counter()
-    token = model.prefill(prompt).argmax(-1, keepdim=True)
+    token = run.prefill(prompt).argmax(-1, keepdim=True)
     prefill = time.perf_counter() - start
     ids = [int(token)]
     start = time.perf_counter()
     for _ in range(DECODE_TOKENS):
-        token = model.decode_one(token).argmax(-1, keepdim=True)
+        token = run.decode(token).argmax(-1, keepdim=True)
         ids.append(int(token))
     decode = (time.perf_counter() - start) / DECODE_TOKENS
-    model.use_fused = True
     return prefill, decode, ids
 
 

@@ -190,17 +190,21 @@ def model_steps(weights: str = "native", steps: int = 128) -> dict[str, float]:
         return out
 
     PackedWeight.__call__ = timed
+    from llmtrace.tracer.run.backends import backend_for
+
     model.setup_cache(1, ids.shape[1] + 5)
-    model.prefill(ids)
+    run = backend_for(model)
+    run.prefill(ids)
     for _ in range(4):  # warm-up
-        model.decode_one(token)
+        run.decode(token)
     forward, products = [], []
     model.setup_cache(1, ids.shape[1] + steps + 1)
-    model.prefill(ids)
+    run = backend_for(model)
+    run.prefill(ids)
     for _ in range(steps):
         spent[0] = 0
         start = time.perf_counter_ns()
-        model.decode_one(token)
+        run.decode(token)
         forward.append(time.perf_counter_ns() - start)
         products.append(spent[0])
     PackedWeight.__call__ = original

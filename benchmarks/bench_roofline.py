@@ -33,17 +33,20 @@ def measure_generation(loaded, ids: list[int], new_tokens: int) -> tuple[float, 
     """(prefill seconds, [decode step seconds]) of one greedy generation, no hooks."""
     import torch
 
+    from llmtrace.tracer.run.backends import backend_for
+
     model = loaded.model
     model.reset_cache()
+    run = backend_for(model)
     tokens = torch.tensor([ids])
     start = time.perf_counter()
-    logits = model.prefill(tokens)
+    logits = run.prefill(tokens)
     ttft = time.perf_counter() - start
     steps = []
     for _ in range(new_tokens - 1):
         next_id = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
         start = time.perf_counter()
-        logits = model.decode_one(next_id)
+        logits = run.decode(next_id)
         steps.append(time.perf_counter() - start)
     return ttft, steps
 

@@ -6,8 +6,8 @@ is its last stdout line), the variants alternated round by round so drift in the
 - staged: `--staged` (the native decode step's stages apart, timed in C, where the model has one);
 - notrace: `--no-trace` (the default path untraced: the target's denominator);
 - traced: no flag (the default path traced from inside);
-- modules: `--staged` with the native staged step switched off in that process (Transformer.staged_native_reason
-  patched to refuse), i.e. every decode step through the wrapped stage modules: what `--staged` ran before.
+- modules: `--staged` with the native staged step switched off in that process (tracer/run/select.py's
+  _staged_native_reason patched to refuse), i.e. every decode step through the wrapped stage modules: what `--staged` ran before.
 
 Run it alone on the machine: `/work/tools/quiet .venv/bin/python -m benchmarks.bench_staged_cli --rounds 3`.
 """
@@ -23,8 +23,8 @@ import sys
 VARIANTS = {"staged": ["--staged"], "notrace": ["--no-trace"], "traced": [], "modules": ["--staged"]}
 # The modules variant: the same CLI in a process where no step may take the native staged path.
 _MODULES = ("import runpy, sys\n"
-            "from llmtrace.tracer.model.transformer import Transformer\n"
-            "Transformer.staged_native_reason = lambda self: 'switched off for the benchmark'\n"
+            "from llmtrace.tracer.run import select\n"
+            "select._staged_native_reason = lambda *args: 'switched off for the benchmark'\n"
             "sys.argv = ['llmtrace'] + sys.argv[1:]\n"
             "runpy.run_module('llmtrace', run_name='__main__')\n")
 

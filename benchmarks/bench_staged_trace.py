@@ -3,7 +3,7 @@
 On the bundled default model (default weights, greedy from "The capital of France is"), in one process, rounds
 interleaved, one-token steps `decode_one` timed from the tracer's begin_step to its end_step:
 - fused: the default path, untraced (what `run --no-trace` runs);
-- staged: stage by stage (`use_fused = False`), untraced: the staged model's own cost;
+- staged: stage by stage (the modules backend), untraced: the staged model's own cost;
 - traced: stage by stage under Tracer(mechanism="wrap") (what `run --staged` runs);
 - baseline (with --baseline-hooks FILE): the same under the Tracer of another revision's tracer/trace/hooks.py
   (`git show REV:tracer/trace/hooks.py > FILE`), for before/after in one run.
@@ -40,10 +40,13 @@ def _baseline_tracer(path: str) -> type:
 
 def one_round(model: Any, variant: str, tracer_class: type | None) -> tuple[list[int], float]:
     """STEPS decode steps after a prefill: each step's ns, and the records() build in ms per step."""
+    from llmtrace.tracer.run.backends import backend_for
+    from llmtrace.tracer.run.select import Request
+
     ids = torch.tensor([PROMPT_IDS])
-    model.use_fused = variant == "fused"
     model.setup_cache(1, len(PROMPT_IDS) + STEPS + 1)
     tracer = tracer_class(model, mechanism="wrap") if tracer_class is not None else None
+    run = backend_for(model, Request(backend=None if variant == "fused" else "modules"))
     times = []
     build_ms = 0.0
     try:
@@ -51,14 +54,14 @@ def one_round(model: Any, variant: str, tracer_class: type | None) -> tuple[list
             if tracer is not None:
                 tracer.__enter__()
                 tracer.begin_step("prefill", 0)
-            token = model.prefill(ids).argmax(-1, keepdim=True)  # (1, 1)
+            token = run.prefill(ids).argmax(-1, keepdim=True)  # (1, 1)
             if tracer is not None:
                 tracer.end_step()
             for step in range(1, STEPS + 1):
                 start = time.perf_counter_ns()
                 if tracer is not None:
                     tracer.begin_step("decode", step)
-                logits = model.decode_one(token)
+                logits = run.decode(token)
                 if tracer is not None:
                     tracer.end_step()
                 times.append(time.perf_counter_ns() - start)
@@ -70,7 +73,6 @@ def one_round(model: Any, variant: str, tracer_class: type | None) -> tuple[list
     finally:
         if tracer is not None:
             tracer.__exit__(None, None, None)
-        model.use_fused = True
     return times, build_ms
 
 

@@ -45,6 +45,7 @@ def main() -> None:
 
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.model import native_kernel
+    from llmtrace.tracer.run.backends import backend_for
 
     positions, rounds, variants = [int(p) for p in sys.argv[1].split(",")], int(sys.argv[2]), sys.argv[3:]
     print("load average before:", os.getloadavg(), flush=True)
@@ -54,9 +55,10 @@ def main() -> None:
     torch.manual_seed(0)
     ids = torch.randint(100, 20000, (1, max(positions) + 1))  # (1, T)
     model.prefill(ids)
-    step = model._fused_plan.native
+    plan = backend_for(model).plan
+    step = plan.native
     if step is None:
-        sys.exit(f"no native step: {model._fused_plan.native_reason}")
+        sys.exit(f"no native step: {plan.native_reason}")
     calls = []
     for variant in variants:
         path = native_kernel.library().path if variant == "cur" else build(Path(variant))

@@ -158,7 +158,7 @@ def measure_loop(rounds: int, weights: str | None, prompt_tokens: int | None) ->
                         if isinstance(event, TokenStep):
                             events.append(time.perf_counter_ns())
                         elif isinstance(event, PrefillDone):
-                            _time_native_call(loaded.model, timers)
+                            _time_native_call(generation._untraced, timers)
                 finally:
                     generation.close()
                 intervals = list(zip(events, events[1:]))  # one decode token each
@@ -192,9 +192,9 @@ def measure_loop(rounds: int, weights: str | None, prompt_tokens: int | None) ->
     return result
 
 
-def _time_native_call(model: Any, timers: _Timers) -> None:
-    """Time the ctypes call of this generation's native decode step (setup_cache made a new one), if it has one."""
-    plan = getattr(model, "_fused_plan", None)
+def _time_native_call(backend: Any, timers: _Timers) -> None:
+    """Time the ctypes call of this generation's native decode step (its backend made a new one), if it has one."""
+    plan = getattr(backend, "plan", None)
     native = getattr(plan, "native", None)
     if native is not None and "C call" not in getattr(native, "_timed", ()):
         timers.wrap(native, "_step", "C call")

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from llmtrace.tracer.load.loader import LoadedModel, load_model
+from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.generate import Finished, Generation, TokenStep
+from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings
 
@@ -62,7 +64,7 @@ def bench_overhead(loaded: LoadedModel, rounds: int) -> dict[str, Any]:
     from inside) vs `trace=False` (forward + sample + detokenize per step; the traced figure adds the record
     building done after the run, spread over its decode steps).
     forward: one decode_one per step, under six set-ups: the model's default (fused when nothing watches), our
-    Tracer on the fused path (its default), stage by stage (`use_fused = False`), no-op nn.Module hooks on the 513
+    Tracer on the fused path (its default), stage by stage (the modules backend), no-op nn.Module hooks on the 513
     stage modules, our Tracer on the stage modules with wrappers and with real hooks.
     """
     decode_run(loaded, True)  # warm-up: allocator, caches, first-call paths
@@ -109,9 +111,6 @@ def _forward_steps(loaded: LoadedModel, mode: str, n: int = 24) -> list[int]:
     token = torch.tensor([[7]])
     handles = []
     tracer = None
-    fused = getattr(model, "use_fused", None)
-    if mode == "stage_by_stage" and fused is not None:
-        model.use_fused = False
     if mode == "noop_hooks":
         for _, module in stage_modules(model):
             handles.append(module.register_forward_pre_hook(lambda m, a: None))
@@ -119,13 +118,16 @@ def _forward_steps(loaded: LoadedModel, mode: str, n: int = 24) -> list[int]:
     if mode.startswith("tracer_"):
         tracer = Tracer(model, mechanism=mode.removeprefix("tracer_"))
         tracer.__enter__()
+    # the run's backend once everything is attached: the stage modules for stage_by_stage, hooks and wrappers
+    run = backend_for(model, Request(backend="modules" if mode == "stage_by_stage" else None))
+    run = run if tracer is None else run.traced(tracer)
     out = []
     try:
         for i in range(n):
             if tracer is not None:
                 tracer.begin_step(DECODE, i + 1)
             start = time.perf_counter_ns()
-            model.decode_one(token)
+            run.decode(token)
             out.append(time.perf_counter_ns() - start)
             if tracer is not None:
                 tracer.end_step()
@@ -134,8 +136,6 @@ def _forward_steps(loaded: LoadedModel, mode: str, n: int = 24) -> list[int]:
             tracer.remove()
         for handle in handles:
             handle.remove()
-        if fused is not None:
-            model.use_fused = fused
     return out
 
 
@@ -146,9 +146,10 @@ def _timed_step(loaded: LoadedModel, ids: list[int], phase: str, mode: str) -> t
     model = loaded.model
     model.setup_cache(1, len(ids) + 2)
     tokens = torch.tensor([ids]) if phase == PREFILL else torch.tensor([[ids[-1]]])
+    backend = backend_for(model)
     if phase == DECODE:
-        model.prefill(torch.tensor([ids]))
-    run = model.prefill if phase == PREFILL else model.decode_one
+        backend.prefill(torch.tensor([ids]))
+    run = backend.prefill if phase == PREFILL else backend.decode
     if mode == "plain":
         start = time.perf_counter()
         run(tokens)
@@ -156,8 +157,9 @@ def _timed_step(loaded: LoadedModel, ids: list[int], phase: str, mode: str) -> t
     if mode == "llmtrace":
         start = time.perf_counter()
         with Tracer(model) as tracer:
+            traced = backend.traced(tracer)
             tracer.begin_step(phase, 0)
-            run(tokens)
+            (traced.prefill if phase == PREFILL else traced.decode)(tokens)
             tracer.end_step()
         records = tracer.records()
         elapsed = time.perf_counter() - start

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmtrace.tracer.load import gguf_loader  # noqa: E402
 from llmtrace.tracer.load.loader import load_model  # noqa: E402
+from llmtrace.tracer.run.backends import backend_for  # noqa: E402
 
 
 def anon_huge_kib() -> int:
@@ -52,17 +53,19 @@ def main() -> None:
     tokenizer = loaded["arena"].tokenizer
     ids = torch.tensor([list(tokenizer.encode("The capital of France is"))])  # (1, T)
     token = ids[:, -1:]
-    for one in loaded.values():
+    runs = {}
+    for name, one in loaded.items():
         one.model.setup_cache(1, ids.shape[1] + args.steps + 8)
-        one.model.prefill(ids)
+        runs[name] = backend_for(one.model)
+        runs[name].prefill(ids)
         for _ in range(4):  # warm-up
-            one.model.decode_one(token)
+            runs[name].decode(token)
     ns: dict[str, list[int]] = {name: [] for name in loaded}
     order = list(loaded.items())
     for step in range(args.steps):
         for name, one in order if step % 2 else order[::-1]:
             start = time.perf_counter_ns()
-            one.model.decode_one(token)
+            runs[name].decode(token)
             ns[name].append(time.perf_counter_ns() - start)
     print(f"--weights {args.weights}, {args.threads} threads, {args.steps} decode steps each, alternated; "
           f"AnonHugePages {anon_huge_kib() / 1024:.0f} MiB")

@@ -20,11 +20,13 @@ from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model.transformer import build_random_model
+from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.batch_generate import BatchGeneration
 from llmtrace.tracer.run.batch_spec import check_batch_settings
 from llmtrace.tracer.run.generate import generate
+from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.hooks import Tracer
-from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, RunSettings
+from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, MODULES, PREFILL, RunSettings
 from llmtrace.tracer.trace.run_trace import STOP_MAX_NEW_TOKENS, Trace
 
 PROMPTS = ("The sky is blue because", "Hi", "Once upon a time there was a small dog who")
@@ -38,13 +40,15 @@ def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor([[0] * k + p for k, p in zip(pads, prompts)]), pads
 
 
-def _greedy_logits(model, tokens: torch.Tensor, pads: list[int] | None, steps: int) -> torch.Tensor:
-    """Logits (B, steps + 1, V) of a greedy run: the prefill's, then each decode step's."""
+def _greedy_logits(model, tokens: torch.Tensor, pads: list[int] | None, steps: int, fused: bool) -> torch.Tensor:
+    """Logits (B, steps + 1, V) of a greedy run: the prefill's, then each decode step's; on the backend a run takes
+    (`fused`), or on the stage modules."""
     model.setup_cache(tokens.shape[0], tokens.shape[1] + steps)
-    logits = model.prefill(tokens, pads)
+    run = backend_for(model, Request(batch=tokens.shape[0], backend=None if fused else MODULES))
+    logits = run.prefill(tokens, pads)
     out = [logits]
     for _ in range(steps):
-        logits = model.decode_one(logits.argmax(-1, keepdim=True))
+        logits = run.decode(logits.argmax(-1, keepdim=True))
         out.append(logits)
     return torch.stack(out, dim=1)
 
@@ -53,12 +57,11 @@ def _greedy_logits(model, tokens: torch.Tensor, pads: list[int] | None, steps: i
 @pytest.mark.parametrize("config", [GQA, WINDOWED], ids=["gqa", "sliding-window"])
 def test_left_padded_rows_give_their_batch_1_logits(config: ModelConfig, fused: bool) -> None:
     model = build_random_model(config, seed=3)
-    model.use_fused = fused
     prompts = [[5, 9, 13], [7, 3, 11, 21, 40, 2, 8], [8]]
     tokens, pads = _left_padded(prompts)
-    batched = _greedy_logits(model, tokens, pads, steps=5)
+    batched = _greedy_logits(model, tokens, pads, 5, fused)
     for row, prompt in enumerate(prompts):
-        single = _greedy_logits(model, torch.tensor([prompt]), None, steps=5)[0]
+        single = _greedy_logits(model, torch.tensor([prompt]), None, 5, fused)[0]
         torch.testing.assert_close(batched[row], single, rtol=1e-5, atol=1e-5)
         assert torch.equal(batched[row].argmax(-1), single.argmax(-1))
 
@@ -67,12 +70,11 @@ def test_left_padded_rows_give_their_batch_1_logits(config: ModelConfig, fused: 
 def test_pads_change_no_logit_whatever_their_ids(fused: bool) -> None:
     """A pad is never attended: other pad ids leave every real row's logits bit for bit the same."""
     model = build_random_model(GQA, seed=3)
-    model.use_fused = fused
     tokens, pads = _left_padded([[5, 9, 13], [7, 3, 11, 21, 40, 2, 8]])
-    first = _greedy_logits(model, tokens, pads, steps=3)
+    first = _greedy_logits(model, tokens, pads, 3, fused)
     other = tokens.clone()
     other[0, : pads[0]] = torch.tensor([100, 17, 64, 1])
-    assert torch.equal(_greedy_logits(model, other, pads, steps=3), first)
+    assert torch.equal(_greedy_logits(model, other, pads, 3, fused), first)
 
 
 @pytest.mark.parametrize("held", ["dense", "stored"])
@@ -85,7 +87,6 @@ def test_keep_rows_drops_a_sequence_and_leaves_the_others_as_they_were(held: str
         model = native_model(replace(GQA, name="gqa-stored"), seed=3)
     else:
         model = build_random_model(GQA, seed=3)
-    model.use_fused = False
     tokens, pads = _left_padded([[5, 9, 13], [7, 3, 11, 21, 40], [8, 30]])
     model.setup_cache(3, 12)
     logits = model.prefill(tokens, pads)

@@ -43,6 +43,7 @@ from llmtrace.tracer.roofline.kernel_decode import (
     kernel_step,
     mean_step_seconds,
 )
+from llmtrace.tracer.run.backends import PackedBackend, backend_for
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("LLMTRACE_UPDATE_GOLDEN") == "1"
@@ -205,7 +206,7 @@ def test_measured_ceilings_have_every_product_and_count_the_other_ops(tiny_llama
         # every non-product stage of every layer runs at least one tensor op
         assert entry.ops >= len(non_products) * loaded.config.n_layers
         assert entry.other_seconds > 0 and entry.context >= len(ids) + 1
-    assert loaded.model.fusable()  # the stand-ins are gone: the model runs its products again
+    assert isinstance(backend_for(loaded.model), PackedBackend)  # nothing left watching the model
     loaded.model.setup_cache(1, 16)
     import torch
 

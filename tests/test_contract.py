@@ -18,8 +18,10 @@ from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.model.transformer import build_random_model
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.hooks import Tracer
-from llmtrace.tracer.trace.records import DECODE, PREFILL
+from llmtrace.tracer.trace.records import DECODE, MODULES, PREFILL
 
 CONFIG = ModelConfig("tiny", 96, 64, 2, 4, 2, 96, max_seq_len=32)
 DTYPES = estimate.Dtypes.for_weights(FP32)
@@ -31,10 +33,11 @@ def _trace(config: ModelConfig, mechanism: str, prompt: int = 5, steps: int = 2)
     generator = torch.Generator().manual_seed(0)
     logits = []
     with Tracer(model, mechanism=mechanism) as tracer:
+        run = backend_for(model).traced(tracer)  # packed, or the stage modules the wrappers watch
         for step in range(steps + 1):
             ids = torch.randint(0, config.vocab_size, (1, prompt if step == 0 else 1), generator=generator)
             tracer.begin_step(PREFILL if step == 0 else DECODE, step)
-            logits.append(model.prefill(ids) if step == 0 else model.decode_one(ids))
+            logits.append(run.prefill(ids) if step == 0 else run.decode(ids))
             tracer.end_step()
     return model, tracer.records(), torch.stack(logits)
 
@@ -91,14 +94,13 @@ def test_the_bias_is_applied_exactly(lm_head_bias: contract.TensorSpec) -> None:
     model = build_random_model(CONFIG, seed=3)
     ids = torch.randint(0, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
     bias = model.output.bias.detach().clone()
-    for fused in (True, False):
-        model.use_fused = fused
+    for backend in (None, MODULES):
         model.setup_cache(1, 8)
-        with_bias = model.prefill(ids)
+        with_bias = backend_for(model, Request(backend=backend)).prefill(ids)
         with torch.no_grad():
             model.output.bias.zero_()
         model.setup_cache(1, 8)
-        without = model.prefill(ids)
+        without = backend_for(model, Request(backend=backend)).prefill(ids)
         with torch.no_grad():
             model.output.bias.copy_(bias)
         torch.testing.assert_close(with_bias, without + bias, rtol=0, atol=1e-6)

@@ -14,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.model.fused import no_mark
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
+from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 from llmtrace.tracer.trace.summary import stage_totals
@@ -43,24 +43,22 @@ class OrderedFlopCounter(FlopCounterMode):
         return super()._count_flops(func_packet, out, args, kwargs)
 
 
-def _traced(config: ModelConfig, mechanism: str, counter: bool = False,
-            monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[tuple[StageRecord, ...], list, list]:
+def _traced(config: ModelConfig, mechanism: str, counter: bool = False) -> tuple[tuple[StageRecord, ...], list, list]:
     """Prefill PROMPT tokens, then DECODE_STEPS decode steps under a Tracer: records, the logits of each step, and
     (counter=True) the ops FlopCounterMode counted in each step, in order, on the path the model took."""
     model = build_random_model(config, seed=1)
     model.setup_cache(1, PROMPT + DECODE_STEPS)
-    if counter and mechanism == "fused":
-        # FlopCounterMode's module tracker registers global hooks, which would send the model stage by stage;
-        # here it must count the fused path's own ops.
-        monkeypatch.setattr(model, "fusable", lambda: True)
     generator = torch.Generator().manual_seed(0)
     logits, counted = [], []
     with Tracer(model, mechanism=mechanism) as tracer:
+        # the backend is chosen before FlopCounterMode's module tracker registers its global hooks: it counts the
+        # fused path's own ops
+        run = backend_for(model).traced(tracer)
         for step in range(DECODE_STEPS + 1):
             ids = torch.randint(0, config.vocab_size, (1, PROMPT if step == 0 else 1), generator=generator)
             tracer.begin_step(PREFILL if step == 0 else DECODE, step)
             with OrderedFlopCounter() if counter else nullcontext() as flops:
-                logits.append(model.prefill(ids) if step == 0 else model.decode_one(ids))
+                logits.append(run.prefill(ids) if step == 0 else run.decode(ids))
             tracer.end_step()
             if counter:
                 counted.append(flops.calls)
@@ -121,10 +119,10 @@ def test_fused_records_match_the_stage_by_stage_records(both) -> None:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matmul_flops_equal_flop_counter_mode_on_the_fused_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matmul_flops_equal_flop_counter_mode_on_the_fused_path(name: str) -> None:
     """Every matmul FlopCounterMode counts on the fused path, in call order, is one traced matmul stage with the
     same FLOPs: the weight products as mm, QKᵀ and probs·V as bmm, and nothing else it counts ran."""
-    records, _, counted = _traced(CONFIGS[name], "fused", counter=True, monkeypatch=monkeypatch)
+    records, _, counted = _traced(CONFIGS[name], "fused", counter=True)
     op_of = {"linear": "aten.mm", "lm_head": "aten.mm", "attention_scores": "aten.bmm", "attention_values": "aten.bmm"}
     for step, calls in enumerate(counted):
         stages = [r for r in records if r.step == step]
@@ -144,10 +142,11 @@ def test_a_traced_step_computes_what_an_untraced_one_does() -> None:
     _, traced, _ = _traced(config, "fused")
     model = build_random_model(config, seed=1)
     model.setup_cache(1, PROMPT + DECODE_STEPS)
+    run = backend_for(model)
     generator = torch.Generator().manual_seed(0)
     for step in range(DECODE_STEPS + 1):
         ids = torch.randint(0, config.vocab_size, (1, PROMPT if step == 0 else 1), generator=generator)
-        untraced = model.prefill(ids) if step == 0 else model.decode_one(ids)
+        untraced = run.prefill(ids) if step == 0 else run.decode(ids)
         assert torch.equal(untraced, traced[step])  # bit for bit: the same ops ran
 
 
@@ -169,7 +168,8 @@ def test_auto_traces_the_fused_path_unless_something_else_watches_the_modules() 
         tracer.end_step()
     handle.remove()
     assert {r.short_name for r in tracer.records()} >= {"attention.wq", "attention.wk", "attention.wv"}
-    model.use_fused = False
+    model._caches = None
+    model.layers[0].attention.kv_cache.kv = None  # no cache set up: the packed path cannot run
     with Tracer(model) as tracer:
         assert tracer.mechanism == "wrap"
 
@@ -177,9 +177,7 @@ def test_auto_traces_the_fused_path_unless_something_else_watches_the_modules() 
 def test_a_step_that_left_the_fused_path_is_a_clear_error() -> None:
     model = _model()
     with Tracer(model, mechanism="fused") as tracer:
-        model.use_fused = False
         tracer.begin_step(PREFILL, 0)
-        model.prefill(torch.tensor([[1, 2, 3]]))
+        model.prefill(torch.tensor([[1, 2, 3]]))  # the stage modules, not a backend the tracer traces
         with pytest.raises(RuntimeError, match="ran stage by stage"):
             tracer.end_step()
-    assert model.stage_mark is no_mark

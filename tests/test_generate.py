@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +31,9 @@ def _settings(**overrides: object) -> RunSettings:
 
 
 def _hooks(model: torch.nn.Module) -> int:
-    """Module hooks, instance-level forward wrappers and the fused path's installed mark: the tracer's
-    instrumentation, whichever mechanism."""
-    modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
-    return modules + (model.stage_mark is not no_mark)
+    """Module hooks and instance-level forward wrappers: the tracer's instrumentation of the model, whichever
+    mechanism (the fused path's marks live in the run's backend, not on the model)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
 
 
 @dataclass
@@ -120,7 +120,7 @@ def test_ctrl_c_in_the_caller_keeps_what_was_traced(loaded: LoadedModel) -> None
     generation = Generation(loaded, _settings(max_new_tokens=10))
     for event in generation.events():
         if isinstance(event, TokenStep) and event.generated == 3:
-            assert _hooks(loaded.model) > 0
+            assert generation._tracer.mark is not no_mark  # recording: its marks are in the run's backend
             break
     generation.close()
     assert _hooks(loaded.model) == 0
@@ -212,16 +212,16 @@ def test_steps_record_the_models_own_probability_and_the_survivors(loaded: Loade
 def test_warm_up_runs_one_untraced_pass_on_the_traced_path_first(loaded: LoadedModel, warmup: bool, staged: bool,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model = loaded.model
-    calls: list[tuple[str, int, bool]] = []  # (which, tokens, fused allowed)
+    calls: list[tuple[str, int, bool]] = []  # (which, tokens, through a backend's fused path)
     real_prefill, real_decode = model.prefill, model.decode_one
 
-    def prefill(tokens: torch.Tensor, pad: list[int] | None = None) -> torch.Tensor:
-        calls.append(("prefill", tokens.shape[1], model.fusable()))
-        return real_prefill(tokens, pad)
+    def prefill(tokens: torch.Tensor, pad: list[int] | None = None, path: Any = None) -> torch.Tensor:
+        calls.append(("prefill", tokens.shape[1], path is not None))
+        return real_prefill(tokens, pad, path)
 
-    def decode_one(tokens: torch.Tensor) -> torch.Tensor:
-        calls.append(("decode", tokens.shape[1], model.fusable()))
-        return real_decode(tokens)
+    def decode_one(tokens: torch.Tensor, path: Any = None) -> torch.Tensor:
+        calls.append(("decode", tokens.shape[1], path is not None))
+        return real_decode(tokens, path)
 
     monkeypatch.setattr(model, "prefill", prefill)
     monkeypatch.setattr(model, "decode_one", decode_one)
@@ -232,7 +232,6 @@ def test_warm_up_runs_one_untraced_pass_on_the_traced_path_first(loaded: LoadedM
     expected = ([("prefill", prompt_len, fused), ("decode", 1, fused)] if warmup else []) + [
         (which, n, fused) for which, n in traced]
     assert calls == expected
-    assert model.use_fused is True  # restored after the run
     assert {s.short_name for s in trace.stages} >= ({"attention.wq", "feed_forward.w1"} if staged
                                                     else {"attention.wqkv", "feed_forward.w13"})
     # the warm-up leaves nothing in the cache: the traced steps see the context they would without it

@@ -12,6 +12,7 @@ from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model.fused import no_mark
 from llmtrace.tracer.model.transformer import build_random_model
+from llmtrace.tracer.run.backends import ModulesBackend, PackedBackend, backend_for
 from llmtrace.tracer.trace.hooks import MODULE_MECHANISMS, Tracer
 from llmtrace.tracer.trace.records import DECODE, MATMUL_KINDS, PREFILL, StageRecord
 
@@ -129,9 +130,10 @@ def test_llama7b_decode_flops_by_hand(mechanism: str) -> None:
     model = build_meta_model(config)
     model.setup_cache(1, 8)
     with Tracer(model, mechanism=mechanism) as tracer:
-        model.prefill(torch.zeros((1, 4), dtype=torch.long, device="meta"))
+        run = backend_for(model).traced(tracer)  # packed, or the stage modules the wrappers watch
+        run.prefill(torch.zeros((1, 4), dtype=torch.long, device="meta"))
         tracer.begin_step(DECODE, 1)
-        model.decode_one(torch.zeros((1, 1), dtype=torch.long, device="meta"))
+        run.decode(torch.zeros((1, 1), dtype=torch.long, device="meta"))
         tracer.end_step()
     records = tracer.records()
     assert len(records) == 32 * (14 if mechanism == "fused" else 17) + 3
@@ -142,27 +144,25 @@ def test_llama7b_decode_flops_by_hand(mechanism: str) -> None:
 
 
 @pytest.mark.parametrize("mechanism, attached, per_layer", [("hooks", 2 * (17 * 3 + 3), 17), ("wrap", 17 * 3 + 3, 17),
-                                                             ("fused", 1, 14)])
+                                                             ("fused", 0, 14)])
 def test_nothing_is_left_behind(mechanism: str, attached: int, per_layer: int) -> None:
     model = build_random_model(CONFIGS["gqa"], seed=0)
     model.setup_cache(1, 8)
     tracer = Tracer(model, mechanism=mechanism)
     with tracer:
-        assert tracer.attached == attached
-        if mechanism == "fused":  # one clock-reading mark installed on the fused path, no module touched
-            assert _hook_count(model) == 0 and model.stage_mark is not no_mark and model.use_fused is True
-        else:
-            assert _hook_count(model) == attached
-            assert model.use_fused is False  # the traced path is the stage-by-stage one
+        assert tracer.attached == attached == _hook_count(model)  # fused: no module touched, the mark is the backend's
+        assert (tracer.mark is not no_mark) == (mechanism == "fused")
+        run = backend_for(model).traced(tracer)  # the stage modules while hooks or wrappers watch them
+        assert isinstance(run, ModulesBackend) == (mechanism != "fused")
         tracer.begin_step(PREFILL, 0)
-        model.prefill(torch.tensor([[1, 2, 3]]))
+        run.prefill(torch.tensor([[1, 2, 3]]))
         tracer.end_step()
-    assert _hook_count(model) == 0 and model.stage_mark is no_mark and model.use_fused is True
+    assert _hook_count(model) == 0 and isinstance(backend_for(model), PackedBackend)
     with pytest.raises(RuntimeError, match="boom"):
-        with Tracer(model, mechanism=mechanism):
-            assert _hook_count(model) > 0 or model.stage_mark is not no_mark
+        with Tracer(model, mechanism=mechanism) as failing:
+            assert _hook_count(model) > 0 or failing.mark is not no_mark
             raise RuntimeError("boom")
-    assert _hook_count(model) == 0 and model.stage_mark is no_mark and model.use_fused is True
+    assert _hook_count(model) == 0 and isinstance(backend_for(model), PackedBackend)
     assert len(tracer.records()) == per_layer * 3 + 3
 
 

@@ -30,6 +30,7 @@ from llmtrace.tracer.hardware import kernel_choice as rule
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import I8DOT, I16DOT, NATIVE
+from llmtrace.tracer.run.backends import backend_for
 from tests.torch_threads import torch_threads
 from test_native_step import generate, native_model
 
@@ -96,13 +97,14 @@ def bundled_runs() -> dict[str, tuple[list[int], list[torch.Tensor], str]]:
         model = loaded.model
         ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])
         model.setup_cache(1, ids.shape[1] + 17)
-        assert model._fused_plan.native is not None, model._fused_plan.native_reason
-        logits = model.prefill(ids)
+        run = backend_for(model)
+        assert run.plan.native is not None, run.plan.native_reason
+        logits = run.prefill(ids)
         greedy, out = [], []
         for i in range(16):
             greedy.append(int(logits.argmax()))
             token = forced[i] if forced else greedy[-1]
-            logits = model.decode_one(torch.tensor([[token]]))
+            logits = run.decode(torch.tensor([[token]]))
             out.append(logits.clone())
         forced = forced or greedy
         runs[spec] = (greedy, out, loaded.weight_format + " | " + loaded.tokenizer.decode(greedy[:5]))
@@ -127,7 +129,7 @@ def test_bundled_plan_runs_i8dot_layers_and_an_exact_head(bundled_runs: dict) ->
     assert kernels["tok_embeddings"] == "q8_0 (native)"  # the tied LM head
     assert f"as stored ({PLAN})" in loaded.weight_format
     loaded.model.setup_cache(1, 4)
-    step = loaded.model._fused_plan.native
+    step = backend_for(loaded.model).plan.native
     assert step is not None  # FusedPlan admits the mixed plan: the whole step is one C call
 
 

@@ -22,6 +22,8 @@ from llmtrace.tracer.hardware.product_timing import DenseKernel, product_shapes,
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.run.backends import backend_for, matvec_of
+from llmtrace.tracer.run.select import Request
 
 
 def timing(name: str, decode_ms: float, prefill_ms: float = 10.0, safe: bool = True) -> CandidateTiming:
@@ -359,7 +361,7 @@ def test_the_trace_keeps_the_choice(tiny_q_gguf: Path) -> None:
 
 def test_a_tuned_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Path) -> None:
     """decode_kernel "mm" sends the fused path's one-token products through mm (torch.mv never runs), with the same
-    logits as "mv"; the loader sets it from a tuned dense pick."""
+    logits as "mv"; a run takes it from a tuned dense pick (matvec_of(loaded.kernels), the run's Request.matvec)."""
     from llmtrace.tracer.checkpoint.resolve import resolve_model
 
     def dense_mm_fastest(kernels, config, device="cpu", progress=None):
@@ -371,17 +373,17 @@ def test_a_tuned_decode_kernel_is_the_one_that_runs(monkeypatch: pytest.MonkeyPa
     kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"))
     loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
     model = loaded.model
-    assert model.decode_kernel == "mm"
+    assert matvec_of(loaded.kernels) == "mm"
     ids = torch.tensor([[3, 4, 5]])
     logits = {}
     for kernel in ("mv", "mm"):
-        model.decode_kernel = kernel
         model.setup_cache(1, 8)
-        model.prefill(ids)
+        run = backend_for(model, Request(matvec=kernel))
+        run.prefill(ids)
         calls = []
         real_mv = torch.mv
         monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
-        logits[kernel] = model.decode_one(torch.tensor([[6]]))
+        logits[kernel] = run.decode(torch.tensor([[6]]))
         monkeypatch.setattr(torch, "mv", real_mv)
         assert bool(calls) is (kernel == "mv")
     torch.testing.assert_close(logits["mm"], logits["mv"], rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
 from llmtrace.tracer.load.loader import load_model
-from llmtrace.tracer.model.fused import watched
+from llmtrace.tracer.model.fused import watcher
 from llmtrace.tracer.run.generate import generate
 from llmtrace.tracer.trace.records import PREFILL, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
@@ -88,7 +88,7 @@ def test_attention_rows_sum_to_one_and_equal_hf_eager_weights(trace: Trace, tiny
 
 
 def test_hooks_are_gone_and_the_views_are_off_by_default(loaded, trace: Trace, tiny_llama_dir: Path) -> None:
-    assert not watched(list(loaded.model.modules()))  # nothing left hooked after the observed run
+    assert watcher(loaded.model) == ""  # nothing left hooked or wrapped after the observed run
     # the observed run went stage by stage (the hooks watch the stage modules)
     assert any(s.stage.endswith("attention.wq") for s in trace.stages)
     plain = generate(loaded, RunSettings(model=str(tiny_llama_dir), prompt=PROMPT, max_new_tokens=2,

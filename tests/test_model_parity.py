@@ -17,6 +17,9 @@ from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.presets import get_preset
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
+from llmtrace.tracer.run.backends import ModulesBackend, PackedBackend, backend_for
+from llmtrace.tracer.run.select import Request
+from llmtrace.tracer.trace.records import MODULES
 
 transformers = pytest.importorskip("transformers")
 
@@ -248,16 +251,17 @@ def test_cache_misuse_gives_typed_errors_and_a_failed_step_leaves_no_trace(tiny_
 
 
 def staged_and_fused_logits(model: Transformer, ids: torch.Tensor, decode_steps: int, max_batch: int) -> list:
+    """The logits of a prefill and `decode_steps` greedy steps on the modules backend (the reference), then on the
+    backend a run takes (packed: these models have no native step)."""
     results = []
-    for fused in (False, True):
-        model.use_fused = fused
+    for backend in (MODULES, None):
         model.setup_cache(max_batch=max_batch, max_seq=64)
-        assert model.fusable() is fused
-        logits = [model.prefill(ids)]
+        run = backend_for(model, Request(batch=ids.shape[0], backend=backend))
+        assert isinstance(run, ModulesBackend) is (backend == MODULES)
+        logits = [run.prefill(ids)]
         for step in range(decode_steps):
-            logits.append(model.decode_one(logits[-1].argmax(-1, keepdim=True)))
+            logits.append(run.decode(logits[-1].argmax(-1, keepdim=True)))
         results.append(torch.stack(logits, dim=1))
-    model.use_fused = True
     return results
 
 
@@ -277,24 +281,25 @@ def test_fused_path_equals_the_stage_by_stage_path(make_tiny_llama: Callable[...
 def test_any_observer_sends_the_step_stage_by_stage(tiny_llama_dir: Path) -> None:
     model = ours_from_folder(tiny_llama_dir)
     model.setup_cache(1, 32)
-    assert model.fusable()
+    assert isinstance(backend_for(model), PackedBackend)
     calls = []
     handle = model.layers[1].feed_forward.act.register_forward_hook(lambda *args: calls.append(1))
-    assert not model.fusable()
-    model.prefill(tokens(model.config.vocab_size, 1, 4))
-    model.decode_one(tokens(model.config.vocab_size, 1, 1))
+    run = backend_for(model)
+    assert isinstance(run, ModulesBackend)
+    run.prefill(tokens(model.config.vocab_size, 1, 4))
+    run.decode(tokens(model.config.vocab_size, 1, 1))
     assert calls == [1, 1]  # the watched stage ran, once per step
     handle.remove()
-    assert model.fusable()
+    assert isinstance(backend_for(model), PackedBackend)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
-    assert not model.fusable()
+    assert isinstance(backend_for(model), ModulesBackend)
     handle.remove()
-    assert model.fusable()
+    assert isinstance(backend_for(model), PackedBackend)
     rope = model.layers[0].attention.rope
     rope.forward = lambda *args, **kwargs: type(rope).forward(rope, *args, **kwargs)  # an instance-level wrapper
-    assert not model.fusable()
+    assert isinstance(backend_for(model), ModulesBackend)
     del rope.forward
-    assert model.fusable()
+    assert isinstance(backend_for(model), PackedBackend)
     with FlopCounterMode(display=False) as counter:
         model.decode_one(tokens(model.config.vocab_size, 1, 1))
     assert counter.get_total_flops() > 0
@@ -306,6 +311,7 @@ def test_packing_keeps_names_and_values_and_costs_no_memory(tiny_llama_dir: Path
     model = ours_from_folder(tiny_llama_dir)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     model.setup_cache(1, 16)
+    backend_for(model)  # a run's plan packs the projections (once)
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
     attn = model.layers[0].attention
@@ -316,25 +322,21 @@ def test_packing_keeps_names_and_values_and_costs_no_memory(tiny_llama_dir: Path
 
 
 @torch.no_grad()
-def test_reloads_moves_and_in_place_edits_void_the_plan_until_setup_cache(tiny_llama_dir: Path) -> None:
+def test_moves_and_in_place_edits_are_read_by_the_next_run(tiny_llama_dir: Path) -> None:
     model = ours_from_folder(tiny_llama_dir)
     ids = tokens(model.config.vocab_size, 1, 6)
     model.setup_cache(1, 16)
-    assert model.fusable()
-    model.layers[0].ffn_norm.weight.mul_(2.0)  # an in-place edit the plan's precomputed values would miss
-    assert not model.fusable()
+    backend_for(model).prefill(ids)
+    model.layers[0].ffn_norm.weight.mul_(2.0)  # an in-place edit the last run's plan's values would miss
     model.setup_cache(1, 16)
-    assert model.fusable()
-    fused = model.prefill(ids)
-    model.use_fused = False
+    fused = backend_for(model).prefill(ids)
     model.setup_cache(1, 16)
     assert torch.allclose(fused, model.prefill(ids), atol=1e-5)
-    model.use_fused = True
     model.to(torch.float64)
-    assert not model.fusable()
     model.to(torch.float32)
     model.setup_cache(1, 16)
-    assert model.fusable() and torch.allclose(fused, model.prefill(ids), atol=1e-5)
+    run = backend_for(model)
+    assert isinstance(run, PackedBackend) and torch.allclose(fused, run.prefill(ids), atol=1e-5)
 
 
 @torch.no_grad()
@@ -342,10 +344,10 @@ def test_a_long_cache_free_forward_keeps_the_fused_path(tiny_llama_dir: Path) ->
     model = ours_from_folder(tiny_llama_dir)
     model.setup_cache(1, 8)
     model(tokens(model.config.vocab_size, 1, 12))  # longer than the cache: the rope tables grow
-    assert model.fusable()
+    run = backend_for(model)
+    assert isinstance(run, PackedBackend)
     ids = tokens(model.config.vocab_size, 1, 6)
-    fused = model.prefill(ids)
-    model.use_fused = False
+    fused = run.prefill(ids)
     model.reset_cache()
     assert torch.allclose(fused, model.prefill(ids), atol=1e-5)
 
@@ -406,12 +408,13 @@ def test_the_step_on_shared_cache_views_equals_the_step_on_each_layers_cache_bit
     runs = []
     for per_layer in (False, True):
         model.setup_cache(1, 16)
-        assert model._fused_plan.kv_all is not None
+        run = backend_for(model)
+        assert run.plan.kv_all is not None
         if per_layer:
-            model._fused_plan.kv_all = None  # no shared cache views: each layer's cache sliced on its own
-        logits = [model.prefill(ids)]
+            run.plan.kv_all = None  # no shared cache views: each layer's cache sliced on its own
+        logits = [run.prefill(ids)]
         for _ in range(5):
-            logits.append(model.decode_one(logits[-1].argmax(-1, keepdim=True)))
+            logits.append(run.decode(logits[-1].argmax(-1, keepdim=True)))
         runs.append((torch.stack(logits), model._kv_all[:, :, :, :14].clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert model.layers[-1].attention.kv_cache.length == 14 and model.kv_live_bytes == runs[0][1][:, 0].nbytes

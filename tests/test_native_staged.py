@@ -11,7 +11,7 @@ What must hold:
   within the native step's stated tolerance (tests/test_native_step.py: 2^-14 of max |logit|);
 - readings: one per stage after the step's start, non-decreasing, the stages' times adding up to the step;
 - fallbacks: a forward hook (--lens, --attention) or a model without a native step runs the stage modules, and says
-  why (Transformer.staged_native_reason, Trace.staged_decode).
+  why (select's route, Trace.staged_decode).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from llmtrace.tracer.model.weight_formats import NATIVE
 from llmtrace.tracer.trace.fused_marks import staged_order
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.observe import Observer
-from llmtrace.tracer.trace.records import DECODE, PREFILL, RunSettings, StageRecord
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request, select
+from llmtrace.tracer.trace.records import DECODE, MODULES, NATIVE, PREFILL, RunSettings, StageRecord
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
 from tests.torch_threads import torch_threads
 
@@ -56,9 +58,12 @@ def native() -> None:
         pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
 
 
-def count_staged_steps(model: Transformer) -> list[int]:
-    """A list that grows by one per native staged step of the model's current plan."""
-    plan, calls = model._fused_plan, []
+def count_staged_steps(backend: Any) -> list[int]:
+    """A list that grows by one per native staged step of the backend's plan (none for the modules backend)."""
+    calls: list[int] = []
+    plan = getattr(backend, "plan", None)
+    if plan is None:
+        return calls
     original = plan.staged_step
 
     def counted(*args: Any) -> torch.Tensor:
@@ -71,30 +76,36 @@ def count_staged_steps(model: Transformer) -> list[int]:
 
 def run_staged(model: Transformer, native: bool, traced: bool = True
                ) -> tuple[tuple[StageRecord, ...], list[torch.Tensor], torch.Tensor, int]:
-    """Prefill PROMPT tokens, then the decode steps of TOKENS, stage by stage (`use_fused` off), the one-token steps
-    as the native staged step if `native`: records, each decode step's logits, the KV cache after, native steps."""
-    model.staged_native = native
-    model.use_fused = False
+    """Prefill PROMPT tokens, then the decode steps of TOKENS, under --staged (the stage modules), the one-token steps
+    as the native staged step if `native` (else the modules backend asked for): records, each decode step's logits,
+    the KV cache after, native steps."""
     model.setup_cache(1, PROMPT + STEPS)
-    calls = count_staged_steps(model)
+    backend = backend_for(model, Request(staged=True, traced=traced, backend=None if native else MODULES))
+    calls = count_staged_steps(backend)
     logits = []
     with Tracer(model, mechanism="wrap", enabled=traced) as tracer:
+        run = backend.traced(tracer)
         tracer.begin_step(PREFILL, 0)
-        model.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
+        run.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
         tracer.end_step()
         for step, token in enumerate(TOKENS, start=1):
             tracer.begin_step(DECODE, step)
-            logits.append(model.decode_one(torch.tensor([[token]])).clone())
+            logits.append(run.decode(torch.tensor([[token]])).clone())
             tracer.end_step()
-    model.use_fused, model.staged_native = True, False
     return tracer.records(), logits, model._kv_all.clone(), len(calls)
 
 
+def staged_native_reason(model: Transformer, request: Request) -> str:
+    """Why `request`'s --staged run would not take the native staged step ("" when it would)."""
+    return {r.backend: r.reason for r in select(model, request).route.not_taken}.get(NATIVE, "")
+
+
 def run_fused(model: Transformer) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The same steps on the default path (the native fused step), untraced."""
+    """The same steps on the default backend (the native fused step), untraced."""
     model.setup_cache(1, PROMPT + STEPS)
-    model.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
-    logits = [model.decode_one(torch.tensor([[token]])).clone() for token in TOKENS]
+    run = backend_for(model)
+    run.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
+    logits = [run.decode(torch.tensor([[token]])).clone() for token in TOKENS]
     return logits, model._kv_all.clone()
 
 
@@ -153,38 +164,36 @@ def test_one_reading_per_stage_adding_up_to_the_step() -> None:
 def test_a_forward_hook_sends_the_step_through_the_stage_modules() -> None:
     """--lens and --attention hook the stage modules: the one-token steps must run them, and the reason says so."""
     model = native_model(BASE)
-    model.staged_native = True
-    model.use_fused = False
     model.setup_cache(1, PROMPT + STEPS)
     observer = Observer(model, lens=True, attention=True)
     observer.attach()
     try:
-        assert "forward hooks" in model.staged_native_reason()
-        calls = count_staged_steps(model)
-        model.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
-        model.decode_one(torch.tensor([[TOKENS[0]]]))
+        assert "forward hooks" in staged_native_reason(model, Request(staged=True, observed=True))
+        backend = backend_for(model, Request(staged=True, observed=True))
+        calls = count_staged_steps(backend)
+        backend.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
+        backend.decode(torch.tensor([[TOKENS[0]]]))
         assert not calls
     finally:
         observer.remove()
-    assert model.staged_native_reason() == ""
+    assert staged_native_reason(model, Request(staged=True)) == ""
 
 
 def test_wrappers_that_take_no_stamps_keep_the_stage_modules() -> None:
-    """A "wrap" Tracer whose model did not ask for the native staged step installs no stamp taker: the wrappers
-    must see every call, so the reason names them."""
+    """Wrappers on the stage modules when the run's backend is chosen (another tracer's), or a tracer whose clock is
+    not the host clock C stamps with: the wrappers must see every call, so the reason names them."""
     model = native_model(BASE)
     model.setup_cache(1, 8)
     with Tracer(model, mechanism="wrap"):
-        model.staged_native = True  # asked after the tracer was attached: its wrappers cannot take C's readings
-        assert "forward wrappers" in model.staged_native_reason()
-    model.staged_native = False
+        assert "forward wrappers" in staged_native_reason(model, Request(staged=True))
+    wrong_clock = Request(staged=True, traced=True, host_clock=False)
+    assert "forward wrappers" in staged_native_reason(model, wrong_clock)
 
 
 def test_a_model_without_a_native_step_runs_the_stage_modules() -> None:
     dense = build_random_model(BASE, seed=0)
-    dense.staged_native = True
     dense.setup_cache(1, 8)
-    assert dense.staged_native_reason().startswith("no native decode step for this model: ")
+    assert staged_native_reason(dense, Request(staged=True)).startswith("no native decode step for this model: ")
     records = []
     with Tracer(dense, mechanism="wrap") as tracer:
         tracer.begin_step(PREFILL, 0)
@@ -243,20 +252,19 @@ def test_bundled_model_greedy_ids_match_the_stage_modules() -> None:
     model = loaded.model
     ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])
     runs = []
-    for staged_native, use_fused in ((True, False), (False, True), (False, False)):
-        model.staged_native, model.use_fused = staged_native, use_fused
+    for request in (Request(staged=True), Request(), Request(backend=MODULES)):
         model.setup_cache(1, ids.shape[1] + 13)
-        assert model._fused_plan.native is not None, model._fused_plan.native_reason
-        calls = count_staged_steps(model)
-        logits = model.prefill(ids)
+        backend = backend_for(model, request)
+        assert request.backend or backend.plan.native is not None, backend.plan.native_reason
+        calls = count_staged_steps(backend)
+        logits = backend.prefill(ids)
         out = []
         for _ in range(12):
             token = logits.argmax(-1, keepdim=True)
             out.append(int(token))
-            logits = model.decode_one(token)
-        assert len(calls) == (12 if staged_native else 0)
+            logits = backend.decode(token)
+        assert len(calls) == (12 if request.staged else 0)
         runs.append(out)
-    model.staged_native, model.use_fused = False, True
     assert runs[0] == runs[1] == runs[2]
 
 
@@ -264,8 +272,8 @@ def test_a_tensor_parallel_shard_never_runs_it() -> None:
     """A shard holds a slice of each matrix and needs its collectives between stages: stage modules only."""
     from llmtrace.tracer.model.tensor_parallel import TensorParallelTransformer
 
-    assert TensorParallelTransformer.staged_native_reason is not Transformer.staged_native_reason
-    assert "tensor-parallel" in TensorParallelTransformer.staged_native_reason(None)  # type: ignore[arg-type]
+    assert TensorParallelTransformer.packed_off_reason is not Transformer.packed_off_reason
+    assert "tensor-parallel" in TensorParallelTransformer.packed_off_reason(None)  # type: ignore[arg-type]
 
 
 def test_int8_activation_products_stay_bit_for_bit() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import gguf
@@ -26,7 +27,10 @@ from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.native_step import STAGES_AFTER_LAYERS, STAGES_PER_LAYER, host_clock_matches
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE, pack_gguf
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.fused_marks import FusedMarks, fused_stages
+from llmtrace.tracer.trace.records import MODULES, PACKED
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -73,16 +77,18 @@ def native_model(config: ModelConfig, qtype: Q = Q.Q8_0, seed: int = 0, kernel: 
     return model.eval()
 
 
-def generate(model: Transformer, native: bool, steps: int = 6, prompt: int = 5) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Logits of `steps` greedy decode steps after a `prompt`-token prefill, and the KV cache tensor after them."""
-    model.use_native_step = native
+def generate(model: Transformer, native: bool, steps: int = 6, prompt: int = 5,
+             backend: str | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of `steps` greedy decode steps after a `prompt`-token prefill, and the KV cache tensor after them: on
+    the native backend, or the packed one (`native` False), or the one `backend` asks for."""
     model.setup_cache(1, prompt + steps + 1)
-    assert (model._fused_plan.native is not None) or not native, model._fused_plan.native_reason
+    run = backend_for(model, Request(backend=backend or (None if native else PACKED)))
+    assert backend or (run.plan.native is not None) or not native, run.plan.native_reason
     tokens = torch.arange(3, 3 + prompt).view(1, -1) % model.config.vocab_size
-    logits = model.prefill(tokens)
+    logits = run.prefill(tokens)
     out = []
     for _ in range(steps):
-        logits = model.decode_one(logits.argmax(-1, keepdim=True))
+        logits = run.decode(logits.argmax(-1, keepdim=True))
         out.append(logits.clone())
     return out, model._kv_all.clone()
 
@@ -161,18 +167,17 @@ def test_long_cache_attention_reads_every_key() -> None:
     keys 63, 64, 75 (the two threads' boundary) or 149 changes the step."""
     model = native_model(dataclasses.replace(LONG, dim=256, n_heads=4, n_kv_heads=2))
     model.setup_cache(1, 160)
-    logits = model.prefill(torch.arange(150).view(1, -1) % 96)  # positions 0..149; the next token is at 150
+    run = backend_for(model)
+    logits = run.prefill(torch.arange(150).view(1, -1) % 96)  # positions 0..149; the next token is at 150
     token = logits.argmax(-1, keepdim=True)
     state = model._kv_all.clone()
-    clean = model.decode_one(token)
+    clean = run.decode(token)
     for row in (0, 63, 64, 75, 149, 150):
         for half in (0, 2):  # a K head, then a V head (the cache holds K heads then V heads)
             model._kv_all.copy_(state)
             model._kv_all[:, 0, half, row] = 1e3 if row < 150 else 0.0  # row 150: rewritten by the step, no change
-            model._pos = 150
-            for cache in model._kv_caches():
-                cache.set_length(150, 1)
-            changed = bool((model.decode_one(token) - clean).abs().max() > 1e-3)
+            model.fill.length = 150
+            changed = bool((run.decode(token) - clean).abs().max() > 1e-3)
             assert changed == (row < 150), (row, half)
 
 
@@ -181,40 +186,45 @@ def test_window_keys_outside_it_are_not_read() -> None:
     nothing, while poisoning one inside the window does."""
     model = native_model(dataclasses.replace(BASE, sliding_window=3))
     model.setup_cache(1, 12)
-    logits = model.prefill(torch.arange(3, 11).view(1, -1))  # positions 0..7; the next token is at 8
+    run = backend_for(model)
+    logits = run.prefill(torch.arange(3, 11).view(1, -1))  # positions 0..7; the next token is at 8
     token = logits.argmax(-1, keepdim=True)
     state = model._kv_all.clone()
-    clean = model.decode_one(token)
+    clean = run.decode(token)
     for row, changes in ((5, False), (6, True)):  # window 3 at position 8: keys 6, 7, 8
         model._kv_all.copy_(state)
         model._kv_all[:, 0, :, row] = 1e6
-        model._pos = 8
-        for cache in model._kv_caches():
-            cache.set_length(8, 1)
-        assert model._fused_plan.native is not None
-        assert bool((model.decode_one(token) - clean).abs().max() > 1) == changes
+        model.fill.length = 8
+        assert run.plan.native is not None
+        assert bool((run.decode(token) - clean).abs().max() > 1) == changes
 
 
 def test_not_eligible_runs_the_torch_path() -> None:
     """A dense model (or one whose products are not all native) keeps the torch fused path, and says why."""
     dense = Transformer(BASE).eval()
     dense.setup_cache(1, 8)
-    assert dense._fused_plan.native is None and "native" in dense._fused_plan.native_reason
+    plan = backend_for(dense).plan
+    assert plan.native is None and "native" in plan.native_reason
     model = native_model(BASE, kernel=INT4PACK)  # what --weights int4pack loads
     model.setup_cache(1, 8)
-    assert model._fused_plan.native is None and "not held for the native library's kernels" in model._fused_plan.native_reason
-    logits = model.prefill(torch.arange(3, 8).view(1, -1))
-    assert model.decode_one(logits.argmax(-1, keepdim=True)).shape == (1, BASE.vocab_size)
+    run = backend_for(model)
+    assert run.plan.native is None and "not held for the native library's kernels" in run.plan.native_reason
+    logits = run.prefill(torch.arange(3, 8).view(1, -1))
+    assert run.decode(logits.argmax(-1, keepdim=True)).shape == (1, BASE.vocab_size)
 
 
-def test_in_place_edit_voids_the_plan() -> None:
-    """An in-place edit of a norm weight voids the fused plan (and so the native step) until setup_cache."""
+def test_a_run_after_an_in_place_edit_reads_it() -> None:
+    """An in-place edit of a norm weight is read by the next run's native step (its plan is built as the run
+    starts): its logits are the stage modules' on the edited model, within the native step's tolerance."""
     model = native_model(BASE)
-    model.setup_cache(1, 8)
-    assert model.fusable() and model._fused_plan.native is not None
+    before, _ = generate(model, True, steps=2)
     with torch.no_grad():
         model.layers[0].ffn_norm.weight.mul_(2.0)
-    assert not model.fusable()
+    native, _ = generate(model, True, steps=2)
+    reference, _ = generate(model, True, steps=2, backend=MODULES)
+    for got, want, old in zip(native, reference, before):
+        assert float((got - want).abs().max()) <= TOLERANCE * float(want.abs().max())
+        assert float((got - old).abs().max()) > 1e-3
 
 
 def test_traced_step_stamps_every_stage() -> None:
@@ -226,30 +236,28 @@ def test_traced_step_stamps_every_stage() -> None:
     assert len(stages) == 1 + STAGES_PER_LAYER * BASE.n_layers + STAGES_AFTER_LAYERS  # the embedding, then C's
     assert STAGES_PER_LAYER == sum(spec.in_layer for spec in contract.fused_stages(BASE))
     model.setup_cache(1, 12)
-    logits = model.prefill(torch.arange(3, 8).view(1, -1))
-    marks.install()
-    try:
-        for _ in range(3):
-            marks.begin_step()
-            logits = model.decode_one(logits.argmax(-1, keepdim=True))
-            readings, dims = marks.end_step()
-            assert len(readings) == marks.expected
-            assert readings == sorted(readings)
-            times = [b - a for a, b in zip(readings, readings[1:])]
-            assert sum(times) == readings[-1] - readings[0] and len(times) == len(stages)
-            assert dims.new == 1 and dims.batch == 1
-    finally:
-        marks.remove()
+    run = backend_for(model)
+    logits = run.prefill(torch.arange(3, 8).view(1, -1))
+    run = run.traced(marks)  # its mark: a clock reading that takes C's readings
+    for _ in range(3):
+        marks.begin_step()
+        logits = run.decode(logits.argmax(-1, keepdim=True))
+        readings, dims = marks.end_step()
+        assert len(readings) == marks.expected
+        assert readings == sorted(readings)
+        times = [b - a for a, b in zip(readings, readings[1:])]
+        assert sum(times) == readings[-1] - readings[0] and len(times) == len(stages)
+        assert dims.new == 1 and dims.batch == 1
 
 
 def test_traced_without_stamp_taker_runs_the_torch_path() -> None:
     """A mark that cannot take C's readings gets its mark() calls: the one-token step then runs its torch ops."""
     model = native_model(BASE)
     model.setup_cache(1, 8)
-    logits = model.prefill(torch.arange(3, 8).view(1, -1))
+    run = backend_for(model)
+    logits = run.prefill(torch.arange(3, 8).view(1, -1))
     calls = []
-    model.stage_mark = lambda: calls.append(1)
-    model.decode_one(logits.argmax(-1, keepdim=True))
+    run.traced(SimpleNamespace(mark=lambda: calls.append(1))).decode(logits.argmax(-1, keepdim=True))
     assert len(calls) == 2 + STAGES_PER_LAYER * BASE.n_layers + STAGES_AFTER_LAYERS
 
 
@@ -262,15 +270,15 @@ def test_bundled_model_greedy_ids_match_the_torch_path() -> None:
     ids = torch.tensor([list(loaded.tokenizer.encode("The capital of France is"))])
     runs = []
     for native in (True, False):
-        model.use_native_step = native
         model.setup_cache(1, ids.shape[1] + 17)
-        assert model._fused_plan.native is not None, model._fused_plan.native_reason
-        logits = model.prefill(ids)
+        run = backend_for(model, Request(backend=None if native else PACKED))
+        assert run.plan.native is not None, run.plan.native_reason
+        logits = run.prefill(ids)
         out = []
         for _ in range(16):
             token = logits.argmax(-1, keepdim=True)
             out.append(int(token))
-            logits = model.decode_one(token)
+            logits = run.decode(token)
         runs.append(out)
     assert runs[0] == runs[1]
 
@@ -291,10 +299,11 @@ def test_decode_ceilings_time_the_native_step_whole() -> None:
 def test_token_outside_the_table_is_refused_before_any_write() -> None:
     model = native_model(BASE)
     model.setup_cache(1, 8)
-    model.prefill(torch.arange(3, 8).view(1, -1))
+    run = backend_for(model)
+    run.prefill(torch.arange(3, 8).view(1, -1))
     before = model._kv_all.clone()
     with pytest.raises(native_kernel.NativeKernelError, match="token id outside the embedding table"):
-        model.decode_one(torch.tensor([[BASE.vocab_size]]))
+        run.decode(torch.tensor([[BASE.vocab_size]]))
     assert model.pos == 5 and torch.equal(model._kv_all, before)
 
 
@@ -302,8 +311,9 @@ def test_a_failed_step_leaves_no_readings() -> None:
     """A traced step that fails leaves no readings: not the last step's, which a reader would take for its own."""
     model = native_model(BASE)
     model.setup_cache(1, 8)
-    model.prefill(torch.arange(3, 8).view(1, -1))
-    step = model._fused_plan.native
+    run = backend_for(model)
+    run.prefill(torch.arange(3, 8).view(1, -1))
+    step = run.plan.native
     before = time.perf_counter_ns()
     step(4, 5, 0, stamps=True)
     readings = step.readings()

@@ -27,7 +27,10 @@ from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load.gguf_loader import load_gguf_weights
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours, load_hf_state_dict
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, build_random_model
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.hooks import Tracer
+from llmtrace.tracer.trace.records import MODULES
 from llmtrace.tracer.trace.records import DECODE, PREFILL
 
 transformers = pytest.importorskip("transformers")
@@ -53,15 +56,15 @@ def _check_against(ours: Transformer, hf: torch.nn.Module) -> None:
     reference = hf(input_ids=ids).logits
     assert reference.abs().max() > 1.0
     assert (ours(ids) - reference).abs().max().item() <= 1e-4
-    for fused in (True, False):
-        ours.use_fused = fused
+    for backend in (None, MODULES):
         ours.setup_cache(max_batch=2, max_seq=16)
-        cached = [ours.prefill(ids[:, :10])] + [ours.decode_one(ids[:, t : t + 1]) for t in range(10, 14)]
-        assert (torch.stack(cached, dim=1) - reference[:, 9:]).abs().max().item() <= 1e-4, fused
+        run = backend_for(ours, Request(batch=2, backend=backend))
+        cached = [run.prefill(ids[:, :10])] + [run.decode(ids[:, t : t + 1]) for t in range(10, 14)]
+        assert (torch.stack(cached, dim=1) - reference[:, 9:]).abs().max().item() <= 1e-4, backend
         ours.setup_cache(max_batch=1, max_seq=16)  # one sequence: the fused path's matrix-vector decode
-        single = [ours.prefill(ids[:1, :10])] + [ours.decode_one(ids[:1, t : t + 1]) for t in range(10, 14)]
-        assert (torch.stack(single, dim=1) - reference[:1, 9:]).abs().max().item() <= 1e-4, fused
-    ours.use_fused = True
+        run = backend_for(ours, Request(backend=backend))
+        single = [run.prefill(ids[:1, :10])] + [run.decode(ids[:1, t : t + 1]) for t in range(10, 14)]
+        assert (torch.stack(single, dim=1) - reference[:1, 9:]).abs().max().item() <= 1e-4, backend
 
 
 @pytest.mark.parametrize("variant", list(BIASED))
@@ -139,10 +142,11 @@ def test_traced_biases_equal_the_estimate(mechanism: str) -> None:
     model.setup_cache(max_batch=1, max_seq=16)
     generator = torch.Generator().manual_seed(0)
     with Tracer(model, mechanism=mechanism) as tracer:
+        run = backend_for(model).traced(tracer)  # packed, or the stage modules the wrappers watch
         for step in range(3):
             ids = torch.randint(0, config.vocab_size, (1, 6 if step == 0 else 1), generator=generator)
             tracer.begin_step(PREFILL if step == 0 else DECODE, step)
-            model.prefill(ids) if step == 0 else model.decode_one(ids)
+            run.prefill(ids) if step == 0 else run.decode(ids)
             tracer.end_step()
     records = tracer.records()
     assert_traced_equals_estimate(config, records, prompt_len=6, decode_steps=2)

@@ -1,9 +1,9 @@
-"""Decode steps run ahead in C (decode_step.c's llmt_decode_ahead, NativeStep.run_ahead, NativeBackend.ahead,
+"""Decode steps run ahead in C (decode_step.c's llmt_decode_ahead, NativeStep.run_ahead, PackedBackend.ahead,
 Generation's run-ahead): several steps to a call, each next token chosen by the run's sampler (tracer/run/sampling.py),
 called from C with the step's logits.
 
-The independent reference is the step-at-a-time path the run-ahead replaces: `decode_one` (the same C step, one call
-each) with the Sampler choosing from its logits in Python. Run ahead, the tokens, the KV cache, every StepRecord and
+The independent reference is the step-at-a-time path the run-ahead replaces: the native backend's `decode` (the same
+C step, one call each) with the Sampler choosing from its logits in Python. Run ahead, the tokens, the KV cache, every StepRecord and
 every stage record must be the same values (bit for bit: the same C step and the same sampler on the same inputs);
 only the times differ.
 """
@@ -26,7 +26,7 @@ from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.native_step import AheadRun
 from llmtrace.tracer.run import generate as generate_module
 from llmtrace.tracer.run.generate import Generation, _steps_ahead
-from llmtrace.tracer.run.native_backend import NativeBackend
+from llmtrace.tracer.run.backends import PackedBackend, backend_for
 from llmtrace.tracer.run.sampling import NonFiniteLogitsError, SampleResult, Sampler, SamplingParams
 from llmtrace.tracer.trace.records import DECODE, RunAhead, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
@@ -77,8 +77,9 @@ def one_by_one(model: Any, token: int, steps: int, params: SamplingParams = Samp
     """`steps` decode_one calls, each next token a Sampler's choice from its logits: the tokens and sample results."""
     sampler, seen = Sampler(params), list(previous or [])
     tokens, results = [], []
+    backend = backend_for(model)  # the native backend, a step a call
     for _ in range(steps):
-        result = sampler.sample(model.decode_one(torch.tensor([[token]]))[0].numpy(), seen)
+        result = sampler.sample(backend.decode(torch.tensor([[token]]))[0].numpy(), seen)
         token = result.token_id
         seen.append(token)
         tokens.append(token)
@@ -100,13 +101,14 @@ def test_steps_run_ahead_are_the_step_at_a_time_path_bit_for_bit(variant: dict[s
         want_kv, want_pos = model._kv_all.clone(), model.pos
         first = prefilled(model)
         choose, results = chooser(Sampler(SamplingParams(temperature=0.0)))
-        run = NativeBackend(model).ahead(first, 7, None, choose)
+        backend = backend_for(model)
+        run = backend.ahead(first, 7, None, choose)
     assert run is not None and run.failure is None
     assert list(run.tokens) == want_tokens and model.pos == want_pos
     assert torch.equal(model._kv_all, want_kv)
     assert results == want_results
     held = [min(length, config.sliding_window or length) for length in range(6, 13)]
-    assert list(run.kv_live_bytes) == [model._fused_plan.position_bytes * h for h in held]
+    assert list(run.kv_live_bytes) == [backend.plan.position_bytes * h for h in held]
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.6), dict(temperature=1.0), dict(temperature=1.7),
@@ -124,7 +126,7 @@ def test_steps_drawn_ahead_are_the_samplers_draws_bit_for_bit(params: dict[str, 
     want_kv = model._kv_all.clone()
     prefilled(model)
     choose, results = chooser(Sampler(sampling), prompt + [first])
-    run = NativeBackend(model).ahead(first, 8, None, choose)
+    run = backend_for(model).ahead(first, 8, None, choose)
     assert run is not None and list(run.tokens) == want_tokens and torch.equal(model._kv_all, want_kv)
     assert len(set(want_tokens)) > 1  # drawn, not one repeated argmax
     assert results == want_results
@@ -144,9 +146,9 @@ def test_a_run_stops_after_the_step_that_chose_the_stop_token() -> None:
     stop = want[2]
     assert stop not in want[:2]
     first = prefilled(model)
-    run = NativeBackend(model).ahead(first, 8, stop, greedy())
+    run = backend_for(model).ahead(first, 8, stop, greedy())
     assert run is not None and list(run.tokens) == want[:3] and model.pos == 5 + 3
-    rest = NativeBackend(model).ahead(run.tokens[-1], 5, None, greedy())
+    rest = backend_for(model).ahead(run.tokens[-1], 5, None, greedy())
     assert rest is not None and list(rest.tokens) == want[3:]
 
 
@@ -155,7 +157,7 @@ def test_clock_readings_are_in_order_and_stamps_fill_each_step() -> None:
     choice; stamped, each step's stage readings lie within its forward."""
     model = native_model(BASE)
     first = prefilled(model)
-    run = NativeBackend(model).ahead(first, 5, None, greedy(), stamps=True)
+    run = backend_for(model).ahead(first, 5, None, greedy(), stamps=True)
     assert run is not None and len(run.stamps) == 5
     for (start, forward_end, sample_end), stamps in zip(run.clock, run.stamps):
         assert start <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= forward_end <= sample_end
@@ -171,9 +173,9 @@ def test_logits_that_are_not_finite_stop_the_run_before_that_step() -> None:
     chosen, _ = one_by_one(model, first, 2)
     with torch.no_grad():
         model.tok_embeddings.weight[chosen[1]] = float("nan")  # the third step's input
-    model.setup_cache(1, 21)  # an in-place edit voids the plan until the next setup_cache
+    model.setup_cache(1, 21)  # a backend built after the edit reads the edited table
     model.prefill(torch.arange(3, 8).view(1, -1))
-    run = NativeBackend(model).ahead(first, 6, None, greedy())
+    run = backend_for(model).ahead(first, 6, None, greedy())
     assert run is not None and list(run.tokens) == chosen and model.pos == 5 + 2
     assert isinstance(run.failure, NonFiniteLogitsError)
 
@@ -193,11 +195,11 @@ def test_what_the_chooser_raises_ends_the_call_and_is_handed_back() -> None:
             raise KeyboardInterrupt
         return token
 
-    run = NativeBackend(model).ahead(first, 6, None, choose)
+    run = backend_for(model).ahead(first, 6, None, choose)
     assert run is not None and list(run.tokens) == want and isinstance(run.failure, KeyboardInterrupt)
     assert model.pos == 5 + 2
     with pytest.raises(native_kernel.NativeKernelError, match="outside the vocabulary"):
-        NativeBackend(model).ahead(want[-1], 2, None, lambda logits: BASE.vocab_size)
+        backend_for(model).ahead(want[-1], 2, None, lambda logits: BASE.vocab_size)
 
 
 def test_models_the_native_step_cannot_run_get_none() -> None:
@@ -206,11 +208,11 @@ def test_models_the_native_step_cannot_run_get_none() -> None:
 
     dense = Transformer(BASE).eval()
     prefilled(dense)
-    assert NativeBackend(dense).ahead(1, 4, None, greedy()) is None and dense.pos == 5
+    assert backend_for(dense).ahead(1, 4, None, greedy()) is None and dense.pos == 5
     model = native_model(BASE)
     first = prefilled(model, room=3)
-    assert NativeBackend(model).ahead(first, 4, None, greedy()) is None and model.pos == 5
-    assert NativeBackend(model).ahead(first, 3, None, greedy()) is not None and model.pos == 8
+    assert backend_for(model).ahead(first, 4, None, greedy()) is None and model.pos == 5
+    assert backend_for(model).ahead(first, 3, None, greedy()) is not None and model.pos == 8
 
 
 def test_steps_ahead_take_about_fifty_milliseconds() -> None:
@@ -260,14 +262,14 @@ def test_a_run_ahead_trace_is_the_step_at_a_time_trace(bundled: Any, trace: bool
     times apart; the run-ahead path made several steps a call."""
     settings = RUNS[run]
     calls = []
-    ahead = NativeBackend.ahead
+    ahead = PackedBackend.ahead
 
-    def counted(backend: NativeBackend, *args: Any, **kwargs: Any) -> Any:
+    def counted(backend: PackedBackend, *args: Any, **kwargs: Any) -> Any:
         run = ahead(backend, *args, **kwargs)
         calls.append(len(run.tokens))
         return run
 
-    monkeypatch.setattr(NativeBackend, "ahead", counted)
+    monkeypatch.setattr(PackedBackend, "ahead", counted)
     # calls of as many steps as take 50 ms: on a loaded machine (a step over 50 ms) that is one; the test's calls
     # must run several whatever the machine's pace
     monkeypatch.setattr(generate_module, "RUN_AHEAD_NS", 60_000_000_000)
@@ -319,7 +321,7 @@ def test_runs_that_need_each_step_run_a_step_at_a_time(bundled: Any, settings: d
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The logit lens's hooks and --staged read each step: no run ahead."""
     calls = []
-    monkeypatch.setattr(NativeBackend, "ahead", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(PackedBackend, "ahead", lambda *a, **k: calls.append(1))
     trace = generation(bundled, True, max_new_tokens=4, **settings)
     assert calls == [] and len(trace.steps) == 4
 

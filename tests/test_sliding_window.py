@@ -16,6 +16,9 @@ from llmtrace.tracer.core.errors import ConfigError
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.model.functional import causal_mask
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
+from llmtrace.tracer.run.backends import ModulesBackend, backend_for
+from llmtrace.tracer.run.select import Request
+from llmtrace.tracer.trace.records import MODULES
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,18 +88,15 @@ def test_cached_steps_equal_mistral(fused: bool, pair: tuple[Transformer, torch.
     decode steps reading only the last 8 positions: every logit equals MistralForCausalLM's full forward."""
     ours, hf = pair
     ids = ids_of(ours.config.vocab_size, 2, PROMPT + 8, seed=1)
-    ours.use_fused = fused
-    try:
-        ours.setup_cache(max_batch=2, max_seq=64)
-        assert ours.fusable() is fused
-        ours.prefill(ids[:, :12])
-        logits = [ours.prefill(ids[:, 12:PROMPT])]
-        for t in range(PROMPT, PROMPT + 8):
-            logits.append(ours.decode_one(ids[:, t : t + 1]))
-        cache = ours.layers[0].attention.kv_cache
-        assert cache.length == PROMPT + 8 and cache.live_bytes == 2 * 2 * 2 * WINDOW * ours.config.head_dim * 4
-    finally:
-        ours.use_fused = True
+    ours.setup_cache(max_batch=2, max_seq=64)
+    run = backend_for(ours, Request(batch=2, backend=None if fused else MODULES))
+    assert isinstance(run, ModulesBackend) is not fused
+    run.prefill(ids[:, :12])
+    logits = [run.prefill(ids[:, 12:PROMPT])]
+    for t in range(PROMPT, PROMPT + 8):
+        logits.append(run.decode(ids[:, t : t + 1]))
+    cache = ours.layers[0].attention.kv_cache
+    assert cache.length == PROMPT + 8 and cache.live_bytes == 2 * 2 * 2 * WINDOW * ours.config.head_dim * 4
     cached = torch.stack(logits, dim=1)  # positions 20..28
     reference = hf(input_ids=ids).logits[:, PROMPT - 1 :]
     assert (cached - reference).abs().max().item() <= 1e-4

@@ -116,6 +116,7 @@ def test_the_tracer_runs_its_cuda_event_path_on_the_cpu(mechanism: str) -> None:
     stage timed inside its step, with one synchronize per step."""
     from llmtrace.tracer.core.config import ModelConfig
     from llmtrace.tracer.model.transformer import build_random_model
+    from llmtrace.tracer.run.backends import backend_for
     from llmtrace.tracer.trace.hooks import Tracer
     from llmtrace.tracer.trace.records import DECODE, PREFILL
 
@@ -128,12 +129,13 @@ def test_the_tracer_runs_its_cuda_event_path_on_the_cpu(mechanism: str) -> None:
         model.setup_cache(1, 12)
         bounds = []
         with Tracer(model, mechanism=mechanism, clock=clock) as tracer:
+            run = backend_for(model).traced(tracer)  # packed, or the stage modules the hooks or wrappers watch
             for step, ids in enumerate(([[5, 6, 7, 8]], [[9]], [[10]])):
                 import time
 
                 before = time.perf_counter_ns()
                 tracer.begin_step(PREFILL if step == 0 else DECODE, step)
-                (model.prefill if step == 0 else model.decode_one)(torch.tensor(ids))
+                (run.prefill if step == 0 else run.decode)(torch.tensor(ids))
                 tracer.end_step()
                 bounds.append((before, time.perf_counter_ns()))
         records[kind] = tracer.records()

@@ -36,7 +36,6 @@ TOKENS = torch.tensor([[3, 50, 99, 7, 60, 98]])  # ids in both vocabulary slices
 
 def _whole_and_ranks(config: ModelConfig, tp: int):
     whole = build_random_model(config, seed=1)
-    whole.use_fused = False
     whole.setup_cache(1, 16)
     reference = (whole.prefill(TOKENS), whole.decode_one(torch.tensor([[64]])), whole(TOKENS))
     state = whole.state_dict()

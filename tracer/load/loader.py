@@ -77,7 +77,6 @@ from llmtrace.tracer.load.stored_weights import (
     widest_kernel,
 )
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.functional import MATVEC_KERNELS
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model, random_weights
 from llmtrace.tracer.model.weight_formats import (INT4PACK, TORCH_KERNEL_DEVICES, PackedWeight, device_refusal,
                                                  int4_refusal, runs_blocks, runs_here)
@@ -167,8 +166,6 @@ def load_model(
             kernels = replace(fp32, source=kernels.source)
             loaded = _load(start, resolved, FP32, target, False, random_init, seed, use_cache, decided)
             note = "; ".join(n for n in (note, f"fp16 not used: {problem}; fp32 instead") if n)
-    if kernels.weights == DENSE and kernels.decode_kernel in MATVEC_KERNELS:
-        loaded.model.decode_kernel = kernels.decode_kernel
     return replace(loaded, kernels=kernels, kernel_note=note)
 
 

@@ -2,7 +2,8 @@
 
 Decode on a CPU is a stream of small operations between weight-streaming matrix-vector products, and each small
 operation after a product that has flushed the caches costs several microseconds; per-token time is mostly
-their count. So when nothing watches the stage modules, `Transformer.prefill`/`decode_one` run this instead. The
+their count. So when nothing watches the stage modules, the run's packed and native backends (tracer/run/backends.py,
+chosen by tracer/run/select.py) run this instead of the stage modules. The
 math is the stage modules' own (tracer/model/functional.py: both call it); this path differs only in
 - wq|wk|wv and w1|w3 (and their biases) packed as row blocks of one tensor each (the parameters become views
   of it: no extra memory), so Q, K, V come from one product and gate, up from another;
@@ -13,9 +14,8 @@ Every rounding is the stage modules' (which are HF transformers' eager LlamaAtte
 fp32, rounded, then times the weight; scores scaled after the product and rounded; softmax in fp32, rounded; one
 query token's attention products in fp32 (half-precision bmm this small is slow on CPU). In bf16 the two paths
 agree to the last bit but for the packed products' accumulation order (tests/test_fused_trace.py states the
-tolerance). The plan records which modules, parameter objects (and their in-place version counters) and buffers it
-read; `valid()` notices a reload, a `.to()`, a replaced layer or an in-place weight edit, and `unchanged()` the same in
-O(1) of the model's size before every step (the model's edit counter: tracer/model/edit_watch.py).
+tolerance). A plan is built per run, from the model as the run starts (nothing edits the model while it runs): a
+reload, a `.to()`, a replaced layer or an edited weight is seen by the next run's plan.
 
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
 fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Prefill,
@@ -33,7 +33,6 @@ output products: addmm and mm + add_ measured equal).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 from functools import partial
 from typing import Any, Callable
@@ -56,12 +55,10 @@ from llmtrace.tracer.model.functional import (
     step_mask,
     swiglu,
 )
-from llmtrace.tracer.model.edit_watch import unwatched_dicts, watch
 from llmtrace.tracer.model.native_step import AheadRun, Chooser, NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
 Mark = Callable[[], None]
-_VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 # A mark may carry this attribute: a function taking the host clock readings (time.perf_counter_ns's nanoseconds)
 # of stages that ran outside Python (the native decode step stamps its stages in C), in stage order, as if mark()
 # had been called at each. A mark without it makes the one-token step run its torch ops, which call it.
@@ -94,7 +91,7 @@ class FusedLayer:
     biases, its KV cache."""
 
     def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor] = project) -> None:
-        self.product = product  # functional.project with the decode kernel the model was set to (decode_kernel)
+        self.product = product  # functional.project with the run's one-token kernel (FusedPlan's matvec)
         attn, ffn = layer.attention, layer.feed_forward
         self.cache = attn.kv_cache
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -163,21 +160,18 @@ class FusedLayer:
 
 
 class FusedPlan:
-    """Everything the fused path reads, built once by `Transformer.setup_cache` (which packs the projections)."""
+    """Everything the fused path reads, built per run once the cache is set up (tracer/run/select.py); packs the
+    projections (the parameters become views of Q|K|V and gate|up, once)."""
 
-    def __init__(self, model: Any) -> None:
-        self._edits = watch(model)  # from here on, any replacement in the module tree bumps its generation
+    def __init__(self, model: Any, matvec: str = "mv") -> None:
+        """`matvec`: the one-token product kernel (functional.MATVEC_KERNELS: "mv" or "mm"), as this machine's
+        measurement chose it for the model's dtype (the run's Request.matvec)."""
         for layer in model.layers:
             attn, ffn = layer.attention, layer.feed_forward
             for group in ((attn.wq, attn.wk, attn.wv), (ffn.w1, ffn.w3)):
                 if not _packed(*group, stored=_stored(group[0])):
                     _pack(*group, stored=_stored(group[0]))
-        # Every RMSNorm weight a view of one vector, so one version counter stands for all of them (`unchanged`
-        # reads it before every step instead of 2L + 1 cold ones); None when they are not all dense 1-D tensors of
-        # one dtype and device.
-        norms = [n for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm)] + [model.norm]
-        norm_base = _pack_vectors(norms)
-        self.product = partial(project, vector_kernel=MATVEC_KERNELS[getattr(model, "decode_kernel", "mv")])
+        self.product = partial(project, vector_kernel=MATVEC_KERNELS[matvec])
         self.layers = [FusedLayer(layer, self.product) for layer in model.layers]
         self.embedding = _weight_of(model.tok_embeddings)  # (V, dim), or as stored
         self.output, self.output_bias = _weight_of(model.output), _detached(model.output.bias)  # (V, dim), (V,)
@@ -187,7 +181,7 @@ class FusedPlan:
         # Row 0 of every layer's cache as one (L, 2*Hkv, S_max, D) view, when the model keeps them in one tensor
         # (Transformer.setup_cache) and the layers' buffers are still its slices; else None (no one-token path).
         self.caches = [layer.cache for layer in self.layers]
-        self.cache_dicts = [cache.__dict__ for cache in self.caches]  # where their lengths are (KVCache.set_length)
+        self.fill = model.fill  # positions written and sequences held, every layer's (kv_cache.CacheFill)
         kv_all = getattr(model, "_kv_all", None)
         shared = kv_all is not None and len(self.caches) == kv_all.shape[0] and all(
             c.kv is not None and c.kv.data_ptr() == kv_all[i].data_ptr() and c.kv.stride() == kv_all[i].stride()
@@ -197,97 +191,35 @@ class FusedPlan:
         self.window = self.caches[0].window if self.caches else None
         # The caches' size in plain values, for the checks before every step (Transformer._cached_step) and the
         # step record's live bytes (`kv_live_bytes`): a cache module's attributes and tensor getters cost ~20-35 us
-        # each right after a step. They hold while the module tree is unchanged (`tree_unchanged`).
+        # each right after a step. The plan is built per run from a model nothing changes while it runs.
         self.max_seq = self.caches[0].max_seq if self.caches else 0
         kv = self.caches[0].kv if self.caches else None
         self.position_bytes = 0 if kv is None else (
             len(self.caches) * 2 * self.caches[0].n_kv_heads * self.caches[0].head_dim * kv.element_size())
-        # Parameters must stay the same objects, unmodified in place (their version counters); buffers (the KV
-        # caches, written every step) and modules the same objects. `valid` compares all of them (in C loops:
-        # map/all); `unchanged`, before every step, only what the model's edit counter cannot see (edit_watch.py).
-        # A meta placeholder (a matrix held as stored) holds no values: an in-place op on it changes nothing.
-        self.modules = list(model.modules())
-        self.module_dicts = [module.__dict__ for module in self.modules]  # where a forward wrapper would sit
-        self.unwatched_dicts = unwatched_dicts(model)  # ... of the modules that do not count their own wrappers
-        params = [(m._parameters, n, t) for m in self.modules for n, t in m._parameters.items() if t is not None]
-        buffers = [(m._buffers, n, t) for m in self.modules for n, t in m._buffers.items() if t is not None]
-        self._owners = [owner for owner, _, _ in params + buffers]
-        self._names = [name for _, name, _ in params + buffers]
-        self._tensors = [tensor for _, _, tensor in params + buffers]
-        shared = set() if norm_base is None else {id(n.weight) for n in norms}  # counted by norm_base's version
-        self._params = [tensor for _, _, tensor in params if tensor.device.type != "meta" and id(tensor) not in shared]
-        if norm_base is not None:
-            self._params.append(norm_base)
-        self._versions = list(map(_VERSION, self._params))
         # The one-token step as one C call (tracer/model/native_step.py) when every product is a native-kernel
         # PackedWeight and the model runs in fp32 on the CPU; else None, and `native_reason` says why.
         self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
             None, "the layers' KV caches are not one tensor")
-        # The edit generation the tree last matched the plan at (`valid`), and the one `Transformer.fusable` last
-        # found everything clear at (no hooks or wrappers either: `rearm`); `unchanged` holds while it stays, and
-        # not before the first such look (None: wrappers put on before the plan was made count no edit after it).
-        self._matched = self._edits.generation
-        self._generation: int | None = None
-
-    def valid(self, model: Any) -> bool:
-        """Whether the plan still describes the model: same rope tables, modules, parameters and buffers, no
-        parameter edited in place. Walks the modules and tensors only when the edit counter moved since they last
-        matched (every replacement moves it)."""
-        if not self._same_tables_and_values(model):
-            return False
-        generation = self._edits.generation
-        if generation == self._matched:
-            return True
-        modules = list(model.modules())
-        if len(modules) != len(self.modules) or not all(map(operator.is_, modules, self.modules)):
-            return False
-        if not all(map(operator.is_, map(dict.get, self._owners, self._names), self._tensors)):
-            return False
-        self._matched = generation
-        return True
-
-    def rearm(self) -> None:
-        """After a `valid` look that found everything clear (hooks and wrappers too: Transformer.fusable): `unchanged`
-        holds until the next counted edit."""
-        self._generation = self._edits.generation
-
-    def tree_unchanged(self) -> bool:
-        """Nothing in the model's module tree replaced, added or wrapped since it last matched the plan (`valid`)."""
-        return self._edits.generation == self._matched
 
     def kv_live_bytes(self, length: int | None = None) -> int:
-        """Bytes of K and V attention can still read, over every layer, when the layers' caches are one tensor's
-        slices (`kv_rows`) and the tree is unchanged: then every layer's cache holds the same positions and
-        sequences as the first's (a step writes all or, failing, none), so that is layers x its live bytes
-        (KVCache.live_bytes), from its plain values; after `length` positions of its sequences, when given."""
-        cache = self.cache_dicts[0]
-        length = cache["length"] if length is None else length
+        """Bytes of K and V attention can still read, over every layer: every layer's cache holds the same positions
+        and sequences (the shared fill), so that is layers x one cache's live bytes (KVCache.live_bytes), from plain
+        values; after `length` positions of its sequences, when given."""
+        fill = self.fill
+        length = fill.length if length is None else length
         held = length if self.window is None else min(length, self.window)
-        return self.position_bytes * cache["batch"] * held
-
-    def unchanged(self, model: Any) -> bool:
-        """`valid` in O(1) of the model's size while nothing in its module tree was replaced or wrapped since the
-        look that found everything clear (`rearm`; the edit counter): then only the rope tables and the version
-        counters of the dense parameters are read. A False says "look closer", not that the plan is stale."""
-        return self._edits.generation == self._generation and self._same_tables_and_values(model)
-
-    def _same_tables_and_values(self, model: Any) -> bool:
-        cos, sin = model.rope_tables()
-        return cos is self.cos and sin is self.sin and list(map(_VERSION, self._params)) == self._versions
+        return self.position_bytes * fill.batch * held
 
     def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark, positions: torch.Tensor | None = None,
-             pad_mask: torch.Tensor | None = None, native: bool = True) -> torch.Tensor:
-        """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; fills the caches.
+             pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; writes the caches (their
+        fill moves when the caller's step is done: Transformer._cached_step).
 
-        A left-padded batch (Transformer._pad_step) gives each row's `positions` (B, T) and the `pad_mask`
+        A left-padded batch (ModelCaches._pad_step) gives each row's `positions` (B, T) and the `pad_mask`
         (B, 1, T, S) hiding pad keys from real queries. `mark()` once before the embedding, then after each stage
-        of contract.fused_stages (the layer stages once per layer). `native=False`: a one-token step runs its torch
-        ops even where the native step could run it (comparisons)."""
+        of contract.fused_stages (the layer stages once per layer). Always the torch ops: the native backend runs a
+        one-token step as `native_decode` first."""
         batch, new = tokens.shape
-        if batch == 1 and new == 1 and positions is None and pad_mask is None and self.kv_rows is not None:
-            logits = self.native_decode(tokens, start, mark, native)
-            if logits is not None:
-                return logits
         end = start + new
         if positions is None:
             cos, sin = self.cos[start:end], self.sin[start:end]  # (T, 1, D) each
@@ -306,8 +238,6 @@ class FusedPlan:
             x = x[0]  # (dim,): one token runs vectors through matrix-vector products
         for layer, write, k, v in zip(self.layers, writes, keys, values):
             x = layer.forward(x, batch, cos, sin, mask, write, k, v, mark)
-        for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes (a step that fails
-            cache["length"], cache["batch"] = end, batch  # before here leaves them as they were)
         h = self.final_norm(x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last position
         mark()
         logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
@@ -331,29 +261,19 @@ class FusedPlan:
         return ([b.narrow(2, start, new) for b in buffers], [live.narrow(1, 0, kv_heads) for live in lives],
                 [live.narrow(1, kv_heads, kv_heads) for live in lives])
 
-    def native_off_reason(self, use_native_step: bool = True) -> str:
-        """"" when a one-token step of one sequence may run as the native decode step: the plan has one (else
-        `native_reason` says why), `use_native_step` allows it, and it was built over the plan's current rope tables
-        (longer ones replace them: Transformer._ensure_rope) and KV rows; else why not. The one test of whether the
-        native step runs, for `native_decode`, Transformer.staged_native_reason and the decode ceilings."""
-        step = self.native
-        if step is None:
+    def native_off_reason(self) -> str:
+        """"" when a one-token step of one sequence may run as the native decode step (the plan has one), else why
+        not: the one test of whether the native step runs, for `native_decode`, `select` and the decode ceilings."""
+        if self.native is None:
             return f"no native decode step for this model: {self.native_reason}"
-        if not use_native_step:
-            return "the native decode step is switched off (use_native_step)"
-        if step.cos is not self.cos:
-            return "the rope tables changed since setup_cache"
-        if self.kv_rows is None:
-            return "the layers' KV caches are not one tensor"
         return ""
 
-    def native_decode(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark,
-                      native: bool = True) -> torch.Tensor | None:
+    def native_decode(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark) -> torch.Tensor | None:
         """`step` of tokens (1, 1) at position `start` as one C call (tracer/model/native_step.py), from the
         token id to the logits (1, V), when the native step can take it (`native_off_reason` finds nothing), and
         either untraced or traced by a mark that takes the readings C stamps (the step's start, then one after
-        each stage); else None (`native=False`: always None). Runs no autograd op: no torch.no_grad() needed."""
-        if self.native_off_reason(native):
+        each stage); else None. Runs no autograd op: no torch.no_grad() needed."""
+        if self.native is None:
             return None
         take = None if mark is no_mark else getattr(mark, TAKE_STAMPS, None)
         if mark is not no_mark and (take is None or not host_clock_matches()):
@@ -367,43 +287,48 @@ class FusedPlan:
         end = start + 1
         step = self.native
         logits = step(int(tokens), start, first_attended_position(end, 1, self.window), take is not None, staged)
-        for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes
-            cache["length"], cache["batch"] = end, 1
         if take is not None:
             take(step.readings())
         return logits
 
     def native_ahead(self, token: int, start: int, steps: int, stop_token: int | None,
-                     choose: Chooser, stamps: bool, native: bool = True) -> AheadRun | None:
+                     choose: Chooser, stamps: bool) -> AheadRun | None:
         """Up to `steps` one-token steps of one sequence from `token` at position `start` as one C call
         (NativeStep.run_ahead: each next token `choose(logits)`'s, called from C after each step), when the native
         step can take them (`native_off_reason` finds nothing) and C's clock is the host's (the steps' times are its
-        readings, traced or not); else None. The caches' lengths then count the steps done."""
-        if self.native_off_reason(native) or not host_clock_matches():
+        readings, traced or not); else None. The caches' fill then counts the steps done."""
+        if self.native is None or not host_clock_matches():
             return None
         run = self.native.run_ahead(token, start, self.window, steps, stop_token, choose, stamps)
         end = start + len(run.tokens)
-        for cache in self.cache_dicts:  # KVCache.set_length on every layer, as plain dict writes
-            cache["length"], cache["batch"] = end, 1
+        self.fill.length, self.fill.batch = end, 1
         return replace(run, kv_live_bytes=tuple(self.kv_live_bytes(length) for length in range(start + 1, end + 1)))
 
     def staged_step(self, tokens: torch.Tensor, start: int,
                     take: Callable[[list[int]], None] | None) -> torch.Tensor:
         """A one-token step (1, 1) of one sequence at position `start` as the native step with the stages of
-        contract.staged_stages run apart, each its own phase (`--staged`; Transformer decides when): the same logits
+        contract.staged_stages run apart, each its own phase (`--staged`'s native backend): the same logits
         and cache as the fused step, bit for bit. `take`, when given, receives the step's start and the clock
         reading after each staged stage. Needs `native` (the caller checks)."""
         return self._decode_native(tokens, start, take, staged=True)
 
 
-def watched(modules: list[nn.Module]) -> bool:
-    """Whether any forward hook observes the modules, global or per-module. (An instance-level forward wrapper
-    registers no hook; `Transformer.fusable` looks for those itself, on every call.)"""
+def watcher(model: nn.Module, wrappers_take_stamps: bool = False) -> str:
+    """"" when nothing watches the modules that a backend running past them (packed, native) would miss, else what
+    does: a forward hook, local or global (a tracer's hooks, --lens, --attention, FlopCounterMode's module tracker),
+    or an instance-level forward wrapper (unless `wrappers_take_stamps`: the "wrap" tracer's, whose staged marks take
+    the native staged step's C readings). Asked once per run, as it starts (tracer/run/select.py)."""
     from torch.nn.modules import module as module_globals
 
-    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    modules = list(model.modules())
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return "forward hooks watch the stage modules (--lens, --attention or FlopCounterMode)"
+    if not wrappers_take_stamps and any("forward" in m.__dict__ for m in modules):
+        return "forward wrappers that take no C stamps watch the stage modules"
+    return ""
+
+
 def _stored(linear: nn.Module) -> bool:
     """Whether the linear's matrix is held as the GGUF stores it (its `packed`; its weight a meta placeholder)."""
     return getattr(linear, "packed", None) is not None
@@ -458,26 +383,6 @@ def _packed(*linears: nn.Module, stored: bool = False) -> bool:
                    for _ in (0,) if linears[0].bias is not None)
     return all(_consecutive([getattr(linear, attribute) for linear in linears])
                for attribute in ("weight", "bias") if getattr(linears[0], attribute) is not None)
-
-
-def _pack_vectors(modules: list[nn.Module]) -> torch.Tensor | None:
-    """Make the modules' 1-D weights consecutive views of one tensor (unless they already are: a second setup_cache)
-    and return a view spanning them all, which shares their version counter (an in-place edit of any bumps it); None,
-    changing nothing, when they are not all dense 1-D tensors of one dtype and device."""
-    weights = [getattr(m, "weight", None) for m in modules]
-    if not weights or any(not isinstance(w, torch.Tensor) or w.dim() != 1 or w.is_meta for w in weights) or len(
-            {(w.dtype, w.device) for w in weights}) != 1:
-        return None
-    if not _consecutive(weights):
-        packed = torch.cat([w.detach() for w in weights])
-        row = 0
-        for module, weight in zip(modules, weights):
-            module.weight = nn.Parameter(packed[row : row + weight.shape[0]], requires_grad=weight.requires_grad)
-            row += weight.shape[0]
-        weights = [m.weight for m in modules]
-    first, last = weights[0].detach(), weights[-1]
-    return torch.as_strided(first, (last.data_ptr() // first.element_size() - first.data_ptr() // first.element_size()
-                                    + last.shape[0],), (1,))
 
 
 def _consecutive(tensors: list[torch.Tensor]) -> bool:

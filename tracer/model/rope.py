@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from llmtrace.tracer.core.config import ModelConfig, RopeScaling
-from llmtrace.tracer.model.edit_watch import ForwardWatched
 from llmtrace.tracer.model.functional import rotate
 
 
@@ -60,7 +60,7 @@ def rope_tables(
     return cos.view(shape).to(device=device, dtype=dtype), sin.view(shape).to(device=device, dtype=dtype)
 
 
-class RotaryEmbedding(ForwardWatched):
+class RotaryEmbedding(nn.Module):
     """Rotates q (B, T, H, D) and k (B, T, Hkv, D) by their absolute positions `input_pos` (T,).
 
     The tables are plain attributes shared by every layer (one copy per model, not 30), installed by

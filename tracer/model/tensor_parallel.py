@@ -34,7 +34,6 @@ from torch import nn
 from llmtrace.tracer.analytic.tensor_parallel import tp_sizes
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.model.edit_watch import ForwardWatched
 from llmtrace.tracer.model.transformer import Transformer, TransformerBlock
 
 ALL_REDUCE = "all_reduce"
@@ -88,7 +87,7 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
                    vocab_size=vocab_slice(config, tp), explicit_head_dim=config.head_dim)
 
 
-class VocabParallelEmbedding(ForwardWatched, nn.Embedding):
+class VocabParallelEmbedding(nn.Embedding):
     """This rank's rows [start, start + rows) of the embedding table; any other id looks up a zero row (the
     all-reduce after it fills those in from the rank that holds them). Same parameter name as nn.Embedding."""
 
@@ -116,7 +115,6 @@ class TensorParallelTransformer(Transformer):
         super().__init__(local)
         self.full_config = config
         self.tp, self.rank, self.comm = tp, rank, comm
-        self.use_fused = False  # no sharded fused path: every step runs stage by stage
         self.layers = nn.ModuleList(TransformerBlock(local, i, comm.all_reduce) for i in range(local.n_layers))
         self.tok_embeddings = VocabParallelEmbedding(local.vocab_size, local.dim, rank * local.vocab_size,
                                                      config.vocab_size)
@@ -131,11 +129,9 @@ class TensorParallelTransformer(Transformer):
         whole = self.comm.all_gather(local, None, "output")  # (..., N*V')
         return whole[..., : self.full_config.vocab_size]  # (..., V): the padding of the last slice dropped
 
-    def fusable(self) -> bool:
-        return False
-
-    def staged_native_reason(self) -> str:
-        """--staged's native step multiplies whole matrices, with no collectives: a shard never runs it."""
+    def packed_off_reason(self) -> str:
+        """The packed path and the native step multiply whole matrices, with no collectives: a shard never runs
+        them."""
         return "a tensor-parallel shard runs stage by stage (the native decode step has no sharded variant)"
 
 

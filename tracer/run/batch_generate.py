@@ -32,9 +32,9 @@ from llmtrace.tracer.run.generate import (
     LoadedModelLike,
     PrefillDone,
     TokenStep,
-    _active_filters,
     sampling_params,
 )
+from llmtrace.tracer.run.run_records import _active_filters
 from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.batch_records import FINISHED_ROWS, PADDING, BatchRun, SequenceRecord
 from llmtrace.tracer.trace.records import (
@@ -116,16 +116,15 @@ class BatchGeneration(Generation):
         tokens, pad = prompt
         try:
             with torch.no_grad():
-                self.model.prefill(tokens, pad)
-                self.model.decode_one(tokens[:, -1:])  # (N, 1)
+                self._untraced.prefill(tokens, pad)
+                self._untraced.decode(tokens[:, -1:])  # (N, 1)
         finally:
             self.model.reset_cache()
         if self._sync is not None:
             self._sync()
 
-    def _request(self) -> Request:
-        return Request(batch=len(self._records), staged=self.settings.staged, tracer=self._tracer,
-                       sampler=self._samplers[0], on_cpu=self._on_cpu)
+    def _request(self, batch: int = 1) -> Request:
+        return replace(super()._request(len(self._records)), observed=False, sampler=self._samplers[0])
 
     def _steps_of(self, prompt: tuple[torch.Tensor, list[int] | None], rope: RopeRecord,
                   limit: int) -> Iterator[Any]:
@@ -187,7 +186,7 @@ class BatchGeneration(Generation):
                 self._ends[q] = (finished, index)
             else:
                 keep.append(row)
-        kv_allocated, kv_live = int(self.model.kv_allocated_bytes), int(self.model.kv_live_bytes)
+        kv_allocated, kv_live = int(self.model.kv_allocated_bytes), int(self._backend.kv_live_bytes())
         if keep and len(keep) < rows_in:
             self.model.keep_rows(keep)
         self._active = [self._active[row] for row in keep]

@@ -44,7 +44,10 @@ from llmtrace.tracer.hardware.dtype_policy import dtype_of
 from llmtrace.tracer.hardware.product_shapes import product_shapes
 from llmtrace.tracer.hardware.product_timing import machine_key
 from llmtrace.tracer.model.weight_formats import DENSE, PackedWeight
+from llmtrace.tracer.run.backends import build_backend, matvec_of
+from llmtrace.tracer.run.select import Request, select
 from llmtrace.tracer.trace.hooks import device_synchronizer
+from llmtrace.tracer.trace.records import PACKED
 
 Progress = Callable[[str], None]
 # Each per-layer product of the fused path and the FusedLayer attributes holding its weight and bias.
@@ -66,13 +69,14 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _plan(model: Any, batch: int, positions: int) -> Any:
+def _backend(model: Any, batch: int, positions: int, matvec: str) -> Any:
+    """The packed (or native) backend of `batch` sequences of up to `positions` tokens, its cache set up."""
     model.setup_cache(batch, positions)
-    plan = getattr(model, "_fused_plan", None)
-    if plan is None or not model.fusable():
+    selection = select(model, Request(batch=batch, matvec=matvec))
+    if selection.route.prefill != PACKED:
         raise BadArgumentError("the decode ceilings are measured on the fused path; something watches the model's "
                                "modules (a hook), so it runs stage by stage")
-    return plan
+    return build_backend(model, selection)
 
 
 def weights_of(plan: Any) -> tuple[str, str]:
@@ -134,7 +138,7 @@ def _streamed(weight: Any) -> list[torch.Tensor]:
     return list(prepared) if prepared is not None else list(weight.tensors.values())
 
 
-def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps: int,
+def _stubbed_steps(model: Any, backend: Any, ids: Sequence[int], batch: int, steps: int,
                    sync: Callable[[], None] | None) -> tuple[int, float, int]:
     """(operations of one decode step besides its products, median seconds of `steps` such steps, median context).
 
@@ -160,19 +164,20 @@ def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps:
         return out
 
     counter = _OpCounter()
+    plan = backend.plan
     layers_product = [layer.product for layer in plan.layers]
     plan_product = plan.product
     tokens = torch.tensor([list(ids)] * batch, dtype=torch.long, device=plan.final_norm.weight.device)  # (B, P)
     times, contexts = [], []
     with torch.no_grad():
-        logits = model.prefill(tokens)  # (B, V): real products, so the cache holds what a decode step reads
+        logits = backend.prefill(tokens)  # (B, V): real products, so the cache holds what a decode step reads
         try:
             plan.product = stand_in
             for layer in plan.layers:
                 layer.product = stand_in
             next_ids = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             with counter:
-                logits = model.decode_one(next_ids)
+                logits = backend.decode(next_ids)
             ops = counter.count
             for _ in range(steps):
                 next_ids = logits.argmax(dim=-1, keepdim=True).clamp_(0, plan.embedding.shape[0] - 1)
@@ -180,7 +185,7 @@ def _stubbed_steps(model: Any, plan: Any, ids: Sequence[int], batch: int, steps:
                 if sync is not None:
                     sync()
                 start = time.perf_counter()
-                logits = model.decode_one(next_ids)
+                logits = backend.decode(next_ids)
                 if sync is not None:
                     sync()
                 times.append(time.perf_counter() - start - inside)
@@ -197,20 +202,20 @@ def _pass_seconds(products: tuple[ProductTime, ...], plan: Any) -> float:
     return sum(p.seconds * (len(plan.layers) if p.per_layer else 1) for p in products)
 
 
-def _native_steps(model: Any, plan: Any, ids: Sequence[int], steps: int, products: float) -> tuple[int, float, int]:
+def _native_steps(model: Any, backend: Any, ids: Sequence[int], steps: int, products: float) -> tuple[int, float, int]:
     """`_stubbed_steps` for a model whose one-token steps run as the native decode step (one sequence, CPU): the
     real steps timed, the products' pass (`products` seconds) taken out, at least 0."""
     counter = _OpCounter()
     tokens = torch.tensor([list(ids)], dtype=torch.long)  # (1, P)
     times, contexts = [], []
     with torch.no_grad():
-        logits = model.prefill(tokens)
+        logits = backend.prefill(tokens)
         with counter:
-            logits = model.decode_one(logits.argmax(dim=-1, keepdim=True))
+            logits = backend.decode(logits.argmax(dim=-1, keepdim=True))
         for _ in range(steps):
             next_ids = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
             start = time.perf_counter()
-            logits = model.decode_one(next_ids)
+            logits = backend.decode(next_ids)
             times.append(time.perf_counter() - start)
             contexts.append(int(model.pos))
     return counter.count, max(0.0, statistics.median(times) - products), round(statistics.median(contexts))
@@ -230,12 +235,13 @@ def measure_decode_ceilings(loaded: Any, ids: Sequence[int], batches: Sequence[i
         for batch in batches:
             if progress is not None:
                 progress(f"kernels at batch {batch}")
-            plan = _plan(model, batch, len(ids) + steps + 2)
+            backend = _backend(model, batch, len(ids) + steps + 2, matvec_of(getattr(loaded, "kernels", None)))
+            plan = backend.plan
             products = _time_products(plan, config, batch, repeats, sync)
-            if batch == 1 and not plan.native_off_reason(model.use_native_step):
-                ops, other, context = _native_steps(model, plan, ids, steps, _pass_seconds(products, plan))
+            if batch == 1 and not plan.native_off_reason():
+                ops, other, context = _native_steps(model, backend, ids, steps, _pass_seconds(products, plan))
             else:
-                ops, other, context = _stubbed_steps(model, plan, ids, batch, steps, sync)
+                ops, other, context = _stubbed_steps(model, backend, ids, batch, steps, sync)
             entries.append(BatchCeilings(batch=batch, products=products, ops=ops, other_seconds=other,
                                          context=context))
         weights, formats = weights_of(plan)

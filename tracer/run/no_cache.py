@@ -37,18 +37,19 @@ class NoCacheProgress:
     total: int
 
 
-def replay_without_cache(model: Any, config: ModelConfig, dtypes: Dtypes, prompt_ids: Sequence[int],
+def replay_without_cache(model: Any, backend: Any, config: ModelConfig, dtypes: Dtypes, prompt_ids: Sequence[int],
                          cached_steps: Sequence[StepRecord], cached_stages: Sequence[StageRecord], sampler: Any,
                          tracer: Tracer, sync: Callable[[], None] | None,
                          out: list[NoCacheStep]) -> Iterator[NoCacheProgress]:
     """Recompute each of `cached_steps` without a cache, appending one NoCacheStep to `out` per step (so an
-    interrupted replay keeps what it finished) and yielding progress. `model.setup_cache` must have room for the
-    whole sequence; the cache is left empty."""
+    interrupted replay keeps what it finished) and yielding progress, on the run's `backend` (tracer/run/backends.py)
+    traced by `tracer`. `model.setup_cache` must have room for the whole sequence; the cache is left empty."""
     ids = list(prompt_ids) + [s.token_id for s in cached_steps]
     cached_flops = _flops_by_step(cached_stages)
     prompt_len = len(prompt_ids)
     seen = 0  # stage records already counted
     with tracer:
+        prefill = backend.traced(tracer).prefill
         for i, cached in enumerate(cached_steps):
             positions = prompt_len + i
             tokens = torch.tensor([ids[:positions]], dtype=torch.long, device=model.norm.weight.device)
@@ -57,7 +58,7 @@ def replay_without_cache(model: Any, config: ModelConfig, dtypes: Dtypes, prompt
             if sync is not None:
                 sync()
             start = time.perf_counter_ns()
-            logits = model.prefill(tokens)  # (1, V): the whole sequence, nothing cached before
+            logits = prefill(tokens)  # (1, V): the whole sequence, nothing cached before
             if sync is not None:
                 sync()
             forward_ns = time.perf_counter_ns() - start

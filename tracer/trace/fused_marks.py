@@ -13,9 +13,9 @@ tests check them against the shapes that path's modules record for the same step
 
 The native staged step. Under `--staged` the tracer wraps every stage module ("wrap", tracer/trace/hooks.py) and a
 prefill runs through them. A one-token step of one sequence of a model whose decode step is native runs in C instead
-(Transformer.staged_native, FusedPlan.staged_step): the stages of contract.staged_stages one by one, each its own
-phase ended by a barrier and a clock reading on the clock time.perf_counter_ns reads, no module called. The model
-hands those readings to its `staged_mark`'s TAKE_STAMPS; `FusedMarks(staged=True)` is that mark, and a step's
+(tracer/run/backends.py's StagedNativeBackend, FusedPlan.staged_step): the stages of contract.staged_stages one by
+one, each its own phase ended by a barrier and a clock reading on the clock time.perf_counter_ns reads, no module
+called. The backend hands those readings to the tracer's `staged_take` (`FusedMarks(staged=True)`), and a step's
 readings become the raw events the wrappers would have left, as a fused step's do: stage i ran from reading i to
 reading i + 1, on the shapes the stage modules see in that step (`stage_shapes(staged=True)`, which tests hold
 against the modules' own). The records built from them are the wrapped path's records (names, order, shapes, FLOPs,
@@ -115,19 +115,31 @@ def stage_shapes(config: ModelConfig, step: StepDims,
     return shapes
 
 
-class FusedMarks:
-    """Installs a clock-reading `stage_mark` on a model with a fused path and collects one step's readings.
+def fused_events(config: ModelConfig, stages: list[StageModule], marks: list[int], dims: StepDims,
+                 add: Callable[[tuple], int], staged: bool = False) -> list[tuple[int, int, int, int]]:
+    """The raw events (stage index, start, end, shape id from `add`) of one step a backend marked (the fused path's
+    readings, or with `staged` the native staged step's): stage i ran from reading i to reading i + 1."""
+    shapes = stage_shapes(config, dims, staged)
+    events = []
+    for index, stage in enumerate(stages):
+        inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
+        events.append((index, marks[index], marks[index + 1], add((*inputs, None, *outputs))))
+    return events
 
-    `install()` / `remove()` around the run; `begin_step()` before a prefill or decode_one, `end_step()` after it
+
+class FusedMarks:
+    """A clock-reading `mark` for the fused path (the run's backend calls it) and one step's readings.
+
+    `begin_step()` before a prefill or decode step, `end_step()` after it
     returns the step's readings (host nanoseconds) and (B, T, S). `clock` (tracer/trace/stage_clock.py) stamps each
     mark: the host clock on cpu (after a synchronize on mps), a CUDA event on cuda, resolved at the end of the step.
     On the plain host clock the mark also takes readings made outside Python (fused.TAKE_STAMPS): the native decode
     step (tracer/model/native_step.py) stamps its stages in C on that clock, so a traced step still leaves one
     reading per stage, each taken where the stage ended.
 
-    `staged=True`: the model's `staged_mark` instead, while a "wrap" Tracer is attached (`staged_usable` says when it
-    can stand in for the wrappers): only the native staged step's C readings come to it, and a step that ran through
-    the wrappers leaves none (`taken()` is False; its events are the wrappers').
+    `staged=True`: the native staged step's mark instead, while a "wrap" Tracer is attached (`staged_usable` says when
+    it can stand in for the wrappers): only that step's C readings come to it, and a step that ran through the
+    wrappers leaves none (`taken()` is False; its events are the wrappers').
     """
 
     def __init__(self, model: nn.Module, stages: int, clock: HostClock | EventClock | None = None,
@@ -136,34 +148,21 @@ class FusedMarks:
         self.expected = stages + 1  # a reading before the first stage, one after each of `stages`
         self.clock = clock or HostClock()
         self.staged = staged
-        self._attr = "staged_mark" if staged else "stage_mark"
         self._marks: list[int] = []
-        self._previous: Callable[[], None] | None = None
         self._pos_before = 0
         marks, stamp = self._marks, self.clock.stamp
-        self._mark: Callable[[], None] = lambda: marks.append(stamp())
+        self.mark: Callable[[], None] = lambda: marks.append(stamp())
         if reads_host_clock(self.clock):
             # Readings the native decode step took in C on the same clock stand for the mark() calls of its stages.
-            setattr(self._mark, TAKE_STAMPS, marks.extend)
+            setattr(self.mark, TAKE_STAMPS, marks.extend)
 
     @staticmethod
     def staged_usable(model: nn.Module, stages: list[StageModule], clock: HostClock | EventClock) -> bool:
-        """Whether `FusedMarks(staged=True)` can stand in for the wrappers of `stages`: the model asks for the native
-        staged step, the stages are that step's stages in its order, and the clock is the plain host clock."""
-        if not getattr(model, "staged_native", False) or not hasattr(model, "staged_mark"):
-            return False
-        if not reads_host_clock(clock):
+        """Whether `FusedMarks(staged=True)` can stand in for the wrappers of `stages`: the stages are the native
+        staged step's stages in its order, and the clock is the plain host clock."""
+        if not hasattr(model, "packed_off_reason") or not reads_host_clock(clock):
             return False
         return [s.name for s in stages] == staged_order(model)
-
-    def install(self) -> None:
-        self._previous = getattr(self.model, self._attr)
-        setattr(self.model, self._attr, self._mark)
-
-    def remove(self) -> None:
-        if self._previous is not None:
-            setattr(self.model, self._attr, self._previous)
-            self._previous = None
 
     def begin_step(self) -> None:
         self._marks.clear()
@@ -182,9 +181,9 @@ class FusedMarks:
             if self.staged:
                 raise RuntimeError(f"the native staged step left {len(marks)} clock readings, {self.expected} expected")
             raise RuntimeError(
-                f"the fused path marked {len(marks)} times in this step, {self.expected} expected: the model ran "
-                "stage by stage (a forward hook, or use_fused = False) while a fused-path Tracer was attached; "
-                "trace it with mechanism='wrap' instead"
+                f"the fused path marked {len(marks)} times in this step, {self.expected} expected: the step ran "
+                "stage by stage (the modules backend, or a backend not traced by this Tracer) while a fused-path "
+                "Tracer was attached; trace it with mechanism='wrap' instead"
             )
         model = self.model
         seen = model.pos

@@ -24,9 +24,10 @@ from torch import nn
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
-from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_stages, stage_shapes
+from llmtrace.tracer.model.fused import TAKE_STAMPS, Mark, no_mark, watcher
+from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_events, fused_stages
 from llmtrace.tracer.trace.records import StageRecord
-from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for, reads_host_clock
+from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
 
 MECHANISMS = ("auto", "fused", "wrap", "hooks")
@@ -95,6 +96,57 @@ def _shape_key(args: tuple[Any, ...], output: Any, tuple_output: bool) -> ShapeK
     return (*inputs, None, *map(_SHAPE, output)) if tuple_output else (*inputs, None, output.shape)
 
 
+def stage_wrapper(forward: Any, index: int, tuple_output: bool, append: Any, stamp: Any, table: ShapeTable) -> Any:
+    """An instance-level forward for stage `index`: stamp, original forward, stamp, then the id of the shapes it saw
+    (torch.Size, no copies, interned in `table`) and one `append` of four ints."""
+    ids, add = table.ids, table.add
+
+    # Written out per output kind, without a helper call: this runs ~500 times a decode step.
+    if tuple_output:
+        def traced_forward(*args: Any) -> Any:
+            start = stamp()
+            output = forward(*args)
+            end = stamp()
+            try:
+                key = (*map(_SHAPE, args), None, *map(_SHAPE, output))
+            except AttributeError:
+                key = _shape_key(args, output, True)
+            shape_id = ids.get(key)
+            append((index, start, end, add(key) if shape_id is None else shape_id))
+            return output
+    else:
+        def traced_forward(*args: Any) -> Any:
+            start = stamp()
+            output = forward(*args)
+            end = stamp()
+            try:
+                key = (*map(_SHAPE, args), None, output.shape)
+            except AttributeError:
+                key = _shape_key(args, output, False)
+            shape_id = ids.get(key)
+            append((index, start, end, add(key) if shape_id is None else shape_id))
+            return output
+
+    return traced_forward
+
+
+def stage_hooks(index: int, tuple_output: bool, starts: list[int], append: Any, stamp: Any,
+                table: ShapeTable) -> tuple[Any, Any]:
+    """The two hooks of stage `index`. Hot path: one stamp each, then the id of the shapes (as the wrapper's)."""
+    ids, add = table.ids, table.add
+
+    def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+        starts[index] = stamp()
+
+    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        end = stamp()
+        key = _shape_key(args, output, tuple_output)
+        shape_id = ids.get(key)
+        append((index, starts[index], end, add(key) if shape_id is None else shape_id))
+
+    return pre, post
+
+
 def device_synchronizer(device: torch.device) -> Any:
     """A no-argument function that waits for the device's queued work, or None on cpu/meta."""
     if device.type == "cuda":
@@ -107,22 +159,24 @@ def device_synchronizer(device: torch.device) -> Any:
 class Tracer:
     """Instruments `model` while inside `with`; collects one StageRecord per stage call.
 
-    Use: `with Tracer(model, origin_ns) as t: t.begin_step("prefill", 0); model.prefill(ids); t.end_step()`.
-    `enabled=False` attaches nothing (the run is timed per step only).
+    Use: `with Tracer(model, origin_ns) as t: t.begin_step("prefill", 0); backend.prefill(ids); t.end_step()`, with
+    the run's backend (tracer/run/backends.py) `traced(t)` when it runs the fused path. `enabled=False` attaches
+    nothing (the run is timed per step only).
 
     Mechanisms, same records:
-    - "fused": the model's fused path (tracer/model/fused.py), the one that runs when nothing watches, reads the clock
-      after each of its stages (tracer/trace/fused_marks.py). Q|K|V and gate|up are one packed product each there, so
-      they are one stage each ("attention.wqkv", "feed_forward.w13"). Costs one clock read per stage.
+    - "fused": the packed and native backends' fused path (tracer/model/fused.py), the one that runs when nothing
+      watches, calls `mark` after each of its stages, which reads the clock (tracer/trace/fused_marks.py). Q|K|V and
+      gate|up are one packed product each there, so they are one stage each ("attention.wqkv", "feed_forward.w13").
+      Costs one clock read per stage.
     - "wrap": each stage module gets an instance-level `forward` that reads the clock around the original one;
-      the model runs stage by stage (Q, K, V, gate, up separately), which is slower than the fused path. When the
-      model asks for its native staged step (`staged_native`, `--staged`), a one-token step runs those stages
-      apart in C instead and the tracer takes their C clock readings (FusedMarks(staged=True)): the same
-      records, the wrappers seeing no call in that step.
+      the modules backend runs stage by stage (Q, K, V, gate, up separately), slower than the fused path. Under
+      `--staged`'s native backend a one-token step runs those stages apart in C instead and hands their C clock
+      readings to `staged_take` (FusedMarks(staged=True)): the same records, the wrappers seeing no call in that
+      step.
     - "hooks": as "wrap" through nn.Module forward pre/post hooks, which send every call through nn.Module's
       slow path (BENCHMARKS.md, "Tracing overhead").
-    - "auto" (default): "fused" when the model takes its fused path when entered (its cache set up, nothing
-      watching), else "wrap". Either way what is traced is what runs.
+    - "auto" (default): "fused" when the packed path can run the model when entered (its cache set up, nothing
+      watching: Transformer.packed_off_reason, fused.watcher), else "wrap". The run's backend must be the one traced.
     Everything is undone in `finally`.
     """
 
@@ -137,7 +191,7 @@ class Tracer:
         self.stages: list[StageModule] = []
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []  # hook handles, or (module, previous instance forward) for "wrap"
-        # the marks that take the model's own clock readings: the fused path's ("fused"), or the native staged
+        # the marks that take the backend's own clock readings: the fused path's ("fused"), or the native staged
         # step's ("wrap" where it can stand in for the wrappers: FusedMarks.staged_usable)
         self._marks: FusedMarks | None = None
         self._shape_table = ShapeTable()
@@ -163,8 +217,8 @@ class Tracer:
     def _resolve(self) -> None:
         """Settle "auto" and list the stages to trace (at `__enter__`: the fused path needs the cache set up)."""
         if self.mechanism == "auto":
-            fusable = getattr(self.model, "fusable", None)
-            self.mechanism = "fused" if fusable is not None and fusable() else "wrap"
+            blocker = getattr(self.model, "packed_off_reason", None)
+            self.mechanism = "fused" if blocker is not None and not blocker() and not watcher(self.model) else "wrap"
         if self.mechanism == "fused":
             self.stages = fused_stages(self.model)
             self._marks = FusedMarks(self.model, len(self.stages), self.clock)
@@ -183,23 +237,18 @@ class Tracer:
             return self
         self._resolve()
         try:
-            if self.mechanism != "fused" and hasattr(self.model, "use_fused"):
-                # A model with a fused fast path uses it only when nothing watches its stage modules; wrappers are
-                # invisible to that check, so say it outright: what is traced must be what runs.
-                self._handles.append((self.model, "use_fused", self.model.use_fused))
-                self.model.use_fused = False
-            if self._marks is not None:
-                self._marks.install()
-                self._handles.append(self._marks)
             for index, module in enumerate(self._modules):
+                tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
                 if self.mechanism == "hooks":
-                    pre, post = self._make_hooks(index)
+                    pre, post = stage_hooks(index, tuple_output, self._starts, self._events.append, self.clock.stamp,
+                                            self._shape_table)
                     self._handles.append(module.register_forward_pre_hook(pre))
                     self._handles.append(module.register_forward_hook(post))
                 else:
                     previous = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
                     self._handles.append((module, previous))
-                    module.forward = self._make_wrapper(index, module.forward)
+                    module.forward = stage_wrapper(module.forward, index, tuple_output, self._events.append,
+                                                   self.clock.stamp, self._shape_table)
         except BaseException:
             self.remove()
             raise
@@ -212,11 +261,7 @@ class Tracer:
         """Undo every hook and wrapper (idempotent)."""
         handles, self._handles = self._handles, []
         for handle in reversed(handles):
-            if isinstance(handle, FusedMarks):
-                handle.remove()
-            elif isinstance(handle, tuple) and len(handle) == 3:
-                setattr(handle[0], handle[1], handle[2])
-            elif isinstance(handle, tuple):
+            if isinstance(handle, tuple):
                 module, previous = handle
                 if previous is _NO_INSTANCE_FORWARD:
                     module.__dict__.pop("forward", None)
@@ -227,66 +272,21 @@ class Tracer:
 
     @property
     def attached(self) -> int:
-        """Hooks (two per stage), wrappers (one per stage, plus the native staged step's mark when installed) or
-        installed fused-path marks (one) in place."""
-        return sum(1 for h in self._handles if not (isinstance(h, tuple) and len(h) == 3))
+        """Hooks (two per stage) or wrappers (one per stage) in place; the fused path's marks attach nothing."""
+        return len(self._handles)
 
-    def _make_wrapper(self, index: int, forward: Any) -> Any:
-        """An instance-level forward for one stage: stamp, original forward, stamp, then the id of the shapes it saw
-        (torch.Size, no copies) and one append of four ints."""
-        append = self._events.append
-        stamp = self.clock.stamp
-        ids = self._shape_table.ids
-        add = self._shape_table.add
-        tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
+    @property
+    def mark(self) -> Mark:
+        """What the fused path calls after each stage while this tracer records it (a clock reading), or no_mark."""
+        marks = self._marks
+        return marks.mark if self.enabled and marks is not None and not marks.staged else no_mark
 
-        # Written out per output kind, without a helper call: this runs ~500 times a decode step.
-        if tuple_output:
-            def traced_forward(*args: Any) -> Any:
-                start = stamp()
-                output = forward(*args)
-                end = stamp()
-                try:
-                    key = (*map(_SHAPE, args), None, *map(_SHAPE, output))
-                except AttributeError:
-                    key = _shape_key(args, output, True)
-                shape_id = ids.get(key)
-                append((index, start, end, add(key) if shape_id is None else shape_id))
-                return output
-        else:
-            def traced_forward(*args: Any) -> Any:
-                start = stamp()
-                output = forward(*args)
-                end = stamp()
-                try:
-                    key = (*map(_SHAPE, args), None, output.shape)
-                except AttributeError:
-                    key = _shape_key(args, output, False)
-                shape_id = ids.get(key)
-                append((index, start, end, add(key) if shape_id is None else shape_id))
-                return output
-
-        return traced_forward
-
-    def _make_hooks(self, index: int) -> tuple[Any, Any]:
-        """The two hooks of one stage. Hot path: one stamp each, then the id of the shapes (as the wrapper's)."""
-        starts = self._starts
-        append = self._events.append
-        stamp = self.clock.stamp
-        ids = self._shape_table.ids
-        add = self._shape_table.add
-        tuple_output = self.stages[index].kind in TUPLE_OUTPUT_KINDS
-
-        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-            starts[index] = stamp()
-
-        def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            end = stamp()
-            key = _shape_key(args, output, tuple_output)
-            shape_id = ids.get(key)
-            append((index, starts[index], end, add(key) if shape_id is None else shape_id))
-
-        return pre, post
+    @property
+    def staged_take(self) -> Any:
+        """What takes the native staged step's C readings while this tracer records it (FusedMarks(staged=True)),
+        or None: the step then runs unstamped."""
+        marks = self._marks
+        return getattr(marks.mark, TAKE_STAMPS, None) if self.enabled and marks is not None and marks.staged else None
 
     # ---- steps -----------------------------------------------------------------------------------------
 
@@ -311,15 +311,6 @@ class Tracer:
             self._steps.append((self._phase, self._step, events, [], None))
         self._events.clear()
 
-    def takes_stamped_steps(self) -> bool:
-        """Whether steps the model runs and stamps on its own, several in one call (NativeBackend.ahead), can
-        be traced as they ran (`stamped_step`): tracing is off, or it follows the fused path's stages on the plain
-        host clock, the clock the native step stamps in C."""
-        if not self.enabled:
-            return True
-        marks = self._marks
-        return marks is not None and not marks.staged and reads_host_clock(self.clock)
-
     def stamped_step(self, phase: str, step: int, readings: list[int], dims: StepDims) -> None:
         """Record a step that ran apart from begin_step/end_step and left its fused stages' clock readings
         (NativeStep.readings' layout) on `dims`; nothing when tracing is off."""
@@ -334,21 +325,11 @@ class Tracer:
         """Every stage record so far, in call order."""
         for phase, step, events, marks, dims in self._steps:
             if dims is not None:  # a step the model marked: its events made now, off the hot path
-                events = self._fused_events(marks, dims, self._marks.staged)
+                events = fused_events(self.model.config, self.stages, marks, dims, self._shape_table.add,
+                                      self._marks.staged)
             self._built.extend(self._records_of(phase, step, events))
         self._steps.clear()
         return tuple(self._built)
-
-    def _fused_events(self, marks: list[int], dims: StepDims, staged: bool = False) -> list[RawEvent]:
-        """Raw events of one step the model marked (the fused path's, or with `staged` the native staged step's):
-        stage i ran from reading i to reading i + 1."""
-        shapes = stage_shapes(self.model.config, dims, staged)
-        add = self._shape_table.add
-        events: list[RawEvent] = []
-        for index, stage in enumerate(self.stages):
-            inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
-            events.append((index, marks[index], marks[index + 1], add((*inputs, None, *outputs))))
-        return events
 
     def _records_of(self, phase: str, step: int, events: list[RawEvent]) -> list[StageRecord]:
         """One step's records. The fields fixed by the stage and its shapes come from `_static` (positional, in

@@ -8,7 +8,7 @@
 Each hook copies one row (dim floats, or H x S), nothing more; the projections through the LM head and the
 summaries are worked out after the step's clocks stop (tracer/trace/lens.py, tracer/trace/attention_view.py), so
 the stages' FLOPs and times hold only the model's work. A hooked module is a watched module, so while an Observer is
-attached the model runs stage by stage (tracer/model/transformer.py, `fusable`), as `--staged` does. Hooks exist only
+attached a run takes the stage modules (tracer/run/select.py: hooks watch them), as `--staged` does. Hooks exist only
 between `attach()` and `remove()` (also a context manager), and are removed in `finally`.
 """
 

@@ -263,7 +263,7 @@ class RunSettings:
 
 @dataclass(frozen=True, slots=True)
 class RunAhead:
-    """How a run's decode steps ran several to a C call (tracer/run/generate.py, NativeBackend.ahead): the
+    """How a run's decode steps ran several to a C call (tracer/run/generate.py, PackedBackend.ahead): the
     step, then the run's sampler, called from C, choosing the next token from its logits, back to back; each call's
     step records were made after it, the same as a step at a time makes them. Their times are C's clock readings
     (the forward, then the sampler: detokenize_ns is 0), so each step's span ends where the next one's begins; the
