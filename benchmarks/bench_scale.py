@@ -16,8 +16,10 @@ pages included, which is what the issue's budget counts.
   the time from the first token to the last), then a 512-token prompt (prefill only).
 - `first run`: `llmtrace run --model FILE "The capital of France is" --max-new-tokens 16` as a user types it, in a
   fresh cache and config folder (nothing compiled, converted or saved yet), then again with the same folders (a
-  later run); wall time and peak RSS of each process. llama.cpp's counterpart: a process that imports llama_cpp,
-  loads the file and generates the same 16 tokens.
+  later run); then in another fresh folder after set-up's build of the C library (`make run` builds it:
+  native_kernel.prepare(), timed as "set-up build"), the first run after set-up; wall time and peak RSS of each
+  process. llama.cpp's counterpart: a process that imports llama_cpp, loads the file and generates the same 16
+  tokens. `--no-engines` measures only these.
 - The memory budget (issue 31, item 2): the file's bytes + the KV cache `run` allocates (fp32, the run's positions)
   + 1.5 GB, beside each llmtrace peak.
 - The bandwidth bound: the file's tensor bytes (what a decode step reads, as llama.cpp does) over this machine's best
@@ -192,22 +194,26 @@ def _child(kind: str, *args: str) -> tuple[dict[str, Any] | None, int, str]:
 
 
 def first_runs(path: Path, threads: int, weights: str | None, dtype: str) -> dict[str, Any]:
-    """`llmtrace run` as a user types it: in a fresh cache and config folder, then again in the same folders."""
-    with tempfile.TemporaryDirectory(prefix="bench_scale_home_") as home:
-        env = {**os.environ, "XDG_CACHE_HOME": f"{home}/cache", "XDG_CONFIG_HOME": f"{home}/config",
-               "COLUMNS": "100"}
-        for name in ("LLMTRACE_CACHE_DIR", "LLMTRACE_NATIVE_DIR"):
-            env.pop(name, None)
-        argv = [_python(), "-m", "llmtrace", "run", "--model", str(path), SHORT_PROMPT, "--max-new-tokens",
-                str(FIRST_RUN_TOKENS), "--threads", str(threads), "--no-roofline"]
-        if weights:
-            argv += ["--weights", weights]
-        if dtype != "auto":
-            argv += ["--dtype", dtype]
-        out = {}
-        for label in ("first", "later"):
-            wall, rss, _, err = _run(argv, env)
-            out[label] = {"wall_s": wall, "peak_rss": rss, "error": err if err.startswith("exit") else ""}
+    """`llmtrace run` as a user types it: in a fresh cache and config folder ("first": the C library is compiled
+    during it), then again in the same folders ("later"); and in another fresh folder after set-up's build of the
+    C library (`make run` calls native_kernel.prepare(): "set-up build", then "first after set-up")."""
+    argv = [_python(), "-m", "llmtrace", "run", "--model", str(path), SHORT_PROMPT, "--max-new-tokens",
+            str(FIRST_RUN_TOKENS), "--threads", str(threads), "--no-roofline"]
+    if weights:
+        argv += ["--weights", weights]
+    if dtype != "auto":
+        argv += ["--dtype", dtype]
+    prepare = [_python(), "-c", "from llmtrace.tracer.model.native_kernel import prepare; print(prepare())"]
+    out = {}
+    for steps in ((("first", argv), ("later", argv)), (("set-up build", prepare), ("first after set-up", argv))):
+        with tempfile.TemporaryDirectory(prefix="bench_scale_home_") as home:
+            env = {**os.environ, "XDG_CACHE_HOME": f"{home}/cache", "XDG_CONFIG_HOME": f"{home}/config",
+                   "COLUMNS": "100"}
+            for name in ("LLMTRACE_CACHE_DIR", "LLMTRACE_NATIVE_DIR"):
+                env.pop(name, None)
+            for label, command in steps:
+                wall, rss, _, err = _run(command, env)
+                out[label] = {"wall_s": wall, "peak_rss": rss, "error": err if err.startswith("exit") else ""}
     return out
 
 
@@ -227,10 +233,11 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     tensor_bytes = sum(t.n_bytes for t in header.tensors)
     common = [str(path), str(args.threads), str(args.decode_tokens)]
     result: dict[str, Any] = {"file": path.name, "file_bytes": file_bytes, "tensor_bytes": tensor_bytes}
-    ours, rss, err = _child("llmtrace", *common, args.weights or "", args.dtype)
-    print(f"  llmtrace: {_line(ours, rss, err)}", flush=True)
-    result["llmtrace"] = {**(ours or {"error": err}), "peak_rss": rss}
-    if args.llama_cpp:
+    if args.engines:
+        ours, rss, err = _child("llmtrace", *common, args.weights or "", args.dtype)
+        print(f"  llmtrace: {_line(ours, rss, err)}", flush=True)
+        result["llmtrace"] = {**(ours or {"error": err}), "peak_rss": rss}
+    if args.llama_cpp and args.engines:
         ids_file = Path(tempfile.mkstemp(suffix=".json")[1])
         ids_file.write_text(json.dumps(_ids_of(path, args)))
         theirs, rss, err = _child("llama_cpp", *common, str(ids_file))
@@ -313,8 +320,9 @@ def report(results: list[dict[str, Any]], bandwidth: float, args: argparse.Names
                      for k, v in first.items()]
             lines.append(f"  run as typed: {'; '.join(parts)} (budget {_gib(r['budget']['first_run'])} GB)")
             if "llama.cpp" in first and not first["llama.cpp"]["error"]:
-                lines.append(f"  first run / llama.cpp load + generate: "
-                             f"{first['first']['wall_s'] / first['llama.cpp']['wall_s']:.2f}x")
+                lines.append("  / llama.cpp load + generate: " + ", ".join(
+                    f"{label} {first[label]['wall_s'] / first['llama.cpp']['wall_s']:.2f}x"
+                    for label in ("first", "later", "first after set-up") if label in first))
     return "\n".join(lines)
 
 
@@ -332,6 +340,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="llmtrace's --dtype (default: run's default, auto)")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     parser.add_argument("--no-first-run", dest="first_run", action="store_false")
+    parser.add_argument("--no-engines", dest="engines", action="store_false",
+                        help="only the first runs (no load/prefill/decode children)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if args.child == "llmtrace":

@@ -225,6 +225,27 @@ def test_a_damaged_build_is_rebuilt_not_loaded(own_build: Path, monkeypatch: pyt
     assert not list(own_build.glob("*.partial")) and not list(second.glob("*.partial"))
 
 
+def test_set_up_builds_the_library_a_later_process_loads_without_compiling(
+        own_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`make run`'s prepare() compiles the units (in parallel, into objects, then linked) where runs look: a later
+    process finds that build and compiles nothing, and no objects are left. Without a compiler it says so."""
+    code = "from llmtrace.tracer.model import native_kernel as n; print(n.prepare())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, native_kernel.DIR_ENV: str(own_build)})
+    library = _library_file(own_build)
+    assert done.stdout.strip().startswith(f"llmtrace's C kernels: {library} ("), done.stdout + done.stderr
+    assert not list(own_build.glob(native_kernel.OBJECTS_PREFIX + "*")) and not list(own_build.glob("*.partial"))
+    builds = []
+    real_build = native_kernel._build
+    monkeypatch.setattr(native_kernel, "_build", lambda *args: builds.append(1) or real_build(*args))
+    native_kernel.reset()
+    assert native_kernel.available() and native_kernel.library().path == library and builds == []
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native_kernel.reset()
+    assert native_kernel.prepare() == ("llmtrace's C kernels are not built: no C compiler: "
+                                       f"`{tmp_path / 'no-such-cc'}` does not run (set $CC to one)")
+
+
 def test_two_processes_building_at_once_leave_one_whole_build(tmp_path: Path) -> None:
     folder = tmp_path / "native"
     env = {**os.environ, native_kernel.DIR_ENV: str(folder)}

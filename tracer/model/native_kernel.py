@@ -9,25 +9,25 @@ one (native/int16_dot.c: Q8_0 and Q6_K blocks times activations rounded to int16
 of a BlockMatrix by its activation kind, and the native decode step (native/decode_step.c, driven by
 tracer/model/native_step.py).
 
-Built lazily, on the first `available()` (a stored-weights load asks): the system C compiler ($CC, else `cc`; it may be
-a command line such as "ccache gcc") compiles every native/*.c (separate units sharing native/blocks.h and kernels.h)
-and links them into one library, with -O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's
-clang: a trivial probe unit, compiled first, says which flags the compiler takes) it is built without -fopenmp and runs
-on one thread, but an error in the kernel's own code fails the build rather than dropping to fewer flags; no torch or
-Python headers, so it takes a few seconds. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build
-that way), else the cache folder's `native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that
-shapes the binary: every source and header, the compiler's `--version`, the flags, the CPU (model and flags:
--march=native) and the ABI numbers. A build is
+Built at set-up (`prepare()`, which `make run` calls), else on the first `available()` (a stored-weights load asks): the
+system C compiler ($CC, else `cc`; it may be a command line such as "ccache gcc") compiles every native/*.c (separate
+units sharing native/blocks.h and kernels.h, one compiler process per CPU at once) and links them into one library, with
+-O3 -march=native -fopenmp -ffp-contract=off and -lm; without OpenMP (Apple's clang: a trivial probe unit, compiled
+first, says which flags the compiler takes) it is built without -fopenmp and runs on one thread, but an error in the
+kernel's own code fails the build rather than dropping to fewer flags; no torch or Python headers, so it takes a few
+seconds. The library goes in $LLMTRACE_NATIVE_DIR if set (the tests share one build that way), else the cache folder's
+`native/` (llmtrace.tracer.core.cache_dirs), named by a key over everything that shapes the binary: every source and
+header, the compiler's `--version`, the flags, the CPU (model and flags: -march=native) and the ABI numbers. A build is
 written under a temporary name and renamed to a name that carries its own SHA-256 (`gguf_matmul-<key>-<sha>.so`); a
 small pointer file `gguf_matmul-<key>.txt`, replaced atomically, names the current build: it is the record, in a file
 the user owns, of the hash of what a build of these sources made. A loader hashes the library through a descriptor,
-compares the pointer's hash, and checks that the file it dlopened is that one: a damaged or truncated library is never loaded (a
-bad ELF can crash the process rather than fail) but rebuilt. dlopen runs a library's constructors before any check
-of ours, so nothing another user could have written is ever loaded: the folder must be the user's own and private
-(tracer/core/cache_dirs.py; else one line, UntrustedPathError), and so must the pointer and the library (owned by
-the user, not writable by group or others). Builds take the folder's lock (flock) one at a time; the build that
-holds it first removes what killed builds left (`.partial` files, probe folders), and two processes that start
-at once build once. After loading, a self-test multiplies a small matrix whose exact product is known.
+compares the pointer's hash, and checks that the file it dlopened is that one: a damaged or truncated library is never
+loaded (a bad ELF can crash the process rather than fail) but rebuilt. dlopen runs a library's constructors before any
+check of ours, so nothing another user could have written is ever loaded: the folder must be the user's own and private
+(tracer/core/cache_dirs.py; else one line, UntrustedPathError), and so must the pointer and the library (owned by the
+user, not writable by group or others). Builds take the folder's lock (flock) one at a time; the build that holds it
+first removes what killed builds left (`.partial` files, probe and object folders), and two processes that start at
+once build once. After loading, a self-test multiplies a small matrix whose exact product is known.
 
 When it cannot be built (no compiler, a failed compile, a failed self-test) `available()` is False and
 `unavailable_reason()` says why in one line; the other stored kernels ("int4pack", "blocks") remain. The outcome
@@ -52,6 +52,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -74,7 +75,8 @@ DIR_ENV = "LLMTRACE_NATIVE_DIR"
 # Tried in order on a probe (_flags_taken): the first the compiler takes is used (OpenMP missing, then -march=native
 # unknown to the compiler); the kernel is then compiled with that set only.
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
-COMMON_FLAGS = ("-ffp-contract=off", "-fPIC", "-shared")
+UNIT_FLAGS = ("-ffp-contract=off", "-fPIC")  # every unit's compile
+COMMON_FLAGS = (*UNIT_FLAGS, "-shared")  # a whole build's command line (and the link's)
 LIBS = ("-lm",)  # after the source: linkers that drop libraries not yet needed (--as-needed) keep it
 COMPILE_TIMEOUT_S = 120
 # ggml type codes the C file multiplies (ggml.h enum ggml_type)
@@ -86,9 +88,10 @@ INT16_TYPES = (8, 14)  # the ggml types INT16_X takes: Q8_0, Q6_K
 _STATUS = {1: "unsupported ggml type", 2: "shapes that do not fit the blocks", 3: "out of memory"}
 _NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
 LOCK_NAME = ".build.lock"  # held (flock) while a process builds: one build at a time per folder
-# What a build leaves while it runs: the library under a temporary name, and the flag probe's folder. Found under
-# the lock, they are a killed build's (SIGKILL, a power cut): removed.
-PARTIAL_GLOBS = (".gguf_matmul-*.so.partial", ".probe-*")
+# What a build leaves while it runs: the library under a temporary name, the flag probe's folder, the units' objects.
+# Found under the lock, they are a killed build's (SIGKILL, a power cut): removed.
+OBJECTS_PREFIX = ".objects-"  # the folder of a build's object files, one per unit, until they are linked
+PARTIAL_GLOBS = (".gguf_matmul-*.so.partial", ".probe-*", OBJECTS_PREFIX + "*")
 MAX_LIBRARY_BYTES = 256 << 20  # a library file larger than this is not a build of these sources (a few MB)
 MAX_POINTER_BYTES = 4096
 _REMOVED = "the kernel folder {folder} was removed during the build; run again"
@@ -151,6 +154,16 @@ def loaded() -> NativeLibrary | None:
     if _outcome.cache_info().currsize == 0:
         return None
     return _outcome().library
+
+
+def prepare() -> str:
+    """Build (or find) the library now, for set-up (`make run`, README's set-up without make): one line, the
+    library's path or why there is none. A build at set-up is one no first run pays (a C compiler's few seconds,
+    where llama.cpp compiles at its install); it goes where runs look, with the same checks."""
+    outcome = _outcome()
+    if outcome.library is None:
+        return f"llmtrace's C kernels are not built: {outcome.reason}"
+    return f"llmtrace's C kernels: {outcome.library.path} ({outcome.library.description})"
 
 
 def reset() -> None:
@@ -439,17 +452,35 @@ int llmt_probe(void) { return 1; }
 def _compile(compiler: list[str], flags: tuple[str, ...], units: list[Path], out: str) -> str:
     """Compile `units` (.c files) and link them into the shared library `out`; "" when it compiled, else the
     compiler's first line that says "error" (gcc and clang end with the source line and a caret under it), or its
-    last line."""
+    last line. Several units are compiled at once, one compiler process each (up to the CPUs there are), into
+    objects in a temporary folder beside `out`, then linked: the library's ~4 s of compiling, one unit after
+    another, is a first run's largest cost after the model's load (BENCHMARKS.md, "The first run")."""
+    if len(units) == 1:
+        return _run_compiler([*compiler, *flags, *COMMON_FLAGS, "-o", out, str(units[0]), *LIBS])
+    with tempfile.TemporaryDirectory(dir=Path(out).parent, prefix=OBJECTS_PREFIX) as tmp:
+        objects = [str(Path(tmp) / f"{unit.stem}.o") for unit in units]
+        commands = [[*compiler, *flags, *UNIT_FLAGS, "-c", "-o", obj, str(unit)] for unit, obj in zip(units, objects)]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+            errors = [error for error in pool.map(_run_compiler, commands) if error]
+        if errors:
+            return errors[0]
+        return _run_compiler([*compiler, *flags, *COMMON_FLAGS, "-o", out, *objects, *LIBS])
+
+
+def _run_compiler(command: list[str]) -> str:
+    """One compiler command: "" when it succeeded, else its error line (_error_line)."""
     try:
-        done = subprocess.run([*compiler, *flags, *COMMON_FLAGS, "-o", out, *map(str, units), *LIBS],
-                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         return str(exc) or type(exc).__name__
-    if done.returncode == 0:
-        return ""
-    lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+    return "" if done.returncode == 0 else _error_line(done.returncode, done.stderr or done.stdout)
+
+
+def _error_line(returncode: int, text: str) -> str:
+    """A failed compile's first line that says "error", or its last line, or its exit status."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or [f"exit status {done.returncode}"])[0 if errors else -1]
+    return (errors or lines or [f"exit status {returncode}"])[0 if errors else -1]
 
 
 def _flags_taken(compiler: list[str], folder: Path) -> tuple[tuple[str, ...] | None, str]:
