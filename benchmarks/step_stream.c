@@ -63,7 +63,8 @@ int main(int argc, char **argv) {
         madvise(base[huge], span, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
         memset(base[huge], 1, span);
     }
-    for (int i = 0, at = 0; i < n; i++) { /* back to back, 64-byte aligned, as the arena places them */
+    size_t at = 0; /* size_t: a 7B step's 3.75 GB would overflow an int */
+    for (int i = 0; i < n; i++) { /* back to back, 64-byte aligned, as the arena places them */
         offset[i] = at;
         at = (offset[i] + sizes[i] + 63) / 64 * 64;
     }
