@@ -97,6 +97,7 @@ def test_readme_lists_the_registry() -> None:
     table = re.search(r"<!-- fact: table.loads -->\n(.*?)<!-- /fact -->", README.read_text(encoding="utf-8"), re.S)
     assert table is not None
     cells = [line.split("|") for line in table.group(1).splitlines()]
+    assert all(len(c) == 5 for c in cells), "a cell holds a '|': the table's columns shift"
     rows = {c[1].strip(): c[3] for c in cells if len(c) > 3}
     for refusal in REFUSALS:
         row = rows[refusal.family]

@@ -161,11 +161,14 @@ def resolve_model(model: str | ModelSource, vocabulary: bool = False) -> Resolve
         config, weights = ModelConfig.from_hf_json(source.config_path), _safetensors_weights(source.path)
     elif source.kind == GGUF:
         from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
+        from llmtrace.tracer.checkpoint.packed_tensors import split_gguf
         from llmtrace.tracer.checkpoint.weights_summary import summarize_gguf
 
         assert source.path is not None
         header = read_gguf_header(source.path, decode_arrays=vocabulary)
-        config, weights = config_from_gguf_header(header), summarize_gguf(header)
+        config = config_from_gguf_header(header)
+        header = split_gguf(header, config)  # a phi3 file's Q|K|V and gate|up: the members' rows, read as such
+        weights = summarize_gguf(header)
     else:  # pragma: no cover
         raise AssertionError(f"unhandled model kind {source.kind!r}")
     if source.name is not None:  # a Hub id: named by its repo id, not by its snapshot's commit hash

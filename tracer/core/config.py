@@ -167,7 +167,7 @@ class ModelConfig:
         refused = hf_refusal(archs, model_type)
         if refused is not None:
             raise UnsupportedModelError(refusal_line(source, *refused))
-        supported_types = {"llama", "mistral", "qwen2", ""}
+        supported_types = {"llama", "mistral", "qwen2", "phi3", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -190,6 +190,8 @@ class ModelConfig:
         head_dim = data.get("head_dim")
         attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
         qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs  # Qwen2Attention: a bias on q, k, v, none on o
+        if model_type == "phi3" or "Phi3ForCausalLM" in archs:
+            _check_phi3(data, source)
         rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
         tie = data.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
@@ -258,6 +260,11 @@ class ModelConfig:
                 source, f"a mixture of experts ({_short(experts)} experts per layer, {key('expert_count')})",
                 MIXTURE_OF_EXPERTS))
 
+        if key("rope.scaling.attn_factor") in meta:  # llama.cpp writes it, with rope_factors_*, for LongRoPE
+            raise UnsupportedModelError(f"{source}: LongRoPE ({key('rope.scaling.attn_factor')}, rope_factors_long and "
+                                        "_short) is not modelled; llmtrace reads files without rope scaling (Phi-3's "
+                                        "4k models)")
+
         def need(name: str) -> Any:
             full = key(name)
             if full not in meta:
@@ -287,6 +294,11 @@ class ModelConfig:
         key_length = meta.get(key("attention.key_length"))
         dim = whole(key("embedding_length"), need("embedding_length"))
         head_dim = whole(key("attention.key_length"), key_length) if key_length else None
+        rope_dims = meta.get(key("rope.dimension_count"))
+        if isinstance(rope_dims, int) and rope_dims != (head_dim or dim // n_heads):
+            raise UnsupportedModelError(f"{source}: RoPE on {rope_dims} of each head's {head_dim or dim // n_heads} "
+                                        f"values ({key('rope.dimension_count')}) is not modelled; llmtrace rotates "
+                                        "whole heads")
         scaling = None
         if meta.get(key("rope.scaling.type")) == "llama3" or key("rope.scaling.low_freq_factor") in meta:
             scaling = RopeScaling(
@@ -378,11 +390,13 @@ def _check_rope_scaling(name: str, scaling: RopeScaling) -> None:
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LLaMA, Mistral and other LLaMA-shaped files",
     "qwen2": "Qwen2: biases on Q, K and V",
+    "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; no LongRoPE",
 }
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
     "MistralForCausalLM": "sliding window honoured",
     "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
+    "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; no LongRoPE (128k models)",
 }
 _HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
@@ -394,6 +408,8 @@ def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: lis
     (LlamaForCausalLM ignores the key)."""
     if model_type == "mistral" or "MistralForCausalLM" in archs:
         window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    elif model_type == "phi3" or "Phi3ForCausalLM" in archs:  # Phi3Config: none unless given (mini-4k: 2047)
+        window = data.get("sliding_window")
     elif model_type == "qwen2" or "Qwen2ForCausalLM" in archs:  # windowed only with use_sliding_window
         if not data.get("use_sliding_window", False) or data.get("sliding_window") is None:
             return None
@@ -413,6 +429,19 @@ def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: lis
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     return window
+
+
+def _check_phi3(data: Mapping[str, Any], source: str) -> None:
+    """Phi-3 is LLaMA's layer once its packed Q|K|V and gate|up are split (tracer/checkpoint/packed_tensors.py), when
+    it rotates whole heads with SiLU gating; Phi-4-mini's partial rotary (0.75 of each head) is not modelled."""
+    rotary = data.get("partial_rotary_factor", _dict_or_empty(data.get("rope_parameters")).get(
+        "partial_rotary_factor", 1.0))
+    if rotary != 1.0:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor {_short(rotary)} (RoPE on part of each head) "
+                                    "is not modelled; llmtrace rotates whole heads")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act {_short(act)} is not modelled; llmtrace's FFN is SiLU-gated")
 
 
 def _sliding_window_from_gguf(window: Any, source: str) -> int | None:

@@ -48,8 +48,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("Gemma", "Gemma's (1 + w) RMSNorm, norms after attention and FFN, GeGLU and scaled embeddings",
             hf=("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
             model_types=("gemma", "gemma2", "gemma3_text"), gguf=("gemma", "gemma2", "gemma3")),
-    Refusal("Phi", "Phi-3's packed qkv_proj and gate_up_proj with LongRoPE, Phi-2's LayerNorm and parallel block",
-            hf=("Phi3ForCausalLM", "PhiForCausalLM"), model_types=("phi3", "phi"), gguf=("phi3", "phi2")),
+    Refusal("Phi-1 and Phi-2", "LayerNorm with biases, attention and a GELU FFN in parallel, and RoPE on part of each "
+            "head",
+            hf=("PhiForCausalLM",), model_types=("phi",), gguf=("phi2",)),
 )
 MIXTURE_OF_EXPERTS = REFUSALS[3]  # also a GGUF 'llama' file with expert tensors (Mixtral's): see config.py
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from llmtrace.tracer.checkpoint.packed_tensors import split_safetensors
 from llmtrace.tracer.checkpoint.safetensors_header import (
     INDEX_NAME,
     SafetensorsFile,
@@ -72,6 +73,7 @@ def _plan(
             if entry.dtype not in _ST_DTYPES:
                 raise FileFormatError(f"{header.path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r}")
             found[entry.name] = (header, entry)
+    found = split_safetensors(found, config, str(folder))  # Phi-3's Q|K|V and gate|up: the members' row ranges
     expected = {ours_to_hf(ours): shape for ours, shape in expected_shapes(config).items()}
     # A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding); HF ignores it too.
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
