@@ -253,6 +253,8 @@ def table_loads() -> str:
     _checked(biased.qkv_bias and biased.wo_bias and biased.mlp_bias, "LLaMA's attention_bias and mlp_bias load")
     qwen = ModelConfig.from_hf_dict(_hf_config("Qwen2ForCausalLM", "qwen2"))
     _checked(qwen.qkv_bias and not qwen.wo_bias, "Qwen2 has biases on Q, K and V")
+    qwen3 = ModelConfig.from_hf_dict(_hf_config("Qwen3ForCausalLM", "qwen3"))
+    _checked(qwen3.qk_norm and not qwen3.qkv_bias, "Qwen3 has QK-norm and no biases")
     for refusal in REFUSALS:  # every name of a refused family is refused, in one line naming what is missing
         for arch in refusal.hf:
             line = _refusal(lambda: ModelConfig.from_hf_dict(_hf_config(arch)))

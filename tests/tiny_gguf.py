@@ -34,6 +34,8 @@ _LAYER = {
     "attention.wk.bias": "attn_k.bias",
     "attention.wv.bias": "attn_v.bias",
     "attention.wo.bias": "attn_output.bias",
+    "attention.qk_norm.q_weight": "attn_q_norm.weight",  # Qwen3 (llama-arch.cpp LLM_TENSOR_ATTN_Q_NORM)
+    "attention.qk_norm.k_weight": "attn_k_norm.weight",
 }
 _TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
 

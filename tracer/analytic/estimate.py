@@ -345,7 +345,8 @@ def stage_components(role: str, cfg: ModelConfig) -> tuple[str, ...]:
 # matmul before it, which writes the sum; w1's epilogue writes silu(gate)·up, the F-wide input of w2.
 _FUSED_ACTIVATIONS: dict[str, tuple[str, str]] = {
     "attention_norm": ("", ""), "attention.wq": ("d", "q"), "attention.wk": ("", ""), "attention.wv": ("", ""),
-    "attention.rope": ("", ""), "attention.kv_cache": ("", ""), "attn_residual": ("d", ""), "ffn_norm": ("", ""),
+    "attention.qk_norm": ("", ""), "attention.rope": ("", ""), "attention.kv_cache": ("", ""),
+    "attn_residual": ("d", ""), "ffn_norm": ("", ""),
     "feed_forward.w1": ("d", "F"), "feed_forward.w3": ("", ""), "feed_forward.act": ("", ""),
     "ffn_residual": ("d", ""), "norm": ("", ""),
 }
@@ -429,6 +430,12 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
             rows.append(_Row(name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs",
                              Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * w.row_bytes(d)),
                                   act_write_bytes=int(r * d * a))))
+        elif kind == "qk_norm":  # RMSNorm over each of the (H+Hkv) heads' D values of every token
+            qk_flops = ff.rmsnorm_flops(r * (h + hkv), hd)
+            vectors = sum(dt.tensor_bytes(tensor.name, hd, norm_dtype_for(w).row_bytes(hd)) for tensor in spec.tensors)
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer,
+                             lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)",
+                             Cost(qk_flops, qk_flops, vectors, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a))))
         elif kind == "rope":
             rows.append(_Row(name, label, ELEMENTWISE, per_layer,
                              lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",

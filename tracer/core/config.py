@@ -84,6 +84,8 @@ class ModelConfig:
     qkv_bias: bool = False  # Q, K and V projections add a bias (HF attention_bias; Qwen2)
     wo_bias: bool = False  # the attention output projection adds a bias (HF attention_bias)
     mlp_bias: bool = False  # the FFN's gate, up and down projections add biases (HF mlp_bias)
+    # RMSNorm on each query and key head (weights of size head_dim) after the projections, before RoPE (Qwen3)
+    qk_norm: bool = False
     # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's). Presets only so far: the
     # analytical commands cost it, the loaders and the model code refuse it (tracer/load/loader.py).
     moe: MoeSpec | None = None
@@ -167,7 +169,7 @@ class ModelConfig:
         refused = hf_refusal(archs, model_type)
         if refused is not None:
             raise UnsupportedModelError(refusal_line(source, *refused))
-        supported_types = {"llama", "mistral", "qwen2", "phi3", ""}
+        supported_types = {"llama", "mistral", "qwen2", "qwen3", "phi3", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -190,6 +192,7 @@ class ModelConfig:
         head_dim = data.get("head_dim")
         attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
         qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs  # Qwen2Attention: a bias on q, k, v, none on o
+        qwen3 = model_type == "qwen3" or "Qwen3ForCausalLM" in archs  # Qwen3Attention: q_norm, k_norm per head
         if model_type == "phi3" or "Phi3ForCausalLM" in archs:
             _check_phi3(data, source)
         rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
@@ -215,6 +218,7 @@ class ModelConfig:
             qkv_bias=attention_bias or qwen2,
             wo_bias=attention_bias and not qwen2,
             mlp_bias=bool(data.get("mlp_bias", False)) and not qwen2,
+            qk_norm=qwen3,
         )
 
     @classmethod
@@ -332,6 +336,7 @@ class ModelConfig:
             qkv_bias=bool(meta.get("_llmtrace.qkv_bias", False)),
             wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
             mlp_bias=bool(meta.get("_llmtrace.mlp_bias", False)),
+            qk_norm=arch == "qwen3",  # its layers must then hold attn_q_norm and attn_k_norm (a missing one is named)
         )
 
 
@@ -391,12 +396,14 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LLaMA, Mistral and other LLaMA-shaped files",
     "qwen2": "Qwen2: biases on Q, K and V",
     "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; no LongRoPE",
+    "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
 }
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
     "MistralForCausalLM": "sliding window honoured",
     "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
     "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; no LongRoPE (128k models)",
+    "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
 }
 _HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
@@ -410,7 +417,8 @@ def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: lis
         window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
     elif model_type == "phi3" or "Phi3ForCausalLM" in archs:  # Phi3Config: none unless given (mini-4k: 2047)
         window = data.get("sliding_window")
-    elif model_type == "qwen2" or "Qwen2ForCausalLM" in archs:  # windowed only with use_sliding_window
+    elif model_type in ("qwen2", "qwen3") or {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs):
+        # windowed only with use_sliding_window
         if not data.get("use_sliding_window", False) or data.get("sliding_window") is None:
             return None
         window = data["sliding_window"]

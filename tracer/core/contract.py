@@ -37,6 +37,7 @@ class Kind:
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("embedding", matmul=False, index_argument=0),
     Kind("rmsnorm", matmul=False),
+    Kind("qk_norm", matmul=False, tuple_output=True),  # an RMSNorm over each q and k head (D values): q, k in and out
     Kind("linear", matmul=True),
     Kind("rope", matmul=False, index_argument=2, tuple_output=True),
     Kind("kv_cache", matmul=False, index_argument=0, tuple_output=True),
@@ -91,6 +92,11 @@ class StageSpec:
     packed: str | None = None  # the fused-path stage (a PackSpec role) that does this stage's work with others
     replicated: bool = False  # under tensor parallelism every device runs it in full (norms, residual adds)
     tensors: tuple[TensorSpec, ...] = ()
+    when: str | None = None  # a boolean config field that must be True for the stage to run (qk_norm: Qwen3)
+
+    def present(self, config: ModelConfig | None) -> bool:
+        """Whether the stage runs for `config`; with no config, whether every model runs it (no `when`)."""
+        return self.when is None or (config is not None and bool(getattr(config, self.when)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +145,13 @@ STAGES: tuple[StageSpec, ...] = (
             packed="attention.wqkv", rope_heads="Hkv", bias_when="qkv_bias"),
     _linear("attention.wv", "V projection", "V proj", "self_attn.v_proj", "attn_v", ("Hkv·D", "d"), "attention",
             packed="attention.wqkv", bias_when="qkv_bias"),
+    # Qwen3: each q and k head RMS-normalised over its D values (one weight vector for all q heads, one for all k
+    # heads), after the projections and before RoPE (HF Qwen3Attention's q_norm, k_norm)
+    StageSpec("attention.qk_norm", "qk_norm", "RMSNorm on q, k heads", "QK-norm", True, when="qk_norm",
+              tensors=(TensorSpec("attention.qk_norm.q_weight", "self_attn.q_norm.weight", "attn_q_norm.weight",
+                                  ("D",), "norm"),
+                       TensorSpec("attention.qk_norm.k_weight", "self_attn.k_norm.weight", "attn_k_norm.weight",
+                                  ("D",), "norm"))),  # present with their stage (its `when`)
     StageSpec("attention.rope", "rope", "RoPE on q, k", "RoPE q,k", True),
     StageSpec("attention.kv_cache", "kv_cache", "KV cache write", "KV write", True),
     StageSpec("attention.scores", "attention_scores", "scores QKᵀ", "scores QKᵀ/√D", True),
@@ -179,9 +192,9 @@ def stage(role: str) -> StageSpec:
 
 
 def staged_stages(config: ModelConfig | None = None) -> tuple[StageSpec, ...]:
-    """The stages of one forward pass on the staged path, in execution order (layer stages once)."""
-    del config  # every stage runs for every LLaMA config today; a conditional stage (QK-norm) would filter here
-    return STAGES
+    """The stages of one forward pass on the staged path, in execution order (layer stages once): those `config`
+    runs (a stage switched by a config field only where it is on), or with no config those every model runs."""
+    return tuple(s for s in STAGES if s.present(config))
 
 
 def layer_stages(config: ModelConfig | None = None) -> tuple[StageSpec, ...]:
@@ -226,7 +239,7 @@ def role_label(role: str) -> str:
 def dims(config: ModelConfig) -> dict[str, int]:
     """The value of each dimension symbol a tensor shape may use."""
     return {"V": config.vocab_size, "d": config.dim, "H·D": config.q_dim, "Hkv·D": config.kv_dim,
-            "F": config.ffn_dim, "H": config.n_heads, "Hkv": config.n_kv_heads}
+            "F": config.ffn_dim, "H": config.n_heads, "Hkv": config.n_kv_heads, "D": config.head_dim}
 
 
 def shape_of(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:

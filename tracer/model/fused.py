@@ -98,6 +98,12 @@ class FusedLayer:
         self.scale = attn.scores.scale
         self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
         self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
+        # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
+        # Hkv key heads, so q and k are normalised together as the rows of the Q|K view, as RoPE rotates them
+        qk_norm = getattr(attn, "qk_norm", None)
+        self.qk_weight = None if qk_norm is None else torch.cat([
+            qk_norm.q_weight.detach().expand(self.heads, -1), qk_norm.k_weight.detach().expand(self.kv_heads, -1)])
+        self.qk_floor = None if qk_norm is None else qk_norm.floor(qk_norm.q_weight.device)
         self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
         self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
         self.w13 = _rows_of(ffn.w1, ffn.w3)  # (2F, dim)
@@ -122,7 +128,12 @@ class FusedLayer:
         qkv = self.product(h, self.wqkv, self.bqkv).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D)
         mark()
         qk = qkv.narrow(2, 0, heads + kv_heads)  # (B, T, H+Hkv, D), a view
-        rotate(qk, cos, sin, out=qk)  # RoPE on q and k together, in place
+        if self.qk_weight is not None:  # QK-norm: normalised q and k rotated back into qkv
+            normed = rms_norm(qk, self.qk_weight, self.qk_floor)  # (B, T, H+Hkv, D)
+            mark()
+            rotate(normed, cos, sin, out=qk)
+        else:
+            rotate(qk, cos, sin, out=qk)  # RoPE on q and k together, in place
         mark()
         write.copy_(qkv.narrow(2, heads, 2 * kv_heads).transpose(1, 2))  # (B, 2*Hkv, T, D): K heads, V heads
         mark()

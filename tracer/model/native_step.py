@@ -45,6 +45,7 @@ from llmtrace.tracer.model.weight_formats import PackedWeight, runs_blocks
 STAGES_BEFORE_LAYERS = 1  # the embedding
 STAGES_PER_LAYER = 14  # the fused path's layer stages (contract.fused_stages); the C step stamps each
 STAGED_STAGES_PER_LAYER = 17  # the staged path's (contract.staged_stages): Q, K, V and gate, up apart
+# (each one more with QK-norm, Qwen3's: `stamp_count`)
 STAGES_AFTER_LAYERS = 2  # final norm, LM head
 _STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch",
            6: "a token id outside the embedding table"}
@@ -58,7 +59,8 @@ class _Layer(ctypes.Structure):
     """decode_step.c's StepLayer."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("wqkv", "wo", "w13", "w2", "attention_norm", "ffn_norm", "bqkv", "bo", "b13", "b2")]
+                ("wqkv", "wo", "w13", "w2", "attention_norm", "ffn_norm", "bqkv", "bo", "b13", "b2", "q_norm",
+                 "k_norm")]
 
 
 class _Plan(ctypes.Structure):
@@ -71,7 +73,7 @@ class _Plan(ctypes.Structure):
                 ("head_bias", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("kv_layer", ctypes.c_int64),
                 ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64),
                 ("embedding", ctypes.c_void_p), ("embedding_dense", ctypes.c_void_p),
-                ("embedding_rows", ctypes.c_int64)]
+                ("embedding_rows", ctypes.c_int64), ("qk_norm_floor", ctypes.c_float)]
 
 
 @functools.cache
@@ -153,6 +155,9 @@ class NativeStep:
             raise NotEligible(f"the model computes in {plan.dtype}, the native step in fp32")
         if head_dim % 2:
             raise NotEligible("odd head dimension")
+        qk_norm = first.qk_weight is not None  # Qwen3: every layer or none (one model's layers)
+        if any((layer.qk_weight is not None) != qk_norm for layer in layers):
+            raise NotEligible("QK-norm in some layers only")
         self._keep: list[Any] = []  # every tensor and description whose memory C reads
         floor = float(first.attention_norm.floor)
         described = []
@@ -169,7 +174,11 @@ class NativeStep:
             biases = [self._vector(b, rows, "bias") for b, rows in
                       ((layer.bqkv, (heads + 2 * kv_heads) * head_dim), (layer.bo, dim), (layer.b13, 2 * ffn),
                        (layer.b2, dim))]
-            described.append(_Layer(*mats, *norms, *biases))
+            # QK-norm's q and k weights (D,): the first H and the last Hkv rows of the packed path's (H+Hkv, D)
+            qk = [None, None] if not qk_norm else [
+                self._vector(layer.qk_weight[row].contiguous(), head_dim, "QK-norm weight")
+                for row in (0, heads)]
+            described.append(_Layer(*mats, *norms, *biases, *qk))
         if float(plan.final_norm.floor) != floor:
             raise NotEligible("norms of different epsilons")
         head = self._matrix(plan.output, (vocab, dim), "LM head")
@@ -196,10 +205,11 @@ class NativeStep:
         else:
             raise NotEligible("the embedding table is neither native blocks nor dense fp32")
         self._plan.embedding_rows = table.shape[0]
+        self._plan.qk_norm_floor = float(first.qk_floor) if qk_norm else 0.0
         self._address = ctypes.addressof(self._plan)
         self.layers, self.vocab, self.dim, self.head_dim = len(layers), vocab, dim, head_dim
-        self.stamp_count = stamp_count(len(layers), staged=False)
-        self.staged_stamp_count = stamp_count(len(layers), staged=True)
+        self.stamp_count = stamp_count(len(layers), staged=False, qk_norm=qk_norm)
+        self.staged_stamp_count = stamp_count(len(layers), staged=True, qk_norm=qk_norm)
         self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
         # Where the rope tables and the stamps live, read once like every other address the plan holds: a tensor's
         # data_ptr() costs ~10 us right after a step has streamed the weights (FusedPlan.native_off_reason checks
@@ -324,9 +334,10 @@ class NativeStep:
         return self._stamp_values[: self._taken]
 
 
-def stamp_count(layers: int, staged: bool) -> int:
-    """Clock readings of a traced step of `layers` layers: its start, then one after each stage."""
-    per_layer = STAGED_STAGES_PER_LAYER if staged else STAGES_PER_LAYER
+def stamp_count(layers: int, staged: bool, qk_norm: bool = False) -> int:
+    """Clock readings of a traced step of `layers` layers: its start, then one after each stage (QK-norm's, one a
+    layer, where the model has it)."""
+    per_layer = (STAGED_STAGES_PER_LAYER if staged else STAGES_PER_LAYER) + int(qk_norm)
     return 1 + STAGES_BEFORE_LAYERS + per_layer * layers + STAGES_AFTER_LAYERS
 
 

@@ -10,7 +10,8 @@ Shape legend (used in every shape comment below):
     F    FFN width (SwiGLU intermediate size)
 
 Module tree (the stages of tracer/core/contract.py, whose roles are these dotted names):
-    tok_embeddings, layers.{i}.attention_norm, layers.{i}.attention.{wq,wk,wv,rope,kv_cache,scores,softmax,pv,wo},
+    tok_embeddings, layers.{i}.attention_norm,
+    layers.{i}.attention.{wq,wk,wv,qk_norm (Qwen3's; None without),rope,kv_cache,scores,softmax,pv,wo},
     layers.{i}.attn_residual, layers.{i}.ffn_norm, layers.{i}.feed_forward.{w1,w3,act,w2}, layers.{i}.ffn_residual,
     norm, output. A projection has a bias where the contract declares one for the config (contract.has_bias:
 wq, wk, wv with config.qkv_bias, wo with wo_bias, w1, w3, w2 with mlp_bias).
@@ -50,6 +51,7 @@ from llmtrace.tracer.model.functional import (
     swiglu,
 )
 from llmtrace.tracer.model.kv_cache import KVCache, ModelCaches
+from llmtrace.tracer.model.qk_norm import QKNorm
 from llmtrace.tracer.model.rope import RotaryEmbedding
 from llmtrace.tracer.model.weight_formats import PackedWeight
 
@@ -154,6 +156,7 @@ class Attention(nn.Module):
         self.wq = Linear(config.dim, config.q_dim, bias=has_bias("attention.wq", config))
         self.wk = Linear(config.dim, config.kv_dim, bias=has_bias("attention.wk", config))
         self.wv = Linear(config.dim, config.kv_dim, bias=has_bias("attention.wv", config))
+        self.qk_norm = QKNorm(config.head_dim, config.norm_eps) if config.qk_norm else None  # Qwen3's, else none
         self.rope = RotaryEmbedding(config.head_dim)
         self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, config.sliding_window)
         self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, config.sliding_window)
@@ -166,6 +169,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, new, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         q, k = self.rope(q, k, input_pos)
         if use_cache:
             k_all, v_all = self.kv_cache(input_pos, k, v)  # (B, Hkv, S, D) each

@@ -94,6 +94,7 @@ def stage_shapes(config: ModelConfig, step: StepDims,
     by_kind: dict[str, tuple[list[Shape], list[Shape]]] = {
         "embedding": ([(b, t)], [x]),
         "rmsnorm": ([x], [x]),
+        "qk_norm": ([q, kv], [q, kv]),
         "rope": ([q, kv, (b, t) if step.per_row_positions else (t,)], [q, kv]),
         "kv_cache": ([(b, t) if step.per_row_positions else (t,), kv, kv], [cached, cached]),
         "attention_scores": ([(b, h, t, d), cached], [scores]),

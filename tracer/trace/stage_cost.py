@@ -30,7 +30,9 @@ class StageModule:
         """The stage that runs `modules` (one, or a packed stage's members): their weights and biases together."""
         held = [_held(m) for m in modules if getattr(m, "weight", None) is not None]
         biases = [b for b in (getattr(m, "bias", None) for m in modules) if b is not None]
-        total = sum(nbytes for nbytes, _, _ in held) + sum(b.numel() * b.element_size() for b in biases)
+        # a stage whose vectors have other names (QK-norm's q_weight, k_weight): each read whole, as held
+        vectors = [p for m in modules if getattr(m, "weight", None) is None for p in m.parameters(recurse=False)]
+        total = sum(nbytes for nbytes, _, _ in held) + sum(b.numel() * b.element_size() for b in biases + vectors)
         row = held[0][1] if held else 0.0
         formats = "+".join(dict.fromkeys(fmt for _, _, fmt in held))
         return cls(name, layer, kind, total, row, bool(biases), formats)
@@ -113,6 +115,14 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
         return StageCost(
             matmul_flops=0,
             elementwise_flops=ff.rmsnorm_flops(_rows(x), x[-1]),
+            weight_bytes_read=weight_bytes,
+            activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
+    if kind == "qk_norm":  # an RMSNorm over each head's D values: q's H*B*T rows and k's Hkv*B*T
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=sum(ff.rmsnorm_flops(_rows(shape), shape[-1]) for shape, _ in inputs),
             weight_bytes_read=weight_bytes,
             activation_bytes_read=read,
             activation_bytes_written=written,

@@ -15,6 +15,7 @@
  * The math and stage order are the fused path's (tracer/model/fused.py, FusedLayer.decode_one), in fp32:
  *   h = x / sqrt(mean(x^2) + eps) * w                      attention RMSNorm (as hypot(||x||, sqrt(dim*eps))/sqrt(dim))
  *   qkv = Wqkv h (+ b)                                     one product over the packed Q|K|V rows
+ *   q, k = q / rms(q) * wq, k / rms(k) * wk per head         QK-norm, where the layers have it (Qwen3)
  *   q, k = x*cos + roll(x, D/2)*sin                         RoPE on q and k heads (sin signed: first half negated)
  *   cache[k|v, position] = k, v                            this layer's K|V rows of the shared cache tensor
  *   s = (q . k) * scale over keys first..position          per query head, against the KV head it shares (GQA)
@@ -34,29 +35,30 @@
  *
  * Tracing. With `stamps` not NULL, thread 0 reads CLOCK_MONOTONIC (what Python's time.perf_counter_ns reads on
  * Linux; native_step.py checks) at the step's start and after each stage of the fused path's order
- * (contract.fused_stages: the embedding; per layer attention norm, Q|K|V, RoPE, KV write, scores, softmax, values,
- * wo, residual, FFN norm, gate|up, silu*up, w2, residual; then final norm, LM head), after the barrier that ends a
- * parallel stage. Attention's three stages each end at a barrier, traced or
- * not (each splits its own work: the attention section), so each stage's time is the slowest thread's. With `stamps`
- * NULL no clock is read.
+ * (contract.fused_stages: the embedding; per layer attention norm, Q|K|V, QK-norm (Qwen3's, where the layers have
+ * it), RoPE, KV write, scores, softmax, values, wo, residual, FFN norm, gate|up, silu*up, w2, residual; then final
+ * norm, LM head), after the barrier that ends a parallel stage. Attention's three stages each end at a barrier,
+ * traced or not (each splits its own work: the attention section), so each stage's time is the slowest thread's.
+ * With `stamps` NULL no clock is read.
  *
  * Staged (`staged` not 0: `llmtrace run --staged` on a model this step can run). The stages of the staged path
  * (contract.staged_stages, the stage modules of tracer/model/transformer.py) run apart, each its own phase ended by a
  * barrier and thread 0's stamp: per layer attention norm, Q, K, V (three products, each over its own row block of
- * the packed Q|K|V matrix), RoPE, KV write, scores, softmax, values, wo, residual, FFN norm, gate, up (each over
- * its rows of gate|up), silu*up, w2, residual; the final norm ends at a barrier too. It is the same loop as the
- * fused order's (llmt_decode_step's one layer loop): a staged step only cuts the two packed products at their row
- * blocks and waits at every stage's end (end_stage). Every row of every product is the same dot_rows call on the same
- * prepared input either way, and every other stage the same code, so the logits and the KV cache are bit for bit the
- * fused step's.
+ * the packed Q|K|V matrix), QK-norm (Qwen3), RoPE, KV write, scores, softmax, values, wo, residual, FFN norm,
+ * gate, up (each over its rows of gate|up), silu*up, w2, residual; the final norm ends at a barrier too. It is the
+ * same loop as the fused order's (llmt_decode_step's one layer loop): a staged step only cuts the two packed products
+ * at their row blocks and waits at every stage's end (end_stage). Every row of every product is the same dot_rows call
+ * on the same prepared input either way, and every other stage the same code, so the logits and the KV cache are bit
+ * for bit the fused step's.
  */
 
 #include "kernels.h"
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 5 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
-#define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER) */
+#define LLMT_STEP_ABI 6 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
+#define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER), */
+                                  /* one more with QK-norm (fused_stamps_per_layer) */
 
 /* the attention's (its section below) */
 #define ATTN_GROUP 4    /* query heads of one KV head processed together (Llama 3 repeats 4; more run in turns) */
@@ -65,11 +67,13 @@
 #define ATTN_PREFETCH 2048 /* bytes ahead of the key and value rows read that are prefetched */
 #endif
 
-/* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none). */
+/* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none), QK-norm's q and k
+   weights (head_dim,) (Qwen3; NULL: none, in every layer alike). */
 typedef struct {
     const Matrix *wqkv, *wo, *w13, *w2;
     const float *attention_norm, *ffn_norm;
     const float *bqkv, *bo, *b13, *b2;
+    const float *q_norm, *k_norm;
 } StepLayer;
 
 /* Everything a step reads and writes, built once by native_step.py (which holds every tensor it points into). */
@@ -88,6 +92,7 @@ typedef struct {
     const Matrix *embedding;       /* the token table held as stored (its rows dequantized exactly), or NULL and */
     const float *embedding_dense;  /* the table as (vocab rows, dim) fp32 */
     int64_t embedding_rows;
+    float qk_norm_floor; /* sqrt(head_dim * eps): QK-norm's, when the layers have it */
 } StepPlan;
 
 enum {
@@ -100,6 +105,11 @@ int64_t llmt_step_plan_size(void) { return (int64_t)sizeof(StepPlan); }
 
 /* 1 when the step can run in this build (its products use the AVX2 one-row kernels). */
 int llmt_step_supported(void) { return LLMT_AVX2; }
+
+/* a traced fused step's stamps per layer: the fused stages, QK-norm's among them where the layers have it */
+static int64_t fused_stamps_per_layer(const StepPlan *p) {
+    return FUSED_STAMPS_PER_LAYER + (p->layers > 0 && p->layer[0].q_norm != NULL);
+}
 
 static int64_t widest_input(const StepPlan *p) {
     int64_t k = p->dim;
@@ -293,6 +303,15 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
         }
     }
 }
+
+/* QK-norm (Qwen3): each of the H query and Hkv key heads at the front of qkv RMS-normalised over its D values, in
+   place, times the layer's q or k weight (rms_norm reads every value of a head before writing it) */
+static void qk_norm(const StepPlan *p, const StepLayer *layer, float *qkv) {
+    const int64_t d = p->head_dim;
+    for (int64_t h = 0; h < p->heads + p->kv_heads; h++)
+        rms_norm(qkv + h * d, h < p->heads ? layer->q_norm : layer->k_norm, d, p->qk_norm_floor, qkv + h * d);
+}
+
 
 /* RoPE on `heads` heads of D values in place: x*cos + roll(x, D/2)*sin (sin signed), as rope.py's tables mean it */
 static void rope(float *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
@@ -574,9 +593,9 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
 
 /* token: the token's id, looked up in the embedding table here; cos, sin (D,): the rope tables' rows of
    `position`; keys first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps:
-   NULL, or room for 14 * layers + 4 readings (17 * layers + 4 when `staged`) (ns): the step's start, then the end
-   of each stage from the embedding to the LM head. `staged`: run the staged path's stages apart (the header
-   comment). Returns STEP_OK or a status. */
+   NULL, or room for 14 * layers + 4 readings (17 * layers + 4 when `staged`; one more a layer with QK-norm) (ns):
+   the step's start, then the end of each stage from the embedding to the LM head. `staged`: run the staged path's
+   stages apart (the header comment). Returns STEP_OK or a status. */
 int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
                      int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
     if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
@@ -626,6 +645,10 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             for (int b = 0; b < qkv_blocks; b++) {
                 product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, qkv_cut[b], qkv_cut[b + 1], t, count);
                 end_stage(&stages, 1);
+            }
+            if (layer->q_norm != NULL) {
+                if (t == 0) qk_norm(plan, layer, qkv);
+                end_stage(&stages, 0);
             }
             if (t == 0) rope(qkv, heads + kv_heads, d, cos, sin);
             end_stage(&stages, 0);
@@ -684,7 +707,7 @@ typedef int64_t (*llmt_choose_fn)(int64_t step); /* the next token after step `s
 int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
                           int64_t window, int64_t steps, int64_t stop_token, llmt_choose_fn choose, float *logits,
                           int64_t *chosen, int64_t *clock, int64_t *stamps, int threads, int *status) {
-    const int64_t per_step = FUSED_STAMPS_PER_LAYER * plan->layers + 4;
+    const int64_t per_step = fused_stamps_per_layer(plan) * plan->layers + 4;
     *status = STEP_OK;
     if (window < 0 || steps < 0 || choose == NULL) {
         *status = STEP_BAD_SHAPE;

@@ -1,0 +1,40 @@
+"""The QK-norm stage (Qwen3): every query and key head RMS-normalised over its D values, after the Q and K
+projections and before RoPE, with one weight vector (D,) for all query heads and one for all key heads (HF
+Qwen3Attention's q_norm and k_norm). It keeps attention logits bounded as the model scales: the scores are then
+dot products of vectors of bounded length, whatever the projections' magnitudes.
+
+A stage of its own (contract: "attention.qk_norm", kind "qk_norm"), so the trace, its FLOPs and bytes and the
+staged view show it. The math is functional.rms_norm's, the same as the block's norms (fp32 normalisation, cast
+back before the weight), applied over the last axis of the (..., heads, D) tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmtrace.tracer.model.functional import rms_norm, rms_norm_floor
+
+
+class QKNorm(nn.Module):
+    """q (B, T, H, D), k (B, T, Hkv, D) -> the same shapes, each head normalised over D and times its weight."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.q_weight = nn.Parameter(torch.ones(head_dim))
+        self.k_weight = nn.Parameter(torch.ones(head_dim))
+        self._floor: torch.Tensor | None = None  # sqrt(D * eps), fp32, on the weights' device (made on first use)
+
+    def floor(self, device: torch.device) -> torch.Tensor:
+        """sqrt(D * eps) as functional.rms_norm takes it (the packed path takes it from here too)."""
+        floor = self._floor
+        if floor is None or floor.device != device:
+            floor = self._floor = rms_norm_floor(self.q_weight.shape[0], self.eps, device)
+        return floor
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        floor = self.floor(q.device)
+        return rms_norm(q, self.q_weight, floor), rms_norm(k, self.k_weight, floor)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.q_weight.shape[0]}, eps={self.eps}"
