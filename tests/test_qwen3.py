@@ -188,3 +188,34 @@ def test_c_step_greedy_ids_and_logits_equal_hf(backend: str, qwen3: tuple[Path, 
     ids, logits = greedy(model, backend, prompt)
     assert ids == expected_ids
     assert (logits - expected_logits).abs().max().item() <= 1e-4
+
+
+def test_presets_have_the_model_cards_parameter_counts() -> None:
+    """Qwen3-0.6B: 0.6 B parameters, 0.44 B without the (tied) embedding; Qwen3-8B: 8.2 B, 6.95 B without the
+    embedding and the LM head (the model cards' "Number of Parameters (Non-Embedding)")."""
+    from llmtrace.tracer.analytic.params import count_params
+    from llmtrace.tracer.core.presets import get_preset
+
+    small, large = count_params(get_preset("qwen3-0.6b")), count_params(get_preset("qwen3-8b"))
+    assert small.tied and round(small.total / 1e9, 1) == 0.6 and round(small.non_embedding / 1e9, 2) == 0.44
+    assert not large.tied and round(large.total / 1e9, 1) == 8.2
+    assert round((large.total - large.embedding - large.lm_head) / 1e9, 2) == 6.95
+    # per layer: the two QK-norm vectors of 128 beside the block's two norms of d
+    assert small.norms_per_layer == 2 * 1024 + 2 * 128 and large.norms_per_layer == 2 * 4096 + 2 * 128
+
+
+def test_dry_run_of_the_qwen3_preset_traces_the_qk_norm() -> None:
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    result = CliRunner().invoke(app, ["run", "--model", "qwen3-0.6b", "--dry-run", "--prompt-tokens", "4",
+                                      "--detail", "ops"], terminal_width=120)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "Transformer layers × 28" in out
+    assert out.count("= equal") == 2  # prefill and decode step: traced FLOPs equal estimate.py's
+    # each layer's QK-norm on 4 tokens' 16 q and 8 k heads of 128: 4·24·(4·128 + 3) = 49,440 FLOPs; it reads its two
+    # vectors (1,024 B) and q, k (49,152 B)
+    rows = [line for line in out.splitlines() if "QK-norm" in line]
+    assert len(rows) == 28 and all("49.44 kFLOP" in row and "50.18 kB" in row for row in rows)

@@ -49,6 +49,12 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
                 tie_embeddings=True),
     ModelConfig("smollm2-1.7b", 49152, 2048, 24, 32, 32, 8192, norm_eps=1e-5, rope_theta=130000.0, max_seq_len=8192,
                 tie_embeddings=True),
+    # Qwen3 dense (Qwen/Qwen3-0.6B/config.json, Qwen/Qwen3-8B/config.json): QK-norm, no biases; the 0.6B's heads are
+    # 128 wide where dim / heads is 64, and it ties its embeddings.
+    ModelConfig("qwen3-0.6b", 151936, 1024, 28, 16, 8, 3072, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                tie_embeddings=True, explicit_head_dim=128, qk_norm=True),
+    ModelConfig("qwen3-8b", 151936, 4096, 36, 32, 8, 12288, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                qk_norm=True),
     # Mixture of experts: every layer's FFN is E SwiGLU experts of ffn_dim, k per token.
     # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1/config.json): num_local_experts 8, num_experts_per_tok 2, no window.
     ModelConfig("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
