@@ -160,6 +160,22 @@ def test_cache_free_logits_equal_qwen3_for_causal_lm(source: str, qwen3: tuple[P
     assert (loaded.model(ids) - expected).abs().max().item() <= 1e-4
 
 
+@torch.no_grad()
+def test_transformers_gguf_reading_gives_llmtraces_logits(qwen3: tuple[Path, Path, ModelConfig],
+                                                          hf: torch.nn.Module) -> None:
+    """The same GGUF through transformers' own GGUF loading (its dequantization and names) and through llmtrace's
+    reader. The folder's config is passed: transformers' qwen3 GGUF mapping does not read attention.key_length, so
+    alone it would take head_dim 128 and refuse the tensors' shapes."""
+    _, gguf_path, config = qwen3
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=hf.config,
+                                                           dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(str(gguf_path), dtype=FP32, use_cache=False, weights="dense").model
+    ids = torch.randint(3, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
+    expected = theirs(input_ids=ids).logits
+    assert expected.abs().max() > 1.0
+    assert (ours(ids) - expected).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("backend", ["modules", "packed"])
 @torch.no_grad()
 def test_torch_backends_greedy_ids_and_logits_equal_hf(backend: str, qwen3: tuple[Path, Path, ModelConfig],
