@@ -203,7 +203,8 @@ UNKNOWN_GGUF = ("gpt2", "falcon")
 
 def _hf_config(arch: str, model_type: str = "", **extra: Any) -> dict[str, Any]:
     return {"architectures": [arch], "model_type": model_type, "vocab_size": 32, "hidden_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, **extra}
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, "num_local_experts": 4,
+            "num_experts_per_tok": 2, **extra}
 
 
 def _refusal(read: Callable[[], object]) -> str | None:
@@ -272,9 +273,14 @@ def table_loads() -> str:
     for arch in UNKNOWN_GGUF:
         _checked(_refusal(lambda: ModelConfig.from_gguf_metadata({"general.architecture": arch}, "m", "m.gguf"))
                  is not None, f"GGUF {arch!r} is refused")
-    mixtral = _refusal(lambda: ModelConfig.from_gguf_metadata(
-        {"general.architecture": "llama", "llama.expert_count": 8}, "m", "m.gguf"))
-    _checked(mixtral is not None and "experts" in mixtral, "a GGUF 'llama' file with experts is refused")
+    mixtral = ModelConfig.from_hf_dict(_hf_config("MixtralForCausalLM", "mixtral"))
+    _checked(mixtral.moe is not None and (mixtral.moe.n_experts, mixtral.moe.experts_per_token) == (4, 2)
+             and qwen3.moe is None, "Mixtral has 4 experts, 2 per token; a dense model none")
+    llama_moe = ModelConfig.from_gguf_metadata(
+        {"general.architecture": "llama", "llama.block_count": 1, "llama.embedding_length": 16,
+         "llama.feed_forward_length": 32, "llama.attention.head_count": 2, "llama.vocab_size": 32,
+         "llama.expert_count": 4, "llama.expert_used_count": 2}, "m", "m.gguf")
+    _checked(llama_moe.moe is not None and llama_moe.moe.n_experts == 4, "a 'llama' GGUF's experts are read")
     read, refused, gguf_version = _gguf_types()
     hf = ", ".join(f"`{a}` ({what})" for a, what in HF_ARCHITECTURES.items())
     gguf = ", ".join(f"`{a}` ({what})" for a, what in GGUF_ARCHITECTURES.items())
@@ -283,8 +289,8 @@ def table_loads() -> str:
         "|---|---|---|",
         f"| HF architectures | {hf} | the families below, each naming what it needs; any other (e.g. "
         f"{', '.join(UNKNOWN_HF)}): one line listing what loads; rope scaling other than `llama3` |",
-        f"| GGUF architectures | {gguf} | the families below; a `llama` file with expert tensors (`llama.expert_count`, "
-        f"Mixtral's); any other `general.architecture` (e.g. {', '.join(f'`{a}`' for a in UNKNOWN_GGUF)}) |",
+        f"| GGUF architectures | {gguf} | the families below; any other `general.architecture` (e.g. "
+        f"{', '.join(f'`{a}`' for a in UNKNOWN_GGUF)}) |",
     ]
     for r in REFUSALS:
         names = ", ".join(f"`{a}`" for a in r.hf) + (f"; GGUF {', '.join(f'`{a}`' for a in r.gguf)}" if r.gguf else "")

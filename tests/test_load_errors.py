@@ -136,15 +136,21 @@ def test_unsupported_architecture(write: Callable[..., Path]) -> None:
     assert "'gemma'" in _one_line(exc)
 
 
-def test_mixture_of_experts_gguf_is_named(tiny_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
-    """Mixtral GGUFs keep general.architecture 'llama' and add llama.expert_count: one line saying so, not a list
-    of tensors that do not match."""
+def test_mixture_of_experts_gguf_without_its_expert_tensors_is_named(tiny_source: tuple[ModelConfig, dict, dict],
+                                                                     tmp_path: Path) -> None:
+    """Mixtral GGUFs keep general.architecture 'llama' and add llama.expert_count, which llmtrace now reads
+    (tests/test_mixtral.py): a file that says so but holds a dense FFN's tensors names the router and experts it
+    lacks; one without llama.expert_used_count says that in one line."""
     config, state, vocab = tiny_source
-    path = write_tiny_gguf(tmp_path / "moe.gguf", config, state, vocab, extra_metadata={"llama.expert_count": 8})
-    with pytest.raises(UnsupportedModelError) as exc:
+    path = write_tiny_gguf(tmp_path / "moe.gguf", config, state, vocab,
+                           extra_metadata={"llama.expert_count": 8, "llama.expert_used_count": 2})
+    with pytest.raises(CheckpointError) as exc:
         load_model(str(path))
-    assert "a mixture of experts (8 experts per layer, llama.expert_count) is not read: it needs a router and " \
-           "experts in place of the dense FFN" in _one_line(exc)
+    assert "missing layers.0.feed_forward.router.weight" in _one_line(exc)
+    path = write_tiny_gguf(tmp_path / "moe-k.gguf", config, state, vocab, extra_metadata={"llama.expert_count": 8})
+    with pytest.raises(ConfigError) as exc:
+        load_model(str(path))
+    assert "has llama.expert_count but no llama.expert_used_count; the file is incomplete" in _one_line(exc)
 
 
 def test_unsupported_tokenizer_type(write: Callable[..., Path]) -> None:

@@ -36,7 +36,11 @@ _LAYER = {
     "attention.wo.bias": "attn_output.bias",
     "attention.qk_norm.q_weight": "attn_q_norm.weight",  # Qwen3 (llama-arch.cpp LLM_TENSOR_ATTN_Q_NORM)
     "attention.qk_norm.k_weight": "attn_k_norm.weight",
+    "feed_forward.router.weight": "ffn_gate_inp.weight",  # a mixture of experts' router (LLM_TENSOR_FFN_GATE_INP)
 }
+# A mixture of experts' stacked expert matrices (E, out, in): llama.cpp's 3-D ffn_*_exps tensors
+_EXPERTS = {"feed_forward.w1.weight": "ffn_gate_exps.weight", "feed_forward.w3.weight": "ffn_up_exps.weight",
+            "feed_forward.w2.weight": "ffn_down_exps.weight"}
 _TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
 
 
@@ -194,6 +198,8 @@ def write_tiny_gguf(
         writer.add_uint32(key, value)
     for ours, tensor in state_dict.items():
         name = llama_cpp_name(ours)
+        if tensor.dim() == 3:  # one expert matrix per row of the first axis
+            name = f"blk.{ours.split('.')[1]}.{_EXPERTS[ours.split('.', 2)[2]]}"
         if name in skip or (ours == "output.weight" and config.tie_embeddings):
             continue
         if raw_blocks and name in raw_blocks:

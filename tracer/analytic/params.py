@@ -53,17 +53,12 @@ def experts(config: ModelConfig) -> tuple[int, int]:
     return (1, 1) if config.moe is None else (config.moe.n_experts, config.moe.experts_per_token)
 
 
-def router_shape(config: ModelConfig) -> tuple[int, int] | None:
-    """The router's matrix (E x d, as HF's `gate` and llama.cpp's ffn_gate_inp hold it), None for a dense FFN."""
-    return None if config.moe is None else (config.moe.n_experts, config.dim)
-
-
 def count_params(config: ModelConfig) -> ParamCount:
-    groups = {"embedding": 0, "attention": 0, "ffn": 0, "norm": 0, "final_norm": 0, "lm_head": 0}
+    groups = {"embedding": 0, "attention": 0, "ffn": 0, "router": 0, "norm": 0, "final_norm": 0, "lm_head": 0}
     for tensor, shape, _ in _tensors(config):  # layer groups per layer, the others once; the FFN one expert's
         groups[tensor.group] += math.prod(shape)
     n_experts, top_k = experts(config)
-    router = math.prod(router_shape(config) or (0,))
+    router = groups["router"]  # the contract's feed_forward.router (E x d), present with a mixture of experts
     ffn = n_experts * groups["ffn"] + router
     per_layer = groups["attention"] + ffn + groups["norm"]
     layers = per_layer * config.n_layers
@@ -88,14 +83,12 @@ def _copies(tensor: contract.TensorSpec, config: ModelConfig) -> int:
 
 
 def weight_bytes(config: ModelConfig, dtype: DType) -> int:
-    """Bytes of all weights with every matrix in `dtype` (block scales included; every expert's and the router's)
+    """Bytes of all weights with every matrix in `dtype` (block scales included; every expert's and the router's,
+    which the contract declares)
     and vectors (norms, biases) per norm_dtype_for."""
     tensors = _tensors(config)
     matrices = sum(count * _copies(t, config) * dtype.matrix_bytes(*shape) for t, shape, count in tensors
                    if len(shape) == 2)
-    router = router_shape(config)
-    if router is not None:
-        matrices += config.n_layers * dtype.matrix_bytes(*router)
     vector_values = sum(count * _copies(t, config) * shape[0] for t, shape, count in tensors if len(shape) == 1)
     return matrices + norm_dtype_for(dtype).matrix_bytes(1, vector_values)
 

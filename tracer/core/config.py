@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from llmtrace.tracer.core.errors import ConfigError, UnsupportedModelError
-from llmtrace.tracer.core.refusals import MIXTURE_OF_EXPERTS, gguf_refusal, hf_refusal, refusal_line
+from llmtrace.tracer.core.refusals import gguf_refusal, hf_refusal, refusal_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +86,8 @@ class ModelConfig:
     mlp_bias: bool = False  # the FFN's gate, up and down projections add biases (HF mlp_bias)
     # RMSNorm on each query and key head (weights of size head_dim) after the projections, before RoPE (Qwen3)
     qk_norm: bool = False
-    # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's). Presets only so far: the
-    # analytical commands cost it, the loaders and the model code refuse it (tracer/load/loader.py).
+    # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's): Mixtral's HF and GGUF files and
+    # the presets; the stage modules run it (tracer/model/moe.py), a dry run cannot (tracer/load/loader.py).
     moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
@@ -169,7 +169,7 @@ class ModelConfig:
         refused = hf_refusal(archs, model_type)
         if refused is not None:
             raise UnsupportedModelError(refusal_line(source, *refused))
-        supported_types = {"llama", "mistral", "qwen2", "qwen3", "phi3", ""}
+        supported_types = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -219,6 +219,7 @@ class ModelConfig:
             wo_bias=attention_bias and not qwen2,
             mlp_bias=bool(data.get("mlp_bias", False)) and not qwen2,
             qk_norm=qwen3,
+            moe=_moe_from_hf(data, model_type, archs, source),
         )
 
     @classmethod
@@ -258,11 +259,6 @@ class ModelConfig:
         def key(name: str) -> str:
             return f"{arch}.{name}"
 
-        experts = meta.get(key("expert_count"))
-        if experts:  # Mixtral-style files keep arch 'llama' and add expert tensors (ffn_*_exps, ffn_gate_inp)
-            raise UnsupportedModelError(refusal_line(
-                source, f"a mixture of experts ({_short(experts)} experts per layer, {key('expert_count')})",
-                MIXTURE_OF_EXPERTS))
 
         if key("rope.scaling.attn_factor") in meta:  # llama.cpp writes it, with rope_factors_*, for LongRoPE
             raise UnsupportedModelError(f"{source}: LongRoPE ({key('rope.scaling.attn_factor')}, rope_factors_long and "
@@ -337,6 +333,7 @@ class ModelConfig:
             wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
             mlp_bias=bool(meta.get("_llmtrace.mlp_bias", False)),
             qk_norm=arch == "qwen3",  # its layers must then hold attn_q_norm and attn_k_norm (a missing one is named)
+            moe=_moe_from_gguf(meta, arch, source),
         )
 
 
@@ -393,7 +390,7 @@ def _check_rope_scaling(name: str, scaling: RopeScaling) -> None:
 # README's table of what loads is generated from (benchmarks/readme_facts.py). GGUF architectures' metadata keys
 # differ only in the prefix; qwen2 files keep their Q/K rows in HF's order.
 GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LLaMA, Mistral and other LLaMA-shaped files",
+    "llama": "LLaMA, Mistral and other LLaMA-shaped files; Mixtral's experts with `llama.expert_count`",
     "qwen2": "Qwen2: biases on Q, K and V",
     "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; no LongRoPE",
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
@@ -401,6 +398,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
     "MistralForCausalLM": "sliding window honoured",
+    "MixtralForCausalLM": "mixture of experts: E SwiGLU experts a layer, k per token, weights renormalised",
     "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
     "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; no LongRoPE (128k models)",
     "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
@@ -410,6 +408,19 @@ _HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 _MISTRAL_DEFAULT_WINDOW = 4096
 
 
+def _moe_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> MoeSpec | None:
+    """Mixtral's experts (num_local_experts, num_experts_per_tok; its router renormalises the k weights), else
+    None (a dense FFN)."""
+    if not (model_type == "mixtral" or "MixtralForCausalLM" in archs):
+        return None
+    counts = []
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if key not in data:
+            raise ConfigError(f"{source}: missing field {key!r}; a Mixtral config.json names its experts")
+        counts.append(whole_number(data[key], source, key))
+    return MoeSpec(counts[0], counts[1], "renormalised")
+
+
 def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> int | None:
     """The window transformers applies: Mistral's sliding_window (4096 when absent, null for none); LLaMA has none
     (LlamaForCausalLM ignores the key)."""
@@ -417,6 +428,8 @@ def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: lis
         window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
     elif model_type == "phi3" or "Phi3ForCausalLM" in archs:  # Phi3Config: none unless given (mini-4k: 2047)
         window = data.get("sliding_window")
+    elif model_type == "mixtral" or "MixtralForCausalLM" in archs:
+        window = data.get("sliding_window")  # MixtralConfig's default is none
     elif model_type in ("qwen2", "qwen3") or {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs):
         # windowed only with use_sliding_window
         if not data.get("use_sliding_window", False) or data.get("sliding_window") is None:
@@ -450,6 +463,24 @@ def _check_phi3(data: Mapping[str, Any], source: str) -> None:
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {_short(act)} is not modelled; llmtrace's FFN is SiLU-gated")
+
+
+def _moe_from_gguf(meta: Mapping[str, Any], arch: str, source: str) -> MoeSpec | None:
+    """A Mixtral-style file's experts: arch 'llama' with `llama.expert_count` and `llama.expert_used_count` (its
+    layers then hold ffn_gate_inp and the 3-D ffn_*_exps; llama.cpp renormalises a llama file's k weights), else
+    None. Another architecture's experts are refused in one line."""
+    count = meta.get(f"{arch}.expert_count")
+    if not count:
+        return None
+    if arch != "llama":
+        raise UnsupportedModelError(f"{source}: a '{arch}' mixture of experts is not read; llmtrace reads Mixtral-style "
+                                    "'llama' GGUFs with experts")
+    used = meta.get(f"{arch}.expert_used_count")
+    if used is None:
+        raise ConfigError(f"{source}: GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count; the "
+                          "file is incomplete")
+    return MoeSpec(whole_number(count, source, f"{arch}.expert_count"),
+                   whole_number(used, source, f"{arch}.expert_used_count"), "renormalised")
 
 
 def _sliding_window_from_gguf(window: Any, source: str) -> int | None:

@@ -46,6 +46,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("attention_values", matmul=True),
     Kind("residual", matmul=False),
     Kind("swiglu", matmul=False),
+    # A mixture of experts' router choice: logits (N, E) in, the k weights (N, k, fp32) and experts (N, k, int64) out
+    Kind("route", matmul=False, tuple_output=True),
+    # The k chosen experts' outputs (N, k, d) summed, each times its router weight (N, k): (N, d)
+    Kind("expert_combine", matmul=False),
     Kind("lm_head", matmul=True),
 )}
 MATMUL_KINDS = frozenset(k.name for k in KINDS.values() if k.matmul)
@@ -69,6 +73,10 @@ class TensorSpec:
     when: str | None = None  # a boolean config field that must be True for the tensor to exist
     unless: str | None = None  # a boolean config field that must be False
     rope_heads: str | None = None  # "H" / "Hkv": llama.cpp interleaves these rows per head for its RoPE
+    # One expert's matrix in a mixture of experts: the checkpoint holds E of them (expected_shapes: (E, ...) stacked),
+    # HF per expert (`hf_expert`, "{j}" the expert's index), llama.cpp all E in one 3-D tensor (`gguf_expert`).
+    hf_expert: str | None = None
+    gguf_expert: str | None = None
 
     def present(self, config: ModelConfig) -> bool:
         if self.when is not None and not getattr(config, self.when):
@@ -120,9 +128,13 @@ class FusedStage:
 
 
 def _linear(role: str, label: str, short: str, hf: str, gguf: str, shape: tuple[str, str], group: str,
-            packed: str | None = None, rope_heads: str | None = None, bias_when: str | None = None) -> StageSpec:
-    """A bias-free projection, or one with a bias vector when the config field `bias_when` says so."""
-    tensors = [TensorSpec(f"{role}.weight", f"{hf}.weight", f"{gguf}.weight", shape, group, rope_heads=rope_heads)]
+            packed: str | None = None, rope_heads: str | None = None, bias_when: str | None = None,
+            expert: tuple[str, str] | None = None) -> StageSpec:
+    """A bias-free projection, or one with a bias vector when the config field `bias_when` says so. `expert`: the
+    (HF, llama.cpp) names of its matrix in a mixture of experts, where it is one expert's of E."""
+    hf_expert, gguf_expert = (None, None) if expert is None else (f"{expert[0]}.weight", f"{expert[1]}.weight")
+    tensors = [TensorSpec(f"{role}.weight", f"{hf}.weight", f"{gguf}.weight", shape, group, rope_heads=rope_heads,
+                          hf_expert=hf_expert, gguf_expert=gguf_expert)]
     if bias_when is not None:
         tensors.append(TensorSpec(f"{role}.bias", f"{hf}.bias", f"{gguf}.bias", shape[:1], group, when=bias_when,
                                   rope_heads=rope_heads))
@@ -162,13 +174,23 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("attn_residual", "residual", "residual add (attention)", "residual +", True, block="attention",
               replicated=True),
     _norm("ffn_norm", "RMSNorm (FFN)", "FFN", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    # A mixture of experts (config.moe): the router's logits (a d -> E linear, HF's `gate`), its choice of k experts
+    # a token (softmax, top-k, the renormalisation its model does), then the SwiGLU stages below once per chosen
+    # expert on the tokens routed to it, with that expert's matrices, and the k outputs' weighted sum.
+    StageSpec("feed_forward.router", "linear", "router logits", "router", True, when="moe",
+              tensors=(TensorSpec("feed_forward.router.weight", "block_sparse_moe.gate.weight",
+                                  "ffn_gate_inp.weight", ("E", "d"), "router"),)),
+    StageSpec("feed_forward.route", "route", "softmax, top-k", "route top-k", True, when="moe"),
     _linear("feed_forward.w1", "SwiGLU gate (w1)", "gate (w1)", "mlp.gate_proj", "ffn_gate", ("F", "d"), "ffn",
-            packed="feed_forward.w13", bias_when="mlp_bias"),
+            packed="feed_forward.w13", bias_when="mlp_bias",
+            expert=("block_sparse_moe.experts.{j}.w1", "ffn_gate_exps")),
     _linear("feed_forward.w3", "SwiGLU up (w3)", "up (w3)", "mlp.up_proj", "ffn_up", ("F", "d"), "ffn",
-            packed="feed_forward.w13", bias_when="mlp_bias"),
+            packed="feed_forward.w13", bias_when="mlp_bias",
+            expert=("block_sparse_moe.experts.{j}.w3", "ffn_up_exps")),
     StageSpec("feed_forward.act", "swiglu", "silu(gate)·up", "silu(gate)·up", True),
     _linear("feed_forward.w2", "SwiGLU down (w2)", "down (w2)", "mlp.down_proj", "ffn_down", ("d", "F"), "ffn",
-            bias_when="mlp_bias"),
+            bias_when="mlp_bias", expert=("block_sparse_moe.experts.{j}.w2", "ffn_down_exps")),
+    StageSpec("feed_forward.combine", "expert_combine", "weighted sum of experts", "weighted sum", True, when="moe"),
     StageSpec("ffn_residual", "residual", "residual add (FFN)", "residual +", True, block="FFN", replicated=True),
     StageSpec("norm", "rmsnorm", "final RMSNorm (last position)", "final norm", False, replicated=True,
               tensors=(TensorSpec("norm.weight", "model.norm.weight", "output_norm.weight", ("d",), "final_norm"),)),
@@ -239,12 +261,25 @@ def role_label(role: str) -> str:
 def dims(config: ModelConfig) -> dict[str, int]:
     """The value of each dimension symbol a tensor shape may use."""
     return {"V": config.vocab_size, "d": config.dim, "H·D": config.q_dim, "Hkv·D": config.kv_dim,
-            "F": config.ffn_dim, "H": config.n_heads, "Hkv": config.n_kv_heads, "D": config.head_dim}
+            "F": config.ffn_dim, "H": config.n_heads, "Hkv": config.n_kv_heads, "D": config.head_dim,
+            "E": config.moe.n_experts if config.moe is not None else 1}
 
 
 def shape_of(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:
     values = dims(config)
     return tuple(values[symbol] for symbol in tensor.shape)
+
+
+def held_shape(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:
+    """The tensor's shape as a checkpoint holds it: `shape_of`, with the E experts stacked in front of one expert's
+    matrix in a mixture of experts (as llama.cpp's ffn_*_exps and transformers' fused experts hold them)."""
+    shape = shape_of(tensor, config)
+    return (config.moe.n_experts, *shape) if per_expert(tensor, config) else shape
+
+
+def per_expert(tensor: TensorSpec, config: ModelConfig) -> bool:
+    """Whether the config holds the tensor once per expert (an expert's matrix in a mixture of experts)."""
+    return config.moe is not None and tensor.gguf_expert is not None
 
 
 def stage_tensors(spec: StageSpec, config: ModelConfig) -> tuple[TensorSpec, ...]:
@@ -263,18 +298,19 @@ def has_bias(role: str, config: ModelConfig) -> bool:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint for `config` must hold, in our (Meta's) naming, with its shape, in stage order
-    (the embedding, each layer's tensors, the final norm, the LM head unless tied)."""
+    """Every tensor a checkpoint for `config` must hold, in our (Meta's) naming, with its shape (`held_shape`: a
+    mixture of experts' E experts stacked), in stage order (the embedding, each layer's tensors, the final norm, the
+    LM head unless tied)."""
     shapes: dict[str, tuple[int, ...]] = {}
     top = [s for s in staged_stages(config) if not s.in_layer]
     in_layer = layer_stages(config)
     for spec in top[:1]:
-        shapes.update((t.name, shape_of(t, config)) for t in stage_tensors(spec, config))
+        shapes.update((t.name, held_shape(t, config)) for t in stage_tensors(spec, config))
     for i in range(config.n_layers):
         for spec in in_layer:
-            shapes.update((f"layers.{i}.{t.name}", shape_of(t, config)) for t in stage_tensors(spec, config))
+            shapes.update((f"layers.{i}.{t.name}", held_shape(t, config)) for t in stage_tensors(spec, config))
     for spec in top[1:]:
-        shapes.update((t.name, shape_of(t, config)) for t in stage_tensors(spec, config))
+        shapes.update((t.name, held_shape(t, config)) for t in stage_tensors(spec, config))
     return shapes
 
 
@@ -307,7 +343,8 @@ def _from_ours(name: str, layer_prefix: str, scheme: str) -> str:
 
 
 def hf_to_ours(name: str) -> str | None:
-    """Our name for an HF tensor name, or None when it is not a tensor of the contract."""
+    """Our name for an HF tensor name, or None when it is not a tensor of the contract (an expert's matrix:
+    `hf_expert_to_ours`)."""
     return _to_ours(name, "model.layers.", _index().top_by_hf, _index().layer_by_hf)
 
 
@@ -316,13 +353,30 @@ def ours_to_hf(name: str) -> str:
     return _from_ours(name, "model.layers.", "hf")
 
 
+def ours_to_hf_experts(name: str, config: ModelConfig) -> tuple[str, ...]:
+    """The HF names of a tensor a mixture of experts holds per expert, expert 0 first (the E matrices stacked
+    into our one), or the one HF name of any other tensor."""
+    spec = tensor_of(name)
+    if spec is None or not per_expert(spec, config):
+        return (ours_to_hf(name),)
+    _, layer, _ = name.split(".", 2)
+    assert spec.hf_expert is not None and config.moe is not None
+    return tuple(f"model.layers.{layer}.{spec.hf_expert.format(j=j)}" for j in range(config.moe.n_experts))
+
+
 def gguf_to_ours(name: str) -> str | None:
-    """Our name for a llama.cpp tensor name, or None when it is not a tensor of the contract."""
+    """Our name for a llama.cpp tensor name (a mixture of experts' 3-D ffn_*_exps included), or None when it is
+    not a tensor of the contract."""
     return _to_ours(name, "blk.", _index().top_by_gguf, _index().layer_by_gguf)
 
 
-def ours_to_gguf(name: str) -> str:
-    """The llama.cpp name of one of our tensor names (inverse of `gguf_to_ours`)."""
+def ours_to_gguf(name: str, config: ModelConfig | None = None) -> str:
+    """The llama.cpp name of one of our tensor names (inverse of `gguf_to_ours`): with a mixture of experts'
+    `config`, an expert matrix's 3-D ffn_*_exps name."""
+    spec = tensor_of(name)
+    if config is not None and spec is not None and per_expert(spec, config):
+        _, layer, _ = name.split(".", 2)
+        return f"blk.{layer}.{spec.gguf_expert}"
     return _from_ours(name, "blk.", "gguf")
 
 
@@ -349,6 +403,7 @@ class _Index:
         self.layer_by_hf = {t.hf: t for t in self.layer_tensors.values()}
         self.top_by_hf = {t.hf: t for t in self.top_tensors.values()}
         self.layer_by_gguf = {t.gguf: t for t in self.layer_tensors.values()}
+        self.layer_by_gguf.update((t.gguf_expert, t) for t in self.layer_tensors.values() if t.gguf_expert)
         self.top_by_gguf = {t.gguf: t for t in self.top_tensors.values()}
         self.flags = tuple(dict.fromkeys(t.when for s in stages for t in s.tensors if t.when))
 

@@ -41,10 +41,11 @@ REFUSALS: tuple[Refusal, ...] = (
             hf=("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
                 "Zamba2ForCausalLM"),
             model_types=("mamba", "mamba2", "falcon_mamba", "jamba", "zamba2"), gguf=("mamba", "mamba2", "jamba")),
+    # Mixtral reads (tracer/model/moe.py); these still lack what their own routers add
     Refusal("mixtures of experts", "a router and experts in place of the dense FFN",
-            hf=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
-            model_types=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), gguf=("qwen2moe", "qwen3moe", "olmoe"),
-            instead="the presets mixtral-8x7b, qwen3-30b-a3b and olmoe-1b-7b cost them in flops, kvmem and roofline"),
+            hf=("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            model_types=("qwen2_moe", "qwen3_moe", "olmoe"), gguf=("qwen2moe", "qwen3moe", "olmoe"),
+            instead="the presets qwen3-30b-a3b and olmoe-1b-7b cost them in flops, kvmem and roofline"),
     Refusal("Gemma", "Gemma's (1 + w) RMSNorm, norms after attention and FFN, GeGLU and scaled embeddings",
             hf=("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
             model_types=("gemma", "gemma2", "gemma3_text"), gguf=("gemma", "gemma2", "gemma3")),
@@ -52,7 +53,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "head",
             hf=("PhiForCausalLM",), model_types=("phi",), gguf=("phi2",)),
 )
-MIXTURE_OF_EXPERTS = REFUSALS[3]  # also a GGUF 'llama' file with expert tensors (Mixtral's): see config.py
 
 
 def hf_refusal(architectures: list[str], model_type: str) -> tuple[str, Refusal] | None:

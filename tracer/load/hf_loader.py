@@ -26,7 +26,7 @@ from llmtrace.tracer.checkpoint.safetensors_header import (
     read_safetensors_index,
 )
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import PACKS, expected_shapes, hf_to_ours, ours_to_hf
+from llmtrace.tracer.core.contract import PACKS, expected_shapes, ours_to_hf, ours_to_hf_experts, per_expert, tensor_of
 from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
@@ -63,6 +63,16 @@ def _format_list(items: list[str], limit: int = 3) -> str:
     return "; ".join(items[:limit]) + (f"; ... {len(items) - limit} more" if len(items) > limit else "")
 
 
+def _expected(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{HF name: (our name, shape)} of every tensor the folder must hold: a mixture of experts' stacked (E, ...)
+    tensor is E tensors there, one per expert (`block_sparse_moe.experts.{j}.w1.weight`), in expert order."""
+    expected = {}
+    for ours, shape in expected_shapes(config).items():
+        one = shape[1:] if per_expert(tensor_of(ours), config) else shape
+        expected.update((name, (ours, one)) for name in ours_to_hf_experts(ours, config))
+    return expected
+
+
 def _plan(
     config: ModelConfig, headers: list[SafetensorsFile], folder: Path
 ) -> dict[str, tuple[SafetensorsFile, SafetensorsTensor]]:
@@ -74,7 +84,7 @@ def _plan(
                 raise FileFormatError(f"{header.path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r}")
             found[entry.name] = (header, entry)
     found = split_safetensors(found, config, str(folder))  # Phi-3's Q|K|V and gate|up: the members' row ranges
-    expected = {ours_to_hf(ours): shape for ours, shape in expected_shapes(config).items()}
+    expected = {name: shape for name, (_, shape) in _expected(config).items()}
     # A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding); HF ignores it too.
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
     missing = [name for name in expected if name not in found]
@@ -127,15 +137,19 @@ def load_hf_state_dict(
     """
     target = torch_dtype(dtype) if dtype is not None else None
     state: dict[str, torch.Tensor] = {}
-    for name, (tensor, _, _, _) in _views(folder, config).items():
+    for name, parts in _views(folder, config).items():
+        tensor = torch.stack([view for view, _, _, _ in parts]) if per_expert(tensor_of(name), config) else parts[0][0]
         if (target is not None and tensor.dtype != target) or torch.device(device) != tensor.device:
             tensor = tensor.to(device=device, dtype=target or tensor.dtype)
         state[name] = tensor
     return state
 
 
-def _views(folder: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, mmap.mmap, int, int]]:
-    """{our name: (view of the mapped file, the map, the tensor's offset in the file, its bytes)}, checked."""
+View = tuple[torch.Tensor, mmap.mmap, int, int]  # a view of the mapped file, the map, its offset there, its bytes
+
+
+def _views(folder: str | Path, config: ModelConfig) -> dict[str, list[View]]:
+    """{our name: its tensor's View, or a mixture of experts' E Views of one expert each}, checked."""
     folder = Path(folder).expanduser()
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such folder; pass an HF model folder (config.json + model.safetensors)")
@@ -144,14 +158,15 @@ def _views(folder: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Ten
     if not (folder / "config.json").exists():
         raise ConfigError(f"{folder}: no config.json; pass an HF LLaMA model folder")
     plan = _plan(config, _shard_headers(folder), folder)
+    ours = _expected(config)
     files: dict[str, tuple[torch.Tensor, mmap.mmap]] = {}
-    out = {}
-    for hf_name, (header, entry) in plan.items():
+    out: dict[str, list[View]] = {}
+    for hf_name, (header, entry) in plan.items():  # in _expected's order: an expert's after the one before it
         if header.path not in files:
             files[header.path] = _mapped_bytes(Path(header.path))
         data, mapped = files[header.path]
-        out[hf_to_ours(hf_name)] = (_tensor_view(data, header, entry), mapped, header.data_start + entry.begin,
-                                    entry.end - entry.begin)
+        out.setdefault(ours[hf_name][0], []).append((_tensor_view(data, header, entry), mapped,
+                                                     header.data_start + entry.begin, entry.end - entry.begin))
     return out
 
 
@@ -170,17 +185,29 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
     for layer in range(config.n_layers):
         for pack in PACKS:
             names = [f"layers.{layer}.{member}.weight" for member in pack.members]
-            first = views[names[0]][0]
-            packed = torch.empty((sum(views[n][0].shape[0] for n in names), first.shape[1]), dtype=target)
+            if any(per_expert(tensor_of(n), config) for n in names):
+                continue  # a mixture of experts' gate and up: stacked by expert below (no packed path runs them)
+            first = views[names[0]][0][0]
+            packed = torch.empty((sum(views[n][0][0].shape[0] for n in names), first.shape[1]), dtype=target)
             row = 0
             for name in names:
-                tensor, mapped, start, nbytes = views.pop(name)
+                (tensor, mapped, start, nbytes), = views.pop(name)
                 packed[row:row + tensor.shape[0]].copy_(tensor)
                 mapped_pages.release(mapped, start, nbytes)
                 load_progress.advance(nbytes)
                 state[name] = packed[row:row + tensor.shape[0]]
                 row += tensor.shape[0]
-    for name, (tensor, mapped, start, nbytes) in views.items():
+    for name, parts in views.items():
+        if per_expert(tensor_of(name), config):  # E experts' matrices, one (E, ...) tensor (tracer/model/moe.py says why)
+            first = parts[0][0]
+            stacked = torch.empty((len(parts), *first.shape), dtype=target)
+            for expert, (tensor, mapped, start, nbytes) in enumerate(parts):
+                stacked[expert].copy_(tensor)
+                mapped_pages.release(mapped, start, nbytes)
+                load_progress.advance(nbytes)
+            state[name] = stacked
+            continue
+        (tensor, mapped, start, nbytes), = parts
         if tensor.dtype == target:
             state[name] = tensor
         else:
@@ -190,6 +217,14 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
     return state
 
 
-def hf_state_dict_from_ours(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename our tensors to HF's (for writing a folder HF transformers can read, as the tests do)."""
-    return {ours_to_hf(name): tensor for name, tensor in state_dict.items()}
+def hf_state_dict_from_ours(state_dict: dict[str, torch.Tensor],
+                            config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Rename our tensors to HF's (for writing a folder HF transformers can read, as the tests do); with a mixture
+    of experts' `config`, each stacked expert tensor becomes its E per-expert tensors."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if config is not None and per_expert(tensor_of(name), config):
+            out.update(zip(ours_to_hf_experts(name, config), tensor.unbind(0)))
+        else:
+            out[ours_to_hf(name)] = tensor
+    return out

@@ -134,11 +134,15 @@ def load_model(
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
     moe = resolved.config.moe
-    if moe is not None:  # only presets carry one: the readers refuse a mixture of experts' files
+    if moe is not None and dry_run:  # which experts run depends on the router's weights, which a meta model lacks
         raise UnsupportedModelError(
             f"{resolved.config.name} is a mixture of experts ({moe.n_experts} experts, {moe.experts_per_token} per "
-            "token) and llmtrace's model code has no router; `llmtrace flops`, `kvmem` and `roofline` cost it"
+            "token): a dry run has no router weights to choose its experts; use --random-init or real weights, or "
+            "`llmtrace flops` for the expected cost"
         )
+    if moe is not None and request.mode in (STORED, TUNED):
+        raise BadArgumentError(f"{request.flag}: a mixture of experts runs dequantized (no stored kernel multiplies "
+                               "its experts); use --weights dense or leave --weights out")
     if resolved.kind == PRESET and not (dry_run or random_init):
         raise BadArgumentError(
             f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
@@ -178,6 +182,10 @@ def _kernels_for(resolved: ResolvedModel, target: torch.device, request: Weights
     if random_init or resolved.kind == PRESET:
         chosen = kernel_pick.option_choice(resolved, dtype or FP32.name, None, flags or "random weights: fp32", isa)
         return (chosen if flags else replace(chosen, source=kernel_choice.DEFAULT)), ""
+    if resolved.config.moe is not None:  # its expert tensors (3-D in a GGUF) have no stored kernel: dequantized
+        own = kernel_pick.stored_dtype(kernel_pick.matrix_formats(resolved)) if not gguf else None
+        return kernel_pick.option_choice(resolved, dtype or own or FP32.name, None,
+                                         flags or "a mixture of experts: dequantized", isa), ""
     note = ""
     if request.mode == TUNED:
         saved, note, existed = kernel_pick.saved_choice(resolved, target)

@@ -153,3 +153,21 @@ def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise: the SwiGLU FFN's activation (the product is taken into silu's new tensor)."""
     return F.silu(gate).mul_(up)
+
+
+def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' router choice, as HF's routers make it: logits (N, E) -> the k chosen experts' weights
+    (N, k) in fp32 and their indices (N, k) int64, largest weight first. Softmax over all E in fp32, the k largest
+    kept, and where the model renormalises (Mixtral; Qwen3-MoE's norm_topk_prob) rescaled to sum 1; OLMoE keeps
+    them as the softmax gave them. (Mixtral's paper writes softmax over the top-k logits: the same weights.)"""
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, k) each
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def combine_experts(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """outputs (N, k, d) of each token's k experts, weights (N, k) fp32 -> (N, d): the weighted sum, in fp32 (HF
+    multiplies each expert's output by its fp32 weight too), cast back to the outputs' dtype once."""
+    return (outputs * weights.unsqueeze(-1)).sum(dim=1).to(outputs.dtype)

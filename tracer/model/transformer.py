@@ -13,7 +13,7 @@ Module tree (the stages of tracer/core/contract.py, whose roles are these dotted
     tok_embeddings, layers.{i}.attention_norm,
     layers.{i}.attention.{wq,wk,wv,qk_norm (Qwen3's; None without),rope,kv_cache,scores,softmax,pv,wo},
     layers.{i}.attn_residual, layers.{i}.ffn_norm, layers.{i}.feed_forward.{w1,w3,act,w2}, layers.{i}.ffn_residual,
-    norm, output. A projection has a bias where the contract declares one for the config (contract.has_bias:
+    norm, output; a mixture of experts' feed_forward.{router,route,w1,w3,act,w2,combine} (tracer/model/moe.py). A projection has a bias where the contract declares one for the config (contract.has_bias:
 wq, wk, wv with config.qkv_bias, wo with wo_bias, w1, w3, w2 with mlp_bias).
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in fp32 then cast back before the weight multiply,
@@ -51,6 +51,7 @@ from llmtrace.tracer.model.functional import (
     swiglu,
 )
 from llmtrace.tracer.model.kv_cache import KVCache, ModelCaches
+from llmtrace.tracer.model.moe import MixtureOfExperts
 from llmtrace.tracer.model.qk_norm import QKNorm
 from llmtrace.tracer.model.rope import RotaryEmbedding
 from llmtrace.tracer.model.weight_formats import PackedWeight
@@ -231,7 +232,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.attn_residual = Residual()
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module = FeedForward(config) if config.moe is None else MixtureOfExperts(
+            config, Linear(config.dim, config.moe.n_experts, bias=False), SwiGLUActivation())
         self.ffn_residual = Residual()
         self.layer_index, self.all_reduce = layer, all_reduce
 
@@ -264,6 +266,12 @@ class Transformer(ModelCaches):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_state_dict_post_hook(_drop_tied_output)
+
+    def packed_off_reason(self) -> str:
+        """ModelCaches' answer, after what only the stage modules run: a mixture of experts (tracer/model/moe.py)."""
+        if self.config.moe is not None:
+            return "a mixture of experts runs on the stage modules only (the packed and native paths have no router)"
+        return super().packed_off_reason()
 
     # ---- forward passes ------------------------------------------------------------------------------------
 

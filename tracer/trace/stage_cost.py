@@ -24,6 +24,10 @@ class StageModule:
     weight_row_bytes: float  # bytes of one row of its (first) weight as held: what an embedding lookup reads
     has_bias: bool = False  # a linear stage adds a bias to its product (one add per output element)
     weight_format: str = ""  # the weight's format as it runs: "fp32", "q4_1 (int4pack)"; "" when it has none
+    # A mixture of experts' product (tracer/model/moe.py ExpertLinear): its weight stacks this many experts, and a
+    # call multiplies by one of them, so it reads weight_bytes / experts
+    experts: int = 1
+    router_norm: str = ""  # a mixture of experts' route stage: config.ROUTER_NORMS, which its FLOPs depend on
 
     @classmethod
     def of(cls, name: str, layer: int | None, kind: str, modules: list[Any]) -> "StageModule":
@@ -35,7 +39,8 @@ class StageModule:
         total = sum(nbytes for nbytes, _, _ in held) + sum(b.numel() * b.element_size() for b in biases + vectors)
         row = held[0][1] if held else 0.0
         formats = "+".join(dict.fromkeys(fmt for _, _, fmt in held))
-        return cls(name, layer, kind, total, row, bool(biases), formats)
+        return cls(name, layer, kind, total, row, bool(biases), formats, getattr(modules[0], "n_experts", 1),
+                   getattr(modules[0], "router_norm", ""))
 
 
 def _held(module: Any) -> tuple[int, float, str]:
@@ -57,6 +62,7 @@ def _held(module: Any) -> tuple[int, float, str]:
 # ids and positions, int64. Every other tensor a stage takes or returns is an activation in the model's dtype (the
 # model casts back after its fp32 norm and softmax), so the tracers keep shapes only and the dtypes come from here.
 INDEX_ITEMSIZE = 8  # int64 token ids and positions
+ROUTE_WEIGHT_ITEMSIZE = 4  # a router's k weights are fp32 whatever the activations (functional.route_top_k)
 
 # A tensor as the cost model sees it: (shape, bytes per element).
 Entry = tuple[tuple[int, ...], int]
@@ -106,7 +112,7 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
         return StageCost(
             matmul_flops=ff.linear_flops(_rows(x), x[-1], out_shape[-1]),
             elementwise_flops=bias,
-            weight_bytes_read=weight_bytes,
+            weight_bytes_read=weight_bytes // stage.experts,  # an expert's product: its one matrix of the E stacked
             activation_bytes_read=read,
             activation_bytes_written=written,
         )
@@ -209,6 +215,26 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
             elementwise_flops=ff.swiglu_activation_flops(_rows(out_shape), out_shape[-1]),
             weight_bytes_read=0,
             activation_bytes_read=read,
+            activation_bytes_written=written,
+        )
+    if kind == "route":
+        # logits (N, E) in; the k weights (fp32) and expert indices (int64) out, whatever the activations' dtype
+        (logits, _), (picked, _) = inputs[0], outputs[0]
+        tokens, n_experts, top_k = _rows(logits), logits[-1], picked[-1]
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.route_flops(tokens, n_experts, top_k, stage.router_norm == "renormalised"),
+            weight_bytes_read=0,
+            activation_bytes_read=read,
+            activation_bytes_written=_numel(picked) * (ROUTE_WEIGHT_ITEMSIZE + INDEX_ITEMSIZE),
+        )
+    if kind == "expert_combine":
+        (outs, item), (weights, _) = inputs[0], inputs[1]  # (N, k, d), (N, k) fp32
+        return StageCost(
+            matmul_flops=0,
+            elementwise_flops=ff.expert_combine_flops(_numel(outs[:-2]), outs[-1], outs[-2]),
+            weight_bytes_read=0,
+            activation_bytes_read=_numel(outs) * item + _numel(weights) * ROUTE_WEIGHT_ITEMSIZE,
             activation_bytes_written=written,
         )
     raise ValueError(f"no cost model for stage kind {kind!r}")

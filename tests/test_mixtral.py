@@ -1,0 +1,157 @@
+"""Mixtral (a mixture of experts: a router sends each token to k of E SwiGLU experts, their outputs summed with the
+router's renormalised weights): its config.json and its Mixtral-style 'llama' GGUF (ffn_gate_inp, 3-D ffn_*_exps)
+read; greedy ids and logits equal to transformers' MixtralForCausalLM on a tiny random model through the stage
+modules, from the HF folder and from a GGUF of the same weights; the packed and native paths not taken, and why.
+
+The matrices are rounded through Q8_0 first (quantized and dequantized by the gguf package), so the Q8_0 GGUF holds
+exactly the fp32 values the HF folder holds (gguf's dequantizer is the reference for the GGUF's experts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_qwen2 import _bundled_vocab, _write_tokenizer_json
+from tiny_gguf import write_tiny_gguf
+from tiny_llama import random_weights
+
+from llmtrace.tracer.core.config import ModelConfig, MoeSpec
+from llmtrace.tracer.core.contract import expected_shapes
+from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model.transformer import Transformer
+from llmtrace.tracer.run.select import Request, select
+
+transformers = pytest.importorskip("transformers")
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+PROMPT, STEPS = 7, 8
+E, K = 4, 2
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def mixtral_dict(vocab: dict) -> dict:
+    """A MixtralForCausalLM config.json: 4 experts of F=96, 2 per token, GQA 4:2, no sliding window."""
+    return {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": len(vocab["tokens"]),
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 96, "num_local_experts": E, "num_experts_per_tok": K, "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6, "max_position_embeddings": 128, "tie_word_embeddings": False, "sliding_window": None,
+        "router_jitter_noise": 0.0, "hidden_act": "silu", "bos_token_id": vocab["bos"], "eos_token_id": vocab["eos"],
+        "torch_dtype": "float32",
+    }
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, ModelConfig]:
+    """(a MixtralForCausalLM folder, the same weights as a Q8_0 Mixtral-style 'llama' GGUF, the config)."""
+    vocab = _bundled_vocab()
+    folder = tmp_path_factory.mktemp("tiny-mixtral")
+    (folder / "config.json").write_text(json.dumps(mixtral_dict(vocab)), encoding="utf-8")
+    config = ModelConfig.from_hf_json(folder)
+    weights = random_weights(config, seed=21)
+    for name, tensor in weights.items():
+        if tensor.dim() >= 2:  # the values a Q8_0 file holds exactly (an expert tensor per expert row)
+            array = tensor.numpy().astype(np.float32)
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
+    save_file({k: v.contiguous() for k, v in hf_state_dict_from_ours(weights, config).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer_json(folder, vocab)
+    gguf_path = write_tiny_gguf(tmp_path_factory.mktemp("tiny-mixtral-gguf") / "mixtral.gguf", config, weights,
+                                vocab, matrix_type=Q8_0, tokenizer_model="gpt2",
+                                extra_metadata={"llama.expert_count": E, "llama.expert_used_count": K})
+    return folder, gguf_path, config
+
+
+@pytest.fixture(scope="module")
+def hf(mixtral: tuple[Path, Path, ModelConfig]) -> torch.nn.Module:
+    folder, _, _ = mixtral
+    return transformers.MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+
+
+def prompt_ids(config: ModelConfig) -> torch.Tensor:
+    return torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+
+
+@torch.no_grad()
+def greedy(model: Transformer, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """STEPS greedy tokens after `prompt`, and the logits (STEPS, V) they were chosen from."""
+    model.setup_cache(1, PROMPT + STEPS)  # prefill and decode_one without a backend: the stage modules
+    assert model.packed_off_reason().startswith("a mixture of experts runs on the stage modules only")
+    logits = [model.prefill(prompt)[0]]
+    ids = [int(logits[-1].argmax())]
+    for _ in range(STEPS - 1):
+        logits.append(model.decode_one(torch.tensor([[ids[-1]]]))[0])
+        ids.append(int(logits[-1].argmax()))
+    return ids, torch.stack(logits)
+
+
+@torch.no_grad()
+def hf_greedy(hf: torch.nn.Module, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    out = hf.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, PROMPT:].tolist(), torch.cat(out.logits)
+
+
+def test_config_reads_the_experts_from_config_json_and_gguf(mixtral: tuple[Path, Path, ModelConfig]) -> None:
+    folder, gguf_path, config = mixtral
+    assert config.moe == MoeSpec(E, K, "renormalised") and config.sliding_window is None
+    assert config.ffn_dim == 96  # each expert's
+    from_gguf = load_model(str(gguf_path), random_init=False).config
+    assert from_gguf.moe == config.moe and from_gguf.ffn_dim == 96
+    shapes = expected_shapes(config)
+    assert shapes["layers.1.feed_forward.router.weight"] == (E, 64)
+    assert shapes["layers.1.feed_forward.w1.weight"] == (E, 96, 64)
+    assert shapes["layers.1.feed_forward.w2.weight"] == (E, 64, 96)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_ids_and_logits_equal_transformers(mixtral: tuple[Path, Path, ModelConfig], hf: torch.nn.Module,
+                                                  source: str) -> None:
+    folder, gguf_path, config = mixtral
+    loaded = load_model(str(folder if source == "hf" else gguf_path), weights="auto")
+    assert loaded.config.moe == MoeSpec(E, K, "renormalised")
+    prompt = prompt_ids(config)
+    want_ids, want_logits = hf_greedy(hf, prompt)
+    ids, logits = greedy(loaded.model, prompt)
+    assert ids == want_ids
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    assert want_logits.abs().max().item() > 1.0  # logits of real size: the bound above is not vacuous
+
+
+def test_the_experts_are_stacked_per_layer_as_the_files_hold_them(mixtral: tuple[Path, Path, ModelConfig]) -> None:
+    """The HF folder's per-expert matrices and the GGUF's 3-D ffn_*_exps give the same (E, F, d) tensors: expert j
+    of the HF file is row j of the stack, and the GGUF's dequantized experts equal them exactly."""
+    folder, gguf_path, _ = mixtral
+    from_hf = load_model(str(folder)).model.state_dict()
+    from_gguf = load_model(str(gguf_path)).model.state_dict()
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(folder / "model.safetensors"))
+    for j in range(E):
+        assert torch.equal(from_hf["layers.1.feed_forward.w2.weight"][j],
+                           on_disk[f"model.layers.1.block_sparse_moe.experts.{j}.w2.weight"])
+    for name in ("feed_forward.router.weight", "feed_forward.w1.weight", "feed_forward.w3.weight",
+                 "feed_forward.w2.weight"):
+        assert torch.equal(from_hf[f"layers.0.{name}"], from_gguf[f"layers.0.{name}"]), name
+
+
+def test_select_says_why_the_packed_and_native_paths_are_not_taken(mixtral: tuple[Path, Path, ModelConfig]) -> None:
+    folder, _, _ = mixtral
+    model = load_model(str(folder)).model
+    model.setup_cache(1, 16)
+    route = select(model, Request()).route
+    assert (route.prefill, route.decode) == ("modules", "modules")
+    why = "a mixture of experts runs on the stage modules only (the packed and native paths have no router)"
+    assert {(n.backend, n.reason) for n in route.not_taken} == {("packed", why), ("native", why)}

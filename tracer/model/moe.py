@@ -1,0 +1,96 @@
+"""A mixture-of-experts FFN (Mixtral; config.moe): a router picks k of E SwiGLU experts for each token, each chosen
+expert runs on the tokens routed to it, and their outputs are summed, weighted by the router.
+
+Its stages are modules with the contract's roles (tracer/core/contract.py), so hooks, the tracer and FlopCounterMode
+see each: `router` (the d -> E logits), `route` (softmax, top-k, renormalisation), then `w1`, `w3`, `act`, `w2` once
+per chosen expert (the dense FFN's roles: the same SwiGLU, with that expert's matrices, on its tokens only), and
+`combine` (the weighted sum). An expert that no token chose is never called, so the trace's FLOPs and weight bytes
+count exactly the experts that ran.
+
+The E experts' matrices are stacked, one (E, out, in) tensor per product, as llama.cpp's ffn_*_exps and
+transformers' fused experts hold them (HF checkpoints, which name each expert's apart, are stacked by the loader):
+the contract declares each tensor once, a stage module per product keeps the module tree the size of a dense
+model's (Qwen3-30B-A3B has 128 experts in each of 48 layers: 18,432 modules more the other way), and a call's
+weight bytes are one expert's slice of it (ExpertLinear.n_experts, tracer/trace/stage_cost.py).
+
+Only these stage modules run it: no packed or native path routes tokens (tracer/run/select.py says so)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.model.functional import combine_experts, project, route_top_k
+
+
+class Route(nn.Module):
+    """logits (N, E) -> (weights (N, k) fp32, experts (N, k) int64): functional.route_top_k. The last call's choice
+    stays on the module (`last`) for the trace's routing record (tracer/trace/routing.py), read after the step."""
+
+    def __init__(self, top_k: int, router_norm: str) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router_norm = router_norm  # config.ROUTER_NORMS: the route's FLOPs depend on it (stage_cost)
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route_top_k(logits, self.top_k, self.router_norm == "renormalised")
+        self.last = (weights, experts)
+        return weights, experts
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, router_norm={self.router_norm}"
+
+
+class ExpertLinear(nn.Module):
+    """One SwiGLU product of E experts, their matrices stacked (E, out, in): a call multiplies the rows routed to one
+    expert (n, in) by that expert's matrix -> (n, out), through functional.project as every product runs."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.n_experts = n_experts  # a call reads one expert's slice: 1/n_experts of the weight (stage_cost)
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return project(x, self.weight[expert])
+
+    def extra_repr(self) -> str:
+        experts, out_features, in_features = self.weight.shape
+        return f"experts={experts}, in_features={in_features}, out_features={out_features}"
+
+
+class ExpertCombine(nn.Module):
+    """outputs (N, k, d), weights (N, k) -> (N, d): each token's k expert outputs summed, weighted."""
+
+    def forward(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return combine_experts(outputs, weights)
+
+
+class MixtureOfExperts(nn.Module):
+    """x (B, T, dim) -> (B, T, dim). `router` and `act` are transformer.py's Linear (dim -> E) and
+    SwiGLUActivation, passed in because that module builds this one."""
+
+    def __init__(self, config: ModelConfig, router: nn.Module, act: nn.Module) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        dim, ffn_dim, experts = config.dim, config.ffn_dim, moe.n_experts
+        self.router = router
+        self.route = Route(moe.experts_per_token, moe.router_norm)
+        self.w1 = ExpertLinear(experts, dim, ffn_dim)
+        self.w3 = ExpertLinear(experts, dim, ffn_dim)
+        self.act = act
+        self.w2 = ExpertLinear(experts, ffn_dim, dim)
+        self.combine = ExpertCombine()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, new, dim = x.shape
+        flat = x.reshape(batch * new, dim)  # (N, dim): every token of every sequence
+        weights, experts = self.route(self.router(flat))  # (N, k) each
+        outputs = flat.new_empty(*experts.shape, dim)  # (N, k, dim): each token's k experts' outputs
+        for expert in experts.unique().tolist():  # the experts chosen, in ascending order (as HF runs them)
+            token, slot = torch.where(experts == expert)  # (n,) each: the tokens routed here, and in which slot
+            rows = flat[token]  # (n, dim)
+            outputs[token, slot] = self.w2(self.act(self.w1(rows, expert), self.w3(rows, expert)), expert)
+        return self.combine(outputs, weights).view(batch, new, dim)
