@@ -19,13 +19,16 @@ from safetensors.torch import save_file
 from test_qwen2 import _bundled_vocab, _write_tokenizer_json
 from tiny_gguf import write_tiny_gguf
 from tiny_llama import random_weights
+from typer.testing import CliRunner
 
+from llmtrace.cli.app import app
 from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.run.select import Request, select
+from llmtrace.tracer.trace.run_trace import Trace
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,3 +158,35 @@ def test_select_says_why_the_packed_and_native_paths_are_not_taken(mixtral: tupl
     assert (route.prefill, route.decode) == ("modules", "modules")
     why = "a mixture of experts runs on the stage modules only (the packed and native paths have no router)"
     assert {(n.backend, n.reason) for n in route.not_taken} == {("packed", why), ("native", why)}
+
+
+def test_the_routing_record_names_the_experts_transformers_routes_to(mixtral: tuple[Path, Path, ModelConfig],
+                                                                     hf: torch.nn.Module) -> None:
+    """The trace `run --json-file` writes holds every step's routing; its prefill's experts for each prompt token in
+    every layer are those HF's MixtralTopKRouter picks (its indices and renormalised scores, caught by a hook on the
+    same ids)."""
+    folder, _, config = mixtral
+    path = folder.parent / "mixtral-run.json"
+    result = CliRunner().invoke(app, ["run", "--model", str(folder), "The capital of France is", "--max-new-tokens",
+                                      "3", "--json-file", str(path)])
+    assert result.exit_code == 0, result.output
+    trace = Trace.from_json(path.read_text(encoding="utf-8"))
+    assert [(r.phase, r.step) for r in trace.routing] == [(s.phase, s.step) for s in trace.steps]
+    ids = torch.tensor([trace.tokenization.ids])
+    caught = {}
+    handles = [layer.mlp.gate.register_forward_hook(
+        lambda module, args, out, i=i: caught.update({i: (out[1].detach(), out[2].detach())}))
+        for i, layer in enumerate(hf.model.layers)]
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    prefill = trace.routing[0]
+    assert prefill.tokens == ids.shape[1]
+    for layer in prefill.layers:
+        scores, indices = caught[layer.layer]
+        assert layer.experts == tuple(map(tuple, indices.tolist()))
+        assert torch.allclose(torch.tensor(layer.weights), scores, atol=1e-6)
+    assert max(layer.distinct for layer in prefill.layers) > K  # the prompt's tokens spread over the experts

@@ -35,6 +35,7 @@ from llmtrace.tracer.run.token_pieces import TokenPieces
 from llmtrace.tracer.trace.hooks import Tracer, device_synchronizer
 from llmtrace.tracer.trace.journey_records import AttentionStep, LensStep, NoCacheStep, SamplingLesson
 from llmtrace.tracer.trace.observe import Observer
+from llmtrace.tracer.trace.routing import RoutingStep
 from llmtrace.tracer.trace.records import (
     DECODE,
     PREFILL,
@@ -156,6 +157,7 @@ class Generation(RunBackend, RunRecords):
         self._observer = Observer(self.model, lens=settings.lens, attention=settings.attention) if observe else None
         self._lens: list[LensStep] = []
         self._attention: list[AttentionStep] = []
+        self._routing: list[RoutingStep] = []  # a mixture of experts: each step's choices (tracer/trace/routing.py)
         self._stop_reason = STOP_INTERRUPTED
         self._events: Iterator[Event] | None = None
         self._staged_decode: StagedDecode | None = None  # --staged: how its one-token steps ran (_staged_path)

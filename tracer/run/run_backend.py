@@ -16,6 +16,7 @@ from llmtrace.tracer.run.sampling import SampleResult
 from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import PACKED, PREFILL
+from llmtrace.tracer.trace.routing import routing_step
 from llmtrace.tracer.trace.stage_clock import reads_host_clock
 
 
@@ -70,6 +71,10 @@ class RunBackend:
             sync()
         forward_end = time.perf_counter_ns()
         self._tracer.end_step()
+        if self.config.moe is not None and not self.dry_run:  # read after the clocks: the route stages' last choice
+            routed = routing_step(self.model, phase, index)
+            if routed is not None:
+                self._routing.append(routed)
         return logits, start, forward_end
 
     def _token_tensor(self, ids: list[int]) -> torch.Tensor:

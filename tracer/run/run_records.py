@@ -137,6 +137,7 @@ class RunRecords:
             no_kv_cache=self._no_cache_record(),
             lens=tuple(self._lens),  # made after each step's record: every one belongs to a completed step
             attention=tuple(self._attention),
+            routing=tuple(r for r in self._routing if (r.phase, r.step) in completed),
             kernels=getattr(self.loaded, "kernels", None),
             staged_decode=self._staged_decode,
             run_ahead=self._run_ahead_record(),

@@ -51,6 +51,7 @@ from llmtrace.tracer.trace.records import (
     StepTotals,
     TokenizationRecord,
 )
+from llmtrace.tracer.trace.routing import LayerRouting, RoutingStep
 from llmtrace.tracer.trace.stage_table import StageTable, read_rows
 from llmtrace.tracer.trace.tp_records import (
     CollectiveRecord,
@@ -103,6 +104,9 @@ class Trace:
     no_kv_cache: NoCacheRun | None = None  # --no-kv-cache: the run again without a cache, step by step
     lens: tuple[LensStep, ...] = ()  # --lens: per step, what each layer would predict
     attention: tuple[AttentionStep, ...] = ()  # --attention: per step, where each head looks
+    # A mixture of experts: per step, every layer's experts for each token row and their router weights
+    # (tracer/trace/routing.py); empty for a dense model, absent from its JSON.
+    routing: tuple[RoutingStep, ...] = ()
     # --batch N: every sequence's prompt, tokens and end (tracer/trace/batch_records.py). The top-level tokenization
     # and generated_ids/generated_text are then the first sequence's, so a reader that knows no batch still reads a run.
     batch: BatchRun | None = None
@@ -239,6 +243,7 @@ class Trace:
                 no_kv_cache=_optional(_no_cache, data.get("no_kv_cache")),
                 lens=tuple(_lens_step(s) for s in data.get("lens", ())),
                 attention=tuple(_attention_step(a) for a in data.get("attention", ())),
+                routing=tuple(_routing_step(r) for r in _list(data.get("routing", []))),
                 batch=_optional(_batch, data.get("batch")),
                 kernels=_optional(_kernels, data.get("kernels")),
                 tensor_parallel=_optional(_tensor_parallel, data.get("tensor_parallel")),
@@ -275,7 +280,8 @@ R = TypeVar("R")
 _BATCH_STEP_FIELDS = ("batch", "rows", "compact_ns")  # StepRecord's fields of a batched run (optional in the schema)
 _BATCH_SETTINGS = ("batch", "batch_prompts")
 _OMITTED_WHEN_NONE = frozenset({"kernels", "staged_decode", "run_ahead", "route"})
-_OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages"})
+_OMITTED_WHEN_EMPTY = frozenset({"pruned_steps", "batch", "tensor_parallel", "collectives", "rank_stages",
+                                 "routing"})
 
 
 def _plain(value: Any) -> Any:
@@ -296,7 +302,7 @@ _FIELD_NAMES: dict[type, frozenset[str]] = {
                 RopeRecord, StageRecord, StepRecord, StepTotals, CandidateRecord, SamplingRecord, SamplingLesson,
                 LessonToken, LessonColumn, NoCacheRun, NoCacheStep, LensStep, LensLayer, LensToken, AttentionStep, HeadFocus,
                 RowToken, SequenceRecord, BatchRun, KernelChoice, CandidateTiming, TypeKernel, StagedDecode, RunAhead,
-                Route, RouteNotTaken,
+                Route, RouteNotTaken, RoutingStep, LayerRouting,
                 CollectiveRecord, RankStep, RankStages, LinkMeasurement, TensorParallelRun)
 }
 
@@ -466,6 +472,17 @@ def _lens_step(d: dict[str, Any]) -> LensStep:
     layers = tuple(_build(LensLayer, {**layer, "top": tuple(_build(LensToken, t) for t in layer["top"])})
                    for layer in d["layers"])
     return _build(LensStep, {**d, "layers": layers})
+
+
+def _routing_step(d: dict[str, Any]) -> RoutingStep:
+    layers = []
+    for layer in _list(d["layers"]):
+        experts = tuple(tuple(_typed(int, e, "experts", _is_int) for e in _list(row)) for row in _list(layer["experts"]))
+        weights = tuple(_floats(row, "weights") for row in _list(layer["weights"]))
+        if [len(row) for row in experts] != [len(row) for row in weights]:
+            raise ValueError("a layer's routing holds as many weights as experts for each token row")
+        layers.append(_build(LayerRouting, {**layer, "experts": experts, "weights": weights}))
+    return _build(RoutingStep, {**d, "layers": tuple(layers)})
 
 
 def _attention_step(d: dict[str, Any]) -> AttentionStep:
