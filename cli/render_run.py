@@ -51,8 +51,11 @@ def render_header(console: Console, config: ModelConfig, weight_format: str, loa
     checkpoint's path in the trace (`model.source`). `weights_note`: why the weights are held as they are, when
     that says more than the kernels line (a matrix type the named kernel cannot run)."""
     window = f" · sliding window {config.sliding_window:,}" if config.sliding_window is not None else ""
+    moe = config.moe
+    ffn = (f"FFN {config.ffn_dim}" if moe is None else
+           f"{moe.n_experts} experts of FFN {config.ffn_dim}, {moe.experts_per_token} per token")
     model = (f"[bold]{escape(config.name)}[/] · {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
-             f"({config.n_kv_heads} KV) · FFN {config.ffn_dim}{window}")
+             f"({config.n_kv_heads} KV) · {ffn}{window}")
     if dry_run:  # the loader's format says "dry run (meta device) fp32" already
         how = escape(weight_format)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from llmtrace.cli.render_attention import render_attention
+from llmtrace.cli.render_experts import render_experts
 from llmtrace.cli.render_kernels import dtype_name, numerics_note
 from llmtrace.cli.render_lens import render_lens
 from llmtrace.cli.render_no_cache import render_no_cache
@@ -88,6 +89,7 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
         return
     if detail != "summary":
         render_decode_stages(console, report.decode_stages, trace.staged_decode)
+        render_experts(console, trace)
     if trace.batch is not None:
         render_batch_summary(console, trace.batch)
     render_summary(console, trace, report.summary, roofline, roofline_note, stopped_by, detail)

@@ -3,8 +3,8 @@
 
 Rendering is made deterministic: the width comes from COLUMNS (cli/console.py), output goes to a pipe so rich writes
 no colour or other escape codes, the hardware store is an empty folder, and the run is a committed trace with fixed
-timings (tests/golden/tiny_trace.json, tiny_dry_run.json, tiny_batch_trace.json and tiny_journey_trace.json, written
-by tests/golden/make_trace_fixture.py).
+timings (tests/golden/tiny_trace.json, tiny_dry_run.json, tiny_batch_trace.json, tiny_journey_trace.json and
+tiny_moe_trace.json, written by tests/golden/make_trace_fixture.py).
 
 After an intended change to the output, regenerate every golden file and review the diff:
 
@@ -46,6 +46,8 @@ CASES: dict[str, list[str]] = {
     "show-kernels": ["show", "tiny_trace.json", "--detail", "kernels"],
     # sampled with top-k and top-p, with the logit lens and attention (sections 5c and 5d)
     "show-journey": ["show", "tiny_journey_trace.json"],
+    # a mixture of experts (4 experts, 2 per token): its stages, and section 7b, the experts each token went to
+    "show-moe": ["show", "tiny_moe_trace.json"],
     "diff": ["diff", "tiny_trace.json", "tiny_journey_trace.json"],
     "run-help": ["run", "--help"],  # the options in their groups (cli/run_options.py)
 }

@@ -83,7 +83,7 @@ def write_tiny_llama(folder: Path, config_dict: dict[str, Any], seed: int = 0, t
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config_dict, indent=1), encoding="utf-8")
     config = ModelConfig.from_hf_dict(config_dict)
-    tensors = {k: v.contiguous() for k, v in hf_state_dict_from_ours(random_weights(config, seed)).items()}
+    tensors = {k: v.contiguous() for k, v in hf_state_dict_from_ours(random_weights(config, seed), config).items()}
     if shards == 1:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     else:

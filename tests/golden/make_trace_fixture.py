@@ -2,7 +2,7 @@
 with the logit lens and attention): the fixed traces `llmtrace show`'s golden files render.
 
 A real generation of the tiny test model (tests/tiny_llama.py: 2 layers, dim 64, SentencePiece trained on
-sample_prompts/), greedy, whose every clock reading is then replaced by a fixed, made-up timing (and the machine by a
+sample_prompts/; tiny_moe_trace.json: the same as a Mixtral of 4 experts, 2 per token), greedy, whose every clock reading is then replaced by a fixed, made-up timing (and the machine by a
 fixed description), so that the rendered output is the same on every machine and every run. The shapes, FLOPs,
 bytes, tokens and probabilities are the real ones.
 
@@ -10,7 +10,7 @@ The committed fixtures are trace schema version 1 (whole stage records), which k
 tested; this script writes the current version. Run once, when the trace schema or the tiny model changes (then
 regenerate the goldens, see test_golden.py, and keep a version-1 trace among the tests):
 
-    .venv/bin/python tests/golden/make_trace_fixture.py
+    .venv/bin/python tests/golden/make_trace_fixture.py [fixture names: only those]
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ MODEL_NAME = "tiny-llama (test fixture)"
 BATCH_PROMPTS = ("The sky is blue because", "Hi", "Once upon a time there was a small dog")
 
 
-def generate(folder: Path, dry_run: bool = False, batch: bool = False, journey: bool = False) -> dict:
+def generate(folder: Path, dry_run: bool = False, batch: bool = False, journey: bool = False,
+             moe: bool = False) -> dict:
     import sentencepiece as spm
 
     from llmtrace.tracer.core.dtypes import FP32
@@ -48,7 +49,11 @@ def generate(folder: Path, dry_run: bool = False, batch: bool = False, journey: 
     sp = train_sentencepiece()
     vocab = spm.SentencePieceProcessor(model_proto=sp).get_piece_size()
     if not folder.exists():
-        write_tiny_llama(folder, hf_config_dict(vocab), seed=0, tokenizer_model=sp)
+        config = hf_config_dict(vocab)
+        if moe:  # a Mixtral of the same size: 4 experts of the same FFN width, 2 per token
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                          num_experts_per_tok=2)
+        write_tiny_llama(folder, config, seed=0, tokenizer_model=sp)
     loaded = load_model(str(folder), dtype=FP32, device="cpu", dry_run=dry_run)
     settings = RunSettings(model=str(folder), prompt=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None,
                            top_p=None, min_p=None, repetition_penalty=1.0, seed=None, dtype="fp32", device="cpu",
@@ -119,17 +124,22 @@ def fix_timings(data: dict) -> dict:
     return data
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Every fixture, or those `names` (the others left as committed)."""
     with tempfile.TemporaryDirectory() as tmp:
-        for name, dry_run, batch, journey in (("tiny_trace.json", False, False, False),
-                                              ("tiny_dry_run.json", True, False, False),
-                                              ("tiny_batch_trace.json", False, True, False),
-                                              ("tiny_journey_trace.json", False, False, True)):
-            data = fix_timings(generate(Path(tmp) / "tiny", dry_run, batch, journey))
+        for name, dry_run, batch, journey, moe in (("tiny_trace.json", False, False, False, False),
+                                                   ("tiny_dry_run.json", True, False, False, False),
+                                                   ("tiny_batch_trace.json", False, True, False, False),
+                                                   ("tiny_journey_trace.json", False, False, True, False),
+                                                   ("tiny_moe_trace.json", False, False, False, True)):
+            if names and name not in names:
+                continue
+            folder = Path(tmp) / ("tiny-moe" if moe else "tiny")
+            data = fix_timings(generate(folder, dry_run, batch, journey, moe))
             out = HERE / name
             out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             print(f"wrote {out} ({out.stat().st_size:,} bytes)")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
