@@ -190,3 +190,11 @@ def test_the_routing_record_names_the_experts_transformers_routes_to(mixtral: tu
         assert layer.experts == tuple(map(tuple, indices.tolist()))
         assert torch.allclose(torch.tensor(layer.weights), scores, atol=1e-6)
     assert max(layer.distinct for layer in prefill.layers) > K  # the prompt's tokens spread over the experts
+
+
+def test_run_refuses_to_split_a_mixture_of_experts_over_ranks(mixtral: tuple[Path, Path, ModelConfig]) -> None:
+    folder, _, _ = mixtral
+    result = CliRunner().invoke(app, ["run", "--model", str(folder), "hi", "--tp", "2"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().endswith("is a mixture of experts, which the ranks do not split yet; run it on one "
+                                          "device (`roofline --tp` costs the split)")

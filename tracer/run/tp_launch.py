@@ -89,6 +89,9 @@ def check_tensor_parallel(model: str | None, tp: int, device: str) -> None:
     if tp < 1:
         raise BadArgumentError(f"--tp must be at least 1, got {tp}")
     config = resolve_model(bundled_source() if not model else model).config
+    if config.moe is not None and tp > 1:  # the model's split (tracer/model/tensor_parallel.py) shards a dense FFN
+        raise BadArgumentError(f"run --tp {tp}: {config.name} is a mixture of experts, which the ranks do not split "
+                               "yet; run it on one device (`roofline --tp` costs the split)")
     check_tp_split(config, tp)
     if device.startswith("cuda"):
         import torch
