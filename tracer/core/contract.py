@@ -73,9 +73,10 @@ class TensorSpec:
     when: str | None = None  # a boolean config field that must be True for the tensor to exist
     unless: str | None = None  # a boolean config field that must be False
     rope_heads: str | None = None  # "H" / "Hkv": llama.cpp interleaves these rows per head for its RoPE
-    # One expert's matrix in a mixture of experts: the checkpoint holds E of them (expected_shapes: (E, ...) stacked),
-    # HF per expert (`hf_expert`, "{j}" the expert's index), llama.cpp all E in one 3-D tensor (`gguf_expert`).
-    hf_expert: str | None = None
+    # A mixture of experts' tensor in HF checkpoints, spelled per family (HF_MOE_FAMILIES' order): the router's, and
+    # an expert's matrix per expert ("{j}" its index). An expert's matrix is held E times (expected_shapes: (E, ...)
+    # stacked); llama.cpp holds all E in one 3-D tensor (`gguf_expert`).
+    hf_moe: tuple[str, ...] = ()
     gguf_expert: str | None = None
 
     def present(self, config: ModelConfig) -> bool:
@@ -131,10 +132,13 @@ def _linear(role: str, label: str, short: str, hf: str, gguf: str, shape: tuple[
             packed: str | None = None, rope_heads: str | None = None, bias_when: str | None = None,
             expert: tuple[str, str] | None = None) -> StageSpec:
     """A bias-free projection, or one with a bias vector when the config field `bias_when` says so. `expert`: the
-    (HF, llama.cpp) names of its matrix in a mixture of experts, where it is one expert's of E."""
-    hf_expert, gguf_expert = (None, None) if expert is None else (f"{expert[0]}.weight", f"{expert[1]}.weight")
+    (Mixtral's HF, llama.cpp's) names of its matrix in a mixture of experts, where it is one expert's of E (the
+    other HF families keep the dense name under mlp.experts.{j})."""
+    hf_moe = () if expert is None else (f"block_sparse_moe.experts.{{j}}.{expert[0]}.weight",
+                                        f"mlp.experts.{{j}}.{hf.removeprefix('mlp.')}.weight")
+    gguf_expert = None if expert is None else f"{expert[1]}.weight"
     tensors = [TensorSpec(f"{role}.weight", f"{hf}.weight", f"{gguf}.weight", shape, group, rope_heads=rope_heads,
-                          hf_expert=hf_expert, gguf_expert=gguf_expert)]
+                          hf_moe=hf_moe, gguf_expert=gguf_expert)]
     if bias_when is not None:
         tensors.append(TensorSpec(f"{role}.bias", f"{hf}.bias", f"{gguf}.bias", shape[:1], group, when=bias_when,
                                   rope_heads=rope_heads))
@@ -179,17 +183,18 @@ STAGES: tuple[StageSpec, ...] = (
     # expert on the tokens routed to it, with that expert's matrices, and the k outputs' weighted sum.
     StageSpec("feed_forward.router", "linear", "router logits", "router", True, when="moe",
               tensors=(TensorSpec("feed_forward.router.weight", "block_sparse_moe.gate.weight",
-                                  "ffn_gate_inp.weight", ("E", "d"), "router"),)),
+                                  "ffn_gate_inp.weight", ("E", "d"), "router",
+                                  hf_moe=("block_sparse_moe.gate.weight", "mlp.gate.weight")),)),
     StageSpec("feed_forward.route", "route", "softmax, top-k", "route top-k", True, when="moe"),
     _linear("feed_forward.w1", "SwiGLU gate (w1)", "gate (w1)", "mlp.gate_proj", "ffn_gate", ("F", "d"), "ffn",
             packed="feed_forward.w13", bias_when="mlp_bias",
-            expert=("block_sparse_moe.experts.{j}.w1", "ffn_gate_exps")),
+            expert=("w1", "ffn_gate_exps")),
     _linear("feed_forward.w3", "SwiGLU up (w3)", "up (w3)", "mlp.up_proj", "ffn_up", ("F", "d"), "ffn",
             packed="feed_forward.w13", bias_when="mlp_bias",
-            expert=("block_sparse_moe.experts.{j}.w3", "ffn_up_exps")),
+            expert=("w3", "ffn_up_exps")),
     StageSpec("feed_forward.act", "swiglu", "silu(gate)·up", "silu(gate)·up", True),
     _linear("feed_forward.w2", "SwiGLU down (w2)", "down (w2)", "mlp.down_proj", "ffn_down", ("d", "F"), "ffn",
-            bias_when="mlp_bias", expert=("block_sparse_moe.experts.{j}.w2", "ffn_down_exps")),
+            bias_when="mlp_bias", expert=("w2", "ffn_down_exps")),
     StageSpec("feed_forward.combine", "expert_combine", "weighted sum of experts", "weighted sum", True, when="moe"),
     StageSpec("ffn_residual", "residual", "residual add (FFN)", "residual +", True, block="FFN", replicated=True),
     StageSpec("norm", "rmsnorm", "final RMSNorm (last position)", "final norm", False, replicated=True,
@@ -277,6 +282,22 @@ def held_shape(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:
     return (config.moe.n_experts, *shape) if per_expert(tensor, config) else shape
 
 
+# The families of HF mixture-of-experts checkpoints, by how they spell the router and experts (TensorSpec.hf_moe):
+# Mixtral's block_sparse_moe.{gate, experts.{j}.w1/w2/w3}; Qwen2/3-MoE's and OLMoE's mlp.{gate, experts.{j}.gate_proj,
+# up_proj, down_proj}. A folder's family is the one whose router it holds (`hf_moe_family`).
+HF_MOE_FAMILIES = ("mixtral", "mlp")
+
+
+def hf_moe_family(names: set[str] | frozenset[str]) -> str:
+    """The family of an HF checkpoint holding tensors `names`: the first whose layer-0 router is among them, else
+    Mixtral's (whose names a loader's message then lists as missing)."""
+    router = _index().layer_tensors["feed_forward.router.weight"]
+    for family, spelling in zip(HF_MOE_FAMILIES, router.hf_moe):
+        if f"model.layers.0.{spelling}" in names:
+            return family
+    return HF_MOE_FAMILIES[0]
+
+
 def per_expert(tensor: TensorSpec, config: ModelConfig) -> bool:
     """Whether the config holds the tensor once per expert (an expert's matrix in a mixture of experts)."""
     return config.moe is not None and tensor.gguf_expert is not None
@@ -343,8 +364,8 @@ def _from_ours(name: str, layer_prefix: str, scheme: str) -> str:
 
 
 def hf_to_ours(name: str) -> str | None:
-    """Our name for an HF tensor name, or None when it is not a tensor of the contract (an expert's matrix:
-    `hf_expert_to_ours`)."""
+    """Our name for an HF tensor name, or None when it is not a tensor of the contract (a mixture of experts' are
+    named by `ours_to_hf_experts`)."""
     return _to_ours(name, "model.layers.", _index().top_by_hf, _index().layer_by_hf)
 
 
@@ -353,15 +374,18 @@ def ours_to_hf(name: str) -> str:
     return _from_ours(name, "model.layers.", "hf")
 
 
-def ours_to_hf_experts(name: str, config: ModelConfig) -> tuple[str, ...]:
-    """The HF names of a tensor a mixture of experts holds per expert, expert 0 first (the E matrices stacked
-    into our one), or the one HF name of any other tensor."""
+def ours_to_hf_experts(name: str, config: ModelConfig, family: str = HF_MOE_FAMILIES[0]) -> tuple[str, ...]:
+    """The HF names of one of our tensors in a checkpoint of `family` (HF_MOE_FAMILIES): a mixture of experts'
+    router, its expert matrices once per expert, expert 0 first (the E matrices stacked into our one), or the one
+    HF name of any other tensor."""
     spec = tensor_of(name)
-    if spec is None or not per_expert(spec, config):
+    if spec is None or not spec.hf_moe or config.moe is None:
         return (ours_to_hf(name),)
     _, layer, _ = name.split(".", 2)
-    assert spec.hf_expert is not None and config.moe is not None
-    return tuple(f"model.layers.{layer}.{spec.hf_expert.format(j=j)}" for j in range(config.moe.n_experts))
+    spelling = spec.hf_moe[HF_MOE_FAMILIES.index(family)]
+    if not per_expert(spec, config):
+        return (f"model.layers.{layer}.{spelling}",)
+    return tuple(f"model.layers.{layer}.{spelling.format(j=j)}" for j in range(config.moe.n_experts))
 
 
 def gguf_to_ours(name: str) -> str | None:

@@ -26,7 +26,16 @@ from llmtrace.tracer.checkpoint.safetensors_header import (
     read_safetensors_index,
 )
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import PACKS, expected_shapes, ours_to_hf, ours_to_hf_experts, per_expert, tensor_of
+from llmtrace.tracer.core.contract import (
+    HF_MOE_FAMILIES,
+    PACKS,
+    expected_shapes,
+    hf_moe_family,
+    ours_to_hf,
+    ours_to_hf_experts,
+    per_expert,
+    tensor_of,
+)
 from llmtrace.tracer.core.dtypes import DType
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
@@ -63,28 +72,34 @@ def _format_list(items: list[str], limit: int = 3) -> str:
     return "; ".join(items[:limit]) + (f"; ... {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _expected(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{HF name: (our name, shape)} of every tensor the folder must hold: a mixture of experts' stacked (E, ...)
-    tensor is E tensors there, one per expert (`block_sparse_moe.experts.{j}.w1.weight`), in expert order."""
+def _expected(config: ModelConfig, family: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{HF name: (our name, shape)} of every tensor the folder must hold, a mixture of experts' spelled as its
+    `family` does (contract.HF_MOE_FAMILIES): a stacked (E, ...) tensor is E tensors there, one per expert
+    (`block_sparse_moe.experts.{j}.w1.weight`), in expert order."""
     expected = {}
     for ours, shape in expected_shapes(config).items():
         one = shape[1:] if per_expert(tensor_of(ours), config) else shape
-        expected.update((name, (ours, one)) for name in ours_to_hf_experts(ours, config))
+        expected.update((name, (ours, one)) for name in ours_to_hf_experts(ours, config, family))
     return expected
 
 
-def _plan(
-    config: ModelConfig, headers: list[SafetensorsFile], folder: Path
-) -> dict[str, tuple[SafetensorsFile, SafetensorsTensor]]:
-    """Match the files' tensors to the config's, by HF name; CheckpointError naming every mismatch."""
+def _found(headers: list[SafetensorsFile]) -> dict[str, tuple[SafetensorsFile, SafetensorsTensor]]:
+    """Every tensor of the files by its HF name."""
     found: dict[str, tuple[SafetensorsFile, SafetensorsTensor]] = {}
     for header in headers:  # no name twice: the index reader refuses a tensor in two shards
         for entry in header.tensors:
             if entry.dtype not in _ST_DTYPES:
                 raise FileFormatError(f"{header.path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r}")
             found[entry.name] = (header, entry)
+    return found
+
+
+def _plan(
+    config: ModelConfig, found: dict[str, tuple[SafetensorsFile, SafetensorsTensor]], folder: Path, family: str
+) -> dict[str, tuple[SafetensorsFile, SafetensorsTensor]]:
+    """Match the files' tensors to the config's, by HF name; CheckpointError naming every mismatch."""
     found = split_safetensors(found, config, str(folder))  # Phi-3's Q|K|V and gate|up: the members' row ranges
-    expected = {name: shape for name, (_, shape) in _expected(config).items()}
+    expected = {name: shape for name, (_, shape) in _expected(config, family).items()}
     # A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding); HF ignores it too.
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
     missing = [name for name in expected if name not in found]
@@ -157,8 +172,10 @@ def _views(folder: str | Path, config: ModelConfig) -> dict[str, list[View]]:
         raise CheckpointError(f"{folder}: not a folder; pass an HF model folder (config.json + model.safetensors)")
     if not (folder / "config.json").exists():
         raise ConfigError(f"{folder}: no config.json; pass an HF LLaMA model folder")
-    plan = _plan(config, _shard_headers(folder), folder)
-    ours = _expected(config)
+    found = _found(_shard_headers(folder))
+    family = hf_moe_family(frozenset(found))
+    plan = _plan(config, found, folder, family)
+    ours = _expected(config, family)
     files: dict[str, tuple[torch.Tensor, mmap.mmap]] = {}
     out: dict[str, list[View]] = {}
     for hf_name, (header, entry) in plan.items():  # in _expected's order: an expert's after the one before it
@@ -217,14 +234,15 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
     return state
 
 
-def hf_state_dict_from_ours(state_dict: dict[str, torch.Tensor],
-                            config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+def hf_state_dict_from_ours(state_dict: dict[str, torch.Tensor], config: ModelConfig | None = None,
+                            family: str = HF_MOE_FAMILIES[0]) -> dict[str, torch.Tensor]:
     """Rename our tensors to HF's (for writing a folder HF transformers can read, as the tests do); with a mixture
-    of experts' `config`, each stacked expert tensor becomes its E per-expert tensors."""
+    of experts' `config`, spelled as `family` does, each stacked expert tensor its E per-expert tensors."""
     out = {}
     for name, tensor in state_dict.items():
+        names = ours_to_hf_experts(name, config, family) if config is not None else (ours_to_hf(name),)
         if config is not None and per_expert(tensor_of(name), config):
-            out.update(zip(ours_to_hf_experts(name, config), tensor.unbind(0)))
+            out.update(zip(names, tensor.unbind(0)))
         else:
-            out[ours_to_hf(name)] = tensor
+            out[names[0]] = tensor
     return out
