@@ -204,7 +204,7 @@ UNKNOWN_GGUF = ("gpt2", "falcon")
 def _hf_config(arch: str, model_type: str = "", **extra: Any) -> dict[str, Any]:
     return {"architectures": [arch], "model_type": model_type, "vocab_size": 32, "hidden_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, "num_local_experts": 4,
-            "num_experts_per_tok": 2, **extra}
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, **extra}
 
 
 def _refusal(read: Callable[[], object]) -> str | None:
@@ -281,6 +281,10 @@ def table_loads() -> str:
          "llama.feed_forward_length": 32, "llama.attention.head_count": 2, "llama.vocab_size": 32,
          "llama.expert_count": 4, "llama.expert_used_count": 2}, "m", "m.gguf")
     _checked(llama_moe.moe is not None and llama_moe.moe.n_experts == 4, "a 'llama' GGUF's experts are read")
+    qwen3_moe = ModelConfig.from_hf_dict(_hf_config("Qwen3MoeForCausalLM", "qwen3_moe", moe_intermediate_size=8,
+                                                    norm_topk_prob=True))
+    _checked(qwen3_moe.qk_norm and qwen3_moe.ffn_dim == 8 and qwen3_moe.moe is not None
+             and qwen3_moe.moe.router_norm == "renormalised", "Qwen3-MoE: QK-norm, its experts' width, renormalised")
     read, refused, gguf_version = _gguf_types()
     hf = ", ".join(f"`{a}` ({what})" for a, what in HF_ARCHITECTURES.items())
     gguf = ", ".join(f"`{a}` ({what})" for a, what in GGUF_ARCHITECTURES.items())

@@ -169,7 +169,7 @@ class ModelConfig:
         refused = hf_refusal(archs, model_type)
         if refused is not None:
             raise UnsupportedModelError(refusal_line(source, *refused))
-        supported_types = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", ""}
+        supported_types = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -192,7 +192,9 @@ class ModelConfig:
         head_dim = data.get("head_dim")
         attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
         qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs  # Qwen2Attention: a bias on q, k, v, none on o
-        qwen3 = model_type == "qwen3" or "Qwen3ForCausalLM" in archs  # Qwen3Attention: q_norm, k_norm per head
+        # Qwen3Attention (Qwen3-MoE's too): q_norm, k_norm per head
+        qwen3 = model_type in ("qwen3", "qwen3_moe") or bool({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs))
+        qwen3_moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
         if model_type == "phi3" or "Phi3ForCausalLM" in archs:
             _check_phi3(data, source)
         rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
@@ -206,7 +208,9 @@ class ModelConfig:
             n_layers=whole("num_hidden_layers", need("num_hidden_layers")),
             n_heads=n_heads,
             n_kv_heads=whole("num_key_value_heads", data.get("num_key_value_heads") or n_heads),
-            ffn_dim=whole("intermediate_size", need("intermediate_size")),
+            # Qwen3-MoE: each expert's width (its intermediate_size is for dense layers, which _moe_from_hf refuses)
+            ffn_dim=(whole("moe_intermediate_size", need("moe_intermediate_size")) if qwen3_moe else
+                     whole("intermediate_size", need("intermediate_size"))),
             norm_eps=real("rms_norm_eps", data.get("rms_norm_eps", 1e-6)),
             rope_theta=real("rope_theta", rope_theta),
             max_seq_len=whole("max_position_embeddings", data.get("max_position_embeddings", 2048)),
@@ -317,7 +321,11 @@ class ModelConfig:
             n_layers=whole(key("block_count"), need("block_count")),
             n_heads=n_heads,
             n_kv_heads=whole(key("attention.head_count_kv"), meta.get(key("attention.head_count_kv"), n_heads)),
-            ffn_dim=whole(key("feed_forward_length"), need("feed_forward_length")),
+            # a mixture of experts' expert width where the file gives it apart (qwen3moe; a Mixtral 'llama' file's
+            # feed_forward_length is its experts')
+            ffn_dim=(whole(key("expert_feed_forward_length"), meta[key("expert_feed_forward_length")])
+                     if meta.get(key("expert_feed_forward_length")) else
+                     whole(key("feed_forward_length"), need("feed_forward_length"))),
             norm_eps=real(key("attention.layer_norm_rms_epsilon"),
                           meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
             rope_theta=real(key("rope.freq_base"), meta.get(key("rope.freq_base"), 10000.0)),
@@ -332,7 +340,8 @@ class ModelConfig:
             qkv_bias=bool(meta.get("_llmtrace.qkv_bias", False)),
             wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
             mlp_bias=bool(meta.get("_llmtrace.mlp_bias", False)),
-            qk_norm=arch == "qwen3",  # its layers must then hold attn_q_norm and attn_k_norm (a missing one is named)
+            # its layers must then hold attn_q_norm and attn_k_norm (a missing one is named)
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             moe=_moe_from_gguf(meta, arch, source),
         )
 
@@ -394,6 +403,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2: biases on Q, K and V",
     "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; no LongRoPE",
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
+    "qwen3moe": "Qwen3-MoE: Qwen3's attention, a mixture of experts in every layer",
 }
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
@@ -402,6 +412,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
     "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; no LongRoPE (128k models)",
     "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
+    "Qwen3MoeForCausalLM": "Qwen3's attention; mixture of experts in every layer, weights renormalised with "
+                           "`norm_topk_prob`",
 }
 _HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
@@ -409,16 +421,25 @@ _MISTRAL_DEFAULT_WINDOW = 4096
 
 
 def _moe_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> MoeSpec | None:
-    """Mixtral's experts (num_local_experts, num_experts_per_tok; its router renormalises the k weights), else
-    None (a dense FFN)."""
-    if not (model_type == "mixtral" or "MixtralForCausalLM" in archs):
+    """Mixtral's experts (num_local_experts, num_experts_per_tok; its router renormalises the k weights),
+    Qwen3-MoE's (num_experts, or num_local_experts as transformers 5 writes it; renormalised with norm_topk_prob,
+    else the softmax's own), else None (a dense FFN)."""
+    mixtral = model_type == "mixtral" or "MixtralForCausalLM" in archs
+    qwen3_moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
+    if not (mixtral or qwen3_moe):
         return None
+    experts_key = "num_experts" if qwen3_moe and "num_experts" in data else "num_local_experts"
     counts = []
-    for key in ("num_local_experts", "num_experts_per_tok"):
+    for key in (experts_key, "num_experts_per_tok"):
         if key not in data:
-            raise ConfigError(f"{source}: missing field {key!r}; a Mixtral config.json names its experts")
+            raise ConfigError(f"{source}: missing field {key!r}; a mixture of experts' config.json names its experts")
         counts.append(whole_number(data[key], source, key))
-    return MoeSpec(counts[0], counts[1], "renormalised")
+    if mixtral:
+        return MoeSpec(counts[0], counts[1], "renormalised")
+    if data.get("mlp_only_layers") or data.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedModelError(f"{source}: dense FFN layers among the experts' (mlp_only_layers, "
+                                    "decoder_sparse_step) are not modelled; llmtrace runs experts in every layer")
+    return MoeSpec(counts[0], counts[1], "renormalised" if data.get("norm_topk_prob", False) else "softmax")
 
 
 def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> int | None:
@@ -430,7 +451,8 @@ def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: lis
         window = data.get("sliding_window")
     elif model_type == "mixtral" or "MixtralForCausalLM" in archs:
         window = data.get("sliding_window")  # MixtralConfig's default is none
-    elif model_type in ("qwen2", "qwen3") or {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe") or {"Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                                           "Qwen3MoeForCausalLM"} & set(archs):
         # windowed only with use_sliding_window
         if not data.get("use_sliding_window", False) or data.get("sliding_window") is None:
             return None
@@ -466,15 +488,17 @@ def _check_phi3(data: Mapping[str, Any], source: str) -> None:
 
 
 def _moe_from_gguf(meta: Mapping[str, Any], arch: str, source: str) -> MoeSpec | None:
-    """A Mixtral-style file's experts: arch 'llama' with `llama.expert_count` and `llama.expert_used_count` (its
-    layers then hold ffn_gate_inp and the 3-D ffn_*_exps; llama.cpp renormalises a llama file's k weights), else
-    None. Another architecture's experts are refused in one line."""
+    """A Mixtral-style file's experts (arch 'llama' with `llama.expert_count` and `llama.expert_used_count`) or a
+    'qwen3moe' file's: its layers then hold ffn_gate_inp and the 3-D ffn_*_exps; llama.cpp renormalises both
+    architectures' k weights. None without experts. Another architecture's experts are refused in one line."""
     count = meta.get(f"{arch}.expert_count")
     if not count:
+        if arch == "qwen3moe":
+            raise ConfigError(f"{source}: a 'qwen3moe' GGUF without qwen3moe.expert_count; the file is incomplete")
         return None
-    if arch != "llama":
+    if arch not in ("llama", "qwen3moe"):
         raise UnsupportedModelError(f"{source}: a '{arch}' mixture of experts is not read; llmtrace reads Mixtral-style "
-                                    "'llama' GGUFs with experts")
+                                    "'llama' and 'qwen3moe' GGUFs with experts")
     used = meta.get(f"{arch}.expert_used_count")
     if used is None:
         raise ConfigError(f"{source}: GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count; the "
