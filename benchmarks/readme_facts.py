@@ -285,6 +285,9 @@ def table_loads() -> str:
                                                     norm_topk_prob=True))
     _checked(qwen3_moe.qk_norm and qwen3_moe.ffn_dim == 8 and qwen3_moe.moe is not None
              and qwen3_moe.moe.router_norm == "renormalised", "Qwen3-MoE: QK-norm, its experts' width, renormalised")
+    olmoe = ModelConfig.from_hf_dict(_hf_config("OlmoeForCausalLM", "olmoe"))
+    _checked(olmoe.qk_norm_whole and olmoe.moe is not None and olmoe.moe.router_norm == "softmax",
+             "OLMoE: QK-norm over the whole projections, the softmax's own weights")
     read, refused, gguf_version = _gguf_types()
     hf = ", ".join(f"`{a}` ({what})" for a, what in HF_ARCHITECTURES.items())
     gguf = ", ".join(f"`{a}` ({what})" for a, what in GGUF_ARCHITECTURES.items())

@@ -433,10 +433,15 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
                              Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * w.row_bytes(d)),
                                   act_write_bytes=int(r * d * a))))
         elif kind == "qk_norm":  # RMSNorm over each of the (H+Hkv) heads' D values of every token
-            qk_flops = ff.rmsnorm_flops(r * (h + hkv), hd)
-            vectors = sum(dt.tensor_bytes(tensor.name, hd, norm_dtype_for(w).row_bytes(hd)) for tensor in spec.tensors)
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer,
-                             lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)",
+            widths = [contract.shape_of(tensor, cfg)[0] for tensor in spec.tensors]  # D each, or H·D and Hkv·D
+            vectors = sum(dt.tensor_bytes(t.name, n, norm_dtype_for(w).row_bytes(n)) for t, n in zip(spec.tensors, widths))
+            if cfg.qk_norm_whole:  # OLMoE: one RMSNorm over each token's whole q and whole k
+                qk_flops = ff.rmsnorm_flops(r, q) + ff.rmsnorm_flops(r, kv)
+                formula = lambda: f"BT·(4·H·D+3) + BT·(4·Hkv·D+3) = {r}·(4·{q}+3) + {r}·(4·{kv}+3)"  # noqa: E731
+            else:
+                qk_flops = ff.rmsnorm_flops(r * (h + hkv), hd)
+                formula = lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)"  # noqa: E731
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer, formula,
                              Cost(qk_flops, qk_flops, vectors, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a))))
         elif kind == "rope":
             rows.append(_Row(name, label, ELEMENTWISE, per_layer,

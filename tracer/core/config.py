@@ -86,6 +86,9 @@ class ModelConfig:
     mlp_bias: bool = False  # the FFN's gate, up and down projections add biases (HF mlp_bias)
     # RMSNorm on each query and key head (weights of size head_dim) after the projections, before RoPE (Qwen3)
     qk_norm: bool = False
+    # with qk_norm: one RMSNorm over the whole q and k projections (weights H·D and Hkv·D wide) instead of each head
+    # (OLMoE's q_norm and k_norm)
+    qk_norm_whole: bool = False
     # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's): Mixtral's HF and GGUF files and
     # the presets; the stage modules run it (tracer/model/moe.py), a dry run cannot (tracer/load/loader.py).
     moe: MoeSpec | None = None
@@ -116,6 +119,8 @@ class ModelConfig:
             _check_rope_scaling(self.name, self.rope_scaling)
         if self.moe is not None:
             self.moe.check(self.name)
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ConfigError(f"config {self.name!r}: qk_norm_whole says how QK-norm normalises; set qk_norm too")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"config {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -169,7 +174,7 @@ class ModelConfig:
         refused = hf_refusal(archs, model_type)
         if refused is not None:
             raise UnsupportedModelError(refusal_line(source, *refused))
-        supported_types = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", ""}
+        supported_types = {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen3", "qwen3_moe", "phi3", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -195,6 +200,7 @@ class ModelConfig:
         # Qwen3Attention (Qwen3-MoE's too): q_norm, k_norm per head
         qwen3 = model_type in ("qwen3", "qwen3_moe") or bool({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs))
         qwen3_moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
+        olmoe = model_type == "olmoe" or "OlmoeForCausalLM" in archs  # OlmoeAttention: q_norm, k_norm over q and k
         if model_type == "phi3" or "Phi3ForCausalLM" in archs:
             _check_phi3(data, source)
         rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
@@ -222,7 +228,8 @@ class ModelConfig:
             qkv_bias=attention_bias or qwen2,
             wo_bias=attention_bias and not qwen2,
             mlp_bias=bool(data.get("mlp_bias", False)) and not qwen2,
-            qk_norm=qwen3,
+            qk_norm=qwen3 or olmoe,
+            qk_norm_whole=olmoe,
             moe=_moe_from_hf(data, model_type, archs, source),
         )
 
@@ -341,7 +348,8 @@ class ModelConfig:
             wo_bias=bool(meta.get("_llmtrace.wo_bias", False)),
             mlp_bias=bool(meta.get("_llmtrace.mlp_bias", False)),
             # its layers must then hold attn_q_norm and attn_k_norm (a missing one is named)
-            qk_norm=arch in ("qwen3", "qwen3moe"),
+            qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
+            qk_norm_whole=arch == "olmoe",  # llama.cpp's OLMoE: attn_q_norm H·D wide, attn_k_norm Hkv·D
             moe=_moe_from_gguf(meta, arch, source),
         )
 
@@ -404,6 +412,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; no LongRoPE",
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
     "qwen3moe": "Qwen3-MoE: Qwen3's attention, a mixture of experts in every layer",
+    "olmoe": "OLMoE: RMSNorm over the whole Q and K projections, a mixture of experts in every layer",
 }
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
@@ -414,6 +423,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
     "Qwen3MoeForCausalLM": "Qwen3's attention; mixture of experts in every layer, weights renormalised with "
                            "`norm_topk_prob`",
+    "OlmoeForCausalLM": "RMSNorm over the whole Q and K projections; mixture of experts in every layer",
 }
 _HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
@@ -422,13 +432,17 @@ _MISTRAL_DEFAULT_WINDOW = 4096
 
 def _moe_from_hf(data: Mapping[str, Any], model_type: str, archs: list[str], source: str) -> MoeSpec | None:
     """Mixtral's experts (num_local_experts, num_experts_per_tok; its router renormalises the k weights),
-    Qwen3-MoE's (num_experts, or num_local_experts as transformers 5 writes it; renormalised with norm_topk_prob,
-    else the softmax's own), else None (a dense FFN)."""
+    Qwen3-MoE's and OLMoE's (num_experts, or num_local_experts as transformers 5 writes Qwen3-MoE's; renormalised
+    with norm_topk_prob, else the softmax's own: OLMoE's default), else None (a dense FFN)."""
     mixtral = model_type == "mixtral" or "MixtralForCausalLM" in archs
     qwen3_moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
-    if not (mixtral or qwen3_moe):
+    olmoe = model_type == "olmoe" or "OlmoeForCausalLM" in archs
+    if not (mixtral or qwen3_moe or olmoe):
         return None
-    experts_key = "num_experts" if qwen3_moe and "num_experts" in data else "num_local_experts"
+    if olmoe and data.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{source}: clip_qkv (q, k and v clamped) is not modelled; llmtrace runs OLMoE "
+                                    "without it")
+    experts_key = "num_experts" if not mixtral and "num_experts" in data else "num_local_experts"
     counts = []
     for key in (experts_key, "num_experts_per_tok"):
         if key not in data:
@@ -488,23 +502,26 @@ def _check_phi3(data: Mapping[str, Any], source: str) -> None:
 
 
 def _moe_from_gguf(meta: Mapping[str, Any], arch: str, source: str) -> MoeSpec | None:
-    """A Mixtral-style file's experts (arch 'llama' with `llama.expert_count` and `llama.expert_used_count`) or a
-    'qwen3moe' file's: its layers then hold ffn_gate_inp and the 3-D ffn_*_exps; llama.cpp renormalises both
-    architectures' k weights. None without experts. Another architecture's experts are refused in one line."""
+    """A Mixtral-style file's experts (arch 'llama' with `llama.expert_count` and `llama.expert_used_count`), a
+    'qwen3moe' or an 'olmoe' file's: its layers then hold ffn_gate_inp and the 3-D ffn_*_exps. llama.cpp renormalises
+    the k weights of 'llama' and 'qwen3moe', not OLMoE's (its norm_w), unless the file says
+    (`<arch>.expert_weights_norm`). None without experts. Another architecture's experts are refused in one line."""
     count = meta.get(f"{arch}.expert_count")
     if not count:
-        if arch == "qwen3moe":
-            raise ConfigError(f"{source}: a 'qwen3moe' GGUF without qwen3moe.expert_count; the file is incomplete")
+        if arch in ("qwen3moe", "olmoe"):
+            raise ConfigError(f"{source}: a '{arch}' GGUF without {arch}.expert_count; the file is incomplete")
         return None
-    if arch not in ("llama", "qwen3moe"):
+    if arch not in ("llama", "qwen3moe", "olmoe"):
         raise UnsupportedModelError(f"{source}: a '{arch}' mixture of experts is not read; llmtrace reads Mixtral-style "
-                                    "'llama' and 'qwen3moe' GGUFs with experts")
+                                    "'llama', 'qwen3moe' and 'olmoe' GGUFs with experts")
     used = meta.get(f"{arch}.expert_used_count")
     if used is None:
         raise ConfigError(f"{source}: GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count; the "
                           "file is incomplete")
+    renormalised = meta.get(f"{arch}.expert_weights_norm", arch != "olmoe")
     return MoeSpec(whole_number(count, source, f"{arch}.expert_count"),
-                   whole_number(used, source, f"{arch}.expert_used_count"), "renormalised")
+                   whole_number(used, source, f"{arch}.expert_used_count"),
+                   "renormalised" if renormalised is True else "softmax")
 
 
 def _sliding_window_from_gguf(window: Any, source: str) -> int | None:

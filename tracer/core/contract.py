@@ -165,9 +165,9 @@ STAGES: tuple[StageSpec, ...] = (
     # heads), after the projections and before RoPE (HF Qwen3Attention's q_norm, k_norm)
     StageSpec("attention.qk_norm", "qk_norm", "RMSNorm on q, k heads", "QK-norm", True, when="qk_norm",
               tensors=(TensorSpec("attention.qk_norm.q_weight", "self_attn.q_norm.weight", "attn_q_norm.weight",
-                                  ("D",), "norm"),
+                                  ("Dq",), "norm"),
                        TensorSpec("attention.qk_norm.k_weight", "self_attn.k_norm.weight", "attn_k_norm.weight",
-                                  ("D",), "norm"))),  # present with their stage (its `when`)
+                                  ("Dk",), "norm"))),  # present with their stage (its `when`)
     StageSpec("attention.rope", "rope", "RoPE on q, k", "RoPE q,k", True),
     StageSpec("attention.kv_cache", "kv_cache", "KV cache write", "KV write", True),
     StageSpec("attention.scores", "attention_scores", "scores QKᵀ", "scores QKᵀ/√D", True),
@@ -267,7 +267,10 @@ def dims(config: ModelConfig) -> dict[str, int]:
     """The value of each dimension symbol a tensor shape may use."""
     return {"V": config.vocab_size, "d": config.dim, "H·D": config.q_dim, "Hkv·D": config.kv_dim,
             "F": config.ffn_dim, "H": config.n_heads, "Hkv": config.n_kv_heads, "D": config.head_dim,
-            "E": config.moe.n_experts if config.moe is not None else 1}
+            "E": config.moe.n_experts if config.moe is not None else 1,
+            # QK-norm's weights: a head's D, or the whole projection's (OLMoE: config.qk_norm_whole)
+            "Dq": config.q_dim if config.qk_norm_whole else config.head_dim,
+            "Dk": config.kv_dim if config.qk_norm_whole else config.head_dim}
 
 
 def shape_of(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:

@@ -41,11 +41,9 @@ REFUSALS: tuple[Refusal, ...] = (
             hf=("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
                 "Zamba2ForCausalLM"),
             model_types=("mamba", "mamba2", "falcon_mamba", "jamba", "zamba2"), gguf=("mamba", "mamba2", "jamba")),
-    # Mixtral and Qwen3-MoE read (tracer/model/moe.py); these still lack what their own routers add
-    Refusal("mixtures of experts", "a router and experts in place of the dense FFN",
-            hf=("Qwen2MoeForCausalLM", "OlmoeForCausalLM"),
-            model_types=("qwen2_moe", "olmoe"), gguf=("qwen2moe", "olmoe"),
-            instead="the preset olmoe-1b-7b costs it in flops, kvmem and roofline"),
+    # Mixtral, Qwen3-MoE and OLMoE read (tracer/model/moe.py); Qwen2-MoE adds a shared expert beside the routed ones
+    Refusal("Qwen2-MoE", "a shared expert (with its own sigmoid gate) beside the routed experts",
+            hf=("Qwen2MoeForCausalLM",), model_types=("qwen2_moe",), gguf=("qwen2moe",)),
     Refusal("Gemma", "Gemma's (1 + w) RMSNorm, norms after attention and FFN, GeGLU and scaled embeddings",
             hf=("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
             model_types=("gemma", "gemma2", "gemma3_text"), gguf=("gemma", "gemma2", "gemma3")),

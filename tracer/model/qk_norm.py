@@ -18,12 +18,15 @@ from llmtrace.tracer.model.functional import rms_norm, rms_norm_floor
 class QKNorm(nn.Module):
     """q (B, T, H, D), k (B, T, Hkv, D) -> the same shapes, each head normalised over D and times its weight."""
 
-    def __init__(self, head_dim: int, eps: float) -> None:
+    def __init__(self, head_dim: int, eps: float, k_dim: int | None = None) -> None:
         super().__init__()
         self.eps = eps
+        # `k_dim`: the keys' width where it is not the queries' (OLMoE normalises each token's whole q, H·D wide,
+        # and whole k, Hkv·D wide, before they are split into heads: config.qk_norm_whole)
         self.q_weight = nn.Parameter(torch.ones(head_dim))
-        self.k_weight = nn.Parameter(torch.ones(head_dim))
+        self.k_weight = nn.Parameter(torch.ones(head_dim if k_dim is None else k_dim))
         self._floor: torch.Tensor | None = None  # sqrt(D * eps), fp32, on the weights' device (made on first use)
+        self._k_floor: torch.Tensor | None = None  # the keys' own, where their width differs
 
     def floor(self, device: torch.device) -> torch.Tensor:
         """sqrt(D * eps) as functional.rms_norm takes it (the packed path takes it from here too)."""
@@ -34,7 +37,12 @@ class QKNorm(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         floor = self.floor(q.device)
-        return rms_norm(q, self.q_weight, floor), rms_norm(k, self.k_weight, floor)
+        k_floor = floor
+        if self.k_weight.shape[0] != self.q_weight.shape[0]:
+            k_floor = self._k_floor
+            if k_floor is None or k_floor.device != q.device:
+                k_floor = self._k_floor = rms_norm_floor(self.k_weight.shape[0], self.eps, q.device)
+        return rms_norm(q, self.q_weight, floor), rms_norm(k, self.k_weight, k_floor)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.q_weight.shape[0]}, eps={self.eps}"

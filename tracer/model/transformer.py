@@ -157,7 +157,11 @@ class Attention(nn.Module):
         self.wq = Linear(config.dim, config.q_dim, bias=has_bias("attention.wq", config))
         self.wk = Linear(config.dim, config.kv_dim, bias=has_bias("attention.wk", config))
         self.wv = Linear(config.dim, config.kv_dim, bias=has_bias("attention.wv", config))
-        self.qk_norm = QKNorm(config.head_dim, config.norm_eps) if config.qk_norm else None  # Qwen3's, else none
+        self.qk_norm = None  # Qwen3's per head, OLMoE's over the whole projections (config.qk_norm_whole), or none
+        if config.qk_norm:
+            self.qk_norm = (QKNorm(config.q_dim, config.norm_eps, config.kv_dim) if config.qk_norm_whole else
+                            QKNorm(config.head_dim, config.norm_eps))
+        self.qk_norm_whole = config.qk_norm_whole
         self.rope = RotaryEmbedding(config.head_dim)
         self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, config.sliding_window)
         self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, config.sliding_window)
@@ -167,10 +171,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
         batch, new, _ = x.shape
-        q = self.wq(x).view(batch, new, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        q, k = self.wq(x), self.wk(x)  # (B, T, H*D), (B, T, Hkv*D)
+        if self.qk_norm is not None and self.qk_norm_whole:
+            q, k = self.qk_norm(q, k)  # OLMoE: each token's whole q and k, before the heads are split
+        q = q.view(batch, new, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = k.view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and not self.qk_norm_whole:
             q, k = self.qk_norm(q, k)
         q, k = self.rope(q, k, input_pos)
         if use_cache:
@@ -268,9 +275,12 @@ class Transformer(ModelCaches):
         self.register_state_dict_post_hook(_drop_tied_output)
 
     def packed_off_reason(self) -> str:
-        """ModelCaches' answer, after what only the stage modules run: a mixture of experts (tracer/model/moe.py)."""
+        """ModelCaches' answer, after what only the stage modules run: a mixture of experts (tracer/model/moe.py), a
+        QK-norm over whole q and k projections (OLMoE)."""
         if self.config.moe is not None:
             return "a mixture of experts runs on the stage modules only (the packed and native paths have no router)"
+        if self.config.qk_norm_whole:  # OLMoE's; the packed path normalises each head
+            return "QK-norm over whole q and k projections runs on the stage modules only"
         return super().packed_off_reason()
 
     # ---- forward passes ------------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""OLMoE (QK-norm over each token's whole q and k projections, H·D and Hkv·D wide, before the heads are split; a
+mixture of experts in every layer whose k weights stay as the softmax gave them): its config.json and its 'olmoe'
+GGUF read; greedy ids and logits equal to transformers' OlmoeForCausalLM on a tiny random model from the HF folder and
+from a Q8_0 GGUF of the same weights; the QK-norm stage's FLOPs are two whole-row RMSNorms a token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_mixtral import greedy, hf_greedy, prompt_ids
+from test_qwen2 import _bundled_vocab, _write_tokenizer_json
+from tiny_gguf import write_tiny_gguf
+from tiny_llama import random_weights
+
+from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core.config import ModelConfig, MoeSpec
+from llmtrace.tracer.core.errors import UnsupportedModelError
+from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.trace.hooks import Tracer
+from llmtrace.tracer.trace.records import PREFILL
+
+transformers = pytest.importorskip("transformers")
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+E, K, F = 4, 2, 96
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def olmoe_dict(vocab: dict) -> dict:
+    """An OlmoeForCausalLM config.json: 4 heads of 16 (2 KV), so q_norm is 64 wide and k_norm 32; 4 experts of 96."""
+    return {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": len(vocab["tokens"]),
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": F, "num_experts": E, "num_experts_per_tok": K, "norm_topk_prob": False,
+        "clip_qkv": None, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "bos_token_id": vocab["bos"],
+        "eos_token_id": vocab["eos"], "pad_token_id": 1, "torch_dtype": "float32",
+    }
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, ModelConfig]:
+    """(an OlmoeForCausalLM folder, the same weights as a Q8_0 'olmoe' GGUF, the config)."""
+    vocab = _bundled_vocab()
+    folder = tmp_path_factory.mktemp("tiny-olmoe")
+    (folder / "config.json").write_text(json.dumps(olmoe_dict(vocab)), encoding="utf-8")
+    config = ModelConfig.from_hf_json(folder)
+    weights = random_weights(config, seed=41)
+    generator = torch.Generator().manual_seed(42)
+    for name, tensor in weights.items():
+        if ".qk_norm." in name:  # not ones: a skipped or per-head QK-norm would still pass
+            weights[name] = 1.0 + 0.3 * torch.randn(tensor.shape, generator=generator)
+        elif tensor.dim() >= 2:  # the values a Q8_0 file holds exactly
+            array = tensor.numpy().astype(np.float32)
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
+    save_file({k: v.contiguous() for k, v in hf_state_dict_from_ours(weights, config, "mlp").items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer_json(folder, vocab)
+    gguf_path = write_tiny_gguf(tmp_path_factory.mktemp("tiny-olmoe-gguf") / "olmoe.gguf", config, weights, vocab,
+                                matrix_type=Q8_0, arch="olmoe", tokenizer_model="gpt2",
+                                extra_metadata={"olmoe.expert_count": E, "olmoe.expert_used_count": K})
+    return folder, gguf_path, config
+
+
+def test_config_reads_whole_projection_qk_norm_and_the_softmax_router(olmoe: tuple[Path, Path, ModelConfig]) -> None:
+    folder, gguf_path, config = olmoe
+    assert config.moe == MoeSpec(E, K, "softmax") and config.ffn_dim == F
+    assert (config.qk_norm, config.qk_norm_whole, config.q_dim, config.kv_dim) == (True, True, 64, 32)
+    from_gguf = load_model(str(gguf_path)).config
+    assert (from_gguf.moe, from_gguf.qk_norm_whole, from_gguf.ffn_dim) == (config.moe, True, F)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_ids_and_logits_equal_transformers(olmoe: tuple[Path, Path, ModelConfig], source: str) -> None:
+    folder, gguf_path, config = olmoe
+    hf = transformers.OlmoeForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+    loaded = load_model(str(folder if source == "hf" else gguf_path))
+    prompt = prompt_ids(config)
+    want_ids, want_logits = hf_greedy(hf, prompt)
+    ids, logits = greedy(loaded.model, prompt)
+    assert ids == want_ids
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    assert want_logits.abs().max().item() > 1.0
+
+
+def test_the_qk_norm_stage_normalises_each_tokens_whole_q_and_k(olmoe: tuple[Path, Path, ModelConfig]) -> None:
+    folder, _, config = olmoe
+    model = load_model(str(folder)).model
+    model.setup_cache(1, 8)
+    with Tracer(model, mechanism="wrap") as tracer:
+        tracer.begin_step(PREFILL, 0)
+        model.prefill(torch.arange(3, 9).view(1, 6))
+        tracer.end_step()
+    norm = next(r for r in tracer.records() if r.stage == "layers.0.attention.qk_norm")
+    assert norm.input_shapes == ((1, 6, 64), (1, 6, 32))  # before the heads are split
+    assert norm.elementwise_flops == ff.rmsnorm_flops(6, 64) + ff.rmsnorm_flops(6, 32)
+    assert norm.weight_bytes_read == (64 + 32) * 4
+
+
+def test_clip_qkv_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(olmoe_dict(_bundled_vocab()) | {"clip_qkv": 8.0}),
+                                          encoding="utf-8")
+    with pytest.raises(UnsupportedModelError, match="clip_qkv"):
+        ModelConfig.from_hf_json(tmp_path)
