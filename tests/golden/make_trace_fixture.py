@@ -1,9 +1,9 @@
-"""Write tests/golden/tiny_trace.json, tiny_dry_run.json, tiny_batch_trace.json and tiny_journey_trace.json (sampled,
-with the logit lens and attention): the fixed traces `llmtrace show`'s golden files render.
+"""Write tests/golden/tiny_trace.json, tiny_dry_run.json, tiny_batch_trace.json, tiny_journey_trace.json (sampled,
+with the logit lens and attention) and tiny_moe_trace.json: the fixed traces `llmtrace show`'s golden files render.
 
 A real generation of the tiny test model (tests/tiny_llama.py: 2 layers, dim 64, SentencePiece trained on
-sample_prompts/; tiny_moe_trace.json: the same as a Mixtral of 4 experts, 2 per token), greedy, whose every clock reading is then replaced by a fixed, made-up timing (and the machine by a
-fixed description), so that the rendered output is the same on every machine and every run. The shapes, FLOPs,
+sample_prompts/; for tiny_moe_trace.json the same as a Mixtral of 4 experts, 2 per token), greedy, whose every clock
+reading is then replaced by a fixed, made-up timing (and the machine by a fixed description), so that the rendered output is the same on every machine and every run. The shapes, FLOPs,
 bytes, tokens and probabilities are the real ones.
 
 The committed fixtures are trace schema version 1 (whole stage records), which keeps the reader of version 1
