@@ -1,6 +1,7 @@
-"""Section 7b of `llmtrace run` for a mixture of experts (the trace's routing records): the experts each token went
-to in every layer (a token x layer map), each expert's load per layer over the run, and the experts a step read
-beside what uniform routing expects, E·(1 - (1 - k/E)^n) for n token rows (tracer/analytic/moe.py)."""
+"""Section 7b of `llmtrace run` for a mixture of experts (the trace's routing records): its parameters, total and
+active a token (tracer/analytic/params.py), the experts each token went to in every layer (a token x layer map), each
+expert's load per layer over the run, and the experts a step read beside what uniform routing expects,
+E·(1 - (1 - k/E)^n) for n token rows (tracer/analytic/moe.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.text import Text
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.analytic.moe import expected_distinct_experts, most_distinct_experts
+from llmtrace.tracer.analytic.params import count_params
 from llmtrace.tracer.trace.records import DECODE, PREFILL
 from llmtrace.tracer.trace.routing import RoutingStep, expert_load
 from llmtrace.tracer.trace.run_trace import Trace
@@ -30,7 +32,10 @@ def render_experts(console: Console, trace: Trace) -> None:
         return
     e, k = moe.n_experts, moe.experts_per_token
     width = console.width - FRAME
-    parts: list[object] = []
+    params = count_params(trace.config)
+    parts: list[object] = [Text(
+        f"{fmt.count(params.total)} parameters, {fmt.count(params.active)} of them active a token "
+        f"({100 * params.active / params.total:.0f}%: attention, router, head and {k} of the {e} experts)"), Text("")]
     if trace.batch is None:  # a batch's rows are several sequences' at once: its load and reads say it
         parts += [_token_map(trace, e, width), Text("")]
     parts += [_load(trace.routing, e, width), Text(""), _reads(trace.routing, e, k)]

@@ -110,3 +110,22 @@ def test_dense_layers_among_the_experts_are_refused_in_one_line(tmp_path: Path) 
     (tmp_path / "config.json").write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(UnsupportedModelError, match="dense FFN layers among the experts'"):
         ModelConfig.from_hf_json(tmp_path)
+
+
+@torch.no_grad()
+def test_transformers_gguf_reading_gives_llmtraces_logits(qwen3_moe: tuple[Path, Path, ModelConfig]) -> None:
+    """The same 'qwen3moe' GGUF through transformers' own GGUF loading (its dequantization, its split of the 3-D
+    experts) and through llmtrace's reader; the folder's config passed (transformers' qwen3 GGUF mapping takes no
+    attention.key_length, as test_qwen3 says)."""
+    folder, gguf_path, config = qwen3_moe
+    if config.moe.router_norm == "softmax":
+        pytest.skip("the GGUF is written for the renormalised router (llama.cpp's qwen3moe)")
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                              config=hf_config, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    ours = load_model(str(gguf_path), use_cache=False).model
+    ids = torch.randint(3, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
+    expected = theirs(input_ids=ids).logits
+    assert expected.abs().max() > 1.0
+    assert (ours(ids) - expected).abs().max().item() <= 1e-4
