@@ -1,20 +1,26 @@
 """A mixture of experts as the tracer sees it: the SwiGLU stages run once per chosen expert, on the tokens routed to
-it; the traced matmul FLOPs of every step are FlopCounterMode's; a step's weight bytes are the real sizes of what it
-read (attention, norms, router, head and the distinct experts the step's routing names, each expert once); the routing
-record names the experts HF's own router picks for the same hidden states."""
+it; the traced matmul FLOPs of every step are FlopCounterMode's, and all its FLOPs the analytical estimate's; a step's
+weight bytes are the real sizes of what it read (attention, norms, router, head and the distinct experts the step's
+routing names, each expert once), the estimate's but for the experts (measured against uniform routing's expected
+count); the routing record is the router's top-k of the logits the router stage wrote."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.analytic.moe import expected_distinct_experts
 from llmtrace.tracer.core.config import ModelConfig, MoeSpec
+from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.model.functional import route_top_k
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, PREFILL, StageRecord
 from llmtrace.tracer.trace.routing import RoutingStep, expert_load, routing_step
+from llmtrace.tracer.trace.summary import stage_totals
 
 E, K = 8, 2
 CONFIG = ModelConfig("tiny-moe", 96, 64, 2, 4, 2, 48, max_seq_len=32, moe=MoeSpec(E, K, "renormalised"))
@@ -106,3 +112,28 @@ def test_the_routing_record_is_the_routers_choice_on_the_stage_inputs() -> None:
     assert [sum(layer) for layer in load] == [PROMPT * K] * CONFIG.n_layers
     softmax_only = route_top_k(kept["logits"], K, renormalise=False)[0]
     assert torch.allclose(softmax_only, top.values)  # OLMoE's: the softmax's own values, not rescaled
+
+
+def test_flops_equal_the_estimates_and_weight_bytes_differ_only_by_the_experts_read() -> None:
+    """FLOPs do not depend on the routing (each token row runs k experts), so the traced FLOPs equal the analytical
+    estimate's, in total and per stage of layer 0 (an expert stage's calls summed); its weight bytes differ from the
+    estimate's only by the experts: the measured distinct ones against uniform routing's expectation."""
+    _, records, _, routed = _traced()
+    dtypes = estimate.Dtypes.for_weights(FP32)
+    expert = 3 * CONFIG.ffn_dim * CONFIG.dim * 4
+    for step, routing in enumerate(routed):
+        stages = [r for r in records if r.step == step]
+        phase = (estimate.prefill(CONFIG, PROMPT, dtypes) if step == 0
+                 else estimate.decode_step(CONFIG, PROMPT - 1 + step, dtypes))
+        ours = stage_totals(stages)
+        assert (ours.flops, ours.matmul_flops) == (phase.totals.total_flops, phase.totals.matmul_flops)
+        components = {c.name: c for c in phase.components}
+        by_role: dict[str, int] = {}
+        for record in (r for r in stages if r.layer == 0):
+            by_role[record.short_name] = by_role.get(record.short_name, 0) + record.flops
+        for role, flops in by_role.items():
+            assert flops == sum(components[part].flops for part in estimate.stage_components(role, CONFIG)), role
+        expected = expected_distinct_experts(E, K, routing.tokens)
+        measured = sum(layer.distinct for layer in routing.layers)
+        assert ours.weight_bytes_read - phase.totals.weight_bytes == pytest.approx(
+            (measured - CONFIG.n_layers * expected) * expert, abs=CONFIG.n_layers)
