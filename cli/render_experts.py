@@ -12,10 +12,9 @@ from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_run import section
-from llmtrace.tracer.analytic.moe import expected_distinct_experts, most_distinct_experts
 from llmtrace.tracer.analytic.params import count_params
-from llmtrace.tracer.trace.records import DECODE, PREFILL
-from llmtrace.tracer.trace.routing import RoutingStep, expert_load
+from llmtrace.tracer.trace.records import PREFILL
+from llmtrace.tracer.trace.routing import RoutingStep, expert_load, step_reads, token_routes
 from llmtrace.tracer.trace.run_trace import Trace
 
 PIECE_WIDTH = 8
@@ -55,17 +54,11 @@ def _label(expert: int, n_experts: int) -> str:
 def _token_map(trace: Trace, n_experts: int, width: int) -> Group:
     """One row per token fed (the prompt's, then each decode step's input), one column per layer: its experts, the
     router's favourite first. The layers that fit the width; the rest are in the JSON."""
-    rows: list[tuple[str, RoutingStep, int]] = []
-    chosen = {s.step: s.piece for s in trace.steps}
-    for step in trace.routing:
-        if step.phase == PREFILL:
-            pieces = trace.tokenization.pieces if trace.tokenization is not None else ()
-            rows += [(pieces[i] if i < len(pieces) else "", step, i) for i in range(step.tokens)]
-        else:
-            rows.append((chosen.get(step.step - 1, ""), step, 0))
+    rows = token_routes(trace.routing, trace.tokenization.pieces if trace.tokenization is not None else (),
+                        {s.step: s.piece for s in trace.steps})
     sep = "" if n_experts <= len(DIGITS) else ","
-    cell = len(sep.join(_label(n_experts - 1, n_experts) for _ in range(len(rows[0][1].layers[0].experts[0]))))
-    n_layers = len(rows[0][1].layers)
+    cell = len(sep.join(_label(n_experts - 1, n_experts) for _ in rows[0].experts[0]))
+    n_layers = len(rows[0].experts)
     shown = max(1, min(n_layers, (width - PIECE_WIDTH - 6) // (cell + 1)))
     table = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1, 0, 0))
     table.add_column("token", no_wrap=True)
@@ -74,13 +67,13 @@ def _token_map(trace: Trace, n_experts: int, width: int) -> Group:
         table.add_column(f"L{layer}", no_wrap=True)
     if len(rows) > MOST_ROWS:
         half = MOST_ROWS // 2
-        rows = [*rows[:half], ("…", rows[half][1], -1), *rows[-half:]]
-    for piece, step, row in rows:
-        if row < 0:
+        rows = (*rows[:half], None, *rows[-half:])
+    for row in rows:
+        if row is None:
             table.add_row("…", "", *("" for _ in range(shown)))
             continue
-        cells = [sep.join(_label(x, n_experts) for x in layer.experts[row]) for layer in step.layers[:shown]]
-        table.add_row(escape(fmt.piece(piece)[:PIECE_WIDTH]), str(step.step), *cells)
+        cells = [sep.join(_label(x, n_experts) for x in experts) for experts in row.experts[:shown]]
+        table.add_row(escape(fmt.piece(row.piece)[:PIECE_WIDTH]), str(row.step), *cells)
     note = f"; layers {shown}-{n_layers - 1} in the JSON" if shown < n_layers else ""
     return Group(table, Text(f"each token's experts in every layer, the router's favourite first (a decode step's row "
                              f"is the token the step before chose){note}"))
@@ -117,19 +110,9 @@ def _reads(steps: tuple[RoutingStep, ...], n_experts: int, top_k: int) -> Table:
     table.add_column("measured", justify="right")
     table.add_column("uniform", justify="right")
     table.add_column("at most", justify="right")
-    for phase, label in ((PREFILL, "prefill"), (DECODE, "decode step")):
-        mine = [s for s in steps if s.phase == phase]
-        if not mine:
-            continue
-        rows = sorted({s.tokens for s in mine})
-        for n in rows:
-            same = [s for s in mine if s.tokens == n]
-            measured = sum(s.distinct_mean for s in same) / len(same)
-            lo = min(layer.distinct for s in same for layer in s.layers)
-            hi = max(layer.distinct for s in same for layer in s.layers)
-            spread = f" ({lo}-{hi})" if lo != hi else ""
-            what = label if phase == PREFILL else f"{label} ×{len(same)}"
-            table.add_row(what, str(n), f"{measured:.2f}{spread}",
-                          f"{expected_distinct_experts(n_experts, top_k, n):.2f}",
-                          str(most_distinct_experts(n_experts, top_k, n)))
+    for reads in step_reads(steps, n_experts, top_k):
+        spread = f" ({reads.least}-{reads.most_measured})" if reads.least != reads.most_measured else ""
+        what = "prefill" if reads.phase == PREFILL else f"decode step ×{reads.steps}"
+        table.add_row(what, str(reads.rows), f"{reads.measured:.2f}{spread}", f"{reads.expected:.2f}",
+                      str(reads.most))
     return table

@@ -6,8 +6,8 @@ their value on hover, and one small inline script: the token selector of the log
 JavaScript off it shows the first generated token's lens and attention.
 
 The page, in order: the header (the model as the terminal's header names it, its weights, kernels and load time),
-the contents, the token stream, the summary (section 8's figures), where a decode step's time goes (section 7),
-time per layer x stage, the roofline, decode time per step, the sampling lesson, then for every generated token
+the contents, the token stream, the summary (section 8's figures), where a decode step's time goes (section 7), a
+mixture of experts' routing (section 7b, llmtrace.cli.html_experts), time per layer x stage, the roofline, decode time per step, the sampling lesson, then for every generated token
 the logit lens and the attention, and the no-KV-cache comparison. Every figure comes from the trace's records
 through the functions the terminal uses (llmtrace.cli.html_tables).
 """
@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli import html_journey, html_tables
+from llmtrace.cli.html_experts import experts_html
 from llmtrace.cli.render_kernels import detail_lines, dtype_name, kernel_line, numerics_note
 from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.core.errors import BadArgumentError
@@ -49,6 +50,7 @@ td.barcell { width: 130px; text-align: left; } .bar { display: inline-block; hei
 table.heat th.col { vertical-align: bottom; padding: 2px 0; }
 table.heat th.col span { writing-mode: vertical-rl; transform: rotate(180deg); white-space: pre; }
 table.heat td:hover { outline: 2px solid #000; } table.heat.time td { width: 24px; height: 16px; }
+table.experts td { font-family: monospace; white-space: nowrap; }
 p.line { margin: .2em 0; }
 .picker { position: sticky; top: 0; background: #fff; padding: .4em 0; border-bottom: 1px solid #ccc; z-index: 1; }
 .picker select { font-family: monospace; } ul.heads { font-family: monospace; font-size: .85em; }
@@ -104,6 +106,10 @@ def _run_sections(trace: Trace, report: RunReport, roofline: MeasuredVsBound | N
         d = report.decode_stages
         sections.append(("stages", f"Decode by stage: where a step's {fmt.duration_ns(d.forward_ns_per_step)} go",
                          html_tables.decode_stage_table(d) + _staged_note(trace)))
+    experts = experts_html(trace)
+    if experts:
+        moe = trace.config.moe
+        sections.append(("experts", f"Experts: {moe.n_experts} a layer, {moe.experts_per_token} per token", experts))
     grids = () if dry is not None else (layer_stage_grid(trace, PREFILL), layer_stage_grid(trace, DECODE))
     maps = [html_tables.time_heat_map(grid, [_label(r) for r in grid.roles]) for grid in grids if grid is not None]
     if maps:

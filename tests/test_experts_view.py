@@ -1,6 +1,7 @@
 """Section 7b (cli/render_experts.py) of a mixture of experts too big for the terminal: 64 experts, 8 per token,
 16 layers at 80 columns. Every line fits; the map shows the layers that fit and names the rest, the load bars the
-experts that fit; the measured reads are the records' own and the expectation is E·(1 - (1 - k/E)^n)."""
+experts that fit; the measured reads are the records' own and the expectation is E·(1 - (1 - k/E)^n). The HTML
+report's section (cli/html_experts.py) shows every layer and expert of the records."""
 
 from __future__ import annotations
 
@@ -56,3 +57,30 @@ def test_a_wide_mixture_of_experts_fits_80_columns_and_names_what_it_leaves_out(
     high = max(layer.distinct for layer in routing[0].layers)
     assert prefill[1:4] == [str(prompt), f"{routing[0].distinct_mean:.2f}", f"({low}-{high})"]
     assert prefill[4:] == [f"{E * (1 - (1 - K / E) ** prompt):.2f}", str(min(E, K * prompt))]
+
+
+def test_the_html_section_shows_every_layer_and_expert_of_the_records() -> None:
+    """The HTML report's experts section (cli/html_experts.py): a cell per token row and layer holding the records'
+    experts, their router weights on hover, a load cell per expert; the reads table's figures the terminal's."""
+    import re
+
+    from llmtrace.cli.html_experts import experts_html
+    from llmtrace.tracer.trace.routing import step_reads
+
+    trace = Trace.from_json(FIXTURE.read_text(encoding="utf-8"))
+    page = experts_html(trace)
+    cells = re.findall(r'<td title="([^"]*)">([0-9,]+)</td>', page)
+    records = [(layer.experts[row], layer.weights[row]) for step in trace.routing for row in range(step.tokens)
+               for layer in step.layers]
+    assert len(cells) == len(records) == sum(s.tokens for s in trace.routing) * trace.config.n_layers
+    for (title, text), (experts, weights) in zip(cells, records):
+        assert text == ",".join(map(str, experts))
+        assert title == ", ".join(f"expert {x}: {w:.3f}" for x, w in zip(experts, weights))
+    load_cells = re.findall(r'title="expert (\d+): (\d+) rows', page)
+    assert len(load_cells) == trace.config.n_layers * trace.config.moe.n_experts
+    assert sum(int(n) for _, n in load_cells) == sum(len(c) for c, _ in records)
+    terminal = _render(trace, 120)
+    for reads in step_reads(trace.routing, trace.config.moe.n_experts, trace.config.moe.experts_per_token):
+        assert f"<td>{reads.measured:.2f}</td>" in page and f"{reads.measured:.2f}" in terminal
+        assert f"<td>{reads.expected:.2f}</td>" in page and f"{reads.expected:.2f}" in terminal
+    assert experts_html(replace(trace, config=replace(trace.config, moe=None))) == ""

@@ -1,5 +1,6 @@
 """A mixture of experts' routing, recorded per step: for every layer, the k experts each token row was sent to and
-their router weights; and what follows from them over a run (the distinct experts a step read, each expert's load).
+their router weights; and what follows from them over a run (the distinct experts a step read, each expert's load,
+each token's experts), which the terminal and the HTML report show alike.
 
 The choices are read after each step's forward from every layer's route stage, which keeps its last call's
 (weights, experts) (tracer/model/moe.py Route.last): no hook, nothing in the step's clocks. The records hold plain
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from llmtrace.tracer.analytic.moe import expected_distinct_experts, most_distinct_experts
+from llmtrace.tracer.trace.records import DECODE, PREFILL
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +73,59 @@ def expert_load(steps: tuple[RoutingStep, ...], n_experts: int) -> tuple[tuple[i
                 for expert in row:
                     counts[layer.layer][expert] += 1
     return tuple(map(tuple, counts))
+
+
+# ---- what the views show (cli/render_experts.py in the terminal, cli/html_experts.py in the HTML report) ----------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRoute:
+    """One token row fed to the model and its experts in every layer (the router's favourite first)."""
+
+    piece: str  # the prompt's piece, or for a decode step the token the step before chose
+    step: int
+    experts: tuple[tuple[int, ...], ...]  # per layer
+
+
+def token_routes(steps: tuple[RoutingStep, ...], prompt_pieces: tuple[str, ...],
+                 chosen: dict[int, str]) -> tuple[TokenRoute, ...]:
+    """Every token row of one sequence's run in order: the prompt's (the prefill), then each decode step's input.
+    `chosen`: the piece each step chose, by step."""
+    rows = []
+    for step in steps:
+        for row in range(step.tokens):
+            if step.phase == PREFILL:
+                piece = prompt_pieces[row] if row < len(prompt_pieces) else ""
+            else:
+                piece = chosen.get(step.step - 1, "")
+            rows.append(TokenRoute(piece, step.step, tuple(layer.experts[row] for layer in step.layers)))
+    return tuple(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class StepReads:
+    """The experts a layer read in steps of `rows` token rows: measured (the mean over layers and steps, and the
+    least and most of any layer), beside uniform routing's expectation and the most there can be."""
+
+    phase: str
+    steps: int
+    rows: int
+    measured: float
+    least: int
+    most_measured: int
+    expected: float  # E·(1 - (1 - k/E)^rows)
+    most: int  # min(E, k·rows)
+
+
+def step_reads(steps: tuple[RoutingStep, ...], n_experts: int, top_k: int) -> tuple[StepReads, ...]:
+    """The prefill, then the decode steps grouped by their rows (one group for a single sequence)."""
+    out = []
+    for phase in (PREFILL, DECODE):
+        mine = [s for s in steps if s.phase == phase]
+        for rows in sorted({s.tokens for s in mine}):
+            same = [s for s in mine if s.tokens == rows]
+            distinct = [layer.distinct for s in same for layer in s.layers]
+            out.append(StepReads(phase, len(same), rows, sum(s.distinct_mean for s in same) / len(same),
+                                 min(distinct), max(distinct), expected_distinct_experts(n_experts, top_k, rows),
+                                 most_distinct_experts(n_experts, top_k, rows)))
+    return tuple(out)
