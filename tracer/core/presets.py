@@ -60,9 +60,10 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
     ModelConfig("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
                 moe=MoeSpec(8, 2, "renormalised")),
     # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B/config.json): num_experts 128, num_experts_per_tok 8, moe_intermediate_size
-    # 768 (its intermediate_size 6144 is for dense layers, of which it has none: mlp_only_layers []), norm_topk_prob.
+    # 768 (its intermediate_size 6144 is for dense layers, of which it has none: mlp_only_layers []), norm_topk_prob;
+    # QK-norm as the dense Qwen3 (Qwen3MoeAttention's q_norm, k_norm).
     ModelConfig("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 768, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                explicit_head_dim=128, moe=MoeSpec(128, 8, "renormalised")),
+                explicit_head_dim=128, qk_norm=True, moe=MoeSpec(128, 8, "renormalised")),
     # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924/config.json): num_experts 64, num_experts_per_tok 8, norm_topk_prob false.
     ModelConfig("olmoe-1b-7b", 50304, 2048, 16, 16, 16, 1024, norm_eps=1e-5, max_seq_len=4096,
                 moe=MoeSpec(64, 8, "softmax")),
