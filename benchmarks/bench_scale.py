@@ -14,12 +14,12 @@ pages included, which is what the issue's budget counts.
   child: load (wall time of the load call), TTFT (a 6-token prompt, "The capital of France is", from the call to the
   first token), a 128-token prompt and `--decode-tokens` greedy steps (prefill tokens / prefill time; decode steps /
   the time from the first token to the last), then a 512-token prompt (prefill only).
-- `first run`: `llmtrace run --model FILE "The capital of France is" --max-new-tokens 16` as a user types it, in a
-  fresh cache and config folder (nothing compiled, converted or saved yet), then again with the same folders (a
-  later run); then in another fresh folder after set-up's build of the C library (`make run` builds it:
-  native_kernel.prepare(), timed as "set-up build"), the first run after set-up; wall time and peak RSS of each
-  process. llama.cpp's counterpart: a process that imports llama_cpp, loads the file and generates the same 16
-  tokens. `--no-engines` measures only these.
+- `first run`: `llmtrace run --model FILE "The capital of France is" --max-new-tokens 16` as a user types it:
+  once in a fresh cache and config folder (nothing compiled, converted or saved yet: the C library is compiled
+  during it); then `--first-run-rounds` rounds, each in fresh folders, of set-up's build of the C library (`make
+  run` builds it: native_kernel.prepare(), "set-up build"), the first run after it, a later run in the same
+  folders, and llama.cpp's counterpart: a process that imports llama_cpp, loads the file and generates the same 16
+  tokens. Wall time (median over the rounds) and peak RSS of each process. `--no-engines` measures only these.
 - The memory budget (issue 31, item 2): the file's bytes + the KV cache `run` allocates (fp32, the run's positions)
   + 1.5 GB, beside each llmtrace peak.
 - The bandwidth bound: the file's tensor bytes (what a decode step reads, as llama.cpp does) over this machine's best
@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,10 +194,13 @@ def _child(kind: str, *args: str) -> tuple[dict[str, Any] | None, int, str]:
     return json.loads(lines[-1]), rss, ""
 
 
-def first_runs(path: Path, threads: int, weights: str | None, dtype: str) -> dict[str, Any]:
-    """`llmtrace run` as a user types it: in a fresh cache and config folder ("first": the C library is compiled
-    during it), then again in the same folders ("later"); and in another fresh folder after set-up's build of the
-    C library (`make run` calls native_kernel.prepare(): "set-up build", then "first after set-up")."""
+def first_runs(path: Path, threads: int, weights: str | None, dtype: str, rounds: int,
+               llama_cpp: bool) -> dict[str, Any]:
+    """`llmtrace run` as a user types it, `rounds` times, each round in fresh cache and config folders: set-up's
+    build of the C library (`make run` calls native_kernel.prepare(): "set-up build"), the first run after it
+    ("first after set-up"), the same again in those folders ("later"), then llama.cpp's import, load and generate
+    ("llama.cpp"); and once, in other fresh folders, a first run with nothing built ("first": the library is
+    compiled during it). Each label: the median wall of its runs, every wall, the largest peak RSS."""
     argv = [_python(), "-m", "llmtrace", "run", "--model", str(path), SHORT_PROMPT, "--max-new-tokens",
             str(FIRST_RUN_TOKENS), "--threads", str(threads), "--no-roofline"]
     if weights:
@@ -204,8 +208,14 @@ def first_runs(path: Path, threads: int, weights: str | None, dtype: str) -> dic
     if dtype != "auto":
         argv += ["--dtype", dtype]
     prepare = [_python(), "-c", "from llmtrace.tracer.model.native_kernel import prepare; print(prepare())"]
-    out = {}
-    for steps in ((("first", argv), ("later", argv)), (("set-up build", prepare), ("first after set-up", argv))):
+    theirs = [_python(), "-m", "benchmarks.bench_scale", "--child", "llama_cpp_first", str(path), str(threads)]
+    plan = [(("first", argv),)]
+    for _ in range(rounds):
+        plan.append((("set-up build", prepare), ("first after set-up", argv), ("later", argv)))
+        if llama_cpp:
+            plan.append((("llama.cpp", theirs),))
+    runs: dict[str, list[tuple[float, int, str]]] = {}
+    for steps in plan:
         with tempfile.TemporaryDirectory(prefix="bench_scale_home_") as home:
             env = {**os.environ, "XDG_CACHE_HOME": f"{home}/cache", "XDG_CONFIG_HOME": f"{home}/config",
                    "COLUMNS": "100"}
@@ -213,8 +223,10 @@ def first_runs(path: Path, threads: int, weights: str | None, dtype: str) -> dic
                 env.pop(name, None)
             for label, command in steps:
                 wall, rss, _, err = _run(command, env)
-                out[label] = {"wall_s": wall, "peak_rss": rss, "error": err if err.startswith("exit") else ""}
-    return out
+                runs.setdefault(label, []).append((wall, rss, err if err.startswith("exit") else ""))
+    return {label: {"wall_s": statistics.median(w for w, _, _ in done), "walls": [w for w, _, _ in done],
+                    "peak_rss": max(r for _, r, _ in done), "error": "; ".join(e for _, _, e in done if e)}
+            for label, done in runs.items()}
 
 
 def _gib(n: float) -> str:
@@ -248,12 +260,9 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     result["budget"] = {"measure": file_bytes + kv_cache_bytes(config, positions, FP32) + BUDGET_SLACK,
                         "first_run": file_bytes + kv_cache_bytes(config, 8 + FIRST_RUN_TOKENS, FP32) + BUDGET_SLACK}
     if args.first_run:
-        result["first_run"] = first_runs(path, args.threads, args.weights, args.dtype)
+        result["first_run"] = first_runs(path, args.threads, args.weights, args.dtype, args.first_run_rounds,
+                                         args.llama_cpp)
         print(f"  first runs: {result['first_run']}", flush=True)
-        if args.llama_cpp:
-            wall, rss, _, err = _run([_python(), "-m", "benchmarks.bench_scale", "--child", "llama_cpp_first",
-                                      str(path), str(args.threads)])
-            result["first_run"]["llama.cpp"] = {"wall_s": wall, "peak_rss": rss, "error": err}
     return result
 
 
@@ -316,8 +325,8 @@ def report(results: list[dict[str, Any]], bandwidth: float, args: argparse.Names
                          + ", ".join(f"{name} {seconds:.2f}" for name, seconds in top))
         first = r.get("first_run")
         if first:
-            parts = [f"{k} {v['wall_s']:.1f} s / {_gib(v['peak_rss'])} GB" + (f" ({v['error']})" if v["error"] else "")
-                     for k, v in first.items()]
+            parts = [f"{k} {v['wall_s']:.1f} s ({', '.join(f'{w:.1f}' for w in v['walls'])}) / "
+                     f"{_gib(v['peak_rss'])} GB" + (f" ({v['error']})" if v["error"] else "") for k, v in first.items()]
             lines.append(f"  run as typed: {'; '.join(parts)} (budget {_gib(r['budget']['first_run'])} GB)")
             if "llama.cpp" in first and not first["llama.cpp"]["error"]:
                 lines.append("  / llama.cpp load + generate: " + ", ".join(
@@ -333,13 +342,16 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "llmtrace_scale_models",
                         help="where the random GGUFs are written and reused")
     parser.add_argument("--models", default="llama-7b:Q4_0,llama-7b:Q4_K_M,llama-8b:Q4_K_M",
-                        help="shape:mix pairs (shapes llama-1b, llama-7b, llama-8b; mixes Q4_0, Q4_K_M, Q8_0)")
+                        help="shape:mix pairs (shapes llama-1b, llama-7b, llama-8b, llama-13b; mixes Q4_0, Q4_K_M, "
+                             "Q8_0)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--weights", default=None, help="llmtrace's --weights (default: run's default)")
     parser.add_argument("--dtype", default="auto", help="llmtrace's --dtype (default: run's default, auto)")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     parser.add_argument("--no-first-run", dest="first_run", action="store_false")
+    parser.add_argument("--first-run-rounds", type=int, default=1,
+                        help="rounds of set-up, first run after it, later run and llama.cpp's (medians)")
     parser.add_argument("--no-engines", dest="engines", action="store_false",
                         help="only the first runs (no load/prefill/decode children)")
     parser.add_argument("--json", type=Path, help="write the results here")

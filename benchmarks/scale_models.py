@@ -6,7 +6,8 @@ byte count, every product's shape and every kernel's path is the real model's; o
 
 - llama-1b: Llama 3.2 1B (dim 2048, 16 layers, 32 heads over 8 KV heads, FFN 8192, vocabulary 128,256, tied head);
 - llama-7b: Llama 2 7B (dim 4096, 32 layers, 32 heads, FFN 11,008, vocabulary 32,000, untied);
-- llama-8b: Llama 3 8B (dim 4096, 32 layers, 32 heads over 8 KV heads (GQA), FFN 14,336, vocabulary 128,256).
+- llama-8b: Llama 3 8B (dim 4096, 32 layers, 32 heads over 8 KV heads (GQA), FFN 14,336, vocabulary 128,256);
+- llama-13b: Llama 2 13B (dim 5120, 40 layers, 40 heads, FFN 13,824, vocabulary 32,000, untied; Q4_0 7.4 GB).
 
 Types per mix, as llama.cpp's llama-quant.cpp assigns them: Q4_0 (token embedding Q4_0, output Q6_K), Q8_0 (every
 matrix Q8_0) and Q4_K_M (Q4_K, with attn_v and ffn_down Q6_K in the layers `use_more_bits` picks: the first and
@@ -48,6 +49,7 @@ SHAPES = {
     "llama-1b": Shape("llama-1b", 2048, 16, 32, 8, 8192, 128256, 500000.0, True, 8192),
     "llama-7b": Shape("llama-7b", 4096, 32, 32, 32, 11008, 32000, 10000.0, False, 4096),
     "llama-8b": Shape("llama-8b", 4096, 32, 32, 8, 14336, 128256, 500000.0, False, 8192),
+    "llama-13b": Shape("llama-13b", 5120, 40, 40, 40, 13824, 32000, 10000.0, False, 4096),
 }
 MIXES = ("Q4_0", "Q4_K_M", "Q8_0")
 
