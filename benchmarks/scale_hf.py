@@ -2,12 +2,12 @@
 without ever holding an fp32 copy), as benchmarks/scale_models.py writes GGUFs: no weights can be downloaded here.
 
 config.json (LlamaForCausalLM, benchmarks/scale_models.py's llama-7b shape, torch_dtype bfloat16), tokenizer.model
-(a SentencePiece BPE model trained on sample_prompts/, tests/tiny_llama.train_sentencepiece; its 2,000 pieces sit
-in the 32,000-row embedding, the rest never produced) and the weights as safetensors shards of at most
-`SHARD_BYTES` with model.safetensors.index.json, as HF's own 7B folders are: 13.5 GB. Each bf16 value is random
-bits with its exponent drawn from four (magnitudes 2^-8 to 2^-4, random sign and mantissa: a trained matrix's
-range), norms 1.0. Written tensor by tensor in 128 MB pieces (no tensor is ever whole in memory), each shard to
-NAME.part and renamed, the folder reused when its index exists.
+(a SentencePiece BPE model trained on sample_prompts/, tests/tiny_llama.train_sentencepiece, padded with unused
+pieces to the embedding's 32,000 rows, as scale_models pads a GGUF's vocabulary: random weights pick any id) and the
+weights as safetensors shards of at most `SHARD_BYTES` with model.safetensors.index.json, as HF's own 7B folders
+are: 13.5 GB. Each bf16 value is random bits with its exponent drawn from four (magnitudes 2^-8 to 2^-4, random sign
+and mantissa: a trained matrix's range), norms 1.0. Written tensor by tensor in 128 MB pieces (no tensor is ever
+whole in memory), each shard to NAME.part and renamed, the folder reused when its index exists.
 
     /work/tools/py -m benchmarks.scale_hf --dir /tmp/scale/llama-7b-hf-bf16
 """
@@ -75,6 +75,19 @@ def _write_shard(path: Path, names: list[tuple[str, tuple[int, ...]]], rng: np.r
     part.rename(path)
 
 
+def padded_tokenizer(model: bytes, size: int) -> bytes:
+    """A SentencePiece model's bytes with unused pieces appended up to `size` pieces."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    for i in range(len(proto.pieces), size):
+        piece = proto.pieces.add()
+        piece.piece, piece.score = f"<unused{i}>", -1e9
+        piece.type = sentencepiece_model_pb2.ModelProto.SentencePiece.UNUSED
+    return proto.SerializeToString()
+
+
 def ensure(folder: Path, shape_name: str = "llama-7b", seed: int = 0, say=print) -> Path:
     """The folder, written first when its index is absent."""
     from benchmarks.scale_models import SHAPES
@@ -91,7 +104,7 @@ def ensure(folder: Path, shape_name: str = "llama-7b", seed: int = 0, say=print)
                             tie=shape.tied, rope_theta=shape.rope_theta, max_pos=shape.context)
     config["torch_dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    (folder / "tokenizer.model").write_bytes(train_sentencepiece(vocab_size=2000))
+    (folder / "tokenizer.model").write_bytes(padded_tokenizer(train_sentencepiece(vocab_size=2000), shape.vocab))
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, dims in hf_tensors(shape):
