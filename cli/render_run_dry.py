@@ -13,8 +13,9 @@ from llmtrace.tracer.trace.dry_run import DryRunCheck
 from llmtrace.tracer.trace.records import PREFILL
 
 
-def render_dry_run_summary(console: Console, check: DryRunCheck, model: str) -> None:
-    """`model`: what to pass to `llmtrace roofline --model` for times on real hardware."""
+def render_dry_run_summary(console: Console, check: DryRunCheck, model: str, note: str = "") -> None:
+    """`model`: what to pass to `llmtrace roofline --model` for times on real hardware; `note`: a line more (a
+    mixture of experts' routing)."""
     table = Table(show_edge=False, pad_edge=False, box=None)
     for name, justify in (("pass", "left"), ("traced\nFLOPs", "right"), ("estimate.py\nFLOPs", "right"),
                           ("", "left"), ("matmul\nshare", "right"), ("weights\nread", "right"),
@@ -34,6 +35,7 @@ def render_dry_run_summary(console: Console, check: DryRunCheck, model: str) -> 
         f"the same shape (the residual stream); nothing was computed: the model lives on the meta device.",
         f"exact FLOPs: {exact}",
         f"KV cache after the prefill: {kv} in {check.dtype}",
+        *([note] if note else []),
         f"[dim]for times on real hardware: llmtrace roofline --model {model}[/]",
     ]
     console.print(section("Dry run · FLOPs traced on the meta device vs the analytical estimate",

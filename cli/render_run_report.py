@@ -85,7 +85,12 @@ def render_ending(console: Console, trace: Trace, detail: str, report: RunReport
     """After the decode stream: where a decode step's time went (unless --detail summary) and the summary; for a
     dry run, the traced figures beside the analytical estimate."""
     if report.dry_run is not None:
-        render_dry_run_summary(console, report.dry_run, trace.settings.model or trace.config.name)
+        moe = trace.config.moe
+        note = "" if moe is None else (
+            f"experts: each token row's {moe.experts_per_token} routed round-robin over the {moe.n_experts} (a meta "
+            "model has no router weights): the FLOPs are exact, the weights read the bound with min(E, k·n) experts; "
+            "`llmtrace flops` gives the expected count")
+        render_dry_run_summary(console, report.dry_run, trace.settings.model or trace.config.name, note)
         return
     if detail != "summary":
         render_decode_stages(console, report.decode_stages, trace.staged_decode)

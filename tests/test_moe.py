@@ -157,13 +157,26 @@ def test_flops_json_reports_the_routing() -> None:
     assert doc["params"]["active"] == MIXTRAL_ACTIVE
 
 
-def test_run_refuses_a_dry_run_of_a_mixture_of_experts_in_one_line() -> None:
-    """The model code routes tokens now (tests/test_mixtral.py), but a meta model has no router weights to route by."""
-    result = runner.invoke(app, ["run", "--model", "mixtral-8x7b", "--dry-run"])
-    assert result.exit_code == 2
-    assert result.stderr.strip() == ("llmtrace: error: mixtral-8x7b is a mixture of experts (8 experts, 2 per token): "
-                                     "a dry run has no router weights to choose its experts; use --random-init or "
-                                     "real weights, or `llmtrace flops` for the expected cost")
+def test_a_dry_run_of_a_mixture_of_experts_traces_the_estimates_flops(tmp_path) -> None:
+    """The model code routes tokens now (tests/test_mixtral.py); a meta model, which has no router weights, routes
+    each token row round-robin (tracer/model/moe.py dry_routes): its FLOPs are the estimate's exactly (they do not
+    depend on the routing), and a decode step's weights read its 2 experts a layer, the estimate's too (one token
+    touches k experts whatever the router)."""
+    from llmtrace.tracer.core.dtypes import FP32
+    from llmtrace.tracer.trace.dry_run import dry_run_check
+    from llmtrace.tracer.trace.run_trace import Trace
+
+    path = tmp_path / "dry.json"
+    result = runner.invoke(app, ["run", "--model", "mixtral-8x7b", "--dry-run", "--dtype", "fp32", "--json-file",
+                                 str(path)])
+    assert result.exit_code == 0, result.output
+    assert "routed round-robin over the 8" in " ".join(result.stdout.split())
+    trace = Trace.from_json(path.read_text(encoding="utf-8"))
+    check = dry_run_check(trace)
+    assert [p.equal for p in check.passes] == [True, True]
+    decode = check.passes[1]
+    step = estimate.decode_step(trace.config, decode.context_length - 1, estimate.Dtypes.for_weights(FP32))
+    assert decode.weight_bytes_read == step.totals.weight_bytes
 
 
 def test_more_experts_per_token_than_experts_is_refused() -> None:

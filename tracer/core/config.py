@@ -90,7 +90,7 @@ class ModelConfig:
     # (OLMoE's q_norm and k_norm)
     qk_norm_whole: bool = False
     # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's): Mixtral's HF and GGUF files and
-    # the presets; the stage modules run it (tracer/model/moe.py), a dry run cannot (tracer/load/loader.py).
+    # the presets; the stage modules run it (tracer/model/moe.py; a dry run routes round-robin).
     moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:

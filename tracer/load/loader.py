@@ -37,13 +37,7 @@ from llmtrace.tracer.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, FP16, FP32, AutoDtype, DType, get_dtype
-from llmtrace.tracer.core.errors import (
-    BadArgumentError,
-    CheckpointError,
-    HardwareError,
-    LlmtraceError,
-    UnsupportedModelError,
-)
+from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError, HardwareError, LlmtraceError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware import kernel_choice
 from llmtrace.tracer.hardware.kernel_choice import KernelChoice
@@ -134,12 +128,6 @@ def load_model(
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
     moe = resolved.config.moe
-    if moe is not None and dry_run:  # which experts run depends on the router's weights, which a meta model lacks
-        raise UnsupportedModelError(
-            f"{resolved.config.name} is a mixture of experts ({moe.n_experts} experts, {moe.experts_per_token} per "
-            "token): a dry run has no router weights to choose its experts; use --random-init or real weights, or "
-            "`llmtrace flops` for the expected cost"
-        )
     if moe is not None and request.mode in (STORED, TUNED):
         raise BadArgumentError(f"{request.flag}: a mixture of experts runs dequantized (no stored kernel multiplies "
                                "its experts); use --weights dense or leave --weights out")

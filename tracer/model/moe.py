@@ -13,7 +13,8 @@ the contract declares each tensor once, a stage module per product keeps the mod
 model's (Qwen3-30B-A3B has 128 experts in each of 48 layers: 18,432 modules more the other way), and a call's
 weight bytes are one expert's slice of it (ExpertLinear.n_experts, tracer/trace/stage_cost.py).
 
-Only these stage modules run it: no packed or native path routes tokens (tracer/run/select.py says so)."""
+Only these stage modules run it: no packed or native path routes tokens (tracer/run/select.py says so). A dry run's
+meta model, which has no router weights, routes round-robin (`dry_routes`)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ class ExpertCombine(nn.Module):
         return combine_experts(outputs, weights)
 
 
+def dry_routes(tokens: int, top_k: int, n_experts: int) -> torch.Tensor:
+    """(N, k) experts for a dry run's token rows, on the CPU: row r's slot s goes to expert (r·k + s) mod E, so the
+    rows touch min(E, k·N) distinct experts, the most they could (the bound the weight bytes then count); FLOPs do not
+    depend on the choice (each row runs k experts whichever)."""
+    return (torch.arange(tokens * top_k) % n_experts).view(tokens, top_k)
+
+
 class MixtureOfExperts(nn.Module):
     """x (B, T, dim) -> (B, T, dim). `router` and `act` are transformer.py's Linear (dim -> E) and
     SwiGLUActivation, passed in because that module builds this one."""
@@ -88,6 +96,8 @@ class MixtureOfExperts(nn.Module):
         batch, new, dim = x.shape
         flat = x.reshape(batch * new, dim)  # (N, dim): every token of every sequence
         weights, experts = self.route(self.router(flat))  # (N, k) each
+        if experts.device.type == "meta":  # a dry run has no router weights to choose by: round-robin (dry_routes)
+            experts = dry_routes(*experts.shape, len(self.w1.weight))
         outputs = flat.new_empty(*experts.shape, dim)  # (N, k, dim): each token's k experts' outputs
         for expert in experts.unique().tolist():  # the experts chosen, in ascending order (as HF runs them)
             token, slot = torch.where(experts == expert)  # (n,) each: the tokens routed here, and in which slot
