@@ -216,3 +216,16 @@ def test_a_longrope_gguf_is_one_line() -> None:
     meta = {"general.architecture": "phi3", "phi3.rope.scaling.attn_factor": 1.19, "phi3.block_count": 2}
     with pytest.raises(UnsupportedModelError, match="LongRoPE"):
         ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
+
+
+def test_the_phi3_mini_preset_is_as_published_and_dry_runs() -> None:
+    from llmtrace.tracer.analytic.params import count_params
+    from llmtrace.tracer.core.presets import PRESETS
+
+    config = PRESETS["phi3-mini-4k"]
+    # d 3072, 32 layers of MHA (4·d²) and a SwiGLU FFN of 8192 (3·d·F), two norms; embedding and head 32064 x d
+    by_hand = 2 * 32064 * 3072 + 32 * (4 * 3072**2 + 3 * 3072 * 8192 + 2 * 3072) + 3072
+    assert count_params(config).total == by_hand == 3_821_079_552  # the model card's 3.8B
+    result = CliRunner().invoke(app, ["run", "The sky", "--model", "phi3-mini-4k", "--dry-run", "--max-new-tokens",
+                                      "2", "--detail", "summary"])
+    assert result.exit_code == 0, result.output

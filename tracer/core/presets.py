@@ -55,6 +55,9 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
                 tie_embeddings=True, explicit_head_dim=128, qk_norm=True),
     ModelConfig("qwen3-8b", 151936, 4096, 36, 32, 8, 12288, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
                 qk_norm=True),
+    # Phi-3-mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): MHA, "sliding_window": 2047; its checkpoint packs
+    # Q|K|V and gate|up (split at load: tracer/checkpoint/packed_tensors.py).
+    ModelConfig("phi3-mini-4k", 32064, 3072, 32, 32, 32, 8192, norm_eps=1e-5, max_seq_len=4096, sliding_window=2047),
     # Mixture of experts: every layer's FFN is E SwiGLU experts of ffn_dim, k per token.
     # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1/config.json): num_local_experts 8, num_experts_per_tok 2, no window.
     ModelConfig("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
