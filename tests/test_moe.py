@@ -50,9 +50,14 @@ def test_mixtral_parameters_by_hand_and_as_published() -> None:
 
 def test_qwen3_and_olmoe_totals_as_published() -> None:
     qwen = count_params(PRESETS["qwen3-30b-a3b"])
+    # Qwen/Qwen3-30B-A3B/config.json: 48 layers, d 2048, 32 heads / 4 KV of 128, 128 experts of 768, top 8, QK-norm
+    attention, expert, norms = 2048 * 4096 * 2 + 2 * 2048 * 512, 3 * 2048 * 768, 2 * 2048 + 2 * 128
+    layer = attention + 128 * expert + 2048 * 128 + norms
+    assert qwen.total == 2 * 151936 * 2048 + 48 * layer + 2048 == 30_532_122_624
+    assert qwen.active == qwen.total - 48 * 120 * expert == 3_353_032_704
     # Qwen3-30B-A3B's model card: 30.5B in total, 3.3B activated, 29.9B non-embedding (embedding and LM head out).
     assert round(qwen.total / 1e9, 1) == 30.5
-    assert 3.3e9 <= qwen.active < 3.4e9  # "3.3B": 3,353,020,416 (the card's figure is cut, not rounded)
+    assert 3.3e9 <= qwen.active < 3.4e9  # "3.3B": 3,353,032,704 (the card's figure is cut, not rounded)
     assert round((qwen.total - qwen.embedding - qwen.lm_head) / 1e9, 1) == 29.9
     olmoe = count_params(PRESETS["olmoe-1b-7b"])
     # OLMoE paper (Muennighoff et al. 2024), table 1: 6.9B total, 1.3B active.

@@ -1,9 +1,8 @@
 """Named configurations of well-known LLaMA-family models, each with the file it was copied from.
 
 The mixture-of-experts presets serve the analytical commands (flops, kvmem, roofline, models) and `run --dry-run`
-(its meta model routes round-robin: tracer/model/moe.py). Their QK-norm weights (Qwen3-MoE: a D-wide RMSNorm on q and on k per layer,
-OLMoE: H·D and Hkv·D wide) are not in the config, so not counted: 12,288 of Qwen3-30B-A3B's 30.5 B parameters,
-65,536 of OLMoE's 6.9 B, and their FLOPs (~4 per value normed) are missing likewise."""
+(its meta model routes round-robin: tracer/model/moe.py). Both count their QK-norm: Qwen3-30B-A3B's per head (D
+wide), OLMoE's over each token's whole q and k (H·D, Hkv·D: qk_norm_whole)."""
 
 from __future__ import annotations
 
