@@ -60,6 +60,11 @@ def test_qwen3_and_olmoe_totals_as_published() -> None:
     assert 3.3e9 <= qwen.active < 3.4e9  # "3.3B": 3,353,032,704 (the card's figure is cut, not rounded)
     assert round((qwen.total - qwen.embedding - qwen.lm_head) / 1e9, 1) == 29.9
     olmoe = count_params(PRESETS["olmoe-1b-7b"])
+    # allenai/OLMoE-1B-7B-0924/config.json: 16 layers, d 2048, 16 heads of 128 (MHA), 64 experts of 1024, top 8;
+    # q_norm and k_norm over the whole 2048-wide q and k
+    layer = 4 * 2048 * 2048 + 64 * 3 * 2048 * 1024 + 2048 * 64 + 2 * 2048 + 2 * 2048
+    assert olmoe.total == 2 * 50304 * 2048 + 16 * layer + 2048 == 6_919_161_856
+    assert olmoe.active == olmoe.total - 16 * 56 * 3 * 2048 * 1024 == 1_282_017_280
     # OLMoE paper (Muennighoff et al. 2024), table 1: 6.9B total, 1.3B active.
     assert round(olmoe.total / 1e9, 1) == 6.9 and round(olmoe.active / 1e9, 1) == 1.3
 

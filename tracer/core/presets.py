@@ -68,7 +68,7 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
                 explicit_head_dim=128, qk_norm=True, moe=MoeSpec(128, 8, "renormalised")),
     # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924/config.json): num_experts 64, num_experts_per_tok 8, norm_topk_prob false.
     ModelConfig("olmoe-1b-7b", 50304, 2048, 16, 16, 16, 1024, norm_eps=1e-5, max_seq_len=4096,
-                moe=MoeSpec(64, 8, "softmax")),
+                qk_norm=True, qk_norm_whole=True, moe=MoeSpec(64, 8, "softmax")),
 )
 
 PRESETS: dict[str, ModelConfig] = {cfg.name: cfg for cfg in _PRESET_LIST}
