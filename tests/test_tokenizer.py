@@ -99,6 +99,19 @@ def test_sentencepiece_decode_pieces_and_specials(sp_pair: tuple) -> None:
     assert ours.piece(ours.sp.piece_to_id("<0xF0>")) == "<0xF0>"
 
 
+def test_ids_past_the_vocabulary_read_as_unnamed_pieces(sp_pair: tuple, llama_json_folder: Path,
+                                                        byte_level_folder: Path) -> None:
+    """A model whose embedding has rows the tokenizer does not name (padded HF vocabularies) may draw one: its text and
+    piece say so instead of the run dying of sentencepiece's OUT_OF_RANGE or tokenizers' None."""
+    for tok in (sp_pair[0], load_tokenizer(llama_json_folder), load_tokenizer(byte_level_folder)):
+        size = tok.vocab_size
+        ids = tok.encode("the capital", add_bos=False)
+        assert tok.piece(size) == f"<unnamed {size}>" and tok.piece(size + 7) == f"<unnamed {size + 7}>"
+        assert tok.decode([*ids, size, *ids]) == tok.decode(ids) + f"<unnamed {size}>" + tok.decode(ids)
+        assert tok.decode([size + 1]) == f"<unnamed {size + 1}>"
+        assert tok.decode(ids) == tok.decode(list(ids))  # the ordinary path is untouched
+
+
 # ---- HF tokenizers (tokenizer.json) ----------------------------------------------------------------------------
 
 

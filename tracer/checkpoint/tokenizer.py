@@ -51,10 +51,30 @@ class Tokenizer(ABC):
         """Ids of `text` without BOS/EOS (special-token strings in the text become their ids)."""
 
     @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def _decode(self, ids: list[int]) -> str:
+        """The text of ids that are all in the vocabulary."""
 
     @abstractmethod
-    def piece(self, token_id: int) -> str: ...
+    def _piece(self, token_id: int) -> str:
+        """The display piece of an id in the vocabulary."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`. An id past the vocabulary (a model whose embedding has padding rows the tokenizer does
+        not name, common in HF folders: a random or badly tuned model can draw one) reads as its `piece`."""
+        ids, size = list(ids), self.vocab_size
+        if all(0 <= i < size for i in ids):
+            return self._decode(ids)
+        out: list[str] = []
+        start = 0
+        for index, token_id in enumerate(ids):
+            if not 0 <= token_id < size:
+                out += [self._decode(ids[start:index]) if index > start else "", self.piece(token_id)]
+                start = index + 1
+        return "".join(out) + (self._decode(ids[start:]) if start < len(ids) else "")
+
+    def piece(self, token_id: int) -> str:
+        """What a table shows for one token; `<unnamed N>` for an id past the vocabulary."""
+        return self._piece(token_id) if 0 <= token_id < self.vocab_size else f"<unnamed {token_id}>"
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; BOS first when `add_bos` (None: the model's default)."""
@@ -201,13 +221,13 @@ class SentencePieceTokenizer(Tokenizer):
         marker = self.sp.encode(self._unk_piece)
         return self.sp.encode(self._unk_piece + text)[len(marker) :]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.sp.decode(list(ids))
+    def _decode(self, ids: list[int]) -> str:
+        return self.sp.decode(ids)
 
     def _raw_piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
 
-    def piece(self, token_id: int) -> str:
+    def _piece(self, token_id: int) -> str:
         raw = self.sp.id_to_piece(token_id)
         if self.sp.is_byte(token_id) or self.sp.is_control(token_id) or self.sp.is_unknown(token_id):
             return raw  # <0xE4>, <s>, <unk>
@@ -285,8 +305,8 @@ class HFTokenizer(Tokenizer):
     def _encode_plain(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
 
     def _raw_piece(self, token_id: int) -> str:
         token = self.tok.id_to_token(token_id)
@@ -294,7 +314,7 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
         return token
 
-    def piece(self, token_id: int) -> str:
+    def _piece(self, token_id: int) -> str:
         raw = self._raw_piece(token_id)
         if raw in self._special:
             return raw
