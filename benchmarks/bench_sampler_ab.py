@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's benchmarks beside the tree's llmtrace
+from benchmarks.tree_child import run_in_tree  # noqa: E402
 
 PROMPT = "The history of the city begins with a small settlement on the river"
 
@@ -32,7 +33,6 @@ def child(model: str, runs: int, decode_tokens: int, temperature: float, threads
 
     torch.set_num_threads(threads)
     from llmtrace.tracer.load.loader import load_model
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's benchmarks, the tree's llmtrace
     from benchmarks.bench_vs_peers import timed_generation
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.trace.records import RunSettings
@@ -63,14 +63,9 @@ def child(model: str, runs: int, decode_tokens: int, temperature: float, threads
 
 
 def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=f"{tree}-pkgs")  # the tree's own llmtrace (see /work/tools/py)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--runs", str(args.runs),
-            "--decode-tokens", str(args.decode_tokens), "--temperature", str(args.temperature),
-            "--threads", str(args.threads)]
-    done = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{tree}: child failed\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_tree(__file__, tree, ["--model", args.model, "--runs", str(args.runs),
+                                         "--decode-tokens", str(args.decode_tokens), "--temperature",
+                                         str(args.temperature), "--threads", str(args.threads)])
 
 
 def main() -> None:

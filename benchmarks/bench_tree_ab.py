@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's benchmarks beside the tree's llmtrace
+from benchmarks.tree_child import run_in_tree  # noqa: E402
 
 WAYS = {"untraced": (False, False, True), "untraced a step a call": (False, False, False),
         "traced": (True, False, True), "staged traced": (True, True, True)}  # (trace, staged, run ahead)
 
 
 def child(rounds: int, threads: int) -> dict[str, Any]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's benchmarks, the tree's llmtrace
     import torch
 
     torch.set_num_threads(threads)
@@ -48,13 +48,7 @@ def child(rounds: int, threads: int) -> dict[str, Any]:
 
 
 def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=f"{tree}-pkgs")
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--rounds", str(args.rounds),
-            "--threads", str(args.threads)]
-    done = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{tree}: child failed\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_tree(__file__, tree, ["--rounds", str(args.rounds), "--threads", str(args.threads)])
 
 
 def main() -> None:
@@ -83,8 +77,8 @@ def main() -> None:
         decode = [r["decode"] for r in results[tree]]
         overhead = statistics.median(d["untraced"] for d in decode) / statistics.median(d["traced"] for d in decode)
         print(f"{tree.name}: tracing overhead (untraced / traced decode tok/s) {overhead:.3f}")
-    same = {json.dumps(r["ids"], sort_keys=True) for t in (a, b) for r in results[t]}
-    print(f"same token ids every way, both trees: {len(same) == 1 and len(set(map(str, json.loads(same.pop()).values()))) == 1}")
+    ids = {json.dumps(way_ids) for t in (a, b) for r in results[t] for way_ids in r["ids"].values()}
+    print(f"same token ids every way, both trees: {len(ids) == 1}")
 
 
 if __name__ == "__main__":
