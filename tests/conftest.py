@@ -9,6 +9,19 @@ from typing import Any, Callable, Iterator
 import pytest
 from tiny_llama import hf_config_dict, train_sentencepiece, write_tiny_llama
 
+# ---- a test's own cache and config folders --------------------------------------------------------------------
+
+
+@pytest.fixture
+def private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """LLMTRACE_CACHE_DIR and XDG_CONFIG_HOME inside the test's tmp_path, so a test that loads a model reads and
+    writes no weights cache, tuned kernel choice or config of the user's (or of another test). A module opts in
+    with `pytestmark = pytest.mark.usefixtures("private_dirs")`; returns tmp_path."""
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path
+
+
 # ---- tiny LLaMA folders (model engineer) -------------------------------------------------------------------------
 
 

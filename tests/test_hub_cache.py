@@ -24,9 +24,7 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "llmtrace-cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+def _no_hub_env(private_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
 

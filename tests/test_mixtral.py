@@ -37,10 +37,7 @@ PROMPT, STEPS = 7, 8
 E, K = 4, 2
 
 
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
 
 def mixtral_dict(vocab: dict) -> dict:

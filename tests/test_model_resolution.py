@@ -20,10 +20,8 @@ from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 
 
 @pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+def _private_hub_cache(private_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(private_dirs / "hf-cache"))
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,7 @@ transformers = pytest.importorskip("transformers")
 WINDOW = 8  # shorter than the 13-token prompts: the window's mask is exercised
 
 
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
 
 def _config_dict(vocab_size: int) -> dict:

@@ -30,10 +30,7 @@ SAMPLES = ["The year 2024 had 366 days.", "It's what we'll do, isn't it?\n\n  in
            "tabs\tand   spaces   ", "emoji 😀 and ünïcödé"]
 
 
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
 
 def _bundled_vocab() -> dict:

@@ -30,10 +30,7 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 E, K, F = 4, 2, 96
 
 
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
 
 def qwen3_moe_dict(vocab: dict, norm_topk_prob: bool) -> dict:
