@@ -9,17 +9,16 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_gguf import sentencepiece_vocab
+from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
 from tiny_llama import random_weights
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import ours_to_gguf, ours_to_hf
+from llmtrace.tracer.core.contract import ours_to_hf
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import CheckpointError, UnsupportedModelError
 from llmtrace.tracer.load.loader import load_model
@@ -56,44 +55,12 @@ _UNPACKED = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", 
 def _write_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], vocab: dict) -> Path:
     """A 'phi3' GGUF as llama.cpp's converter writes one: attn_qkv and a 2F-row ffn_up, Q/K rows in HF's order;
     matrices Q8_0 (so each member is a range of whole blocks), vectors F32."""
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.max_seq_len)
-    writer.add_embedding_length(config.dim)
-    writer.add_feed_forward_length(config.ffn_dim)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_sliding_window(WINDOW)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_scores(vocab["scores"])
-    writer.add_token_types(vocab["types"])
-    writer.add_bos_token_id(vocab["bos"])
-    writer.add_eos_token_id(vocab["eos"])
-    writer.add_unk_token_id(vocab["unk"])
-    tensors: dict[str, np.ndarray] = {}
-    for ours, tensor in weights.items():
-        if not any(f".{u}." in ours for u in _UNPACKED):
-            tensors[ours_to_gguf(ours)] = tensor.numpy()
+    members = {n: t for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
+    packed = {}
     for layer in range(config.n_layers):
-        qkv, gate_up = _packed(weights, layer)
-        tensors[f"blk.{layer}.attn_qkv.weight"] = qkv.numpy()
-        tensors[f"blk.{layer}.ffn_up.weight"] = gate_up.numpy()
-    for name, array in tensors.items():
-        if array.ndim == 2:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array, np.float32), q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        packed[f"blk.{layer}.attn_qkv.weight"], packed[f"blk.{layer}.ffn_up.weight"] = _packed(weights, layer)
+    return write_tiny_gguf(path, config, members, vocab, matrix_type=gguf.GGMLQuantizationType.Q8_0, arch="phi3",
+                           extra_metadata={"phi3.attention.sliding_window": WINDOW}, extra_tensors=packed)
 
 
 @pytest.fixture(scope="module")

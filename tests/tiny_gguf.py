@@ -156,11 +156,14 @@ def write_tiny_gguf(
     chat_template: str | None = None,
     raw_blocks: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
     extra_metadata: Mapping[str, int] | None = None,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `state_dict` (our names, fp32, HF RoPE layout) as a llama.cpp-style GGUF; `skip` drops llama.cpp names.
 
     `raw_blocks` maps llama.cpp names to blocks already in the file's layout (Q/K rows as llama.cpp orders them),
     written as they are in place of the state dict's tensor: how the tests store types gguf cannot quantize.
+    `extra_tensors` maps llama.cpp names to fp32 tensors written after the state dict's, as its matrices and vectors
+    are: how a test stores a converter's packed tensors (Phi-3's attn_qkv) beside `skip`ped members.
     """
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.n_layers)
@@ -196,8 +199,9 @@ def write_tiny_gguf(
         writer.add_chat_template(chat_template)
     for key, value in (extra_metadata or {}).items():
         writer.add_uint32(key, value)
-    for ours, tensor in state_dict.items():
-        name = llama_cpp_name(ours)
+    named = [(llama_cpp_name(ours), ours, tensor) for ours, tensor in state_dict.items()]
+    named += [(name, name, tensor) for name, tensor in (extra_tensors or {}).items()]
+    for name, ours, tensor in named:
         if tensor.dim() == 3:  # one expert matrix per row of the first axis
             name = f"blk.{ours.split('.')[1]}.{_EXPERTS[ours.split('.', 2)[2]]}"
         if name in skip or (ours == "output.weight" and config.tie_embeddings):
