@@ -171,3 +171,16 @@ def bar(fraction: float, width: int = 20, style: str = "cyan") -> Text:
     full, rest = divmod(eighths, 8)
     partial = " ▏▎▍▌▋▊▉"[rest] if rest else ""
     return Text("█" * full + partial, style=style)
+
+
+def flow(phrases: Sequence[str], width: int, indent: str = "  ") -> str:
+    """Markup `phrases` on as few lines as `width` columns allow, broken only between phrases (a continuation line
+    starts with `indent`): a header line that would otherwise wrap mid-phrase at 80 columns ("vocab" at one line's
+    end, "32,000" at the next's start)."""
+    lines: list[str] = []
+    for phrase in phrases:
+        if lines and Text.from_markup(f"{lines[-1]} {phrase}").cell_len <= width:
+            lines[-1] += f" {phrase}"
+        else:
+            lines.append(phrase if not lines else indent + phrase)
+    return "\n".join(lines)

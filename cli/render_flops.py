@@ -25,42 +25,42 @@ _FORMULA_COLUMN_MIN_WIDTH = 110  # below this, formulas go under the component n
 
 def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
     m, p = r.model, r.params
-    head = " (LM head tied: counted once)" if p.tied else f" + LM head {fmt.count(p.lm_head)}"
+    head = ["(LM head tied: counted once)"] if p.tied else [f"+ LM head {fmt.count(p.lm_head)}"]
+    weights = [f"{k} {fmt.nbytes(v)}" for k, v in r.weight_bytes.items()]
+    # Each line as phrases that stay whole: at 80 columns a line breaks between them, never inside one
     lines = [
-        f"[bold]{escape(m.name)}[/] [dim]({escape(m.source)})[/]",
-        f"  d={m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} KV heads, head dim {m.head_dim}, "
-        f"FFN {m.ffn_dim}, vocab {fmt.count(m.vocab_size)}, "
-        f"LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}",
-        f"Parameters [bold]{fmt.count(p.total)}[/] = embedding {fmt.count(p.embedding)} + {m.n_layers} layers × "
-        f"{fmt.count(p.per_layer)} + final norm {fmt.count(p.final_norm)}{head}",
-        "Weights: " + " · ".join(f"{k} {fmt.nbytes(v)}" for k, v in r.weight_bytes.items())
-        + " (int8/int4 include one fp16 scale per 32 values)",
+        [f"[bold]{escape(m.name)}[/] [dim]({escape(m.source)})[/]"],
+        [f"  d={m.dim},", f"{m.n_layers} layers,", f"{m.n_heads} heads / {m.n_kv_heads} KV heads,",
+         f"head dim {m.head_dim},", f"FFN {m.ffn_dim},", f"vocab {fmt.count(m.vocab_size)},",
+         f"LM head {'tied to the embedding' if m.tie_embeddings else 'separate'}"],
+        [f"Parameters [bold]{fmt.count(p.total)}[/] =", f"embedding {fmt.count(p.embedding)}",
+         f"+ {m.n_layers} layers × {fmt.count(p.per_layer)}", f"+ final norm {fmt.count(p.final_norm)}", *head],
+        [f"Weights: {weights[0]}", *(f"· {w}" for w in weights[1:]), "(int8/int4 include one fp16 scale per 32 values)"],
     ]
     if r.moe is not None:
         lines.insert(3, experts_line(p, r.moe))
     if r.checkpoint is not None:
         c = r.checkpoint
-        parts = ", ".join(f"{s.dtype} {fmt.count(s.params)}" for s in c.by_dtype)
         match = "as the config gives" if c.n_params == p.total else f"config gives {fmt.count(p.total)}"
-        lines.append(
-            f"Checkpoint ({c.format}, {len(c.files)} file{'s' if len(c.files) != 1 else ''}): "
-            f"[bold]{fmt.count(c.n_params)}[/] parameters ({match}), {fmt.bytes_both(c.total_bytes)}: {parts}"
-        )
+        lines.append([f"Checkpoint ({c.format}, {len(c.files)} file{'s' if len(c.files) != 1 else ''}):",
+                      f"[bold]{fmt.count(c.n_params)}[/] parameters ({match}),", f"{fmt.bytes_both(c.total_bytes)}:",
+                      ", ".join(f"{s.dtype} {fmt.count(s.params)}" for s in c.by_dtype)])
     unit = "MACs for matmuls (1 MAC = 2 FLOPs), FLOPs for elementwise work" if macs else "2 FLOPs per multiply-add"
     prompt = f"{r.prompt_len} tokens" + (f" (counted by the tokenizer of {escape(r.prompt_tokenizer)})"
                                          if r.prompt_tokenizer else "")
+    other = "eager" if r.kernels == "fused" else "fused"
     lines += [
-        f"Counting: {unit}; matmuls exact, elementwise work estimated (constants in README).",
-        f"Weights {r.weights_dtype}{_WEIGHTS_FROM[r.weights_dtype_from]}, KV cache {r.kv_dtype}, "
-        f"activations {r.activation_dtype}. "
-        f"Prompt {prompt}, {r.new_tokens} new tokens, batch {r.batch}.",
-        f"Kernels: {r.kernels_description} (--kernels {'eager' if r.kernels == 'fused' else 'fused'}: the other).",
+        [f"Counting: {unit};", "matmuls exact,", "elementwise work estimated", "(constants in README)."],
+        [f"Weights {r.weights_dtype}{_WEIGHTS_FROM[r.weights_dtype_from]},", f"KV cache {r.kv_dtype},",
+         f"activations {r.activation_dtype}.", f"Prompt {prompt},", f"{r.new_tokens} new tokens,", f"batch {r.batch}."],
+        [*_phrases(f"Kernels: {r.kernels_description}"), f"(--kernels {other}: the other)."],
     ]
+    header = "\n".join(fmt.flow(line, console.width) for line in lines)
     g = r.generation
     formulas_apart = console.width >= _FORMULA_COLUMN_MIN_WIDTH
     # One print for everything: each console.print call has a fixed cost, and this command must answer in a blink.
     console.print(Group(
-        Text.from_markup("\n".join(lines)),
+        Text.from_markup(header),
         Text.from_markup(f"\n[bold]Prefill of {r.prefill.new_tokens} tokens[/], batch {r.batch}"),
         _phase_table(r.prefill, macs, formulas_apart),
         Text.from_markup(_phase_notes(r.prefill.totals, macs, prefill=True, kernels=r.kernels)),
@@ -74,6 +74,12 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         _generation_table(r, macs),
         Text.from_markup(_generation_notes(r)),
     ))
+
+
+def _phrases(sentence: str) -> list[str]:
+    """A sentence's comma-separated parts, each keeping its comma."""
+    parts = sentence.split(", ")
+    return [part + "," for part in parts[:-1]] + parts[-1:]
 
 
 def _flops(value: int, kind: str, macs: bool) -> str:

@@ -13,11 +13,12 @@ from llmtrace.tracer.analytic.params import ParamCount
 _NORMS = {"renormalised": "the top k's weights renormalised to sum 1", "softmax": "softmax weights kept as they are"}
 
 
-def experts_line(p: ParamCount, moe: MoeSummary) -> str:
-    """'Experts: 8 a layer, 2 per token (...); active parameters 12,879,925,248 of 46,702,792,704 (27.6%)'."""
-    return (f"Experts: {moe.n_experts} a layer, {moe.experts_per_token} per token ({_NORMS[moe.router_norm]}); "
-            f"active parameters [bold]{fmt.count(p.active)}[/] of {fmt.count(p.total)} "
-            f"({fmt.share(p.active, p.total)}), one expert {fmt.count(p.expert_per_layer)} a layer")
+def experts_line(p: ParamCount, moe: MoeSummary) -> list[str]:
+    """The phrases of 'Experts: 8 a layer, 2 per token (...); active parameters 12,879,925,248 of 46,702,792,704
+    (27.6%), one expert ... a layer' (formatting.flow lays them out)."""
+    return [f"Experts: {moe.n_experts} a layer,", f"{moe.experts_per_token} per token ({_NORMS[moe.router_norm]});",
+            f"active parameters [bold]{fmt.count(p.active)}[/] of {fmt.count(p.total)} ({fmt.share(p.active, p.total)}),",
+            f"one expert {fmt.count(p.expert_per_layer)} a layer"]
 
 
 def reads_title(moe: MoeSummary) -> str:

@@ -62,3 +62,15 @@ def test_table_cells_in_the_headers_unit() -> None:
     assert fmt.number_in(2.5e10, "G") == "25.0"
     assert fmt.number_in(0.0123, "ms") == "12.3"
     assert fmt.number_in(80 * 2**30, "GiB") == "80.0"
+
+
+def test_flow_breaks_only_between_phrases_and_indents_the_rest() -> None:
+    phrases = ["Parameters [bold]6,738,415,616[/] =", "embedding 131,072,000", "+ 32 layers × 202,383,360",
+               "+ final norm 4,096"]
+    assert fmt.flow(phrases, 80) == ("Parameters 6,738,415,616 = embedding 131,072,000 + 32 layers × 202,383,360"
+                                     .replace("6,738,415,616", "[bold]6,738,415,616[/]") + "\n  + final norm 4,096")
+    assert fmt.flow(phrases, 200).count("\n") == 0
+    # the markup is not counted: the first line is 74 columns on screen, 85 characters as a string
+    assert fmt.flow(phrases[:3], 74).count("\n") == 0
+    assert fmt.flow(phrases[:3], 73).count("\n") == 1
+    assert fmt.flow(["a" * 90, "b"], 80) == "a" * 90 + "\n  b"  # a phrase wider than the line stays whole
