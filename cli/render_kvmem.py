@@ -17,9 +17,10 @@ def render_kvmem(console: Console, r: KVMemReport) -> None:
         + (f" (sliding window: it holds the last {fmt.count(s.cached_positions)})" if s.cached_positions != s.seq
            else ""),
         *([f"  [dim]{r.dtype_note}; --dtype for another[/]"] if r.dtype_note else []),
-        f"  {r.formula}",
-        f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer; {fmt.count(s.bytes_per_token)} B "
-        f"= {fmt.bytes_both(s.bytes_per_token)} over {s.n_layers} layers (one sequence).",
+        fmt.flow(_formula_phrases(r.formula), console.width, indent="    "),
+        fmt.flow([f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer;",
+                  f"{fmt.count(s.bytes_per_token)} B = {fmt.bytes_both(s.bytes_per_token)}",
+                  f"over {s.n_layers} layers (one sequence)."], console.width, indent="    "),
         f"  Per layer: {fmt.bytes_both(s.bytes_per_layer)}.  Total: [bold]{fmt.bytes_both(s.total_bytes)}[/].",
     ]
     if s.seq > r.max_seq_len:
@@ -53,3 +54,9 @@ def render_kvmem(console: Console, r: KVMemReport) -> None:
             f"{fmt.count(b.model_max_seq_len)} positions."
         ))
     console.print(Group(*parts))
+
+
+def _formula_phrases(formula: str) -> list[str]:
+    """'2 × 32 layers × … = 2,097,152,000 B' as phrases that each begin with their operator (but the first)."""
+    terms = formula.replace(" = ", " × = ").split(" × ")
+    return ["  " + terms[0], *(t if t.startswith("=") else "× " + t for t in terms[1:])]

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -21,24 +22,26 @@ def _passes(report: RooflineReport) -> list[PassBound]:
     return [p for p in (report.prefill, report.first_decode, report.last_decode) if p is not None]
 
 
-def header(report: RooflineReport) -> Text:
+def header(report: RooflineReport, width: int) -> Text:
+    """Model, dtypes and device; the ceilings; the kernels: each line broken only between phrases at `width`."""
     m = report.machine
     tp = report.tensor_parallel.tp
     where = f"{tp} × {m.label}" if tp > 1 else m.label
-    text = Text()
-    text.append(f"{report.model}", style="bold")
     whose = {"checkpoint": " (the checkpoint's)", "file": " (the file's, each tensor at its stored size)"}.get(
         report.weights_dtype_from, "")
     active = (f", {fmt.si(report.active_parameters, '')} active" if report.active_parameters != report.parameters
               else "")
-    text.append(f" ({fmt.si(report.parameters, '')} parameters{active}; weights {report.weights_dtype}{whose}, "
-                f"KV cache {report.kv_dtype}, activations {report.activation_dtype}) on ")
-    text.append(where, style="bold")
-    text.append(f"\nceilings per device: {fmt.flops_per_s(m.peak_flops)} ({m.compute_dtype}), "
-                f"memory {fmt.bytes_per_s(m.memory_bandwidth)} → ridge point {fmt.intensity(m.ridge_point)}")
     origin = "--kernels" if report.kernels_from == "option" else f"default for {m.hardware}"
-    text.append(f"\n{report.kernels_description} [{origin}]")
-    return text
+    kernels = report.kernels_description.split(", ")
+    lines = [
+        [f"[bold]{escape(report.model)}[/] ({fmt.si(report.parameters, '')} parameters{active};",
+         f"weights {report.weights_dtype}{whose},", f"KV cache {report.kv_dtype},",
+         f"activations {report.activation_dtype})", f"on [bold]{escape(where)}[/]"],
+        [f"ceilings per device: {fmt.flops_per_s(m.peak_flops)} ({m.compute_dtype}),",
+         f"memory {fmt.bytes_per_s(m.memory_bandwidth)}", f"→ ridge point {fmt.intensity(m.ridge_point)}"],
+        [*(part + "," for part in kernels[:-1]), f"{kernels[-1]} \\[{escape(origin)}]"],
+    ]
+    return Text.from_markup("\n".join(fmt.flow(line, width) for line in lines))
 
 
 def _giga(n: float) -> str:
@@ -357,7 +360,7 @@ def roofline_chart(peak: float, bandwidth: float, points: list[ChartPoint], widt
 
 def render_report(console: Console, report: RooflineReport) -> None:
     m = report.machine
-    parts: list = [header(report)]
+    parts: list = [header(report, console.width)]
     for title, table in ((work_title(report), work_table(report)), (bound_title(report), bound_table(report)),
                          (generation_title(report), generation_table(report))):
         parts += [Text("\n" + title), table]
