@@ -50,20 +50,20 @@ def render_header(console: Console, config: ModelConfig, weight_format: str, loa
     was loaded. The shape's other figures (head dim, vocabulary, a tied head) are in sections 2, 3 and 5, the
     checkpoint's path in the trace (`model.source`). `weights_note`: why the weights are held as they are, when
     that says more than the kernels line (a matrix type the named kernel cannot run)."""
-    window = f" · sliding window {config.sliding_window:,}" if config.sliding_window is not None else ""
+    window = [] if config.sliding_window is None else [f"· sliding window {config.sliding_window:,}"]
     moe = config.moe
     ffn = (f"FFN {config.ffn_dim}" if moe is None else
            f"{moe.n_experts} experts of FFN {config.ffn_dim}, {moe.experts_per_token} per token")
-    model = (f"[bold]{escape(config.name)}[/] · {config.n_layers} layers · dim {config.dim} · {config.n_heads} heads "
-             f"({config.n_kv_heads} KV) · {ffn}{window}")
+    model = [f"[bold]{escape(config.name)}[/]", f"· {config.n_layers} layers", f"· dim {config.dim}",
+             f"· {config.n_heads} heads ({config.n_kv_heads} KV)", f"· {ffn}", *window]
     if dry_run:  # the loader's format says "dry run (meta device) fp32" already
-        how = escape(weight_format)
+        how = [escape(weight_format)]
     else:
         short = dtype_name(dtype)
-        shown = "" if short in weight_format else f" · {short}"
-        how = (f"{escape(weight_format)}{shown} · {device} · {threads} thread{'s' if threads != 1 else ''} · "
-               f"loaded in {fmt.duration_s(load_seconds)}")
-    lines = [model, f"[dim]{how}[/]"]
+        how = [escape(weight_format), *([] if short in weight_format else [f"· {short}"]), f"· {device}",
+               f"· {threads} thread{'s' if threads != 1 else ''}", f"· loaded in {fmt.duration_s(load_seconds)}"]
+    # each line broken only between its phrases at the console's width (an 80-column terminal)
+    lines = [fmt.flow(model, console.width), fmt.flow([f"[dim]{phrase}[/]" for phrase in how], console.width)]
     if weights_note:
         lines.append(f"[dim]{escape(weights_note)}[/]")
     console.print("\n".join(lines))
