@@ -487,6 +487,53 @@ def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation
 # ---- the report ---------------------------------------------------------------------------------------------
 
 
+def _generation(prefill: PassBound, decode: tuple[float, float, int], prompt_len: int, new_tokens: int,
+                batch: int) -> GenerationBound:
+    """The whole generation from the prefill's bound and _decode_sum's (seconds, all-reduce seconds, steps bound
+    by memory) over the new_tokens - 1 decode steps."""
+    decode_s, decode_comm_s, memory_steps = decode
+    steps = new_tokens - 1
+    return GenerationBound(
+        prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, decode_steps=steps,
+        ttft_seconds=prefill.seconds, decode_seconds=decode_s, decode_comm_seconds=decode_comm_s,
+        memory_bound_decode_steps=memory_steps,
+        time_per_output_token_seconds=decode_s / steps if steps else None,
+        tokens_per_s_per_sequence=steps / decode_s if steps else None,
+        tokens_per_s_total=batch * steps / decode_s if steps else None,
+        total_seconds=prefill.seconds + decode_s,
+    )
+
+
+def _tensor_parallel(config: ModelConfig, hardware: HardwareProfile, tp: int, batch: int, prompt_len: int, act: int,
+                     prefill: PassBound, first: PassBound | None) -> TensorParallel:
+    """The all-reduces' part of the report: all zero for one device."""
+    split = tp > 1
+    return TensorParallel(
+        tp=tp, interconnect=hardware.interconnect if split else "none",
+        link_bandwidth_one_way=hardware.link_bandwidth_one_way if split else 0.0,
+        link_bandwidth=hardware.interconnect_bandwidth if split else 0.0,
+        allreduces_per_layer=ALLREDUCES_PER_LAYER if split else 0,
+        prefill_payload_bytes=allreduce_payload_bytes(config, batch, prompt_len, act) if split else 0,
+        decode_payload_bytes=allreduce_payload_bytes(config, batch, 1, act) if split else 0,
+        prefill_comm_bytes=prefill.comm_bytes, decode_comm_bytes_per_step=first.comm_bytes if first else 0,
+        prefill_comm_seconds=prefill.comm_seconds, decode_comm_seconds_per_step=first.comm_seconds if first else 0.0,
+    )
+
+
+def _notes(config: ModelConfig, hardware: HardwareProfile, machine: Machine, final_positions: int,
+           tp: int) -> tuple[str, ...]:
+    notes = []
+    if machine.compute_note:
+        notes.append(machine.compute_note + ".")
+    if final_positions > config.max_seq_len:
+        notes.append(f"{final_positions:,} positions exceed {config.name}'s trained context of {config.max_seq_len:,}.")
+    if machine.measured:
+        notes.append(f"{hardware.name} ceilings are measured ({hardware.source}).")
+    if tp > 1:
+        notes.append("All-reduce time assumes no overlap with compute and ignores per-call latency.")
+    return tuple(notes)
+
+
 def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 512, new_tokens: int = 128,
              batch: int = 1, dtype: DType = FP16, kv_dtype: DType | None = None, tp: int = 1,
              check_fit: bool = True, kernels: str | Kernels | None = None,
@@ -531,52 +578,20 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     if first_cost and last_cost:
         first = bound_pass("first decode step", *first_cost, machine)
         last = bound_pass("last decode step", *last_cost, machine)
-    decode_s, decode_comm_s, memory_steps = _decode_sum(ctx, prompt_len, steps, batch)
-    generation = GenerationBound(
-        prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, decode_steps=steps,
-        ttft_seconds=prefill.seconds, decode_seconds=decode_s, decode_comm_seconds=decode_comm_s,
-        memory_bound_decode_steps=memory_steps,
-        time_per_output_token_seconds=decode_s / steps if steps else None,
-        tokens_per_s_per_sequence=steps / decode_s if steps else None,
-        tokens_per_s_total=batch * steps / decode_s if steps else None,
-        total_seconds=prefill.seconds + decode_s,
-    )
-
+    generation = _generation(prefill, _decode_sum(ctx, prompt_len, steps, batch), prompt_len, new_tokens, batch)
     table_cached = max(final_positions - 1, prompt_len)
     crossover = _crossover(ctx, table_cached)
     peak_per_sequence = -(-peak // batch)
     table = tuple(_batch_row(ctx, table_cached, b, hardware.memory_bytes, peak_per_sequence)
                   for b in _table_batches(crossover, fit.max_batch))
-
-    decode_payload = allreduce_payload_bytes(config, batch, 1, act)
-    tensor_parallel = TensorParallel(
-        tp=tp, interconnect=hardware.interconnect if tp > 1 else "none", link_bandwidth_one_way=(
-            hardware.link_bandwidth_one_way if tp > 1 else 0.0),
-        link_bandwidth=hardware.interconnect_bandwidth if tp > 1 else 0.0,
-        allreduces_per_layer=ALLREDUCES_PER_LAYER if tp > 1 else 0,
-        prefill_payload_bytes=allreduce_payload_bytes(config, batch, prompt_len, act) if tp > 1 else 0,
-        decode_payload_bytes=decode_payload if tp > 1 else 0,
-        prefill_comm_bytes=prefill.comm_bytes, decode_comm_bytes_per_step=first.comm_bytes if first else 0,
-        prefill_comm_seconds=prefill.comm_seconds, decode_comm_seconds_per_step=first.comm_seconds if first else 0.0,
-    )
-
-    notes = []
-    if machine.compute_note:
-        notes.append(machine.compute_note + ".")
-    if final_positions > config.max_seq_len:
-        notes.append(f"{final_positions:,} positions exceed {config.name}'s trained context of {config.max_seq_len:,}.")
-    if machine.measured:
-        notes.append(f"{hardware.name} ceilings are measured ({hardware.source}).")
-    if tp > 1:
-        notes.append("All-reduce time assumes no overlap with compute and ignores per-call latency.")
     params = count_params(config)
     return RooflineReport(
         model=config.name, kernels=kernels.value, kernels_from=kernels_from, kernels_description=DESCRIPTIONS[kernels],
         parameters=params.total, active_parameters=params.active, weights_dtype=weights.name,
         kv_dtype=dtypes.kv.name, activation_dtype=dtypes.activations.name, machine=machine,
-        tensor_parallel=tensor_parallel, memory=fit, prefill=prefill, first_decode=first, last_decode=last,
+        tensor_parallel=_tensor_parallel(config, hardware, tp, batch, prompt_len, act, prefill, first), memory=fit, prefill=prefill, first_decode=first, last_decode=last,
         generation=generation, crossover=crossover, table_kv_len=table_cached + 1, batch_table=table,
         moe=estimate.moe_reads(config, table_cached, dtypes, batch, kernels),
-        notes=tuple(notes), weights_dtype_from=weights_from,
+        notes=_notes(config, hardware, machine, final_positions, tp), weights_dtype_from=weights_from,
         decode_ceilings=ceilings_label(hardware.measured, kernels_found=False),
     )
