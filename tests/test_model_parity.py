@@ -402,7 +402,7 @@ def test_the_step_on_shared_cache_views_equals_the_step_on_each_layers_cache_bit
     """A fused step takes every layer's cache rows from the one tensor all layers' caches share (FusedPlan.kv_all: a
     few views for all layers, as the deleted one-token copy of the layer did); without it, from each layer's cache.
     The same products and elementwise ops run either way, so logits and every cache entry agree bit for bit, in every
-    dtype, for the prefill and the one-token steps alike (both run the one FusedLayer.forward)."""
+    dtype, for the prefill and the one-token steps alike (both run the one TransformerBlock.forward with a PackedLayer)."""
     model = ours_from_folder(make_tiny_llama(variant, seed=len(variant), **VARIANTS[variant])).to(dtype)
     ids = tokens(model.config.vocab_size, 1, 9, seed=5)
     runs = []

@@ -1,7 +1,7 @@
-"""The layer's math, written once: the stage modules (tracer/model/transformer.py: the model and its hook points)
-and the packed path (tracer/model/fused.py: the same stages on Q|K|V and gate|up packed, no hooks) both call these,
-so both round the same way (the way HF transformers' eager LlamaForCausalLM does). Shapes as in transformer.py's
-legend; G = B*Hkv groups of R query heads sharing a KV head."""
+"""The layer's math, written once: the stage modules (tracer/model/transformer.py: the model and its hook points) call
+these, whether they run as modules or under the packed backend (tracer/model/fused.py: the same forwards on Q|K|V
+and gate|up packed, no hooks), so every route rounds the same way (the way HF transformers' eager LlamaForCausalLM
+does). Shapes as in transformer.py's legend; G = B*Hkv groups of R query heads sharing a KV head."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def rms_norm_floor(dim: int, eps: float, device: torch.device | str) -> torch.Te
     return torch.tensor((dim * eps) ** 0.5, dtype=torch.float32, device=device)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32 and cast back before the weight (as HF does).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32 and cast back before the weight (as HF does); into
+    `out` when given (x itself: the packed path normalises q and k in place, where its Q|K|V product put them).
 
     `floor` is sqrt(dim * eps) as an fp32 scalar tensor: sqrt(mean(x^2) + eps) == hypot(||x||, floor) / sqrt(dim),
     five small ops where F.rms_norm's CPU kernel costs twice as long on one token (BENCHMARKS.md, "Model speed").
@@ -27,8 +29,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor) -> torc
     dim = x.shape[-1]
     rms = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32), floor).mul_(dim**-0.5)
     if x.dtype == torch.float32:
-        return torch.div(x, rms).mul_(weight)
-    return torch.div(x, rms).to(x.dtype).mul_(weight)
+        return torch.div(x, rms, out=out).mul_(weight)
+    normed = torch.div(x, rms)
+    return (normed.to(x.dtype) if out is None else out.copy_(normed)).mul_(weight)
 
 
 def matvec(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

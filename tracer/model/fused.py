@@ -1,34 +1,33 @@
-"""The model's fused (packed) path: the stage modules' layer on packed weights, without hooks.
+"""The packed backend's plan: the stage modules' own forwards on packed weights, without hooks.
 
 Decode on a CPU is a stream of small operations between weight-streaming matrix-vector products, and each small
 operation after a product that has flushed the caches costs several microseconds; per-token time is mostly
 their count. So when nothing watches the stage modules, the run's packed and native backends (tracer/run/backends.py,
-chosen by tracer/run/select.py) run this instead of the stage modules. The
-math is the stage modules' own (tracer/model/functional.py: both call it); this path differs only in
-- wq|wk|wv and w1|w3 (and their biases) packed as row blocks of one tensor each (the parameters become views
-  of it: no extra memory), so Q, K, V come from one product and gate, up from another;
-- q and k rotated together, in place, and K and V reaching the cache in one copy (the cache keeps them in one
-  buffer; every layer's cache views for a step made at once, from the one tensor all layers' caches share);
-- no nn.Module calls, so no hooks.
-Every rounding is the stage modules' (which are HF transformers' eager LlamaAttention's): RMSNorm normalised in
-fp32, rounded, then times the weight; scores scaled after the product and rounded; softmax in fp32, rounded; one
-query token's attention products in fp32 (half-precision bmm this small is slow on CPU). In bf16 the two paths
-agree to the last bit but for the packed products' accumulation order (tests/test_fused_trace.py states the
-tolerance). A plan is built per run, from the model as the run starts (nothing edits the model while it runs): a
-reload, a `.to()`, a replaced layer or an edited weight is seen by the next run's plan.
+chosen by tracer/run/select.py) run the layer with fewer ops. The layer is not written again here: `FusedPlan.step`
+runs each TransformerBlock's own forward (tracer/model/transformer.py) with a `PackedLayer`, which makes the same
+forward
+- multiply by wq|wk|wv and w1|w3 (and their biases) packed as row blocks of one tensor each (the parameters become
+  views of it: no extra memory), so Q, K, V come from one product and gate, up from another, as views of its output;
+- normalise (QK-norm) and rotate q and k together, in place, and write K and V to the cache in one copy (the cache
+  keeps them in one buffer; every layer's cache views for a step made at once, from the one tensor all layers'
+  caches share);
+- call each stage module's forward past nn.Module's call, so no hooks, and `mark()` after each stage.
+Every rounding is the stage modules' (which are HF transformers' eager LlamaAttention's), through the same functions
+(tracer/model/functional.py); in bf16 the two routes agree to the last bit but for the packed products' accumulation
+order (tests/test_fused_trace.py states the tolerance). A plan is built per run, from the model as the run starts
+(nothing edits the model while it runs): a reload, a `.to()`, a replaced layer or an edited weight is seen by the next
+run's plan.
 
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
-fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm. Prefill,
-decode and batches go through the one `FusedLayer.forward`. When every product of a one-token step is held for
-the native kernel and the model runs in fp32 on the CPU, the step is one C call instead (tracer/model/native_step.py:
-the same stages in the same order, all layers in one OpenMP region); a traced step then takes the readings C stamps
-after each stage (a mark's TAKE_STAMPS), and a mark that cannot take them gets the torch ops and their mark() calls.
+fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm: prefill, decode
+and batches go through the one forward. When every product of a one-token step is held for the native kernel and
+the model runs in fp32 on the CPU, the step is one C call instead (tracer/model/native_step.py: the same stages in
+the same order, all layers in one OpenMP region); a traced step then takes the readings C stamps after each stage
+(a mark's TAKE_STAMPS), and a mark that cannot take them gets the torch ops and their mark() calls.
 
-The path is instrumented from inside: it calls `mark()` after each of its stages (the order of
-llmtrace.tracer.core.contract.fused_stages: its stages with Q|K|V and gate|up packed), which costs one no-op call
-when nothing traces and one clock read when tracer/trace/fused_marks.py does. So a traced run executes exactly the
-untraced run's tensor ops. Each stage keeps its own ops for that reason (the residual adds are not folded into the
-output products: addmm and mm + add_ measured equal).
+The marks are the tracer's hook points on this route: one after each stage of llmtrace.tracer.core.contract.
+fused_stages (its stages with Q|K|V and gate|up packed), which costs one no-op call when nothing traces and one
+clock read when tracer/trace/fused_marks.py does. So a traced run executes exactly the untraced run's tensor ops.
 """
 
 from __future__ import annotations
@@ -38,23 +37,10 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
-from llmtrace.tracer.model.functional import (
-    MATVEC_KERNELS,
-    attention_scores,
-    attention_values,
-    masked,
-    project,
-    rms_norm,
-    rms_norm_floor,
-    rotate,
-    softmax_fp32,
-    step_mask,
-    swiglu,
-)
+from llmtrace.tracer.model.functional import MATVEC_KERNELS, project, step_mask
 from llmtrace.tracer.model.native_step import AheadRun, Chooser, NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
@@ -69,110 +55,76 @@ def no_mark() -> None:
     """The mark of an untraced run."""
 
 
-class FusedNorm:
-    """An RMSNorm module's weight and floor, applied by the stage module's own function (functional.rms_norm)."""
-
-    __slots__ = ("floor", "weight")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.weight = module.weight.detach()  # (dim,)
-        self.floor = rms_norm_floor(self.weight.shape[0], module.eps, self.weight.device)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.floor)
-
-
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
-class FusedLayer:
-    """One transformer block (a TransformerBlock) on the fused path: its norms, views of its packed weights and
-    biases, its KV cache."""
+class PackedLayer:
+    """What the packed backend hands one TransformerBlock's forward (its `packed` argument): the layer's products as
+    the plan holds them (Q|K|V and gate|up one weight each, views of the packed parameters, or the stored matrices'
+    concatenation), QK-norm's weight over the q|k rows, and this step's state, set by `FusedPlan.step`: B and T, the
+    attention mask, the layer's cache views and the mark. The shapes the native step reads (heads, ...) too."""
 
-    def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor] = project) -> None:
+    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "ffn_dim", "ffn_norm", "head_dim", "heads",
+                 "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight", "scale", "values",
+                 "w13", "w2", "wo", "wqkv", "write")
+
+    def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor]) -> None:
         self.product = product  # functional.project with the run's one-token kernel (FusedPlan's matvec)
         attn, ffn = layer.attention, layer.feed_forward
-        self.cache = attn.kv_cache
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = attn.scores.scale
-        self.attention_norm, self.ffn_norm = FusedNorm(layer.attention_norm), FusedNorm(layer.ffn_norm)
+        self.attention_norm, self.ffn_norm = layer.attention_norm, layer.ffn_norm
         self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
-        # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
-        # Hkv key heads, so q and k are normalised together as the rows of the Q|K view, as RoPE rotates them
-        qk_norm = getattr(attn, "qk_norm", None)
-        self.qk_weight = None if qk_norm is None else torch.cat([
-            qk_norm.q_weight.detach().expand(self.heads, -1), qk_norm.k_weight.detach().expand(self.kv_heads, -1)])
-        self.qk_floor = None if qk_norm is None else qk_norm.floor(qk_norm.q_weight.device)
         self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
         self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
         self.w13 = _rows_of(ffn.w1, ffn.w3)  # (2F, dim)
         self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
         self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
         self.ffn_dim = self.w2.shape[1]
+        # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
+        # Hkv key heads, so q and k are normalised together as the rows of the q|k view, as RoPE rotates them
+        qk_norm = attn.qk_norm
+        self.qk_weight = None if qk_norm is None else torch.cat([
+            qk_norm.q_weight.detach().expand(self.heads, -1), qk_norm.k_weight.detach().expand(self.kv_heads, -1)])
+        self.qk_floor = None if qk_norm is None else qk_norm.floor(qk_norm.q_weight.device)
+        self.batch = self.new = 0
+        self.mark: Mark = no_mark
+        self.mask = self.write = self.keys = self.values = None
 
-    def forward(self, x: torch.Tensor, batch: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                write: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mark: Mark = no_mark) -> torch.Tensor:
-        """The stage modules' block (TransformerBlock, Attention, FeedForward) on packed weights, through the same
-        functions: x (B*T, dim), or (dim,) for one token of one sequence (matrix-vector products); cos, sin (T, 1, D),
-        or (B, T, 1, D) when each row has its own positions (a left-padded batch); mask as functional.step_mask
-        gives it; `write` (B, 2*Hkv, T, D), this layer's cache at the new positions, `keys` and `values` (B, Hkv, S, D),
-        the positions attention reads (the new ones included, once written): views FusedPlan made for every layer
-        at once. Softmax runs on the grouped scores (B*Hkv, R*T, S), the same rows as the stage's (B, H, T, S).
-        `mark()` after each layer stage of contract.fused_stages."""
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        rows = x.shape[:-1]  # (B*T,) or () for one token
-        new = (x.shape[0] if rows else 1) // batch
-        h = self.attention_norm(x)  # (B*T, dim)
-        mark()
-        qkv = self.product(h, self.wqkv, self.bqkv).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D)
-        mark()
-        qk = qkv.narrow(2, 0, heads + kv_heads)  # (B, T, H+Hkv, D), a view
-        if self.qk_weight is not None:  # QK-norm: normalised q and k rotated back into qkv
-            normed = rms_norm(qk, self.qk_weight, self.qk_floor)  # (B, T, H+Hkv, D)
-            mark()
-            rotate(normed, cos, sin, out=qk)
-        else:
-            rotate(qk, cos, sin, out=qk)  # RoPE on q and k together, in place
-        mark()
-        write.copy_(qkv.narrow(2, heads, 2 * kv_heads).transpose(1, 2))  # (B, 2*Hkv, T, D): K heads, V heads
-        mark()
-        groups = batch * kv_heads
-        q = qkv.narrow(2, 0, heads)  # (B, T, H, D)
-        if new > 1:  # (one new token: (B, 1, H, D) is already in (B, H, 1, D)'s order)
-            q = q.transpose(1, 2)  # (B, H, T, D)
-        q = q.reshape(groups, -1, head_dim)  # (B*Hkv, R*T, D): the R query heads of a KV head as one product's rows
-        scores = attention_scores(q, keys.reshape(groups, -1, head_dim), self.scale, new == 1)  # (B*Hkv, R*T, S)
-        if mask is not None:
-            masked(scores.view(batch, heads, new, -1), mask)
-        mark()
-        probs = softmax_fp32(scores)  # (B*Hkv, R*T, S)
-        mark()
-        out = attention_values(probs, values.reshape(groups, -1, head_dim), new == 1)  # (B*Hkv, R*T, D)
-        if new > 1:
-            out = out.view(batch, heads, new, head_dim).transpose(1, 2)  # (B, T, H, D)
-        out = out.reshape(*rows, heads * head_dim)  # (B*T, H*D)
-        mark()
-        attended = self.product(out, self.wo, self.bo)  # wo(attention): (B*T, dim)
-        mark()
-        x = attended.add_(x)  # the residual stream
-        mark()
-        h = self.ffn_norm(x)  # (B*T, dim)
-        mark()
-        gate_up = self.product(h, self.w13, self.b13)  # (B*T, 2F): gate | up
-        mark()
-        act = swiglu(gate_up.narrow(-1, 0, self.ffn_dim), gate_up.narrow(-1, self.ffn_dim, self.ffn_dim))  # (B*T, F)
-        mark()
-        down = self.product(act, self.w2, self.b2)  # (B*T, dim)
-        mark()
-        x = down.add_(x)
-        mark()
-        return x
+    def call(self, module: nn.Module, *args: Any) -> Any:
+        """A stage module's forward, past nn.Module's call (no hooks), then the mark."""
+        out = type(module).forward(module, *args)
+        self.mark()
+        return out
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """Q|K|V: x (..., dim) -> (..., (H+2Hkv)*D), one product, then the mark."""
+        out = self.product(x, self.wqkv, self.bqkv)
+        self.mark()
+        return out
+
+    def wo_product(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x, self.wo, self.bo)  # (..., dim)
+        self.mark()
+        return out
+
+    def w13_product(self, x: torch.Tensor) -> torch.Tensor:
+        """gate|up: x (..., dim) -> (..., 2F), one product, then the mark."""
+        out = self.product(x, self.w13, self.b13)
+        self.mark()
+        return out
+
+    def w2_product(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x, self.w2, self.b2)  # (..., dim)
+        self.mark()
+        return out
 
 
 class FusedPlan:
-    """Everything the fused path reads, built per run once the cache is set up (tracer/run/select.py); packs the
-    projections (the parameters become views of Q|K|V and gate|up, once)."""
+    """Everything the packed backend reads besides the stage modules, built per run once the cache is set up
+    (tracer/run/select.py): the packed products (the parameters become views of Q|K|V and gate|up, once), the
+    product kernel, the caches' views and sizes, and the native step when it can run."""
 
     def __init__(self, model: Any, matvec: str = "mv") -> None:
         """`matvec`: the one-token product kernel (functional.MATVEC_KERNELS: "mv" or "mm"), as this machine's
@@ -183,15 +135,17 @@ class FusedPlan:
                 if not _packed(*group, stored=_stored(group[0])):
                     _pack(*group, stored=_stored(group[0]))
         self.product = partial(project, vector_kernel=MATVEC_KERNELS[matvec])
-        self.layers = [FusedLayer(layer, self.product) for layer in model.layers]
-        self.embedding = _weight_of(model.tok_embeddings)  # (V, dim), or as stored
+        self.blocks = list(model.layers)
+        self.layers = [PackedLayer(layer, self.product) for layer in self.blocks]
+        self.tok_embeddings = model.tok_embeddings
+        self.embedding = _weight_of(model.tok_embeddings)  # (V, dim), or as stored (the native step's table)
         self.output, self.output_bias = _weight_of(model.output), _detached(model.output.bias)  # (V, dim), (V,)
-        self.final_norm = FusedNorm(model.norm)
+        self.final_norm = model.norm
         self.dtype = model.norm.weight.dtype  # the compute dtype (a stored embedding's rows are dequantized to it)
-        self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each
+        self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each: the native step's
         # Row 0 of every layer's cache as one (L, 2*Hkv, S_max, D) view, when the model keeps them in one tensor
         # (Transformer.setup_cache) and the layers' buffers are still its slices; else None (no one-token path).
-        self.caches = [layer.cache for layer in self.layers]
+        self.caches = [layer.attention.kv_cache for layer in self.blocks]
         self.fill = model.fill  # positions written and sequences held, every layer's (kv_cache.CacheFill)
         kv_all = getattr(model, "_kv_all", None)
         shared = kv_all is not None and len(self.caches) == kv_all.shape[0] and all(
@@ -221,35 +175,33 @@ class FusedPlan:
         held = length if self.window is None else min(length, self.window)
         return self.position_bytes * fill.batch * held
 
-    def step(self, tokens: torch.Tensor, start: int, mark: Mark = no_mark, positions: torch.Tensor | None = None,
+    def step(self, tokens: torch.Tensor, start: int, input_pos: torch.Tensor, mark: Mark = no_mark,
              pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) at positions start..start+T-1 -> logits (B, V) of the last position; writes the caches (their
-        fill moves when the caller's step is done: Transformer._cached_step).
+        """tokens (B, T) at positions `input_pos` (T,), from `start` -> logits (B, V) of the last position, through
+        every TransformerBlock's forward with its PackedLayer; writes the caches (their fill moves when the caller's
+        step is done: Transformer._cached_step).
 
-        A left-padded batch (ModelCaches._pad_step) gives each row's `positions` (B, T) and the `pad_mask`
+        A left-padded batch (ModelCaches._pad_step) gives each row's `input_pos` (B, T) and the `pad_mask`
         (B, 1, T, S) hiding pad keys from real queries. `mark()` once before the embedding, then after each stage
         of contract.fused_stages (the layer stages once per layer). Always the torch ops: the native backend runs a
         one-token step as `native_decode` first."""
         batch, new = tokens.shape
         end = start + new
-        if positions is None:
-            cos, sin = self.cos[start:end], self.sin[start:end]  # (T, 1, D) each
-        else:
-            cos, sin = self.cos[positions], self.sin[positions]  # (B, T, 1, D): each row its own positions
         first = first_attended_position(end, new, self.window)  # the oldest position the new queries attend
         mask = step_mask(new, end - first, tokens.device, self.window, pad_mask)  # (T, S), (B, 1, T, S) or None
         writes, keys, values = self._cache_views(batch, start, new, first)
+        for layer, write, k, v in zip(self.layers, writes, keys, values):
+            layer.batch, layer.new, layer.mask, layer.mark = batch, new, mask, mark
+            layer.write, layer.keys, layer.values = write, k, v
         mark()
-        if isinstance(self.embedding, PackedWeight):  # held as stored: only the looked-up rows are dequantized
-            x = self.embedding.rows(tokens.reshape(-1), self.dtype)  # (B*T, dim)
-        else:
-            x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, dim)
+        x = type(self.tok_embeddings).forward(self.tok_embeddings, tokens.reshape(-1))  # (B*T, dim)
         mark()
         if batch * new == 1:
             x = x[0]  # (dim,): one token runs vectors through matrix-vector products
-        for layer, write, k, v in zip(self.layers, writes, keys, values):
-            x = layer.forward(x, batch, cos, sin, mask, write, k, v, mark)
-        h = self.final_norm(x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last position
+        for block, layer in zip(self.blocks, self.layers):
+            x = block.forward(x, input_pos, True, layer)
+        norm = self.final_norm
+        h = type(norm).forward(norm, x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last one
         mark()
         logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
         mark()

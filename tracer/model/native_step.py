@@ -139,7 +139,8 @@ class NativeStep:
     """A model's decode step as one C call. Build with `NativeStep.build(plan)`; call with the token's embedding."""
 
     def __init__(self, plan: Any) -> None:
-        """`plan` is a FusedPlan (its layers, output, norms, rope tables and KV rows); NotEligible if it cannot run."""
+        """`plan` is a FusedPlan (its PackedLayers, output, norm modules, rope tables and KV rows); NotEligible if it
+        cannot run."""
         entry = _entry_points()
         if entry is None:
             raise NotEligible("the native library (with its AVX2 row kernels) is not available")
@@ -159,7 +160,7 @@ class NativeStep:
         if any((layer.qk_weight is not None) != qk_norm for layer in layers):
             raise NotEligible("QK-norm in some layers only")
         self._keep: list[Any] = []  # every tensor and description whose memory C reads
-        floor = float(first.attention_norm.floor)
+        floor = _floor(first.attention_norm)
         described = []
         for layer in layers:
             if (layer.heads, layer.kv_heads, layer.head_dim, layer.ffn_dim) != (heads, kv_heads, head_dim, ffn) \
@@ -169,7 +170,7 @@ class NativeStep:
                     self._matrix(layer.wo, (dim, heads * head_dim), "wo"),
                     self._matrix(layer.w13, (2 * ffn, dim), "gate|up"), self._matrix(layer.w2, (dim, ffn), "w2")]
             norms = [self._vector(n.weight, dim, "norm") for n in (layer.attention_norm, layer.ffn_norm)]
-            if any(float(n.floor) != floor for n in (layer.attention_norm, layer.ffn_norm)):
+            if any(_floor(n) != floor for n in (layer.attention_norm, layer.ffn_norm)):
                 raise NotEligible("norms of different epsilons")
             biases = [self._vector(b, rows, "bias") for b, rows in
                       ((layer.bqkv, (heads + 2 * kv_heads) * head_dim), (layer.bo, dim), (layer.b13, 2 * ffn),
@@ -179,7 +180,7 @@ class NativeStep:
                 self._vector(layer.qk_weight[row].contiguous(), head_dim, "QK-norm weight")
                 for row in (0, heads)]
             described.append(_Layer(*mats, *norms, *biases, *qk))
-        if float(plan.final_norm.floor) != floor:
+        if _floor(plan.final_norm) != floor:
             raise NotEligible("norms of different epsilons")
         head = self._matrix(plan.output, (vocab, dim), "LM head")
         kv = plan.kv_rows  # (L, 2*Hkv, S_max, D)
@@ -339,6 +340,11 @@ def stamp_count(layers: int, staged: bool, qk_norm: bool = False) -> int:
     layer, where the model has it)."""
     per_layer = (STAGED_STAGES_PER_LAYER if staged else STAGES_PER_LAYER) + int(qk_norm)
     return 1 + STAGES_BEFORE_LAYERS + per_layer * layers + STAGES_AFTER_LAYERS
+
+
+def _floor(norm: Any) -> float:
+    """An RMSNorm module's sqrt(dim * eps), as its forward takes it."""
+    return float(norm.floor(norm.weight.device))
 
 
 def _products(plan: Any) -> list[Any]:

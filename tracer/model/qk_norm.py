@@ -9,6 +9,8 @@ back before the weight), applied over the last axis of the (..., heads, D) tenso
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -35,8 +37,14 @@ class QKNorm(nn.Module):
             floor = self._floor = rms_norm_floor(self.q_weight.shape[0], self.eps, device)
         return floor
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, packed: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under the packed backend (`packed`, tracer/model/fused.py's PackedLayer) k is q|k (B, T, H+Hkv, D), the view
+        of its Q|K|V product q is the first H heads of: normalised in place as one RMSNorm over its rows, with
+        `packed.qk_weight` (H+Hkv, D), q's weight over the H heads then k's over the Hkv."""
         floor = self.floor(q.device)
+        if packed is not None:
+            rms_norm(k, packed.qk_weight, floor, out=k)
+            return q, k
         k_floor = floor
         if self.k_weight.shape[0] != self.q_weight.shape[0]:
             k_floor = self._k_floor

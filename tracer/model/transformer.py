@@ -21,10 +21,12 @@ RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Atten
 (no SDPA) so FlopCounterMode counts what runs; GQA groups the R query heads of each KV head into the rows of one
 matmul instead of copying K and V R times.
 
-`prefill`/`decode_one` run these modules: the reference, and the hook points. A run's faster backends (the packed
-path of tracer/model/fused.py, the native C step: the same math and the same roundings, both through
-tracer/model/functional.py, in fewer tensor ops) are built per run from the model as it stands (tracer/run/select.py,
-tracer/run/backends.py) and pass themselves as the step's `path`; the model holds no mode of its own.
+`prefill`/`decode_one` run these modules: the reference, and the hook points. The layer is written once, here: the
+packed backend (tracer/model/fused.py) runs these same forwards with a `PackedLayer` (`packed`): Q|K|V and gate|up
+one product each whose outputs are views, q and k rotated together in place, K and V written in one copy, each stage
+called past its hooks and marked (the tracer's clock read) after it. So a stage is added in one place, here (and in
+the native C step, tracer/model/native/decode_step.c). Backends are built per run from the model as it stands
+(tracer/run/select.py, tracer/run/backends.py) and pass themselves as the step's `path`; the model holds no mode.
 """
 
 from __future__ import annotations
@@ -101,10 +103,14 @@ class RMSNorm(nn.Module):
         self._floor: torch.Tensor | None = None  # sqrt(dim * eps), fp32, on the weight's device (made on first use)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.floor(x.device))
+
+    def floor(self, device: torch.device) -> torch.Tensor:
+        """sqrt(dim * eps) as functional.rms_norm takes it, on `device` (made once; the native step reads it too)."""
         floor = self._floor
-        if floor is None or floor.device != x.device:
-            floor = self._floor = rms_norm_floor(self.weight.shape[0], self.eps, x.device)
-        return rms_norm(x, self.weight, floor)
+        if floor is None or floor.device != device:
+            floor = self._floor = rms_norm_floor(self.weight.shape[0], self.eps, device)
+        return floor
 
     def extra_repr(self) -> str:
         return f"dim={self.weight.shape[0]}, eps={self.eps}"
@@ -127,9 +133,11 @@ class AttentionScores(nn.Module):
         # argument: the tracer's wrappers record every tensor argument as an activation the stage reads.
         self.pad_mask: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
-        new, seen = q.shape[2], k_all.shape[2]
-        mask = step_mask(new, seen, q.device, self.window, self.pad_mask)  # (T, S), (B, 1, T, S) or None
+    def forward(self, q: torch.Tensor, k_all: torch.Tensor, packed: Any = None) -> torch.Tensor:
+        if packed is None:
+            mask = step_mask(q.shape[2], k_all.shape[2], q.device, self.window, self.pad_mask)  # (T, S), (B, 1, T, S)
+        else:
+            mask = packed.mask  # the packed step's, made once for every layer (the same, pads included)
         return grouped_scores(q, k_all, self.scale, mask)  # (B, H, T, S)
 
     def extra_repr(self) -> str:
@@ -169,26 +177,39 @@ class Attention(nn.Module):
         self.pv = AttentionValues()
         self.wo = Linear(config.q_dim, config.dim, bias=has_bias("attention.wo", config))
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
-        batch, new, _ = x.shape
-        q, k = self.wq(x), self.wk(x)  # (B, T, H*D), (B, T, Hkv*D)
-        if self.qk_norm is not None and self.qk_norm_whole:
-            q, k = self.qk_norm(q, k)  # OLMoE: each token's whole q and k, before the heads are split
-        q = q.view(batch, new, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = k.view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = self.wv(x).view(batch, new, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, packed: Any = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim), each stage called as a module. Under the packed backend (`packed`:
+        tracer/model/fused.py's PackedLayer) x is (B*T, dim), or (dim,) for one token of one sequence, Q|K|V is one
+        product whose views the stages take (they are handed `packed`, so they know), each stage is called past its
+        hooks and marked, and wo multiplies through the plan's product kernel."""
+        heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
+        if packed is None:
+            call, (batch, new), extra = _call, x.shape[:2], ()
+            q, k = self.wq(x), self.wk(x)  # (B, T, H*D), (B, T, Hkv*D)
+            if self.qk_norm is not None and self.qk_norm_whole:
+                q, k = self.qk_norm(q, k)  # OLMoE: each token's whole q and k, before the heads are split
+            q = q.view(batch, new, heads, head_dim)  # (B, T, H, D)
+            k = k.view(batch, new, kv_heads, head_dim)  # (B, T, Hkv, D)
+            v = self.wv(x).view(batch, new, kv_heads, head_dim)  # (B, T, Hkv, D)
+        else:
+            call, batch, new, extra = packed.call, packed.batch, packed.new, (packed,)
+            qkv = packed.qkv(x).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D): Q heads, K heads, V heads
+            # k stands for q|k (B, T, H+Hkv, D), which QK-norm and RoPE work on in place, q its first H heads; v for
+            # K|V (B, T, 2*Hkv, D), which the cache takes in one copy (the stages take `packed` to know)
+            k, v = qkv.narrow(2, 0, heads + kv_heads), qkv.narrow(2, heads, 2 * kv_heads)
+            q = k.narrow(2, 0, heads)  # (B, T, H, D)
         if self.qk_norm is not None and not self.qk_norm_whole:
-            q, k = self.qk_norm(q, k)
-        q, k = self.rope(q, k, input_pos)
+            q, k = call(self.qk_norm, q, k, *extra)
+        q, k = call(self.rope, q, k, input_pos, *extra)
         if use_cache:
-            k_all, v_all = self.kv_cache(input_pos, k, v)  # (B, Hkv, S, D) each
+            k_all, v_all = call(self.kv_cache, input_pos, k, v, *extra)  # (B, Hkv, S, D) each
         else:
             k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S=T, D) each
-        scores = self.scores(q.transpose(1, 2), k_all)  # q: (B, H, T, D) -> scores (B, H, T, S)
-        probs = self.softmax(scores)  # (B, H, T, S)
-        out = self.pv(probs, v_all)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(batch, new, self.n_heads * self.head_dim)  # (B, T, H*D)
-        return self.wo(out)  # (B, T, dim)
+        scores = call(self.scores, q.transpose(1, 2), k_all, *extra)  # q: (B, H, T, D) -> scores (B, H, T, S)
+        probs = call(self.softmax, scores)  # (B, H, T, S)
+        out = call(self.pv, probs, v_all)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(*x.shape[:-1], heads * head_dim)  # (B, T, H*D), or as x's rows
+        return self.wo(out) if packed is None else packed.wo_product(out)  # (B, T, dim)
 
 
 class SwiGLUActivation(nn.Module):
@@ -209,8 +230,15 @@ class FeedForward(nn.Module):
         self.act = SwiGLUActivation()
         self.w2 = Linear(ffn_dim, dim, bias=has_bias("feed_forward.w2", config))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, F) inside, (B, T, dim) out
+    def forward(self, x: torch.Tensor, packed: Any = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim); under the packed backend (`packed`) gate|up one product, gate and up views."""
+        if packed is None:
+            gate, up = self.w1(x), self.w3(x)  # (B, T, F) each
+            return self.w2(self.act(gate, up))  # (B, T, dim)
+        gate_up = packed.w13_product(x)  # (..., 2F): gate | up
+        ffn_dim = gate_up.shape[-1] // 2
+        act = packed.call(self.act, gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim))
+        return packed.w2_product(act)
 
 
 class Residual(nn.Module):
@@ -218,6 +246,11 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return x + delta
+
+
+def _call(module: nn.Module, *args: Any) -> Any:
+    """A stage called as a module on the modules route: its hooks and the tracer's wrappers see it."""
+    return module(*args)
 
 
 def whole(x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
@@ -244,11 +277,17 @@ class TransformerBlock(nn.Module):
         self.ffn_residual = Residual()
         self.layer_index, self.all_reduce = layer, all_reduce
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool) -> torch.Tensor:
-        attended = self.attention(self.attention_norm(x), input_pos, use_cache)  # (B, T, dim)
-        h = self.attn_residual(x, self.all_reduce(attended, self.layer_index, "attention.wo"))
-        down = self.feed_forward(self.ffn_norm(h))  # (B, T, dim)
-        return self.ffn_residual(h, self.all_reduce(down, self.layer_index, "feed_forward.w2"))
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, packed: Any = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim) through the stage modules, each a hook point; under the packed backend
+        (`packed`, a PackedLayer: Attention.forward) the same forwards on packed weights, past the hooks."""
+        call = _call if packed is None else packed.call
+        normed = call(self.attention_norm, x)
+        attended = (self.attention(normed, input_pos, use_cache) if packed is None else
+                    self.attention.forward(normed, input_pos, use_cache, packed))  # (B, T, dim)
+        h = call(self.attn_residual, x, self.all_reduce(attended, self.layer_index, "attention.wo"))
+        normed = call(self.ffn_norm, h)
+        down = self.feed_forward(normed) if packed is None else self.feed_forward.forward(normed, packed)
+        return call(self.ffn_residual, h, self.all_reduce(down, self.layer_index, "feed_forward.w2"))
 
 
 class Transformer(ModelCaches):

@@ -69,7 +69,7 @@ class PackedBackend:
 
     def many(self, tokens: torch.Tensor, start: int, input_pos: torch.Tensor,
              pad_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.plan.step(tokens, start, self.mark, None if pad_mask is None else input_pos, pad_mask)
+        return self.plan.step(tokens, start, input_pos, self.mark, pad_mask)
 
     def kv_live_bytes(self) -> int:
         return self.plan.kv_live_bytes()

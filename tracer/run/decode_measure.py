@@ -50,7 +50,7 @@ from llmtrace.tracer.trace.hooks import device_synchronizer
 from llmtrace.tracer.trace.records import PACKED
 
 Progress = Callable[[str], None]
-# Each per-layer product of the fused path and the FusedLayer attributes holding its weight and bias.
+# Each per-layer product of the packed path and the PackedLayer attributes holding its weight and bias.
 LAYER_PRODUCTS = {"attention.wqkv": ("wqkv", "bqkv"), "attention.wo": ("wo", "bo"),
                   "feed_forward.w13": ("w13", "b13"), "feed_forward.w2": ("w2", "b2")}
 

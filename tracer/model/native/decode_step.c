@@ -12,7 +12,8 @@
  * threads, and each small op a torch dispatch, so per-call costs outweighed the weight streaming itself. Here the
  * threads are woken once per step and meet at a barrier between dependent phases instead.
  *
- * The math and stage order are the fused path's (tracer/model/fused.py, FusedLayer.decode_one), in fp32:
+ * The math and stage order are the packed path's (the stage modules' forwards as tracer/model/fused.py runs
+ * them), in fp32:
  *   h = x / sqrt(mean(x^2) + eps) * w                      attention RMSNorm (as hypot(||x||, sqrt(dim*eps))/sqrt(dim))
  *   qkv = Wqkv h (+ b)                                     one product over the packed Q|K|V rows
  *   q, k = q / rms(q) * wq, k / rms(k) * wk per head         QK-norm, where the layers have it (Qwen3)
