@@ -28,11 +28,12 @@ from llmtrace.tracer.core.dtypes import COMPUTE_DTYPES, get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware.decode_ceilings import DecodeCeilings, combine, save_ceilings
 from llmtrace.tracer.hardware.profiles import HardwareProfile
-from llmtrace.tracer.roofline.analysis import roofline
+from llmtrace.tracer.roofline.analysis import RooflineReport, roofline
 from llmtrace.tracer.roofline.kernel_decode import (
     COPY_AND_GEMM,
     CROSSOVER_RULE,
     MEASURED_KERNELS,
+    KernelStep,
     growth_crossover,
     mean_step_seconds,
 )
@@ -136,18 +137,8 @@ def sweep(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batche
     dtype_name = _compute_dtype(loaded)
     ids = tokenizer.encode(prompts[0])
     longest = max(len(tokenizer.encode(p)) for p in set(prompts[: batches[-1]]))
-    samples: dict[int, list[float]] = {b: [] for b in batches}
-    measured: list[DecodeCeilings] = []
-    total = len(batches) * repeats
-    for r in range(repeats):
-        for i, b in enumerate(batches):
-            where = f"batch {b} ({r * len(batches) + i + 1} of {total})"
-            if progress is not None:
-                progress(f"decode at {where}")
-            samples[b].extend(_generation_steps(loaded, prompts, b, steps, dtype_name))
-            if progress is not None:
-                progress(f"kernels at {where}")
-            measured.append(measure_ceilings(loaded, ids, (b,), hardware.memory_bandwidth))
+    samples, measured = _rounds(loaded, hardware, prompts, batches, measure_ceilings, steps, repeats, ids,
+                                dtype_name, progress)
     for b in batches:
         if not samples[b]:
             raise BadArgumentError(f"no decode step at batch {b} held all {b} sequences (one stopped at once); "
@@ -168,18 +159,7 @@ def sweep(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batche
                           check_fit=False, kernels=Kernels.EAGER, stored=stored)
         reference = report.generation.time_per_output_token_seconds or 0.0
         roofline_steps.append(reference)
-        measured = statistics.median(samples[b])
-        rows.append(SweepRow(
-            batch=b, steps_timed=len(samples[b]), measured_step_s=measured, measured_min_s=min(samples[b]),
-            measured_max_s=max(samples[b]), predicted_step_s=predicted,
-            predicted_products_s=(first.products_seconds + last.products_seconds) / 2,
-            predicted_ops=first.ops, predicted_ops_s=(first.ops_seconds + last.ops_seconds) / 2,
-            predicted_context_s=(first.context_seconds + last.context_seconds) / 2,
-            measured_over_predicted=measured / predicted, roofline_step_s=reference,
-            roofline_bound=report.last_decode.bound if report.last_decode else "",
-            measured_over_roofline=measured / reference if reference else 0.0,
-            measured_tokens_per_s=b / measured, predicted_tokens_per_s=b / predicted,
-        ))
+        rows.append(_row(b, samples[b], first, last, predicted, report))
     assert report is not None
     measured_x = growth_crossover(batches, [r.measured_step_s for r in rows])
     predicted_x = growth_crossover(batches, [r.predicted_step_s for r in rows])
@@ -198,6 +178,44 @@ def sweep(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batche
         roofline_crossover=growth_crossover(batches, roofline_steps),
         roofline_exact_crossover=report.crossover.crossover_batch, worst_ratio=worst,
         goal_met=worst <= GOAL_RATIO and crossover_ok, ceilings_saved_to=saved_to, note=note,
+    )
+
+
+def _rounds(loaded: Any, hardware: HardwareProfile, prompts: Sequence[str], batches: Sequence[int],
+            measure_ceilings: Callable[..., DecodeCeilings], steps: int, repeats: int, ids: list[int],
+            dtype_name: str, progress: Progress | None) -> tuple[dict[int, list[float]], list[DecodeCeilings]]:
+    """`repeats` rounds over `batches`: each batch's decode steps timed, then its kernels measured right after
+    (the same machine's state); the step times per batch and every round's ceilings."""
+    samples: dict[int, list[float]] = {b: [] for b in batches}
+    measured: list[DecodeCeilings] = []
+    total = len(batches) * repeats
+    for r in range(repeats):
+        for i, b in enumerate(batches):
+            where = f"batch {b} ({r * len(batches) + i + 1} of {total})"
+            if progress is not None:
+                progress(f"decode at {where}")
+            samples[b].extend(_generation_steps(loaded, prompts, b, steps, dtype_name))
+            if progress is not None:
+                progress(f"kernels at {where}")
+            measured.append(measure_ceilings(loaded, ids, (b,), hardware.memory_bandwidth))
+    return samples, measured
+
+
+def _row(batch: int, samples: list[float], first: KernelStep, last: KernelStep, predicted: float,
+         report: RooflineReport) -> SweepRow:
+    """One batch's row: its measured steps beside the kernel model's prediction and the roofline's reference."""
+    measured = statistics.median(samples)
+    reference = report.generation.time_per_output_token_seconds or 0.0
+    return SweepRow(
+        batch=batch, steps_timed=len(samples), measured_step_s=measured, measured_min_s=min(samples),
+        measured_max_s=max(samples), predicted_step_s=predicted,
+        predicted_products_s=(first.products_seconds + last.products_seconds) / 2,
+        predicted_ops=first.ops, predicted_ops_s=(first.ops_seconds + last.ops_seconds) / 2,
+        predicted_context_s=(first.context_seconds + last.context_seconds) / 2,
+        measured_over_predicted=measured / predicted, roofline_step_s=reference,
+        roofline_bound=report.last_decode.bound if report.last_decode else "",
+        measured_over_roofline=measured / reference if reference else 0.0,
+        measured_tokens_per_s=batch / measured, predicted_tokens_per_s=batch / predicted,
     )
 
 
