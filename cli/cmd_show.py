@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from llmtrace.cli import formatting as fmt
 from llmtrace.cli.app import app
 from llmtrace.cli.command import command_class
 from llmtrace.cli.errors import run_guarded
@@ -54,8 +55,9 @@ def show(
                 check_writable(output)
         trace = read_trace(path)
         env = trace.environment
-        console.print(f"[dim]{escape(str(path))}: llmtrace {env.llmtrace_version} · torch {env.torch_version} · "
-                      f"{escape(env.device_name)}[/]")
+        console.print(fmt.flow([f"[dim]{escape(str(path))}:[/]", f"[dim]llmtrace {env.llmtrace_version}[/]",
+                                f"[dim]· torch {env.torch_version}[/]", f"[dim]· {escape(env.device_name)}[/]"],
+                               console.width))
         render_journey(console, trace, detail.value)
         no_roofline = ("roofline: left out of a saved trace (it may come from another machine); see "
                        "`llmtrace roofline --model <model> --hardware <machine>`")
