@@ -47,7 +47,7 @@ def run_tensor_parallel_cli(console: Console, settings: RunSettings, dtype: Any,
         torchrun_world,
     )
 
-    check_tensor_parallel(settings.model or None, tp, settings.device)
+    check_tensor_parallel(settings.model or None, tp, settings.device, dtype, settings.weights or None)
     if settings.temperature > 0 and settings.seed is None:
         # every rank must draw the same tokens: one seed, drawn here, shared (recorded so --seed replays the run)
         settings = replace(settings, seed=random.SystemRandom().randrange(2**31), seed_drawn=True)

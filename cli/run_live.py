@@ -71,7 +71,8 @@ def _load(console: Console, args: RunArgs, settings: RunSettings, source: Any) -
         if args.parallel.tp > 1:  # rank 0's shard on the meta device (tracer/run/tp_dry_run.py)
             from llmtrace.tracer.run.tp_dry_run import TensorParallelDryRun
 
-            tp_dry = TensorParallelDryRun(settings.model or None, args.dtype, args.parallel.tp)
+            tp_dry = TensorParallelDryRun(settings.model or None, args.dtype, args.parallel.tp,
+                                          settings.weights or None)
             return tp_dry.loaded, tp_dry
         loaded = load_model(source, dtype=args.dtype, device=settings.device, dry_run=settings.dry_run,
                             weights=settings.weights or None, loading=LoadingBar(status, what))

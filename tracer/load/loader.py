@@ -99,6 +99,48 @@ class LoadedModel:
     weights: WeightsChoice = WeightsChoice(DENSE, "")  # stored or dense, and why (llmtrace.tracer.load.stored_weights)
 
 
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """What load_model decides before a byte of weights is read (a tensor-parallel rank decides the same, then reads
+    only its shard: tracer/load/tensor_parallel.py)."""
+
+    resolved: ResolvedModel
+    target: torch.device
+    kernels: KernelChoice
+    note: str  # kernel_note
+    compute: DType
+    weights: WeightsChoice
+
+
+def plan_load(spec: ModelSource | str | None, dtype: DType | AutoDtype = DEFAULT_DTYPE, device: str = "cpu", *,
+              dry_run: bool = False, random_init: bool = False,
+              weights: str | WeightsRequest | None = None) -> LoadPlan:
+    """load_model's decisions for these arguments (its refusals included): the model, the device, the kernels, the
+    compute dtype and the weights' form."""
+    request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
+    target = _check_device(device, request)
+    if dry_run and random_init:
+        raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
+    resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
+    moe = resolved.config.moe
+    if moe is not None and request.mode in (STORED, TUNED):
+        raise BadArgumentError(f"{request.flag}: a mixture of experts runs dequantized (no stored kernel multiplies "
+                               "its experts); use --weights dense or leave --weights out")
+    if resolved.kind == PRESET and not (dry_run or random_init):
+        raise BadArgumentError(
+            f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
+            ".gguf file or an HF model folder as --model"
+        )
+    gguf = resolved.kind == GGUF and not random_init
+    kernels, note = _kernels_for(resolved, target, request, None if isinstance(dtype, AutoDtype) else dtype.name,
+                                 gguf, random_init, dry_run)
+    compute = get_dtype(kernels.dtype, COMPUTE_DTYPES)
+    assert isinstance(compute, DType)
+    # the weights' form the run takes (a dry run counts the bytes of the matrices it holds as stored)
+    decided = _weights_choice(resolved, target, request, kernels, gguf)
+    return LoadPlan(resolved, target, kernels, note, compute, decided)
+
+
 def load_model(
     spec: ModelSource | str | None,
     dtype: DType | AutoDtype = DEFAULT_DTYPE,
@@ -122,28 +164,10 @@ def load_model(
     weights' progress as (bytes done, bytes of the checkpoint's tensors) while they load
     (tracer/load/load_progress.py)."""
     start = time.perf_counter()
-    request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
-    target = _check_device(device, request)
-    if dry_run and random_init:
-        raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
-    resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
-    moe = resolved.config.moe
-    if moe is not None and request.mode in (STORED, TUNED):
-        raise BadArgumentError(f"{request.flag}: a mixture of experts runs dequantized (no stored kernel multiplies "
-                               "its experts); use --weights dense or leave --weights out")
-    if resolved.kind == PRESET and not (dry_run or random_init):
-        raise BadArgumentError(
-            f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
-            ".gguf file or an HF model folder as --model"
-        )
+    plan = plan_load(spec, dtype, device, dry_run=dry_run, random_init=random_init, weights=weights)
+    resolved, target, kernels, note, compute, decided = (plan.resolved, plan.target, plan.kernels, plan.note,
+                                                         plan.compute, plan.weights)
     auto = isinstance(dtype, AutoDtype)
-    gguf = resolved.kind == GGUF and not random_init
-    kernels, note = _kernels_for(resolved, target, request, None if isinstance(dtype, AutoDtype) else dtype.name,
-                                 gguf, random_init, dry_run)
-    compute = get_dtype(kernels.dtype, COMPUTE_DTYPES)
-    assert isinstance(compute, DType)
-    # the weights' form the run takes (a dry run counts the bytes of the matrices it holds as stored)
-    decided = _weights_choice(resolved, target, request, kernels, gguf)
     if dry_run:  # shapes only
         return replace(_load(start, resolved, compute, target, True, False, seed, use_cache, decided),
                        kernels=kernels, kernel_note=note)

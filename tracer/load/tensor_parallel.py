@@ -1,33 +1,39 @@
-"""Weights for one rank of a tensor-parallel run: the whole checkpoint's tensors cut into rank `rank`'s slices
-(the layout of tracer/model/tensor_parallel.py), and the rank's model loaded from them.
+"""Weights for one rank of a tensor-parallel run (the layout of tracer/model/tensor_parallel.py), and the rank's model
+loaded from them.
 
-Each rank loads the whole checkpoint the ordinary way (memory-mapped safetensors, or the GGUF conversion cache) and
-keeps copies of its slices only; the whole tensors are dropped when the slices are made. So a rank's resident weights
-are 1/N of the model (plus the replicated norms), but the load reads the whole file on every rank.
+A GGUF: the rank reads only its shard of each matrix (tracer/load/gguf_shard.py) and holds it as a single-process
+run would hold the whole matrix: the same kernels (loader.plan_load decides them as load_model does: the default
+table, `--weights`), as stored, so a rank's resident weights are its shard's stored bytes. A shard never touches
+the weights cache.
+
+Any other checkpoint (an HF folder, random weights), or a GGUF dequantized (--weights dense) whose split falls inside a
+block: the rank loads the whole model the ordinary way (memory-mapped
+safetensors) and keeps copies of its slices only (`shard_state_dict`); the whole tensors are dropped when the slices
+are made.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+from llmtrace.tracer.checkpoint.resolve import ModelSource, ResolvedModel
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import BF16, AutoDtype, DType
-from llmtrace.tracer.load.loader import LoadedModel, load_model
+from llmtrace.tracer.hardware.dtype_policy import torch_dtype
+from llmtrace.tracer.load.dry_weights import hold_as_stored
+from llmtrace.tracer.load.gguf_loader import load_gguf_stored, load_gguf_weights, quantization_summary
+from llmtrace.tracer.load.gguf_shard import (COLUMN_PARALLEL, ROW_PARALLEL, VOCAB_PARALLEL, ShardReads, ShardSpan,
+                                             block_split_refusal, role_of, shard_header)
+from llmtrace.tracer.load.gguf_source import GGUFSource
+from llmtrace.tracer.load.loader import LoadedModel, LoadPlan, load_model, plan_load
+from llmtrace.tracer.load.memory_fit import check_fits, weights_held
+from llmtrace.tracer.load.stored_weights import STORED, WeightsRequest, kernel_plan
 from llmtrace.tracer.model.tensor_parallel import Collectives, build_meta_shard, shard_config, vocab_slice
-
-COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
-VOCAB_PARALLEL = ("tok_embeddings", "output")
-
-
-def _role(name: str) -> tuple[str, str]:
-    """'layers.3.attention.wq.weight' -> ('attention.wq', 'weight'); 'output.weight' -> ('output', 'weight')."""
-    parts = name.split(".")
-    body = parts[2:] if parts[0] == "layers" else parts
-    return ".".join(body[:-1]), body[-1]
 
 
 def _slice(tensor: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
@@ -52,7 +58,7 @@ def shard_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], rank: 
     shard_config(config, tp)  # the one-line error for an N that does not split the heads
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        role, kind = _role(name)
+        role, kind = role_of(name)
         if role in COLUMN_PARALLEL:
             piece = _slice(tensor, 0, rank, tp)  # output features: whole heads / FFN columns
         elif role in ROW_PARALLEL and kind == "weight":
@@ -67,14 +73,34 @@ def shard_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], rank: 
     return out
 
 
-def load_shard(spec: object, dtype: DType | AutoDtype, device: str, rank: int, tp: int, comm: Collectives,
-               dry_run: bool = False) -> LoadedModel:
-    """Rank `rank`'s LoadedModel: the tokenizer and the whole config as load_model gives them, the model a
-    TensorParallelTransformer holding this rank's slices (on the meta device for a dry run: shapes only)."""
+def shard_of(resolved: ResolvedModel, rank: int, tp: int) -> tuple[ResolvedModel, tuple[ShardSpan, ...]]:
+    """A GGUF `resolved` as rank `rank`'s shard: its config and header those of the shard (so memory_fit and the
+    loader size and load the shard), and the spans ShardReads needs (given the file opened)."""
+    assert resolved.gguf_header is not None
+    header, spans = shard_header(resolved.gguf_header, resolved.config, rank, tp)
+    return replace(resolved, config=shard_config(resolved.config, tp), gguf_header=header), spans
+
+
+def shard_bytes(plan: LoadPlan, rank: int, tp: int) -> int:
+    """The bytes rank `rank` holds for its weights as `plan` loads them (memory_fit's count for its shard)."""
+    shard, _ = shard_of(plan.resolved, rank, tp)
+    return weights_held(shard, plan.weights, plan.compute)[0]
+
+
+def load_shard(spec: ModelSource | str | None, dtype: DType | AutoDtype, device: str, rank: int, tp: int,
+               comm: Collectives, dry_run: bool = False, weights: str | WeightsRequest | None = None) -> LoadedModel:
+    """Rank `rank`'s LoadedModel: the tokenizer, the whole config and the kernels as load_model gives them, the model
+    a TensorParallelTransformer holding this rank's slices (on the meta device for a dry run: shapes only).
+    `weights`: --weights as typed (a GGUF's shard is held as it asks; other checkpoints are dense)."""
     start = time.perf_counter()
     if isinstance(dtype, AutoDtype) and torch.device(device).type == "cuda":
-        dtype = BF16  # the whole model is loaded on the CPU, whose measured pick says nothing of the rank's GPU
-    # dense: the ranks slice plain tensors (a matrix held as stored cannot be split by rows or columns)
+        dtype = BF16  # the default table's CPU kernels say nothing of the rank's GPU
+    plan = plan_load(spec, dtype, device, dry_run=dry_run, weights=weights)
+    header = plan.resolved.gguf_header
+    if header is not None and (plan.weights.mode == STORED or not block_split_refusal(header, plan.resolved.config,
+                                                                                       tp)):
+        return _gguf_shard(start, plan, rank, tp, comm, dry_run)
+    # dense (a GGUF dequantized whose split falls inside a block too): the ranks slice plain tensors
     whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run, weights="dense")  # moved to `device` later
     config = whole.config
     shard_config(config, tp)
@@ -92,3 +118,48 @@ def load_shard(spec: object, dtype: DType | AutoDtype, device: str, rank: int, t
         model.eval()
     return replace(whole, model=model, load_seconds=time.perf_counter() - start,
                    weight_format=f"{whole.weight_format}, tensor-parallel shard {rank + 1}/{tp}")
+
+
+def _gguf_shard(start: float, plan: LoadPlan, rank: int, tp: int, comm: Collectives, dry_run: bool) -> LoadedModel:
+    """A GGUF's shard read and held as `plan` holds the whole file (see the module docstring)."""
+    resolved, choice, compute = plan.resolved, plan.weights, plan.compute
+    header = resolved.gguf_header
+    assert header is not None
+    shard, spans = shard_of(resolved, rank, tp)
+    local = shard.config
+    values = torch_dtype(compute)
+    stored = choice.mode == STORED and choice.kernel is not None
+    kernels = kernel_plan(choice.kernel) if stored else {}
+    quantization = quantization_summary(header)
+    fmt = (f"GGUF {quantization} as stored ({choice.kernel}) · {compute.name} activations" if stored
+           else f"GGUF {quantization} -> {compute.name}")
+    model = build_meta_shard(resolved.config, tp, rank, comm)
+    if dry_run:
+        model = model.to(values)  # meta: a dtype change costs nothing
+        if stored:
+            hold_as_stored(model, shard.gguf_header, kernels)  # type: ignore[arg-type]
+        fmt = f"dry run (meta device) · {fmt}"
+    else:
+        if plan.target.type == "cpu":  # refused in one line before a byte is read
+            name = Path(header.path).name
+            how = f"as stored ({choice.kernel})" if stored else f"dequantized to {compute.name}"
+            check_fits(shard, choice, compute, f"rank {rank}'s shard (1/{tp}) of {name} {how}")
+        with GGUFSource(header) as source:
+            reads = ShardReads(source, spans)
+            sheader = shard.gguf_header
+            assert sheader is not None
+            if stored:
+                dense, packed = load_gguf_stored(sheader, local, values, kernels, reads)
+            else:
+                dense, packed = load_gguf_weights(sheader, local, values, reads).state_dict, {}
+            source.check_unchanged()  # rewritten in place while read: what was loaded may mix two versions
+        if plan.target.type != "cpu":
+            dense = {n: t.to(plan.target) for n, t in dense.items()}
+            packed = {n: w.to(plan.target) for n, w in packed.items()}
+        model.load_stored(dense, packed)
+        model.requires_grad_(False)
+        model.eval()
+    return LoadedModel(config=resolved.config, model=model, tokenizer=tokenizer_from_gguf(header),
+                       source=resolved.source.origin or str(header.path), load_seconds=time.perf_counter() - start,
+                       weight_format=f"{fmt}, tensor-parallel shard {rank + 1}/{tp}", kernels=plan.kernels,
+                       kernel_note=plan.note, weights=choice)

@@ -19,6 +19,9 @@ rank's shapes and count this rank's FLOPs and bytes:
 So each forward makes two all-reduces per layer (after wo and after w2: the stage modules' own TransformerBlock,
 given the group's all-reduce), one after the embedding and one all-gather after the LM head. The collectives go through a `Collectives` object (the
 trace layer's tracer/trace/collectives.py times and records each one); this module only says where they happen.
+A matrix may be held as a GGUF stores it (a Linear's or the embedding's `packed`, tracer/model/weight_formats.py):
+its shard is then whole blocks of the file (tracer/load/gguf_shard.py: a row-parallel split falls on block
+boundaries), multiplied by the same kernel a single-process run would use.
 The fused fast path (tracer/model/fused.py) has no tensor-parallel variant: a sharded model always runs stage by stage.
 """
 
@@ -34,7 +37,7 @@ from torch import nn
 from llmtrace.tracer.analytic.tensor_parallel import tp_sizes
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError
-from llmtrace.tracer.model.transformer import Transformer, TransformerBlock
+from llmtrace.tracer.model.transformer import Embedding, Transformer, TransformerBlock
 
 ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather"
@@ -87,9 +90,10 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
                    vocab_size=vocab_slice(config, tp), explicit_head_dim=config.head_dim)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """This rank's rows [start, start + rows) of the embedding table; any other id looks up a zero row (the
-    all-reduce after it fills those in from the rank that holds them). Same parameter name as nn.Embedding."""
+    all-reduce after it fills those in from the rank that holds them). Same parameter name as nn.Embedding; the
+    table may be held as stored (`packed`, as the whole model's Embedding)."""
 
     def __init__(self, rows: int, dim: int, start: int, vocab_size: int) -> None:
         super().__init__(rows, dim, _weight=torch.empty(rows, dim))
@@ -99,7 +103,9 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start  # (B, T)
         outside = (local < 0) | (local >= self.real_rows)  # (B, T)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
+        safe = local.masked_fill(outside, 0)
+        rows = self.packed.rows(safe, self.compute_dtype) if self.packed is not None else \
+            F.embedding(safe, self.weight)  # (B, T, dim)
         return rows.masked_fill_(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
@@ -108,7 +114,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class TensorParallelTransformer(Transformer):
     """Rank `rank` of `tp`: a Transformer of `shard_config(config, tp)` whose blocks, embedding and LM head exchange
-    through `comm`. Build on the meta device and load `shard_state_dict` (tracer/load/tensor_parallel.py)."""
+    through `comm`. Build on the meta device and load a shard (tracer/load/tensor_parallel.py)."""
 
     def __init__(self, config: ModelConfig, tp: int, rank: int, comm: Collectives) -> None:
         local = shard_config(config, tp)

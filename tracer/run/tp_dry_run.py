@@ -18,10 +18,11 @@ from llmtrace.tracer.trace.tp_records import STATUS_OK, TensorParallelRun
 class TensorParallelDryRun:
     """`loaded` is rank 0's shard on the meta device; run it through a Generation, then `finish` its trace."""
 
-    def __init__(self, model: str | None, dtype: DType | AutoDtype, tp: int) -> None:
+    def __init__(self, model: str | None, dtype: DType | AutoDtype, tp: int, weights: str | None = None) -> None:
         self.tp = tp
         self.comm = ShapeCollectives(0, tp)
-        self.loaded: LoadedModel = load_shard(model, dtype, "cpu", 0, tp, self.comm, dry_run=True)
+        # a GGUF's matrices counted as the run holds them (its shard's stored bytes under the run's kernels)
+        self.loaded: LoadedModel = load_shard(model, dtype, "cpu", 0, tp, self.comm, dry_run=True, weights=weights)
 
     def finish(self, trace: Trace, origin_ns: int) -> Trace:
         """The trace with the collectives each step would make and the (meta) set-up recorded."""

@@ -80,9 +80,11 @@ def _where(step: int) -> str:
     return "in the prefill" if step == 0 else f"in decode step {step}"
 
 
-def check_tensor_parallel(model: str | None, tp: int, device: str) -> None:
-    """Before any process starts: the model's heads split over `tp` (the one-line error names the valid N), and
-    the device has `tp` GPUs for NCCL."""
+def check_tensor_parallel(model: str | None, tp: int, device: str, dtype: Any = None, weights: str | None = None
+                          ) -> None:
+    """Before any process starts: the model's heads split over `tp` (the one-line error names the valid N), the
+    device has `tp` GPUs for NCCL, and a GGUF's shards (as `dtype` and `weights` hold them: the ranks' own load
+    plan) split at block boundaries and fit in this machine's memory together."""
     from llmtrace.tracer.checkpoint.resolve import bundled_source, resolve_model
     from llmtrace.tracer.model.tensor_parallel import check_tp_split
 
@@ -100,6 +102,38 @@ def check_tensor_parallel(model: str | None, tp: int, device: str) -> None:
         if have < tp:
             raise BadArgumentError(f"--tp {tp} on CUDA needs {tp} GPUs (one per rank), this machine has {have}; "
                                    f"use --tp {have} or fewer, or --device cpu")
+        return
+    if dtype is not None:
+        check_shards_fit(model, tp, device, dtype, weights)
+
+
+def check_shards_fit(model: str | None, tp: int, device: str, dtype: Any, weights: str | None) -> None:
+    """A GGUF's `tp` shards held as stored: refused in one line (what they need together, what the machine has)
+    when they exceed memory_fit.SHARE of the memory available, or when a split falls inside a block."""
+    from llmtrace.tracer.core.errors import HardwareError
+    from llmtrace.tracer.hardware.memory import available_memory_bytes
+    from llmtrace.tracer.load.gguf_shard import block_split_refusal
+    from llmtrace.tracer.load.loader import plan_load
+    from llmtrace.tracer.load.memory_fit import SHARE
+    from llmtrace.tracer.load.stored_weights import STORED
+    from llmtrace.tracer.load.tensor_parallel import shard_bytes
+
+    plan = plan_load(model, dtype, device, weights=weights)
+    header = plan.resolved.gguf_header
+    if header is None or plan.weights.mode != STORED:
+        return  # dense ranks: each checks its own load (loader.check_fits)
+    refusal = block_split_refusal(header, plan.resolved.config, tp)
+    if refusal:
+        raise BadArgumentError(refusal)
+    need = [shard_bytes(plan, rank, tp) for rank in range(tp)]
+    free = available_memory_bytes()
+    if free is None or sum(need) <= free * SHARE:
+        return
+    name = Path(header.path).name
+    raise HardwareError(f"--tp {tp}: the {tp} ranks' shards of {name} as stored ({plan.weights.kernel}) need "
+                        f"{sum(need) / 1e9:.1f} GB of memory together ({need[0] / 1e9:.2f} GB a rank), this machine "
+                        f"has {free / 1e9:.1f} GB available; use a smaller model, or close what else is using the "
+                        "memory")
 
 
 def run_tensor_parallel(settings: Any, dtype: Any, tp: int, threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,

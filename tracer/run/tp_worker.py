@@ -89,9 +89,9 @@ def rank_device(device: str, local_rank: int) -> str:
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as one short line (gloo and NCCL errors run to many lines of C++ context)."""
+    """An exception as one line, its first, whole (gloo and NCCL errors run to many lines of C++ context; ours are
+    one line, which says what to do at its end: never cut)."""
     text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if len(text) <= 160 else text[:157] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -149,7 +149,7 @@ def run_rank(job: RankJob, device: str, gate: Gate) -> RankOutcome:
     link: LinkMeasurement | None = None
     error: str | None = None
     try:
-        loaded = load_shard(job.model, job.dtype, device, job.rank, job.tp, comm)
+        loaded = load_shard(job.model, job.dtype, device, job.rank, job.tp, comm, weights=job.settings.weights)
         param = next(loaded.model.parameters())
         link = measure_link(comm, loaded.config.dim * param.element_size(), param.dtype, device)
         generation = Generation(loaded, job.settings)
