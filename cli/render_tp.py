@@ -42,11 +42,12 @@ def render_tensor_parallel(console: Console, summary: TensorParallelSummary | No
     for label, cell in rows:
         comm.add_row(label, *(cell(p) for p in summary.phases))
     ranks = Table(box=None, pad_edge=False, show_edge=False)
-    for name in ("rank", "prefill FLOPs", "decode FLOPs/step", "weights read/step", "sent/step"):
+    for name in ("rank", "prefill FLOPs", "decode FLOPs/step", "weights read/step", "sent/step", "peak RSS"):
         ranks.add_column(name, justify="right")
     for r in summary.ranks:
         ranks.add_row(str(r.rank), fmt.flops(r.prefill_flops), fmt.flops(r.decode_flops_per_step),
-                      fmt.nbytes(r.weight_bytes_per_decode_step), fmt.nbytes(r.bytes_sent_per_decode_step))
+                      fmt.nbytes(r.weight_bytes_per_decode_step), fmt.nbytes(r.bytes_sent_per_decode_step),
+                      fmt.nbytes(r.peak_rss_bytes) if r.peak_rss_bytes else "-")
     link = (f"link: {summary.backend}, measured in this run: {fmt.bytes_per_s(summary.bus_bandwidth)} bus bandwidth "
             f"(4 MiB all-reduce), {fmt.duration_s(summary.small_allreduce_seconds)} per decode-sized all-reduce. "
             "roofline --tp counts bandwidth only (no latency), two all-reduces per layer.")

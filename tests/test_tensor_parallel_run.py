@@ -110,6 +110,9 @@ def test_summary_sets_measured_communication_beside_the_prediction(tp2_trace: Tr
     assert decode.predicted_layer_ns_per_step == pytest.approx(expected * 2 * tp2_trace.config.n_layers)
     assert [r.rank for r in summary.ranks] == [0, 1]
     assert summary.ranks[0].decode_flops_per_step == summary.ranks[1].decode_flops_per_step > 0
+    # each rank's own peak resident set (rank 0's is the trace's; the other's travels in its rank_stages)
+    assert summary.ranks[0].peak_rss_bytes == tp2_trace.peak_rss_bytes > 0
+    assert summary.ranks[1].peak_rss_bytes == tp2_trace.rank_stages[0].peak_rss_bytes > 0
 
 
 @pytest.mark.parametrize("fault, how", [("die:1:2", "rank 1 died (exit code 17) in decode step 2"),

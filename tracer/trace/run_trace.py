@@ -173,8 +173,8 @@ class Trace:
                 out["stage_work"] = table.work  # filled by these rows and the other ranks' below
                 out["stages"] = table.rows(value)
             elif f.name == "rank_stages":
-                out[f.name] = [{"rank": r.rank, "steps": _plain(r.steps), "stages": table.rows(r.stages)}
-                               for r in value]
+                out[f.name] = [{"rank": r.rank, "steps": _plain(r.steps), "stages": table.rows(r.stages),
+                                "peak_rss_bytes": r.peak_rss_bytes} for r in value]
             else:
                 out[f.name] = _plain(value)
         if self.batch is None:  # a one-sequence run's steps and settings read exactly as before --batch existed

@@ -41,7 +41,8 @@ def merge_rank_traces(ranks: list[RankTrace], setup: TensorParallelRun) -> Trace
             status = (f"rank {r.rank} generated other tokens than rank {base.rank} (a sharding or sampling bug); "
                       "report it with this trace")
         steps = tuple(RankStep(s.phase, s.step, s.start_ns + shift, s.forward_ns) for s in r.trace.steps)
-        others.append(RankStages(r.rank, steps, tuple(_shift_stage(s, shift) for s in r.trace.stages)))
+        others.append(RankStages(r.rank, steps, tuple(_shift_stage(s, shift) for s in r.trace.stages),
+                                 r.trace.peak_rss_bytes))
     trace = base.trace
     stop = trace.stop_reason if status == STATUS_OK else STOP_RANK_FAILED
     return replace(trace, stop_reason=stop, tensor_parallel=replace(setup, status=status, base_rank=base.rank),

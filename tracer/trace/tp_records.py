@@ -56,6 +56,7 @@ class RankStages:
     rank: int
     steps: tuple[RankStep, ...]
     stages: tuple[StageRecord, ...]
+    peak_rss_bytes: int = 0  # the rank's own process at its highest (the trace's peak_rss_bytes is the base rank's)
 
 
 @dataclass(frozen=True, slots=True)

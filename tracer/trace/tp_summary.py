@@ -57,6 +57,7 @@ class RankCost:
     decode_flops_per_step: float  # mean over its traced decode steps
     weight_bytes_per_decode_step: float
     bytes_sent_per_decode_step: float  # by its collectives, ring estimate
+    peak_rss_bytes: int  # its process's resident set at its highest (0: not recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,8 @@ def _phase_steps(records: list[StageRecord] | tuple[StageRecord, ...], phase: st
     return out
 
 
-def _rank_cost(rank: int, stages: tuple[StageRecord, ...], collectives: list[CollectiveRecord]) -> RankCost:
+def _rank_cost(rank: int, stages: tuple[StageRecord, ...], collectives: list[CollectiveRecord],
+               peak_rss_bytes: int) -> RankCost:
     prefill = stage_totals(s for s in stages if s.phase == PREFILL)
     decode = _phase_steps(stages, DECODE)
     sent = [c for c in collectives if c.phase == DECODE]
@@ -88,6 +90,7 @@ def _rank_cost(rank: int, stages: tuple[StageRecord, ...], collectives: list[Col
         decode_flops_per_step=sum(stage_totals(v).flops for v in decode.values()) / steps,
         weight_bytes_per_decode_step=sum(stage_totals(v).weight_bytes_read for v in decode.values()) / steps,
         bytes_sent_per_decode_step=sum(c.bytes_sent for c in sent) / max(1, len({c.step for c in sent})),
+        peak_rss_bytes=peak_rss_bytes,
     )
 
 
@@ -135,9 +138,10 @@ def tensor_parallel_summary(trace: Trace) -> TensorParallelSummary | None:
     mine = [c for c in trace.collectives if c.rank == setup.base_rank]
     phases = tuple(p for p in (_phase(trace, ph, mine, bandwidth, small, setup.tp) for ph in (PREFILL, DECODE))
                    if p is not None)
-    ranks = [_rank_cost(setup.base_rank, trace.stages, mine)]
+    ranks = [_rank_cost(setup.base_rank, trace.stages, mine, trace.peak_rss_bytes)]
     for other in trace.rank_stages:
-        ranks.append(_rank_cost(other.rank, other.stages, [c for c in trace.collectives if c.rank == other.rank]))
+        ranks.append(_rank_cost(other.rank, other.stages, [c for c in trace.collectives if c.rank == other.rank],
+                                other.peak_rss_bytes))
     return TensorParallelSummary(tp=setup.tp, backend=setup.backend, bus_bandwidth=bandwidth,
                                  small_allreduce_seconds=small, phases=phases,
                                  ranks=tuple(sorted(ranks, key=lambda r: r.rank)), status=setup.status)
