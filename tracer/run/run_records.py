@@ -196,7 +196,17 @@ def _active_filters(result: Any) -> tuple[str, ...]:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process: on Linux the kernel's high-water mark of this program's own memory
+    (VmHWM), since ru_maxrss survives exec: a process spawned by fork + exec (a `run --tp` rank) would report its
+    launcher's size at the fork when that is larger (a pytest process: 565 MB against a rank's own 474 MB); elsewhere
+    ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
