@@ -33,8 +33,8 @@ NEXT = torch.tensor([[64]])
 @pytest.fixture(scope="module")
 def quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
               tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """"Q4_0", "Q8_0", "Q4_1+Q8_0 head" (the bundled file's mix): the tiny LLaMA (dim 64, GQA, untied) with an FFN of
-    128, whose rows split over 2 ranks at block boundaries (wo: 32 values a rank, w2: 64; blocks of 32). "Q4_K": a
+    """"Q4_0", "Q8_0", "Q4_1+Q8_0 head" (the bundled file's mix), "Q8_0 biases" (Q, K, V and O biases, F32: a
+    column-parallel bias split, wo's added once): the tiny LLaMA (dim 64, GQA, untied) with an FFN of 128, whose rows split over 2 ranks at block boundaries (wo: 32 values a rank, w2: 64; blocks of 32). "Q4_K": a
     wider one whose rows are whole blocks of 256 and split over 2 ranks at their boundaries (q_dim 512: wo's 256
     values a rank; FFN 1024: w2's 512), not over 4 (wo's 128 values a rank lie inside a block)."""
     from tiny_gguf import block_dtype, llama_cpp_name, random_blocks, sentencepiece_vocab, write_tiny_gguf
@@ -46,11 +46,12 @@ def quantized(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
 
     def make(which: str) -> Path:
         if which not in made:
-            shapes = dict(dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1024) if which == "Q4_K" else dict(ffn_dim=128)
-            folder = make_tiny_llama(f"tp-{'wide' if which == 'Q4_K' else 'ffn128'}", **shapes)
+            shapes: dict[str, Any] = dict(dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1024) if which == "Q4_K" \
+                else dict(ffn_dim=128, attention_bias=which.endswith("biases"))
+            folder = make_tiny_llama(f"tp-{'wide' if which == 'Q4_K' else 'ffn128'}-{which[-6:]}", **shapes)
             config = ModelConfig.from_hf_json(folder)
             state = load_hf_state_dict(folder, config)
-            qtype, raw = Q[which.split("+")[0]], {}
+            qtype, raw = Q[which.split("+")[0].split(" ")[0]], {}
             if qtype == Q.Q4_K:  # gguf quantizes no K-quant: random blocks, scales small enough for sane logits
                 rng = np.random.default_rng(3)
                 for ours, tensor in state.items():
@@ -91,6 +92,7 @@ def _ranks(path: Path, kernel: str, tp: int = 2) -> list[Any]:
 
 
 @pytest.mark.parametrize("which, kernel", [("Q4_0", "native"), ("Q8_0", "native"), ("Q4_K", "native"),
+                                           ("Q8_0 biases", "native"),
                                            ("Q4_0", "i8dot"), ("Q4_1+Q8_0 head", "i8dot")])
 def test_tp2_over_stored_blocks_equals_one_process(quantized: Callable[[str], Path], which: str, kernel: str) -> None:
     """Same greedy tokens and logits (to fp32 summation order: a row-parallel product's two halves are added after
@@ -228,3 +230,8 @@ def test_cli_says_what_the_shards_need_when_they_cannot_fit(quantized: Callable[
     assert "\n" not in line and "..." not in line
     assert f"need {need / 1e9:.1f} GB of memory together ({need / 2e9:.2f} GB a rank)" in line
     assert line.endswith("close what else is using the memory")
+
+
+def test_the_biased_file_has_the_biases_the_split_covers(quantized: Callable[[str], Path]) -> None:
+    config = resolve_model(str(quantized("Q8_0 biases"))).config
+    assert config.qkv_bias and config.wo_bias  # so the biases case above splits Q, K, V biases and adds O's once
