@@ -43,6 +43,8 @@ class Shape:
     rope_theta: float
     tied: bool
     context: int
+    experts: int = 0  # a mixture of experts (Mixtral's 'llama' layout): E experts of FFN ffn_dim each, 0: dense
+    experts_per_token: int = 0
 
 
 SHAPES = {
@@ -50,6 +52,9 @@ SHAPES = {
     "llama-7b": Shape("llama-7b", 4096, 32, 32, 32, 11008, 32000, 10000.0, False, 4096),
     "llama-8b": Shape("llama-8b", 4096, 32, 32, 8, 14336, 128256, 500000.0, False, 8192),
     "llama-13b": Shape("llama-13b", 5120, 40, 40, 40, 13824, 32000, 10000.0, False, 4096),
+    # A small Mixtral: 8 experts of FFN 2816, 2 a token (Mixtral-8x7B's routing at a 4-layer, dim-1024 size):
+    # 0.37 B parameters, 0.13 B active; Q4_0 210 MB, its experts 1.2 GB in fp32
+    "mixtral-small": Shape("mixtral-small", 1024, 4, 16, 4, 2816, 32000, 1e6, False, 4096, 8, 2),
 }
 MIXES = ("Q4_0", "Q4_K_M", "Q8_0")
 
@@ -61,7 +66,7 @@ def _use_more_bits(layer: int, n_layers: int) -> bool:
 
 def tensor_type(mix: str, name: str, layer: int | None, n_layers: int) -> str:
     """The ggml type llama.cpp gives tensor `name` (llama.cpp's names) under `mix`."""
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "ffn_gate_inp.weight")):  # llama.cpp keeps a router F32 in every mix
         return "F32"
     if mix == "Q8_0":
         return "Q8_0"
@@ -70,27 +75,32 @@ def tensor_type(mix: str, name: str, layer: int | None, n_layers: int) -> str:
     if mix == "Q4_0":
         return "Q4_0"
     assert mix == "Q4_K_M", mix
-    if layer is not None and name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, n_layers):
+    if layer is not None and name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) \
+            and _use_more_bits(layer, n_layers):
         return "Q6_K"
     return "Q4_K"
 
 
-def tensors(shape: Shape) -> list[tuple[str, tuple[int, int] | tuple[int], int | None]]:
-    """(llama.cpp name, torch shape (rows, cols) or (n,), layer) in the order llama.cpp's converter writes them."""
+def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(llama.cpp name, torch shape ((E,) rows, cols) or (n,), layer) in the order llama.cpp's converter writes
+    them; a mixture of experts' router (E, dim) and its 3-D ffn_*_exps in place of the dense FFN's matrices."""
     head_dim = shape.dim // shape.n_heads
     kv = shape.n_kv_heads * head_dim
-    out: list[tuple[str, tuple[int, int] | tuple[int], int | None]] = [
-        ("token_embd.weight", (shape.vocab, shape.dim), None)]
+    out: list[tuple[str, tuple[int, ...], int | None]] = [("token_embd.weight", (shape.vocab, shape.dim), None)]
+    e, f = shape.experts, shape.ffn_dim
+    ffn = [("ffn_gate", (f, shape.dim)), ("ffn_up", (f, shape.dim)), ("ffn_down", (shape.dim, f))]
     for i in range(shape.n_layers):
         out += [(f"blk.{i}.attn_norm.weight", (shape.dim,), i),
                 (f"blk.{i}.attn_q.weight", (shape.dim, shape.dim), i),
                 (f"blk.{i}.attn_k.weight", (kv, shape.dim), i),
                 (f"blk.{i}.attn_v.weight", (kv, shape.dim), i),
                 (f"blk.{i}.attn_output.weight", (shape.dim, shape.dim), i),
-                (f"blk.{i}.ffn_norm.weight", (shape.dim,), i),
-                (f"blk.{i}.ffn_gate.weight", (shape.ffn_dim, shape.dim), i),
-                (f"blk.{i}.ffn_up.weight", (shape.ffn_dim, shape.dim), i),
-                (f"blk.{i}.ffn_down.weight", (shape.dim, shape.ffn_dim), i)]
+                (f"blk.{i}.ffn_norm.weight", (shape.dim,), i)]
+        if e:
+            out.append((f"blk.{i}.ffn_gate_inp.weight", (e, shape.dim), i))
+            out += [(f"blk.{i}.{name}_exps.weight", (e, *dims), i) for name, dims in ffn]
+        else:
+            out += [(f"blk.{i}.{name}.weight", dims, i) for name, dims in ffn]
     out.append(("output_norm.weight", (shape.dim,), None))
     if not shape.tied:
         out.append(("output.weight", (shape.vocab, shape.dim), None))
@@ -168,6 +178,9 @@ def write(path: Path, shape: Shape, mix: str, seed: int = 0, say=print) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(shape.dim // shape.n_heads)
     writer.add_vocab_size(shape.vocab)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_per_token)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(vocab["tokens"])
     writer.add_token_scores(vocab["scores"])
@@ -180,22 +193,26 @@ def write(path: Path, shape: Shape, mix: str, seed: int = 0, say=print) -> Path:
     plan = [(name, dims, tensor_type(mix, name, layer, shape.n_layers)) for name, dims, layer in tensors(shape)]
     for name, dims, kind in plan:
         if kind == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            byte_shape = (dims[0], dims[1] // block * block_bytes)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qtype)
+            byte_shape = (*dims[:-1], dims[-1] // block * block_bytes)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    total = sum(4 * d[0] if k == "F32" else 0 for _, d, k in plan)
+    total = sum(4 * int(np.prod(d)) if k == "F32" else 0 for _, d, k in plan)
     for i, (name, dims, kind) in enumerate(plan):
-        if kind == "F32":
+        if kind == "F32" and len(dims) == 1:
             writer.write_tensor_data(np.ones(dims[0], dtype=np.float32))
+        elif kind == "F32":  # a router: N(0, 1) logits' worth of spread, so tokens pick different experts
+            writer.write_tensor_data((rng.standard_normal(dims) / np.sqrt(dims[1])).astype(np.float32))
         else:
-            blocks = _realistic(random_blocks(gguf.GGMLQuantizationType[kind], dims[0], dims[1], rng), kind)
+            rows = int(np.prod(dims[:-1]))  # an expert tensor's E matrices, one after another
+            blocks = _realistic(random_blocks(gguf.GGMLQuantizationType[kind], rows, dims[-1], rng), kind)
+            blocks = blocks.reshape(*dims[:-1], -1)
             total += blocks.nbytes
             writer.write_tensor_data(blocks)
         if i % 40 == 0:

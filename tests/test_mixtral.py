@@ -132,10 +132,12 @@ def test_greedy_ids_and_logits_equal_transformers(mixtral: tuple[Path, Path, Mod
 
 def test_the_experts_are_stacked_per_layer_as_the_files_hold_them(mixtral: tuple[Path, Path, ModelConfig]) -> None:
     """The HF folder's per-expert matrices and the GGUF's 3-D ffn_*_exps give the same (E, F, d) tensors: expert j
-    of the HF file is row j of the stack, and the GGUF's dequantized experts equal them exactly."""
+    of the HF file is row j of the stack, and the GGUF's dequantized experts equal them exactly, as do its experts
+    held as stored (the default), decoded."""
     folder, gguf_path, _ = mixtral
     from_hf = load_model(str(folder)).model.state_dict()
-    from_gguf = load_model(str(gguf_path)).model.state_dict()
+    from_gguf = load_model(str(gguf_path), weights="dense").model.state_dict()
+    stored = load_model(str(gguf_path)).model.layers[0].feed_forward
     from safetensors.torch import load_file
 
     on_disk = load_file(str(folder / "model.safetensors"))
@@ -145,6 +147,8 @@ def test_the_experts_are_stacked_per_layer_as_the_files_hold_them(mixtral: tuple
     for name in ("feed_forward.router.weight", "feed_forward.w1.weight", "feed_forward.w3.weight",
                  "feed_forward.w2.weight"):
         assert torch.equal(from_hf[f"layers.0.{name}"], from_gguf[f"layers.0.{name}"]), name
+        held = stored.get_submodule(name.split(".")[1]).packed
+        assert torch.equal(from_hf[f"layers.0.{name}"], held.dequantize()), name
 
 
 def test_select_says_why_the_packed_and_native_paths_are_not_taken(mixtral: tuple[Path, Path, ModelConfig]) -> None:

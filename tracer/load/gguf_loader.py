@@ -27,8 +27,9 @@ from llmtrace.tracer.load.gguf_source import GGUFSource, Reader
 from llmtrace.tracer.load.weight_arena import WeightArena
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, I8DOT, NATIVE, PackedWeight, finite_scales,
-                                                 pack_gguf, reads_groups, rows_scales_finite, stored_kernels)
+from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, I8DOT, NATIVE, ExpertWeights, PackedWeight,
+                                                 finite_scales, pack_gguf, reads_groups, rows_scales_finite,
+                                                 stored_kernels)
 
 # Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
 _IGNORED = {"rope_freqs.weight"}
@@ -128,6 +129,8 @@ KernelPlan = str | Mapping[str, str]  # one kernel for every matrix, or {ggml ty
 def kernel_of(plan: KernelPlan, info: GGUFTensorInfo) -> str | None:
     """The kernel `plan` runs this matrix with, None when it has none that runs its type (dequantized)."""
     kernel = plan if isinstance(plan, str) else plan.get(info.type_name)
+    if len(info.shape) == 3 and kernel not in BLOCK_KERNELS:  # experts run as stored on the C library's kernels only
+        return None
     return kernel if kernel is not None and kernel in stored_kernels(info.ggml_type) else None
 
 
@@ -313,9 +316,12 @@ _PIECE_BYTES = 1 << 19
 
 
 def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, info: GGUFTensorInfo,
-            kernel: str, slot: np.ndarray | None = None) -> PackedWeight:
+            kernel: str, slot: np.ndarray | None = None) -> PackedWeight | ExpertWeights:
     """One matrix packed for `kernel`; a block kernel's blocks read into their `slot` of the weight arena when
-    given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds."""
+    given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds. A mixture of
+    experts' 3-D tensor (E, N, K): `_packed_experts`."""
+    if len(info.torch_shape) == 3:
+        return _packed_experts(header, reads, info, kernel, slot)
     out_features, in_features = info.torch_shape
     _, block, block_bytes = GGML_TYPES[info.ggml_type]
     row_bytes = in_features // block * block_bytes
@@ -335,30 +341,51 @@ def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, i
     return weight
 
 
+def _packed_experts(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, kernel: str,
+                    slot: np.ndarray | None) -> ExpertWeights:
+    """A 3-D ffn_*_exps tensor (E, N, K) for a block kernel: its E*N rows read into `slot` (or a buffer of their own),
+    expert by expert, each expert's rows a PackedWeight over its byte range there (i8dot's Q4_0/Q4_1 interleaved in
+    groups of eight of that expert's rows, as a matrix of its own is). Nothing is dequantized."""
+    experts, out_features, in_features = info.torch_shape
+    _, block, block_bytes = GGML_TYPES[info.ggml_type]
+    row_bytes = in_features // block * block_bytes
+    held = (slot if slot is not None else np.empty(info.n_bytes, dtype=np.uint8)).reshape(experts * out_features,
+                                                                                        row_bytes)
+    interleaved = _groups_held(kernel, info)
+    packed = []
+    for expert in range(experts):
+        rows = held[expert * out_features:(expert + 1) * out_features]
+        if not _read_held(header, reads, info, None, rows, interleaved, base=expert * out_features * row_bytes):
+            raise _nan_scales(header, info)
+        packed.append(pack_gguf(rows, info.ggml_type, in_features, kernel, interleaved=interleaved))
+    return ExpertWeights(tuple(packed))
+
+
 def _nan_scales(header: GGUFHeader, info: GGUFTensorInfo) -> FileFormatError:
     return FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite scales; the file is corrupt")
 
 
 def _read_held(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, heads: int | None, held: np.ndarray,
-               interleaved: bool) -> bool:
+               interleaved: bool, base: int = 0) -> bool:
     """Read a matrix's rows into `held` ((rows, bytes per row) uint8, its room in the arena) piece by piece, in the
     model's row order (Q/K rows unpermuted: llama.cpp's rows 2i and 2i+1 of a head are HF's rows i and D/2 + i),
     `interleaved`: each whole group of eight rows in native_kernel.interleave's order, the rows after the last
-    as stored. Whether every fp16 scale and min read is finite (checked on each piece while it is in the cache)."""
+    as stored. Whether every fp16 scale and min read is finite (checked on each piece while it is in the cache).
+    `base`: where the rows start in the tensor's bytes (one expert's of a 3-D tensor; 0 for a matrix)."""
     rows, row_bytes = held.shape
     code = info.ggml_type
     unit = rows // heads if heads is not None else 8  # a head's rows move together; groups are eight rows
     if heads is not None and (rows % heads or unit % (16 if interleaved else 2)):
         # a head whose halves are not whole groups (no LLaMA's): the rows unpermuted first, then placed
         rows_read = unpermute_rope_rows(_raw(header, reads, info).reshape(rows, row_bytes), heads)
-        _place(code, rows_read, held, info.torch_shape[1], interleaved)
+        _place(code, rows_read, held, info.torch_shape[-1], interleaved)
         return rows_scales_finite(code, rows_read)
     if heads is None and not interleaved:  # the rows as stored: straight into the arena, checked there
         finite = True
         per = max(1, _PIECE_BYTES // row_bytes)
         for first in range(0, rows, per):
             piece = held[first:first + per]
-            _raw_range(header, reads, info, first * row_bytes, piece)
+            _raw_range(header, reads, info, base + first * row_bytes, piece)
             finite = finite and rows_scales_finite(code, piece)
         return finite
     per = max(1, _PIECE_BYTES // (unit * row_bytes)) * unit
@@ -366,16 +393,16 @@ def _read_held(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, heads: i
     finite = True
     for first in range(0, rows, per):
         piece = scratch[:min(per, rows - first)]
-        _raw_range(header, reads, info, first * row_bytes, piece)
+        _raw_range(header, reads, info, base + first * row_bytes, piece)
         finite = finite and rows_scales_finite(code, piece)
         if heads is None:
-            _place(code, piece, held[first:first + piece.shape[0]], info.torch_shape[1], interleaved)
+            _place(code, piece, held[first:first + piece.shape[0]], info.torch_shape[-1], interleaved)
             continue
         half = unit // 2
         for head in range(0, piece.shape[0], unit):
             for h in (0, 1):  # HF's first half of the head is llama.cpp's even rows, its second the odd ones
                 at = first + head + h * half
-                _place(code, piece[head + h:head + unit:2], held[at:at + half], info.torch_shape[1], interleaved)
+                _place(code, piece[head + h:head + unit:2], held[at:at + half], info.torch_shape[-1], interleaved)
     return finite
 
 

@@ -122,10 +122,9 @@ def plan_load(spec: ModelSource | str | None, dtype: DType | AutoDtype = DEFAULT
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
-    moe = resolved.config.moe
-    if moe is not None and request.mode in (STORED, TUNED):
-        raise BadArgumentError(f"{request.flag}: a mixture of experts runs dequantized (no stored kernel multiplies "
-                               "its experts); use --weights dense or leave --weights out")
+    if resolved.config.moe is not None and request.mode == TUNED:
+        raise BadArgumentError(f"{request.flag}: `llmtrace tune` does not measure a mixture of experts' kernels; "
+                               "leave --weights out (the default table's kernels) or name one (--weights stored)")
     if resolved.kind == PRESET and not (dry_run or random_init):
         raise BadArgumentError(
             f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
@@ -194,10 +193,6 @@ def _kernels_for(resolved: ResolvedModel, target: torch.device, request: Weights
     if random_init or resolved.kind == PRESET:
         chosen = kernel_pick.option_choice(resolved, dtype or FP32.name, None, flags or "random weights: fp32", isa)
         return (chosen if flags else replace(chosen, source=kernel_choice.DEFAULT)), ""
-    if resolved.config.moe is not None:  # its expert tensors (3-D in a GGUF) have no stored kernel: dequantized
-        own = kernel_pick.stored_dtype(kernel_pick.matrix_formats(resolved)) if not gguf else None
-        return kernel_pick.option_choice(resolved, dtype or own or FP32.name, None,
-                                         flags or "a mixture of experts: dequantized", isa), ""
     note = ""
     if request.mode == TUNED:
         saved, note, existed = kernel_pick.saved_choice(resolved, target)

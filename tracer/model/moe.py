@@ -23,6 +23,7 @@ from torch import nn
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model.functional import combine_experts, project, route_top_k
+from llmtrace.tracer.model.weight_formats import ExpertWeights
 
 
 class Route(nn.Module):
@@ -46,7 +47,14 @@ class Route(nn.Module):
 
 class ExpertLinear(nn.Module):
     """One SwiGLU product of E experts, their matrices stacked (E, out, in): a call multiplies the rows routed to one
-    expert (n, in) by that expert's matrix -> (n, out), through functional.project as every product runs."""
+    expert (n, in) by that expert's matrix -> (n, out), through functional.project as every product runs.
+
+    With `packed` set (Transformer.load_stored: a GGUF's 3-D tensor as stored), expert e's product is
+    `packed[e]`'s stored kernel over that expert's byte range of the file's blocks, and `weight` is a meta
+    placeholder of the stack's shape (as transformer.Linear's)."""
+
+    packed: ExpertWeights | None = None
+    held_as: tuple[int, str] | None = None  # a dry run's meta stack: (bytes, format label) as run would hold it
 
     def __init__(self, n_experts: int, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -54,7 +62,7 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return project(x, self.weight[expert])
+        return project(x, self.weight[expert] if self.packed is None else self.packed[expert])
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape

@@ -53,10 +53,10 @@ from llmtrace.tracer.model.functional import (
     swiglu,
 )
 from llmtrace.tracer.model.kv_cache import KVCache, ModelCaches
-from llmtrace.tracer.model.moe import MixtureOfExperts
+from llmtrace.tracer.model.moe import ExpertLinear, MixtureOfExperts
 from llmtrace.tracer.model.qk_norm import QKNorm
 from llmtrace.tracer.model.rope import RotaryEmbedding
-from llmtrace.tracer.model.weight_formats import PackedWeight
+from llmtrace.tracer.model.weight_formats import ExpertWeights, PackedWeight
 
 
 class Linear(nn.Linear):
@@ -435,11 +435,13 @@ class Transformer(ModelCaches):
 
     # ---- weights -------------------------------------------------------------------------------------------
 
-    def load_stored(self, state_dict: Mapping[str, torch.Tensor], packed: Mapping[str, PackedWeight]) -> None:
+    def load_stored(self, state_dict: Mapping[str, torch.Tensor],
+                    packed: Mapping[str, PackedWeight | ExpertWeights]) -> None:
         """Adopt dense tensors (`state_dict`: norms, biases, matrices without a stored kernel) and matrices as stored
         (`packed`, by the same names: "layers.0.attention.wq.weight"...), strictly checked together. A packed
         matrix's parameter becomes a meta placeholder of its shape in the model's dtype (no memory); its module
-        multiplies (Linear) or looks up (Embedding) through the PackedWeight."""
+        multiplies (Linear; ExpertLinear through an ExpertWeights, one expert's blocks a product) or looks up
+        (Embedding) through the PackedWeight."""
         dtype = self.norm_dtype(state_dict)
         placeholders = {name: torch.empty(w.shape, dtype=dtype, device="meta") for name, w in packed.items()}
         overlap = sorted(set(state_dict) & set(packed))
@@ -448,7 +450,8 @@ class Transformer(ModelCaches):
         self.load_weights({**state_dict, **placeholders})
         for name, weight in packed.items():
             module = self.get_submodule(name.removesuffix(".weight"))
-            if not isinstance(module, (Linear, Embedding)):
+            if not isinstance(module, (Linear, Embedding, ExpertLinear)) or \
+                    isinstance(module, ExpertLinear) != isinstance(weight, ExpertWeights):
                 raise CheckpointError(f"{name} is not a matrix a stored kernel can run")
             module.packed = weight
             if isinstance(module, Embedding):
@@ -463,10 +466,11 @@ class Transformer(ModelCaches):
             raise CheckpointError("checkpoint does not match: missing norm.weight")
         return norm.dtype
 
-    def stored_weights(self) -> dict[str, PackedWeight]:
-        """{module name: PackedWeight} of every matrix held as stored (the tied LM head under both names)."""
+    def stored_weights(self) -> dict[str, PackedWeight | ExpertWeights]:
+        """{module name: PackedWeight} of every matrix held as stored (the tied LM head under both names; a mixture
+        of experts' stacked experts as one ExpertWeights)."""
         return {name: module.packed for name, module in self.named_modules()
-                if isinstance(module, (Linear, Embedding)) and module.packed is not None}
+                if isinstance(module, (Linear, Embedding, ExpertLinear)) and module.packed is not None}
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Adopt the tensors of a checkpoint in our naming (no copy: `assign=True`), strictly checked first.
@@ -479,7 +483,7 @@ class Transformer(ModelCaches):
             full["output.weight"] = full["tok_embeddings.weight"]
         self.load_state_dict(full, strict=True, assign=True)
         for module in self.modules():
-            if isinstance(module, (Linear, Embedding)):
+            if isinstance(module, (Linear, Embedding, ExpertLinear)):
                 module.packed = None  # dense weights now: a stored matrix of an earlier load is gone
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -512,6 +512,38 @@ class PackedWeight:
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
 
 
+class ExpertWeights:
+    """A mixture of experts' E (N, K) matrices as a GGUF's 3-D ffn_*_exps tensor stores them: (E*N) rows of blocks,
+    expert e's rows e*N..(e+1)*N one contiguous byte range, each expert a PackedWeight over its range (a view: one
+    copy of the file's bytes in all). `experts[e](x)` multiplies by expert e through the stored kernel, as llama.cpp's
+    mul_mat_id points each chosen expert's product at its slice of the one tensor. `stored_bytes` is the whole
+    tensor's (E x one expert's): a product reads one expert's, `stored_bytes // E` (tracer/trace/stage_cost.py)."""
+
+    __slots__ = ("experts", "format", "shape", "stored_bytes")
+
+    def __init__(self, experts: tuple[PackedWeight, ...]) -> None:
+        first = experts[0]
+        if any(w.shape != first.shape or w.format != first.format for w in experts):
+            raise ValueError("experts of one tensor differ in shape or format")
+        self.experts = experts
+        self.format = first.format
+        self.shape = (len(experts), *first.shape)  # (E, N, K)
+        self.stored_bytes = sum(w.stored_bytes for w in experts)
+
+    def __getitem__(self, expert: int) -> PackedWeight:
+        return self.experts[expert]
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __repr__(self) -> str:
+        return f"ExpertWeights({self.format.label}, shape={self.shape}, stored_bytes={self.stored_bytes:,})"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """All E matrices as `dtype` (E, N, K): exact values (PackedWeight.dequantize)."""
+        return torch.stack([w.dequantize(dtype) for w in self.experts])
+
+
 # Rows per tile of the "blocks" kernel: this many values of fp32 (1 MiB) stay in L2 between dequantize and product.
 _TILE_VALUES = 1 << 18
 # On a GPU each tile is a few kernel launches: tiles of 16M values (32 MB in bf16) keep their count to a few per
