@@ -37,13 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 E, K, PROMPT, STEPS = 4, 2, 7, 6
 EXPERT_ROLES = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
 
-pytestmark = pytest.mark.skipif(not native_kernel.available(), reason="llmtrace's C kernels are not built here")
-
-
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+pytestmark = [pytest.mark.skipif(not native_kernel.available(), reason="llmtrace's C kernels are not built here"),
+              pytest.mark.usefixtures("private_dirs")]
 
 
 @pytest.fixture(scope="module", params=["Q4_0", "Q8_0"])
