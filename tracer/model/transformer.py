@@ -242,10 +242,11 @@ class FeedForward(nn.Module):
 
 
 class Residual(nn.Module):
-    """x + delta: the residual stream after a sub-block."""
+    """x + delta: the residual stream after a sub-block; under the packed backend (`packed`) added into delta, the
+    sub-block's output, which nothing else holds there (no hooks): no new tensor."""
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        return x + delta
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, packed: Any = None) -> torch.Tensor:
+        return x + delta if packed is None else delta.add_(x)
 
 
 def _call(module: nn.Module, *args: Any) -> Any:
@@ -280,14 +281,14 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, packed: Any = None) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim) through the stage modules, each a hook point; under the packed backend
         (`packed`, a PackedLayer: Attention.forward) the same forwards on packed weights, past the hooks."""
-        call = _call if packed is None else packed.call
+        call, extra = (_call, ()) if packed is None else (packed.call, (packed,))
         normed = call(self.attention_norm, x)
         attended = (self.attention(normed, input_pos, use_cache) if packed is None else
                     self.attention.forward(normed, input_pos, use_cache, packed))  # (B, T, dim)
-        h = call(self.attn_residual, x, self.all_reduce(attended, self.layer_index, "attention.wo"))
+        h = call(self.attn_residual, x, self.all_reduce(attended, self.layer_index, "attention.wo"), *extra)
         normed = call(self.ffn_norm, h)
         down = self.feed_forward(normed) if packed is None else self.feed_forward.forward(normed, packed)
-        return call(self.ffn_residual, h, self.all_reduce(down, self.layer_index, "feed_forward.w2"))
+        return call(self.ffn_residual, h, self.all_reduce(down, self.layer_index, "feed_forward.w2"), *extra)
 
 
 class Transformer(ModelCaches):
