@@ -317,9 +317,9 @@ def table_loads() -> str:
 
 
 def table_elementwise() -> str:
-    """The elementwise estimate's constants (tracer/analytic/flop_formulas.py), each formula as written here checked
+    """The elementwise estimate's constants (tracer/core/flop_formulas.py), each formula as written here checked
     against the function that counts it, at sizes where no two terms could stand in for each other."""
-    from llmtrace.tracer.analytic import flop_formulas as f
+    from llmtrace.tracer.core import flop_formulas as f
 
     rows, d, heads, kv_heads, head_dim, ffn, batch, q, kv = 7, 11, 5, 3, 13, 17, 2, 19, 23
     k = (f.RMSNORM_FLOPS_PER_ELEMENT, f.RMSNORM_FLOPS_PER_ROW, f.ROPE_FLOPS_PER_ELEMENT,

@@ -1,10 +1,10 @@
-"""tracer/analytic/flop_formulas.py against values derived by hand (2 FLOPs per multiply-add)."""
+"""tracer/core/flop_formulas.py against values derived by hand (2 FLOPs per multiply-add)."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core import flop_formulas as ff
 
 
 def test_linear_is_two_flops_per_multiply_add() -> None:

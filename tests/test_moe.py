@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
 from llmtrace.tracer.analytic import estimate
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core import flop_formulas as ff
 from llmtrace.tracer.analytic.moe import expected_distinct_experts, most_distinct_experts
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
 from llmtrace.tracer.analytic.tensor_parallel import device_cost, replicated_components

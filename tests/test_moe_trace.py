@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from llmtrace.tracer.analytic import estimate
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core import flop_formulas as ff
 from llmtrace.tracer.analytic.moe import expected_distinct_experts
 from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.dtypes import FP32

@@ -18,7 +18,7 @@ from test_qwen2 import _bundled_vocab, _write_tokenizer_json
 from tiny_gguf import write_tiny_gguf
 from tiny_llama import random_weights
 
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core import flop_formulas as ff
 from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours

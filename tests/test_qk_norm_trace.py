@@ -11,7 +11,7 @@ import torch
 from estimate_check import assert_traced_equals_estimate
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core import flop_formulas as ff
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model.transformer import Transformer, build_random_model

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core import flop_formulas as ff
 from llmtrace.tracer.analytic.kernels import Kernels
 from llmtrace.tracer.analytic.moe import MoeSummary, batches_shown, expected_distinct_experts, moe_summary
 from llmtrace.tracer.analytic.params import norm_dtype_for
@@ -39,6 +39,7 @@ from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
 from llmtrace.tracer.core.dtypes import DType, activation_dtype_for
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.core.stage_kinds import KINDS, CallDims, step_flops
 
 MATMUL, ELEMENTWISE, MEMORY = "matmul", "elementwise", "memory"
 
@@ -212,6 +213,14 @@ def attended_keys(cfg: ModelConfig, t: int, s: int) -> int:
     return s - first_attended_position(s, t, cfg.sliding_window)
 
 
+def _dims(cfg: ModelConfig, batch: int, t: int, s: int, per_layer: bool = True,
+          widths: tuple[int, int] = (0, 0)) -> CallDims:
+    """A step's call dimensions as the stage kinds take them (stage_kinds.CallDims): T new tokens of B sequences,
+    S keys attended; rows (B, T) in a layer, (B,) after it (the last position only)."""
+    return CallDims(batch, t, s, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
+                    (batch, t) if per_layer else (batch,), qk_norm_whole=cfg.qk_norm_whole, widths=widths)
+
+
 def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes,
                             kernels: Kernels) -> list[Cost]:
     """The Costs of QKᵀ, scaling, softmax, PV.
@@ -220,7 +229,6 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
     a = dt.activations.bytes_per_value
     q_bytes = int(batch * t * cfg.q_dim * a)
     s = attended_keys(cfg, t, s)
-    product = ff.attention_scores_flops(batch, h, t, s, hd)
     useful = ff.causal_attention_product_flops(batch, h, t, s, hd, cfg.sliding_window)
     bhts_bytes = int(batch * h * t * s * a)
     kv_read = batch * s * cfg.n_kv_heads * dt.kv.row_bytes(hd)  # K (or V) of every cached position, once per KV head
@@ -236,14 +244,14 @@ def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dt
             Cost(flops=softmax, useful_flops=softmax),
             Cost(flops=useful, useful_flops=useful, kv_read_bytes=kv_read, act_write_bytes=q_bytes),
         ]
-    scale = ff.score_scale_flops(batch, h, t, s)
-    softmax = ff.softmax_flops(batch, h, t, s)
+    dims = _dims(cfg, batch, t, s)  # the stage kinds' FLOPs: every (query, key) pair, as eager kernels run them
+    (product, scale), (_, softmax), (values, _) = (step_flops(kind, dims) for kind in _CORE_KINDS)
     return [
         Cost(flops=product, useful_flops=useful, kv_read_bytes=kv_read, act_read_bytes=q_bytes,
              act_write_bytes=bhts_bytes),
         Cost(flops=scale, useful_flops=scale, act_read_bytes=bhts_bytes, act_write_bytes=bhts_bytes),
         Cost(flops=softmax, useful_flops=softmax, act_read_bytes=bhts_bytes, act_write_bytes=bhts_bytes),
-        Cost(flops=product, useful_flops=useful, kv_read_bytes=kv_read, act_read_bytes=bhts_bytes,
+        Cost(flops=values, useful_flops=useful, kv_read_bytes=kv_read, act_read_bytes=bhts_bytes,
              act_write_bytes=q_bytes),
     ]
 
@@ -385,30 +393,34 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
     norm_w = norm_dtype_for(w).row_bytes(d)
     kv_vec = dt.kv.row_bytes(hd)  # one head vector of K or V, scales included
 
+    def flops(kind: str, per_layer: bool = True, widths: tuple[int, int] = (0, 0), bias: bool = False) -> int:
+        """The stage kind's FLOPs (stage_kinds: its matmul's, or for `bias` a projection's bias add alone)."""
+        matmul, elementwise = step_flops(kind, _dims(cfg, batch, t, t, per_layer, widths), bias)
+        return elementwise if bias or not KINDS[kind].matmul else matmul
+
     def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
-        fl = ff.linear_flops(rows, i, o)
+        fl = flops("linear", per_layer, (i, o))
         return _Row(name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}",
                     Cost(fl, fl, dt.tensor_bytes(_stored_name(tensor, cfg), o * i, w.matrix_bytes(o, i)), 0, 0,
                          int(rows * i * a), int(rows * o * a)))
 
     def norm(name: str, label: str, rows: int, per_layer: bool, sym: str, tensor: str) -> _Row:
-        fl = ff.rmsnorm_flops(rows, d)
+        fl = flops("rmsnorm", per_layer)
         return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)",
                     Cost(fl, fl, dt.tensor_bytes(tensor, d, norm_w), 0, 0, int(rows * d * a), int(rows * d * a)))
 
     def residual(name: str, label: str) -> _Row:
-        fl = ff.residual_flops(r, d)
+        fl = flops("residual")
         return _Row(name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}",
                     Cost(fl, fl, 0, 0, 0, int(2 * r * d * a), int(r * d * a)))
 
     def bias(name: str, label: str, rows: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
         # Added in the product's epilogue (addmm): FLOPs and the vector's bytes, no activation traffic of its own.
-        fl = ff.bias_add_flops(rows, o)
+        fl = flops("linear", per_layer, (o, o), bias=True)
         return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}",
                     Cost(fl, fl, dt.tensor_bytes(tensor, o, norm_dtype_for(w).row_bytes(o))))
 
-    rope = ff.rope_flops(r, h, hkv, hd)
-    swiglu = ff.swiglu_activation_flops(r, f)
+    rope, swiglu = flops("rope"), flops("swiglu")
     head_rows = batch  # last position of each sequence only
     rows: list[_Row] = []
     for spec in contract.staged_stages(cfg):  # the contract's stages, in execution order, the attention core apart
@@ -435,11 +447,10 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         elif kind == "qk_norm":  # RMSNorm over each of the (H+Hkv) heads' D values of every token
             widths = [contract.shape_of(tensor, cfg)[0] for tensor in spec.tensors]  # D each, or H·D and Hkv·D
             vectors = sum(dt.tensor_bytes(t.name, n, norm_dtype_for(w).row_bytes(n)) for t, n in zip(spec.tensors, widths))
+            qk_flops = flops("qk_norm")
             if cfg.qk_norm_whole:  # OLMoE: one RMSNorm over each token's whole q and whole k
-                qk_flops = ff.rmsnorm_flops(r, q) + ff.rmsnorm_flops(r, kv)
                 formula = lambda: f"BT·(4·H·D+3) + BT·(4·Hkv·D+3) = {r}·(4·{q}+3) + {r}·(4·{kv}+3)"  # noqa: E731
             else:
-                qk_flops = ff.rmsnorm_flops(r * (h + hkv), hd)
                 formula = lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)"  # noqa: E731
             rows.append(_Row(name, label, ELEMENTWISE, per_layer, formula,
                              Cost(qk_flops, qk_flops, vectors, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a))))
@@ -485,9 +496,11 @@ def _routed_rows(cfg: ModelConfig, rows: list[_Row], tokens: int, dt: Dtypes) ->
     read = expected_distinct_experts(e, k, tokens)
     experts = expert_components(cfg)
     a = dt.activations.bytes_per_value
-    logits = ff.linear_flops(tokens, d, e)
-    route = ff.route_flops(tokens, e, k, cfg.moe.router_norm == "renormalised")
-    combine = ff.expert_combine_flops(tokens, d, k)
+    dims = CallDims(tokens, 1, 1, d, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, (tokens, 1), widths=(d, e),
+                    experts=e, top_k=k)
+    logits = step_flops("linear", dims)[0]
+    route = step_flops("route", dims, renormalised=cfg.moe.router_norm == "renormalised")[1]
+    combine = step_flops("expert_combine", dims)[1]
     renorm = " + 2·k" if cfg.moe.router_norm == "renormalised" else ""
     router = [
         _Row(ROUTER, "router logits", MATMUL, True, lambda: f"2·BT·d·E = 2·{tokens}·{d}·{e}",

@@ -4,9 +4,10 @@ Everything that lists stages or tensors derives from the tables below: the stage
 (tracer/trace/hooks.py) and the fused path's marks (tracer/trace/fused_marks.py), the analytical estimate's rows
 (tracer/analytic/estimate.py) and their tensor-parallel split, parameter counts and weight bytes
 (tracer/analytic/params.py), the tensors a checkpoint must hold and their shapes (`expected_shapes`), both loaders'
-name maps (HF safetensors, llama.cpp GGUF), the cost model's kinds (tracer/trace/stage_cost.py) and the labels the
-CLI prints. Adding a stage or a tensor here reaches all of them (tests/test_contract.py shows it); the model code
-(tracer/model/) must then compute it.
+name maps (HF safetensors, llama.cpp GGUF), the kinds (tracer/core/stage_kinds.py: each kind's shapes and FLOPs,
+which the tracer's costs, the packed path's marks and the estimate read) and the labels the CLI prints. Adding a
+stage or a tensor here reaches all of them (tests/test_contract.py shows it); the model code (tracer/model/) must
+then compute it.
 
 Names are Meta's (llama/model.py), relative to a layer for layer stages ("attention.wq") and absolute at the top
 ("output"). A tensor's shape is written in dimension symbols (`dims`), so the same declaration gives the numbers,
@@ -19,39 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmtrace.tracer.core.stage_kinds import KINDS, Kind  # noqa: F401 - the contract's kinds, declared there
+
 if TYPE_CHECKING:
     from llmtrace.tracer.core.config import ModelConfig
 
 
-# ---- kinds: how the cost model and the tracers treat a stage ------------------------------------------------------
+# ---- kinds: how the cost model and the tracers treat a stage (each kind's shapes and FLOPs: stage_kinds.py) -------
 
-
-@dataclass(frozen=True, slots=True)
-class Kind:
-    name: str
-    matmul: bool  # its FLOPs are GEMM FLOPs (exact, FlopCounterMode counts them); else elementwise estimates
-    index_argument: int | None = None  # position of an int64 argument (token ids, positions), else None
-    tuple_output: bool = False  # its module returns a tuple of tensors (rope: q, k; kv_cache: k_all, v_all)
-
-
-KINDS: dict[str, Kind] = {k.name: k for k in (
-    Kind("embedding", matmul=False, index_argument=0),
-    Kind("rmsnorm", matmul=False),
-    Kind("qk_norm", matmul=False, tuple_output=True),  # an RMSNorm over each q and k head (D values): q, k in and out
-    Kind("linear", matmul=True),
-    Kind("rope", matmul=False, index_argument=2, tuple_output=True),
-    Kind("kv_cache", matmul=False, index_argument=0, tuple_output=True),
-    Kind("attention_scores", matmul=True),
-    Kind("softmax", matmul=False),
-    Kind("attention_values", matmul=True),
-    Kind("residual", matmul=False),
-    Kind("swiglu", matmul=False),
-    # A mixture of experts' router choice: logits (N, E) in, the k weights (N, k, fp32) and experts (N, k, int64) out
-    Kind("route", matmul=False, tuple_output=True),
-    # The k chosen experts' outputs (N, k, d) summed, each times its router weight (N, k): (N, d)
-    Kind("expert_combine", matmul=False),
-    Kind("lm_head", matmul=True),
-)}
 MATMUL_KINDS = frozenset(k.name for k in KINDS.values() if k.matmul)
 TUPLE_OUTPUT_KINDS = frozenset(k.name for k in KINDS.values() if k.tuple_output)
 INDEX_ARGUMENTS: dict[str, int] = {k.name: k.index_argument for k in KINDS.values() if k.index_argument is not None}

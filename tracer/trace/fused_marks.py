@@ -31,6 +31,7 @@ from torch import nn
 
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig, first_attended_position
+from llmtrace.tracer.core.stage_kinds import KINDS, CallDims
 from llmtrace.tracer.model.fused import TAKE_STAMPS
 from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, reads_host_clock
 from llmtrace.tracer.trace.stage_cost import StageModule
@@ -78,41 +79,23 @@ def staged_order(model: nn.Module) -> list[str]:
 
 def stage_shapes(config: ModelConfig, step: StepDims,
                  staged: bool = False) -> dict[str, tuple[list[Shape], list[Shape]]]:
-    """Each fused stage role's (input shapes, output shapes) in a step of `step`'s B, T and S, in
-    the argument order of the stage-by-stage modules (tracer/model/transformer.py), whose records these must
-    match. A projection's widths come from its weights' shapes in the contract (a packed one's rows add up).
-    Under a sliding window the cache's slices, and so the scores, span the keys attended, as the cache returns them.
-    `staged`: each staged stage role's instead (contract.staged_stages: Q, K, V, gate and up apart), for the native
-    staged step (`FusedMarks(staged=True)`)."""
-    b, t = step.batch, step.new
-    s = step.seen - first_attended_position(step.seen, t, config.sliding_window)  # keys attended (a window's)
-    dim, h, hkv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
-    x = (b, t, dim)
-    q, kv = (b, t, h, d), (b, t, hkv, d)
-    cached = (b, hkv, s, d)
-    scores = (b, h, t, s)
-    by_kind: dict[str, tuple[list[Shape], list[Shape]]] = {
-        "embedding": ([(b, t)], [x]),
-        "rmsnorm": ([x], [x]),
-        "qk_norm": ([q, kv], [q, kv]),
-        "rope": ([q, kv, (b, t) if step.per_row_positions else (t,)], [q, kv]),
-        "kv_cache": ([(b, t) if step.per_row_positions else (t,), kv, kv], [cached, cached]),
-        "attention_scores": ([(b, h, t, d), cached], [scores]),
-        "softmax": ([scores], [scores]),
-        "attention_values": ([scores, cached], [(b, h, t, d)]),
-        "residual": ([x, x], [x]),
-        "swiglu": ([(b, t, config.ffn_dim), (b, t, config.ffn_dim)], [(b, t, config.ffn_dim)]),
-    }
+    """Each fused stage role's (input shapes, output shapes) in a step of `step`'s B, T and S: its kind's
+    (stage_kinds.KINDS, in the argument order of the stage-by-stage modules, whose records these must match). A
+    projection's widths come from its weights' shapes in the contract (a packed one's rows add up). Under a sliding
+    window the cache's slices, and so the scores, span the keys attended, as the cache returns them. `staged`: each
+    staged stage role's instead (contract.staged_stages: Q, K, V, gate and up apart), for the native staged step
+    (`FusedMarks(staged=True)`)."""
+    keys = step.seen - first_attended_position(step.seen, step.new, config.sliding_window)  # a window's
     shapes = {}
     for spec in contract.fused_stages(config, packed=not staged):
-        rows = (b, t) if spec.in_layer else (b,)  # the final norm and the LM head see the last position only
+        widths = (0, 0)
         if spec.kind in ("linear", "lm_head"):
             weights = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
-            shapes[spec.role] = ([(*rows, weights[0][1])], [(*rows, sum(w[0] for w in weights))])
-        elif spec.kind == "rmsnorm":
-            shapes[spec.role] = ([(*rows, dim)], [(*rows, dim)])
-        else:
-            shapes[spec.role] = by_kind[spec.kind]
+            widths = (weights[0][1], sum(w[0] for w in weights))
+        dims = CallDims(step.batch, step.new, keys, config.dim, config.n_heads, config.n_kv_heads, config.head_dim,
+                        config.ffn_dim, (step.batch, step.new) if spec.in_layer else (step.batch,),
+                        step.per_row_positions, config.qk_norm_whole, widths)
+        shapes[spec.role] = KINDS[spec.kind].shapes(dims)
     return shapes
 
 

@@ -5,8 +5,8 @@ itself marks the end of each stage and the Tracer's mark reads the clock (tracer
 each stage module is wrapped (or hooked): one clock read before and one after it, then the shapes of the tensors
 in and out (torch.Size objects, no copies), kept as the id of that set of shapes (ShapeTable). Either way FLOPs and
 bytes are worked out from the shapes later, once per stage and set of shapes
-(`Tracer.records()`, after the run), by tracer/trace/stage_cost.py with the functions in tracer/analytic/flop_formulas.py that
-the analytical estimate uses.
+(`Tracer.records()`, after the run), by tracer/trace/stage_cost.py with each stage kind's formula
+(tracer/core/stage_kinds.py), which the analytical estimate reads too.
 
 The instrumentation exists only inside `with Tracer(model) as tracer:` and is removed in `finally`, also after an
 exception. Stage boundaries are stamped by tracer/trace/stage_clock.py: on cuda with CUDA events (the kernels' own

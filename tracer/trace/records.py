@@ -63,7 +63,7 @@ class StageRecord(ByteTraffic):
     output_shapes: tuple[tuple[int, ...], ...]  # every tensor returned, in order
     dtype: str  # dtype of the (first) output, e.g. "float32"
     matmul_flops: int  # exact: what the GEMMs executed (FlopCounterMode counts the same)
-    elementwise_flops: int  # estimate with the constants of tracer/analytic/flop_formulas.py
+    elementwise_flops: int  # estimate with the constants of tracer/core/flop_formulas.py
     weight_bytes_read: int  # parameters read (embedding: only the rows looked up)
     activation_bytes_read: int
     activation_bytes_written: int

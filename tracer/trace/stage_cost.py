@@ -1,5 +1,5 @@
-"""What one stage call costs, from the shapes it saw: FLOPs (by the formulas of tracer/analytic/flop_formulas.py, the same
-the analytical estimate uses) and the bytes it must move. Shared by both ways of tracing (tracer/trace/hooks.py on the
+"""What one stage call costs, from the shapes it saw: FLOPs (by its kind's formula, tracer/core/stage_kinds.py, the
+one the analytical estimate reads) and the bytes it must move. Shared by both ways of tracing (tracer/trace/hooks.py on the
 stage modules, tracer/trace/fused_marks.py on the fused path)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrace.tracer.analytic import flop_formulas as ff
+from llmtrace.tracer.core.stage_kinds import call_flops
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,152 +89,42 @@ def _nbytes(entry: Entry) -> int:
     return _numel(entry[0]) * entry[1]
 
 
-def _rows(shape: tuple[int, ...]) -> int:
-    """Token rows of an activation (..., dim): every dimension but the last."""
-    return _numel(shape[:-1])
-
-
 def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) -> StageCost:
-    """FLOPs and bytes of one stage call, from the shapes it saw.
+    """FLOPs and bytes of one stage call, from the shapes it saw: FLOPs by its kind's formula (stage_kinds.call_flops,
+    the one the packed path's marks and the estimate read).
 
     Bytes are what the stage must move at least: every input read once, every output written once, each weight
     read once (an embedding reads only the rows it looks up); cached K/V read by the attention products count as KV
     reads, the new K/V copied into the cache as KV writes.
     """
     kind = stage.kind
-    weight_bytes = stage.weight_bytes
+    matmul, elementwise = call_flops(kind, [shape for shape, _ in inputs], [shape for shape, _ in outputs],
+                                     stage.has_bias, stage.router_norm == "renormalised")
+    weight_bytes, kv_read, kv_written = 0, 0, 0
     read = sum(_nbytes(e) for e in inputs)
     written = sum(_nbytes(e) for e in outputs)
-    out_shape = outputs[0][0]
     if kind in ("linear", "lm_head"):
-        x = inputs[0][0]
-        bias = ff.bias_add_flops(_rows(x), out_shape[-1]) if stage.has_bias else 0
-        return StageCost(
-            matmul_flops=ff.linear_flops(_rows(x), x[-1], out_shape[-1]),
-            elementwise_flops=bias,
-            weight_bytes_read=weight_bytes // stage.experts,  # an expert's product: its one matrix of the E stacked
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "rmsnorm":
-        x = inputs[0][0]
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.rmsnorm_flops(_rows(x), x[-1]),
-            weight_bytes_read=weight_bytes,
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "qk_norm":  # an RMSNorm over each head's D values: q's H*B*T rows and k's Hkv*B*T
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=sum(ff.rmsnorm_flops(_rows(shape), shape[-1]) for shape, _ in inputs),
-            weight_bytes_read=weight_bytes,
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "embedding":
-        ids = inputs[0][0]
-        rows_read = int(_numel(ids) * stage.weight_row_bytes)
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.embedding_flops(_numel(ids), out_shape[-1]),
-            weight_bytes_read=rows_read,
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "rope":
-        (q, item), (k, _) = inputs[0], inputs[1]  # (B, T, H, D), (B, T, Hkv, D)
-        flops = ff.rope_flops(_numel(q[:-2]), q[-2], k[-2], q[-1])
+        weight_bytes = stage.weight_bytes // stage.experts  # an expert's product: its one matrix of the E stacked
+    elif kind in ("rmsnorm", "qk_norm"):
+        weight_bytes = stage.weight_bytes
+    elif kind == "embedding":
+        weight_bytes = int(_numel(inputs[0][0]) * stage.weight_row_bytes)  # the rows it looks up
+    elif kind == "rope":
+        (q, item) = inputs[0]  # (B, T, H, D)
         # the cos and sin rows (T, D) of these positions; (B*T, D) when each row has its own (a left-padded batch)
         rows = _numel(inputs[2][0]) if len(inputs) > 2 else q[-3]
-        tables = 2 * rows * q[-1] * item
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=flops,
-            weight_bytes_read=0,
-            activation_bytes_read=read + tables,
-            activation_bytes_written=written,
-        )
-    if kind == "kv_cache":
+        read += 2 * rows * q[-1] * item
+    elif kind == "kv_cache":
         # forward(input_pos, k, v): the new keys and values are read and copied into the cache buffers;
         # the outputs are views of the live slice (no bytes move).
-        new_kv = _nbytes(inputs[1]) + _nbytes(inputs[2])
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=0,
-            weight_bytes_read=0,
-            activation_bytes_read=read,
-            activation_bytes_written=0,
-            kv_bytes_written=new_kv,
-        )
-    if kind == "attention_scores":
-        q, k_all = inputs[0], inputs[1]  # q (B, H, T, D), k_all (B, Hkv, S, D)
-        b, h, t, s = out_shape
-        matmul = ff.attention_scores_flops(b, h, t, s, q[0][-1])
-        return StageCost(
-            matmul_flops=matmul,
-            elementwise_flops=ff.score_scale_flops(b, h, t, s),
-            weight_bytes_read=0,
-            activation_bytes_read=_nbytes(q),
-            activation_bytes_written=written,
-            kv_bytes_read=_nbytes(k_all),
-        )
-    if kind == "attention_values":
-        probs, v_all = inputs[0], inputs[1]  # probs (B, H, T, S), v_all (B, Hkv, S, D)
-        b, h, t, s = probs[0]
-        matmul = ff.attention_values_flops(b, h, t, s, out_shape[-1])
-        return StageCost(
-            matmul_flops=matmul,
-            elementwise_flops=0,
-            weight_bytes_read=0,
-            activation_bytes_read=_nbytes(probs),
-            activation_bytes_written=written,
-            kv_bytes_read=_nbytes(v_all),
-        )
-    if kind == "softmax":
-        b, h, t, s = out_shape
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.softmax_flops(b, h, t, s),
-            weight_bytes_read=0,
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "residual":
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.residual_flops(_rows(out_shape), out_shape[-1]),
-            weight_bytes_read=0,
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "swiglu":
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.swiglu_activation_flops(_rows(out_shape), out_shape[-1]),
-            weight_bytes_read=0,
-            activation_bytes_read=read,
-            activation_bytes_written=written,
-        )
-    if kind == "route":
-        # logits (N, E) in; the k weights (fp32) and expert indices (int64) out, whatever the activations' dtype
-        (logits, _), (picked, _) = inputs[0], outputs[0]
-        tokens, n_experts, top_k = _rows(logits), logits[-1], picked[-1]
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.route_flops(tokens, n_experts, top_k, stage.router_norm == "renormalised"),
-            weight_bytes_read=0,
-            activation_bytes_read=read,
-            activation_bytes_written=_numel(picked) * (ROUTE_WEIGHT_ITEMSIZE + INDEX_ITEMSIZE),
-        )
-    if kind == "expert_combine":
+        kv_written, written = _nbytes(inputs[1]) + _nbytes(inputs[2]), 0
+    elif kind in ("attention_scores", "attention_values"):
+        # q (B, H, T, D) or probs (B, H, T, S) read as activations; k_all or v_all (B, Hkv, S, D) as the cache
+        read, kv_read = _nbytes(inputs[0]), _nbytes(inputs[1])
+    elif kind == "route":
+        # the k weights (fp32) and expert indices (int64) out, whatever the activations' dtype
+        written = _numel(outputs[0][0]) * (ROUTE_WEIGHT_ITEMSIZE + INDEX_ITEMSIZE)
+    elif kind == "expert_combine":
         (outs, item), (weights, _) = inputs[0], inputs[1]  # (N, k, d), (N, k) fp32
-        return StageCost(
-            matmul_flops=0,
-            elementwise_flops=ff.expert_combine_flops(_numel(outs[:-2]), outs[-1], outs[-2]),
-            weight_bytes_read=0,
-            activation_bytes_read=_numel(outs) * item + _numel(weights) * ROUTE_WEIGHT_ITEMSIZE,
-            activation_bytes_written=written,
-        )
-    raise ValueError(f"no cost model for stage kind {kind!r}")
+        read = _numel(outs) * item + _numel(weights) * ROUTE_WEIGHT_ITEMSIZE
+    return StageCost(matmul, elementwise, weight_bytes, read, written, kv_read, kv_written)
