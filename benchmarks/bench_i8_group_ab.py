@@ -32,6 +32,14 @@ ROWS, K = 22016, 4096
 Q4_0, INT8_X = 2, 1
 
 
+def huge_pages(nbytes: int) -> np.ndarray:
+    """nbytes of anonymous memory advised for huge pages, as the loader's weight arena holds the groups
+    (tracer/load/weight_arena.py): the TLB and the hardware prefetchers see what a decode step's products see."""
+    from llmtrace.tracer.load.weight_arena import WeightArena
+
+    return WeightArena(nbytes).take(nbytes)
+
+
 class Library:
     def __init__(self, path: str) -> None:
         self.lib = ctypes.CDLL(path)
@@ -46,7 +54,7 @@ class Library:
 
     def matrix(self, rows: np.ndarray) -> ctypes.Array:
         """A described one-part Q4_0 matrix with its interleaved copy (made by this library)."""
-        groups = np.empty(rows.size, dtype=np.uint8)
+        groups = huge_pages(rows.size)
         assert self.lib.llmt_interleave(Q4_0, rows.ctypes.data, rows.shape[1], rows.shape[0], K,
                                         groups.ctypes.data) == 0
         described = ctypes.create_string_buffer(self.lib.llmt_matrix_size())

@@ -45,7 +45,7 @@ def main() -> None:
     arena_slots = gguf_loader._arena_slots
     loaded, load_s = {}, {}
     for name in ("plain pages", "arena"):
-        gguf_loader._arena_slots = arena_slots if name == "arena" else (lambda *a, **k: {})
+        gguf_loader._arena_slots = arena_slots if name == "arena" else (lambda *a, **k: (None, {}))
         start = time.perf_counter()
         loaded[name] = load_model(None, weights=args.weights)
         load_s[name] = time.perf_counter() - start

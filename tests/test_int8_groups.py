@@ -53,6 +53,30 @@ def test_the_interleaved_copy_is_the_documented_layout(qtype: Q, native: None) -
 
 
 @pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_rows_read_with_a_stride_interleave_to_the_documented_layout(qtype: Q, native: None) -> None:
+    """The loader interleaves strided views (a head's even rows, then its odd ones: llama.cpp's Q/K row order put
+    back) at 7B's widths and narrower; the vector build's transposes write what the layout says."""
+    for rows, cols, step in ((16, 4096, 2), (24, 64, 3), (9, 32, 1)):
+        raw = random_blocks(qtype, rows * step, cols, np.random.default_rng(rows + cols))
+        view = torch.from_numpy(raw)[::step]
+        grouped = native_kernel.interleave(int(qtype), view, cols).numpy()
+        assert np.array_equal(grouped, documented_layout(np.ascontiguousarray(raw[::step]), qtype))
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_the_portable_build_interleaves_to_the_documented_layout(qtype: Q, portable_build: None) -> None:
+    """Builds without AVX2 move the bytes one row's block at a time: the same layout (the loader's arena and a
+    weights-cache entry hold it whichever build wrote them)."""
+    if not native_kernel.available():
+        pytest.skip(f"no C build here: {native_kernel.unavailable_reason()}")
+    assert not native_kernel.library().avx2
+    for rows, cols, step in ((21, 96, 1), (16, 64, 2)):
+        raw = random_blocks(qtype, rows * step, cols, np.random.default_rng(rows))
+        grouped = native_kernel.interleave(int(qtype), torch.from_numpy(raw)[::step], cols).numpy()
+        assert np.array_equal(grouped, documented_layout(np.ascontiguousarray(raw[::step]), qtype))
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
 def test_every_row_has_the_bits_it_has_without_the_interleaved_copy(qtype: Q, native: None) -> None:
     """Rows that are not a multiple of eight, parts (so thread ranges) starting at any row, 1 and 2 threads: each
     output equals the matrix described without its interleaved copy (every row by the one-row kernel)."""

@@ -195,10 +195,12 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     """
     plan = _plan(header, config)
     packable, _ = stored_matrices(header, config, kernel)
-    slots = _arena_slots(plan, [n for n in packable if _multiplied(n, config)], kernel)
+    arena, slots = _arena_slots(plan, [n for n in packable if _multiplied(n, config)], kernel)
     dense: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     with ExitStack() as stack:
+        if arena is not None:  # its pages faulted in from the far end while the matrices fill it from the front
+            stack.enter_context(arena.populating())
         reads = _reader(stack, header, reader)
         for name, info in _file_order(plan):
             if name not in packable:
@@ -242,7 +244,7 @@ def pack_matrices(header: GGUFHeader, config: ModelConfig, names: list[str], ker
     `kernel`, or with kernel None dequantized exactly to fp32 tensors; Q/K rows in HF's order as the model holds
     them. Only these tensors' bytes are read."""
     plan = _plan(header, config)
-    slots = {} if kernel is None else _arena_slots(plan, names, kernel)  # the memory a run reads them from
+    slots = {} if kernel is None else _arena_slots(plan, names, kernel)[1]  # the memory a run reads them from
     out: dict[str, PackedWeight | torch.Tensor] = {}
     with GGUFSource(header) as source:
         for name in names:
@@ -298,16 +300,16 @@ def _groups_held(kernel: str, info: GGUFTensorInfo) -> bool:
 
 
 def _arena_slots(plan: Mapping[str, GGUFTensorInfo], names: Iterable[str], kernel: KernelPlan
-                 ) -> dict[str, np.ndarray]:
-    """Each matrix of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's own blocks),
+                 ) -> tuple[WeightArena | None, dict[str, np.ndarray]]:
+    """The arena (None when no matrix needs one) and each matrix of `names` that a block kernel reads as stored (native, i8dot, i16dot: the file's own blocks),
     given its room in one WeightArena (tracer/load/weight_arena.py says why they are copied): its bytes, as the file
     stores them or for i8dot's Q4_0/Q4_1 interleaved in place (the same size). Taken in the order of `names`, the
     model's: the arena's layout does not depend on the order the file is read in."""
     infos = {name: plan[name] for name in names if kernel_of(kernel, plan[name]) in BLOCK_KERNELS}
     if not infos:
-        return {}
+        return None, {}
     arena = WeightArena(sum(info.n_bytes for info in infos.values()), len(infos))
-    return {name: arena.take(info.n_bytes) for name, info in infos.items()}
+    return arena, {name: arena.take(info.n_bytes) for name, info in infos.items()}
 
 
 # The bytes read at a time into a scratch buffer that stays in the cache while its rows are checked, put in the

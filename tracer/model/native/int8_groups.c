@@ -35,32 +35,70 @@
 
 static int grouped_type(int type) { return type == Q4_0 || type == Q4_1; }
 
+#if LLMT_AVX2
+/* Block b of rows 8g..8g+7 (row j at row0 + j * stride) into out: rows j and j+4's 16 code bytes in the two halves
+   of one vector, then a 4 x 4 transpose of 4-byte words in each half, so vector v's words are rows 0-3's word v, then
+   rows 4-7's. A 7B Q4_0 load moves 3.6 GB through this; 32 4-byte moves a block did it at ~1.5-3 GB/s. */
+static inline __attribute__((always_inline)) void interleave_block(int type, const uint8_t *row0, int64_t stride,
+                                                                   int64_t b, uint8_t *out) {
+    const int64_t bytes = type == Q4_1 ? sizeof(block_q4_1) : sizeof(block_q4_0), head = bytes - 16;
+    const uint8_t *at = row0 + b * bytes;
+    __m256i r[4];
+    for (int j = 0; j < 4; j++)
+        r[j] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(at + (j + 4) * stride + head)),
+                                _mm_loadu_si128((const __m128i *)(at + j * stride + head)));
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    ggml_half *scales = (ggml_half *)out; /* d[8], then Q4_1's m[8] */
+    uint8_t *qs = out + 8 * head;
+    _mm256_storeu_si256((__m256i *)qs, _mm256_unpacklo_epi64(t0, t2));
+    _mm256_storeu_si256((__m256i *)(qs + 32), _mm256_unpackhi_epi64(t0, t2));
+    _mm256_storeu_si256((__m256i *)(qs + 64), _mm256_unpacklo_epi64(t1, t3));
+    _mm256_storeu_si256((__m256i *)(qs + 96), _mm256_unpackhi_epi64(t1, t3));
+    for (int j = 0; j < 8; j++) {
+        const ggml_half *h = (const ggml_half *)(at + j * stride);
+        scales[j] = h[0];
+        if (type == Q4_1) scales[8 + j] = h[1];
+    }
+}
+#else
+/* The same, byte by byte: builds without AVX2. */
+static void interleave_block(int type, const uint8_t *row0, int64_t stride, int64_t b, uint8_t *out) {
+    group_q4_0 *g0 = (group_q4_0 *)out;
+    group_q4_1 *g1 = (group_q4_1 *)out;
+    for (int j = 0; j < 8; j++) {
+        const block_q4_0 *b0 = (const block_q4_0 *)(row0 + j * stride) + b;
+        const block_q4_1 *b1 = (const block_q4_1 *)(row0 + j * stride) + b;
+        for (int v = 0; v < 4; v++) {
+            if (type == Q4_1) memcpy(&g1->qs[v][4 * j], b1->qs + 4 * v, 4);
+            else memcpy(&g0->qs[v][4 * j], b0->qs + 4 * v, 4);
+        }
+        if (type == Q4_1) {
+            g1->d[j] = b1->d;
+            g1->m[j] = b1->m;
+        } else {
+            g0->d[j] = b0->d;
+        }
+    }
+}
+#endif
+
 /* Rows 8g..8g+7 of a (rows x k) Q4_0/Q4_1 matrix (row r at w + r * stride) interleaved into out, for every whole
-   group: out holds (rows / 8 * 8) * row_bytes bytes. Plain byte moves: builds with or without AVX2 write the same. */
+   group: out holds (rows / 8 * 8) * row_bytes bytes. Byte moves: builds with or without AVX2 write the same
+   (tests/test_int8_groups.py holds both to the layout built in numpy). */
 int llmt_interleave(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t k, uint8_t *out) {
     if (!grouped_type(type)) return BAD_TYPE;
     const int64_t bytes = type == Q4_1 ? sizeof(block_q4_1) : sizeof(block_q4_0);
     if (rows < 0 || k <= 0 || k % 32 || stride < k / 32 * bytes) return BAD_SHAPE;
     const int64_t n_blocks = k / 32;
     for (int64_t g = 0; g < rows / 8; g++) {
-        for (int64_t b = 0; b < n_blocks; b++) {
-            group_q4_0 *g0 = (group_q4_0 *)out + g * n_blocks + b;
-            group_q4_1 *g1 = (group_q4_1 *)out + g * n_blocks + b;
-            for (int j = 0; j < 8; j++) {
-                const block_q4_0 *b0 = (const block_q4_0 *)(w + (8 * g + j) * stride) + b;
-                const block_q4_1 *b1 = (const block_q4_1 *)(w + (8 * g + j) * stride) + b;
-                for (int v = 0; v < 4; v++) {
-                    if (type == Q4_1) memcpy(&g1->qs[v][4 * j], b1->qs + 4 * v, 4);
-                    else memcpy(&g0->qs[v][4 * j], b0->qs + 4 * v, 4);
-                }
-                if (type == Q4_1) {
-                    g1->d[j] = b1->d;
-                    g1->m[j] = b1->m;
-                } else {
-                    g0->d[j] = b0->d;
-                }
-            }
-        }
+        const uint8_t *row0 = w + 8 * g * stride;
+        uint8_t *group = out + g * n_blocks * 8 * bytes;
+        /* one loop per type, so each inlines its block */
+        if (type == Q4_1)
+            for (int64_t b = 0; b < n_blocks; b++) interleave_block(Q4_1, row0, stride, b, group + b * 8 * bytes);
+        else
+            for (int64_t b = 0; b < n_blocks; b++) interleave_block(Q4_0, row0, stride, b, group + b * 8 * bytes);
     }
     return OK;
 }
