@@ -98,25 +98,10 @@ class PackedLayer:
         self.mark()
         return out
 
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """Q|K|V: x (..., dim) -> (..., (H+2Hkv)*D), one product, then the mark."""
-        out = self.product(x, self.wqkv, self.bqkv)
-        self.mark()
-        return out
-
-    def wo_product(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(x, self.wo, self.bo)  # (..., dim)
-        self.mark()
-        return out
-
-    def w13_product(self, x: torch.Tensor) -> torch.Tensor:
-        """gate|up: x (..., dim) -> (..., 2F), one product, then the mark."""
-        out = self.product(x, self.w13, self.b13)
-        self.mark()
-        return out
-
-    def w2_product(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(x, self.w2, self.b2)  # (..., dim)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (..., in) times one of this layer's products (wqkv, wo, w13, w2) through the plan's kernel, then the
+        mark."""
+        out = self.product(x, weight, bias)
         self.mark()
         return out
 

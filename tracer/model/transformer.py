@@ -193,7 +193,7 @@ class Attention(nn.Module):
             v = self.wv(x).view(batch, new, kv_heads, head_dim)  # (B, T, Hkv, D)
         else:
             call, batch, new, extra = packed.call, packed.batch, packed.new, (packed,)
-            qkv = packed.qkv(x).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D): Q heads, K heads, V heads
+            qkv = packed.linear(x, packed.wqkv, packed.bqkv).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D)
             # k stands for q|k (B, T, H+Hkv, D), which QK-norm and RoPE work on in place, q its first H heads; v for
             # K|V (B, T, 2*Hkv, D), which the cache takes in one copy (the stages take `packed` to know)
             k, v = qkv.narrow(2, 0, heads + kv_heads), qkv.narrow(2, heads, 2 * kv_heads)
@@ -209,7 +209,7 @@ class Attention(nn.Module):
         probs = call(self.softmax, scores)  # (B, H, T, S)
         out = call(self.pv, probs, v_all)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(*x.shape[:-1], heads * head_dim)  # (B, T, H*D), or as x's rows
-        return self.wo(out) if packed is None else packed.wo_product(out)  # (B, T, dim)
+        return self.wo(out) if packed is None else packed.linear(out, packed.wo, packed.bo)  # (B, T, dim)
 
 
 class SwiGLUActivation(nn.Module):
@@ -235,10 +235,10 @@ class FeedForward(nn.Module):
         if packed is None:
             gate, up = self.w1(x), self.w3(x)  # (B, T, F) each
             return self.w2(self.act(gate, up))  # (B, T, dim)
-        gate_up = packed.w13_product(x)  # (..., 2F): gate | up
+        gate_up = packed.linear(x, packed.w13, packed.b13)  # (..., 2F): gate | up
         ffn_dim = gate_up.shape[-1] // 2
         act = packed.call(self.act, gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim))
-        return packed.w2_product(act)
+        return packed.linear(act, packed.w2, packed.b2)
 
 
 class Residual(nn.Module):
