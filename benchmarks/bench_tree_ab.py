@@ -25,15 +25,15 @@ WAYS = {"untraced": (False, False, True), "untraced a step a call": (False, Fals
         "traced": (True, False, True), "staged traced": (True, True, True)}  # (trace, staged, run ahead)
 
 
-def child(rounds: int, threads: int) -> dict[str, Any]:
+def child(rounds: int, threads: int, dtype: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
     from benchmarks.bench_vs_peers import PROMPT_TOKENS, prompt_of, time_llmtrace
-    from llmtrace.tracer.core.dtypes import AUTO
+    from llmtrace.tracer.core.dtypes import get_compute_dtype
     from llmtrace.tracer.load.loader import load_model
 
-    loaded = load_model(None, dtype=AUTO)
+    loaded = load_model(None, dtype=get_compute_dtype(dtype))
     text, _ = prompt_of(loaded.tokenizer, PROMPT_TOKENS)
     got: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     ids: dict[str, list[int]] = {}
@@ -48,7 +48,8 @@ def child(rounds: int, threads: int) -> dict[str, Any]:
 
 
 def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
-    return run_in_tree(__file__, tree, ["--rounds", str(args.rounds), "--threads", str(args.threads)])
+    return run_in_tree(__file__, tree, ["--rounds", str(args.rounds), "--threads", str(args.threads),
+                                        "--dtype", args.dtype])
 
 
 def main() -> None:
@@ -58,9 +59,11 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=5, help="children per tree, alternated")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds in each child")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the bundled model's dtype: auto (its Q4 blocks on the C "
+                        "step), or fp32/bf16/fp16 (dequantized: decode on the packed torch path)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.rounds, args.threads)))
+        print(json.dumps(child(args.rounds, args.threads, args.dtype)))
         return
     a, b = args.trees
     results: dict[Path, list[dict[str, Any]]] = {a: [], b: []}
