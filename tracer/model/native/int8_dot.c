@@ -315,7 +315,11 @@ static inline __attribute__((always_inline)) float i8_q4_row(int type, const uin
    each lane's four products summed by one vpdpbusd against x's matching four codes, which a permute puts in each
    half's lanes; two independent chains of two (low nibbles, high ones) rather than one of eight: vpdpbusd's latency
    on one accumulator made a 256-bit version slower than maddubs (BENCHMARKS "Ninth session"). Half the
-   instructions of the AVX2 loop per block, which at 7B decode shares each core with the memory stream. */
+   instructions of the AVX2 loop per block, which at 7B decode shares each core with the memory stream. No software
+   prefetch: the groups are one contiguous run per thread, which the hardware prefetchers follow, and the three
+   prefetches a block cost issue slots the loop is short of (L2-resident it runs at ~40-46 GB/s on 2 Zen 4 threads,
+   under the ~52-55 GB/s memory stream): without them 1.00-1.16x the decode product's GB/s over 7B gate|up-sized
+   matrices, 1.03-1.05x in L2, in three alternated in-process runs (BENCHMARKS, issue 31, helper H5). */
 static inline __attribute__((always_inline)) void i8_q4_group(int type, const uint8_t *g, int64_t n_blocks,
                                                               const XBlock *x, float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -327,10 +331,6 @@ static inline __attribute__((always_inline)) void i8_q4_group(int type, const ui
     for (int64_t b = 0; b < n_blocks; b++) {
         const group_q4_0 *g0 = (const group_q4_0 *)g + b;
         const group_q4_1 *g1 = (const group_q4_1 *)g + b;
-        const uint8_t *blk = type == Q4_1 ? (const uint8_t *)g1 : (const uint8_t *)g0;
-        _mm_prefetch((const char *)blk + I8_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + I8_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + I8_AHEAD + 128, _MM_HINT_T0);
         const uint8_t *qs = type == Q4_1 ? &g1->qs[0][0] : &g0->qs[0][0];
         const __m512i c01 = _mm512_loadu_si512((const void *)qs), c23 = _mm512_loadu_si512((const void *)(qs + 64));
         const __m512i xq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].q));
