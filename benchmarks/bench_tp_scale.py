@@ -7,6 +7,7 @@ Each configuration is `llmtrace run` as a user types it, in its own child proces
     tp2       run --model FILE PROMPT --max-new-tokens N --tp 2 --threads 1   (two ranks, one thread each)
     one-1t    run --model FILE PROMPT --max-new-tokens N --threads 1
     one-2t    run --model FILE PROMPT --max-new-tokens N --threads 2
+    tp2-untraced   tp2 with --no-trace (each step timed whole: no stage wrappers around the rank's modules)
 
 (each with --no-roofline and --json). While a child runs, every process under it is sampled from /proc every 50 ms:
 its VmHWM (the kernel's own peak of its resident set, file-backed pages included) and its RssAnon/RssFile at the
@@ -32,7 +33,8 @@ from typing import Any
 
 PROMPT = "The capital of France is"
 BUDGET_SLACK = 1.5e9  # issue 31's fixed overhead beyond the file and the KV cache
-CONFIGS = {"tp2": ["--tp", "2", "--threads", "1"], "one-1t": ["--threads", "1"], "one-2t": ["--threads", "2"]}
+CONFIGS = {"tp2": ["--tp", "2", "--threads", "1"], "tp2-untraced": ["--tp", "2", "--threads", "1", "--no-trace"],
+           "one-1t": ["--threads", "1"], "one-2t": ["--threads", "2"]}
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -85,6 +87,7 @@ def measure(model: str, config: str, new_tokens: int) -> dict[str, Any]:
         out = Path(folder) / "trace.json"
         cmd = [sys.executable, "-m", "llmtrace", "run", "--model", model, PROMPT, "--max-new-tokens",
                str(new_tokens), "--no-roofline", "--json", str(out), *CONFIGS[config]]
+        load_before = os.getloadavg()[0]
         start = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         peaks: dict[int, dict[str, Any]] = {}
@@ -106,7 +109,8 @@ def measure(model: str, config: str, new_tokens: int) -> dict[str, Any]:
     decode = [s for s in trace["steps"] if s["phase"] == "decode"]
     seconds = sum(s["duration_ns"] for s in decode) / 1e9
     kv = max((s["kv_allocated_bytes"] for s in trace["steps"]), default=0)
-    return {"config": config, "wall_s": wall, "decode_tok_s": len(decode) / seconds if seconds else 0.0,
+    return {"config": config, "load": (load_before, os.getloadavg()[0]), "wall_s": wall,
+            "decode_tok_s": len(decode) / seconds if seconds else 0.0,
             "prefill_s": trace["steps"][0]["duration_ns"] / 1e9, "ids": trace["generated_ids"], "kv_bytes": kv,
             "processes": sorted(peaks.values(), key=lambda p: p["role"]), "note": err.splitlines()[0] if err else ""}
 
@@ -126,7 +130,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--only", default=",".join(CONFIGS), help="configurations, comma-separated")
+    parser.add_argument("--only", default="tp2,one-1t,one-2t", help=f"of {', '.join(CONFIGS)}, comma-separated")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     size = os.path.getsize(args.model)
@@ -143,8 +147,9 @@ def main() -> None:
             ranks = [p for p in r["processes"] if p["role"] == "rank"]
             total = sum(p["VmHWM"] for p in ranks)
             budget = size + r["kv_bytes"] * max(1, len(ranks)) + BUDGET_SLACK
-            print(f"round {round_ + 1} {config}: wall {r['wall_s']:.1f} s, prefill {r['prefill_s']:.2f} s, decode "
-                  f"{r['decode_tok_s']:.2f} tok/s, ids {r['ids']}")
+            print(f"round {round_ + 1} {config} (load {r['load'][0]:.1f} -> {r['load'][1]:.1f}): wall "
+                  f"{r['wall_s']:.1f} s, prefill {r['prefill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, "
+                  f"ids {r['ids']}")
             for p in r["processes"]:
                 if p["role"] not in ("launcher", "rank", "resource tracker"):
                     continue  # a compiler check, uname: short-lived and small
