@@ -78,7 +78,7 @@ def _role(pid: int, root: int) -> str:
         return "?"
     if "resource_tracker" in cmd:
         return "resource tracker"
-    return "rank" if "multiprocessing" in cmd or "spawn_main" in cmd else cmd[:40]
+    return "rank" if "spawn_main" in cmd and pid in _children(root) else cmd[:60]  # a rank: the launcher's child
 
 
 def measure(model: str, config: str, new_tokens: int) -> dict[str, Any]:
@@ -108,10 +108,15 @@ def measure(model: str, config: str, new_tokens: int) -> dict[str, Any]:
         trace = json.loads(out.read_text(encoding="utf-8"))
     decode = [s for s in trace["steps"] if s["phase"] == "decode"]
     seconds = sum(s["duration_ns"] for s in decode) / 1e9
+    # rank 0's collectives in the decode steps: their time (the wait for the other rank included) and count
+    mine = [c for c in trace.get("collectives", ()) if c["rank"] == 0 and c["phase"] == "decode"]
+    comm = sum(c["duration_ns"] for c in mine) / 1e9
     kv = max((s["kv_allocated_bytes"] for s in trace["steps"]), default=0)
     return {"config": config, "load": (load_before, os.getloadavg()[0]), "wall_s": wall,
             "decode_tok_s": len(decode) / seconds if seconds else 0.0,
-            "prefill_s": trace["steps"][0]["duration_ns"] / 1e9, "ids": trace["generated_ids"], "kv_bytes": kv,
+            "prefill_s": trace["steps"][0]["duration_ns"] / 1e9,
+            "decode_comm_share": comm / seconds if seconds else 0.0,
+            "collectives_per_step": len(mine) / max(1, len(decode)), "ids": trace["generated_ids"], "kv_bytes": kv,
             "processes": sorted(peaks.values(), key=lambda p: p["role"]), "note": err.splitlines()[0] if err else ""}
 
 
@@ -150,8 +155,11 @@ def main() -> None:
             print(f"round {round_ + 1} {config} (load {r['load'][0]:.1f} -> {r['load'][1]:.1f}): wall "
                   f"{r['wall_s']:.1f} s, prefill {r['prefill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, "
                   f"ids {r['ids']}")
+            if r["collectives_per_step"]:
+                print(f"    rank 0: {r['collectives_per_step']:.0f} collectives a decode step, "
+                      f"{100 * r['decode_comm_share']:.0f}% of the decode time in them")
             for p in r["processes"]:
-                if p["role"] not in ("launcher", "rank", "resource tracker"):
+                if p["VmHWM"] < 20e6:
                     continue  # a compiler check, uname: short-lived and small
                 print(f"    {p['role']:<17} peak {p['VmHWM'] / 1e9:6.3f} GB (at its highest RSS: anon "
                       f"{p.get('RssAnon', 0) / 1e9:.3f}, file {p.get('RssFile', 0) / 1e9:.3f})")
