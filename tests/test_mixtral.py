@@ -26,8 +26,11 @@ from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
+from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.select import Request, select
+from llmtrace.tracer.trace.records import MODULES, NATIVE
 from llmtrace.tracer.trace.run_trace import Trace
 
 transformers = pytest.importorskip("transformers")
@@ -84,15 +87,21 @@ def prompt_ids(config: ModelConfig) -> torch.Tensor:
     return torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
 
 
+PACKED_OFF = "a mixture of experts is routed by the stage modules and the C decode step, not the packed path"
+
+
 @torch.no_grad()
-def greedy(model: Transformer, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """STEPS greedy tokens after `prompt`, and the logits (STEPS, V) they were chosen from."""
-    model.setup_cache(1, PROMPT + STEPS)  # prefill and decode_one without a backend: the stage modules
-    assert model.packed_off_reason().startswith("a mixture of experts runs on the stage modules only")
-    logits = [model.prefill(prompt)[0]]
+def greedy(model: Transformer, prompt: torch.Tensor, backend: str = MODULES) -> tuple[list[int], torch.Tensor]:
+    """STEPS greedy tokens after `prompt`, and the logits (STEPS, V) they were chosen from, the decode steps on
+    `backend`: the stage modules, or the native C step (whose prefill is the stage modules')."""
+    model.setup_cache(1, PROMPT + STEPS)
+    assert model.packed_off_reason() == PACKED_OFF
+    run = backend_for(model, Request(backend=backend))
+    assert select(model, Request(backend=backend)).route.decode == backend
+    logits = [run.prefill(prompt)[0]]
     ids = [int(logits[-1].argmax())]
     for _ in range(STEPS - 1):
-        logits.append(model.decode_one(torch.tensor([[ids[-1]]]))[0])
+        logits.append(run.decode(torch.tensor([[ids[-1]]]))[0])
         ids.append(int(logits[-1].argmax()))
     return ids, torch.stack(logits)
 
@@ -116,15 +125,19 @@ def test_config_reads_the_experts_from_config_json_and_gguf(mixtral: tuple[Path,
     assert shapes["layers.1.feed_forward.w2.weight"] == (E, 64, 96)
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("gguf", NATIVE)])
 def test_greedy_ids_and_logits_equal_transformers(mixtral: tuple[Path, Path, ModelConfig], hf: torch.nn.Module,
-                                                  source: str) -> None:
+                                                  source: str, backend: str) -> None:
+    """On the stage modules (the default kernels) and on the native C step (decode; the exact kernel: the GGUF's
+    experts as stored, each chosen expert's products over its bytes)."""
     folder, gguf_path, config = mixtral
-    loaded = load_model(str(folder if source == "hf" else gguf_path), weights="auto")
+    if backend == NATIVE and not native_kernel.available():
+        pytest.skip(native_kernel.unavailable_reason())
+    loaded = load_model(str(folder if source == "hf" else gguf_path), weights="native" if backend == NATIVE else "auto")
     assert loaded.config.moe == MoeSpec(E, K, "renormalised")
     prompt = prompt_ids(config)
     want_ids, want_logits = hf_greedy(hf, prompt)
-    ids, logits = greedy(loaded.model, prompt)
+    ids, logits = greedy(loaded.model, prompt, backend)
     assert ids == want_ids
     assert (logits - want_logits).abs().max().item() < 1e-4
     assert want_logits.abs().max().item() > 1.0  # logits of real size: the bound above is not vacuous
@@ -152,13 +165,25 @@ def test_the_experts_are_stacked_per_layer_as_the_files_hold_them(mixtral: tuple
 
 
 def test_select_says_why_the_packed_and_native_paths_are_not_taken(mixtral: tuple[Path, Path, ModelConfig]) -> None:
-    folder, _, _ = mixtral
+    """The HF folder's experts are dense: the stage modules run every step, and say why the others did not. The
+    GGUF's are held as stored: its one-token steps run on the native C step, its prefill on the stage modules."""
+    folder, gguf_path, _ = mixtral
     model = load_model(str(folder)).model
     model.setup_cache(1, 16)
     route = select(model, Request()).route
     assert (route.prefill, route.decode) == ("modules", "modules")
-    why = "a mixture of experts runs on the stage modules only (the packed and native paths have no router)"
-    assert {(n.backend, n.reason) for n in route.not_taken} == {("packed", why), ("native", why)}
+    native = ("no native decode step for this model: a product of the step is not held for the native library's "
+              "kernels (native, i8dot, i16dot)")
+    assert {(n.backend, n.reason) for n in route.not_taken} == {("packed", PACKED_OFF), ("native", native)}
+    if not native_kernel.available():
+        return
+    model = load_model(str(gguf_path)).model
+    model.setup_cache(1, 16)
+    route = select(model, Request()).route
+    assert (route.prefill, route.decode) == ("modules", "native")
+    assert route.ahead_reason == "a mixture of experts' choices are read back after each step"
+    assert {(n.backend, n.reason) for n in route.not_taken} == {
+        ("packed", PACKED_OFF), ("modules", "nothing watches them: fewer ops run the same math")}
 
 
 def test_the_routing_record_names_the_experts_transformers_routes_to(mixtral: tuple[Path, Path, ModelConfig],

@@ -24,6 +24,7 @@ from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.trace.hooks import Tracer
+from llmtrace.tracer.run.select import Request, select
 from llmtrace.tracer.trace.records import PREFILL
 
 transformers = pytest.importorskip("transformers")
@@ -112,3 +113,16 @@ def test_clip_qkv_is_refused_in_one_line(tmp_path: Path) -> None:
                                           encoding="utf-8")
     with pytest.raises(UnsupportedModelError, match="clip_qkv"):
         ModelConfig.from_hf_json(tmp_path)
+
+
+def test_the_native_step_is_not_taken_and_says_why(olmoe: tuple[Path, Path, ModelConfig]) -> None:
+    """The C decode step normalises q and k per head (Qwen3's), not OLMoE's whole projections: even with its experts
+    held as stored, every step runs on the stage modules, and the route says why."""
+    _, gguf_path, _ = olmoe
+    model = load_model(str(gguf_path)).model
+    model.setup_cache(1, 16)
+    route = select(model, Request()).route
+    assert (route.prefill, route.decode) == ("modules", "modules")
+    reasons = {n.backend: n.reason for n in route.not_taken}
+    why = "QK-norm over whole q and k projections runs on the stage modules only"
+    assert reasons["native"] == reasons["packed"] == why

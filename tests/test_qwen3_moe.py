@@ -23,6 +23,8 @@ from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.trace.records import MODULES, NATIVE
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,17 +86,22 @@ def test_config_reads_the_experts_the_expert_width_and_the_router_norm(
         E, K, F, True)
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_greedy_ids_and_logits_equal_transformers(qwen3_moe: tuple[Path, Path, ModelConfig], source: str) -> None:
+@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("gguf", NATIVE)])
+def test_greedy_ids_and_logits_equal_transformers(qwen3_moe: tuple[Path, Path, ModelConfig], source: str,
+                                                  backend: str) -> None:
+    """On the stage modules and (decode) on the native C step, its QK-norm and experts (the exact kernel)."""
     folder, gguf_path, config = qwen3_moe
     if source == "gguf" and config.moe.router_norm == "softmax":
         pytest.skip("llama.cpp's qwen3moe always renormalises (no norm_topk_prob in the file)")
+    if backend == NATIVE and not native_kernel.available():
+        pytest.skip(native_kernel.unavailable_reason())
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
-    loaded = load_model(str(folder if source == "hf" else gguf_path))
+    loaded = load_model(str(folder if source == "hf" else gguf_path),
+                        weights="native" if backend == NATIVE else None)
     prompt = prompt_ids(config)
     want_ids, want_logits = hf_greedy(hf, prompt)
-    ids, logits = greedy(loaded.model, prompt)
+    ids, logits = greedy(loaded.model, prompt, backend)
     assert ids == want_ids
     assert (logits - want_logits).abs().max().item() < 1e-4
     assert want_logits.abs().max().item() > 1.0

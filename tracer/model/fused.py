@@ -41,6 +41,7 @@ from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
 from llmtrace.tracer.model.functional import MATVEC_KERNELS, project, step_mask
+from llmtrace.tracer.model.moe import ExpertsPlan, MixtureOfExperts
 from llmtrace.tracer.model.native_step import AheadRun, Chooser, NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
@@ -65,9 +66,9 @@ class PackedLayer:
     concatenation), QK-norm's weight over the q|k rows, and this step's state, set by `FusedPlan.step`: B and T, the
     attention mask, the layer's cache views and the mark. The shapes the native step reads (heads, ...) too."""
 
-    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "ffn_dim", "ffn_norm", "head_dim", "heads",
-                 "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight", "scale", "values",
-                 "w13", "w2", "wo", "wqkv", "write")
+    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "head_dim",
+                 "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight", "scale",
+                 "values", "w13", "w2", "wo", "wqkv", "write")
 
     def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor]) -> None:
         self.product = product  # functional.project with the run's one-token kernel (FusedPlan's matvec)
@@ -78,10 +79,17 @@ class PackedLayer:
         self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
         self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
         self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
-        self.w13 = _rows_of(ffn.w1, ffn.w3)  # (2F, dim)
-        self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
-        self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
-        self.ffn_dim = self.w2.shape[1]
+        # A mixture of experts (tracer/model/moe.py): what the native step reads of it, no dense FFN (this path's
+        # torch ops do not route: select never runs them on such a model)
+        self.experts = ExpertsPlan.of(ffn) if isinstance(ffn, MixtureOfExperts) else None
+        if isinstance(ffn, MixtureOfExperts):
+            self.w13 = self.b13 = self.w2 = self.b2 = None
+            self.ffn_dim = ffn.w2.weight.shape[-1]
+        else:
+            self.w13 = _rows_of(ffn.w1, ffn.w3)  # (2F, dim)
+            self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
+            self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
+            self.ffn_dim = self.w2.shape[1]
         # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
         # Hkv key heads, so q and k are normalised together as the rows of the q|k view, as RoPE rotates them
         qk_norm = attn.qk_norm
@@ -116,7 +124,8 @@ class FusedPlan:
         measurement chose it for the model's dtype (the run's Request.matvec)."""
         for layer in model.layers:
             attn, ffn = layer.attention, layer.feed_forward
-            for group in ((attn.wq, attn.wk, attn.wv), (ffn.w1, ffn.w3)):
+            ffn_group = () if isinstance(ffn, MixtureOfExperts) else ((ffn.w1, ffn.w3),)  # experts: ExpertsPlan's
+            for group in ((attn.wq, attn.wk, attn.wv), *ffn_group):
                 if not _packed(*group, stored=_stored(group[0])):
                     _pack(*group, stored=_stored(group[0]))
         self.product = partial(project, vector_kernel=MATVEC_KERNELS[matvec])

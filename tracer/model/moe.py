@@ -13,17 +13,23 @@ the contract declares each tensor once, a stage module per product keeps the mod
 model's (Qwen3-30B-A3B has 128 experts in each of 48 layers: 18,432 modules more the other way), and a call's
 weight bytes are one expert's slice of it (ExpertLinear.n_experts, tracer/trace/stage_cost.py).
 
-Only these stage modules run it: no packed or native path routes tokens (tracer/run/select.py says so). A dry run's
-meta model, which has no router weights, routes round-robin (`dry_routes`)."""
+The stage modules run it, and for a one-token step of one sequence whose experts are held as a GGUF stores them
+(ExpertWeights: each expert its byte range of the file's 3-D tensor), so does the native C decode step
+(tracer/model/native_step.py reads `ExpertsPlan`: the router, and per expert its gate|up and down descriptions
+pointing at those bytes; its choice written back into `Route.last` after the step). No packed torch path routes
+tokens (tracer/run/select.py says so). A dry run's meta model, which has no router weights, routes round-robin
+(`dry_routes`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model.functional import combine_experts, project, route_top_k
-from llmtrace.tracer.model.weight_formats import ExpertWeights
+from llmtrace.tracer.model.weight_formats import ExpertWeights, PackedWeight, concat_rows
 
 
 class Route(nn.Module):
@@ -112,3 +118,29 @@ class MixtureOfExperts(nn.Module):
             rows = flat[token]  # (n, dim)
             outputs[token, slot] = self.w2(self.act(self.w1(rows, expert), self.w3(rows, expert)), expert)
         return self.combine(outputs, weights).view(batch, new, dim)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsPlan:
+    """What the native decode step reads of one layer's mixture of experts (tracer/model/native_step.py): the
+    router's (E, dim) matrix (a PackedWeight as stored, or dense fp32), each expert's gate|up (its w1 rows, then its
+    w3 rows: concat_rows, no copy of the blocks) and down, the route's k and renormalisation, and the Route module
+    whose `last` the step's choice is written into (tracer/trace/routing.py reads it there)."""
+
+    router: PackedWeight | torch.Tensor
+    gate_up: tuple[PackedWeight, ...]  # E, each (2F, dim)
+    down: tuple[PackedWeight, ...]  # E, each (dim, F)
+    top_k: int
+    renormalise: bool
+    route: Route
+
+    @classmethod
+    def of(cls, moe: MixtureOfExperts) -> ExpertsPlan | None:
+        """The plan of a layer whose experts are held as stored (ExpertWeights), else None (dense experts: an HF
+        folder's, or --weights dense; only the stage modules run them)."""
+        w1, w3, w2 = moe.w1.packed, moe.w3.packed, moe.w2.packed
+        if w1 is None or w3 is None or w2 is None:
+            return None
+        router = moe.router.packed if moe.router.packed is not None else moe.router.weight.detach()
+        return cls(router, tuple(concat_rows([w1[e], w3[e]]) for e in range(len(w1))), w2.experts,
+                   moe.route.top_k, moe.route.router_norm == "renormalised", moe.route)

@@ -14,6 +14,11 @@ says which, so a step runs a per-type plan such as "Q4_1:i8dot,Q8_0:i16dot" as i
 fp32 on the CPU; the library is built with its AVX2 row kernels; every layer has the same shapes and norm epsilon. The
 plan holds a reference to every tensor whose memory C reads.
 
+A mixture of experts (every layer's FFN routed: tracer/model/moe.py's ExpertsPlan, its experts held as the GGUF
+stores them) runs its router, its route (softmax, top-k, the family's renormalisation), each chosen expert's gate|up,
+silu*up and down over that expert's bytes of the 3-D tensors, and the weighted sum in C too; the step writes its
+choice per layer into buffers whose rows become each layer's Route.last, where the trace's routing record reads it.
+
 The token's embedding row is looked up in C too (the table held as stored, its row dequantized exactly as
 native_kernel.dequantize does, or dense fp32), so the step is one call from the token id to the logits.
 
@@ -60,7 +65,7 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("wqkv", "wo", "w13", "w2", "attention_norm", "ffn_norm", "bqkv", "bo", "b13", "b2", "q_norm",
-                 "k_norm")]
+                 "k_norm", "router", "router_dense", "expert_w13", "expert_w2")]
 
 
 class _Plan(ctypes.Structure):
@@ -73,7 +78,8 @@ class _Plan(ctypes.Structure):
                 ("head_bias", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("kv_layer", ctypes.c_int64),
                 ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64),
                 ("embedding", ctypes.c_void_p), ("embedding_dense", ctypes.c_void_p),
-                ("embedding_rows", ctypes.c_int64), ("qk_norm_floor", ctypes.c_float)]
+                ("embedding_rows", ctypes.c_int64), ("qk_norm_floor", ctypes.c_float),
+                *((name, ctypes.c_int64) for name in ("n_experts", "top_k", "renormalise"))]
 
 
 @functools.cache
@@ -108,14 +114,15 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | Non
     holding_the_gil = ctypes.PyDLL(str(library.path))
     step = holding_the_gil.llmt_decode_step
     step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                     ctypes.c_void_p]
     step.restype = ctypes.c_int
     scratch = handle.llmt_step_scratch_floats
     scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     scratch.restype = ctypes.c_int64
     ahead = holding_the_gil.llmt_decode_ahead
     ahead.argtypes = [ctypes.c_void_p, ctypes.c_int64, *(ctypes.c_void_p,) * 2, *(ctypes.c_int64,) * 4, _CHOOSE,
-                      *(ctypes.c_void_p,) * 4, ctypes.c_int, ctypes.c_void_p]
+                      *(ctypes.c_void_p,) * 4, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     ahead.restype = ctypes.c_int64
     return step, scratch, ahead
 
@@ -162,13 +169,24 @@ class NativeStep:
         self._keep: list[Any] = []  # every tensor and description whose memory C reads
         floor = _floor(first.attention_norm)
         described = []
-        for layer in layers:
+        moe = first.experts
+        self._routes: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []  # (Route, its rows of the choice)
+        self.top_k = moe.top_k if moe is not None else 0
+        # a mixture of experts' choice in every layer, written by each step (llmt_decode_step's routed buffers)
+        self._routed = torch.zeros(len(layers), max(self.top_k, 1), dtype=torch.int64)  # (L, k)
+        self._routed_weights = torch.zeros(len(layers), max(self.top_k, 1), dtype=torch.float32)  # (L, k)
+        for index, layer in enumerate(layers):
             if (layer.heads, layer.kv_heads, layer.head_dim, layer.ffn_dim) != (heads, kv_heads, head_dim, ffn) \
                     or layer.scale != first.scale:
                 raise NotEligible("layers of different shapes")
+            if (layer.experts is None) != (moe is None) or (moe is not None and (
+                    len(layer.experts.down), layer.experts.top_k, layer.experts.renormalise) !=
+                    (len(moe.down), moe.top_k, moe.renormalise)):
+                raise NotEligible("layers with different experts")
             mats = [self._matrix(layer.wqkv, ((heads + 2 * kv_heads) * head_dim, dim), "Q|K|V"),
                     self._matrix(layer.wo, (dim, heads * head_dim), "wo"),
-                    self._matrix(layer.w13, (2 * ffn, dim), "gate|up"), self._matrix(layer.w2, (dim, ffn), "w2")]
+                    *((None, None) if moe is not None else (self._matrix(layer.w13, (2 * ffn, dim), "gate|up"),
+                                                            self._matrix(layer.w2, (dim, ffn), "w2")))]
             norms = [self._vector(n.weight, dim, "norm") for n in (layer.attention_norm, layer.ffn_norm)]
             if any(_floor(n) != floor for n in (layer.attention_norm, layer.ffn_norm)):
                 raise NotEligible("norms of different epsilons")
@@ -179,7 +197,11 @@ class NativeStep:
             qk = [None, None] if not qk_norm else [
                 self._vector(layer.qk_weight[row].contiguous(), head_dim, "QK-norm weight")
                 for row in (0, heads)]
-            described.append(_Layer(*mats, *norms, *biases, *qk))
+            described.append(_Layer(*mats, *norms, *biases, *qk,
+                                    *(self._experts(layer.experts, dim, ffn) if moe is not None else ())))
+            if moe is not None:
+                self._routes.append((layer.experts.route, (self._routed_weights[index:index + 1],
+                                                           self._routed[index:index + 1])))
         if _floor(plan.final_norm) != floor:
             raise NotEligible("norms of different epsilons")
         head = self._matrix(plan.output, (vocab, dim), "LM head")
@@ -207,10 +229,15 @@ class NativeStep:
             raise NotEligible("the embedding table is neither native blocks nor dense fp32")
         self._plan.embedding_rows = table.shape[0]
         self._plan.qk_norm_floor = float(first.qk_floor) if qk_norm else 0.0
+        if moe is not None:
+            self._plan.n_experts, self._plan.top_k = len(moe.down), moe.top_k
+            self._plan.renormalise = int(moe.renormalise)
+        self._routed_address = self._routed.data_ptr() if moe is not None else None
+        self._routed_weights_address = self._routed_weights.data_ptr() if moe is not None else None
         self._address = ctypes.addressof(self._plan)
         self.layers, self.vocab, self.dim, self.head_dim = len(layers), vocab, dim, head_dim
-        self.stamp_count = stamp_count(len(layers), staged=False, qk_norm=qk_norm)
-        self.staged_stamp_count = stamp_count(len(layers), staged=True, qk_norm=qk_norm)
+        self.stamp_count = stamp_count(len(layers), staged=False, qk_norm=qk_norm, experts=self.top_k)
+        self.staged_stamp_count = stamp_count(len(layers), staged=True, qk_norm=qk_norm, experts=self.top_k)
         self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
         # Where the rope tables and the stamps live, read once like every other address the plan holds: a tensor's
         # data_ptr() costs ~10 us right after a step has streamed the weights (FusedPlan.native_off_reason checks
@@ -240,6 +267,22 @@ class NativeStep:
         if weight.shape != shape:
             raise NotEligible(f"{name} is {weight.shape}, the step expects {shape}")
         return self._keep_matrix(weight)
+
+    def _experts(self, experts: Any, dim: int, ffn: int) -> tuple[int | None, int | None, int, int]:
+        """A mixture of experts' _Layer fields: (router described, router dense (E, dim) fp32, the E gate|up
+        descriptions' addresses, the E down ones'), each expert's pointing at its rows of the file's blocks."""
+        count = len(experts.down)
+        if isinstance(experts.router, PackedWeight):
+            router, dense = self._matrix(experts.router, (count, dim), "the router"), None
+        else:
+            router, dense = None, self._vector(experts.router.reshape(-1), count * dim, "router")
+        tables = []
+        for name, weights, shape in (("an expert's gate|up", experts.gate_up, (2 * ffn, dim)),
+                                     ("an expert's down", experts.down, (dim, ffn))):
+            table = (ctypes.c_void_p * count)(*(self._matrix(w, shape, name) for w in weights))
+            self._keep.append(table)
+            tables.append(ctypes.addressof(table))
+        return router, dense, tables[0], tables[1]
 
     def _keep_matrix(self, weight: PackedWeight) -> int:
         described = weight.native_matrix()
@@ -279,9 +322,11 @@ class NativeStep:
         self._taken = 0
         status = self._step(self._address, token, self._cos_address + row, self._sin_address + row,
                             position, first, logits.data_ptr(), self._stamps_address if stamps else None, threads,
-                            int(staged))
+                            int(staged), self._routed_address, self._routed_weights_address)
         if status:
             raise native_kernel.NativeKernelError(f"the native decode step failed: {_STATUS.get(status, status)}")
+        for route, last in self._routes:  # the route stages' last choice, as the stage modules leave it
+            route.last = last
         if stamps:
             self._taken = self.staged_stamp_count if staged else self.stamp_count
         return logits
@@ -315,7 +360,7 @@ class NativeStep:
         self._taken = 0  # the single-step buffer no longer holds the last step's readings
         done = self._ahead(self._address, token, self._cos_address, self._sin_address, position, window or 0, steps,
                            -1 if stop_token is None else stop_token, _CHOOSE(chooser), logits.data_ptr(), chosen,
-                           clock, readings, threads, ctypes.byref(status))
+                           clock, readings, threads, ctypes.byref(status), None, None)
         if status.value and status.value != _NOT_CHOSEN:
             raise native_kernel.NativeKernelError(f"the native decode step failed: "
                                                   f"{_STATUS.get(status.value, status.value)}")
@@ -335,10 +380,14 @@ class NativeStep:
         return self._stamp_values[: self._taken]
 
 
-def stamp_count(layers: int, staged: bool, qk_norm: bool = False) -> int:
+def stamp_count(layers: int, staged: bool, qk_norm: bool = False, experts: int = 0) -> int:
     """Clock readings of a traced step of `layers` layers: its start, then one after each stage (QK-norm's, one a
-    layer, where the model has it)."""
+    layer, where the model has it; a mixture of `experts` chosen experts a token: router, route, each expert's
+    gate|up (gate, up when staged), silu*up and down, and the weighted sum in place of gate|up, silu*up, down)."""
     per_layer = (STAGED_STAGES_PER_LAYER if staged else STAGES_PER_LAYER) + int(qk_norm)
+    if experts:  # router, route and the weighted sum stand for the dense FFN's gate|up, silu*up, down (staged: gate,
+        per_layer += 4 * experts - 1 if staged else 3 * experts  # up, silu*up, down), then each expert's own
+
     return 1 + STAGES_BEFORE_LAYERS + per_layer * layers + STAGES_AFTER_LAYERS
 
 
@@ -348,5 +397,8 @@ def _floor(norm: Any) -> float:
 
 
 def _products(plan: Any) -> list[Any]:
-    """Every matrix the step multiplies by: each layer's packed Q|K|V, wo, gate|up, w2, then the LM head."""
-    return [w for layer in plan.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [plan.output]
+    """Every matrix the step multiplies by: each layer's packed Q|K|V, wo, gate|up, w2 (a mixture of experts': every
+    expert's gate|up and down; its router may be dense fp32), then the LM head."""
+    return [w for layer in plan.layers for w in (layer.wqkv, layer.wo, *(
+        (layer.w13, layer.w2) if layer.experts is None else (*layer.experts.gate_up, *layer.experts.down)))
+            ] + [plan.output]

@@ -315,11 +315,16 @@ class Transformer(ModelCaches):
         self.register_state_dict_post_hook(_drop_tied_output)
 
     def packed_off_reason(self) -> str:
-        """ModelCaches' answer, after what only the stage modules run: a mixture of experts (tracer/model/moe.py), a
-        QK-norm over whole q and k projections (OLMoE)."""
+        """`plan_off_reason`, after what the packed torch path does not run: a mixture of experts (tracer/model/moe.py:
+        the stage modules and the native C step route tokens, the packed path's torch ops do not)."""
         if self.config.moe is not None:
-            return "a mixture of experts runs on the stage modules only (the packed and native paths have no router)"
-        if self.config.qk_norm_whole:  # OLMoE's; the packed path normalises each head
+            return "a mixture of experts is routed by the stage modules and the C decode step, not the packed path"
+        return self.plan_off_reason()
+
+    def plan_off_reason(self) -> str:
+        """ModelCaches' answer, after what only the stage modules run: a QK-norm over whole q and k projections
+        (OLMoE). "" when a run may build the plan the packed and native backends read (tracer/model/fused.py)."""
+        if self.config.qk_norm_whole:  # OLMoE's; the packed path and the C step normalise each head
             return "QK-norm over whole q and k projections runs on the stage modules only"
         return super().packed_off_reason()
 

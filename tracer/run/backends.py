@@ -91,20 +91,23 @@ class PackedBackend:
 class StagedNativeBackend(PackedBackend):
     """--staged: a one-token step of one sequence as the C step with the stage modules' stages apart, each timed in
     C, its readings handed to `take` (the tracer's staged marks) when traced; every other step through the modules
-    (which the tracer wraps)."""
+    (which the tracer wraps). A mixture of experts' run without --staged (`staged` False) takes it too, there being no
+    packed path: its untraced one-token steps are the fused C step."""
 
-    def __init__(self, model: Any, plan: FusedPlan, take: Any = None) -> None:
+    def __init__(self, model: Any, plan: FusedPlan, take: Any = None, staged: bool = True) -> None:
         super().__init__(model, plan, native=True)
-        self.take = take
+        self.take, self.staged = take, staged
         self.many = model.modules_step
 
     def traced(self, tracer: Any) -> StagedNativeBackend:
-        return StagedNativeBackend(self.model, self.plan, tracer.staged_take)
+        return StagedNativeBackend(self.model, self.plan, tracer.staged_take, self.staged)
 
     def prefill(self, tokens: torch.Tensor, pad: list[int] | None = None) -> torch.Tensor:
         return self.model.prefill(tokens, pad)
 
     def one(self, tokens: torch.Tensor, start: int) -> torch.Tensor | None:
+        if self.take is None and not self.staged:
+            return self.plan.native_decode(tokens, start)
         return self.plan.staged_step(tokens, start, self.take)
 
     def ahead(self, *args: Any) -> AheadRun | None:
@@ -118,7 +121,7 @@ def build_backend(model: Any, selection: Selection) -> Backend:
     """The backend `selection` chose for `model`, untraced (`traced(tracer)` gives the traced one)."""
     route = selection.route
     if route.decode == NATIVE and route.prefill == MODULES:
-        return StagedNativeBackend(model, selection.plan)
+        return StagedNativeBackend(model, selection.plan, staged=selection.staged)
     if route.prefill == PACKED:
         return PackedBackend(model, selection.plan, native=selection.native)
     return ModulesBackend(model)

@@ -7,7 +7,10 @@ Three backends run a step, all with the stage modules' math (tracer/core/contrac
 - "packed": the packed torch path (tracer/model/fused.py's FusedPlan.step): Q|K|V and gate|up one product each.
 - "modules": the stage modules themselves, each a hook point (what --staged, --lens, --attention and
   FlopCounterMode watch).
-A prefill runs "packed" or "modules" (the native step takes one token). `select` is asked once per run, with the
+A prefill runs "packed" or "modules" (the native step takes one token). A mixture of experts has no packed path (its
+torch ops do not route): its prefill runs the modules, its one-token steps the native step where its experts are held
+as stored (tracer/model/moe.py), each step's choice written back for the trace's routing record; a traced one stamps
+the stage modules' stages apart (the "wrap" tracer takes them: StagedNativeBackend), an untraced one runs fused. `select` is asked once per run, with the
 run's observers attached and before its tracer is; it builds the plan the packed and native backends read from the
 model as it stands (a weight replaced, a hook added or a `.to()` before the run is seen by it), and
 tracer/run/backends.py builds the backend from its answer. The Route is the trace's `route` (tracer/trace/records.py).
@@ -51,6 +54,7 @@ class Selection:
     ahead: bool = False
     plan: FusedPlan | None = None
     native: bool = False
+    staged: bool = False  # --staged (the native step's traced one-token steps stamp the stages apart either way)
 
 
 def select(model: Any, request: Request) -> Selection:
@@ -68,21 +72,22 @@ def select(model: Any, request: Request) -> Selection:
         native_off = _native_reason(model, request, plan, packed_off)
         decode = NATIVE if not native_off else PACKED if not packed_off else MODULES
         modules_off = "" if decode == MODULES else "nothing watches them: fewer ops run the same math"
-    ahead, ahead_off = _run_ahead(request) if decode == NATIVE else (False, "")
+    ahead, ahead_off = _run_ahead(model, request) if decode == NATIVE else (False, "")
     if decode == NATIVE and not packed_off:
         packed_off = "the native step runs a one-token step as one C call"
     reasons = {NATIVE: native_off, PACKED: packed_off, MODULES: modules_off}
     not_taken = tuple(RouteNotTaken(name, why) for name, why in reasons.items() if name != decode and why)
     alone = request.batch != 1 and native_off.endswith("left alone)")
     return Selection(Route(prefill, decode, ahead_off, not_taken), ahead,
-                     plan if MODULES not in (prefill, decode) or decode == NATIVE else None, decode == NATIVE or alone)
+                     plan if MODULES not in (prefill, decode) or decode == NATIVE else None, decode == NATIVE or alone,
+                     request.staged)
 
 
 def _plan(model: Any, request: Request) -> tuple[FusedPlan | None, str]:
     """The plan the packed and native backends read, built from the model as it stands, or None and why not."""
     if not hasattr(model, "packed_off_reason"):
         return None, "this model has no packed path"
-    why = model.packed_off_reason()
+    why = getattr(model, "plan_off_reason", model.packed_off_reason)()
     if why:
         return None, why
     if request.backend == MODULES and not request.staged:
@@ -96,7 +101,7 @@ def _packed_reason(model: Any, request: Request, plan_off: str) -> str:
         return "--staged runs Q, K, V, gate and up apart"
     if request.backend == MODULES:
         return "asked for the modules backend (Request.backend)"
-    return plan_off or watcher(model)
+    return plan_off or model.packed_off_reason() or watcher(model)
 
 
 def _native_reason(model: Any, request: Request, plan: FusedPlan | None, packed_off: str) -> str:
@@ -108,8 +113,13 @@ def _native_reason(model: Any, request: Request, plan: FusedPlan | None, packed_
                 + ("; it may step a last row left alone)" if alone else ")"))
     if not hasattr(model, "packed_off_reason"):
         return "this model has no native decode step"
-    if packed_off:  # the native step stands in for the packed path: what stops that stops it
+    if packed_off and not (plan is not None and packed_off == model.packed_off_reason()):
+        # the native step stands in for the packed path: what stops that stops it, but the model's own refusal of
+        # the packed path's torch ops (a mixture of experts: the C step routes)
         return (plan.native_off_reason() if plan is not None else "") or packed_off
+    watched = watcher(model) if packed_off else ""  # (folded into packed_off otherwise)
+    if watched:
+        return plan.native_off_reason() or watched
     if request.backend == PACKED:
         return "asked for the packed backend (Request.backend)"
     reason = plan.native_off_reason()
@@ -139,12 +149,14 @@ def _staged_native_reason(model: Any, request: Request, plan: FusedPlan | None, 
     return ""
 
 
-def _run_ahead(request: Request) -> tuple[bool, str]:
+def _run_ahead(model: Any, request: Request) -> tuple[bool, str]:
     """(True, "") when the native backend may run several steps a call, C calling the run's sampler with each step's
     logits for the next token (the tokens and records a step at a time gives); else (False, why each call runs one
     step)."""
     if not request.run_ahead:
         return False, "switched off (run_ahead=False)"
+    if getattr(getattr(model, "config", None), "moe", None) is not None:
+        return False, "a mixture of experts' choices are read back after each step"
     if request.staged:
         return False, "--staged stamps each step's stages apart"
     if request.observed:

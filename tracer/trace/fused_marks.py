@@ -51,8 +51,16 @@ class StepDims:
 
 def _in_model_order(model: nn.Module, packed: bool) -> list[tuple[str, int | None, contract.FusedStage]]:
     """(name prefix, layer, stage) of every stage a step marks, in its order: the stages before the layers, each
-    layer's stages, the ones after (contract.fused_stages, packed or not)."""
-    specs = contract.fused_stages(getattr(model, "config", None), packed)
+    layer's stages, the ones after (contract.fused_stages, packed or not). A mixture of experts' one-token step (the
+    native step's) runs its expert stages, those between the route and the weighted sum, once per chosen expert:
+    k times in a row."""
+    config = getattr(model, "config", None)
+    specs = list(contract.fused_stages(config, packed))
+    moe = getattr(config, "moe", None)
+    if moe is not None:
+        roles = [spec.role for spec in specs]
+        after, before = roles.index(ROUTE) + 1, roles.index(COMBINE)
+        specs[after:before] = specs[after:before] * moe.experts_per_token
     in_layer = [i for i, spec in enumerate(specs) if spec.in_layer]
     first, last = in_layer[0], in_layer[-1]
     order: list[tuple[str, int | None, contract.FusedStage]] = [("", None, spec) for spec in specs[:first]]
@@ -60,6 +68,10 @@ def _in_model_order(model: nn.Module, packed: bool) -> list[tuple[str, int | Non
         order.extend((f"layers.{index}.", index, spec) for spec in specs[first : last + 1])
     order.extend(("", None, spec) for spec in specs[last + 1 :])
     return order
+
+
+ROUTE, COMBINE = "feed_forward.route", "feed_forward.combine"  # a mixture of experts' stages around its experts'
+EXPERT_ROLES = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w13", "feed_forward.w2", "feed_forward.act")
 
 
 def fused_stages(model: nn.Module) -> list[StageModule]:
@@ -72,8 +84,9 @@ def fused_stages(model: nn.Module) -> list[StageModule]:
 
 
 def staged_order(model: nn.Module) -> list[str]:
-    """The stage names the native staged step stamps, in its order: the embedding, each layer's staged stages, the
-    final norm and the LM head (contract.staged_stages)."""
+    """The stage names the native staged step stamps, in its order: the embedding, each layer's staged stages (a
+    mixture of experts' expert stages once per chosen expert), the final norm and the LM head
+    (contract.staged_stages)."""
     return [prefix + spec.role for prefix, _, spec in _in_model_order(model, packed=False)]
 
 
@@ -87,7 +100,12 @@ def stage_shapes(config: ModelConfig, step: StepDims,
     (`FusedMarks(staged=True)`)."""
     keys = step.seen - first_attended_position(step.seen, step.new, config.sliding_window)  # a window's
     shapes = {}
+    moe = config.moe
     for spec in contract.fused_stages(config, packed=not staged):
+        if moe is not None and (spec.role in EXPERT_ROLES or spec.kind in ("route", "expert_combine")
+                                or spec.role == "feed_forward.router"):
+            shapes[spec.role] = _expert_shapes(config, spec, step.batch * step.new)
+            continue
         widths = (0, 0)
         if spec.kind in ("linear", "lm_head"):
             weights = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
@@ -99,15 +117,35 @@ def stage_shapes(config: ModelConfig, step: StepDims,
     return shapes
 
 
+def _expert_shapes(config: ModelConfig, spec: contract.FusedStage, tokens: int
+                   ) -> tuple[list[Shape], list[Shape]]:
+    """A mixture of experts' stage as tracer/model/moe.py's modules see it on `tokens` token rows (N = B*T, flat),
+    each chosen expert on the one row of a one-token step (the native step's: its only user here)."""
+    dim, ffn, experts, k = config.dim, config.ffn_dim, config.moe.n_experts, config.moe.experts_per_token
+    if spec.role == "feed_forward.router":
+        return [(tokens, dim)], [(tokens, experts)]
+    if spec.kind == "route":
+        return [(tokens, experts)], [(tokens, k), (tokens, k)]
+    if spec.kind == "expert_combine":
+        return [(tokens, k, dim), (tokens, k)], [(tokens, dim)]
+    if spec.kind == "swiglu":
+        return [(1, ffn), (1, ffn)], [(1, ffn)]
+    widths = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
+    return [(1, widths[0][1])], [(1, sum(w[0] for w in widths))]
+
+
 def fused_events(config: ModelConfig, stages: list[StageModule], marks: list[int], dims: StepDims,
-                 add: Callable[[tuple], int], staged: bool = False) -> list[tuple[int, int, int, int]]:
+                 add: Callable[[tuple], int], staged: bool = False,
+                 order: list[int] | None = None) -> list[tuple[int, int, int, int]]:
     """The raw events (stage index, start, end, shape id from `add`) of one step a backend marked (the fused path's
-    readings, or with `staged` the native staged step's): stage i ran from reading i to reading i + 1."""
+    readings, or with `staged` the native staged step's): the n-th stage ran from reading n to reading n + 1, the
+    stage `order[n]` of `stages` (by default n itself; a mixture of experts' steps run its expert stages k times)."""
     shapes = stage_shapes(config, dims, staged)
     events = []
-    for index, stage in enumerate(stages):
+    for n, index in enumerate(range(len(stages)) if order is None else order):
+        stage = stages[index]
         inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
-        events.append((index, marks[index], marks[index + 1], add((*inputs, None, *outputs))))
+        events.append((index, marks[n], marks[n + 1], add((*inputs, None, *outputs))))
     return events
 
 
@@ -127,9 +165,13 @@ class FusedMarks:
     """
 
     def __init__(self, model: nn.Module, stages: int, clock: HostClock | EventClock | None = None,
-                 staged: bool = False) -> None:
+                 staged: bool = False, order: list[int] | None = None) -> None:
         self.model = model
-        self.expected = stages + 1  # a reading before the first stage, one after each of `stages`
+        # the stage each reading ends (indices of the tracer's stages), when not one each in order: a mixture of
+        # experts' native staged step runs its expert stages once per chosen expert (`staged_indices`)
+        self.order = order
+        self.expected = (stages if order is None else len(order)) + 1  # a reading before the first stage, one after
+        # each stage run
         self.clock = clock or HostClock()
         self.staged = staged
         self._marks: list[int] = []
@@ -146,7 +188,17 @@ class FusedMarks:
         staged step's stages in its order, and the clock is the plain host clock."""
         if not hasattr(model, "packed_off_reason") or not reads_host_clock(clock):
             return False
-        return [s.name for s in stages] == staged_order(model)
+        return [s.name for s in stages] == list(dict.fromkeys(staged_order(model)))
+
+    @staticmethod
+    def staged_indices(model: nn.Module, stages: list[StageModule]) -> list[int] | None:
+        """For each stage the native staged step runs, in its order, its index in `stages` (those `staged_usable`
+        accepted); None when that is each stage once, in order (a model without a mixture of experts)."""
+        names = staged_order(model)
+        if len(names) == len(stages):
+            return None
+        index = {s.name: i for i, s in enumerate(stages)}
+        return [index[name] for name in names]
 
     def begin_step(self) -> None:
         self._marks.clear()

@@ -228,7 +228,8 @@ class Tracer:
             self._modules = [m for _, m in found]
             self._starts = [0] * len(self.stages)
             if self.mechanism == "wrap" and FusedMarks.staged_usable(self.model, self.stages, self.clock):
-                self._marks = FusedMarks(self.model, len(self.stages), self.clock, staged=True)
+                self._marks = FusedMarks(self.model, len(self.stages), self.clock, staged=True,
+                                         order=FusedMarks.staged_indices(self.model, self.stages))
 
     # ---- context manager -------------------------------------------------------------------------------
 
@@ -326,7 +327,7 @@ class Tracer:
         for phase, step, events, marks, dims in self._steps:
             if dims is not None:  # a step the model marked: its events made now, off the hot path
                 events = fused_events(self.model.config, self.stages, marks, dims, self._shape_table.add,
-                                      self._marks.staged)
+                                      self._marks.staged, self._marks.order)
             self._built.extend(self._records_of(phase, step, events))
         self._steps.clear()
         return tuple(self._built)

@@ -25,6 +25,10 @@
  *   a = Wo o (+ b); x = a + x                              product, residual
  *   h = rmsnorm(x); gu = W13 h (+ b)                       FFN RMSNorm, packed gate|up product
  *   act = silu(gate) * up; d = W2 act (+ b); x = d + x
+ * or for a mixture of experts (the plan's n_experts > 0) in place of the last two lines:
+ *   r = Wr h; p = softmax(r); the k largest of p (renormalised to sum 1 where the family does)   router, route
+ *   per chosen expert e, in ascending order: act = silu(gate_e h) * up_e h; o_e = W2_e act        its products
+ *   x = sum over the k slots of w_j * o_j + x                                                   weighted sum, residual
  * after the token's embedding row (dequantized exactly, as native_kernel.dequantize does), then the final RMSNorm
  * and the LM head (+ bias) into `logits`.
  * Sums run in another order than torch's (so results agree within fp32 summation error, not bit for bit).
@@ -57,9 +61,9 @@
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 6 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
+#define LLMT_STEP_ABI 7 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
 #define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER), */
-                                  /* one more with QK-norm (fused_stamps_per_layer) */
+                                  /* one more with QK-norm, 3k more with k experts (fused_stamps_per_layer) */
 
 /* the attention's (its section below) */
 #define ATTN_GROUP 4    /* query heads of one KV head processed together (Llama 3 repeats 4; more run in turns) */
@@ -69,12 +73,18 @@
 #endif
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none), QK-norm's q and k
-   weights (head_dim,) (Qwen3; NULL: none, in every layer alike). */
+   weights (head_dim,) (Qwen3; NULL: none, in every layer alike). A mixture of experts' layer (the plan's n_experts
+   > 0) has no w13, w2, b13, b2: its router (E rows: described, or dense (E, dim) fp32 in router_dense) and, per
+   expert, its gate|up and down descriptions, each pointing at that expert's rows of the file's 3-D tensors (as
+   llama.cpp's mul_mat_id points each chosen expert's product at its slice). */
 typedef struct {
     const Matrix *wqkv, *wo, *w13, *w2;
     const float *attention_norm, *ffn_norm;
     const float *bqkv, *bo, *b13, *b2;
     const float *q_norm, *k_norm;
+    const Matrix *router;
+    const float *router_dense;
+    const Matrix *const *expert_w13, *const *expert_w2; /* E each */
 } StepLayer;
 
 /* Everything a step reads and writes, built once by native_step.py (which holds every tensor it points into). */
@@ -94,6 +104,8 @@ typedef struct {
     const float *embedding_dense;  /* the table as (vocab rows, dim) fp32 */
     int64_t embedding_rows;
     float qk_norm_floor; /* sqrt(head_dim * eps): QK-norm's, when the layers have it */
+    int64_t n_experts, top_k; /* a mixture of experts in every layer: E experts, k a token; 0, 0: a dense FFN */
+    int64_t renormalise;      /* the k weights rescaled to sum 1 (Mixtral, Qwen3-MoE), or softmax's (OLMoE) */
 } StepPlan;
 
 enum {
@@ -107,9 +119,11 @@ int64_t llmt_step_plan_size(void) { return (int64_t)sizeof(StepPlan); }
 /* 1 when the step can run in this build (its products use the AVX2 one-row kernels). */
 int llmt_step_supported(void) { return LLMT_AVX2; }
 
-/* a traced fused step's stamps per layer: the fused stages, QK-norm's among them where the layers have it */
+/* a traced fused step's stamps per layer: the fused stages, QK-norm's among them where the layers have it; a
+   mixture of experts' FFN stamps router, route, then gate|up, silu*up, down for each of the k experts, and the
+   weighted sum, where a dense one stamps gate|up, silu*up, down */
 static int64_t fused_stamps_per_layer(const StepPlan *p) {
-    return FUSED_STAMPS_PER_LAYER + (p->layers > 0 && p->layer[0].q_norm != NULL);
+    return FUSED_STAMPS_PER_LAYER + (p->layers > 0 && p->layer[0].q_norm != NULL) + 3 * p->top_k;
 }
 
 static int64_t widest_input(const StepPlan *p) {
@@ -127,11 +141,17 @@ static int64_t widest_input(const StepPlan *p) {
 /* how many chunks of ATTN_CHUNK positions n positions make (the last one partial) */
 static inline int64_t chunks_of(int64_t n) { return (n + ATTN_CHUNK - 1) / ATTN_CHUNK; }
 
+/* a mixture of experts' shared vectors: the k chosen experts and the order they run in (int64, two floats each),
+   their weights, the router's E logits and each chosen expert's output (k, dim) */
+static int64_t experts_floats(const StepPlan *p) {
+    return p->n_experts > 0 ? 2 + p->n_experts + 5 * p->top_k + p->top_k * p->dim : 0; /* 2: the alignment */
+}
+
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
     const int64_t chunks = chunks_of(p->max_seq);
     return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq +
-           chunks * p->heads * p->head_dim;
+           chunks * p->heads * p->head_dim + experts_floats(p);
 }
 
 static int64_t thread_floats(const StepPlan *p) {
@@ -570,6 +590,64 @@ static void attend(const StepPlan *p, const float *qkv, const float *keys, const
     end_stage(stages, 1);
 }
 
+/* ---- a mixture of experts -----------------------------------------------------------------------------------
+ * route: softmax over the E router logits in fp32 (max, e^(l - max) with expf, their sum, each divided by it, as
+ * torch.softmax does), the k largest kept, largest first (the first of equal ones), and where the model renormalises
+ * each divided by their sum (functional.route_top_k). The chosen experts then run in ascending order (as the stage
+ * modules run them: MixtureOfExperts.forward's unique()), each its gate|up product, silu*up and down product into its
+ * slot's row of `outputs`; the weighted sum adds the slots in order, each output times its weight, in fp32
+ * (functional.combine_experts). */
+
+static void route(const StepPlan *p, float *logits, int64_t *chosen, float *weights, int64_t *order) {
+    const int64_t e = p->n_experts, k = p->top_k;
+    float top = logits[0], total = 0.0f;
+    for (int64_t i = 1; i < e; i++) top = logits[i] > top ? logits[i] : top;
+    for (int64_t i = 0; i < e; i++) {
+        logits[i] = expf(logits[i] - top);
+        total += logits[i];
+    }
+    for (int64_t i = 0; i < e; i++) logits[i] = logits[i] / total;
+    float kept = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < e; i++) {
+            int taken = 0;
+            for (int64_t q = 0; q < j; q++) taken |= chosen[q] == i;
+            if (!taken && (best < 0 || logits[i] > logits[best])) best = i;
+        }
+        chosen[j] = best;
+        weights[j] = logits[best];
+        kept += logits[best];
+    }
+    if (p->renormalise)
+        for (int64_t j = 0; j < k; j++) weights[j] = weights[j] / kept;
+    for (int64_t j = 0; j < k; j++) order[j] = j; /* slots by ascending expert (k is a handful: insertion sort) */
+    for (int64_t j = 1; j < k; j++)
+        for (int64_t q = j; q > 0 && chosen[order[q]] < chosen[order[q - 1]]; q--) {
+            const int64_t swap = order[q];
+            order[q] = order[q - 1];
+            order[q - 1] = swap;
+        }
+}
+
+/* this thread's rows of the router's logits: a described (stored) router through product_rows, a dense one as
+   fp32 dot products over its rows */
+static void router_rows(const StepPlan *p, const StepLayer *layer, const float *h, float *xs, float *logits, int t,
+                        int count) {
+    if (layer->router != NULL) {
+        product_rows(layer->router, h, xs, NULL, logits, 0, p->n_experts, t, count);
+        return;
+    }
+    int64_t lo, hi;
+    split(p->n_experts, t, count, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        const float *w = layer->router_dense + r * p->dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < p->dim; i++) sum += w[i] * h[i];
+        logits[r] = sum;
+    }
+}
+
 /* ---- the step ---------------------------------------------------------------------------------------------- */
 
 /* x = row `token` of the embedding table: exactly dequantize_row's values (those of gguf.quants.dequantize, as
@@ -594,11 +672,15 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
 
 /* token: the token's id, looked up in the embedding table here; cos, sin (D,): the rope tables' rows of
    `position`; keys first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps:
-   NULL, or room for 14 * layers + 4 readings (17 * layers + 4 when `staged`; one more a layer with QK-norm) (ns):
+   NULL, or room for 14 * layers + 4 readings (17 * layers + 4 when `staged`; one more a layer with QK-norm, 3k
+   more (4k staged) with a mixture of k experts a token) (ns):
    the step's start, then the end of each stage from the embedding to the LM head. `staged`: run the staged path's
-   stages apart (the header comment). Returns STEP_OK or a status. */
+   stages apart (the header comment). routed, routed_weights: NULL, or room for layers * k of each: a mixture of
+   experts' choice in every layer (its k experts, largest weight first, and their weights), the route stage's.
+   Returns STEP_OK or a status. */
 int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
+                     int64_t first, float *logits, int64_t *stamps, int threads, int staged, int64_t *routed,
+                     float *routed_weights) {
     if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
     if (token < 0 || token >= plan->embedding_rows) return STEP_BAD_TOKEN;
     int team = threads < 1 ? 1 : threads;
@@ -613,8 +695,15 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     float *gate_up = attended + heads * d;          /* (2F,) */
     float *scores = gate_up + 2 * ffn;              /* (H, S_max) */
     float *pieces = scores + heads * plan->max_seq; /* (S_max/ATTN_CHUNK, H, D) the values' sums per chunk */
-    float *own = (float *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d) + 63) &
-                           ~(uintptr_t)63);
+    /* a mixture of experts': its choice (k,) and the slots by ascending expert (k,), 8-byte aligned, then the
+       choice's weights (k,), the router's logits (E,) and each chosen expert's output (k, dim) */
+    int64_t *chosen = (int64_t *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d) + 7) & ~(uintptr_t)7);
+    int64_t *order = chosen + plan->top_k;
+    float *chosen_weights = (float *)(order + plan->top_k);
+    float *router = chosen_weights + plan->top_k;
+    float *outputs = router + plan->n_experts;
+    float *own = (float *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d + experts_floats(plan)) +
+                            63) & ~(uintptr_t)63);
     const int traced = stamps != NULL;
     if (traced) stamps[0] = now_ns();
     embed(plan, token, embedding);
@@ -663,6 +752,38 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             end_stage(&stages, 0);
             rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
             end_stage(&stages, 0);
+            if (plan->n_experts > 0) {
+                router_rows(plan, layer, h, xs, router, t, count);
+                end_stage(&stages, 1);
+                if (t == 0) route(plan, router, chosen, chosen_weights, order);
+                end_stage(&stages, 1); /* every thread reads the choice */
+                for (int64_t j = 0; j < plan->top_k; j++) {
+                    const int64_t slot = order[j], e = chosen[slot];
+                    for (int b = 0; b < ffn_blocks; b++) {
+                        product_rows(layer->expert_w13[e], h, xs, NULL, gate_up, ffn_cut[b], ffn_cut[b + 1], t,
+                                     count);
+                        end_stage(&stages, 1);
+                    }
+                    swiglu(gate_up, gate_up + ffn, ffn, act);
+                    end_stage(&stages, 0);
+                    product_rows(layer->expert_w2[e], act, xs, NULL, outputs + slot * dim, 0, dim, t, count);
+                    end_stage(&stages, 1);
+                }
+                for (int64_t i = 0; i < dim; i++) { /* the weighted sum into this thread's h: h is read no more */
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < plan->top_k; j++) sum += outputs[j * dim + i] * chosen_weights[j];
+                    h[i] = sum;
+                }
+                end_stage(&stages, 0);
+                for (int64_t i = 0; i < dim; i++) x[i] = h[i] + x[i];
+                end_stage(&stages, 0);
+                if (t == 0 && routed != NULL)
+                    for (int64_t j = 0; j < plan->top_k; j++) {
+                        routed[l * plan->top_k + j] = chosen[j];
+                        routed_weights[l * plan->top_k + j] = chosen_weights[j];
+                    }
+                continue;
+            }
             for (int b = 0; b < ffn_blocks; b++) {
                 product_rows(layer->w13, h, xs, layer->b13, gate_up, ffn_cut[b], ffn_cut[b + 1], t, count);
                 end_stage(&stages, 1);
@@ -684,9 +805,10 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
 
 #else /* !LLMT_AVX2 */
 int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads, int staged) {
+                     int64_t first, float *logits, int64_t *stamps, int threads, int staged, int64_t *routed,
+                     float *routed_weights) {
     (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)first, (void)logits, (void)stamps;
-    (void)threads, (void)staged;
+    (void)threads, (void)staged, (void)routed, (void)routed_weights;
     return STEP_UNSUPPORTED;
 }
 #endif /* LLMT_AVX2 */
@@ -699,7 +821,8 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
    cos, sin: the rope tables (S_max, D); window: the sliding window (0: none), for the keys each step attends.
    Stops after `steps` steps or after the step that chose `stop_token`. Step i writes chosen[i]; clock [3 * i ..]:
    its start, its logits' end and its choice's end (CLOCK_MONOTONIC ns); when `stamps` is not NULL its stage stamps
-   at stamps + i * (14 * layers + 4), as llmt_decode_step's. `logits` (vocab,) holds the last step's.
+   at stamps + i * (14 * layers + 4), as llmt_decode_step's (fused_stamps_per_layer), and when `routed` is not
+   NULL its choice at routed + i * layers * k (routed_weights alike). `logits` (vocab,) holds the last step's.
    Returns the steps completed; *status: STEP_OK, or the status of the step that failed (its KV rows unwritten but
    for STEP_NOT_CHOSEN: `choose` answered no token in [0, vocab): the caller's sampler refused the logits).
    In every build: without the AVX2 row kernels the first step answers STEP_UNSUPPORTED. */
@@ -707,7 +830,8 @@ typedef int64_t (*llmt_choose_fn)(int64_t step); /* the next token after step `s
 
 int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
                           int64_t window, int64_t steps, int64_t stop_token, llmt_choose_fn choose, float *logits,
-                          int64_t *chosen, int64_t *clock, int64_t *stamps, int threads, int *status) {
+                          int64_t *chosen, int64_t *clock, int64_t *stamps, int threads, int *status,
+                          int64_t *routed, float *routed_weights) {
     const int64_t per_step = fused_stamps_per_layer(plan) * plan->layers + 4;
     *status = STEP_OK;
     if (window < 0 || steps < 0 || choose == NULL) {
@@ -719,8 +843,11 @@ int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos,
         const int64_t first = window > 0 && at + 1 > window ? at + 1 - window : 0; /* first_attended_position */
         int64_t *times = clock + 3 * i;
         times[0] = now_ns();
+        const int64_t route = i * plan->layers * plan->top_k;
         *status = llmt_decode_step(plan, token, cos + at * plan->head_dim, sin + at * plan->head_dim, at, first,
-                                   logits, stamps == NULL ? NULL : stamps + i * per_step, threads, 0);
+                                   logits, stamps == NULL ? NULL : stamps + i * per_step, threads, 0,
+                                   routed == NULL ? NULL : routed + route,
+                                   routed_weights == NULL ? NULL : routed_weights + route);
         times[1] = now_ns();
         if (*status != STEP_OK) return i;
         token = choose(i);
