@@ -29,8 +29,9 @@ from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.generate import make_sampler
 from llmtrace.tracer.run.select import Request, select
-from llmtrace.tracer.trace.records import MODULES, NATIVE
+from llmtrace.tracer.trace.records import MODULES, NATIVE, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace
 
 transformers = pytest.importorskip("transformers")
@@ -179,9 +180,13 @@ def test_select_says_why_the_packed_and_native_paths_are_not_taken(mixtral: tupl
         return
     model = load_model(str(gguf_path)).model
     model.setup_cache(1, 16)
-    route = select(model, Request()).route
+    greedy_sampler = make_sampler(RunSettings(model=str(gguf_path), prompt="hi"))
+    route = select(model, Request(sampler=greedy_sampler)).route
     assert (route.prefill, route.decode) == ("modules", "native")
-    assert route.ahead_reason == "a mixture of experts' choices are read back after each step"
+    assert (route.ahead, route.ahead_reason) == (True, "")  # untraced: run ahead, each step's choice brought back
+    traced = select(model, Request(traced=True, sampler=greedy_sampler)).route
+    assert (traced.ahead, traced.ahead_reason) == (False, "a traced mixture of experts' step stamps the stage "
+                                                          "modules' stages apart")
     assert {(n.backend, n.reason) for n in route.not_taken} == {
         ("packed", PACKED_OFF), ("modules", "nothing watches them: fewer ops run the same math")}
 

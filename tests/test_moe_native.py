@@ -159,7 +159,8 @@ def test_a_runs_routing_records_are_the_stage_modules(moe_file: Path) -> None:
             runs[trace, backend] = Generation(loaded, settings, backend=backend).run()
     for trace in (True, False):
         native, modules = runs[trace, None], runs[trace, MODULES]
-        assert (native.route.prefill, native.route.decode) == (MODULES, NATIVE)
+        assert (native.route.prefill, native.route.decode, native.route.ahead) == (MODULES, NATIVE, not trace)
+        assert (native.run_ahead is not None and native.run_ahead.steps == 5) == (not trace)  # untraced: ahead
         assert modules.route.decode == MODULES
         assert native.generated_ids == modules.generated_ids
         assert [(r.phase, r.step) for r in native.routing] == [(s.phase, s.step) for s in native.steps]

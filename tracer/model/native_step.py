@@ -136,6 +136,8 @@ class AheadRun:
     stamps: tuple[list[int], ...]  # its stage readings (NativeStep.readings' layout) when stamped, else empty
     failure: BaseException | None = None  # what the chooser raised on the logits of the step after the last one here
     kv_live_bytes: tuple[int, ...] = ()  # its live KV bytes after it (FusedPlan.native_ahead fills them in)
+    # a mixture of experts' choice in it: (per layer its k experts, per layer their weights); () for a dense model
+    routes: tuple[tuple[list[list[int]], list[list[float]]], ...] = ()
 
 
 class NotEligible(Exception):
@@ -358,20 +360,31 @@ class NativeStep:
                 return -1
 
         self._taken = 0  # the single-step buffer no longer holds the last step's readings
+        routed = torch.zeros(steps, *self._routed.shape, dtype=torch.int64) if self._routes else None  # (n, L, k)
+        routed_weights = torch.zeros(steps, *self._routed.shape, dtype=torch.float32) if self._routes else None
         done = self._ahead(self._address, token, self._cos_address, self._sin_address, position, window or 0, steps,
                            -1 if stop_token is None else stop_token, _CHOOSE(chooser), logits.data_ptr(), chosen,
-                           clock, readings, threads, ctypes.byref(status), None, None)
+                           clock, readings, threads, ctypes.byref(status),
+                           None if routed is None else routed.data_ptr(),
+                           None if routed_weights is None else routed_weights.data_ptr())
         if status.value and status.value != _NOT_CHOSEN:
             raise native_kernel.NativeKernelError(f"the native decode step failed: "
                                                   f"{_STATUS.get(status.value, status.value)}")
         if status.value == _NOT_CHOSEN and not raised:
             raise native_kernel.NativeKernelError("the chooser answered a token outside the vocabulary")
         flat_clock, flat_stamps = clock[: 3 * done], readings[: done * per_step] if readings is not None else []
+        routes = () if routed is None else tuple(zip(routed[:done].tolist(), routed_weights[:done].tolist()))
+        if routes:  # each layer's Route.last: the last step's choice, as a step at a time leaves it
+            self._routed.copy_(routed[done - 1])
+            self._routed_weights.copy_(routed_weights[done - 1])
+            for route, last in self._routes:
+                route.last = last
         return AheadRun(
             tokens=tuple(chosen[:done]),
             clock=tuple(tuple(flat_clock[3 * i : 3 * i + 3]) for i in range(done)),
             stamps=tuple(flat_stamps[i * per_step : (i + 1) * per_step] for i in range(done)) if stamps else (),
             failure=raised[0] if raised else None,
+            routes=routes,
         )
 
     def readings(self) -> list[int]:

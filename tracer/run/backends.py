@@ -110,8 +110,13 @@ class StagedNativeBackend(PackedBackend):
             return self.plan.native_decode(tokens, start)
         return self.plan.staged_step(tokens, start, self.take)
 
-    def ahead(self, *args: Any) -> AheadRun | None:
-        return None
+    def ahead(self, token: int, steps: int, stop_token: int | None, choose: Chooser,
+              stamps: bool = False) -> AheadRun | None:
+        """An untraced mixture of experts' steps, run ahead as PackedBackend's (their choices come back with them:
+        AheadRun.routes); None under --staged or when traced (each step stamps its stages apart)."""
+        if self.staged or self.take is not None or stamps:
+            return None
+        return super().ahead(token, steps, stop_token, choose, stamps)
 
 
 Backend = ModulesBackend | PackedBackend

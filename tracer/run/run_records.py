@@ -26,6 +26,7 @@ from llmtrace.tracer.trace.fused_marks import StepDims
 from llmtrace.tracer.trace.journey_records import NoCacheRun
 from llmtrace.tracer.trace.lens import logit_lens
 from llmtrace.tracer.trace.records import DECODE, PREFILL, EnvironmentInfo, ModelInfo, RunAhead, SamplingRecord, StepRecord
+from llmtrace.tracer.trace.routing import one_row_routing
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.step_selection import StepSelection, prune_steps
 
@@ -170,6 +171,8 @@ class RunRecords:
             context_length = int(self.model.pos) - len(run.tokens) + i + 1
             if stamped:
                 self._tracer.stamped_step(DECODE, index, run.stamps[i], StepDims(1, 1, context_length))
+            if run.routes:  # a mixture of experts' choice in the step
+                self._routing.append(one_row_routing(DECODE, index, *run.routes[i]))
             yield self._record(DECODE, index, 1, context_length, run.kv_live_bytes[i], result, start, forward_end,
                                sample_end, detokenize_in_step=False)
 

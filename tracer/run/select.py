@@ -10,7 +10,8 @@ Three backends run a step, all with the stage modules' math (tracer/core/contrac
 A prefill runs "packed" or "modules" (the native step takes one token). A mixture of experts has no packed path (its
 torch ops do not route): its prefill runs the modules, its one-token steps the native step where its experts are held
 as stored (tracer/model/moe.py), each step's choice written back for the trace's routing record; a traced one stamps
-the stage modules' stages apart (the "wrap" tracer takes them: StagedNativeBackend), an untraced one runs fused. `select` is asked once per run, with the
+the stage modules' stages apart (the "wrap" tracer takes them: StagedNativeBackend), an untraced one runs fused,
+several steps a call (each step's choice brought back with it: AheadRun.routes). `select` is asked once per run, with the
 run's observers attached and before its tracer is; it builds the plan the packed and native backends read from the
 model as it stands (a weight replaced, a hook added or a `.to()` before the run is seen by it), and
 tracer/run/backends.py builds the backend from its answer. The Route is the trace's `route` (tracer/trace/records.py).
@@ -155,8 +156,8 @@ def _run_ahead(model: Any, request: Request) -> tuple[bool, str]:
     step)."""
     if not request.run_ahead:
         return False, "switched off (run_ahead=False)"
-    if getattr(getattr(model, "config", None), "moe", None) is not None:
-        return False, "a mixture of experts' choices are read back after each step"
+    if request.traced and getattr(getattr(model, "config", None), "moe", None) is not None:
+        return False, "a traced mixture of experts' step stamps the stage modules' stages apart"
     if request.staged:
         return False, "--staged stamps each step's stages apart"
     if request.observed:

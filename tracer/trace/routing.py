@@ -61,6 +61,13 @@ def routing_step(model: Any, phase: str, step: int) -> RoutingStep | None:
     return RoutingStep(phase, step, tuple(layers))
 
 
+def one_row_routing(phase: str, step: int, experts: list[list[int]], weights: list[list[float]]) -> RoutingStep:
+    """A one-token step's choices from per-layer lists (each layer's k experts and their weights), as the native
+    step's run-ahead calls return them (tracer/model/native_step.py AheadRun.routes)."""
+    return RoutingStep(phase, step, tuple(LayerRouting(index, (tuple(e),), (tuple(w),))
+                                          for index, (e, w) in enumerate(zip(experts, weights, strict=True))))
+
+
 def expert_load(steps: tuple[RoutingStep, ...], n_experts: int) -> tuple[tuple[int, ...], ...]:
     """Per layer, how many token rows each of the E experts took over `steps` (each row counts once for each of its
     k experts)."""
