@@ -158,3 +158,19 @@ def test_peak_memory_is_the_files_bytes_not_the_experts_in_fp32(tmp_path: Path) 
     before, peak = map(int, done.stdout.split()[-2:])
     assert peak - before <= stored + kv + SLACK
     assert stored + kv + SLACK < experts_fp32 / 2
+
+
+def test_tune_and_weights_tuned_are_refused_in_one_line(tiny: tuple[Path, ModelConfig]) -> None:
+    """`tune` times one layer's 2-D matrices, not a mixture of experts' 3-D stacks: refused before any measurement,
+    as `run --weights tuned` is, in one line naming what to do instead (exit 2)."""
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    path, _ = tiny
+    why = ("`llmtrace tune` does not measure a mixture of experts' kernels; leave --weights out (the default "
+           "table's kernels) or name one (--weights stored, native, i8dot)")
+    tuned = CliRunner().invoke(app, ["tune", "--model", str(path)])
+    assert tuned.exit_code == 2 and tuned.stderr.strip() == f"llmtrace: error: {why}"
+    run = CliRunner().invoke(app, ["run", "--model", str(path), "hi", "--weights", "tuned"])
+    assert run.exit_code == 2 and run.stderr.strip().endswith(f"--weights tuned: {why}")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from llmtrace.tracer.checkpoint.resolve import GGUF, HF, ResolvedModel
-from llmtrace.tracer.core.errors import HardwareError
+from llmtrace.tracer.core.errors import BadArgumentError, HardwareError
 from llmtrace.tracer.hardware import kernel_choice as rule, kernel_defaults as table, kernel_store
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, TypeKernel
 from llmtrace.tracer.hardware.machine_load import LoadWatch, Sampler, is_busy, read_sample
@@ -46,6 +46,8 @@ from llmtrace.tracer.model.weight_formats import device_refusal, runs_here, stor
 Progress = Callable[[int, int, str], None]  # (done, total, what is being measured)
 Timer = Callable[..., tuple[tuple[CandidateTiming, ...], float]]  # product_timing.time_kernels' signature
 DENSE_DTYPES = ("fp32", "fp16", "bf16")
+MOE_NOT_TUNED = ("`llmtrace tune` does not measure a mixture of experts' kernels; leave --weights out (the default "
+                 "table's kernels) or name one (--weights stored, native, i8dot)")
 PROBE_TEXT = "The capital of France is Paris. 1, 2, 3: def main():"  # words, digits, code: a few token kinds
 TUNE_BYTES = 2**30  # the most one candidate's timed layer and LM head may take (tune's memory beyond the model)
 
@@ -259,6 +261,8 @@ def tune(resolved: ResolvedModel, device: torch.device, progress: Progress | Non
     `sampler`: the machine-load reading (tests inject readings)."""
     if device.type not in ("cpu", "cuda"):
         raise HardwareError(f"tune times products on cpu and cuda; {device.type} runs the default table")
+    if resolved.config.moe is not None:  # its samples are one layer's 2-D matrices; the experts are 3-D stacks
+        raise BadArgumentError(MOE_NOT_TUNED)
     formats = matrix_formats(resolved)
     offered = _candidates(resolved, device, formats)
     with LoadWatch(sampler or read_sample) as load:

@@ -123,8 +123,7 @@ def plan_load(spec: ModelSource | str | None, dtype: DType | AutoDtype = DEFAULT
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
     resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
     if resolved.config.moe is not None and request.mode == TUNED:
-        raise BadArgumentError(f"{request.flag}: `llmtrace tune` does not measure a mixture of experts' kernels; "
-                               "leave --weights out (the default table's kernels) or name one (--weights stored)")
+        raise BadArgumentError(f"{request.flag}: {kernel_pick.MOE_NOT_TUNED}")
     if resolved.kind == PRESET and not (dry_run or random_init):
         raise BadArgumentError(
             f"preset {resolved.source.spec!r} has no weights; add --dry-run to trace its shapes and FLOPs, or pass a "
