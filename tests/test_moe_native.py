@@ -70,9 +70,12 @@ def model(moe_file: Path) -> Transformer:
     return load_model(str(moe_file), weights="native").model
 
 
+Routes = list[list[tuple[tuple[int, ...], tuple[float, ...]]]]  # per step, per layer: (experts, weights)
+
+
 @torch.no_grad()
 def steps(model: Transformer, request: Request, traced: bool = False
-          ) -> tuple[list[torch.Tensor], list[list[tuple[tuple[int, ...], tuple[float, ...]]]], tuple[StageRecord, ...]]:
+          ) -> tuple[list[torch.Tensor], Routes, tuple[StageRecord, ...]]:
     """A PROMPT-token prefill, then TOKENS one step each, on `request`'s backend: each decode step's logits, its
     routing (per layer: the experts and weights of its one token), and the records when `traced`."""
     model.setup_cache(1, PROMPT + STEPS)

@@ -11,10 +11,11 @@ A prefill runs "packed" or "modules" (the native step takes one token). A mixtur
 torch ops do not route): its prefill runs the modules, its one-token steps the native step where its experts are held
 as stored (tracer/model/moe.py), each step's choice written back for the trace's routing record; a traced one stamps
 the stage modules' stages apart (the "wrap" tracer takes them: StagedNativeBackend), an untraced one runs fused,
-several steps a call (each step's choice brought back with it: AheadRun.routes). `select` is asked once per run, with the
-run's observers attached and before its tracer is; it builds the plan the packed and native backends read from the
-model as it stands (a weight replaced, a hook added or a `.to()` before the run is seen by it), and
-tracer/run/backends.py builds the backend from its answer. The Route is the trace's `route` (tracer/trace/records.py).
+several steps a call (each step's choice brought back with it: AheadRun.routes).
+
+`select` is asked once per run, with the run's observers attached and before its tracer is; it builds the plan the
+packed and native backends read from the model as it stands (a weight replaced, a hook added or a `.to()` before the
+run is seen by it), and tracer/run/backends.py builds the backend from its answer. The Route is the trace's `route` (tracer/trace/records.py).
 """
 
 from __future__ import annotations
