@@ -118,6 +118,19 @@ def test_the_c_step_gives_the_stage_modules_logits_and_routes(model: Transformer
     assert len({experts for step in routes for experts, _ in step}) > 1  # the tokens do not all go one way
 
 
+def test_the_softmax_routers_weights_are_not_renormalised(moe_file: Path) -> None:
+    """OLMoE's route (the k weights as the softmax gave them, not rescaled): the same model with its Route modules
+    switched, on the C step and on the stage modules alike (ExpertsPlan reads the route's router_norm)."""
+    model = load_model(str(moe_file), weights="native").model
+    for layer in model.layers:
+        layer.feed_forward.route.router_norm = "softmax"
+    want, want_routes, _ = steps(model, Request(backend=MODULES))
+    got, routes, _ = steps(model, Request())
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) < 1e-4
+    assert_same_routes(routes, want_routes)
+    assert all(sum(weights) < 0.999 for step in routes for _, weights in step)  # k of E softmax weights: below 1
+
+
 def untimed(record: StageRecord) -> StageRecord:
     return dataclasses.replace(record, start_ns=0, duration_ns=0)
 
