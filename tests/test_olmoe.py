@@ -24,8 +24,9 @@ from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.trace.hooks import Tracer
+from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.run.select import Request, select
-from llmtrace.tracer.trace.records import PREFILL
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PREFILL
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,15 +81,20 @@ def test_config_reads_whole_projection_qk_norm_and_the_softmax_router(olmoe: tup
     assert (from_gguf.moe, from_gguf.qk_norm_whole, from_gguf.ffn_dim) == (config.moe, True, F)
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_greedy_ids_and_logits_equal_transformers(olmoe: tuple[Path, Path, ModelConfig], source: str) -> None:
+@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("gguf", NATIVE)])
+def test_greedy_ids_and_logits_equal_transformers(olmoe: tuple[Path, Path, ModelConfig], source: str,
+                                                  backend: str) -> None:
+    """On the stage modules and (decode) on the native C step: its whole-q, whole-k norm, its softmax router's
+    weights as they are, its experts as stored (the exact kernel)."""
     folder, gguf_path, config = olmoe
+    if backend == NATIVE and not native_kernel.available():
+        pytest.skip(native_kernel.unavailable_reason())
     hf = transformers.OlmoeForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                        attn_implementation="eager").eval()
-    loaded = load_model(str(folder if source == "hf" else gguf_path))
+    loaded = load_model(str(folder if source == "hf" else gguf_path), weights="native" if backend == NATIVE else None)
     prompt = prompt_ids(config)
     want_ids, want_logits = hf_greedy(hf, prompt)
-    ids, logits = greedy(loaded.model, prompt)
+    ids, logits = greedy(loaded.model, prompt, backend)
     assert ids == want_ids
     assert (logits - want_logits).abs().max().item() < 1e-4
     assert want_logits.abs().max().item() > 1.0
@@ -115,14 +121,21 @@ def test_clip_qkv_is_refused_in_one_line(tmp_path: Path) -> None:
         ModelConfig.from_hf_json(tmp_path)
 
 
-def test_the_native_step_is_not_taken_and_says_why(olmoe: tuple[Path, Path, ModelConfig]) -> None:
-    """The C decode step normalises q and k per head (Qwen3's), not OLMoE's whole projections: even with its experts
-    held as stored, every step runs on the stage modules, and the route says why."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_c_steps_traced_records_are_the_stage_modules(olmoe: tuple[Path, Path, ModelConfig], staged: bool) -> None:
+    """Traced, the C step stamps the stage modules' stages apart, OLMoE's QK-norm between K and V as they run it:
+    its records are the wrapped modules' field by field but the times, and its routes theirs."""
+    if not native_kernel.available():
+        pytest.skip(native_kernel.unavailable_reason())
+    from test_moe_native import assert_same_routes, steps, untimed
+
     _, gguf_path, _ = olmoe
-    model = load_model(str(gguf_path)).model
+    model = load_model(str(gguf_path), weights="native").model
     model.setup_cache(1, 16)
-    route = select(model, Request()).route
-    assert (route.prefill, route.decode) == ("modules", "modules")
-    reasons = {n.backend: n.reason for n in route.not_taken}
-    why = "QK-norm over whole q and k projections runs on the stage modules only"
-    assert reasons["native"] == reasons["packed"] == why
+    assert select(model, Request(staged=staged)).route.decode == NATIVE
+    _, routes, native = steps(model, Request(staged=staged, traced=True), traced=True)
+    _, want_routes, modules = steps(model, Request(staged=staged, traced=True, backend=MODULES), traced=True)
+    assert [untimed(r) for r in native] == [untimed(r) for r in modules]
+    assert_same_routes(routes, want_routes)
+    stages = [r.stage for r in native if r.step == 1 and r.layer == 0]
+    assert stages[1:5] == [f"layers.0.attention.{s}" for s in ("wq", "wk", "qk_norm", "wv")]

@@ -67,8 +67,8 @@ class PackedLayer:
     attention mask, the layer's cache views and the mark. The shapes the native step reads (heads, ...) too."""
 
     __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "head_dim",
-                 "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight", "scale",
-                 "values", "w13", "w2", "wo", "wqkv", "write")
+                 "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight", "qk_whole",
+                 "scale", "values", "w13", "w2", "wo", "wqkv", "write")
 
     def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor]) -> None:
         self.product = product  # functional.project with the run's one-token kernel (FusedPlan's matvec)
@@ -93,9 +93,11 @@ class PackedLayer:
         # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
         # Hkv key heads, so q and k are normalised together as the rows of the q|k view, as RoPE rotates them
         qk_norm = attn.qk_norm
-        self.qk_weight = None if qk_norm is None else torch.cat([
+        whole = qk_norm is not None and attn.qk_norm_whole  # OLMoE's: the C step's only (the packed path's is not)
+        self.qk_weight = None if qk_norm is None or whole else torch.cat([
             qk_norm.q_weight.detach().expand(self.heads, -1), qk_norm.k_weight.detach().expand(self.kv_heads, -1)])
         self.qk_floor = None if qk_norm is None else qk_norm.floor(qk_norm.q_weight.device)
+        self.qk_whole = None if not whole else qk_norm  # its q (H*D,) and k (Hkv*D,) weights and floors
         self.batch = self.new = 0
         self.mark: Mark = no_mark
         self.mask = self.write = self.keys = self.values = None

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.functional import rms_norm_floor
 from llmtrace.tracer.model.weight_formats import PackedWeight, runs_blocks
 
 STAGES_BEFORE_LAYERS = 1  # the embedding
@@ -79,7 +80,8 @@ class _Plan(ctypes.Structure):
                 ("kv_head", ctypes.c_int64), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64),
                 ("embedding", ctypes.c_void_p), ("embedding_dense", ctypes.c_void_p),
                 ("embedding_rows", ctypes.c_int64), ("qk_norm_floor", ctypes.c_float),
-                *((name, ctypes.c_int64) for name in ("n_experts", "top_k", "renormalise"))]
+                *((name, ctypes.c_int64) for name in ("n_experts", "top_k", "renormalise", "qk_norm_whole")),
+                ("qk_norm_floor_k", ctypes.c_float)]
 
 
 @functools.cache
@@ -165,8 +167,10 @@ class NativeStep:
             raise NotEligible(f"the model computes in {plan.dtype}, the native step in fp32")
         if head_dim % 2:
             raise NotEligible("odd head dimension")
-        qk_norm = first.qk_weight is not None  # Qwen3: every layer or none (one model's layers)
-        if any((layer.qk_weight is not None) != qk_norm for layer in layers):
+        whole = first.qk_whole is not None  # OLMoE's: over each token's whole q and whole k
+        qk_norm = first.qk_weight is not None or whole  # Qwen3: every layer or none (one model's layers)
+        if any((layer.qk_weight is not None or layer.qk_whole is not None) != qk_norm
+               or (layer.qk_whole is not None) != whole for layer in layers):
             raise NotEligible("QK-norm in some layers only")
         self._keep: list[Any] = []  # every tensor and description whose memory C reads
         floor = _floor(first.attention_norm)
@@ -197,6 +201,8 @@ class NativeStep:
                        (layer.b2, dim))]
             # QK-norm's q and k weights (D,): the first H and the last Hkv rows of the packed path's (H+Hkv, D)
             qk = [None, None] if not qk_norm else [
+                self._vector(layer.qk_whole.q_weight.detach(), heads * head_dim, "QK-norm weight"),
+                self._vector(layer.qk_whole.k_weight.detach(), kv_heads * head_dim, "QK-norm weight")] if whole else [
                 self._vector(layer.qk_weight[row].contiguous(), head_dim, "QK-norm weight")
                 for row in (0, heads)]
             described.append(_Layer(*mats, *norms, *biases, *qk,
@@ -231,6 +237,9 @@ class NativeStep:
             raise NotEligible("the embedding table is neither native blocks nor dense fp32")
         self._plan.embedding_rows = table.shape[0]
         self._plan.qk_norm_floor = float(first.qk_floor) if qk_norm else 0.0
+        if whole:  # the keys' own floor, sqrt(Hkv*D * eps), as QKNorm takes it
+            self._plan.qk_norm_whole = 1
+            self._plan.qk_norm_floor_k = float(rms_norm_floor(kv_heads * head_dim, first.qk_whole.eps, "cpu"))
         if moe is not None:
             self._plan.n_experts, self._plan.top_k = len(moe.down), moe.top_k
             self._plan.renormalise = int(moe.renormalise)

@@ -319,13 +319,13 @@ class Transformer(ModelCaches):
         the stage modules and the native C step route tokens, the packed path's torch ops do not)."""
         if self.config.moe is not None:
             return "a mixture of experts is routed by the stage modules and the C decode step, not the packed path"
+        if self.config.qk_norm_whole:  # OLMoE's; the packed path normalises q|k as rows of heads
+            return "QK-norm over whole q and k projections runs on the stage modules and the C decode step only"
         return self.plan_off_reason()
 
     def plan_off_reason(self) -> str:
-        """ModelCaches' answer, after what only the stage modules run: a QK-norm over whole q and k projections
-        (OLMoE). "" when a run may build the plan the packed and native backends read (tracer/model/fused.py)."""
-        if self.config.qk_norm_whole:  # OLMoE's; the packed path and the C step normalise each head
-            return "QK-norm over whole q and k projections runs on the stage modules only"
+        """ModelCaches' answer: "" when a run may build the plan the packed and native backends read
+        (tracer/model/fused.py), whichever of them then runs."""
         return super().packed_off_reason()
 
     # ---- forward passes ------------------------------------------------------------------------------------

@@ -53,9 +53,13 @@ def _in_model_order(model: nn.Module, packed: bool) -> list[tuple[str, int | Non
     """(name prefix, layer, stage) of every stage a step marks, in its order: the stages before the layers, each
     layer's stages, the ones after (contract.fused_stages, packed or not). A mixture of experts' one-token step (the
     native step's) runs its expert stages, those between the route and the weighted sum, once per chosen expert:
-    k times in a row."""
+    k times in a row. OLMoE's whole-projection QK-norm runs between K and V where they run apart (the stage modules
+    normalise q and k before V's product: Attention.forward)."""
     config = getattr(model, "config", None)
     specs = list(contract.fused_stages(config, packed))
+    if not packed and getattr(config, "qk_norm_whole", False):
+        roles = [spec.role for spec in specs]
+        specs.insert(roles.index("attention.wv"), specs.pop(roles.index("attention.qk_norm")))
     moe = getattr(config, "moe", None)
     if moe is not None:
         roles = [spec.role for spec in specs]
@@ -188,14 +192,15 @@ class FusedMarks:
         staged step's stages in its order, and the clock is the plain host clock."""
         if not hasattr(model, "packed_off_reason") or not reads_host_clock(clock):
             return False
-        return [s.name for s in stages] == list(dict.fromkeys(staged_order(model)))
+        return sorted(s.name for s in stages) == sorted(set(staged_order(model)))
 
     @staticmethod
     def staged_indices(model: nn.Module, stages: list[StageModule]) -> list[int] | None:
         """For each stage the native staged step runs, in its order, its index in `stages` (those `staged_usable`
-        accepted); None when that is each stage once, in order (a model without a mixture of experts)."""
+        accepted); None when that is each stage once, in order (a model without a mixture of experts or OLMoE's
+        QK-norm)."""
         names = staged_order(model)
-        if len(names) == len(stages):
+        if names == [s.name for s in stages]:
             return None
         index = {s.name: i for i, s in enumerate(stages)}
         return [index[name] for name in names]

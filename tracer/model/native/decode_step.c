@@ -106,6 +106,8 @@ typedef struct {
     float qk_norm_floor; /* sqrt(head_dim * eps): QK-norm's, when the layers have it */
     int64_t n_experts, top_k; /* a mixture of experts in every layer: E experts, k a token; 0, 0: a dense FFN */
     int64_t renormalise;      /* the k weights rescaled to sum 1 (Mixtral, Qwen3-MoE), or softmax's (OLMoE) */
+    int64_t qk_norm_whole;    /* OLMoE's QK-norm: over each token's whole q (H*D) and whole k (Hkv*D), q_norm and */
+    float qk_norm_floor_k;    /* k_norm that wide, the floors sqrt(H*D*eps) (qk_norm_floor) and sqrt(Hkv*D*eps) */
 } StepPlan;
 
 enum {
@@ -329,6 +331,11 @@ static void product_rows(const Matrix *mat, const float *x, float *xs, const flo
    place, times the layer's q or k weight (rms_norm reads every value of a head before writing it) */
 static void qk_norm(const StepPlan *p, const StepLayer *layer, float *qkv) {
     const int64_t d = p->head_dim;
+    if (p->qk_norm_whole) { /* OLMoE: the whole q, then the whole k, each one RMSNorm */
+        rms_norm(qkv, layer->q_norm, p->heads * d, p->qk_norm_floor, qkv);
+        rms_norm(qkv + p->heads * d, layer->k_norm, p->kv_heads * d, p->qk_norm_floor_k, qkv + p->heads * d);
+        return;
+    }
     for (int64_t h = 0; h < p->heads + p->kv_heads; h++)
         rms_norm(qkv + h * d, h < p->heads ? layer->q_norm : layer->k_norm, d, p->qk_norm_floor, qkv + h * d);
 }
@@ -732,11 +739,17 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             float *values = keys + kv_heads * plan->kv_head; /* V head g at values + g*kv_head */
             rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
             end_stage(&stages, 0);
+            /* OLMoE's whole-q, whole-k norm runs between K and V when staged, where the stage modules run it */
+            const int norm_after_k = staged && plan->qk_norm_whole && layer->q_norm != NULL;
             for (int b = 0; b < qkv_blocks; b++) {
                 product_rows(layer->wqkv, h, xs, layer->bqkv, qkv, qkv_cut[b], qkv_cut[b + 1], t, count);
                 end_stage(&stages, 1);
+                if (norm_after_k && b == 1) {
+                    if (t == 0) qk_norm(plan, layer, qkv);
+                    end_stage(&stages, 0);
+                }
             }
-            if (layer->q_norm != NULL) {
+            if (layer->q_norm != NULL && !norm_after_k) {
                 if (t == 0) qk_norm(plan, layer, qkv);
                 end_stage(&stages, 0);
             }
