@@ -4,7 +4,8 @@ The file: benchmarks/scale_models.py's mixtral-small (a Mixtral-shaped 'llama' G
 FFN 2816, 2 a token, F32 routers, random weights; Q4_0 208 MB), written into `--dir` once. Each measurement is its
 own process (one engine loaded at a time), the engines alternated round by round, and the figure is the median over
 `--rounds`: decode tokens/s = (steps - 1) / the time from the first decoded token to the last, after a 6-token prompt,
-greedy. llmtrace runs `Generation` as `run` does, with its default kernels (the experts as stored: i8dot for Q4_0),
+greedy; and each llmtrace process's peak resident size over its size before the load (VmHWM - VmRSS: the weights
+held, the KV cache, the run's buffers). llmtrace runs `Generation` as `run` does, with its default kernels (the experts as stored: i8dot for Q4_0),
 asked for the modules backend or the default one (prefill on the modules, one-token steps on the C step), traced or
 not (--no-trace); llama.cpp (llama-cpp-python) `eval`s token by token with the same threads.
 
@@ -29,10 +30,19 @@ PROMPT = "The capital of France is"
 WAYS = ("modules traced", "modules untraced", "native traced", "native untraced", "llama.cpp")
 
 
+def _status_bytes(key: str) -> int:
+    """A /proc/self/status figure (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def child_llmtrace(path: str, threads: int, steps: int, backend: str, trace: bool) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
+    before = _status_bytes("VmRSS")
     from llmtrace.tracer.load.loader import load_model
     from llmtrace.tracer.run.generate import Finished, Generation, PrefillDone, TokenStep
     from llmtrace.tracer.trace.records import RunSettings
@@ -55,7 +65,8 @@ def child_llmtrace(path: str, threads: int, steps: int, backend: str, trace: boo
     finally:
         generation.close()
     return {"decode_tok_s": count / ((last - first) / 1e9), "ids": ids, "route": f"{route.prefill}/{route.decode}",
-            "weights": loaded.weights.kernel or loaded.weights.mode}
+            "weights": loaded.weights.kernel or loaded.weights.mode,
+            "peak_rss_over_start_mb": (_status_bytes("VmHWM") - before) / 1e6}
 
 
 def child_llama_cpp(path: str, threads: int, steps: int) -> dict[str, Any]:
@@ -119,7 +130,8 @@ def main() -> None:
         speeds = [r["decode_tok_s"] for r in results if "decode_tok_s" in r]
         summary[way] = {"median_tok_s": statistics.median(speeds) if speeds else None,
                         "each": [round(s, 1) for s in speeds],
-                        **{k: v for k, v in results[-1].items() if k in ("route", "weights", "version", "error")}}
+                        **{k: v for k, v in results[-1].items()
+                           if k in ("route", "weights", "version", "error", "peak_rss_over_start_mb")}}
     ids = {way: results[-1].get("ids") for way, results in runs.items()}
     summary["same ids (llmtrace ways)"] = len({json.dumps(v) for w, v in ids.items() if w != "llama.cpp"}) == 1
     print(json.dumps(summary, indent=1))
