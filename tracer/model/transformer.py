@@ -315,18 +315,18 @@ class Transformer(ModelCaches):
         self.register_state_dict_post_hook(_drop_tied_output)
 
     def packed_off_reason(self) -> str:
-        """`plan_off_reason`, after what the packed torch path does not run: a mixture of experts (tracer/model/moe.py:
-        the stage modules and the native C step route tokens, the packed path's torch ops do not)."""
+        """ModelCaches' answer, then `native_only_reason`: "" when the packed torch path may run this model."""
+        return super().packed_off_reason() or self.native_only_reason()
+
+    def native_only_reason(self) -> str:
+        """Why the packed path's torch ops do not run this model where the native C step does (the plan both read is
+        built for it: tracer/run/select.py), or "": a mixture of experts (tracer/model/moe.py: the stage modules and
+        the C step route tokens), OLMoE's QK-norm over whole q and k projections."""
         if self.config.moe is not None:
             return "a mixture of experts is routed by the stage modules and the C decode step, not the packed path"
         if self.config.qk_norm_whole:  # OLMoE's; the packed path normalises q|k as rows of heads
             return "QK-norm over whole q and k projections runs on the stage modules and the C decode step only"
-        return self.plan_off_reason()
-
-    def plan_off_reason(self) -> str:
-        """ModelCaches' answer: "" when a run may build the plan the packed and native backends read
-        (tracer/model/fused.py), whichever of them then runs."""
-        return super().packed_off_reason()
+        return ""
 
     # ---- forward passes ------------------------------------------------------------------------------------
 

@@ -89,12 +89,19 @@ def _plan(model: Any, request: Request) -> tuple[FusedPlan | None, str]:
     """The plan the packed and native backends read, built from the model as it stands, or None and why not."""
     if not hasattr(model, "packed_off_reason"):
         return None, "this model has no packed path"
-    why = getattr(model, "plan_off_reason", model.packed_off_reason)()
-    if why:
+    why = model.packed_off_reason()
+    if why and why != _native_only(model):  # (a refusal of the packed path's torch ops alone builds the plan)
         return None, why
     if request.backend == MODULES and not request.staged:
         return None, ""
     return FusedPlan(model, request.matvec), ""
+
+
+def _native_only(model: Any) -> str:
+    """The model's refusal of the packed path's torch ops where the native step may still run it (a mixture of
+    experts: Transformer.native_only_reason), or ""."""
+    reason = getattr(model, "native_only_reason", None)
+    return reason() if reason is not None else ""
 
 
 def _packed_reason(model: Any, request: Request, plan_off: str) -> str:
@@ -115,7 +122,7 @@ def _native_reason(model: Any, request: Request, plan: FusedPlan | None, packed_
                 + ("; it may step a last row left alone)" if alone else ")"))
     if not hasattr(model, "packed_off_reason"):
         return "this model has no native decode step"
-    if packed_off and not (plan is not None and packed_off == model.packed_off_reason()):
+    if packed_off and not (plan is not None and packed_off == _native_only(model)):
         # the native step stands in for the packed path: what stops that stops it, but the model's own refusal of
         # the packed path's torch ops (a mixture of experts: the C step routes)
         return (plan.native_off_reason() if plan is not None else "") or packed_off
