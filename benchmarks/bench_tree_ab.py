@@ -1,7 +1,9 @@
 """Two llmtrace trees side by side on the bundled model: `run`'s default prefill and decode tok/s four ways (untraced,
-untraced a step a call, traced, --staged traced), one child process per tree alternated A B A B ..., each child
-warming up once and timing `--rounds` rounds; medians over the children, the ratio B/A, and whether every way gave
-the same token ids.
+untraced a step a call, traced, --staged traced), one child process per tree, A B B A A B ...: which tree runs first
+in a set alternates, since the order alone moves the figures (in three rounds of three trees' children on a busy
+host, BENCHMARKS.md's issue 30 section, the first child of each round decoded fastest and the last slowest, 3-8%
+apart, and A B A B ... charged that to B). Each child warms up once and times `--rounds` rounds; medians over the
+children, the ratio B/A, and whether every way gave the same token ids.
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_tree_ab /work/wt/base /work/wt/new --sets 11
 
@@ -67,8 +69,8 @@ def main() -> None:
         return
     a, b = args.trees
     results: dict[Path, list[dict[str, Any]]] = {a: [], b: []}
-    for _ in range(args.sets):
-        for tree in (a, b):
+    for index in range(args.sets):
+        for tree in (a, b) if index % 2 == 0 else (b, a):
             results[tree].append(run_child(tree, args))
     for phase in ("prefill", "decode"):
         for way in WAYS:
