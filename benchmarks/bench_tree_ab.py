@@ -1,8 +1,8 @@
 """Two llmtrace trees side by side on the bundled model: `run`'s default prefill and decode tok/s four ways (untraced,
 untraced a step a call, traced, --staged traced), one child process per tree, A B B A A B ...: which tree runs first
-in a set alternates, since the order alone moves the figures (in three rounds of three trees' children on a busy
-host, BENCHMARKS.md's issue 30 section, the first child of each round decoded fastest and the last slowest, 3-8%
-apart, and A B A B ... charged that to B). Each child warms up once and times `--rounds` rounds; medians over the
+in a set alternates, since the order alone moves the figures (in six rounds of three trees' children on a busy host,
+BENCHMARKS.md's issue 30 section, the last child of every round decoded slowest, 2-13% below the first, and A B A B
+... charged that to B). Each child warms up once and times `--rounds` rounds; medians over the
 children, the ratio B/A, and whether every way gave the same token ids.
 
     /work/tools/quiet .venv/bin/python -m benchmarks.bench_tree_ab /work/wt/base /work/wt/new --sets 11
