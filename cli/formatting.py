@@ -16,7 +16,7 @@ Also here, because every renderer needs them the same way: tensor shapes, token 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.text import Text
 
@@ -184,3 +184,14 @@ def flow(phrases: Sequence[str], width: int, indent: str = "  ") -> str:
         else:
             lines.append(phrase if not lines else indent + phrase)
     return "\n".join(lines)
+
+
+def window_label(config: Any) -> str:
+    """A header's word on a ModelConfig's sliding window: none, on every layer, or on all but the global layers
+    (Gemma 3's interleaving)."""
+    if config.sliding_window is None:
+        return ""
+    if config.mixed_windows:
+        return (f"· sliding window {config.sliding_window:,} on {config.windowed_layers} layers, "
+                f"{len(config.full_layers)} global")
+    return f"· sliding window {config.sliding_window:,}"

@@ -164,7 +164,7 @@ def _header(trace: Trace) -> str:
     """The terminal's header lines (cli/render_run.py's render_header, render_kernel_choice), the environment, and
     the kernel details that `--detail kernels` prints."""
     cfg, env = trace.config, trace.environment
-    window = f" · sliding window {cfg.sliding_window:,}" if cfg.sliding_window is not None else ""
+    window = f" {fmt.window_label(cfg)}" if cfg.sliding_window is not None else ""
     shape = (f"{cfg.n_layers} layers · dim {cfg.dim} · {cfg.n_heads} heads ({cfg.n_kv_heads} KV) · "
              f"FFN {cfg.ffn_dim}{window}")
     weight_format = trace.model.weight_format

@@ -12,12 +12,17 @@ from llmtrace.tracer.analytic.kvmem import KVMemReport
 
 def render_kvmem(console: Console, r: KVMemReport) -> None:
     s = r.size
+    held = ""
+    if s.cached_positions != s.seq:
+        held = f" (sliding window: it holds the last {fmt.count(s.cached_positions)}"
+        held += f" on all but {s.global_layers} global layers)" if s.global_layers else ")"
     lines = [
-        f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {fmt.count(s.seq)} positions per sequence"
-        + (f" (sliding window: it holds the last {fmt.count(s.cached_positions)})" if s.cached_positions != s.seq
-           else ""),
+        f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {fmt.count(s.seq)} positions per sequence{held}",
         *([f"  [dim]{r.dtype_note}; --dtype for another[/]"] if r.dtype_note else []),
         fmt.flow(_formula_phrases(r.formula), console.width, indent="    "),
+        *([fmt.flow([f"  [dim]{phrase}[/]" if i == 0 else f"[dim]{phrase}[/]"
+                     for i, phrase in enumerate(r.run_note.split(", "))], console.width, indent="    ")]
+          if r.run_note else []),
         fmt.flow([f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer;",
                   f"{fmt.count(s.bytes_per_token)} B = {fmt.bytes_both(s.bytes_per_token)}",
                   f"over {s.n_layers} layers (one sequence)."], console.width, indent="    "),

@@ -50,7 +50,7 @@ def render_header(console: Console, config: ModelConfig, weight_format: str, loa
     was loaded. The shape's other figures (head dim, vocabulary, a tied head) are in sections 2, 3 and 5, the
     checkpoint's path in the trace (`model.source`). `weights_note`: why the weights are held as they are, when
     that says more than the kernels line (a matrix type the named kernel cannot run)."""
-    window = [] if config.sliding_window is None else [f"· sliding window {config.sliding_window:,}"]
+    window = [phrase] if (phrase := fmt.window_label(config)) else []
     moe = config.moe
     ffn = (f"FFN {config.ffn_dim}" if moe is None else
            f"{moe.n_experts} experts of FFN {config.ffn_dim}, {moe.experts_per_token} per token")
@@ -138,6 +138,10 @@ def render_embedding(console: Console, config: ModelConfig, stages: Sequence[Sta
         f"written {fmt.nbytes(embed.activation_bytes_written)}; 0 FLOPs (a gather)"
         + ("" if dry_run else f" · {fmt.duration_ns(embed.duration_ns)}"),
     ]
+    scale = next((s for s in stages if s.kind == "scale"), None)
+    if scale is not None:  # Gemma: the rows times sqrt(dim), a stage of its own
+        lines.append(f"then × √{config.dim} = {config.dim**0.5:.4g} (its own stage, in the model's dtype): "
+                     f"{fmt.flops(scale.flops)}" + ("" if dry_run else f" · {fmt.duration_ns(scale.duration_ns)}"))
     console.print(section("2 · Embedding  ids → vectors", Text.from_markup("\n".join(lines))))
 
 
@@ -154,7 +158,7 @@ def embedding_table(config: ModelConfig, embed: StageRecord) -> tuple[str, int |
 
 
 def render_positions(console: Console, rope: RopeRecord | None, tokenization: TokenizationRecord | None,
-                     n_layers: int) -> None:
+                     config: ModelConfig) -> None:
     if rope is None:
         return
     table = Table(show_edge=False, pad_edge=False, box=None)
@@ -171,12 +175,17 @@ def render_positions(console: Console, rope: RopeRecord | None, tokenization: To
         piece = fmt.piece(pieces[pos]) if pos < len(pieces) else ""
         table.add_row(str(pos), piece, _angle(pos * rope.inv_freq_first), _angle(pos * rope.inv_freq_last))
     pairs = rope.head_dim // 2
+    n_layers = config.n_layers
     scaled = f", {rope.scaling} scaling" if rope.scaling else ""
+    local = ""
+    if config.rope_local_theta is not None and config.mixed_windows:  # Gemma 3: the table is the global layers'
+        local = (f"\nThat is the {len(config.full_layers)} global layers' θ; the {config.windowed_layers} windowed "
+                 f"layers turn by θ = {config.rope_local_theta:g}, unscaled.")
     text = Text.from_markup(
         f"RoPE θ = {rope.theta:g}{scaled}; head dim {rope.head_dim} = {pairs} pairs, pair i turns by "
         f"position × θ^(−2i/{rope.head_dim}) rad (from {rope.inv_freq_first:.3g} down to {rope.inv_freq_last:.3g} "
         f"rad per position).\nApplied to Q and K inside attention in each of the {n_layers} layers, not added to "
-        "the embedding: a score then depends only on the distance between two positions."
+        "the embedding: a score then depends only on the distance between two positions." + local
     )
     console.print(section(f"3 · Positions  {len(positions)} positions rotated", Group(table, text)))
 
@@ -186,6 +195,17 @@ def _angle(radians: float) -> str:
 
 
 # ---- 4 layers ---------------------------------------------------------------------------------------------------
+
+def _block_note(stages: Sequence[StageRecord]) -> str:
+    """What one block computes, from the stages it ran: LLaMA's pre-norm with SwiGLU, or Gemma's norms after each
+    sub-block too with GeGLU."""
+    names = {r.short_name for r in stages if r.layer == 0}
+    gate = "GeGLU" if "feed_forward.gelu" in names else "SwiGLU"
+    if "post_attention_norm" in names:
+        return (f"norms before and after: x + RMSNorm(attention(RMSNorm(x))), then h + RMSNorm(FFN(RMSNorm(h))) "
+                f"with {gate} (three matrices)")
+    return f"pre-norm: x + attention(RMSNorm(x)), then h + FFN(RMSNorm(h)) with {gate} (three matrices)"
+
 
 def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRecord, detail: str,
                   dry_run: bool) -> None:
@@ -202,7 +222,7 @@ def render_layers(console: Console, stages: Sequence[StageRecord], step: StepRec
         f"{fmt.nbytes(total.bytes_read)} read"
         + ("" if dry_run else f", {fmt.duration_ns(step.forward_ns)} forward")
         + f"\none layer: {fmt.flops(per_layer.flops)}, weights {fmt.nbytes(per_layer.weight_bytes_read)}; "
-        "pre-norm: x + attention(RMSNorm(x)), then h + FFN(RMSNorm(h)) with SwiGLU (three matrices)"
+        + _block_note(stages)
         + "\n" + _path_note(stages)
     )
     if detail == "summary":

@@ -54,7 +54,7 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
         return
     stages = trace.stages_of(PREFILL)
     render_embedding(console, config, stages, dry_run)
-    render_positions(console, trace.rope, None if batch is not None else trace.tokenization, config.n_layers)
+    render_positions(console, trace.rope, None if batch is not None else trace.tokenization, config)
     render_layers(console, stages, prefill, detail, dry_run)
     if batch is not None:
         render_batch_first_tokens(console, prefill)

@@ -104,7 +104,7 @@ class JourneyStream:
 
         console, config, settings, dry = self.console, self.loaded.config, self.settings, self.settings.dry_run
         render_embedding(console, config, event.stages, dry)
-        render_positions(console, event.rope, self.tokenization, config.n_layers)
+        render_positions(console, event.rope, self.tokenization, config)
         render_layers(console, event.stages, event.step, self.detail, dry)
         if self.batched:
             render_batch_first_tokens(console, event.step)

@@ -37,6 +37,8 @@ _LAYER = {
     "attention.qk_norm.q_weight": "attn_q_norm.weight",  # Qwen3 (llama-arch.cpp LLM_TENSOR_ATTN_Q_NORM)
     "attention.qk_norm.k_weight": "attn_k_norm.weight",
     "feed_forward.router.weight": "ffn_gate_inp.weight",  # a mixture of experts' router (LLM_TENSOR_FFN_GATE_INP)
+    "post_attention_norm.weight": "post_attention_norm.weight",  # Gemma (LLM_TENSOR_ATTN_POST_NORM)
+    "post_ffn_norm.weight": "post_ffw_norm.weight",  # Gemma (LLM_TENSOR_FFN_POST_NORM)
 }
 # A mixture of experts' stacked expert matrices (E, out, in): llama.cpp's 3-D ffn_*_exps tensors
 _EXPERTS = {"feed_forward.w1.weight": "ffn_gate_exps.weight", "feed_forward.w3.weight": "ffn_up_exps.weight",
@@ -155,7 +157,7 @@ def write_tiny_gguf(
     skip: tuple[str, ...] = (),
     chat_template: str | None = None,
     raw_blocks: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
-    extra_metadata: Mapping[str, int] | None = None,
+    extra_metadata: Mapping[str, int | float | str] | None = None,
     extra_tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `state_dict` (our names, fp32, HF RoPE layout) as a llama.cpp-style GGUF; `skip` drops llama.cpp names.
@@ -197,8 +199,13 @@ def write_tiny_gguf(
         writer.add_add_space_prefix(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    for key, value in (extra_metadata or {}).items():
-        writer.add_uint32(key, value)
+    for key, value in (extra_metadata or {}).items():  # whole numbers as uint32, others as float32 or a string
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     named = [(llama_cpp_name(ours), ours, tensor) for ours, tensor in state_dict.items()]
     named += [(name, name, tensor) for name, tensor in (extra_tensors or {}).items()]
     for name, ours, tensor in named:

@@ -16,6 +16,10 @@ gathered rows), the KV cache read once per KV head (K in QKᵀ, V in PV) and wri
 activations read and written between kernels in the activation dtype (eager: once per operation; fused: once per
 matmul and attention kernel). `min_bytes` (weights + KV) is what a pass must move whatever the kernels.
 
+Where windowed and global layers interleave (Gemma 3: config.full_layers) the attention core is costed twice: its
+components as the windowed layers run them (instances: the windowed layers) and, named with GLOBAL_SUFFIX, as the
+global layers run them over every position (instances: the global layers); "one layer" is a windowed one.
+
 A mixture of experts (config.moe: E experts, k per token) adds the router (logits d -> E, then softmax, top-k and
 the renormalisation its model does) and the weighted sum of the k expert outputs; each expert product runs on the
 k·B·T token rows routed to it (FLOPs and activations k times a dense FFN of the same F), and reads the experts the
@@ -28,7 +32,7 @@ kernels executing them (`total_bytes`, activations included), the x axis of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from llmtrace.tracer.core import flop_formulas as ff
@@ -130,8 +134,9 @@ class PhaseEstimate:
     totals: Totals
 
     def per_layer_flops_of(self, kind: str) -> int:
-        """FLOPs of one layer's components of `kind` (MATMUL or ELEMENTWISE)."""
-        return sum(c.flops for c in self.components if c.per_layer and c.kind == kind)
+        """FLOPs of one layer's components of `kind` (MATMUL or ELEMENTWISE): a windowed layer's where global layers
+        interleave (their attention core's rows, GLOBAL_SUFFIX, left out)."""
+        return sum(c.flops for c in self.components if c.per_layer and c.kind == kind and not is_global(c.name))
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -202,9 +207,27 @@ class _Row:
     per_layer: bool
     formula: Callable[[], str]
     cost: Cost
+    instances: int | None = None  # how many layers run it, where not all (interleaved windows); None: all, or 1
 
     def with_cost(self, cost: Cost) -> _Row:
-        return _Row(self.name, self.label, self.kind, self.per_layer, self.formula, cost)
+        return _Row(self.name, self.label, self.kind, self.per_layer, self.formula, cost, self.instances)
+
+    def count(self, cfg: ModelConfig) -> int:
+        """Instances of the row in one pass: its layers, every layer, or 1 at the top."""
+        return self.instances if self.instances is not None else cfg.n_layers if self.per_layer else 1
+
+
+# The attention core's components on the global layers of a model whose windowed and global layers interleave.
+GLOBAL_SUFFIX = ".global"
+
+
+def is_global(name: str) -> bool:
+    return name.endswith(GLOBAL_SUFFIX)
+
+
+def _full_attention(cfg: ModelConfig) -> ModelConfig:
+    """The config as its global layers attend: no window."""
+    return replace(cfg, sliding_window=None, full_layers=())
 
 
 def attended_keys(cfg: ModelConfig, t: int, s: int) -> int:
@@ -218,7 +241,8 @@ def _dims(cfg: ModelConfig, batch: int, t: int, s: int, per_layer: bool = True,
     """A step's call dimensions as the stage kinds take them (stage_kinds.CallDims): T new tokens of B sequences,
     S keys attended; rows (B, T) in a layer, (B,) after it (the last position only)."""
     return CallDims(batch, t, s, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    (batch, t) if per_layer else (batch,), qk_norm_whole=cfg.qk_norm_whole, widths=widths)
+                    (batch, t) if per_layer else (batch,), qk_norm_whole=cfg.qk_norm_whole, widths=widths,
+                    vocab=cfg.vocab_size)
 
 
 def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes,
@@ -325,15 +349,28 @@ def _core_at(cfg: ModelConfig) -> int:
 
 
 def _rows(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, kernels: Kernels) -> list[_Row]:
-    """Every component of one forward pass of T new tokens over S positions, per instance, in execution order."""
+    """Every component of one forward pass of T new tokens over S positions, per instance, in execution order;
+    interleaved windows: the windowed layers' attention core, then the global layers' (GLOBAL_SUFFIX)."""
     rows = _context_free_rows(cfg, batch, t, dt, kernels)
     at = _core_at(cfg)
-    return rows[:at] + _attention_core(cfg, batch, t, s, dt, kernels) + rows[at:]
+    core = _attention_core(cfg, batch, t, s, dt, kernels)
+    if cfg.mixed_windows:
+        windowed = [replace(row, instances=cfg.windowed_layers) for row in core]
+        full = [replace(row, name=row.name + GLOBAL_SUFFIX, label=f"{row.label} (global layers)",
+                        instances=len(cfg.full_layers))
+                for row in _attention_core(_full_attention(cfg), batch, t, s, dt, kernels)]
+        core = windowed + full
+    return rows[:at] + core + rows[at:]
 
 
-def stage_components(role: str, cfg: ModelConfig) -> tuple[str, ...]:
+def stage_components(role: str, cfg: ModelConfig, layer: int | None = None) -> tuple[str, ...]:
     """The components whose figures a traced stage carries together: its own, its bias add, and for the scores
-    the scaling; a packed stage of the fused path ("attention.wqkv") those of each of its members."""
+    the scaling; a packed stage of the fused path ("attention.wqkv") those of each of its members. On a global
+    `layer` among windowed ones (Gemma 3), the attention core's global rows."""
+    if layer is not None and cfg.mixed_windows and cfg.layer_window(layer) is None:
+        spec = next((s for s in contract.staged_stages(cfg) if s.role == role), None)
+        if spec is not None and spec.kind in _CORE_KINDS:
+            return tuple(name + GLOBAL_SUFFIX for name in stage_components(role, cfg))
     pack = next((p for p in contract.PACKS if p.role == role), None)
     names: list[str] = []
     for member in pack.members if pack is not None else (role,):
@@ -357,6 +394,10 @@ _FUSED_ACTIVATIONS: dict[str, tuple[str, str]] = {
     "attn_residual": ("d", ""), "ffn_norm": ("", ""),
     "feed_forward.w1": ("d", "F"), "feed_forward.w3": ("", ""), "feed_forward.act": ("", ""),
     "ffn_residual": ("d", ""), "norm": ("", ""),
+    # Gemma's: the scale in the gather's epilogue, the norms after attention and FFN in their matmul's epilogue,
+    # gelu(gate)·up in w1's as silu's, the soft-cap in the LM head's
+    "embed_scale": ("", ""), "post_attention_norm": ("", ""), "feed_forward.gelu": ("", ""),
+    "post_ffn_norm": ("", ""), "softcap": ("", ""),
 }
 
 
@@ -420,7 +461,7 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}",
                     Cost(fl, fl, dt.tensor_bytes(tensor, o, norm_dtype_for(w).row_bytes(o))))
 
-    rope, swiglu = flops("rope"), flops("swiglu")
+    rope, swiglu, geglu = flops("rope"), flops("swiglu"), flops("geglu")
     head_rows = batch  # last position of each sequence only
     rows: list[_Row] = []
     for spec in contract.staged_stages(cfg):  # the contract's stages, in execution order, the attention core apart
@@ -465,6 +506,17 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
         elif kind == "swiglu":
             rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"6·BT·F = 6·{r}·{f}",
                              Cost(swiglu, swiglu, 0, 0, 0, int(2 * r * f * a), int(r * f * a))))
+        elif kind == "geglu":
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"10·BT·F = 10·{r}·{f}",
+                             Cost(geglu, geglu, 0, 0, 0, int(2 * r * f * a), int(r * f * a))))
+        elif kind == "scale":  # Gemma's embeddings times sqrt(d): every token row
+            fl = flops("scale")
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"BT·d = {r}·{d}",
+                             Cost(fl, fl, 0, 0, 0, int(r * d * a), int(r * d * a))))
+        elif kind == "softcap":  # the last position's logits
+            fl = flops("softcap", per_layer=False)
+            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"3·B·V = 3·{head_rows}·{v}",
+                             Cost(fl, fl, 0, 0, 0, int(head_rows * v * a), int(head_rows * v * a))))
         elif kind not in _CORE_KINDS:
             raise ValueError(f"no estimate for stage kind {kind!r}")
     return rows
@@ -479,7 +531,7 @@ MOE_REPLICATED = frozenset((ROUTER, ROUTE, COMBINE))
 
 def expert_components(cfg: ModelConfig) -> frozenset[str]:
     """The components that run once per chosen expert: the FFN's products, their biases and silu(gate)·up."""
-    names = {s.role for s in contract.staged_stages(cfg) if s.kind == "swiglu"}
+    names = {s.role for s in contract.staged_stages(cfg) if s.kind in ("swiglu", "geglu")}
     for spec in contract.staged_stages(cfg):
         for tensor in contract.stage_tensors(spec, cfg):
             if tensor.group == "ffn":
@@ -556,7 +608,7 @@ def _totals(counted: list[_Counted], peak: int) -> Totals:
         if item.name in _ATTENTION_PRODUCTS:
             att_dense += c.flops * n
             att_useful += c.useful_flops * n
-        if item.in_layer:
+        if item.in_layer and not is_global(item.name):
             per_layer += c.flops
         wb, kvr, kvw = wb + c.weight_bytes * n, kvr + c.kv_read_bytes * n, kvw + c.kv_write_bytes * n
         act += c.activation_bytes * n
@@ -581,12 +633,12 @@ def _peak_activation_bytes(rows: list[_Row]) -> int:
     return max(row.cost.activation_bytes for row in rows)
 
 
-_ATTENTION_PRODUCTS = ("attention.scores", "attention.pv")
+_ATTENTION_PRODUCTS = ("attention.scores", "attention.pv", "attention.scores" + GLOBAL_SUFFIX,
+                       "attention.pv" + GLOBAL_SUFFIX)
 
 
 def _counted(cfg: ModelConfig, rows: list[_Row]) -> list[_Counted]:
-    return [_Counted(row.name, row.kind, row.per_layer, cfg.n_layers if row.per_layer else 1, row.cost)
-            for row in rows]
+    return [_Counted(row.name, row.kind, row.per_layer, row.count(cfg), row.cost) for row in rows]
 
 
 def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dtypes,
@@ -595,7 +647,7 @@ def _phase(cfg: ModelConfig, phase: str, batch: int, t: int, cached: int, dt: Dt
     rows = _rows(cfg, batch, t, s, dt, kernels)
     components = []
     for row in rows:
-        n, c = cfg.n_layers if row.per_layer else 1, row.cost
+        n, c = row.count(cfg), row.cost
         components.append(ComponentCost(
             name=row.name, label=row.label, kind=row.kind, per_layer=row.per_layer, instances=n,
             formula=row.formula(), flops=c.flops, useful_flops=c.useful_flops, weight_bytes=c.weight_bytes,
@@ -645,7 +697,11 @@ def generation(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtypes: Dtype
     core_at = _core_at(cfg)
     free = [row.cost.times((cfg.n_layers if row.per_layer else 1) * steps)
             for row in _context_free_rows(cfg, batch, 1, dtypes, kernels)]
-    core = [c.times(cfg.n_layers) for c in _attention_core_sums(cfg, batch, prompt_len, steps, dtypes, kernels)]
+    core = [c.times(cfg.windowed_layers if cfg.mixed_windows else cfg.n_layers)
+            for c in _attention_core_sums(cfg, batch, prompt_len, steps, dtypes, kernels)]
+    if cfg.mixed_windows:  # the global layers' core after the windowed layers' (as _rows orders them)
+        core += [c.times(len(cfg.full_layers))
+                 for c in _attention_core_sums(_full_attention(cfg), batch, prompt_len, steps, dtypes, kernels)]
     sums = free[:core_at] + core + free[core_at:]  # in the order of pre.components
     # per_layer False: a per-layer figure makes no sense for a sum over steps of different lengths.
     # The last step, attending the most positions, has the largest working set of them all.

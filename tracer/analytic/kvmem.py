@@ -1,7 +1,10 @@
 """KV-cache size: 2 (K and V) x layers x KV heads x head dim x bytes per value x positions x batch. Pure Python.
 
 Positions are those the cache must hold: the context, or under a sliding window W (Mistral 7B v0.1: 4096) only
-the last min(context, W), as Mistral's reference implementation holds them (a rolling buffer).
+the last min(context, W), as Mistral's reference implementation holds them (a rolling buffer). Where windowed and
+global layers interleave (Gemma 3: five windowed to one global) each windowed layer holds min(context, W) and each
+global layer the whole context, as llama.cpp's and transformers' hybrid caches do. `run` itself allocates every
+layer's buffer to the run's whole length and reads the window's part (tracer/model/kv_cache.py): `run_note` says so.
 
 For block-quantized cache dtypes (int8, int4) the scales are stored per head vector of D values, so the exact
 bytes of one head vector are dtype.row_bytes(D) and "bytes per value" is that divided by D.
@@ -30,11 +33,12 @@ class KVCacheSize:
     bytes_per_value: float  # scales included
     batch: int
     seq: int  # context positions per sequence
-    cached_positions: int  # positions per sequence the cache holds: seq, or min(seq, sliding window)
+    cached_positions: int  # positions per sequence the cache holds: seq, or min(seq, sliding window) (a windowed layer's)
     bytes_per_token_per_layer: int  # one position of one sequence, K and V, one layer
     bytes_per_token: int  # one position of one sequence, all layers
-    bytes_per_layer: int  # all positions and sequences, one layer
+    bytes_per_layer: int  # all positions and sequences, one layer (a windowed one where global layers interleave)
     total_bytes: int
+    global_layers: int = 0  # layers holding every position among windowed ones (Gemma 3's global layers), else 0
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -69,6 +73,7 @@ class KVMemReport:
     table: tuple[ContextRow, ...]
     budget: BudgetFit | None
     dtype_note: str = ""  # why the cache has this dtype when no --dtype chose it (run_cache_dtype), else ""
+    run_note: str = ""  # what `run` allocates where it is more than the figure (a sliding window's layers), else ""
 
 
 def _positive(name: str, value: int) -> int:
@@ -88,8 +93,10 @@ def kv_bytes_per_token(config: ModelConfig, dtype: DType) -> int:
 
 
 def kv_cache_bytes(config: ModelConfig, seq: int, dtype: DType, batch: int = 1) -> int:
-    """2 * layers * Hkv * D * bytes per value * positions * batch; positions = min(seq, sliding window)."""
-    return kv_bytes_per_token(config, dtype) * config.cached_positions(_positive("seq", seq)) * _positive("batch", batch)
+    """2 * Hkv * D * bytes per value * positions of every layer * batch; positions = min(seq, sliding window) on a
+    windowed layer (config.cached_layer_positions)."""
+    per_layer_token = kv_bytes_per_token_per_layer(config.n_kv_heads, config.head_dim, dtype)
+    return per_layer_token * config.cached_layer_positions(_positive("seq", seq)) * _positive("batch", batch)
 
 
 def kv_cache_size(config: ModelConfig, seq: int, dtype: DType, batch: int = 1, n_kv_heads: int | None = None) -> KVCacheSize:
@@ -103,7 +110,8 @@ def kv_cache_size(config: ModelConfig, seq: int, dtype: DType, batch: int = 1, n
         bytes_per_value=dtype.row_bytes(config.head_dim) / config.head_dim, batch=batch, seq=seq,
         cached_positions=held, bytes_per_token_per_layer=per_layer_token,
         bytes_per_token=per_layer_token * config.n_layers, bytes_per_layer=per_layer_token * held * batch,
-        total_bytes=per_layer_token * config.n_layers * held * batch,
+        total_bytes=per_layer_token * config.cached_layer_positions(seq) * batch,
+        global_layers=len(config.full_layers) if config.mixed_windows else 0,
     )
 
 
@@ -131,9 +139,15 @@ def budget_fit(config: ModelConfig, dtype: DType, batch: int, budget_bytes: int,
 
 
 def _positions_within(config: ModelConfig, cacheable: int) -> int:
-    """Context positions whose cache fits when `cacheable` positions do: the same, or with a sliding window that
-    fits, the model's whole context (the cache holds W positions however long the context grows)."""
+    """Context positions whose cache fits when `cacheable` positions of every layer do: the same, or with a sliding
+    window that fits, the model's whole context (the cache holds W positions however long the context grows); where
+    global layers interleave, the most positions p with windowed·min(p, W) + global·p within cacheable·layers."""
     window = config.sliding_window
+    if config.mixed_windows and window is not None:
+        room, full, windowed = cacheable * config.n_layers, len(config.full_layers), config.windowed_layers
+        if room < config.n_layers * window:  # every layer still holds all p positions
+            return room // config.n_layers
+        return (room - windowed * window) // full
     return max(cacheable, config.max_seq_len) if window is not None and cacheable >= window else cacheable
 
 
@@ -165,12 +179,23 @@ def kvmem_report(
     mha = kv_cache_size(config, seq, dtype, batch, n_kv_heads=config.n_heads)
     positions = f"{seq} positions" if size.cached_positions == seq else \
         f"{size.cached_positions} positions (sliding window {config.sliding_window} of {seq})"
-    formula = (
-        f"2 × {config.n_layers} layers × {config.n_kv_heads} KV heads × {config.head_dim} head dim × "
-        f"{size.bytes_per_value:g} B ({dtype.name}) × {positions} × {batch} batch = {size.total_bytes:,} B"
-    )
-    table = tuple(ContextRow(n, size.bytes_per_token * config.cached_positions(n) * batch)
+    if config.mixed_windows:  # Gemma 3: the windowed layers' window, the global layers' whole context
+        layers = (f"({config.windowed_layers} windowed layers × {positions} + {size.global_layers} global layers × "
+                  f"{seq} positions)")
+        formula = (f"2 × {config.n_kv_heads} KV heads × {config.head_dim} head dim × {size.bytes_per_value:g} B "
+                   f"({dtype.name}) × {layers} × {batch} batch = {size.total_bytes:,} B")
+    else:
+        formula = (
+            f"2 × {config.n_layers} layers × {config.n_kv_heads} KV heads × {config.head_dim} head dim × "
+            f"{size.bytes_per_value:g} B ({dtype.name}) × {positions} × {batch} batch = {size.total_bytes:,} B"
+        )
+    table = tuple(ContextRow(n, size.bytes_per_token_per_layer * config.cached_layer_positions(n) * batch)
                   for n in context_lengths(config.max_seq_len, seq))
+    run_note = ""
+    if config.sliding_window is not None and seq > config.sliding_window:
+        allocated = size.bytes_per_token * seq * batch
+        run_note = (f"`run` allocates every layer's cache to the run's whole length ({allocated:,} B at {seq:,} "
+                    "positions), written by position, and reads the window's part")
     budget = None
     if budget_bytes is not None:
         budget = budget_fit(config, dtype, batch, _positive("budget", budget_bytes), weights_dtype or dtype,
@@ -178,6 +203,7 @@ def kvmem_report(
     return KVMemReport(
         schema=KVMEM_SCHEMA, model=config.name, max_seq_len=config.max_seq_len, formula=formula, size=size, without_gqa=mha,
         gqa_saving=mha.total_bytes / size.total_bytes, table=table, budget=budget, dtype_note=dtype_note,
+        run_note=run_note,
     )
 
 

@@ -16,12 +16,14 @@ from llmtrace.tracer.core.refusals import gguf_refusal, hf_refusal, refusal_line
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+    """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3"), or with `kind` "linear" every
+    frequency divided by `factor` (Gemma 3's global layers; the other fields then unused)."""
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position: int
+    kind: str = "llama3"  # "llama3" or "linear"
 
 
 # How a router turns its E logits into the k weights it mixes (the FLOPs differ, the experts chosen do not):
@@ -92,6 +94,17 @@ class ModelConfig:
     # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's): Mixtral's HF and GGUF files and
     # the presets; the stage modules run it (tracer/model/moe.py; a dry run routes round-robin).
     moe: MoeSpec | None = None
+    # Gemma 3's twists (HF Gemma3ForCausalLM, GGUF gemma3), each its own flag so the contract can switch its stage:
+    norm_plus_one: bool = False  # every RMSNorm multiplies by (1 + w) in fp32, cast after (the checkpoint holds w)
+    post_norms: bool = False  # an RMSNorm on the attention's and on the FFN's output, before each residual add
+    geglu: bool = False  # the FFN gates with gelu (tanh approximation) in place of silu
+    embed_scale: bool = False  # the embedding rows times sqrt(dim), in the model's dtype
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power (None: head_dim's)
+    # With a sliding window: the layers that attend to every position (Gemma 3: every sixth); the others are windowed.
+    # Empty: the window (if any) holds on every layer.
+    full_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # the windowed layers' RoPE base (unscaled), where it is not rope_theta
+    final_softcap: float | None = None  # logits = c·tanh(logits / c) after the LM head
 
     def __post_init__(self) -> None:
         for field_name, limit in _INT_LIMITS.items():
@@ -132,6 +145,18 @@ class ModelConfig:
             raise ConfigError(
                 f"config {self.name!r}: dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); give head_dim"
             )
+        if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.full_layers):
+            raise ConfigError(f"config {self.name!r}: full_layers must list layers from 0 to {self.n_layers - 1}, got "
+                              f"{self.full_layers!r}")
+        if self.full_layers and window is None:
+            raise ConfigError(f"config {self.name!r}: full_layers says which layers are not windowed; set "
+                              "sliding_window too")
+        for field_name in ("query_pre_attn_scalar", "rope_local_theta", "final_softcap"):
+            value = getattr(self, field_name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ConfigError(f"config {self.name!r}: {field_name} must be a finite number > 0 or null, got "
+                                  f"{value!r}")
         if self.head_dim % 2:  # LLaMA and Qwen2 alike: every head is rotated whole
             raise ConfigError(f"config {self.name!r}: head_dim is {self.head_dim}, odd; RoPE turns a head's values in "
                               "pairs, so it must be even (the file is corrupt or not a LLaMA-family model)")
@@ -154,8 +179,42 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     def cached_positions(self, context: int) -> int:
-        """Positions a KV cache must hold for a context of `context` tokens: all of them, or the window's."""
+        """Positions a KV cache must hold for a context of `context` tokens: all of them, or the window's (on a
+        windowed layer: `layer_window`)."""
         return context if self.sliding_window is None else min(context, self.sliding_window)
+
+    def cached_layer_positions(self, context: int) -> int:
+        """Positions the caches of all layers together hold for a context of `context` tokens: n_layers ×
+        cached_positions, or where windowed and global layers interleave (Gemma 3) the windowed layers' window each
+        and the global layers' whole context each."""
+        full = len(self.full_layers) if self.sliding_window is not None else 0
+        return (self.n_layers - full) * self.cached_positions(context) + full * context
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends through: the config's, unless the layer is one of full_layers."""
+        return None if layer in self.full_layers else self.sliding_window
+
+    @property
+    def windowed_layers(self) -> int:
+        """How many layers attend through the sliding window (all or none, but for Gemma 3's interleaving)."""
+        return 0 if self.sliding_window is None else self.n_layers - len(self.full_layers)
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers windowed, some not (Gemma 3): costs, caches and RoPE tables then differ by layer."""
+        return 0 < self.windowed_layers < self.n_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """What the scores QKᵀ are multiplied by: 1/sqrt(head_dim), or query_pre_attn_scalar^-1/2 (Gemma)."""
+        scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return scalar**-0.5
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, scaling) of layer `layer`: a windowed layer's own base, unscaled, where the config has one."""
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def with_name(self, name: str, source: str | None = None) -> "ModelConfig":
         return replace(self, name=name, source=source if source is not None else self.source)
@@ -174,7 +233,8 @@ class ModelConfig:
         refused = hf_refusal(archs, model_type)
         if refused is not None:
             raise UnsupportedModelError(refusal_line(source, *refused))
-        supported_types = {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen3", "qwen3_moe", "phi3", ""}
+        supported_types = {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen3", "qwen3_moe", "phi3",
+                           "gemma3_text", ""}
         if model_type not in supported_types or any(a not in _HF_ARCHITECTURES for a in archs):
             what = ", ".join(archs) or model_type
             raise UnsupportedModelError(
@@ -203,11 +263,12 @@ class ModelConfig:
         olmoe = model_type == "olmoe" or "OlmoeForCausalLM" in archs  # OlmoeAttention: q_norm, k_norm over q and k
         if model_type == "phi3" or "Phi3ForCausalLM" in archs:
             _check_phi3(data, source)
+        gemma3 = model_type == "gemma3_text" or "Gemma3ForCausalLM" in archs
         rope_theta = data.get("rope_theta", _dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
         tie = data.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise ConfigError(f"{source}: 'tie_word_embeddings' must be true or false, got {tie!r}; fix the file")
-        return cls(
+        fields = dict(
             name=name,
             vocab_size=whole("vocab_size", need("vocab_size")),
             dim=whole("hidden_size", need("hidden_size")),
@@ -222,7 +283,9 @@ class ModelConfig:
             max_seq_len=whole("max_position_embeddings", data.get("max_position_embeddings", 2048)),
             tie_embeddings=tie,
             explicit_head_dim=whole("head_dim", head_dim) if head_dim is not None else None,
-            rope_scaling=_rope_scaling_from_hf(data.get("rope_scaling") or data.get("rope_parameters"), source),
+            # Gemma 3's scaling is its global layers' (_gemma3_from_hf)
+            rope_scaling=None if gemma3 else _rope_scaling_from_hf(data.get("rope_scaling")
+                                                                   or data.get("rope_parameters"), source),
             source=source,
             sliding_window=_sliding_window_from_hf(data, model_type, archs, source),
             qkv_bias=attention_bias or qwen2,
@@ -232,6 +295,9 @@ class ModelConfig:
             qk_norm_whole=olmoe,
             moe=_moe_from_hf(data, model_type, archs, source),
         )
+        if gemma3:
+            fields.update(_gemma3_from_hf(data, whole("num_hidden_layers", need("num_hidden_layers")), source))
+        return cls(**fields)
 
     @classmethod
     def from_hf_json(cls, path: str | Path) -> "ModelConfig":
@@ -311,7 +377,11 @@ class ModelConfig:
                                         f"values ({key('rope.dimension_count')}) is not modelled; llmtrace rotates "
                                         "whole heads")
         scaling = None
-        if meta.get(key("rope.scaling.type")) == "llama3" or key("rope.scaling.low_freq_factor") in meta:
+        if arch == "gemma3" and meta.get(key("rope.scaling.type")) == "linear":  # its global layers' (4B and up)
+            scaling = RopeScaling(real(key("rope.scaling.factor"), meta.get(key("rope.scaling.factor"), 1.0)), 1.0,
+                                  4.0, whole(key("context_length"), meta.get(key("context_length"), 131_072)),
+                                  kind="linear")
+        elif meta.get(key("rope.scaling.type")) == "llama3" or key("rope.scaling.low_freq_factor") in meta:
             scaling = RopeScaling(
                 factor=real(key("rope.scaling.factor"), meta.get(key("rope.scaling.factor"), 8.0)),
                 low_freq_factor=real(key("rope.scaling.low_freq_factor"),
@@ -321,7 +391,7 @@ class ModelConfig:
                 original_max_position=whole(key("rope.scaling.original_context_length"),
                                             meta.get(key("rope.scaling.original_context_length"), 8192)),
             )
-        return cls(
+        fields = dict(
             name=name,
             vocab_size=vocab,
             dim=dim,
@@ -352,6 +422,9 @@ class ModelConfig:
             qk_norm_whole=arch == "olmoe",  # llama.cpp's OLMoE: attn_q_norm H·D wide, attn_k_norm Hkv·D
             moe=_moe_from_gguf(meta, arch, source),
         )
+        if arch == "gemma3":
+            fields.update(_gemma3_from_gguf(meta, fields, source))
+        return cls(**fields)
 
 
 # Upper bounds far past any released model (Llama 3.1 405B: dim 16,384, 126 layers, 128 heads, FFN 53,248,
@@ -390,6 +463,8 @@ def _dict_or_empty(value: Any) -> Mapping[str, Any]:
 
 
 def _check_rope_scaling(name: str, scaling: RopeScaling) -> None:
+    if scaling.kind not in ("llama3", "linear"):
+        raise ConfigError(f"config {name!r}: rope scaling kind must be 'llama3' or 'linear', got {scaling.kind!r}")
     for field_name in ("factor", "low_freq_factor", "high_freq_factor"):
         value = getattr(scaling, field_name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -413,6 +488,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
     "qwen3moe": "Qwen3-MoE: Qwen3's attention, a mixture of experts in every layer",
     "olmoe": "OLMoE: RMSNorm over the whole Q and K projections, a mixture of experts in every layer",
+    "gemma3": "Gemma 3 text: norms stored as 1 + w; every sixth layer global, the others windowed",
 }
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 3.1 rope scaling; `attention_bias`, `mlp_bias`",
@@ -424,6 +500,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "Qwen3's attention; mixture of experts in every layer, weights renormalised with "
                            "`norm_topk_prob`",
     "OlmoeForCausalLM": "RMSNorm over the whole Q and K projections; mixture of experts in every layer",
+    "Gemma3ForCausalLM": "text only: (1 + w) RMSNorm, norms after attention and FFN, GeGLU, embeddings × √d, "
+                         "Q/K-norm, windowed and global layers with their own RoPE bases",
 }
 _HF_ARCHITECTURES = frozenset(HF_ARCHITECTURES)
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
@@ -486,6 +564,92 @@ def _sliding_window_from_hf(data: Mapping[str, Any], model_type: str, archs: lis
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     return window
+
+
+# Gemma3TextConfig's defaults, for a config.json that leaves a field out (transformers' configuration_gemma3.py)
+_GEMMA3_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window": 4096,
+                    "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}
+
+
+def _gemma3_from_hf(data: Mapping[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Gemma 3's fields from its config.json (model_type gemma3_text), as transformers reads them: every twist on,
+    the windowed layers from `layer_types` (or every `sliding_window_pattern`-th layer global), the global layers'
+    RoPE base and scaling and the windowed layers' base from `rope_parameters` (transformers 5) or `rope_theta`,
+    `rope_scaling` and `rope_local_base_freq` (the hub's files). What llmtrace does not model is refused in one line."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if data.get(key):
+            raise UnsupportedModelError(f"{source}: {key} {_short(data[key])} is not modelled; llmtrace runs Gemma 3 "
+                                        "causal, its scores not soft-capped")
+    act = data.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{source}: hidden_activation {_short(act)} is not modelled; llmtrace's Gemma 3 "
+                                    "FFN is gelu (tanh approximation)-gated")
+    layer_types = data.get("layer_types")
+    if layer_types is None:
+        pattern = whole_number(data.get("sliding_window_pattern", _GEMMA3_DEFAULTS["sliding_window_pattern"]),
+                               source, "sliding_window_pattern")
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= {
+            "sliding_attention", "full_attention"}:
+        raise ConfigError(f"{source}: 'layer_types' must list 'sliding_attention' or 'full_attention' for each of the "
+                          f"{n_layers} layers, got {_short(layer_types)}")
+    window = data.get("sliding_window", _GEMMA3_DEFAULTS["sliding_window"])
+    if window is not None:
+        window = whole_number(window, source, "sliding_window")
+    full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if window is None or len(full) == n_layers:
+        window, full = None, ()
+    params = _dict_or_empty(data.get("rope_parameters"))
+    global_params = _dict_or_empty(params.get("full_attention")) or _dict_or_empty(data.get("rope_scaling"))
+    local_params = _dict_or_empty(params.get("sliding_attention"))
+    theta = global_params.get("rope_theta", data.get("rope_theta", _GEMMA3_DEFAULTS["rope_theta"]))
+    local = local_params.get("rope_theta", data.get("rope_local_base_freq", _GEMMA3_DEFAULTS["rope_local_base_freq"]))
+    if local_params.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"{source}: RoPE scaling on the windowed layers is not modelled")
+    scaling = None
+    kind = global_params.get("rope_type") or global_params.get("type")
+    if kind == "linear":
+        scaling = RopeScaling(real_number(global_params.get("factor"), source, "rope_scaling.factor"), 1.0, 4.0,
+                              whole_number(data.get("max_position_embeddings", 131_072), source,
+                                           "max_position_embeddings"), kind="linear")
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported on Gemma 3's global "
+                                    "layers; llmtrace handles 'linear'")
+    softcap = data.get("final_logit_softcapping")
+    return dict(norm_plus_one=True, post_norms=True, geglu=True, embed_scale=True, qk_norm=True,
+                qkv_bias=bool(data.get("attention_bias", False)), wo_bias=bool(data.get("attention_bias", False)),
+                query_pre_attn_scalar=real_number(data.get("query_pre_attn_scalar",
+                                                           _GEMMA3_DEFAULTS["query_pre_attn_scalar"]),
+                                                  source, "query_pre_attn_scalar"),
+                sliding_window=window, full_layers=full,
+                rope_theta=real_number(theta, source, "rope_theta"), rope_scaling=scaling,
+                rope_local_theta=real_number(local, source, "rope_local_base_freq") if window is not None else None,
+                final_softcap=None if softcap is None else real_number(softcap, source, "final_logit_softcapping"),
+                tie_embeddings=data.get("tie_word_embeddings", True) is not False)
+
+
+def _gemma3_from_gguf(meta: Mapping[str, Any], fields: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A 'gemma3' GGUF's fields, as llama.cpp reads the file (llama-model.cpp, LLM_ARCH_GEMMA3): every sixth layer
+    global (its swa pattern; `gemma3.attention.sliding_window_pattern` where a file gives one), the windowed layers'
+    RoPE base 10,000 (`gemma3.rope.freq_base_swa` where given), scores scaled by 1/sqrt(head_dim), or for the
+    27B (62 layers) by 1/sqrt(dim / heads), as llama.cpp does (the file has no query_pre_attn_scalar), and
+    `gemma3.final_logit_softcapping` where given. The norms' 1 + w the loader turns back into w
+    (tracer/load/gguf_loader.py)."""
+    n_layers, window = fields["n_layers"], fields["sliding_window"]
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    pattern = whole_number(pattern, source, "gemma3.attention.sliding_window_pattern")
+    full = tuple(i for i in range(n_layers) if (i + 1) % pattern == 0) if window is not None else ()
+    if window is not None and len(full) == n_layers:
+        window, full = None, ()
+    head_dim = fields["explicit_head_dim"] or fields["dim"] // fields["n_heads"]
+    scalar = fields["dim"] // fields["n_heads"] if n_layers == 62 else head_dim
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    local = meta.get("gemma3.rope.freq_base_swa", 10_000.0)
+    return dict(norm_plus_one=True, post_norms=True, geglu=True, embed_scale=True, qk_norm=True,
+                query_pre_attn_scalar=float(scalar), sliding_window=window, full_layers=full,
+                rope_local_theta=real_number(local, source, "gemma3.rope.freq_base_swa") if window else None,
+                final_softcap=None if softcap is None else real_number(softcap, source,
+                                                                       "gemma3.final_logit_softcapping"))
 
 
 def _check_phi3(data: Mapping[str, Any], source: str) -> None:

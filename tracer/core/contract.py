@@ -49,6 +49,9 @@ class TensorSpec:
     when: str | None = None  # a boolean config field that must be True for the tensor to exist
     unless: str | None = None  # a boolean config field that must be False
     rope_heads: str | None = None  # "H" / "Hkv": llama.cpp interleaves these rows per head for its RoPE
+    # The HF name where the layer has norms after attention and FFN too (config.post_norms: Gemma), whose HF names
+    # shift: there post_attention_layernorm is the norm after attention, and the FFN's is pre_feedforward_layernorm
+    hf_post_norms: str | None = None
     # A mixture of experts' tensor in HF checkpoints, spelled per family (HF_MOE_FAMILIES' order): the router's, and
     # an expert's matrix per expert ("{j}" its index). An expert's matrix is held E times (expected_shapes: (E, ...)
     # stacked); llama.cpp holds all E in one 3-D tensor (`gguf_expert`).
@@ -77,10 +80,13 @@ class StageSpec:
     packed: str | None = None  # the fused-path stage (a PackSpec role) that does this stage's work with others
     replicated: bool = False  # under tensor parallelism every device runs it in full (norms, residual adds)
     tensors: tuple[TensorSpec, ...] = ()
-    when: str | None = None  # a boolean config field that must be True for the stage to run (qk_norm: Qwen3)
+    when: str | None = None  # a config field that must be set (true, a value) for the stage to run (qk_norm: Qwen3)
+    unless: str | None = None  # a config field that must not be set (silu(gate)·up: unless geglu)
 
     def present(self, config: ModelConfig | None) -> bool:
-        """Whether the stage runs for `config`; with no config, whether every model runs it (no `when`)."""
+        """Whether the stage runs for `config`; with no config, whether every model runs it (no `when`: LLaMA's)."""
+        if config is not None and self.unless is not None and getattr(config, self.unless):
+            return False
         return self.when is None or (config is not None and bool(getattr(config, self.when)))
 
 
@@ -121,15 +127,19 @@ def _linear(role: str, label: str, short: str, hf: str, gguf: str, shape: tuple[
     return StageSpec(role, "linear", label, short, True, packed=packed, tensors=tuple(tensors))
 
 
-def _norm(role: str, label: str, block: str, hf: str, gguf: str) -> StageSpec:
-    return StageSpec(role, "rmsnorm", label, "RMSNorm", True, block=block, replicated=True,
-                     tensors=(TensorSpec(f"{role}.weight", hf, gguf, ("d",), "norm"),))
+def _norm(role: str, label: str, block: str, hf: str, gguf: str, when: str | None = None,
+          hf_post_norms: str | None = None) -> StageSpec:
+    return StageSpec(role, "rmsnorm", label, "RMSNorm", True, block=block, replicated=True, when=when,
+                     tensors=(TensorSpec(f"{role}.weight", hf, gguf, ("d",), "norm",  # present with their stage
+                                         hf_post_norms=hf_post_norms),))
 
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("tok_embeddings", "embedding", "embedding lookup", "embedding", False,
               tensors=(TensorSpec("tok_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight",
                                   ("V", "d"), "embedding"),)),
+    # Gemma: the looked-up rows times sqrt(d), the constant rounded to the model's dtype first (as HF does)
+    StageSpec("embed_scale", "scale", "embedding × √d", "× √d", False, when="embed_scale"),
     _norm("attention_norm", "RMSNorm (attention)", "attention", "input_layernorm.weight", "attn_norm.weight"),
     _linear("attention.wq", "Q projection", "Q proj", "self_attn.q_proj", "attn_q", ("H·D", "d"), "attention",
             packed="attention.wqkv", rope_heads="H", bias_when="qkv_bias"),
@@ -151,9 +161,13 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("attention.pv", "attention_values", "probs × V", "probs·V", True),
     _linear("attention.wo", "output projection", "O proj", "self_attn.o_proj", "attn_output", ("d", "H·D"),
             "attention", bias_when="wo_bias"),
+    # Gemma's norms after each sub-block, on its output before the residual add ("sandwich" norms)
+    _norm("post_attention_norm", "RMSNorm (after attention)", "after attention", "post_attention_layernorm.weight",
+          "post_attention_norm.weight", when="post_norms"),
     StageSpec("attn_residual", "residual", "residual add (attention)", "residual +", True, block="attention",
               replicated=True),
-    _norm("ffn_norm", "RMSNorm (FFN)", "FFN", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    _norm("ffn_norm", "RMSNorm (FFN)", "FFN", "post_attention_layernorm.weight", "ffn_norm.weight",
+          hf_post_norms="pre_feedforward_layernorm.weight"),
     # A mixture of experts (config.moe): the router's logits (a d -> E linear, HF's `gate`), its choice of k experts
     # a token (softmax, top-k, the renormalisation its model does), then the SwiGLU stages below once per chosen
     # expert on the tokens routed to it, with that expert's matrices, and the k outputs' weighted sum.
@@ -168,16 +182,21 @@ STAGES: tuple[StageSpec, ...] = (
     _linear("feed_forward.w3", "SwiGLU up (w3)", "up (w3)", "mlp.up_proj", "ffn_up", ("F", "d"), "ffn",
             packed="feed_forward.w13", bias_when="mlp_bias",
             expert=("w3", "ffn_up_exps")),
-    StageSpec("feed_forward.act", "swiglu", "silu(gate)·up", "silu(gate)·up", True),
+    StageSpec("feed_forward.act", "swiglu", "silu(gate)·up", "silu(gate)·up", True, unless="geglu"),
+    # Gemma: gelu in place of silu, its tanh approximation (HF's gelu_pytorch_tanh)
+    StageSpec("feed_forward.gelu", "geglu", "gelu_tanh(gate)·up", "gelu(gate)·up", True, when="geglu"),
     _linear("feed_forward.w2", "SwiGLU down (w2)", "down (w2)", "mlp.down_proj", "ffn_down", ("d", "F"), "ffn",
             bias_when="mlp_bias", expert=("w2", "ffn_down_exps")),
     StageSpec("feed_forward.combine", "expert_combine", "weighted sum of experts", "weighted sum", True, when="moe"),
+    _norm("post_ffn_norm", "RMSNorm (after FFN)", "after FFN", "post_feedforward_layernorm.weight",
+          "post_ffw_norm.weight", when="post_norms"),
     StageSpec("ffn_residual", "residual", "residual add (FFN)", "residual +", True, block="FFN", replicated=True),
     StageSpec("norm", "rmsnorm", "final RMSNorm (last position)", "final norm", False, replicated=True,
               tensors=(TensorSpec("norm.weight", "model.norm.weight", "output_norm.weight", ("d",), "final_norm"),)),
     StageSpec("output", "lm_head", "LM head (last position)", "LM head", False,
               tensors=(TensorSpec("output.weight", "lm_head.weight", "output.weight", ("V", "d"), "lm_head",
                                   unless="tie_embeddings"),)),
+    StageSpec("softcap", "softcap", "logit soft-cap c·tanh(x/c)", "soft-cap", False, when="final_softcap"),
 )
 
 PACKS: tuple[PackSpec, ...] = (
@@ -358,6 +377,9 @@ def ours_to_hf_experts(name: str, config: ModelConfig, family: str = HF_MOE_FAMI
     router, its expert matrices once per expert, expert 0 first (the E matrices stacked into our one), or the one
     HF name of any other tensor."""
     spec = tensor_of(name)
+    if spec is not None and spec.hf_post_norms is not None and config.post_norms:
+        _, layer, _ = name.split(".", 2)
+        return (f"model.layers.{layer}.{spec.hf_post_norms}",)
     if spec is None or not spec.hf_moe or config.moe is None:
         return (ours_to_hf(name),)
     _, layer, _ = name.split(".", 2)
@@ -403,6 +425,8 @@ class _Index:
                 self.short_count[spec.short] = self.short_count.get(spec.short, 0) + 1
         self.layer_tensors = {t.name: t for s in stages if s.in_layer for t in s.tensors}
         self.top_tensors = {t.name: t for s in stages if not s.in_layer for t in s.tensors}
+        # in stage order, so an HF name two tensors share means the later's (post_attention_layernorm: LLaMA's FFN
+        # norm; a Gemma checkpoint's names go through ours_to_hf_experts with its config)
         self.layer_by_hf = {t.hf: t for t in self.layer_tensors.values()}
         self.top_by_hf = {t.hf: t for t in self.top_tensors.values()}
         self.layer_by_gguf = {t.gguf: t for t in self.layer_tensors.values()}

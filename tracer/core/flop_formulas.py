@@ -23,6 +23,11 @@ ROPE_FLOPS_PER_ELEMENT = 3  # x*cos + rotate_half(x)*sin: two multiplies and an 
 SOFTMAX_FLOPS_PER_ELEMENT = 5  # max, subtract, exp, sum, divide
 SCORE_SCALE_FLOPS_PER_ELEMENT = 1  # scores / sqrt(D); the causal mask is a select, 0 FLOPs
 SWIGLU_FLOPS_PER_ELEMENT = 6  # sigmoid(g) = 1/(1+exp(-g)) is 4, g*sigmoid(g) is 1, *up is 1
+# gelu_tanh(g) = 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))): g³ 2, ·0.044715 1, +g 1, ·√(2/π) 1, tanh 1, +1 1,
+# ·g 1, ·0.5 1; then *up 1
+GEGLU_FLOPS_PER_ELEMENT = 10
+SCALE_FLOPS_PER_ELEMENT = 1  # x * c
+SOFTCAP_FLOPS_PER_ELEMENT = 3  # x / c, tanh, * c
 RESIDUAL_FLOPS_PER_ELEMENT = 1  # x + delta
 BIAS_FLOPS_PER_ELEMENT = 1  # y + b
 TOPK_FLOPS_PER_PICK_PER_EXPERT = 1  # top-k of E logits as k passes of a max: one compare per logit per pass
@@ -107,6 +112,21 @@ def rope_flops(tokens: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int
 def swiglu_activation_flops(tokens: int, ffn_dim: int) -> int:
     """silu(gate) * up on `tokens` rows: 6 * tokens * F (sigmoid 4, times gate 1, times up 1)."""
     return SWIGLU_FLOPS_PER_ELEMENT * tokens * ffn_dim
+
+
+def geglu_activation_flops(tokens: int, ffn_dim: int) -> int:
+    """gelu_tanh(gate) * up on `tokens` rows: 10 * tokens * F (GEGLU_FLOPS_PER_ELEMENT)."""
+    return GEGLU_FLOPS_PER_ELEMENT * tokens * ffn_dim
+
+
+def scale_flops(tokens: int, dim: int) -> int:
+    """x * c over `tokens` rows of `dim` (Gemma's embeddings times sqrt(d))."""
+    return SCALE_FLOPS_PER_ELEMENT * tokens * dim
+
+
+def softcap_flops(tokens: int, dim: int) -> int:
+    """c·tanh(x / c) over `tokens` rows of `dim` (Gemma's final logits)."""
+    return SOFTCAP_FLOPS_PER_ELEMENT * tokens * dim
 
 
 def route_flops(tokens: int, n_experts: int, top_k: int, renormalised: bool) -> int:

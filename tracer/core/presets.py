@@ -2,7 +2,8 @@
 
 The mixture-of-experts presets serve the analytical commands (flops, kvmem, roofline, models) and `run --dry-run`
 (its meta model routes round-robin: tracer/model/moe.py). Both count their QK-norm: Qwen3-30B-A3B's per head (D
-wide), OLMoE's over each token's whole q and k (H·D, Hkv·D: qk_norm_whole)."""
+wide), OLMoE's over each token's whole q and k (H·D, Hkv·D: qk_norm_whole). The Gemma 3 presets are the text models
+(Gemma3ForCausalLM's shapes), every twist on."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ from llmtrace.tracer.core.errors import UnknownPresetError
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 _LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+
+
+def _gemma3(name: str, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, ffn: int, window: int,
+            max_seq: int, scaling: RopeScaling | None) -> ModelConfig:
+    """A Gemma 3 text model: head_dim 256, every sixth layer global (layer_types' full_attention), the windowed
+    layers' RoPE base 10,000, the global layers' 1,000,000 (scaled linearly from 4B up), query_pre_attn_scalar 256,
+    Q/K-norm, (1 + w) norms before and after attention and FFN, GeGLU, embeddings × √d, tied, no soft-cap."""
+    return ModelConfig(name, vocab, dim, layers, heads, kv_heads, ffn, norm_eps=1e-6, rope_theta=1e6,
+                       max_seq_len=max_seq, tie_embeddings=True, explicit_head_dim=256, rope_scaling=scaling,
+                       sliding_window=window, qk_norm=True, norm_plus_one=True, post_norms=True, geglu=True,
+                       embed_scale=True, query_pre_attn_scalar=256.0,
+                       full_layers=tuple(range(5, layers, 6)), rope_local_theta=10000.0)
+
 
 _PRESET_LIST: tuple[ModelConfig, ...] = (
     # LLaMA 1 (Touvron et al. 2023, Table 2; params.json of the original release; HF huggyllama/llama-*/config.json).
@@ -57,6 +72,12 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
     # Phi-3-mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): MHA, "sliding_window": 2047; its checkpoint packs
     # Q|K|V and gate|up (split at load: tracer/checkpoint/packed_tensors.py).
     ModelConfig("phi3-mini-4k", 32064, 3072, 32, 32, 32, 8192, norm_eps=1e-5, max_seq_len=4096, sliding_window=2047),
+    # Gemma 3 text models: google/gemma-3-1b-pt/config.json (sliding_window 512, 32K context) and the text_config of
+    # google/gemma-3-4b-pt/config.json (sliding_window 1024, 128K context, rope_scaling linear x8 on the global
+    # layers; its vision tower is not counted: run refuses the folder, the analytical commands cost the text model).
+    _gemma3("gemma3-1b", 262144, 1152, 26, 4, 1, 6912, 512, 32768, None),
+    _gemma3("gemma3-4b", 262208, 2560, 34, 8, 4, 10240, 1024, 131072,
+            RopeScaling(8.0, 1.0, 4.0, 131072, kind="linear")),
     # Mixture of experts: every layer's FFN is E SwiGLU experts of ffn_dim, k per token.
     # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1/config.json): num_local_experts 8, num_experts_per_tok 2, no window.
     ModelConfig("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,

@@ -44,9 +44,11 @@ REFUSALS: tuple[Refusal, ...] = (
     # Mixtral, Qwen3-MoE and OLMoE read (tracer/model/moe.py); Qwen2-MoE adds a shared expert beside the routed ones
     Refusal("Qwen2-MoE", "a shared expert (with its own sigmoid gate) beside the routed experts",
             hf=("Qwen2MoeForCausalLM",), model_types=("qwen2_moe",), gguf=("qwen2moe",)),
-    Refusal("Gemma", "Gemma's (1 + w) RMSNorm, norms after attention and FFN, GeGLU and scaled embeddings",
-            hf=("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-            model_types=("gemma", "gemma2", "gemma3_text"), gguf=("gemma", "gemma2", "gemma3")),
+    # Gemma 3's text model reads (its twists are stages of tracer/core/contract.py); Gemma 2 soft-caps its scores
+    Refusal("Gemma 1 and 2", "Gemma 2's soft-capped attention scores and its own config reader (Gemma 3's text "
+            "model is read)",
+            hf=("GemmaForCausalLM", "Gemma2ForCausalLM"),
+            model_types=("gemma", "gemma2"), gguf=("gemma", "gemma2")),
     Refusal("Phi-1 and Phi-2", "LayerNorm with biases, attention and a GELU FFN in parallel, and RoPE on part of each "
             "head",
             hf=("PhiForCausalLM",), model_types=("phi",), gguf=("phi2",)),

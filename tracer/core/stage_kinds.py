@@ -42,6 +42,7 @@ class CallDims:
     widths: tuple[int, int] = (0, 0)  # a projection's (in, out)
     experts: int = 1  # a mixture of experts: E experts, k a token (`top_k`)
     top_k: int = 1
+    vocab: int = 0  # V: the logits' width (Gemma's soft-cap)
 
 
 Shapes = tuple[list[Shape], list[Shape]]
@@ -142,6 +143,14 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          _elementwise(lambda i, o, _: ff.residual_flops(_rows(o[0]), o[0][-1]))),
     Kind("swiglu", False, lambda c: ([(c.batch, c.new, c.ffn_dim)] * 2, [(c.batch, c.new, c.ffn_dim)]),
          _elementwise(lambda i, o, _: ff.swiglu_activation_flops(_rows(o[0]), o[0][-1]))),
+    Kind("geglu", False, lambda c: ([(c.batch, c.new, c.ffn_dim)] * 2, [(c.batch, c.new, c.ffn_dim)]),
+         _elementwise(lambda i, o, _: ff.geglu_activation_flops(_rows(o[0]), o[0][-1]))),  # Gemma's gelu(gate)·up
+    # x times a constant: Gemma's embedding rows times sqrt(dim)
+    Kind("scale", False, lambda c: ([(c.batch, c.new, c.dim)], [(c.batch, c.new, c.dim)]),
+         _elementwise(lambda i, o, _: ff.scale_flops(_rows(o[0]), o[0][-1]))),
+    # c·tanh(x / c) on the last position's logits (Gemma's final soft-cap, where the config sets c)
+    Kind("softcap", False, lambda c: ([(*c.rows, c.vocab)], [(*c.rows, c.vocab)]),
+         _elementwise(lambda i, o, _: ff.softcap_flops(_rows(o[0]), o[0][-1]))),
     # A mixture of experts' router choice: logits (N, E) in, the k weights (N, k, fp32) and experts (N, k, int64) out
     Kind("route", False, lambda c: ([(c.batch * c.new, c.experts)], [(c.batch * c.new, c.top_k)] * 2),
          _elementwise(lambda i, o, renormalised: ff.route_flops(_rows(i[0]), i[0][-1], o[0][-1], renormalised)),

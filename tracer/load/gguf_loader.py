@@ -291,6 +291,10 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, reads: Reader, name: s
     heads = _rope_heads(header, config, name)
     if heads is not None:
         matrix = unpermute_rope_rows(matrix, heads)
+    if config.norm_plus_one and tensor_of(name).group in ("norm", "final_norm"):
+        # llama.cpp's converter stores a Gemma norm's 1 + w (Gemma3Model.modify_tensors); the model holds HF's w.
+        # In fp32, (1 + w) - 1 is exact for 1 + w >= 0.5 (Sterbenz), and the model's 1 + w gives it back
+        matrix = matrix - np.float32(1.0)
     return torch.from_numpy(matrix)
 
 

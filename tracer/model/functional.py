@@ -34,6 +34,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, floor: torch.Tensor,
     return (normed.to(x.dtype) if out is None else out.copy_(normed)).mul_(weight)
 
 
+class PlusOne:
+    """1 + w in fp32 for a (1 + w) RMSNorm's weight w, made once and again only when w changes (another tensor, or
+    written in place: its version moves), as HF computes it each call (1.0 + w.float())."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int, torch.device] | None = None
+        self.value: torch.Tensor | None = None
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (id(weight), weight._version, weight.device)
+        if key != self.key or self.value is None:
+            with torch.no_grad():
+                self.value = 1.0 + weight.detach().float()
+            self.key = key
+        return self.value
+
+
+def rms_norm_plus_one(x: torch.Tensor, shifted: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), all in fp32 and cast back after the multiply (HF's
+    Gemma3RMSNorm: "(x * w).to(float16)", where LLaMA's casts before). `shifted` is 1 + w in fp32."""
+    dim = x.shape[-1]
+    rms = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32), floor).mul_(dim**-0.5)
+    if x.dtype == torch.float32:
+        return torch.div(x, rms).mul_(shifted)
+    return torch.div(x.float(), rms).mul_(shifted).to(x.dtype)
+
+
 def matvec(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """weight @ vector (+ bias): torch.mv, or mm while a TorchDispatchMode is active (FlopCounterMode counts mm,
     not mv), so what a FLOP counter sees is the product that runs. The bias is added to the product's result."""
@@ -156,6 +185,16 @@ def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise: the SwiGLU FFN's activation (the product is taken into silu's new tensor)."""
     return F.silu(gate).mul_(up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with gelu's tanh approximation (HF's gelu_pytorch_tanh): Gemma's FFN activation."""
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap·tanh(logits / cap), as HF's Gemma3ForCausalLM soft-caps its final logits."""
+    return torch.tanh(logits / cap).mul_(cap)
 
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:

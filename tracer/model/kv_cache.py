@@ -150,6 +150,7 @@ class ModelCaches(nn.Module):
         self._rope_key: tuple[int, torch.device, torch.dtype] | None = None  # (length, device, dtype) of the tables
         self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
         self._rope_sin: torch.Tensor | None = None
+        self._layer_tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (cos, sin): its RoPE base's
         # (L, B_max, 2*Hkv, S_max, D): every layer's KV cache buffer is one slice of it (setup_cache), so the fused
         # path's one-token step takes all layers' write positions and live keys/values in a few views per step.
         self._kv_all: torch.Tensor | None = None
@@ -191,8 +192,8 @@ class ModelCaches(nn.Module):
             buffer = None if self._kv_all is None else self._kv_all[index]  # (B_max, 2*Hkv, S_max, D)
             cache.allocate(max_batch, max_seq, weight.dtype, weight.device, buffer)
         self._ensure_rope(max_seq)
-        for layer in self.layers:  # a layer replaced since the tables were made has none yet
-            layer.attention.rope.set_tables(self._rope_cos, self._rope_sin, self._positions)
+        for layer, tables in zip(self.layers, self._layer_tables):  # a layer replaced since they were made has none
+            layer.attention.rope.set_tables(*tables, self._positions)
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -265,14 +266,26 @@ class ModelCaches(nn.Module):
             return
         cos, sin = rope_tables(self.config, length, weight.dtype, weight.device)
         self._positions = torch.arange(length, device=weight.device)
-        for layer in self.layers:
-            layer.attention.rope.set_tables(cos, sin, self._positions)
+        # Gemma 3: the windowed layers turn by their own base (config.layer_rope); one table per distinct base
+        tables = {(self.config.rope_theta, self.config.rope_scaling): (cos, sin)}
+        for index, layer in enumerate(self.layers):
+            key = self.config.layer_rope(index)
+            if key not in tables:
+                tables[key] = rope_tables(self.config, length, weight.dtype, weight.device, index)
+            layer.attention.rope.set_tables(*tables[key], self._positions)
+        self._layer_tables = [tables[self.config.layer_rope(i)] for i in range(len(self.layers))]
         self._rope_cos, self._rope_sin = cos, sin
         self._rope_key = (length, weight.device, weight.dtype)
 
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares."""
+        """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares (with Gemma 3's windowed
+        layers' own base, those of its global layers: `layer_rope_tables`)."""
         return self._rope_cos, self._rope_sin
+
+    def layer_rope_tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, signed sin) tables, in layer order: one pair shared by all but where the layers' RoPE
+        bases differ (config.layer_rope)."""
+        return self._layer_tables
 
     def _pad_step(self, index: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a step over the cache indices `index` (T,) of left-padded rows: each row's positions (B, T), counted
@@ -281,7 +294,10 @@ class ModelCaches(nn.Module):
         stays finite, and no real row ever reads what it computes."""
         pad = self._pad  # (B,)
         positions = (index.unsqueeze(0) - pad.unsqueeze(1)).clamp_(min=0)  # (B, T)
-        first = first_attended_position(end, index.shape[0], self.config.sliding_window)
+        # where the layers' windows differ the mask covers a full layer's keys; a windowed layer takes its last S
+        # (AttentionScores)
+        window = None if self.config.mixed_windows else self.config.sliding_window
+        first = first_attended_position(end, index.shape[0], window)
         keys = torch.arange(first, end, device=index.device)  # (S,) cache indices the step reads
         key_is_pad = keys.unsqueeze(0) < pad.unsqueeze(1)  # (B, S)
         query_is_real = index.unsqueeze(0) >= pad.unsqueeze(1)  # (B, T)

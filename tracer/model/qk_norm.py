@@ -14,15 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmtrace.tracer.model.functional import rms_norm, rms_norm_floor
+from llmtrace.tracer.model.functional import PlusOne, rms_norm, rms_norm_floor, rms_norm_plus_one
 
 
 class QKNorm(nn.Module):
     """q (B, T, H, D), k (B, T, Hkv, D) -> the same shapes, each head normalised over D and times its weight."""
 
-    def __init__(self, head_dim: int, eps: float, k_dim: int | None = None) -> None:
+    def __init__(self, head_dim: int, eps: float, k_dim: int | None = None, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        # Gemma 3: (1 + w) norms (functional.rms_norm_plus_one), the fp32 1 + w of each weight kept until it changes
+        self.plus_one = (PlusOne(), PlusOne()) if plus_one else None
         # `k_dim`: the keys' width where it is not the queries' (OLMoE normalises each token's whole q, H·D wide,
         # and whole k, Hkv·D wide, before they are split into heads: config.qk_norm_whole)
         self.q_weight = nn.Parameter(torch.ones(head_dim))
@@ -50,7 +52,12 @@ class QKNorm(nn.Module):
             k_floor = self._k_floor
             if k_floor is None or k_floor.device != q.device:
                 k_floor = self._k_floor = rms_norm_floor(self.k_weight.shape[0], self.eps, q.device)
+        if self.plus_one is not None:
+            q_shift, k_shift = self.plus_one
+            return (rms_norm_plus_one(q, q_shift.of(self.q_weight), floor),
+                    rms_norm_plus_one(k, k_shift.of(self.k_weight), k_floor))
         return rms_norm(q, self.q_weight, floor), rms_norm(k, self.k_weight, k_floor)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.q_weight.shape[0]}, eps={self.eps}"
+        plus = ", 1 + w" if self.plus_one is not None else ""
+        return f"head_dim={self.q_weight.shape[0]}, eps={self.eps}{plus}"

@@ -29,6 +29,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
+    if scaling.kind == "linear":  # every frequency divided by the factor (HF's 'linear' rope type: Gemma 3's global)
+        return inv_freq / scaling.factor
     low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -42,14 +44,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def rope_tables(
-    config: ModelConfig, max_seq: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig, max_seq: int, dtype: torch.dtype, device: torch.device | str, layer: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed-sin tables, each (max_seq, 1, D), computed in fp32 and cast to `dtype` (as HF does).
+    """cos and signed-sin tables, each (max_seq, 1, D), computed in fp32 and cast to `dtype` (as HF does): the
+    config's RoPE base and scaling, or with `layer` that layer's (config.layer_rope: Gemma 3's windowed layers turn
+    by their own base).
 
     sin is stored as [-sin, +sin] over the two halves so that rotate_half(x) * sin == roll(x, D/2) * signed_sin,
     which turns the rotation into three tensor ops (mul, roll, addcmul).
     """
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    theta, scaling = (config.rope_theta, config.rope_scaling) if layer is None else config.layer_rope(layer)
+    inv_freq = rope_inv_freq(config.head_dim, theta, scaling)
     positions = torch.arange(max_seq, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)  # (max_seq, D/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (max_seq, D)

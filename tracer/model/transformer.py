@@ -43,11 +43,15 @@ from llmtrace.tracer.core.errors import BadArgumentError, CheckpointError
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.hardware.memory import check_prefill_fits
 from llmtrace.tracer.model.functional import (
+    PlusOne,
+    geglu,
     grouped_scores,
     grouped_values,
     project,
     rms_norm,
     rms_norm_floor,
+    rms_norm_plus_one,
+    softcap,
     softmax_fp32,
     step_mask,
     swiglu,
@@ -94,15 +98,19 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight; the normalisation runs in fp32 and is cast back before the weight."""
+    """x / sqrt(mean(x^2) + eps) * weight; the normalisation runs in fp32 and is cast back before the weight.
+    `plus_one` (Gemma): times (1 + weight) instead, in fp32, cast back after (functional.rms_norm_plus_one)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self._floor: torch.Tensor | None = None  # sqrt(dim * eps), fp32, on the weight's device (made on first use)
+        self.plus_one = PlusOne() if plus_one else None  # 1 + weight in fp32, made again when the weight changes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plus_one is not None:
+            return rms_norm_plus_one(x, self.plus_one.of(self.weight), self.floor(x.device))
         return rms_norm(x, self.weight, self.floor(x.device))
 
     def floor(self, device: torch.device) -> torch.Tensor:
@@ -113,7 +121,41 @@ class RMSNorm(nn.Module):
         return floor
 
     def extra_repr(self) -> str:
-        return f"dim={self.weight.shape[0]}, eps={self.eps}"
+        plus = ", 1 + w" if self.plus_one is not None else ""
+        return f"dim={self.weight.shape[0]}, eps={self.eps}{plus}"
+
+
+class EmbedScale(nn.Module):
+    """Gemma's embedding rows (B, T, dim) times sqrt(dim), the constant rounded to their dtype first (HF's
+    Gemma3TextScaledWordEmbedding: an fp32 sqrt(dim) cast to the weights' dtype: 55.4256 is 55.5 in bf16)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.value = dim**0.5
+        self._scale: torch.Tensor | None = None  # the constant in the activations' dtype and device (first use)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self._scale
+        if scale is None or scale.dtype != x.dtype or scale.device != x.device:
+            scale = self._scale = torch.tensor(self.value, dtype=torch.float32).to(device=x.device, dtype=x.dtype)
+        return x * scale
+
+    def extra_repr(self) -> str:
+        return f"scale={self.value:.6g}"
+
+
+class SoftCap(nn.Module):
+    """Gemma's final logits soft-capped: cap·tanh(logits / cap) (config.final_softcap)."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return softcap(logits, self.cap)
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap:g}"
 
 
 class AttentionScores(nn.Module):
@@ -123,21 +165,27 @@ class AttentionScores(nn.Module):
     sliding window W, none before S - T + t - W + 1.
     """
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None = None) -> None:
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # Gemma: query_pre_attn_scalar^-1/2
         self.window = window  # sliding window: keys older than W positions are masked too
         # (B, 1, T, S) bool, True where a real query must not see a left-pad key; set by the model for the step of a
         # batch of prompts of different lengths (ModelCaches._pad_step), None otherwise. An attribute, not an
-        # argument: the tracer's wrappers record every tensor argument as an activation the stage reads.
+        # argument: the tracer's wrappers record every tensor argument as an activation the stage reads. Where
+        # layers' windows differ (Gemma 3) it covers every key a full layer reads; a windowed layer's are its last S.
         self.pad_mask: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k_all: torch.Tensor, packed: Any = None) -> torch.Tensor:
         if packed is None:
-            mask = step_mask(q.shape[2], k_all.shape[2], q.device, self.window, self.pad_mask)  # (T, S), (B, 1, T, S)
+            seen = k_all.shape[2]
+            pad_mask = self.pad_mask
+            if pad_mask is not None and pad_mask.shape[-1] != seen:
+                pad_mask = pad_mask[..., -seen:]  # (B, 1, T, S): a windowed layer's keys are the last S of them
+            mask = step_mask(q.shape[2], seen, q.device, self.window, pad_mask)  # (T, S), (B, 1, T, S) or None
         else:
-            mask = packed.mask  # the packed step's, made once for every layer (the same, pads included)
+            mask = packed.mask  # the packed step's, made once a step for this layer's window (pads included)
         return grouped_scores(q, k_all, self.scale, mask)  # (B, H, T, S)
 
     def extra_repr(self) -> str:
@@ -159,7 +207,7 @@ class AttentionValues(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.wq = Linear(config.dim, config.q_dim, bias=has_bias("attention.wq", config))
@@ -168,11 +216,13 @@ class Attention(nn.Module):
         self.qk_norm = None  # Qwen3's per head, OLMoE's over the whole projections (config.qk_norm_whole), or none
         if config.qk_norm:
             self.qk_norm = (QKNorm(config.q_dim, config.norm_eps, config.kv_dim) if config.qk_norm_whole else
-                            QKNorm(config.head_dim, config.norm_eps))
+                            QKNorm(config.head_dim, config.norm_eps, plus_one=config.norm_plus_one))
         self.qk_norm_whole = config.qk_norm_whole
         self.rope = RotaryEmbedding(config.head_dim)
-        self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, config.sliding_window)
-        self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, config.sliding_window)
+        window = config.layer_window(layer)  # Gemma 3: the global layers' None among the windowed layers'
+        self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, window)
+        self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, window,
+                                      config.attention_scale)
         self.softmax = Softmax()
         self.pv = AttentionValues()
         self.wo = Linear(config.q_dim, config.dim, bias=has_bias("attention.wo", config))
@@ -219,25 +269,37 @@ class SwiGLUActivation(nn.Module):
         return swiglu(gate, up)
 
 
+class GeGLUActivation(nn.Module):
+    """gelu_tanh(gate) * up, elementwise over (B, T, F): Gemma's gating (contract stage feed_forward.gelu)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return geglu(gate, up)
+
+
 class FeedForward(nn.Module):
-    """SwiGLU FFN: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down (Meta's names)."""
+    """SwiGLU FFN: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down (Meta's names). GeGLU (config.geglu,
+    Gemma): gelu in place of silu, its stage `gelu` in place of `act`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim, ffn_dim = config.dim, config.ffn_dim
         self.w1 = Linear(dim, ffn_dim, bias=has_bias("feed_forward.w1", config))
         self.w3 = Linear(dim, ffn_dim, bias=has_bias("feed_forward.w3", config))
-        self.act = SwiGLUActivation()
+        if config.geglu:
+            self.gelu = GeGLUActivation()
+        else:
+            self.act = SwiGLUActivation()
         self.w2 = Linear(ffn_dim, dim, bias=has_bias("feed_forward.w2", config))
 
     def forward(self, x: torch.Tensor, packed: Any = None) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim); under the packed backend (`packed`) gate|up one product, gate and up views."""
+        gating = self.gelu if "gelu" in self._modules else self.act  # Gemma's gelu(gate)·up, else silu(gate)·up
         if packed is None:
             gate, up = self.w1(x), self.w3(x)  # (B, T, F) each
-            return self.w2(self.act(gate, up))  # (B, T, dim)
+            return self.w2(gating(gate, up))  # (B, T, dim)
         gate_up = packed.linear(x, packed.w13, packed.b13)  # (..., 2F): gate | up
         ffn_dim = gate_up.shape[-1] // 2
-        act = packed.call(self.act, gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim))
+        act = packed.call(gating, gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim))
         return packed.linear(act, packed.w2, packed.b2)
 
 
@@ -260,7 +322,8 @@ def whole(x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: h = x + attention(norm(x)); out = h + ffn(norm(h)).
+    """Pre-norm block: h = x + attention(norm(x)); out = h + ffn(norm(h)). With config.post_norms (Gemma) each
+    sub-block's output is normalised too before its residual add: h = x + norm(attention(norm(x))).
 
     Tensor parallelism (tracer/model/tensor_parallel.py) builds this block from a shard's config, with `all_reduce`
     its process group's sum: then wo and w2 multiply this rank's heads' and FFN columns' rows, and their partial
@@ -269,12 +332,16 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int | None = None,
                  all_reduce: Callable[[torch.Tensor, int | None, str], torch.Tensor] = whole) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        plus_one = config.norm_plus_one
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
+        self.attention = Attention(config, layer or 0)
+        # Gemma's norms after attention and after the FFN (contract: post_attention_norm, post_ffn_norm), else None
+        self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.attn_residual = Residual()
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         self.feed_forward: nn.Module = FeedForward(config) if config.moe is None else MixtureOfExperts(
             config, Linear(config.dim, config.moe.n_experts, bias=False), SwiGLUActivation())
+        self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.ffn_residual = Residual()
         self.layer_index, self.all_reduce = layer, all_reduce
 
@@ -285,10 +352,16 @@ class TransformerBlock(nn.Module):
         normed = call(self.attention_norm, x)
         attended = (self.attention(normed, input_pos, use_cache) if packed is None else
                     self.attention.forward(normed, input_pos, use_cache, packed))  # (B, T, dim)
-        h = call(self.attn_residual, x, self.all_reduce(attended, self.layer_index, "attention.wo"), *extra)
+        attended = self.all_reduce(attended, self.layer_index, "attention.wo")
+        if self.post_attention_norm is not None:  # Gemma: the sum of the ranks' outputs normalised
+            attended = call(self.post_attention_norm, attended)
+        h = call(self.attn_residual, x, attended, *extra)
         normed = call(self.ffn_norm, h)
         down = self.feed_forward(normed) if packed is None else self.feed_forward.forward(normed, packed)
-        return call(self.ffn_residual, h, self.all_reduce(down, self.layer_index, "feed_forward.w2"), *extra)
+        down = self.all_reduce(down, self.layer_index, "feed_forward.w2")
+        if self.post_ffn_norm is not None:
+            down = call(self.post_ffn_norm, down)
+        return call(self.ffn_residual, h, down, *extra)
 
 
 class Transformer(ModelCaches):
@@ -307,9 +380,11 @@ class Transformer(ModelCaches):
             # nn.Embedding's own init, skipped on meta, where normal_ imports torch._dynamo (2 s of load time)
             nn.init.normal_(embedding)
         self.tok_embeddings = Embedding(config.vocab_size, config.dim, _weight=embedding)
+        self.embed_scale = EmbedScale(config.dim) if config.embed_scale else None  # Gemma's sqrt(dim)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_plus_one)
         self.output = Linear(config.dim, config.vocab_size, bias=has_bias("output", config))
+        self.softcap = SoftCap(config.final_softcap) if config.final_softcap else None  # Gemma's, where set
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_state_dict_post_hook(_drop_tied_output)
@@ -432,12 +507,14 @@ class Transformer(ModelCaches):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> hidden states (B, T, dim) through the tok_embeddings stage. The stage-by-stage path's
         one way in: a tensor-parallel model (tracer/model/tensor_parallel.py) adds its all-reduce here."""
-        return self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens)
+        return x if self.embed_scale is None else self.embed_scale(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., dim) -> logits (..., V) through the final norm and the LM head (the stage-by-stage
         path's one way out; a tensor-parallel model gathers the vocabulary slices here)."""
-        return self.output(self.norm(x))
+        logits = self.output(self.norm(x))
+        return logits if self.softcap is None else self.softcap(logits)
 
     # ---- weights -------------------------------------------------------------------------------------------
 

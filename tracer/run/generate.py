@@ -372,7 +372,7 @@ def _rope_record(config: ModelConfig, prompt_len: int) -> RopeRecord:
     scaling = config.rope_scaling
     return RopeRecord(
         theta=config.rope_theta, head_dim=config.head_dim,
-        scaling=None if scaling is None else f"llama3 x{scaling.factor:g}",
+        scaling=None if scaling is None else f"{scaling.kind} x{scaling.factor:g}",
         inv_freq_first=float(inv_freq[0]), inv_freq_last=float(inv_freq[-1]),
         positions=tuple(range(prompt_len)),
     )

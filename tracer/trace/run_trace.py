@@ -546,5 +546,6 @@ def _rank_stages(d: dict[str, Any], stages: Callable[[Any], tuple[StageRecord, .
 
 def _config(d: dict[str, Any]) -> ModelConfig:
     scaling, moe = d.get("rope_scaling"), d.get("moe")
+    extra = {"full_layers": tuple(_list(d["full_layers"]))} if "full_layers" in d else {}
     return _build(ModelConfig, {**d, "rope_scaling": None if scaling is None else _build(RopeScaling, scaling),
-                                "moe": None if moe is None else _build(MoeSpec, moe)})
+                                "moe": None if moe is None else _build(MoeSpec, moe), **extra})

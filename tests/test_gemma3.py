@@ -1,0 +1,316 @@
+"""Gemma 3's text model (HF Gemma3ForCausalLM, GGUF 'gemma3'): its config.json and GGUF read, logits and greedy ids
+equal to transformers' on a tiny random model through every backend llmtrace runs it on, and each of its twists a
+stage of its own in the trace ((1 + w) norms, norms after attention and FFN, GeGLU, embeddings × √d, Q/K-norm,
+windowed and global layers with their own RoPE bases, query_pre_attn_scalar, final soft-capping).
+
+The tiny model has six layers (five windowed, the sixth global: Gemma 3's pattern), a window of 4 and prompts longer
+than it, a linear RoPE scaling on the global layer (as the 4B and larger have) and soft-capped logits. One set of
+weights serves the folder and the GGUF: the matrices are rounded through Q8_0 first, so the file the packed path
+multiplies as stored holds exactly the folder's fp32 values; the GGUF's norms are 1 + w, as llama.cpp's converter
+writes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_qwen2 import _bundled_vocab, _write_tokenizer_json
+from tiny_gguf import write_tiny_gguf
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import expected_shapes
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model.transformer import Transformer
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request, select
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED
+
+transformers = pytest.importorskip("transformers")
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+WINDOW, PROMPT, STEPS = 4, 9, 8  # prompts longer than the window: the windowed layers drop their oldest keys
+SOFTCAP = 3.0  # small enough that the soft-cap bends these logits
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def _weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Our-named fp32 weights: norm weights w around 0 (the norms multiply by 1 + w), matrices std 0.15 rounded
+    through Q8_0 (the values a Q8_0 file holds exactly)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:
+            weights[name] = 0.3 * torch.randn(shape, generator=generator)
+        else:
+            array = (0.15 * torch.randn(shape, generator=generator)).numpy().astype(np.float32)
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
+    return weights
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, ModelConfig]:
+    """(a Gemma3ForCausalLM folder, the same weights as a Q8_0 'gemma3' GGUF, the config): width 64, 4 heads of 32
+    over 2 KV heads, query_pre_attn_scalar = head_dim (what llama.cpp assumes below 27B), tied embeddings."""
+    vocab = _bundled_vocab()
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    data = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": len(vocab["tokens"]),
+        "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 96, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "sliding_window": WINDOW, "sliding_window_pattern": 6, "query_pre_attn_scalar": 32,
+        "final_logit_softcapping": SOFTCAP, "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 128, "tie_word_embeddings": True, "attention_bias": False,
+        "bos_token_id": vocab["bos"], "eos_token_id": vocab["eos"], "pad_token_id": 0, "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(data), encoding="utf-8")
+    config = ModelConfig.from_hf_json(folder)
+    weights = _weights(config, seed=21)
+    save_file({k: v.contiguous() for k, v in hf_state_dict_from_ours(weights, config).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer_json(folder, vocab)
+    # llama.cpp's converter (Gemma3Model.modify_tensors) writes every norm weight as 1 + w
+    stored = {name: (1.0 + t if name.endswith(("norm.weight", "q_weight", "k_weight")) else t)
+              for name, t in weights.items()}
+    gguf_path = write_tiny_gguf(
+        tmp_path_factory.mktemp("tiny-gemma3-gguf") / "gemma3.gguf", config, stored, vocab, matrix_type=Q8_0,
+        arch="gemma3", tokenizer_model="gpt2",
+        extra_metadata={"gemma3.attention.sliding_window": WINDOW, "gemma3.final_logit_softcapping": SOFTCAP,
+                        "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 2.0})
+    return folder, gguf_path, config
+
+
+@pytest.fixture(scope="module")
+def hf(gemma3: tuple[Path, Path, ModelConfig]) -> torch.nn.Module:
+    folder, _, _ = gemma3
+    return transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+
+
+def prompt_ids(config: ModelConfig) -> torch.Tensor:
+    return torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+
+
+REQUESTS = {"modules": Request(backend=MODULES), "packed": Request(backend=PACKED),
+            "staged": Request(staged=True)}
+
+
+@torch.no_grad()
+def greedy(model: Transformer, backend: str, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """STEPS greedy tokens after `prompt` through `backend`, and the logits (STEPS, V) they were chosen from."""
+    model.setup_cache(1, PROMPT + STEPS)
+    run = backend_for(model, REQUESTS[backend])
+    logits = [run.prefill(prompt)[0]]
+    ids = [int(logits[-1].argmax())]
+    for _ in range(STEPS - 1):
+        logits.append(run.decode(torch.tensor([[ids[-1]]]))[0])
+        ids.append(int(logits[-1].argmax()))
+    return ids, torch.stack(logits)
+
+
+@torch.no_grad()
+def hf_greedy(hf: torch.nn.Module, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    out = hf.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, PROMPT:].tolist(), torch.cat(out.logits)
+
+
+def test_config_reads_every_twist(gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """Five windowed layers and a global sixth with its own RoPE base and linear scaling; the GGUF's header gives
+    the same config as llama.cpp reads it (its swa pattern 6, windowed base 10,000, scale 1/sqrt(head_dim))."""
+    folder, gguf_path, config = gemma3
+    assert (config.norm_plus_one, config.post_norms, config.geglu, config.embed_scale, config.qk_norm) == (True,) * 5
+    assert (config.sliding_window, config.full_layers, config.windowed_layers) == (WINDOW, (5,), 5)
+    assert [config.layer_window(i) for i in range(6)] == [WINDOW] * 5 + [None]
+    assert config.layer_rope(0) == (10000.0, None)
+    theta, scaling = config.layer_rope(5)
+    assert theta == 1e6 and (scaling.kind, scaling.factor) == ("linear", 2.0)
+    assert (config.attention_scale, config.final_softcap, config.tie_embeddings) == (32**-0.5, SOFTCAP, True)
+    from_gguf = load_model(str(gguf_path), dry_run=True).config
+    for field in ("norm_plus_one", "post_norms", "geglu", "embed_scale", "qk_norm", "sliding_window", "full_layers",
+                  "rope_theta", "rope_local_theta", "rope_scaling", "attention_scale", "final_softcap", "head_dim",
+                  "tie_embeddings"):
+        assert getattr(from_gguf, field) == getattr(config, field), field
+
+
+def test_gguf_holds_the_folders_tensors(gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """The GGUF's 1 + w norms come back as the folder's w (within fp32's rounding of (1 + w) - 1); the Q8_0
+    matrices bit for bit; HF's post_attention_layernorm is the norm after attention, pre_feedforward_layernorm the
+    FFN's."""
+    folder, gguf_path, _ = gemma3
+    from_folder = load_model(str(folder), dtype=FP32, use_cache=False).model.state_dict()
+    from_gguf = load_model(str(gguf_path), dtype=FP32, use_cache=False, weights="dense").model.state_dict()
+    assert set(from_gguf) == set(from_folder)
+    assert "layers.0.post_attention_norm.weight" in from_folder and "layers.0.post_ffn_norm.weight" in from_folder
+    for name, tensor in from_folder.items():
+        if tensor.dim() == 1:
+            torch.testing.assert_close(from_gguf[name], tensor, rtol=0, atol=1e-7)
+        else:
+            assert torch.equal(from_gguf[name], tensor), name
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@torch.no_grad()
+def test_cache_free_logits_equal_gemma3_for_causal_lm(source: str, gemma3: tuple[Path, Path, ModelConfig],
+                                                      hf: torch.nn.Module) -> None:
+    folder, gguf_path, config = gemma3
+    loaded = load_model(str(folder if source == "hf" else gguf_path), dtype=FP32, use_cache=False,
+                        weights=None if source == "hf" else "dense")
+    ids = torch.randint(3, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(4))
+    expected = hf(input_ids=ids).logits
+    assert expected.abs().max() > 1.0 and expected.abs().max() < SOFTCAP  # large enough to show, capped
+    assert (loaded.model(ids) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("backend", ["modules", "staged"])
+@torch.no_grad()
+def test_backends_greedy_ids_and_logits_equal_hf(backend: str, gemma3: tuple[Path, Path, ModelConfig],
+                                                 hf: torch.nn.Module) -> None:
+    folder, _, config = gemma3
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    prompt = prompt_ids(config)
+    expected_ids, expected_logits = hf_greedy(hf, prompt)
+    ids, logits = greedy(model, backend, prompt)
+    assert ids == expected_ids and len(set(ids)) > 1
+    assert (logits - expected_logits).abs().max().item() <= 1e-4
+
+
+def test_packed_and_native_routes_refused_in_one_line(gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """The packed torch path and the C step have no Gemma stages: select() sends every step to the stage modules
+    and says why, as the run's header, summary and JSON show a route not taken."""
+    folder, _, _ = gemma3
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    model.setup_cache(1, PROMPT + STEPS)
+    for request in (Request(), Request(staged=True)):
+        route = select(model, request).route
+        assert (route.prefill, route.decode) == (MODULES, MODULES)
+        reasons = {r.backend: r.reason for r in route.not_taken}
+        assert reasons[NATIVE].startswith("Gemma 3's (1 + w) norms") and "\n" not in reasons[NATIVE]
+
+
+def _traced(model: Transformer, config: ModelConfig) -> tuple[tuple, list[int]]:
+    """Records of a PROMPT-token prefill and STEPS - 1 decode steps through the stage modules, and FlopCounterMode's
+    total of each step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llmtrace.tracer.trace.hooks import Tracer
+    from llmtrace.tracer.trace.records import DECODE, PREFILL
+
+    model.setup_cache(1, PROMPT + STEPS)
+    generator = torch.Generator().manual_seed(0)
+    counted = []
+    with Tracer(model, mechanism="wrap") as tracer:
+        run = backend_for(model).traced(tracer)
+        for step in range(STEPS):
+            ids = torch.randint(3, config.vocab_size, (1, PROMPT if step == 0 else 1), generator=generator)
+            tracer.begin_step(PREFILL if step == 0 else DECODE, step)
+            counter = FlopCounterMode(display=False)
+            with counter:
+                run.prefill(ids) if step == 0 else run.decode(ids)
+            tracer.end_step()
+            counted.append(counter.get_total_flops())
+    return tracer.records(), counted
+
+
+def test_each_twist_is_a_stage_and_the_flops_equal_flop_counter_and_the_estimate(
+        gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """Every Gemma stage in its place, in every layer; per step, the traced matmul FLOPs = FlopCounterMode's = the
+    estimate's, and every stage of every layer (a windowed layer's attention over at most T + W - 1 keys, the
+    global layer's over all) = the estimate's component for that layer; the weight and KV bytes in total too."""
+    from llmtrace.tracer.analytic import estimate
+    from llmtrace.tracer.trace.summary import stage_totals
+
+    folder, _, config = gemma3
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    records, counted = _traced(model, config)
+    layer0 = [r.short_name for r in records if r.step == 0 and r.layer == 0]
+    assert layer0 == ["attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.qk_norm",
+                      "attention.rope", "attention.kv_cache", "attention.scores", "attention.softmax", "attention.pv",
+                      "attention.wo", "post_attention_norm", "attn_residual", "ffn_norm", "feed_forward.w1",
+                      "feed_forward.w3", "feed_forward.gelu", "feed_forward.w2", "post_ffn_norm", "ffn_residual"]
+    top = [r.short_name for r in records if r.step == 0 and r.layer is None]
+    assert top == ["tok_embeddings", "embed_scale", "norm", "output", "softcap"]
+    dtypes = estimate.Dtypes.for_weights(FP32)
+    for step in range(STEPS):
+        stages = [r for r in records if r.step == step]
+        phase = (estimate.prefill(config, PROMPT, dtypes) if step == 0
+                 else estimate.decode_step(config, PROMPT - 1 + step, dtypes))
+        ours = stage_totals(stages)
+        assert ours.matmul_flops == counted[step] == phase.totals.matmul_flops
+        assert (ours.flops, ours.weight_bytes_read) == (phase.totals.total_flops, phase.totals.weight_bytes)
+        assert (ours.kv_bytes_read, ours.kv_bytes_written) == (phase.totals.kv_read_bytes,
+                                                                phase.totals.kv_write_bytes)
+        components = {c.name: c for c in phase.components}
+        for record in stages:
+            parts = estimate.stage_components(record.short_name, config, record.layer)
+            assert record.flops == sum(components[part].flops for part in parts), (step, record.layer, record.short_name)
+        keys = {r.layer: r.input_shapes[1][2] for r in stages if r.short_name == "attention.scores"}
+        seen = PROMPT + step
+        assert keys == {**{i: min(seen, WINDOW + (PROMPT - 1 if step == 0 else 0)) for i in range(5)}, 5: seen}
+
+
+def test_presets_have_the_technical_reports_parameter_counts() -> None:
+    """Gemma 3 technical report, Table 1: 1B 302M embedding + 698M non-embedding parameters; 4B 3,209M
+    non-embedding (its 675M embedding figure counts more than the text model's 262,208 × 2,560 table, and its
+    vision tower's 417M is not the text model's). By hand for the 1B (head_dim 256, 4 heads, 1 KV head, FFN 6,912):
+    a layer is Q 1152·1024 + K, V 1152·256 each + O 1024·1152 = 2,949,120, GeGLU 3·1152·6912 = 23,887,872, four
+    norms of 1,152 and the two Q/K-norm vectors of 256 = 5,120: 26,842,112; × 26 layers, + the final norm 1,152, + the
+    (tied) embedding 262,144·1,152 = 301,989,888: 999,885,952 (the hub's 1,000M)."""
+    from llmtrace.tracer.analytic.params import count_params
+    from llmtrace.tracer.core.presets import get_preset
+
+    small, large = count_params(get_preset("gemma3-1b")), count_params(get_preset("gemma3-4b"))
+    assert (small.attention_per_layer, small.ffn_per_layer, small.norms_per_layer) == (2_949_120, 23_887_872, 5_120)
+    assert small.embedding == 301_989_888 and small.tied and small.lm_head == 0
+    assert small.total == 26 * 26_842_112 + 1_152 + 301_989_888 == 999_885_952
+    assert round(small.embedding / 1e6) == 302 and round(small.non_embedding / 1e6) == 698
+    # 4B: a layer 2560·2048·2 + 2560·1024·2 = 15,728,640, 3·2560·10240 = 78,643,200, 4·2560 + 2·256 = 10,752
+    assert large.per_layer == 15_728_640 + 78_643_200 + 10_752
+    assert large.non_embedding == 34 * large.per_layer + 2_560 == 3_209_010_688
+    assert round(large.non_embedding / 1e6) == 3_209 and large.embedding == 262_208 * 2_560
+
+
+def test_kvmem_holds_the_window_on_windowed_layers_and_every_position_on_global_ones() -> None:
+    """gemma3-1b at 8,192 positions in fp32: 22 windowed layers hold 512 positions, 4 global layers 8,192; one
+    position of one layer is 2 · 1 KV head · 256 · 4 B = 2,048 B. `run` allocating more is said."""
+    from llmtrace.tracer.analytic.kvmem import kv_cache_bytes, kvmem_report
+    from llmtrace.tracer.core.dtypes import FP32 as fp32
+    from llmtrace.tracer.core.presets import get_preset
+
+    config = get_preset("gemma3-1b")
+    assert kv_cache_bytes(config, 8192, fp32) == 2_048 * (22 * 512 + 4 * 8192) == 90_177_536
+    assert kv_cache_bytes(config, 300, fp32) == 2_048 * 26 * 300  # under the window every layer holds all
+    report = kvmem_report(config, 8192, fp32, budget_bytes=2**30)
+    assert report.size.total_bytes == 90_177_536 and report.size.global_layers == 4
+    assert "22 windowed layers × 512 positions" in report.formula and "4 global layers × 8192" in report.formula
+    assert report.run_note.startswith("`run` allocates every layer's cache") and "436,207,616 B" in report.run_note
+    # 1 GiB: (2^30 // 53,248) positions of every layer, less the windowed layers' 512 each, over the 4 global layers
+    assert report.budget.max_positions_kv_only == (2**30 // 53_248 * 26 - 22 * 512) // 4
+
+
+@pytest.mark.parametrize("preset", ["gemma3-1b", "gemma3-4b"])
+def test_dry_run_of_the_presets_traces_the_estimate(preset: str) -> None:
+    """run --dry-run: every Gemma stage traced on the meta model, its FLOPs equal to the estimate's in the prefill
+    (past the window) and the decode step."""
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    result = CliRunner().invoke(app, ["run", "--model", preset, "--dry-run", "--prompt-tokens", "1100",
+                                      "--max-new-tokens", "2"], terminal_width=120)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert out.count("= equal") == 2
+    assert "global" in out.splitlines()[0] and "norms before and after" in out and "× √" in out
