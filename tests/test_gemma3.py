@@ -314,3 +314,21 @@ def test_dry_run_of_the_presets_traces_the_estimate(preset: str) -> None:
     out = result.output
     assert out.count("= equal") == 2
     assert "global" in out.splitlines()[0] and "norms before and after" in out and "× √" in out
+
+
+@torch.no_grad()
+def test_transformers_gguf_reading_gives_llmtraces_logits(gemma3: tuple[Path, Path, ModelConfig],
+                                                          hf: torch.nn.Module) -> None:
+    """The same GGUF through transformers' own GGUF loading (its dequantization, its names, its 1 + w less 1) and
+    through llmtrace's reader. The folder's config is passed: transformers' gemma3 GGUF mapping reads neither the
+    windowed layers' RoPE base, the linear scaling, query_pre_attn_scalar nor the soft-cap (its defaults would
+    stand in), where llmtrace's reader takes them as llama.cpp does."""
+    _, gguf_path, config = gemma3
+    theirs = transformers.Gemma3ForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                            config=hf.config, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    ours = load_model(str(gguf_path), dtype=FP32, use_cache=False, weights="dense").model
+    ids = torch.randint(3, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
+    expected = theirs(input_ids=ids).logits
+    assert expected.abs().max() > 1.0
+    assert (ours(ids) - expected).abs().max().item() <= 1e-4
