@@ -10,6 +10,12 @@ from llmtrace.cli.tables import report_table
 from llmtrace.tracer.analytic.kvmem import KVMemReport
 
 
+def _note_phrases(note: str) -> list[str]:
+    """A note's phrases, broken after each ", " (the comma kept)."""
+    parts = note.split(", ")
+    return [part + "," for part in parts[:-1]] + parts[-1:]
+
+
 def render_kvmem(console: Console, r: KVMemReport) -> None:
     s = r.size
     held = ""
@@ -20,9 +26,8 @@ def render_kvmem(console: Console, r: KVMemReport) -> None:
         f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {fmt.count(s.seq)} positions per sequence{held}",
         *([f"  [dim]{r.dtype_note}; --dtype for another[/]"] if r.dtype_note else []),
         fmt.flow(_formula_phrases(r.formula), console.width, indent="    "),
-        *([fmt.flow([f"  [dim]{phrase}[/]" if i == 0 else f"[dim]{phrase}[/]"
-                     for i, phrase in enumerate(r.run_note.split(", "))], console.width, indent="    ")]
-          if r.run_note else []),
+        *([fmt.flow([f"{'  ' if i == 0 else ''}[dim]{phrase}[/]" for i, phrase in enumerate(_note_phrases(r.run_note))],
+                    console.width, indent="    ")] if r.run_note else []),
         fmt.flow([f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer;",
                   f"{fmt.count(s.bytes_per_token)} B = {fmt.bytes_both(s.bytes_per_token)}",
                   f"over {s.n_layers} layers (one sequence)."], console.width, indent="    "),
