@@ -36,7 +36,7 @@ transformers = pytest.importorskip("transformers")
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 WINDOW, PROMPT, STEPS = 4, 9, 8  # prompts longer than the window: the windowed layers drop their oldest keys
-SOFTCAP = 3.0  # small enough that the soft-cap bends these logits
+SOFTCAP = 10.0  # small enough that the soft-cap bends these logits (the largest by about a tenth), not so small that it flattens them
 
 
 @pytest.fixture(autouse=True)
@@ -174,12 +174,19 @@ def test_cache_free_logits_equal_gemma3_for_causal_lm(source: str, gemma3: tuple
     assert (loaded.model(ids) - expected).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("backend", ["modules", "staged"])
+# (backend, checkpoint): the GGUF dequantized (dense) and held as stored for the native library's kernels (its Q8_0
+# products run by the packed path's PackedWeights)
+CASES = [("modules", "hf"), ("packed", "hf"), ("staged", "hf"), ("modules", "gguf-dense"), ("packed", "gguf-stored")]
+
+
+@pytest.mark.parametrize(("backend", "source"), CASES)
 @torch.no_grad()
-def test_backends_greedy_ids_and_logits_equal_hf(backend: str, gemma3: tuple[Path, Path, ModelConfig],
+def test_backends_greedy_ids_and_logits_equal_hf(backend: str, source: str, gemma3: tuple[Path, Path, ModelConfig],
                                                  hf: torch.nn.Module) -> None:
-    folder, _, config = gemma3
-    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    folder, gguf_path, config = gemma3
+    weights = {"hf": None, "gguf-dense": "dense", "gguf-stored": "native"}[source]
+    model = load_model(str(folder if source == "hf" else gguf_path), dtype=FP32, use_cache=False,
+                       weights=weights).model
     prompt = prompt_ids(config)
     expected_ids, expected_logits = hf_greedy(hf, prompt)
     ids, logits = greedy(model, backend, prompt)
@@ -187,22 +194,27 @@ def test_backends_greedy_ids_and_logits_equal_hf(backend: str, gemma3: tuple[Pat
     assert (logits - expected_logits).abs().max().item() <= 1e-4
 
 
-def test_packed_and_native_routes_refused_in_one_line(gemma3: tuple[Path, Path, ModelConfig]) -> None:
-    """The packed torch path and the C step have no Gemma stages: select() sends every step to the stage modules
-    and says why, as the run's header, summary and JSON show a route not taken."""
-    folder, _, _ = gemma3
-    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+@pytest.mark.parametrize("weights", [None, "native"])
+def test_the_c_step_refuses_in_one_line_and_the_packed_path_runs(weights: str | None,
+                                                                 gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """The C decode step has no Gemma stages: select() takes the packed path (or under --staged the stage modules)
+    and says why not the C step, as the run's header, summary and JSON show a route not taken; so too for the
+    GGUF held as stored for the native kernel, where it would otherwise run."""
+    folder, gguf_path, _ = gemma3
+    model = load_model(str(folder if weights is None else gguf_path), dtype=FP32, use_cache=False,
+                       weights=weights).model
     model.setup_cache(1, PROMPT + STEPS)
-    for request in (Request(), Request(staged=True)):
+    for request, route_taken in ((Request(), (PACKED, PACKED)), (Request(staged=True), (MODULES, MODULES))):
         route = select(model, request).route
-        assert (route.prefill, route.decode) == (MODULES, MODULES)
+        assert (route.prefill, route.decode) == route_taken
         reasons = {r.backend: r.reason for r in route.not_taken}
-        assert reasons[NATIVE].startswith("Gemma 3's (1 + w) norms") and "\n" not in reasons[NATIVE]
+        assert "the C decode step has no Gemma stages" in reasons[NATIVE] and "\n" not in reasons[NATIVE]
 
 
-def _traced(model: Transformer, config: ModelConfig) -> tuple[tuple, list[int]]:
-    """Records of a PROMPT-token prefill and STEPS - 1 decode steps through the stage modules, and FlopCounterMode's
-    total of each step."""
+def _traced(model: Transformer, config: ModelConfig, mechanism: str = "wrap") -> tuple[tuple, list[int]]:
+    """Records of a PROMPT-token prefill and STEPS - 1 decode steps through the stage modules ("wrap") or the packed
+    path ("fused"), and FlopCounterMode's total of each step (its module tracker's hooks send a step through the
+    stage modules: counted on "wrap" only)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from llmtrace.tracer.trace.hooks import Tracer
@@ -211,13 +223,13 @@ def _traced(model: Transformer, config: ModelConfig) -> tuple[tuple, list[int]]:
     model.setup_cache(1, PROMPT + STEPS)
     generator = torch.Generator().manual_seed(0)
     counted = []
-    with Tracer(model, mechanism="wrap") as tracer:
+    with Tracer(model, mechanism=mechanism) as tracer:
         run = backend_for(model).traced(tracer)
         for step in range(STEPS):
             ids = torch.randint(3, config.vocab_size, (1, PROMPT if step == 0 else 1), generator=generator)
             tracer.begin_step(PREFILL if step == 0 else DECODE, step)
             counter = FlopCounterMode(display=False)
-            with counter:
+            with counter if mechanism == "wrap" else torch.no_grad():
                 run.prefill(ids) if step == 0 else run.decode(ids)
             tracer.end_step()
             counted.append(counter.get_total_flops())
@@ -332,3 +344,75 @@ def test_transformers_gguf_reading_gives_llmtraces_logits(gemma3: tuple[Path, Pa
     expected = theirs(input_ids=ids).logits
     assert expected.abs().max() > 1.0
     assert (ours(ids) - expected).abs().max().item() <= 1e-4
+
+
+def test_the_packed_path_marks_every_gemma_stage_with_the_estimates_flops(
+        gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """The packed path marks the contract's fused stages (Q|K|V and gate|up packed) with Gemma's among them; each
+    stage of every layer carries the estimate's FLOPs for that layer (a windowed or the global one), and a step's
+    totals are the estimate's."""
+    from llmtrace.tracer.analytic import estimate
+    from llmtrace.tracer.trace.summary import stage_totals
+
+    folder, _, config = gemma3
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    records, _ = _traced(model, config, "fused")
+    assert [r.short_name for r in records if r.step == 0 and r.layer == 5] == [
+        "attention_norm", "attention.wqkv", "attention.qk_norm", "attention.rope", "attention.kv_cache",
+        "attention.scores", "attention.softmax", "attention.pv", "attention.wo", "post_attention_norm",
+        "attn_residual", "ffn_norm", "feed_forward.w13", "feed_forward.gelu", "feed_forward.w2", "post_ffn_norm",
+        "ffn_residual"]
+    dtypes = estimate.Dtypes.for_weights(FP32)
+    for step in range(STEPS):
+        stages = [r for r in records if r.step == step]
+        phase = (estimate.prefill(config, PROMPT, dtypes) if step == 0
+                 else estimate.decode_step(config, PROMPT - 1 + step, dtypes))
+        ours = stage_totals(stages)
+        assert (ours.flops, ours.matmul_flops, ours.weight_bytes_read, ours.kv_bytes_read) == (
+            phase.totals.total_flops, phase.totals.matmul_flops, phase.totals.weight_bytes,
+            phase.totals.kv_read_bytes)
+        components = {c.name: c for c in phase.components}
+        for record in stages:
+            parts = estimate.stage_components(record.short_name, config, record.layer)
+            assert record.flops == sum(components[part].flops for part in parts), (step, record.layer, record.short_name)
+
+
+@pytest.mark.parametrize("backend", ["modules", "packed"])
+@torch.no_grad()
+def test_a_left_padded_batch_gives_each_rows_own_logits(backend: str, gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """Prompts of 9 and 5 tokens in one batch, the shorter left-padded: the pad mask spans a global layer's keys and a
+    windowed layer reads its last S of them; every step's logits of each row equal its run alone."""
+    folder, _, config = gemma3
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    long, short = prompt_ids(config)[0], prompt_ids(config)[0, 4:]
+    batch = torch.stack([long, torch.cat([torch.zeros(4, dtype=torch.long), short])])
+    alone = []
+    for prompt in (long, short):
+        model.setup_cache(1, PROMPT + 4)
+        run = backend_for(model, Request(backend=backend))
+        logits = [run.prefill(prompt.view(1, -1))[0]]
+        for _ in range(3):
+            logits.append(run.decode(logits[-1].argmax().view(1, 1))[0])
+        alone.append(torch.stack(logits))
+    model.setup_cache(2, PROMPT + 4)
+    run = backend_for(model, Request(batch=2, backend=backend))
+    together = [run.prefill(batch, [0, 4])]
+    for step in range(3):
+        together.append(run.decode(torch.stack([alone[0][step].argmax(), alone[1][step].argmax()]).view(2, 1)))
+    together = torch.stack(together)  # (steps, 2, V)
+    for row in range(2):
+        assert (together[:, row] - alone[row]).abs().max().item() <= 1e-4
+
+
+def test_run_refuses_to_split_gemma_over_ranks(gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """The tensor-parallel model's embed and logits (tracer/model/tensor_parallel.py) apply neither × √d nor the
+    soft-cap: `run --tp 2` says so in one line, exit 2, before any rank starts."""
+    from typer.testing import CliRunner
+
+    from llmtrace.cli.app import app
+
+    folder, _, _ = gemma3
+    result = CliRunner().invoke(app, ["run", "--model", str(folder), "hi", "--tp", "2"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().endswith("scales its embeddings by √d (Gemma), which the ranks' split does not "
+                                          "apply yet; run it on one device (`roofline --tp` costs the split)")

@@ -53,14 +53,17 @@ class PlusOne:
         return self.value
 
 
-def rms_norm_plus_one(x: torch.Tensor, shifted: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+def rms_norm_plus_one(x: torch.Tensor, shifted: torch.Tensor, floor: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), all in fp32 and cast back after the multiply (HF's
-    Gemma3RMSNorm: "(x * w).to(float16)", where LLaMA's casts before). `shifted` is 1 + w in fp32."""
+    Gemma3RMSNorm: "(x * w).to(float16)", where LLaMA's casts before). `shifted` is 1 + w in fp32; into `out` when
+    given (x itself, as rms_norm's)."""
     dim = x.shape[-1]
     rms = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32), floor).mul_(dim**-0.5)
     if x.dtype == torch.float32:
-        return torch.div(x, rms).mul_(shifted)
-    return torch.div(x.float(), rms).mul_(shifted).to(x.dtype)
+        return torch.div(x, rms, out=out).mul_(shifted)
+    normed = torch.div(x.float(), rms).mul_(shifted)
+    return normed.to(x.dtype) if out is None else out.copy_(normed)
 
 
 def matvec(weight: torch.Tensor, vector: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
-from llmtrace.tracer.model.functional import MATVEC_KERNELS, project, step_mask
+from llmtrace.tracer.model.functional import MATVEC_KERNELS, project, softcap, step_mask
 from llmtrace.tracer.model.moe import ExpertsPlan, MixtureOfExperts
 from llmtrace.tracer.model.native_step import AheadRun, Chooser, NativeStep, host_clock_matches
 from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
@@ -66,16 +66,20 @@ class PackedLayer:
     concatenation), QK-norm's weight over the q|k rows, and this step's state, set by `FusedPlan.step`: B and T, the
     attention mask, the layer's cache views and the mark. The shapes the native step reads (heads, ...) too."""
 
-    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "head_dim",
-                 "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight", "qk_whole",
-                 "scale", "values", "w13", "w2", "wo", "wqkv", "write")
+    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "gemma",
+                 "head_dim", "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight",
+                 "qk_whole", "scale", "values", "w13", "w2", "window", "wo", "wqkv", "write")
 
     def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor]) -> None:
         self.product = product  # functional.project with the run's one-token kernel (FusedPlan's matvec)
         attn, ffn = layer.attention, layer.feed_forward
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = attn.scores.scale
+        self.window = attn.kv_cache.window  # this layer's (Gemma 3: None on its global layers)
         self.attention_norm, self.ffn_norm = layer.attention_norm, layer.ffn_norm
+        # Gemma's stages the native step does not have: (1 + w) norms, the norms after attention and FFN, GeGLU
+        self.gemma = layer.attention_norm.plus_one is not None or layer.post_attention_norm is not None or \
+            "gelu" in ffn._modules
         self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
         self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
         self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
@@ -96,6 +100,8 @@ class PackedLayer:
         whole = qk_norm is not None and attn.qk_norm_whole  # OLMoE's: the C step's only (the packed path's is not)
         self.qk_weight = None if qk_norm is None or whole else torch.cat([
             qk_norm.q_weight.detach().expand(self.heads, -1), qk_norm.k_weight.detach().expand(self.kv_heads, -1)])
+        if qk_norm is not None and qk_norm.plus_one is not None:  # Gemma: 1 + w in fp32 (rms_norm_plus_one's)
+            self.qk_weight = 1.0 + self.qk_weight.float()
         self.qk_floor = None if qk_norm is None else qk_norm.floor(qk_norm.q_weight.device)
         self.qk_whole = None if not whole else qk_norm  # its q (H*D,) and k (Hkv*D,) weights and floors
         self.batch = self.new = 0
@@ -138,6 +144,8 @@ class FusedPlan:
         self.output, self.output_bias = _weight_of(model.output), _detached(model.output.bias)  # (V, dim), (V,)
         self.final_norm = model.norm
         self.dtype = model.norm.weight.dtype  # the compute dtype (a stored embedding's rows are dequantized to it)
+        # Gemma's stages before the layers and after the LM head (None without): × sqrt(dim), the soft-cap
+        self.embed_scale, self.softcap = getattr(model, "embed_scale", None), getattr(model, "softcap", None)
         self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each: the native step's
         # Row 0 of every layer's cache as one (L, 2*Hkv, S_max, D) view, when the model keeps them in one tensor
         # (Transformer.setup_cache) and the layers' buffers are still its slices; else None (no one-token path).
@@ -150,6 +158,9 @@ class FusedPlan:
         self.kv_all = kv_all if shared and self.caches else None  # (L, B_max, 2*Hkv, S_max, D)
         self.kv_rows = None if self.kv_all is None else kv_all.select(1, 0)  # (L, 2*Hkv, S_max, D)
         self.window = self.caches[0].window if self.caches else None
+        self.windows = [cache.window for cache in self.caches]  # each layer's (Gemma 3: None on its global layers)
+        self.window_set = tuple(set(self.windows))  # the distinct ones, for each step's masks
+        self.mixed_windows = len(self.window_set) > 1
         # The caches' size in plain values, for the checks before every step (Transformer._cached_step) and the
         # step record's live bytes (`kv_live_bytes`): a cache module's attributes and tensor getters cost ~20-35 us
         # each right after a step. The plan is built per run from a model nothing changes while it runs.
@@ -159,8 +170,14 @@ class FusedPlan:
             len(self.caches) * 2 * self.caches[0].n_kv_heads * self.caches[0].head_dim * kv.element_size())
         # The one-token step as one C call (tracer/model/native_step.py) when every product is a native-kernel
         # PackedWeight and the model runs in fp32 on the CPU; else None, and `native_reason` says why.
-        self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
-            None, "the layers' KV caches are not one tensor")
+        if any(layer.gemma for layer in self.layers) or self.embed_scale is not None or self.softcap is not None \
+                or self.mixed_windows:
+            self.native, self.native_reason = None, (
+                "the C decode step has no Gemma stages ((1 + w) norms, norms after attention and FFN, GeGLU, × √d, "
+                "soft-cap, windowed and global layers)")
+        else:
+            self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
+                None, "the layers' KV caches are not one tensor")
 
     def kv_live_bytes(self, length: int | None = None) -> int:
         """Bytes of K and V attention can still read, over every layer: every layer's cache holds the same positions
@@ -168,6 +185,9 @@ class FusedPlan:
         values; after `length` positions of its sequences, when given."""
         fill = self.fill
         length = fill.length if length is None else length
+        if self.mixed_windows:  # Gemma 3: each layer its own window, or none
+            held = sum(length if w is None else min(length, w) for w in self.windows)
+            return self.position_bytes // len(self.windows) * fill.batch * held
         held = length if self.window is None else min(length, self.window)
         return self.position_bytes * fill.batch * held
 
@@ -183,15 +203,28 @@ class FusedPlan:
         one-token step as `native_decode` first."""
         batch, new = tokens.shape
         end = start + new
-        first = first_attended_position(end, new, self.window)  # the oldest position the new queries attend
-        mask = step_mask(new, end - first, tokens.device, self.window, pad_mask)  # (T, S), (B, 1, T, S) or None
+        # Per window the layers have (one but for Gemma 3's windowed and global layers): the oldest position its
+        # queries attend and its mask. The cache views span the widest; a windowed layer reads their last S (a
+        # left-padded batch's pad mask, made over the widest, too: ModelCaches._pad_step).
+        first = min(first_attended_position(end, new, w) for w in self.window_set) if self.windows else 0
+        spans = {}
+        for window in self.window_set:
+            own = first_attended_position(end, new, window)
+            pads = None if pad_mask is None else pad_mask[..., own - first:]  # (B, 1, T, S) of its keys
+            spans[window] = own - first, step_mask(new, end - own, tokens.device, window, pads)
         writes, keys, values = self._cache_views(batch, start, new, first)
         for layer, write, k, v in zip(self.layers, writes, keys, values):
+            skip, mask = spans[layer.window]
+            if skip:
+                k, v = k.narrow(2, skip, k.shape[2] - skip), v.narrow(2, skip, v.shape[2] - skip)  # (B, Hkv, S, D)
             layer.batch, layer.new, layer.mask, layer.mark = batch, new, mask, mark
             layer.write, layer.keys, layer.values = write, k, v
         mark()
         x = type(self.tok_embeddings).forward(self.tok_embeddings, tokens.reshape(-1))  # (B*T, dim)
         mark()
+        if self.embed_scale is not None:
+            x = type(self.embed_scale).forward(self.embed_scale, x)
+            mark()
         if batch * new == 1:
             x = x[0]  # (dim,): one token runs vectors through matrix-vector products
         for block, layer in zip(self.blocks, self.layers):
@@ -201,6 +234,9 @@ class FusedPlan:
         mark()
         logits = self.product(h, self.output, self.output_bias).view(batch, -1)  # (B, V)
         mark()
+        if self.softcap is not None:
+            logits = softcap(logits, self.softcap.cap)
+            mark()
         return logits
 
     def _cache_views(self, batch: int, start: int, new: int, first: int) -> tuple[list[torch.Tensor], ...]:

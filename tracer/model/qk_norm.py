@@ -45,7 +45,8 @@ class QKNorm(nn.Module):
         `packed.qk_weight` (H+Hkv, D), q's weight over the H heads then k's over the Hkv."""
         floor = self.floor(q.device)
         if packed is not None:
-            rms_norm(k, packed.qk_weight, floor, out=k)
+            norm = rms_norm_plus_one if self.plus_one is not None else rms_norm  # its qk_weight then 1 + w, fp32
+            norm(k, packed.qk_weight, floor, out=k)
             return q, k
         k_floor = floor
         if self.k_weight.shape[0] != self.q_weight.shape[0]:

@@ -24,7 +24,7 @@ bytes, formats) with C's times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from torch import nn
@@ -116,7 +116,7 @@ def stage_shapes(config: ModelConfig, step: StepDims,
             widths = (weights[0][1], sum(w[0] for w in weights))
         dims = CallDims(step.batch, step.new, keys, config.dim, config.n_heads, config.n_kv_heads, config.head_dim,
                         config.ffn_dim, (step.batch, step.new) if spec.in_layer else (step.batch,),
-                        step.per_row_positions, config.qk_norm_whole, widths)
+                        step.per_row_positions, config.qk_norm_whole, widths, vocab=config.vocab_size)
         shapes[spec.role] = KINDS[spec.kind].shapes(dims)
     return shapes
 
@@ -145,10 +145,14 @@ def fused_events(config: ModelConfig, stages: list[StageModule], marks: list[int
     readings, or with `staged` the native staged step's): the n-th stage ran from reading n to reading n + 1, the
     stage `order[n]` of `stages` (by default n itself; a mixture of experts' steps run its expert stages k times)."""
     shapes = stage_shapes(config, dims, staged)
+    # Gemma 3's global layers read every position where the others read their window's
+    full = stage_shapes(replace(config, sliding_window=None, full_layers=()), dims, staged) if config.mixed_windows \
+        else shapes
     events = []
     for n, index in enumerate(range(len(stages)) if order is None else order):
         stage = stages[index]
-        inputs, outputs = shapes[stage.name if stage.layer is None else stage.name.split(".", 2)[2]]
+        role = stage.name if stage.layer is None else stage.name.split(".", 2)[2]
+        inputs, outputs = (full if stage.layer in config.full_layers else shapes)[role]
         events.append((index, marks[n], marks[n + 1], add((*inputs, None, *outputs))))
     return events
 
