@@ -94,6 +94,9 @@ def check_tensor_parallel(model: str | None, tp: int, device: str, dtype: Any = 
     if config.moe is not None and tp > 1:  # the model's split (tracer/model/tensor_parallel.py) shards a dense FFN
         raise BadArgumentError(f"run --tp {tp}: {config.name} is a mixture of experts, which the ranks do not split "
                                "yet; run it on one device (`roofline --tp` costs the split)")
+    if (config.embed_scale or config.final_softcap) and tp > 1:  # the ranks' embed and logits apply neither yet
+        raise BadArgumentError(f"run --tp {tp}: {config.name} scales its embeddings by √d (Gemma), which the ranks' "
+                               "split does not apply yet; run it on one device (`roofline --tp` costs the split)")
     check_tp_split(config, tp)
     if device.startswith("cuda"):
         import torch
