@@ -466,6 +466,8 @@ def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -
     rows: list[_Row] = []
     for spec in contract.staged_stages(cfg):  # the contract's stages, in execution order, the attention core apart
         name, label, kind, per_layer = spec.role, spec.label, spec.kind, spec.in_layer
+        if cfg.geglu:  # Gemma's FFN products gate a gelu, not a silu
+            label = label.replace("SwiGLU", "GeGLU")
         if name in MOE_REPLICATED:
             continue  # a mixture of experts' router, route and weighted sum: _routed_rows places them
         n, sym = (r, "BT") if per_layer else (head_rows, "B")
