@@ -47,7 +47,10 @@ def run_tensor_parallel_cli(console: Console, settings: RunSettings, dtype: Any,
         torchrun_world,
     )
 
-    check_tensor_parallel(settings.model or None, tp, settings.device, dtype, settings.weights or None)
+    # the shards' memory together: spawned ranks share this machine; torchrun's may not (each checks its own load)
+    launched_here = torchrun_world() is None
+    check_tensor_parallel(settings.model or None, tp, settings.device, dtype if launched_here else None,
+                          settings.weights or None)
     if settings.temperature > 0 and settings.seed is None:
         # every rank must draw the same tokens: one seed, drawn here, shared (recorded so --seed replays the run)
         settings = replace(settings, seed=random.SystemRandom().randrange(2**31), seed_drawn=True)
