@@ -189,24 +189,9 @@ class NativeStep:
                     len(layer.experts.down), layer.experts.top_k, layer.experts.renormalise) !=
                     (len(moe.down), moe.top_k, moe.renormalise)):
                 raise NotEligible("layers with different experts")
-            mats = [self._matrix(layer.wqkv, ((heads + 2 * kv_heads) * head_dim, dim), "Q|K|V"),
-                    self._matrix(layer.wo, (dim, heads * head_dim), "wo"),
-                    *((None, None) if moe is not None else (self._matrix(layer.w13, (2 * ffn, dim), "gate|up"),
-                                                            self._matrix(layer.w2, (dim, ffn), "w2")))]
-            norms = [self._vector(n.weight, dim, "norm") for n in (layer.attention_norm, layer.ffn_norm)]
+            described.append(self._describe(layer, dim, qk_norm, whole))
             if any(_floor(n) != floor for n in (layer.attention_norm, layer.ffn_norm)):
                 raise NotEligible("norms of different epsilons")
-            biases = [self._vector(b, rows, "bias") for b, rows in
-                      ((layer.bqkv, (heads + 2 * kv_heads) * head_dim), (layer.bo, dim), (layer.b13, 2 * ffn),
-                       (layer.b2, dim))]
-            # QK-norm's q and k weights (D,): the first H and the last Hkv rows of the packed path's (H+Hkv, D)
-            qk = [None, None] if not qk_norm else [
-                self._vector(layer.qk_whole.q_weight.detach(), heads * head_dim, "QK-norm weight"),
-                self._vector(layer.qk_whole.k_weight.detach(), kv_heads * head_dim, "QK-norm weight")] if whole else [
-                self._vector(layer.qk_weight[row].contiguous(), head_dim, "QK-norm weight")
-                for row in (0, heads)]
-            described.append(_Layer(*mats, *norms, *biases, *qk,
-                                    *(self._experts(layer.experts, dim, ffn) if moe is not None else ())))
             if moe is not None:
                 self._routes.append((layer.experts.route, (self._routed_weights[index:index + 1],
                                                            self._routed[index:index + 1])))
@@ -228,14 +213,7 @@ class NativeStep:
                            self._vector(plan.output_bias, vocab, "bias"), kv.data_ptr(), kv.stride(0), kv.stride(1),
                            None, 0)
         self._keep.append(kv)
-        table = plan.embedding  # (V, dim): held as stored (the native kernel's rows) or dense fp32
-        if isinstance(table, PackedWeight) and runs_blocks(table.format.kernel) and table.shape[1] == dim:
-            self._plan.embedding = self._keep_matrix(table)
-        elif isinstance(table, torch.Tensor) and table.dim() == 2 and table.shape[1] == dim:
-            self._plan.embedding_dense = self._vector(table.reshape(-1), table.numel(), "embedding table")
-        else:
-            raise NotEligible("the embedding table is neither native blocks nor dense fp32")
-        self._plan.embedding_rows = table.shape[0]
+        self._embed(plan.embedding, dim)
         self._plan.qk_norm_floor = float(first.qk_floor) if qk_norm else 0.0
         if whole:  # the keys' own floor, sqrt(Hkv*D * eps), as QKNorm takes it
             self._plan.qk_norm_whole = 1
@@ -243,21 +221,8 @@ class NativeStep:
         if moe is not None:
             self._plan.n_experts, self._plan.top_k = len(moe.down), moe.top_k
             self._plan.renormalise = int(moe.renormalise)
-        self._routed_address = self._routed.data_ptr() if moe is not None else None
-        self._routed_weights_address = self._routed_weights.data_ptr() if moe is not None else None
-        self._address = ctypes.addressof(self._plan)
         self.layers, self.vocab, self.dim, self.head_dim = len(layers), vocab, dim, head_dim
-        self.stamp_count = stamp_count(len(layers), staged=False, qk_norm=qk_norm, experts=self.top_k)
-        self.staged_stamp_count = stamp_count(len(layers), staged=True, qk_norm=qk_norm, experts=self.top_k)
-        self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
-        # Where the rope tables and the stamps live, read once like every other address the plan holds: a tensor's
-        # data_ptr() costs ~10 us right after a step has streamed the weights (FusedPlan.native_off_reason checks
-        # that the plan's tables are still these tensors before every step).
-        self._cos_address, self._sin_address = self.cos.data_ptr(), self.sin.data_ptr()
-        self._stamps_address = self._stamps.data_ptr()
-        # the stamps as ctypes sees them (the tensor above owns the memory): a traced step's readings are a slice of
-        # this, a list at once, where the tensor's slice and tolist() took ~40 us right after a step
-        self._stamp_values = (ctypes.c_int64 * self.staged_stamp_count).from_address(self._stamps_address)
+        self._addresses(moe is not None, len(layers), qk_norm)
         self._taken = 0  # readings the last traced step left
         self._threads = 0
         self._ensure_scratch(torch.get_num_threads())
@@ -271,6 +236,53 @@ class NativeStep:
             return cls(plan), ""
         except NotEligible as exc:
             return None, str(exc)
+
+    def _describe(self, layer: Any, dim: int, qk_norm: bool, whole: bool) -> _Layer:
+        """One PackedLayer as decode_step.c reads it: its matrices, norms, biases, QK-norm weights and experts."""
+        heads, kv_heads, head_dim, ffn = layer.heads, layer.kv_heads, layer.head_dim, layer.ffn_dim
+        moe = layer.experts
+        mats = [self._matrix(layer.wqkv, ((heads + 2 * kv_heads) * head_dim, dim), "Q|K|V"),
+                self._matrix(layer.wo, (dim, heads * head_dim), "wo"),
+                *((None, None) if moe is not None else (self._matrix(layer.w13, (2 * ffn, dim), "gate|up"),
+                                                        self._matrix(layer.w2, (dim, ffn), "w2")))]
+        norms = [self._vector(n.weight, dim, "norm") for n in (layer.attention_norm, layer.ffn_norm)]
+        biases = [self._vector(b, rows, "bias") for b, rows in
+                  ((layer.bqkv, (heads + 2 * kv_heads) * head_dim), (layer.bo, dim), (layer.b13, 2 * ffn),
+                   (layer.b2, dim))]
+        # QK-norm's q and k weights (D,): the first H and the last Hkv rows of the packed path's (H+Hkv, D)
+        qk = [None, None] if not qk_norm else [
+            self._vector(layer.qk_whole.q_weight.detach(), heads * head_dim, "QK-norm weight"),
+            self._vector(layer.qk_whole.k_weight.detach(), kv_heads * head_dim, "QK-norm weight")] if whole else [
+            self._vector(layer.qk_weight[row].contiguous(), head_dim, "QK-norm weight")
+            for row in (0, heads)]
+        return _Layer(*mats, *norms, *biases, *qk, *(self._experts(moe, dim, ffn) if moe is not None else ()))
+
+    def _embed(self, table: Any, dim: int) -> None:
+        """The embedding table (V, dim) into the plan: held as stored (the native kernel's rows) or dense fp32."""
+        if isinstance(table, PackedWeight) and runs_blocks(table.format.kernel) and table.shape[1] == dim:
+            self._plan.embedding = self._keep_matrix(table)
+        elif isinstance(table, torch.Tensor) and table.dim() == 2 and table.shape[1] == dim:
+            self._plan.embedding_dense = self._vector(table.reshape(-1), table.numel(), "embedding table")
+        else:
+            raise NotEligible("the embedding table is neither native blocks nor dense fp32")
+        self._plan.embedding_rows = table.shape[0]
+
+    def _addresses(self, routed: bool, n_layers: int, qk_norm: bool) -> None:
+        """The stamps' buffer and every address a step passes to C, read once."""
+        self._routed_address = self._routed.data_ptr() if routed else None
+        self._routed_weights_address = self._routed_weights.data_ptr() if routed else None
+        self._address = ctypes.addressof(self._plan)
+        self.stamp_count = stamp_count(n_layers, staged=False, qk_norm=qk_norm, experts=self.top_k)
+        self.staged_stamp_count = stamp_count(n_layers, staged=True, qk_norm=qk_norm, experts=self.top_k)
+        self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
+        # Where the rope tables and the stamps live, read once like every other address the plan holds: a tensor's
+        # data_ptr() costs ~10 us right after a step has streamed the weights (FusedPlan.native_off_reason checks
+        # that the plan's tables are still these tensors before every step).
+        self._cos_address, self._sin_address = self.cos.data_ptr(), self.sin.data_ptr()
+        self._stamps_address = self._stamps.data_ptr()
+        # the stamps as ctypes sees them (the tensor above owns the memory): a traced step's readings are a slice of
+        # this, a list at once, where the tensor's slice and tolist() took ~40 us right after a step
+        self._stamp_values = (ctypes.c_int64 * self.staged_stamp_count).from_address(self._stamps_address)
 
     def _matrix(self, weight: Any, shape: tuple[int, int], name: str) -> int:
         if not isinstance(weight, PackedWeight) or not runs_blocks(weight.format.kernel):
