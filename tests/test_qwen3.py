@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+import parity
 from test_qwen2 import _bundled_vocab, _write_tokenizer_json
 from tiny_gguf import write_tiny_gguf
 from tiny_llama import random_weights
@@ -79,7 +80,7 @@ def hf(qwen3: tuple[Path, Path, ModelConfig]) -> torch.nn.Module:
 
 
 def prompt_ids(config: ModelConfig) -> torch.Tensor:
-    return torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    return parity.prompt_ids(config.vocab_size, PROMPT)
 
 
 # Each backend as a run asks for it (tracer/run/select.py), and the route (prefill, decode) it must then take.
@@ -108,20 +109,13 @@ def greedy(model: Transformer, backend: str, prompt: torch.Tensor) -> tuple[list
             return out
 
         setattr(run.plan, name, counted)
-    logits = [run.prefill(prompt)[0]]
-    ids = [int(logits[-1].argmax())]
-    for _ in range(STEPS - 1):
-        logits.append(run.decode(torch.tensor([[ids[-1]]]))[0])
-        ids.append(int(logits[-1].argmax()))
+    ids, logits = parity.greedy_run(run, prompt, STEPS)
     assert len(c_steps) == (STEPS - 1 if backend.startswith("native") else 0)
-    return ids, torch.stack(logits)
+    return ids, logits
 
 
-@torch.no_grad()
 def hf_greedy(hf: torch.nn.Module, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    out = hf.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
-                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, PROMPT:].tolist(), torch.cat(out.logits)
+    return parity.hf_greedy(hf, prompt, STEPS)
 
 
 def test_config_reads_qk_norm_head_dim_and_no_biases(qwen3: tuple[Path, Path, ModelConfig]) -> None:

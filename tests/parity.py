@@ -1,0 +1,33 @@
+"""Greedy parity against transformers, shared by the architecture tests (test_qwen3, test_mixtral and the MoE files
+that import from it, test_gemma3): the same random prompt, transformers' greedy generation with its logits, and the
+same loop through a llmtrace backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def prompt_ids(vocab_size: int, length: int) -> torch.Tensor:
+    """(1, length) random ids past the special ones (0-2), the same for every test (seed 5)."""
+    return torch.randint(3, vocab_size, (1, length), generator=torch.Generator().manual_seed(5))
+
+
+@torch.no_grad()
+def hf_greedy(hf: torch.nn.Module, prompt: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' `steps` greedy tokens after `prompt` and the logits (steps, V) it chose them from."""
+    out = hf.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, prompt.shape[1]:].tolist(), torch.cat(out.logits)
+
+
+@torch.no_grad()
+def greedy_run(run: Any, prompt: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    """The same through a llmtrace backend (tracer/run/backends.py's prefill and decode): ids and logits (steps, V)."""
+    logits = [run.prefill(prompt)[0]]
+    ids = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(run.decode(torch.tensor([[ids[-1]]]))[0])
+        ids.append(int(logits[-1].argmax()))
+    return ids, torch.stack(logits)
