@@ -13,10 +13,10 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import parity
 import pytest
 import torch
 from safetensors.torch import save_file
-import parity
 from test_qwen2 import _bundled_vocab, _write_tokenizer_json
 from tiny_gguf import write_tiny_gguf
 from tiny_llama import random_weights
