@@ -306,6 +306,19 @@ static inline __attribute__((always_inline)) float i8_q4_row(int type, const uin
 
 /* ---- Q4_0/Q4_1 rows interleaved in groups of eight (int8_groups.c: the layout and why) ---------------------- */
 
+/* One block of a group: its eight rows' integer dot products `total` scaled into `acc` by d * the activation's d, and
+   the block's offset (Q4_1's m, Q4_0's -8 d) times the activation's sum into `off`; the AVX-512 and AVX2 group
+   kernels below share it. */
+static inline __attribute__((always_inline)) void q4_group_scale(int type, const group_q4_0 *g0, const group_q4_1 *g1,
+                                                                 const XBlock *xb, __m256i total, __m256 *acc,
+                                                                 __m256 *off) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(type == Q4_1 ? g1->d : g0->d)));
+    *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(total), *acc);
+    const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1->m))
+                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    *off = _mm256_fmadd_ps(offset, _mm256_set1_ps(xb->s), *off);
+}
+
 /* one group of eight rows (its interleaved blocks at g) times one activation row, into out[0..8). Per block, row r's
    integer sum of its 32 code x activation products (exact: no int16 pair sum saturates, each at most 2 * 15 * 127,
    eight added 30480), then acc_r += (d_r * d_x) * sum and off_r += offset_r * s_x in fp32, block after block: the
@@ -344,11 +357,7 @@ static inline __attribute__((always_inline)) void i8_q4_group(int type, const ui
                                    _mm512_permutexvar_epi32(pick67, xq));
         const __m512i both = _mm512_add_epi32(low, high);
         const __m256i total = _mm256_add_epi32(_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1));
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(type == Q4_1 ? g1->d : g0->d)));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), _mm256_cvtepi32_ps(total), acc);
-        const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1->m))
-                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        off = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[b].s), off);
+        q4_group_scale(type, g0, g1, &x[b], total, &acc, &off);
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
 }
@@ -374,11 +383,7 @@ static inline __attribute__((always_inline)) void i8_q4_group(int type, const ui
             sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4), xh));
         }
         const __m256i total = _mm256_madd_epi16(sum, ones);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(type == Q4_1 ? g1->d : g0->d)));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), _mm256_cvtepi32_ps(total), acc);
-        const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1->m))
-                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        off = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[b].s), off);
+        q4_group_scale(type, g0, g1, &x[b], total, &acc, &off);
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
 }
