@@ -244,7 +244,9 @@ def _gguf_types() -> tuple[list[str], list[str], str]:
 
 def table_loads() -> str:
     from llmtrace.tracer.checkpoint.gguf_tokenizer import SUPPORTED_PRE
-    from llmtrace.tracer.core.config import GGUF_ARCHITECTURES, HF_ARCHITECTURES, ModelConfig
+    from llmtrace.tracer.core.config import ModelConfig
+    from llmtrace.tracer.core.config_gguf import GGUF_ARCHITECTURES
+    from llmtrace.tracer.core.config_hf import HF_ARCHITECTURES
     from llmtrace.tracer.core.refusals import REFUSALS
 
     for arch in HF_ARCHITECTURES:

@@ -12,7 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
-from llmtrace.tracer.core.config import GGUF_ARCHITECTURES, HF_ARCHITECTURES, ModelConfig
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.config_gguf import GGUF_ARCHITECTURES
+from llmtrace.tracer.core.config_hf import HF_ARCHITECTURES
 from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.core.refusals import REFUSALS, Refusal
 

@@ -4,8 +4,8 @@ Pure Python.
 
 A family is matched by any of its HF architectures (config.json's `architectures`), HF model types (`model_type`,
 for a config without architectures) or GGUF architectures (`general.architecture`). An architecture in none of them
-gets the readers' generic line, which lists what llmtrace reads (tracer/core/config.py's HF_ARCHITECTURES and
-GGUF_ARCHITECTURES; a family moves there when the model code gains what it lacks).
+gets the readers' generic line, which lists what llmtrace reads (HF_ARCHITECTURES in tracer/core/config_hf.py and
+GGUF_ARCHITECTURES in config_gguf.py; a family moves there when the model code gains what it lacks).
 """
 
 from __future__ import annotations

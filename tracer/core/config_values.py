@@ -1,0 +1,114 @@
+"""The parts a ModelConfig is built of beyond plain numbers (RoPE scaling, a mixture of experts), the bounds every
+field is checked against, and the number checks the config readers (config_hf.py, config_gguf.py) share.
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from llmtrace.tracer.core.errors import ConfigError
+
+# Upper bounds far past any released model (Llama 3.1 405B: dim 16,384, 126 layers, 128 heads, FFN 53,248,
+# vocabulary 128,256; the longest contexts are ~10M): a value beyond them is a corrupt file, and refusing it here
+# keeps torch from being asked for a tensor of 2^60 elements.
+INT_LIMITS = {"vocab_size": 2**31 - 1, "dim": 2**20, "n_layers": 2**14, "n_heads": 2**14, "n_kv_heads": 2**14,
+              "ffn_dim": 2**24, "max_seq_len": 2**30}
+MAX_EXPERTS = 2**16  # DeepSeek-V3 has 256 routed experts a layer
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3"), or with `kind` "linear" every
+    frequency divided by `factor` (Gemma 3's global layers; the other fields then unused)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+    kind: str = "llama3"  # "llama3" or "linear"
+
+    def check(self, name: str) -> None:
+        if self.kind not in ("llama3", "linear"):
+            raise ConfigError(f"config {name!r}: rope scaling kind must be 'llama3' or 'linear', got {self.kind!r}")
+        for field_name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"config {name!r}: rope scaling {field_name} must be a finite number > 0, got "
+                                  f"{value!r}")
+        if self.low_freq_factor >= self.high_freq_factor:
+            raise ConfigError(f"config {name!r}: rope scaling low_freq_factor ({self.low_freq_factor}) must be below "
+                              f"high_freq_factor ({self.high_freq_factor})")
+        if not isinstance(self.original_max_position, int) or isinstance(self.original_max_position, bool) or \
+                not 0 < self.original_max_position <= INT_LIMITS["max_seq_len"]:
+            raise ConfigError(f"config {name!r}: rope scaling original_max_position must be a positive integer, got "
+                              f"{self.original_max_position!r}")
+
+
+# How a router turns its E logits into the k weights it mixes (the FLOPs differ, the experts chosen do not):
+# softmax over all E then the top k renormalised to sum 1 (Mixtral, whose top-k-then-softmax is the same;
+# Qwen3-MoE with norm_topk_prob), or softmax over all E with the top k kept as they are (OLMoE).
+ROUTER_NORMS = ("renormalised", "softmax")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts FFN in every layer: E experts, each a SwiGLU of the config's ffn_dim, and a router
+    (a d x E linear) that sends each token to k of them and sums their outputs weighted."""
+
+    n_experts: int  # E
+    experts_per_token: int  # k
+    router_norm: str  # one of ROUTER_NORMS
+
+    def check(self, name: str) -> None:
+        for field_name in ("n_experts", "experts_per_token"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_EXPERTS:
+                raise ConfigError(f"config {name!r}: {field_name} must be an integer from 1 to {MAX_EXPERTS:,}, "
+                                  f"got {value!r}")
+        if self.experts_per_token > self.n_experts:
+            raise ConfigError(f"config {name!r}: {self.experts_per_token} experts per token of only "
+                              f"{self.n_experts}; k cannot exceed E")
+        if self.router_norm not in ROUTER_NORMS:
+            raise ConfigError(f"config {name!r}: router_norm must be one of {', '.join(ROUTER_NORMS)}, got "
+                              f"{self.router_norm!r}")
+
+
+def whole_number(value: Any, source: str, key: str) -> int:
+    """`value` as an int when it is one (or a float with no fraction, as some writers store sizes); else the
+    one-line ConfigError naming the file and the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{source}: {key!r} must be a whole number, got {short(value)}; the file is malformed")
+    return int(value)
+
+
+def real_number(value: Any, source: str, key: str) -> float:
+    """`value` as a finite float; else the one-line ConfigError naming the file and the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: {key!r} must be a finite number, got {short(value)}; the file is malformed")
+    return float(value)
+
+
+def positive_window(window: Any, rule: str) -> int | None:
+    """A sliding window as a file gives it: None (no window) or a positive int; else the one-line ConfigError that
+    `rule` begins (the file, the key and what it must be)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{rule}, got {window!r}")
+    return window
+
+
+def short(value: Any) -> str:
+    """A value as an error line quotes it: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def dict_or_empty(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
