@@ -419,109 +419,128 @@ def _context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes, kernels
     return rows if cfg.moe is None else _routed_rows(cfg, rows, batch * t, dt)
 
 
-def _stored_name(tensor: str, cfg: ModelConfig) -> str:
-    """The stored tensor a weight is read from: a tied model's LM head is the embedding matrix."""
-    return "tok_embeddings.weight" if tensor == "output.weight" and cfg.tie_embeddings else tensor
-
-
 def _eager_context_free_rows(cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> list[_Row]:
     """The context-free components as eager kernels run them: each reads its inputs and writes its output."""
-    d, h, hkv, hd, f, v = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    q, kv = cfg.q_dim, cfg.kv_dim
-    r = batch * t  # rows through the per-token layers
-    a = dt.activations.bytes_per_value
-    w = dt.weights
-    norm_w = norm_dtype_for(w).row_bytes(d)
-    kv_vec = dt.kv.row_bytes(hd)  # one head vector of K or V, scales included
+    return _EagerRows(cfg, batch, t, dt).rows()
 
-    def flops(kind: str, per_layer: bool = True, widths: tuple[int, int] = (0, 0), bias: bool = False) -> int:
+
+class _EagerRows:
+    """The eager estimate of one pass's context-free stages: each stage kind's row (FLOPs, weight and activation
+    bytes, formula) made by its own method, in the contract's stage order."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, t: int, dt: Dtypes) -> None:
+        self.cfg, self.batch, self.t, self.dt = cfg, batch, t, dt
+        self.r = batch * t  # rows through the per-token layers
+        self.a = dt.activations.bytes_per_value
+        self.vector_dtype = norm_dtype_for(dt.weights)  # norm weights and biases
+        self.by_kind: dict[str, Callable[[contract.StageSpec, str, int, str], list[_Row]]] = {
+            "linear": self.linear, "lm_head": self.linear, "rmsnorm": self.norm, "residual": self.residual,
+            "embedding": self.embedding, "qk_norm": self.qk_norm, "rope": self.rope, "kv_cache": self.kv_cache,
+            "swiglu": self.gated, "geglu": self.gated, "scale": self.scale, "softcap": self.softcap}
+
+    def rows(self) -> list[_Row]:
+        rows: list[_Row] = []
+        for spec in contract.staged_stages(self.cfg):  # in execution order, the attention core apart
+            label = spec.label.replace("SwiGLU", "GeGLU") if self.cfg.geglu else spec.label  # Gemma gates a gelu
+            if spec.role in MOE_REPLICATED:
+                continue  # a mixture of experts' router, route and weighted sum: _routed_rows places them
+            make = self.by_kind.get(spec.kind)
+            if make is None and spec.kind not in _CORE_KINDS:
+                raise ValueError(f"no estimate for stage kind {spec.kind!r}")
+            if make is not None:  # the last position of each sequence only, past the layers
+                rows += make(spec, label, *((self.r, "BT") if spec.in_layer else (self.batch, "B")))
+        return rows
+
+    def flops(self, kind: str, per_layer: bool = True, widths: tuple[int, int] = (0, 0), bias: bool = False) -> int:
         """The stage kind's FLOPs (stage_kinds: its matmul's, or for `bias` a projection's bias add alone)."""
-        matmul, elementwise = step_flops(kind, _dims(cfg, batch, t, t, per_layer, widths), bias)
+        matmul, elementwise = step_flops(kind, _dims(self.cfg, self.batch, self.t, self.t, per_layer, widths), bias)
         return elementwise if bias or not KINDS[kind].matmul else matmul
 
-    def lin(name: str, label: str, rows: int, i: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
-        fl = flops("linear", per_layer, (i, o))
-        return _Row(name, label, MATMUL, per_layer, lambda: f"{sym} = 2·{rows}·{i}·{o}",
-                    Cost(fl, fl, dt.tensor_bytes(_stored_name(tensor, cfg), o * i, w.matrix_bytes(o, i)), 0, 0,
-                         int(rows * i * a), int(rows * o * a)))
+    def elementwise(self, spec: contract.StageSpec, label: str, formula: Callable[[], str], kind: str,
+                    read: int, write: int, weight_bytes: int = 0, every_token: bool = True) -> list[_Row]:
+        """A row of `kind`'s FLOPs over every token's row (else the last position's only) that reads `read` and
+        writes `write` activation values."""
+        fl = self.flops(kind, every_token)
+        return [_Row(spec.role, label, ELEMENTWISE, spec.in_layer, formula,
+                     Cost(fl, fl, weight_bytes, 0, 0, int(read * self.a), int(write * self.a)))]
 
-    def norm(name: str, label: str, rows: int, per_layer: bool, sym: str, tensor: str) -> _Row:
-        fl = flops("rmsnorm", per_layer)
-        return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)",
-                    Cost(fl, fl, dt.tensor_bytes(tensor, d, norm_w), 0, 0, int(rows * d * a), int(rows * d * a)))
+    def linear(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """A projection (the LM head too), and its bias add where it has one."""
+        cfg, dt, weight = self.cfg, self.dt, spec.tensors[0]
+        (o, i), (out_sym, in_sym) = contract.shape_of(weight, cfg), weight.shape
+        fl = self.flops("linear", spec.in_layer, (i, o))
+        stored = "tok_embeddings.weight" if weight.name == "output.weight" and cfg.tie_embeddings else weight.name
+        formula = lambda: f"2·{sym}·{in_sym}·{out_sym} = 2·{rows}·{i}·{o}"  # noqa: E731
+        out = [_Row(spec.role, label, MATMUL, spec.in_layer, formula,
+                    Cost(fl, fl, dt.tensor_bytes(stored, o * i, dt.weights.matrix_bytes(o, i)), 0, 0,
+                         int(rows * i * self.a), int(rows * o * self.a)))]
+        bias = contract.bias_of(spec, cfg)
+        if bias is not None:  # added in the product's epilogue (addmm): FLOPs and the vector's bytes, no traffic
+            fl = self.flops("linear", spec.in_layer, (o, o), bias=True)
+            out.append(_Row(f"{spec.role}.bias", f"{label} bias", ELEMENTWISE, spec.in_layer,
+                            lambda: f"{sym}·{out_sym} = {rows}·{o}",
+                            Cost(fl, fl, dt.tensor_bytes(bias.name, o, self.vector_dtype.row_bytes(o)))))
+        return out
 
-    def residual(name: str, label: str) -> _Row:
-        fl = flops("residual")
-        return _Row(name, label, ELEMENTWISE, True, lambda: f"BT·d = {r}·{d}",
-                    Cost(fl, fl, 0, 0, 0, int(2 * r * d * a), int(r * d * a)))
+    def norm(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        d = self.cfg.dim
+        return self.elementwise(spec, label, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)", "rmsnorm", rows * d,
+                                rows * d, self.dt.tensor_bytes(spec.tensors[0].name, d, self.vector_dtype.row_bytes(d)),
+                                every_token=spec.in_layer)
 
-    def bias(name: str, label: str, rows: int, o: int, sym: str, per_layer: bool, tensor: str) -> _Row:
-        # Added in the product's epilogue (addmm): FLOPs and the vector's bytes, no activation traffic of its own.
-        fl = flops("linear", per_layer, (o, o), bias=True)
-        return _Row(name, label, ELEMENTWISE, per_layer, lambda: f"{sym} = {rows}·{o}",
-                    Cost(fl, fl, dt.tensor_bytes(tensor, o, norm_dtype_for(w).row_bytes(o))))
+    def residual(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        r, d = self.r, self.cfg.dim
+        return self.elementwise(spec, label, lambda: f"BT·d = {r}·{d}", "residual", 2 * r * d, r * d)
 
-    rope, swiglu, geglu = flops("rope"), flops("swiglu"), flops("geglu")
-    head_rows = batch  # last position of each sequence only
-    rows: list[_Row] = []
-    for spec in contract.staged_stages(cfg):  # the contract's stages, in execution order, the attention core apart
-        name, label, kind, per_layer = spec.role, spec.label, spec.kind, spec.in_layer
-        if cfg.geglu:  # Gemma's FFN products gate a gelu, not a silu
-            label = label.replace("SwiGLU", "GeGLU")
-        if name in MOE_REPLICATED:
-            continue  # a mixture of experts' router, route and weighted sum: _routed_rows places them
-        n, sym = (r, "BT") if per_layer else (head_rows, "B")
-        if kind in ("linear", "lm_head"):
-            weight = spec.tensors[0]
-            (out_dim, in_dim), (out_sym, in_sym) = contract.shape_of(weight, cfg), weight.shape
-            rows.append(lin(name, label, n, in_dim, out_dim, f"2·{sym}·{in_sym}·{out_sym}", per_layer, weight.name))
-            bias_spec = contract.bias_of(spec, cfg)
-            if bias_spec is not None:
-                rows.append(bias(f"{name}.bias", f"{label} bias", n, out_dim, f"{sym}·{out_sym}", per_layer,
-                                 bias_spec.name))
-        elif kind == "rmsnorm":
-            rows.append(norm(name, label, n, per_layer, sym, spec.tensors[0].name))
-        elif kind == "residual":
-            rows.append(residual(name, label))
-        elif kind == "embedding":
-            rows.append(_Row(name, label, MEMORY, per_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs",
-                             Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * w.row_bytes(d)),
-                                  act_write_bytes=int(r * d * a))))
-        elif kind == "qk_norm":  # RMSNorm over each of the (H+Hkv) heads' D values of every token
-            widths = [contract.shape_of(tensor, cfg)[0] for tensor in spec.tensors]  # D each, or H·D and Hkv·D
-            vectors = sum(dt.tensor_bytes(t.name, n, norm_dtype_for(w).row_bytes(n)) for t, n in zip(spec.tensors, widths))
-            qk_flops = flops("qk_norm")
-            if cfg.qk_norm_whole:  # OLMoE: one RMSNorm over each token's whole q and whole k
-                formula = lambda: f"BT·(4·H·D+3) + BT·(4·Hkv·D+3) = {r}·(4·{q}+3) + {r}·(4·{kv}+3)"  # noqa: E731
-            else:
-                formula = lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)"  # noqa: E731
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer, formula,
-                             Cost(qk_flops, qk_flops, vectors, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a))))
-        elif kind == "rope":
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer,
-                             lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}",
-                             Cost(rope, rope, 0, 0, 0, int(r * (q + kv) * a), int(r * (q + kv) * a))))
-        elif kind == "kv_cache":
-            rows.append(_Row(name, label, MEMORY, per_layer,
-                             lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values",
-                             Cost(kv_write_bytes=2 * r * hkv * kv_vec, act_read_bytes=int(2 * r * kv * a))))
-        elif kind == "swiglu":
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"6·BT·F = 6·{r}·{f}",
-                             Cost(swiglu, swiglu, 0, 0, 0, int(2 * r * f * a), int(r * f * a))))
-        elif kind == "geglu":
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"10·BT·F = 10·{r}·{f}",
-                             Cost(geglu, geglu, 0, 0, 0, int(2 * r * f * a), int(r * f * a))))
-        elif kind == "scale":  # Gemma's embeddings times sqrt(d): every token row
-            fl = flops("scale")
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"BT·d = {r}·{d}",
-                             Cost(fl, fl, 0, 0, 0, int(r * d * a), int(r * d * a))))
-        elif kind == "softcap":  # the last position's logits
-            fl = flops("softcap", per_layer=False)
-            rows.append(_Row(name, label, ELEMENTWISE, per_layer, lambda: f"3·B·V = 3·{head_rows}·{v}",
-                             Cost(fl, fl, 0, 0, 0, int(head_rows * v * a), int(head_rows * v * a))))
-        elif kind not in _CORE_KINDS:
-            raise ValueError(f"no estimate for stage kind {kind!r}")
-    return rows
+    def embedding(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        r, d, dt = self.r, self.cfg.dim, self.dt
+        return [_Row(spec.role, label, MEMORY, spec.in_layer, lambda: f"gather {r} rows of {d}: 0 FLOPs",
+                     Cost(weight_bytes=dt.tensor_bytes(spec.tensors[0].name, r * d, r * dt.weights.row_bytes(d)),
+                          act_write_bytes=int(r * d * self.a)))]
+
+    def qk_norm(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """RMSNorm over each of the (H+Hkv) heads' D values of every token, or (OLMoE) over each token's whole q
+        and whole k."""
+        cfg, r = self.cfg, self.r
+        h, hkv, hd, q, kv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim
+        widths = [contract.shape_of(tensor, cfg)[0] for tensor in spec.tensors]  # D each, or H·D and Hkv·D
+        vectors = sum(self.dt.tensor_bytes(t.name, n, self.vector_dtype.row_bytes(n))
+                      for t, n in zip(spec.tensors, widths))
+        if cfg.qk_norm_whole:
+            formula = lambda: f"BT·(4·H·D+3) + BT·(4·Hkv·D+3) = {r}·(4·{q}+3) + {r}·(4·{kv}+3)"  # noqa: E731
+        else:
+            formula = lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)"  # noqa: E731
+        return self.elementwise(spec, label, formula, "qk_norm", r * (q + kv), r * (q + kv), vectors)
+
+    def rope(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        cfg, r = self.cfg, self.r
+        h, hkv, hd, width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim + cfg.kv_dim
+        return self.elementwise(spec, label, lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}", "rope",
+                                r * width, r * width)
+
+    def kv_cache(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        r, hkv, hd = self.r, self.cfg.n_kv_heads, self.cfg.head_dim
+        kv_vec = self.dt.kv.row_bytes(hd)  # one head vector of K or V, scales included
+        formula = lambda: f"store 2·BT·Hkv·D = 2·{r}·{hkv}·{hd} values"  # noqa: E731
+        return [_Row(spec.role, label, MEMORY, spec.in_layer, formula,
+                     Cost(kv_write_bytes=2 * r * hkv * kv_vec, act_read_bytes=int(2 * r * self.cfg.kv_dim * self.a)))]
+
+    def gated(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """silu(gate)·up (6 FLOPs an element) or Gemma's gelu(gate)·up (10)."""
+        r, f = self.r, self.cfg.ffn_dim
+        per = 6 if spec.kind == "swiglu" else 10
+        return self.elementwise(spec, label, lambda: f"{per}·BT·F = {per}·{r}·{f}", spec.kind, 2 * r * f, r * f)
+
+    def scale(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """Gemma's embeddings times sqrt(d): every token row."""
+        r, d = self.r, self.cfg.dim
+        return self.elementwise(spec, label, lambda: f"BT·d = {r}·{d}", "scale", r * d, r * d)
+
+    def softcap(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """The last position's logits."""
+        b, v = self.batch, self.cfg.vocab_size
+        return self.elementwise(spec, label, lambda: f"3·B·V = 3·{b}·{v}", "softcap", b * v, b * v,
+                                every_token=False)
 
 
 # The components a mixture of experts adds around its experts, which every tensor-parallel device runs in full (the
