@@ -29,15 +29,10 @@ def diff_command(
         from llmtrace.tracer.trace.diff import diff_traces
 
         diff = diff_traces(read_trace(trace_a), read_trace(trace_b))
-        if json_out:
-            from llmtrace.cli.json_output import print_json
+        from llmtrace.cli.json_output import print_record
+        from llmtrace.cli.render_diff import render_diff
 
-            print_json(diff)
-        else:
-            from llmtrace.cli.console import stdout_console
-            from llmtrace.cli.render_diff import render_diff
-
-            render_diff(stdout_console(), diff, str(trace_a), str(trace_b))
+        print_record(diff, json_out, render_diff, str(trace_a), str(trace_b))
         return 0
 
     code = run_guarded(body)

@@ -1,6 +1,8 @@
 """`llmtrace flops`: FLOPs and bytes per component for a prefill, one decode step and a whole generation."""
 
-from typing import Annotated, Optional
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -17,6 +19,9 @@ from llmtrace.cli.options import (
     dtype_option,
 )
 from llmtrace.tracer.core.dtypes import DType
+
+if TYPE_CHECKING:
+    from llmtrace.tracer.checkpoint.resolve import ResolvedModel
 
 # The old spelling, still read: -n is --max-new-tokens in every command, as in `run` (HF generate's max_new_tokens)
 RENAMED = {"--new-tokens": "--max-new-tokens"}
@@ -69,28 +74,27 @@ def flops(
         if prompt is not None and prompt_len is not None:
             raise BadArgumentError("give either --prompt or --prompt-len, not both")
         resolved = resolve_model(model, vocabulary=prompt is not None)  # a GGUF header read once, vocabulary too
-        tokenizer_source = None
-        if prompt is not None:
-            from llmtrace.tracer.checkpoint.prompt_tokens import count_prompt_tokens
-
-            counted = count_prompt_tokens(resolved, prompt)
-            p_len, tokenizer_source = counted.n_tokens, counted.tokenizer
-            if p_len == 0:
-                raise BadArgumentError("--prompt has no tokens; give some text or --prompt-len N")
-        else:
-            p_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
+        p_len, tokenizer_source = _prompt_length(resolved, prompt, prompt_len)
         report = flops_report(
             resolved, p_len, new_tokens, dtype, kv_dtype,
             batch=batch, decode_context=context, prompt_tokenizer=tokenizer_source, kernels=kernels.value,
         )
-        if json_out:
-            from llmtrace.cli.json_output import print_json
-
-            print_json(report)
-            return
-        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.json_output import print_record
         from llmtrace.cli.render_flops import render_flops
 
-        render_flops(stdout_console(), report, macs)
+        print_record(report, json_out, render_flops, macs)
 
     run_guarded(body)
+
+
+def _prompt_length(resolved: ResolvedModel, prompt: str | None, prompt_len: int | None) -> tuple[int, str | None]:
+    """P: --prompt's tokens counted with the model's own tokenizer (and which tokenizer), else --prompt-len."""
+    if prompt is None:
+        return DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len, None
+    from llmtrace.tracer.checkpoint.prompt_tokens import count_prompt_tokens
+    from llmtrace.tracer.core.errors import BadArgumentError
+
+    counted = count_prompt_tokens(resolved, prompt)
+    if counted.n_tokens == 0:
+        raise BadArgumentError("--prompt has no tokens; give some text or --prompt-len N")
+    return counted.n_tokens, counted.tokenizer

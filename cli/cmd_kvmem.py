@@ -53,14 +53,9 @@ def kvmem(
             budget_bytes=parse_bytes(budget) if budget is not None else None, weights_dtype=weights,
             stored_weight_bytes=sum(n_bytes for _, n_bytes, _ in stored) if stored else None,
         )
-        if json_out:
-            from llmtrace.cli.json_output import print_json
-
-            print_json(report)
-            return
-        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.json_output import print_record
         from llmtrace.cli.render_kvmem import render_kvmem
 
-        render_kvmem(stdout_console(), report)
+        print_record(report, json_out, render_kvmem)
 
     run_guarded(body)

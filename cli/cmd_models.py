@@ -26,14 +26,9 @@ def models(
         from llmtrace.tracer.analytic.catalog import models_report
 
         report = models_report(dtype)
-        if json_out:
-            from llmtrace.cli.json_output import print_json
-
-            print_json(report)
-            return
-        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.json_output import print_record
         from llmtrace.cli.render_models import render_models
 
-        render_models(stdout_console(), report)
+        print_record(report, json_out, render_models)
 
     run_guarded(body)

@@ -76,14 +76,9 @@ def roofline(
         )
         if tp == 1:  # measured kernels are one device's
             report = measured_roofline(report, resolved.config, profile, weights, weights_from)
-        if json_out:
-            from llmtrace.cli.json_output import print_json
-
-            print_json(report)
-            return
-        from llmtrace.cli.console import stdout_console
+        from llmtrace.cli.json_output import print_record
         from llmtrace.cli.render_roofline import render_report
 
-        render_report(stdout_console(), report)
+        print_record(report, json_out, render_report)
 
     run_guarded(body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 
 def json_document(record: Any) -> dict[str, Any]:
@@ -22,3 +22,13 @@ def json_text(record: Any, indent: int | None = 2) -> str:
 
 def print_json(record: Any) -> None:
     sys.stdout.write(json_text(record) + "\n")
+
+
+def print_record(record: Any, json_out: bool, render: Callable[..., None], *args: Any) -> None:
+    """A command's record: its JSON on stdout with --json, else `render(console, record, *args)` on the terminal."""
+    if json_out:
+        print_json(record)
+        return
+    from llmtrace.cli.console import stdout_console
+
+    render(stdout_console(), record, *args)

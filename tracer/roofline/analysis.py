@@ -471,6 +471,13 @@ def _table_batches(crossover: Crossover, max_batch: int) -> list[int]:
     return sorted(batches)
 
 
+def _batch_table(ctx: _Context, cached: int, crossover: Crossover, max_batch: int, capacity: int,
+                 activation_peak_per_sequence: int) -> tuple[BatchRow, ...]:
+    """A decode step's row for each batch of the table (_table_batches), at `cached` positions."""
+    return tuple(_batch_row(ctx, cached, b, capacity, activation_peak_per_sequence)
+                 for b in _table_batches(crossover, max_batch))
+
+
 def _batch_row(ctx: _Context, cached: int, batch: int, capacity: int, activation_peak_per_sequence: int) -> BatchRow:
     phase, cost = ctx.decode_cost(cached, batch)
     p = bound_pass("decode", phase, cost, ctx.machine)
@@ -581,15 +588,14 @@ def roofline(config: ModelConfig, hardware: HardwareProfile, prompt_len: int = 5
     generation = _generation(prefill, _decode_sum(ctx, prompt_len, steps, batch), prompt_len, new_tokens, batch)
     table_cached = max(final_positions - 1, prompt_len)
     crossover = _crossover(ctx, table_cached)
-    peak_per_sequence = -(-peak // batch)
-    table = tuple(_batch_row(ctx, table_cached, b, hardware.memory_bytes, peak_per_sequence)
-                  for b in _table_batches(crossover, fit.max_batch))
+    table = _batch_table(ctx, table_cached, crossover, fit.max_batch, hardware.memory_bytes, -(-peak // batch))
     params = count_params(config)
     return RooflineReport(
         model=config.name, kernels=kernels.value, kernels_from=kernels_from, kernels_description=DESCRIPTIONS[kernels],
         parameters=params.total, active_parameters=params.active, weights_dtype=weights.name,
         kv_dtype=dtypes.kv.name, activation_dtype=dtypes.activations.name, machine=machine,
-        tensor_parallel=_tensor_parallel(config, hardware, tp, batch, prompt_len, act, prefill, first), memory=fit, prefill=prefill, first_decode=first, last_decode=last,
+        tensor_parallel=_tensor_parallel(config, hardware, tp, batch, prompt_len, act, prefill, first), memory=fit,
+        prefill=prefill, first_decode=first, last_decode=last,
         generation=generation, crossover=crossover, table_kv_len=table_cached + 1, batch_table=table,
         moe=estimate.moe_reads(config, table_cached, dtypes, batch, kernels),
         notes=_notes(config, hardware, machine, final_positions, tp), weights_dtype_from=weights_from,
