@@ -523,6 +523,30 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
             os.unlink(tmp)
 
 
+_I, _P, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+# The products' entry points (native/gguf_matmul.c): name -> (argument types, or None to leave them undeclared,
+# result type)
+_SIGNATURES = {
+    "llmt_describe": ([_I, ctypes.POINTER(_I), ctypes.POINTER(_P), ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64,
+                       ctypes.POINTER(_I), _P], _I),
+    "llmt_matmul": ([_P, _P, _I64, _P, _I], _I),
+    "llmt_matrix_size": (None, _I64),
+    "llmt_dequantize": ([_I, _P, _I64, _I64, _P, _I64, _I64, _P, _I], _I),
+    "llmt_interleave": ([_I, _P, _I64, _I64, _I64, _P], _I),
+    "llmt_set_groups": ([_P, _I, _P], _I),
+    "llmt_group_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
+}
+
+
+def _declared(handle: ctypes.CDLL, name: str, argtypes: list | None, restype: type) -> ctypes._CFuncPtr:
+    """The library's entry point `name` with its C signature declared (ctypes then converts and checks the calls)."""
+    call = getattr(handle, name)
+    if argtypes is not None:
+        call.argtypes = argtypes
+    call.restype = restype
+    return call
+
+
 def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
     """The library the key's pointer names, if it is whole, loads, has this ABI and passes the self-test; else
     (None, why). The pointer is the record of what a build of this user made from these sources: the library's name
@@ -567,32 +591,11 @@ def _load_current(folder: Path, key: str) -> tuple[NativeLibrary | None, str]:
             return None, f"library does not load ({exc})"
     finally:
         os.close(fd)
-    describe = handle.llmt_describe
-    describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
-                         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                         ctypes.POINTER(ctypes.c_int), ctypes.c_void_p]
-    describe.restype = ctypes.c_int
-    matmul = handle.llmt_matmul
-    matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    matmul.restype = ctypes.c_int
-    handle.llmt_matrix_size.restype = ctypes.c_int64
-    dequant = handle.llmt_dequantize
-    dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    dequant.restype = ctypes.c_int
-    interleave = handle.llmt_interleave
-    interleave.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                           ctypes.c_void_p]
-    interleave.restype = ctypes.c_int
-    set_groups = handle.llmt_set_groups
-    set_groups.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    set_groups.restype = ctypes.c_int
-    group_rows = handle.llmt_group_rows
-    group_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_void_p]
-    group_rows.restype = ctypes.c_int
-    library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2), describe, matmul,
-                            dequant, int(handle.llmt_matrix_size()), interleave, set_groups, group_rows, handle)
+    calls = {name: _declared(handle, name, *signature) for name, signature in _SIGNATURES.items()}
+    library = NativeLibrary(path, tuple(flag_line.split()), bool(features & 1), bool(features & 2),
+                            calls["llmt_describe"], calls["llmt_matmul"], calls["llmt_dequantize"],
+                            int(handle.llmt_matrix_size()), calls["llmt_interleave"], calls["llmt_set_groups"],
+                            calls["llmt_group_rows"], handle)
     why = _self_test(library)
     return (library, "") if not why else (None, why)
 
