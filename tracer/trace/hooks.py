@@ -194,10 +194,6 @@ class Tracer:
         # the marks that take the backend's own clock readings: the fused path's ("fused"), or the native staged
         # step's ("wrap" where it can stand in for the wrappers: FusedMarks.staged_usable)
         self._marks: FusedMarks | None = None
-        self._shape_table = ShapeTable()
-        # (stage index, shape id) -> the record's fields that follow from them (_static_fields): a decode step's
-        # stages repeat their shapes, so each distinct call is costed once
-        self._static: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._starts: list[int] = []
         self._events: list[RawEvent] = []
         # finished steps, records not yet built: (phase, step, raw events, clock readings, B/T/S), a step that ran
@@ -210,9 +206,8 @@ class Tracer:
         param = norm.weight if isinstance(getattr(norm, "weight", None), torch.Tensor) else next(model.parameters(), None)
         # Stage boundaries: CUDA events on cuda, the host clock elsewhere (tracer/trace/stage_clock.py).
         self.clock = clock or clock_for(param.device if param is not None else "cpu")
-        dtype = param.dtype if param is not None else torch.float32
-        self.activation_dtype = str(dtype).removeprefix("torch.")
-        self.activation_itemsize = dtype.itemsize
+        self._records = StepRecords(self.origin_ns, param.dtype if param is not None else torch.float32)
+        self._shape_table = self._records.shapes
 
     def _resolve(self) -> None:
         """Settle "auto" and list the stages to trace (at `__enter__`: the fused path needs the cache set up)."""
@@ -328,29 +323,40 @@ class Tracer:
             if dims is not None:  # a step the model marked: its events made now, off the hot path
                 events = fused_events(self.model.config, self.stages, marks, dims, self._shape_table.add,
                                       self._marks.staged, self._marks.order)
-            self._built.extend(self._records_of(phase, step, events))
+            self._built.extend(self._records.of_step(self.stages, phase, step, events))
         self._steps.clear()
         return tuple(self._built)
 
-    def _records_of(self, phase: str, step: int, events: list[RawEvent]) -> list[StageRecord]:
-        """One step's records. The fields fixed by the stage and its shapes come from `_static` (positional, in
-        StageRecord's field order: layer .. kv_bytes_written), so each record costs one lookup and one constructor."""
+
+class StepRecords:
+    """A traced step's StageRecords from its raw events: the fields fixed by a stage and its shapes (what the call
+    cost: tracer/trace/stage_cost.py) are worked out once per distinct (stage, shapes) and kept, positional in
+    StageRecord's field order (layer .. kv_bytes_written), so each record costs one lookup and one constructor."""
+
+    def __init__(self, origin_ns: int, dtype: torch.dtype) -> None:
+        self.origin_ns = origin_ns
+        self.shapes = ShapeTable()  # the ids the events carry
+        self.activation_dtype = str(dtype).removeprefix("torch.")
+        self.activation_itemsize = dtype.itemsize
+        # (stage index, shape id) -> the record's fields that follow from them: a decode step's stages repeat their
+        # shapes, so each distinct call is costed once
+        self._static: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    def of_step(self, stages: list[StageModule], phase: str, step: int, events: list[RawEvent]) -> list[StageRecord]:
         static = self._static
         origin = self.origin_ns
         records = []
         for index, start, end, shape_id in events:
             fields = static.get((index, shape_id))
             if fields is None:
-                fields = static[(index, shape_id)] = self._static_fields(index, shape_id)
-            records.append(StageRecord(phase, step, *fields, start - origin, end - start,
-                                       self.stages[index].weight_format))
+                fields = static[(index, shape_id)] = self._static_fields(stages[index], shape_id)
+            records.append(StageRecord(phase, step, *fields, start - origin, end - start, stages[index].weight_format))
         return records
 
-    def _static_fields(self, index: int, shape_id: int) -> tuple[Any, ...]:
-        """StageRecord's fields from `layer` to `kv_bytes_written` for stage `index` on the shapes `shape_id`:
-        what the call cost (tracer/trace/stage_cost.py), from its shapes, the stage's weights and the dtype."""
-        stage = self.stages[index]
-        in_shapes, out_shapes = self._shape_table.shapes[shape_id]
+    def _static_fields(self, stage: StageModule, shape_id: int) -> tuple[Any, ...]:
+        """StageRecord's fields from `layer` to `kv_bytes_written` for `stage` on the shapes `shape_id`: what the
+        call cost, from its shapes, the stage's weights and the dtype."""
+        in_shapes, out_shapes = self.shapes.shapes[shape_id]
         act = self.activation_itemsize
         index_arg = INDEX_ARGUMENTS.get(stage.kind)
         inputs = [(s, INDEX_ITEMSIZE if i == index_arg else act) for i, s in enumerate(in_shapes)]
