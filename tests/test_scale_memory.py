@@ -198,7 +198,8 @@ def _held_bytes(model: torch.nn.Module, path: str) -> int:
         for packed in (getattr(module, "packed", None), getattr(module, "fused_packed", None)):
             if packed is None:
                 continue
-            for t in (*packed.tensors.values(), *(packed._prepared or ()), *packed._groups):
+            groups = packed.row_blocks.groups if packed.row_blocks is not None else ()
+            for t in (*packed.tensors.values(), *(packed._prepared or ()), *groups):
                 add(t)
     return sum(seen.values())
 

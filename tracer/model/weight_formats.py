@@ -262,6 +262,30 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tens
     return out[:, :rows] if out.shape[1] != rows else out
 
 
+def int4_prepared(name: str, tensors: dict[str, torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A "q4_*" or "q8_0" weight's tensors (PackedWeight's) in the int4 kernel's layout for their device
+    (int4_layout). Q8_0 becomes two 4-bit planes side by side along K (K' = 2K): u = q + 128 = 16*hi + lo, and
+    d*q = (hi - 8)*16d + ((lo - 8)*d + 8d)."""
+    if name == "q8_0":
+        q = tensors["int8"]  # (N, K)
+
+        def codes_of(start: int, stop: int) -> torch.Tensor:  # (rows, 2K): the high planes, then the low
+            u = q[start:stop].to(torch.int32) + 128  # 0..255
+            return torch.cat([u >> 4, u & 0x0F], dim=1)
+
+        d = tensors["scale"]  # (N, K/32)
+        scale = torch.cat([16.0 * d, d], dim=1)
+        zero = torch.cat([torch.zeros_like(d), 8.0 * d], dim=1)
+    else:
+        nibbles = tensors["nibbles"]  # (N, K/2)
+
+        def codes_of(start: int, stop: int) -> torch.Tensor:  # (rows, K), 0..15
+            return unpack_nibbles(nibbles[start:stop]).to(torch.int32)
+
+        scale, zero = tensors["scale"], tensors["zero"]
+    return int4_layout(codes_of, rows, scale, zero, int4_ops(scale.device))
+
+
 # ---- the weight ------------------------------------------------------------------------------------------------
 
 
@@ -287,8 +311,7 @@ class PackedWeight:
     interleaved copy on its first product, held beside the rows.
     """
 
-    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "_parts", "_activations", "_groups",
-                 "_in_place", "_native")
+    __slots__ = ("format", "shape", "tensors", "stored_bytes", "_prepared", "row_blocks")
 
     def __init__(self, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
                  stored_bytes: int, parts: tuple[tuple[int, torch.Tensor], ...] | None = None,
@@ -299,31 +322,9 @@ class PackedWeight:
         self.tensors = tensors
         self.stored_bytes = int(stored_bytes)
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the int4 kernel's layout, made once
-        # the native kernel's row blocks, (ggml type code, blocks) each, and its call's arguments once made
-        # per row block: whether it is held interleaved in place ("groups" rather than "blocks")
-        in_place: tuple[bool, ...] = ()
-        if runs_blocks(fmt.kernel):  # "blocks"/"groups", or stacked "blocks.<i>.<type name>"/"groups.<i>.<type name>"
-            if len(tensors) == 1 and next(iter(tensors)) in ("blocks", "groups"):
-                key, t = next(iter(tensors.items()))
-                keyed = ((key, _CODES[fmt.stored], t),)
-            else:  # in the order of their index
-                stacked = sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1]))
-                keyed = tuple((key.split(".")[0], _CODES[key.split(".")[2]], t) for key, t in stacked)
-            in_place = tuple(key == "groups" for key, _, _ in keyed)
-            if parts is None:
-                parts = tuple((code, t) for _, code, t in keyed)
-        self._parts = parts or ()
-        self._in_place = in_place or (False,) * len(self._parts)
-        # per row block: how its products take the activations (native_kernel.EXACT_X, INT8_X, INT16_X: its kernel)
-        self._activations = activations if activations is not None else (
-            (_ACTIVATIONS.get(fmt.kernel, native_kernel.EXACT_X),) * len(self._parts))
-        # per row block: its rows interleaved for the i8dot decode kernel, or None (native_matrix makes any it reads);
-        # a block held in place is its own (its whole groups' bytes)
-        groups = groups if groups is not None else (None,) * len(self._parts)
-        self._groups = tuple(
-            blocks.view(-1)[:native_kernel.grouped_bytes(code, blocks.shape[0], self.shape[1])] if held else grouped
-            for (code, blocks), held, grouped in zip(self._parts, self._in_place, groups, strict=True))
-        self._native: native_kernel.BlockMatrix | None = None
+        # the native library's side of the matrix (its row blocks), for the kernels that run the file's blocks
+        self.row_blocks = RowBlocks(fmt, self.shape[1], tensors, parts, activations, groups) \
+            if runs_blocks(fmt.kernel) else None
 
     @classmethod
     def from_tensors(cls, fmt: WeightFormat, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
@@ -361,7 +362,7 @@ class PackedWeight:
         """Bytes held in memory for it: the canonical tensors plus the kernel's layout once made (the int4 kernel's,
         the i8dot decode kernel's interleaved rows)."""
         prepared = sum(t.nbytes for t in self._prepared) if self._prepared is not None else 0
-        grouped = sum(t.nbytes for t, held in zip(self._groups, self._in_place) if t is not None and not held)
+        grouped = self.row_blocks.copies_bytes if self.row_blocks is not None else 0
         return sum(t.nbytes for t in self.tensors.values()) + prepared + grouped
 
     def __repr__(self) -> str:
@@ -391,7 +392,7 @@ class PackedWeight:
                 return torch.mv(w, x)
             return F.linear(x, w)
         if runs_blocks(kernel):  # any leading shape as it is (the decode step's products are ~10 us: no reshapes)
-            out = native_kernel.matmul(self._native or self.native_matrix(), x)  # (..., N) fp32
+            out = native_kernel.matmul(self.row_blocks.native or self.row_blocks.matrix(), x)  # (..., N) fp32
             return out if x.dtype == torch.float32 else out.to(x.dtype)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.shape[1])  # (M, K)
@@ -404,15 +405,9 @@ class PackedWeight:
     def native_matrix(self) -> native_kernel.BlockMatrix:
         """The native kernel's description of this matrix (made once): what its products, and the native decode
         step (tracer/model/native_step.py), pass to C; each row block says its kernel (i8dot, i16dot or native)."""
-        if not runs_blocks(self.format.kernel):
+        if self.row_blocks is None:
             raise ValueError(f"{self.format.label} is not held for the native library's kernels")
-        if self._native is None:
-            self._groups = tuple(
-                grouped if grouped is not None or not reads_groups(code, kind)
-                else native_kernel.interleave(code, blocks, self.shape[1])
-                for (code, blocks), kind, grouped in zip(self._parts, self._activations, self._groups, strict=True))
-            self._native = native_kernel.BlockMatrix(list(self._parts), self.shape[1], self._activations, self._groups)
-        return self._native
+        return self.row_blocks.matrix()
 
     def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
         """The int4 kernel in bf16, its fast dtype (fp16 and fp32 activations take a path ~10x slower on CPU,
@@ -425,30 +420,10 @@ class PackedWeight:
         out = int4_product(xb, packed, scales_zeros, self.shape[0], INT4_OPS[packed.device.type])  # (M, N)
         return out.to(x.dtype) if x.dtype != torch.bfloat16 else out.contiguous()
 
-    def _prepare(self):  # noqa: ANN202 - the kernel's tensors
-        """The int4 kernel's layout for the device the tensors are on, made once (int4_layout). Q8_0 becomes two
-        4-bit planes side by side along K (K' = 2K): u = q + 128 = 16*hi + lo, and d*q = (hi - 8)*16d + ((lo - 8)*d
-        + 8d)."""
-        if self._prepared is not None:
-            return self._prepared
-        if self.format.name == "q8_0":
-            q = self.tensors["int8"]  # (N, K)
-
-            def codes_of(start: int, stop: int) -> torch.Tensor:  # (rows, 2K): the high planes, then the low
-                u = q[start:stop].to(torch.int32) + 128  # 0..255
-                return torch.cat([u >> 4, u & 0x0F], dim=1)
-
-            d = self.tensors["scale"]  # (N, K/32)
-            scale = torch.cat([16.0 * d, d], dim=1)
-            zero = torch.cat([torch.zeros_like(d), 8.0 * d], dim=1)
-        else:
-            nibbles = self.tensors["nibbles"]  # (N, K/2)
-
-            def codes_of(start: int, stop: int) -> torch.Tensor:  # (rows, K), 0..15
-                return unpack_nibbles(nibbles[start:stop]).to(torch.int32)
-
-            scale, zero = self.tensors["scale"], self.tensors["zero"]
-        self._prepared = int4_layout(codes_of, self.shape[0], scale, zero, int4_ops(scale.device))
+    def _prepare(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 kernel's layout for the device the tensors are on, made once (int4_prepared)."""
+        if self._prepared is None:
+            self._prepared = int4_prepared(self.format.name, self.tensors, self.shape[0])
         return self._prepared
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
@@ -470,16 +445,8 @@ class PackedWeight:
         kernel = self.format.kernel
         if kernel == DENSE:
             return self.tensors["weight"][start:stop].to(dtype)
-        if runs_blocks(kernel):  # the exact values, whichever kernel multiplies them
-            pieces, first = [], 0
-            for (code, blocks), held in zip(self._parts, self._in_place):  # each row block's rows in start..stop
-                lo, hi = max(start - first, 0), min(stop - first, blocks.shape[0])
-                if lo < hi:
-                    rows = native_kernel.group_rows(code, blocks, self.shape[1], torch.arange(lo, hi)) if held \
-                        else blocks[lo:hi]
-                    pieces.append(native_kernel.dequantize(code, rows, self.shape[1]))
-                first += blocks.shape[0]
-            values = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.shape[1])
+        if self.row_blocks is not None:  # the exact values, whichever kernel multiplies them
+            values = self.row_blocks.values(start, stop)
             return values if dtype == torch.float32 else values.to(dtype)
         scale = self.tensors["scale"][start:stop].unsqueeze(-1)  # (N', K/32, 1)
         if self.format.name == "q8_0":
@@ -496,20 +463,80 @@ class PackedWeight:
         if self.format.kernel == DENSE:
             return F.embedding(ids, self.tensors["weight"]).to(dtype)
         flat = ids.reshape(-1)
-        if runs_blocks(self.format.kernel):  # exact rows (an embedding lookup rounds nothing)
-            if len(self._parts) == 1 and self._in_place[0]:  # the rows gathered from their groups, then decoded
-                code, blocks = self._parts[0]
-                values = native_kernel.dequantize(code, native_kernel.group_rows(code, blocks, self.shape[1], flat),
-                                                  self.shape[1])
-            elif len(self._parts) == 1:
-                code, blocks = self._parts[0]
-                values = native_kernel.dequantize(code, blocks, self.shape[1], flat)  # (ids, K)
-            else:
-                values = self.dequantize()[flat]
-            return values.view(*ids.shape, self.shape[1]).to(dtype)
+        if self.row_blocks is not None:  # exact rows (an embedding lookup rounds nothing)
+            return self.row_blocks.rows(flat).view(*ids.shape, self.shape[1]).to(dtype)
         picked = {key: t.index_select(0, flat) for key, t in self.tensors.items()}
         part = PackedWeight(self.format, (flat.numel(), self.shape[1]), picked, 0)
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
+
+
+class RowBlocks:
+    """A matrix as the native library's kernels hold it: its row blocks, each (ggml type code, the file's bytes of
+    its rows), with how its products take the activations (native_kernel.EXACT_X, INT8_X, INT16_X: its kernel),
+    whether it is held interleaved in place ("groups" rather than "blocks") and its interleaved copy for the i8dot
+    decode kernel (None until native_matrix makes any it reads; a block held in place is its own copy: its whole
+    groups' bytes); and C's description of them all, made once (`native`)."""
+
+    __slots__ = ("parts", "in_place", "activations", "groups", "width", "native")
+
+    def __init__(self, fmt: WeightFormat, width: int, tensors: dict[str, torch.Tensor],
+                 parts: tuple[tuple[int, torch.Tensor], ...] | None = None, activations: tuple[int, ...] | None = None,
+                 groups: tuple[torch.Tensor | None, ...] | None = None) -> None:
+        # "blocks"/"groups", or stacked "blocks.<i>.<type name>"/"groups.<i>.<type name>" in the order of their index
+        if len(tensors) == 1 and next(iter(tensors)) in ("blocks", "groups"):
+            key, t = next(iter(tensors.items()))
+            keyed = ((key, _CODES[fmt.stored], t),)
+        else:
+            stacked = sorted(tensors.items(), key=lambda kv: int(kv[0].split(".")[1]))
+            keyed = tuple((key.split(".")[0], _CODES[key.split(".")[2]], t) for key, t in stacked)
+        self.width = width
+        self.parts = parts if parts is not None else tuple((code, t) for _, code, t in keyed)
+        self.in_place = tuple(key == "groups" for key, _, _ in keyed)
+        self.activations = activations if activations is not None else (
+            (_ACTIVATIONS.get(fmt.kernel, native_kernel.EXACT_X),) * len(self.parts))
+        self.groups = tuple(
+            blocks.view(-1)[:native_kernel.grouped_bytes(code, blocks.shape[0], width)] if held else grouped
+            for (code, blocks), held, grouped in zip(self.parts, self.in_place,
+                                                      groups if groups is not None else (None,) * len(self.parts),
+                                                      strict=True))
+        self.native: native_kernel.BlockMatrix | None = None
+
+    @property
+    def copies_bytes(self) -> int:
+        """Bytes of the interleaved copies held beside the rows (a block held in place has none)."""
+        return sum(t.nbytes for t, held in zip(self.groups, self.in_place) if t is not None and not held)
+
+    def matrix(self) -> native_kernel.BlockMatrix:
+        """C's description of the matrix, made once, with the interleaved copies the i8dot decode kernel reads."""
+        if self.native is None:
+            self.groups = tuple(
+                grouped if grouped is not None or not reads_groups(code, kind)
+                else native_kernel.interleave(code, blocks, self.width)
+                for (code, blocks), kind, grouped in zip(self.parts, self.activations, self.groups, strict=True))
+            self.native = native_kernel.BlockMatrix(list(self.parts), self.width, self.activations, self.groups)
+        return self.native
+
+    def values(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop, exact, fp32 (N', K): each row block's rows in the range, gathered from their groups
+        where a block is held interleaved."""
+        pieces, first = [], 0
+        for (code, blocks), held in zip(self.parts, self.in_place):
+            lo, hi = max(start - first, 0), min(stop - first, blocks.shape[0])
+            if lo < hi:
+                rows = native_kernel.group_rows(code, blocks, self.width, torch.arange(lo, hi)) if held \
+                    else blocks[lo:hi]
+                pieces.append(native_kernel.dequantize(code, rows, self.width))
+            first += blocks.shape[0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.width)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows `ids` (1-D), exact, fp32 (ids, K): decoded alone from a single row block."""
+        if len(self.parts) > 1:
+            return self.values(0, sum(blocks.shape[0] for _, blocks in self.parts))[ids]
+        code, blocks = self.parts[0]
+        if self.in_place[0]:  # the rows gathered from their groups, then decoded
+            return native_kernel.dequantize(code, native_kernel.group_rows(code, blocks, self.width, ids), self.width)
+        return native_kernel.dequantize(code, blocks, self.width, ids)
 
 
 class ExpertWeights:
@@ -593,15 +620,15 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
     if runs_blocks(first.format.kernel):
         if any(not runs_blocks(w.format.kernel) or w.shape[1] != first.shape[1] for w in weights):
             raise ValueError("concat_rows needs native-library weights of one input width")
-        parts = tuple(part for w in weights for part in w._parts)
-        activations = tuple(kind for w in weights for kind in w._activations)
-        groups = tuple(grouped for w in weights for grouped in w._groups)
+        parts = tuple(part for w in weights for part in w.row_blocks.parts)
+        activations = tuple(kind for w in weights for kind in w.row_blocks.activations)
+        groups = tuple(grouped for w in weights for grouped in w.row_blocks.groups)
         formats = list(dict.fromkeys(w.format for w in weights))
         kernels = "+".join(dict.fromkeys(k for f in formats for k in f.kernel.split("+")))
         fmt = formats[0] if len(formats) == 1 else WeightFormat(
             "+".join(dict.fromkeys(f.name for f in formats)), kernels,
             "+".join(dict.fromkeys(f.stored for f in formats)), stored * 8 / (shape[0] * shape[1]))
-        in_place = tuple(held for w in weights for held in w._in_place)
+        in_place = tuple(held for w in weights for held in w.row_blocks.in_place)
         tensors = {"groups" if in_place[0] else "blocks": parts[0][1]} if len(parts) == 1 else {
             f"{'groups' if held else 'blocks'}.{i}.{GGML_TYPES[code][0]}": t
             for i, ((code, t), held) in enumerate(zip(parts, in_place))}
