@@ -176,11 +176,6 @@ def resolve_model(model: str | ModelSource, vocabulary: bool = False) -> Resolve
     return ResolvedModel(config, weights, source, header)
 
 
-def resolve_config(model: str | ModelSource) -> ModelConfig:
-    """The config alone: a preset name, or a path to a model folder, a config.json or a GGUF file."""
-    return resolve_model(model).config
-
-
 def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
     """Config from GGUF metadata; tied embeddings when the file has no separate `output.weight`, biases when its
     layers hold them (contract.gguf_tensor_flags)."""

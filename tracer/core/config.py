@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass, built from a preset, an HF config.json, or a GGUF header.
+"""Model configuration: one frozen dataclass, built from a preset, an HF config.json (read by config_hf.py) or a
+GGUF header (config_gguf.py); its parts (RoPE scaling, experts) and the readers' number checks are config_values.py's.
 
 Pure Python (no torch), so the analytical commands stay instant.
 """
@@ -76,11 +77,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim if self.explicit_head_dim is not None else self.dim // self.n_heads
-
-    @property
-    def n_rep(self) -> int:
-        """How many query heads share one KV head (1 = MHA, n_heads = MQA)."""
-        return self.n_heads // self.n_kv_heads
 
     @property
     def q_dim(self) -> int:

@@ -158,11 +158,6 @@ class CandidateTiming:
         """The reference generation's product time: what candidates are ranked by."""
         return self.prefill_s + REFERENCE_DECODE * self.decode_s
 
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return 1.0 / self.decode_s if self.decode_s > 0 else float("inf")
-
-
 
 DEFAULT, TUNED, OPTION = "default", "tuned", "option"  # where a run's kernels came from
 

@@ -119,14 +119,6 @@ def default_plan(instruction_set: str, type_names: Iterable[str]) -> dict[str, s
     return {t: kernels[t] for t in sorted(set(type_names)) if kernels.get(t, DENSE) != DENSE}
 
 
-def numerics_of(plan: Mapping[str, str], dense_types: Iterable[str] = (), dense_dtype: str = "fp32") -> dict[str, str]:
-    """{type: numerics} of a run: each planned type's kernel's, the dequantized types' (dense `dense_dtype`)."""
-    out = {t: NUMERICS.get(k, k) for t, k in plan.items()}
-    for t in dense_types:
-        out.setdefault(t, EXACT if dense_dtype == "fp32" else f"{dense_dtype} products")
-    return out
-
-
 def numerics_summary(by_type: Mapping[str, str], short: bool = False) -> str:
     """"exact", or "int8 activations (llama.cpp-style) on Q4_1; exact on Q8_0" (short: "int8 act. Q4_1, exact
     Q8_0")."""

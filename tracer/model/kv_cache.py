@@ -279,13 +279,8 @@ class ModelCaches(nn.Module):
 
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares (with Gemma 3's windowed
-        layers' own base, those of its global layers: `layer_rope_tables`)."""
+        layers' own base, those of its global layers)."""
         return self._rope_cos, self._rope_sin
-
-    def layer_rope_tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (cos, signed sin) tables, in layer order: one pair shared by all but where the layers' RoPE
-        bases differ (config.layer_rope)."""
-        return self._layer_tables
 
     def _pad_step(self, index: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a step over the cache indices `index` (T,) of left-padded rows: each row's positions (B, T), counted
