@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import io
 import os
 import re
 import sys
@@ -26,7 +25,7 @@ def console_width() -> int | None:
 
 def stdout_console(stderr: bool = False, file: TextIO | None = None) -> Console:
     """The console every command prints its report to (`stderr`: when stdout carries JSON; `file`: another stream,
-    e.g. ReaderGoneSafe). The renderers style what matters themselves: rich's regex highlighter and emoji codes cost
+    e.g. pipes.PipeGuard). The renderers style what matters themselves: rich's regex highlighter and emoji codes cost
     milliseconds and would colour digits. Control characters in what is printed are shown, not obeyed
     (SafeConsole)."""
     return SafeConsole(stderr=stderr, file=file, width=console_width(), highlight=False, emoji=False)
@@ -86,51 +85,3 @@ class SafeConsole(Console):
                 yield Segment(shown, segment.style) if shown != segment.text else segment
             else:
                 yield segment
-
-
-class ReaderGoneSafe(io.TextIOBase):
-    """stdout that turns into a sink once its reader has gone (`llmtrace run ... | head -1`).
-
-    Python ignores SIGPIPE, so the next print would raise BrokenPipeError in the middle of a run and lose its
-    trace files. Here the run goes on silently instead; file descriptor 1 is pointed at /dev/null (as the Python
-    docs advise), so the interpreter's final flush does not complain either.
-    """
-
-    def __init__(self, stream: TextIO) -> None:
-        super().__init__()
-        self._stream = stream
-        self.reader_gone = False
-
-    def write(self, text: str) -> int:
-        if not self.reader_gone:
-            try:
-                self._stream.write(text)
-            except BrokenPipeError:
-                self._gone()
-        return len(text)
-
-    def flush(self) -> None:
-        if not self.reader_gone:
-            try:
-                self._stream.flush()
-            except BrokenPipeError:
-                self._gone()
-
-    def _gone(self) -> None:
-        self.reader_gone = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, io.UnsupportedOperation):
-            pass  # not a real file descriptor (a test's captured stream): nothing will flush it at exit
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self._stream, "encoding", "utf-8")

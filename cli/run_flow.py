@@ -20,11 +20,12 @@ def run_cli(raw: dict[str, Any]) -> int:
 
 
 def _run_checked(args: RunArgs) -> int:
-    from llmtrace.cli.console import ReaderGoneSafe, stdout_console
+    from llmtrace.cli.console import stdout_console
+    from llmtrace.cli.pipes import PipeGuard
     from llmtrace.cli.prompt_input import resolve_prompt
     from llmtrace.cli.run_outputs import RunOutputs
 
-    stdout = ReaderGoneSafe(sys.stdout)  # a reader that leaves (`| head -1`) must not stop the run
+    stdout = PipeGuard(sys.stdout)  # a reader that leaves (`| head -1`) must not stop the run (also under a test's main)
     to_stdout = args.outputs.to_stdout
     console = stdout_console(stderr=to_stdout, file=None if to_stdout else stdout)
     given = resolve_prompt(args.input.prompt, args.input.file, args.input.literal,
