@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from llmtrace.tracer.core.config_values import (MoeSpec, RopeScaling, dict_or_empty, positive_window, real_number,
-                                                short, whole_number)
-from llmtrace.tracer.core.errors import ConfigError, UnsupportedModelError
+                                                whole_number)
+from llmtrace.tracer.core.errors import ConfigError, UnsupportedModelError, short_repr
 from llmtrace.tracer.core.refusals import hf_refusal, refusal_line
 
 # The architectures llmtrace reads, with what each brings beyond plain LLaMA: the one registry the reader checks and
@@ -104,9 +104,9 @@ def _model_types(data: Mapping[str, Any], source: str) -> frozenset[str]:
     archs = data.get("architectures") or []
     model_type = data.get("model_type", "")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ConfigError(f"{source}: 'architectures' must be a list of names, got {short(archs)}")
+        raise ConfigError(f"{source}: 'architectures' must be a list of names, got {short_repr(archs)}")
     if not isinstance(model_type, str):
-        raise ConfigError(f"{source}: 'model_type' must be a name, got {short(model_type)}")
+        raise ConfigError(f"{source}: 'model_type' must be a name, got {short_repr(model_type)}")
     refused = hf_refusal(archs, model_type)
     if refused is not None:
         raise UnsupportedModelError(refusal_line(source, *refused))
@@ -210,11 +210,12 @@ def _check_phi3(data: Mapping[str, Any], source: str) -> None:
     rotary = data.get("partial_rotary_factor", dict_or_empty(data.get("rope_parameters")).get(
         "partial_rotary_factor", 1.0))
     if rotary != 1.0:
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor {short(rotary)} (RoPE on part of each head) "
-                                    "is not modelled; llmtrace rotates whole heads")
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor {short_repr(rotary)} (RoPE on part of each "
+                                    "head) is not modelled; llmtrace rotates whole heads")
     act = data.get("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModelError(f"{source}: hidden_act {short(act)} is not modelled; llmtrace's FFN is SiLU-gated")
+        raise UnsupportedModelError(f"{source}: hidden_act {short_repr(act)} is not modelled; llmtrace's FFN is "
+                                    "SiLU-gated")
 
 
 # Gemma3TextConfig's defaults, for a config.json that leaves a field out (transformers' configuration_gemma3.py)
@@ -229,12 +230,12 @@ def _gemma3(data: Mapping[str, Any], n_layers: int, source: str) -> dict[str, An
     `rope_scaling` and `rope_local_base_freq` (the hub's files). What llmtrace does not model is refused in one line."""
     for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if data.get(key):
-            raise UnsupportedModelError(f"{source}: {key} {short(data[key])} is not modelled; llmtrace runs Gemma 3 "
-                                        "causal, its scores not soft-capped")
+            raise UnsupportedModelError(f"{source}: {key} {short_repr(data[key])} is not modelled; llmtrace runs "
+                                        "Gemma 3 causal, its scores not soft-capped")
     act = data.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UnsupportedModelError(f"{source}: hidden_activation {short(act)} is not modelled; llmtrace's Gemma 3 "
-                                    "FFN is gelu (tanh approximation)-gated")
+        raise UnsupportedModelError(f"{source}: hidden_activation {short_repr(act)} is not modelled; llmtrace's "
+                                    "Gemma 3 FFN is gelu (tanh approximation)-gated")
     window, full = _gemma3_layers(data, n_layers, source)
     softcap = data.get("final_logit_softcapping")
     return dict(norm_plus_one=True, post_norms=True, geglu=True, embed_scale=True, qk_norm=True,
@@ -259,7 +260,7 @@ def _gemma3_layers(data: Mapping[str, Any], n_layers: int, source: str) -> tuple
     if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= {
             "sliding_attention", "full_attention"}:
         raise ConfigError(f"{source}: 'layer_types' must list 'sliding_attention' or 'full_attention' for each of the "
-                          f"{n_layers} layers, got {short(layer_types)}")
+                          f"{n_layers} layers, got {short_repr(layer_types)}")
     window = data.get("sliding_window", _GEMMA3_DEFAULTS["sliding_window"])
     if window is not None:
         window = whole_number(window, source, "sliding_window")

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from llmtrace.tracer.core.errors import ConfigError
+from llmtrace.tracer.core.errors import ConfigError, short_repr
 
 # Upper bounds far past any released model (Llama 3.1 405B: dim 16,384, 126 layers, 128 heads, FFN 53,248,
 # vocabulary 128,256; the longest contexts are ~10M): a value beyond them is a corrupt file, and refusing it here
@@ -83,14 +83,14 @@ def whole_number(value: Any, source: str, key: str) -> int:
     one-line ConfigError naming the file and the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             isinstance(value, float) and not value.is_integer()):
-        raise ConfigError(f"{source}: {key!r} must be a whole number, got {short(value)}; the file is malformed")
+        raise ConfigError(f"{source}: {key!r} must be a whole number, got {short_repr(value)}; the file is malformed")
     return int(value)
 
 
 def real_number(value: Any, source: str, key: str) -> float:
     """`value` as a finite float; else the one-line ConfigError naming the file and the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{source}: {key!r} must be a finite number, got {short(value)}; the file is malformed")
+        raise ConfigError(f"{source}: {key!r} must be a finite number, got {short_repr(value)}; the file is malformed")
     return float(value)
 
 
@@ -102,12 +102,6 @@ def positive_window(window: Any, rule: str) -> int | None:
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{rule}, got {window!r}")
     return window
-
-
-def short(value: Any) -> str:
-    """A value as an error line quotes it: its repr, cut at 60 characters."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def dict_or_empty(value: Any) -> Mapping[str, Any]:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def short_repr(value: Any) -> str:
+    """A value as an error line quotes it: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 class LlmtraceError(Exception):
     """Base class: anything the user can fix by changing their input."""

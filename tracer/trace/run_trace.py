@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from llmtrace.tracer.core.config import ModelConfig, MoeSpec, RopeScaling
-from llmtrace.tracer.core.errors import FileFormatError
+from llmtrace.tracer.core.errors import FileFormatError, short_repr
 from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, TypeKernel
 from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
@@ -264,7 +264,7 @@ class Trace:
 
 def _typed(kind: Callable[[Any], R], value: Any, name: str, check: Callable[[Any], bool]) -> R:
     if not check(value):
-        raise TypeError(f"{name} has the wrong type or value ({_short(value)})")
+        raise TypeError(f"{name} has the wrong type or value ({short_repr(value)})")
     return kind(value)
 
 
@@ -324,15 +324,15 @@ def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
     for name, value in data.items():
         check = checks.get(name)
         if check is not None and not check(value):
-            raise TypeError(f"{cls.__name__}.{name} has the wrong type or value ({_short(value)})")
+            raise TypeError(f"{cls.__name__}.{name} has the wrong type or value ({short_repr(value)})")
     derived = _DERIVED[cls]  # type: ignore[index]
     if not derived:
         return cls(**data)
     record = cls(**{name: value for name, value in data.items() if name not in derived})
     for name in derived & data.keys():
         if data[name] != getattr(record, name):
-            raise ValueError(f"{cls.__name__}.{name} is {_short(data[name])}, but the other fields make it "
-                             f"{_short(getattr(record, name))}")
+            raise ValueError(f"{cls.__name__}.{name} is {short_repr(data[name])}, but the other fields make it "
+                             f"{short_repr(getattr(record, name))}")
     return record
 
 
@@ -369,11 +369,6 @@ def _check_for(annotation: str) -> Callable[[Any], bool] | None:
     return (lambda v: v is None or check(v)) if optional else check
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 _FIELD_CHECKS: dict[type, dict[str, Callable[[Any], bool]]] = {
     cls: {f.name: c for f in fields(cls) if (c := _check_for(str(f.type))) is not None} for cls in _FIELD_NAMES
 }
@@ -391,7 +386,7 @@ def _floats(raw: Any, name: str) -> tuple[float, ...]:
 def _list(raw: Any) -> tuple[Any, ...]:
     """A JSON array as a tuple; anything else (a string would iterate into characters) is a TypeError."""
     if not isinstance(raw, list):
-        raise TypeError(f"expected a JSON array, got {_short(raw)}")
+        raise TypeError(f"expected a JSON array, got {short_repr(raw)}")
     return tuple(raw)
 
 
