@@ -186,6 +186,12 @@ def flow(phrases: Sequence[str], width: int, indent: str = "  ") -> str:
     return "\n".join(lines)
 
 
+def phrases(sentence: str) -> list[str]:
+    """A sentence's comma-separated parts, each keeping its comma: what `flow` breaks a line between."""
+    parts = sentence.split(", ")
+    return [part + "," for part in parts[:-1]] + parts[-1:]
+
+
 def window_label(config: Any) -> str:
     """A header's word on a ModelConfig's sliding window: none, on every layer, or on all but the global layers
     (Gemma 3's interleaving)."""

@@ -53,7 +53,7 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         [f"Counting: {unit};", "matmuls exact,", "elementwise work estimated", "(constants in README)."],
         [f"Weights {r.weights_dtype}{_WEIGHTS_FROM[r.weights_dtype_from]},", f"KV cache {r.kv_dtype},",
          f"activations {r.activation_dtype}.", f"Prompt {prompt},", f"{r.new_tokens} new tokens,", f"batch {r.batch}."],
-        [*_phrases(f"Kernels: {r.kernels_description}"), f"(--kernels {other}: the other)."],
+        [*fmt.phrases(f"Kernels: {r.kernels_description}"), f"(--kernels {other}: the other)."],
     ]
     header = "\n".join(fmt.flow(line, console.width) for line in lines)
     g = r.generation
@@ -74,12 +74,6 @@ def render_flops(console: Console, r: FlopsReport, macs: bool) -> None:
         _generation_table(r, macs),
         Text.from_markup(_generation_notes(r)),
     ))
-
-
-def _phrases(sentence: str) -> list[str]:
-    """A sentence's comma-separated parts, each keeping its comma."""
-    parts = sentence.split(", ")
-    return [part + "," for part in parts[:-1]] + parts[-1:]
 
 
 def _flops(value: int, kind: str, macs: bool) -> str:

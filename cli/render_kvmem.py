@@ -10,12 +10,6 @@ from llmtrace.cli.tables import report_table
 from llmtrace.tracer.analytic.kvmem import KVMemReport
 
 
-def _note_phrases(note: str) -> list[str]:
-    """A note's phrases, broken after each ", " (the comma kept)."""
-    parts = note.split(", ")
-    return [part + "," for part in parts[:-1]] + parts[-1:]
-
-
 def render_kvmem(console: Console, r: KVMemReport) -> None:
     s = r.size
     held = ""
@@ -26,7 +20,7 @@ def render_kvmem(console: Console, r: KVMemReport) -> None:
         f"[bold]{r.model}[/] KV cache: {s.dtype}, batch {s.batch}, {fmt.count(s.seq)} positions per sequence{held}",
         *([f"  [dim]{r.dtype_note}; --dtype for another[/]"] if r.dtype_note else []),
         fmt.flow(_formula_phrases(r.formula), console.width, indent="    "),
-        *([fmt.flow([f"{'  ' if i == 0 else ''}[dim]{phrase}[/]" for i, phrase in enumerate(_note_phrases(r.run_note))],
+        *([fmt.flow([f"{'  ' if i == 0 else ''}[dim]{phrase}[/]" for i, phrase in enumerate(fmt.phrases(r.run_note))],
                     console.width, indent="    ")] if r.run_note else []),
         fmt.flow([f"  Per position: {fmt.count(s.bytes_per_token_per_layer)} B per layer;",
                   f"{fmt.count(s.bytes_per_token)} B = {fmt.bytes_both(s.bytes_per_token)}",
