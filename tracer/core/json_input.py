@@ -8,9 +8,16 @@ malformed, non-UTF-8 and too-deeply-nested text all end in the caller's typed er
 from __future__ import annotations
 
 import json
+from numbers import Integral
 from typing import Any
 
 from llmtrace.tracer.core.errors import LlmtraceError
+
+
+def is_int(value: object) -> bool:
+    """A whole number as a reader of outside values takes one: an int (numpy's integers too: they register as
+    numbers.Integral), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def parse_json(text: str | bytes, source: str, error: type[LlmtraceError], fix: str) -> Any:

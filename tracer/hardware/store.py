@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from llmtrace.tracer.core.cache_dirs import private_folder
 from llmtrace.tracer.core.errors import HardwareError
+from llmtrace.tracer.core.json_input import is_int
 from llmtrace.tracer.core.json_store import StoreFormat, read_store, write_store
 from llmtrace.tracer.hardware.machine_load import is_busy
 from llmtrace.tracer.hardware.profiles import PEAK_DTYPES, THIS_MACHINE, HardwareProfile, get_profile, normalize_name
@@ -60,7 +61,7 @@ def _profile_from_dict(name: str, raw: Any, path: Path) -> HardwareProfile:
             raise bad(f"has a non-text {key!r} ({raw[key]!r})")
     if not isinstance(raw["measured"], bool):
         raise bad(f"has a non-boolean 'measured' ({raw['measured']!r})")
-    if not _is_int(raw["memory_bytes"]) or raw["memory_bytes"] <= 0:
+    if not is_int(raw["memory_bytes"]) or raw["memory_bytes"] <= 0:
         raise bad(f"has 'memory_bytes' {raw['memory_bytes']!r}; it must be a positive integer")
     for key in ("memory_bandwidth", *PEAK_DTYPES):
         value = raw[key]
@@ -75,12 +76,8 @@ def _profile_from_dict(name: str, raw: Any, path: Path) -> HardwareProfile:
     return HardwareProfile(**raw)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_positive_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and value > 0
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value) and value > 0
 
 
 def load_measured_profiles(path: Path | None = None) -> dict[str, HardwareProfile]:

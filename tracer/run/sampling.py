@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.core.json_input import is_int
 from llmtrace.tracer.run.distribution import (Scratch, Softmax, apply_repetition_penalty, draw_index, first_above,
                                               nucleus, rank_of, softmax, top_sorted)
-from llmtrace.tracer.run.sampling_params import SamplingParams, is_int
+from llmtrace.tracer.run.sampling_params import SamplingParams
 
 # How many top tokens the first partial selection fetches when top-p or min-p may need more than the candidate
 # table; top-p fetches 16 times more each time the nucleus reaches past them (256, 4096, then the whole vocabulary).

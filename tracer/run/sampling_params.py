@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 from typing import Sequence
 
 from llmtrace.tracer.core.errors import BadArgumentError
+from llmtrace.tracer.core.json_input import is_int
 
 # The least temperature a draw takes: logits of a few hundred divided by it stay far inside fp32 (3.4e38), and it is
 # already the argmax's draw for any two logits apart by more than 1e-4 (their weights differ by e^100).
@@ -94,11 +95,6 @@ def check_temperatures(temperatures: Sequence[float]) -> tuple[float, ...]:
             raise BadArgumentError(f"--temperatures values must be finite and > 0 (greedy is the T -> 0 limit), "
                                    f"got {t:g}")
     return values
-
-
-def is_int(value: object) -> bool:
-    """A whole number (numpy's integers too: they register as numbers.Integral), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def check_real(name: str, value: object) -> None:

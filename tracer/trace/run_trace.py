@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 
 from llmtrace.tracer.core.config import ModelConfig, MoeSpec, RopeScaling
 from llmtrace.tracer.core.errors import FileFormatError, short_repr
-from llmtrace.tracer.core.json_input import parse_json
+from llmtrace.tracer.core.json_input import is_int, parse_json
 from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, KernelChoice, TypeKernel
 from llmtrace.tracer.trace.batch_records import BatchRun, SequenceRecord
 from llmtrace.tracer.trace.journey_records import (
@@ -234,10 +234,10 @@ class Trace:
                 generated_ids=_typed(tuple, data["generated_ids"], "generated_ids", _TUPLES["tuple[int, ...]"]),
                 generated_text=_typed(str, data["generated_text"], "generated_text", _SCALARS["str"]),
                 stop_reason=_typed(str, data["stop_reason"], "stop_reason", _SCALARS["str"]),
-                wall_ns=_typed(int, data["wall_ns"], "wall_ns", _is_int),
-                peak_rss_bytes=_typed(int, data["peak_rss_bytes"], "peak_rss_bytes", _is_int),
+                wall_ns=_typed(int, data["wall_ns"], "wall_ns", is_int),
+                peak_rss_bytes=_typed(int, data["peak_rss_bytes"], "peak_rss_bytes", is_int),
                 peak_device_bytes=None if data["peak_device_bytes"] is None else _typed(
-                    int, data["peak_device_bytes"], "peak_device_bytes", _is_int),
+                    int, data["peak_device_bytes"], "peak_device_bytes", is_int),
                 pruned_steps=tuple(_build(StepTotals, t) for t in data.get("pruned_steps", ())),
                 sampling_lesson=_optional(_sampling_lesson, data.get("sampling_lesson")),
                 no_kv_cache=_optional(_no_cache, data.get("no_kv_cache")),
@@ -339,22 +339,18 @@ def _build(cls: Callable[..., R], data: dict[str, Any]) -> R:
 # ---- field types, checked on reading: a trace is outside data (hand edits, other tools), and a wrong type would
 # otherwise crash a renderer halfway through `show`. Built once from the records' annotations.
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_float(v: Any) -> bool:
-    return isinstance(v, float) or _is_int(v)
+    return isinstance(v, float) or is_int(v)
 
 
 _SCALARS: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int, "float": _is_float, "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+    "int": is_int, "float": _is_float, "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
 }
 _TUPLES: dict[str, Callable[[Any], bool]] = {
-    "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v),
+    "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(is_int(x) for x in v),
     "tuple[str, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
     "tuple[tuple[int, ...], ...]": lambda v: isinstance(v, (list, tuple)) and all(
-        isinstance(x, (list, tuple)) and all(_is_int(d) for d in x) for x in v),
+        isinstance(x, (list, tuple)) and all(is_int(d) for d in x) for x in v),
 }
 
 
@@ -472,7 +468,7 @@ def _lens_step(d: dict[str, Any]) -> LensStep:
 def _routing_step(d: dict[str, Any]) -> RoutingStep:
     layers = []
     for layer in _list(d["layers"]):
-        experts = tuple(tuple(_typed(int, e, "experts", _is_int) for e in _list(row)) for row in _list(layer["experts"]))
+        experts = tuple(tuple(_typed(int, e, "experts", is_int) for e in _list(row)) for row in _list(layer["experts"]))
         weights = tuple(_floats(row, "weights") for row in _list(layer["weights"]))
         if [len(row) for row in experts] != [len(row) for row in weights]:
             raise ValueError("a layer's routing holds as many weights as experts for each token row")
