@@ -173,6 +173,37 @@ def test_a_file_truncated_during_its_load_is_one_line_exit_2_not_sigbus(
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing cached
 
 
+_TRUNCATED_AFTER_LOAD = """
+import os, sys, torch
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.load.loader import load_model
+path = sys.argv[1]
+loaded = load_model(path, FP32, weights="native")
+os.truncate(path, 4096)  # after the load: the matrices held in the file's map lose their pages
+loaded.model.setup_cache(1, 8)
+loaded.model.prefill(torch.tensor([[1, 5, 9]]))
+print("the products ran on pages the file no longer has")
+"""
+
+
+def test_a_file_truncated_after_its_load_is_one_line_exit_2_not_sigbus(tiny_quantized: Callable[..., Path],
+                                                                       tmp_path: Path) -> None:
+    """The native kernel reads a Q8_0 file's blocks in place from its map (issue 31: load <= llama.cpp's): a product
+    that touches a page past the new end of a truncated file raises SIGBUS, which the native library's handler
+    (native/mapped_file.c) turns into the loader's one line and exit 2."""
+    import gguf
+
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_quantized(gguf.GGMLQuantizationType.Q8_0), path)
+    env = {**os.environ, "LLMTRACE_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATED_AFTER_LOAD, str(path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stderr == f"llmtrace: error: {path}: the file changed while llmtrace read it (replaced, rewritten " \
+                          "or truncated by another program); nothing was cached: run again once it is complete\n"
+    assert proc.stdout == ""
+
+
 def test_a_short_read_of_a_header_says_truncated(tiny_source: tuple[ModelConfig, dict, dict],
                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The header is read through the descriptor too: a file that shrinks between its fstat and its read is a

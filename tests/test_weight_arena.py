@@ -104,28 +104,36 @@ def _span(blocks: list[np.ndarray]) -> tuple[int, int]:
     return min(b.ctypes.data for b in blocks), max(b.ctypes.data + b.nbytes for b in blocks)
 
 
-def test_native_matrices_live_in_one_arena_not_in_the_file(tiny_q8: Path) -> None:
+def test_native_matrices_read_as_stored_live_in_the_files_map_and_q_k_in_one_arena(tiny_q8: Path) -> None:
+    """Issue 31 (load <= llama.cpp's): the matrices the native kernel reads as the file stores them are the file's
+    own bytes in a private map of it (no copy, no fresh pages), the embedding included; Q and K, whose rows llama.cpp
+    permuted, are put in HF's order in one arena, back to back. Every matrix holds the bytes the file holds."""
     header = read_gguf_header(tiny_q8)
     config = config_from_gguf_header(header)
     _, packed = load_gguf_stored(header, config, torch.float32, NATIVE)
-    # an untied embedding is only looked up: it is not in the arena, which holds what products stream (issue 31)
-    embedding = packed.pop("tok_embeddings.weight").tensors["blocks"].numpy()
-    blocks = [t.numpy() for w in packed.values() for t in w.tensors.values()]
-    assert len(blocks) == len(packed) > 0
-    low, high = _span(blocks)
-    assert not low <= embedding.ctypes.data < high
+    blocks = {name: w.tensors["blocks"].numpy() for name, w in packed.items()}
+    permuted = {n: b for n, b in blocks.items() if n.endswith(("attention.wq.weight", "attention.wk.weight"))}
+    in_file = {n: b for n, b in blocks.items() if n not in permuted}
+    assert len(permuted) == 2 * config.n_layers and "tok_embeddings.weight" in in_file and len(in_file) > len(permuted)
+    assert all(b.ctypes.data % ALIGN == 0 for b in permuted.values())
+    low, high = _span(list(permuted.values()))
+    total = sum(b.nbytes for b in permuted.values())
+    assert high - low < total + len(permuted) * ALIGN  # back to back: one arena, no gaps beyond alignment
     file_view = np.memmap(tiny_q8, dtype=np.uint8, mode="r")
-    assert all(b.ctypes.data % ALIGN == 0 for b in blocks)
-    if sys.platform == "linux":  # each lies in anonymous memory, not in a mapping of the file
-        assert {_mapped_file(b.ctypes.data) for b in blocks} == {""}
-    low, high = _span(blocks)
-    total = sum(b.nbytes for b in blocks)
-    assert high - low < total + len(blocks) * ALIGN  # back to back: one arena, no gaps beyond alignment
-    # the same bytes the file holds (Q8_0 rows are not permuted for wv, wo, w1..w3, the head: compare those)
     offsets = {info.name: header.data_offset + info.offset for info in header.tensors}
-    v = packed["layers.0.attention.wv.weight"].tensors["blocks"].numpy()
-    start = offsets["blk.0.attn_v.weight"]
-    assert np.array_equal(v.reshape(-1), file_view[start:start + v.nbytes])
+    ours = {"tok_embeddings.weight": "token_embd.weight", "output.weight": "output.weight",
+            "layers.1.attention.wv.weight": "blk.1.attn_v.weight", "layers.0.feed_forward.w2.weight":
+            "blk.0.ffn_down.weight"}
+    bases = set()
+    for name, gguf_name in ours.items():
+        held = in_file[name].reshape(-1)
+        start = offsets[gguf_name]
+        assert np.array_equal(held, file_view[start:start + held.nbytes]), name
+        bases.add(held.ctypes.data - start)  # one map: every matrix at the map's start + its offset
+    assert len(bases) == 1
+    if sys.platform == "linux":
+        assert {_mapped_file(b.ctypes.data) for b in in_file.values()} == {str(tiny_q8)}
+        assert {_mapped_file(b.ctypes.data) for b in permuted.values()} == {""}  # anonymous memory
 
 
 def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:

@@ -4,11 +4,13 @@ The descriptors come from `llmtrace.tracer.checkpoint.gguf_header` (pure Python,
 `gguf.GGUFReader` spends seconds decoding every vocabulary string as a numpy array). Each tensor's bytes are read
 through one descriptor (llmtrace.tracer.load.gguf_source: pread into private memory, never a map a truncated file
 would turn into SIGBUS), in the file's order, so a pass can hash the whole file as it reads it;
-`llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can.
+`llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can. Blocks that the C library's kernels read as they
+lie are held in place in the file's map instead (tracer/load/file_map.py says when and why).
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -23,6 +25,7 @@ from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load import load_progress
 from llmtrace.tracer.load.gguf_dequant import check_decodable, dequantize
+from llmtrace.tracer.load.file_map import FileMap
 from llmtrace.tracer.load.gguf_source import GGUFSource, Reader
 from llmtrace.tracer.load.weight_arena import WeightArena
 from llmtrace.tracer.model.transformer import Transformer, build_meta_model
@@ -195,13 +198,20 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     """
     plan = _plan(header, config)
     packable, _ = stored_matrices(header, config, kernel)
-    arena, slots = _arena_slots(plan, [n for n in packable if _multiplied(n, config)], kernel)
     dense: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     with ExitStack() as stack:
+        reads = _reader(stack, header, reader)
+        in_file = _in_file(header, config, reads, plan, packable, kernel)
+        arena, slots = _arena_slots(plan, [n for n in packable if _multiplied(n, config) and n not in in_file],
+                                    kernel)
         if arena is not None:  # its pages faulted in from the far end while the matrices fill it from the front
             stack.enter_context(arena.populating())
-        reads = _reader(stack, header, reader)
+        if in_file:
+            mapped = FileMap(reads)  # type: ignore[arg-type]  # _in_file maps only a GGUFSource
+            ranges = {n: (header.data_offset + plan[n].offset, plan[n].n_bytes) for n in in_file}
+            slots.update({n: mapped.view(*ranges[n]) for n in in_file})
+            stack.enter_context(mapped.populating([ranges[n] for n, _ in _file_order(plan) if n in ranges]))
         for name, info in _file_order(plan):
             if name not in packable:
                 tensor = _dequantized(header, config, reads, name, info)
@@ -209,9 +219,29 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
             else:
                 packed[name] = _packed(header, config, reads, name, info,
                                        held_kernel(name, config, kernel_of(kernel, info)),  # type: ignore[arg-type]
-                                       slots.get(name))
+                                       slots.get(name), name in in_file)
             load_progress.advance(info.n_bytes)
     return {n: dense[n] for n in plan if n in dense}, {n: packed[n] for n in plan if n in packed}
+
+
+def _in_file(header: GGUFHeader, config: ModelConfig, reads: Reader, plan: Mapping[str, GGUFTensorInfo],
+             packable: Iterable[str], kernel: KernelPlan) -> set[str]:
+    """The matrices held in place in the file's map (tracer/load/file_map.py): those a block kernel reads as the
+    file stores them (not i8dot's interleaved Q4_0/Q4_1, not Q/K rows llama.cpp permuted, not a 3-D experts
+    tensor), when the load reads the file itself (not a pass that hashes it for a cache entry, not a --tp shard)
+    and the native library, whose SIGBUS handler guards the map, is loaded on Linux. The rest are copied."""
+    if type(reads) is not GGUFSource or reads.header is not header or not sys.platform.startswith("linux"):
+        return set()
+    if not native_kernel.available():
+        return set()
+    held = set()
+    for name in packable:
+        info = plan[name]
+        block = held_kernel(name, config, kernel_of(kernel, info))  # type: ignore[arg-type]
+        if (block in BLOCK_KERNELS and len(info.torch_shape) == 2 and not _groups_held(block, info)
+                and _rope_heads(header, config, name) is None):
+            held.add(name)
+    return held
 
 
 def _multiplied(name: str, config: ModelConfig) -> bool:
@@ -322,10 +352,11 @@ _PIECE_BYTES = 1 << 19
 
 
 def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, info: GGUFTensorInfo,
-            kernel: str, slot: np.ndarray | None = None) -> PackedWeight | ExpertWeights:
+            kernel: str, slot: np.ndarray | None = None, in_file: bool = False) -> PackedWeight | ExpertWeights:
     """One matrix packed for `kernel`; a block kernel's blocks read into their `slot` of the weight arena when
-    given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds. A mixture of
-    experts' 3-D tensor (E, N, K): `_packed_experts`."""
+    given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds; `in_file`:
+    the slot is the matrix's own bytes in the file's map (_in_file), only checked. A mixture of experts' 3-D
+    tensor (E, N, K): `_packed_experts`."""
     if len(info.torch_shape) == 3:
         return _packed_experts(header, reads, info, kernel, slot)
     out_features, in_features = info.torch_shape
@@ -335,6 +366,10 @@ def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, i
     if slot is not None:
         held = slot.reshape(out_features, row_bytes)
         interleaved = _groups_held(kernel, info)
+        if in_file:
+            if not rows_scales_finite(info.ggml_type, held):
+                raise _nan_scales(header, info)
+            return pack_gguf(held, info.ggml_type, in_features, kernel)
         if not _read_held(header, reads, info, heads, held, interleaved):
             raise _nan_scales(header, info)
         return pack_gguf(held, info.ggml_type, in_features, kernel, interleaved=interleaved)

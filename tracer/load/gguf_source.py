@@ -13,11 +13,12 @@ process dies (exit 135) with no message, and no check before a read closes the w
 the check and the touch). A pread of a shrunk file is merely short, which is one line here, exit 2. The cost: a
 copy of each tensor's bytes into memory the process owns. Converted tensors (dequantized, packed for torch's
 kernels) were copied out of the map anyway and the copy of the source lives only while its tensor is converted (at
-most one tensor: ~0.3 GB for a 128k-vocabulary Q6_K embedding); the native kernels' blocks were copied into the
-weight arena already (tracer/load/weight_arena.py), and are now read straight into it, piece by piece through one
-scratch buffer (i8dot's Q4_0/Q4_1 interleaved in place there: gguf_loader._read_held), so nothing of the file is
-held twice and a file truncated during a run cannot kill it at its next product. pread from the page cache runs at memcpy speed, as the map's page faults
-did (BENCHMARKS.md "Weights cache checks" times a first load before and after).
+most one tensor: ~0.3 GB for a 128k-vocabulary Q6_K embedding). The C library's kernels read most blocks as the
+file stores them: those are held in place in a private map of the file after all (tracer/load/file_map.py: a 7 GB
+copy into fresh pages was most of a 7B load), where the library's SIGBUS handler turns a truncation into this
+module's one line; what must be rearranged (Q/K rows, i8dot's interleaved Q4_0/Q4_1) is read straight into the
+weight arena, piece by piece through one scratch buffer (gguf_loader._read_held). pread from the page cache runs at
+memcpy speed (BENCHMARKS.md "Weights cache checks" times a first load before and after).
 
 The key from what was read. `reads()` hashes the whole file in order as the tensors are read (gaps between them,
 header and tail included), so on a cache miss the entry is stored under the XXH3-128 of the bytes it was converted

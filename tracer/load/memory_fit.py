@@ -3,10 +3,10 @@ weight is read, so a request that cannot fit is one line (what it needs, what th
 that grows until the kernel's OOM killer ends it (a 7B GGUF dequantized to fp32 needs ~27 GB).
 
 What a run holds, per matrix (the working set a decode step reads, or memory nothing else can reclaim):
-- as stored under the C library's kernels (native, i8dot, i16dot): the file's blocks, read into the weight arena
-  (tracer/load/weight_arena.py), once; i8dot's Q4_0/Q4_1 matrices are interleaved in place there (what every
-  product reads; lookups and dequantization gather rows from their groups); an untied embedding, only looked up, is
-  held once, outside the arena;
+- as stored under the C library's kernels (native, i8dot, i16dot): the file's blocks, once: in place in the file's
+  map (tracer/load/file_map.py; file pages, but every decode step reads them) or, where they are rearranged, in the
+  weight arena (tracer/load/weight_arena.py): Q/K rows in HF's order, i8dot's Q4_0/Q4_1 matrices interleaved in
+  place (what every product reads; lookups and dequantization gather rows from their groups);
 - as stored under torch's kernels (int4pack, blocks): their tensors (weight_formats' layout: codes, fp32 scales and
   zeros), and for int4pack the kernel's own layout made on the first product (4-bit codes + bf16 scales and zeros);
 - dequantized or converted (a GGUF matrix without a kernel, `--weights dense`, an HF tensor in another dtype): its

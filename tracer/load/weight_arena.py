@@ -1,4 +1,6 @@
-"""One block of anonymous memory, advised for transparent huge pages, that a GGUF's stored matrices are copied into.
+"""One block of anonymous memory, advised for transparent huge pages, that a GGUF's stored matrices are copied into
+where they are rearranged (Q/K rows in HF's order, i8dot's interleaved Q4_0/Q4_1) or a weights cache entry is written;
+blocks the kernels read as the file stores them are held in the file's map instead (tracer/load/file_map.py).
 
 Why: the native kernels read a GGUF's blocks as they are, and a decode step streams every matrix once (~100 MB on
 the bundled model, ~120 products). Left as views of the memory-mapped file they lie in 4 KiB pages: every 4 KiB of

@@ -7,6 +7,7 @@
  *   int8_groups.c  i8dot's Q4_0/Q4_1 rows interleaved in eights (the layout and its entry points)
  *   int16_dot.c    the "i16dot" kernel (activations rounded to int16; Q8_0 and Q6_K)
  *   decode_step.c  one decode step in one call, and decode steps back to back, the caller choosing each token
+ *   mapped_file.c  a SIGBUS inside a registered map of a GGUF (the file truncated under the run): one line, exit 2
  * Every kernel has a plain scalar reference beside its vector code (the *_reference functions), always compiled:
  * a build without AVX2 runs them, and llmt_matmul_reference runs them in any build, so tests hold each vector
  * kernel to its reference on every build.

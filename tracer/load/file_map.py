@@ -1,0 +1,92 @@
+"""A GGUF's stored blocks read in place from a private map of the file, where a kernel reads them as they lie.
+
+Why. The native library's kernels (native, i16dot, and i8dot on every type but Q4_0/Q4_1, whose rows it interleaves)
+read a matrix's blocks exactly as the file stores them. Copying them into the weight arena
+(tracer/load/weight_arena.py) costs a fresh page for every 4 KiB or 2 MiB of the model: at 7B Q8_0, 7 GB of
+first-touch faults, 10-22 s of a load that llama.cpp, which maps the file and copies nothing, does in 0.3-1.7 s
+(BENCHMARKS.md, issue 31). Mapped, the blocks are the page cache's own pages: no copy, nothing zeroed, and two runs
+of one file share them. What is still copied: Q/K rows that llama.cpp permuted (the model holds HF's order), i8dot's
+interleaved Q4_0/Q4_1, 3-D expert tensors, and everything when the load writes a weights cache entry (that pass
+hashes what it reads through pread: tracer/load/gguf_source.py).
+
+The map is MAP_PRIVATE (copy-on-write): nothing written to it can reach the file; nothing writes to it. While the
+loader checks every block's scales from the front (which touches each page), a second thread faults the mapped
+ranges in from the back (MADV_POPULATE_READ, Linux 5.14+), as the arena's populating thread does for its copies.
+
+A file that changes under the run. The load is still checked as before: the descriptor's identity before and after
+(gguf_source.GGUFSource), so a file rewritten or truncated while it loads is refused in one line. After the load,
+a file rewritten in place changes the mapped weights (as it does llama.cpp's), and a truncated one raises SIGBUS at
+the next touch of a page past its new end: the native library's handler (native/mapped_file.c) turns that into one
+line naming the file and exit status 2, where the process would otherwise die silently (exit 135).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from llmtrace.tracer.load.gguf_source import OpenedFile, changed
+from llmtrace.tracer.model import native_kernel
+
+MADV_POPULATE_READ = 22  # linux/mman.h (5.14): fault the range in, readable, as a read of each page would
+POPULATE_STEP = 32 << 20  # faulted per call: the thread stops within one step of being asked to
+
+
+class FileMap:
+    """A private map of an opened file, its SIGBUS guarded (the module's docstring says why)."""
+
+    def __init__(self, source: OpenedFile) -> None:
+        self._map = mmap.mmap(source.fd, source.size, access=mmap.ACCESS_COPY)
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.address = self.bytes.ctypes.data
+        library = native_kernel.library()
+        guard, unguard = library.handle.llmt_guard_map, library.handle.llmt_unguard_map
+        guard.argtypes, guard.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p], ctypes.c_int
+        unguard.argtypes, unguard.restype = [ctypes.c_void_p], None
+        path = "".join(c if c.isprintable() else "?" for c in str(source.path))
+        line = f"llmtrace: error: {changed(path)}\n".encode("utf-8", "replace")
+        self.guarded = guard(self.address, source.size, line) == 0
+        if self.guarded:  # forgotten when the map goes (the last view of it dropped): its range may be reused
+            weakref.finalize(self._map, unguard, self.address)
+
+    def view(self, start: int, nbytes: int) -> np.ndarray:
+        """Bytes [start, start + nbytes) of the file, in place (uint8, writable only as a private copy would be)."""
+        return self.bytes[start:start + nbytes]
+
+    @contextmanager
+    def populating(self, ranges: Sequence[tuple[int, int]]) -> Iterator[None]:
+        """For the block: a second thread faults `ranges` ((start, nbytes) of the file) in, the last first, while the
+        caller reads them from the first. Where the call is missing (not Linux, a kernel before 5.14, a file that
+        shrank: EFAULT) the thread stops at its first failed call; the caller's reads fault the pages in instead."""
+        if not ranges or not sys.platform.startswith("linux"):
+            yield
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self._populate, args=(list(ranges), stop), name="llmtrace-map-populate",
+                                  daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()  # the caller has read every range: what is left is already in
+            thread.join()
+
+    def _populate(self, ranges: list[tuple[int, int]], stop: threading.Event) -> None:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes drops the GIL for the call
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        for start, nbytes in reversed(ranges):
+            low = self.address + start // page * page
+            high = self.address + start + nbytes
+            while high > low and not stop.is_set():
+                at = max(low, high - POPULATE_STEP) // page * page
+                if madvise(at, high - at, MADV_POPULATE_READ) != 0:
+                    return
+                high = at
