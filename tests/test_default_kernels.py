@@ -98,3 +98,41 @@ def test_without_a_compiler_run_says_so_in_one_line(no_compiler: None, tiny_quan
     text = " ".join(result.output.split())  # warnings are wrapped to the terminal: one note, however wrapped
     assert text.count("note:") == 1 and "note: no C compiler: `" in text
     assert "kernels Q4_1 int4pack (bf16) · default, no C compiler" in result.output
+
+
+@pytest.mark.parametrize("isa, expected", [(table.AVX512_VNNI, "mm"), (table.AVX2, "mv")])
+def test_a_bf16_folders_one_token_products_take_the_tables_kernel(isa: str, expected: str, tmp_path: Path,
+                                                                  make_tiny_llama: Callable[..., Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's float column: on AVX-512 a bf16 checkpoint's one-token products run through mm (torch's bf16 mv
+    streams 8.8 GB/s there, mm 14: BENCHMARKS.md), on AVX2 through torch.mv; the decode that runs is the one named,
+    and both give the same logits to bf16's rounding."""
+    from safetensors.torch import load_file, save_file
+
+    from llmtrace.tracer.run.backends import backend_for, matvec_of
+    from llmtrace.tracer.run.select import Request
+
+    folder = tmp_path / "bf16"
+    source = make_tiny_llama("default")
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.model", "tokenizer_config.json"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(source / "model.safetensors")).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setattr(kernel_pick, "instruction_set", lambda device, build=True: isa)
+    loaded = load_model(str(folder), dtype=AUTO, use_cache=False)
+    assert loaded.kernels.dtype == "bf16" and loaded.kernels.decode_kernel == expected
+    assert matvec_of(loaded.kernels) == expected
+    model = loaded.model
+    logits = {}
+    for kernel in ("mv", "mm"):
+        model.setup_cache(1, 8)
+        run = backend_for(model, Request(matvec=kernel))
+        run.prefill(torch.tensor([[3, 4, 5]]))
+        calls: list[int] = []
+        real_mv = torch.mv
+        monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
+        logits[kernel] = run.decode(torch.tensor([[6]])).float()
+        monkeypatch.setattr(torch, "mv", real_mv)
+        assert bool(calls) is (kernel == "mv")
+    torch.testing.assert_close(logits["mm"], logits["mv"], rtol=0.02, atol=0.02)

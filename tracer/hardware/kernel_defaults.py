@@ -17,8 +17,10 @@ holds both to this one):
   kernel was 3x slower than dense fp32 there: 212 vs 71.7 ms);
 - on CUDA the same torch choices (not measured in this project: no GPU run has timed them);
 - float checkpoints compute in their own dtype (bf16 ran a step in 24.4 ms against fp32's 71.7 on the AVX2 machine;
-  no conversion copy), fp16 ones in fp32 when fp16 overflows (the loader's range check), matrix-vector products
-  through torch.mv (twice mm's speed for bf16, the faster for fp32 in every measurement).
+  no conversion copy), fp16 ones in fp32 when fp16 overflows (the loader's range check); their one-token products
+  (functional.MATVEC_KERNELS) through torch.mv (on AVX2: twice mm's speed for bf16, the faster for fp32 in every
+  measurement), except on AVX-512, where torch's mv of bf16 and fp16 takes a slower path than mm, the (1, K) @ (K, N)
+  product F.linear runs (benchmarks/bench_matvec.py, Zen 4: `MATVEC_AVX512`'s figures).
 
 Pure Python (no torch): the loader passes what it knows of the machine.
 """
@@ -73,6 +75,19 @@ TABLE = (
 )
 DENSE_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}  # a float checkpoint computes in its own dtype
 MATVEC = "mv"
+# The dtypes whose one-token products run through mm on an AVX-512 CPU (BENCHMARKS.md "bf16 and fp16 decode").
+MATVEC_AVX512 = {"bf16": "mm", "fp16": "mm"}
+
+
+def matvec_for(instruction_set: str, dtype: str) -> str:
+    """The one-token product kernel ("mv" or "mm": functional.MATVEC_KERNELS) of dense `dtype` weights."""
+    return MATVEC_AVX512.get(dtype, MATVEC) if instruction_set == AVX512_VNNI else MATVEC
+
+
+def _matvec_cell(instruction_set: str) -> str:
+    """The float checkpoints' cell: "own dtype, mv", or the dtypes that take mm."""
+    mm = [d for d in ("fp32", "bf16", "fp16") if matvec_for(instruction_set, d) != MATVEC]
+    return f"own dtype, {MATVEC}" + (f" ({'/'.join(mm)}: mm)" if mm else "")
 
 
 def default_phrase(instruction_set: str) -> str:
@@ -140,5 +155,5 @@ def table_markdown() -> str:
     for row in TABLE:
         cells = [row.kernels[t] for t in GGUF_TYPES]
         lines.append(f"| {row.instruction_set} ({row.machines}) | " + " | ".join(cells)
-                     + f" | own dtype, {MATVEC} | {row.evidence} |")
+                     + f" | {_matvec_cell(row.instruction_set)} | {row.evidence} |")
     return "\n".join(lines)

@@ -94,11 +94,12 @@ def default_choice(resolved: ResolvedModel, device: torch.device, build: bool = 
     if resolved.kind != GGUF or resolved.gguf_header is None:
         dtype = stored_dtype(formats) or "fp32"
         why = f"the checkpoint's own {dtype}" if stored_dtype(formats) else "fp32"
-        return _dense_choice(dtype, table.MATVEC, rule.DEFAULT, f"{row}: {why}", isa, formats)
+        return _dense_choice(dtype, table.matvec_for(isa, dtype), rule.DEFAULT, f"{row}: {why}", isa, formats)
     plan = table.default_plan(isa, matrix_infos_types(resolved))
     plan = {t: k for t, k in plan.items() if runs_here(k, device)}  # int4pack on a GPU older than its kernel
     if not plan:
-        return _dense_choice("fp32", table.MATVEC, rule.DEFAULT, f"{row}: dequantized", isa, formats)
+        return _dense_choice("fp32", table.matvec_for(isa, "fp32"), rule.DEFAULT, f"{row}: dequantized", isa,
+                             formats)
     return stored_choice(plan_spec(plan), "fp32", rule.DEFAULT, row, isa, formats)
 
 
@@ -149,7 +150,7 @@ def option_choice(resolved: ResolvedModel, dtype: str, spec: str | None, flags: 
     """The record of what options chose: `spec` a stored kernel spec, or None for dense `dtype`."""
     formats = matrix_formats(resolved)
     if spec is None:
-        return _dense_choice(dtype, table.MATVEC, rule.OPTION, flags, isa, formats)
+        return _dense_choice(dtype, table.matvec_for(isa, dtype), rule.OPTION, flags, isa, formats)
     return stored_choice(spec, dtype, rule.OPTION, flags, isa, formats)
 
 
