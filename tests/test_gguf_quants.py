@@ -109,6 +109,16 @@ def test_fast_paths_equal_gguf_on_random_blocks(qtype: Q) -> None:
     np.testing.assert_array_equal(ours, gguf.quants.dequantize(blocks, qtype).reshape(-1))
 
 
+def test_the_types_checked_without_gguf_are_those_it_decodes() -> None:
+    """check_decodable accepts GGUF_DECODES without importing gguf (a first run's start-up): each must be one that
+    gguf's dequantize decodes, and F32 reads back as gguf reads it."""
+    from llmtrace.tracer.load.gguf_dequant import GGUF_DECODES, _gguf_type
+
+    assert all(_gguf_type(code) is not None for code in GGUF_DECODES)
+    raw = np.random.default_rng(2).standard_normal(96).astype("<f4").view(np.uint8)
+    np.testing.assert_array_equal(dequantize(raw, int(Q.F32), 96), gguf.quants.dequantize(raw, Q.F32).reshape(-1))
+
+
 def test_q4_k_m_mix_runs(kquant_source: tuple[ModelConfig, dict, dict], tmp_path: Path) -> None:
     """A file mixed the way llama.cpp's Q4_K_M is: loads bit for bit, and `llmtrace run` generates from it."""
     def type_of(name: str) -> Q:

@@ -4,7 +4,8 @@
 types, TQ1_0/TQ2_0, MXFP4...). It is called with the tensor's rows as rows (it works on 16 rows at a time, so a
 flat array of blocks would be much slower). Q4_0, Q4_1 and Q8_0 keep the hand-written numpy below: 1.3-2x faster
 than gguf's, measured side by side (BENCHMARKS.md, "GGUF dequantization"), and they are the bundled model's
-formats; the tests hold these fast paths bit-for-bit equal to `gguf.quants.dequantize`. For F16 and BF16 gguf's
+formats; the tests hold these fast paths bit-for-bit equal to `gguf.quants.dequantize`. F32 (a file's norms) is read as it
+is, so a run that dequantizes nothing else never imports gguf. For F16 and BF16 gguf's
 decoder was as fast as the hand-written numpy this module had, so that was removed.
 """
 
@@ -16,7 +17,7 @@ from llmtrace.tracer.checkpoint.gguf_header import GGML_TYPES
 from llmtrace.tracer.core.errors import UnsupportedModelError
 
 # ggml type codes with special handling here (ggml.h enum ggml_type).
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+F32, Q4_0, Q4_1, Q8_0 = 0, 2, 3, 8
 
 
 def _scales(blocks: np.ndarray, start: int, count: int) -> np.ndarray:
@@ -61,7 +62,16 @@ def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
-_FAST_PATHS = {Q4_0: _dequant_q4_0, Q4_1: _dequant_q4_1, Q8_0: _dequant_q8_0}
+def _dequant_f32(raw: np.ndarray) -> np.ndarray:
+    """F32: the bytes are the values (what gguf returns too: a view)."""
+    return raw.view("<f4")
+
+
+_FAST_PATHS = {F32: _dequant_f32, Q4_0: _dequant_q4_0, Q4_1: _dequant_q4_1, Q8_0: _dequant_q8_0}
+# Types every gguf this project accepts (pyproject: gguf>=0.10) decodes: checked without importing it. A default
+# GGUF run dequantizes only its F32 norms, and `import gguf` costs a first run ~0.1-0.2 s (its metadata module
+# imports yaml); the tests hold this set to gguf's own answer.
+GGUF_DECODES = frozenset({1, 6, 7, 10, 11, 12, 13, 14, 30})  # F16, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16
 
 
 def type_name(ggml_type: int) -> str:
@@ -83,7 +93,7 @@ def _gguf_type(ggml_type: int):  # noqa: ANN202 - a gguf.GGMLQuantizationType, i
 
 def check_decodable(ggml_type: int, tensor: str) -> None:
     """Raise UnsupportedModelError, with advice a user holding only this file can follow, unless it decodes."""
-    if ggml_type in _FAST_PATHS or _gguf_type(ggml_type) is not None:
+    if ggml_type in _FAST_PATHS or ggml_type in GGUF_DECODES or _gguf_type(ggml_type) is not None:
         return
     raise UnsupportedModelError(
         f"tensor {tensor!r} is stored as {type_name(ggml_type)}, which the gguf package ({_package_version('gguf')}) "
@@ -107,7 +117,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, row_len: int, tensor: str = "ten
     Types no decoder handles raise UnsupportedModelError (check_decodable).
     """
     if ggml_type in _FAST_PATHS:
-        return _FAST_PATHS[ggml_type](raw)
+        values = _FAST_PATHS[ggml_type](raw)
+        return values if values.flags.writeable else values.copy()  # F32's view of a read-only map: copied
     import gguf
     from gguf.quants import dequantize as gguf_dequantize
 
