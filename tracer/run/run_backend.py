@@ -47,7 +47,13 @@ class RunBackend:
     def _warm_up(self, ids: list[int]) -> None:
         """One untimed prefill of the prompt and one decode step, then an empty cache: the first call of a kernel
         for a shape pays one-off set-up (oneDNN's bf16/AMX kernels took ~40x a layer's time in the first prefill),
-        which a profile of steady-state work must not show as layer 0's cost. It takes the run's backend, untraced."""
+        which a profile of steady-state work must not show as layer 0's cost. It takes the run's backend, untraced.
+        Where every product runs in the C library (the plan has a native step: a GGUF on the default kernels), no
+        product has a per-shape set-up, and the prompt's first token warms the rest as well, at a fraction of a
+        whole prefill's cost (at 7B a 6-token prompt's untimed prefill was ~0.5 s of a first run: issue 31)."""
+        plan = self._selection.plan if self._selection is not None else None
+        if plan is not None and plan.native is not None:
+            ids = ids[:1]
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
         try:
             with torch.no_grad():
