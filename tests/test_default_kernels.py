@@ -105,7 +105,7 @@ def test_a_bf16_folders_one_token_products_take_the_tables_kernel(isa: str, expe
                                                                   make_tiny_llama: Callable[..., Path],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The table's float column: on AVX-512 a bf16 checkpoint's one-token products run through mm (torch's bf16 mv
-    streams 8.8 GB/s there, mm 14: BENCHMARKS.md), on AVX2 through torch.mv; the decode that runs is the one named,
+    streamed 11.8 GB/s there, mm 20.1: BENCHMARKS.md), on AVX2 through torch.mv; the decode that runs is the one named,
     and both give the same logits to bf16's rounding."""
     from safetensors.torch import load_file, save_file
 
