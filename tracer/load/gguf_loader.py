@@ -232,8 +232,6 @@ def _in_file(header: GGUFHeader, config: ModelConfig, reads: Reader, plan: Mappi
     and the native library, whose SIGBUS handler guards the map, is loaded on Linux. The rest are copied."""
     if type(reads) is not GGUFSource or reads.header is not header or not sys.platform.startswith("linux"):
         return set()
-    if not native_kernel.available():
-        return set()
     held = set()
     for name in packable:
         info = plan[name]
@@ -241,7 +239,7 @@ def _in_file(header: GGUFHeader, config: ModelConfig, reads: Reader, plan: Mappi
         if (block in BLOCK_KERNELS and len(info.torch_shape) == 2 and not _groups_held(block, info)
                 and _rope_heads(header, config, name) is None):
             held.add(name)
-    return held
+    return held if held and native_kernel.available() else set()  # (a block kernel's plan has the library)
 
 
 def _multiplied(name: str, config: ModelConfig) -> bool:
