@@ -136,10 +136,6 @@ def _field_bytes(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def _field_float(number: int, value: float) -> bytes:
-    return _varint(number << 3 | 5) + struct.pack("<f", value)
-
-
 def sentencepiece_model_proto(meta: Mapping[str, Any], source: str) -> bytes:
     """Serialized ModelProto for a "llama" GGUF vocabulary: pieces with scores and types, BPE, identity normalizer."""
     tokens: Sequence[str] = _need(meta, "tokenizer.ggml.tokens", source)
@@ -152,14 +148,18 @@ def sentencepiece_model_proto(meta: Mapping[str, Any], source: str) -> bytes:
     if UNKNOWN not in types:
         raise FileFormatError(f"{source}: SentencePiece vocabulary has no unknown token (token_type 2); file is corrupt")
     pieces = bytearray()
+    kinds = (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE)
+    type_field = {kind: b"" if kind == NORMAL else _field_varint(3, kind) for kind in kinds}
+    score_tag, piece_tag = _varint(2 << 3 | 5), _varint(1 << 3 | 2)
+    pack_float = struct.Struct("<f").pack
     for token, score, kind in zip(tokens, scores, types):
-        if kind not in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE):
+        if kind not in type_field:
             raise FileFormatError(f"{source}: token {token!r} has unknown token type {kind}; file is corrupt")
         # Piece: piece = 1, score = 2, type = 3 (NORMAL is the default and left out, as sentencepiece writes it).
-        body = _field_bytes(1, token.encode("utf-8")) + _field_float(2, float(score))
-        if kind != NORMAL:
-            body += _field_varint(3, kind)
-        pieces += _field_bytes(1, body)  # ModelProto.pieces = 1
+        # The _field_* helpers written out (the tags made once): a 128k vocabulary took ~0.5 s of a first run.
+        raw = token.encode("utf-8")
+        body = b"".join((piece_tag, _varint(len(raw)), raw, score_tag, pack_float(float(score)), type_field[kind]))
+        pieces += piece_tag + _varint(len(body)) + body  # ModelProto.pieces = 1
     unk = types.index(UNKNOWN)
     trainer = (
         _field_varint(3, 2)  # model_type = BPE
