@@ -1,5 +1,6 @@
 """Gemma 3's text model (HF Gemma3ForCausalLM, GGUF 'gemma3'): its config.json and GGUF read, logits and greedy ids
-equal to transformers' on a tiny random model through every backend llmtrace runs it on, and each of its twists a
+equal to transformers' on a tiny random model through every backend llmtrace runs it on (the C decode step's one
+layer loop among them: fused, staged and run ahead), and each of its twists a
 stage of its own in the trace ((1 + w) norms, norms after attention and FFN, GeGLU, embeddings × √d, Q/K-norm,
 windowed and global layers with their own RoPE bases, query_pre_attn_scalar, final soft-capping).
 
@@ -28,10 +29,12 @@ from llmtrace.tracer.core.contract import expected_shapes
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.select import Request, select
 from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED
+from tests.torch_threads import torch_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,21 +190,125 @@ def test_backends_greedy_ids_and_logits_equal_hf(backend: str, source: str, gemm
     assert (logits - expected_logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("weights", [None, "native"])
-def test_the_c_step_refuses_in_one_line_and_the_packed_path_runs(weights: str | None,
-                                                                 gemma3: tuple[Path, Path, ModelConfig]) -> None:
-    """The C decode step has no Gemma stages: select() takes the packed path (or under --staged the stage modules)
-    and says why not the C step, as the run's header, summary and JSON show a route not taken; so too for the
-    GGUF held as stored for the native kernel, where it would otherwise run."""
-    folder, gguf_path, _ = gemma3
-    model = load_model(str(folder if weights is None else gguf_path), dtype=FP32, use_cache=False,
-                       weights=weights).model
+def test_the_folders_fp32_products_are_not_the_c_steps(gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """The C decode step multiplies matrices held as a GGUF stores them (the native library's kernels): the HF folder's
+    fp32 matrices are not, so select() takes the packed path (under --staged the stage modules) and says why not the
+    C step in one line, as the run's header, summary and JSON show a route not taken."""
+    folder, _, _ = gemma3
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
     model.setup_cache(1, PROMPT + STEPS)
     for request, route_taken in ((Request(), (PACKED, PACKED)), (Request(staged=True), (MODULES, MODULES))):
         route = select(model, request).route
         assert (route.prefill, route.decode) == route_taken
         reasons = {r.backend: r.reason for r in route.not_taken}
-        assert "the C decode step has no Gemma stages" in reasons[NATIVE] and "\n" not in reasons[NATIVE]
+        assert "not held for the native library's kernels" in reasons[NATIVE] and "\n" not in reasons[NATIVE]
+
+
+# The C step's backends as a run asks for them, and the route (prefill, decode) each then takes
+C_REQUESTS = {"native": (Request(backend=NATIVE), (PACKED, NATIVE)),
+              "native-staged": (Request(staged=True), (MODULES, NATIVE))}
+
+
+@torch.no_grad()
+def c_greedy(model: Transformer, backend: str, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """`greedy` on the C step (decode_step.c), every one of its decode steps one C call (its logits, not None: no
+    torch fallback)."""
+    request, route_taken = C_REQUESTS[backend]
+    model.setup_cache(1, PROMPT + STEPS)
+    route = select(model, request).route
+    assert (route.prefill, route.decode) == route_taken, route
+    run = backend_for(model, request)
+    name = "staged_step" if backend == "native-staged" else "native_decode"
+    original, c_steps = getattr(run.plan, name), []
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = original(*args)
+        c_steps.extend([] if out is None else [1])
+        return out
+
+    setattr(run.plan, name, counted)
+    ids, logits = parity.greedy_run(run, prompt, STEPS)
+    assert len(c_steps) == STEPS - 1
+    return ids, logits
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("backend", list(C_REQUESTS))
+@torch.no_grad()
+def test_the_c_step_gives_transformers_and_the_stage_modules_ids_and_logits(
+        backend: str, threads: int, gemma3: tuple[Path, Path, ModelConfig], hf: torch.nn.Module) -> None:
+    """The Q8_0 GGUF held as stored for the exact native kernel: every decode step one C call, with every Gemma twist
+    in C's one layer loop ((1 + w) norms, norms after attention and FFN, GeGLU, × √d, QK-norm, the scale, the
+    windowed layers' keys and RoPE base beside the global layer's, the soft-cap), fused or staged, on one thread
+    and two: transformers' greedy ids and logits on the folder, and the stage modules' on the same file."""
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+    _, gguf_path, config = gemma3
+    model = load_model(str(gguf_path), dtype=FP32, use_cache=False, weights="native").model
+    prompt = prompt_ids(config)
+    expected_ids, expected_logits = hf_greedy(hf, prompt)
+    module_ids, module_logits = greedy(model, "modules", prompt)
+    with torch_threads(threads):
+        ids, logits = c_greedy(model, backend, prompt)
+    assert ids == expected_ids == module_ids and len(set(ids)) > 1
+    assert (logits - expected_logits).abs().max().item() <= 1e-4
+    assert (logits - module_logits).abs().max().item() <= 1e-4
+    assert expected_logits.abs().max() > 0.5 * SOFTCAP  # where the soft-cap bends a logit by 8% and more
+
+
+def test_a_run_ahead_generates_the_stage_modules_ids(gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """A whole untraced run: its decode steps run ahead in C (several steps a call, each layer attending its own
+    window's keys), and generate the stage modules' ids."""
+    from llmtrace.tracer.run.generate import Generation
+    from llmtrace.tracer.trace.records import RunSettings
+
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+    _, gguf_path, _ = gemma3
+    loaded = load_model(str(gguf_path), weights="native")
+    runs = {}
+    for backend in (None, MODULES):
+        settings = RunSettings(model=str(gguf_path), prompt="The capital of France is", max_new_tokens=12,
+                               temperatures=(), trace=False)
+        runs[backend] = Generation(loaded, settings, backend=backend).run()
+    native, modules = runs[None], runs[MODULES]
+    assert (native.route.decode, native.route.ahead) == (NATIVE, True) and modules.route.decode == MODULES
+    assert native.run_ahead is not None and native.run_ahead.steps == 11
+    assert native.generated_ids == modules.generated_ids and len(native.generated_ids) == 12
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_c_steps_traced_records_are_the_torch_paths(staged: bool, gemma3: tuple[Path, Path, ModelConfig]) -> None:
+    """Traced, the C step stamps each Gemma stage where the torch path marks it: a fused step's records (its readings
+    taken by the packed path's marks) are the packed path's, a staged step's (taken by the "wrap" tracer) the
+    wrapped stage modules', field by field but the times: names, order, shapes, FLOPs, bytes."""
+    import dataclasses
+
+    from llmtrace.tracer.trace.hooks import Tracer
+    from llmtrace.tracer.trace.records import DECODE, PREFILL
+
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+    _, gguf_path, config = gemma3
+    model = load_model(str(gguf_path), dtype=FP32, use_cache=False, weights="native").model
+    torch_request = Request(staged=True, traced=True, backend=MODULES) if staged else Request(traced=True,
+                                                                                              backend=PACKED)
+    records = []
+    for request in (Request(staged=staged, traced=True), torch_request):
+        model.setup_cache(1, PROMPT + STEPS)
+        assert select(model, request).route.decode == (NATIVE if request.backend is None else request.backend)
+        with Tracer(model, mechanism="wrap" if staged else "fused") as tracer:
+            run = backend_for(model, request).traced(tracer)
+            for step in range(STEPS):
+                tracer.begin_step(PREFILL if step == 0 else DECODE, step)
+                with torch.no_grad():
+                    run.prefill(prompt_ids(config)) if step == 0 else run.decode(torch.tensor([[7 + step]]))
+                tracer.end_step()
+        records.append([dataclasses.replace(r, start_ns=0, duration_ns=0) for r in tracer.records()])
+    assert records[0] == records[1]
+    decode = [r.short_name for r in records[0] if r.step == 1]
+    assert decode[:2] == ["tok_embeddings", "embed_scale"] and decode[-3:] == ["norm", "output", "softcap"]
+    assert decode.count("post_attention_norm") == decode.count("post_ffn_norm") == config.n_layers
 
 
 def _traced(model: Transformer, config: ModelConfig, mechanism: str = "wrap") -> tuple[tuple, list[int]]:

@@ -156,7 +156,7 @@ def test_one_reading_per_stage(model: Transformer, staged: bool) -> None:
     backend = backend_for(model)
     backend.prefill(torch.arange(3, 3 + PROMPT).view(1, -1))
     step = backend.plan.native
-    step(TOKENS[0], PROMPT, 0, stamps=True, staged=staged)
+    step(TOKENS[0], PROMPT, stamps=True, staged=staged)
     readings = step.readings()
     assert len(readings) == stamp_count(model.config.n_layers, staged, experts=K)
     assert readings == sorted(readings)

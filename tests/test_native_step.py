@@ -315,16 +315,16 @@ def test_a_failed_step_leaves_no_readings() -> None:
     run.prefill(torch.arange(3, 8).view(1, -1))
     step = run.plan.native
     before = time.perf_counter_ns()
-    step(4, 5, 0, stamps=True)
+    step(4, 5, stamps=True)
     readings = step.readings()
     assert len(readings) == step.stamp_count and readings == step._stamps[: step.stamp_count].tolist()
     assert readings == sorted(readings)
     if host_clock_matches():  # the C stamps read perf_counter_ns's clock
         assert before <= readings[0] and readings[-1] <= time.perf_counter_ns()
     with pytest.raises(native_kernel.NativeKernelError, match="token id outside the embedding table"):
-        step(BASE.vocab_size, 6, 0, stamps=True)
+        step(BASE.vocab_size, 6, stamps=True)
     assert step.readings() == []
-    step(4, 6, 0, stamps=True, staged=True)
+    step(4, 6, stamps=True, staged=True)
     assert len(step.readings()) == step.staged_stamp_count
-    step(4, 7, 0)  # untraced: no readings either
+    step(4, 7)  # untraced: no readings either
     assert step.readings() == []

@@ -66,7 +66,7 @@ class PackedLayer:
     concatenation), QK-norm's weight over the q|k rows, and this step's state, set by `FusedPlan.step`: B and T, the
     attention mask, the layer's cache views and the mark. The shapes the native step reads (heads, ...) too."""
 
-    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "gemma",
+    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm",
                  "head_dim", "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight",
                  "qk_whole", "scale", "values", "w13", "w2", "window", "wo", "wqkv", "write")
 
@@ -77,9 +77,6 @@ class PackedLayer:
         self.scale = attn.scores.scale
         self.window = attn.kv_cache.window  # this layer's (Gemma 3: None on its global layers)
         self.attention_norm, self.ffn_norm = layer.attention_norm, layer.ffn_norm
-        # Gemma's stages the native step does not have: (1 + w) norms, the norms after attention and FFN, GeGLU
-        self.gemma = layer.attention_norm.plus_one is not None or layer.post_attention_norm is not None or \
-            "gelu" in ffn._modules
         self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
         self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
         self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
@@ -170,14 +167,8 @@ class FusedPlan:
             len(self.caches) * 2 * self.caches[0].n_kv_heads * self.caches[0].head_dim * kv.element_size())
         # The one-token step as one C call (tracer/model/native_step.py) when every product is a native-kernel
         # PackedWeight and the model runs in fp32 on the CPU; else None, and `native_reason` says why.
-        if any(layer.gemma for layer in self.layers) or self.embed_scale is not None or self.softcap is not None \
-                or self.mixed_windows:
-            self.native, self.native_reason = None, (
-                "the C decode step has no Gemma stages ((1 + w) norms, norms after attention and FFN, GeGLU, × √d, "
-                "soft-cap, windowed and global layers)")
-        else:
-            self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
-                None, "the layers' KV caches are not one tensor")
+        self.native, self.native_reason = NativeStep.build(self) if self.kv_rows is not None else (
+            None, "the layers' KV caches are not one tensor")
 
     def kv_live_bytes(self, length: int | None = None) -> int:
         """Bytes of K and V attention can still read, over every layer: every layer's cache holds the same positions
@@ -279,9 +270,8 @@ class FusedPlan:
                        staged: bool = False) -> torch.Tensor:
         """A one-token `step` as one C call; when traced, `take` receives the readings C stamped (the step's start, then
         one after each stage). `staged`: the staged path's stages apart (`staged_step`)."""
-        end = start + 1
         step = self.native
-        logits = step(int(tokens), start, first_attended_position(end, 1, self.window), take is not None, staged)
+        logits = step(int(tokens), start, take is not None, staged)
         if take is not None:
             take(step.readings())
         return logits
@@ -294,7 +284,7 @@ class FusedPlan:
         readings, traced or not); else None. The caches' fill then counts the steps done."""
         if self.native is None or not host_clock_matches():
             return None
-        run = self.native.run_ahead(token, start, self.window, steps, stop_token, choose, stamps)
+        run = self.native.run_ahead(token, start, steps, stop_token, choose, stamps)
         end = start + len(run.tokens)
         self.fill.length, self.fill.batch = end, 1
         return replace(run, kv_live_bytes=tuple(self.kv_live_bytes(length) for length in range(start + 1, end + 1)))

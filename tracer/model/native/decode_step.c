@@ -22,15 +22,19 @@
  *   s = (q . k) * scale over keys first..position          per query head, against the KV head it shares (GQA)
  *   p = softmax(s)                                         fp32
  *   o = sum p * v                                          (H*D,)
- *   a = Wo o (+ b); x = a + x                              product, residual
+ *   a = Wo o (+ b); x = a + x                              product, residual (Gemma: x = rmsnorm(a) + x)
  *   h = rmsnorm(x); gu = W13 h (+ b)                       FFN RMSNorm, packed gate|up product
- *   act = silu(gate) * up; d = W2 act (+ b); x = d + x
+ *   act = silu(gate) * up; d = W2 act (+ b); x = d + x     (Gemma: gelu_tanh(gate) * up; x = rmsnorm(d) + x)
  * or for a mixture of experts (the plan's n_experts > 0) in place of the last two lines:
  *   r = Wr h; p = softmax(r); the k largest of p (renormalised to sum 1 where the family does)   router, route
  *   per chosen expert e, in ascending order: act = silu(gate_e h) * up_e h; o_e = W2_e act        its products
  *   x = sum over the k slots of w_j * o_j + x                                                   weighted sum, residual
- * after the token's embedding row (dequantized exactly, as native_kernel.dequantize does), then the final RMSNorm
- * and the LM head (+ bias) into `logits`.
+ * after the token's embedding row (dequantized exactly, as native_kernel.dequantize does; Gemma: times sqrt(dim)),
+ * then the final RMSNorm and the LM head (+ bias) into `logits` (Gemma: soft-capped, cap * tanh(logits / cap)).
+ * Gemma's twists are the same loop's, switched on by the plan: its (1 + w) norms are rmsnorm with the weight 1 + w
+ * (native_step.py passes that vector), each layer has its own RoPE tables and window (the windowed layers' local
+ * base, the global layers' none), and `scale` is query_pre_attn_scalar^-1/2. A model without them pays one test of
+ * a NULL pointer or a 0 per layer.
  * Sums run in another order than torch's (so results agree within fp32 summation error, not bit for bit).
  *
  * Threads. Products split their rows with `share` (byte-balanced) and add their own rows' bias; attention splits
@@ -61,9 +65,10 @@
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 7 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
+#define LLMT_STEP_ABI 8 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
 #define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER), */
-                                  /* one more with QK-norm, 3k more with k experts (fused_stamps_per_layer) */
+                                  /* one more with QK-norm, two with Gemma's norms after attention and FFN, */
+                                  /* 3k more with k experts (fused_stamps_per_layer) */
 
 /* the attention's (its section below) */
 #define ATTN_GROUP 4    /* query heads of one KV head processed together (Llama 3 repeats 4; more run in turns) */
@@ -73,10 +78,12 @@
 #endif
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none), QK-norm's q and k
-   weights (head_dim,) (Qwen3; NULL: none, in every layer alike). A mixture of experts' layer (the plan's n_experts
-   > 0) has no w13, w2, b13, b2: its router (E rows: described, or dense (E, dim) fp32 in router_dense) and, per
-   expert, its gate|up and down descriptions, each pointing at that expert's rows of the file's 3-D tensors (as
-   llama.cpp's mul_mat_id points each chosen expert's product at its slice). */
+   weights (head_dim,) (Qwen3; NULL: none, in every layer alike), the norms after attention and after the FFN
+   (Gemma; NULL: none, in every layer alike), its RoPE tables (S_max, D) (cos and signed sin: Gemma 3's windowed
+   layers turn by their own base) and its sliding window (0: none; Gemma 3's global layers have none). A mixture
+   of experts' layer (the plan's n_experts > 0) has no w13, w2, b13, b2: its router (E rows: described, or dense
+   (E, dim) fp32 in router_dense) and, per expert, its gate|up and down descriptions, each pointing at that expert's
+   rows of the file's 3-D tensors (as llama.cpp's mul_mat_id points each chosen expert's product at its slice). */
 typedef struct {
     const Matrix *wqkv, *wo, *w13, *w2;
     const float *attention_norm, *ffn_norm;
@@ -85,6 +92,9 @@ typedef struct {
     const Matrix *router;
     const float *router_dense;
     const Matrix *const *expert_w13, *const *expert_w2; /* E each */
+    const float *post_attention_norm, *post_ffn_norm;
+    const float *cos, *sin;
+    int64_t window;
 } StepLayer;
 
 /* Everything a step reads and writes, built once by native_step.py (which holds every tensor it points into). */
@@ -108,6 +118,9 @@ typedef struct {
     int64_t renormalise;      /* the k weights rescaled to sum 1 (Mixtral, Qwen3-MoE), or softmax's (OLMoE) */
     int64_t qk_norm_whole;    /* OLMoE's QK-norm: over each token's whole q (H*D) and whole k (Hkv*D), q_norm and */
     float qk_norm_floor_k;    /* k_norm that wide, the floors sqrt(H*D*eps) (qk_norm_floor) and sqrt(Hkv*D*eps) */
+    float embed_scale;        /* Gemma's: the embedding row times this (sqrt(dim) in fp32); 0: none */
+    float softcap;            /* Gemma's: the logits l as cap * tanh(l / cap); 0: none */
+    int64_t gelu;             /* the FFN's gating gelu_tanh(gate) * up (Gemma), not silu(gate) * up */
 } StepPlan;
 
 enum {
@@ -121,11 +134,18 @@ int64_t llmt_step_plan_size(void) { return (int64_t)sizeof(StepPlan); }
 /* 1 when the step can run in this build (its products use the AVX2 one-row kernels). */
 int llmt_step_supported(void) { return LLMT_AVX2; }
 
-/* a traced fused step's stamps per layer: the fused stages, QK-norm's among them where the layers have it; a
-   mixture of experts' FFN stamps router, route, then gate|up, silu*up, down for each of the k experts, and the
-   weighted sum, where a dense one stamps gate|up, silu*up, down */
+/* a traced fused step's stamps per layer: the fused stages, QK-norm's and the norms after attention and FFN among
+   them where the layers have them; a mixture of experts' FFN stamps router, route, then gate|up, silu*up, down for
+   each of the k experts, and the weighted sum, where a dense one stamps gate|up, silu*up, down */
 static int64_t fused_stamps_per_layer(const StepPlan *p) {
-    return FUSED_STAMPS_PER_LAYER + (p->layers > 0 && p->layer[0].q_norm != NULL) + 3 * p->top_k;
+    return FUSED_STAMPS_PER_LAYER + (p->layers > 0 && p->layer[0].q_norm != NULL) +
+           2 * (p->layers > 0 && p->layer[0].post_attention_norm != NULL) + 3 * p->top_k;
+}
+
+/* a traced fused step's stamps: its start, the embedding (and Gemma's scale), the layers', the final norm and the
+   LM head (and Gemma's soft-cap) */
+static int64_t fused_stamps(const StepPlan *p) {
+    return fused_stamps_per_layer(p) * p->layers + 4 + (p->embed_scale != 0.0f) + (p->softcap != 0.0f);
 }
 
 static int64_t widest_input(const StepPlan *p) {
@@ -240,16 +260,40 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }
 
-/* act[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i] */
-static void swiglu(const float *gate, const float *up, int64_t n, float *act) {
+/* gelu's tanh approximation as a sigmoid: 0.5 g (1 + tanh(y)) = g / (1 + e^-2y), y = sqrt(2/pi) (g + 0.044715 g^3) */
+#define GELU_2_SQRT_2_OVER_PI 1.5957691216057308f
+#define GELU_CUBE 0.044715f
+
+/* act[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i]; with `gelu` (Gemma's GeGLU)
+   gelu_tanh(gate[i]) * up[i] = gate[i] / (1 + e^-2y) * up[i] (within a few ulp of torch's 0.5 g (1 + tanh(y))) */
+static void gated(const float *gate, const float *up, int64_t n, int gelu, float *act) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 c = _mm256_set1_ps(GELU_2_SQRT_2_OVER_PI), cube = _mm256_set1_ps(GELU_CUBE);
     for (; i + 8 <= n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = exp8(_mm256_xor_ps(g, sign));
+        const __m256 z = gelu ? _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(cube, g), _mm256_mul_ps(g, g), g)) : g;
+        const __m256 e = exp8(_mm256_xor_ps(z, sign));
         _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
     }
-    for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    for (; i < n; i++) {
+        const float g = gate[i], z = gelu ? GELU_2_SQRT_2_OVER_PI * (GELU_CUBE * g * (g * g) + g) : g;
+        act[i] = g / (1.0f + expf(-z)) * up[i];
+    }
+}
+
+/* Gemma's final soft-cap, in place: l = cap * tanh(l / cap), tanh(y) = 1 - 2 / (1 + e^2y) (within ~1e-7 of tanhf,
+   absolute: what the soft-cap keeps of it is cap times that) */
+static void soft_cap(float *logits, int64_t n, float cap) {
+    const __m256 c = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(logits + i), c);
+        const __m256 e = exp8(_mm256_add_ps(y, y));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(logits + i, _mm256_mul_ps(c, t));
+    }
+    for (; i < n; i++) logits[i] = cap * tanhf(logits[i] / cap);
 }
 
 /* The rows of part p within the matrix's rows [lo, hi) that thread t of `count` takes: `share`'s byte-balanced
@@ -657,6 +701,18 @@ static void router_rows(const StepPlan *p, const StepLayer *layer, const float *
 
 /* ---- the step ---------------------------------------------------------------------------------------------- */
 
+/* A sub-block's output `out` (dim,) into this thread's residual stream x: normalised first into h where the layer
+   has a norm after the sub-block (Gemma's post-attention and post-FFN norms; `norm` NULL: none), each its stage */
+static void add_residual(const StepPlan *p, const float *norm, const float *out, float *h, float *x, Stages *s) {
+    if (norm != NULL) {
+        rms_norm(out, norm, p->dim, p->norm_floor, h); /* every thread its own h, as the norms before */
+        end_stage(s, 0);
+        out = h;
+    }
+    for (int64_t i = 0; i < p->dim; i++) x[i] = out[i] + x[i];
+    end_stage(s, 0);
+}
+
 /* x = row `token` of the embedding table: exactly dequantize_row's values (those of gguf.quants.dequantize, as
    native_kernel.dequantize gives them), or the dense row */
 static void embed(const StepPlan *plan, int64_t token, float *x) {
@@ -677,23 +733,22 @@ static void embed(const StepPlan *plan, int64_t token, float *x) {
     }
 }
 
-/* token: the token's id, looked up in the embedding table here; cos, sin (D,): the rope tables' rows of
-   `position`; keys first..position are attended (first > 0 under a sliding window); logits (vocab,) out; stamps:
-   NULL, or room for 14 * layers + 4 readings (17 * layers + 4 when `staged`; one more a layer with QK-norm, 3k
-   more (4k staged) with a mixture of k experts a token) (ns):
-   the step's start, then the end of each stage from the embedding to the LM head. `staged`: run the staged path's
-   stages apart (the header comment). routed, routed_weights: NULL, or room for layers * k of each: a mixture of
-   experts' choice in every layer (its k experts, largest weight first, and their weights), the route stage's.
-   Returns STEP_OK or a status. */
-int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads, int staged, int64_t *routed,
-                     float *routed_weights) {
-    if (position < 0 || position >= plan->max_seq || first < 0 || first > position) return STEP_BAD_SHAPE;
+/* token: the token's id, looked up in the embedding table here; it sits at `position`, and each layer attends keys
+   first..position, first > 0 past its sliding window (first_attended_position), its RoPE tables' row `position`;
+   logits (vocab,) out; stamps: NULL, or room for a traced step's readings (ns; fused_stamps(plan), or with
+   `staged` one more per layer and Q|K|V, three more per expert): the step's start, then the end of each stage from
+   the embedding to the LM head (Gemma's scale after the embedding, its soft-cap after the head). `staged`: run the
+   staged path's stages apart (the header comment). routed, routed_weights: NULL, or room for layers * k of each: a
+   mixture of experts' choice in every layer (its k experts, largest weight first, and their weights), the route
+   stage's. Returns STEP_OK or a status. */
+int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, float *logits, int64_t *stamps,
+                     int threads, int staged, int64_t *routed, float *routed_weights) {
+    if (position < 0 || position >= plan->max_seq) return STEP_BAD_SHAPE;
     if (token < 0 || token >= plan->embedding_rows) return STEP_BAD_TOKEN;
     int team = threads < 1 ? 1 : threads;
     if (llmt_step_scratch_floats(plan, team) > plan->scratch_floats) return STEP_SCRATCH;
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, d = plan->head_dim;
-    const int64_t ffn = plan->ffn_dim, seen = position + 1 - first;
+    const int64_t ffn = plan->ffn_dim;
     const int64_t q_rows = heads * d, kv_rows = kv_heads * d; /* Q|K|V's row blocks */
     float *embedding = plan->scratch;               /* (dim,) the token's row */
     float *branch = embedding + dim;                /* (dim,) wo's or w2's output */
@@ -712,9 +767,15 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
     float *own = (float *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d + experts_floats(plan)) +
                             63) & ~(uintptr_t)63);
     const int traced = stamps != NULL;
+    int64_t before_layers = 2; /* stamps[0]: the start; [1]: the embedding; [2]: Gemma's scale */
     if (traced) stamps[0] = now_ns();
     embed(plan, token, embedding);
     if (traced) stamps[1] = now_ns();
+    if (plan->embed_scale != 0.0f) {
+        for (int64_t i = 0; i < dim; i++) embedding[i] = embedding[i] * plan->embed_scale;
+        if (traced) stamps[before_layers] = now_ns();
+        before_layers++;
+    }
 
 #ifdef _OPENMP
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -727,7 +788,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
         float *act = h + dim;                     /* (F,) silu(gate) * up */
         float *xs = act + ffn;                    /* the prepared activation row */
         memcpy(x, embedding, sizeof(float) * (size_t)dim);
-        Stages stages = {t, staged, stamps, 2}; /* thread 0's stamps: after the start and the embedding */
+        Stages stages = {t, staged, stamps, before_layers}; /* thread 0's stamps: after the start and the embedding */
         /* a staged step's packed products over their row blocks apart (Q, K, V; gate, up), a fused step's whole */
         int64_t qkv_cut[4] = {0, q_rows, q_rows + kv_rows, q_rows + 2 * kv_rows}, ffn_cut[3] = {0, ffn, 2 * ffn};
         const int qkv_blocks = staged ? 3 : 1, ffn_blocks = staged ? 2 : 1;
@@ -737,6 +798,8 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
             const StepLayer *layer = plan->layer + l;
             float *keys = plan->kv + l * plan->kv_layer;       /* K head g at keys + g*kv_head */
             float *values = keys + kv_heads * plan->kv_head; /* V head g at values + g*kv_head */
+            const int64_t window = layer->window;
+            const int64_t first = window > 0 && position + 1 > window ? position + 1 - window : 0;
             rms_norm(x, layer->attention_norm, dim, plan->norm_floor, h);
             end_stage(&stages, 0);
             /* OLMoE's whole-q, whole-k norm runs between K and V when staged, where the stage modules run it */
@@ -753,16 +816,15 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 if (t == 0) qk_norm(plan, layer, qkv);
                 end_stage(&stages, 0);
             }
-            if (t == 0) rope(qkv, heads + kv_heads, d, cos, sin);
+            if (t == 0) rope(qkv, heads + kv_heads, d, layer->cos + position * d, layer->sin + position * d);
             end_stage(&stages, 0);
             if (t == 0) write_kv(plan, qkv, keys, position);
             end_stage(&stages, 0);
             if (!staged) barrier(); /* the scores read the cache row thread 0 wrote */
-            attend(plan, qkv, keys, values, first, seen, scores, pieces, attended, t, count, &stages);
+            attend(plan, qkv, keys, values, first, position + 1 - first, scores, pieces, attended, t, count, &stages);
             product_rows(layer->wo, attended, xs, layer->bo, branch, 0, layer->wo->total_rows, t, count);
             end_stage(&stages, 1);
-            for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-            end_stage(&stages, 0);
+            add_residual(plan, layer->post_attention_norm, branch, h, x, &stages);
             rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
             end_stage(&stages, 0);
             if (plan->n_experts > 0) {
@@ -777,7 +839,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                                      count);
                         end_stage(&stages, 1);
                     }
-                    swiglu(gate_up, gate_up + ffn, ffn, act);
+                    gated(gate_up, gate_up + ffn, ffn, 0, act);
                     end_stage(&stages, 0);
                     product_rows(layer->expert_w2[e], act, xs, NULL, outputs + slot * dim, 0, dim, t, count);
                     end_stage(&stages, 1);
@@ -788,8 +850,7 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                     h[i] = sum;
                 }
                 end_stage(&stages, 0);
-                for (int64_t i = 0; i < dim; i++) x[i] = h[i] + x[i];
-                end_stage(&stages, 0);
+                add_residual(plan, layer->post_ffn_norm, h, h, x, &stages);
                 if (t == 0 && routed != NULL)
                     for (int64_t j = 0; j < plan->top_k; j++) {
                         routed[l * plan->top_k + j] = chosen[j];
@@ -801,26 +862,30 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
                 product_rows(layer->w13, h, xs, layer->b13, gate_up, ffn_cut[b], ffn_cut[b + 1], t, count);
                 end_stage(&stages, 1);
             }
-            swiglu(gate_up, gate_up + ffn, ffn, act); /* every thread all of it: w2's rows each need all of act */
+            gated(gate_up, gate_up + ffn, ffn, (int)plan->gelu, act); /* every thread all of it: w2 reads all of act */
             end_stage(&stages, 0);
             product_rows(layer->w2, act, xs, layer->b2, branch, 0, layer->w2->total_rows, t, count);
             end_stage(&stages, 1);
-            for (int64_t i = 0; i < dim; i++) x[i] = branch[i] + x[i];
-            end_stage(&stages, 0);
+            add_residual(plan, layer->post_ffn_norm, branch, h, x, &stages);
         }
         rms_norm(x, plan->final_norm, dim, plan->norm_floor, h);
         end_stage(&stages, 0);
         product_rows(plan->head, h, xs, plan->head_bias, logits, 0, plan->head->total_rows, t, count);
         end_stage(&stages, 1);
+        if (plan->softcap != 0.0f) { /* each thread its share of the logits, all of them written (the barrier) */
+            int64_t lo, hi;
+            split(plan->vocab, t, count, &lo, &hi);
+            soft_cap(logits + lo, hi - lo, plan->softcap);
+            end_stage(&stages, 1);
+        }
     }
     return STEP_OK;
 }
 
 #else /* !LLMT_AVX2 */
-int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                     int64_t first, float *logits, int64_t *stamps, int threads, int staged, int64_t *routed,
-                     float *routed_weights) {
-    (void)plan, (void)token, (void)cos, (void)sin, (void)position, (void)first, (void)logits, (void)stamps;
+int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, float *logits, int64_t *stamps,
+                     int threads, int staged, int64_t *routed, float *routed_weights) {
+    (void)plan, (void)token, (void)position, (void)logits, (void)stamps;
     (void)threads, (void)staged, (void)routed, (void)routed_weights;
     return STEP_UNSUPPORTED;
 }
@@ -831,34 +896,30 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, const float *cos, cons
    run uses) reading them from `logits`. Why: between two steps called from Python a decode token spends ~0.3 ms in
    Python besides its sampling (the loop, the step's call, the records), every line of it cold after the step
    streamed the weights; here only the choice runs between two steps, and the records are made after the call.
-   cos, sin: the rope tables (S_max, D); window: the sliding window (0: none), for the keys each step attends.
    Stops after `steps` steps or after the step that chose `stop_token`. Step i writes chosen[i]; clock [3 * i ..]:
    its start, its logits' end and its choice's end (CLOCK_MONOTONIC ns); when `stamps` is not NULL its stage stamps
-   at stamps + i * (14 * layers + 4), as llmt_decode_step's (fused_stamps_per_layer), and when `routed` is not
-   NULL its choice at routed + i * layers * k (routed_weights alike). `logits` (vocab,) holds the last step's.
+   at stamps + i * fused_stamps(plan), as llmt_decode_step's, and when `routed` is not NULL its choice at
+   routed + i * layers * k (routed_weights alike). `logits` (vocab,) holds the last step's.
    Returns the steps completed; *status: STEP_OK, or the status of the step that failed (its KV rows unwritten but
    for STEP_NOT_CHOSEN: `choose` answered no token in [0, vocab): the caller's sampler refused the logits).
    In every build: without the AVX2 row kernels the first step answers STEP_UNSUPPORTED. */
 typedef int64_t (*llmt_choose_fn)(int64_t step); /* the next token after step `step`, or -1: none */
 
-int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, const float *cos, const float *sin, int64_t position,
-                          int64_t window, int64_t steps, int64_t stop_token, llmt_choose_fn choose, float *logits,
-                          int64_t *chosen, int64_t *clock, int64_t *stamps, int threads, int *status,
-                          int64_t *routed, float *routed_weights) {
-    const int64_t per_step = fused_stamps_per_layer(plan) * plan->layers + 4;
+int64_t llmt_decode_ahead(const StepPlan *plan, int64_t token, int64_t position, int64_t steps, int64_t stop_token,
+                          llmt_choose_fn choose, float *logits, int64_t *chosen, int64_t *clock, int64_t *stamps,
+                          int threads, int *status, int64_t *routed, float *routed_weights) {
+    const int64_t per_step = fused_stamps(plan);
     *status = STEP_OK;
-    if (window < 0 || steps < 0 || choose == NULL) {
+    if (steps < 0 || choose == NULL) {
         *status = STEP_BAD_SHAPE;
         return 0;
     }
     for (int64_t i = 0; i < steps; i++) {
         const int64_t at = position + i;
-        const int64_t first = window > 0 && at + 1 > window ? at + 1 - window : 0; /* first_attended_position */
         int64_t *times = clock + 3 * i;
         times[0] = now_ns();
         const int64_t route = i * plan->layers * plan->top_k;
-        *status = llmt_decode_step(plan, token, cos + at * plan->head_dim, sin + at * plan->head_dim, at, first,
-                                   logits, stamps == NULL ? NULL : stamps + i * per_step, threads, 0,
+        *status = llmt_decode_step(plan, token, at, logits, stamps == NULL ? NULL : stamps + i * per_step, threads, 0,
                                    routed == NULL ? NULL : routed + route,
                                    routed_weights == NULL ? NULL : routed_weights + route);
         times[1] = now_ns();
