@@ -258,6 +258,11 @@ def table_loads() -> str:
     _checked(qwen.qkv_bias and not qwen.wo_bias, "Qwen2 has biases on Q, K and V")
     qwen3 = ModelConfig.from_hf_dict(_hf_config("Qwen3ForCausalLM", "qwen3"))
     _checked(qwen3.qk_norm and not qwen3.qkv_bias, "Qwen3 has QK-norm and no biases")
+    phi3 = ModelConfig.from_hf_dict(_hf_config("Phi3ForCausalLM", "phi3", rope_scaling={
+        "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}))  # a head of 8: 4 frequencies
+    _checked(phi3.rope_scaling is not None and phi3.rope_scaling.kind == "longrope", "Phi-3's LongRoPE is read")
+    _checked(_refusal(lambda: ModelConfig.from_hf_dict(_hf_config("LlamaForCausalLM", rope_scaling={
+        "type": "yarn", "factor": 2.0}))) is not None, "rope scaling 'yarn' is refused")
     for refusal in REFUSALS:  # every name of a refused family is refused, in one line naming what is missing
         for arch in refusal.hf:
             line = _refusal(lambda: ModelConfig.from_hf_dict(_hf_config(arch)))
@@ -297,7 +302,7 @@ def table_loads() -> str:
         "| | reads | refuses, and why |",
         "|---|---|---|",
         f"| HF architectures | {hf} | the families below, each naming what it needs; any other (e.g. "
-        f"{', '.join(UNKNOWN_HF)}): one line listing what loads; rope scaling other than `llama3` |",
+        f"{', '.join(UNKNOWN_HF)}): one line listing what loads; rope scaling other than `llama3` and `longrope` |",
         f"| GGUF architectures | {gguf} | the families below; any other `general.architecture` (e.g. "
         f"{', '.join(f'`{a}`' for a in UNKNOWN_GGUF)}) |",
     ]

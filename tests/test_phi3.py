@@ -166,20 +166,14 @@ def test_a_packed_matrix_of_the_wrong_rows_is_one_line(phi3: tuple[Path, Path, M
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
-     "rope scaling type 'longrope' is not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "rope scaling type 'yarn' is not supported; llmtrace handles 'llama3' and 'longrope'"),
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 (RoPE on part of each head) is not modelled"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
 ])
 def test_what_phi3_configs_llmtrace_does_not_model_are_one_line(extra: dict, message: str) -> None:
     with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_hf_dict({**_config_dict(100), **extra})
-
-
-def test_a_longrope_gguf_is_one_line() -> None:
-    meta = {"general.architecture": "phi3", "phi3.rope.scaling.attn_factor": 1.19, "phi3.block_count": 2}
-    with pytest.raises(UnsupportedModelError, match="LongRoPE"):
-        ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
 
 
 def test_the_phi3_mini_preset_is_as_published_and_dry_runs() -> None:

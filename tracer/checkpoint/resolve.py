@@ -17,14 +17,16 @@ another way).
 
 from __future__ import annotations
 
+import os
 import re
+import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import gguf_tensor_flags
-from llmtrace.tracer.core.errors import ConfigError
+from llmtrace.tracer.core.errors import ConfigError, FileFormatError
 from llmtrace.tracer.core.presets import PRESETS, get_preset
 
 if TYPE_CHECKING:  # the header readers are imported when a path is given: a preset needs none of them
@@ -183,7 +185,28 @@ def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
     meta = dict(header.metadata)
     meta["_llmtrace.tied"] = "output.weight" not in names
     meta.update((f"_llmtrace.{flag}", on) for flag, on in gguf_tensor_flags(names).items())
+    meta.update(_rope_factors(header))
     return ModelConfig.from_gguf_metadata(meta, name=gguf_model_name(header.path), source=header.path)
+
+
+def _rope_factors(header: GGUFHeader) -> dict[str, tuple[float, ...]]:
+    """LongRoPE's factors where the file holds them (Phi-3's 128k models: the F32 tensors rope_factors_short.weight and
+    rope_factors_long.weight, a few hundred bytes each), as `_llmtrace.rope_factors_short` and `_long`: the config
+    needs them before any weight is read (a dry run reads none)."""
+    factors = {}
+    for info in header.tensors:
+        kind = info.name.removeprefix("rope_factors_").removesuffix(".weight")
+        if info.name != f"rope_factors_{kind}.weight" or kind not in ("short", "long"):
+            continue
+        if info.ggml_type != 0 or len(info.shape) != 1 or info.shape[0] > 4096:  # 0: F32
+            raise FileFormatError(f"{header.path}: {info.name} is {info.type_name} {list(info.shape)}; LongRoPE's "
+                                  "factors are one F32 vector")
+        with open(header.path, "rb") as file:
+            data = os.pread(file.fileno(), 4 * info.shape[0], header.data_offset + info.offset)
+        if len(data) != 4 * info.shape[0]:
+            raise FileFormatError(f"{header.path}: {info.name} runs past the end of the file")
+        factors[f"_llmtrace.rope_factors_{kind}"] = struct.unpack(f"<{info.shape[0]}f", data)
+    return factors
 
 
 # llama.cpp's file names end in the quantization ("SmolLM2-135M-Instruct.Q4_1.gguf", "x-Q4_K_M.gguf"): the header's

@@ -212,6 +212,10 @@ def _check_layout(config: ModelConfig) -> None:
     if config.head_dim % 2:  # LLaMA and Qwen2 alike: every head is rotated whole
         raise ConfigError(f"config {name!r}: head_dim is {config.head_dim}, odd; RoPE turns a head's values in "
                           "pairs, so it must be even (the file is corrupt or not a LLaMA-family model)")
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != config.head_dim // 2:
+        raise ConfigError(f"config {name!r}: LongRoPE has {len(scaling.short_factor)} factors, one per frequency "
+                          f"of a head of {config.head_dim} ({config.head_dim // 2}) needed")
 
 
 def _positive_real(value: object) -> bool:

@@ -19,7 +19,7 @@ from llmtrace.tracer.core.refusals import gguf_refusal, refusal_line
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LLaMA, Mistral and other LLaMA-shaped files; Mixtral's experts with `llama.expert_count`",
     "qwen2": "Qwen2: biases on Q, K and V",
-    "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; no LongRoPE",
+    "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; LongRoPE from `rope_factors_long`/`_short`",
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
     "qwen3moe": "Qwen3-MoE: Qwen3's attention, a mixture of experts in every layer",
     "olmoe": "OLMoE: RMSNorm over the whole Q and K projections, a mixture of experts in every layer",
@@ -69,10 +69,6 @@ def gguf_fields(meta: Mapping[str, Any], name: str, source: str) -> dict[str, An
     `llmtrace.tracer.checkpoint.gguf_header`."""
     keys = _Keys(meta, _architecture(meta, source), source)
     arch = keys.arch
-    if keys.full("rope.scaling.attn_factor") in meta:  # llama.cpp writes it, with rope_factors_*, for LongRoPE
-        raise UnsupportedModelError(f"{source}: LongRoPE ({keys.full('rope.scaling.attn_factor')}, rope_factors_long "
-                                    "and _short) is not modelled; llmtrace reads files without rope scaling (Phi-3's "
-                                    "4k models)")
     n_heads = keys.whole("attention.head_count", keys.need("attention.head_count"))
     if n_heads <= 0:
         raise ConfigError(f"{source}: 'llama.attention.head_count' is {n_heads}; it must be at least 1, the file "
@@ -144,7 +140,9 @@ def _vocabulary(keys: _Keys) -> int:
 
 
 def _rope_scaling(keys: _Keys) -> RopeScaling | None:
-    """Gemma 3's linear scaling of its global layers (4B and up), Llama 3.1's, or none."""
+    """Gemma 3's linear scaling of its global layers (4B and up), Llama 3.1's, Phi-3's LongRoPE, or none."""
+    if keys.full("rope.scaling.attn_factor") in keys.meta:  # llama.cpp writes it, with rope_factors_*, for LongRoPE
+        return _longrope(keys)
     kind = keys.get("rope.scaling.type")
     if keys.arch == "gemma3" and kind == "linear":
         return RopeScaling(keys.real("rope.scaling.factor", keys.get("rope.scaling.factor", 1.0)), 1.0, 4.0,
@@ -154,6 +152,22 @@ def _rope_scaling(keys: _Keys) -> RopeScaling | None:
     read = {"original_max_position": keys.whole}
     return RopeScaling(**{field: read.get(field, keys.real)(key, keys.get(key, default))
                           for field, key, default in _LLAMA3_SCALING})
+
+
+def _longrope(keys: _Keys) -> RopeScaling:
+    """LongRoPE as llama.cpp's converter writes it (Phi-3's 128k models): the attention factor and the original
+    context in the metadata, the factors as the F32 tensors rope_factors_short and rope_factors_long (read by the
+    header's reader into `_llmtrace.rope_factors_*`: checkpoint/resolve.py); the long ones past the original context
+    (llama.cpp picks them by the context's size, as `run` does by its cache's)."""
+    short, long = (keys.meta.get(f"_llmtrace.rope_factors_{kind}") for kind in ("short", "long"))
+    if not short or not long:
+        raise ConfigError(f"{keys.source}: LongRoPE ({keys.full('rope.scaling.attn_factor')}) without the F32 "
+                          "tensors rope_factors_short.weight and rope_factors_long.weight; the file is incomplete")
+    original = keys.whole("rope.scaling.original_context_length", keys.need("rope.scaling.original_context_length"))
+    context = keys.whole("context_length", keys.get("context_length", original))
+    attention = keys.real("rope.scaling.attn_factor", keys.meta[keys.full("rope.scaling.attn_factor")])
+    return RopeScaling(context / original, 1.0, 4.0, original, kind="longrope", short_factor=tuple(short),
+                       long_factor=tuple(long), attention_factor=attention)
 
 
 def _moe(keys: _Keys) -> MoeSpec | None:

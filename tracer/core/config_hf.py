@@ -6,6 +6,7 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -21,7 +22,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "sliding window honoured",
     "MixtralForCausalLM": "mixture of experts: E SwiGLU experts a layer, k per token, weights renormalised",
     "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
-    "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; no LongRoPE (128k models)",
+    "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; LongRoPE (128k models)",
     "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
     "Qwen3MoeForCausalLM": "Qwen3's attention; mixture of experts in every layer, weights renormalised with "
                            "`norm_topk_prob`",
@@ -90,7 +91,7 @@ def hf_fields(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]
     fields.update(_attention_flags(data, kinds))
     # Gemma 3's scaling is its global layers' (_gemma3)
     fields["rope_scaling"] = None if "gemma3_text" in kinds else _rope_scaling(
-        data.get("rope_scaling") or data.get("rope_parameters"), source)
+        data.get("rope_scaling") or data.get("rope_parameters"), data, source)
     fields["sliding_window"] = _sliding_window(data, kinds, source)
     fields["moe"] = _moe(data, kinds, source)
     if "gemma3_text" in kinds:
@@ -184,14 +185,17 @@ def _sliding_window(data: Mapping[str, Any], kinds: frozenset[str], source: str)
     return positive_window(window, f"{source}: sliding_window must be a positive integer or null")
 
 
-def _rope_scaling(raw: Any, source: str) -> RopeScaling | None:
+def _rope_scaling(raw: Any, data: Mapping[str, Any], source: str) -> RopeScaling | None:
     if not raw or not isinstance(raw, dict):
         return None
     kind = raw.get("rope_type") or raw.get("type")
     if kind in (None, "default"):
         return None
+    if kind in ("longrope", "su"):  # "su": Phi-3's first configs' name for it
+        return _longrope(raw, data, source)
     if kind != "llama3":
-        raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported; llmtrace handles 'llama3'")
+        raise UnsupportedModelError(f"{source}: rope scaling type {short_repr(kind)} is not supported; llmtrace "
+                                    "handles 'llama3' and 'longrope'")
     try:
         return RopeScaling(
             factor=real_number(raw["factor"], source, "rope_scaling.factor"),
@@ -202,6 +206,29 @@ def _rope_scaling(raw: Any, source: str) -> RopeScaling | None:
         )
     except KeyError as exc:
         raise ConfigError(f"{source}: rope_scaling lacks field {exc.args[0]!r}") from exc
+
+
+def _longrope(raw: Mapping[str, Any], data: Mapping[str, Any], source: str) -> RopeScaling:
+    """LongRoPE (Phi-3's 128k models) as transformers reads it (_compute_longrope_parameters): the short and long
+    factors, the original context (rope_scaling's, or the config's original_max_position_embeddings), the stretch
+    `factor` (rope_scaling's, or max_position_embeddings over the original) and the attention factor (rope_scaling's,
+    or sqrt(1 + ln factor / ln original) where the context is stretched, 1 where not)."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = raw.get(key)
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{source}: LongRoPE's rope_scaling.{key} must be a list of numbers, got "
+                              f"{short_repr(values)}")
+        factors[key] = tuple(real_number(v, source, f"rope_scaling.{key}") for v in values)
+    longest = whole_number(data.get("max_position_embeddings", 4096), source, "max_position_embeddings")
+    original = raw.get("original_max_position_embeddings", data.get("original_max_position_embeddings", longest))
+    original = whole_number(original, source, "original_max_position_embeddings")
+    factor = real_number(raw.get("factor") or longest / original, source, "rope_scaling.factor")
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return RopeScaling(factor, 1.0, 4.0, original, kind="longrope", attention_factor=real_number(
+        attention, source, "rope_scaling.attention_factor"), **factors)
 
 
 def _check_phi3(data: Mapping[str, Any], source: str) -> None:

@@ -23,17 +23,28 @@ MAX_EXPERTS = 2**16  # DeepSeek-V3 has 256 routed experts a layer
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3"), or with `kind` "linear" every
-    frequency divided by `factor` (Gemma 3's global layers; the other fields then unused)."""
+    frequency divided by `factor` (Gemma 3's global layers; the other fields then unused), or with `kind` "longrope"
+    (Phi-3's 128k models) frequency i divided by short_factor[i] up to `original_max_position` positions and by
+    long_factor[i] past it, cos and sin times `attention_factor` (`factor` is then the context's stretch, for show)."""
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position: int
-    kind: str = "llama3"  # "llama3" or "linear"
+    kind: str = "llama3"  # "llama3", "linear" or "longrope"
+    short_factor: tuple[float, ...] = ()  # LongRoPE's, one per frequency (head_dim / 2)
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # LongRoPE's
 
     def check(self, name: str) -> None:
-        if self.kind not in ("llama3", "linear"):
-            raise ConfigError(f"config {name!r}: rope scaling kind must be 'llama3' or 'linear', got {self.kind!r}")
+        if self.kind not in ("llama3", "linear", "longrope"):
+            raise ConfigError(f"config {name!r}: rope scaling kind must be 'llama3', 'linear' or 'longrope', got "
+                              f"{self.kind!r}")
+        if self.kind == "longrope" and not (len(self.short_factor) == len(self.long_factor) > 0 and all(
+                isinstance(f, float) and math.isfinite(f) and f > 0 for f in (*self.short_factor, *self.long_factor,
+                                                                             self.attention_factor))):
+            raise ConfigError(f"config {name!r}: LongRoPE needs short and long factors of one length and an attention "
+                              "factor, each a finite number > 0")
         for field_name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

@@ -34,8 +34,9 @@ from llmtrace.tracer.model.weight_formats import (BLOCK_KERNELS, I8DOT, NATIVE, 
                                                  finite_scales, pack_gguf, reads_groups, rows_scales_finite,
                                                  stored_kernels)
 
-# Derived data llama.cpp writes for Llama 3.1 rope scaling; the model computes the same from the config.
-_IGNORED = {"rope_freqs.weight"}
+# Derived data llama.cpp writes for Llama 3.1 rope scaling, and Phi-3's LongRoPE factors (read into the config by
+# checkpoint/resolve.py): the model computes its RoPE tables from the config.
+_IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 # ---- Q/K row order --------------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ class ModelCaches(nn.Module):
         super().__init__()
         self.fill = CacheFill()  # positions and sequences in every layer's cache (shared with them by setup_cache)
         self._positions: torch.Tensor | None = None  # arange(max_seq) on the model's device; input_pos slices it
-        self._rope_key: tuple[int, torch.device, torch.dtype] | None = None  # (length, device, dtype) of the tables
+        self._rope_key: tuple[int, torch.device, torch.dtype, bool] | None = None  # (length, device, dtype, long)
         self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
         self._rope_sin: torch.Tensor | None = None
         self._layer_tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (cos, sin): its RoPE base's
@@ -259,10 +259,13 @@ class ModelCaches(nn.Module):
         return sum(cache.live_bytes for cache in self._kv_caches())
 
     def _ensure_rope(self, length: int) -> None:
-        """Share one cos/sin table of at least `length` positions among every layer's RotaryEmbedding."""
+        """Share one cos/sin table of at least `length` positions among every layer's RotaryEmbedding (LongRoPE's of
+        exactly the factors `length` positions take: its short ones up to the original context, the long past it)."""
         weight = self.norm.weight
         key = self._rope_key
-        if key is not None and key[0] >= length and key[1] == weight.device and key[2] == weight.dtype:
+        scaling = self.config.rope_scaling
+        long = scaling is not None and scaling.kind == "longrope" and length > scaling.original_max_position
+        if key is not None and key[0] >= length and key[1:] == (weight.device, weight.dtype, long):
             return
         cos, sin = rope_tables(self.config, length, weight.dtype, weight.device)
         self._positions = torch.arange(length, device=weight.device)
@@ -275,7 +278,7 @@ class ModelCaches(nn.Module):
             layer.attention.rope.set_tables(*tables[key], self._positions)
         self._layer_tables = [tables[self.config.layer_rope(i)] for i in range(len(self.layers))]
         self._rope_cos, self._rope_sin = cos, sin
-        self._rope_key = (length, weight.device, weight.dtype)
+        self._rope_key = (length, weight.device, weight.dtype, long)
 
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares (with Gemma 3's windowed

@@ -18,14 +18,21 @@ from llmtrace.tracer.core.config import ModelConfig, RopeScaling
 from llmtrace.tracer.model.functional import rotate
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, length: int = 0) -> torch.Tensor:
     """inv_freq[i] = theta ** (-2i / D) for i < D/2, in fp32 on the CPU; Llama 3.1 scaling applied when given.
+
+    LongRoPE (Phi-3's 128k models): 1 / (factor[i] * theta ** (2i / D)), the short factors for tables of up to the
+    original context's positions and the long ones for `length` past it (transformers' _compute_longrope_parameters;
+    llama.cpp picks by the context's size the same way, once: a run's tables are its cache's length).
 
     Llama 3.1 scaling (Meta's `apply_scaling`, HF `_compute_llama3_parameters`): wavelengths longer than
     original_max_position / low_freq_factor are divided by `factor`; shorter than original / high_freq_factor are
     kept; in between, a linear blend in 1/wavelength.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    if scaling is not None and scaling.kind == "longrope":
+        factors = scaling.long_factor if length > scaling.original_max_position else scaling.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
@@ -51,10 +58,11 @@ def rope_tables(
     by their own base).
 
     sin is stored as [-sin, +sin] over the two halves so that rotate_half(x) * sin == roll(x, D/2) * signed_sin,
-    which turns the rotation into three tensor ops (mul, roll, addcmul).
+    which turns the rotation into three tensor ops (mul, roll, addcmul). LongRoPE's tables (`rope_inv_freq`: its
+    factors chosen by `max_seq`) are times its attention factor, in fp32 before the cast, as transformers' are.
     """
     theta, scaling = (config.rope_theta, config.rope_scaling) if layer is None else config.layer_rope(layer)
-    inv_freq = rope_inv_freq(config.head_dim, theta, scaling)
+    inv_freq = rope_inv_freq(config.head_dim, theta, scaling, max_seq)
     positions = torch.arange(max_seq, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)  # (max_seq, D/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (max_seq, D)
@@ -62,6 +70,8 @@ def rope_tables(
     sin = angles.sin()
     sin[:, :half].neg_()
     cos = angles.cos()
+    if scaling is not None and scaling.kind == "longrope" and scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     shape = (max_seq, 1, config.head_dim)  # a broadcast axis for the heads of (B, T, H, D)
     return cos.view(shape).to(device=device, dtype=dtype), sin.view(shape).to(device=device, dtype=dtype)
 

@@ -1,0 +1,176 @@
+"""Phi-3's LongRoPE (its 128k models: HF rope_scaling type "longrope", GGUF 'phi3' with rope_factors_long/_short):
+frequency i divided by a short factor up to the original context and by a long one past it, cos and sin times the
+attention factor. Greedy ids and logits equal transformers' Phi3ForCausalLM on a tiny random model (1e-4, fp32) on
+every backend that runs it, from the folder and from a Q8_0 GGUF of the same weights, past the original context
+(long factors) and within it (short ones).
+
+The tiny model's original context is 8 positions of 64 (its stretch 8, its attention factor sqrt(1 + ln 8 / ln 8) =
+sqrt(2), as transformers derives it); the factors are multiples of 1/4 (the GGUF's F32 holds them exactly) and far
+apart, so a wrong choice of factors moves the logits by far more than 1e-4. transformers picks the factors per
+forward by its last position, llama.cpp once by its context's size, llmtrace by its tables' length (the run's cache):
+the cases here are those where all three agree (every position past the original context, or every one within it)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import parity
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_phi3 import _UNPACKED, _config_dict, _packed
+from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
+from tiny_llama import random_weights
+
+from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.contract import ours_to_hf
+from llmtrace.tracer.core.dtypes import FP32
+from llmtrace.tracer.core.errors import ConfigError
+from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.rope import rope_inv_freq
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request, select
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("private_dirs")
+
+ORIGINAL, LONGEST, HEAD = 8, 64, 16
+SHORT = [1.0 + 0.25 * i for i in range(HEAD // 2)]
+LONG = [4.0 + 2.0 * i for i in range(HEAD // 2)]
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _config() -> dict:
+    return {**_config_dict(0), "sliding_window": None, "max_position_embeddings": LONGEST,
+            "original_max_position_embeddings": ORIGINAL,
+            "rope_scaling": {"type": "longrope", "short_factor": SHORT, "long_factor": LONG}}
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes,
+             sp_vocab_size: int) -> tuple[Path, Path, ModelConfig]:
+    """(a LongRoPE Phi3ForCausalLM folder, a Q8_0 'phi3' GGUF of the same weights as llama.cpp's converter writes one:
+    its factors as F32 tensors, its attention factor and original context in the metadata, the config). The
+    matrices are rounded through Q8_0 first, so the file holds the folder's values exactly."""
+    folder = tmp_path_factory.mktemp("tiny-phi3-longrope")
+    (folder / "config.json").write_text(json.dumps({**_config(), "vocab_size": sp_vocab_size}), encoding="utf-8")
+    config = ModelConfig.from_hf_json(folder)
+    weights = random_weights(config, seed=13)
+    for name, tensor in weights.items():
+        if tensor.dim() == 2:
+            array = tensor.numpy().astype(np.float32)
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
+    hf = {ours_to_hf(n): t.contiguous() for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
+    packed = {}
+    for layer in range(config.n_layers):
+        qkv, gate_up = _packed(weights, layer)
+        hf[f"model.layers.{layer}.self_attn.qkv_proj.weight"] = qkv
+        hf[f"model.layers.{layer}.mlp.gate_up_proj.weight"] = gate_up
+        packed[f"blk.{layer}.attn_qkv.weight"], packed[f"blk.{layer}.ffn_up.weight"] = qkv, gate_up
+    save_file(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "tokenizer.model").write_bytes(sp_model_bytes)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+        "tokenizer_class": "LlamaTokenizer", "legacy": False}), encoding="utf-8")
+    members = {n: t for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
+    packed["rope_factors_short.weight"], packed["rope_factors_long.weight"] = torch.tensor(SHORT), torch.tensor(LONG)
+    gguf_path = write_tiny_gguf(
+        tmp_path_factory.mktemp("tiny-phi3-longrope-gguf") / "phi3.gguf", config, members,
+        sentencepiece_vocab(sp_model_bytes), matrix_type=Q8_0, arch="phi3", extra_tensors=packed,
+        extra_metadata={"phi3.rope.scaling.attn_factor": math.sqrt(2.0),
+                        "phi3.rope.scaling.original_context_length": ORIGINAL})
+    return folder, gguf_path, config
+
+
+@pytest.fixture(scope="module")
+def hf(longrope: tuple[Path, Path, ModelConfig]) -> torch.nn.Module:
+    return transformers.Phi3ForCausalLM.from_pretrained(longrope[0], dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+
+
+def test_the_folder_and_the_gguf_read_the_same_longrope(longrope: tuple[Path, Path, ModelConfig]) -> None:
+    """The factors, the original context and the attention factor transformers derives (sqrt(1 + ln 8 / ln 8)),
+    from config.json and from the GGUF's tensors and metadata; the tables' frequencies are 1 / (factor · θ^(2i/D)),
+    the short factors' up to 8 positions and the long ones' past them."""
+    folder, gguf_path, config = longrope
+    scaling = config.rope_scaling
+    assert (scaling.kind, scaling.original_max_position, scaling.factor) == ("longrope", ORIGINAL, 8.0)
+    assert (list(scaling.short_factor), list(scaling.long_factor)) == (SHORT, LONG)
+    assert scaling.attention_factor == math.sqrt(2.0)
+    other = load_model(str(gguf_path), dry_run=True).config.rope_scaling
+    assert (other.kind, other.original_max_position, other.factor, other.short_factor, other.long_factor) == (
+        "longrope", ORIGINAL, 8.0, scaling.short_factor, scaling.long_factor)
+    assert other.attention_factor == pytest.approx(math.sqrt(2.0), rel=1e-7)  # an F32 in the file
+    plain = 1.0 / 10000.0 ** (torch.arange(0, HEAD, 2).float() / HEAD)
+    for length, factors in ((ORIGINAL, SHORT), (ORIGINAL + 1, LONG)):
+        assert torch.allclose(rope_inv_freq(HEAD, 10000.0, scaling, length), plain / torch.tensor(factors), rtol=1e-6)
+
+
+@pytest.mark.parametrize("length", [6, 13])
+@torch.no_grad()
+def test_cache_free_logits_equal_phi3_for_causal_lm(length: int, longrope: tuple[Path, Path, ModelConfig],
+                                                    hf: torch.nn.Module) -> None:
+    """Within the original context (the short factors) and past it (the long ones), from the folder and the GGUF."""
+    folder, gguf_path, config = longrope
+    ids = torch.randint(3, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(4))
+    expected = hf(input_ids=ids).logits
+    assert expected.abs().max() > 1.0
+    for path, weights in ((folder, None), (gguf_path, "dense")):
+        model = load_model(str(path), dtype=FP32, use_cache=False, weights=weights).model
+        assert (model(ids) - expected).abs().max().item() <= 1e-4, path
+
+
+REQUESTS = {"modules": (Request(backend=MODULES), MODULES), "packed": (Request(backend=PACKED), PACKED),
+            "staged": (Request(staged=True), None), "native": (Request(backend=NATIVE), NATIVE),
+            "native-staged": (Request(staged=True), NATIVE)}
+# (backend, checkpoint): the folder on the torch backends, the GGUF dequantized on the modules and held as stored for
+# the exact native kernel on the C step (fused and staged)
+CASES = [("modules", "hf"), ("packed", "hf"), ("staged", "hf"), ("modules", "gguf-dense"), ("native", "gguf-stored"),
+         ("native-staged", "gguf-stored")]
+
+
+@pytest.mark.parametrize(("prompt", "steps"), [(9, 8), (3, 5)])  # past the original context; within it
+@pytest.mark.parametrize(("backend", "source"), CASES)
+@torch.no_grad()
+def test_greedy_ids_and_logits_equal_hf(backend: str, source: str, prompt: int, steps: int,
+                                        longrope: tuple[Path, Path, ModelConfig], hf: torch.nn.Module) -> None:
+    folder, gguf_path, config = longrope
+    if source == "gguf-stored" and not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+    weights = {"hf": None, "gguf-dense": "dense", "gguf-stored": "native"}[source]
+    model = load_model(str(folder if source == "hf" else gguf_path), dtype=FP32, use_cache=False,
+                       weights=weights).model
+    ids = parity.prompt_ids(config.vocab_size, prompt)
+    expected_ids, expected_logits = parity.hf_greedy(hf, ids, steps)
+    request, decode = REQUESTS[backend]
+    model.setup_cache(1, prompt + steps)
+    if decode is not None:
+        assert select(model, request).route.decode == decode
+    got_ids, logits = parity.greedy_run(backend_for(model, request), ids, steps)
+    assert got_ids == expected_ids and len(set(got_ids)) > 1
+    assert (logits - expected_logits).abs().max().item() <= 1e-4
+
+
+def test_a_longrope_gguf_without_its_factors_is_one_line() -> None:
+    meta = {"general.architecture": "phi3", "phi3.rope.scaling.attn_factor": 1.19, "phi3.block_count": 2,
+            "phi3.rope.scaling.original_context_length": 4096, "phi3.attention.head_count": 4,
+            "phi3.embedding_length": 64, "phi3.vocab_size": 100}
+    with pytest.raises(ConfigError, match="without the F32 tensors rope_factors_short.weight and "
+                                          "rope_factors_long.weight; the file is incomplete"):
+        ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
+
+
+@pytest.mark.parametrize(("scaling", "message"), [
+    ({"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}, "LongRoPE has 3 factors"),
+    ({"type": "longrope", "short_factor": [1.0] * 8}, "rope_scaling.long_factor must be a list of numbers"),
+])
+def test_longrope_factors_that_do_not_fit_are_one_line(scaling: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict({**_config(), "vocab_size": 100, "rope_scaling": scaling})
