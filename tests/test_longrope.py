@@ -174,3 +174,19 @@ def test_a_longrope_gguf_without_its_factors_is_one_line() -> None:
 def test_longrope_factors_that_do_not_fit_are_one_line(scaling: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict({**_config(), "vocab_size": 100, "rope_scaling": scaling})
+
+
+@pytest.mark.parametrize(("new", "first"), [(2, 1 / SHORT[0]), (12, 1 / LONG[0])])
+def test_a_runs_rope_record_has_its_tables_frequencies(new: int, first: float,
+                                                       longrope: tuple[Path, Path, ModelConfig]) -> None:
+    """The run's RoPE record (the prefill's frequencies, shown by `run`) is its tables': the short factors' for a
+    prompt and new tokens within the original context, the long ones' past it."""
+    from llmtrace.tracer.run.generate import Generation, PrefillDone
+    from llmtrace.tracer.trace.records import RunSettings
+
+    _, gguf_path, _ = longrope
+    settings = RunSettings(model=str(gguf_path), prompt="The sky", max_new_tokens=new, temperatures=(), trace=False)
+    done = [e for e in Generation(load_model(str(gguf_path)), settings).events() if isinstance(e, PrefillDone)]
+    prompt = len(done[0].rope.positions)
+    assert prompt + 2 <= ORIGINAL < prompt + 12  # the two cases: within the original context, past it
+    assert done[0].rope.inv_freq_first == pytest.approx(first, rel=1e-6)

@@ -205,7 +205,7 @@ class Generation(RunBackend, RunRecords):
                 self._warm_up(prompt)
                 if self._observer is not None:
                     self._observer.take()  # the warm-up's rows are not a step's
-            rope = self._rope = _rope_record(self.config, self._prompt_length(prompt))
+            rope = self._rope = _rope_record(self.config, self._prompt_length(prompt), limit)
             self._tracer = self._new_tracer()
             with self._tracer:
                 self._backend = self._untraced.traced(self._tracer)
@@ -367,8 +367,10 @@ def staged_record(settings: RunSettings, route: Route) -> StagedDecode | None:
     return StagedDecode(next((r.reason for r in route.not_taken if r.backend == NATIVE), ""))
 
 
-def _rope_record(config: ModelConfig, prompt_len: int) -> RopeRecord:
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+def _rope_record(config: ModelConfig, prompt_len: int, limit: int) -> RopeRecord:
+    """The prefill's RoPE, at the frequencies of the run's tables (LongRoPE's factors are chosen by their length, the
+    cache's: prompt and new tokens)."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, prompt_len + limit)
     scaling = config.rope_scaling
     return RopeRecord(
         theta=config.rope_theta, head_dim=config.head_dim,
