@@ -127,6 +127,24 @@ def test_cache_free_logits_equal_phi3_for_causal_lm(length: int, longrope: tuple
         assert (model(ids) - expected).abs().max().item() <= 1e-4, path
 
 
+@torch.no_grad()
+def test_transformers_gguf_reading_gives_llmtraces_logits(longrope: tuple[Path, Path, ModelConfig],
+                                                          hf: torch.nn.Module) -> None:
+    """The same GGUF through transformers' own GGUF loading (its dequantization, its split of attn_qkv and ffn_up)
+    and through llmtrace's reader (its factors from the file's tensors), within and past the original context. The
+    folder's config is passed: transformers' phi3 GGUF mapping reads no LongRoPE (neither the factors' tensors nor
+    the attention factor), where llmtrace's reader takes them as llama.cpp does."""
+    _, gguf_path, config = longrope
+    theirs = transformers.Phi3ForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=hf.config,
+                                                          dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(str(gguf_path), dtype=FP32, use_cache=False, weights="dense").model
+    for length in (6, 13):
+        ids = torch.randint(3, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(6))
+        expected = theirs(input_ids=ids).logits
+        assert expected.abs().max() > 1.0
+        assert (ours(ids) - expected).abs().max().item() <= 1e-4, length
+
+
 REQUESTS = {"modules": (Request(backend=MODULES), MODULES), "packed": (Request(backend=PACKED), PACKED),
             "staged": (Request(staged=True), None), "native": (Request(backend=NATIVE), NATIVE),
             "native-staged": (Request(staged=True), NATIVE)}
