@@ -1,4 +1,4 @@
-"""The i8dot kernel's Q4_0/Q4_1 rows interleaved in groups of eight (tracer/model/native/int8_groups.c): the layout
+"""The i8dot kernel's Q4_0/Q4_1 rows interleaved in groups of sixteen (tracer/model/native/int8_groups.c): the layout
 as that file documents it, built here in numpy, and every output row bit for bit what the kernel gives the row
 without the interleaved copy (each row alone, in the GGUF's own layout), whatever the row count, the thread count
 or where a part (so a thread's range) starts. The products' closeness to the exact ones is test_int8_dot.py's."""
@@ -21,6 +21,7 @@ from tests.torch_threads import torch_threads
 
 Q = gguf.GGMLQuantizationType
 GROUPED = [Q.Q4_0, Q.Q4_1]
+G = native_kernel.GROUP_ROWS  # rows a group
 
 
 @pytest.fixture
@@ -30,25 +31,25 @@ def native() -> None:
 
 
 def documented_layout(raw: np.ndarray, qtype: Q) -> np.ndarray:
-    """Whole groups of eight rows: per group and 32-value block the eight fp16 d, (Q4_1) the eight fp16 m, then
-    4 x 32 code bytes, vector v holding bytes 4v..4v+3 of each row's 16 in row order."""
+    """Whole groups of sixteen rows: per group and 32-value block the sixteen fp16 d, (Q4_1) the sixteen fp16 m,
+    then 4 x 64 code bytes, vector v holding bytes 4v..4v+3 of each row's 16 in row order."""
     head = 4 if qtype == Q.Q4_1 else 2
     rows, row_bytes = raw.shape
-    blocks = raw[: rows // 8 * 8].reshape(rows // 8, 8, row_bytes // (head + 16), head + 16)  # (g, row, b, bytes)
+    blocks = raw[: rows // G * G].reshape(rows // G, G, row_bytes // (head + 16), head + 16)  # (g, row, b, bytes)
     blocks = blocks.transpose(0, 2, 1, 3)  # (g, b, row, bytes)
     scales = blocks[..., :head].reshape(*blocks.shape[:3], head // 2, 2)  # (g, b, row, field, 2)
     scales = scales.transpose(0, 1, 3, 2, 4)  # (g, b, field, row, 2)
     codes = blocks[..., head:].reshape(*blocks.shape[:3], 4, 4).transpose(0, 1, 3, 2, 4)  # (g, b, v, row, 4)
     g, b = blocks.shape[:2]
-    return np.concatenate([scales.reshape(g, b, head * 8), codes.reshape(g, b, 128)], axis=2).reshape(-1)
+    return np.concatenate([scales.reshape(g, b, head * G), codes.reshape(g, b, 16 * G)], axis=2).reshape(-1)
 
 
 @pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
 def test_the_interleaved_copy_is_the_documented_layout(qtype: Q, native: None) -> None:
-    for rows in (7, 8, 21):
+    for rows in (7, 16, 37):
         raw = random_blocks(qtype, rows, 96, np.random.default_rng(rows))
         grouped = native_kernel.interleave(int(qtype), torch.from_numpy(raw), 96).numpy()
-        assert grouped.nbytes == native_kernel.grouped_bytes(int(qtype), rows, 96) == rows // 8 * 8 * raw.shape[1]
+        assert grouped.nbytes == native_kernel.grouped_bytes(int(qtype), rows, 96) == rows // G * G * raw.shape[1]
         assert np.array_equal(grouped, documented_layout(raw, qtype))
 
 
@@ -56,7 +57,7 @@ def test_the_interleaved_copy_is_the_documented_layout(qtype: Q, native: None) -
 def test_rows_read_with_a_stride_interleave_to_the_documented_layout(qtype: Q, native: None) -> None:
     """The loader interleaves strided views (a head's even rows, then its odd ones: llama.cpp's Q/K row order put
     back) at 7B's widths and narrower; the vector build's transposes write what the layout says."""
-    for rows, cols, step in ((16, 4096, 2), (24, 64, 3), (9, 32, 1)):
+    for rows, cols, step in ((32, 4096, 2), (40, 64, 3), (17, 32, 1)):
         raw = random_blocks(qtype, rows * step, cols, np.random.default_rng(rows + cols))
         view = torch.from_numpy(raw)[::step]
         grouped = native_kernel.interleave(int(qtype), view, cols).numpy()
@@ -70,7 +71,7 @@ def test_the_portable_build_interleaves_to_the_documented_layout(qtype: Q, porta
     if not native_kernel.available():
         pytest.skip(f"no C build here: {native_kernel.unavailable_reason()}")
     assert not native_kernel.library().avx2
-    for rows, cols, step in ((21, 96, 1), (16, 64, 2)):
+    for rows, cols, step in ((37, 96, 1), (32, 64, 2)):
         raw = random_blocks(qtype, rows * step, cols, np.random.default_rng(rows))
         grouped = native_kernel.interleave(int(qtype), torch.from_numpy(raw)[::step], cols).numpy()
         assert np.array_equal(grouped, documented_layout(np.ascontiguousarray(raw[::step]), qtype))
@@ -78,11 +79,11 @@ def test_the_portable_build_interleaves_to_the_documented_layout(qtype: Q, porta
 
 @pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
 def test_every_row_has_the_bits_it_has_without_the_interleaved_copy(qtype: Q, native: None) -> None:
-    """Rows that are not a multiple of eight, parts (so thread ranges) starting at any row, 1 and 2 threads: each
+    """Rows that are not a multiple of sixteen, parts (so thread ranges) starting at any row, 1 and 2 threads: each
     output equals the matrix described without its interleaved copy (every row by the one-row kernel)."""
     cols = 576
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(int(qtype))) * 3
-    for rows in (1, 8, 13, 37, 301):
+    for rows in (1, 8, 16, 21, 37, 301):
         raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
         plain = native_kernel.BlockMatrix([(int(qtype), torch.from_numpy(raw))], cols, (native_kernel.INT8_X,))
         assert plain.groups == (None,)
@@ -107,7 +108,7 @@ def test_a_prefill_reads_the_interleaved_copy_and_gives_each_token_its_decode_bi
     overwriting the rows of the whole groups changes nothing (they are not read), the rows after them still are."""
     cols = 576
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(7)) * 3
-    for rows in (8, 13, 301):
+    for rows in (8, 16, 21, 301):
         raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
         weight = pack_gguf(raw, int(qtype), cols, I8DOT)
         assert weight.native_matrix().groups[0] is not None
@@ -116,9 +117,9 @@ def test_a_prefill_reads_the_interleaved_copy_and_gives_each_token_its_decode_bi
                 prefill = weight(x)
                 decode = torch.cat([weight(x[i:i + 1]) for i in range(x.shape[0])])
             assert torch.equal(prefill, decode), (rows, threads)
-        # One thread: a thread's share of the rows that starts inside a group of eight takes that group's rows
+        # One thread: a thread's share of the rows that starts inside a group of sixteen takes that group's rows
         # before its first whole group from the rows (a few rows per thread: their pages fault back in).
-        whole = rows // 8 * 8
+        whole = rows // G * G
         with torch_threads(1):
             raw[:whole] = 0  # the rows the copy holds (pack_gguf kept `raw` itself: a writable array)
             assert torch.equal(weight(x)[:, :whole], prefill[:, :whole])
@@ -141,7 +142,7 @@ def test_interleaved_rows_only_for_an_i8dot_q4_part(native: None) -> None:
 def held_in_place(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
     """`raw`'s rows as the loader holds an i8dot Q4_0/Q4_1 matrix: its whole groups interleaved in place (the
     documented layout), the rows after them as stored."""
-    whole = raw.shape[0] // 8 * 8
+    whole = raw.shape[0] // G * G
     return np.concatenate([documented_layout(raw, qtype), raw[whole:].reshape(-1)]).reshape(raw.shape)
 
 
@@ -155,7 +156,7 @@ def test_a_matrix_held_in_place_is_read_only_through_its_groups(qtype: Q, native
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(11)) * 3
     reference = native_kernel.library().handle.llmt_matmul_reference
     reference.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    for rows in (8, 13, 37, 301):
+    for rows in (8, 16, 37, 301):
         raw = random_blocks(qtype, rows, cols, np.random.default_rng(rows))
         plain = pack_gguf(raw, int(qtype), cols, I8DOT)
         weight = pack_gguf(held_in_place(raw, qtype, cols), int(qtype), cols, I8DOT, interleaved=True)

@@ -149,7 +149,7 @@ def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:
 
 def test_i8dot_q4_matrices_are_held_once_interleaved_in_the_arena(tiny_quantized: Callable[..., Path]) -> None:
     """An i8dot Q4_1 matrix is held once (issue 31: its rows beside their interleaved copy held a 7B Q4_0 model
-    twice): its bytes in the arena, every whole group of eight rows interleaved in place (what its products read),
+    twice): its bytes in the arena, every whole group of sixteen rows interleaved in place (what its products read),
     in the model's row order (Q/K rows unpermuted as they are placed), never in a map of the file (a truncation would
     be SIGBUS: issue 27); resident bytes = stored bytes. Products (one token and several), dequantization and row
     lookups equal those of the file's rows in the model's order, packed plainly."""
@@ -167,7 +167,7 @@ def test_i8dot_q4_matrices_are_held_once_interleaved_in_the_arena(tiny_quantized
         assert weight.native_matrix().groups[0].data_ptr() == held.data_ptr() and held.data_ptr() % ALIGN == 0
         if sys.platform == "linux":
             assert _mapped_file(held.data_ptr()) == ""
-        whole = weight.shape[0] // 8 * 8
+        whole = weight.shape[0] // native_kernel.GROUP_ROWS * native_kernel.GROUP_ROWS
         assert torch.equal(held.view(-1)[:whole * held.shape[1]],
                            native_kernel.interleave(int(Q.Q4_1), rows, weight.shape[1]))
         assert torch.equal(held[whole:], rows[whole:])

@@ -385,7 +385,7 @@ def _packed_experts(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, ker
                     slot: np.ndarray | None) -> ExpertWeights:
     """A 3-D ffn_*_exps tensor (E, N, K) for a block kernel: its E*N rows read into `slot` (or a buffer of their own),
     expert by expert, each expert's rows a PackedWeight over its byte range there (i8dot's Q4_0/Q4_1 interleaved in
-    groups of eight of that expert's rows, as a matrix of its own is). Nothing is dequantized."""
+    groups of sixteen of that expert's rows, as a matrix of its own is). Nothing is dequantized."""
     experts, out_features, in_features = info.torch_shape
     _, block, block_bytes = GGML_TYPES[info.ggml_type]
     row_bytes = in_features // block * block_bytes
@@ -409,13 +409,14 @@ def _read_held(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, heads: i
                interleaved: bool, base: int = 0) -> bool:
     """Read a matrix's rows into `held` ((rows, bytes per row) uint8, its room in the arena) piece by piece, in the
     model's row order (Q/K rows unpermuted: llama.cpp's rows 2i and 2i+1 of a head are HF's rows i and D/2 + i),
-    `interleaved`: each whole group of eight rows in native_kernel.interleave's order, the rows after the last
-    as stored. Whether every fp16 scale and min read is finite (checked on each piece while it is in the cache).
+    `interleaved`: each whole group of native_kernel.GROUP_ROWS rows in native_kernel.interleave's order, the rows
+    after the last as stored. Whether every fp16 scale and min read is finite (checked on each piece while it is in the cache).
     `base`: where the rows start in the tensor's bytes (one expert's of a 3-D tensor; 0 for a matrix)."""
     rows, row_bytes = held.shape
     code = info.ggml_type
-    unit = rows // heads if heads is not None else 8  # a head's rows move together; groups are eight rows
-    if heads is not None and (rows % heads or unit % (16 if interleaved else 2)):
+    group = native_kernel.GROUP_ROWS
+    unit = rows // heads if heads is not None else group  # a head's rows move together; groups are GROUP_ROWS rows
+    if heads is not None and (rows % heads or unit % (2 * group if interleaved else 2)):
         # a head whose halves are not whole groups (no LLaMA's): the rows unpermuted first, then placed
         rows_read = unpermute_rope_rows(_raw(header, reads, info).reshape(rows, row_bytes), heads)
         _place(code, rows_read, held, info.torch_shape[-1], interleaved)
@@ -447,12 +448,13 @@ def _read_held(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, heads: i
 
 
 def _place(code: int, rows: np.ndarray, out: np.ndarray, k: int, interleaved: bool) -> None:
-    """`rows` (any row stride) into `out` (contiguous rows of the same width): interleaved in groups of eight where
-    `interleaved` (its rows' whole groups; out's first row must start a group of the matrix), else as they are."""
+    """`rows` (any row stride) into `out` (contiguous rows of the same width): interleaved in groups of GROUP_ROWS
+    where `interleaved` (its rows' whole groups; out's first row must start a group of the matrix), else as they
+    are."""
     if not interleaved:
         out[...] = rows
         return
-    whole = rows.shape[0] // 8 * 8
+    whole = rows.shape[0] // native_kernel.GROUP_ROWS * native_kernel.GROUP_ROWS
     if whole:
         native_kernel.interleave(code, torch.from_numpy(rows[:whole]), k, torch.from_numpy(out[:whole].reshape(-1)))
     out[whole:] = rows[whole:]

@@ -109,7 +109,7 @@ class NativeLibrary:
     matmul: ctypes._CFuncPtr
     dequantize: ctypes._CFuncPtr
     matrix_size: int  # bytes of the C side's description of a matrix
-    interleave: ctypes._CFuncPtr  # an i8dot Q4_0/Q4_1 matrix's rows in groups of eight (native/int8_groups.c)
+    interleave: ctypes._CFuncPtr  # an i8dot Q4_0/Q4_1 matrix's rows in groups of sixteen (native/int8_groups.c)
     set_groups: ctypes._CFuncPtr  # a described part's interleaved copy
     group_rows: ctypes._CFuncPtr  # rows as stored of a matrix held interleaved in place
     handle: ctypes.CDLL  # the library itself: native_step.py declares the decode step's entry points on it
@@ -236,19 +236,20 @@ class BlockMatrix:
         return self._address
 
 
-# The types whose i8dot decode product reads rows interleaved in groups of eight (native/int8_groups.c says why and
-# how): the interleaved copy holds the same bytes as the rows.
+# The types whose i8dot products read rows interleaved in groups of GROUP_ROWS (native/int8_groups.c says why and
+# how: kernels.h's GROUP_ROWS): the interleaved copy holds the same bytes as the rows.
 GROUPED_TYPES = (2, 3)  # Q4_0, Q4_1
+GROUP_ROWS = 16
 
 
 def grouped_bytes(ggml_type: int, rows: int, k: int) -> int:
-    """Bytes of `interleave`'s copy of a (rows, k) matrix: its whole groups of eight rows (the rest stay in rows)."""
+    """Bytes of `interleave`'s copy of a (rows, k) matrix: its whole groups of sixteen rows (the rest stay in rows)."""
     _, block_values, block_bytes = GGML_TYPES[ggml_type]
-    return rows // 8 * 8 * (k // block_values) * block_bytes
+    return rows // GROUP_ROWS * GROUP_ROWS * (k // block_values) * block_bytes
 
 
 def interleave(ggml_type: int, blocks: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole groups of eight rows of `blocks` (a Q4_0/Q4_1 matrix, (rows, bytes per row) uint8) in the order the
+    """The whole groups of sixteen rows of `blocks` (a Q4_0/Q4_1 matrix, (rows, bytes per row) uint8) in the order the
     i8dot decode kernel reads them, written into `out` (contiguous uint8 of grouped_bytes; a new tensor when None)."""
     lib = library()
     if ggml_type not in GROUPED_TYPES:
@@ -267,7 +268,7 @@ def interleave(ggml_type: int, blocks: torch.Tensor, k: int, out: torch.Tensor |
 
 def group_rows(ggml_type: int, held: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (1-D int64) as the file stores them, (len(ids), bytes per row) uint8, of a Q4_0/Q4_1 matrix held
-    interleaved in place: `held` (rows, bytes per row) contiguous uint8, its whole groups of eight in `interleave`'s
+    interleaved in place: `held` (rows, bytes per row) contiguous uint8, its whole groups of sixteen in `interleave`'s
     order and the rows after them as stored (native/int8_groups.c, "Held in place")."""
     lib = library()
     ids = ids.to(torch.int64).contiguous()

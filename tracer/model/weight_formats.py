@@ -301,10 +301,10 @@ class PackedWeight:
                 GGUF: read into the weight arena); row blocks stacked by concat_rows keep each member's:
                 {"blocks.0.Q4_K": ..., "blocks.1.Q6_K": ...}
       i8dot Q4_0/Q4_1 held in place: {"groups": (N, bytes per row) uint8}, the same bytes with every whole group of
-                eight rows interleaved (native/int8_groups.c's order, what its products read) and the rows after the
+                sixteen rows interleaved (native/int8_groups.c's order, what its products read) and the rows after the
                 last whole group as stored; stacked: "groups.<i>.<type name>"
     `stored_bytes` is what the GGUF holds for this matrix (the bytes a product reads as stored).
-    An i8dot Q4_0/Q4_1 row block's products read its rows interleaved in groups of eight (native_kernel.interleave).
+    An i8dot Q4_0/Q4_1 row block's products read its rows interleaved in groups of sixteen (native_kernel.interleave).
     The loader holds such a matrix once, in that order ("groups": issue 31, the rows beside their copy held a 7B
     Q4_0 model twice); what needs its rows as stored (dequantize, rows, finite_scales) gathers them from their
     groups (native_kernel.group_rows). A "blocks" one (pack_gguf's rows, as tests and tools make them) gets its
@@ -727,13 +727,13 @@ def rows_scales_finite(code: int, rows: np.ndarray) -> bool:
 
 def grouped_scales_finite(code: int, held: np.ndarray) -> bool:
     """rows_scales_finite of a Q4_0/Q4_1 matrix held in place ((rows, bytes per row) uint8): each interleaved block
-    of eight rows starts with their eight fp16 d (Q4_1: then their eight m), the rows after the whole groups are
-    as stored."""
-    rows = held.shape[0]
-    whole = rows // 8 * 8
+    of sixteen rows starts with their sixteen fp16 d (Q4_1: then their sixteen m), the rows after the whole groups
+    are as stored."""
+    rows, group = held.shape[0], native_kernel.GROUP_ROWS
+    whole = rows // group * group
     _, _, block_bytes = GGML_TYPES[code]
-    fields = 16 * len(_FP16_FIELDS[code])  # bytes of fp16 fields at the start of a group's block
-    groups = held[:whole].reshape(-1, 8 * block_bytes)
+    fields = 2 * group * len(_FP16_FIELDS[code])  # bytes of fp16 fields at the start of a group's block
+    groups = held[:whole].reshape(-1, group * block_bytes)
     return bool(np.isfinite(groups[:, :fields].view("<f2")).all()) and rows_scales_finite(code, held[whole:])
 
 

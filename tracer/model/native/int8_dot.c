@@ -288,7 +288,7 @@ static int i8_q32_many_x(int type, const uint8_t *w, int64_t stride, int64_t fir
     return 1;
 }
 
-/* one Q4_0/Q4_1 row with i8_q4_group's per-row float math (a row outside a whole group of eight) */
+/* one Q4_0/Q4_1 row with i8_q4_group's per-row float math (a row outside a whole group of sixteen) */
 static inline __attribute__((always_inline)) float i8_q4_row(int type, const uint8_t *row, int64_t n_blocks,
                                                              const XBlock *x) {
     float acc = 0.0f, off = 0.0f;
@@ -304,95 +304,117 @@ static inline __attribute__((always_inline)) float i8_q4_row(int type, const uin
     return acc + off;
 }
 
-/* ---- Q4_0/Q4_1 rows interleaved in groups of eight (int8_groups.c: the layout and why) ---------------------- */
+/* ---- Q4_0/Q4_1 rows interleaved in groups of sixteen (int8_groups.c: the layout and why) -------------------- */
 
-/* One block of a group: its eight rows' integer dot products `total` scaled into `acc` by d * the activation's d, and
-   the block's offset (Q4_1's m, Q4_0's -8 d) times the activation's sum into `off`; the AVX-512 and AVX2 group
-   kernels below share it. */
-static inline __attribute__((always_inline)) void q4_group_scale(int type, const group_q4_0 *g0, const group_q4_1 *g1,
-                                                                 const XBlock *xb, __m256i total, __m256 *acc,
-                                                                 __m256 *off) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(type == Q4_1 ? g1->d : g0->d)));
-    *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(total), *acc);
-    const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1->m))
-                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    *off = _mm256_fmadd_ps(offset, _mm256_set1_ps(xb->s), *off);
+/* x's codes 4i..4i+3 as one 32-bit word (broadcast to every row's lane) */
+static inline int32_t x_word(const XBlock *xb, int i) {
+    int32_t v;
+    memcpy(&v, xb->q + 4 * i, sizeof v);
+    return v;
 }
 
-/* one group of eight rows (its interleaved blocks at g) times one activation row, into out[0..8). Per block, row r's
-   integer sum of its 32 code x activation products (exact: no int16 pair sum saturates, each at most 2 * 15 * 127,
-   eight added 30480), then acc_r += (d_r * d_x) * sum and off_r += offset_r * s_x in fp32, block after block: the
-   same integers and the same fp32 operations in the same order in both builds below, so the same bits. */
+/* One group of sixteen rows (its interleaved blocks at g) times n activation rows (x[i], into out[i][0..16); n = 1
+   for decode, 2 for prefill: a block's codes unpacked once for both). Per block, row r's integer sum of its 32 code x
+   activation products (exact: each at most 15 * 127 in magnitude, 32 of them), then acc_r += (d_r * d_x) * sum and
+   off_r += offset_r * s_x in fp32 (offset: Q4_1's m, Q4_0's -8 d), block after block, result acc_r + off_r: the
+   same integers and the same fp32 operations in the same order as i8_q4_row, in both builds below, so the same bits
+   whatever n. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* AVX-512 VNNI: a 64-byte load holds vectors v and v+1 (lanes 0-7: row r's bytes 4v..4v+3, lanes 8-15: 4v+4..4v+7),
-   each lane's four products summed by one vpdpbusd against x's matching four codes, which a permute puts in each
-   half's lanes; two independent chains of two (low nibbles, high ones) rather than one of eight: vpdpbusd's latency
-   on one accumulator made a 256-bit version slower than maddubs (BENCHMARKS "Ninth session"). Half the
-   instructions of the AVX2 loop per block, which at 7B decode shares each core with the memory stream. No software
-   prefetch: the groups are one contiguous run per thread, which the hardware prefetchers follow, and the three
-   prefetches a block cost issue slots the loop is short of (L2-resident it runs at ~40-46 GB/s on 2 Zen 4 threads,
-   under the ~52-55 GB/s memory stream): without them 1.00-1.16x the decode product's GB/s over 7B gate|up-sized
-   matrices, 1.03-1.05x in L2, in three alternated in-process runs (BENCHMARKS, issue 31, helper H5). */
-static inline __attribute__((always_inline)) void i8_q4_group(int type, const uint8_t *g, int64_t n_blocks,
-                                                              const XBlock *x, float *out) {
+/* AVX-512 VNNI: 32-bit lane r of each 64-byte code vector is row r, so x's four codes, broadcast from memory, meet
+   every row's four in one vpdpbusd: eight a block (low nibbles, high ones; four chains), then the float step in 16
+   lanes. No permutes and no horizontal adds: 1.5x the eight-row kernel's pace with its bytes in L2, 1.75x for two
+   activation rows sharing the unpacked codes (one core's CPU time, BENCHMARKS, issue 31, helper H4). No software
+   prefetch: the groups are one contiguous run per thread, which the hardware prefetchers follow (the prefetches
+   took issue slots: 1.00-1.16x without them, helper H5). */
+static inline __attribute__((always_inline)) void i8_q4_group_n(int type, int n, const uint8_t *g, int64_t n_blocks,
+                                                                const XBlock *const *x, float *const *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i pick01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i pick23 = _mm512_add_epi32(pick01, _mm512_set1_epi32(2));
-    const __m512i pick45 = _mm512_add_epi32(pick01, _mm512_set1_epi32(4));
-    const __m512i pick67 = _mm512_add_epi32(pick01, _mm512_set1_epi32(6));
-    __m256 acc = _mm256_setzero_ps(), off = acc;
+    __m512 acc[2], off[2];
+    for (int i = 0; i < n; i++) acc[i] = off[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         const group_q4_0 *g0 = (const group_q4_0 *)g + b;
         const group_q4_1 *g1 = (const group_q4_1 *)g + b;
         const uint8_t *qs = type == Q4_1 ? &g1->qs[0][0] : &g0->qs[0][0];
-        const __m512i c01 = _mm512_loadu_si512((const void *)qs), c23 = _mm512_loadu_si512((const void *)(qs + 64));
-        const __m512i xq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].q));
-        __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(c01, low4),
-                                          _mm512_permutexvar_epi32(pick01, xq));
-        __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                           _mm512_and_si512(_mm512_srli_epi16(c01, 4), low4),
-                                           _mm512_permutexvar_epi32(pick45, xq));
-        low = _mm512_dpbusd_epi32(low, _mm512_and_si512(c23, low4), _mm512_permutexvar_epi32(pick23, xq));
-        high = _mm512_dpbusd_epi32(high, _mm512_and_si512(_mm512_srli_epi16(c23, 4), low4),
-                                   _mm512_permutexvar_epi32(pick67, xq));
-        const __m512i both = _mm512_add_epi32(low, high);
-        const __m256i total = _mm256_add_epi32(_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1));
-        q4_group_scale(type, g0, g1, &x[b], total, &acc, &off);
+        __m512i lo[4], hi[4];
+        for (int v = 0; v < 4; v++) {
+            const __m512i c = _mm512_loadu_si512((const void *)(qs + 64 * v));
+            lo[v] = _mm512_and_si512(c, low4);
+            hi[v] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(type == Q4_1 ? g1->d : g0->d)));
+        const __m512 offset = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g1->m))
+                                           : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        for (int i = 0; i < n; i++) {
+            const XBlock *xb = x[i] + b;
+            __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                            _mm512_setzero_si512()};
+            for (int v = 0; v < 4; v++) {
+                s[v & 1] = _mm512_dpbusd_epi32(s[v & 1], lo[v], _mm512_set1_epi32(x_word(xb, v)));
+                s[2 + (v & 1)] = _mm512_dpbusd_epi32(s[2 + (v & 1)], hi[v], _mm512_set1_epi32(x_word(xb, 4 + v)));
+            }
+            const __m512i total = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(total), acc[i]);
+            off[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xb->s), off[i]);
+        }
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
+    for (int i = 0; i < n; i++) _mm512_storeu_ps(out[i], _mm512_add_ps(acc[i], off[i]));
 }
+#define I8_Q4_PAIRS 1 /* prefill takes activation rows two at a time */
 #else
-static inline __attribute__((always_inline)) void i8_q4_group(int type, const uint8_t *g, int64_t n_blocks,
-                                                              const XBlock *x, float *out) {
+/* AVX2: each code vector as two 32-byte halves (rows 0-7, 8-15); x's four codes broadcast, one maddubs of the low
+   nibbles and one of the high ones per half-vector (each int16 at most 2 * 15 * 127, eight added 30480: no
+   saturation), one madd with ones for the eight rows' int32 sums, then the float step on eight rows at a time. */
+static inline __attribute__((always_inline)) void i8_q4_group_n(int type, int n, const uint8_t *g, int64_t n_blocks,
+                                                                const XBlock *const *x, float *const *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps(), off = acc;
+    __m256 acc[2][2], off[2][2];
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < 2; h++) acc[i][h] = off[i][h] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         const group_q4_0 *g0 = (const group_q4_0 *)g + b;
         const group_q4_1 *g1 = (const group_q4_1 *)g + b;
         const uint8_t *blk = type == Q4_1 ? (const uint8_t *)g1 : (const uint8_t *)g0;
-        _mm_prefetch((const char *)blk + I8_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + I8_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + I8_AHEAD + 128, _MM_HINT_T0);
-        /* each int16 at most 2 * 15 * 127 per maddubs, eight added 30480: no saturation */
-        __m256i sum = _mm256_setzero_si256();
-        for (int v = 0; v < 4; v++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(type == Q4_1 ? g1->qs[v] : g0->qs[v]));
-            const __m256i xl = _mm256_set1_epi32((int)read_u32((const uint8_t *)x[b].q + 4 * v));
-            const __m256i xh = _mm256_set1_epi32((int)read_u32((const uint8_t *)x[b].q + 16 + 4 * v));
-            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(c, low4), xl));
-            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4), xh));
+        for (int line = 0; line < (int)sizeof(group_q4_1); line += 64)
+            _mm_prefetch((const char *)blk + I8_AHEAD + line, _MM_HINT_T0);
+        const uint8_t *qs = type == Q4_1 ? &g1->qs[0][0] : &g0->qs[0][0];
+        for (int h = 0; h < 2; h++) {
+            const ggml_half *dh = (type == Q4_1 ? g1->d : g0->d) + 8 * h;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+            const __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g1->m + 8 * h)))
+                                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            for (int i = 0; i < n; i++) {
+                const XBlock *xb = x[i] + b;
+                __m256i sum = _mm256_setzero_si256();
+                for (int v = 0; v < 4; v++) {
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(qs + 64 * v + 32 * h));
+                    const __m256i xl = _mm256_set1_epi32(x_word(xb, v)), xh = _mm256_set1_epi32(x_word(xb, 4 + v));
+                    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(c, low4), xl));
+                    sum = _mm256_add_epi16(sum,
+                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4), xh));
+                }
+                const __m256i total = _mm256_madd_epi16(sum, ones);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(total),
+                                            acc[i][h]);
+                off[i][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xb->s), off[i][h]);
+            }
         }
-        const __m256i total = _mm256_madd_epi16(sum, ones);
-        q4_group_scale(type, g0, g1, &x[b], total, &acc, &off);
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[i] + 8 * h, _mm256_add_ps(acc[i][h], off[i][h]));
 }
+#define I8_Q4_PAIRS 0 /* no codes shared between activation rows: one at a time */
 #endif
+
+/* one group of sixteen rows times one activation row, into out[0..16) */
+static inline __attribute__((always_inline)) void i8_q4_group(int type, const uint8_t *g, int64_t n_blocks,
+                                                              const XBlock *x, float *out) {
+    i8_q4_group_n(type, 1, g, n_blocks, &x, &out);
+}
 
 /* The rows of a Q4_0/Q4_1 part with its interleaved copy: whole groups are read from the copy only, never from
    the part's rows (the loader holds such a matrix once, interleaved in place: int8_groups.c), and the rows after the
-   last whole group (`whole` = rows / 8 * 8) from the rows. A thread's run that starts or ends inside a group computes
-   that group whole and keeps its own rows' values, which are i8_q4_row's bit for bit. */
+   last whole group (`whole` = rows / 16 * 16) from the rows. A thread's run that starts or ends inside a group
+   computes that group whole and keeps its own rows' values, which are i8_q4_row's bit for bit. */
 
 /* rows first..last of a Q4_0/Q4_1 part times one activation row: the whole groups inside the range from the
    interleaved copy (when there is one), the rows before the first and after the last whole group one by one */
@@ -400,16 +422,17 @@ static inline __attribute__((always_inline)) void i8_q4_rows(int type, const uin
                                                              const uint8_t *groups, int64_t first, int64_t last,
                                                              int64_t whole, int64_t n_blocks, const XBlock *x,
                                                              float *out) {
+    const int64_t G = GROUP_ROWS;
     int64_t r = first;
     if (groups != NULL) {
         const int64_t row_bytes = n_blocks * q32_bytes(type);
-        float y[8];
-        if (r < last && r % 8 && r < whole) { /* a group this run shares with the run before */
-            const int64_t g = r - r % 8;
+        float y[GROUP_ROWS];
+        if (r < last && r % G && r < whole) { /* a group this run shares with the run before */
+            const int64_t g = r - r % G;
             i8_q4_group(type, groups + g * row_bytes, n_blocks, x, y);
-            for (; r < last && r % 8; r++) out[r] = y[r - g];
+            for (; r < last && r % G; r++) out[r] = y[r - g];
         }
-        for (; r + 8 <= last; r += 8) i8_q4_group(type, groups + r * row_bytes, n_blocks, x, out + r);
+        for (; r + G <= last; r += G) i8_q4_group(type, groups + r * row_bytes, n_blocks, x, out + r);
         if (r < last && r < whole) { /* a group this run shares with the run after */
             const int64_t g = r;
             i8_q4_group(type, groups + g * row_bytes, n_blocks, x, y);
@@ -420,24 +443,32 @@ static inline __attribute__((always_inline)) void i8_q4_rows(int type, const uin
 }
 
 /* rows first..last of a Q4_0/Q4_1 part times m activation rows (prefill) when the part has its interleaved copy:
-   group by group, every activation row passes over the group's blocks while they sit in L1 (8 rows x k/32 blocks:
-   18 KB at k = 4096), so the matrix is read once per product, from the copy the decode step reads. The 2 x 4 tiles
-   over the rows (i8_q32_many_x) read the whole matrix again for every four activation rows. Each value is
-   i8_q4_rows' for its activation row: bit for bit the decode product's. */
+   group by group, every activation row passes over the group's blocks while they sit in L1/L2 (16 rows x k/32
+   blocks: 36 KB at k = 4096), two activation rows at a time where the build shares a block's unpacked codes
+   between them (I8_Q4_PAIRS), so the matrix is read once per product, from the copy the decode step reads. The
+   2 x 4 tiles over the rows (i8_q32_many_x) read the whole matrix again for every four activation rows. Each value
+   is i8_q4_rows' for its activation row: bit for bit the decode product's. */
 static void i8_q4_groups_many_x(int type, const uint8_t *w, int64_t stride, const uint8_t *groups, int64_t first,
                                 int64_t last, int64_t whole, int64_t n_blocks, const XBlock *x, int64_t xblocks,
                                 int64_t m, float *out, int64_t out_stride) {
-    const int64_t row_bytes = n_blocks * q32_bytes(type);
+    const int64_t row_bytes = n_blocks * q32_bytes(type), G = GROUP_ROWS;
     int64_t r = first;
-    if (r < last && r % 8) { /* up to the first whole group (or the end of a run inside one group) */
-        const int64_t stop = r + (8 - r % 8) < last ? r + (8 - r % 8) : last;
+    if (r < last && r % G) { /* up to the first whole group (or the end of a run inside one group) */
+        const int64_t stop = r + (G - r % G) < last ? r + (G - r % G) : last;
         for (int64_t i = 0; i < m; i++)
             i8_q4_rows(type, w, stride, groups, r, stop, whole, n_blocks, x + i * xblocks, out + i * out_stride);
         r = stop;
     }
-    for (; r + 8 <= last; r += 8)
-        for (int64_t i = 0; i < m; i++)
-            i8_q4_group(type, groups + r * row_bytes, n_blocks, x + i * xblocks, out + i * out_stride + r);
+    for (; r + G <= last; r += G) {
+        const uint8_t *g = groups + r * row_bytes;
+        int64_t i = 0;
+        for (; I8_Q4_PAIRS && i + 2 <= m; i += 2) {
+            const XBlock *xs[2] = {x + i * xblocks, x + (i + 1) * xblocks};
+            float *outs[2] = {out + i * out_stride + r, out + (i + 1) * out_stride + r};
+            i8_q4_group_n(type, 2, g, n_blocks, xs, outs);
+        }
+        for (; i < m; i++) i8_q4_group(type, g, n_blocks, x + i * xblocks, out + i * out_stride + r);
+    }
     if (r < last)
         for (int64_t i = 0; i < m; i++)
             i8_q4_rows(type, w, stride, groups, r, last, whole, n_blocks, x + i * xblocks, out + i * out_stride);
@@ -635,7 +666,7 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
                  int64_t out_stride) {
     const int64_t xblocks = mat->k / 32, n_blocks = mat->k / mat->block_values[p];
 #if LLMT_AVX2
-    const int64_t whole = mat->rows[p] / 8 * 8; /* the rows in whole groups of eight (an interleaved part's) */
+    const int64_t whole = mat->rows[p] / GROUP_ROWS * GROUP_ROWS; /* the rows in whole groups (an interleaved part's) */
     if (m == 1) { /* decode: one loop per type */
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
@@ -654,7 +685,10 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
     if (m > 1) { /* prefill: 2 x 4 tiles (falls through to the row loop below only if the scratch cannot be had) */
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
-        if (mat->groups[p] != NULL) { /* Q4_0/Q4_1 with their interleaved copy: group by group (int8_groups.c) */
+        const int q4 = mat->types[p] == Q4_0 || mat->types[p] == Q4_1;
+        /* Q4_0/Q4_1 with their interleaved copy: group by group (int8_groups.c); with fewer rows than a group (an
+           empty copy) row by row the same way, so each token gets its decode bits there too */
+        if (mat->groups[p] != NULL || (q4 && whole == 0)) {
             i8_q4_groups_many_x(mat->types[p], w, stride, mat->groups[p], first, last, whole, n_blocks, x, xblocks,
                                 m, out, out_stride);
             return;

@@ -4,7 +4,7 @@
  * Units (each its own compilation unit, linked into the one library native_kernel.py builds):
  *   gguf_matmul.c  the "native" kernel (exact products), dequantization, llmt_describe/llmt_matmul, the references
  *   int8_dot.c     the "i8dot" kernel (activations rounded to int8)
- *   int8_groups.c  i8dot's Q4_0/Q4_1 rows interleaved in eights (the layout and its entry points)
+ *   int8_groups.c  i8dot's Q4_0/Q4_1 rows interleaved in sixteens (the layout and its entry points)
  *   int16_dot.c    the "i16dot" kernel (activations rounded to int16; Q8_0 and Q6_K)
  *   decode_step.c  one decode step in one call, and decode steps back to back, the caller choosing each token
  *   mapped_file.c  a SIGBUS inside a registered map of a GGUF (the file truncated under the run): one line, exit 2
@@ -43,16 +43,17 @@ typedef struct {
     int acts[MAX_PARTS]; /* EXACT_X, INT8_X or INT16_X: how this part's products take the activations */
     int any_int8, any_int16;
     int64_t k, total_rows, total_bytes;
-    /* an i8dot Q4_0/Q4_1 part's rows interleaved in eights, or NULL (int8_groups.c) */
+    /* an i8dot Q4_0/Q4_1 part's rows interleaved in sixteens, or NULL (int8_groups.c) */
     const uint8_t *groups[MAX_PARTS];
 } Matrix;
 
-/* Block b of eight Q4_0 (Q4_1) rows interleaved for i8dot's decode product (int8_groups.c says why): the eight rows'
-   d (and m) in row order, then 4 x 32 code bytes, vector v holding bytes 4v..4v+3 of each row's 16 in row order. */
-typedef struct { ggml_half d[8]; uint8_t qs[4][32]; } group_q4_0;
-typedef struct { ggml_half d[8], m[8]; uint8_t qs[4][32]; } group_q4_1;
-_Static_assert(sizeof(group_q4_0) == 8 * sizeof(block_q4_0), "a group holds its eight rows' bytes");
-_Static_assert(sizeof(group_q4_1) == 8 * sizeof(block_q4_1), "a group holds its eight rows' bytes");
+/* Block b of sixteen Q4_0 (Q4_1) rows interleaved for i8dot's products (int8_groups.c says why): the sixteen rows'
+   d (and m) in row order, then 4 x 64 code bytes, vector v holding bytes 4v..4v+3 of each row's 16 in row order. */
+#define GROUP_ROWS 16
+typedef struct { ggml_half d[GROUP_ROWS]; uint8_t qs[4][4 * GROUP_ROWS]; } group_q4_0;
+typedef struct { ggml_half d[GROUP_ROWS], m[GROUP_ROWS]; uint8_t qs[4][4 * GROUP_ROWS]; } group_q4_1;
+_Static_assert(sizeof(group_q4_0) == GROUP_ROWS * sizeof(block_q4_0), "a group holds its rows' bytes");
+_Static_assert(sizeof(group_q4_1) == GROUP_ROWS * sizeof(block_q4_1), "a group holds its rows' bytes");
 
 /* One 32-value block of the int8 activations (int8_dot.c): scale, scale * sum of codes, codes. */
 typedef struct {
