@@ -67,8 +67,8 @@ from llmtrace.tracer.core.errors import LlmtraceError
 from llmtrace.tracer.load.gguf_source import OpenedFile
 
 # bump when the conversion (names, Q/K order, dequantization) or the entry layout changes; 3: the checksum covers the
-# entry's header
-CACHE_FORMAT = "3"
+# entry's header; 4: i8dot's Q4_0/Q4_1 "groups" (held in a per-type plan's entry) interleave sixteen rows, not eight
+CACHE_FORMAT = "4"
 MAX_GB_ENV = "LLMTRACE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
 RACY_SECONDS = 2.0  # a digest is remembered only for a file unchanged this long before it was hashed
