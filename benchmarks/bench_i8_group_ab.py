@@ -1,4 +1,4 @@
-"""Two builds of the native library, one process: i8dot's Q4_0 product over rows interleaved in groups of eight (the
+"""Two builds of the native library, one process: i8dot's Q4_0 product over rows interleaved in groups (the
 decode step's and the prefill's kernel, native/int8_dot.c i8_q4_group) at LLaMA-7B's shapes, calls alternated
 between the two libraries so that a shared machine's slow spells hit both (a whole-process A/B of a 7B decode moved
 by 2x between repeats on this host).

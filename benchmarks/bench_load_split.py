@@ -3,7 +3,7 @@
 
 Parts, each the cumulative time of the functions named (they do not nest in one another):
 - read (pread): gguf_source's reads of the file's bytes (os.preadv);
-- interleave (C): native_kernel.interleave, i8dot's Q4_0/Q4_1 groups of eight written into the weight arena (the
+- interleave (C): native_kernel.interleave, i8dot's Q4_0/Q4_1 groups of sixteen rows written into the weight arena (the
   first touch of its fresh pages included);
 - Q/K reorder copies: gguf_loader.unpermute_rope_rows (llama.cpp's Q/K row order put back by a copy; since the
   single copy only for heads whose halves are not whole groups of eight, none of LLaMA's);
