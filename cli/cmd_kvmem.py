@@ -18,8 +18,8 @@ def kvmem(
         help="Positions per sequence (prompt + generated tokens).")] = None,
     model: ModelOption = DEFAULT_MODEL,
     dtype: Annotated[Optional[DType], dtype_option(
-        "--dtype", show_default="the cache `run` allocates: fp32 for a GGUF, a float checkpoint's own, fp16 for a "
-        "preset", help="KV-cache dtype.")] = None,
+        "--dtype", show_default="the cache `run` allocates: a float checkpoint's own dtype, else fp32 (a GGUF, a "
+        "preset)", help="KV-cache dtype.")] = None,
     batch: BatchOption = 1,
     budget: Annotated[Optional[str], typer.Option(
         "--budget", metavar="<size>", help="Memory to fill, e.g. 24GiB or 80GB: how many positions fit (GB = 1e9 B, GiB = 2^30 B).")] = None,

@@ -28,6 +28,10 @@ def render_models(console: Console, r: ModelsReport) -> None:
         parts.append(Text("\nMixtures of experts (FFN E×F: E experts of F each; active: the parameters a token's "
                           "pass uses): " + ", ".join(f"{m.name} top-{m.experts_per_token} of {m.n_experts}"
                                                      for m in moe) + "."))
+    windowed = [m for m in r.models if m.windowed_layers]
+    if windowed:
+        parts.append(Text("\nSliding windows (KV/position holds up to the window; past it a position adds only the "
+                          "global layers' K and V): " + "; ".join(_window(m) for m in windowed) + "."))
     console.print(Group(*parts, Text("\nUse a name with --model, or give a model folder, config.json or .gguf file "
                                       "instead.")))
 
@@ -64,3 +68,11 @@ def _cells(m: ModelRow, dimensions: bool, sizes: bool) -> list[str]:
     if sizes:
         cells += [fmt.number_in(m.weight_bytes, "G", fmt.EXACT), f"{fmt.figures(m.kv_bytes_per_token / 2**10, fmt.EXACT)} KiB"]
     return cells
+
+
+def _window(m: ModelRow) -> str:
+    """`gemma3-1b 22 of 26 layers at 512 positions, then 4.000 KiB a position`."""
+    layers = "every layer" if m.windowed_layers == m.n_layers else f"{m.windowed_layers} of {m.n_layers} layers"
+    past = (f"then {fmt.figures(m.kv_bytes_per_token_past_window / 2**10, fmt.EXACT)} KiB a position"
+            if m.kv_bytes_per_token_past_window else "then nothing more")
+    return f"{m.name} {layers} at {m.sliding_window:,} positions, {past}"

@@ -196,6 +196,20 @@ def test_models_json() -> None:
     assert {"llama-7b", "llama2-70b", "llama3-8b", "llama3.1-405b", "mistral-7b", "tinyllama-1.1b"} <= set(rows)
 
 
+def test_models_json_windows() -> None:
+    """A windowed model's KV/position holds only up to its window; past it, what kvmem's total grows by a position."""
+    rows = {m["name"]: m for m in _json(["models", "--json"])["models"]}
+    gemma = rows["gemma3-1b"]  # 26 layers, every sixth global, 1 KV head of 256, fp16: 2 * 256 * 2 B a layer
+    assert (gemma["sliding_window"], gemma["windowed_layers"]) == (512, 22)
+    assert gemma["kv_bytes_per_token"] == 26 * 1024 and gemma["kv_bytes_per_token_past_window"] == 4 * 1024
+    grown = [_json(["kvmem", "--model", "gemma3-1b", "--seq", str(n), "--dtype", "fp16", "--json"])["size"]["total_bytes"]
+             for n in (2000, 2001)]
+    assert grown[1] - grown[0] == gemma["kv_bytes_per_token_past_window"]
+    assert (rows["mistral-7b"]["windowed_layers"], rows["mistral-7b"]["kv_bytes_per_token_past_window"]) == (32, 0)
+    assert (rows["llama-7b"]["sliding_window"], rows["llama-7b"]["windowed_layers"]) == (0, 0)
+    assert rows["llama-7b"]["kv_bytes_per_token_past_window"] == rows["llama-7b"]["kv_bytes_per_token"]
+
+
 # ---- tables -----------------------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrace.tracer.analytic.kvmem import kv_bytes_per_token
+from llmtrace.tracer.analytic.kvmem import kv_bytes_per_token, kv_bytes_per_token_per_layer
 from llmtrace.tracer.analytic.model_dims import ModelDims
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
 from llmtrace.tracer.core.dtypes import DType
@@ -25,6 +25,9 @@ class ModelRow(ModelDims):
     experts_per_token: int  # k of them a token is routed to (1: a dense FFN)
     weight_bytes: int  # all weights in the chosen dtype (every expert's)
     kv_bytes_per_token: int  # one position, all layers, one sequence, in the chosen dtype
+    sliding_window: int  # positions a windowed layer keeps (0: no windowed layer)
+    windowed_layers: int  # how many layers keep only the window
+    kv_bytes_per_token_past_window: int  # what a position past the window adds: the global layers' K and V only
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -41,5 +44,8 @@ def models_report(dtype: DType) -> ModelsReport:
         rows.append(ModelRow.of(
             c, params=p.total, active_params=p.active, n_experts=p.n_experts, experts_per_token=p.experts_per_token,
             weight_bytes=weight_bytes(c, dtype), kv_bytes_per_token=kv_bytes_per_token(c, dtype),
+            sliding_window=c.sliding_window or 0, windowed_layers=c.windowed_layers,
+            kv_bytes_per_token_past_window=kv_bytes_per_token_per_layer(c.n_kv_heads, c.head_dim, dtype)
+            * (c.n_layers - c.windowed_layers),
         ))
     return ModelsReport(schema=MODELS_SCHEMA, dtype=dtype.name, models=tuple(rows))
