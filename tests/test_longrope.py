@@ -194,6 +194,24 @@ def test_longrope_factors_that_do_not_fit_are_one_line(scaling: dict, message: s
         ModelConfig.from_hf_dict({**_config(), "vocab_size": 100, "rope_scaling": scaling})
 
 
+@pytest.mark.parametrize("original", [0, 1])
+def test_an_original_context_below_two_is_one_line(original: int) -> None:
+    """The stretch divides by the original context and the attention factor by its log (ZeroDivisionError before)."""
+    with pytest.raises(ConfigError, match=f"original_max_position_embeddings must be a whole number above 1, got "
+                                          f"{original}; the file is malformed"):
+        ModelConfig.from_hf_dict({**_config(), "vocab_size": 100, "original_max_position_embeddings": original})
+
+
+def test_a_longrope_gguf_with_no_original_context_is_one_line() -> None:
+    meta = {"general.architecture": "phi3", "phi3.rope.scaling.attn_factor": 1.19, "phi3.block_count": 2,
+            "phi3.rope.scaling.original_context_length": 0, "phi3.attention.head_count": 4,
+            "phi3.embedding_length": 64, "phi3.vocab_size": 100,
+            "_llmtrace.rope_factors_short": (1.0,) * 8, "_llmtrace.rope_factors_long": (2.0,) * 8}
+    with pytest.raises(ConfigError, match="phi3.rope.scaling.original_context_length must be a positive whole "
+                                          "number, got 0; the file is malformed"):
+        ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
+
+
 @pytest.mark.parametrize(("new", "first"), [(2, 1 / SHORT[0]), (12, 1 / LONG[0])])
 def test_a_runs_rope_record_has_its_tables_frequencies(new: int, first: float,
                                                        longrope: tuple[Path, Path, ModelConfig]) -> None:

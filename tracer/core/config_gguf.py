@@ -164,6 +164,9 @@ def _longrope(keys: _Keys) -> RopeScaling:
         raise ConfigError(f"{keys.source}: LongRoPE ({keys.full('rope.scaling.attn_factor')}) without the F32 "
                           "tensors rope_factors_short.weight and rope_factors_long.weight; the file is incomplete")
     original = keys.whole("rope.scaling.original_context_length", keys.need("rope.scaling.original_context_length"))
+    if original < 1:  # the stretch divides by it
+        raise ConfigError(f"{keys.source}: {keys.full('rope.scaling.original_context_length')} must be a positive "
+                          f"whole number, got {original}; the file is malformed")
     context = keys.whole("context_length", keys.get("context_length", original))
     attention = keys.real("rope.scaling.attn_factor", keys.meta[keys.full("rope.scaling.attn_factor")])
     return RopeScaling(context / original, 1.0, 4.0, original, kind="longrope", short_factor=tuple(short),

@@ -223,6 +223,9 @@ def _longrope(raw: Mapping[str, Any], data: Mapping[str, Any], source: str) -> R
     longest = whole_number(data.get("max_position_embeddings", 4096), source, "max_position_embeddings")
     original = raw.get("original_max_position_embeddings", data.get("original_max_position_embeddings", longest))
     original = whole_number(original, source, "original_max_position_embeddings")
+    if original < 2:  # the stretch divides by it, the attention factor by its log
+        raise ConfigError(f"{source}: LongRoPE's original_max_position_embeddings must be a whole number above 1, "
+                          f"got {original}; the file is malformed")
     factor = real_number(raw.get("factor") or longest / original, source, "rope_scaling.factor")
     attention = raw.get("attention_factor")
     if attention is None:
