@@ -6,7 +6,7 @@ Parts, each the cumulative time of the functions named (they do not nest in one 
 - interleave (C): native_kernel.interleave, i8dot's Q4_0/Q4_1 groups of sixteen rows written into the weight arena (the
   first touch of its fresh pages included);
 - Q/K reorder copies: gguf_loader.unpermute_rope_rows (llama.cpp's Q/K row order put back by a copy; since the
-  single copy only for heads whose halves are not whole groups of eight, none of LLaMA's);
+  single copy only for heads whose halves are not whole groups of sixteen, none of LLaMA's);
 - scale checks: weight_formats.rows_scales_finite / grouped_scales_finite (every fp16 scale and min finite);
 - header + tokenizer: gguf_header.read_gguf_header and gguf_tokenizer.tokenizer_from_gguf;
 - rest: the load's wall time minus those (arena allocation, row copies, plan, Python).

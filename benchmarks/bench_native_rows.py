@@ -98,7 +98,7 @@ class Build:
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         handle.llmt_matrix_size.restype = ctypes.c_int64
         self.size = int(handle.llmt_matrix_size())
-        # ABI 7 on: an i8dot Q4_0/Q4_1 matrix's decode products read its rows interleaved in eights, made as the
+        # ABI 7 on: an i8dot Q4_0/Q4_1 matrix's products read its rows interleaved (in sixteens now), made as the
         # loader makes them (native/int8_groups.c) and kept alive here with the description
         self.interleave = getattr(handle, "llmt_interleave", None)
         self.set_groups = getattr(handle, "llmt_set_groups", None)

@@ -77,7 +77,7 @@ def drive(path: str) -> int:
     lib.llmt_set_groups.argtypes = [ptr, i32, ptr]
     size = int(lib.llmt_matrix_size())
     rng = random.Random(0)
-    k, rows = 512, 9  # two K-quant super-blocks; one interleaved group of eight rows and one row left over
+    k, rows = 512, 17  # two K-quant super-blocks; one interleaved group of sixteen rows (GROUP_ROWS) and one left over
     calls = 0
     for code in TYPES:
         _, values, block = GGML_TYPES[code]
@@ -93,7 +93,7 @@ def drive(path: str) -> int:
                 continue  # a kind this type does not take (int16 is Q8_0 and Q6_K only)
             groups = None
             if kind == INT8_X and code in GROUPED_TYPES:
-                groups = (ctypes.c_uint8 * (8 * stride))()
+                groups = (ctypes.c_uint8 * (16 * stride))()  # the whole group's bytes
                 assert lib.llmt_interleave(code, ctypes.addressof(data), ctypes.c_int64(stride), ctypes.c_int64(rows),
                                            ctypes.c_int64(k), ctypes.addressof(groups)) == 0
                 assert lib.llmt_set_groups(described, 0, ctypes.addressof(groups)) == 0

@@ -38,7 +38,7 @@ BUILDS = {  # name: the flag sets it is built with (None: the session's own buil
     "no AVX-512": (("-O3", "-march=native", "-mno-avx512f", "-fopenmp"),),
     "portable": PORTABLE_FLAGS,
 }
-ROWS = 37  # an odd split between two threads, whole groups of eight and a rest
+ROWS = 37  # an odd split between two threads, two whole groups of sixteen and a rest
 SUM_TOLERANCE = 2**-20
 
 
@@ -71,7 +71,7 @@ def _reference(matrix: native_kernel.BlockMatrix, x: torch.Tensor) -> tuple[torc
 
 
 def _matrix(qtype: Q, kind: str, raw: np.ndarray) -> native_kernel.BlockMatrix:
-    """The rows as one part of `kind`; an i8dot Q4_0/Q4_1 part with its rows interleaved in eights too (the decode
+    """The rows as one part of `kind`; an i8dot Q4_0/Q4_1 part with its rows interleaved in sixteens too (the decode
     products read those)."""
     cols = _columns(qtype)
     blocks = torch.from_numpy(raw)

@@ -83,9 +83,9 @@ _ACTIVATIONS = {NATIVE: native_kernel.EXACT_X, I8DOT: native_kernel.INT8_X, I16D
 
 
 def reads_groups(ggml_type: int, activations: int) -> bool:
-    """Whether a row block's decode products read its rows interleaved in eights: i8dot's (activations
-    native_kernel.INT8_X) Q4_0 and Q4_1 (native/int8_groups.c), in a library built with the AVX2 kernels (the
-    portable C loops read the rows as they are, so no copy is made for them)."""
+    """Whether a row block's products read its rows interleaved in sixteens (native_kernel.GROUP_ROWS): i8dot's
+    (activations native_kernel.INT8_X) Q4_0 and Q4_1 (native/int8_groups.c), in a library built with the AVX2 kernels
+    (the portable C loops read the rows as they are, so no copy is made for them)."""
     return activations == native_kernel.INT8_X and ggml_type in native_kernel.GROUPED_TYPES \
         and native_kernel.library().avx2
 
