@@ -194,6 +194,15 @@ def test_longrope_factors_that_do_not_fit_are_one_line(scaling: dict, message: s
         ModelConfig.from_hf_dict({**_config(), "vocab_size": 100, "rope_scaling": scaling})
 
 
+def test_longrope_factors_without_the_attention_factor_are_one_line() -> None:
+    """The loader skips rope_factors_* (the config holds them): read without LongRoPE, they would be dropped unseen."""
+    meta = {"general.architecture": "phi3", "phi3.block_count": 2, "phi3.attention.head_count": 4,
+            "phi3.embedding_length": 64, "phi3.vocab_size": 100, "_llmtrace.rope_factors_long": (2.0,) * 8}
+    with pytest.raises(ConfigError, match="rope_factors_short/_long tensors \\(LongRoPE\\) without "
+                                          "phi3.rope.scaling.attn_factor; the file is incomplete"):
+        ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
+
+
 @pytest.mark.parametrize("original", [0, 1])
 def test_an_original_context_below_two_is_one_line(original: int) -> None:
     """The stretch divides by the original context and the attention factor by its log (ZeroDivisionError before)."""

@@ -143,6 +143,9 @@ def _rope_scaling(keys: _Keys) -> RopeScaling | None:
     """Gemma 3's linear scaling of its global layers (4B and up), Llama 3.1's, Phi-3's LongRoPE, or none."""
     if keys.full("rope.scaling.attn_factor") in keys.meta:  # llama.cpp writes it, with rope_factors_*, for LongRoPE
         return _longrope(keys)
+    if any(f"_llmtrace.rope_factors_{kind}" in keys.meta for kind in ("short", "long")):  # the loader skips them
+        raise ConfigError(f"{keys.source}: rope_factors_short/_long tensors (LongRoPE) without "
+                          f"{keys.full('rope.scaling.attn_factor')}; the file is incomplete")
     kind = keys.get("rope.scaling.type")
     if keys.arch == "gemma3" and kind == "linear":
         return RopeScaling(keys.real("rope.scaling.factor", keys.get("rope.scaling.factor", 1.0)), 1.0, 4.0,
