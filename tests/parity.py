@@ -31,3 +31,18 @@ def greedy_run(run: Any, prompt: torch.Tensor, steps: int) -> tuple[list[int], t
         logits.append(run.decode(torch.tensor([[ids[-1]]]))[0])
         ids.append(int(logits[-1].argmax()))
     return ids, torch.stack(logits)
+
+
+def count_c_steps(run: Any, backend: str) -> list[int]:
+    """A list that grows by one per decode step the C step ran on `run`'s plan (its logits, not None: not the torch
+    fallback): the native_decode's for backend "native", staged_step's for "native-staged"."""
+    name = "staged_step" if backend == "native-staged" else "native_decode"
+    original, calls = getattr(run.plan, name), []
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = original(*args)
+        calls.extend([] if out is None else [1])
+        return out
+
+    setattr(run.plan, name, counted)
+    return calls

@@ -218,15 +218,7 @@ def c_greedy(model: Transformer, backend: str, prompt: torch.Tensor) -> tuple[li
     route = select(model, request).route
     assert (route.prefill, route.decode) == route_taken, route
     run = backend_for(model, request)
-    name = "staged_step" if backend == "native-staged" else "native_decode"
-    original, c_steps = getattr(run.plan, name), []
-
-    def counted(*args: object) -> torch.Tensor | None:
-        out = original(*args)
-        c_steps.extend([] if out is None else [1])
-        return out
-
-    setattr(run.plan, name, counted)
+    c_steps = parity.count_c_steps(run, backend)
     ids, logits = parity.greedy_run(run, prompt, STEPS)
     assert len(c_steps) == STEPS - 1
     return ids, logits

@@ -98,17 +98,7 @@ def greedy(model: Transformer, backend: str, prompt: torch.Tensor) -> tuple[list
     route = select(model, REQUESTS[backend]).route
     assert (route.prefill, route.decode) == ROUTES[backend], route
     run = backend_for(model, REQUESTS[backend])
-    c_steps: list[int] = []
-    if backend.startswith("native"):  # count the one-token steps C ran (its logits, not None: the torch fallback)
-        name = "staged_step" if backend == "native-staged" else "native_decode"
-        original = getattr(run.plan, name)
-
-        def counted(*args: object) -> torch.Tensor | None:
-            out = original(*args)
-            c_steps.extend([] if out is None else [1])
-            return out
-
-        setattr(run.plan, name, counted)
+    c_steps = parity.count_c_steps(run, backend) if backend.startswith("native") else []
     ids, logits = parity.greedy_run(run, prompt, STEPS)
     assert len(c_steps) == (STEPS - 1 if backend.startswith("native") else 0)
     return ids, logits
