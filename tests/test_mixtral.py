@@ -1,7 +1,8 @@
 """Mixtral (a mixture of experts: a router sends each token to k of E SwiGLU experts, their outputs summed with the
 router's renormalised weights): its config.json and its Mixtral-style 'llama' GGUF (ffn_gate_inp, 3-D ffn_*_exps)
 read; greedy ids and logits equal to transformers' MixtralForCausalLM on a tiny random model through the stage
-modules, from the HF folder and from a GGUF of the same weights; the packed and native paths not taken, and why.
+modules, the packed path and the native C step, from the HF folder and from a GGUF of the same weights; the routes
+taken and why the others were not.
 
 The matrices are rounded through Q8_0 first (quantized and dequantized by the gguf package), so the Q8_0 GGUF holds
 exactly the fp32 values the HF folder holds (gguf's dequantizer is the reference for the GGUF's experts)."""
@@ -32,7 +33,7 @@ from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.generate import make_sampler
 from llmtrace.tracer.run.select import Request, select
-from llmtrace.tracer.trace.records import MODULES, NATIVE, RunSettings
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED, RunSettings
 from llmtrace.tracer.trace.run_trace import Trace
 
 transformers = pytest.importorskip("transformers")
@@ -89,15 +90,16 @@ def prompt_ids(config: ModelConfig) -> torch.Tensor:
     return parity.prompt_ids(config.vocab_size, PROMPT)
 
 
-PACKED_OFF = "a mixture of experts is routed by the stage modules and the C decode step, not the packed path"
+MARKS_OFF = "a traced mixture of experts runs its expert stages once per expert chosen (a varying count)"
+UNWATCHED = "nothing watches them: fewer ops run the same math"
 
 
 @torch.no_grad()
 def greedy(model: Transformer, prompt: torch.Tensor, backend: str = MODULES) -> tuple[list[int], torch.Tensor]:
     """STEPS greedy tokens after `prompt`, and the logits (STEPS, V) they were chosen from, the decode steps on
-    `backend`: the stage modules, or the native C step (whose prefill is the stage modules')."""
+    `backend`: the stage modules, the packed path, or the native C step (whose prefill is the packed path's)."""
     model.setup_cache(1, PROMPT + STEPS)
-    assert model.packed_off_reason() == PACKED_OFF
+    assert model.packed_off_reason() == ""
     run = backend_for(model, Request(backend=backend))
     assert select(model, Request(backend=backend)).route.decode == backend
     return parity.greedy_run(run, prompt, STEPS)
@@ -119,11 +121,13 @@ def test_config_reads_the_experts_from_config_json_and_gguf(mixtral: tuple[Path,
     assert shapes["layers.1.feed_forward.w2.weight"] == (E, 64, 96)
 
 
-@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("gguf", NATIVE)])
+@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("hf", PACKED), ("gguf", PACKED),
+                                             ("gguf", NATIVE)])
 def test_greedy_ids_and_logits_equal_transformers(mixtral: tuple[Path, Path, ModelConfig], hf: torch.nn.Module,
                                                   source: str, backend: str) -> None:
-    """On the stage modules (the default kernels) and on the native C step (decode; the exact kernel: the GGUF's
-    experts as stored, each chosen expert's products over its bytes)."""
+    """On the stage modules (the default kernels), the packed path (the GGUF's experts as stored, each chosen
+    expert's gate|up one product) and the native C step (decode; the exact kernel: each chosen expert's products
+    over its bytes)."""
     folder, gguf_path, config = mixtral
     if backend == NATIVE and not native_kernel.available():
         pytest.skip(native_kernel.unavailable_reason())
@@ -135,6 +139,35 @@ def test_greedy_ids_and_logits_equal_transformers(mixtral: tuple[Path, Path, Mod
     assert ids == want_ids
     assert (logits - want_logits).abs().max().item() < 1e-4
     assert want_logits.abs().max().item() > 1.0  # logits of real size: the bound above is not vacuous
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@torch.no_grad()
+def test_the_packed_path_equals_the_stage_modules(mixtral: tuple[Path, Path, ModelConfig], source: str) -> None:
+    """Two prompts prefilled together, then greedy steps of both: the packed path's logits within 1e-5 of the stage
+    modules' (dense experts from the HF folder, experts as stored from the GGUF), and every layer's routing after
+    each step (Route.last: the experts and their weights, which the trace's routing record reads) the same."""
+    folder, gguf_path, config = mixtral
+    model = load_model(str(folder if source == "hf" else gguf_path)).model
+    prompts = torch.cat([prompt_ids(config), prompt_ids(config).flip(1)])  # (2, P)
+    runs = {}
+    for backend in (MODULES, PACKED):
+        model.setup_cache(2, PROMPT + 4)
+        run = backend_for(model, Request(batch=2, backend=backend))
+        assert select(model, Request(batch=2, backend=backend)).route.prefill == backend
+        logits, routes = [run.prefill(prompts)], []
+        for _ in range(3):
+            routes.append([tuple(t.clone() for t in layer.feed_forward.route.last) for layer in model.layers])
+            logits.append(run.decode(logits[-1].argmax(-1, keepdim=True)))
+        runs[backend] = torch.stack(logits), routes
+    (modules, modules_routes), (packed, packed_routes) = runs[MODULES], runs[PACKED]
+    assert (packed - modules).abs().max().item() < 1e-5
+    assert modules.abs().max().item() > 1.0
+    for step_modules, step_packed in zip(modules_routes, packed_routes):
+        for (weights, experts), (packed_weights, packed_experts) in zip(step_modules, step_packed):
+            assert torch.equal(experts, packed_experts)
+            assert torch.allclose(weights, packed_weights, atol=1e-6)
+    assert modules_routes[0][0][1].shape == (2 * PROMPT, K)  # the prefill's routing: every token of both prompts
 
 
 def test_the_experts_are_stacked_per_layer_as_the_files_hold_them(mixtral: tuple[Path, Path, ModelConfig]) -> None:
@@ -158,30 +191,34 @@ def test_the_experts_are_stacked_per_layer_as_the_files_hold_them(mixtral: tuple
         assert torch.equal(from_hf[f"layers.0.{name}"], held.dequantize()), name
 
 
-def test_select_says_why_the_packed_and_native_paths_are_not_taken(mixtral: tuple[Path, Path, ModelConfig]) -> None:
-    """The HF folder's experts are dense: the stage modules run every step, and say why the others did not. The
-    GGUF's are held as stored: its one-token steps run on the native C step, its prefill on the stage modules."""
+def test_select_says_why_the_other_paths_are_not_taken(mixtral: tuple[Path, Path, ModelConfig]) -> None:
+    """The HF folder's experts are dense: the packed path runs every step, and says why the others did not. The
+    GGUF's are held as stored: its one-token steps run on the native C step, its prefill on the packed path. A traced
+    run's prefill runs the stage modules (the packed step's marks cannot count the experts that run)."""
     folder, gguf_path, _ = mixtral
     model = load_model(str(folder)).model
     model.setup_cache(1, 16)
     route = select(model, Request()).route
-    assert (route.prefill, route.decode) == ("modules", "modules")
+    assert (route.prefill, route.decode) == ("packed", "packed")
     native = ("no native decode step for this model: a product of the step is not held for the native library's "
               "kernels (native, i8dot, i16dot)")
-    assert {(n.backend, n.reason) for n in route.not_taken} == {("packed", PACKED_OFF), ("native", native)}
+    assert {(n.backend, n.reason) for n in route.not_taken} == {("modules", UNWATCHED), ("native", native)}
     if not native_kernel.available():
         return
     model = load_model(str(gguf_path)).model
     model.setup_cache(1, 16)
     greedy_sampler = make_sampler(RunSettings(model=str(gguf_path), prompt="hi"))
     route = select(model, Request(sampler=greedy_sampler)).route
-    assert (route.prefill, route.decode) == ("modules", "native")
+    assert (route.prefill, route.decode) == ("packed", "native")
     assert (route.ahead, route.ahead_reason) == (True, "")  # untraced: run ahead, each step's choice brought back
+    assert {(n.backend, n.reason) for n in route.not_taken} == {
+        ("packed", "the native step runs a one-token step as one C call"), ("modules", UNWATCHED)}
     traced = select(model, Request(traced=True, sampler=greedy_sampler)).route
+    assert (traced.prefill, traced.decode) == ("modules", "native")
     assert (traced.ahead, traced.ahead_reason) == (False, "a traced mixture of experts' step stamps the stage "
                                                           "modules' stages apart")
-    assert {(n.backend, n.reason) for n in route.not_taken} == {
-        ("packed", PACKED_OFF), ("modules", "nothing watches them: fewer ops run the same math")}
+    assert {(n.backend, n.reason) for n in traced.not_taken} == {
+        ("packed", MARKS_OFF), ("modules", "nothing watches them: fewer ops run the same math")}
 
 
 def test_the_routing_record_names_the_experts_transformers_routes_to(mixtral: tuple[Path, Path, ModelConfig],

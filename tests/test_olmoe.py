@@ -1,7 +1,8 @@
 """OLMoE (QK-norm over each token's whole q and k projections, H·D and Hkv·D wide, before the heads are split; a
 mixture of experts in every layer whose k weights stay as the softmax gave them): its config.json and its 'olmoe'
 GGUF read; greedy ids and logits equal to transformers' OlmoeForCausalLM on a tiny random model from the HF folder and
-from a Q8_0 GGUF of the same weights; the QK-norm stage's FLOPs are two whole-row RMSNorms a token."""
+from a Q8_0 GGUF of the same weights, on the stage modules, the packed path and the C step; the QK-norm stage's
+FLOPs are two whole-row RMSNorms a token."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.run.select import Request, select
-from llmtrace.tracer.trace.records import MODULES, NATIVE, PREFILL
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED, PREFILL
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,11 +82,13 @@ def test_config_reads_whole_projection_qk_norm_and_the_softmax_router(olmoe: tup
     assert (from_gguf.moe, from_gguf.qk_norm_whole, from_gguf.ffn_dim) == (config.moe, True, F)
 
 
-@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("gguf", NATIVE)])
+@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("hf", PACKED), ("gguf", PACKED),
+                                             ("gguf", NATIVE)])
 def test_greedy_ids_and_logits_equal_transformers(olmoe: tuple[Path, Path, ModelConfig], source: str,
                                                   backend: str) -> None:
-    """On the stage modules and (decode) on the native C step: its whole-q, whole-k norm, its softmax router's
-    weights as they are, its experts as stored (the exact kernel)."""
+    """On the stage modules, the packed path (the whole-q, whole-k norm in place on views of the Q|K|V product) and
+    (decode) on the native C step: its whole-q, whole-k norm, its softmax router's weights as they are, its experts as
+    stored (the exact kernel)."""
     folder, gguf_path, config = olmoe
     if backend == NATIVE and not native_kernel.available():
         pytest.skip(native_kernel.unavailable_reason())

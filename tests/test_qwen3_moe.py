@@ -2,7 +2,8 @@
 mlp.experts.{j}.gate_proj): its config.json (num_experts or num_local_experts, moe_intermediate_size, norm_topk_prob)
 and its 'qwen3moe' GGUF read; greedy ids and logits equal to transformers' Qwen3MoeForCausalLM on a tiny random model,
 with the router's k weights renormalised (norm_topk_prob) and as the softmax gave them, from the HF folder and from
-a Q8_0 GGUF of the same weights (whose values the folder holds exactly)."""
+a Q8_0 GGUF of the same weights (whose values the folder holds exactly), on the stage modules, the packed path and
+the C step."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import hf_state_dict_from_ours
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.trace.records import MODULES, NATIVE
+from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,7 +87,8 @@ def test_config_reads_the_experts_the_expert_width_and_the_router_norm(
         E, K, F, True)
 
 
-@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("gguf", NATIVE)])
+@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("hf", PACKED), ("gguf", PACKED),
+                                             ("gguf", NATIVE)])
 def test_greedy_ids_and_logits_equal_transformers(qwen3_moe: tuple[Path, Path, ModelConfig], source: str,
                                                   backend: str) -> None:
     """On the stage modules and (decode) on the native C step, its QK-norm and experts (the exact kernel)."""

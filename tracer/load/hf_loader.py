@@ -191,7 +191,7 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
     """load_hf_state_dict's tensors in `dtype` on the CPU, held as a run holds them, so that the checkpoint's bytes
     are resident once: the matrices the fused path multiplies as one product (contract.PACKS: Q|K|V, gate|up) are
     written, converted where `dtype` differs, into one tensor per layer and pack, rows in the members' order (the
-    model's fused plan then finds them consecutive and makes no copy of its own: tracer/model/fused.py _packed);
+    model finds them consecutive at load and makes no copy of its own: tracer/model/packing.py);
     every other tensor stays a view of the mapped file when it is in `dtype`, else is converted. The map's pages of
     every tensor copied out are given back (tracer/load/mapped_pages.py). So a bf16 7B folder run in bf16 holds its
     13.5 GB once (9 GB of Q|K|V and gate|up copies + 4.5 GB mapped), never an fp32 copy, and a conversion holds the
@@ -203,7 +203,7 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
         for pack in PACKS:
             names = [f"layers.{layer}.{member}.weight" for member in pack.members]
             if any(per_expert(tensor_of(n), config) for n in names):
-                continue  # a mixture of experts' gate and up: stacked by expert below (no packed path runs them)
+                continue  # a mixture of experts' gate and up: stacked by expert below (each expert's multiplied apart)
             first = views[names[0]][0][0]
             packed = torch.empty((sum(views[n][0][0].shape[0] for n in names), first.shape[1]), dtype=target)
             row = 0

@@ -4,10 +4,11 @@ Decode on a CPU is a stream of small operations between weight-streaming matrix-
 operation after a product that has flushed the caches costs several microseconds; per-token time is mostly
 their count. So when nothing watches the stage modules, the run's packed and native backends (tracer/run/backends.py,
 chosen by tracer/run/select.py) run the layer with fewer ops. The layer is not written again here: `FusedPlan.step`
-runs each TransformerBlock's own forward (tracer/model/transformer.py) with a `PackedLayer`, which makes the same
-forward
-- multiply by wq|wk|wv and w1|w3 (and their biases) packed as row blocks of one tensor each (the parameters become
-  views of it: no extra memory), so Q, K, V come from one product and gate, up from another, as views of its output;
+runs each TransformerBlock's own forward (tracer/model/transformer.py) with a `PackedStep` as its `run` (the calls of
+tracer/model/stage_calls.py), a frozen view of one layer's step, which makes the same forward
+- multiply by wq|wk|wv and w1|w3 (and their biases) as one product each (`PackedLayer`: the row blocks the load laid
+  out in one tensor, tracer/model/packing.py), so Q, K, V come from one product and gate, up from another, as views
+  of its output; a mixture of experts' chosen expert its gate|up in one product too;
 - normalise (QK-norm) and rotate q and k together, in place, and write K and V to the cache in one copy (the cache
   keeps them in one buffer; every layer's cache views for a step made at once, from the one tensor all layers'
   caches share);
@@ -15,8 +16,8 @@ forward
 Every rounding is the stage modules' (which are HF transformers' eager LlamaAttention's), through the same functions
 (tracer/model/functional.py); in bf16 the two routes agree to the last bit but for the packed products' accumulation
 order (tests/test_fused_trace.py states the tolerance). A plan is built per run, from the model as the run starts
-(nothing edits the model while it runs): a reload, a `.to()`, a replaced layer or an edited weight is seen by the next
-run's plan.
+(nothing edits the model, before or while it runs): a reload, a `.to()`, a replaced layer or an edited weight is
+seen by the next run's plan.
 
 One token of one sequence runs 1-D vectors through matrix-vector products (mv: for bf16 on CPU about twice as
 fast as the same product through mm); any other batch and length runs (B*T, dim) rows through mm: prefill, decode
@@ -32,7 +33,7 @@ clock read when tracer/trace/fused_marks.py does. So a traced run executes exact
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -40,10 +41,20 @@ import torch
 from torch import nn
 
 from llmtrace.tracer.core.config import first_attended_position
-from llmtrace.tracer.model.functional import MATVEC_KERNELS, project, softcap, step_mask
+from llmtrace.tracer.model.functional import (
+    MATVEC_KERNELS,
+    grouped_scores,
+    project,
+    rms_norm,
+    rms_norm_plus_one,
+    rotate,
+    softcap,
+    step_mask,
+)
 from llmtrace.tracer.model.moe import ExpertsPlan, MixtureOfExperts
 from llmtrace.tracer.model.native_step import AheadRun, Chooser, NativeStep, host_clock_matches
-from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
+from llmtrace.tracer.model.packing import detached, rows_of, weight_of
+from llmtrace.tracer.model.weight_formats import PackedWeight
 
 Mark = Callable[[], None]
 # A mark may carry this attribute: a function taking the host clock readings (time.perf_counter_ns's nanoseconds)
@@ -56,54 +67,60 @@ def no_mark() -> None:
     """The mark of an untraced run."""
 
 
-def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach()
-
-
 class PackedLayer:
-    """What the packed backend hands one TransformerBlock's forward (its `packed` argument): the layer's products as
-    the plan holds them (Q|K|V and gate|up one weight each, views of the packed parameters, or the stored matrices'
-    concatenation), QK-norm's weight over the q|k rows, and this step's state, set by `FusedPlan.step`: B and T, the
-    attention mask, the layer's cache views and the mark. The shapes the native step reads (heads, ...) too."""
+    """One TransformerBlock's products as a run's plan holds them (read by its PackedSteps and the native step, never
+    changed): Q|K|V and gate|up one weight each (views of the layout the load made, tracer/model/packing.py, or the
+    stored matrices' concatenation), QK-norm's weight over the q|k rows, a mixture of experts' ExpertsPlan, and the
+    shapes the native step reads."""
 
-    __slots__ = ("attention_norm", "b13", "b2", "batch", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm",
-                 "head_dim", "heads", "keys", "kv_heads", "mark", "mask", "new", "product", "qk_floor", "qk_weight",
-                 "qk_whole", "scale", "values", "w13", "w2", "window", "wo", "wqkv", "write")
+    __slots__ = ("attention_norm", "b13", "b2", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "head_dim", "heads",
+                 "kv_heads", "qk_floor", "qk_weight", "qk_whole", "scale", "w13", "w2", "window", "wo", "wqkv")
 
-    def __init__(self, layer: nn.Module, product: Callable[..., torch.Tensor]) -> None:
-        self.product = product  # functional.project with the run's one-token kernel (FusedPlan's matvec)
+    def __init__(self, layer: nn.Module) -> None:
         attn, ffn = layer.attention, layer.feed_forward
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = attn.scores.scale
         self.window = attn.kv_cache.window  # this layer's (Gemma 3: None on its global layers)
         self.attention_norm, self.ffn_norm = layer.attention_norm, layer.ffn_norm
-        self.wqkv = _rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim)
-        self.bqkv = None if attn.wq.bias is None else _packed_rows(attn.wq.bias, attn.wv.bias)  # ((H+2Hkv)*D,)
-        self.wo, self.bo = _weight_of(attn.wo), _detached(attn.wo.bias)  # (dim, H*D), (dim,)
-        # A mixture of experts (tracer/model/moe.py): what the native step reads of it, no dense FFN (this path's
-        # torch ops do not route: select never runs them on such a model)
+        self.wqkv, self.bqkv = rows_of(attn.wq, attn.wk, attn.wv)  # ((H+2Hkv)*D, dim), ((H+2Hkv)*D,)
+        self.wo, self.bo = weight_of(attn.wo), detached(attn.wo.bias)  # (dim, H*D), (dim,)
+        # A mixture of experts (tracer/model/moe.py): its experts as stored (None when dense), no dense FFN
         self.experts = ExpertsPlan.of(ffn) if isinstance(ffn, MixtureOfExperts) else None
         if isinstance(ffn, MixtureOfExperts):
             self.w13 = self.b13 = self.w2 = self.b2 = None
             self.ffn_dim = ffn.w2.weight.shape[-1]
         else:
-            self.w13 = _rows_of(ffn.w1, ffn.w3)  # (2F, dim)
-            self.b13 = None if ffn.w1.bias is None else _packed_rows(ffn.w1.bias, ffn.w3.bias)  # (2F,)
-            self.w2, self.b2 = _weight_of(ffn.w2), _detached(ffn.w2.bias)  # (dim, F), (dim,)
+            self.w13, self.b13 = rows_of(ffn.w1, ffn.w3)  # (2F, dim), (2F,)
+            self.w2, self.b2 = weight_of(ffn.w2), detached(ffn.w2.bias)  # (dim, F), (dim,)
             self.ffn_dim = self.w2.shape[1]
         # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
         # Hkv key heads, so q and k are normalised together as the rows of the q|k view, as RoPE rotates them
         qk_norm = attn.qk_norm
-        whole = qk_norm is not None and attn.qk_norm_whole  # OLMoE's: the C step's only (the packed path's is not)
+        whole = qk_norm is not None and attn.qk_norm_whole  # OLMoE's: over each token's whole q and whole k
         self.qk_weight = None if qk_norm is None or whole else torch.cat([
             qk_norm.q_weight.detach().expand(self.heads, -1), qk_norm.k_weight.detach().expand(self.kv_heads, -1)])
         if qk_norm is not None and qk_norm.plus_one is not None:  # Gemma: 1 + w in fp32 (rms_norm_plus_one's)
             self.qk_weight = 1.0 + self.qk_weight.float()
         self.qk_floor = None if qk_norm is None else qk_norm.floor(qk_norm.q_weight.device)
         self.qk_whole = None if not whole else qk_norm  # its q (H*D,) and k (Hkv*D,) weights and floors
-        self.batch = self.new = 0
-        self.mark: Mark = no_mark
-        self.mask = self.write = self.keys = self.values = None
+
+
+@dataclass(frozen=True, slots=True)
+class PackedStep:
+    """One layer's stage calls in one packed step (the `run` TransformerBlock.forward takes: tracer/model/
+    stage_calls.py): its PackedLayer, the step's B and T, the attention mask made for its window, its cache views
+    and the mark, called after each stage. x runs as (B*T, dim) rows, or (dim,) for one token of one sequence. Made
+    anew for every step: nothing of a step is left on an object."""
+
+    layer: PackedLayer
+    batch: int
+    new: int
+    mask: torch.Tensor | None  # (T, S), (B, 1, T, S) or None: step_mask for this layer's window, pads included
+    write: torch.Tensor  # (B, 2*Hkv, T, D): where this step's K|V go
+    keys: torch.Tensor  # (B, Hkv, S, D): what attention reads
+    values: torch.Tensor  # (B, Hkv, S, D)
+    product: Callable[..., torch.Tensor]  # functional.project with the run's one-token kernel (FusedPlan's)
+    mark: Mark = no_mark
 
     def call(self, module: nn.Module, *args: Any) -> Any:
         """A stage module's forward, past nn.Module's call (no hooks), then the mark."""
@@ -111,12 +128,88 @@ class PackedLayer:
         self.mark()
         return out
 
+    def enter(self, module: nn.Module, *args: Any) -> Any:
+        return type(module).forward(module, *args, self)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (..., in) times one of this layer's products (wqkv, wo, w13, w2) through the plan's kernel, then the
-        mark."""
         out = self.product(x, weight, bias)
         self.mark()
         return out
+
+    def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One Q|K|V product; (q (B, T, H, D), q|k (B, T, H+Hkv, D), K|V (B, T, 2*Hkv, D)), views of it: QK-norm and
+        RoPE work on q|k in place, the cache takes K|V in one copy."""
+        layer = self.layer
+        qkv = self.linear(x, layer.wqkv, layer.bqkv).view(self.batch, self.new, -1, layer.head_dim)
+        qk = qkv.narrow(2, 0, layer.heads + layer.kv_heads)
+        return qk.narrow(2, 0, layer.heads), qk, qkv.narrow(2, layer.heads, 2 * layer.kv_heads)
+
+    def qk_norm(self, attn: nn.Module, q: torch.Tensor, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q|k normalised in place: as rows of heads with the (H+Hkv, D) weight, or (OLMoE) each token's whole q and
+        whole k with their own weights."""
+        layer = self.layer
+        whole = layer.qk_whole
+        if whole is not None:
+            flat_q, flat_k = q.flatten(2), qk.narrow(2, layer.heads, layer.kv_heads).flatten(2)  # views
+            rms_norm(flat_q, whole.q_weight, layer.qk_floor, out=flat_q)
+            rms_norm(flat_k, whole.k_weight, whole.k_floor(q.device), out=flat_k)
+        else:
+            norm = rms_norm_plus_one if attn.qk_norm.plus_one is not None else rms_norm  # its weight 1 + w, fp32
+            norm(qk, layer.qk_weight, layer.qk_floor, out=qk)
+        self.mark()
+        return q, qk
+
+    def rope(self, rope: nn.Module, q: torch.Tensor, qk: torch.Tensor,
+             input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope.angles(input_pos)
+        rotate(qk, cos, sin, out=qk)  # q with it: three ops for both, not six
+        self.mark()
+        return q, qk
+
+    def cache(self, cache: nn.Module, input_pos: torch.Tensor, qk: torch.Tensor,
+              kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.write.copy_(kv.transpose(1, 2))  # (B, 2*Hkv, T, D)
+        self.mark()
+        return self.keys, self.values
+
+    def scores(self, scores: nn.Module, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
+        out = grouped_scores(q, k_all, scores.scale, self.mask)  # (B, H, T, S)
+        self.mark()
+        return out
+
+    def residual(self, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Added into delta, the sub-block's output, which nothing else holds (no hooks): no new tensor."""
+        out = delta.add_(x)
+        self.mark()
+        return out
+
+    def out(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.layer.wo, self.layer.bo)
+
+    def gate_up(self, ffn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = self.linear(x, self.layer.w13, self.layer.b13)  # (..., 2F): gate | up
+        ffn_dim = self.layer.ffn_dim
+        return gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim)
+
+    def down(self, ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.layer.w2, self.layer.b2)
+
+    def router(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight_of(moe.router), None)
+
+    def expert_gate_up(self, moe: nn.Module, x: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s gate|up on its rows x (n, dim): one product of its stored gate|up rows, or (dense
+        experts) two, marked once."""
+        experts, ffn_dim = self.layer.experts, self.layer.ffn_dim
+        if experts is None:
+            gate = self.product(x, moe.w1.weight[expert].detach(), None)
+            return gate, self.linear(x, moe.w3.weight[expert].detach(), None)
+        gate_up = self.linear(x, experts.gate_up[expert], None)  # (n, 2F)
+        return gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim)
+
+    def expert_down(self, moe: nn.Module, x: torch.Tensor, expert: int) -> torch.Tensor:
+        experts = self.layer.experts
+        return self.linear(x, moe.w2.weight[expert].detach() if experts is None else experts.down[expert], None)
 
 
 class FusedPlan:
@@ -127,18 +220,12 @@ class FusedPlan:
     def __init__(self, model: Any, matvec: str = "mv") -> None:
         """`matvec`: the one-token product kernel (functional.MATVEC_KERNELS: "mv" or "mm"), as this machine's
         measurement chose it for the model's dtype (the run's Request.matvec)."""
-        for layer in model.layers:
-            attn, ffn = layer.attention, layer.feed_forward
-            ffn_group = () if isinstance(ffn, MixtureOfExperts) else ((ffn.w1, ffn.w3),)  # experts: ExpertsPlan's
-            for group in ((attn.wq, attn.wk, attn.wv), *ffn_group):
-                if not _packed(*group, stored=_stored(group[0])):
-                    _pack(*group, stored=_stored(group[0]))
         self.product = partial(project, vector_kernel=MATVEC_KERNELS[matvec])
         self.blocks = list(model.layers)
-        self.layers = [PackedLayer(layer, self.product) for layer in self.blocks]
+        self.layers = [PackedLayer(layer) for layer in self.blocks]
         self.tok_embeddings = model.tok_embeddings
-        self.embedding = _weight_of(model.tok_embeddings)  # (V, dim), or as stored (the native step's table)
-        self.output, self.output_bias = _weight_of(model.output), _detached(model.output.bias)  # (V, dim), (V,)
+        self.embedding = weight_of(model.tok_embeddings)  # (V, dim), or as stored (the native step's table)
+        self.output, self.output_bias = weight_of(model.output), detached(model.output.bias)  # (V, dim), (V,)
         self.final_norm = model.norm
         self.dtype = model.norm.weight.dtype  # the compute dtype (a stored embedding's rows are dequantized to it)
         # Gemma's stages before the layers and after the LM head (None without): × sqrt(dim), the soft-cap
@@ -185,7 +272,7 @@ class FusedPlan:
     def step(self, tokens: torch.Tensor, start: int, input_pos: torch.Tensor, mark: Mark = no_mark,
              pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) at positions `input_pos` (T,), from `start` -> logits (B, V) of the last position, through
-        every TransformerBlock's forward with its PackedLayer; writes the caches (their fill moves when the caller's
+        every TransformerBlock's forward with its PackedStep; writes the caches (their fill moves when the caller's
         step is done: Transformer._cached_step).
 
         A left-padded batch (ModelCaches._pad_step) gives each row's `input_pos` (B, T) and the `pad_mask`
@@ -204,12 +291,12 @@ class FusedPlan:
             pads = None if pad_mask is None else pad_mask[..., own - first:]  # (B, 1, T, S) of its keys
             spans[window] = own - first, step_mask(new, end - own, tokens.device, window, pads)
         writes, keys, values = self._cache_views(batch, start, new, first)
+        product, runs = self.product, []
         for layer, write, k, v in zip(self.layers, writes, keys, values):
             skip, mask = spans[layer.window]
             if skip:
                 k, v = k.narrow(2, skip, k.shape[2] - skip), v.narrow(2, skip, v.shape[2] - skip)  # (B, Hkv, S, D)
-            layer.batch, layer.new, layer.mask, layer.mark = batch, new, mask, mark
-            layer.write, layer.keys, layer.values = write, k, v
+            runs.append(PackedStep(layer, batch, new, mask, write, k, v, product, mark))
         mark()
         x = type(self.tok_embeddings).forward(self.tok_embeddings, tokens.reshape(-1))  # (B*T, dim)
         mark()
@@ -218,8 +305,8 @@ class FusedPlan:
             mark()
         if batch * new == 1:
             x = x[0]  # (dim,): one token runs vectors through matrix-vector products
-        for block, layer in zip(self.blocks, self.layers):
-            x = block.forward(x, input_pos, True, layer)
+        for block, run in zip(self.blocks, runs):
+            x = block.forward(x, input_pos, True, run)
         norm = self.final_norm
         h = type(norm).forward(norm, x if x.dim() == 1 else x.view(batch, new, -1)[:, -1])  # (B, dim): the last one
         mark()
@@ -312,79 +399,3 @@ def watcher(model: nn.Module, wrappers_take_stamps: bool = False) -> str:
     if not wrappers_take_stamps and any("forward" in m.__dict__ for m in modules):
         return "forward wrappers that take no C stamps watch the stage modules"
     return ""
-
-
-def _stored(linear: nn.Module) -> bool:
-    """Whether the linear's matrix is held as the GGUF stores it (its `packed`; its weight a meta placeholder)."""
-    return getattr(linear, "packed", None) is not None
-
-
-def _weight_of(module: nn.Module) -> torch.Tensor | PackedWeight:
-    """What the fused path multiplies by: the module's PackedWeight when it is held as stored, else its weight."""
-    packed = getattr(module, "packed", None)
-    return packed if packed is not None else module.weight.detach()
-
-
-def _rows_of(*linears: nn.Module) -> torch.Tensor | PackedWeight:
-    """The linears' matrices as one (rows, in) product: a view of the packed parameters, or for weights held as
-    stored the one PackedWeight `_pack` concatenated (kept on the first linear as `fused_packed`)."""
-    if _stored(linears[0]):
-        return linears[0].fused_packed
-    return _packed_rows(linears[0].weight, linears[-1].weight)
-
-
-def _pack(*linears: nn.Module, stored: bool = False) -> None:
-    """Concatenate the linears' weights (and biases, when they have them) by rows and make each parameter a view
-    of its block of the result. Weights held as stored are concatenated into one PackedWeight (a copy: the int4
-    kernel's layout cannot be sliced by rows), kept on the first linear as `fused_packed`; their biases as above."""
-    if stored:
-        if not all(_stored(linear) for linear in linears):
-            raise ValueError("a packed stage mixes stored and dense matrices")
-        linears[0].fused_packed = concat_rows([linear.packed for linear in linears])
-        linears[0].fused_members = tuple(linear.packed for linear in linears)
-    for attribute in ("weight", "bias"):
-        if stored and attribute == "weight":
-            continue
-        params = [getattr(linear, attribute) for linear in linears]
-        if params[0] is None:
-            continue
-        packed = torch.cat([p.detach() for p in params], dim=0)
-        row = 0
-        for linear, param in zip(linears, params):
-            rows = param.shape[0]
-            setattr(linear, attribute, nn.Parameter(packed[row : row + rows], requires_grad=param.requires_grad))
-            row += rows
-
-
-def _packed(*linears: nn.Module, stored: bool = False) -> bool:
-    """Whether the linears' weights (and biases) are consecutive row blocks of one storage, each contiguous; for
-    weights held as stored, whether the concatenation of exactly these PackedWeights exists."""
-    if stored:
-        members = getattr(linears[0], "fused_members", None)
-        if members is None or len(members) != len(linears) or any(
-                m is not linear.packed for m, linear in zip(members, linears)):
-            return False
-        return all(_consecutive([getattr(linear, "bias") for linear in linears])
-                   for _ in (0,) if linears[0].bias is not None)
-    return all(_consecutive([getattr(linear, attribute) for linear in linears])
-               for attribute in ("weight", "bias") if getattr(linears[0], attribute) is not None)
-
-
-def _consecutive(tensors: list[torch.Tensor]) -> bool:
-    if not all(t.is_contiguous() for t in tensors):
-        return False
-    base = tensors[0].untyped_storage().data_ptr()
-    expected = tensors[0].data_ptr()
-    for t in tensors:
-        if t.untyped_storage().data_ptr() != base or t.data_ptr() != expected:
-            return False
-        expected += t.numel() * t.element_size()
-    return True
-
-
-def _packed_rows(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """The (rows, ...) tensor spanning packed parameters from `first` to `last`: a view, no copy."""
-    t = first.detach()
-    row_numel = t[0].numel() if t.dim() > 1 else 1
-    rows = (last.data_ptr() - t.data_ptr()) // (t.element_size() * row_numel) + last.shape[0]
-    return torch.as_strided(t, (rows, *t.shape[1:]), t.stride())

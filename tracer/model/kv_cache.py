@@ -105,14 +105,8 @@ class KVCache(nn.Module):
         return 2 * self.batch * self.n_kv_heads * held * self.head_dim * kv.element_size()
 
     def forward(
-        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Any = None
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if packed is not None:
-            # The packed backend (tracer/model/fused.py): `v` is K|V (B, T, 2*Hkv, D), a view of its Q|K|V product,
-            # written in one copy; where, and what attention reads, are views the step made of every layer's cache at
-            # once (FusedPlan.step), as this module's own slicing below would make them.
-            packed.write.copy_(v.transpose(1, 2))  # (B, 2*Hkv, T, D)
-            return packed.keys, packed.values  # (B, Hkv, S, D) each
         batch, new = k.shape[0], k.shape[1]
         start = self.fill.length
         end = start + new

@@ -13,22 +13,25 @@ the contract declares each tensor once, a stage module per product keeps the mod
 model's (Qwen3-30B-A3B has 128 experts in each of 48 layers: 18,432 modules more the other way), and a call's
 weight bytes are one expert's slice of it (ExpertLinear.n_experts, tracer/trace/stage_cost.py).
 
-The stage modules run it, and for a one-token step of one sequence whose experts are held as a GGUF stores them
-(ExpertWeights: each expert its byte range of the file's 3-D tensor), so does the native C decode step
-(tracer/model/native_step.py reads `ExpertsPlan`: the router, and per expert its gate|up and down descriptions
-pointing at those bytes; its choice written back into `Route.last` after the step). No packed torch path routes
-tokens (tracer/run/select.py says so). A dry run's meta model, which has no router weights, routes round-robin
+Its forward calls its stages through a `run` (tracer/model/stage_calls.py), as the dense blocks do: the stage
+modules, or the packed step (tracer/model/fused.py: each chosen expert's gate|up one product, `ExpertsPlan`'s). For
+a one-token step of one sequence whose experts are held as a GGUF stores them (ExpertWeights: each expert its byte
+range of the file's 3-D tensor), the native C decode step runs it too (tracer/model/native_step.py reads
+`ExpertsPlan`: the router, and per expert its gate|up and down descriptions pointing at those bytes; its choice
+written back into `Route.last` after the step). A dry run's meta model, which has no router weights, routes round-robin
 (`dry_routes`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model.functional import combine_experts, project, route_top_k
+from llmtrace.tracer.model.stage_calls import HOOKED
 from llmtrace.tracer.model.weight_formats import ExpertWeights, PackedWeight, concat_rows
 
 
@@ -106,23 +109,24 @@ class MixtureOfExperts(nn.Module):
         self.w2 = ExpertLinear(experts, ffn_dim, dim)
         self.combine = ExpertCombine()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, new, dim = x.shape
-        flat = x.reshape(batch * new, dim)  # (N, dim): every token of every sequence
-        weights, experts = self.route(self.router(flat))  # (N, k) each
+    def forward(self, x: torch.Tensor, run: Any = HOOKED) -> torch.Tensor:
+        """x (B, T, dim), or a packed step's rows (N, dim) or one token's (dim,) -> the same shape, each stage called
+        through `run` (tracer/model/stage_calls.py)."""
+        flat = x.reshape(-1, x.shape[-1])  # (N, dim): every token of every sequence
+        weights, experts = run.call(self.route, run.router(self, flat))  # (N, k) each
         if experts.device.type == "meta":  # a dry run has no router weights to choose by: round-robin (dry_routes)
             experts = dry_routes(*experts.shape, len(self.w1.weight))
-        outputs = flat.new_empty(*experts.shape, dim)  # (N, k, dim): each token's k experts' outputs
+        outputs = flat.new_empty(*experts.shape, flat.shape[-1])  # (N, k, dim): each token's k experts' outputs
         for expert in experts.unique().tolist():  # the experts chosen, in ascending order (as HF runs them)
             token, slot = torch.where(experts == expert)  # (n,) each: the tokens routed here, and in which slot
-            rows = flat[token]  # (n, dim)
-            outputs[token, slot] = self.w2(self.act(self.w1(rows, expert), self.w3(rows, expert)), expert)
-        return self.combine(outputs, weights).view(batch, new, dim)
+            gate, up = run.expert_gate_up(self, flat[token], expert)  # (n, F) each
+            outputs[token, slot] = run.expert_down(self, run.call(self.act, gate, up), expert)
+        return run.call(self.combine, outputs, weights).view(x.shape)
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertsPlan:
-    """What the native decode step reads of one layer's mixture of experts (tracer/model/native_step.py): the
+    """What the packed and native decode steps read of one layer's mixture of experts (tracer/model/native_step.py): the
     router's (E, dim) matrix (a PackedWeight as stored, or dense fp32), each expert's gate|up (its w1 rows, then its
     w3 rows: concat_rows, no copy of the blocks) and down, the route's k and renormalisation, and the Route module
     whose `last` the step's choice is written into (tracer/trace/routing.py reads it there)."""
@@ -137,7 +141,7 @@ class ExpertsPlan:
     @classmethod
     def of(cls, moe: MixtureOfExperts) -> ExpertsPlan | None:
         """The plan of a layer whose experts are held as stored (ExpertWeights), else None (dense experts: an HF
-        folder's, or --weights dense; only the stage modules run them)."""
+        folder's, or --weights dense: the packed step multiplies by the stacks' slices)."""
         w1, w3, w2 = moe.w1.packed, moe.w3.packed, moe.w2.packed
         if w1 is None or w3 is None or w2 is None:
             return None

@@ -9,8 +9,6 @@ back before the weight), applied over the last axis of the (..., heads, D) tenso
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -39,20 +37,17 @@ class QKNorm(nn.Module):
             floor = self._floor = rms_norm_floor(self.q_weight.shape[0], self.eps, device)
         return floor
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, packed: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under the packed backend (`packed`, tracer/model/fused.py's PackedLayer) k is q|k (B, T, H+Hkv, D), the view
-        of its Q|K|V product q is the first H heads of: normalised in place as one RMSNorm over its rows, with
-        `packed.qk_weight` (H+Hkv, D), q's weight over the H heads then k's over the Hkv."""
-        floor = self.floor(q.device)
-        if packed is not None:
-            norm = rms_norm_plus_one if self.plus_one is not None else rms_norm  # its qk_weight then 1 + w, fp32
-            norm(k, packed.qk_weight, floor, out=k)
-            return q, k
-        k_floor = floor
-        if self.k_weight.shape[0] != self.q_weight.shape[0]:
-            k_floor = self._k_floor
-            if k_floor is None or k_floor.device != q.device:
-                k_floor = self._k_floor = rms_norm_floor(self.k_weight.shape[0], self.eps, q.device)
+    def k_floor(self, device: torch.device) -> torch.Tensor:
+        """The keys' floor: the queries' unless their widths differ (OLMoE's whole projections)."""
+        if self.k_weight.shape[0] == self.q_weight.shape[0]:
+            return self.floor(device)
+        k_floor = self._k_floor
+        if k_floor is None or k_floor.device != device:
+            k_floor = self._k_floor = rms_norm_floor(self.k_weight.shape[0], self.eps, device)
+        return k_floor
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        floor, k_floor = self.floor(q.device), self.k_floor(q.device)
         if self.plus_one is not None:
             q_shift, k_shift = self.plus_one
             return (rms_norm_plus_one(q, q_shift.of(self.q_weight), floor),

@@ -9,7 +9,6 @@ interleaved layout (x[2i], x[2i+1]) and their Q/K rows must be permuted on load 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -93,22 +92,18 @@ class RotaryEmbedding(nn.Module):
     def set_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         self.cos, self.sin, self.positions = cos, sin, positions
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor,
-                packed: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`input_pos` (T,), or (B, T) for rows with their own positions (a left-padded batch). Under the packed
-        backend (`packed`, tracer/model/fused.py) k is q|k (B, T, H+Hkv, D), the view of its Q|K|V product q is the
-        first H heads of: rotated in place, q with it (three ops for both, not six)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`input_pos` (T,), or (B, T) for rows with their own positions (a left-padded batch)."""
+        cos, sin = self.angles(input_pos)
+        return rotate(q, cos, sin), rotate(k, cos, sin)  # (B, T, H, D), (B, T, Hkv, D)
+
+    def angles(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables' rows of `input_pos`: (T, 1, D) each, (B, T, 1, D) for rows with their own positions."""
         if self.positions is not None and input_pos._base is self.positions and input_pos.is_contiguous():
             # A slice of arange(max_seq) starts at its own value: narrow the tables (a view) instead of gathering.
             start, new = input_pos.storage_offset(), input_pos.shape[0]
-            cos, sin = self.cos.narrow(0, start, new), self.sin.narrow(0, start, new)  # (T, 1, D) each
-        else:
-            cos = self.cos[input_pos]  # (T, 1, D): broadcasts over batch and heads
-            sin = self.sin[input_pos]  # (T, 1, D)
-        if packed is not None:
-            rotate(k, cos, sin, out=k)
-            return q, k
-        return rotate(q, cos, sin), rotate(k, cos, sin)  # (B, T, H, D), (B, T, Hkv, D)
+            return self.cos.narrow(0, start, new), self.sin.narrow(0, start, new)
+        return self.cos[input_pos], self.sin[input_pos]  # broadcast over batch and heads
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}"

@@ -21,12 +21,14 @@ RoPE tables computed in fp32 and cast to the model dtype, softmax in fp32. Atten
 (no SDPA) so FlopCounterMode counts what runs; GQA groups the R query heads of each KV head into the rows of one
 matmul instead of copying K and V R times.
 
-`prefill`/`decode_one` run these modules: the reference, and the hook points. The layer is written once, here: the
-packed backend (tracer/model/fused.py) runs these same forwards with a `PackedLayer` (`packed`): Q|K|V and gate|up
-one product each whose outputs are views, q and k rotated together in place, K and V written in one copy, each stage
-called past its hooks and marked (the tracer's clock read) after it. So a stage is added in one place, here (and in
-the native C step, tracer/model/native/decode_step.c). Backends are built per run from the model as it stands
-(tracer/run/select.py, tracer/run/backends.py) and pass themselves as the step's `path`; the model holds no mode.
+`prefill`/`decode_one` run these modules: the reference, and the hook points. The layer is written once, here: each
+block's forward calls its stages through a `run` (tracer/model/stage_calls.py): HOOKED calls them as modules; the
+packed backend's PackedStep (tracer/model/fused.py, made per layer and step from a plan built per run) runs Q|K|V and
+gate|up as one product each whose outputs are views, q and k normalised and rotated together in place, K and V
+written in one copy, each stage called past its hooks and marked (the tracer's clock read) after it. So a stage is
+added in one place, here (and in the native C step, tracer/model/native/decode_step.c). Backends are built per run
+from the model as it stands (tracer/run/select.py, tracer/run/backends.py) and pass themselves as the step's `path`;
+the model holds no mode and no run writes into it.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ from llmtrace.tracer.model.functional import (
 )
 from llmtrace.tracer.model.kv_cache import KVCache, ModelCaches
 from llmtrace.tracer.model.moe import ExpertLinear, MixtureOfExperts
+from llmtrace.tracer.model.packing import pack_layers
 from llmtrace.tracer.model.qk_norm import QKNorm
 from llmtrace.tracer.model.rope import RotaryEmbedding
+from llmtrace.tracer.model.stage_calls import HOOKED
 from llmtrace.tracer.model.weight_formats import ExpertWeights, PackedWeight
 
 
@@ -177,15 +181,12 @@ class AttentionScores(nn.Module):
         # layers' windows differ (Gemma 3) it covers every key a full layer reads; a windowed layer's are its last S.
         self.pad_mask: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k_all: torch.Tensor, packed: Any = None) -> torch.Tensor:
-        if packed is None:
-            seen = k_all.shape[2]
-            pad_mask = self.pad_mask
-            if pad_mask is not None and pad_mask.shape[-1] != seen:
-                pad_mask = pad_mask[..., -seen:]  # (B, 1, T, S): a windowed layer's keys are the last S of them
-            mask = step_mask(q.shape[2], seen, q.device, self.window, pad_mask)  # (T, S), (B, 1, T, S) or None
-        else:
-            mask = packed.mask  # the packed step's, made once a step for this layer's window (pads included)
+    def forward(self, q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
+        seen = k_all.shape[2]
+        pad_mask = self.pad_mask
+        if pad_mask is not None and pad_mask.shape[-1] != seen:
+            pad_mask = pad_mask[..., -seen:]  # (B, 1, T, S): a windowed layer's keys are the last S of them
+        mask = step_mask(q.shape[2], seen, q.device, self.window, pad_mask)  # (T, S), (B, 1, T, S) or None
         return grouped_scores(q, k_all, self.scale, mask)  # (B, H, T, S)
 
     def extra_repr(self) -> str:
@@ -227,39 +228,21 @@ class Attention(nn.Module):
         self.pv = AttentionValues()
         self.wo = Linear(config.q_dim, config.dim, bias=has_bias("attention.wo", config))
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, packed: Any = None) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim), each stage called as a module. Under the packed backend (`packed`:
-        tracer/model/fused.py's PackedLayer) x is (B*T, dim), or (dim,) for one token of one sequence, Q|K|V is one
-        product whose views the stages take (they are handed `packed`, so they know), each stage is called past its
-        hooks and marked, and wo multiplies through the plan's product kernel."""
-        heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
-        if packed is None:
-            call, (batch, new), extra = _call, x.shape[:2], ()
-            q, k = self.wq(x), self.wk(x)  # (B, T, H*D), (B, T, Hkv*D)
-            if self.qk_norm is not None and self.qk_norm_whole:
-                q, k = self.qk_norm(q, k)  # OLMoE: each token's whole q and k, before the heads are split
-            q = q.view(batch, new, heads, head_dim)  # (B, T, H, D)
-            k = k.view(batch, new, kv_heads, head_dim)  # (B, T, Hkv, D)
-            v = self.wv(x).view(batch, new, kv_heads, head_dim)  # (B, T, Hkv, D)
-        else:
-            call, batch, new, extra = packed.call, packed.batch, packed.new, (packed,)
-            qkv = packed.linear(x, packed.wqkv, packed.bqkv).view(batch, new, -1, head_dim)  # (B, T, H+2Hkv, D)
-            # k stands for q|k (B, T, H+Hkv, D), which QK-norm and RoPE work on in place, q its first H heads; v for
-            # K|V (B, T, 2*Hkv, D), which the cache takes in one copy (the stages take `packed` to know)
-            k, v = qkv.narrow(2, 0, heads + kv_heads), qkv.narrow(2, heads, 2 * kv_heads)
-            q = k.narrow(2, 0, heads)  # (B, T, H, D)
-        if self.qk_norm is not None and not self.qk_norm_whole:
-            q, k = call(self.qk_norm, q, k, *extra)
-        q, k = call(self.rope, q, k, input_pos, *extra)
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, run: Any = HOOKED) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim), each stage called through `run` (tracer/model/stage_calls.py): as a module
+        (HOOKED), or as a packed step runs it (x (B*T, dim) rows, or (dim,) for one token of one sequence)."""
+        q, k, v = run.qkv(self, x)  # (B, T, H, D), (B, T, Hkv, D) each
+        if self.qk_norm is not None:
+            q, k = run.qk_norm(self, q, k)
+        q, k = run.rope(self.rope, q, k, input_pos)
         if use_cache:
-            k_all, v_all = call(self.kv_cache, input_pos, k, v, *extra)  # (B, Hkv, S, D) each
+            k_all, v_all = run.cache(self.kv_cache, input_pos, k, v)  # (B, Hkv, S, D) each
         else:
             k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S=T, D) each
-        scores = call(self.scores, q.transpose(1, 2), k_all, *extra)  # q: (B, H, T, D) -> scores (B, H, T, S)
-        probs = call(self.softmax, scores)  # (B, H, T, S)
-        out = call(self.pv, probs, v_all)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(*x.shape[:-1], heads * head_dim)  # (B, T, H*D), or as x's rows
-        return self.wo(out) if packed is None else packed.linear(out, packed.wo, packed.bo)  # (B, T, dim)
+        scores = run.scores(self.scores, q.transpose(1, 2), k_all)  # q: (B, H, T, D) -> scores (B, H, T, S)
+        probs = run.call(self.softmax, scores)  # (B, H, T, S)
+        out = run.call(self.pv, probs, v_all)  # (B, H, T, D)
+        return run.out(self, out.transpose(1, 2).reshape(*x.shape[:-1], -1))  # (B, T, dim), or as x's rows
 
 
 class SwiGLUActivation(nn.Module):
@@ -291,29 +274,22 @@ class FeedForward(nn.Module):
             self.act = SwiGLUActivation()
         self.w2 = Linear(ffn_dim, dim, bias=has_bias("feed_forward.w2", config))
 
-    def forward(self, x: torch.Tensor, packed: Any = None) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim); under the packed backend (`packed`) gate|up one product, gate and up views."""
-        gating = self.gelu if "gelu" in self._modules else self.act  # Gemma's gelu(gate)·up, else silu(gate)·up
-        if packed is None:
-            gate, up = self.w1(x), self.w3(x)  # (B, T, F) each
-            return self.w2(gating(gate, up))  # (B, T, dim)
-        gate_up = packed.linear(x, packed.w13, packed.b13)  # (..., 2F): gate | up
-        ffn_dim = gate_up.shape[-1] // 2
-        act = packed.call(gating, gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim))
-        return packed.linear(act, packed.w2, packed.b2)
+    def forward(self, x: torch.Tensor, run: Any = HOOKED) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim), each stage called through `run` (as Attention's)."""
+        gate, up = run.gate_up(self, x)  # (B, T, F) each
+        return run.down(self, run.call(self.gating, gate, up))  # (B, T, dim)
+
+    @property
+    def gating(self) -> nn.Module:
+        """Gemma's gelu(gate)·up, else silu(gate)·up."""
+        return self.gelu if "gelu" in self._modules else self.act
 
 
 class Residual(nn.Module):
-    """x + delta: the residual stream after a sub-block; under the packed backend (`packed`) added into delta, the
-    sub-block's output, which nothing else holds there (no hooks): no new tensor."""
+    """x + delta: the residual stream after a sub-block."""
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor, packed: Any = None) -> torch.Tensor:
-        return x + delta if packed is None else delta.add_(x)
-
-
-def _call(module: nn.Module, *args: Any) -> Any:
-    """A stage called as a module on the modules route: its hooks and the tracer's wrappers see it."""
-    return module(*args)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return x + delta
 
 
 def whole(x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
@@ -345,23 +321,20 @@ class TransformerBlock(nn.Module):
         self.ffn_residual = Residual()
         self.layer_index, self.all_reduce = layer, all_reduce
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, packed: Any = None) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim) through the stage modules, each a hook point; under the packed backend
-        (`packed`, a PackedLayer: Attention.forward) the same forwards on packed weights, past the hooks."""
-        call, extra = (_call, ()) if packed is None else (packed.call, (packed,))
-        normed = call(self.attention_norm, x)
-        attended = (self.attention(normed, input_pos, use_cache) if packed is None else
-                    self.attention.forward(normed, input_pos, use_cache, packed))  # (B, T, dim)
-        attended = self.all_reduce(attended, self.layer_index, "attention.wo")
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, use_cache: bool, run: Any = HOOKED) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim), each stage called through `run` (tracer/model/stage_calls.py): the stage
+        modules, each a hook point (HOOKED), or a packed step's products and calls past the hooks."""
+        normed = run.call(self.attention_norm, x)
+        attended = self.all_reduce(run.enter(self.attention, normed, input_pos, use_cache), self.layer_index,
+                                   "attention.wo")  # (B, T, dim)
         if self.post_attention_norm is not None:  # Gemma: the sum of the ranks' outputs normalised
-            attended = call(self.post_attention_norm, attended)
-        h = call(self.attn_residual, x, attended, *extra)
-        normed = call(self.ffn_norm, h)
-        down = self.feed_forward(normed) if packed is None else self.feed_forward.forward(normed, packed)
-        down = self.all_reduce(down, self.layer_index, "feed_forward.w2")
+            attended = run.call(self.post_attention_norm, attended)
+        h = run.residual(self.attn_residual, x, attended)
+        normed = run.call(self.ffn_norm, h)
+        down = self.all_reduce(run.enter(self.feed_forward, normed), self.layer_index, "feed_forward.w2")
         if self.post_ffn_norm is not None:
-            down = call(self.post_ffn_norm, down)
-        return call(self.ffn_residual, h, down, *extra)
+            down = run.call(self.post_ffn_norm, down)
+        return run.residual(self.ffn_residual, h, down)
 
 
 class Transformer(ModelCaches):
@@ -388,20 +361,6 @@ class Transformer(ModelCaches):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_state_dict_post_hook(_drop_tied_output)
-
-    def packed_off_reason(self) -> str:
-        """ModelCaches' answer, then `native_only_reason`: "" when the packed torch path may run this model."""
-        return super().packed_off_reason() or self.native_only_reason()
-
-    def native_only_reason(self) -> str:
-        """Why the packed path's torch ops do not run this model where the native C step does (the plan both read is
-        built for it: tracer/run/select.py), or "": a mixture of experts (tracer/model/moe.py: the stage modules and
-        the C step route tokens), OLMoE's QK-norm over whole q and k projections."""
-        if self.config.moe is not None:
-            return "a mixture of experts is routed by the stage modules and the C decode step, not the packed path"
-        if self.config.qk_norm_whole:  # OLMoE's; the packed path normalises q|k as rows of heads
-            return "QK-norm over whole q and k projections runs on the stage modules and the C decode step only"
-        return ""
 
     # ---- forward passes ------------------------------------------------------------------------------------
 
@@ -541,6 +500,7 @@ class Transformer(ModelCaches):
                 module.compute_dtype = dtype
         if self.config.tie_embeddings:
             self.output.packed = self.tok_embeddings.packed
+        pack_layers(self)
 
     def norm_dtype(self, state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
         """The model's compute dtype: its final norm's (the one tensor every checkpoint holds dense)."""
@@ -570,6 +530,7 @@ class Transformer(ModelCaches):
                 module.packed = None  # dense weights now: a stored matrix of an earlier load is gone
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        pack_layers(self)  # Q|K|V and gate|up laid out as one product each (tracer/model/packing.py)
         self._positions, self._rope_key = None, None
         self._kv_all, self._caches = None, None
         for layer in self.layers:  # the caches were sized and typed for the old weights: set them up again

@@ -91,8 +91,8 @@ class PackedBackend:
 class StagedNativeBackend(PackedBackend):
     """--staged: a one-token step of one sequence as the C step with the stage modules' stages apart, each timed in
     C, its readings handed to `take` (the tracer's staged marks) when traced; every other step through the modules
-    (which the tracer wraps). A mixture of experts' run without --staged (`staged` False) takes it too, there being no
-    packed path: its untraced one-token steps are the fused C step."""
+    (which the tracer wraps). A traced mixture of experts' run without --staged (`staged` False) takes it too (the
+    packed step's marks cannot count its expert stages)."""
 
     def __init__(self, model: Any, plan: FusedPlan, take: Any = None, staged: bool = True) -> None:
         super().__init__(model, plan, native=True)

@@ -165,16 +165,13 @@ def _stubbed_steps(model: Any, backend: Any, ids: Sequence[int], batch: int, ste
 
     counter = _OpCounter()
     plan = backend.plan
-    layers_product = [layer.product for layer in plan.layers]
     plan_product = plan.product
     tokens = torch.tensor([list(ids)] * batch, dtype=torch.long, device=plan.final_norm.weight.device)  # (B, P)
     times, contexts = [], []
     with torch.no_grad():
         logits = backend.prefill(tokens)  # (B, V): real products, so the cache holds what a decode step reads
         try:
-            plan.product = stand_in
-            for layer in plan.layers:
-                layer.product = stand_in
+            plan.product = stand_in  # every layer's PackedStep takes the plan's product
             next_ids = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             with counter:
                 logits = backend.decode(next_ids)
@@ -192,8 +189,6 @@ def _stubbed_steps(model: Any, backend: Any, ids: Sequence[int], batch: int, ste
                 contexts.append(int(model.pos))
         finally:
             plan.product = plan_product
-            for layer, product in zip(plan.layers, layers_product):
-                layer.product = product
     return ops, statistics.median(times), round(statistics.median(contexts))
 
 

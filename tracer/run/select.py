@@ -7,11 +7,12 @@ Three backends run a step, all with the stage modules' math (tracer/core/contrac
 - "packed": the packed torch path (tracer/model/fused.py's FusedPlan.step): Q|K|V and gate|up one product each.
 - "modules": the stage modules themselves, each a hook point (what --staged, --lens, --attention and
   FlopCounterMode watch).
-A prefill runs "packed" or "modules" (the native step takes one token). A mixture of experts has no packed path (its
-torch ops do not route): its prefill runs the modules, its one-token steps the native step where its experts are held
-as stored (tracer/model/moe.py), each step's choice written back for the trace's routing record; a traced one stamps
-the stage modules' stages apart (the "wrap" tracer takes them: StagedNativeBackend), an untraced one runs fused,
-several steps a call (each step's choice brought back with it: AheadRun.routes).
+A prefill runs "packed" or "modules" (the native step takes one token). A mixture of experts runs packed (each
+step's choice left on its Route for the trace's routing record), its one-token steps on the native step where its
+experts are held as stored (tracer/model/moe.py), several steps a call (each step's choice brought back with it:
+AheadRun.routes). A traced one runs the stage modules and stamps their stages apart on the native step (the "wrap"
+tracer takes them: StagedNativeBackend): the packed step's marks follow a fixed stage order, and a mixture of experts
+runs its expert stages once per expert chosen.
 
 `select` is asked once per run, with the run's observers attached and before its tracer is; it builds the plan the
 packed and native backends read from the model as it stands (a weight replaced, a hook added or a `.to()` before the
@@ -25,6 +26,7 @@ from typing import Any
 
 from llmtrace.tracer.model.fused import FusedPlan, watcher
 from llmtrace.tracer.model.native_step import host_clock_matches
+from llmtrace.tracer.trace.fused_marks import marks_off_reason
 from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED, Route, RouteNotTaken
 
 BACKENDS = (NATIVE, PACKED, MODULES)
@@ -90,18 +92,17 @@ def _plan(model: Any, request: Request) -> tuple[FusedPlan | None, str]:
     if not hasattr(model, "packed_off_reason"):
         return None, "this model has no packed path"
     why = model.packed_off_reason()
-    if why and why != _native_only(model):  # (a refusal of the packed path's torch ops alone builds the plan)
+    if why:
         return None, why
     if request.backend == MODULES and not request.staged:
         return None, ""
     return FusedPlan(model, request.matvec), ""
 
 
-def _native_only(model: Any) -> str:
-    """The model's refusal of the packed path's torch ops where the native step may still run it (a mixture of
-    experts: Transformer.native_only_reason), or ""."""
-    reason = getattr(model, "native_only_reason", None)
-    return reason() if reason is not None else ""
+def _marks_off(model: Any, request: Request) -> str:
+    """Why a traced run's packed step cannot be traced by its marks (a mixture of experts:
+    fused_marks.marks_off_reason), where the native step, stamping in C, may still run it; "" otherwise."""
+    return marks_off_reason(model) if request.traced else ""
 
 
 def _packed_reason(model: Any, request: Request, plan_off: str) -> str:
@@ -110,7 +111,7 @@ def _packed_reason(model: Any, request: Request, plan_off: str) -> str:
         return "--staged runs Q, K, V, gate and up apart"
     if request.backend == MODULES:
         return "asked for the modules backend (Request.backend)"
-    return plan_off or model.packed_off_reason() or watcher(model)
+    return plan_off or model.packed_off_reason() or _marks_off(model, request) or watcher(model)
 
 
 def _native_reason(model: Any, request: Request, plan: FusedPlan | None, packed_off: str) -> str:
@@ -122,9 +123,9 @@ def _native_reason(model: Any, request: Request, plan: FusedPlan | None, packed_
                 + ("; it may step a last row left alone)" if alone else ")"))
     if not hasattr(model, "packed_off_reason"):
         return "this model has no native decode step"
-    if packed_off and not (plan is not None and packed_off == _native_only(model)):
-        # the native step stands in for the packed path: what stops that stops it, but the model's own refusal of
-        # the packed path's torch ops (a mixture of experts: the C step routes)
+    if packed_off and not (plan is not None and packed_off == _marks_off(model, request)):
+        # the native step stands in for the packed path: what stops that stops it, but the marks' refusal (a traced
+        # mixture of experts: the C step stamps its stages apart)
         return (plan.native_off_reason() if plan is not None else "") or packed_off
     watched = watcher(model) if packed_off else ""  # (folded into packed_off otherwise)
     if watched:

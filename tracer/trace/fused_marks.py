@@ -49,6 +49,14 @@ class StepDims:
     per_row_positions: bool = False  # a left-padded batch: each row's RoPE positions (B, T), not one (T,)
 
 
+def marks_off_reason(model: nn.Module) -> str:
+    """Why a step's marks cannot trace `model` (they follow a fixed stage order), or "": a mixture of experts runs its
+    expert stages once per expert its tokens chose, a count that varies (the native step stamps them apart)."""
+    if getattr(getattr(model, "config", None), "moe", None) is not None:
+        return "a traced mixture of experts runs its expert stages once per expert chosen (a varying count)"
+    return ""
+
+
 def _in_model_order(model: nn.Module, packed: bool) -> list[tuple[str, int | None, contract.FusedStage]]:
     """(name prefix, layer, stage) of every stage a step marks, in its order: the stages before the layers, each
     layer's stages, the ones after (contract.fused_stages, packed or not). A mixture of experts' one-token step (the

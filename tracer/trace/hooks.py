@@ -25,7 +25,7 @@ from torch import nn
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.contract import INDEX_ARGUMENTS, TUPLE_OUTPUT_KINDS
 from llmtrace.tracer.model.fused import TAKE_STAMPS, Mark, no_mark, watcher
-from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_events, fused_stages
+from llmtrace.tracer.trace.fused_marks import FusedMarks, StepDims, fused_events, fused_stages, marks_off_reason
 from llmtrace.tracer.trace.records import StageRecord
 from llmtrace.tracer.trace.stage_clock import EventClock, HostClock, clock_for
 from llmtrace.tracer.trace.stage_cost import INDEX_ITEMSIZE, StageCost, StageModule, stage_cost
@@ -213,7 +213,8 @@ class Tracer:
         """Settle "auto" and list the stages to trace (at `__enter__`: the fused path needs the cache set up)."""
         if self.mechanism == "auto":
             blocker = getattr(self.model, "packed_off_reason", None)
-            self.mechanism = "fused" if blocker is not None and not blocker() and not watcher(self.model) else "wrap"
+            self.mechanism = "fused" if blocker is not None and not blocker() and not marks_off_reason(self.model) \
+                and not watcher(self.model) else "wrap"
         if self.mechanism == "fused":
             self.stages = fused_stages(self.model)
             self._marks = FusedMarks(self.model, len(self.stages), self.clock)
