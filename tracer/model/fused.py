@@ -71,10 +71,12 @@ class PackedLayer:
     """One TransformerBlock's products as a run's plan holds them (read by its PackedSteps and the native step, never
     changed): Q|K|V and gate|up one weight each (views of the layout the load made, tracer/model/packing.py, or the
     stored matrices' concatenation), QK-norm's weight over the q|k rows, a mixture of experts' ExpertsPlan, and the
-    shapes the native step reads."""
+    shapes the native step reads. `products`: (weight, bias) by the module a stage forward names (run.product,
+    run.pair), an expert's weight indexed by expert."""
 
     __slots__ = ("attention_norm", "b13", "b2", "bo", "bqkv", "experts", "ffn_dim", "ffn_norm", "head_dim", "heads",
-                 "kv_heads", "qk_floor", "qk_weight", "qk_whole", "scale", "w13", "w2", "window", "wo", "wqkv")
+                 "kv_heads", "products", "qk_floor", "qk_weight", "qk_whole", "scale", "w13", "w2", "window", "wo",
+                 "wqkv")
 
     def __init__(self, layer: nn.Module) -> None:
         attn, ffn = layer.attention, layer.feed_forward
@@ -89,10 +91,15 @@ class PackedLayer:
         if isinstance(ffn, MixtureOfExperts):
             self.w13 = self.b13 = self.w2 = self.b2 = None
             self.ffn_dim = ffn.w2.weight.shape[-1]
+            experts = self.experts  # stored: each expert's gate|up and down; dense: the stacks (no gate|up in one)
+            gate_up, down = (None, ffn.w2.weight.detach()) if experts is None else (experts.gate_up, experts.down)
+            self.products = {ffn.router: (weight_of(ffn.router), None), ffn.w1: (gate_up, None), ffn.w2: (down, None)}
         else:
             self.w13, self.b13 = rows_of(ffn.w1, ffn.w3)  # (2F, dim), (2F,)
             self.w2, self.b2 = weight_of(ffn.w2), detached(ffn.w2.bias)  # (dim, F), (dim,)
             self.ffn_dim = self.w2.shape[1]
+            self.products = {ffn.w1: (self.w13, self.b13), ffn.w2: (self.w2, self.b2)}
+        self.products[attn.wo] = self.wo, self.bo
         # QK-norm (Qwen3; None without): its q weight repeated over the H query heads, then its k weight over the
         # Hkv key heads, so q and k are normalised together as the rows of the q|k view, as RoPE rotates them
         qk_norm = attn.qk_norm
@@ -119,7 +126,7 @@ class PackedStep:
     write: torch.Tensor  # (B, 2*Hkv, T, D): where this step's K|V go
     keys: torch.Tensor  # (B, Hkv, S, D): what attention reads
     values: torch.Tensor  # (B, Hkv, S, D)
-    product: Callable[..., torch.Tensor]  # functional.project with the run's one-token kernel (FusedPlan's)
+    kernel: Callable[..., torch.Tensor]  # functional.project with the run's one-token kernel (FusedPlan.product)
     mark: Mark = no_mark
 
     def call(self, module: nn.Module, *args: Any) -> Any:
@@ -132,7 +139,7 @@ class PackedStep:
         return type(module).forward(module, *args, self)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        out = self.product(x, weight, bias)
+        out = self.kernel(x, weight, bias)
         self.mark()
         return out
 
@@ -183,39 +190,28 @@ class PackedStep:
         self.mark()
         return out
 
-    def out(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.layer.wo, self.layer.bo)
+    def product(self, module: nn.Module, x: torch.Tensor, *expert: int) -> torch.Tensor:
+        """x times `module`'s matrix (wo, w2, the router; `expert`'s of a mixture's w2) through the plan's kernel."""
+        weight, bias = self.layer.products[module]
+        return self.linear(x, weight[expert[0]] if expert else weight, bias)
 
-    def gate_up(self, ffn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = self.linear(x, self.layer.w13, self.layer.b13)  # (..., 2F): gate | up
+    def pair(self, first: nn.Module, second: nn.Module, x: torch.Tensor,
+             *expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate, up: views of the halves of one gate|up product (`expert`'s, for a mixture); two products, marked
+        once, for a mixture's dense experts (no one matrix holds an expert's gate and up)."""
+        weight, bias = self.layer.products[first]
+        if weight is None:
+            gate = self.kernel(x, first.weight[expert[0]].detach(), None)
+            return gate, self.linear(x, second.weight[expert[0]].detach(), None)
+        gate_up = self.linear(x, weight[expert[0]] if expert else weight, bias)  # (..., 2F): gate | up
         ffn_dim = self.layer.ffn_dim
         return gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim)
-
-    def down(self, ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.layer.w2, self.layer.b2)
-
-    def router(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, weight_of(moe.router), None)
-
-    def expert_gate_up(self, moe: nn.Module, x: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert `expert`'s gate|up on its rows x (n, dim): one product of its stored gate|up rows, or (dense
-        experts) two, marked once."""
-        experts, ffn_dim = self.layer.experts, self.layer.ffn_dim
-        if experts is None:
-            gate = self.product(x, moe.w1.weight[expert].detach(), None)
-            return gate, self.linear(x, moe.w3.weight[expert].detach(), None)
-        gate_up = self.linear(x, experts.gate_up[expert], None)  # (n, 2F)
-        return gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim)
-
-    def expert_down(self, moe: nn.Module, x: torch.Tensor, expert: int) -> torch.Tensor:
-        experts = self.layer.experts
-        return self.linear(x, moe.w2.weight[expert].detach() if experts is None else experts.down[expert], None)
 
 
 class FusedPlan:
     """Everything the packed backend reads besides the stage modules, built per run once the cache is set up
-    (tracer/run/select.py): the packed products (the parameters become views of Q|K|V and gate|up, once), the
-    product kernel, the caches' views and sizes, and the native step when it can run."""
+    (tracer/run/select.py): each layer's products (PackedLayer), the product kernel, the caches' views and sizes,
+    and the native step when it can run."""
 
     def __init__(self, model: Any, matvec: str = "mv") -> None:
         """`matvec`: the one-token product kernel (functional.MATVEC_KERNELS: "mv" or "mm"), as this machine's

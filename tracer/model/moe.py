@@ -113,14 +113,14 @@ class MixtureOfExperts(nn.Module):
         """x (B, T, dim), or a packed step's rows (N, dim) or one token's (dim,) -> the same shape, each stage called
         through `run` (tracer/model/stage_calls.py)."""
         flat = x.reshape(-1, x.shape[-1])  # (N, dim): every token of every sequence
-        weights, experts = run.call(self.route, run.router(self, flat))  # (N, k) each
+        weights, experts = run.call(self.route, run.product(self.router, flat))  # (N, k) each
         if experts.device.type == "meta":  # a dry run has no router weights to choose by: round-robin (dry_routes)
             experts = dry_routes(*experts.shape, len(self.w1.weight))
         outputs = flat.new_empty(*experts.shape, flat.shape[-1])  # (N, k, dim): each token's k experts' outputs
         for expert in experts.unique().tolist():  # the experts chosen, in ascending order (as HF runs them)
             token, slot = torch.where(experts == expert)  # (n,) each: the tokens routed here, and in which slot
-            gate, up = run.expert_gate_up(self, flat[token], expert)  # (n, F) each
-            outputs[token, slot] = run.expert_down(self, run.call(self.act, gate, up), expert)
+            gate, up = run.pair(self.w1, self.w3, flat[token], expert)  # (n, F) each
+            outputs[token, slot] = run.product(self.w2, run.call(self.act, gate, up), expert)
         return run.call(self.combine, outputs, weights).view(x.shape)
 
 

@@ -8,7 +8,7 @@ stages once, in order, as calls on a `run` argument, which says how a stage runs
   stands): Q|K|V and gate|up one product each whose outputs are views, q and k normalised and rotated together in
   place, K|V written to the cache in one copy, each stage called past its hooks and marked after it.
 Both runs offer the same calls: `call` (a stage module), `enter` (a sub-block: Attention, the FFN), the products
-(`qkv`, `out`, `gate_up`, `down`, `router`, `expert_gate_up`, `expert_down`) and the stages a packed step runs on
+(`qkv`; `pair`: gate and up; `product`: any other, an expert's by its index) and the stages a packed step runs on
 its own views (`qk_norm`, `rope`, `cache`, `scores`, `residual`)."""
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ class Hooked:
     def call(self, module: nn.Module, *args: Any) -> Any:
         return module(*args)
 
-    enter = rope = cache = scores = residual = call
+    enter = rope = cache = scores = residual = product = call
+
+    def pair(self, first: nn.Module, second: nn.Module, x: torch.Tensor,
+             *expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate, up: two products (`expert`'s, for a mixture of experts)."""
+        return first(x, *expert), second(x, *expert)
 
     def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, dim) -> q (B, T, H, D), k and v (B, T, Hkv, D): three products. OLMoE's QK-norm over the whole
@@ -44,24 +49,6 @@ class Hooked:
     def qk_norm(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's per head (OLMoE's whole-projection norm ran in `qkv`)."""
         return (q, k) if attn.qk_norm_whole else attn.qk_norm(q, k)
-
-    def out(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return attn.wo(x)
-
-    def gate_up(self, ffn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ffn.w1(x), ffn.w3(x)
-
-    def down(self, ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return ffn.w2(x)
-
-    def router(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return moe.router(x)
-
-    def expert_gate_up(self, moe: nn.Module, x: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return moe.w1(x, expert), moe.w3(x, expert)
-
-    def expert_down(self, moe: nn.Module, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return moe.w2(x, expert)
 
 
 HOOKED = Hooked()

@@ -242,7 +242,7 @@ class Attention(nn.Module):
         scores = run.scores(self.scores, q.transpose(1, 2), k_all)  # q: (B, H, T, D) -> scores (B, H, T, S)
         probs = run.call(self.softmax, scores)  # (B, H, T, S)
         out = run.call(self.pv, probs, v_all)  # (B, H, T, D)
-        return run.out(self, out.transpose(1, 2).reshape(*x.shape[:-1], -1))  # (B, T, dim), or as x's rows
+        return run.product(self.wo, out.transpose(1, 2).reshape(*x.shape[:-1], -1))  # (B, T, dim), or x's rows
 
 
 class SwiGLUActivation(nn.Module):
@@ -276,8 +276,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, run: Any = HOOKED) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim), each stage called through `run` (as Attention's)."""
-        gate, up = run.gate_up(self, x)  # (B, T, F) each
-        return run.down(self, run.call(self.gating, gate, up))  # (B, T, dim)
+        gate, up = run.pair(self.w1, self.w3, x)  # (B, T, F) each
+        return run.product(self.w2, run.call(self.gating, gate, up))  # (B, T, dim)
 
     @property
     def gating(self) -> nn.Module:
