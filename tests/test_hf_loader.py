@@ -16,9 +16,9 @@ from llmtrace.tracer.checkpoint.safetensors_header import read_safetensors_heade
 from llmtrace.tracer.checkpoint.tokenizer import SentencePieceTokenizer, load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import expected_shapes, hf_to_ours, ours_to_hf
-from llmtrace.tracer.core.dtypes import BF16
+from llmtrace.tracer.core.dtypes import BF16, FP32
 from llmtrace.tracer.core.errors import CheckpointError, ConfigError, FileFormatError
-from llmtrace.tracer.load.hf_loader import load_hf_state_dict
+from llmtrace.tracer.load.hf_loader import load_hf_for_run, load_hf_state_dict
 from llmtrace.tracer.model.transformer import build_meta_model
 
 
@@ -53,7 +53,17 @@ def test_weights_are_views_of_one_memory_map_not_copies(tiny_llama_dir: Path) ->
     assert next(iter(state.values())).untyped_storage().nbytes() == file_size
     model = build_meta_model(config)
     model.load_weights(state)
-    assert model.layers[0].attention.wq.weight.untyped_storage().data_ptr() in storages  # assign=True: no copy
+    attention = model.layers[0].attention
+    assert attention.wo.weight.untyped_storage().data_ptr() in storages  # assign=True: no copy
+    assert model.norm.weight.untyped_storage().data_ptr() in storages
+    # but Q|K|V (and gate|up), which the file does not hold in that order, laid out as one product each at load
+    # (tracer/model/packing.py; load_hf_for_run, what `run` loads, writes them so and the load copies nothing)
+    packed = {attention.wq.weight.untyped_storage().data_ptr(), attention.wv.weight.untyped_storage().data_ptr()}
+    assert len(packed) == 1 and packed.isdisjoint(storages)
+    for_run = load_hf_for_run(tiny_llama_dir, config, FP32)
+    held = {name: t.data_ptr() for name, t in for_run.items()}
+    model.load_weights(for_run)
+    assert {name: t.data_ptr() for name, t in model.state_dict().items()} == held
 
 
 def test_dtype_conversion_on_load(tiny_llama_dir: Path) -> None:
