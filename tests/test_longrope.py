@@ -235,3 +235,18 @@ def test_a_runs_rope_record_has_its_tables_frequencies(new: int, first: float,
     prompt = len(done[0].rope.positions)
     assert prompt + 2 <= ORIGINAL < prompt + 12  # the two cases: within the original context, past it
     assert done[0].rope.inv_freq_first == pytest.approx(first, rel=1e-6)
+
+
+def test_a_longrope_runs_trace_reads_back_equal(longrope: tuple[Path, Path, ModelConfig]) -> None:
+    """The saved trace's config holds the factors as tuples again: equal to the run's, and hashable (read back as
+    JSON lists, they were neither)."""
+    from llmtrace.tracer.run.generate import generate
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.run_trace import Trace
+
+    _, gguf_path, _ = longrope
+    settings = RunSettings(model=str(gguf_path), prompt="The sky", max_new_tokens=2, temperatures=())
+    trace = generate(load_model(str(gguf_path)), settings)
+    back = Trace.from_json(trace.to_json())
+    assert back.config.rope_scaling.long_factor == tuple(LONG)
+    assert back == trace and hash(back.config) == hash(trace.config)

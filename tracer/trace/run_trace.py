@@ -535,8 +535,15 @@ def _rank_stages(d: dict[str, Any], stages: Callable[[Any], tuple[StageRecord, .
                                "stages": stages(d["stages"])})
 
 
+def _rope_scaling(d: dict[str, Any]) -> RopeScaling:
+    """LongRoPE's factors as tuples of floats (a list would leave the frozen config unequal to the run's and
+    unhashable)."""
+    factors = {key: _floats(d[key], key) for key in ("short_factor", "long_factor") if key in d}
+    return _build(RopeScaling, {**d, **factors})
+
+
 def _config(d: dict[str, Any]) -> ModelConfig:
     scaling, moe = d.get("rope_scaling"), d.get("moe")
     extra = {"full_layers": tuple(_list(d["full_layers"]))} if "full_layers" in d else {}
-    return _build(ModelConfig, {**d, "rope_scaling": None if scaling is None else _build(RopeScaling, scaling),
+    return _build(ModelConfig, {**d, "rope_scaling": None if scaling is None else _rope_scaling(scaling),
                                 "moe": None if moe is None else _build(MoeSpec, moe), **extra})
