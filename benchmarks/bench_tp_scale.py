@@ -17,6 +17,9 @@ are told apart by their command lines. Decode tokens/s: the trace's decode steps
 
     /work/tools/quiet /work/tools/py -m benchmarks.bench_tp_scale --model /tmp/scale/llama-7b.Q4_0.random.gguf \\
         --rounds 1 --new-tokens 16 --only tp2
+
+--model may be an HF folder too (its ranks hold their shard in the compute dtype, e.g. bf16: the budget line then
+compares against the safetensors files' bytes).
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ def main() -> None:
     parser.add_argument("--only", default="tp2,one-1t,one-2t", help=f"of {', '.join(CONFIGS)}, comma-separated")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    size = os.path.getsize(args.model)
+    folder = Path(args.model)  # an HF folder: its safetensors files' bytes
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else folder.stat().st_size
     shards = shard_bytes(args.model, 2)
     print(f"file {size / 1e9:.2f} GB; each rank's shard as held: {', '.join(f'{b / 1e9:.3f} GB' for b in shards)}")
     results = []

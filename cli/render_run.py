@@ -18,6 +18,7 @@ from rich.text import Text
 from llmtrace.cli import formatting as fmt
 from llmtrace.cli.render_kernels import detail_lines, dtype_name, kernel_line
 from llmtrace.cli.tables import natural_width
+from llmtrace.tracer.analytic.tensor_parallel import vocab_slice
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.contract import short_label
 from llmtrace.tracer.hardware.kernel_choice import KernelChoice
@@ -123,16 +124,23 @@ def _piece_bytes(piece: str) -> str:
 # ---- 2 embedding ------------------------------------------------------------------------------------------------
 
 
-def render_embedding(console: Console, config: ModelConfig, stages: Sequence[StageRecord], dry_run: bool) -> None:
+def _rank_share(config: ModelConfig, tp: int) -> str:
+    """", rank 0's 1/2 of 32,000 rows" after a table of a --tp N run's rank (its stages are rank 0's), else ""."""
+    return f", rank 0's 1/{tp} of {config.vocab_size:,} rows" if tp > 1 else ""
+
+
+def render_embedding(console: Console, config: ModelConfig, stages: Sequence[StageRecord], dry_run: bool,
+                     tp: int = 1) -> None:
+    """`tp`: the ranks of a --tp run, whose stages are rank 0's: the table it holds is its slice of the rows."""
     embed = next((s for s in stages if s.kind == "embedding"), None)
     if embed is None:
         console.print(section("2 · Embedding", Text("not traced (--no-trace)")))
         return
     rows = embed.input_shapes[0]
-    held, table_bytes = embedding_table(config, embed)
+    held, table_bytes = embedding_table(config, embed, tp)
     lines = [
-        f"table tok_embeddings {fmt.shape((config.vocab_size, config.dim))} {held}"
-        + (f" = {fmt.nbytes(table_bytes)}" if table_bytes is not None else ""),
+        f"table tok_embeddings {fmt.shape((vocab_slice(config, tp), config.dim))} {held}"
+        + (f" = {fmt.nbytes(table_bytes)}" if table_bytes is not None else "") + _rank_share(config, tp),
         f"ids {fmt.shape(rows)} → one row each → output [bold]{fmt.shape(embed.output_shapes[0])}[/]",
         f"bytes read: {fmt.nbytes(embed.weight_bytes_read)} (only the {math.prod(rows)} rows looked up), "
         f"written {fmt.nbytes(embed.activation_bytes_written)}; 0 FLOPs (a gather)"
@@ -145,13 +153,14 @@ def render_embedding(console: Console, config: ModelConfig, stages: Sequence[Sta
     console.print(section("2 · Embedding  ids → vectors", Text.from_markup("\n".join(lines))))
 
 
-def embedding_table(config: ModelConfig, embed: StageRecord) -> tuple[str, int | None]:
-    """How the embedding table is held ("q8_0 (native) as stored", "float32") and its bytes (None: unknown)."""
+def embedding_table(config: ModelConfig, embed: StageRecord, tp: int = 1) -> tuple[str, int | None]:
+    """How the embedding table is held ("q8_0 (native) as stored", "float32") and its bytes (None: unknown); under
+    --tp N, rank 0's slice of it."""
     stored = embed.weight_format not in ("", "fp32", "fp16", "bf16")  # held as the GGUF stores it: "q8_0 (int4pack)"
     if stored:
-        return f"{embed.weight_format} as stored", embed.weight_bytes_read * config.vocab_size // math.prod(
+        return f"{embed.weight_format} as stored", embed.weight_bytes_read * vocab_slice(config, tp) // math.prod(
             embed.input_shapes[0])
-    return embed.dtype, embedding_table_bytes(config, embed.dtype)
+    return embed.dtype, embedding_table_bytes(config, embed.dtype, tp)
 
 
 # ---- 3 positions ------------------------------------------------------------------------------------------------
@@ -319,14 +328,15 @@ def _add_stage_row(table: Table, stage: StageRecord, forward_ns: int, total_flop
 
 
 def render_lm_head(console: Console, stages: Sequence[StageRecord], step: StepRecord, settings: RunSettings,
-                   config: ModelConfig, dry_run: bool) -> None:
+                   config: ModelConfig, dry_run: bool, tp: int = 1) -> None:
     head = next((s for s in stages if s.kind == "lm_head"), None)
     lines = []
     if head is not None:
         tied = "the embedding matrix itself (tied)" if config.tie_embeddings else "its own matrix (not tied)"
         lines.append(
             f"final RMSNorm of the last position {fmt.shape(head.input_shapes[0])} × W_out "
-            f"{fmt.shape((config.vocab_size, config.dim))}ᵀ → logits [bold]{fmt.shape(head.output_shapes[0])}[/] · "
+            f"{fmt.shape((vocab_slice(config, tp), config.dim))}ᵀ{_rank_share(config, tp)} → logits "
+            f"[bold]{fmt.shape(head.output_shapes[0])}[/] · "
             f"{fmt.flops(head.flops)} · reads {fmt.nbytes(head.weight_bytes_read)} of weights, {tied}"
             + ("" if dry_run else f" · {fmt.duration_ns(head.duration_ns)}")
         )

@@ -53,13 +53,14 @@ def render_journey(console: Console, trace: Trace, detail: str) -> None:
     if prefill is None:
         return
     stages = trace.stages_of(PREFILL)
-    render_embedding(console, config, stages, dry_run)
+    tp = trace.tensor_parallel.tp if trace.tensor_parallel is not None else 1  # the stages are rank 0's
+    render_embedding(console, config, stages, dry_run, tp)
     render_positions(console, trace.rope, None if batch is not None else trace.tokenization, config)
     render_layers(console, stages, prefill, detail, dry_run)
     if batch is not None:
         render_batch_first_tokens(console, prefill)
     else:
-        render_lm_head(console, stages, prefill, settings, config, dry_run)
+        render_lm_head(console, stages, prefill, settings, config, dry_run, tp)
     numerics = numerics_note(trace.kernels)
     render_sampling_lesson(console, trace.sampling_lesson, prefill, settings, numerics)
     render_lens(console, trace.lens[0] if trace.lens else None, numerics)

@@ -103,13 +103,14 @@ class JourneyStream:
         from llmtrace.cli.render_sampling_lesson import render_sampling_lesson
 
         console, config, settings, dry = self.console, self.loaded.config, self.settings, self.settings.dry_run
-        render_embedding(console, config, event.stages, dry)
+        tp = getattr(self.loaded.model, "tp", 1)  # a --tp run's rank 0 (its dry run too): its slice of the rows
+        render_embedding(console, config, event.stages, dry, tp)
         render_positions(console, event.rope, self.tokenization, config)
         render_layers(console, event.stages, event.step, self.detail, dry)
         if self.batched:
             render_batch_first_tokens(console, event.step)
         else:
-            render_lm_head(console, event.stages, event.step, settings, config, dry)
+            render_lm_head(console, event.stages, event.step, settings, config, dry, tp)
         numerics = numerics_note(self.loaded.kernels)
         render_sampling_lesson(console, event.lesson, event.step, settings, numerics)
         render_lens(console, event.lens, numerics)

@@ -235,3 +235,29 @@ def test_cli_says_what_the_shards_need_when_they_cannot_fit(quantized: Callable[
 def test_the_biased_file_has_the_biases_the_split_covers(quantized: Callable[[str], Path]) -> None:
     config = resolve_model(str(quantized("Q8_0 biases"))).config
     assert config.qkv_bias and config.wo_bias  # so the biases case above splits Q, K, V biases and adds O's once
+
+
+def test_dry_run_tp_shows_the_embedding_bytes_rank_0_then_holds(quantized: Callable[[str], Path],
+                                                                 tmp_path: Path) -> None:
+    """`run --dry-run --tp 2`: the embedding table and LM head shown are rank 0's rows, and the table's bytes are
+    those rank 0 holds when it loads (not the whole table's)."""
+    from llmtrace.cli.render_run import embedding_table
+    from llmtrace.tracer.trace.run_trace import Trace
+
+    path = quantized("Q4_1+Q8_0 head")
+    out = tmp_path / "dry.json"
+    result = runner.invoke(app, ["run", "hi", "--model", str(path), "--dry-run", "--tp", "2", "--weights", "i8dot",
+                                 "--dtype", "fp32", "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    trace = Trace.from_json(out.read_text(encoding="utf-8"))
+    config = trace.config
+    rows = -(-config.vocab_size // 2)
+    assert f"table tok_embeddings [{rows}, {config.dim}]" in result.output
+    assert f"W_out [{rows}, {config.dim}]ᵀ, rank 0's 1/2 of {config.vocab_size:,} rows" in result.output
+    embed = next(s for s in trace.stages if s.kind == "embedding")
+    _, shown = embedding_table(config, embed, 2)
+    held = run_ranks(2, lambda rank, comm: load_shard(str(path), FP32, "cpu", rank, 2, comm, weights="i8dot")
+                     .model.stored_weights()["tok_embeddings"].stored_bytes)
+    assert shown == held[0] == held[1]
+    whole = load_model(str(path), dtype=FP32, weights="i8dot").model.stored_weights()["tok_embeddings"]
+    assert shown == whole.stored_bytes // config.vocab_size * rows  # before: the whole table's

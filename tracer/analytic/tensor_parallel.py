@@ -86,6 +86,12 @@ def comm_bytes_per_pass(config: ModelConfig, batch: int, new_tokens: int, activa
     return config.n_layers * ALLREDUCES_PER_LAYER * ring_allreduce_bytes(payload, tp)
 
 
+def vocab_slice(config: ModelConfig, tp: int) -> int:
+    """Rows of the embedding and LM head each rank holds: ceil(V / N) (the last slice padded when N does not divide
+    V)."""
+    return -(-config.vocab_size // tp)
+
+
 def _split(value: int, tp: int) -> int:
     return -(-value // tp)  # ceil: the busiest device
 

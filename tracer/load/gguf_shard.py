@@ -34,7 +34,8 @@ from llmtrace.tracer.core.contract import gguf_to_ours
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load.gguf_source import Reader
-from llmtrace.tracer.model.tensor_parallel import shard_config, valid_tp, vocab_slice
+from llmtrace.tracer.analytic.tensor_parallel import vocab_slice
+from llmtrace.tracer.model.tensor_parallel import shard_config, valid_tp
 
 COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")

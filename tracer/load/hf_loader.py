@@ -163,6 +163,13 @@ def load_hf_state_dict(
 View = tuple[torch.Tensor, mmap.mmap, int, int]  # a view of the mapped file, the map, its offset there, its bytes
 
 
+def mapped_views(folder: str | Path, config: ModelConfig) -> dict[str, list[View]]:
+    """{our name: its tensor's View (a mixture of experts': one per expert)}, checked against `config`, nothing
+    read yet: for a reader that copies out part of each tensor and gives the map's pages back itself (a
+    tensor-parallel rank's shard: tracer/load/tensor_parallel.py)."""
+    return _views(folder, config)
+
+
 def _views(folder: str | Path, config: ModelConfig) -> dict[str, list[View]]:
     """{our name: its tensor's View, or a mixture of experts' E Views of one expert each}, checked."""
     folder = Path(folder).expanduser()

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrace.tracer.analytic.tensor_parallel import tp_sizes
+from llmtrace.tracer.analytic.tensor_parallel import tp_sizes, vocab_slice
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.model.transformer import Embedding, Transformer, TransformerBlock
@@ -71,12 +71,6 @@ def check_tp_split(config: ModelConfig, tp: int) -> None:
             valid = ", ".join(map(str, valid_tp(config)))
             raise BadArgumentError(f"--tp {tp} does not divide {config.name}'s {value} {what} (each rank needs whole "
                                    f"heads); use --tp {valid}")
-
-
-def vocab_slice(config: ModelConfig, tp: int) -> int:
-    """Rows of the embedding and LM head each rank holds: ceil(V / N) (the last slice padded when N does not divide
-    V)."""
-    return -(-config.vocab_size // tp)
 
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:

@@ -111,8 +111,10 @@ def check_tensor_parallel(model: str | None, tp: int, device: str, dtype: Any = 
 
 
 def check_shards_fit(model: str | None, tp: int, device: str, dtype: Any, weights: str | None) -> None:
-    """A GGUF's `tp` shards held as stored: refused in one line (what they need together, what the machine has)
-    when they exceed memory_fit.SHARE of the memory available, or when a split falls inside a block."""
+    """A GGUF's `tp` shards held as stored, or an HF folder's: refused in one line (what they need together, what
+    the machine has) when they exceed memory_fit.SHARE of the memory available, or when a split falls inside a
+    block."""
+    from llmtrace.tracer.checkpoint.resolve import HF
     from llmtrace.tracer.core.errors import HardwareError
     from llmtrace.tracer.hardware.memory import available_memory_bytes
     from llmtrace.tracer.load.gguf_shard import block_split_refusal
@@ -123,17 +125,20 @@ def check_shards_fit(model: str | None, tp: int, device: str, dtype: Any, weight
 
     plan = plan_load(model, dtype, device, weights=weights)
     header = plan.resolved.gguf_header
-    if header is None or plan.weights.mode != STORED:
+    hf = plan.resolved.kind == HF and plan.target.type == "cpu"
+    if not hf and (header is None or plan.weights.mode != STORED):
         return  # dense ranks: each checks its own load (loader.check_fits)
-    refusal = block_split_refusal(header, plan.resolved.config, tp)
-    if refusal:
-        raise BadArgumentError(refusal)
+    if header is not None:
+        refusal = block_split_refusal(header, plan.resolved.config, tp)
+        if refusal:
+            raise BadArgumentError(refusal)
     need = [shard_bytes(plan, rank, tp) for rank in range(tp)]
     free = available_memory_bytes()
     if free is None or sum(need) <= free * SHARE:
         return
-    name = Path(header.path).name
-    raise HardwareError(f"--tp {tp}: the {tp} ranks' shards of {name} as stored ({plan.weights.kernel}) need "
+    name = Path(plan.resolved.path or "").name
+    how = f"in {plan.compute.name}" if hf else f"as stored ({plan.weights.kernel})"
+    raise HardwareError(f"--tp {tp}: the {tp} ranks' shards of {name} {how} need "
                         f"{sum(need) / 1e9:.1f} GB of memory together ({need[0] / 1e9:.2f} GB a rank), this machine "
                         f"has {free / 1e9:.1f} GB available; use a smaller model, or close what else is using the "
                         "memory")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrace.tracer.analytic.tensor_parallel import vocab_slice
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import get_dtype
 from llmtrace.tracer.core.errors import BadArgumentError
@@ -35,9 +36,10 @@ def run_report(trace: Trace) -> RunReport:
     )
 
 
-def embedding_table_bytes(config: ModelConfig, dtype: str) -> int | None:
-    """vocab x dim values in `dtype` ("float32", "bfloat16"); None for a dtype llmtrace has no size for."""
+def embedding_table_bytes(config: ModelConfig, dtype: str, tp: int = 1) -> int | None:
+    """vocab x dim values in `dtype` ("float32", "bfloat16"), or one rank's rows of them under --tp `tp`; None for a
+    dtype llmtrace has no size for."""
     try:
-        return int(config.vocab_size * config.dim * get_dtype(dtype).bytes_per_value)
+        return int(vocab_slice(config, tp) * config.dim * get_dtype(dtype).bytes_per_value)
     except BadArgumentError:
         return None
