@@ -48,7 +48,8 @@ def render_tensor_parallel(console: Console, summary: TensorParallelSummary | No
         ranks.add_row(str(r.rank), fmt.flops(r.prefill_flops), fmt.flops(r.decode_flops_per_step),
                       fmt.nbytes(r.weight_bytes_per_decode_step), fmt.nbytes(r.bytes_sent_per_decode_step),
                       fmt.nbytes(r.peak_rss_bytes) if r.peak_rss_bytes else "-")
-    link = (f"link: {summary.backend}, measured in this run: {fmt.bytes_per_s(summary.bus_bandwidth)} bus bandwidth "
+    backend = "shared memory (gloo past 1 MiB)" if summary.backend == "shm" else summary.backend
+    link = (f"link: {backend}, measured in this run: {fmt.bytes_per_s(summary.bus_bandwidth)} bus bandwidth "
             f"(4 MiB all-reduce), {fmt.duration_s(summary.small_allreduce_seconds)} per decode-sized all-reduce. "
             "roofline --tp counts bandwidth only (no latency), two all-reduces per layer.")
     parts: list[object] = [comm, Text(""), ranks, Text(link, style="dim")]

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from llmtrace.tracer.core.errors import BadArgumentError, FileFormatError, LlmtraceError
 from llmtrace.tracer.core.json_input import parse_json
-from llmtrace.tracer.run.tp_worker import OpenGate, RankJob, backend_for, init_group, run_rank, spawned_rank
+from llmtrace.tracer.run.tp_worker import (OpenGate, RankJob, backend_for, init_group, run_rank, spawn_backend,
+                                           spawned_rank)
 from llmtrace.tracer.trace.run_trace import Trace, read_collective, read_link
 from llmtrace.tracer.trace.tp_merge import RankTrace, merge_rank_traces
 from llmtrace.tracer.trace.tp_records import STATUS_OK, TensorParallelRun
@@ -176,7 +177,7 @@ def run_tensor_parallel(settings: Any, dtype: Any, tp: int, threads: int = 1, ti
     if not traces:
         errors = [o.error for o in outcomes if o is not None and o.error]
         raise TensorParallelFailed(errors[0] if errors and status == STATUS_OK else status)
-    setup = TensorParallelRun(tp=tp, backend=backend_for(settings.device), launcher="spawn", threads_per_rank=threads,
+    setup = TensorParallelRun(tp=tp, backend=spawn_backend(settings.device), launcher="spawn", threads_per_rank=threads,
                               timeout_s=timeout_s, link=link, status=status, exit_codes=codes)
     return TensorParallelResult(merge_rank_traces(traces, setup), status)
 

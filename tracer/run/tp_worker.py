@@ -25,7 +25,8 @@ from llmtrace.tracer.core.atomic_file import write_atomic
 from llmtrace.tracer.core.dtypes import AutoDtype, DType
 from llmtrace.tracer.load.tensor_parallel import load_shard
 from llmtrace.tracer.run.generate import Generation, PrefillDone, Tokenized, TokenStep
-from llmtrace.tracer.trace.collectives import TracedCollectives, collective_records
+from llmtrace.tracer.run import shm_link
+from llmtrace.tracer.trace.collectives import LocalLink, TracedCollectives, collective_records
 from llmtrace.tracer.trace.records import RunSettings
 from llmtrace.tracer.trace.run_trace import Trace
 from llmtrace.tracer.trace.tp_records import CollectiveRecord, LinkMeasurement
@@ -82,6 +83,15 @@ class OpenGate:
 
 def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+SHM = "shm"  # the spawn launcher's CPU ranks: shared memory on this host, gloo beneath for payloads past a slot
+
+
+def spawn_backend(device: str) -> str:
+    """What the spawn launcher's ranks exchange through: shared memory where it is safe (CPU ranks, all on this
+    host, on x86-64: tracer/run/shm_link.py), else backend_for's."""
+    return SHM if torch.device(device).type == "cpu" and shm_link.available() else backend_for(device)
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -142,9 +152,10 @@ def _fault(job: RankJob, step: int) -> None:
         time.sleep(3600)  # "hang": the others' collectives time out; the parent kills this one
 
 
-def run_rank(job: RankJob, device: str, gate: Gate) -> RankOutcome:
-    """This rank's whole run in a joined group; its outcome, partial when an exception ended it."""
-    comm = TracedCollectives(job.rank, job.tp, torch.device(device))
+def run_rank(job: RankJob, device: str, gate: Gate, local: LocalLink | None = None) -> RankOutcome:
+    """This rank's whole run in a joined group (its collectives over `local` where it takes them); its outcome,
+    partial when an exception ended it."""
+    comm = TracedCollectives(job.rank, job.tp, torch.device(device), local)
     generation: Generation | None = None
     link: LinkMeasurement | None = None
     error: str | None = None
@@ -202,7 +213,10 @@ def spawned_rank(job: RankJob, store_path: str, gate: Gate) -> None:
     outcome = RankOutcome(job.rank, 0, None, (), None, "did not start")
     try:
         device = init_group(job, dist.FileStore(store_path, job.tp), job.rank)
-        outcome = run_rank(job, device, gate)
+        local = None
+        if spawn_backend(job.device) == SHM:  # every rank on this host: no TCP for a step's small payloads
+            local = shm_link.SharedMemoryLink(f"{store_path}.shm", job.rank, job.tp, job.timeout_s)
+        outcome = run_rank(job, device, gate, local)
     except Exception as exc:  # noqa: BLE001 - joining the group failed
         outcome = RankOutcome(job.rank, 0, None, (), None, one_line(exc))
     finally:

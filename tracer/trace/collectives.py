@@ -12,7 +12,7 @@ The raw events hold absolute clock readings; `collective_records` files each und
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 
@@ -31,12 +31,24 @@ class _Recording:
         self.events: list[RawCollective] = []
 
 
-class TracedCollectives(_Recording):
-    """Collectives over torch.distributed's default group, each timed; `events` lists them in call order."""
+class LocalLink(Protocol):
+    """Collectives between ranks on one host without torch.distributed (tracer/run/shm_link.py)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+class TracedCollectives(_Recording):
+    """Collectives over torch.distributed's default group, or over `local` where it takes the payload (every rank
+    decides alike: the same shapes), each timed; `events` lists them in call order."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, local: LocalLink | None = None) -> None:
         super().__init__(rank, world)
         self.sync = device_synchronizer(device)
+        self.local = local
 
     def all_reduce(self, x: torch.Tensor, layer: int | None, after: str) -> torch.Tensor:
         import torch.distributed as dist
@@ -45,7 +57,10 @@ class TracedCollectives(_Recording):
         if sync is not None:
             sync()
         start = time.perf_counter_ns()
-        dist.all_reduce(x)  # in place: x is the fresh output of wo, w2 or the embedding
+        if self.local is not None and self.local.fits(x):
+            self.local.all_reduce(x)
+        else:
+            dist.all_reduce(x)  # in place: x is the fresh output of wo, w2 or the embedding
         if sync is not None:
             sync()
         self.events.append((ALL_REDUCE, layer, after, x.numel() * x.element_size(), start, time.perf_counter_ns()))
@@ -55,12 +70,15 @@ class TracedCollectives(_Recording):
         import torch.distributed as dist
 
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
         sync = self.sync
         if sync is not None:
             sync()
         start = time.perf_counter_ns()
-        dist.all_gather(parts, x)
+        if self.local is not None and self.local.fits(x):
+            parts = self.local.all_gather(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x)
         if sync is not None:
             sync()
         self.events.append((ALL_GATHER, layer, after, x.numel() * x.element_size(), start, time.perf_counter_ns()))

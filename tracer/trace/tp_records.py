@@ -75,7 +75,7 @@ class TensorParallelRun:
     """How a tensor-parallel run was set up and how it ended."""
 
     tp: int  # ranks
-    backend: str  # "gloo" (CPU) or "nccl" (CUDA)
+    backend: str  # "shm" (CPU ranks spawned on one host: tracer/run/shm_link.py), "gloo" (CPU), "nccl" (CUDA)
     launcher: str  # "spawn" (llmtrace started the ranks) or "torchrun"
     threads_per_rank: int  # torch CPU threads of each rank
     timeout_s: float  # the process group's timeout: the longest any collective waits for a missing rank
