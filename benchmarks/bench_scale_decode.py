@@ -150,8 +150,12 @@ def main() -> None:
             folder.mkdir()
             (folder / "llmtrace").symlink_to(tree.resolve())
             links.append(folder)
-        for _ in range(args.rounds):
-            for tree, folder in zip(trees, links):
+        for r in range(args.rounds):
+            # the trees' order reversed every other round: a round's first child meets the pages the child or the
+            # stream before it left (fresh ones after llama.cpp's mapped run), so a fixed order put one tree in that
+            # place every round (BENCHMARKS, issue 31, helper H4: a 2-round A/B whose first tree loaded 2x slower)
+            pairs = list(zip(trees, links))
+            for tree, folder in pairs if r % 2 == 0 else pairs[::-1]:
                 result = _child("llmtrace", args, tree, folder)
                 results.setdefault(str(tree), []).append(result)
                 print(f"  {tree}: {result}", flush=True)
