@@ -128,6 +128,20 @@ def test_cache_free_logits_equal_phi3_for_causal_lm(length: int, longrope: tuple
 
 
 @torch.no_grad()
+def test_a_cache_free_pass_leaves_the_caches_tables(longrope: tuple[Path, Path, ModelConfig]) -> None:
+    """A short cache-free pass (the short factors) after a cache set up past the original context (the long ones)
+    leaves the cache's tables as they were: the cached steps then give what they gave before it."""
+    model = load_model(str(longrope[0]), dtype=FP32).model
+    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    model.setup_cache(1, LONGEST)
+    expected = [model.prefill(ids), model.decode_one(ids[:, :1])]
+    model.setup_cache(1, LONGEST)
+    model(ids[:, :3])  # inside the original context: tables of the short factors for this pass only
+    got = [model.prefill(ids), model.decode_one(ids[:, :1])]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@torch.no_grad()
 def test_transformers_gguf_reading_gives_llmtraces_logits(longrope: tuple[Path, Path, ModelConfig],
                                                           hf: torch.nn.Module) -> None:
     """The same GGUF through transformers' own GGUF loading (its dequantization, its split of attn_qkv and ffn_up)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -273,6 +275,18 @@ class ModelCaches(nn.Module):
         self._layer_tables = [tables[self.config.layer_rope(i)] for i in range(len(self.layers))]
         self._rope_cos, self._rope_sin = cos, sin
         self._rope_key = (length, weight.device, weight.dtype, long)
+
+    @contextmanager
+    def rope_for_pass(self, length: int) -> Iterator[torch.Tensor]:
+        """Positions 0..length-1 (length,) with tables for a cache-free pass of `length` positions, and the cache's
+        tables put back after it: LongRoPE's differ by length, and the next cached step must find its own."""
+        held = self._rope_key
+        self._ensure_rope(length)
+        try:
+            yield self._positions[:length]
+        finally:
+            if held is not None:
+                self._ensure_rope(held[0])
 
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares (with Gemma 3's windowed

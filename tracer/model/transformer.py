@@ -368,12 +368,11 @@ class Transformer(ModelCaches):
         """Cache-free forward over all positions from 0: tokens (B, T) -> logits (B, T, V). Leaves the cache alone."""
         new = tokens.shape[1]
         self._check_attention_fits(tokens.shape[0], new, new)
-        self._ensure_rope(new)
-        input_pos = self._positions[:new]  # (T,)
-        x = self.embed(tokens)  # (B, T, dim)
-        for layer in self.layers:
-            x = layer(x, input_pos, False)
-        return self.logits(x)  # (B, T, V)
+        with self.rope_for_pass(new) as input_pos:  # (T,)
+            x = self.embed(tokens)  # (B, T, dim)
+            for layer in self.layers:
+                x = layer(x, input_pos, False)
+            return self.logits(x)  # (B, T, V)
 
     def prefill(self, tokens: torch.Tensor, pad: list[int] | None = None, path: Any = None) -> torch.Tensor:
         """Run the prompt tokens (B, T) through the model, filling the cache; logits (B, V) of the last position.
