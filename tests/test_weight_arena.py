@@ -6,7 +6,7 @@ from __future__ import annotations
 import mmap
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -15,6 +15,7 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
+from llmtrace.tracer.load import gguf_loader
 from llmtrace.tracer.load.gguf_loader import load_gguf_stored, pack_matrices
 from llmtrace.tracer.load.weight_arena import ALIGN, HUGE_PAGE, WeightArena
 from llmtrace.tracer.model import native_kernel
@@ -134,6 +135,29 @@ def test_native_matrices_read_as_stored_live_in_the_files_map_and_q_k_in_one_are
     if sys.platform == "linux":
         assert {_mapped_file(b.ctypes.data) for b in in_file.values()} == {str(tiny_q8)}
         assert {_mapped_file(b.ctypes.data) for b in permuted.values()} == {""}  # anonymous memory
+
+
+def test_a_map_that_cannot_be_guarded_is_not_used(tiny_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the SIGBUS handler cannot take the map (every slot taken, no handler installed), a truncated file
+    would kill the run silently (exit 135): the matrices are then copied into the arena, as before the map."""
+
+    class Unguarded(gguf_loader.FileMap):
+        def __init__(self, source: Any) -> None:
+            super().__init__(source)
+            self.guarded = False
+
+    monkeypatch.setattr(gguf_loader, "FileMap", Unguarded)
+    header = read_gguf_header(tiny_q8)
+    config = config_from_gguf_header(header)
+    _, packed = load_gguf_stored(header, config, torch.float32, NATIVE)
+    file_view = np.memmap(tiny_q8, dtype=np.uint8, mode="r")
+    offsets = {info.name: header.data_offset + info.offset for info in header.tensors}
+    held = packed["layers.0.feed_forward.w2.weight"].tensors["blocks"].numpy().reshape(-1)
+    start = offsets["blk.0.ffn_down.weight"]
+    assert np.array_equal(held, file_view[start:start + held.nbytes])  # the file's bytes, copied
+    if sys.platform == "linux":
+        places = {_mapped_file(w.tensors["blocks"].data_ptr()) for w in packed.values()}
+        assert places <= {"", "[heap]"}, places  # anonymous memory, never the file's map
 
 
 def test_an_arena_only_for_block_kernels(tiny_q8: Path) -> None:

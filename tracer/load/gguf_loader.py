@@ -204,12 +204,14 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     with ExitStack() as stack:
         reads = _reader(stack, header, reader)
         in_file = _in_file(header, config, reads, plan, packable, kernel)
+        mapped = FileMap(reads) if in_file else None  # type: ignore[arg-type]  # _in_file maps only a GGUFSource
+        if mapped is not None and not mapped.guarded:  # no handler would turn a truncation into one line: copies
+            mapped, in_file = None, set()
         arena, slots = _arena_slots(plan, [n for n in packable if _multiplied(n, config) and n not in in_file],
                                     kernel)
         if arena is not None:  # its pages faulted in from the far end while the matrices fill it from the front
             stack.enter_context(arena.populating())
-        if in_file:
-            mapped = FileMap(reads)  # type: ignore[arg-type]  # _in_file maps only a GGUFSource
+        if mapped is not None:
             ranges = {n: (header.data_offset + plan[n].offset, plan[n].n_bytes) for n in in_file}
             slots.update({n: mapped.view(*ranges[n]) for n in in_file})
             stack.enter_context(mapped.populating([ranges[n] for n, _ in _file_order(plan) if n in ranges]))
