@@ -329,8 +329,8 @@ def _load_gguf_stored(start: float, resolved: ResolvedModel, compute: DType, dev
     """The matrices packed as the file stores them (llmtrace.tracer.model.weight_formats), packed (or read from the
     cache) on the CPU, then moved to `device`. Converted packings (int4pack, blocks) are cached like dense weights:
     the entry holds the packed tensors (safetensors, described in JSON metadata; never unpickled). The native
-    kernel's are not: its weights ARE the file's blocks (copied as they are into the weight arena), so an entry
-    would only be a second copy of the file, no faster to read."""
+    kernel's are not: its weights ARE the file's blocks (held in the file's map, or copied as they are into the
+    weight arena: tracer/load/file_map.py), so an entry would only be a second copy of the file, no faster to read."""
     header, config = resolved.gguf_header, resolved.config
     assert header is not None
     path, values = Path(header.path), torch_dtype(compute)
