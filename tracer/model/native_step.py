@@ -69,7 +69,7 @@ def host_clock_matches() -> bool:
     return time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
 
-def _entry_points() -> tuple[Any, Any, Any] | None:
+def _entry_points() -> tuple[Any, Any, Any, Any] | None:
     """(llmt_decode_step, llmt_step_scratch_floats, llmt_decode_ahead) of the current library
     (native_kernel.reset() may load another) with their signatures declared, or None when there is no library, its
     step's structures differ from native_plan.py's, or it was built without the AVX2 row kernels."""
@@ -81,10 +81,10 @@ def _entry_points() -> tuple[Any, Any, Any] | None:
     return _DECLARED[library.path]
 
 
-_DECLARED: dict[Any, tuple[Any, Any, Any] | None] = {}  # by library file: made once per library loaded
+_DECLARED: dict[Any, tuple[Any, Any, Any, Any] | None] = {}  # by library file: made once per library loaded
 
 
-def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | None:
+def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any, Any] | None:
     handle = library.handle
     handle.llmt_step_layer_size.restype = handle.llmt_step_plan_size.restype = ctypes.c_int64
     if (handle.llmt_step_layer_size(), handle.llmt_step_plan_size()) != structure_sizes() \
@@ -104,7 +104,9 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any] | Non
     ahead.argtypes = [pointer, int64, int64, int64, int64, _CHOOSE, *(pointer,) * 4, ctypes.c_int, pointer, pointer,
                       pointer]
     ahead.restype = int64
-    return step, scratch, ahead
+    stamps = handle.llmt_step_stamps
+    stamps.argtypes, stamps.restype = [pointer, ctypes.c_int], int64
+    return step, scratch, ahead, stamps
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,7 @@ class NativeStep:
         entry = _entry_points()
         if entry is None:
             raise NotEligible("the native library (with its AVX2 row kernels) is not available")
-        self._step, self._scratch_floats, self._ahead = entry
+        self._step, self._scratch_floats, self._ahead, written = entry
         described = self._described = StepDescription(plan)
         self.layers, self.vocab, self.dim, self.head_dim = (described.layers, described.vocab, described.dim,
                                                             described.head_dim)
@@ -141,6 +143,8 @@ class NativeStep:
                   "embed_scale": described.embed_scale, "softcap": described.softcap}
         self.stamp_count = stamp_count(self.layers, staged=False, **counts)
         self.staged_stamp_count = stamp_count(self.layers, staged=True, **counts)
+        if (written(self._address, 0), written(self._address, 1)) != (self.stamp_count, self.staged_stamp_count):
+            raise NotEligible("the C step would write another number of stage readings than stamp_count counts")
         self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
         # Every address a step passes to C, read once: a tensor's data_ptr() costs ~10 us right after a step has
         # streamed the weights.

@@ -148,6 +148,13 @@ static int64_t fused_stamps(const StepPlan *p) {
     return fused_stamps_per_layer(p) * p->layers + 4 + (p->embed_scale != 0.0f) + (p->softcap != 0.0f);
 }
 
+/* The readings a traced step writes into its stamps buffer, fused or `staged` (Q|K|V as Q, K, V: two more a layer;
+   gate|up as gate, up: one more, or one more per chosen expert). The caller sizes the buffer by its own count
+   (native_step.py's stamp_count) and refuses the step where the two differ. */
+int64_t llmt_step_stamps(const StepPlan *p, int staged) {
+    return fused_stamps(p) + (staged ? p->layers * (2 + (p->top_k ? p->top_k : 1)) : 0);
+}
+
 static int64_t widest_input(const StepPlan *p) {
     int64_t k = p->dim;
     if (p->heads * p->head_dim > k) k = p->heads * p->head_dim;
