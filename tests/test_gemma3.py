@@ -13,7 +13,9 @@ writes them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -346,11 +348,7 @@ def test_each_twist_is_a_stage_and_the_flops_equal_flop_counter_and_the_estimate
                       "feed_forward.w3", "feed_forward.gelu", "feed_forward.w2", "post_ffn_norm", "ffn_residual"]
     top = [r.short_name for r in records if r.step == 0 and r.layer is None]
     assert top == ["tok_embeddings", "embed_scale", "norm", "output", "softcap"]
-    dtypes = estimate.Dtypes.for_weights(FP32)
-    for step in range(STEPS):
-        stages = [r for r in records if r.step == step]
-        phase = (estimate.prefill(config, PROMPT, dtypes) if step == 0
-                 else estimate.decode_step(config, PROMPT - 1 + step, dtypes))
+    for step, stages, phase in _beside_the_estimate(records, config):
         ours = stage_totals(stages)
         assert ours.matmul_flops == counted[step] == phase.totals.matmul_flops
         assert (ours.flops, ours.weight_bytes_read) == (phase.totals.total_flops, phase.totals.weight_bytes)
@@ -454,11 +452,7 @@ def test_the_packed_path_marks_every_gemma_stage_with_the_estimates_flops(
         "attention.scores", "attention.softmax", "attention.pv", "attention.wo", "post_attention_norm",
         "attn_residual", "ffn_norm", "feed_forward.w13", "feed_forward.gelu", "feed_forward.w2", "post_ffn_norm",
         "ffn_residual"]
-    dtypes = estimate.Dtypes.for_weights(FP32)
-    for step in range(STEPS):
-        stages = [r for r in records if r.step == step]
-        phase = (estimate.prefill(config, PROMPT, dtypes) if step == 0
-                 else estimate.decode_step(config, PROMPT - 1 + step, dtypes))
+    for step, stages, phase in _beside_the_estimate(records, config):
         ours = stage_totals(stages)
         assert (ours.flops, ours.matmul_flops, ours.weight_bytes_read, ours.kv_bytes_read) == (
             phase.totals.total_flops, phase.totals.matmul_flops, phase.totals.weight_bytes,
@@ -467,6 +461,17 @@ def test_the_packed_path_marks_every_gemma_stage_with_the_estimates_flops(
         for record in stages:
             parts = estimate.stage_components(record.short_name, config, record.layer)
             assert record.flops == sum(components[part].flops for part in parts), (step, record.layer, record.short_name)
+
+
+def _beside_the_estimate(records: list, config: ModelConfig) -> Iterator[tuple[int, list, Any]]:
+    """(step, its stage records, the estimate's phase for it: the prompt's prefill, then each decode step)."""
+    from llmtrace.tracer.analytic import estimate
+
+    dtypes = estimate.Dtypes.for_weights(FP32)
+    for step in range(STEPS):
+        phase = (estimate.prefill(config, PROMPT, dtypes) if step == 0
+                 else estimate.decode_step(config, PROMPT - 1 + step, dtypes))
+        yield step, [r for r in records if r.step == step], phase
 
 
 @pytest.mark.parametrize("backend", ["modules", "packed"])
