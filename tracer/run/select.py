@@ -111,7 +111,7 @@ def _packed_reason(model: Any, request: Request, plan_off: str) -> str:
         return "--staged runs Q, K, V, gate and up apart"
     if request.backend == MODULES:
         return "asked for the modules backend (Request.backend)"
-    return plan_off or model.packed_off_reason() or _marks_off(model, request) or watcher(model)
+    return plan_off or _marks_off(model, request) or watcher(model)  # plan_off holds packed_off_reason()'s answer
 
 
 def _native_reason(model: Any, request: Request, plan: FusedPlan | None, packed_off: str) -> str:
