@@ -36,6 +36,7 @@ from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.select import Request, select
 from llmtrace.tracer.trace.records import MODULES, NATIVE, PACKED
+from tests.stamp_count import stamp_count
 from tests.torch_threads import torch_threads
 
 transformers = pytest.importorskip("transformers")
@@ -220,6 +221,10 @@ def c_greedy(model: Transformer, backend: str, prompt: torch.Tensor) -> tuple[li
     route = select(model, request).route
     assert (route.prefill, route.decode) == route_taken, route
     run = backend_for(model, request)
+    # C's count of a traced step's readings (NativeStep sizes its buffer by it) against Gemma's stages counted apart
+    counted = tuple(stamp_count(model.config.n_layers, staged, qk_norm=True, post_norms=True, embed_scale=True,
+                                softcap=True) for staged in (False, True))
+    assert (run.plan.native.stamp_count, run.plan.native.staged_stamp_count) == counted
     c_steps = parity.count_c_steps(run, backend)
     ids, logits = parity.greedy_run(run, prompt, STEPS)
     assert len(c_steps) == STEPS - 1

@@ -30,7 +30,6 @@ from tiny_llama import random_weights
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_step import stamp_count
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.generate import Generation
@@ -39,6 +38,7 @@ from llmtrace.tracer.trace.fused_marks import staged_order
 from llmtrace.tracer.trace.hooks import Tracer
 from llmtrace.tracer.trace.records import DECODE, MODULES, NATIVE, PACKED, PREFILL, RunSettings, StageRecord
 from llmtrace.tracer.trace.routing import routing_step
+from tests.stamp_count import stamp_count
 from tests.torch_threads import torch_threads
 
 E, K, PROMPT, STEPS = 4, 2, 6, 7

@@ -30,7 +30,6 @@ from test_native_step import BASE, TOLERANCE, native_model
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.errors import FileFormatError
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_step import STAGED_STAGES_PER_LAYER, stamp_count
 from llmtrace.tracer.model.transformer import Transformer, build_random_model
 from llmtrace.tracer.model.weight_formats import NATIVE
 from llmtrace.tracer.trace.fused_marks import staged_order
@@ -40,6 +39,7 @@ from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.select import Request, select
 from llmtrace.tracer.trace.records import DECODE, MODULES, NATIVE, PREFILL, RunSettings, StageRecord
 from llmtrace.tracer.trace.run_trace import Trace, load_schema
+from tests.stamp_count import STAGED_STAGES_PER_LAYER, stamp_count
 from tests.torch_threads import torch_threads
 
 VARIANTS = {

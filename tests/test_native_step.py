@@ -24,13 +24,14 @@ import torch
 from llmtrace.tracer.core import contract
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.model import native_kernel
-from llmtrace.tracer.model.native_step import STAGES_AFTER_LAYERS, STAGES_PER_LAYER, host_clock_matches
+from llmtrace.tracer.model.native_step import host_clock_matches
 from llmtrace.tracer.model.transformer import Transformer
 from llmtrace.tracer.model.weight_formats import INT4PACK, NATIVE, pack_gguf
 from llmtrace.tracer.run.backends import backend_for
 from llmtrace.tracer.run.select import Request
 from llmtrace.tracer.trace.fused_marks import FusedMarks, fused_stages
 from llmtrace.tracer.trace.records import MODULES, PACKED
+from tests.stamp_count import STAGES_AFTER_LAYERS, STAGES_PER_LAYER, stamp_count
 from tests.tiny_gguf import random_blocks
 from tests.torch_threads import torch_threads
 
@@ -314,6 +315,9 @@ def test_a_failed_step_leaves_no_readings() -> None:
     run = backend_for(model)
     run.prefill(torch.arange(3, 8).view(1, -1))
     step = run.plan.native
+    # C's count of a traced step's readings (NativeStep sizes its buffer by it) against the stages counted apart
+    assert (step.stamp_count, step.staged_stamp_count) == tuple(stamp_count(BASE.n_layers, staged)
+                                                                for staged in (False, True))
     before = time.perf_counter_ns()
     step(4, 5, stamps=True)
     readings = step.readings()

@@ -46,10 +46,8 @@ class FileMap:
         self._map = mmap.mmap(source.fd, source.size, access=mmap.ACCESS_COPY)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.address = self.bytes.ctypes.data
-        library = native_kernel.library()
-        guard, unguard = library.handle.llmt_guard_map, library.handle.llmt_unguard_map
-        guard.argtypes, guard.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p], ctypes.c_int
-        unguard.argtypes, unguard.restype = [ctypes.c_void_p], None
+        handle = native_kernel.library().handle
+        guard, unguard = handle.llmt_guard_map, handle.llmt_unguard_map
         path = "".join(c if c.isprintable() else "?" for c in str(source.path))
         line = f"llmtrace: error: {changed(path)}\n".encode("utf-8", "replace")
         self.guarded = guard(self.address, source.size, line) == 0

@@ -112,7 +112,7 @@ class NativeLibrary:
     interleave: ctypes._CFuncPtr  # an i8dot Q4_0/Q4_1 matrix's rows in groups of sixteen (native/int8_groups.c)
     set_groups: ctypes._CFuncPtr  # a described part's interleaved copy
     group_rows: ctypes._CFuncPtr  # rows as stored of a matrix held interleaved in place
-    handle: ctypes.CDLL  # the library itself: native_step.py declares the decode step's entry points on it
+    handle: ctypes.CDLL  # the library itself, every entry point of _SIGNATURES declared on it
 
     @property
     def description(self) -> str:
@@ -525,8 +525,9 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
 
 
 _I, _P, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-# The products' entry points (native/gguf_matmul.c): name -> (argument types, or None to leave them undeclared,
-# result type)
+# The entry points called through the library's handle (the products', native/gguf_matmul.c; the decode step's
+# sizes, decode_step.c; a map's SIGBUS guard, mapped_file.c): name -> (argument types, or None to leave them
+# undeclared, result type). The decode step itself runs holding the GIL: native_step.py declares it on a PyDLL.
 _SIGNATURES = {
     "llmt_describe": ([_I, ctypes.POINTER(_I), ctypes.POINTER(_P), ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64,
                        ctypes.POINTER(_I), _P], _I),
@@ -536,6 +537,12 @@ _SIGNATURES = {
     "llmt_interleave": ([_I, _P, _I64, _I64, _I64, _P], _I),
     "llmt_set_groups": ([_P, _I, _P], _I),
     "llmt_group_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
+    "llmt_step_layer_size": ([], _I64),
+    "llmt_step_plan_size": ([], _I64),
+    "llmt_step_scratch_floats": ([_P, _I], _I64),
+    "llmt_step_stamps": ([_P, _I], _I64),
+    "llmt_guard_map": ([_P, _I64, ctypes.c_char_p], _I),
+    "llmt_unguard_map": ([_P], None),
 }
 
 

@@ -56,9 +56,8 @@ class NotEligible(Exception):
 
 class StepDescription:
     """A FusedPlan's model as decode_step.c reads it (`plan`, a _Plan whose pointers stay valid while this object
-    lives), with the sizes and switches the step's caller needs: layers, vocab, dim, head_dim, top_k, qk_norm,
-    post_norms, embed_scale, softcap; and a mixture of experts' routed buffers, whose rows become each layer's
-    Route.last (`routes`)."""
+    lives), with the sizes the step's caller needs: layers, vocab, dim, head_dim, top_k; and a mixture of experts'
+    routed buffers, whose rows become each layer's Route.last (`routes`)."""
 
     def __init__(self, plan: Any) -> None:
         layers = plan.layers
@@ -112,11 +111,9 @@ class StepDescription:
             p.qk_norm_floor_k = float(rms_norm_floor(first.kv_heads * self.head_dim, first.qk_whole.eps, "cpu"))
         if first.experts is not None:
             p.n_experts, p.top_k, p.renormalise = len(first.experts.down), self.top_k, int(first.experts.renormalise)
-        self.embed_scale = plan.embed_scale is not None
-        if self.embed_scale:  # the fp32 constant EmbedScale multiplies by
+        if plan.embed_scale is not None:  # the fp32 constant EmbedScale multiplies by
             p.embed_scale = float(torch.tensor(plan.embed_scale.value, dtype=torch.float32))
-        self.softcap = plan.softcap is not None
-        if self.softcap:
+        if plan.softcap is not None:
             p.softcap = plan.softcap.cap
         p.gelu = int(self.gelu)
 

@@ -50,11 +50,6 @@ from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.native_plan import NotEligible, StepDescription, products, structure_sizes
 from llmtrace.tracer.model.weight_formats import PackedWeight, runs_blocks
 
-STAGES_BEFORE_LAYERS = 1  # the embedding (and Gemma's × √d: `stamp_count`)
-STAGES_PER_LAYER = 14  # the fused path's layer stages (contract.fused_stages); the C step stamps each
-STAGED_STAGES_PER_LAYER = 17  # the staged path's (contract.staged_stages): Q, K, V and gate, up apart
-# (each one more with QK-norm, Qwen3's, two more with Gemma's norms after attention and FFN: `stamp_count`)
-STAGES_AFTER_LAYERS = 2  # final norm, LM head (and Gemma's soft-cap)
 _STATUS = {2: "a position outside the cache", 4: "a build without the AVX2 row kernels", 5: "too little scratch",
            6: "a token id outside the embedding table"}
 _NOT_CHOSEN = 7  # llmt_decode_ahead: the chooser answered no token (it raised: run_ahead hands its exception on)
@@ -70,7 +65,7 @@ def host_clock_matches() -> bool:
 
 
 def _entry_points() -> tuple[Any, Any, Any, Any] | None:
-    """(llmt_decode_step, llmt_step_scratch_floats, llmt_decode_ahead) of the current library
+    """(llmt_decode_step, llmt_step_scratch_floats, llmt_decode_ahead, llmt_step_stamps) of the current library
     (native_kernel.reset() may load another) with their signatures declared, or None when there is no library, its
     step's structures differ from native_plan.py's, or it was built without the AVX2 row kernels."""
     if not native_kernel.available():
@@ -85,8 +80,7 @@ _DECLARED: dict[Any, tuple[Any, Any, Any, Any] | None] = {}  # by library file: 
 
 
 def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any, Any] | None:
-    handle = library.handle
-    handle.llmt_step_layer_size.restype = handle.llmt_step_plan_size.restype = ctypes.c_int64
+    handle = library.handle  # its entry points declared by native_kernel._SIGNATURES
     if (handle.llmt_step_layer_size(), handle.llmt_step_plan_size()) != structure_sizes() \
             or not handle.llmt_step_supported():
         return None
@@ -97,16 +91,11 @@ def _declare(library: native_kernel.NativeLibrary) -> tuple[Any, Any, Any, Any] 
     step = holding_the_gil.llmt_decode_step
     step.argtypes = [pointer, int64, int64, pointer, pointer, ctypes.c_int, ctypes.c_int, pointer, pointer]
     step.restype = ctypes.c_int
-    scratch = handle.llmt_step_scratch_floats
-    scratch.argtypes = [pointer, ctypes.c_int]
-    scratch.restype = int64
     ahead = holding_the_gil.llmt_decode_ahead
     ahead.argtypes = [pointer, int64, int64, int64, int64, _CHOOSE, *(pointer,) * 4, ctypes.c_int, pointer, pointer,
                       pointer]
     ahead.restype = int64
-    stamps = handle.llmt_step_stamps
-    stamps.argtypes, stamps.restype = [pointer, ctypes.c_int], int64
-    return step, scratch, ahead, stamps
+    return step, handle.llmt_step_scratch_floats, ahead, handle.llmt_step_stamps
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +120,7 @@ class NativeStep:
         entry = _entry_points()
         if entry is None:
             raise NotEligible("the native library (with its AVX2 row kernels) is not available")
-        self._step, self._scratch_floats, self._ahead, written = entry
+        self._step, self._scratch_floats, self._ahead, stamps_written = entry
         described = self._described = StepDescription(plan)
         self.layers, self.vocab, self.dim, self.head_dim = (described.layers, described.vocab, described.dim,
                                                             described.head_dim)
@@ -139,12 +128,9 @@ class NativeStep:
         self._routes, self._routed, self._routed_weights = (described.routes, described.routed,
                                                             described.routed_weights)
         self._address = ctypes.addressof(described.plan)
-        counts = {"qk_norm": described.qk_norm, "experts": self.top_k, "post_norms": described.post_norms,
-                  "embed_scale": described.embed_scale, "softcap": described.softcap}
-        self.stamp_count = stamp_count(self.layers, staged=False, **counts)
-        self.staged_stamp_count = stamp_count(self.layers, staged=True, **counts)
-        if (written(self._address, 0), written(self._address, 1)) != (self.stamp_count, self.staged_stamp_count):
-            raise NotEligible("the C step would write another number of stage readings than stamp_count counts")
+        # the clock readings a traced step writes (its start, then one after each stage), fused and staged, as C
+        # counts them: the buffer below is sized by them, C writes without being told its length
+        self.stamp_count, self.staged_stamp_count = (int(stamps_written(self._address, staged)) for staged in (0, 1))
         self._stamps = torch.zeros(self.staged_stamp_count, dtype=torch.int64)  # room for either
         # Every address a step passes to C, read once: a tensor's data_ptr() costs ~10 us right after a step has
         # streamed the weights.
@@ -263,14 +249,3 @@ class NativeStep:
         step that was not traced or failed."""
         return self._stamp_values[: self._taken]
 
-
-def stamp_count(layers: int, staged: bool, qk_norm: bool = False, experts: int = 0, post_norms: bool = False,
-                embed_scale: bool = False, softcap: bool = False) -> int:
-    """Clock readings of a traced step of `layers` layers: its start, then one after each stage (QK-norm's, one a
-    layer, where the model has it; Gemma's norms after attention and FFN, two a layer, its × √d after the embedding
-    and its soft-cap after the LM head; a mixture of `experts` chosen experts a token: router, route, each expert's
-    gate|up (gate, up when staged), silu*up and down, and the weighted sum in place of gate|up, silu*up, down)."""
-    per_layer = (STAGED_STAGES_PER_LAYER if staged else STAGES_PER_LAYER) + int(qk_norm) + 2 * int(post_norms)
-    if experts:  # router, route and the weighted sum stand for the dense FFN's gate|up, silu*up, down (staged: gate,
-        per_layer += 4 * experts - 1 if staged else 3 * experts  # up, silu*up, down), then each expert's own
-    return 1 + STAGES_BEFORE_LAYERS + int(embed_scale) + per_layer * layers + STAGES_AFTER_LAYERS + int(softcap)

@@ -149,8 +149,8 @@ static int64_t fused_stamps(const StepPlan *p) {
 }
 
 /* The readings a traced step writes into its stamps buffer, fused or `staged` (Q|K|V as Q, K, V: two more a layer;
-   gate|up as gate, up: one more, or one more per chosen expert). The caller sizes the buffer by its own count
-   (native_step.py's stamp_count) and refuses the step where the two differ. */
+   gate|up as gate, up: one more, or one more per chosen expert). The caller sizes the buffer by this count
+   (native_step.py); tests hold it to an independent count of the contract's stages. */
 int64_t llmt_step_stamps(const StepPlan *p, int staged) {
     return fused_stamps(p) + (staged ? p->layers * (2 + (p->top_k ? p->top_k : 1)) : 0);
 }
