@@ -264,3 +264,36 @@ def test_a_longrope_runs_trace_reads_back_equal(longrope: tuple[Path, Path, Mode
     back = Trace.from_json(trace.to_json())
     assert back.config.rope_scaling.long_factor == tuple(LONG)
     assert back == trace and hash(back.config) == hash(trace.config)
+
+
+def test_a_trace_written_with_llama3s_factors_for_longrope_reads_back_the_same(
+        longrope: tuple[Path, Path, ModelConfig]) -> None:
+    """The low and high frequency factors are llama3 scaling's alone (None for LongRoPE and linear): a trace written
+    before, which held llama3's 1.0 and 4.0 for every kind, reads back as the config a run makes now; a trace of
+    now validates against the schema (LongRoPE's factors and the null ones in it)."""
+    import jsonschema
+
+    from llmtrace.tracer.run.generate import generate
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.run_trace import Trace, load_schema
+
+    _, gguf_path, _ = longrope
+    settings = RunSettings(model=str(gguf_path), prompt="The sky", max_new_tokens=2, temperatures=())
+    trace = generate(load_model(str(gguf_path)), settings)
+    data = json.loads(trace.to_json())
+    scaling = data["config"]["rope_scaling"]
+    assert (scaling["kind"], scaling["low_freq_factor"], scaling["high_freq_factor"]) == ("longrope", None, None)
+    jsonschema.validate(data, load_schema())
+    scaling.update(low_freq_factor=1.0, high_freq_factor=4.0)  # as traces were written before
+    back = Trace.from_json(json.dumps(data))
+    assert back.config == trace.config and back.config.rope_scaling.low_freq_factor is None
+
+
+@pytest.mark.parametrize("kind", ["linear", "longrope"])
+def test_llama3s_frequency_factors_are_refused_on_another_kind(kind: str) -> None:
+    from llmtrace.tracer.core.config import RopeScaling
+
+    factors = {"short_factor": (1.0,), "long_factor": (2.0,)} if kind == "longrope" else {}
+    RopeScaling(8.0, 8192, kind=kind, **factors).check("m")  # none: its own fields suffice
+    with pytest.raises(ConfigError, match=f"are 'llama3' scaling's; '{kind}' has none"):
+        RopeScaling(8.0, 8192, kind=kind, low_freq_factor=1.0, high_freq_factor=4.0, **factors).check("m")

@@ -148,7 +148,7 @@ def _rope_scaling(keys: _Keys) -> RopeScaling | None:
                           f"{keys.full('rope.scaling.attn_factor')}; the file is incomplete")
     kind = keys.get("rope.scaling.type")
     if keys.arch == "gemma3" and kind == "linear":
-        return RopeScaling(keys.real("rope.scaling.factor", keys.get("rope.scaling.factor", 1.0)), 1.0, 4.0,
+        return RopeScaling(keys.real("rope.scaling.factor", keys.get("rope.scaling.factor", 1.0)),
                            keys.whole("context_length", keys.get("context_length", 131_072)), kind="linear")
     if kind != "llama3" and keys.full("rope.scaling.low_freq_factor") not in keys.meta:
         return None
@@ -172,7 +172,7 @@ def _longrope(keys: _Keys) -> RopeScaling:
                           f"whole number, got {original}; the file is malformed")
     context = keys.whole("context_length", keys.get("context_length", original))
     attention = keys.real("rope.scaling.attn_factor", keys.meta[keys.full("rope.scaling.attn_factor")])
-    return RopeScaling(context / original, 1.0, 4.0, original, kind="longrope", short_factor=tuple(short),
+    return RopeScaling(context / original, original, kind="longrope", short_factor=tuple(short),
                        long_factor=tuple(long), attention_factor=attention)
 
 

@@ -230,7 +230,7 @@ def _longrope(raw: Mapping[str, Any], data: Mapping[str, Any], source: str) -> R
     attention = raw.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    return RopeScaling(factor, 1.0, 4.0, original, kind="longrope", attention_factor=real_number(
+    return RopeScaling(factor, original, kind="longrope", attention_factor=real_number(
         attention, source, "rope_scaling.attention_factor"), **factors)
 
 
@@ -312,7 +312,7 @@ def _gemma3_rope(data: Mapping[str, Any], window: int | None, source: str) -> di
     scaling = None
     kind = global_params.get("rope_type") or global_params.get("type")
     if kind == "linear":
-        scaling = RopeScaling(real_number(global_params.get("factor"), source, "rope_scaling.factor"), 1.0, 4.0,
+        scaling = RopeScaling(real_number(global_params.get("factor"), source, "rope_scaling.factor"),
                               whole_number(data.get("max_position_embeddings", 131_072), source,
                                            "max_position_embeddings"), kind="linear")
     elif kind not in (None, "default"):

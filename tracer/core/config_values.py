@@ -22,16 +22,17 @@ MAX_EXPERTS = 2**16  # DeepSeek-V3 has 256 routed experts a layer
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3"), or with `kind` "linear" every
-    frequency divided by `factor` (Gemma 3's global layers; the other fields then unused), or with `kind` "longrope"
-    (Phi-3's 128k models) frequency i divided by short_factor[i] up to `original_max_position` positions and by
-    long_factor[i] past it, cos and sin times `attention_factor` (`factor` is then the context's stretch, for show)."""
+    """Llama 3.1-style frequency-dependent RoPE scaling ("rope_type": "llama3": its low and high frequency factors
+    bound the band blended between scaled and kept), or with `kind` "linear" every frequency divided by `factor`
+    (Gemma 3's global layers), or with `kind` "longrope" (Phi-3's 128k models) frequency i divided by short_factor[i]
+    up to `original_max_position` positions and by long_factor[i] past it, cos and sin times `attention_factor`
+    (`factor` is then the context's stretch, for show)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position: int
     kind: str = "llama3"  # "llama3", "linear" or "longrope"
+    low_freq_factor: float | None = None  # llama3's alone (None for the other kinds)
+    high_freq_factor: float | None = None
     short_factor: tuple[float, ...] = ()  # LongRoPE's, one per frequency (head_dim / 2)
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0  # LongRoPE's
@@ -45,15 +46,19 @@ class RopeScaling:
                                                                              self.attention_factor))):
             raise ConfigError(f"config {name!r}: LongRoPE needs short and long factors of one length and an attention "
                               "factor, each a finite number > 0")
-        for field_name in ("factor", "low_freq_factor", "high_freq_factor"):
+        llama3 = self.kind == "llama3"
+        for field_name in ("factor", "low_freq_factor", "high_freq_factor") if llama3 else ("factor",):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ConfigError(f"config {name!r}: rope scaling {field_name} must be a finite number > 0, got "
                                   f"{value!r}")
-        if self.low_freq_factor >= self.high_freq_factor:
+        if llama3 and self.low_freq_factor >= self.high_freq_factor:
             raise ConfigError(f"config {name!r}: rope scaling low_freq_factor ({self.low_freq_factor}) must be below "
                               f"high_freq_factor ({self.high_freq_factor})")
+        if not llama3 and (self.low_freq_factor, self.high_freq_factor) != (None, None):
+            raise ConfigError(f"config {name!r}: rope scaling low_freq_factor and high_freq_factor are 'llama3' "
+                              f"scaling's; {self.kind!r} has none")
         if not isinstance(self.original_max_position, int) or isinstance(self.original_max_position, bool) or \
                 not 0 < self.original_max_position <= INT_LIMITS["max_seq_len"]:
             raise ConfigError(f"config {name!r}: rope scaling original_max_position must be a positive integer, got "

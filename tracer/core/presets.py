@@ -77,7 +77,7 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
     # layers; its vision tower is not counted: run refuses the folder, the analytical commands cost the text model).
     _gemma3("gemma3-1b", 262144, 1152, 26, 4, 1, 6912, 512, 32768, None),
     _gemma3("gemma3-4b", 262208, 2560, 34, 8, 4, 10240, 1024, 131072,
-            RopeScaling(8.0, 1.0, 4.0, 131072, kind="linear")),
+            RopeScaling(8.0, 131072, kind="linear")),
     # Mixture of experts: every layer's FFN is E SwiGLU experts of ffn_dim, k per token.
     # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1/config.json): num_local_experts 8, num_experts_per_tok 2, no window.
     ModelConfig("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
