@@ -114,14 +114,16 @@ class LoadPlan:
 
 def plan_load(spec: ModelSource | str | None, dtype: DType | AutoDtype = DEFAULT_DTYPE, device: str = "cpu", *,
               dry_run: bool = False, random_init: bool = False,
-              weights: str | WeightsRequest | None = None) -> LoadPlan:
+              weights: str | WeightsRequest | None = None, resolved: ResolvedModel | None = None) -> LoadPlan:
     """load_model's decisions for these arguments (its refusals included): the model, the device, the kernels, the
-    compute dtype and the weights' form."""
+    compute dtype and the weights' form. `resolved`: `spec` already resolved, by a caller that reads no weights and
+    so needs no tokenizer (--tp's memory check)."""
     request = weights if isinstance(weights, WeightsRequest) else parse_weights(weights)
     target = _check_device(device, request)
     if dry_run and random_init:
         raise BadArgumentError("choose either a dry run (shapes only) or random weights, not both")
-    resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
+    if resolved is None:
+        resolved = resolve_model(bundled_source() if spec is None else spec, vocabulary=True)
     if resolved.config.moe is not None and request.mode == TUNED:
         raise BadArgumentError(f"{request.flag}: {kernel_pick.MOE_NOT_TUNED}")
     if resolved.kind == PRESET and not (dry_run or random_init):

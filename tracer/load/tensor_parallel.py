@@ -25,6 +25,7 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from llmtrace.tracer.checkpoint.resolve import HF, ModelSource, ResolvedModel
+from llmtrace.tracer.checkpoint.tokenizer import load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
 from llmtrace.tracer.core.dtypes import BF16, AutoDtype, DType
 from llmtrace.tracer.core.contract import per_expert, tensor_of
@@ -139,7 +140,7 @@ def load_shard(spec: ModelSource | str | None, dtype: DType | AutoDtype, device:
                                                                                        tp)):
         return _gguf_shard(start, plan, rank, tp, comm, dry_run)
     if plan.resolved.kind == HF and not dry_run:
-        return _hf_shard(start, plan, spec, dtype, rank, tp, comm)
+        return _hf_shard(start, plan, rank, tp, comm)
     # dense (a GGUF dequantized whose split falls inside a block too): the ranks slice plain tensors
     whole = load_model(spec, dtype=dtype, device="cpu", dry_run=dry_run, weights="dense")  # moved to `device` later
     config = whole.config
@@ -205,16 +206,14 @@ def _gguf_shard(start: float, plan: LoadPlan, rank: int, tp: int, comm: Collecti
                        kernel_note=plan.note, weights=choice)
 
 
-def _hf_shard(start: float, plan: LoadPlan, spec: ModelSource | str | None, dtype: DType | AutoDtype, rank: int,
-              tp: int, comm: Collectives) -> LoadedModel:
-    """An HF folder's shard read as hf_shard_state_dict reads it; the tokenizer and kernels as load_model gives
-    them (its dry run: no weights read)."""
+def _hf_shard(start: float, plan: LoadPlan, rank: int, tp: int, comm: Collectives) -> LoadedModel:
+    """An HF folder's shard read as hf_shard_state_dict reads it; the tokenizer, kernels and source as load_model
+    gives them from the same plan."""
     resolved, compute = plan.resolved, plan.compute
     if plan.target.type == "cpu":  # refused in one line before a byte is read
         name = Path(resolved.path).name if resolved.path is not None else resolved.config.name
         check_fits(replace(resolved, config=shard_config(resolved.config, tp)), plan.weights, compute,
                    f"rank {rank}'s shard (1/{tp}) of {name} in {compute.name}")
-    base = load_model(spec, dtype=dtype, device="cpu", dry_run=True, weights="dense")
     state, stored = hf_shard_state_dict(resolved.source.path, resolved.config, torch_dtype(compute), rank, tp)
     if plan.target.type != "cpu":
         state = {n: t.to(plan.target) for n, t in state.items()}
@@ -222,6 +221,8 @@ def _hf_shard(start: float, plan: LoadPlan, spec: ModelSource | str | None, dtyp
     model.load_weights(state)
     model.requires_grad_(False)
     model.eval()
-    return replace(base, model=model, load_seconds=time.perf_counter() - start,
-                   weight_format=f"safetensors {stored} -> {compute.name}, tensor-parallel shard {rank + 1}/{tp}",
-                   weights=plan.weights, kernels=plan.kernels, kernel_note=plan.note)
+    return LoadedModel(config=resolved.config, model=model, tokenizer=load_tokenizer(resolved.source.path),
+                       source=resolved.source.origin or str(resolved.source.path),
+                       load_seconds=time.perf_counter() - start,
+                       weight_format=f"safetensors {stored} -> {compute.name}, tensor-parallel shard {rank + 1}/{tp}",
+                       kernels=plan.kernels, kernel_note=plan.note, weights=plan.weights)

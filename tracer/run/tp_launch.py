@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmtrace.tracer.checkpoint.resolve import ResolvedModel
 from llmtrace.tracer.core.errors import BadArgumentError, FileFormatError, LlmtraceError
 from llmtrace.tracer.core.json_input import parse_json
 from llmtrace.tracer.run.tp_worker import (OpenGate, RankJob, backend_for, init_group, run_rank, spawn_backend,
@@ -91,7 +92,8 @@ def check_tensor_parallel(model: str | None, tp: int, device: str, dtype: Any = 
 
     if tp < 1:
         raise BadArgumentError(f"--tp must be at least 1, got {tp}")
-    config = resolve_model(bundled_source() if not model else model).config
+    resolved = resolve_model(bundled_source() if not model else model)
+    config = resolved.config
     if config.moe is not None and tp > 1:  # the model's split (tracer/model/tensor_parallel.py) shards a dense FFN
         raise BadArgumentError(f"run --tp {tp}: {config.name} is a mixture of experts, which the ranks do not split "
                                "yet; run it on one device (`roofline --tp` costs the split)")
@@ -108,13 +110,13 @@ def check_tensor_parallel(model: str | None, tp: int, device: str, dtype: Any = 
                                    f"use --tp {have} or fewer, or --device cpu")
         return
     if dtype is not None:
-        check_shards_fit(model, tp, device, dtype, weights)
+        check_shards_fit(resolved, tp, device, dtype, weights)
 
 
-def check_shards_fit(model: str | None, tp: int, device: str, dtype: Any, weights: str | None) -> None:
-    """A GGUF's `tp` shards held as stored, or an HF folder's: refused in one line (what they need together, what
-    the machine has) when they exceed memory_fit.SHARE of the memory available, or when a split falls inside a
-    block."""
+def check_shards_fit(resolved: ResolvedModel, tp: int, device: str, dtype: Any, weights: str | None) -> None:
+    """A GGUF's `tp` shards held as stored, or an HF folder's (the `resolved` model): refused in one line (what they
+    need together, what the machine has) when they exceed memory_fit.SHARE of the memory available, or when a split
+    falls inside a block."""
     from llmtrace.tracer.checkpoint.resolve import HF
     from llmtrace.tracer.core.errors import HardwareError
     from llmtrace.tracer.hardware.memory import available_memory_bytes
@@ -124,7 +126,7 @@ def check_shards_fit(model: str | None, tp: int, device: str, dtype: Any, weight
     from llmtrace.tracer.load.stored_weights import STORED
     from llmtrace.tracer.load.tensor_parallel import shard_bytes
 
-    plan = plan_load(model, dtype, device, weights=weights)
+    plan = plan_load(resolved.source, dtype, device, weights=weights, resolved=resolved)
     header = plan.resolved.gguf_header
     hf = plan.resolved.kind == HF and plan.target.type == "cpu"
     if not hf and (header is None or plan.weights.mode != STORED):
