@@ -47,6 +47,10 @@ from llmtrace.tracer.core.stage_kinds import KINDS, CallDims, step_flops
 
 MATMUL, ELEMENTWISE, MEMORY = "matmul", "elementwise", "memory"
 
+# flop_formulas' constants as the formulas' text shows them (the figures beside them are the kinds' own)
+_NE, _NR = ff.RMSNORM_FLOPS_PER_ELEMENT, ff.RMSNORM_FLOPS_PER_ROW
+_SM, _RO, _SC = ff.SOFTMAX_FLOPS_PER_ELEMENT, ff.ROPE_FLOPS_PER_ELEMENT, ff.SOFTCAP_FLOPS_PER_ELEMENT
+
 
 @dataclass(frozen=True, slots=True)
 class Dtypes:
@@ -317,7 +321,7 @@ def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, ke
         meta = [
             ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·P·D = 2·{batch}·{h}·{pairs:,}·{hd}"),
             ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·P = {batch}·{h}·{pairs:,}"),
-            ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·P = 5·{batch}·{h}·{pairs:,}"),
+            ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"{_SM}·B·H·P = {_SM}·{batch}·{h}·{pairs:,}"),
             ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·P·D = 2·{batch}·{h}·{pairs:,}·{hd}"),
         ]
     else:
@@ -326,7 +330,7 @@ def _attention_core(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes, ke
         meta = [
             ("attention.scores", "scores QKᵀ", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
             ("attention.scale", "scale 1/√D (+mask)", ELEMENTWISE, lambda: f"B·H·T·S = {batch}·{h}·{t}·{s}"),
-            ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"5·B·H·T·S = 5·{batch}·{h}·{t}·{s}"),
+            ("attention.softmax", "softmax", ELEMENTWISE, lambda: f"{_SM}·B·H·T·S = {_SM}·{batch}·{h}·{t}·{s}"),
             ("attention.pv", "probs × V", MATMUL, lambda: f"2·B·H·T·S·D = 2·{batch}·{h}·{t}·{s}·{hd}{causal}"),
         ]
     numbers = _attention_core_numbers(cfg, batch, t, context, dt, kernels)
@@ -484,7 +488,8 @@ class _EagerRows:
 
     def norm(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
         d = self.cfg.dim
-        return self.elementwise(spec, label, lambda: f"{sym}·(4d+3) = {rows}·(4·{d}+3)", "rmsnorm", rows * d,
+        formula = lambda: f"{sym}·({_NE}d+{_NR}) = {rows}·({_NE}·{d}+{_NR})"  # noqa: E731
+        return self.elementwise(spec, label, formula, "rmsnorm", rows * d,
                                 rows * d, self.dt.tensor_bytes(spec.tensors[0].name, d, self.vector_dtype.row_bytes(d)),
                                 every_token=spec.in_layer)
 
@@ -507,15 +512,16 @@ class _EagerRows:
         vectors = sum(self.dt.tensor_bytes(t.name, n, self.vector_dtype.row_bytes(n))
                       for t, n in zip(spec.tensors, widths))
         if cfg.qk_norm_whole:
-            formula = lambda: f"BT·(4·H·D+3) + BT·(4·Hkv·D+3) = {r}·(4·{q}+3) + {r}·(4·{kv}+3)"  # noqa: E731
+            formula = lambda: (f"BT·({_NE}·H·D+{_NR}) + BT·({_NE}·Hkv·D+{_NR}) = "  # noqa: E731
+                               f"{r}·({_NE}·{q}+{_NR}) + {r}·({_NE}·{kv}+{_NR})")
         else:
-            formula = lambda: f"BT·(H+Hkv)·(4D+3) = {r}·({h}+{hkv})·(4·{hd}+3)"  # noqa: E731
+            formula = lambda: f"BT·(H+Hkv)·({_NE}D+{_NR}) = {r}·({h}+{hkv})·({_NE}·{hd}+{_NR})"  # noqa: E731
         return self.elementwise(spec, label, formula, "qk_norm", r * (q + kv), r * (q + kv), vectors)
 
     def rope(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
         cfg, r = self.cfg, self.r
         h, hkv, hd, width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim + cfg.kv_dim
-        return self.elementwise(spec, label, lambda: f"3·BT·(H+Hkv)·D = 3·{r}·({h}+{hkv})·{hd}", "rope",
+        return self.elementwise(spec, label, lambda: f"{_RO}·BT·(H+Hkv)·D = {_RO}·{r}·({h}+{hkv})·{hd}", "rope",
                                 r * width, r * width)
 
     def kv_cache(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
@@ -528,7 +534,7 @@ class _EagerRows:
     def gated(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
         """silu(gate)·up (6 FLOPs an element) or Gemma's gelu(gate)·up (10)."""
         r, f = self.r, self.cfg.ffn_dim
-        per = 6 if spec.kind == "swiglu" else 10
+        per = ff.SWIGLU_FLOPS_PER_ELEMENT if spec.kind == "swiglu" else ff.GEGLU_FLOPS_PER_ELEMENT
         return self.elementwise(spec, label, lambda: f"{per}·BT·F = {per}·{r}·{f}", spec.kind, 2 * r * f, r * f)
 
     def scale(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
@@ -539,7 +545,7 @@ class _EagerRows:
     def softcap(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
         """The last position's logits."""
         b, v = self.batch, self.cfg.vocab_size
-        return self.elementwise(spec, label, lambda: f"3·B·V = 3·{b}·{v}", "softcap", b * v, b * v,
+        return self.elementwise(spec, label, lambda: f"{_SC}·B·V = {_SC}·{b}·{v}", "softcap", b * v, b * v,
                                 every_token=False)
 
 
@@ -579,7 +585,7 @@ def _routed_rows(cfg: ModelConfig, rows: list[_Row], tokens: int, dt: Dtypes) ->
         _Row(ROUTER, "router logits", MATMUL, True, lambda: f"2·BT·d·E = 2·{tokens}·{d}·{e}",
              Cost(logits, logits, dt.weights.matrix_bytes(e, d), 0, 0, int(tokens * d * a), int(tokens * e * a))),
         _Row(ROUTE, f"softmax, top-{k}", ELEMENTWISE, True,
-             lambda: f"BT·(5·E + k·E{renorm}) = {tokens}·(5·{e} + {k}·{e}{renorm.replace('k', str(k))})",
+             lambda: f"BT·({_SM}·E + k·E{renorm}) = {tokens}·({_SM}·{e} + {k}·{e}{renorm.replace('k', str(k))})",
              Cost(route, route, 0, 0, 0, int(tokens * e * a), int(tokens * 2 * k * a))),
     ]
     weighted = _Row(COMBINE, f"weighted sum of {k}", ELEMENTWISE, True,

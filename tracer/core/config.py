@@ -16,6 +16,7 @@ from llmtrace.tracer.core.config_hf import hf_fields, read_config_json
 # RopeScaling and MoeSpec are a config's parts: their users import them from here with ModelConfig
 from llmtrace.tracer.core.config_values import INT_LIMITS, MoeSpec, RopeScaling
 from llmtrace.tracer.core.errors import ConfigError
+from llmtrace.tracer.core.json_input import is_int
 
 
 def first_attended_position(end: int, new: int, window: int | None) -> int:
@@ -152,14 +153,13 @@ def _check_sizes(config: ModelConfig) -> None:
     """Every size a positive integer below any real model's bound (a larger one is a corrupt file)."""
     for field_name, limit in INT_LIMITS.items():
         value = getattr(config, field_name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ConfigError(f"config {config.name!r}: {field_name} must be a positive integer, got {value!r}")
         if value > limit:
             raise ConfigError(f"config {config.name!r}: {field_name} is {value:,}, beyond any real model "
                               f"(at most {limit:,}); the file is corrupt")
     head_dim = config.explicit_head_dim
-    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool)
-                                 or not 0 < head_dim <= INT_LIMITS["dim"]):
+    if head_dim is not None and (not is_int(head_dim) or not 0 < head_dim <= INT_LIMITS["dim"]):
         raise ConfigError(f"config {config.name!r}: head_dim must be a positive integer, got {head_dim!r}")
 
 
@@ -194,7 +194,7 @@ def _check_layout(config: ModelConfig) -> None:
             f"config {name!r}: n_heads ({config.n_heads}) must be a multiple of n_kv_heads ({config.n_kv_heads})"
         )
     window = config.sliding_window
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+    if window is not None and (not is_int(window) or window <= 0):
         raise ConfigError(f"config {name!r}: sliding_window must be a positive integer or null, got {window!r}")
     if config.explicit_head_dim is None and config.dim % config.n_heads:
         raise ConfigError(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from llmtrace.tracer.core.errors import ConfigError, short_repr
+from llmtrace.tracer.core.json_input import is_int
 
 # Upper bounds far past any released model (Llama 3.1 405B: dim 16,384, 126 layers, 128 heads, FFN 53,248,
 # vocabulary 128,256; the longest contexts are ~10M): a value beyond them is a corrupt file, and refusing it here
@@ -59,8 +60,7 @@ class RopeScaling:
         if not llama3 and (self.low_freq_factor, self.high_freq_factor) != (None, None):
             raise ConfigError(f"config {name!r}: rope scaling low_freq_factor and high_freq_factor are 'llama3' "
                               f"scaling's; {self.kind!r} has none")
-        if not isinstance(self.original_max_position, int) or isinstance(self.original_max_position, bool) or \
-                not 0 < self.original_max_position <= INT_LIMITS["max_seq_len"]:
+        if not is_int(self.original_max_position) or not 0 < self.original_max_position <= INT_LIMITS["max_seq_len"]:
             raise ConfigError(f"config {name!r}: rope scaling original_max_position must be a positive integer, got "
                               f"{self.original_max_position!r}")
 
@@ -83,7 +83,7 @@ class MoeSpec:
     def check(self, name: str) -> None:
         for field_name in ("n_experts", "experts_per_token"):
             value = getattr(self, field_name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_EXPERTS:
+            if not is_int(value) or not 0 < value <= MAX_EXPERTS:
                 raise ConfigError(f"config {name!r}: {field_name} must be an integer from 1 to {MAX_EXPERTS:,}, "
                                   f"got {value!r}")
         if self.experts_per_token > self.n_experts:
@@ -115,9 +115,9 @@ def positive_window(window: Any, rule: str) -> int | None:
     `rule` begins (the file, the key and what it must be)."""
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+    if not is_int(window) or window <= 0:
         raise ConfigError(f"{rule}, got {window!r}")
-    return window
+    return int(window)  # a numpy integer (is_int takes one) as the plain int a config holds
 
 
 def dict_or_empty(value: Any) -> Mapping[str, Any]:

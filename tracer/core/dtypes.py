@@ -128,6 +128,12 @@ def _not_one_of(name: str | DType, found: DType | None, refusal: str, listed: st
     return BadArgumentError(f"{what} {str(name)!r}; choose one of {listed}")
 
 
+def dense_name(torch_dtype: object) -> str:
+    """A torch dtype's short name, as a dense weight's format says it ("fp32", "bf16", "fp16"; torch's own else)."""
+    name = str(torch_dtype).removeprefix("torch.")
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(name, name)
+
+
 def dtype_of_file_type(type_name: str) -> DType | None:
     """The format whose layout a checkpoint's tensor type has exactly ("BF16" is bf16, "Q8_0" int8, "Q4_K" q4_k), or
     None (safetensors' I8: no scales, no llmtrace format)."""

@@ -27,7 +27,7 @@ from llmtrace.tracer.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from llmtrace.tracer.checkpoint.resolve import HF, ModelSource, ResolvedModel
 from llmtrace.tracer.checkpoint.tokenizer import load_tokenizer
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.dtypes import BF16, AutoDtype, DType
+from llmtrace.tracer.core.dtypes import BF16, AutoDtype, DType, dense_name
 from llmtrace.tracer.core.contract import per_expert, tensor_of
 from llmtrace.tracer.hardware.dtype_policy import torch_dtype
 from llmtrace.tracer.load import mapped_pages
@@ -42,8 +42,6 @@ from llmtrace.tracer.load.memory_fit import check_fits, weights_held
 from llmtrace.tracer.load.stored_weights import STORED, WeightsRequest, kernel_plan
 from llmtrace.tracer.analytic.tensor_parallel import vocab_slice
 from llmtrace.tracer.model.tensor_parallel import Collectives, build_meta_shard, shard_config
-
-_FLOAT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _slice(tensor: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
@@ -99,7 +97,7 @@ def hf_shard_state_dict(folder: str | Path, config: ModelConfig, dtype: torch.dt
     for name, parts in mapped_views(folder, config).items():
         whole = torch.stack([view for view, _, _, _ in parts]) if per_expert(tensor_of(name), config) \
             else parts[0][0]
-        stored.add(_FLOAT_NAMES.get(whole.dtype, str(whole.dtype).removeprefix("torch.")))
+        stored.add(dense_name(whole.dtype))
         piece = shard_tensor(config, name, whole, rank, tp)
         out[name] = torch.empty(piece.shape, dtype=dtype).copy_(piece)
         del whole, piece

@@ -64,6 +64,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtrace.tracer.core.dtypes import dense_name
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.model import native_kernel
@@ -119,7 +120,6 @@ class WeightFormat:
 
 
 _BITS = {name: block_bytes * 8 / block for name, block, block_bytes in GGML_TYPES.values()}
-_DENSE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _BY_TYPE = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q4_K: "q4_k", _Q8_0: "q8_0", _Q5_0: "q5_0", _Q5_1: "q5_1",
             _Q5_K: "q5_k", _Q6_K: "q6_k"}
 _CODES = {name: code for code, (name, _, _) in GGML_TYPES.items()}  # "Q4_1" -> 3
@@ -604,7 +604,7 @@ def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
 
 def dense_weight(weight: torch.Tensor, stored: str = "") -> PackedWeight:
     """A dense (N, K) tensor as a PackedWeight (multiplied by torch.mv / F.linear in its own dtype)."""
-    name = _DENSE_NAMES.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
+    name = dense_name(weight.dtype)
     bits = weight.element_size() * 8
     fmt = WeightFormat(name, DENSE, stored, float(_BITS.get(stored.upper(), bits)) if stored else float(bits))
     return PackedWeight(fmt, tuple(weight.shape), {"weight": weight}, weight.nbytes)

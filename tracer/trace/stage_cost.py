@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmtrace.tracer.core.dtypes import dense_name
 from llmtrace.tracer.core.stage_kinds import call_flops
 
 
@@ -53,9 +54,7 @@ def _held(module: Any) -> tuple[int, float, str]:
         nbytes, label = held_as
         return nbytes, nbytes / module.weight.shape[0], label
     weight = module.weight
-    name = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(str(weight.dtype).removeprefix("torch."),
-                                                                      str(weight.dtype).removeprefix("torch."))
-    return weight.numel() * weight.element_size(), weight[0].numel() * weight.element_size(), name
+    return weight.numel() * weight.element_size(), weight[0].numel() * weight.element_size(), dense_name(weight.dtype)
 
 
 # Integer index tensors among a stage's arguments (contract.INDEX_ARGUMENTS, argument position by kind) are token
