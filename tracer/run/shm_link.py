@@ -55,6 +55,9 @@ class SharedMemoryLink:
         self._flags = np.frombuffer(self._map, dtype=np.int64, count=_LINE // 8 * world)[:: _LINE // 8]
         self._slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=_LINE * world).view(2, world, SLOT_BYTES)
         self._sequence = 0
+        # the slots as (world, *shape) of a dtype, per buffer: made once per run's few payload shapes, not each
+        # collective (two a layer a step)
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= SLOT_BYTES
@@ -63,8 +66,11 @@ class SharedMemoryLink:
         """Post `x` as this rank's part of the next collective and wait for every rank's; the buffer's world slots
         as (world, *x.shape) in x's dtype."""
         self._sequence += 1
-        nbytes = x.numel() * x.element_size()
-        buffer = self._slots[self._sequence & 1, :, :nbytes].view(x.dtype).view(self.world, *x.shape)
+        key = (self._sequence & 1, x.dtype, x.shape)
+        buffer = self._views.get(key)
+        if buffer is None:
+            nbytes = x.numel() * x.element_size()
+            buffer = self._views[key] = self._slots[key[0], :, :nbytes].view(x.dtype).view(self.world, *x.shape)
         buffer[self.rank].copy_(x)
         self._flags[self.rank] = self._sequence  # an aligned 8-byte store, after the slot's (x86-64 keeps the order)
         self._wait()

@@ -24,6 +24,7 @@ bytes, formats) with C's times.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -146,6 +147,13 @@ def _expert_shapes(config: ModelConfig, spec: contract.FusedStage, tokens: int
     return [(1, widths[0][1])], [(1, sum(w[0] for w in widths))]
 
 
+@functools.lru_cache(maxsize=8)  # a run traces one model
+def _unwindowed(config: ModelConfig) -> ModelConfig:
+    """`config` with no window: the shapes of Gemma 3's global layers, which read every position where the others
+    read their window's (made once per model, not per traced step: the replace checks the whole config again)."""
+    return replace(config, sliding_window=None, full_layers=())
+
+
 def fused_events(config: ModelConfig, stages: list[StageModule], marks: list[int], dims: StepDims,
                  add: Callable[[tuple], int], staged: bool = False,
                  order: list[int] | None = None) -> list[tuple[int, int, int, int]]:
@@ -153,9 +161,7 @@ def fused_events(config: ModelConfig, stages: list[StageModule], marks: list[int
     readings, or with `staged` the native staged step's): the n-th stage ran from reading n to reading n + 1, the
     stage `order[n]` of `stages` (by default n itself; a mixture of experts' steps run its expert stages k times)."""
     shapes = stage_shapes(config, dims, staged)
-    # Gemma 3's global layers read every position where the others read their window's
-    full = stage_shapes(replace(config, sliding_window=None, full_layers=()), dims, staged) if config.mixed_windows \
-        else shapes
+    full = stage_shapes(_unwindowed(config), dims, staged) if config.mixed_windows else shapes
     events = []
     for n, index in enumerate(range(len(stages)) if order is None else order):
         stage = stages[index]
