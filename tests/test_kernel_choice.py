@@ -17,7 +17,7 @@ from llmtrace.tracer.core.dtypes import AUTO, FP16
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.core.presets import get_preset
 from llmtrace.tracer.hardware import kernel_choice as rule, kernel_defaults as table, kernel_store
-from llmtrace.tracer.hardware.kernel_choice import CandidateTiming, precise_enough, ranked, select
+from llmtrace.tracer.hardware.kernel_choice import COMPUTE_BITS, CandidateTiming, ranked, select, short_of_bits
 from llmtrace.tracer.hardware.product_timing import DenseKernel, product_shapes, time_kernel
 from llmtrace.tracer.load import kernel_pick
 from llmtrace.tracer.load.loader import load_model
@@ -54,9 +54,8 @@ def no_timing(*args: object, **kwargs: object) -> None:
     ("bf16", [], True),  # random weights: nothing stored to lose
 ])
 def test_precision_rule(dtype: str, formats: list[str], safe: bool) -> None:
-    ok, why = precise_enough(dtype, formats)
-    assert ok is safe
-    assert (why == "") is safe
+    # held by its bits alone (no probe) when no stored format is short of them
+    assert (not short_of_bits(COMPUTE_BITS[dtype], formats)) is safe
 
 
 def test_the_rule_bounds_the_added_rounding_by_an_eighth_of_a_quantization_step() -> None:

@@ -159,7 +159,7 @@ def test_half_precision_errors_are_no_worse_than_hf(dtype: torch.dtype, tiny_lla
     half = ours_from_folder(tiny_llama_dir).to(dtype)
     half.setup_cache(1, 16)
     logits = half.prefill(ids)[0]
-    assert half.layers[0].attention.kv_cache.k_cache.dtype == logits.dtype == dtype
+    assert half.layers[0].attention.kv_cache.kv.dtype == logits.dtype == dtype
     hf_half = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype, attn_implementation="eager")
     hf_logits = hf_half(input_ids=ids).logits[0, -1]
     our_error = (logits.float() - reference).abs().max().item()

@@ -101,16 +101,6 @@ def precision_bits(weights: str, dtype: str, kernel: str = "") -> int | None:
     return None if declared is None else min(int(declared), COMPUTE_BITS[dtype])
 
 
-def precise_enough(dtype: str, stored_formats: Iterable[str]) -> tuple[bool, str]:
-    """Whether dense `dtype` holds every matrix format in `stored_formats` by its bits alone (no probe), and if
-    not, which one it cannot hold."""
-    short = short_of_bits(COMPUTE_BITS[dtype], stored_formats)
-    if short:
-        need = required_bits(short[0])
-        return False, f"{short[0]} matrices need {need} significand bits, {dtype} has {COMPUTE_BITS[dtype]}"
-    return True, ""
-
-
 def short_of_bits(bits: int | None, stored_formats: Iterable[str]) -> tuple[str, ...]:
     """The formats a candidate keeping `bits` cannot hold by its bits alone (all of them when bits is None)."""
     return tuple(f for f in sorted(set(stored_formats)) if bits is None or bits < required_bits(f))

@@ -30,7 +30,7 @@ class CacheFill:
 
 class KVCache(nn.Module):
     """K and V of one attention layer in one buffer `kv` (max_batch, 2*Hkv, max_seq, D): heads [0, Hkv) are K,
-    [Hkv, 2*Hkv) are V, so the model's fused path stores both with one copy. `k_cache`/`v_cache` are views of it.
+    [Hkv, 2*Hkv) are V, so the model's fused path stores both with one copy.
 
     `forward(input_pos, k, v)` writes the new keys/values (B, T, Hkv, D) at positions `input_pos` (T,) and returns
     the live slices (B, Hkv, S, D), S = positions written so far. Attention reads only that slice, so the work it
@@ -73,14 +73,6 @@ class KVCache(nn.Module):
     @property
     def batch(self) -> int:
         return self.fill.batch
-
-    @property
-    def k_cache(self) -> torch.Tensor | None:
-        return None if self.kv is None else self.kv[:, : self.n_kv_heads]  # (B_max, Hkv, S_max, D)
-
-    @property
-    def v_cache(self) -> torch.Tensor | None:
-        return None if self.kv is None else self.kv[:, self.n_kv_heads :]  # (B_max, Hkv, S_max, D)
 
     @property
     def is_allocated(self) -> bool:
