@@ -15,14 +15,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import (
     BLOCKS,
-    DENSE,
     I8DOT,
     I16DOT,
     INT4PACK,
     NATIVE,
     PackedWeight,
     concat_rows,
-    dense_weight,
     pack_gguf,
     stored_kernels,
 )
@@ -79,12 +77,7 @@ def test_embedding_rows_and_row_blocks() -> None:
     torch.testing.assert_close(both.dequantize(), torch.cat([_reference(raw_a, Q.Q8_0), _reference(raw_b, Q.Q8_0)]))
 
 
-def test_dense_weight_and_rebuilding_from_tensors() -> None:
-    w = torch.randn(10, 32)
-    dense = dense_weight(w)
-    assert dense.format.name == "fp32" and dense.format.kernel == DENSE and dense.stored_bytes == 10 * 32 * 4
-    x = torch.randn(32)
-    torch.testing.assert_close(dense(x), w @ x)
+def test_rebuilding_from_tensors() -> None:
     raw = random_blocks(Q.Q4_K, 4, 256, np.random.default_rng(2))
     packed = pack_gguf(raw, int(Q.Q4_K), 256, INT4PACK)
     again = PackedWeight.from_tensors(packed.format, packed.shape, dict(packed.tensors), packed.stored_bytes)

@@ -1,11 +1,11 @@
-"""How a weight matrix is held and multiplied: dense (fp32/fp16/bf16) or as GGUF stores it (4- or 8-bit blocks).
+"""How a weight matrix is held and multiplied as GGUF stores it (4- or 8-bit blocks); a dense (fp32/fp16/bf16) one is
+a plain tensor, which functional.project multiplies with torch.mv (one token) or F.linear.
 
-The one call every product goes through is `PackedWeight.__call__`: `weight(x)` is `x @ W.T` for x (..., K) of any
-float dtype, returning (..., N) in x's dtype, whatever the format. So the model, the fused path and a measurement
+The one call every stored product goes through is `PackedWeight.__call__`: `weight(x)` is `x @ W.T` for x (..., K) of
+any float dtype, returning (..., N) in x's dtype, whatever the format. So the model, the fused path and a measurement
 of the machine's kernels (issue 12, item 2) all time and run the same thing.
 
 Formats (WeightFormat, frozen; `name` is stable and goes into traces):
-- dense "fp32" / "fp16" / "bf16": a plain (N, K) tensor, multiplied by torch.mv (one token) or F.linear.
 - "q4_0", "q4_1", "q4_k" (GGUF Q4_0, Q4_1, Q4_K): 4-bit values q in 0..15 with one scale and one zero per 32
   values along K, value = (q - 8) * scale + zero, which is torch's int4 weight-only layout (group size 32):
     Q4_0  d*(q-8)               scale d,     zero 0
@@ -45,7 +45,7 @@ Kernels (the `kernel` field; what runs the product):
   for both). Q8_0 goes through it as two 4-bit planes (hi and lo nibble of q + 128) side by side along K.
 - "blocks": the blocks dequantized to x's dtype right before the product, in row tiles that stay in cache, so
   memory traffic is the stored bytes (plus the tile, which stays in L2).
-- "dense": torch.mv / F.linear over a dense tensor.
+- "dense": no PackedWeight: --weights' name for matrices dequantized to plain tensors (torch.mv / F.linear).
 
 Devices: the native library's kernels run on the CPU only (C over host memory); the torch kernels ("int4pack",
 "blocks", "dense") on the CPU and CUDA (TORCH_KERNEL_DEVICES), the same code on both but for INT4_OPS' one entry
@@ -64,7 +64,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmtrace.tracer.core.dtypes import dense_name
 from llmtrace.tracer.core.errors import HardwareError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.model import native_kernel
@@ -349,8 +348,8 @@ class PackedWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the products' inputs it was made for: a dense weight's own, else fp32 (any float works)."""
-        return self.tensors["weight"].dtype if self.format.kernel == DENSE else torch.float32
+        """The dtype of the products' inputs it was made for: fp32 (any float works)."""
+        return torch.float32
 
     @property
     def device(self) -> torch.device:
@@ -386,11 +385,6 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> x @ W.T (..., N), in x's dtype."""
         kernel = self.format.kernel
-        if kernel == DENSE:
-            w = self.tensors["weight"]
-            if x.dim() == 1:
-                return torch.mv(w, x)
-            return F.linear(x, w)
         if runs_blocks(kernel):  # any leading shape as it is (the decode step's products are ~10 us: no reshapes)
             out = native_kernel.matmul(self.row_blocks.native or self.row_blocks.matrix(), x)  # (..., N) fp32
             return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -442,9 +436,6 @@ class PackedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows start..stop of W as `dtype` (N', K): computed in fp32 as the formula above, then cast."""
         stop = self.shape[0] if stop is None else stop
-        kernel = self.format.kernel
-        if kernel == DENSE:
-            return self.tensors["weight"][start:stop].to(dtype)
         if self.row_blocks is not None:  # the exact values, whichever kernel multiplies them
             values = self.row_blocks.values(start, stop)
             return values if dtype == torch.float32 else values.to(dtype)
@@ -460,8 +451,6 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows `ids` (any shape) of W as `dtype`: (..., K); an embedding lookup of a stored table."""
-        if self.format.kernel == DENSE:
-            return F.embedding(ids, self.tensors["weight"]).to(dtype)
         flat = ids.reshape(-1)
         if self.row_blocks is not None:  # exact rows (an embedding lookup rounds nothing)
             return self.row_blocks.rows(flat).view(*ids.shape, self.shape[1]).to(dtype)
@@ -580,8 +569,6 @@ _DEVICE_TILE_VALUES = 1 << 24
 
 def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     n, k = shape
-    if fmt.kernel == DENSE:
-        return {"weight": ((n, k), None)}
     if runs_blocks(fmt.kernel):
         if fmt.stored not in _CODES:
             raise ValueError(f"{fmt.name}: row blocks of several formats are not rebuilt from tensors")
@@ -600,14 +587,6 @@ def _layout(fmt: WeightFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[
 def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
     """(N, K/2) uint8 -> (N, K) uint8 in 0..15: byte j holds k = 2j in its low nibble, 2j+1 in its high one."""
     return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
-
-
-def dense_weight(weight: torch.Tensor, stored: str = "") -> PackedWeight:
-    """A dense (N, K) tensor as a PackedWeight (multiplied by torch.mv / F.linear in its own dtype)."""
-    name = dense_name(weight.dtype)
-    bits = weight.element_size() * 8
-    fmt = WeightFormat(name, DENSE, stored, float(_BITS.get(stored.upper(), bits)) if stored else float(bits))
-    return PackedWeight(fmt, tuple(weight.shape), {"weight": weight}, weight.nbytes)
 
 
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight:
@@ -708,8 +687,6 @@ _FP16_FIELDS = {_Q4_0: (0,), _Q4_1: (0, 2), _Q5_0: (0,), _Q5_1: (0, 2), _Q8_0: (
 def finite_scales(weight: PackedWeight) -> bool:
     """Whether every scale (and min) of a stored weight is finite: NaN or infinity there is a corrupt file. The
     native kernel's blocks are checked in place (strided fp16 views of the bytes; nothing is decoded)."""
-    if weight.format.kernel == DENSE:
-        return bool(torch.isfinite(weight.tensors["weight"]).all())
     if not runs_blocks(weight.format.kernel):
         return all(bool(torch.isfinite(t).all()) for t in weight.tensors.values() if t.is_floating_point())
     code = _CODES[weight.format.stored]
