@@ -6,7 +6,6 @@ Pure Python (no torch), so the analytical commands stay instant.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,7 +13,7 @@ from typing import Any, Mapping
 from llmtrace.tracer.core.config_gguf import gguf_fields
 from llmtrace.tracer.core.config_hf import hf_fields, read_config_json
 # RopeScaling and MoeSpec are a config's parts: their users import them from here with ModelConfig
-from llmtrace.tracer.core.config_values import INT_LIMITS, MoeSpec, RopeScaling
+from llmtrace.tracer.core.config_values import INT_LIMITS, MoeSpec, RopeScaling, positive_real
 from llmtrace.tracer.core.errors import ConfigError
 from llmtrace.tracer.core.json_input import is_int
 
@@ -171,7 +170,7 @@ def _check_numbers(config: ModelConfig) -> None:
     """The real-valued fields finite and positive, the flags booleans, the parts each by its own check."""
     for field_name in ("norm_eps", "rope_theta"):
         value = getattr(config, field_name)
-        if not _positive_real(value):
+        if not positive_real(value):
             raise ConfigError(f"config {config.name!r}: {field_name} must be a finite number > 0, got {value!r} "
                               f"({_WHY_POSITIVE[field_name]})")
     if not isinstance(config.tie_embeddings, bool):
@@ -207,7 +206,7 @@ def _check_layout(config: ModelConfig) -> None:
         raise ConfigError(f"config {name!r}: full_layers says which layers are not windowed; set sliding_window too")
     for field_name in ("query_pre_attn_scalar", "rope_local_theta", "final_softcap"):
         value = getattr(config, field_name)
-        if value is not None and not _positive_real(value):
+        if value is not None and not positive_real(value):
             raise ConfigError(f"config {name!r}: {field_name} must be a finite number > 0 or null, got {value!r}")
     if config.head_dim % 2:  # LLaMA and Qwen2 alike: every head is rotated whole
         raise ConfigError(f"config {name!r}: head_dim is {config.head_dim}, odd; RoPE turns a head's values in "
@@ -216,7 +215,3 @@ def _check_layout(config: ModelConfig) -> None:
     if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != config.head_dim // 2:
         raise ConfigError(f"config {name!r}: LongRoPE has {len(scaling.short_factor)} factors, one per frequency "
                           f"of a head of {config.head_dim} ({config.head_dim // 2}) needed")
-
-
-def _positive_real(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0

@@ -50,8 +50,7 @@ class RopeScaling:
         llama3 = self.kind == "llama3"
         for field_name in ("factor", "low_freq_factor", "high_freq_factor") if llama3 else ("factor",):
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if not positive_real(value):
                 raise ConfigError(f"config {name!r}: rope scaling {field_name} must be a finite number > 0, got "
                                   f"{value!r}")
         if llama3 and self.low_freq_factor >= self.high_freq_factor:
@@ -92,6 +91,11 @@ class MoeSpec:
         if self.router_norm not in ROUTER_NORMS:
             raise ConfigError(f"config {name!r}: router_norm must be one of {', '.join(ROUTER_NORMS)}, got "
                               f"{self.router_norm!r}")
+
+
+def positive_real(value: object) -> bool:
+    """A finite number > 0 (an int or a float, not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def whole_number(value: Any, source: str, key: str) -> int:
