@@ -261,6 +261,13 @@ def table_loads() -> str:
     phi3 = ModelConfig.from_hf_dict(_hf_config("Phi3ForCausalLM", "phi3", rope_scaling={
         "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}))  # a head of 8: 4 frequencies
     _checked(phi3.rope_scaling is not None and phi3.rope_scaling.kind == "longrope", "Phi-3's LongRoPE is read")
+    phi4 = ModelConfig.from_hf_dict(_hf_config("Phi3ForCausalLM", "phi3", partial_rotary_factor=0.5))
+    _checked((phi4.head_dim, phi4.rotary_dim) == (8, 4), "Phi-4-mini's partial_rotary_factor is read")
+    phi4_gguf = ModelConfig.from_gguf_metadata(
+        {"general.architecture": "phi3", "phi3.block_count": 1, "phi3.embedding_length": 16,
+         "phi3.feed_forward_length": 32, "phi3.attention.head_count": 2, "phi3.vocab_size": 32,
+         "phi3.rope.dimension_count": 4}, "m", "m.gguf")
+    _checked(phi4_gguf.rotary_dim == 4, "a 'phi3' GGUF's rope.dimension_count below its head of 8 is read")
     _checked(_refusal(lambda: ModelConfig.from_hf_dict(_hf_config("LlamaForCausalLM", rope_scaling={
         "type": "yarn", "factor": 2.0}))) is not None, "rope scaling 'yarn' is refused")
     for refusal in REFUSALS:  # every name of a refused family is refused, in one line naming what is missing

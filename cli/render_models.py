@@ -32,6 +32,10 @@ def render_models(console: Console, r: ModelsReport) -> None:
     if windowed:
         parts.append(Text("\nSliding windows (KV/position holds up to the window; past it a position adds only the "
                           "global layers' K and V): " + "; ".join(_window(m) for m in windowed) + "."))
+    partial = [m for m in r.models if m.rotary_dim != m.head_dim]
+    if partial:
+        parts.append(Text("\nPartial rotary (RoPE turns the first values of each head, the rest pass through): "
+                          + ", ".join(f"{m.name} {m.rotary_dim} of {m.head_dim}" for m in partial) + "."))
     console.print(Group(*parts, Text("\nUse a name with --model, or give a model folder, config.json or .gguf file "
                                       "instead.")))
 

@@ -183,16 +183,20 @@ def render_positions(console: Console, rope: RopeRecord | None, tokenization: To
             table.add_row("…", "", "", "")
         piece = fmt.piece(pieces[pos]) if pos < len(pieces) else ""
         table.add_row(str(pos), piece, _angle(pos * rope.inv_freq_first), _angle(pos * rope.inv_freq_last))
-    pairs = rope.head_dim // 2
+    rotary = config.rotary_dim  # the values of a head RoPE turns: its D, or a partial rotary's R
+    pairs = rotary // 2
     n_layers = config.n_layers
     scaled = f", {rope.scaling} scaling" if rope.scaling else ""
+    turned = f"head dim {rope.head_dim} = {pairs} pairs" if rotary == rope.head_dim else (
+        f"the first {rotary} of each head's {rope.head_dim} values = {pairs} pairs (the other "
+        f"{rope.head_dim - rotary} pass through unturned)")
     local = ""
     if config.rope_local_theta is not None and config.mixed_windows:  # Gemma 3: the table is the global layers'
         local = (f"\nThat is the {len(config.full_layers)} global layers' θ; the {config.windowed_layers} windowed "
                  f"layers turn by θ = {config.rope_local_theta:g}, unscaled.")
     text = Text.from_markup(
-        f"RoPE θ = {rope.theta:g}{scaled}; head dim {rope.head_dim} = {pairs} pairs, pair i turns by "
-        f"position × θ^(−2i/{rope.head_dim}) rad (from {rope.inv_freq_first:.3g} down to {rope.inv_freq_last:.3g} "
+        f"RoPE θ = {rope.theta:g}{scaled}; {turned}, pair i turns by "
+        f"position × θ^(−2i/{rotary}) rad (from {rope.inv_freq_first:.3g} down to {rope.inv_freq_last:.3g} "
         f"rad per position).\nApplied to Q and K inside attention in each of the {n_layers} layers, not added to "
         "the embedding: a score then depends only on the distance between two positions." + local
     )

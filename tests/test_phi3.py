@@ -168,7 +168,6 @@ def test_a_packed_matrix_of_the_wrong_rows_is_one_line(phi3: tuple[Path, Path, M
 @pytest.mark.parametrize(("extra", "message"), [
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
      "rope scaling type 'yarn' is not supported; llmtrace handles 'llama3' and 'longrope'"),
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 (RoPE on part of each head) is not modelled"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
 ])
 def test_what_phi3_configs_llmtrace_does_not_model_are_one_line(extra: dict, message: str) -> None:

@@ -176,7 +176,7 @@ def write_tiny_gguf(
     writer.add_head_count_kv(config.n_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(config.rotary_dim)  # n_rot: a partial rotary's R (Phi-4-mini)
     writer.add_vocab_size(config.vocab_size)
     if config.explicit_head_dim is not None:
         writer.add_key_length(config.head_dim)

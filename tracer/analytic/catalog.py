@@ -28,6 +28,7 @@ class ModelRow(ModelDims):
     sliding_window: int  # positions a windowed layer keeps (0: no windowed layer)
     windowed_layers: int  # how many layers keep only the window
     kv_bytes_per_token_past_window: int  # what a position past the window adds: the global layers' K and V only
+    rotary_dim: int  # the values of each head RoPE turns: head_dim, or fewer under a partial rotary (Phi-4-mini)
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -46,6 +47,6 @@ def models_report(dtype: DType) -> ModelsReport:
             weight_bytes=weight_bytes(c, dtype), kv_bytes_per_token=kv_bytes_per_token(c, dtype),
             sliding_window=c.sliding_window or 0, windowed_layers=c.windowed_layers,
             kv_bytes_per_token_past_window=kv_bytes_per_token_per_layer(c.n_kv_heads, c.head_dim, dtype)
-            * (c.n_layers - c.windowed_layers),
+            * (c.n_layers - c.windowed_layers), rotary_dim=c.rotary_dim,
         ))
     return ModelsReport(schema=MODELS_SCHEMA, dtype=dtype.name, models=tuple(rows))

@@ -246,7 +246,7 @@ def _dims(cfg: ModelConfig, batch: int, t: int, s: int, per_layer: bool = True,
     S keys attended; rows (B, T) in a layer, (B,) after it (the last position only)."""
     return CallDims(batch, t, s, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                     (batch, t) if per_layer else (batch,), qk_norm_whole=cfg.qk_norm_whole, widths=widths,
-                    vocab=cfg.vocab_size)
+                    vocab=cfg.vocab_size, rotary=cfg.rotary_dim)
 
 
 def _attention_core_numbers(cfg: ModelConfig, batch: int, t: int, s: int, dt: Dtypes,
@@ -519,9 +519,12 @@ class _EagerRows:
         return self.elementwise(spec, label, formula, "qk_norm", r * (q + kv), r * (q + kv), vectors)
 
     def rope(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """3 FLOPs a value turned: every value of each q and k head, or a partial rotary's first R of each."""
         cfg, r = self.cfg, self.r
-        h, hkv, hd, width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim + cfg.kv_dim
-        return self.elementwise(spec, label, lambda: f"{_RO}·BT·(H+Hkv)·D = {_RO}·{r}·({h}+{hkv})·{hd}", "rope",
+        h, hkv, width, rotary = cfg.n_heads, cfg.n_kv_heads, cfg.q_dim + cfg.kv_dim, cfg.rotary_dim
+        turned = "D" if cfg.rope_dim is None else "R"
+        return self.elementwise(spec, label,
+                                lambda: f"{_RO}·BT·(H+Hkv)·{turned} = {_RO}·{r}·({h}+{hkv})·{rotary}", "rope",
                                 r * width, r * width)
 
     def kv_cache(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:

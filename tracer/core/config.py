@@ -68,6 +68,9 @@ class ModelConfig:
     full_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None  # the windowed layers' RoPE base (unscaled), where it is not rope_theta
     final_softcap: float | None = None  # logits = c·tanh(logits / c) after the LM head
+    # Partial rotary (Phi-4-mini: 96 of 128): RoPE turns the first rope_dim values of each q and k head (pairs i and
+    # i + rope_dim/2, its frequencies θ^(-2i/rope_dim)) and passes the rest through. None: the whole head.
+    rope_dim: int | None = None
 
     def __post_init__(self) -> None:
         _check_sizes(self)
@@ -77,6 +80,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim if self.explicit_head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The values of each head RoPE turns: rope_dim where partial, else the whole head."""
+        return self.head_dim if self.rope_dim is None else self.rope_dim
 
     @property
     def q_dim(self) -> int:
@@ -211,7 +219,12 @@ def _check_layout(config: ModelConfig) -> None:
     if config.head_dim % 2:  # LLaMA and Qwen2 alike: every head is rotated whole
         raise ConfigError(f"config {name!r}: head_dim is {config.head_dim}, odd; RoPE turns a head's values in "
                           "pairs, so it must be even (the file is corrupt or not a LLaMA-family model)")
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != config.head_dim // 2:
+    rope_dim = config.rope_dim
+    if rope_dim is not None and (not is_int(rope_dim) or rope_dim <= 0 or rope_dim % 2
+                                 or rope_dim >= config.head_dim):
+        raise ConfigError(f"config {name!r}: rope_dim must be an even number of values below head_dim "
+                          f"({config.head_dim}), or null for whole heads, got {rope_dim!r}")
+    scaling, rotary = config.rope_scaling, config.rotary_dim
+    if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != rotary // 2:
         raise ConfigError(f"config {name!r}: LongRoPE has {len(scaling.short_factor)} factors, one per frequency "
-                          f"of a head of {config.head_dim} ({config.head_dim // 2}) needed")
+                          f"of the {rotary} values RoPE turns in a head ({rotary // 2}) needed")

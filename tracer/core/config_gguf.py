@@ -19,7 +19,8 @@ from llmtrace.tracer.core.refusals import gguf_refusal, refusal_line
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LLaMA, Mistral and other LLaMA-shaped files; Mixtral's experts with `llama.expert_count`",
     "qwen2": "Qwen2: biases on Q, K and V",
-    "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; LongRoPE from `rope_factors_long`/`_short`",
+    "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; LongRoPE from `rope_factors_long`/`_short`; "
+            "RoPE on part of each head (Phi-4-mini: `rope.dimension_count` below the head's)",
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
     "qwen3moe": "Qwen3-MoE: Qwen3's attention, a mixture of experts in every layer",
     "olmoe": "OLMoE: RMSNorm over the whole Q and K projections, a mixture of experts in every layer",
@@ -77,13 +78,9 @@ def gguf_fields(meta: Mapping[str, Any], name: str, source: str) -> dict[str, An
     dim = keys.whole("embedding_length", keys.need("embedding_length"))
     key_length = keys.get("attention.key_length")
     head_dim = keys.whole("attention.key_length", key_length) if key_length else None
-    rope_dims = keys.get("rope.dimension_count")
-    if isinstance(rope_dims, int) and rope_dims != (head_dim or dim // n_heads):
-        raise UnsupportedModelError(f"{source}: RoPE on {rope_dims} of each head's {head_dim or dim // n_heads} "
-                                    f"values ({keys.full('rope.dimension_count')}) is not modelled; llmtrace rotates "
-                                    "whole heads")
     fields: dict[str, Any] = dict(name=name, source=source, vocab_size=vocab, dim=dim, n_heads=n_heads,
-                                  rope_scaling=_rope_scaling(keys))
+                                  rope_scaling=_rope_scaling(keys),
+                                  rope_dim=_rope_dim(keys, head_dim or dim // n_heads))
     for field, key, default, read in _SHAPE:
         fields[field] = read(keys.need(key) if default is _NEEDED else keys.get(key, default), source, keys.full(key))
     fields["n_kv_heads"] = keys.whole("attention.head_count_kv", keys.get("attention.head_count_kv", n_heads))
@@ -109,6 +106,27 @@ def gguf_fields(meta: Mapping[str, Any], name: str, source: str) -> dict[str, An
     if arch == "gemma3":
         fields.update(_gemma3(keys, fields))
     return fields
+
+
+def _rope_dim(keys: _Keys, head_dim: int) -> int | None:
+    """`<arch>.rope.dimension_count` below the head's width: Phi-4-mini's partial rotary, which llama.cpp runs as
+    NEOX RoPE on the first n_rot values of each head (pairs i and i + n_rot/2, HF's rotate_half over them; a 'phi3'
+    file keeps its Q/K rows in HF's order), the rest passed through. None for whole heads. LLaMA's interleaved pairs
+    (its Q/K rows permuted by the converter) are read for whole heads only."""
+    count = keys.get("rope.dimension_count")
+    if count is None:
+        return None
+    count = keys.whole("rope.dimension_count", count)
+    if count == head_dim:
+        return None
+    if keys.arch != "phi3":
+        raise UnsupportedModelError(f"{keys.source}: RoPE on {count} of each head's {head_dim} values "
+                                    f"({keys.full('rope.dimension_count')}) is not modelled for '{keys.arch}'; "
+                                    "llmtrace turns part of a head in 'phi3' files only (Phi-4-mini)")
+    if not 0 < count < head_dim or count % 2:
+        raise ConfigError(f"{keys.source}: {keys.full('rope.dimension_count')} is {count}; RoPE turns a positive even "
+                          f"number of each head's {head_dim} values, the file is corrupt")
+    return count
 
 
 def _architecture(meta: Mapping[str, Any], source: str) -> str:

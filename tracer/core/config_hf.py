@@ -22,7 +22,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "sliding window honoured",
     "MixtralForCausalLM": "mixture of experts: E SwiGLU experts a layer, k per token, weights renormalised",
     "Qwen2ForCausalLM": "biases on Q, K and V; a sliding window on every layer or none",
-    "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; LongRoPE (128k models)",
+    "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; LongRoPE (128k models); "
+                       "RoPE on part of each head (Phi-4-mini's `partial_rotary_factor`)",
     "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
     "Qwen3MoeForCausalLM": "Qwen3's attention; mixture of experts in every layer, weights renormalised with "
                            "`norm_topk_prob`",
@@ -73,7 +74,7 @@ def hf_fields(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]
     kinds = _model_types(data, source)
     n_heads = whole_number(_need(data, "num_attention_heads", source), source, "num_attention_heads")
     if "phi3" in kinds:
-        _check_phi3(data, source)
+        _check_phi3_act(data, source)
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ConfigError(f"{source}: 'tie_word_embeddings' must be true or false, got {tie!r}; fix the file")
@@ -88,6 +89,9 @@ def hf_fields(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]
     fields["rope_theta"] = real_number(rope_theta, source, "rope_theta")
     head_dim = data.get("head_dim")
     fields["explicit_head_dim"] = whole_number(head_dim, source, "head_dim") if head_dim is not None else None
+    if "phi3" in kinds:
+        fields["rope_dim"] = _phi3_rope_dim(data, fields["explicit_head_dim"] or fields["dim"] // max(n_heads, 1),
+                                            source)
     fields.update(_attention_flags(data, kinds))
     # Gemma 3's scaling is its global layers' (_gemma3)
     fields["rope_scaling"] = None if "gemma3_text" in kinds else _rope_scaling(
@@ -234,18 +238,33 @@ def _longrope(raw: Mapping[str, Any], data: Mapping[str, Any], source: str) -> R
         attention, source, "rope_scaling.attention_factor"), **factors)
 
 
-def _check_phi3(data: Mapping[str, Any], source: str) -> None:
+def _check_phi3_act(data: Mapping[str, Any], source: str) -> None:
     """Phi-3 is LLaMA's layer once its packed Q|K|V and gate|up are split (tracer/checkpoint/packed_tensors.py), when
-    it rotates whole heads with SiLU gating; Phi-4-mini's partial rotary (0.75 of each head) is not modelled."""
-    rotary = data.get("partial_rotary_factor", dict_or_empty(data.get("rope_parameters")).get(
-        "partial_rotary_factor", 1.0))
-    if rotary != 1.0:
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor {short_repr(rotary)} (RoPE on part of each "
-                                    "head) is not modelled; llmtrace rotates whole heads")
+    it gates with SiLU."""
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {short_repr(act)} is not modelled; llmtrace's FFN is "
                                     "SiLU-gated")
+
+
+def _phi3_rope_dim(data: Mapping[str, Any], head_dim: int, source: str) -> int | None:
+    """The values of each head Phi-3's RoPE turns, where partial_rotary_factor (Phi-4-mini's 0.75; top level or in
+    rope_parameters) makes it part of the head: int(head_dim * factor), as transformers' Phi3RotaryEmbedding counts
+    them; None for the whole head."""
+    factor = data.get("partial_rotary_factor", dict_or_empty(data.get("rope_parameters")).get(
+        "partial_rotary_factor", 1.0))
+    factor = real_number(factor, source, "partial_rotary_factor")
+    if not 0 < factor <= 1:
+        raise ConfigError(f"{source}: 'partial_rotary_factor' must be above 0 and at most 1, got {factor:g}; the file "
+                          "is malformed")
+    rotary = int(head_dim * factor)
+    if rotary == head_dim:
+        return None
+    if rotary <= 0 or rotary % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor {factor:g} of a head of {head_dim} turns {rotary} "
+                          "values; RoPE turns them in pairs, so it must be a positive even number (the file is "
+                          "malformed)")
+    return rotary
 
 
 # Gemma3TextConfig's defaults, for a config.json that leaves a field out (transformers' configuration_gemma3.py)

@@ -105,7 +105,8 @@ def rmsnorm_flops(tokens: int, dim: int) -> int:
 
 
 def rope_flops(tokens: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
-    """RoPE on q and k: 3 * tokens * (H + Hkv) * D (x*cos + rotate_half(x)*sin; cos/sin tables are cached)."""
+    """RoPE on q and k: 3 * tokens * (H + Hkv) * D (x*cos + rotate_half(x)*sin; cos/sin tables are cached). Under
+    a partial rotary `head_dim` is the R values of each head turned (Phi-4-mini: 96 of 128); the rest cost none."""
     return ROPE_FLOPS_PER_ELEMENT * tokens * (n_heads + n_kv_heads) * head_dim
 
 

@@ -72,6 +72,12 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
     # Phi-3-mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): MHA, "sliding_window": 2047; its checkpoint packs
     # Q|K|V and gate|up (split at load: tracer/checkpoint/packed_tensors.py).
     ModelConfig("phi3-mini-4k", 32064, 3072, 32, 32, 32, 8192, norm_eps=1e-5, max_seq_len=4096, sliding_window=2047),
+    # Phi-4-mini (microsoft/Phi-4-mini-instruct/config.json): Phi3ForCausalLM with GQA (24 heads over 8), tied
+    # embeddings, a 200,064-token vocabulary and partial_rotary_factor 0.75: RoPE turns 96 of each head's 128 values.
+    # Its LongRoPE factors (48 short, 48 long past the original 4,096 positions) are left to its config.json: they
+    # move no FLOP nor byte; its sliding_window 262,144 is past its 131,072 positions, so no key ever leaves it.
+    ModelConfig("phi4-mini", 200064, 3072, 32, 24, 8, 8192, norm_eps=1e-5, max_seq_len=131072, tie_embeddings=True,
+                rope_dim=96),
     # Gemma 3 text models: google/gemma-3-1b-pt/config.json (sliding_window 512, 32K context) and the text_config of
     # google/gemma-3-4b-pt/config.json (sliding_window 1024, 128K context, rope_scaling linear x8 on the global
     # layers; its vision tower is not counted: run refuses the folder, the analytical commands cost the text model).

@@ -43,6 +43,7 @@ class CallDims:
     experts: int = 1  # a mixture of experts: E experts, k a token (`top_k`)
     top_k: int = 1
     vocab: int = 0  # V: the logits' width (Gemma's soft-cap)
+    rotary: int = 0  # R: the values of each head RoPE turns where a partial rotary turns part of it; 0: all D
 
 
 Shapes = tuple[list[Shape], list[Shape]]
@@ -164,14 +165,17 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 
 def call_flops(kind: str, inputs: Sequence[Shape], outputs: Sequence[Shape], bias: bool = False,
-               renormalised: bool = False) -> tuple[int, int]:
-    """(matmul, elementwise) FLOPs of one call of `kind` on these shapes."""
+               renormalised: bool = False, rotary: int = 0) -> tuple[int, int]:
+    """(matmul, elementwise) FLOPs of one call of `kind` on these shapes. `rotary`: RoPE turns only the first
+    `rotary` values of each head (a partial rotary; 0: all of them), and the values it passes through cost none."""
     found = KINDS.get(kind)
     if found is None:
         raise ValueError(f"no cost model for stage kind {kind!r}")
+    if kind == "rope" and rotary:
+        inputs = [(*shape[:-1], rotary) for shape in inputs[:2]] + list(inputs[2:])  # q, k as far as RoPE turns them
     return found.flops(inputs, outputs, bias, renormalised)
 
 
 def step_flops(kind: str, dims: CallDims, bias: bool = False, renormalised: bool = False) -> tuple[int, int]:
     """(matmul, elementwise) FLOPs of one call of `kind` in a step of `dims`: its FLOPs on its shapes."""
-    return call_flops(kind, *KINDS[kind].shapes(dims), bias, renormalised)
+    return call_flops(kind, *KINDS[kind].shapes(dims), bias, renormalised, dims.rotary)

@@ -107,8 +107,18 @@ def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Te
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE: x (..., D) rotated by the angles whose cos and signed sin (rope.rope_tables: the first half negated)
     broadcast against it, as x * cos + roll(x, D/2) * sin (HF's rotate_half in three ops); into `out` when given
-    (the packed path rotates q and k together, in place)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin, out=out)
+    (the packed path rotates q and k together, in place). Tables narrower than x (..., R) (partial rotary) turn its
+    first R values so, roll(x, R/2) over them, and pass the other D - R through (HF's q_rot, q_pass)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(rotary // 2, dims=-1), sin, out=out)
+    if out is None:
+        out = x.clone()  # the passed-through values as they are
+    elif out.data_ptr() != x.data_ptr() or out.stride() != x.stride():
+        out.copy_(x)
+    turned = x.narrow(-1, 0, rotary)
+    torch.addcmul(turned * cos, turned.roll(rotary // 2, dims=-1), sin, out=out.narrow(-1, 0, rotary))
+    return out
 
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, one_query: bool) -> torch.Tensor:

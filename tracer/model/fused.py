@@ -226,7 +226,7 @@ class FusedPlan:
         self.dtype = model.norm.weight.dtype  # the compute dtype (a stored embedding's rows are dequantized to it)
         # Gemma's stages before the layers and after the LM head (None without): × sqrt(dim), the soft-cap
         self.embed_scale, self.softcap = getattr(model, "embed_scale", None), getattr(model, "softcap", None)
-        self.cos, self.sin = model.rope_tables()  # (S_max, 1, D) each: the native step's
+        self.cos, self.sin = model.rope_tables()  # (S_max, 1, R) each: the native step's
         # Row 0 of every layer's cache as one (L, 2*Hkv, S_max, D) view, when the model keeps them in one tensor
         # (Transformer.setup_cache) and the layers' buffers are still its slices; else None (no one-token path).
         self.caches = [layer.attention.kv_cache for layer in self.blocks]

@@ -136,7 +136,7 @@ class ModelCaches(nn.Module):
         self.fill = CacheFill()  # positions and sequences in every layer's cache (shared with them by setup_cache)
         self._positions: torch.Tensor | None = None  # arange(max_seq) on the model's device; input_pos slices it
         self._rope_key: tuple[int, torch.device, torch.dtype, bool] | None = None  # (length, device, dtype, long)
-        self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, D), shared with every layer's RotaryEmbedding
+        self._rope_cos: torch.Tensor | None = None  # (max_seq, 1, R), shared with every layer's RotaryEmbedding
         self._rope_sin: torch.Tensor | None = None
         self._layer_tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (cos, sin): its RoPE base's
         # (L, B_max, 2*Hkv, S_max, D): every layer's KV cache buffer is one slice of it (setup_cache), so the fused
@@ -281,7 +281,7 @@ class ModelCaches(nn.Module):
                 self._ensure_rope(held[0])
 
     def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The cos and signed-sin tables (S_max, 1, D) every layer's RotaryEmbedding shares (with Gemma 3's windowed
+        """The cos and signed-sin tables (S_max, 1, R) every layer's RotaryEmbedding shares (with Gemma 3's windowed
         layers' own base, those of its global layers)."""
         return self._rope_cos, self._rope_sin
 

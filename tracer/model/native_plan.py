@@ -6,6 +6,8 @@ cache tensor and its strides, each layer's RoPE tables and window, the scales; N
 step cannot run the model. It holds a reference to every tensor whose memory C reads. tracer/model/native_step.py
 runs the step from it.
 
+A partial rotary (Phi-4-mini) is the plan's `rotary`, the tables' width: RoPE turns that many values of each head.
+
 Gemma 3's twists are the same plan's fields (decode_step.c's one layer loop reads them): its (1 + w) norms are
 passed as the fp32 vector 1 + w the stage modules multiply by (functional.PlusOne), its norms after attention and
 FFN as two more vectors a layer, GeGLU as a flag, the embedding's × √d and the final soft-cap as two numbers (0:
@@ -47,7 +49,7 @@ class _Plan(ctypes.Structure):
                 ("embedding_rows", ctypes.c_int64), ("qk_norm_floor", ctypes.c_float),
                 *((name, ctypes.c_int64) for name in ("n_experts", "top_k", "renormalise", "qk_norm_whole")),
                 ("qk_norm_floor_k", ctypes.c_float), ("embed_scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("gelu", ctypes.c_int64)]
+                ("gelu", ctypes.c_int64), ("rotary", ctypes.c_int64)]
 
 
 class NotEligible(Exception):
@@ -69,8 +71,10 @@ class StepDescription:
         self.keep: list[Any] = []  # every tensor and description whose memory C reads
         self.dim, self.head_dim = first.attention_norm.weight.shape[0], first.head_dim
         self.vocab = plan.output.shape[0] if isinstance(plan.output, PackedWeight) else 0
-        if self.head_dim % 2:
-            raise NotEligible("odd head dimension")
+        # the values of each head RoPE turns, the tables' width: the head's, or a partial rotary's first R
+        self.rotary = block.attention.rope.rotary_dim
+        if self.head_dim % 2 or self.rotary % 2 or not 0 < self.rotary <= self.head_dim:
+            raise NotEligible("odd head dimension, or RoPE over an odd or too wide part of each head")
         self.whole = first.qk_whole is not None  # OLMoE's: over each token's whole q and whole k
         self.qk_norm = first.qk_weight is not None or self.whole  # Qwen3: every layer or none (one model's layers)
         self.post_norms = block.post_attention_norm is not None  # Gemma: every layer or none
@@ -116,6 +120,7 @@ class StepDescription:
         if plan.softcap is not None:
             p.softcap = plan.softcap.cap
         p.gelu = int(self.gelu)
+        p.rotary = self.rotary
 
     def _layer(self, plan: Any, index: int) -> _Layer:
         """One PackedLayer (and its block's post-norms, RoPE tables and window) as decode_step.c reads it, checked
@@ -180,9 +185,9 @@ class StepDescription:
         return self._vector(weight, self.dim, "norm")
 
     def _table(self, table: torch.Tensor | None, positions: int) -> int:
-        """A layer's RoPE table (S_max, 1, D), fp32, contiguous, covering the cache's positions."""
+        """A layer's RoPE table (S_max, 1, R), fp32, contiguous, covering the cache's positions."""
         if table is None or table.dtype != torch.float32 or not table.is_contiguous() \
-                or table.shape[-1] != self.head_dim or table.shape[0] < positions:
+                or table.shape[-1] != self.rotary or table.shape[0] < positions:
             raise NotEligible("rope tables not contiguous fp32 over the cache's positions")
         self.keep.append(table)
         return table.data_ptr()

@@ -52,41 +52,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, leng
 def rope_tables(
     config: ModelConfig, max_seq: int, dtype: torch.dtype, device: torch.device | str, layer: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed-sin tables, each (max_seq, 1, D), computed in fp32 and cast to `dtype` (as HF does): the
+    """cos and signed-sin tables, each (max_seq, 1, R), computed in fp32 and cast to `dtype` (as HF does): the
     config's RoPE base and scaling, or with `layer` that layer's (config.layer_rope: Gemma 3's windowed layers turn
-    by their own base).
+    by their own base). R is the values of a head RoPE turns (config.rotary_dim): the head's D, or under partial
+    rotary its first R, whose frequencies are θ^(-2i/R) (transformers' dim = head_dim · partial_rotary_factor);
+    `rotate` passes the other D - R through.
 
     sin is stored as [-sin, +sin] over the two halves so that rotate_half(x) * sin == roll(x, D/2) * signed_sin,
     which turns the rotation into three tensor ops (mul, roll, addcmul). LongRoPE's tables (`rope_inv_freq`: its
     factors chosen by `max_seq`) are times its attention factor, in fp32 before the cast, as transformers' are.
     """
     theta, scaling = (config.rope_theta, config.rope_scaling) if layer is None else config.layer_rope(layer)
-    inv_freq = rope_inv_freq(config.head_dim, theta, scaling, max_seq)
+    rotary = config.rotary_dim  # R = D, or the first R values of each head (partial rotary: Phi-4-mini)
+    inv_freq = rope_inv_freq(rotary, theta, scaling, max_seq)
     positions = torch.arange(max_seq, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)  # (max_seq, D/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (max_seq, D)
-    half = config.head_dim // 2
+    freqs = torch.outer(positions, inv_freq)  # (max_seq, R/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (max_seq, R)
     sin = angles.sin()
-    sin[:, :half].neg_()
+    sin[:, :rotary // 2].neg_()
     cos = angles.cos()
     if scaling is not None and scaling.kind == "longrope" and scaling.attention_factor != 1.0:
         cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
-    shape = (max_seq, 1, config.head_dim)  # a broadcast axis for the heads of (B, T, H, D)
+    shape = (max_seq, 1, rotary)  # a broadcast axis for the heads of (B, T, H, D)
     return cos.view(shape).to(device=device, dtype=dtype), sin.view(shape).to(device=device, dtype=dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q (B, T, H, D) and k (B, T, Hkv, D) by their absolute positions `input_pos` (T,).
+    """Rotates q (B, T, H, D) and k (B, T, Hkv, D) by their absolute positions `input_pos` (T,): the first
+    `rotary_dim` values of each head (all D, or a partial rotary's R), the rest passed through.
 
     The tables are plain attributes shared by every layer (one copy per model, not 30), installed by
     `Transformer` through `set_tables` when the cache is set up or a longer sequence needs them.
     """
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.cos: torch.Tensor | None = None  # (max_seq, 1, D)
-        self.sin: torch.Tensor | None = None  # (max_seq, 1, D), first half negated
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim  # R: its FLOPs' width (stage_cost)
+        self.cos: torch.Tensor | None = None  # (max_seq, 1, R)
+        self.sin: torch.Tensor | None = None  # (max_seq, 1, R), first half negated
         self.positions: torch.Tensor | None = None  # arange(max_seq): the model passes slices of it as input_pos
 
     def set_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -98,7 +102,7 @@ class RotaryEmbedding(nn.Module):
         return rotate(q, cos, sin), rotate(k, cos, sin)  # (B, T, H, D), (B, T, Hkv, D)
 
     def angles(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables' rows of `input_pos`: (T, 1, D) each, (B, T, 1, D) for rows with their own positions."""
+        """The tables' rows of `input_pos`: (T, 1, R) each, (B, T, 1, R) for rows with their own positions."""
         if self.positions is not None and input_pos._base is self.positions and input_pos.is_contiguous():
             # A slice of arange(max_seq) starts at its own value: narrow the tables (a view) instead of gathering.
             start, new = input_pos.storage_offset(), input_pos.shape[0]
@@ -106,4 +110,5 @@ class RotaryEmbedding(nn.Module):
         return self.cos[input_pos], self.sin[input_pos]  # broadcast over batch and heads
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}"
+        return f"head_dim={self.head_dim}" + (f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim
+                                               else "")

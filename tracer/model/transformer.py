@@ -219,7 +219,7 @@ class Attention(nn.Module):
             self.qk_norm = (QKNorm(config.q_dim, config.norm_eps, config.kv_dim) if config.qk_norm_whole else
                             QKNorm(config.head_dim, config.norm_eps, plus_one=config.norm_plus_one))
         self.qk_norm_whole = config.qk_norm_whole
-        self.rope = RotaryEmbedding(config.head_dim)
+        self.rope = RotaryEmbedding(config.head_dim, config.rotary_dim)
         window = config.layer_window(layer)  # Gemma 3: the global layers' None among the windowed layers'
         self.kv_cache = KVCache(config.n_kv_heads, config.head_dim, window)
         self.scores = AttentionScores(config.n_heads, config.n_kv_heads, config.head_dim, window,

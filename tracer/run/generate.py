@@ -370,7 +370,7 @@ def staged_record(settings: RunSettings, route: Route) -> StagedDecode | None:
 def _rope_record(config: ModelConfig, prompt_len: int, limit: int) -> RopeRecord:
     """The prefill's RoPE, at the frequencies of the run's tables (LongRoPE's factors are chosen by their length, the
     cache's: prompt and new tokens)."""
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, prompt_len + limit)
+    inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling, prompt_len + limit)
     scaling = config.rope_scaling
     return RopeRecord(
         theta=config.rope_theta, head_dim=config.head_dim,

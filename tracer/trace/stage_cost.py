@@ -29,6 +29,7 @@ class StageModule:
     # call multiplies by one of them, so it reads weight_bytes / experts
     experts: int = 1
     router_norm: str = ""  # a mixture of experts' route stage: config.ROUTER_NORMS, which its FLOPs depend on
+    rotary: int = 0  # a RoPE stage's: the values of each head it turns (its module's rotary_dim), which its FLOPs count
 
     @classmethod
     def of(cls, name: str, layer: int | None, kind: str, modules: list[Any]) -> "StageModule":
@@ -41,7 +42,7 @@ class StageModule:
         row = held[0][1] if held else 0.0
         formats = "+".join(dict.fromkeys(fmt for _, _, fmt in held))
         return cls(name, layer, kind, total, row, bool(biases), formats, getattr(modules[0], "n_experts", 1),
-                   getattr(modules[0], "router_norm", ""))
+                   getattr(modules[0], "router_norm", ""), getattr(modules[0], "rotary_dim", 0))
 
 
 def _held(module: Any) -> tuple[int, float, str]:
@@ -98,7 +99,7 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
     """
     kind = stage.kind
     matmul, elementwise = call_flops(kind, [shape for shape, _ in inputs], [shape for shape, _ in outputs],
-                                     stage.has_bias, stage.router_norm == "renormalised")
+                                     stage.has_bias, stage.router_norm == "renormalised", stage.rotary)
     weight_bytes, kv_read, kv_written = 0, 0, 0
     read = sum(_nbytes(e) for e in inputs)
     written = sum(_nbytes(e) for e in outputs)
@@ -110,9 +111,10 @@ def stage_cost(stage: StageModule, inputs: list[Entry], outputs: list[Entry]) ->
         weight_bytes = int(_numel(inputs[0][0]) * stage.weight_row_bytes)  # the rows it looks up
     elif kind == "rope":
         (q, item) = inputs[0]  # (B, T, H, D)
-        # the cos and sin rows (T, D) of these positions; (B*T, D) when each row has its own (a left-padded batch)
+        # the cos and sin rows (T, R) of these positions; (B*T, R) when each row has its own (a left-padded batch);
+        # R = D, or a partial rotary's part of it
         rows = _numel(inputs[2][0]) if len(inputs) > 2 else q[-3]
-        read += 2 * rows * q[-1] * item
+        read += 2 * rows * (stage.rotary or q[-1]) * item
     elif kind == "kv_cache":
         # forward(input_pos, k, v): the new keys and values are read and copied into the cache buffers;
         # the outputs are views of the live slice (no bytes move).

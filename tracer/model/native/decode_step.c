@@ -17,7 +17,9 @@
  *   h = x / sqrt(mean(x^2) + eps) * w                      attention RMSNorm (as hypot(||x||, sqrt(dim*eps))/sqrt(dim))
  *   qkv = Wqkv h (+ b)                                     one product over the packed Q|K|V rows
  *   q, k = q / rms(q) * wq, k / rms(k) * wk per head         QK-norm, where the layers have it (Qwen3)
- *   q, k = x*cos + roll(x, D/2)*sin                         RoPE on q and k heads (sin signed: first half negated)
+ *   q, k = x*cos + roll(x, R/2)*sin                         RoPE on q and k heads (sin signed: first half negated)
+ *                                                          over each head's first R values (R = D but for a partial
+ *                                                          rotary: Phi-4-mini's 96 of 128; the rest pass through)
  *   cache[k|v, position] = k, v                            this layer's K|V rows of the shared cache tensor
  *   s = (q . k) * scale over keys first..position          per query head, against the KV head it shares (GQA)
  *   p = softmax(s)                                         fp32
@@ -65,7 +67,7 @@
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 8 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
+#define LLMT_STEP_ABI 9 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
 #define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER), */
                                   /* one more with QK-norm, two with Gemma's norms after attention and FFN, */
                                   /* 3k more with k experts (fused_stamps_per_layer) */
@@ -79,7 +81,7 @@
 
 /* One layer: its described matrices (llmt_describe), norm weights (dim,), biases (NULL: none), QK-norm's q and k
    weights (head_dim,) (Qwen3; NULL: none, in every layer alike), the norms after attention and after the FFN
-   (Gemma; NULL: none, in every layer alike), its RoPE tables (S_max, D) (cos and signed sin: Gemma 3's windowed
+   (Gemma; NULL: none, in every layer alike), its RoPE tables (S_max, R) (cos and signed sin: Gemma 3's windowed
    layers turn by their own base) and its sliding window (0: none; Gemma 3's global layers have none). A mixture
    of experts' layer (the plan's n_experts > 0) has no w13, w2, b13, b2: its router (E rows: described, or dense
    (E, dim) fp32 in router_dense) and, per expert, its gate|up and down descriptions, each pointing at that expert's
@@ -121,6 +123,8 @@ typedef struct {
     float embed_scale;        /* Gemma's: the embedding row times this (sqrt(dim) in fp32); 0: none */
     float softcap;            /* Gemma's: the logits l as cap * tanh(l / cap); 0: none */
     int64_t gelu;             /* the FFN's gating gelu_tanh(gate) * up (Gemma), not silu(gate) * up */
+    int64_t rotary;           /* R: the values of each head RoPE turns, the tables' row width (head_dim, or a */
+                              /* partial rotary's first R: Phi-4-mini's 96 of 128; the rest pass through) */
 } StepPlan;
 
 enum {
@@ -392,9 +396,10 @@ static void qk_norm(const StepPlan *p, const StepLayer *layer, float *qkv) {
 }
 
 
-/* RoPE on `heads` heads of D values in place: x*cos + roll(x, D/2)*sin (sin signed), as rope.py's tables mean it */
-static void rope(float *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
-    const int64_t half = d / 2;
+/* RoPE on the first r values of `heads` heads of D values in place: x*cos + roll(x, r/2)*sin (sin signed) over
+   them, as rope.py's tables (r wide) mean it; the other D - r values pass through (r = D: the whole head) */
+static void rope(float *x, int64_t heads, int64_t d, int64_t r, const float *cos, const float *sin) {
+    const int64_t half = r / 2;
     for (int64_t h = 0; h < heads; h++) {
         float *v = x + h * d;
         for (int64_t i = 0; i < half; i++) {
@@ -823,7 +828,10 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, floa
                 if (t == 0) qk_norm(plan, layer, qkv);
                 end_stage(&stages, 0);
             }
-            if (t == 0) rope(qkv, heads + kv_heads, d, layer->cos + position * d, layer->sin + position * d);
+            if (t == 0) {
+                const int64_t r = plan->rotary;
+                rope(qkv, heads + kv_heads, d, r, layer->cos + position * r, layer->sin + position * r);
+            }
             end_stage(&stages, 0);
             if (t == 0) write_kv(plan, qkv, keys, position);
             end_stage(&stages, 0);
