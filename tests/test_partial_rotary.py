@@ -296,3 +296,50 @@ def test_a_llama_gguf_turning_part_of_a_head_is_one_line() -> None:
     with pytest.raises(ConfigError, match="phi3.rope.dimension_count is 18; RoPE turns a positive even number of "
                                           "each head's 16 values"):
         ModelConfig.from_gguf_metadata(phi3, "m", "m.gguf")
+
+
+def test_a_runs_trace_holds_r_and_reads_back_equal(phi4: tuple[Path, Path, ModelConfig]) -> None:
+    """The saved trace's config carries rope_dim (schema-valid), reads back equal, and its RoPE record's slowest pair
+    is the R-wide tables' (θ^(-10/12) under the long factors' last, 9 positions past an original context of 8)."""
+    import jsonschema
+
+    from llmtrace.tracer.run.generate import generate
+    from llmtrace.tracer.trace.records import RunSettings
+    from llmtrace.tracer.trace.run_trace import Trace, load_schema
+
+    _, gguf_path, _ = phi4
+    settings = RunSettings(model=str(gguf_path), prompt="The sky", max_new_tokens=8, temperatures=())
+    trace = generate(load_model(str(gguf_path)), settings)
+    data = json.loads(trace.to_json())
+    jsonschema.validate(data, load_schema())
+    assert data["config"]["rope_dim"] == ROTARY
+    assert trace.rope.inv_freq_last == pytest.approx(1 / (LONG[-1] * 10000.0 ** (10 / 12)), rel=1e-6)
+    assert Trace.from_json(trace.to_json()) == trace
+
+
+@pytest.mark.parametrize("backend", [MODULES, PACKED])
+@torch.no_grad()
+def test_a_left_padded_batch_gives_each_rows_own_logits(backend: str, phi4: tuple[Path, Path, ModelConfig]) -> None:
+    """Each row turns by its own positions (the tables' rows gathered per row, R wide): prompts of 9 and 5 tokens in
+    one batch, the shorter left-padded, give every step the logits of each row run alone."""
+    folder, _, config = phi4
+    model = load_model(str(folder), dtype=FP32, use_cache=False).model
+    long = parity.prompt_ids(config.vocab_size, 9)[0]
+    short = long[4:]
+    batch = torch.stack([long, torch.cat([torch.zeros(4, dtype=torch.long), short])])
+    alone = []
+    for prompt in (long, short):
+        model.setup_cache(1, 13)
+        run = backend_for(model, Request(backend=backend))
+        logits = [run.prefill(prompt.view(1, -1))[0]]
+        for _ in range(3):
+            logits.append(run.decode(logits[-1].argmax().view(1, 1))[0])
+        alone.append(torch.stack(logits))
+    model.setup_cache(2, 13)
+    run = backend_for(model, Request(batch=2, backend=backend))
+    together = [run.prefill(batch, [0, 4])]
+    for step in range(3):
+        together.append(run.decode(torch.stack([alone[0][step].argmax(), alone[1][step].argmax()]).view(2, 1)))
+    together = torch.stack(together)  # (steps, 2, V)
+    for row in range(2):
+        assert (together[:, row] - alone[row]).abs().max().item() <= 1e-4, row
