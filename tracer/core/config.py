@@ -216,7 +216,7 @@ def _check_layout(config: ModelConfig) -> None:
         value = getattr(config, field_name)
         if value is not None and not positive_real(value):
             raise ConfigError(f"config {name!r}: {field_name} must be a finite number > 0 or null, got {value!r}")
-    if config.head_dim % 2:  # LLaMA and Qwen2 alike: every head is rotated whole
+    if config.head_dim % 2:  # every family turns a head in pairs (a partial rotary: its first rope_dim, below)
         raise ConfigError(f"config {name!r}: head_dim is {config.head_dim}, odd; RoPE turns a head's values in "
                           "pairs, so it must be even (the file is corrupt or not a LLaMA-family model)")
     rope_dim = config.rope_dim
