@@ -143,7 +143,7 @@ def test_a_nan_or_infinite_activation_is_not_rounded_away(native: None) -> None:
         assert torch.isnan(weight(x[1:])).all()  # the one-row kernel too
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
 def test_threads_and_uneven_splits_give_the_same_sums(qtype: Q, native: None) -> None:
     """Each output is one thread's sum in one order: 1 and 2 threads agree bit for bit, whatever the split."""
     cols = 576 if gguf.GGML_QUANT_SIZES[qtype][0] == 32 else 1024
@@ -158,6 +158,24 @@ def test_threads_and_uneven_splits_give_the_same_sums(qtype: Q, native: None) ->
         # decode takes rows eight (Q4_0/Q4_1) or four (K-quants) at a time and the rest one by one, prefill tiles
         # them (Q4_0/Q4_1): both differ with the split
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_a_q8_0_prefill_row_is_the_same_whatever_rows_come_with_it(native: None) -> None:
+    """A Q8_0 prefill packs a thread's rows sixteen at a time for each call (AVX-512 VNNI: int8_dot.c's
+    i8_q8_groups_many_x; elsewhere 2 x 4 tiles) and takes the activation rows four at a time, then one by one: a
+    row's value must not depend on which rows of W or of x shared its pass. 37 rows (two groups, then five in a
+    padded group) times 9 activation rows, against sub-matrices that start mid-group or hold one row, and fewer
+    activation rows: the same bits; and the int8 math within its bound."""
+    cols = 18 * 32
+    raw = random_blocks(Q.Q8_0, 37, cols, np.random.default_rng(37))
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(9)) * 2
+    full = pack_gguf(raw, int(Q.Q8_0), cols, I8DOT)(x)
+    _check(pack_gguf(raw, int(Q.Q8_0), cols, I8DOT), raw, Q.Q8_0, x)
+    for start, stop in ((5, 30), (36, 37), (0, 16), (16, 37)):
+        part = pack_gguf(np.ascontiguousarray(raw[start:stop]), int(Q.Q8_0), cols, I8DOT)
+        assert torch.equal(part(x), full[:, start:stop]), (start, stop)
+        assert torch.equal(part(x[:2]), full[:2, start:stop]), (start, stop)
+        assert torch.equal(part(x[3:8]), full[3:8, start:stop]), (start, stop)
 
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]

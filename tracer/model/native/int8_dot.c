@@ -474,6 +474,120 @@ static void i8_q4_groups_many_x(int type, const uint8_t *w, int64_t stride, cons
             i8_q4_rows(type, w, stride, groups, r, last, whole, n_blocks, x + i * xblocks, out + i * out_stride);
 }
 
+/* ---- Q8_0 prefill: sixteen rows at a time, packed per call (AVX-512 VNNI) ---------------------------------- */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Why: the 2 x 4 tiles (i8_q32_tile) sum each row's 32 products in 8 lanes of their own and pay two vpsignb a block
+   and row of x for Q8_0's signed codes, then a horizontal add per row and tile; and they read the whole matrix again
+   for every four activation rows. Here, as i8dot's Q4 groups (int8_groups.c), 32-bit lane j of every code vector is
+   row j of sixteen, so x's four codes, broadcast from memory, meet sixteen rows' four in one vpdpbusd, eight a block,
+   and every activation row passes over the sixteen rows while they sit in L2. The Q4 types hold their groups in
+   memory; a Q8_0 matrix is multiplied where it lies (the file's map), so each call packs its thread's rows sixteen at
+   a time into a scratch block (n_blocks x 576 bytes: 198 KB at k = 11008), which every activation row then reads:
+   the packing (nine gathers a block of sixteen rows) is paid once per sixteen rows and call, the dot products once
+   per activation row. vpdpbusd multiplies unsigned bytes by signed ones: the codes c are stored as c + 128 (0..255),
+   and each row's sum of (c + 128) * q is started at -128 * sum(q) (the same for the sixteen rows: one broadcast), so
+   the integer sum is sum(c * q), exact (|sum| <= 32 * 255 * 127 before the correction). Per row the float math is
+   acc = fma(d_w * d_x, sum(c*q), acc) block after block, in its own lane: a row's value is the same bits whichever
+   sixteen it was packed with, so a thread split, a matrix's last rows (a short group, its lanes padded with its last
+   row) and the number of activation rows taken together do not move it. */
+typedef struct {
+    float d[GROUP_ROWS]; /* the sixteen rows' d_w, as fp32 */
+    uint8_t qs[8][4 * GROUP_ROWS]; /* vector v: codes 4v..4v+3 of each row, + 128, row order */
+} pack_q8_0;
+_Static_assert(sizeof(pack_q8_0) == 9 * 64, "a packed block is nine cache lines");
+
+/* rows r..r+n-1 (n <= 16; lanes n..15 repeat row r+n-1) of a Q8_0 matrix, every block, into pack */
+static void pack_q8_rows(const uint8_t *w, int64_t stride, int64_t r, int n, int64_t n_blocks, pack_q8_0 *pack) {
+    int32_t at[GROUP_ROWS];
+    for (int j = 0; j < GROUP_ROWS; j++) at[j] = (int32_t)((j < n ? j : n - 1) * stride);
+    const __m512i offsets = _mm512_loadu_si512((const void *)at), flip = _mm512_set1_epi8((char)0x80);
+    const uint8_t *row0 = w + r * stride;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = row0 + b * (int64_t)sizeof(block_q8_0);
+        /* d and the first two code bytes, as one 32-bit word a row: the low half is d */
+        const __m512i dw = _mm512_i32gather_epi32(offsets, (const void *)blk, 1);
+        _mm512_store_ps(pack[b].d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw)));
+        for (int v = 0; v < 8; v++) {
+            const __m512i c = _mm512_i32gather_epi32(offsets, (const void *)(blk + 2 + 4 * v), 1);
+            _mm512_store_si512((void *)pack[b].qs[v], _mm512_xor_si512(c, flip));
+        }
+    }
+}
+
+/* -128 * sum(q) of each block of m activation rows (corr[i * n_blocks + b]) */
+static void q8_corrections(const XBlock *x, int64_t count, int32_t *corr) {
+    for (int64_t i = 0; i < count; i++) {
+        int32_t sum = 0;
+        for (int l = 0; l < 32; l++) sum += x[i].q[l];
+        corr[i] = -128 * sum;
+    }
+}
+
+/* one packed group of sixteen rows times N activation rows (x[i], corr[i]: their blocks and corrections), into
+   out[i][0..16) where lane j < n (a short group writes only its rows) */
+static inline __attribute__((always_inline)) void i8_q8_group_n(int N, const pack_q8_0 *pack, int64_t n_blocks,
+                                                                const XBlock *const *x, const int32_t *const *corr,
+                                                                float *const *out, int n) {
+    __m512 acc[4];
+    for (int i = 0; i < N; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        __m512i c[8];
+        for (int v = 0; v < 8; v++) c[v] = _mm512_load_si512((const void *)pack[b].qs[v]);
+        const __m512 d = _mm512_load_ps(pack[b].d);
+        for (int i = 0; i < N; i++) {
+            const XBlock *xb = x[i] + b;
+            __m512i s0 = _mm512_set1_epi32(corr[i][b]), s1 = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, c[v], _mm512_set1_epi32(x_word(xb, v)));
+                s1 = _mm512_dpbusd_epi32(s1, c[v + 1], _mm512_set1_epi32(x_word(xb, v + 1)));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb->d)),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[i]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << n) - 1u);
+    for (int i = 0; i < N; i++) _mm512_mask_storeu_ps(out[i], keep, acc[i]);
+}
+
+/* rows first..last of a Q8_0 part times m >= 2 activation rows: sixteen rows packed at a time (the last group
+   short), every activation row over them, four at a time; 0 if the scratch cannot be had */
+static int i8_q8_groups_many_x(const uint8_t *w, int64_t stride, int64_t first, int64_t last, int64_t n_blocks,
+                               const XBlock *x, int64_t m, float *out, int64_t out_stride) {
+    pack_q8_0 *pack = aligned_alloc(64, sizeof(pack_q8_0) * (size_t)n_blocks);
+    int32_t *corr = malloc(sizeof(int32_t) * (size_t)(m * n_blocks));
+    if (pack == NULL || corr == NULL) {
+        free(pack);
+        free(corr);
+        return 0;
+    }
+    q8_corrections(x, m * n_blocks, corr);
+    for (int64_t r = first; r < last; r += GROUP_ROWS) {
+        const int n = last - r < GROUP_ROWS ? (int)(last - r) : GROUP_ROWS;
+        pack_q8_rows(w, stride, r, n, n_blocks, pack);
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4) {
+            const XBlock *xs[4] = {x + i * n_blocks, x + (i + 1) * n_blocks, x + (i + 2) * n_blocks,
+                                   x + (i + 3) * n_blocks};
+            const int32_t *cs[4] = {corr + i * n_blocks, corr + (i + 1) * n_blocks, corr + (i + 2) * n_blocks,
+                                    corr + (i + 3) * n_blocks};
+            float *outs[4] = {out + i * out_stride + r, out + (i + 1) * out_stride + r, out + (i + 2) * out_stride + r,
+                              out + (i + 3) * out_stride + r};
+            i8_q8_group_n(4, pack, n_blocks, xs, cs, outs, n);
+        }
+        for (; i < m; i++) {
+            const XBlock *xs[1] = {x + i * n_blocks};
+            const int32_t *cs[1] = {corr + i * n_blocks};
+            float *outs[1] = {out + i * out_stride + r};
+            i8_q8_group_n(1, pack, n_blocks, xs, cs, outs, n);
+        }
+    }
+    free(pack);
+    free(corr);
+    return 1;
+}
+#endif
+
 /* rows first..last of a Q5_0/Q5_1/Q8_0 matrix times one activation row */
 static inline __attribute__((always_inline)) void i8_q32_one_x(int type, const uint8_t *w, int64_t stride,
                                                                int64_t first, int64_t last, int64_t n_blocks,
@@ -708,7 +822,12 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
         case Q4_1: if (i8_q32_many_x(Q4_1, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
         case Q5_0: if (i8_q32_many_x(Q5_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
         case Q5_1: if (i8_q32_many_x(Q5_1, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
-        case Q8_0: if (i8_q32_many_x(Q8_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return; break;
+        case Q8_0:
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            if (i8_q8_groups_many_x(w, stride, first, last, n_blocks, x, m, out, out_stride)) return;
+#endif
+            if (i8_q32_many_x(Q8_0, w, stride, first, last, n_blocks, x, m, out, out_stride)) return;
+            break;
         default: break;
         }
     }
