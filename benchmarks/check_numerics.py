@@ -12,6 +12,7 @@ otherwise). llama.cpp is a benchmark-only dependency (`pip install llama-cpp-pyt
 
     /work/tools/quiet .venv/bin/python -m benchmarks.check_numerics --tokens 512
     /work/tools/quiet .venv/bin/python -m benchmarks.check_numerics --model llama-7b.Q4_0.gguf --threads 2
+    /work/tools/quiet .venv/bin/python -m benchmarks.check_numerics --model SmolLM2-135M.Q8_0.gguf --weights i8dot
 """
 
 from __future__ import annotations
@@ -59,17 +60,22 @@ def llmtrace_top1(model_path: str | None, weights: str | None, ids: list[int]) -
     return top, f"{kernels.picked} ({kernels.numerics})" if kernels is not None else "?"
 
 
-def llama_cpp_top1(path: Path, ids: list[int], threads: int) -> list[int]:
+def llama_cpp_top1(path: Path, ids: list[int], threads: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy token after each position, and the gap between its top two logits there over the
+    largest |logit| (how near a tie each position is)."""
     import llama_cpp
     import numpy as np
 
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_threads=threads, n_threads_batch=threads,
                           logits_all=False, verbose=False)
-    top = []
+    top, gaps = [], []
     for token in ids:
         llm.eval([token])
-        top.append(int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)))))
-    return top
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float64)
+        first, second = np.partition(logits, -2)[-2:][::-1]
+        top.append(int(np.argmax(logits)))
+        gaps.append(float((first - second) / np.abs(logits).max()))
+    return top, gaps
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -81,6 +87,9 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default=None,
+                        help="the kernels judged in the default's place (a --weights spec: i8dot, Q8_0:i8dot,...; "
+                             "default: the default table's), to check a kernel before it becomes a default")
     args = parser.parse_args()
     import torch
 
@@ -90,18 +99,28 @@ def main() -> int:
 
     path = Path(args.model) if args.model else bundled_model_path()
     ids = text_ids(load_model(args.model, dry_run=True).tokenizer, args.tokens)
-    default, default_line = llmtrace_top1(args.model, None, ids)
+    default, default_line = llmtrace_top1(args.model, args.weights, ids)
     exact, exact_line = llmtrace_top1(args.model, "native", ids)
-    reference = llama_cpp_top1(path, ids, args.threads)
+    reference, gaps = llama_cpp_top1(path, ids, args.threads)
     import llama_cpp
 
     print(f"{path}: {len(ids)} teacher-forced tokens, {args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
-    print(f"default  {default_line}")
+    print(f"default  {default_line}" + (f" (--weights {args.weights})" if args.weights else ""))
     print(f"exact    {exact_line}")
     rows = [("default vs llama.cpp", agreement(default, reference)),
             ("exact vs llama.cpp", agreement(exact, reference)), ("default vs exact", agreement(default, exact))]
     for name, share in rows:
         print(f"{name:<22} {share:7.2%} greedy top-1 agreement")
+    apart = [i for i, (a, b) in enumerate(zip(default, reference)) if a != b]
+
+    def sided(i: int) -> str:
+        return "with llama.cpp" if exact[i] == reference[i] else "with the default" if exact[i] == default[i] \
+            else "with neither"
+
+    print("default and llama.cpp apart at " + ("; ".join(
+        f"position {i} (llama.cpp's top-two gap {gaps[i]:.2%} of max |logit|, exact {sided(i)})" for i in apart)
+        or "no position"))
+    print(f"median top-two gap over all positions: {sorted(gaps)[len(gaps) // 2]:.2%} of max |logit|")
     met = rows[0][1] >= TARGET
     print(f"target: default vs llama.cpp >= {TARGET:.0%}: {'met' if met else 'NOT met'}")
     return 0 if met else 1
