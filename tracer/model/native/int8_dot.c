@@ -533,7 +533,10 @@ static inline __attribute__((always_inline)) void i8_q8_group_n(int N, const pac
     for (int i = 0; i < N; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         __m512i c[8];
-        for (int v = 0; v < 8; v++) c[v] = _mm512_load_si512((const void *)pack[b].qs[v]);
+        for (int v = 0; v < 8; v++) {
+            c[v] = _mm512_load_si512((const void *)pack[b].qs[v]);
+            __asm__("" : "+v"(c[v])); /* held in a register for the N rows (GCC reloaded it for each) */
+        }
         const __m512 d = _mm512_load_ps(pack[b].d);
         for (int i = 0; i < N; i++) {
             const XBlock *xb = x[i] + b;
