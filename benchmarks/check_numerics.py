@@ -60,14 +60,16 @@ def llmtrace_top1(model_path: str | None, weights: str | None, ids: list[int]) -
     return top, f"{kernels.picked} ({kernels.numerics})" if kernels is not None else "?"
 
 
-def llama_cpp_top1(path: Path, ids: list[int], threads: int) -> tuple[list[int], list[float]]:
+def llama_cpp_top1(path: Path, ids: list[int], threads: int, kv: str = "f16") -> tuple[list[int], list[float]]:
     """llama.cpp's greedy token after each position, and the gap between its top two logits there over the
-    largest |logit| (how near a tie each position is)."""
+    largest |logit| (how near a tie each position is). `kv`: its KV cache's type (f16, its default; f32, llmtrace's
+    run's)."""
     import llama_cpp
     import numpy as np
 
+    cache = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[kv]
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_threads=threads, n_threads_batch=threads,
-                          logits_all=False, verbose=False)
+                          logits_all=False, verbose=False, type_k=cache, type_v=cache)
     top, gaps = [], []
     for token in ids:
         llm.eval([token])
@@ -90,6 +92,8 @@ def main() -> int:
     parser.add_argument("--weights", default=None,
                         help="the kernels judged in the default's place (a --weights spec: i8dot, Q8_0:i8dot,...; "
                              "default: the default table's), to check a kernel before it becomes a default")
+    parser.add_argument("--llama-kv", choices=("f16", "f32"), default="f16",
+                        help="llama.cpp's KV cache type (default f16, its own; f32 is the cache llmtrace's run holds)")
     args = parser.parse_args()
     import torch
 
@@ -101,10 +105,11 @@ def main() -> int:
     ids = text_ids(load_model(args.model, dry_run=True).tokenizer, args.tokens)
     default, default_line = llmtrace_top1(args.model, args.weights, ids)
     exact, exact_line = llmtrace_top1(args.model, "native", ids)
-    reference, gaps = llama_cpp_top1(path, ids, args.threads)
+    reference, gaps = llama_cpp_top1(path, ids, args.threads, args.llama_kv)
     import llama_cpp
 
-    print(f"{path}: {len(ids)} teacher-forced tokens, {args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
+    print(f"{path}: {len(ids)} teacher-forced tokens, {args.threads} threads, llama-cpp-python {llama_cpp.__version__}"
+          f" (KV cache {args.llama_kv})")
     print(f"default  {default_line}" + (f" (--weights {args.weights})" if args.weights else ""))
     print(f"exact    {exact_line}")
     rows = [("default vs llama.cpp", agreement(default, reference)),

@@ -799,7 +799,8 @@ void i8_dot_rows(const Matrix *mat, int p, int64_t first, int64_t last, const XB
         default: break;
         }
     }
-    if (m > 1) { /* prefill: 2 x 4 tiles (falls through to the row loop below only if the scratch cannot be had) */
+    if (m > 1) { /* prefill: Q4 groups, Q8_0's packed sixteens (AVX-512 VNNI), else 2 x 4 tiles (falls through to
+                    the row loop below only if the scratch cannot be had) */
         const uint8_t *w = mat->w[p];
         const int64_t stride = mat->strides[p];
         const int q4 = mat->types[p] == Q4_0 || mat->types[p] == Q4_1;
