@@ -221,7 +221,7 @@ class RopeRecord:
     theta: float
     head_dim: int
     scaling: str | None  # e.g. "llama3 x8.0", None when unscaled
-    inv_freq_first: float  # radians per position of the fastest-rotating pair (dims 0 and D/2)
+    inv_freq_first: float  # radians per position of the fastest-rotating pair (dims 0 and R/2; R = D but partial)
     inv_freq_last: float  # radians per position of the slowest pair
     positions: tuple[int, ...]  # positions rotated in the prefill
 

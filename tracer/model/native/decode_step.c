@@ -67,8 +67,8 @@
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 9 /* bump with StepLayer/StepPlan below (native_step.py mirrors them) or a signature */
-#define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (native_step.py's STAGES_PER_LAYER), */
+#define LLMT_STEP_ABI 9 /* bump with StepLayer/StepPlan below (native_plan.py mirrors them) or a signature */
+#define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (the tests' oracle: stamp_count.py), */
                                   /* one more with QK-norm, two with Gemma's norms after attention and FFN, */
                                   /* 3k more with k experts (fused_stamps_per_layer) */
 
@@ -99,7 +99,7 @@ typedef struct {
     int64_t window;
 } StepLayer;
 
-/* Everything a step reads and writes, built once by native_step.py (which holds every tensor it points into). */
+/* Everything a step reads and writes, built once by native_plan.py (which holds every tensor it points into). */
 typedef struct {
     int64_t layers, dim, heads, kv_heads, head_dim, ffn_dim, vocab, max_seq;
     float norm_floor;   /* sqrt(dim * eps) */
