@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from llmtrace.tracer.run.backends import backend_for
+from llmtrace.tracer.run.select import Request
+
 
 def prompt_ids(vocab_size: int, length: int) -> torch.Tensor:
     """(1, length) random ids past the special ones (0-2), the same for every test (seed 5)."""
@@ -46,3 +49,28 @@ def count_c_steps(run: Any, backend: str) -> list[int]:
 
     setattr(run.plan, name, counted)
     return calls
+
+
+@torch.no_grad()
+def left_padded_gaps(model: Any, long: torch.Tensor, pad: int, backend: str, steps: int = 3) -> list[float]:
+    """Prompts `long` (T,) and its last T - pad tokens in one batch of two on `backend`, the shorter left-padded with
+    `pad` zeros: for each row, the largest gap between its logits in the batch (the prefill, then `steps` decode
+    steps, each row fed the token its run alone chose) and its logits run alone."""
+    short = long[pad:]
+    batch = torch.stack([long, torch.cat([torch.zeros(pad, dtype=torch.long), short])])
+    positions = long.shape[0] + steps + 1
+    alone = []
+    for prompt in (long, short):
+        model.setup_cache(1, positions)
+        run = backend_for(model, Request(backend=backend))
+        logits = [run.prefill(prompt.view(1, -1))[0]]
+        for _ in range(steps):
+            logits.append(run.decode(logits[-1].argmax().view(1, 1))[0])
+        alone.append(torch.stack(logits))
+    model.setup_cache(2, positions)
+    run = backend_for(model, Request(batch=2, backend=backend))
+    together = [run.prefill(batch, [0, pad])]
+    for step in range(steps):
+        together.append(run.decode(torch.stack([alone[0][step].argmax(), alone[1][step].argmax()]).view(2, 1)))
+    stacked = torch.stack(together)  # (steps + 1, 2, V)
+    return [(stacked[:, row] - alone[row]).abs().max().item() for row in range(2)]

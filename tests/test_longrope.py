@@ -53,20 +53,20 @@ def _config() -> dict:
             "rope_scaling": {"type": "longrope", "short_factor": SHORT, "long_factor": LONG}}
 
 
-@pytest.fixture(scope="module")
-def longrope(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes,
-             sp_vocab_size: int) -> tuple[Path, Path, ModelConfig]:
-    """(a LongRoPE Phi3ForCausalLM folder, a Q8_0 'phi3' GGUF of the same weights as llama.cpp's converter writes one:
-    its factors as F32 tensors, its attention factor and original context in the metadata, the config). The
-    matrices are rounded through Q8_0 first, so the file holds the folder's values exactly."""
-    folder = tmp_path_factory.mktemp("tiny-phi3-longrope")
-    (folder / "config.json").write_text(json.dumps({**_config(), "vocab_size": sp_vocab_size}), encoding="utf-8")
+def longrope_checkpoints(tmp_path_factory: pytest.TempPathFactory, name: str, config_dict: dict, seed: int,
+                         sp_model_bytes: bytes) -> tuple[Path, Path, ModelConfig]:
+    """(a LongRoPE Phi3ForCausalLM folder of `config_dict`, a Q8_0 'phi3' GGUF of the same weights as llama.cpp's
+    converter writes one: its factors as F32 tensors, its attention factor (sqrt(2), the tiny models') and original
+    context in the metadata, the config). The matrices are rounded through Q8_0 first, so the file holds the folder's
+    values exactly. test_partial_rotary.py's Phi-4-mini-shaped model is written here too."""
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "config.json").write_text(json.dumps(config_dict), encoding="utf-8")
     config = ModelConfig.from_hf_json(folder)
-    weights = random_weights(config, seed=13)
-    for name, tensor in weights.items():
+    weights = random_weights(config, seed=seed)
+    for key, tensor in weights.items():
         if tensor.dim() == 2:
             array = tensor.numpy().astype(np.float32)
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
+            weights[key] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
     hf = {ours_to_hf(n): t.contiguous() for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
     packed = {}
     for layer in range(config.n_layers):
@@ -80,13 +80,23 @@ def longrope(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes,
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
         "tokenizer_class": "LlamaTokenizer", "legacy": False}), encoding="utf-8")
     members = {n: t for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
-    packed["rope_factors_short.weight"], packed["rope_factors_long.weight"] = torch.tensor(SHORT), torch.tensor(LONG)
+    scaling = config_dict["rope_scaling"]
+    packed["rope_factors_short.weight"] = torch.tensor(scaling["short_factor"])
+    packed["rope_factors_long.weight"] = torch.tensor(scaling["long_factor"])
     gguf_path = write_tiny_gguf(
-        tmp_path_factory.mktemp("tiny-phi3-longrope-gguf") / "phi3.gguf", config, members,
+        tmp_path_factory.mktemp(f"{name}-gguf") / "phi3.gguf", config, members,
         sentencepiece_vocab(sp_model_bytes), matrix_type=Q8_0, arch="phi3", extra_tensors=packed,
         extra_metadata={"phi3.rope.scaling.attn_factor": math.sqrt(2.0),
-                        "phi3.rope.scaling.original_context_length": ORIGINAL})
+                        "phi3.rope.scaling.original_context_length": config_dict["original_max_position_embeddings"]})
     return folder, gguf_path, config
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes,
+             sp_vocab_size: int) -> tuple[Path, Path, ModelConfig]:
+    """(a LongRoPE Phi3ForCausalLM folder, a Q8_0 'phi3' GGUF of the same weights, the config)."""
+    return longrope_checkpoints(tmp_path_factory, "tiny-phi3-longrope", {**_config(), "vocab_size": sp_vocab_size},
+                                13, sp_model_bytes)
 
 
 @pytest.fixture(scope="module")

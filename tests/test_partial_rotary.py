@@ -12,27 +12,21 @@ an original context of 8, so that both sets of factors are exercised (test_longr
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-import gguf
-import numpy as np
 import parity
 import pytest
 import torch
-from safetensors.torch import save_file
 from estimate_check import assert_traced_equals_estimate
 from test_gemma3 import PROMPT as TRACED_PROMPT
 from test_gemma3 import STEPS as TRACED_STEPS
 from test_gemma3 import _traced as traced
-from test_phi3 import _UNPACKED, _config_dict, _packed
-from tiny_gguf import sentencepiece_vocab, write_tiny_gguf
-from tiny_llama import random_weights
+from test_longrope import longrope_checkpoints
+from test_phi3 import _config_dict
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import ours_to_hf
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import ConfigError, UnsupportedModelError
 from llmtrace.tracer.load.loader import load_model
@@ -49,7 +43,6 @@ pytestmark = pytest.mark.usefixtures("private_dirs")
 HEAD, ROTARY, ORIGINAL, LONGEST = 16, 12, 8, 64
 SHORT = [1.0 + 0.25 * i for i in range(ROTARY // 2)]
 LONG = [4.0 + 2.0 * i for i in range(ROTARY // 2)]
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
 def _config() -> dict:
@@ -62,36 +55,9 @@ def _config() -> dict:
 def phi4(tmp_path_factory: pytest.TempPathFactory, sp_model_bytes: bytes,
          sp_vocab_size: int) -> tuple[Path, Path, ModelConfig]:
     """(a Phi-4-mini-shaped Phi3ForCausalLM folder, a Q8_0 'phi3' GGUF of the same weights as llama.cpp's converter
-    writes one: rope.dimension_count R, Q|K|V in HF's row order, the LongRoPE factors as F32 tensors, the config).
-    The matrices are rounded through Q8_0 first, so the file holds the folder's values exactly."""
-    folder = tmp_path_factory.mktemp("tiny-phi4-mini")
-    (folder / "config.json").write_text(json.dumps({**_config(), "vocab_size": sp_vocab_size}), encoding="utf-8")
-    config = ModelConfig.from_hf_json(folder)
-    weights = random_weights(config, seed=17)
-    for name, tensor in weights.items():
-        if tensor.dim() == 2:
-            array = tensor.numpy().astype(np.float32)
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy())
-    hf = {ours_to_hf(n): t.contiguous() for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
-    packed = {}
-    for layer in range(config.n_layers):
-        qkv, gate_up = _packed(weights, layer)
-        hf[f"model.layers.{layer}.self_attn.qkv_proj.weight"] = qkv
-        hf[f"model.layers.{layer}.mlp.gate_up_proj.weight"] = gate_up
-        packed[f"blk.{layer}.attn_qkv.weight"], packed[f"blk.{layer}.ffn_up.weight"] = qkv, gate_up
-    save_file(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "tokenizer.model").write_bytes(sp_model_bytes)
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
-        "tokenizer_class": "LlamaTokenizer", "legacy": False}), encoding="utf-8")
-    members = {n: t for n, t in weights.items() if not any(f".{u}." in n for u in _UNPACKED)}
-    packed["rope_factors_short.weight"], packed["rope_factors_long.weight"] = torch.tensor(SHORT), torch.tensor(LONG)
-    gguf_path = write_tiny_gguf(
-        tmp_path_factory.mktemp("tiny-phi4-mini-gguf") / "phi3.gguf", config, members,
-        sentencepiece_vocab(sp_model_bytes), matrix_type=Q8_0, arch="phi3", extra_tensors=packed,
-        extra_metadata={"phi3.rope.scaling.attn_factor": math.sqrt(2.0),
-                        "phi3.rope.scaling.original_context_length": ORIGINAL})
-    return folder, gguf_path, config
+    writes one: rope.dimension_count R, Q|K|V in HF's row order, the LongRoPE factors as F32 tensors, the config)."""
+    return longrope_checkpoints(tmp_path_factory, "tiny-phi4-mini", {**_config(), "vocab_size": sp_vocab_size}, 17,
+                                sp_model_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -324,22 +290,5 @@ def test_a_left_padded_batch_gives_each_rows_own_logits(backend: str, phi4: tupl
     one batch, the shorter left-padded, give every step the logits of each row run alone."""
     folder, _, config = phi4
     model = load_model(str(folder), dtype=FP32, use_cache=False).model
-    long = parity.prompt_ids(config.vocab_size, 9)[0]
-    short = long[4:]
-    batch = torch.stack([long, torch.cat([torch.zeros(4, dtype=torch.long), short])])
-    alone = []
-    for prompt in (long, short):
-        model.setup_cache(1, 13)
-        run = backend_for(model, Request(backend=backend))
-        logits = [run.prefill(prompt.view(1, -1))[0]]
-        for _ in range(3):
-            logits.append(run.decode(logits[-1].argmax().view(1, 1))[0])
-        alone.append(torch.stack(logits))
-    model.setup_cache(2, 13)
-    run = backend_for(model, Request(batch=2, backend=backend))
-    together = [run.prefill(batch, [0, 4])]
-    for step in range(3):
-        together.append(run.decode(torch.stack([alone[0][step].argmax(), alone[1][step].argmax()]).view(2, 1)))
-    together = torch.stack(together)  # (steps, 2, V)
-    for row in range(2):
-        assert (together[:, row] - alone[row]).abs().max().item() <= 1e-4, row
+    gaps = parity.left_padded_gaps(model, parity.prompt_ids(config.vocab_size, 9)[0], 4, backend)
+    assert max(gaps) <= 1e-4, gaps
