@@ -97,6 +97,14 @@ def test_malformed_gguf_metadata_is_a_config_error(change: dict[str, Any], field
     assert "\n" not in str(info.value)
 
 
+def test_a_gguf_error_names_the_files_own_key() -> None:
+    """The key as the file spells it, under its architecture's prefix (not llama's)."""
+    meta = {k.replace("llama.", "qwen2."): v for k, v in _gguf_meta().items()} | {
+        "general.architecture": "qwen2", "qwen2.attention.head_count": 0}
+    with pytest.raises(ConfigError, match="'qwen2.attention.head_count' is 0; it must be at least 1"):
+        ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
+
+
 def _gguf_bytes(metadata: bytes, n_kv: int) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, 0, n_kv) + metadata
 

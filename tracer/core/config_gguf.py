@@ -72,8 +72,8 @@ def gguf_fields(meta: Mapping[str, Any], name: str, source: str) -> dict[str, An
     arch = keys.arch
     n_heads = keys.whole("attention.head_count", keys.need("attention.head_count"))
     if n_heads <= 0:
-        raise ConfigError(f"{source}: 'llama.attention.head_count' is {n_heads}; it must be at least 1, the file "
-                          "is corrupt")
+        raise ConfigError(f"{source}: {keys.full('attention.head_count')!r} is {n_heads}; it must be at least 1, "
+                          "the file is corrupt")
     vocab = _vocabulary(keys)
     dim = keys.whole("embedding_length", keys.need("embedding_length"))
     key_length = keys.get("attention.key_length")
