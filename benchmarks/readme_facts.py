@@ -204,7 +204,7 @@ UNKNOWN_GGUF = ("gpt2", "falcon")
 def _hf_config(arch: str, model_type: str = "", **extra: Any) -> dict[str, Any]:
     return {"architectures": [arch], "model_type": model_type, "vocab_size": 32, "hidden_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, "num_local_experts": 4,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 32, **extra}
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, **extra}
 
 
 def _refusal(read: Callable[[], object]) -> str | None:
@@ -299,6 +299,10 @@ def table_loads() -> str:
                                                     norm_topk_prob=True))
     _checked(qwen3_moe.qk_norm and qwen3_moe.ffn_dim == 8 and qwen3_moe.moe is not None
              and qwen3_moe.moe.router_norm == "renormalised", "Qwen3-MoE: QK-norm, its experts' width, renormalised")
+    qwen2_moe = ModelConfig.from_hf_dict(_hf_config("Qwen2MoeForCausalLM", "qwen2_moe"))
+    _checked(qwen2_moe.qkv_bias and qwen2_moe.shared_expert_dim == 64 and qwen2_moe.moe is not None
+             and qwen2_moe.moe.router_norm == "softmax", "Qwen2-MoE: Q/K/V biases, a shared expert, the softmax's "
+             "own weights")
     olmoe = ModelConfig.from_hf_dict(_hf_config("OlmoeForCausalLM", "olmoe"))
     _checked(olmoe.qk_norm_whole and olmoe.moe is not None and olmoe.moe.router_norm == "softmax",
              "OLMoE: QK-norm over the whole projections, the softmax's own weights")

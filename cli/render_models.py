@@ -26,8 +26,7 @@ def render_models(console: Console, r: ModelsReport) -> None:
     moe = [m for m in r.models if m.n_experts > 1]
     if moe:
         parts.append(Text("\nMixtures of experts (FFN E×F: E experts of F each; active: the parameters a token's "
-                          "pass uses): " + ", ".join(f"{m.name} top-{m.experts_per_token} of {m.n_experts}"
-                                                     for m in moe) + "."))
+                          "pass uses): " + ", ".join(_experts(m) for m in moe) + "."))
     windowed = [m for m in r.models if m.windowed_layers]
     if windowed:
         parts.append(Text("\nSliding windows (KV/position holds up to the window; past it a position adds only the "
@@ -38,6 +37,12 @@ def render_models(console: Console, r: ModelsReport) -> None:
                           + ", ".join(f"{m.name} {m.rotary_dim} of {m.head_dim}" for m in partial) + "."))
     console.print(Group(*parts, Text("\nUse a name with --model, or give a model folder, config.json or .gguf file "
                                       "instead.")))
+
+
+def _experts(m: ModelRow) -> str:
+    """"mixtral-8x7b top-2 of 8", with a shared expert every token runs where the model has one (Qwen2-MoE)."""
+    shared = f" and a shared expert of {m.shared_expert_dim}" if m.shared_expert_dim else ""
+    return f"{m.name} top-{m.experts_per_token} of {m.n_experts}{shared}"
 
 
 def _table(r: ModelsReport, dimensions: bool, sizes: bool) -> Table:

@@ -15,7 +15,7 @@ from llmtrace.tracer.analytic import estimate
 from llmtrace.tracer.analytic.params import count_params, weight_bytes
 from llmtrace.tracer.analytic.tensor_parallel import replicated_components
 from llmtrace.tracer.core import contract
-from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.model.transformer import build_random_model
 from llmtrace.tracer.run.backends import backend_for
@@ -131,6 +131,11 @@ def test_a_stage_added_to_the_contract_reaches_tracer_lists_estimate_and_labels(
     assert contract.role_label("ffn_norm") == "RMSNorm (FFN)"
 
 
+def _runs(pack: contract.PackSpec, config: ModelConfig) -> bool:
+    """Whether `config` runs every member of the pack (a dense FFN's gate|up, a shared expert's)."""
+    return set(pack.members) <= {s.role for s in contract.staged_stages(config)}
+
+
 def test_derived_lists_agree_with_the_model() -> None:
     """Every stage role is a module of the model and every tensor a parameter of it, with the declared shape."""
     config = dataclasses.replace(CONFIG, qkv_bias=True, wo_bias=True, mlp_bias=True)
@@ -140,6 +145,16 @@ def test_derived_lists_agree_with_the_model() -> None:
         assert (f"layers.0.{spec.role}" if spec.in_layer else spec.role) in modules, spec.role
     params = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     assert params == contract.expected_shapes(config)
-    assert [p.role for p in contract.PACKS] == [s.role for s in contract.fused_stages(config) if len(s.members) > 1]
+    assert [p.role for p in contract.PACKS if _runs(p, config)] == [
+        s.role for s in contract.fused_stages(config) if len(s.members) > 1]
+    # Qwen2-MoE: a mixture of experts beside a shared expert, whose gate|up is a pack of its own
+    shared = dataclasses.replace(config, mlp_bias=False, moe=MoeSpec(4, 2, "softmax"), shared_expert_dim=80)
+    model = build_random_model(shared)
+    modules = dict(model.named_modules())
+    assert all(f"layers.0.{s.role}" in modules for s in contract.layer_stages(shared))
+    assert {name: tuple(p.shape) for name, p in model.state_dict().items()} == contract.expected_shapes(shared)
+    assert [s.role for s in contract.fused_stages(shared) if len(s.members) > 1] == [
+        "attention.wqkv", "feed_forward.shared_w13", "feed_forward.w13"] == [
+        p.role for p in contract.PACKS if _runs(p, shared)]
     assert contract.gguf_tensor_flags({"blk.0.attn_q.bias", "blk.0.ffn_up.bias"}) == {
         "qkv_bias": True, "wo_bias": False, "mlp_bias": True}

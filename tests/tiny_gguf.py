@@ -37,6 +37,11 @@ _LAYER = {
     "attention.qk_norm.q_weight": "attn_q_norm.weight",  # Qwen3 (llama-arch.cpp LLM_TENSOR_ATTN_Q_NORM)
     "attention.qk_norm.k_weight": "attn_k_norm.weight",
     "feed_forward.router.weight": "ffn_gate_inp.weight",  # a mixture of experts' router (LLM_TENSOR_FFN_GATE_INP)
+    # Qwen2-MoE's shared expert (LLM_TENSOR_FFN_*_SHEXP) and its gate (LLM_TENSOR_FFN_GATE_INP_SHEXP, {n_embd})
+    "feed_forward.shared_w1.weight": "ffn_gate_shexp.weight",
+    "feed_forward.shared_w3.weight": "ffn_up_shexp.weight",
+    "feed_forward.shared_w2.weight": "ffn_down_shexp.weight",
+    "feed_forward.shared_gate.weight": "ffn_gate_inp_shexp.weight",
     "post_attention_norm.weight": "post_attention_norm.weight",  # Gemma (LLM_TENSOR_ATTN_POST_NORM)
     "post_ffn_norm.weight": "post_ffw_norm.weight",  # Gemma (LLM_TENSOR_FFN_POST_NORM)
 }
@@ -224,6 +229,8 @@ def write_tiny_gguf(
             array = llama_cpp_permute(array, config.n_heads, config.n_heads)
         elif ours.endswith(("attention.wk.weight", "attention.wk.bias")):
             array = llama_cpp_permute(array, config.n_heads, config.n_kv_heads)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            array = array.reshape(-1)  # llama.cpp declares it {n_embd}: one F32 vector
         if array.ndim == 1 or matrix_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         else:

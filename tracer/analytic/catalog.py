@@ -23,6 +23,7 @@ class ModelRow(ModelDims):
     active_params: int  # those one token's pass multiplies by: params, or fewer in a mixture of experts
     n_experts: int  # E experts a layer (1: a dense FFN)
     experts_per_token: int  # k of them a token is routed to (1: a dense FFN)
+    shared_expert_dim: int  # the width of a shared expert every token runs beside them (Qwen2-MoE; 0: none)
     weight_bytes: int  # all weights in the chosen dtype (every expert's)
     kv_bytes_per_token: int  # one position, all layers, one sequence, in the chosen dtype
     sliding_window: int  # positions a windowed layer keeps (0: no windowed layer)
@@ -44,7 +45,7 @@ def models_report(dtype: DType) -> ModelsReport:
         p = count_params(c)
         rows.append(ModelRow.of(
             c, params=p.total, active_params=p.active, n_experts=p.n_experts, experts_per_token=p.experts_per_token,
-            weight_bytes=weight_bytes(c, dtype), kv_bytes_per_token=kv_bytes_per_token(c, dtype),
+            shared_expert_dim=c.shared_expert_dim or 0, weight_bytes=weight_bytes(c, dtype), kv_bytes_per_token=kv_bytes_per_token(c, dtype),
             sliding_window=c.sliding_window or 0, windowed_layers=c.windowed_layers,
             kv_bytes_per_token_past_window=kv_bytes_per_token_per_layer(c.n_kv_heads, c.head_dim, dtype)
             * (c.n_layers - c.windowed_layers), rotary_dim=c.rotary_dim,

@@ -440,7 +440,8 @@ class _EagerRows:
         self.by_kind: dict[str, Callable[[contract.StageSpec, str, int, str], list[_Row]]] = {
             "linear": self.linear, "lm_head": self.linear, "rmsnorm": self.norm, "residual": self.residual,
             "embedding": self.embedding, "qk_norm": self.qk_norm, "rope": self.rope, "kv_cache": self.kv_cache,
-            "swiglu": self.gated, "geglu": self.gated, "scale": self.scale, "softcap": self.softcap}
+            "swiglu": self.gated, "geglu": self.gated, "scale": self.scale, "softcap": self.softcap,
+            "shared_expert_add": self.shared_add}
 
     def rows(self) -> list[_Row]:
         rows: list[_Row] = []
@@ -535,10 +536,21 @@ class _EagerRows:
                      Cost(kv_write_bytes=2 * r * hkv * kv_vec, act_read_bytes=int(2 * r * self.cfg.kv_dim * self.a)))]
 
     def gated(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
-        """silu(gate)·up (6 FLOPs an element) or Gemma's gelu(gate)·up (10)."""
-        r, f = self.r, self.cfg.ffn_dim
+        """silu(gate)·up (6 FLOPs an element) or Gemma's gelu(gate)·up (10), F wide (a shared expert's: Fs)."""
+        r = self.r
+        shared = spec.role in contract.SHARED_EXPERT_ROLES
+        f, width = (self.cfg.shared_expert_dim or 0, "Fs") if shared else (self.cfg.ffn_dim, "F")
         per = ff.SWIGLU_FLOPS_PER_ELEMENT if spec.kind == "swiglu" else ff.GEGLU_FLOPS_PER_ELEMENT
-        return self.elementwise(spec, label, lambda: f"{per}·BT·F = {per}·{r}·{f}", spec.kind, 2 * r * f, r * f)
+        fl = step_flops(spec.kind, replace(_dims(self.cfg, self.batch, self.t, self.t), ffn_dim=f))[1]
+        return [_Row(spec.role, label, ELEMENTWISE, spec.in_layer, lambda: f"{per}·BT·{width} = {per}·{r}·{f}",
+                     Cost(fl, fl, 0, 0, 0, int(2 * r * f * self.a), int(r * f * self.a)))]
+
+    def shared_add(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
+        """Qwen2-MoE's shared expert output times sigmoid(logit), added to the routed sum: the sigmoid once a token,
+        a multiply and an add an element."""
+        r, d = self.r, self.cfg.dim
+        return self.elementwise(spec, label, lambda: f"BT·(4 + 2d) = {r}·(4 + 2·{d})", spec.kind, r * (2 * d + 1),
+                                r * d)
 
     def scale(self, spec: contract.StageSpec, label: str, rows: int, sym: str) -> list[_Row]:
         """Gemma's embeddings times sqrt(d): every token row."""
@@ -561,7 +573,8 @@ MOE_REPLICATED = frozenset((ROUTER, ROUTE, COMBINE))
 
 def expert_components(cfg: ModelConfig) -> frozenset[str]:
     """The components that run once per chosen expert: the FFN's products, their biases and silu(gate)·up."""
-    names = {s.role for s in contract.staged_stages(cfg) if s.kind in ("swiglu", "geglu")}
+    names = {s.role for s in contract.staged_stages(cfg) if s.kind in ("swiglu", "geglu")
+             and s.role not in contract.SHARED_EXPERT_ROLES}  # a shared expert runs once a token
     for spec in contract.staged_stages(cfg):
         for tensor in contract.stage_tensors(spec, cfg):
             if tensor.group == "ffn":
@@ -604,12 +617,12 @@ def _routed_rows(cfg: ModelConfig, rows: list[_Row], tokens: int, dt: Dtypes) ->
                          c.kv_write_bytes, c.act_read_bytes * k, c.act_write_bytes * k))
 
     out: list[_Row] = []
-    last_expert = max(i for i, row in enumerate(rows) if row.name in experts)
+    expert_rows = [i for i, row in enumerate(rows) if row.name in experts]
     for i, row in enumerate(rows):
-        out.append(per_expert(row) if row.name in experts else row)
-        if row.name == "ffn_norm":
+        if i == expert_rows[0]:  # the router before the first expert (after the FFN norm and a shared expert)
             out.extend(router)
-        if i == last_expert:
+        out.append(per_expert(row) if row.name in experts else row)
+        if i == expert_rows[-1]:
             out.append(weighted)
     return out
 

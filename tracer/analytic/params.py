@@ -6,8 +6,9 @@ them, wo (d x H*D) and its bias (d) likewise, ffn_norm (d), w1 and w3 (F x d), w
 output (V x d), which is the embedding matrix itself when the model ties them, and is then counted once.
 
 A mixture of experts (config.moe: E experts, k per token) holds E copies of w1, w2, w3 (each F the expert's size)
-and a router (E x d) per layer; a token's pass uses k of the copies, so its active parameters are the total less
-(E - k) experts a layer. Mixtral-8x7B's published 46.7 B total, 12.9 B active come out of this (tests).
+and a router (E x d) per layer, and Qwen2-MoE a shared expert (w1, w3 of Fs x d, w2 of d x Fs) and its gate (1 x d)
+that every token runs; a token's pass uses k of the copies, so its active parameters are the total less (E - k)
+experts a layer. Mixtral-8x7B's published 46.7 B total, 12.9 B active come out of this (tests).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from llmtrace.tracer.core.dtypes import DTYPES, FP32, DType
 class ParamCount:
     embedding: int  # V * d
     attention_per_layer: int  # wq + wk + wv + wo (and their biases, where the config has them)
-    ffn_per_layer: int  # w1 + w2 + w3, of every expert, and the router (d x E) of a mixture of experts
+    ffn_per_layer: int  # w1 + w2 + w3 of every expert, the router (d x E) and a shared expert with its gate
     norms_per_layer: int  # attention_norm + ffn_norm
     per_layer: int
     layers: int  # per_layer * n_layers
@@ -54,12 +55,13 @@ def experts(config: ModelConfig) -> tuple[int, int]:
 
 
 def count_params(config: ModelConfig) -> ParamCount:
-    groups = {"embedding": 0, "attention": 0, "ffn": 0, "router": 0, "norm": 0, "final_norm": 0, "lm_head": 0}
+    groups = {"embedding": 0, "attention": 0, "ffn": 0, "router": 0, "shared_expert": 0, "norm": 0, "final_norm": 0,
+              "lm_head": 0}
     for tensor, shape, _ in _tensors(config):  # layer groups per layer, the others once; the FFN one expert's
         groups[tensor.group] += math.prod(shape)
     n_experts, top_k = experts(config)
     router = groups["router"]  # the contract's feed_forward.router (E x d), present with a mixture of experts
-    ffn = n_experts * groups["ffn"] + router
+    ffn = n_experts * groups["ffn"] + router + groups["shared_expert"]  # Qwen2-MoE's shared expert and its gate
     per_layer = groups["attention"] + ffn + groups["norm"]
     layers = per_layer * config.n_layers
     total = groups["embedding"] + layers + groups["final_norm"] + groups["lm_head"]

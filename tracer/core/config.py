@@ -57,6 +57,9 @@ class ModelConfig:
     # A mixture of experts in place of the dense FFN (ffn_dim is then each expert's): Mixtral's HF and GGUF files and
     # the presets; the stage modules run it (tracer/model/moe.py; a dry run routes round-robin).
     moe: MoeSpec | None = None
+    # With moe: a shared expert beside the routed ones (Qwen2-MoE): one more SwiGLU of this width that every token
+    # runs, its output scaled by sigmoid(x·g) (a d -> 1 gate) and added to the routed experts' weighted sum. None: none.
+    shared_expert_dim: int | None = None
     # Gemma 3's twists (HF Gemma3ForCausalLM, GGUF gemma3), each its own flag so the contract can switch its stage:
     norm_plus_one: bool = False  # every RMSNorm multiplies by (1 + w) in fp32, cast after (the checkpoint holds w)
     post_norms: bool = False  # an RMSNorm on the attention's and on the FFN's output, before each residual add
@@ -188,6 +191,14 @@ def _check_numbers(config: ModelConfig) -> None:
         config.rope_scaling.check(config.name)
     if config.moe is not None:
         config.moe.check(config.name)
+    shared = config.shared_expert_dim
+    if shared is not None:
+        if config.moe is None:
+            raise ConfigError(f"config {config.name!r}: shared_expert_dim is a mixture of experts' shared expert; "
+                              "set moe too")
+        if not isinstance(shared, int) or isinstance(shared, bool) or not 0 < shared <= INT_LIMITS["ffn_dim"]:
+            raise ConfigError(f"config {config.name!r}: shared_expert_dim must be an integer from 1 to "
+                              f"{INT_LIMITS['ffn_dim']:,}, got {shared!r}")
 
 
 def _check_layout(config: ModelConfig) -> None:

@@ -22,6 +22,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi-3: `attn_qkv` and a gate-and-up `ffn_up` split at load; LongRoPE from `rope_factors_long`/`_short`; "
             "RoPE on part of each head (Phi-4-mini: `rope.dimension_count` below the head's)",
     "qwen3": "Qwen3 dense: RMSNorm on each Q and K head before RoPE",
+    "qwen2moe": "Qwen2-MoE: biases on Q, K and V, a mixture of experts beside a shared expert (`ffn_*_shexp`, "
+                "`ffn_gate_inp_shexp`)",
     "qwen3moe": "Qwen3-MoE: Qwen3's attention, a mixture of experts in every layer",
     "olmoe": "OLMoE: RMSNorm over the whole Q and K projections, a mixture of experts in every layer",
     "gemma3": "Gemma 3 text: norms stored as 1 + w; every sixth layer global, the others windowed",
@@ -84,10 +86,14 @@ def gguf_fields(meta: Mapping[str, Any], name: str, source: str) -> dict[str, An
     for field, key, default, read in _SHAPE:
         fields[field] = read(keys.need(key) if default is _NEEDED else keys.get(key, default), source, keys.full(key))
     fields["n_kv_heads"] = keys.whole("attention.head_count_kv", keys.get("attention.head_count_kv", n_heads))
-    # a mixture of experts' expert width where the file gives it apart (qwen3moe; a Mixtral 'llama' file's
-    # feed_forward_length is its experts')
-    ffn_key = "expert_feed_forward_length" if keys.get("expert_feed_forward_length") else "feed_forward_length"
+    # a mixture of experts' expert width where the file gives it apart (qwen3moe, qwen2moe, whose
+    # feed_forward_length is the shared expert's; a Mixtral 'llama' file's feed_forward_length is its experts')
+    ffn_key = "expert_feed_forward_length" if keys.get("expert_feed_forward_length") or arch == "qwen2moe" \
+        else "feed_forward_length"
     fields["ffn_dim"] = keys.whole(ffn_key, keys.need(ffn_key))
+    if arch == "qwen2moe":  # its shared expert's width: llama.cpp's n_ff_shexp, else feed_forward_length
+        shared = keys.get("expert_shared_feed_forward_length") or keys.need("feed_forward_length")
+        fields["shared_expert_dim"] = keys.whole("expert_shared_feed_forward_length", shared)
     fields["explicit_head_dim"] = head_dim if head_dim is not None and head_dim != dim // n_heads else None
     fields["sliding_window"] = positive_window(keys.get("attention.sliding_window"),
                                                f"{source}: GGUF attention.sliding_window must be a positive integer")
@@ -196,23 +202,23 @@ def _longrope(keys: _Keys) -> RopeScaling:
 
 def _moe(keys: _Keys) -> MoeSpec | None:
     """A Mixtral-style file's experts (arch 'llama' with `llama.expert_count` and `llama.expert_used_count`), a
-    'qwen3moe' or an 'olmoe' file's: its layers then hold ffn_gate_inp and the 3-D ffn_*_exps. llama.cpp renormalises
-    the k weights of 'llama' and 'qwen3moe', not OLMoE's (its norm_w), unless the file says
-    (`<arch>.expert_weights_norm`). None without experts. Another architecture's experts are refused in one line."""
+    'qwen2moe', 'qwen3moe' or an 'olmoe' file's: its layers then hold ffn_gate_inp and the 3-D ffn_*_exps. llama.cpp
+    renormalises the k weights of 'llama' and 'qwen3moe', not OLMoE's nor Qwen2-MoE's (its norm_w false for both),
+    unless the file says (`<arch>.expert_weights_norm`). None without experts. Another architecture's experts are refused in one line."""
     arch, source = keys.arch, keys.source
     count = keys.get("expert_count")
     if not count:
-        if arch in ("qwen3moe", "olmoe"):
+        if arch in ("qwen2moe", "qwen3moe", "olmoe"):
             raise ConfigError(f"{source}: a '{arch}' GGUF without {arch}.expert_count; the file is incomplete")
         return None
-    if arch not in ("llama", "qwen3moe", "olmoe"):
+    if arch not in ("llama", "qwen2moe", "qwen3moe", "olmoe"):
         raise UnsupportedModelError(f"{source}: a '{arch}' mixture of experts is not read; llmtrace reads Mixtral-style "
-                                    "'llama', 'qwen3moe' and 'olmoe' GGUFs with experts")
+                                    "'llama', 'qwen2moe', 'qwen3moe' and 'olmoe' GGUFs with experts")
     used = keys.get("expert_used_count")
     if used is None:
         raise ConfigError(f"{source}: GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count; the "
                           "file is incomplete")
-    renormalised = keys.get("expert_weights_norm", arch != "olmoe")
+    renormalised = keys.get("expert_weights_norm", arch not in ("olmoe", "qwen2moe"))
     return MoeSpec(keys.whole("expert_count", count), keys.whole("expert_used_count", used),
                    "renormalised" if renormalised is True else "softmax")
 

@@ -25,6 +25,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "`qkv_proj` and `gate_up_proj` split at load; its sliding window; LongRoPE (128k models); "
                        "RoPE on part of each head (Phi-4-mini's `partial_rotary_factor`)",
     "Qwen3ForCausalLM": "RMSNorm on each Q and K head before RoPE; a sliding window on every layer or none",
+    "Qwen2MoeForCausalLM": "biases on Q, K and V; mixture of experts in every layer beside one shared expert, its "
+                           "output scaled by a sigmoid gate",
     "Qwen3MoeForCausalLM": "Qwen3's attention; mixture of experts in every layer, weights renormalised with "
                            "`norm_topk_prob`",
     "OlmoeForCausalLM": "RMSNorm over the whole Q and K projections; mixture of experts in every layer",
@@ -34,7 +36,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 # Each architecture's model_type: a config.json names either or both, and the reader treats them alike.
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                 "Qwen2ForCausalLM": "qwen2", "Phi3ForCausalLM": "phi3", "Qwen3ForCausalLM": "qwen3",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Gemma3ForCausalLM": "gemma3_text"}
+                "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Gemma3ForCausalLM": "gemma3_text"}
 # MistralConfig's default when config.json has no sliding_window key (transformers' configuration_mistral.py).
 _MISTRAL_DEFAULT_WINDOW = 4096
 _NEEDED = object()  # a field the file must give
@@ -82,8 +84,8 @@ def hf_fields(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]
     for field, key, default, read in _SHAPE:
         fields[field] = read(_need(data, key, source) if default is _NEEDED else data.get(key, default), source, key)
     fields["n_kv_heads"] = whole_number(data.get("num_key_value_heads") or n_heads, source, "num_key_value_heads")
-    # Qwen3-MoE: each expert's width (its intermediate_size is for dense layers, which _moe refuses)
-    ffn_key = "moe_intermediate_size" if "qwen3_moe" in kinds else "intermediate_size"
+    # Qwen2/3-MoE: each expert's width (its intermediate_size is for dense layers, which _moe refuses)
+    ffn_key = "moe_intermediate_size" if {"qwen2_moe", "qwen3_moe"} & kinds else "intermediate_size"
     fields["ffn_dim"] = whole_number(_need(data, ffn_key, source), source, ffn_key)
     rope_theta = data.get("rope_theta", dict_or_empty(data.get("rope_parameters")).get("rope_theta", 10000.0))
     fields["rope_theta"] = real_number(rope_theta, source, "rope_theta")
@@ -98,6 +100,9 @@ def hf_fields(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]
         data.get("rope_scaling") or data.get("rope_parameters"), data, source)
     fields["sliding_window"] = _sliding_window(data, kinds, source)
     fields["moe"] = _moe(data, kinds, source)
+    if "qwen2_moe" in kinds:  # Qwen2MoeSparseMoeBlock's shared_expert, beside the routed ones
+        key = "shared_expert_intermediate_size"
+        fields["shared_expert_dim"] = whole_number(_need(data, key, source), source, key)
     if "gemma3_text" in kinds:
         fields.update(_gemma3(data, fields["n_layers"], source))
     return fields
@@ -133,8 +138,10 @@ def _need(data: Mapping[str, Any], key: str, source: str) -> Any:
 def _attention_flags(data: Mapping[str, Any], kinds: frozenset[str]) -> dict[str, bool]:
     """The projections' biases and the QK-norm, as each family's attention has them."""
     attention_bias = bool(data.get("attention_bias", False))  # LlamaAttention: on q, k, v and o alike
-    qwen2 = "qwen2" in kinds  # Qwen2Attention: a bias on q, k, v, none on o
-    return dict(qkv_bias=attention_bias or qwen2, wo_bias=attention_bias and not qwen2,
+    qwen2 = bool({"qwen2", "qwen2_moe"} & kinds)  # Qwen2Attention: a bias on q, k, v, none on o
+    # Qwen2MoeConfig's qkv_bias (transformers 5; true when absent, as the hub's files leave it)
+    qwen2_bias = qwen2 and ("qwen2" in kinds or data.get("qkv_bias", True) is not False)
+    return dict(qkv_bias=attention_bias or qwen2_bias, wo_bias=attention_bias and not qwen2,
                 mlp_bias=bool(data.get("mlp_bias", False)) and not qwen2,
                 # Qwen3Attention (Qwen3-MoE's too): q_norm, k_norm per head; OlmoeAttention: over the whole q and k
                 qk_norm=bool({"qwen3", "qwen3_moe", "olmoe"} & kinds), qk_norm_whole="olmoe" in kinds)
@@ -142,10 +149,10 @@ def _attention_flags(data: Mapping[str, Any], kinds: frozenset[str]) -> dict[str
 
 def _moe(data: Mapping[str, Any], kinds: frozenset[str], source: str) -> MoeSpec | None:
     """Mixtral's experts (num_local_experts, num_experts_per_tok; its router renormalises the k weights),
-    Qwen3-MoE's and OLMoE's (num_experts, or num_local_experts as transformers 5 writes Qwen3-MoE's; renormalised
+    Qwen2-MoE's, Qwen3-MoE's and OLMoE's (num_experts, or num_local_experts as transformers 5 writes Qwen3-MoE's; renormalised
     with norm_topk_prob, else the softmax's own: OLMoE's default), else None (a dense FFN)."""
     mixtral = "mixtral" in kinds
-    if not {"mixtral", "qwen3_moe", "olmoe"} & kinds:
+    if not {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} & kinds:
         return None
     if "olmoe" in kinds and data.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{source}: clip_qkv (q, k and v clamped) is not modelled; llmtrace runs OLMoE "
@@ -171,7 +178,7 @@ def _sliding_window(data: Mapping[str, Any], kinds: frozenset[str], source: str)
         window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
     elif "phi3" in kinds or "mixtral" in kinds:  # Phi3Config: none unless given (mini-4k: 2047); MixtralConfig: none
         window = data.get("sliding_window")
-    elif {"qwen2", "qwen3", "qwen3_moe"} & kinds:
+    elif {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"} & kinds:
         # windowed only with use_sliding_window
         if not data.get("use_sliding_window", False) or data.get("sliding_window") is None:
             return None

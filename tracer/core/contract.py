@@ -112,7 +112,7 @@ class FusedStage:
 
 def _linear(role: str, label: str, short: str, hf: str, gguf: str, shape: tuple[str, str], group: str,
             packed: str | None = None, rope_heads: str | None = None, bias_when: str | None = None,
-            expert: tuple[str, str] | None = None) -> StageSpec:
+            expert: tuple[str, str] | None = None, when: str | None = None) -> StageSpec:
     """A bias-free projection, or one with a bias vector when the config field `bias_when` says so. `expert`: the
     (Mixtral's HF, llama.cpp's) names of its matrix in a mixture of experts, where it is one expert's of E (the
     other HF families keep the dense name under mlp.experts.{j})."""
@@ -124,7 +124,7 @@ def _linear(role: str, label: str, short: str, hf: str, gguf: str, shape: tuple[
     if bias_when is not None:
         tensors.append(TensorSpec(f"{role}.bias", f"{hf}.bias", f"{gguf}.bias", shape[:1], group, when=bias_when,
                                   rope_heads=rope_heads))
-    return StageSpec(role, "linear", label, short, True, packed=packed, tensors=tuple(tensors))
+    return StageSpec(role, "linear", label, short, True, packed=packed, tensors=tuple(tensors), when=when)
 
 
 def _norm(role: str, label: str, block: str, hf: str, gguf: str, when: str | None = None,
@@ -168,6 +168,21 @@ STAGES: tuple[StageSpec, ...] = (
               replicated=True),
     _norm("ffn_norm", "RMSNorm (FFN)", "FFN", "post_attention_layernorm.weight", "ffn_norm.weight",
           hf_post_norms="pre_feedforward_layernorm.weight"),
+    # A mixture of experts' shared expert (config.shared_expert_dim: Qwen2-MoE): a SwiGLU of its own width Fs that
+    # every token runs, on the FFN norm's output before the router (as HF's Qwen2MoeSparseMoeBlock runs it), and its
+    # gate's logit (a d -> 1 linear); `shared_add` below scales its output by sigmoid(logit) and adds it to the
+    # routed experts' weighted sum.
+    _linear("feed_forward.shared_w1", "shared expert gate (w1)", "shared gate", "mlp.shared_expert.gate_proj",
+            "ffn_gate_shexp", ("Fs", "d"), "shared_expert", packed="feed_forward.shared_w13", when="shared_expert_dim"),
+    _linear("feed_forward.shared_w3", "shared expert up (w3)", "shared up", "mlp.shared_expert.up_proj",
+            "ffn_up_shexp", ("Fs", "d"), "shared_expert", packed="feed_forward.shared_w13", when="shared_expert_dim"),
+    StageSpec("feed_forward.shared_act", "swiglu", "shared silu(gate)·up", "shared silu·up", True,
+              when="shared_expert_dim"),
+    _linear("feed_forward.shared_w2", "shared expert down (w2)", "shared down", "mlp.shared_expert.down_proj",
+            "ffn_down_shexp", ("d", "Fs"), "shared_expert", when="shared_expert_dim"),
+    # llama.cpp declares ffn_gate_inp_shexp {n_embd}: a file may hold it (d,); the GGUF loader takes it as (1, d)
+    _linear("feed_forward.shared_gate", "shared expert gate logit", "shared σ logit", "mlp.shared_expert_gate",
+            "ffn_gate_inp_shexp", ("1", "d"), "shared_expert", when="shared_expert_dim"),
     # A mixture of experts (config.moe): the router's logits (a d -> E linear, HF's `gate`), its choice of k experts
     # a token (softmax, top-k, the renormalisation its model does), then the SwiGLU stages below once per chosen
     # expert on the tokens routed to it, with that expert's matrices, and the k outputs' weighted sum.
@@ -188,6 +203,9 @@ STAGES: tuple[StageSpec, ...] = (
     _linear("feed_forward.w2", "SwiGLU down (w2)", "down (w2)", "mlp.down_proj", "ffn_down", ("d", "F"), "ffn",
             bias_when="mlp_bias", expert=("w2", "ffn_down_exps")),
     StageSpec("feed_forward.combine", "expert_combine", "weighted sum of experts", "weighted sum", True, when="moe"),
+    # the shared expert's output times sigmoid(its gate's logit), added to the weighted sum (Qwen2-MoE)
+    StageSpec("feed_forward.shared_add", "shared_expert_add", "+ σ(logit)·shared expert", "+ shared", True,
+              when="shared_expert_dim"),
     _norm("post_ffn_norm", "RMSNorm (after FFN)", "after FFN", "post_feedforward_layernorm.weight",
           "post_ffw_norm.weight", when="post_norms"),
     StageSpec("ffn_residual", "residual", "residual add (FFN)", "residual +", True, block="FFN", replicated=True),
@@ -201,8 +219,14 @@ STAGES: tuple[StageSpec, ...] = (
 
 PACKS: tuple[PackSpec, ...] = (
     PackSpec("attention.wqkv", "linear", "Q|K|V proj", ("attention.wq", "attention.wk", "attention.wv")),
+    PackSpec("feed_forward.shared_w13", "linear", "shared gate|up",
+             ("feed_forward.shared_w1", "feed_forward.shared_w3")),
     PackSpec("feed_forward.w13", "linear", "gate|up (w1|w3)", ("feed_forward.w1", "feed_forward.w3")),
 )
+# A mixture of experts' shared expert's stages (Qwen2-MoE): each runs once a token, not once per chosen expert
+SHARED_EXPERT_ROLES = ("feed_forward.shared_w1", "feed_forward.shared_w3", "feed_forward.shared_w13",
+                       "feed_forward.shared_act", "feed_forward.shared_w2", "feed_forward.shared_gate",
+                       "feed_forward.shared_add")
 
 
 
@@ -265,7 +289,9 @@ def dims(config: ModelConfig) -> dict[str, int]:
             "E": config.moe.n_experts if config.moe is not None else 1,
             # QK-norm's weights: a head's D, or the whole projection's (OLMoE: config.qk_norm_whole)
             "Dq": config.q_dim if config.qk_norm_whole else config.head_dim,
-            "Dk": config.kv_dim if config.qk_norm_whole else config.head_dim}
+            "Dk": config.kv_dim if config.qk_norm_whole else config.head_dim,
+            # a mixture of experts' shared expert's width (Qwen2-MoE), and its gate's one output
+            "Fs": config.shared_expert_dim or 1, "1": 1}
 
 
 def shape_of(tensor: TensorSpec, config: ModelConfig) -> tuple[int, ...]:

@@ -32,6 +32,8 @@ RESIDUAL_FLOPS_PER_ELEMENT = 1  # x + delta
 BIAS_FLOPS_PER_ELEMENT = 1  # y + b
 TOPK_FLOPS_PER_PICK_PER_EXPERT = 1  # top-k of E logits as k passes of a max: one compare per logit per pass
 RENORM_FLOPS_PER_PICK = 2  # the k kept weights summed, then each divided by the sum
+SIGMOID_FLOPS = 4  # 1 / (1 + exp(-x)): negate, exp, add, divide
+SHARED_ADD_FLOPS_PER_ELEMENT = 2  # routed + s * shared: a multiply and an add
 
 
 def linear_flops(tokens: int, in_dim: int, out_dim: int) -> int:
@@ -142,6 +144,12 @@ def expert_combine_flops(tokens: int, dim: int, top_k: int) -> int:
     """The k chosen experts' outputs summed, each times its router weight: tokens * d * (2·k - 1) (k multiplies,
     k - 1 adds per element)."""
     return tokens * dim * (2 * top_k - 1)
+
+
+def shared_expert_add_flops(tokens: int, dim: int) -> int:
+    """A shared expert's output scaled by the sigmoid of its gate's one logit and added to the routed experts' sum
+    (Qwen2-MoE): tokens * (4 + 2·d) (the sigmoid once a token, then a multiply and an add per element)."""
+    return tokens * (SIGMOID_FLOPS + SHARED_ADD_FLOPS_PER_ELEMENT * dim)
 
 
 def residual_flops(tokens: int, dim: int) -> int:

@@ -93,6 +93,11 @@ _PRESET_LIST: tuple[ModelConfig, ...] = (
     # QK-norm as the dense Qwen3 (Qwen3MoeAttention's q_norm, k_norm).
     ModelConfig("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 768, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
                 explicit_head_dim=128, qk_norm=True, moe=MoeSpec(128, 8, "renormalised")),
+    # Qwen1.5-MoE-A2.7B (Qwen/Qwen1.5-MoE-A2.7B/config.json): num_experts 60, num_experts_per_tok 4,
+    # moe_intermediate_size 1408, norm_topk_prob false, and a shared expert of shared_expert_intermediate_size 5632
+    # beside them (its output gated by sigmoid(shared_expert_gate)); Q/K/V biases (Qwen2's attention), MHA.
+    ModelConfig("qwen1.5-moe-a2.7b", 151936, 2048, 24, 16, 16, 1408, norm_eps=1e-6, rope_theta=1e6, max_seq_len=8192,
+                qkv_bias=True, moe=MoeSpec(60, 4, "softmax"), shared_expert_dim=5632),
     # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924/config.json): num_experts 64, num_experts_per_tok 8, norm_topk_prob false.
     ModelConfig("olmoe-1b-7b", 50304, 2048, 16, 16, 16, 1024, norm_eps=1e-5, max_seq_len=4096,
                 qk_norm=True, qk_norm_whole=True, moe=MoeSpec(64, 8, "softmax")),

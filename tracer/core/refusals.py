@@ -41,9 +41,6 @@ REFUSALS: tuple[Refusal, ...] = (
             hf=("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
                 "Zamba2ForCausalLM"),
             model_types=("mamba", "mamba2", "falcon_mamba", "jamba", "zamba2"), gguf=("mamba", "mamba2", "jamba")),
-    # Mixtral, Qwen3-MoE and OLMoE read (tracer/model/moe.py); Qwen2-MoE adds a shared expert beside the routed ones
-    Refusal("Qwen2-MoE", "a shared expert (with its own sigmoid gate) beside the routed experts",
-            hf=("Qwen2MoeForCausalLM",), model_types=("qwen2_moe",), gguf=("qwen2moe",)),
     # Gemma 3's text model reads (its twists are stages of tracer/core/contract.py); Gemma 2 soft-caps its scores
     Refusal("Gemma 1 and 2", "Gemma 2's soft-capped attention scores and its own config reader (Gemma 3's text "
             "model is read)",

@@ -160,6 +160,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("expert_combine", False,
          lambda c: ([(c.batch * c.new, c.top_k, c.dim), (c.batch * c.new, c.top_k)], [(c.batch * c.new, c.dim)]),
          _elementwise(lambda i, o, _: ff.expert_combine_flops(_numel(i[0][:-2]), i[0][-1], i[0][-2]))),
+    # A shared expert's output (N, d) times sigmoid of its gate's logit (N, 1), added to the routed sum (N, d)
+    # (Qwen2-MoE): the routed sum, the shared output and the logit in, (N, d) out
+    Kind("shared_expert_add", False,
+         lambda c: ([(c.batch * c.new, c.dim)] * 2 + [(c.batch * c.new, 1)], [(c.batch * c.new, c.dim)]),
+         _elementwise(lambda i, o, _: ff.shared_expert_add_flops(_rows(o[0]), o[0][-1]))),
     Kind("lm_head", True, _linear_shapes, _linear),
 )}
 

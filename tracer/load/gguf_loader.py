@@ -20,7 +20,7 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_header import GGUFHeader, GGUFTensorInfo
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.core.contract import PACKS, dims, expected_shapes, gguf_to_ours, tensor_of
+from llmtrace.tracer.core.contract import PACKS, dims, expected_shapes, gguf_to_ours, held_shape, tensor_of
 from llmtrace.tracer.core.errors import CheckpointError, FileFormatError
 from llmtrace.tracer.core.ggml_types import GGML_TYPES
 from llmtrace.tracer.load import load_progress
@@ -103,13 +103,19 @@ def _plan(header: GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
         raise CheckpointError(f"{path}: tensors do not match the LLaMA config in its header: {'; '.join(parts)}")
     for name, shape in expected.items():
         info = by_meta[name]
-        if info.torch_shape != shape:
+        if info.torch_shape != shape and not _one_row(info, shape):
             raise CheckpointError(
                 f"{path}: tensor {info.name!r} has shape {info.torch_shape}, the header's config needs {shape}; "
                 "the file is corrupt or not a LLaMA model"
             )
         check_decodable(info.ggml_type, info.name)  # before any decoding: nothing converted, nothing cached
     return {name: by_meta[name] for name in expected}
+
+
+def _one_row(info: GGUFTensorInfo, shape: tuple[int, ...]) -> bool:
+    """A (1, n) matrix the file holds as a vector of n (llama.cpp declares Qwen2-MoE's ffn_gate_inp_shexp {n_embd},
+    HF's shared_expert_gate is (1, d)): read as the one row it is (`_dequantized`)."""
+    return len(shape) == 2 and shape[0] == 1 and info.torch_shape == shape[1:]
 
 
 def _first(names: list[str], limit: int = 5) -> str:
@@ -318,7 +324,7 @@ def _dequantized(header: GGUFHeader, config: ModelConfig, reads: Reader, name: s
     if not np.isfinite(values).all():
         raise FileFormatError(f"{header.path}: tensor {info.name!r} holds NaN or infinite values; the file is "
                               "corrupt")
-    matrix = values.reshape(info.torch_shape)
+    matrix = values.reshape(held_shape(tensor_of(name), config))  # a (1, n) matrix held as n: its one row
     heads = _rope_heads(header, config, name)
     if heads is not None:
         matrix = unpermute_rope_rows(matrix, heads)

@@ -209,6 +209,8 @@ def load_hf_for_run(folder: str | Path, config: ModelConfig, dtype: DType) -> di
     for layer in range(config.n_layers):
         for pack in PACKS:
             names = [f"layers.{layer}.{member}.weight" for member in pack.members]
+            if names[0] not in views:
+                continue  # a pack the model has not (a shared expert's gate|up, Qwen2-MoE's only)
             if any(per_expert(tensor_of(n), config) for n in names):
                 continue  # a mixture of experts' gate and up: stacked by expert below (each expert's multiplied apart)
             first = views[names[0]][0][0]

@@ -227,3 +227,9 @@ def combine_experts(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     """outputs (N, k, d) of each token's k experts, weights (N, k) fp32 -> (N, d): the weighted sum, in fp32 (HF
     multiplies each expert's output by its fp32 weight too), cast back to the outputs' dtype once."""
     return (outputs * weights.unsqueeze(-1)).sum(dim=1).to(outputs.dtype)
+
+
+def shared_expert_add(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """routed (N, d), shared (N, d), logit (N, 1) -> (N, d): the routed experts' weighted sum plus the shared expert's
+    output times sigmoid(logit), in the activations' dtype (as HF's Qwen2MoeSparseMoeBlock)."""
+    return routed + torch.sigmoid(logit) * shared

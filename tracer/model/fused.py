@@ -94,6 +94,10 @@ class PackedLayer:
             experts = self.experts  # stored: each expert's gate|up and down; dense: the stacks (no gate|up in one)
             gate_up, down = (None, ffn.w2.weight.detach()) if experts is None else (experts.gate_up, experts.down)
             self.products = {ffn.router: (weight_of(ffn.router), None), ffn.w1: (gate_up, None), ffn.w2: (down, None)}
+            if ffn.shared_add is not None:  # Qwen2-MoE's shared expert: gate|up one product, down, its gate's logit
+                self.products[ffn.shared_w1] = rows_of(ffn.shared_w1, ffn.shared_w3)  # (2Fs, dim), None
+                for linear in (ffn.shared_w2, ffn.shared_gate):  # (dim, Fs), (1, dim)
+                    self.products[linear] = weight_of(linear), detached(linear.bias)
         else:
             self.w13, self.b13 = rows_of(ffn.w1, ffn.w3)  # (2F, dim), (2F,)
             self.w2, self.b2 = weight_of(ffn.w2), detached(ffn.w2.bias)  # (dim, F), (dim,)
@@ -204,7 +208,7 @@ class PackedStep:
             gate = self.kernel(x, first.weight[expert[0]].detach(), None)
             return gate, self.linear(x, second.weight[expert[0]].detach(), None)
         gate_up = self.linear(x, weight[expert[0]] if expert else weight, bias)  # (..., 2F): gate | up
-        ffn_dim = self.layer.ffn_dim
+        ffn_dim = gate_up.shape[-1] // 2  # F, or a shared expert's Fs
         return gate_up.narrow(-1, 0, ffn_dim), gate_up.narrow(-1, ffn_dim, ffn_dim)
 
 

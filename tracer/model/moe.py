@@ -4,8 +4,10 @@ expert runs on the tokens routed to it, and their outputs are summed, weighted b
 Its stages are modules with the contract's roles (tracer/core/contract.py), so hooks, the tracer and FlopCounterMode
 see each: `router` (the d -> E logits), `route` (softmax, top-k, renormalisation), then `w1`, `w3`, `act`, `w2` once
 per chosen expert (the dense FFN's roles: the same SwiGLU, with that expert's matrices, on its tokens only), and
-`combine` (the weighted sum). An expert that no token chose is never called, so the trace's FLOPs and weight bytes
-count exactly the experts that ran.
+`combine` (the weighted sum); Qwen2-MoE's shared expert (config.shared_expert_dim) runs on every token before the
+router, `shared_w1`, `shared_w3`, `shared_act`, `shared_w2` and its gate's logit `shared_gate` (d -> 1), and
+`shared_add` adds its output times sigmoid(logit) to the weighted sum. An expert that no token chose is never
+called, so the trace's FLOPs and weight bytes count exactly the experts that ran (and the shared expert once).
 
 The E experts' matrices are stacked, one (E, out, in) tensor per product, as llama.cpp's ffn_*_exps and
 transformers' fused experts hold them (HF checkpoints, which name each expert's apart, are stacked by the loader):
@@ -24,13 +26,13 @@ written back into `Route.last` after the step). A dry run's meta model, which ha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from llmtrace.tracer.core.config import ModelConfig
-from llmtrace.tracer.model.functional import combine_experts, project, route_top_k
+from llmtrace.tracer.model.functional import combine_experts, project, route_top_k, shared_expert_add
 from llmtrace.tracer.model.stage_calls import HOOKED
 from llmtrace.tracer.model.weight_formats import ExpertWeights, PackedWeight, concat_rows
 
@@ -85,6 +87,14 @@ class ExpertCombine(nn.Module):
         return combine_experts(outputs, weights)
 
 
+class SharedExpertAdd(nn.Module):
+    """routed (N, d), shared (N, d), logit (N, 1) -> (N, d): a shared expert's output, times sigmoid of its gate's
+    logit, added to the routed experts' weighted sum (Qwen2-MoE)."""
+
+    def forward(self, routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+        return shared_expert_add(routed, shared, logit)
+
+
 def dry_routes(tokens: int, top_k: int, n_experts: int) -> torch.Tensor:
     """(N, k) experts for a dry run's token rows, on the CPU: row r's slot s goes to expert (r·k + s) mod E, so the
     rows touch min(E, k·N) distinct experts, the most they could (the bound the weight bytes then count); FLOPs do not
@@ -93,26 +103,40 @@ def dry_routes(tokens: int, top_k: int, n_experts: int) -> torch.Tensor:
 
 
 class MixtureOfExperts(nn.Module):
-    """x (B, T, dim) -> (B, T, dim). `router` and `act` are transformer.py's Linear (dim -> E) and
-    SwiGLUActivation, passed in because that module builds this one."""
+    """x (B, T, dim) -> (B, T, dim). `linear(in, out)` and `act()` make transformer.py's Linear (bias-free) and
+    SwiGLUActivation, passed in because that module builds this one: the router (dim -> E), and with
+    config.shared_expert_dim (Qwen2-MoE) the shared expert's gate, up and down products, its silu(gate)·up, its gate's
+    logit (dim -> 1) and the stage adding its gated output (`shared_add`); else those are None."""
 
-    def __init__(self, config: ModelConfig, router: nn.Module, act: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, linear: Callable[[int, int], nn.Module],
+                 act: Callable[[], nn.Module]) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
-        dim, ffn_dim, experts = config.dim, config.ffn_dim, moe.n_experts
-        self.router = router
+        dim, ffn_dim, experts, shared = config.dim, config.ffn_dim, moe.n_experts, config.shared_expert_dim
+        self.shared_w1 = linear(dim, shared) if shared else None  # (Fs, dim)
+        self.shared_w3 = linear(dim, shared) if shared else None  # (Fs, dim)
+        self.shared_act = act() if shared else None
+        self.shared_w2 = linear(shared, dim) if shared else None  # (dim, Fs)
+        self.shared_gate = linear(dim, 1) if shared else None  # (1, dim)
+        self.router = linear(dim, experts)
         self.route = Route(moe.experts_per_token, moe.router_norm)
         self.w1 = ExpertLinear(experts, dim, ffn_dim)
         self.w3 = ExpertLinear(experts, dim, ffn_dim)
-        self.act = act
+        self.act = act()
         self.w2 = ExpertLinear(experts, ffn_dim, dim)
         self.combine = ExpertCombine()
+        self.shared_add = SharedExpertAdd() if shared else None
 
     def forward(self, x: torch.Tensor, run: Any = HOOKED) -> torch.Tensor:
         """x (B, T, dim), or a packed step's rows (N, dim) or one token's (dim,) -> the same shape, each stage called
-        through `run` (tracer/model/stage_calls.py)."""
+        through `run` (tracer/model/stage_calls.py). The shared expert (where there is one) runs first, as HF's
+        Qwen2MoeSparseMoeBlock runs it."""
         flat = x.reshape(-1, x.shape[-1])  # (N, dim): every token of every sequence
+        if self.shared_add is not None:
+            gate, up = run.pair(self.shared_w1, self.shared_w3, flat)  # (N, Fs) each
+            shared = run.product(self.shared_w2, run.call(self.shared_act, gate, up))  # (N, dim)
+            logit = run.product(self.shared_gate, flat)  # (N, 1)
         weights, experts = run.call(self.route, run.product(self.router, flat))  # (N, k) each
         if experts.device.type == "meta":  # a dry run has no router weights to choose by: round-robin (dry_routes)
             experts = dry_routes(*experts.shape, len(self.w1.weight))
@@ -121,7 +145,10 @@ class MixtureOfExperts(nn.Module):
             token, slot = torch.where(experts == expert)  # (n,) each: the tokens routed here, and in which slot
             gate, up = run.pair(self.w1, self.w3, flat[token], expert)  # (n, F) each
             outputs[token, slot] = run.product(self.w2, run.call(self.act, gate, up), expert)
-        return run.call(self.combine, outputs, weights).view(x.shape)
+        out = run.call(self.combine, outputs, weights)  # (N, dim)
+        if self.shared_add is not None:
+            out = run.call(self.shared_add, out, shared, logit)
+        return out.view(x.shape)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,7 @@ NATIVE_SOURCES = Path(__file__).resolve().with_name("native")
 # one library, and the build key covers them and the headers they include
 SOURCES = tuple(sorted(NATIVE_SOURCES.glob("*.[ch]")))
 ABI = 8  # LLMT_ABI in gguf_matmul.c
-STEP_ABI = 9  # LLMT_STEP_ABI in decode_step.c
+STEP_ABI = 10  # LLMT_STEP_ABI in decode_step.c
 MAX_PARTS = 8  # MAX_PARTS in the C file: row blocks one call multiplies
 CC_ENV = "CC"
 DIR_ENV = "LLMTRACE_NATIVE_DIR"

@@ -32,7 +32,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in
                   ("wqkv", "wo", "w13", "w2", "attention_norm", "ffn_norm", "bqkv", "bo", "b13", "b2", "q_norm",
                    "k_norm", "router", "router_dense", "expert_w13", "expert_w2", "post_attention_norm",
-                   "post_ffn_norm", "cos", "sin")),
+                   "post_ffn_norm", "cos", "sin", "shared_w13", "shared_w2", "shared_gate")),
                 ("window", ctypes.c_int64)]
 
 
@@ -49,7 +49,7 @@ class _Plan(ctypes.Structure):
                 ("embedding_rows", ctypes.c_int64), ("qk_norm_floor", ctypes.c_float),
                 *((name, ctypes.c_int64) for name in ("n_experts", "top_k", "renormalise", "qk_norm_whole")),
                 ("qk_norm_floor_k", ctypes.c_float), ("embed_scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("gelu", ctypes.c_int64), ("rotary", ctypes.c_int64)]
+                ("gelu", ctypes.c_int64), ("rotary", ctypes.c_int64), ("shared_ffn_dim", ctypes.c_int64)]
 
 
 class NotEligible(Exception):
@@ -80,6 +80,9 @@ class StepDescription:
         self.post_norms = block.post_attention_norm is not None  # Gemma: every layer or none
         self.gelu = "gelu" in block.feed_forward._modules
         self.top_k = first.experts.top_k if first.experts is not None else 0
+        # Qwen2-MoE's shared expert beside the routed ones (every layer or none): its width Fs, else 0
+        shared = getattr(block.feed_forward, "shared_add", None) is not None
+        self.shared_ffn = block.feed_forward.shared_w2.weight.shape[1] if shared else 0
         self.layers = len(layers)
         # a mixture of experts' choice in every layer, written by each step (llmt_decode_step's routed buffers)
         self.routed = torch.zeros(len(layers), max(self.top_k, 1), dtype=torch.int64)  # (L, k)
@@ -121,6 +124,7 @@ class StepDescription:
             p.softcap = plan.softcap.cap
         p.gelu = int(self.gelu)
         p.rotary = self.rotary
+        p.shared_ffn_dim = self.shared_ffn
 
     def _layer(self, plan: Any, index: int) -> _Layer:
         """One PackedLayer (and its block's post-norms, RoPE tables and window) as decode_step.c reads it, checked
@@ -139,6 +143,9 @@ class StepDescription:
                 len(moe.down), moe.top_k, moe.renormalise) != (len(first_moe.down), first_moe.top_k,
                                                               first_moe.renormalise)):
             raise NotEligible("layers with different experts")
+        shared = getattr(block.feed_forward, "shared_add", None) is not None
+        if shared != (self.shared_ffn > 0) or (moe is None and shared):
+            raise NotEligible("a shared expert in some layers only")
         if moe is not None:
             self.routes.append((moe.route, (self.routed_weights[index:index + 1], self.routed[index:index + 1])))
         floor = _floor(first.attention_norm)
@@ -149,7 +156,7 @@ class StepDescription:
         tables = [self._table(t, plan.kv_rows.shape[2]) for t in (rope.cos, rope.sin)]
         return _Layer(*self._products(layer), *norms, *self._biases(layer), *self._qk(layer),
                       *(self._experts(moe, layer.ffn_dim) if moe is not None else (None,) * 4), *post, *tables,
-                      layer.window or 0)
+                      *(self._shared(layer, block.feed_forward) if shared else (None,) * 3), layer.window or 0)
 
     def _products(self, layer: Any) -> list[int | None]:
         """Q|K|V, wo, and gate|up, w2 (None, None for a mixture of experts) described."""
@@ -218,6 +225,16 @@ class StepDescription:
             tables.append(ctypes.addressof(table))
         return router, dense, tables[0], tables[1]
 
+    def _shared(self, layer: Any, moe: Any) -> tuple[int, int, int | None]:
+        """A shared expert's _Layer fields (Qwen2-MoE): its gate|up (2Fs, dim) and down (dim, Fs) described, its
+        gate's (1, dim) weights as a dense fp32 (dim,) vector."""
+        gate_up, down, logit = (layer.products[m][0] for m in (moe.shared_w1, moe.shared_w2, moe.shared_gate))
+        if not isinstance(logit, torch.Tensor):
+            raise NotEligible("the shared expert's gate is not a dense fp32 vector")
+        return (self._matrix(gate_up, (2 * self.shared_ffn, self.dim), "the shared expert's gate|up"),
+                self._matrix(down, (self.dim, self.shared_ffn), "the shared expert's down"),
+                self._vector(logit.reshape(-1), self.dim, "shared expert gate"))
+
     def _matrix(self, weight: Any, shape: tuple[int, int], name: str) -> int:
         if not isinstance(weight, PackedWeight) or not runs_blocks(weight.format.kernel):
             raise NotEligible(f"{name} is not held for the native library's kernels (native, i8dot, i16dot)")
@@ -248,9 +265,17 @@ def structure_sizes() -> tuple[int, int]:
 def products(plan: Any) -> list[Any]:
     """Every matrix the step multiplies by: each layer's packed Q|K|V, wo, gate|up, w2 (a mixture of experts': every
     expert's gate|up and down; its router may be dense fp32), then the LM head."""
-    return [w for layer in plan.layers for w in (layer.wqkv, layer.wo, *(
-        (layer.w13, layer.w2) if layer.experts is None else (*layer.experts.gate_up, *layer.experts.down)))
-            ] + [plan.output]
+    return [w for layer, block in zip(plan.layers, plan.blocks) for w in (layer.wqkv, layer.wo, *(
+        (layer.w13, layer.w2) if layer.experts is None else (*layer.experts.gate_up, *layer.experts.down)),
+        *_shared_products(layer, block))] + [plan.output]
+
+
+def _shared_products(layer: Any, block: Any) -> tuple[Any, ...]:
+    """A shared expert's gate|up and down (Qwen2-MoE), or none."""
+    moe = block.feed_forward
+    if getattr(moe, "shared_add", None) is None:
+        return ()
+    return layer.products[moe.shared_w1][0], layer.products[moe.shared_w2][0]
 
 
 def _floor(norm: Any) -> float:

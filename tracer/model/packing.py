@@ -20,10 +20,11 @@ from llmtrace.tracer.model.weight_formats import PackedWeight, concat_rows
 
 def groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
     """The product groups of one TransformerBlock: wq|wk|wv, and w1|w3 of a dense FFN (a mixture of experts' are per
-    expert: moe.ExpertsPlan)."""
+    expert: moe.ExpertsPlan) or of a mixture's shared expert (Qwen2-MoE)."""
     attn, ffn = layer.attention, layer.feed_forward
-    return [(attn.wq, attn.wk, attn.wv), *(((ffn.w1, ffn.w3),) if isinstance(ffn._modules.get("w1"), nn.Linear)
-                                            else ())]
+    gate_up = (ffn.w1, ffn.w3) if isinstance(ffn._modules.get("w1"), nn.Linear) else (
+        (ffn.shared_w1, ffn.shared_w3) if ffn._modules.get("shared_w1") is not None else None)
+    return [(attn.wq, attn.wk, attn.wv), *((gate_up,) if gate_up is not None else ())]
 
 
 def pack_layers(model: nn.Module) -> None:

@@ -13,7 +13,9 @@ Module tree (the stages of tracer/core/contract.py, whose roles are these dotted
     tok_embeddings, layers.{i}.attention_norm,
     layers.{i}.attention.{wq,wk,wv,qk_norm (Qwen3's; None without),rope,kv_cache,scores,softmax,pv,wo},
     layers.{i}.attn_residual, layers.{i}.ffn_norm, layers.{i}.feed_forward.{w1,w3,act,w2}, layers.{i}.ffn_residual,
-    norm, output; a mixture of experts' feed_forward.{router,route,w1,w3,act,w2,combine} (tracer/model/moe.py). A projection has a bias where the contract declares one for the config (contract.has_bias:
+    norm, output; a mixture of experts' feed_forward.{router,route,w1,w3,act,w2,combine} (tracer/model/moe.py), with
+    Qwen2-MoE's shared expert feed_forward.{shared_w1,shared_w3,shared_act,shared_w2,shared_gate,shared_add}. A
+projection has a bias where the contract declares one for the config (contract.has_bias:
 wq, wk, wv with config.qkv_bias, wo with wo_bias, w1, w3, w2 with mlp_bias).
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in fp32 then cast back before the weight multiply,
@@ -33,6 +35,7 @@ the model holds no mode and no run writes into it.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Mapping
 
 import torch
@@ -316,7 +319,7 @@ class TransformerBlock(nn.Module):
         self.attn_residual = Residual()
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         self.feed_forward: nn.Module = FeedForward(config) if config.moe is None else MixtureOfExperts(
-            config, Linear(config.dim, config.moe.n_experts, bias=False), SwiGLUActivation())
+            config, partial(Linear, bias=False), SwiGLUActivation)
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.ffn_residual = Residual()
         self.layer_index, self.all_reduce = layer, all_reduce

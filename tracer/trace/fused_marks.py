@@ -116,7 +116,7 @@ def stage_shapes(config: ModelConfig, step: StepDims,
     moe = config.moe
     for spec in contract.fused_stages(config, packed=not staged):
         if moe is not None and (spec.role in EXPERT_ROLES or spec.kind in ("route", "expert_combine")
-                                or spec.role == "feed_forward.router"):
+                                or spec.role in ("feed_forward.router", *contract.SHARED_EXPERT_ROLES)):
             shapes[spec.role] = _expert_shapes(config, spec, step.batch * step.new)
             continue
         widths = (0, 0)
@@ -133,8 +133,17 @@ def stage_shapes(config: ModelConfig, step: StepDims,
 def _expert_shapes(config: ModelConfig, spec: contract.FusedStage, tokens: int
                    ) -> tuple[list[Shape], list[Shape]]:
     """A mixture of experts' stage as tracer/model/moe.py's modules see it on `tokens` token rows (N = B*T, flat),
-    each chosen expert on the one row of a one-token step (the native step's: its only user here)."""
+    each chosen expert on the one row of a one-token step (the native step's: its only user here), a shared expert
+    (Qwen2-MoE) on every row."""
     dim, ffn, experts, k = config.dim, config.ffn_dim, config.moe.n_experts, config.moe.experts_per_token
+    if spec.role in contract.SHARED_EXPERT_ROLES:
+        shared = config.shared_expert_dim or 0
+        if spec.kind == "swiglu":
+            return [(tokens, shared), (tokens, shared)], [(tokens, shared)]
+        if spec.kind == "shared_expert_add":
+            return [(tokens, dim), (tokens, dim), (tokens, 1)], [(tokens, dim)]
+        widths = [contract.shape_of(m.tensors[0], config) for m in spec.members]  # (out, in) each
+        return [(tokens, widths[0][1])], [(tokens, sum(w[0] for w in widths))]
     if spec.role == "feed_forward.router":
         return [(tokens, dim)], [(tokens, experts)]
     if spec.kind == "route":

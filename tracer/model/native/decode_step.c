@@ -31,6 +31,9 @@
  *   r = Wr h; p = softmax(r); the k largest of p (renormalised to sum 1 where the family does)   router, route
  *   per chosen expert e, in ascending order: act = silu(gate_e h) * up_e h; o_e = W2_e act        its products
  *   x = sum over the k slots of w_j * o_j + x                                                   weighted sum, residual
+ * and with a shared expert (Qwen2-MoE: the plan's shared_ffn_dim > 0), first, on the same h:
+ *   gu = Ws13 h; act = silu(gate) * up; s = Ws2 act; g = ws . h     its gate|up, silu*up, down, its gate's logit
+ *   then after the weighted sum: sum + sigmoid(g) * s               before the residual add
  * after the token's embedding row (dequantized exactly, as native_kernel.dequantize does; Gemma: times sqrt(dim)),
  * then the final RMSNorm and the LM head (+ bias) into `logits` (Gemma: soft-capped, cap * tanh(logits / cap)).
  * Gemma's twists are the same loop's, switched on by the plan: its (1 + w) norms are rmsnorm with the weight 1 + w
@@ -67,10 +70,11 @@
 
 #include <time.h>
 
-#define LLMT_STEP_ABI 9 /* bump with StepLayer/StepPlan below (native_plan.py mirrors them) or a signature */
+#define LLMT_STEP_ABI 10 /* bump with StepLayer/StepPlan below (native_plan.py mirrors them) or a signature */
 #define FUSED_STAMPS_PER_LAYER 14 /* a traced step's stamps per layer (the tests' oracle: stamp_count.py), */
                                   /* one more with QK-norm, two with Gemma's norms after attention and FFN, */
-                                  /* 3k more with k experts (fused_stamps_per_layer) */
+                                  /* 3k more with k experts, 5 more with a shared expert */
+                                  /* (fused_stamps_per_layer) */
 
 /* the attention's (its section below) */
 #define ATTN_GROUP 4    /* query heads of one KV head processed together (Llama 3 repeats 4; more run in turns) */
@@ -85,7 +89,9 @@
    layers turn by their own base) and its sliding window (0: none; Gemma 3's global layers have none). A mixture
    of experts' layer (the plan's n_experts > 0) has no w13, w2, b13, b2: its router (E rows: described, or dense
    (E, dim) fp32 in router_dense) and, per expert, its gate|up and down descriptions, each pointing at that expert's
-   rows of the file's 3-D tensors (as llama.cpp's mul_mat_id points each chosen expert's product at its slice). */
+   rows of the file's 3-D tensors (as llama.cpp's mul_mat_id points each chosen expert's product at its slice).
+   A shared expert beside them (Qwen2-MoE; NULL: none, in every layer alike): its gate|up (2Fs rows) and down
+   described, its gate's (dim,) fp32 weights. */
 typedef struct {
     const Matrix *wqkv, *wo, *w13, *w2;
     const float *attention_norm, *ffn_norm;
@@ -96,6 +102,8 @@ typedef struct {
     const Matrix *const *expert_w13, *const *expert_w2; /* E each */
     const float *post_attention_norm, *post_ffn_norm;
     const float *cos, *sin;
+    const Matrix *shared_w13, *shared_w2;
+    const float *shared_gate;
     int64_t window;
 } StepLayer;
 
@@ -125,6 +133,7 @@ typedef struct {
     int64_t gelu;             /* the FFN's gating gelu_tanh(gate) * up (Gemma), not silu(gate) * up */
     int64_t rotary;           /* R: the values of each head RoPE turns, the tables' row width (head_dim, or a */
                               /* partial rotary's first R: Phi-4-mini's 96 of 128; the rest pass through) */
+    int64_t shared_ffn_dim;   /* a mixture of experts' shared expert's width Fs (Qwen2-MoE); 0: none */
 } StepPlan;
 
 enum {
@@ -140,10 +149,12 @@ int llmt_step_supported(void) { return LLMT_AVX2; }
 
 /* a traced fused step's stamps per layer: the fused stages, QK-norm's and the norms after attention and FFN among
    them where the layers have them; a mixture of experts' FFN stamps router, route, then gate|up, silu*up, down for
-   each of the k experts, and the weighted sum, where a dense one stamps gate|up, silu*up, down */
+   each of the k experts, and the weighted sum, where a dense one stamps gate|up, silu*up, down; a shared expert
+   its gate|up, silu*up, down and gate logit before the router, and its gated add after the weighted sum */
 static int64_t fused_stamps_per_layer(const StepPlan *p) {
     return FUSED_STAMPS_PER_LAYER + (p->layers > 0 && p->layer[0].q_norm != NULL) +
-           2 * (p->layers > 0 && p->layer[0].post_attention_norm != NULL) + 3 * p->top_k;
+           2 * (p->layers > 0 && p->layer[0].post_attention_norm != NULL) + 3 * p->top_k +
+           5 * (p->shared_ffn_dim > 0);
 }
 
 /* a traced fused step's stamps: its start, the embedding (and Gemma's scale), the layers', the final norm and the
@@ -153,16 +164,22 @@ static int64_t fused_stamps(const StepPlan *p) {
 }
 
 /* The readings a traced step writes into its stamps buffer, fused or `staged` (Q|K|V as Q, K, V: two more a layer;
-   gate|up as gate, up: one more, or one more per chosen expert). The caller sizes the buffer by this count
-   (native_step.py); tests hold it to an independent count of the contract's stages. */
+   gate|up as gate, up: one more, or one more per chosen expert and for a shared expert). The caller sizes the
+   buffer by this count (native_step.py); tests hold it to an independent count of the contract's stages. */
 int64_t llmt_step_stamps(const StepPlan *p, int staged) {
-    return fused_stamps(p) + (staged ? p->layers * (2 + (p->top_k ? p->top_k : 1)) : 0);
+    return fused_stamps(p) +
+           (staged ? p->layers * (2 + (p->top_k ? p->top_k : 1) + (p->shared_ffn_dim > 0)) : 0);
+}
+
+/* the FFN's widest product: F, or a shared expert's Fs where wider */
+static inline int64_t widest_ffn(const StepPlan *p) {
+    return p->shared_ffn_dim > p->ffn_dim ? p->shared_ffn_dim : p->ffn_dim;
 }
 
 static int64_t widest_input(const StepPlan *p) {
     int64_t k = p->dim;
     if (p->heads * p->head_dim > k) k = p->heads * p->head_dim;
-    if (p->ffn_dim > k) k = p->ffn_dim;
+    if (widest_ffn(p) > k) k = widest_ffn(p);
     return k;
 }
 
@@ -175,22 +192,24 @@ static int64_t widest_input(const StepPlan *p) {
 static inline int64_t chunks_of(int64_t n) { return (n + ATTN_CHUNK - 1) / ATTN_CHUNK; }
 
 /* a mixture of experts' shared vectors: the k chosen experts and the order they run in (int64, two floats each),
-   their weights, the router's E logits and each chosen expert's output (k, dim) */
+   their weights, the router's E logits, each chosen expert's output (k, dim) and a shared expert's output (dim) */
 static int64_t experts_floats(const StepPlan *p) {
-    return p->n_experts > 0 ? 2 + p->n_experts + 5 * p->top_k + p->top_k * p->dim : 0; /* 2: the alignment */
+    return p->n_experts > 0 ? 2 + p->n_experts + 5 * p->top_k + p->top_k * p->dim +
+                                  (p->shared_ffn_dim > 0 ? p->dim : 0)
+                            : 0; /* 2: the alignment */
 }
 
 static int64_t shared_floats(const StepPlan *p) {
     const int64_t qkv = (p->heads + 2 * p->kv_heads) * p->head_dim;
     const int64_t chunks = chunks_of(p->max_seq);
-    return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * p->ffn_dim + p->heads * p->max_seq +
+    return 2 * p->dim + qkv + p->heads * p->head_dim + 2 * widest_ffn(p) + p->heads * p->max_seq +
            chunks * p->heads * p->head_dim + experts_floats(p);
 }
 
 static int64_t thread_floats(const StepPlan *p) {
     const int64_t k = widest_input(p);
     const int64_t blocks = k / 32; /* x's sums, then its int8 and its int16 blocks */
-    const int64_t floats = 2 * p->dim + p->ffn_dim + 3 * k + blocks +
+    const int64_t floats = 2 * p->dim + widest_ffn(p) + 3 * k + blocks +
                            blocks * (int64_t)((sizeof(XBlock) + sizeof(X16Block)) / sizeof(float));
     return (floats + 15) / 16 * 16 + 16; /* whole cache lines, one apart: threads never share a line */
 }
@@ -766,16 +785,19 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, floa
     float *branch = embedding + dim;                /* (dim,) wo's or w2's output */
     float *qkv = branch + dim;                      /* ((H+2Hkv)*D,) */
     float *attended = qkv + (heads + 2 * kv_heads) * d; /* (H*D,) */
-    float *gate_up = attended + heads * d;          /* (2F,) */
-    float *scores = gate_up + 2 * ffn;              /* (H, S_max) */
+    float *gate_up = attended + heads * d;          /* (2F,), or a shared expert's (2Fs,) where wider */
+    float *scores = gate_up + 2 * widest_ffn(plan); /* (H, S_max) */
     float *pieces = scores + heads * plan->max_seq; /* (S_max/ATTN_CHUNK, H, D) the values' sums per chunk */
     /* a mixture of experts': its choice (k,) and the slots by ascending expert (k,), 8-byte aligned, then the
-       choice's weights (k,), the router's logits (E,) and each chosen expert's output (k, dim) */
+       choice's weights (k,), the router's logits (E,), each chosen expert's output (k, dim) and a shared
+       expert's output (dim,) */
     int64_t *chosen = (int64_t *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d) + 7) & ~(uintptr_t)7);
     int64_t *order = chosen + plan->top_k;
     float *chosen_weights = (float *)(order + plan->top_k);
     float *router = chosen_weights + plan->top_k;
     float *outputs = router + plan->n_experts;
+    float *shared_out = outputs + plan->top_k * dim;
+    const int64_t shared_ffn = plan->shared_ffn_dim;
     float *own = (float *)(((uintptr_t)(pieces + chunks_of(plan->max_seq) * heads * d + experts_floats(plan)) +
                             63) & ~(uintptr_t)63);
     const int traced = stamps != NULL;
@@ -797,15 +819,17 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, floa
         const int t = current_thread(&count);
         float *x = own + t * thread_floats(plan); /* (dim,) this thread's copy of the residual stream */
         float *h = x + dim;                       /* (dim,) a norm's output */
-        float *act = h + dim;                     /* (F,) silu(gate) * up */
-        float *xs = act + ffn;                    /* the prepared activation row */
+        float *act = h + dim;                     /* (F,) silu(gate) * up (a shared expert's: Fs) */
+        float *xs = act + widest_ffn(plan);       /* the prepared activation row */
         memcpy(x, embedding, sizeof(float) * (size_t)dim);
         Stages stages = {t, staged, stamps, before_layers}; /* thread 0's stamps: after the start and the embedding */
         /* a staged step's packed products over their row blocks apart (Q, K, V; gate, up), a fused step's whole */
         int64_t qkv_cut[4] = {0, q_rows, q_rows + kv_rows, q_rows + 2 * kv_rows}, ffn_cut[3] = {0, ffn, 2 * ffn};
+        int64_t shared_cut[3] = {0, shared_ffn, 2 * shared_ffn};
         const int qkv_blocks = staged ? 3 : 1, ffn_blocks = staged ? 2 : 1;
         qkv_cut[qkv_blocks] = qkv_cut[3];
         ffn_cut[ffn_blocks] = ffn_cut[2];
+        shared_cut[ffn_blocks] = shared_cut[2];
         for (int64_t l = 0; l < plan->layers; l++) {
             const StepLayer *layer = plan->layer + l;
             float *keys = plan->kv + l * plan->kv_layer;       /* K head g at keys + g*kv_head */
@@ -842,6 +866,20 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, floa
             add_residual(plan, layer->post_attention_norm, branch, h, x, &stages);
             rms_norm(x, layer->ffn_norm, dim, plan->norm_floor, h);
             end_stage(&stages, 0);
+            float shared_logit = 0.0f; /* this thread's: every thread takes the shared expert's gate itself */
+            if (plan->n_experts > 0 && shared_ffn > 0) { /* Qwen2-MoE's shared expert, on h, before the router */
+                for (int b = 0; b < ffn_blocks; b++) {
+                    product_rows(layer->shared_w13, h, xs, NULL, gate_up, shared_cut[b], shared_cut[b + 1], t,
+                                 count);
+                    end_stage(&stages, 1);
+                }
+                gated(gate_up, gate_up + shared_ffn, shared_ffn, 0, act);
+                end_stage(&stages, 0);
+                product_rows(layer->shared_w2, act, xs, NULL, shared_out, 0, dim, t, count);
+                end_stage(&stages, 1);
+                for (int64_t i = 0; i < dim; i++) shared_logit += layer->shared_gate[i] * h[i];
+                end_stage(&stages, 0);
+            }
             if (plan->n_experts > 0) {
                 router_rows(plan, layer, h, xs, router, t, count);
                 end_stage(&stages, 1);
@@ -865,6 +903,11 @@ int llmt_decode_step(const StepPlan *plan, int64_t token, int64_t position, floa
                     h[i] = sum;
                 }
                 end_stage(&stages, 0);
+                if (shared_ffn > 0) { /* + sigmoid(logit) * the shared expert's output */
+                    const float scale = 1.0f / (1.0f + expf(-shared_logit));
+                    for (int64_t i = 0; i < dim; i++) h[i] = h[i] + scale * shared_out[i];
+                    end_stage(&stages, 0);
+                }
                 add_residual(plan, layer->post_ffn_norm, h, h, x, &stages);
                 if (t == 0 && routed != NULL)
                     for (int64_t j = 0; j < plan->top_k; j++) {
