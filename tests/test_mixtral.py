@@ -253,9 +253,18 @@ def test_the_routing_record_names_the_experts_transformers_routes_to(mixtral: tu
     assert max(layer.distinct for layer in prefill.layers) > K  # the prompt's tokens spread over the experts
 
 
-def test_run_refuses_to_split_a_mixture_of_experts_over_ranks(mixtral: tuple[Path, Path, ModelConfig]) -> None:
+def test_run_tp2_over_the_folder_generates_one_process_tokens(mixtral: tuple[Path, Path, ModelConfig],
+                                                              tmp_path: Path) -> None:
+    """`run --tp 2` over the HF folder (it refused a mixture of experts until each rank held every expert's F/N
+    columns: tests/test_tensor_parallel_moe.py): two ranks, each its slices of the folder's experts, give the
+    tokens of one process."""
     folder, _, _ = mixtral
-    result = CliRunner().invoke(app, ["run", "--model", str(folder), "hi", "--tp", "2"])
-    assert result.exit_code == 2
-    assert result.stderr.strip().endswith("is a mixture of experts, which the ranks do not split yet; run it on one "
-                                          "device (`roofline --tp` costs the split)")
+    paths = {tp: tmp_path / f"tp{tp}.json" for tp in (1, 2)}
+    for tp, path in paths.items():
+        result = CliRunner().invoke(app, ["run", "The capital of France is", "--model", str(folder), "--tp", str(tp),
+                                          "--max-new-tokens", "4", "--dtype", "fp32", "--json", str(path),
+                                          "--tp-timeout", "120"])
+        assert result.exit_code == 0, result.output
+    one, two = (Trace.from_json(paths[tp].read_text(encoding="utf-8")) for tp in (1, 2))
+    assert two.tensor_parallel.tp == 2 and len(two.generated_ids) == 4
+    assert two.generated_ids == one.generated_ids

@@ -12,7 +12,7 @@ from tp_threads import run_ranks
 from typer.testing import CliRunner
 
 from llmtrace.cli.app import app
-from llmtrace.tracer.core.config import ModelConfig
+from llmtrace.tracer.core.config import ModelConfig, MoeSpec
 from llmtrace.tracer.core.errors import BadArgumentError
 from llmtrace.tracer.load.tensor_parallel import shard_state_dict
 from llmtrace.tracer.model.tensor_parallel import build_meta_shard, shard_config
@@ -56,6 +56,10 @@ def _whole_and_ranks(config: ModelConfig, tp: int):
     {"tie_embeddings": True, "vocab_size": 100},
     {"qkv_bias": True, "wo_bias": True, "mlp_bias": True},  # column biases split, row biases added once
     {"n_kv_heads": 4},  # MHA
+    # a mixture of experts: every expert's columns split, the router whole on each rank (each routes alike)
+    {"moe": MoeSpec(4, 2, "renormalised")},
+    # Qwen2-MoE's shape: the softmax's weights, a shared expert split as the experts, its gate whole; Q/K/V biases
+    {"moe": MoeSpec(4, 2, "softmax"), "shared_expert_dim": 64, "qkv_bias": True},
 ])
 def test_tp2_logits_equal_one_device_in_fp32(overrides) -> None:
     reference, ranks = _whole_and_ranks(_config(**overrides), 2)

@@ -44,9 +44,11 @@ class DeviceCost:
 
 
 def tp_sizes(config: ModelConfig) -> list[int]:
-    """Every tp > 1 the model splits over: dividing the query heads, the KV heads and the FFN dim."""
+    """Every tp > 1 the model splits over: dividing the query heads, the KV heads, the FFN dim (each expert's, in a
+    mixture of experts) and a shared expert's width."""
     return [n for n in range(2, config.n_kv_heads + 1)
-            if config.n_heads % n == 0 and config.n_kv_heads % n == 0 and config.ffn_dim % n == 0]
+            if config.n_heads % n == 0 and config.n_kv_heads % n == 0 and config.ffn_dim % n == 0
+            and (config.shared_expert_dim or 0) % n == 0]
 
 
 def check_tp(config: ModelConfig, tp: int, hardware: HardwareProfile) -> int:
@@ -56,7 +58,7 @@ def check_tp(config: ModelConfig, tp: int, hardware: HardwareProfile) -> int:
     if tp == 1:
         return tp
     for what, value in (("query heads", config.n_heads), ("KV heads", config.n_kv_heads),
-                        ("FFN dim", config.ffn_dim)):
+                        ("FFN dim", config.ffn_dim), ("shared expert width", config.shared_expert_dim or 0)):
         if value % tp:
             divisors = tp_sizes(config)
             hint = f"use --tp {', '.join(map(str, divisors[:6]))}" if divisors else "this model cannot be split"
@@ -98,9 +100,11 @@ def _split(value: int, tp: int) -> int:
 
 def replicated_components() -> frozenset[str]:
     """Components every device runs in full: the contract's replicated stages (norms, residual adds) and a mixture
-    of experts' router and weighted sum; the rest (projections and their biases, attention, every expert's columns,
-    as vLLM splits each expert by default, the embedding and the LM head) split over the devices."""
-    return frozenset(s.role for s in contract.staged_stages() if s.replicated) | MOE_REPLICATED
+    of experts' router and weighted sum, a shared expert's gate logit and gated add (Qwen2-MoE); the rest
+    (projections and their biases, attention, every expert's columns, as vLLM splits each expert by default, a shared
+    expert's likewise, the embedding and the LM head) split over the devices."""
+    return frozenset(s.role for s in contract.staged_stages() if s.replicated) | MOE_REPLICATED | frozenset(
+        ("feed_forward.shared_gate", "feed_forward.shared_add"))
 
 
 def _component_share(c: ComponentCost, tp: int, replicated: frozenset[str]) -> DeviceCost:

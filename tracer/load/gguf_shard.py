@@ -24,6 +24,7 @@ No weights cache entry is written for a shard (one per rank and N would each be 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,8 +38,11 @@ from llmtrace.tracer.load.gguf_source import Reader
 from llmtrace.tracer.analytic.tensor_parallel import vocab_slice
 from llmtrace.tracer.model.tensor_parallel import shard_config, valid_tp
 
-COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
+# A mixture of experts' w1, w3 and w2 are split per expert as these (every expert's F/N columns a rank), a shared
+# expert's (Qwen2-MoE) as the dense FFN's; the router and the shared expert's gate stay whole
+COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3",
+                   "feed_forward.shared_w1", "feed_forward.shared_w3")
+ROW_PARALLEL = ("attention.wo", "feed_forward.w2", "feed_forward.shared_w2")
 VOCAB_PARALLEL = ("tok_embeddings", "output")
 _SCRATCH_BYTES = 4 << 20  # whole rows of a row-parallel matrix read at a time, the rank's blocks kept
 
@@ -61,6 +65,7 @@ class ShardSpan:
     source: int
     stride: int
     present: int
+    joined: bool = False  # the same tensor as the span before it (a mixture of experts' next expert's rows)
 
     @property
     def end(self) -> int:
@@ -108,9 +113,17 @@ def shard_header(header: GGUFHeader, config: ModelConfig, rank: int,
         name = gguf_to_ours(info.name)
         role, kind = role_of(name) if name is not None else ("", "")
         block, block_bytes = _block(info)
-        cols, rows = info.shape[0], (info.shape[1] if len(info.shape) > 1 else 1)
+        cols, rows = info.shape[0], math.prod(info.shape[1:])  # a 3-D experts tensor: its E * N rows
         stride = cols // block * block_bytes
         base = header.data_offset + info.offset
+        if role in COLUMN_PARALLEL and len(info.shape) > 2:  # (K, N, E): each expert's N/tp rows, a span each
+            per = info.shape[1] // tp
+            tensors.append(replace(info, shape=(cols, per, info.shape[2]), offset=at))
+            for expert in range(info.shape[2]):
+                source = base + (expert * info.shape[1] + rank * per) * stride
+                spans.append(ShardSpan(at, per, stride, source, stride, per, joined=expert > 0))
+                at += per * stride
+            continue
         first, take, col0, width, present = 0, rows, 0, cols, rows
         if role in COLUMN_PARALLEL and len(info.shape) > 1:
             take = present = rows // tp
@@ -126,7 +139,7 @@ def shard_header(header: GGUFHeader, config: ModelConfig, rank: int,
         row_bytes = width // block * block_bytes
         source = base + min(first, rows) * stride + col0 // block * block_bytes
         spans.append(ShardSpan(at, take, row_bytes, source, stride, present))
-        shape = (width, take) if len(info.shape) > 1 else (width,)
+        shape = (width, take) if len(info.shape) == 2 else (width, *info.shape[1:]) if len(info.shape) > 2 else (width,)
         tensors.append(replace(info, shape=shape, offset=at))
         at += take * row_bytes
     return replace(header, tensors=tuple(tensors), data_offset=0, file_size=at), tuple(spans)
@@ -134,7 +147,8 @@ def shard_header(header: GGUFHeader, config: ModelConfig, rank: int,
 
 class ShardReads:
     """Reads of a shard's "file" (shard_header's offsets) from the real file: a Reader for the GGUF loader. Each read
-    lies within one tensor (the loader reads a tensor, or whole rows of it, at a time)."""
+    lies within one tensor (the loader reads a tensor, or whole rows of it, at a time), which may be several spans
+    (a mixture of experts' column-parallel tensor: one an expert)."""
 
     def __init__(self, source: Reader, spans: tuple[ShardSpan, ...]) -> None:
         self.source, self.spans = source, spans
@@ -144,19 +158,29 @@ class ShardReads:
         out = np.empty(n, dtype=np.uint8) if out is None else out.reshape(-1).view(np.uint8)
         if out.shape[0] != n:
             raise ValueError(f"a read of {n} bytes into {out.shape[0]}")
-        span = self.spans[bisect.bisect_right(self._starts, start) - 1]
-        if start + n > span.end:
-            raise ValueError(f"a read of {n} bytes at {start} crosses a shard tensor's end ({span.end})")
+        index, done = bisect.bisect_right(self._starts, start) - 1, 0
+        while True:  # a span's part at a time: a tensor split per expert is several spans, one after another
+            span = self.spans[index]
+            part = min(n - done, span.end - (start + done))
+            self._span_read(span, start + done, part, out[done:done + part])
+            done += part
+            if done == n:
+                return out
+            if index + 1 == len(self.spans) or not self.spans[index + 1].joined:
+                raise ValueError(f"a read of {n} bytes at {start} crosses a shard tensor's end ({span.end})")
+            index += 1
+
+    def _span_read(self, span: ShardSpan, start: int, n: int, out: np.ndarray) -> None:
+        """`n` bytes at `start` of the shard's file, all within `span`, into `out`."""
         rel = start - span.start
         first, last = rel // span.row_bytes, -(-(rel + n) // span.row_bytes)
         if rel % span.row_bytes == 0 and n % span.row_bytes == 0:  # whole rows: straight into `out`
             self._rows(span, first, last, out.reshape(last - first, span.row_bytes))
-            return out
+            return
         rows = np.empty((last - first, span.row_bytes), dtype=np.uint8)
         self._rows(span, first, last, rows)
         skip = rel - first * span.row_bytes
         out[...] = rows.reshape(-1)[skip:skip + n]
-        return out
 
     def _rows(self, span: ShardSpan, first: int, last: int, out: np.ndarray) -> None:
         """Rows first..last of `span` into `out` ((last - first, row_bytes) uint8, contiguous)."""

@@ -64,10 +64,11 @@ def shard_tensor(config: ModelConfig, name: str, tensor: torch.Tensor, rank: int
     """Rank `rank`'s piece of the whole tensor `name` (our naming): a view where it can be one (a copy only for the
     padded last vocabulary slice and a row-parallel bias past rank 0)."""
     role, kind = role_of(name)
+    experts = int(per_expert(tensor_of(name), config))  # a mixture of experts' (E, ...) stack: each expert split
     if role in COLUMN_PARALLEL:
-        return _slice(tensor, 0, rank, tp)  # output features: whole heads / FFN columns
+        return _slice(tensor, experts, rank, tp)  # output features: whole heads / FFN columns
     if role in ROW_PARALLEL and kind == "weight":
-        return _slice(tensor, 1, rank, tp)  # input features: the rows of this rank's heads / columns
+        return _slice(tensor, 1 + experts, rank, tp)  # input features: the rows of this rank's heads / columns
     if role in ROW_PARALLEL:
         return tensor if rank == 0 else torch.zeros_like(tensor)  # the bias is added once, after the sum
     if role in VOCAB_PARALLEL:

@@ -9,6 +9,10 @@ rank's shapes and count this rank's FLOPs and bytes:
     wo, w2               row-parallel: each rank multiplies its own heads' / columns' rows, then an all-reduce
                          (sum) of the (B, T, dim) partial outputs; a bias is added once (rank 0 holds it, the others
                          hold zeros)
+    a mixture of experts every expert's w1, w3 and w2 split as the dense FFN's (each rank F/N of every expert's
+                         columns), the router whole on every rank (each routes every token alike), the weighted sum
+                         of the partial outputs summed by the one all-reduce after the FFN; a shared expert (Qwen2-MoE)
+                         split alike, its gate's logit whole, σ(logit)·partial added before that all-reduce
     tok_embeddings       vocab-parallel: rank r holds rows [r*V', (r+1)*V'), V' = ceil(V / N); an id outside the
                          slice looks up zeros, and an all-reduce (sum) gives every rank the full (B, T, dim) rows
     output (LM head)     vocab-parallel: rank r computes its V' logits; an all-gather along the vocabulary gives
@@ -65,7 +69,8 @@ def check_tp_split(config: ModelConfig, tp: int) -> None:
     """A one-line BadArgumentError unless each of `tp` ranks can hold whole heads and an equal FFN slice."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise BadArgumentError(f"--tp must be an integer >= 1, got {tp!r}")
-    parts = (("KV heads", config.n_kv_heads), ("query heads", config.n_heads), ("FFN width", config.ffn_dim))
+    parts = (("KV heads", config.n_kv_heads), ("query heads", config.n_heads), ("FFN width", config.ffn_dim),
+             ("shared expert width", config.shared_expert_dim or 0))
     for what, value in parts:
         if value % tp:
             valid = ", ".join(map(str, valid_tp(config)))
@@ -74,13 +79,15 @@ def check_tp_split(config: ModelConfig, tp: int) -> None:
 
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
-    """The config one rank's Transformer is built from: heads, KV heads, FFN width and vocabulary divided by `tp`,
-    head_dim given explicitly (dim stays whole: the residual stream is replicated)."""
+    """The config one rank's Transformer is built from: heads, KV heads, FFN width (each expert's, in a mixture of
+    experts, and a shared expert's) and vocabulary divided by `tp`, head_dim given explicitly (dim stays whole: the
+    residual stream is replicated; a router is whole on every rank, so every rank routes every token alike)."""
     check_tp_split(config, tp)
     if tp == 1:
         return config
     return replace(config, name=f"{config.name} [1/{tp} shard]", n_heads=config.n_heads // tp,
                    n_kv_heads=config.n_kv_heads // tp, ffn_dim=config.ffn_dim // tp,
+                   shared_expert_dim=config.shared_expert_dim // tp if config.shared_expert_dim else None,
                    vocab_size=vocab_slice(config, tp), explicit_head_dim=config.head_dim)
 
 

@@ -94,9 +94,6 @@ def check_tensor_parallel(model: str | None, tp: int, device: str, dtype: Any = 
         raise BadArgumentError(f"--tp must be at least 1, got {tp}")
     resolved = resolve_model(bundled_source() if not model else model)
     config = resolved.config
-    if config.moe is not None and tp > 1:  # the model's split (tracer/model/tensor_parallel.py) shards a dense FFN
-        raise BadArgumentError(f"run --tp {tp}: {config.name} is a mixture of experts, which the ranks do not split "
-                               "yet; run it on one device (`roofline --tp` costs the split)")
     if (config.embed_scale or config.final_softcap) and tp > 1:  # the ranks' embed and logits apply neither yet
         raise BadArgumentError(f"run --tp {tp}: {config.name} scales its embeddings by √d (Gemma), which the ranks' "
                                "split does not apply yet; run it on one device (`roofline --tp` costs the split)")
