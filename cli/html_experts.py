@@ -14,6 +14,11 @@ from llmtrace.tracer.trace.routing import expert_load, step_reads, token_routes
 from llmtrace.tracer.trace.run_trace import Trace
 
 
+def shared_words(trace: Trace) -> str:
+    """", the shared expert" where the model has one (Qwen2-MoE): what a token's active parameters hold besides."""
+    return ", the shared expert" if trace.config.shared_expert_dim else ""
+
+
 def experts_html(trace: Trace) -> str:
     """"" for a dense model (or a trace without routing records)."""
     moe = trace.config.moe
@@ -22,7 +27,8 @@ def experts_html(trace: Trace) -> str:
     e, k = moe.n_experts, moe.experts_per_token
     params = count_params(trace.config)
     parts = [f"<p class=\"line\">{fmt.count(params.total)} parameters, {fmt.count(params.active)} of them active a "
-             f"token ({100 * params.active / params.total:.0f}%: attention, router, head and {k} of the {e} "
+             f"token ({100 * params.active / params.total:.0f}%: attention, router, head{shared_words(trace)} and {k} of "
+             f"the {e} "
              "experts)</p>"]
     if trace.batch is None:
         parts.append(_token_map(trace))

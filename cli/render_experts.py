@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli import formatting as fmt
+from llmtrace.cli.html_experts import shared_words
 from llmtrace.cli.render_run import section
 from llmtrace.tracer.analytic.params import count_params
 from llmtrace.tracer.trace.records import PREFILL
@@ -34,7 +35,8 @@ def render_experts(console: Console, trace: Trace) -> None:
     params = count_params(trace.config)
     parts: list[object] = [Text(
         f"{fmt.count(params.total)} parameters, {fmt.count(params.active)} of them active a token "
-        f"({100 * params.active / params.total:.0f}%: attention, router, head and {k} of the {e} experts)"), Text("")]
+        f"({100 * params.active / params.total:.0f}%: attention, router, head{shared_words(trace)} and {k} of the {e} "
+        "experts)"), Text("")]
     if trace.batch is None:  # a batch's rows are several sequences' at once: its load and reads say it
         parts += [_token_map(trace, e, width), Text("")]
     parts += [_load(trace.routing, e, width), Text(""), _reads(trace.routing, e, k)]
