@@ -18,7 +18,10 @@ def experts_line(p: ParamCount, moe: MoeSummary) -> list[str]:
     (27.6%), one expert ... a layer' (formatting.flow lays them out)."""
     return [f"Experts: {moe.n_experts} a layer,", f"{moe.experts_per_token} per token ({_NORMS[moe.router_norm]});",
             f"active parameters [bold]{fmt.count(p.active)}[/] of {fmt.count(p.total)} ({fmt.share(p.active, p.total)}),",
-            f"one expert {fmt.count(p.expert_per_layer)} a layer"]
+            f"one expert {fmt.count(p.expert_per_layer)} a layer"
+            + ("" if moe.shared_expert_dim is None else ";"),
+            *([] if moe.shared_expert_dim is None else
+              [f"one shared expert ({fmt.count(moe.shared_expert_dim)} wide)", "run by every token beside them"])]
 
 
 def reads_title(moe: MoeSummary) -> str:

@@ -232,6 +232,16 @@ def test_the_analytic_commands_know_the_preset(command: list[str]) -> None:
     assert "qwen1.5-moe-a2.7b" in result.stdout
 
 
+def test_flops_names_the_shared_expert_beside_the_routed_ones() -> None:
+    """The experts line says a shared expert runs for every token (its rows are in the table below it); a model
+    without one does not say it, and the JSON carries the width."""
+    text = " ".join(runner.invoke(app, ["flops", "--model", "qwen1.5-moe-a2.7b"]).stdout.split())
+    assert "one shared expert (5,632 wide) run by every token beside them" in text
+    assert "shared expert" not in runner.invoke(app, ["flops", "--model", "mixtral-8x7b"]).stdout
+    data = json.loads(runner.invoke(app, ["flops", "--model", "qwen1.5-moe-a2.7b", "--json"]).stdout)
+    assert data["moe"]["shared_expert_dim"] == 5632
+
+
 def test_a_dry_run_traces_the_estimates_flops_and_a_decode_steps_bytes(tmp_path: Path) -> None:
     """The meta model routes round-robin: FLOPs are the estimate's exactly, and a decode step's weight bytes too
     (one token reads k experts and the shared expert a layer)."""

@@ -52,6 +52,7 @@ class MoeSummary:
     router_norm: str  # "renormalised" (the k weights rescaled to sum 1) or "softmax" (kept as the softmax gave them)
     expert_bytes: int  # one expert's w1, w2, w3 in one layer, in the weights' dtype
     reads: tuple[ExpertReads, ...]  # a decode step at each of BATCHES and at the batch asked for
+    shared_expert_dim: int | None = None  # Qwen2-MoE: the width of the expert every token runs beside its k
 
 
 def moe_summary(config: ModelConfig, weights: DType, steps: dict[int, tuple[int, int]]) -> MoeSummary | None:
@@ -66,7 +67,7 @@ def moe_summary(config: ModelConfig, weights: DType, steps: dict[int, tuple[int,
         other = step_bytes - expert_part  # attention, norms, routers, embedding rows, head
         reads.append(ExpertReads(b, expected_distinct_experts(e, k, b), most_distinct_experts(e, k, b),
                                  step_bytes, other + e * one * config.n_layers))
-    return MoeSummary(e, k, config.moe.router_norm, one, tuple(reads))
+    return MoeSummary(e, k, config.moe.router_norm, one, tuple(reads), config.shared_expert_dim)
 
 
 def batches_shown(batch: int) -> tuple[int, ...]:
