@@ -105,6 +105,18 @@ def test_a_gguf_error_names_the_files_own_key() -> None:
         ModelConfig.from_gguf_metadata(meta, "m", "m.gguf")
 
 
+@pytest.mark.parametrize("shared", [0, -5, True, 2.5, "64", 2**25])
+def test_a_shared_expert_width_that_is_not_a_width_is_one_line(shared: Any) -> None:
+    """A trace's or preset's config with a shared expert (Qwen2-MoE) whose width is no positive whole number (a bool
+    is not one) is a ConfigError naming the field, not a model built from it."""
+    from llmtrace.tracer.core.config import MoeSpec
+
+    with pytest.raises(ConfigError, match="shared_expert_dim must be an integer from 1 to 16,777,216, got"):
+        ModelConfig("m", 100, 64, 1, 4, 2, 96, moe=MoeSpec(4, 2, "softmax"), shared_expert_dim=shared)
+    assert ModelConfig("m", 100, 64, 1, 4, 2, 96, moe=MoeSpec(4, 2, "softmax"), shared_expert_dim=32
+                       ).shared_expert_dim == 32
+
+
 def _gguf_bytes(metadata: bytes, n_kv: int) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, 0, n_kv) + metadata
 

@@ -64,7 +64,7 @@ def moe_summary(config: ModelConfig, weights: DType, steps: dict[int, tuple[int,
     one = expert_matrix_bytes(config, weights)
     reads = []
     for b, (step_bytes, expert_part) in sorted(steps.items()):
-        other = step_bytes - expert_part  # attention, norms, routers, embedding rows, head
+        other = step_bytes - expert_part  # attention, norms, routers, a shared expert, embedding rows, head
         reads.append(ExpertReads(b, expected_distinct_experts(e, k, b), most_distinct_experts(e, k, b),
                                  step_bytes, other + e * one * config.n_layers))
     return MoeSummary(e, k, config.moe.router_norm, one, tuple(reads), config.shared_expert_dim)

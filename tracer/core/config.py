@@ -196,7 +196,7 @@ def _check_numbers(config: ModelConfig) -> None:
         if config.moe is None:
             raise ConfigError(f"config {config.name!r}: shared_expert_dim is a mixture of experts' shared expert; "
                               "set moe too")
-        if not isinstance(shared, int) or isinstance(shared, bool) or not 0 < shared <= INT_LIMITS["ffn_dim"]:
+        if not is_int(shared) or not 0 < shared <= INT_LIMITS["ffn_dim"]:
             raise ConfigError(f"config {config.name!r}: shared_expert_dim must be an integer from 1 to "
                               f"{INT_LIMITS['ffn_dim']:,}, got {shared!r}")
 
