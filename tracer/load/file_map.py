@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import sys
-import threading
 import weakref
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -33,10 +31,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from llmtrace.tracer.load.gguf_source import OpenedFile, changed
+from llmtrace.tracer.load.mapped_pages import MADV_POPULATE_READ, populating_backwards, release
 from llmtrace.tracer.model import native_kernel
 
-MADV_POPULATE_READ = 22  # linux/mman.h (5.14): fault the range in, readable, as a read of each page would
-POPULATE_STEP = 32 << 20  # faulted per call: the thread stops within one step of being asked to
 
 
 class FileMap:
@@ -58,33 +55,15 @@ class FileMap:
         """Bytes [start, start + nbytes) of the file, in place (uint8, writable only as a private copy would be)."""
         return self.bytes[start:start + nbytes]
 
+    def release(self, start: int, nbytes: int) -> None:
+        """Drop bytes [start, start + nbytes) of the file, copied out and never read here again, from this process's
+        resident memory (mapped_pages.release; the page cache keeps them, the map stays valid)."""
+        release(self._map, start, nbytes)
+
     @contextmanager
     def populating(self, ranges: Sequence[tuple[int, int]]) -> Iterator[None]:
         """For the block: a second thread faults `ranges` ((start, nbytes) of the file) in, the last first, while the
-        caller reads them from the first. Where the call is missing (not Linux, a kernel before 5.14, a file that
-        shrank: EFAULT) the thread stops at its first failed call; the caller's reads fault the pages in instead."""
-        if not ranges or not sys.platform.startswith("linux"):
+        caller reads them from the first (mapped_pages.populating_backwards); where the call is missing or fails (a
+        file that shrank) the caller's reads fault the pages in instead."""
+        with populating_backwards([(self.address + start, nbytes) for start, nbytes in ranges], MADV_POPULATE_READ):
             yield
-            return
-        stop = threading.Event()
-        thread = threading.Thread(target=self._populate, args=(list(ranges), stop), name="llmtrace-map-populate",
-                                  daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()  # the caller has read every range: what is left is already in
-            thread.join()
-
-    def _populate(self, ranges: list[tuple[int, int]], stop: threading.Event) -> None:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes drops the GIL for the call
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        page = mmap.PAGESIZE
-        for start, nbytes in reversed(ranges):
-            low = self.address + start // page * page
-            high = self.address + start + nbytes
-            while high > low and not stop.is_set():
-                at = max(low, high - POPULATE_STEP) // page * page
-                if madvise(at, high - at, MADV_POPULATE_READ) != 0:
-                    return
-                high = at

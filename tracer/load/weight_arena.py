@@ -13,7 +13,7 @@ Fresh pages cost more than the copy. The first write to each page of a new arena
 zeroes a 2 MiB page (compacting or reclaiming the page cache when free memory is short), and under a virtual
 machine the host may back the guest's page too. Measured at 7B (BENCHMARKS, issue 31), 3.6 GB of such pages took
 6-17 s of a load that is ~1 s of copying on touched pages. `populating()` faults the arena in from its far end on a
-second thread (madvise MADV_POPULATE_WRITE, Linux 5.14+) while the loader fills it from the front: the faults of
+second thread (madvise MADV_POPULATE_WRITE, Linux 5.14+: tracer/load/mapped_pages.py) while the loader fills it from the front: the faults of
 the two halves run at once on two cores, and the loader's writes meet pages already there.
 
 `madvise(MADV_HUGEPAGE)` is advice: where transparent huge pages are off ("never") or the platform has no such call,
@@ -23,19 +23,16 @@ cache-line boundary, from the first 2 MiB boundary of the mapping (THP backs onl
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-import sys
-import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 import numpy as np
 
+from llmtrace.tracer.load.mapped_pages import MADV_POPULATE_WRITE, populating_backwards
+
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB granule) transparent huge page
 ALIGN = 64  # each matrix starts on a cache line
-MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14): fault the range in, writable, as a write to each page would
-POPULATE_STEP = 16 * HUGE_PAGE  # faulted per call: the thread stops within one step of being asked to
 
 
 class WeightArena:
@@ -87,32 +84,12 @@ class WeightArena:
     @contextmanager
     def populating(self) -> Iterator[None]:
         """For the block: a second thread faults the taken part of the arena in, from its end backwards, while the
-        caller writes it from the front (the module's docstring says why). Contents are never changed: a page
-        already there is left as it is. Where the call is missing (not Linux, a kernel before 5.14) the thread stops
-        at its first call."""
-        if self._map is None or not sys.platform.startswith("linux") or self._next <= self._start:
+        caller writes it from the front (the module's docstring says why; mapped_pages.populating_backwards how).
+        Contents are never changed: a page already there is left as it is."""
+        if self._map is None or self._next <= self._start:
             yield
             return
-        stop = threading.Event()
-        thread = threading.Thread(target=self._populate, args=(stop,), name="llmtrace-arena-populate", daemon=True)
-        thread.start()
-        try:
-            yield
-        except BaseException:
-            stop.set()  # the load failed: no more pages for an arena about to be dropped
-            raise
-        finally:
-            thread.join()  # after a load, the rest of its range is pages already there: walked, not faulted
-
-    def _populate(self, stop: threading.Event) -> None:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes drops the GIL for the call: the loader runs on
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         base = self._bytes.ctypes.data + self._start  # a 2 MiB boundary
-        end = self._bytes.ctypes.data + self._next
-        high = base + (end - base + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        while high > base and not stop.is_set():
-            low = max(base, high - POPULATE_STEP)
-            if madvise(low, high - low, MADV_POPULATE_WRITE) != 0:  # EINVAL before 5.14, ENOMEM: stop
-                return
-            self.populated += high - low
-            high = low
+        with populating_backwards([(base, self._next - self._start)], MADV_POPULATE_WRITE) as done:
+            yield
+        self.populated += done.bytes
