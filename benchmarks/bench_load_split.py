@@ -4,10 +4,12 @@
 Parts, each the cumulative time of the functions named (they do not nest in one another):
 - read (pread): gguf_source's reads of the file's bytes (os.preadv);
 - interleave (C): native_kernel.interleave, i8dot's Q4_0/Q4_1 groups of sixteen rows written into the weight arena (the
-  first touch of its fresh pages included);
+  first touch of its fresh pages included), and native_kernel.hold_groups, the same in one pass from the file's map
+  with the scales checked (the map's page faults included);
 - Q/K reorder copies: gguf_loader.unpermute_rope_rows (llama.cpp's Q/K row order put back by a copy; since the
   single copy only for heads whose halves are not whole groups of sixteen, none of LLaMA's);
-- scale checks: weight_formats.rows_scales_finite / grouped_scales_finite (every fp16 scale and min finite);
+- scale checks: weight_formats.rows_scales_finite / grouped_scales_finite / native_kernel.scales_finite (every fp16
+  scale and min finite; over the file's map, its page faults included);
 - header + tokenizer: gguf_header.read_gguf_header and gguf_tokenizer.tokenizer_from_gguf;
 - rest: the load's wall time minus those (arena allocation, row copies, plan, Python).
 cProfile's own overhead is in the figures: little for the C calls and the reads, ~3x for Python-heavy parts (the
@@ -29,9 +31,10 @@ import time
 
 PARTS = {
     "read (pread)": [("", "<built-in method posix.preadv>")],
-    "interleave (C)": [("native_kernel.py", "interleave")],
+    "interleave (C)": [("native_kernel.py", "interleave"), ("native_kernel.py", "hold_groups")],
     "Q/K reorder copies": [("gguf_loader.py", "unpermute_rope_rows")],
-    "scale checks": [("weight_formats.py", "rows_scales_finite"), ("weight_formats.py", "grouped_scales_finite")],
+    "scale checks": [("weight_formats.py", "rows_scales_finite"), ("weight_formats.py", "grouped_scales_finite"),
+                     ("native_kernel.py", "scales_finite")],
     "header + tokenizer": [("gguf_header.py", "read_gguf_header"), ("gguf_tokenizer.py", "tokenizer_from_gguf")],
 }
 

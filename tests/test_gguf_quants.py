@@ -32,6 +32,7 @@ from llmtrace.tracer.load.gguf_loader import load_gguf_weights
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
 from llmtrace.tracer.model import native_kernel
+from llmtrace.tracer.model.weight_formats import rows_scales_finite
 
 Q = gguf.GGMLQuantizationType
 # Every type gguf 0.19 can dequantize, beyond the plain floats.
@@ -293,3 +294,29 @@ def test_a_q4_k_m_mix_is_costed_tensor_by_tensor(kquant_source: tuple[ModelConfi
     # untied: every matrix once, the LM head its own Q4_K matrix, and one gathered row of the Q8_0 embedding
     read = sum(t.n_bytes for t in header.tensors if t.name != "token_embd.weight") + 256 * 34 // 32
     assert data["decode"]["totals"]["weight_bytes"] == read
+
+
+@pytest.mark.parametrize("qtype", [Q for Q in gguf.GGMLQuantizationType if int(Q) in native_kernel.TYPES],
+                         ids=lambda q: q.name)
+def test_the_native_scale_check_finds_each_fp16_field_not_finite(qtype: gguf.GGMLQuantizationType) -> None:
+    """native_kernel.scales_finite (the loader's check of blocks held in the file's map, in one C pass): every fp16
+    field of ggml-common.h's block (tiny_gguf.BLOCK_LAYOUTS) set to a NaN or an infinity in any block is found, as
+    the numpy check finds it; finite blocks pass."""
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+    cols = 256
+    raw = random_blocks(qtype, 3, cols, np.random.default_rng(int(qtype)))
+    assert native_kernel.scales_finite(int(qtype), raw) is True and rows_scales_finite(int(qtype), raw)
+    fields = [(name, count) for name, kind, count in BLOCK_LAYOUTS[qtype] if kind == "f16"]
+    assert fields
+    for name, count in fields:
+        for at in (0, 1, raw.size // gguf.GGML_QUANT_SIZES[qtype][1] - 1):  # first, second and last block
+            for value in (np.nan, np.inf, -np.inf):
+                bad = raw.copy()
+                blocks = bad.reshape(-1).view(block_dtype(qtype))
+                blocks[name][at] = np.full(count, value, dtype="<f2").reshape(blocks[name][at].shape)
+                assert native_kernel.scales_finite(int(qtype), bad) is False, (name, at, value)
+                assert not rows_scales_finite(int(qtype), bad)
+    assert native_kernel.scales_finite(int(gguf.GGMLQuantizationType.IQ4_NL),
+                                       random_blocks(gguf.GGMLQuantizationType.IQ4_NL, 1, 32,
+                                                     np.random.default_rng(0))) is None

@@ -228,3 +228,61 @@ def test_a_tied_embedding_held_in_place_is_looked_up_through_its_groups(native: 
     ids = torch.tensor([0, 100, 97, 8, 95, 96])
     want = gguf.quants.dequantize(raws["tok_embeddings.weight"], Q.Q4_0)[ids.numpy()]
     assert torch.equal(table.rows(ids, torch.float32), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_the_loaders_one_pass_holds_rows_read_with_a_stride(qtype: Q, native: None) -> None:
+    """native_kernel.hold_groups (the loader's pass from the file's map into the arena, issue 31: load <= llama.cpp's)
+    writes rows read with any stride (a half-head's rows lie two apart in llama.cpp's order) as they are held in
+    place, on one thread and two (each writing its own share), and finds every scale finite."""
+    for rows, cols, step in ((37, 96, 1), (64, 4096, 2), (17, 32, 1), (5, 64, 3)):
+        raw = random_blocks(qtype, rows * step, cols, np.random.default_rng(rows + step))
+        view = raw[::step]
+        want = held_in_place(np.ascontiguousarray(view), qtype, cols)
+        for threads in (1, 2):
+            out = np.zeros_like(want)
+            with torch_threads(threads):
+                assert native_kernel.hold_groups(int(qtype), view, cols, out)
+            assert np.array_equal(out, want), (rows, cols, step, threads)
+
+
+@pytest.mark.parametrize("qtype", GROUPED, ids=lambda q: q.name)
+def test_the_loaders_one_pass_finds_a_scale_that_is_not_finite(qtype: Q, native: None) -> None:
+    """A NaN or an infinite d (or Q4_1's m) in a whole group or in a row after them: hold_groups says so (the loader
+    then refuses the file in one line), and has written every byte all the same."""
+    raw = random_blocks(qtype, 37, 64, np.random.default_rng(5))
+    fields = (0, 2) if qtype == Q.Q4_1 else (0,)
+    for row in (2, 20, 36):
+        for field in fields:
+            for value in (np.nan, np.inf, -np.inf):
+                bad = raw.copy()
+                bad[row, field:field + 2] = np.array([value], dtype="<f2").view(np.uint8)  # the row's first block
+                out = np.zeros_like(bad)
+                with torch_threads(2):
+                    assert not native_kernel.hold_groups(int(qtype), bad, 64, out), (row, field, value)
+                assert np.array_equal(out, held_in_place(bad, qtype, 64))
+    out = np.zeros_like(raw)
+    with pytest.raises(ValueError, match="cannot hold"):
+        native_kernel.hold_groups(int(qtype), raw, 64, out[:-1])
+
+
+def test_q_and_k_rows_from_the_map_are_put_in_hf_order_once(native: None) -> None:
+    """The loader's Q/K rows from the file's map (gguf_loader._hold_mapped): llama.cpp's permuted rows unpermuted a
+    half-head at a time, interleaved in place for i8dot's Q4_0/Q4_1, copied as stored for the others; heads whose
+    halves are not whole groups of sixteen are left to the reading path (None)."""
+    from llmtrace.tracer.load.gguf_loader import _hold_mapped, unpermute_rope_rows
+
+    heads, cols = 3, 64
+    for qtype in (*GROUPED, Q.Q8_0):
+        interleaved = qtype in GROUPED
+        raw = random_blocks(qtype, heads * 64, cols, np.random.default_rng(int(qtype)))
+        hf = unpermute_rope_rows(raw, heads)
+        want = held_in_place(hf, qtype, cols) if interleaved else hf
+        out = np.zeros_like(raw)
+        assert _hold_mapped(int(qtype), raw, heads, out, cols, interleaved) is True
+        assert np.array_equal(out, want), qtype.name
+        bad = raw.copy()
+        bad[70, :2] = np.array([np.nan], dtype="<f2").view(np.uint8)
+        assert _hold_mapped(int(qtype), bad, heads, np.zeros_like(raw), cols, interleaved) is False
+    small = random_blocks(Q.Q4_0, 4 * 16, cols, np.random.default_rng(1))  # heads of 16 rows: halves of eight
+    assert _hold_mapped(int(Q.Q4_0), small, 4, np.zeros_like(small), cols, True) is None

@@ -15,8 +15,9 @@ import torch
 
 from llmtrace.tracer.checkpoint.gguf_header import read_gguf_header
 from llmtrace.tracer.checkpoint.resolve import config_from_gguf_header
+from llmtrace.tracer.core.errors import FileFormatError
 from llmtrace.tracer.load import gguf_loader
-from llmtrace.tracer.load.gguf_loader import load_gguf_stored, pack_matrices
+from llmtrace.tracer.load.gguf_loader import _hold_mapped, load_gguf_stored, pack_matrices
 from llmtrace.tracer.load.weight_arena import ALIGN, HUGE_PAGE, WeightArena
 from llmtrace.tracer.model import native_kernel
 from llmtrace.tracer.model.weight_formats import I8DOT, INT4PACK, NATIVE, pack_gguf
@@ -224,3 +225,46 @@ def test_a_cached_plan_keeps_i8dot_matrices_interleaved_in_place(tiny_quantized:
         loaded.model.setup_cache(1, 8)
         logits.append(loaded.model.prefill(tokens))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+def test_arena_copies_from_the_map_equal_those_read_with_pread(tiny_quantized: Callable[..., Path], qtype: Q,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31 (load <= llama.cpp's): the matrices copied into the arena (i8dot's interleaved Q4_0, Q/K rows put
+    in HF's order) are written from the file's map in one pass; they hold the bytes the pread path writes, and a
+    NaN scale in one is refused in one line either way."""
+    if not native_kernel.available():
+        pytest.skip(f"native kernel not available here: {native_kernel.unavailable_reason()}")
+    path = tiny_quantized(qtype)
+    header = read_gguf_header(path)
+    config = config_from_gguf_header(header)
+    kernel = I8DOT if qtype == Q.Q4_0 else NATIVE
+    _, mapped = load_gguf_stored(header, config, torch.float32, kernel)
+
+    class Unguarded(gguf_loader.FileMap):
+        def __init__(self, source: Any) -> None:
+            super().__init__(source)
+            self.guarded = False
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_loader, "FileMap", Unguarded)
+        _, read = load_gguf_stored(header, config, torch.float32, kernel)
+    assert mapped.keys() == read.keys()
+    for name, weight in mapped.items():
+        assert weight.tensors.keys() == read[name].tensors.keys(), name
+        for part, tensor in weight.tensors.items():
+            assert torch.equal(tensor, read[name].tensors[part]), (name, part)
+    bad = path.parent / "nan-scale.gguf"
+    data = bytearray(path.read_bytes())
+    name = "blk.1.attn_v.weight" if qtype == Q.Q4_0 else "blk.1.attn_k.weight"  # interleaved; Q/K rows reordered
+    info = next(i for i in header.tensors if i.name == name)
+    at = header.data_offset + info.offset + info.n_bytes // 2 // (info.n_bytes // info.torch_shape[0]) * (
+        info.n_bytes // info.torch_shape[0])  # the first block of a row halfway down
+    data[at:at + 2] = np.array([np.nan], dtype="<f2").tobytes()
+    bad.write_bytes(bytes(data))
+    bad_header = read_gguf_header(bad)
+    held = []
+    monkeypatch.setattr(gguf_loader, "_hold_mapped", lambda *a: held.append(a[0]) or _hold_mapped(*a))
+    with pytest.raises(FileFormatError, match=f"{name}' holds NaN or infinite scales"):
+        load_gguf_stored(bad_header, config, torch.float32, kernel)
+    assert held  # through the map's one pass, not pread

@@ -5,13 +5,16 @@ read a matrix's blocks exactly as the file stores them. Copying them into the we
 (tracer/load/weight_arena.py) costs a fresh page for every 4 KiB or 2 MiB of the model: at 7B Q8_0, 7 GB of
 first-touch faults, 10-22 s of a load that llama.cpp, which maps the file and copies nothing, does in 0.3-1.7 s
 (BENCHMARKS.md, issue 31). Mapped, the blocks are the page cache's own pages: no copy, nothing zeroed, and two runs
-of one file share them. What is still copied: Q/K rows that llama.cpp permuted (the model holds HF's order), i8dot's
-interleaved Q4_0/Q4_1, 3-D expert tensors, and everything when the load writes a weights cache entry (that pass
-hashes what it reads through pread: tracer/load/gguf_source.py).
+of one file share them. What must be rearranged (Q/K rows that llama.cpp permuted: the model holds HF's order;
+i8dot's interleaved Q4_0/Q4_1) is written from the map into the weight arena in one pass (gguf_loader._hold_mapped),
+its pages then dropped from this process's RSS (`release`: the page cache keeps them), so they are not counted
+twice. Read with pread instead: 3-D expert tensors, and everything when the load writes a weights cache entry (that
+pass hashes what it reads: tracer/load/gguf_source.py).
 
 The map is MAP_PRIVATE (copy-on-write): nothing written to it can reach the file; nothing writes to it. While the
-loader checks every block's scales from the front (which touches each page), a second thread faults the mapped
-ranges in from the back (MADV_POPULATE_READ, Linux 5.14+), as the arena's populating thread does for its copies.
+loader checks the held blocks' scales from the front (which touches each page), a second thread faults their
+ranges in from the back (MADV_POPULATE_READ, Linux 5.14+: tracer/load/mapped_pages.py), as the arena's populating
+thread does for its copies.
 
 A file that changes under the run. The load is still checked as before: the descriptor's identity before and after
 (gguf_source.GGUFSource), so a file rewritten or truncated while it loads is refused in one line. After the load,
@@ -22,7 +25,6 @@ line naming the file and exit status 2, where the process would otherwise die si
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import weakref
 from contextlib import contextmanager

@@ -4,8 +4,9 @@ The descriptors come from `llmtrace.tracer.checkpoint.gguf_header` (pure Python,
 `gguf.GGUFReader` spends seconds decoding every vocabulary string as a numpy array). Each tensor's bytes are read
 through one descriptor (llmtrace.tracer.load.gguf_source: pread into private memory, never a map a truncated file
 would turn into SIGBUS), in the file's order, so a pass can hash the whole file as it reads it;
-`llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can. Blocks that the C library's kernels read as they
-lie are held in place in the file's map instead (tracer/load/file_map.py says when and why).
+`llmtrace.tracer.load.gguf_dequant` decodes every type `gguf` can. Blocks that the C library's kernels read are read
+through the file's map instead: held there in place where the kernels read them as they lie, else written from it
+into the weight arena in one pass (tracer/load/file_map.py says when and why).
 """
 
 from __future__ import annotations
@@ -209,18 +210,19 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
     packed: dict[str, PackedWeight] = {}
     with ExitStack() as stack:
         reads = _reader(stack, header, reader)
-        in_file = _in_file(header, config, reads, plan, packable, kernel)
-        mapped = FileMap(reads) if in_file else None  # type: ignore[arg-type]  # _in_file maps only a GGUFSource
-        if mapped is not None and not mapped.guarded:  # no handler would turn a truncation into one line: copies
-            mapped, in_file = None, set()
+        mappable = _mappable(header, config, reads, plan, packable, kernel)
+        mapped = FileMap(reads) if mappable else None  # type: ignore[arg-type]  # _mappable maps only a GGUFSource
+        if mapped is not None and not mapped.guarded:  # no handler would turn a truncation into one line: pread
+            mapped, mappable = None, set()
+        in_file = {n for n in mappable if _as_stored(header, config, kernel, n, plan[n])}
         arena, slots = _arena_slots(plan, [n for n in packable if _multiplied(n, config) and n not in in_file],
                                     kernel)
         if arena is not None:  # its pages faulted in from the far end while the matrices fill it from the front
             stack.enter_context(arena.populating())
+        ranges = {n: (header.data_offset + plan[n].offset, plan[n].n_bytes) for n in mappable}
         if mapped is not None:
-            ranges = {n: (header.data_offset + plan[n].offset, plan[n].n_bytes) for n in in_file}
             slots.update({n: mapped.view(*ranges[n]) for n in in_file})
-            stack.enter_context(mapped.populating([ranges[n] for n, _ in _file_order(plan) if n in ranges]))
+            stack.enter_context(mapped.populating([ranges[n] for n, _ in _file_order(plan) if n in in_file]))
         for name, info in _file_order(plan):
             if name not in packable:
                 tensor = _dequantized(header, config, reads, name, info)
@@ -228,27 +230,35 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
             else:
                 packed[name] = _packed(header, config, reads, name, info,
                                        held_kernel(name, config, kernel_of(kernel, info)),  # type: ignore[arg-type]
-                                       slots.get(name), name in in_file)
+                                       slots.get(name), name in in_file,
+                                       mapped.view(*ranges[name]) if mapped is not None and name in mappable
+                                       else None)
+                if mapped is not None and name in mappable and name not in in_file:
+                    mapped.release(*ranges[name])  # copied into the arena: its file pages leave this process's RSS
             load_progress.advance(info.n_bytes)
     return {n: dense[n] for n in plan if n in dense}, {n: packed[n] for n in plan if n in packed}
 
 
-def _in_file(header: GGUFHeader, config: ModelConfig, reads: Reader, plan: Mapping[str, GGUFTensorInfo],
-             packable: Iterable[str], kernel: KernelPlan) -> set[str]:
-    """The matrices held in place in the file's map (tracer/load/file_map.py): those a block kernel reads as the
-    file stores them (not i8dot's interleaved Q4_0/Q4_1, not Q/K rows llama.cpp permuted, not a 3-D experts
-    tensor), when the load reads the file itself (not a pass that hashes it for a cache entry, not a --tp shard)
-    and the native library, whose SIGBUS handler guards the map, is loaded on Linux. The rest are copied."""
+def _mappable(header: GGUFHeader, config: ModelConfig, reads: Reader, plan: Mapping[str, GGUFTensorInfo],
+              packable: Iterable[str], kernel: KernelPlan) -> set[str]:
+    """The matrices read through the file's private map (tracer/load/file_map.py): every 2-D one a block kernel
+    runs, when the load reads the file itself (not a pass that hashes it for a cache entry, not a --tp shard) and
+    the native library, whose SIGBUS handler guards the map, is loaded on Linux. Those the kernels read as the file
+    stores them (_as_stored) are held there in place; the rest (i8dot's interleaved Q4_0/Q4_1, Q/K rows that
+    llama.cpp permuted) are written from it into the weight arena in one pass, with no read into a scratch buffer.
+    3-D expert tensors are read with pread."""
     if type(reads) is not GGUFSource or reads.header is not header or not sys.platform.startswith("linux"):
         return set()
-    held = set()
-    for name in packable:
-        info = plan[name]
-        block = held_kernel(name, config, kernel_of(kernel, info))  # type: ignore[arg-type]
-        if (block in BLOCK_KERNELS and len(info.torch_shape) == 2 and not _groups_held(block, info)
-                and _rope_heads(header, config, name) is None):
-            held.add(name)
+    held = {name for name in packable if len(plan[name].torch_shape) == 2
+            and held_kernel(name, config, kernel_of(kernel, plan[name])) in BLOCK_KERNELS}  # type: ignore[arg-type]
     return held if held and native_kernel.available() else set()  # (a block kernel's plan has the library)
+
+
+def _as_stored(header: GGUFHeader, config: ModelConfig, kernel: KernelPlan, name: str, info: GGUFTensorInfo) -> bool:
+    """Whether a mapped matrix is held in place, its blocks read as the file stores them: not i8dot's interleaved
+    Q4_0/Q4_1, not Q/K rows llama.cpp permuted."""
+    block = held_kernel(name, config, kernel_of(kernel, info))  # type: ignore[arg-type]
+    return not _groups_held(block, info) and _rope_heads(header, config, name) is None
 
 
 def _multiplied(name: str, config: ModelConfig) -> bool:
@@ -359,11 +369,13 @@ _PIECE_BYTES = 1 << 19
 
 
 def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, info: GGUFTensorInfo,
-            kernel: str, slot: np.ndarray | None = None, in_file: bool = False) -> PackedWeight | ExpertWeights:
+            kernel: str, slot: np.ndarray | None = None, in_file: bool = False,
+            mapped: np.ndarray | None = None) -> PackedWeight | ExpertWeights:
     """One matrix packed for `kernel`; a block kernel's blocks read into their `slot` of the weight arena when
     given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds; `in_file`:
-    the slot is the matrix's own bytes in the file's map (_in_file), only checked. A mixture of experts' 3-D
-    tensor (E, N, K): `_packed_experts`."""
+    the slot is the matrix's own bytes in the file's map (_as_stored), only checked; `mapped`: the matrix's bytes
+    in the file's map, which the arena's copy is written from (else they are read with pread). A mixture of
+    experts' 3-D tensor (E, N, K): `_packed_experts`."""
     if len(info.torch_shape) == 3:
         return _packed_experts(header, reads, info, kernel, slot)
     out_features, in_features = info.torch_shape
@@ -374,10 +386,12 @@ def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, i
         held = slot.reshape(out_features, row_bytes)
         interleaved = _groups_held(kernel, info)
         if in_file:
-            if not rows_scales_finite(info.ggml_type, held):
+            if not _scales_finite(info.ggml_type, held):
                 raise _nan_scales(header, info)
             return pack_gguf(held, info.ggml_type, in_features, kernel)
-        if not _read_held(header, reads, info, heads, held, interleaved):
+        from_map = None if mapped is None else _hold_mapped(info.ggml_type, mapped.reshape(out_features, row_bytes),
+                                                            heads, held, in_features, interleaved)
+        if from_map is False or (from_map is None and not _read_held(header, reads, info, heads, held, interleaved)):
             raise _nan_scales(header, info)
         return pack_gguf(held, info.ggml_type, in_features, kernel, interleaved=interleaved)
     rows = _raw(header, reads, info).reshape(out_features, row_bytes)  # (N, B)
@@ -387,6 +401,38 @@ def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, i
     if not finite_scales(weight):
         raise _nan_scales(header, info)
     return weight
+
+
+def _scales_finite(code: int, blocks: np.ndarray) -> bool:
+    """rows_scales_finite, in the native library's one pass on torch's threads where it reads the type."""
+    found = native_kernel.scales_finite(code, blocks) if native_kernel.available() else None
+    return rows_scales_finite(code, blocks) if found is None else found
+
+
+def _hold_mapped(code: int, mapped: np.ndarray, heads: int | None, held: np.ndarray, k: int,
+                 interleaved: bool) -> bool | None:
+    """A matrix's rows from the file's map (`mapped`, (rows, bytes per row)) into `held`, its room in the arena, in
+    the model's row order (Q/K rows unpermuted as _read_held does, a half-head at a time: llama.cpp's rows 2i and
+    2i+1 of a head are HF's rows i and D/2 + i), `interleaved`: i8dot's groups (native_kernel.hold_groups).
+    Whether every scale is finite; None when the heads' halves are not whole groups (the caller reads instead)."""
+    rows = held.shape[0]
+    unit = rows // heads if heads is not None else rows
+    if heads is not None and (rows % heads or unit % (2 * native_kernel.GROUP_ROWS if interleaved else 2)):
+        return None
+    if heads is None:
+        moves = [(mapped, held)]
+    else:  # HF's first half of a head is llama.cpp's even rows, its second the odd ones
+        half = unit // 2
+        moves = [(mapped[head + h:head + unit:2], held[head + h * half:head + (h + 1) * half])
+                 for head in range(0, rows, unit) for h in (0, 1)]
+    finite = True
+    for rows_in, rows_out in moves:
+        if interleaved:
+            finite = native_kernel.hold_groups(code, rows_in, k, rows_out) and finite
+        else:
+            rows_out[...] = rows_in
+            finite = _scales_finite(code, rows_out) and finite
+    return finite
 
 
 def _packed_experts(header: GGUFHeader, reads: Reader, info: GGUFTensorInfo, kernel: str,

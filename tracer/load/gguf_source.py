@@ -16,9 +16,11 @@ kernels) were copied out of the map anyway and the copy of the source lives only
 most one tensor: ~0.3 GB for a 128k-vocabulary Q6_K embedding). The C library's kernels read most blocks as the
 file stores them: those are held in place in a private map of the file after all (tracer/load/file_map.py: a 7 GB
 copy into fresh pages was most of a 7B load), where the library's SIGBUS handler turns a truncation into this
-module's one line; what must be rearranged (Q/K rows, i8dot's interleaved Q4_0/Q4_1) is read straight into the
-weight arena, piece by piece through one scratch buffer (gguf_loader._read_held). pread from the page cache runs at
-memcpy speed (BENCHMARKS.md "Weights cache checks" times a first load before and after).
+module's one line; what must be rearranged (Q/K rows, i8dot's interleaved Q4_0/Q4_1) is written from that map into
+the weight arena in one pass (gguf_loader._hold_mapped). Where no guarded map can be used (a pass that hashes the file
+for a cache entry, a --tp shard, 3-D expert tensors), it is read with pread, piece by piece through one scratch
+buffer (gguf_loader._read_held). pread from the page cache runs at memcpy speed (BENCHMARKS.md "Weights cache
+checks" times a first load before and after).
 
 The key from what was read. `reads()` hashes the whole file in order as the tensors are read (gaps between them,
 header and tail included), so on a cache miss the entry is stored under the XXH3-128 of the bytes it was converted

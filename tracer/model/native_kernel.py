@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from llmtrace.tracer.core.atomic_file import write_atomic
@@ -86,6 +87,7 @@ TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: 
 EXACT_X, INT8_X, INT16_X = 0, 1, 2
 INT16_TYPES = (8, 14)  # the ggml types INT16_X takes: Q8_0, Q6_K
 _STATUS = {1: "unsupported ggml type", 2: "shapes that do not fit the blocks", 3: "out of memory"}
+_NOT_FINITE = 4  # llmt_hold_groups: every byte written, a scale NaN or infinite (the caller names the file)
 _NAME = re.compile(r"gguf_matmul-[0-9a-f]{20}-[0-9a-f]{64}\.so")
 LOCK_NAME = ".build.lock"  # held (flock) while a process builds: one build at a time per folder
 # What a build leaves while it runs: the library under a temporary name, the flag probe's folder, the units' objects.
@@ -281,6 +283,34 @@ def group_rows(ggml_type: int, held: torch.Tensor, k: int, ids: torch.Tensor) ->
         raise NativeKernelError(f"native group_rows refused {TYPES.get(ggml_type, ggml_type)} "
                                 f"{tuple(held.shape)}: {_STATUS.get(status, status)} (row ids out of range?)")
     return out
+
+
+def hold_groups(ggml_type: int, rows: np.ndarray, k: int, out: np.ndarray) -> bool:
+    """`rows` (a Q4_0/Q4_1 matrix's rows, (rows, bytes per row) uint8, any row stride: a view of the file's map)
+    written into `out` (contiguous, the same bytes: its room in the weight arena) as the i8dot kernel holds them in
+    place, the whole groups interleaved and the rest as stored, in one pass on torch's threads; whether every scale
+    was finite (native/int8_groups.c, llmt_hold_groups)."""
+    lib = library()
+    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.strides[1] != 1 or out.dtype != np.uint8 \
+            or not out.flags.c_contiguous or out.nbytes != rows.shape[0] * rows.shape[1]:
+        raise ValueError(f"cannot hold {rows.dtype} {rows.shape} rows in {out.dtype} {out.shape}")
+    status = lib.handle.llmt_hold_groups(ggml_type, rows.ctypes.data, rows.strides[0], rows.shape[0], k,
+                                         out.ctypes.data, torch.get_num_threads())
+    if status not in (0, _NOT_FINITE):
+        raise NativeKernelError(f"native hold_groups refused {TYPES.get(ggml_type, ggml_type)} {rows.shape}: "
+                                f"{_STATUS.get(status, status)}")
+    return status == 0
+
+
+def scales_finite(ggml_type: int, blocks: np.ndarray) -> bool | None:
+    """Whether every fp16 scale and min of `blocks` (contiguous uint8, whole blocks of `ggml_type` as stored) is
+    finite, checked in one pass on torch's threads (native/scales.c); None for a type the library does not read."""
+    if blocks.dtype != np.uint8 or not blocks.flags.c_contiguous:
+        raise ValueError(f"not contiguous blocks: {blocks.dtype} {blocks.shape}")
+    _, _, block_bytes = GGML_TYPES[ggml_type]
+    found = library().handle.llmt_scales_finite(ggml_type, blocks.ctypes.data, blocks.nbytes // block_bytes,
+                                                torch.get_num_threads())
+    return None if found < 0 else bool(found)
 
 
 def matmul(matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -526,7 +556,8 @@ def _build(compiler: list[str], folder: Path, key: str) -> tuple[tuple[str, ...]
 
 _I, _P, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
 # The entry points called through the library's handle (the products', native/gguf_matmul.c; the decode step's
-# sizes, decode_step.c; a map's SIGBUS guard, mapped_file.c): name -> (argument types, or None to leave them
+# sizes, decode_step.c; a map's SIGBUS guard, mapped_file.c; the loader's passes over a file's blocks, int8_groups.c
+# and scales.c): name -> (argument types, or None to leave them
 # undeclared, result type). The decode step itself runs holding the GIL: native_step.py declares it on a PyDLL.
 _SIGNATURES = {
     "llmt_describe": ([_I, ctypes.POINTER(_I), ctypes.POINTER(_P), ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64,
@@ -543,6 +574,8 @@ _SIGNATURES = {
     "llmt_step_stamps": ([_P, _I], _I64),
     "llmt_guard_map": ([_P, _I64, ctypes.c_char_p], _I),
     "llmt_unguard_map": ([_P], None),
+    "llmt_hold_groups": ([_I, _P, _I64, _I64, _I64, _P, _I], _I),
+    "llmt_scales_finite": ([_I, _P, _I64, _I], _I),
 }
 
 

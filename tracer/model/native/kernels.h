@@ -7,6 +7,7 @@
  *   int8_groups.c  i8dot's Q4_0/Q4_1 rows interleaved in sixteens (the layout and its entry points)
  *   int16_dot.c    the "i16dot" kernel (activations rounded to int16; Q8_0 and Q6_K)
  *   decode_step.c  one decode step in one call, and decode steps back to back, the caller choosing each token
+ *   scales.c       every fp16 scale of a file's stored blocks checked finite (the loader's check, in one pass)
  *   mapped_file.c  a SIGBUS inside a registered map of a GGUF (the file truncated under the run): one line, exit 2
  * Every kernel has a plain scalar reference beside its vector code (the *_reference functions), always compiled:
  * a build without AVX2 runs them, and llmt_matmul_reference runs them in any build, so tests hold each vector
@@ -26,7 +27,7 @@
 
 #define LLMT_INTERNAL __attribute__((visibility("hidden")))
 
-enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3 };
+enum { OK = 0, BAD_TYPE = 1, BAD_SHAPE = 2, NO_MEMORY = 3, NOT_FINITE = 4 }; /* NOT_FINITE: a scale NaN/infinite */
 /* How a part's products take the activations: exact fp32, rounded to int8 (i8dot) or to int16 (i16dot: Q8_0, Q6_K) */
 enum { EXACT_X = 0, INT8_X = 1, INT16_X = 2 };
 
@@ -187,6 +188,9 @@ LLMT_INTERNAL float i8_row_reference(int type, const uint8_t *row, int64_t n_blo
 /* int8_groups.c: row r of part p as the file stores it (gathered into scratch, row_bytes[p] bytes, when the part's
    whole groups are interleaved) */
 LLMT_INTERNAL const uint8_t *part_row(const Matrix *mat, int p, int64_t r, uint8_t *scratch);
+/* scales.c: 1 when every fp16 of h[0..n) is finite; 1 when every fp16 scale and min of n stored blocks of `type` is */
+LLMT_INTERNAL int halves_finite(const ggml_half *h, int64_t n);
+LLMT_INTERNAL int blocks_finite(int type, const uint8_t *blocks, int64_t n_blocks);
 
 /* int16_dot.c: the same with int16 activations (Q8_0 and Q6_K parts) */
 LLMT_INTERNAL void quantize_x16(const float *x, int64_t k, X16Block *out);
