@@ -278,11 +278,32 @@ def test_q_and_k_rows_from_the_map_are_put_in_hf_order_once(native: None) -> Non
         raw = random_blocks(qtype, heads * 64, cols, np.random.default_rng(int(qtype)))
         hf = unpermute_rope_rows(raw, heads)
         want = held_in_place(hf, qtype, cols) if interleaved else hf
-        out = np.zeros_like(raw)
-        assert _hold_mapped(int(qtype), raw, heads, out, cols, interleaved) is True
+        out, released = np.zeros_like(raw), []
+        with torch_threads(2):
+            assert _hold_mapped(int(qtype), raw, heads, out, cols, interleaved,
+                                lambda start, n: released.append((start, n))) is True
         assert np.array_equal(out, want), qtype.name
+        assert released == [(0, raw.nbytes)]  # its map pages given back once copied
         bad = raw.copy()
         bad[70, :2] = np.array([np.nan], dtype="<f2").view(np.uint8)
-        assert _hold_mapped(int(qtype), bad, heads, np.zeros_like(raw), cols, interleaved) is False
+        assert _hold_mapped(int(qtype), bad, heads, np.zeros_like(raw), cols, interleaved, lambda s, n: None) is False
     small = random_blocks(Q.Q4_0, 4 * 16, cols, np.random.default_rng(1))  # heads of 16 rows: halves of eight
-    assert _hold_mapped(int(Q.Q4_0), small, 4, np.zeros_like(small), cols, True) is None
+    assert _hold_mapped(int(Q.Q4_0), small, 4, np.zeros_like(small), cols, True, lambda s, n: None) is None
+
+
+def test_a_big_matrix_is_written_from_the_map_piece_by_piece(native: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of whole heads (or groups), each piece's map pages given back after it (a 148 MB tied embedding is
+    not resident twice at the end of its pass): the same bytes as in one piece."""
+    from llmtrace.tracer.load import gguf_loader
+
+    heads, cols = 4, 64
+    raw = random_blocks(Q.Q4_1, heads * 64 + 0, cols, np.random.default_rng(9))
+    row_bytes = raw.shape[1]
+    for heads_given, want in ((heads, held_in_place(gguf_loader.unpermute_rope_rows(raw, heads), Q.Q4_1, cols)),
+                              (None, held_in_place(raw, Q.Q4_1, cols))):
+        monkeypatch.setattr(gguf_loader, "_MAP_PIECE_BYTES", 64 * row_bytes)  # a head (or four groups) a piece
+        out, released = np.zeros_like(raw), []
+        assert gguf_loader._hold_mapped(int(Q.Q4_1), raw, heads_given, out, cols, True,
+                                        lambda start, n: released.append((start, n)))
+        assert np.array_equal(out, want)
+        assert released == [(i * 64 * row_bytes, 64 * row_bytes) for i in range(heads)]

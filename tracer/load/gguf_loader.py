@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -231,12 +231,19 @@ def load_gguf_stored(header: GGUFHeader, config: ModelConfig, dtype: torch.dtype
                 packed[name] = _packed(header, config, reads, name, info,
                                        held_kernel(name, config, kernel_of(kernel, info)),  # type: ignore[arg-type]
                                        slots.get(name), name in in_file,
-                                       mapped.view(*ranges[name]) if mapped is not None and name in mappable
-                                       else None)
-                if mapped is not None and name in mappable and name not in in_file:
-                    mapped.release(*ranges[name])  # copied into the arena: its file pages leave this process's RSS
+                                       *_map_of(mapped, ranges.get(name)))
             load_progress.advance(info.n_bytes)
     return {n: dense[n] for n in plan if n in dense}, {n: packed[n] for n in plan if n in packed}
+
+
+def _map_of(mapped: FileMap | None, where: tuple[int, int] | None
+            ) -> tuple[np.ndarray | None, Callable[[int, int], None]]:
+    """A mapped matrix's bytes in the file's map and what gives back the pages of a part copied out of them (bytes
+    start.. of the matrix: they leave this process's RSS, the page cache keeps them); (None, nothing) unmapped."""
+    if mapped is None or where is None:
+        return None, lambda start, nbytes: None
+    base, nbytes = where
+    return mapped.view(base, nbytes), lambda start, length: mapped.release(base + start, length)
 
 
 def _mappable(header: GGUFHeader, config: ModelConfig, reads: Reader, plan: Mapping[str, GGUFTensorInfo],
@@ -369,13 +376,14 @@ _PIECE_BYTES = 1 << 19
 
 
 def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, info: GGUFTensorInfo,
-            kernel: str, slot: np.ndarray | None = None, in_file: bool = False,
-            mapped: np.ndarray | None = None) -> PackedWeight | ExpertWeights:
+            kernel: str, slot: np.ndarray | None = None, in_file: bool = False, mapped: np.ndarray | None = None,
+            release: Callable[[int, int], None] = lambda start, nbytes: None) -> PackedWeight | ExpertWeights:
     """One matrix packed for `kernel`; a block kernel's blocks read into their `slot` of the weight arena when
     given (_arena_slots), i8dot's Q4_0/Q4_1 interleaved in place there: the only copy the run holds; `in_file`:
     the slot is the matrix's own bytes in the file's map (_as_stored), only checked; `mapped`: the matrix's bytes
-    in the file's map, which the arena's copy is written from (else they are read with pread). A mixture of
-    experts' 3-D tensor (E, N, K): `_packed_experts`."""
+    in the file's map, which the arena's copy is written from (else they are read with pread), `release(start,
+    nbytes)` giving back the pages of bytes of it copied. A mixture of experts' 3-D tensor (E, N, K):
+    `_packed_experts`."""
     if len(info.torch_shape) == 3:
         return _packed_experts(header, reads, info, kernel, slot)
     out_features, in_features = info.torch_shape
@@ -390,7 +398,7 @@ def _packed(header: GGUFHeader, config: ModelConfig, reads: Reader, name: str, i
                 raise _nan_scales(header, info)
             return pack_gguf(held, info.ggml_type, in_features, kernel)
         from_map = None if mapped is None else _hold_mapped(info.ggml_type, mapped.reshape(out_features, row_bytes),
-                                                            heads, held, in_features, interleaved)
+                                                            heads, held, in_features, interleaved, release)
         if from_map is False or (from_map is None and not _read_held(header, reads, info, heads, held, interleaved)):
             raise _nan_scales(header, info)
         return pack_gguf(held, info.ggml_type, in_features, kernel, interleaved=interleaved)
@@ -409,29 +417,39 @@ def _scales_finite(code: int, blocks: np.ndarray) -> bool:
     return rows_scales_finite(code, blocks) if found is None else found
 
 
-def _hold_mapped(code: int, mapped: np.ndarray, heads: int | None, held: np.ndarray, k: int,
-                 interleaved: bool) -> bool | None:
+# Rows written from the file's map at a time before their map pages are released (about): a big matrix (Llama 3.2
+# 1B's tied 128k-row embedding, 148 MB in Q4_0) is not resident twice, map and arena, at the end of its pass.
+_MAP_PIECE_BYTES = 32 << 20
+
+
+def _hold_mapped(code: int, mapped: np.ndarray, heads: int | None, held: np.ndarray, k: int, interleaved: bool,
+                 release: Callable[[int, int], None]) -> bool | None:
     """A matrix's rows from the file's map (`mapped`, (rows, bytes per row)) into `held`, its room in the arena, in
-    the model's row order (Q/K rows unpermuted as _read_held does, a half-head at a time: llama.cpp's rows 2i and
-    2i+1 of a head are HF's rows i and D/2 + i), `interleaved`: i8dot's groups (native_kernel.hold_groups).
-    Whether every scale is finite; None when the heads' halves are not whole groups (the caller reads instead)."""
-    rows = held.shape[0]
-    unit = rows // heads if heads is not None else rows
+    the model's row order (Q/K rows unpermuted as _read_held does: llama.cpp's rows 2i and 2i+1 of a head are HF's
+    rows i and D/2 + i), `interleaved`: i8dot's groups (native_kernel.hold_groups, one C pass), piece by piece,
+    each piece's map pages then given back (`release(start, nbytes)`, bytes of the matrix). Whether every scale is
+    finite; None when the heads' halves are not whole groups (the caller reads instead)."""
+    rows, row_bytes = held.shape
+    unit = rows // heads if heads is not None else 0
     if heads is not None and (rows % heads or unit % (2 * native_kernel.GROUP_ROWS if interleaved else 2)):
         return None
-    if heads is None:
-        moves = [(mapped, held)]
-    else:  # HF's first half of a head is llama.cpp's even rows, its second the odd ones
-        half = unit // 2
-        moves = [(mapped[head + h:head + unit:2], held[head + h * half:head + (h + 1) * half])
-                 for head in range(0, rows, unit) for h in (0, 1)]
+    together = unit or native_kernel.GROUP_ROWS  # rows that move together: a head, or a group
+    per = max(1, _MAP_PIECE_BYTES // (together * row_bytes)) * together
     finite = True
-    for rows_in, rows_out in moves:
+    for first in range(0, rows, per):
+        rows_in, rows_out = mapped[first:first + per], held[first:first + per]
         if interleaved:
-            finite = native_kernel.hold_groups(code, rows_in, k, rows_out) and finite
+            finite = native_kernel.hold_groups(code, rows_in, k, rows_out, unit) and finite
         else:
-            rows_out[...] = rows_in
+            for head in range(0, rows_in.shape[0], unit or rows_in.shape[0]):
+                if not unit:
+                    rows_out[...] = rows_in
+                    continue
+                half = unit // 2  # HF's first half of a head is llama.cpp's even rows, its second the odd ones
+                for h in (0, 1):
+                    rows_out[head + h * half:head + (h + 1) * half] = rows_in[head + h:head + unit:2]
             finite = _scales_finite(code, rows_out) and finite
+        release(first * row_bytes, rows_in.nbytes)
     return finite
 
 

@@ -116,34 +116,46 @@ int llmt_interleave(int type, const uint8_t *w, int64_t stride, int64_t rows, in
 }
 
 /* The loader's one pass over a Q4_0/Q4_1 matrix the i8dot kernel holds in place ("Held in place" above): rows
-   [0, rows) (row r at w + r * stride: the file's map, where Q/K rows of one half-head lie two apart) written into out
-   (rows x row_bytes, contiguous: the matrix's room in the weight arena), the whole groups interleaved and the rows
-   after the last as they are, every fp16 d (and m) checked on the way, on up to `threads` threads, each writing (and
-   faulting in) its own share of out. Returns OK, NOT_FINITE when a scale is a NaN or an infinity (a corrupt file;
-   everything is written all the same), or BAD_TYPE / BAD_SHAPE. It replaces a pread into a scratch buffer, a numpy
-   check of the scratch and llmt_interleave out of it: three passes on one thread (BENCHMARKS.md, issue 31). */
-int llmt_hold_groups(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t k, uint8_t *out, int threads) {
+   [0, rows) of the file (row r at w + r * stride: the file's map) written into out (rows x row_bytes, contiguous: the
+   matrix's room in the weight arena) in the model's row order, the whole groups interleaved and the rows after the
+   last as they are, every fp16 d (and m) checked on the way, on up to `threads` threads, each writing (and faulting
+   in) its own share of out. `unit` > 0: Q/K rows llama.cpp permuted, heads of `unit` rows (a multiple of 32, rows a
+   multiple of unit): HF's row i < unit/2 of a head is the file's row 2i, row unit/2 + i the file's 2i + 1, so each
+   group of sixteen is sixteen file rows two apart. Returns OK, NOT_FINITE when a scale is a NaN or an infinity (a
+   corrupt file; everything is written all the same), or BAD_TYPE / BAD_SHAPE. It replaces a pread into a scratch
+   buffer, a numpy check of the scratch and llmt_interleave out of it: three passes on one thread (BENCHMARKS.md,
+   issue 31). */
+int llmt_hold_groups(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t k, int64_t unit, uint8_t *out,
+                     int threads) {
     if (!grouped_type(type)) return BAD_TYPE;
     const int64_t bytes = type == Q4_1 ? sizeof(block_q4_1) : sizeof(block_q4_0);
     if (rows < 0 || k <= 0 || k % 32 || stride < k / 32 * bytes) return BAD_SHAPE;
+    if (unit < 0 || (unit > 0 && (unit % (2 * GROUP_ROWS) || rows % unit))) return BAD_SHAPE;
     const int64_t n_blocks = k / 32, row_bytes = n_blocks * bytes, groups = rows / GROUP_ROWS;
     const int64_t scales = GROUP_ROWS * (type == Q4_1 ? 2 : 1); /* fp16 fields at the start of a group's block */
     int bad = 0;
     (void)threads;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) if (threads > 1 && groups > 1) reduction(| : bad) schedule(static)
+#pragma omp parallel for num_threads(threads) if (threads > 1 && groups > 1) reduction(| : bad) schedule(dynamic, 8)
 #endif
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *row0 = w + GROUP_ROWS * g * stride;
+        const int64_t r = g * GROUP_ROWS;
+        const uint8_t *row0 = w + r * stride;
+        int64_t step = stride;
+        if (unit > 0) { /* the group lies in one half of a head: its file rows are two apart */
+            const int64_t head = r / unit * unit, i = r % unit, half = unit / 2;
+            row0 = w + (head + (i < half ? 2 * i : 2 * (i - half) + 1)) * stride;
+            step = 2 * stride;
+        }
         uint8_t *group = out + g * n_blocks * GROUP_ROWS * bytes;
         for (int64_t b = 0; b < n_blocks; b++) {
             uint8_t *block = group + b * GROUP_ROWS * bytes;
-            if (type == Q4_1) interleave_block(Q4_1, row0, stride, b, block);
-            else interleave_block(Q4_0, row0, stride, b, block);
+            if (type == Q4_1) interleave_block(Q4_1, row0, step, b, block);
+            else interleave_block(Q4_0, row0, step, b, block);
             bad |= !halves_finite((const ggml_half *)block, scales);
         }
     }
-    for (int64_t r = groups * GROUP_ROWS; r < rows; r++) {
+    for (int64_t r = groups * GROUP_ROWS; r < rows; r++) { /* none when unit > 0: heads are whole groups */
         memcpy(out + r * row_bytes, w + r * stride, (size_t)row_bytes);
         bad |= !blocks_finite(type, out + r * row_bytes, n_blocks);
     }
