@@ -285,18 +285,20 @@ def group_rows(ggml_type: int, held: torch.Tensor, k: int, ids: torch.Tensor) ->
     return out
 
 
-def hold_groups(ggml_type: int, rows: np.ndarray, k: int, out: np.ndarray, unit: int = 0) -> bool:
+def hold_groups(ggml_type: int, rows: np.ndarray, k: int, out: np.ndarray, unit: int = 0,
+                threads: int | None = None) -> bool:
     """`rows` (a Q4_0/Q4_1 matrix's rows as the file stores them, (rows, bytes per row) uint8, any row stride: a view
     of the file's map) written into `out` (contiguous, the same bytes: its room in the weight arena) as the i8dot
-    kernel holds them in place, the whole groups interleaved and the rest as stored, in one pass on torch's threads;
-    `unit` > 0: Q/K rows in llama.cpp's order, heads of `unit` rows, put in HF's (gguf_loader.unpermute_rope_rows).
+    kernel holds them in place, the whole groups interleaved and the rest as stored, in one pass on `threads` threads
+    (torch's count when None); `unit` > 0: Q/K rows in llama.cpp's order, heads of `unit` rows, put in HF's
+    (gguf_loader.unpermute_rope_rows).
     Whether every scale was finite (native/int8_groups.c, llmt_hold_groups)."""
     lib = library()
     if rows.dtype != np.uint8 or rows.ndim != 2 or rows.strides[1] != 1 or out.dtype != np.uint8 \
             or not out.flags.c_contiguous or out.nbytes != rows.shape[0] * rows.shape[1]:
         raise ValueError(f"cannot hold {rows.dtype} {rows.shape} rows in {out.dtype} {out.shape}")
     status = lib.handle.llmt_hold_groups(ggml_type, rows.ctypes.data, rows.strides[0], rows.shape[0], k, unit,
-                                         out.ctypes.data, torch.get_num_threads())
+                                         out.ctypes.data, torch.get_num_threads() if threads is None else threads)
     if status not in (0, _NOT_FINITE):
         raise NativeKernelError(f"native hold_groups refused {TYPES.get(ggml_type, ggml_type)} {rows.shape} (heads "
                                 f"of {unit} rows): {_STATUS.get(status, status)}")
