@@ -58,9 +58,19 @@ def _columns(qtype: Q) -> int:
     return 7 * 32 if block == 32 else 2 * 256
 
 
-def same_math(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the kernel's product in fp64, the fp32-rounding bound of each output) for x (rows, K) and values w (N, K)."""
+def q8_scale(d: np.ndarray) -> np.ndarray:
+    """The activation scale of a Q8_0 product (int8_dot.c's q8_x_scale): d rounded to fp16 (nearest, ties to even)
+    where fp16 holds it as a normal number, as llama.cpp's q8_0 activation blocks store it; d itself elsewhere."""
+    normal = (d >= 2.0**-14) & (d <= 65504.0)
+    return np.where(normal, d.astype(np.float16).astype(np.float32), d)
+
+
+def same_math(x: np.ndarray, w: np.ndarray, qtype: Q | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(the kernel's product in fp64, the fp32-rounding bound of each output) for x (rows, K) and values w (N, K)
+    of `qtype` (Q8_0: x's scales as q8_scale)."""
     codes, d = round_activations(x, 127)
+    if qtype == Q.Q8_0:
+        d = q8_scale(d)
     wb = w.astype(np.float64).reshape(w.shape[0], -1, 32)  # (N, K/32, 32)
     qb = codes.reshape(codes.shape[0], -1, 32).astype(np.float64)  # (rows, K/32, 32)
     product = np.einsum("rb,nbl,rbl->rn", d.astype(np.float64), wb, qb)
@@ -69,12 +79,15 @@ def same_math(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return product, bound
 
 
-def rounding_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def rounding_bound(x: np.ndarray, w: np.ndarray, qtype: Q | None = None) -> np.ndarray:
     """sum over blocks of d/2 * sum|w|, plus fp32 summation: how far the kernel may be from x @ w.T. d is max|x| / 127
     rounded to fp32, which counts where d is subnormal (max|x| below 127 * 2^-126): |x - d*q| <= max|x|/254 +
-    127 * |d - max|x|/127| <= d/2 + 64 ulp(d) (where d is normal, 64 ulp is 2^-17 of d/2)."""
+    127 * |d - max|x|/127| <= d/2 + 64 ulp(d) (where d is normal, 64 ulp is 2^-17 of d/2). A Q8_0 product's d is
+    rounded on to fp16 (q8_scale): 127 * |d16 - d| more (<= 2^-5 of d)."""
     _, d = round_activations(x, 127)
     step = 0.5 * d.astype(np.float64) + 64 * np.spacing(d).astype(np.float64)  # (rows, K/32)
+    if qtype == Q.Q8_0:
+        step += 127 * np.abs(q8_scale(d).astype(np.float64) - d.astype(np.float64))
     absw = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 32).sum(axis=2)  # (N, K/32)
     return step @ absw.T + np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T * SUM_TOLERANCE
 
@@ -82,10 +95,10 @@ def rounding_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def _check(weight, raw: np.ndarray, qtype: Q, x: torch.Tensor) -> None:  # noqa: ANN001
     values = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32)
     got = weight(x).double().numpy()
-    want, bound = same_math(x.numpy(), values)
+    want, bound = same_math(x.numpy(), values, qtype)
     assert (np.abs(got - want) <= bound).all(), float((np.abs(got - want) / bound).max())
     exact = x.double().numpy() @ values.astype(np.float64).T
-    assert (np.abs(got - exact) <= rounding_bound(x.numpy(), values)).all()
+    assert (np.abs(got - exact) <= rounding_bound(x.numpy(), values, qtype)).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
