@@ -133,6 +133,7 @@ def test_the_table_in_the_docs_is_the_codes() -> None:
     assert table.row_for(table.AVX2).kernels == {"Q4_0": "i8dot", "Q4_1": "i8dot", "Q4_K": "i8dot", "Q5_0": "native",
                                                  "Q5_1": "native", "Q5_K": "native", "Q6_K": "native",
                                                  "Q8_0": "native"}
+    assert table.row_for(table.AVX512_VNNI).kernels == {**table.row_for(table.AVX2).kernels, "Q8_0": "i8dot"}
     assert table.row_for(table.NO_COMPILER).kernels["Q4_K"] == "int4pack"
     assert table.row_for(table.NO_COMPILER).kernels["Q8_0"] == table.DENSE
 
@@ -169,9 +170,13 @@ def test_a_load_never_measures(monkeypatch: pytest.MonkeyPatch, tiny_q_gguf: Pat
     loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False)
     isa = kernel_pick.instruction_set(torch.device("cpu"))
     assert loaded.kernels.source == rule.DEFAULT and loaded.kernels.instruction_set == isa
-    if isa in (table.AVX512_VNNI, table.AVX2, table.PORTABLE):
+    if isa in (table.AVX2, table.PORTABLE):
         assert loaded.kernels.picked == "Q8_0:native" and loaded.weights.kernel == "Q8_0:native"
         assert loaded.kernels.numerics == "exact" and loaded.weights.reason == f"the default for {isa}"
+    if isa == table.AVX512_VNNI:  # llama.cpp's own Q8_0 products (kernel_defaults.py says why)
+        assert loaded.kernels.picked == "Q8_0:i8dot" and loaded.weights.kernel == "Q8_0:i8dot"
+        assert loaded.kernels.numerics == "int8 activations (llama.cpp-style)"
+        assert loaded.weights.reason == f"the default for {isa}"
     for weights in ("native", "stored", "dense", "blocks"):
         forced = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights=weights)
         assert forced.kernels.source == rule.OPTION and f"--weights {weights}" in forced.kernels.rule
@@ -186,7 +191,12 @@ def test_the_default_names_its_numerics_type_by_type(tiny_quantized: Callable[..
 
     path = tiny_quantized(gguf.GGMLQuantizationType.Q4_1, head=gguf.GGMLQuantizationType.Q8_0)
     loaded = load_model(str(path), dtype=AUTO, use_cache=False)
-    if kernel_pick.instruction_set(torch.device("cpu")) in (table.AVX512_VNNI, table.AVX2):
+    isa = kernel_pick.instruction_set(torch.device("cpu"))
+    if isa == table.AVX512_VNNI:  # the Q8_0 head on i8dot too: one numerics for both types
+        assert loaded.kernels.picked == "Q4_1:i8dot,Q8_0:i8dot"
+        assert loaded.kernels.numerics == "int8 activations (llama.cpp-style)"
+        assert [(b.type, b.kernel) for b in loaded.kernels.by_type] == [("Q4_1", "i8dot"), ("Q8_0", "i8dot")]
+    if isa == table.AVX2:
         assert loaded.kernels.picked == "Q4_1:i8dot,Q8_0:native"
         assert loaded.kernels.numerics == "int8 activations (llama.cpp-style) on Q4_1; exact on Q8_0"
         assert [(b.type, b.kernel) for b in loaded.kernels.by_type] == [("Q4_1", "i8dot"), ("Q8_0", "native")]
@@ -225,8 +235,6 @@ def _saved_entry(path: Path) -> dict:
     (lambda e: e.update(picked="warp9", decode_kernel="warp9"), "no stored kernel 'warp9' in this llmtrace"),
     (lambda e: e.update(dtype="fp8"), "unknown compute dtype 'fp8'"),
     (lambda e: e.update(weights="sideways"), "unknown weights form 'sideways'"),
-    (lambda e: e.update(picked="Q8_0:i8dot", decode_kernel="Q8_0:i8dot"),  # with every "safe" flag flipped on
-     "Q8_0 matrices need 11 significand bits, i8dot declares none; probed product error"),
     (lambda e: e.update(weights="dense", picked="bf16", dtype="bf16", decode_kernel="mv"),
      "Q8_0 matrices need 11 significand bits, bf16 keeps 8; probed product error"),
 ])
@@ -247,6 +255,22 @@ def test_a_saved_pick_is_judged_again_and_a_bad_one_is_one_note(tiny_q_gguf: Pat
     assert loaded.kernels.source == rule.DEFAULT
     assert why in loaded.kernel_note and "ignored, running the defaults" in loaded.kernel_note
     assert "\n" not in loaded.kernel_note and "--dtype" not in loaded.kernel_note
+
+
+def test_a_saved_i8dot_pick_on_q8_0_is_judged_by_llama_cpps_bits(tiny_q_gguf: Path) -> None:
+    """A saved "Q8_0:i8dot" is judged again as a fresh pick: its probe on the file's Q8_0 matrices is over Q8_0's own
+    2^-11 but within the 2^-7 of llama.cpp's int8 activations, which the rule holds i8dot to there
+    (kernel_choice.LLAMA_CPP_MATH; until that rule this pick was the example of one refused), so it runs."""
+    from llmtrace.tracer.checkpoint.resolve import resolve_model
+
+    kernel_pick.tune(resolve_model(str(tiny_q_gguf), vocabulary=True), torch.device("cpu"))
+    path = kernel_store.kernels_path()
+    data, entry = _saved_entry(path)
+    entry.update(picked="Q8_0:i8dot", decode_kernel="Q8_0:i8dot")
+    path.write_text(json.dumps(data))
+    loaded = load_model(str(tiny_q_gguf), dtype=AUTO, use_cache=False, weights="tuned")
+    assert loaded.kernels.source == rule.TUNED and loaded.weights.kernel == "Q8_0:i8dot"
+    assert loaded.kernel_note == ""
 
 
 @pytest.mark.parametrize("content", [

@@ -212,8 +212,10 @@ def test_the_run_header_names_the_kernels_in_one_line_and_the_details_on_request
     assert "weights stored" not in result.output  # the default is the kernels line's to say, once
     (line,) = [l for l in result.output.splitlines() if l.startswith("kernels ")]
     assert len(line) <= 80 and line.endswith(f"· default, {isa}")
-    if isa in ("AVX-512 VNNI", "AVX2"):
+    if isa == "AVX2":
         assert line == f"kernels Q8_0 native (exact) · default, {isa}"
+    if isa == "AVX-512 VNNI":  # llama.cpp's own Q8_0 products (kernel_defaults.py)
+        assert line == f"kernels Q8_0 i8dot (int8 act.) · default, {isa}"
     assert "  Q8_0" not in result.output  # the details only under --detail kernels
     data = json.loads(out.read_text())
     jsonschema.validate(data, load_schema())
