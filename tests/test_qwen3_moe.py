@@ -99,8 +99,9 @@ def test_greedy_ids_and_logits_equal_transformers(qwen3_moe: tuple[Path, Path, M
         pytest.skip(native_kernel.unavailable_reason())
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
+    # the GGUF on the exact kernel: its Q8_0 default is i8dot with AVX-512 VNNI (llama.cpp's numerics)
     loaded = load_model(str(folder if source == "hf" else gguf_path),
-                        weights="native" if backend == NATIVE else None)
+                        weights="native" if source == "gguf" and native_kernel.available() else None)
     prompt = prompt_ids(config)
     want_ids, want_logits = hf_greedy(hf, prompt)
     ids, logits = greedy(loaded.model, prompt, backend)
@@ -130,7 +131,8 @@ def test_transformers_gguf_reading_gives_llmtraces_logits(qwen3_moe: tuple[Path,
     theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                               config=hf_config, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
-    ours = load_model(str(gguf_path), use_cache=False).model
+    # exact products (the Q8_0 default is i8dot with AVX-512 VNNI: llama.cpp's numerics, not transformers')
+    ours = load_model(str(gguf_path), use_cache=False, weights="native" if native_kernel.available() else None).model
     ids = torch.randint(3, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
     expected = theirs(input_ids=ids).logits
     assert expected.abs().max() > 1.0
