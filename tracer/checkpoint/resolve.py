@@ -189,23 +189,28 @@ def config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(meta, name=gguf_model_name(header.path), source=header.path)
 
 
+_FACTOR_TENSORS = {"rope_factors_short.weight": "rope_factors_short", "rope_factors_long.weight": "rope_factors_long",
+                   "rope_freqs.weight": "rope_freqs"}
+
+
 def _rope_factors(header: GGUFHeader) -> dict[str, tuple[float, ...]]:
-    """LongRoPE's factors where the file holds them (Phi-3's 128k models: the F32 tensors rope_factors_short.weight and
-    rope_factors_long.weight, a few hundred bytes each), as `_llmtrace.rope_factors_short` and `_long`: the config
-    needs them before any weight is read (a dry run reads none)."""
+    """RoPE's per-frequency factors where the file holds them, as `_llmtrace.<name>`: LongRoPE's (Phi-3's 128k models:
+    the F32 tensors rope_factors_short.weight and rope_factors_long.weight) and `rope_freqs.weight` (how llama.cpp's
+    converter stores Llama 3.1's scaling: no metadata key says it), a few hundred bytes each. The config needs them
+    before any weight is read (a dry run reads none)."""
     factors = {}
     for info in header.tensors:
-        kind = info.name.removeprefix("rope_factors_").removesuffix(".weight")
-        if info.name != f"rope_factors_{kind}.weight" or kind not in ("short", "long"):
+        kind = _FACTOR_TENSORS.get(info.name)
+        if kind is None:
             continue
         if info.ggml_type != 0 or len(info.shape) != 1 or info.shape[0] > 4096:  # 0: F32
-            raise FileFormatError(f"{header.path}: {info.name} is {info.type_name} {list(info.shape)}; LongRoPE's "
+            raise FileFormatError(f"{header.path}: {info.name} is {info.type_name} {list(info.shape)}; RoPE's "
                                   "factors are one F32 vector")
         with open(header.path, "rb") as file:
             data = os.pread(file.fileno(), 4 * info.shape[0], header.data_offset + info.offset)
         if len(data) != 4 * info.shape[0]:
             raise FileFormatError(f"{header.path}: {info.name} runs past the end of the file")
-        factors[f"_llmtrace.rope_factors_{kind}"] = struct.unpack(f"<{info.shape[0]}f", data)
+        factors[f"_llmtrace.{kind}"] = struct.unpack(f"<{info.shape[0]}f", data)
     return factors
 
 

@@ -239,3 +239,6 @@ def _check_layout(config: ModelConfig) -> None:
     if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != rotary // 2:
         raise ConfigError(f"config {name!r}: LongRoPE has {len(scaling.short_factor)} factors, one per frequency "
                           f"of the {rotary} values RoPE turns in a head ({rotary // 2}) needed")
+    if scaling is not None and scaling.kind == "freqs" and len(scaling.freq_factors) != rotary // 2:
+        raise ConfigError(f"config {name!r}: rope_freqs has {len(scaling.freq_factors)} factors, one per frequency "
+                          f"of the {rotary} values RoPE turns in a head ({rotary // 2}) needed")

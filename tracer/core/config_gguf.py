@@ -170,10 +170,17 @@ def _rope_scaling(keys: _Keys) -> RopeScaling | None:
     if any(f"_llmtrace.rope_factors_{kind}" in keys.meta for kind in ("short", "long")):  # the loader skips them
         raise ConfigError(f"{keys.source}: rope_factors_short/_long tensors (LongRoPE) without "
                           f"{keys.full('rope.scaling.attn_factor')}; the file is incomplete")
+    freqs = keys.meta.get("_llmtrace.rope_freqs")
+    if freqs is not None:  # Llama 3.1's scaling as llama.cpp's converter writes it: the divisors, no metadata key
+        return RopeScaling(max(freqs), keys.whole("context_length", keys.get("context_length", 131_072)),
+                           kind="freqs", freq_factors=tuple(float(f) for f in freqs))
     kind = keys.get("rope.scaling.type")
     if keys.arch == "gemma3" and kind == "linear":
         return RopeScaling(keys.real("rope.scaling.factor", keys.get("rope.scaling.factor", 1.0)),
                            keys.whole("context_length", keys.get("context_length", 131_072)), kind="linear")
+    if kind not in (None, "none", "llama3"):  # llama.cpp's 'linear' and 'yarn' scale every frequency or more
+        raise UnsupportedModelError(f"{keys.source}: {keys.full('rope.scaling.type')} is {kind!r}; llmtrace reads a "
+                                    "GGUF's llama3 (rope_freqs), LongRoPE and Gemma 3's linear scaling")
     if kind != "llama3" and keys.full("rope.scaling.low_freq_factor") not in keys.meta:
         return None
     read = {"original_max_position": keys.whole}

@@ -27,21 +27,28 @@ class RopeScaling:
     bound the band blended between scaled and kept), or with `kind` "linear" every frequency divided by `factor`
     (Gemma 3's global layers), or with `kind` "longrope" (Phi-3's 128k models) frequency i divided by short_factor[i]
     up to `original_max_position` positions and by long_factor[i] past it, cos and sin times `attention_factor`
-    (`factor` is then the context's stretch, for show)."""
+    (`factor` is then the context's stretch, for show), or with `kind` "freqs" frequency i divided by freq_factors[i]
+    at every length (llama.cpp's `rope_freqs` tensor, how its converter writes Llama 3.1's scaling into a GGUF;
+    `factor` is then the largest, for show)."""
 
     factor: float
     original_max_position: int
-    kind: str = "llama3"  # "llama3", "linear" or "longrope"
+    kind: str = "llama3"  # "llama3", "linear", "longrope" or "freqs"
     low_freq_factor: float | None = None  # llama3's alone (None for the other kinds)
     high_freq_factor: float | None = None
     short_factor: tuple[float, ...] = ()  # LongRoPE's, one per frequency (head_dim / 2)
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0  # LongRoPE's
+    freq_factors: tuple[float, ...] = ()  # kind "freqs": one divisor per frequency (head_dim / 2)
 
     def check(self, name: str) -> None:
-        if self.kind not in ("llama3", "linear", "longrope"):
-            raise ConfigError(f"config {name!r}: rope scaling kind must be 'llama3', 'linear' or 'longrope', got "
-                              f"{self.kind!r}")
+        if self.kind not in ("llama3", "linear", "longrope", "freqs"):
+            raise ConfigError(f"config {name!r}: rope scaling kind must be 'llama3', 'linear', 'longrope' or 'freqs', "
+                              f"got {self.kind!r}")
+        if (self.kind == "freqs") != bool(self.freq_factors) or not all(
+                isinstance(f, float) and math.isfinite(f) and f > 0 for f in self.freq_factors):
+            raise ConfigError(f"config {name!r}: rope scaling 'freqs' needs one factor per frequency, each a finite "
+                              "number > 0 (and no other kind takes them)")
         if self.kind == "longrope" and not (len(self.short_factor) == len(self.long_factor) > 0 and all(
                 isinstance(f, float) and math.isfinite(f) and f > 0 for f in (*self.short_factor, *self.long_factor,
                                                                              self.attention_factor))):

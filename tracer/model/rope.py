@@ -20,6 +20,9 @@ from llmtrace.tracer.model.functional import rotate
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, length: int = 0) -> torch.Tensor:
     """inv_freq[i] = theta ** (-2i / D) for i < D/2, in fp32 on the CPU; Llama 3.1 scaling applied when given.
 
+    llama.cpp's `rope_freqs` (kind "freqs", a GGUF's Llama 3.1 scaling): 1 / (factor[i] * theta ** (2i / D)), as
+    llama.cpp divides each frequency by its factor; its converter computed them by the Llama 3.1 rule below.
+
     LongRoPE (Phi-3's 128k models): 1 / (factor[i] * theta ** (2i / D)), the short factors for tables of up to the
     original context's positions and the long ones for `length` past it (transformers' _compute_longrope_parameters;
     llama.cpp picks by the context's size the same way, once: a run's tables are its cache's length).
@@ -29,8 +32,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, leng
     kept; in between, a linear blend in 1/wavelength.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    if scaling is not None and scaling.kind == "longrope":
-        factors = scaling.long_factor if length > scaling.original_max_position else scaling.short_factor
+    if scaling is not None and scaling.kind in ("longrope", "freqs"):
+        factors = scaling.freq_factors if scaling.kind == "freqs" else \
+            scaling.long_factor if length > scaling.original_max_position else scaling.short_factor
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:

@@ -536,10 +536,10 @@ def _rank_stages(d: dict[str, Any], stages: Callable[[Any], tuple[StageRecord, .
 
 
 def _rope_scaling(d: dict[str, Any]) -> RopeScaling:
-    """LongRoPE's factors as tuples of floats (a list would leave the frozen config unequal to the run's and
+    """LongRoPE's and rope_freqs' factors as tuples of floats (a list would leave the frozen config unequal to the run's and
     unhashable). Traces written before the low and high frequency factors were llama3's alone hold 1.0 and 4.0 for
     the other kinds, which never read them: read back as the config a run makes now, without them."""
-    factors = {key: _floats(d[key], key) for key in ("short_factor", "long_factor") if key in d}
+    factors = {key: _floats(d[key], key) for key in ("short_factor", "long_factor", "freq_factors") if key in d}
     if d.get("kind", "llama3") != "llama3":
         factors.update(low_freq_factor=None, high_freq_factor=None)
     return _build(RopeScaling, {**d, **factors})
