@@ -68,13 +68,30 @@ def qwen2_moe_dict(vocab: dict, norm_topk_prob: bool) -> dict:
     }
 
 
+_MADE: dict[bool, tuple[Path, Path, ModelConfig]] = {}
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["softmax", "renormalised"])
 def qwen2_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
               ) -> tuple[Path, Path, ModelConfig]:
-    """(a Qwen2MoeForCausalLM folder, the same weights as a Q8_0 'qwen2moe' GGUF, the config)."""
+    """(a Qwen2MoeForCausalLM folder, the same weights as a Q8_0 'qwen2moe' GGUF, the config), with the routed
+    weights as the softmax gives them and renormalised (`norm_topk_prob`)."""
+    return _checkpoints(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, ModelConfig]:
+    """The softmax's checkpoints alone: a 'qwen2moe' GGUF holds no norm_topk_prob (llama.cpp's qwen2moe keeps the
+    softmax's weights), so the tests of the file take this pair only."""
+    return _checkpoints(tmp_path_factory, False)
+
+
+def _checkpoints(tmp_path_factory: pytest.TempPathFactory, renormalised: bool) -> tuple[Path, Path, ModelConfig]:
+    if renormalised in _MADE:
+        return _MADE[renormalised]
     vocab = _bundled_vocab()
     folder = tmp_path_factory.mktemp("tiny-qwen2-moe")
-    (folder / "config.json").write_text(json.dumps(qwen2_moe_dict(vocab, request.param)), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(qwen2_moe_dict(vocab, renormalised)), encoding="utf-8")
     config = ModelConfig.from_hf_json(folder)
     weights = random_weights(config, seed=41)
     for name, tensor in weights.items():
@@ -89,7 +106,8 @@ def qwen2_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                                 extra_metadata={"qwen2moe.expert_count": E, "qwen2moe.expert_used_count": K,
                                                 "qwen2moe.expert_feed_forward_length": F,
                                                 "qwen2moe.expert_shared_feed_forward_length": FS})
-    return folder, gguf_path, config
+    _MADE[renormalised] = folder, gguf_path, config
+    return _MADE[renormalised]
 
 
 def test_config_reads_the_experts_the_shared_expert_and_the_biases(qwen2_moe: tuple[Path, Path, ModelConfig]) -> None:
@@ -106,15 +124,24 @@ def test_config_reads_the_experts_the_shared_expert_and_the_biases(qwen2_moe: tu
     assert shared_gate.shape == (1, 64) and torch.equal(shared_gate, on_disk)  # the GGUF's (64,) vector as (1, 64)
 
 
-@pytest.mark.parametrize("source, backend", [("hf", MODULES), ("gguf", MODULES), ("hf", PACKED), ("gguf", PACKED),
-                                             ("gguf", NATIVE)])
-def test_greedy_ids_and_logits_equal_transformers(qwen2_moe: tuple[Path, Path, ModelConfig], source: str,
-                                                  backend: str) -> None:
-    """On the stage modules, the packed path (the GGUF's experts as stored, the shared expert's gate|up one product)
-    and the native C step (decode; the exact kernel: the shared expert's products and gate beside the routed ones)."""
-    folder, gguf_path, config = qwen2_moe
-    if source == "gguf" and config.moe.router_norm == "renormalised":
-        pytest.skip("llama.cpp's qwen2moe keeps the softmax's weights (no norm_topk_prob in the file)")
+@pytest.mark.parametrize("backend", [MODULES, PACKED])
+def test_the_folders_greedy_ids_and_logits_equal_transformers(qwen2_moe: tuple[Path, Path, ModelConfig],
+                                                              backend: str) -> None:
+    """The folder, both router norms, on the stage modules and the packed path (the shared expert's gate|up one
+    product)."""
+    _greedy_equals_transformers(qwen2_moe, "hf", backend)
+
+
+@pytest.mark.parametrize("backend", [MODULES, PACKED, NATIVE])
+def test_the_gguf_greedy_ids_and_logits_equal_transformers(qwen2_moe_gguf: tuple[Path, Path, ModelConfig],
+                                                           backend: str) -> None:
+    """The GGUF (its experts as stored) on the stage modules, the packed path and the native C step (decode; the
+    exact kernel: the shared expert's products and gate beside the routed ones)."""
+    _greedy_equals_transformers(qwen2_moe_gguf, "gguf", backend)
+
+
+def _greedy_equals_transformers(checkpoints: tuple[Path, Path, ModelConfig], source: str, backend: str) -> None:
+    folder, gguf_path, config = checkpoints
     if backend == NATIVE and not native_kernel.available():
         pytest.skip(native_kernel.unavailable_reason())
     hf = transformers.Qwen2MoeForCausalLM.from_pretrained(folder, dtype=torch.float32,
@@ -137,13 +164,11 @@ def test_greedy_ids_and_logits_equal_transformers(qwen2_moe: tuple[Path, Path, M
 
 
 @torch.no_grad()
-def test_transformers_gguf_reading_gives_llmtraces_logits(qwen2_moe: tuple[Path, Path, ModelConfig]) -> None:
+def test_transformers_gguf_reading_gives_llmtraces_logits(qwen2_moe_gguf: tuple[Path, Path, ModelConfig]) -> None:
     """The same 'qwen2moe' GGUF through transformers' own GGUF loading (its dequantization, its split of the 3-D
     experts, its (1, d) shared gate) and through llmtrace's reader; the folder's config passed (transformers' GGUF
     mapping for qwen2moe reads no shared expert width)."""
-    folder, gguf_path, config = qwen2_moe
-    if config.moe.router_norm == "renormalised":
-        pytest.skip("the GGUF is written for the softmax's weights (llama.cpp's qwen2moe)")
+    folder, gguf_path, config = qwen2_moe_gguf
     hf_config = transformers.AutoConfig.from_pretrained(folder)
     theirs = transformers.Qwen2MoeForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                               config=hf_config, dtype=torch.float32,
@@ -269,10 +294,8 @@ def test_a_dry_run_traces_the_estimates_flops_and_a_decode_steps_bytes(tmp_path:
 # ---- the C step: the shared expert beside the routed ones ----------------------------------------------------
 
 
-def _native_model(qwen2_moe: tuple[Path, Path, ModelConfig]) -> Transformer:
-    _, gguf_path, config = qwen2_moe
-    if config.moe.router_norm == "renormalised":
-        pytest.skip("one GGUF is enough: the file's router is llama.cpp's qwen2moe's either way")
+def _native_model(qwen2_moe_gguf: tuple[Path, Path, ModelConfig]) -> Transformer:
+    _, gguf_path, _ = qwen2_moe_gguf
     if not native_kernel.available():
         pytest.skip(native_kernel.unavailable_reason())
     return load_model(str(gguf_path), weights="native").model
@@ -280,9 +303,9 @@ def _native_model(qwen2_moe: tuple[Path, Path, ModelConfig]) -> Transformer:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("staged", [False, True])
-def test_the_c_step_gives_the_stage_modules_logits_and_routes(qwen2_moe: tuple[Path, Path, ModelConfig],
+def test_the_c_step_gives_the_stage_modules_logits_and_routes(qwen2_moe_gguf: tuple[Path, Path, ModelConfig],
                                                               staged: bool, threads: int) -> None:
-    model = _native_model(qwen2_moe)
+    model = _native_model(qwen2_moe_gguf)
     model.setup_cache(1, NATIVE_PROMPT + len(TOKENS))
     assert select(model, Request(staged=staged)).route.decode == NATIVE
     with torch_threads(threads):
@@ -296,11 +319,11 @@ def test_the_c_step_gives_the_stage_modules_logits_and_routes(qwen2_moe: tuple[P
 
 
 @pytest.mark.parametrize("staged", [False, True])
-def test_a_traced_c_steps_records_are_the_wrapped_stage_modules_records(qwen2_moe: tuple[Path, Path, ModelConfig],
+def test_a_traced_c_steps_records_are_the_wrapped_stage_modules_records(qwen2_moe_gguf: tuple[Path, Path, ModelConfig],
                                                                        staged: bool) -> None:
     """Traced, the C step runs the stage modules' stages apart, the shared expert's once before the router and its
     gated add after the weighted sum: the records are the modules', names, order, shapes, FLOPs, bytes."""
-    model = _native_model(qwen2_moe)
+    model = _native_model(qwen2_moe_gguf)
     _, _, native = steps(model, Request(staged=staged, traced=True), traced=True)
     _, _, modules = steps(model, Request(staged=staged, traced=True, backend=MODULES), traced=True)
     assert [untimed(r) for r in native] == [untimed(r) for r in modules]
@@ -315,10 +338,10 @@ def test_a_traced_c_steps_records_are_the_wrapped_stage_modules_records(qwen2_mo
 
 
 @pytest.mark.parametrize("staged", [False, True])
-def test_one_reading_per_stage(qwen2_moe: tuple[Path, Path, ModelConfig], staged: bool) -> None:
+def test_one_reading_per_stage(qwen2_moe_gguf: tuple[Path, Path, ModelConfig], staged: bool) -> None:
     """The C step's count (llmt_step_stamps) is stamp_count's, by hand: per layer the dense stages, k experts' and
     the shared expert's gate|up (gate, up), silu*up, down, gate logit and gated add."""
-    model = _native_model(qwen2_moe)
+    model = _native_model(qwen2_moe_gguf)
     model.setup_cache(1, NATIVE_PROMPT + len(TOKENS))
     backend = backend_for(model)
     backend.prefill(torch.arange(3, 3 + NATIVE_PROMPT).view(1, -1))
