@@ -18,6 +18,7 @@ from llmtrace.tracer.core.dtypes import FP32
 from llmtrace.tracer.core.errors import UnsupportedModelError
 from llmtrace.tracer.load.hf_loader import load_hf_state_dict
 from llmtrace.tracer.load.loader import load_model
+from llmtrace.tracer.model.rope import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,11 +68,22 @@ def llama31(make_tiny_llama: Callable[..., Path], sp_model_bytes: bytes,
 
 
 def test_the_gguf_reads_its_factors_as_freqs_scaling(llama31: tuple[Path, Path, list[float]]) -> None:
-    _, path, factors = llama31
-    scaling = load_model(str(path), dtype=FP32, use_cache=False, dry_run=True).config.rope_scaling
+    """The file's factors read back as kind "freqs", and the frequencies they give are transformers' llama3 ones
+    (its _compute_llama3_parameters on the folder's config), in all three bands: kept, blended, divided by 8."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder, path, factors = llama31
+    config = load_model(str(path), dtype=FP32, use_cache=False, dry_run=True).config
+    scaling = config.rope_scaling
     assert scaling is not None and scaling.kind == "freqs"
     assert scaling.freq_factors == pytest.approx(factors, rel=1e-6) and scaling.factor == 8.0
-    assert 1.0 in factors and 8.0 in factors and any(1.0 < f < 8.0 for f in factors)  # all three bands
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.AutoConfig.from_pretrained(folder), "cpu")
+    ours = rope_inv_freq(config.head_dim, config.rope_theta, scaling)
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0)
+    unscaled = rope_inv_freq(config.head_dim, config.rope_theta, None)
+    ratio = (unscaled / theirs.float()).tolist()
+    assert ratio[0] == pytest.approx(1.0) and ratio[-1] == pytest.approx(8.0)
+    assert any(1.01 < r < 7.99 for r in ratio)  # a blended frequency: the smooth band is exercised
 
 
 @torch.no_grad()
