@@ -440,8 +440,8 @@ def _hold_mapped(code: int, mapped: np.ndarray, heads: int | None, held: np.ndar
         rows_in, rows_out = mapped[first:first + per], held[first:first + per]
         if interleaved:
             # one thread, as the copy it replaces: the arena's populating thread faults its huge pages in from the
-            # far end on the other core. Two writers beside it ran the 7B Q4_0 load no faster on the busy 2-core
-            # host, and the runs after them decoded at 8 tok/s against 12 (BENCHMARKS.md, issue 31, helper H2)
+            # far end on the other core, and two writers beside it ran the 7B Q4_0 load no faster (BENCHMARKS.md,
+            # issue 31, helper H2; the decode slowdown seen then on a busy host did not hold on a quiet one)
             finite = native_kernel.hold_groups(code, rows_in, k, rows_out, unit, threads=1) and finite
         else:
             for head in range(0, rows_in.shape[0], unit or rows_in.shape[0]):
